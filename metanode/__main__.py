@@ -1,0 +1,3 @@
+from metanode.cli import main
+
+main()

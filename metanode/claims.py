@@ -1,0 +1,232 @@
+"""Claims: the wire form, validation (SPEC §2.2), the signed bytes, signing and verifying.
+
+A claim is `(uid, cid, key) → value` at `ts`, signed with Ed25519 by the key that `uid` names.
+`signing_bytes` is the only definition of what a signature covers. Everything here is pure; the
+signer policy (registered, blocked, may link) needs the truth and lives in `truth.py`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import nacl.exceptions
+import nacl.signing
+import rfc8785
+from multiformats import multibase
+
+from metanode import cid as cids
+from metanode.errors import (
+    BadSignature,
+    ClaimError,
+    InvalidClaim,
+    InvalidKey,
+    InvalidMemberCid,
+    InvalidTs,
+    InvalidUid,
+    InvalidValue,
+    ReservedKey,
+    TsInFuture,
+)
+
+DOMAIN = "metanode-claim/1"
+ED25519_PUB = b"\xed\x01"
+MIN_TS = 946_684_800_000  # 2000-01-01T00:00:00Z
+MAX_KEY_BYTES = 1024
+LINK_PREFIX = "cids/"
+RESERVED_KEYS = frozenset(
+    {"filePath", "fileSize", "mtimeNano", "paths", "canonical_cid", "cids", "midhash256", "hashId",
+     "__fields__"}
+)
+WIRE_FIELDS = ("uid", "cid", "key", "value", "ts", "sig")
+_CONTROL = frozenset(chr(c) for c in [*range(0x20), 0x7F])
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The configurable bounds of validation."""
+
+    max_value_bytes: int = 65_536
+    max_skew_ms: int = 300_000
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One signed claim. `value` None is a retraction (tombstone); `sig` is the raw 64 bytes."""
+
+    uid: str
+    cid: str
+    key: str
+    value: str | None
+    ts: int
+    sig: bytes
+
+    @property
+    def is_link(self) -> bool:
+        """A `cids/<member>` vote: links the member's group with this claim's cid's group."""
+        return self.key.startswith(LINK_PREFIX)
+
+    @property
+    def member(self) -> str | None:
+        """The CID a link vote names (None for other keys)."""
+        return self.key[len(LINK_PREFIX) :] if self.is_link else None
+
+    def wire(self) -> dict[str, Any]:
+        """The JSON wire form."""
+        return {"uid": self.uid, "cid": self.cid, "key": self.key, "value": self.value,
+                "ts": self.ts, "sig": encode_sig(self.sig)}
+
+    def signing_bytes(self) -> bytes:
+        return signing_bytes(self.uid, self.cid, self.key, self.value, self.ts)
+
+
+def signing_bytes(uid: str, cid: str, key: str, value: str | None, ts: int) -> bytes:
+    """The bytes a claim signature covers: RFC 8785 JSON of the domain-tagged tuple, UTF-8."""
+    return rfc8785.dumps([DOMAIN, uid, cid, key, value, ts])
+
+
+# -- uids ---------------------------------------------------------------------------------------
+
+
+def uid_of(public_key: bytes) -> str:
+    """`z` + base58btc(0xed 0x01 || key): the did:key spelling of an Ed25519 public key."""
+    return str(multibase.encode(ED25519_PUB + bytes(public_key), "base58btc"))
+
+
+def public_key(uid: object) -> nacl.signing.VerifyKey:
+    """The verify key a uid names; raises `InvalidUid`."""
+    if not isinstance(uid, str) or not uid.startswith("z"):
+        raise InvalidUid(f"not an ed25519 multikey uid: {uid!r}")
+    return _public_key(uid)
+
+
+@lru_cache(maxsize=4096)
+def _public_key(uid: str) -> nacl.signing.VerifyKey:
+    """Decode a `z…` uid. Cached: a node sees few signers, and base58 decoding is slow."""
+    try:
+        raw = bytes(multibase.decode(uid))
+    except Exception:
+        raise InvalidUid(f"not base58btc: {uid!r}") from None
+    if len(raw) != 34 or raw[:2] != ED25519_PUB or uid_of(raw[2:]) != uid:
+        raise InvalidUid(f"not an ed25519-pub multikey: {uid!r}")
+    return nacl.signing.VerifyKey(raw[2:])
+
+
+# -- signatures ---------------------------------------------------------------------------------
+
+
+def encode_sig(sig: bytes) -> str:
+    return base64.urlsafe_b64encode(sig).rstrip(b"=").decode("ascii")
+
+
+def decode_sig(text: object) -> bytes:
+    """64 raw bytes from 86 chars of unpadded base64url; any other spelling is `bad_signature`."""
+    if not isinstance(text, str) or len(text) != 86:
+        raise BadSignature("sig must be 86 chars of unpadded base64url")
+    try:
+        raw = base64.urlsafe_b64decode(text + "==")
+    except (binascii.Error, ValueError):
+        raise BadSignature("sig is not base64url") from None
+    if len(raw) != 64 or encode_sig(raw) != text:
+        raise BadSignature("sig is not canonical base64url of 64 bytes")
+    return raw
+
+
+def sign(
+    key: nacl.signing.SigningKey, cid: str, key_name: str, value: str | None, ts: int
+) -> Claim:
+    """Sign a claim with `key` (no validation: callers validate what they sign before sending)."""
+    uid = uid_of(bytes(key.verify_key))
+    sig = key.sign(signing_bytes(uid, cid, key_name, value, ts)).signature
+    return Claim(uid, cid, key_name, value, ts, sig)
+
+
+def verify(claim: Claim) -> None:
+    """Raise `BadSignature` unless `claim.sig` is the uid's signature over its signing bytes."""
+    try:
+        public_key(claim.uid).verify(claim.signing_bytes(), claim.sig)
+    except nacl.exceptions.BadSignatureError:
+        raise BadSignature("signature does not verify against uid") from None
+
+
+# -- field rules (SPEC §2.2) --------------------------------------------------------------------
+
+
+def check_key(key: object) -> str:
+    """Raise `InvalidKey`/`ReservedKey`/`InvalidMemberCid` unless `key` may be claimed."""
+    if not isinstance(key, str):
+        raise InvalidKey("key must be a string")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidKey("key is not valid Unicode") from None
+    if not 1 <= size <= MAX_KEY_BYTES:
+        raise InvalidKey(f"key must be 1-{MAX_KEY_BYTES} UTF-8 bytes")
+    if not _CONTROL.isdisjoint(key):
+        raise InvalidKey("key contains a control character")
+    if any(seg in ("", ".", "..") for seg in key.split("/")):
+        raise InvalidKey("key has an empty, '.' or '..' segment")
+    if key in RESERVED_KEYS or key.startswith("cid_"):
+        raise ReservedKey(f"key {key!r} is reserved")
+    if key.startswith(LINK_PREFIX):
+        member = key[len(LINK_PREFIX) :]
+        try:
+            cids.require_canonical(member)
+        except ClaimError as exc:
+            raise InvalidMemberCid(f"cids/ member: {exc.message}") from None
+    return key
+
+
+def check_value(value: object, limits: Limits) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidValue("value must be a string or null")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise InvalidValue("value is not valid Unicode") from None
+    if size > limits.max_value_bytes:
+        raise InvalidValue(f"value is {size} bytes, the limit is {limits.max_value_bytes}")
+    return value
+
+
+def check_ts(ts: object, now_ms: int, limits: Limits) -> int:
+    if not isinstance(ts, int) or isinstance(ts, bool):
+        raise InvalidTs("ts must be an integer of milliseconds")
+    if ts < MIN_TS:
+        raise InvalidTs(f"ts {ts} is before 2000-01-01")
+    if ts > now_ms + limits.max_skew_ms:
+        raise TsInFuture(f"ts {ts} is more than {limits.max_skew_ms} ms ahead of this node's clock")
+    return ts
+
+
+def parse(obj: object, now_ms: int, limits: Limits = Limits()) -> Claim:
+    """A `Claim` from its wire JSON, every field rule checked except the signature."""
+    if not isinstance(obj, Mapping):
+        raise InvalidClaim("a claim is a JSON object")
+    extra = set(obj) - set(WIRE_FIELDS)
+    if extra:
+        raise InvalidClaim(f"unknown claim field(s): {', '.join(sorted(map(str, extra)))}")
+    uid, cid = obj.get("uid"), obj.get("cid")
+    public_key(uid)
+    cids.require_canonical(cid)  # type: ignore[arg-type]  # rejects non-strings too
+    return Claim(
+        uid=uid,  # type: ignore[arg-type]  # checked by public_key
+        cid=cid,  # type: ignore[arg-type]
+        key=check_key(obj.get("key")),
+        value=check_value(obj.get("value"), limits),
+        ts=check_ts(obj.get("ts"), now_ms, limits),
+        sig=decode_sig(obj.get("sig")),
+    )
+
+
+def validate(obj: object, now_ms: int, limits: Limits = Limits()) -> Claim:
+    """Parse and verify one wire claim: the complete pure part of SPEC §2.2."""
+    claim = parse(obj, now_ms, limits)
+    verify(claim)
+    return claim

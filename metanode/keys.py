@@ -1,0 +1,60 @@
+"""Ed25519 key files: create (mode 0600, never overwriting) and load.
+
+A key file is a small JSON object `{"type": "ed25519", "seed": "<64 hex>", "uid": "z6Mk…"}`.
+The uid is stored next to the seed only so a person can see whose key it is; loading checks that
+it matches the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import nacl.signing
+
+from metanode.claims import uid_of
+from metanode.errors import InvalidKeyFile
+
+
+def uid_of_key(key: nacl.signing.SigningKey) -> str:
+    return uid_of(bytes(key.verify_key))
+
+
+def create(path: str | os.PathLike[str], key: nacl.signing.SigningKey | None = None) -> str:
+    """Write a new key file readable by its owner only; returns its uid.
+
+    `O_EXCL` makes a second call fail instead of silently replacing an identity.
+    """
+    key = key or nacl.signing.SigningKey.generate()
+    uid = uid_of_key(key)
+    body = json.dumps({"type": "ed25519", "seed": bytes(key).hex(), "uid": uid}) + "\n"
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(body)
+    return uid
+
+
+def load(path: str | os.PathLike[str]) -> nacl.signing.SigningKey:
+    """Read a key file; raises `InvalidKeyFile` with the reason if it is not one."""
+    try:
+        data = json.loads(Path(path).read_text())
+        if data.get("type") != "ed25519":
+            raise InvalidKeyFile(f"{path}: not an ed25519 key file")
+        key = nacl.signing.SigningKey(bytes.fromhex(data["seed"]))
+    except InvalidKeyFile:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise InvalidKeyFile(f"{path}: cannot read key file ({exc})") from None
+    if data.get("uid") not in (None, uid_of_key(key)):
+        raise InvalidKeyFile(f"{path}: the uid does not match the seed")
+    return key
+
+
+def load_or_create(path: str | os.PathLike[str]) -> nacl.signing.SigningKey:
+    """The key at `path`, created on first use (plugins' and the node's own keys)."""
+    if not Path(path).exists():
+        create(path)
+    return load(path)

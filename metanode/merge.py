@@ -1,0 +1,139 @@
+"""The merge rules: which stored claim wins (SPEC §2.3) and the merged record (SPEC §2.5).
+
+Pure and deterministic: every function here gives the same answer for any order of its inputs,
+which is what lets every node that holds the same claims converge on the same records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+from metanode import cid as cids
+from metanode.claims import Claim
+
+Verdict = Literal["accepted", "duplicate", "stale"]
+DEFAULT_WEIGHT = 1
+
+
+def resolve(stored: Claim | None, incoming: Claim) -> Verdict:
+    """What an incoming claim does against the stored one for the same (uid, cid, key).
+
+    Newer ts wins; at equal ts identical content is a duplicate, and different content (the signer
+    equivocated) goes to the lexicographically smaller raw signature, so every node keeps the same
+    claim whatever order the two arrive in.
+    """
+    if stored is None or incoming.ts > stored.ts:
+        return "accepted"
+    if incoming.ts < stored.ts:
+        return "stale"
+    if incoming.value == stored.value and incoming.sig == stored.sig:
+        return "duplicate"
+    return "accepted" if incoming.sig < stored.sig else "stale"
+
+
+def _newest(a: Claim, b: Claim) -> Claim:
+    """The vote that counts when one signer voted on a key through several CIDs of a group."""
+    if a.ts != b.ts:
+        return a if a.ts > b.ts else b
+    return a if a.sig <= b.sig else b
+
+
+@dataclass(frozen=True, slots=True)
+class Signer:
+    """What the merge needs to know about a signer."""
+
+    weight: int = DEFAULT_WEIGHT
+    blocked: bool = False
+
+
+def merge_key(
+    votes: Iterable[Claim],
+    signers: Mapping[str, Signer],
+    viewer: str | None = None,
+) -> str | None:
+    """The merged value of one key from every claim on it across a group's CIDs (None: no value).
+
+    1. live votes only: non-null values from signers that are not blocked;
+    2. one signer counts once: its newest vote;
+    3. a value scores the sum of its voters' weights; highest wins, then the value whose newest
+       vote is newest, then the smaller string;
+    4. a viewer with a live vote on the key sees their own value.
+    """
+    per_signer: dict[str, Claim] = {}
+    for vote in votes:
+        if vote.value is None or signers.get(vote.uid, Signer()).blocked:
+            continue
+        held = per_signer.get(vote.uid)
+        per_signer[vote.uid] = vote if held is None else _newest(held, vote)
+    if not per_signer:
+        return None
+    if viewer is not None and viewer in per_signer:
+        return per_signer[viewer].value
+    score: dict[str, int] = {}
+    newest: dict[str, int] = {}
+    for vote in per_signer.values():
+        value = vote.value
+        assert value is not None
+        score[value] = score.get(value, 0) + signers.get(vote.uid, Signer()).weight
+        newest[value] = max(newest.get(value, vote.ts), vote.ts)
+    return min(score, key=lambda value: (-score[value], -newest[value], value))
+
+
+def merge_record(
+    votes: Iterable[Claim],
+    signers: Mapping[str, Signer],
+    viewer: str | None = None,
+) -> dict[str, str]:
+    """The merged claims of a record: `merge_key` for every key, link votes left out.
+
+    `cids/…` votes link groups; membership is synthesised from the group itself (`group_keys`).
+    """
+    by_key: dict[str, list[Claim]] = {}
+    for vote in votes:
+        if not vote.is_link:
+            by_key.setdefault(vote.key, []).append(vote)
+    merged = {key: merge_key(kv, signers, viewer) for key, kv in by_key.items()}
+    return {key: value for key, value in merged.items() if value is not None}
+
+
+@dataclass(frozen=True, slots=True)
+class LocalFile:
+    """A box-local fact from the watcher: a path holding content with this midhash."""
+
+    path: str
+    midhash: str
+    size: int
+    mtime_ns: int
+
+
+def group_keys(group_cids: Iterable[str], files: Iterable[LocalFile]) -> dict[str, str]:
+    """The synthesised, unsigned keys of a record (SPEC §2.5 step 5).
+
+    `cids/<cid>` = "true" for every CID of the group; `filePath`, `fileSize` and `mtimeNano` from
+    the lexicographically first local path whose midhash is in the group.
+    """
+    members = set(group_cids)
+    keys = {f"cids/{member}": "true" for member in members}
+    local = [f for f in files if f.midhash in members]
+    if local:
+        first = min(local, key=lambda f: f.path)
+        keys.update(filePath=first.path, fileSize=str(first.size), mtimeNano=str(first.mtime_ns))
+    return keys
+
+
+def document(asked: str, group_cids: Iterable[str], record: Mapping[str, str],
+             paths: Iterable[str]) -> dict[str, object]:
+    """The `GET /api/meta/{cid}` body: the MetaMesh envelope, rid-free (SPEC §4)."""
+    ranked = cids.by_rank(group_cids)
+    body: dict[str, object] = {
+        "cid": asked,
+        "canonical_cid": ranked[0] if ranked else None,
+        "cids": ranked,
+    }
+    if "filePath" in record:
+        body["filePath"] = record["filePath"]
+    body["paths"] = sorted(paths)
+    body["metadata"] = dict(sorted(record.items()))
+    return body
