@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -230,3 +230,21 @@ def validate(obj: object, now_ms: int, limits: Limits = Limits()) -> Claim:
     claim = parse(obj, now_ms, limits)
     verify(claim)
     return claim
+
+
+def validate_items(
+    items: Sequence[object], first_index: int, now_ms: int, limits: Limits = Limits()
+) -> tuple[list[Claim], list[dict[str, Any]]]:
+    """Validate a run of wire claims: the valid ones, and one error item per invalid one.
+
+    `first_index` is the position of `items[0]` in its batch, so a batch validated in chunks on
+    several threads still reports each error at its batch index.
+    """
+    valid: list[Claim] = []
+    errors: list[dict[str, Any]] = []
+    for index, item in enumerate(items, first_index):
+        try:
+            valid.append(validate(item, now_ms, limits))
+        except ClaimError as exc:
+            errors.append({"index": index, "error": exc.slug, "message": exc.message})
+    return valid, errors

@@ -7,16 +7,20 @@ error slug on stderr).
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from functools import wraps
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
+import httpx
 
 from metanode import cid as cids
-from metanode import claims, keys
+from metanode import claims, config, db, keys, node, truth
 from metanode.errors import InvalidJson, MetanodeError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -115,11 +119,12 @@ def claim() -> None:
 @reports_errors
 def claim_sign(key_file: str, cid_value: str, key_name: str, value: str | None, retract: bool,
                ts: int | None) -> None:
-    """Print a signed wire claim as one JSON line; the claim is validated before it is signed."""
+    """Print a signed wire claim as one JSON line, validated exactly as a node would."""
     if retract == (value is not None):
         raise click.UsageError("give exactly one of --value or --retract")
     signing_key = keys.load(key_file)
-    signed = claims.sign(signing_key, cid_value, key_name, value, ts if ts is not None else now_ms())
+    when = ts if ts is not None else now_ms()
+    signed = claims.sign(signing_key, cid_value, key_name, value, when)
     claims.validate(signed.wire(), now_ms())
     click.echo(json.dumps(signed.wire(), ensure_ascii=False))
 
@@ -157,4 +162,190 @@ def claim_verify() -> None:
             failed = True
             click.echo(f"{exc.slug}: {exc.message}")
     if failed:
+        sys.exit(1)
+
+
+# -- the node -----------------------------------------------------------------------------------
+
+
+def settings_options(func: F) -> F:
+    """`--config` and `--data-dir`, shared by every command that works on a data directory."""
+    func = click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+                        help="Data directory (default ./data, or METANODE_DATA_DIR).")(func)
+    func = click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+                        help="TOML config file (default ./metanode.toml if present).")(func)
+    return func
+
+
+def load_settings(config_file: str | None, **overrides: Any) -> config.Settings:
+    return config.load(config_file, overrides=overrides)
+
+
+@main.command()
+@settings_options
+@reports_errors
+def init(config_file: str | None, data_dir: str | None) -> None:
+    """Create the data directory, both databases and the API token; print where they are."""
+    settings = load_settings(config_file, data_dir=data_dir)
+    node.open_store(settings)
+    token, created = node.ensure_token(settings.token_path)
+    click.echo(f"data directory: {settings.data_dir.resolve()}")
+    if created:
+        click.echo(f"API token (also in {settings.token_path}): {token}")
+    else:
+        click.echo(f"API token: in {settings.token_path}")
+
+
+@main.command()
+@settings_options
+@click.option("--host", default=None, help="Bind address (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port (default 9000).")
+@reports_errors
+def serve(config_file: str | None, data_dir: str | None, host: str | None,
+          port: int | None) -> None:
+    """Run the node: HTTP API, applier (and, later, the watcher), until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from metanode.api import create_app
+
+    settings = load_settings(config_file, data_dir=data_dir, host=host, port=port)
+    node.open_store(settings)
+    token, created = node.ensure_token(settings.token_path)
+    url = f"http://{settings.host}:{settings.port}"
+    click.echo(f"metanode serving {url}  (data: {settings.data_dir.resolve()})")
+    if created:
+        click.echo(f"API token, shown once (kept in {settings.token_path}): {token}")
+    else:
+        click.echo(f"API token: in {settings.token_path}")
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(node.Node(settings))
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=10)
+
+
+@main.group()
+def signers() -> None:
+    """Manage the signer registry (works on the data directory, server running or not)."""
+
+
+def _signer_txn(config_file: str | None, data_dir: str | None, fn: Any, *args: Any) -> Any:
+    settings = load_settings(config_file, data_dir=data_dir)
+    node.open_store(settings)
+    conn = db.connect(settings.truth_path)
+    try:
+        return db.run_txn(conn, fn, *args, now_ms())
+    finally:
+        conn.close()
+
+
+@signers.command("add")
+@click.argument("uid")
+@click.option("--name", required=True, help="A human name for the signer.")
+@click.option("--weight", type=click.IntRange(0, 1_000_000), default=1, show_default=True)
+@click.option("--may-link", is_flag=True, help="Allow its cids/ votes to link groups.")
+@settings_options
+@reports_errors
+def signers_add(uid: str, name: str, weight: int, may_link: bool, config_file: str | None,
+                data_dir: str | None) -> None:
+    """Register UID (or update its name, weight and link permission)."""
+    claims.public_key(uid)
+    row = _signer_txn(config_file, data_dir, truth.add_signer_txn, uid, name, weight, may_link)
+    click.echo(json.dumps(row.as_json()))
+
+
+@signers.command("list")
+@settings_options
+@reports_errors
+def signers_list(config_file: str | None, data_dir: str | None) -> None:
+    """Print every registered signer as one JSON line."""
+    settings = load_settings(config_file, data_dir=data_dir)
+    node.open_store(settings)
+    conn = db.connect(settings.truth_path, readonly=True)
+    try:
+        for row in truth.signers(conn):
+            click.echo(json.dumps(row.as_json()))
+    finally:
+        conn.close()
+
+
+def _status_command(name: str, status: str) -> None:
+    @signers.command(name)
+    @click.argument("uid")
+    @settings_options
+    @reports_errors
+    def command(uid: str, config_file: str | None, data_dir: str | None) -> None:
+        row = _signer_txn(config_file, data_dir, truth.set_signer_status_txn, uid, status)
+        click.echo(json.dumps(row.as_json()))
+
+    command.__doc__ = f"Set UID's status to {status}; the records it voted on are recomputed."
+
+
+_status_command("block", "blocked")
+_status_command("unblock", "active")
+
+
+def _client_options(func: F) -> F:
+    func = click.option("--url", default="http://127.0.0.1:9000", show_default=True,
+                        envvar="METANODE_URL", help="Base URL of the node.")(func)
+    return func
+
+
+def _print_response(response: httpx.Response) -> None:
+    click.echo(response.text)
+    if response.status_code >= 400:
+        sys.exit(1)
+
+
+@claim.command("post")
+@_client_options
+@click.option("--token", envvar="METANODE_TOKEN", required=True,
+              help="API token (or METANODE_TOKEN).")
+@click.argument("claim_json", nargs=-1)
+@reports_errors
+def claim_post(url: str, token: str, claim_json: tuple[str, ...]) -> None:
+    """POST claims (arguments, or JSON lines / a JSON array on stdin) as one batch."""
+    items = [json.loads(c) for c in claim_json] if claim_json else list(
+        read_claims(sys.stdin.read()))
+    response = httpx.post(f"{url}/api/claims", json={"claims": items},
+                          headers={"Authorization": f"Bearer {token}"}, timeout=60)
+    _print_response(response)
+
+
+@main.command()
+@_client_options
+@click.argument("cid_value")
+@click.option("--as", "viewer", default=None, help="See the record as this uid.")
+def get(url: str, cid_value: str, viewer: str | None) -> None:
+    """Print the merged document of CID_VALUE from a running node."""
+    params = {"as": viewer} if viewer else {}
+    _print_response(httpx.get(f"{url}/api/meta/{cid_value}", params=params, timeout=30))
+
+
+@main.command("rebuild-cache")
+@settings_options
+@reports_errors
+def rebuild_cache(config_file: str | None, data_dir: str | None) -> None:
+    """Recompute cache.db from truth.db under a new feed epoch (local files are kept)."""
+    state = node.rebuild_cache(load_settings(config_file, data_dir=data_dir))
+    click.echo(f"rebuilt: epoch {state.epoch}, applied seq {state.applied_seq}")
+
+
+@main.command()
+@settings_options
+@reports_errors
+def check(config_file: str | None, data_dir: str | None) -> None:
+    """Compare the live cache with a fresh rebuild and re-verify every stored signature.
+
+    Exits 1 and prints each difference if anything disagrees.
+    """
+    settings = load_settings(config_file, data_dir=data_dir)
+    node.open_store(settings)
+    with tempfile.TemporaryDirectory() as scratch:
+        report = node.check(settings, Path(scratch) / "cache.db")
+    for line in report.differences + [f"bad signature: {b}" for b in report.bad_signatures]:
+        click.echo(line)
+    click.echo(f"{report.claims_checked} claims verified; "
+               f"{'clean' if report.clean else 'MISMATCH'}")
+    if not report.clean:
         sys.exit(1)

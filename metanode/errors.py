@@ -34,7 +34,8 @@ class MetanodeError(Exception):
 
     def envelope(self) -> dict[str, Any]:
         """The JSON body of this error: the envelope plus any extra fields."""
-        return {"error": self.slug, "message": self.message, "retryable": self.retryable, **self.extra}
+        return {"error": self.slug, "message": self.message, "retryable": self.retryable,
+                **self.extra}
 
 
 # -- one claim is invalid (SPEC §2.2) ------------------------------------------------------------
@@ -57,7 +58,7 @@ class InvalidCid(ClaimError):
 
 
 class NoncanonicalCid(ClaimError):
-    """A parseable CID in a spelling other than CIDv1 base32 lower; `canonical` names the right one."""
+    """A CID spelled other than CIDv1 base32 lower; `canonical` names the right spelling."""
 
     slug = "noncanonical_cid"
 

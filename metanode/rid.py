@@ -43,7 +43,7 @@ def decode(text: str) -> int:
 
 
 def parse(text: str) -> str:
-    """Normalise a rid (lowercase accepted, uppercase returned); anything but a UUIDv7 is invalid."""
+    """Normalise a rid (lowercase in, uppercase out); anything but a UUIDv7 is invalid."""
     value = decode(text)
     if (value >> 76) & 0xF != 7 or (value >> 62) & 0b11 != 0b10:
         raise InvalidRid(f"not a UUIDv7 rid: {text!r}")

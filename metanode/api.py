@@ -1,0 +1,190 @@
+"""The HTTP API: `create_app(node)` builds the Starlette app (SPEC §4).
+
+Handlers are thin: parse the request, call the node, render JSON. Every error is a
+`MetanodeError` rendered by one handler into the envelope; unknown routes and methods get the
+same envelope, so a client never has to parse anything else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from metanode.errors import (
+    InvalidJson,
+    InvalidRequest,
+    MetanodeError,
+    MethodNotAllowed,
+    NotFoundError,
+    TooLarge,
+    Unauthorized,
+)
+from metanode.node import Node
+
+log = logging.getLogger(__name__)
+PUBLIC_PREFIX = "/api/meta/"
+PUBLIC_PATHS = frozenset({"/health"})
+MAX_PAGE = 1000
+
+
+def error_response(exc: MetanodeError) -> JSONResponse:
+    return JSONResponse(exc.envelope(), status_code=exc.status)
+
+
+class Perimeter:
+    """Bearer-token check on every route but `/api/meta/*` and `/health` (SPEC §4)."""
+
+    def __init__(self, app: ASGIApp, node: Node) -> None:
+        self.app = app
+        self.node = node
+
+    def _allowed(self, scope: Scope) -> bool:
+        path: str = scope["path"]
+        if path.startswith(PUBLIC_PREFIX) or path in PUBLIC_PATHS:
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        expected = f"Bearer {self.node.token}".encode()
+        return hmac.compare_digest(given, expected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not self._allowed(scope):
+            response = error_response(Unauthorized(
+                "this route needs `Authorization: Bearer <token>` (the token is in the data "
+                "directory's api-token file)"))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The JSON body, refusing more than `limit` bytes before reading them all."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"body is {declared} bytes; at most {limit}")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise TooLarge(f"body is over {limit} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidJson(f"body is not JSON: {exc}") from None
+
+
+def _limit(request: Request, default: int = 100) -> int:
+    raw = request.query_params.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}")
+    return int(raw)
+
+
+def _signer_body(body: Any) -> tuple[str, str, int, bool]:
+    """(uid, name, weight, may_link) from a POST /api/signers body, or a clear error."""
+    if not isinstance(body, dict) or not isinstance(body.get("uid"), str):
+        raise InvalidRequest('the body must be {"uid": "z6Mk…", "name", "weight", "may_link"}')
+    name, weight = body.get("name", ""), body.get("weight", 1)
+    may_link = body.get("may_link", False)
+    if not isinstance(name, str):
+        raise InvalidRequest("name must be a string")
+    if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 1_000_000:
+        raise InvalidRequest("weight must be an integer from 0 to 1000000")
+    if not isinstance(may_link, bool):
+        raise InvalidRequest("may_link must be true or false")
+    return body["uid"], name, weight, may_link
+
+
+def create_app(node: Node) -> Starlette:
+    """The ASGI app of one node; starting it starts the node, stopping it stops the node."""
+
+    async def meta(request: Request) -> Response:
+        return JSONResponse(node.meta(request.path_params["cid"], request.query_params.get("as")))
+
+    async def meta_claims(request: Request) -> Response:
+        q = request.query_params
+        cid = request.path_params["cid"]
+        return JSONResponse(node.meta_claims(cid, q.get("key"), q.get("uid")))
+
+    async def metadata(request: Request) -> Response:
+        return JSONResponse(node.metadata(request.path_params["rid"]))
+
+    async def metadata_claims(request: Request) -> Response:
+        q = request.query_params
+        return JSONResponse(node.metadata_claims(request.path_params["rid"], q.get("key"),
+                                                 q.get("uid")))
+
+    async def hash_ids(request: Request) -> Response:
+        return JSONResponse(node.hash_ids(request.query_params.get("after"), _limit(request)))
+
+    async def post_claims(request: Request) -> Response:
+        answer = await node.ingest(await read_json(request, node.settings.max_batch_bytes))
+        return JSONResponse(answer.body, status_code=answer.status)
+
+    async def signers(request: Request) -> Response:
+        if request.method == "POST":
+            body = await read_json(request, 64 * 1024)
+            return JSONResponse(await node.add_signer(*_signer_body(body)))
+        return JSONResponse({"signers": node.signers()})
+
+    async def block(request: Request) -> Response:
+        return JSONResponse(await node.set_signer_status(request.path_params["uid"], "blocked"))
+
+    async def unblock(request: Request) -> Response:
+        return JSONResponse(await node.set_signer_status(request.path_params["uid"], "active"))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(node.health())
+
+    async def on_metanode_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, MetanodeError)
+        return error_response(exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        if exc.status_code == 405:
+            return error_response(MethodNotAllowed(f"{request.method} is not allowed here"))
+        return error_response(NotFoundError(f"no route {request.url.path}"))
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await node.start()
+        try:
+            yield
+        finally:
+            await node.stop()
+
+    routes = [
+        Route("/api/meta/{cid}", meta),
+        Route("/api/meta/{cid}/claims", meta_claims),
+        Route("/api/metadata/{rid}", metadata),
+        Route("/api/metadata/{rid}/claims", metadata_claims),
+        Route("/api/hash-ids", hash_ids),
+        Route("/api/claims", post_claims, methods=["POST"]),
+        Route("/api/signers", signers, methods=["GET", "POST"]),
+        Route("/api/signers/{uid}/block", block, methods=["POST"]),
+        Route("/api/signers/{uid}/unblock", unblock, methods=["POST"]),
+        Route("/health", health),
+    ]
+    middleware = [
+        Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"]),
+        Middleware(Perimeter, node=node),
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=middleware,
+        exception_handlers={MetanodeError: on_metanode_error, HTTPException: on_http_error},
+        lifespan=lifespan,
+    )

@@ -1,0 +1,313 @@
+"""cache.db: merged records, the cid index, local files, the feed, and the applier that fills them.
+
+Derived and rebuildable. The applier reads the truth's outbox after its last applied seq,
+recomputes the affected keys of the affected records from the truth, and writes the changed rows,
+one feed event per changed key and the new applied seq in ONE cache transaction. A crash anywhere
+is repaired by applying again from the stored seq: behind, never wrong (SPEC §3).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from metanode import merge, truth
+from metanode.db import Migration, executescript_in_txn, snapshot
+
+SCHEMA_V1 = """
+CREATE TABLE records (
+    rid TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    PRIMARY KEY (rid, key)
+) WITHOUT ROWID;
+
+CREATE TABLE cid_index (
+    cid TEXT PRIMARY KEY NOT NULL,
+    rid TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX cid_index_rid ON cid_index (rid);
+
+CREATE TABLE local_file (
+    path TEXT PRIMARY KEY NOT NULL,
+    midhash TEXT NOT NULL,
+    size INTEGER NOT NULL CHECK (size >= 0),
+    mtime_ns INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX local_file_midhash ON local_file (midhash);
+
+CREATE TABLE feed (
+    seq INTEGER PRIMARY KEY NOT NULL,
+    rid TEXT NOT NULL,
+    op TEXT NOT NULL CHECK (op IN ('set', 'del')),
+    key TEXT NOT NULL,
+    value TEXT,
+    at INTEGER NOT NULL,
+    CHECK ((op = 'set') = (value IS NOT NULL))
+);
+
+CREATE TABLE state (
+    name TEXT PRIMARY KEY NOT NULL,
+    value INTEGER NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+def _v1(conn: sqlite3.Connection) -> None:
+    executescript_in_txn(conn, SCHEMA_V1)
+
+
+MIGRATIONS: Sequence[Migration] = (_v1,)
+LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+# -- state --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class State:
+    epoch: int  # 0: never built
+    applied_seq: int
+    feed_seq: int
+
+
+def read_state(conn: sqlite3.Connection) -> State:
+    values = dict(conn.execute("SELECT name, value FROM state").fetchall())
+    return State(values.get("epoch", 0), values.get("applied_seq", 0), values.get("feed_seq", 0))
+
+
+def _set_state(conn: sqlite3.Connection, **values: int) -> None:
+    conn.executemany("INSERT INTO state (name, value) VALUES (?, ?) "
+                     "ON CONFLICT (name) DO UPDATE SET value = excluded.value", values.items())
+
+
+# -- recomputing one record ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    rid: str
+    op: str  # "set" | "del"
+    key: str
+    value: str | None
+
+
+def local_files(conn: sqlite3.Connection, cids: Iterable[str]) -> list[merge.LocalFile]:
+    wanted = sorted(set(cids))
+    rows = conn.execute(
+        "SELECT path, midhash, size, mtime_ns FROM local_file "
+        f"WHERE midhash IN ({','.join('?' * len(wanted))})", wanted)
+    return [merge.LocalFile(*row) for row in rows]
+
+
+def record_rows(conn: sqlite3.Connection, rid: str) -> dict[str, str]:
+    return dict(conn.execute("SELECT key, value FROM records WHERE rid = ?", (rid,)).fetchall())
+
+
+def _is_group_key(key: str) -> bool:
+    return key.startswith("cids/") or key in LOCAL_KEYS
+
+
+@dataclass
+class _Scope:
+    """What to recompute of one record: some claimed keys, the group keys, or all of it."""
+
+    keys: set[str] = field(default_factory=set)
+    group: bool = False
+    whole: bool = False
+
+
+def _write_diff(cache: sqlite3.Connection, rid: str, old: dict[str, str],
+                new: dict[str, str], scope: Iterable[str]) -> list[Event]:
+    events = []
+    for key in sorted(scope):
+        before, after = old.get(key), new.get(key)
+        if before == after:
+            continue
+        if after is None:
+            cache.execute("DELETE FROM records WHERE rid = ? AND key = ?", (rid, key))
+            events.append(Event(rid, "del", key, None))
+        else:
+            cache.execute("INSERT INTO records (rid, key, value) VALUES (?, ?, ?) "
+                          "ON CONFLICT (rid, key) DO UPDATE SET value = excluded.value",
+                          (rid, key, after))
+            events.append(Event(rid, "set", key, after))
+    return events
+
+
+def refresh(cache: sqlite3.Connection, source: sqlite3.Connection, rid: str, scope: _Scope,
+            signers: dict[str, merge.Signer]) -> list[Event]:
+    """Recompute `scope` of record `rid` from the truth (`source`) and write what changed."""
+    old = record_rows(cache, rid)
+    new: dict[str, str] = {}
+    keys: set[str] = set(scope.keys)
+    if scope.whole or scope.group:
+        members = truth.group_cids(source, rid)
+        new.update(merge.group_keys(members, local_files(cache, members)))
+        keys |= set(new) | {k for k in old if _is_group_key(k)}
+        cache.executemany("INSERT INTO cid_index (cid, rid) VALUES (?, ?) ON CONFLICT (cid) "
+                          "DO UPDATE SET rid = excluded.rid", [(c, rid) for c in members])
+    if scope.whole:
+        merged = merge.merge_record(truth.group_claims(source, rid), signers)
+        keys |= set(merged) | set(old)
+        new.update(merged)
+    elif scope.keys:
+        new.update(merge.merge_record(truth.group_claims(source, rid, scope.keys), signers))
+    return _write_diff(cache, rid, old, new, keys)
+
+
+def drop(cache: sqlite3.Connection, rid: str) -> list[Event]:
+    """Remove a merged-away record: a `del` for each of its keys."""
+    old = record_rows(cache, rid)
+    cache.execute("DELETE FROM records WHERE rid = ?", (rid,))
+    cache.execute("DELETE FROM cid_index WHERE rid = ?", (rid,))
+    return [Event(rid, "del", key, None) for key in sorted(old)]
+
+
+# -- the applier's transaction ------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Which records a run of outbox changes touches, resolved against the current truth."""
+
+    losers: list[str] = field(default_factory=list)
+    scopes: dict[str, _Scope] = field(default_factory=dict)
+
+    def scope(self, rid: str) -> _Scope:
+        return self.scopes.setdefault(rid, _Scope())
+
+
+def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
+    result = Plan()
+
+    def claimed(cid: str, key: str) -> None:
+        rid = truth.group_of(source, cid)
+        if rid is not None and not key.startswith("cids/"):
+            result.scope(rid).keys.add(key)
+
+    for change in changes:
+        if change.kind == "claim":
+            claimed(change.cid or "", change.key or "")
+        elif change.kind == "group":
+            result.scope(truth.survivor(source, change.rid or "")).group = True
+        elif change.kind == "merge":
+            result.losers.append(change.rid or "")
+            result.scope(truth.survivor(source, change.survivor or "")).whole = True
+        elif change.kind == "signer":
+            for cid, key in truth.signer_cid_keys(source, change.uid or ""):
+                claimed(cid, key)
+        elif change.kind == "local":
+            rid = truth.group_of(source, change.cid or "")
+            if rid is not None:
+                result.scope(rid).group = True
+    return result
+
+
+def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event]) -> int:
+    """Feed rows on consecutive seqs from the stored counter; returns the new counter."""
+    at = _now_ms()
+    cache.executemany(
+        "INSERT INTO feed (seq, rid, op, key, value, at) VALUES (?, ?, ?, ?, ?, ?)",
+        [(state.feed_seq + i, e.rid, e.op, e.key, e.value, at) for i, e in enumerate(events, 1)])
+    return state.feed_seq + len(events)
+
+
+@dataclass(frozen=True)
+class Applied:
+    applied_seq: int
+    first_feed_seq: int
+    last_feed_seq: int
+
+
+def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> Applied:
+    """Apply every outbox change after the stored seq, in one cache transaction.
+
+    The truth is read in one snapshot, so the changes and the state they are recomputed from
+    agree. Merged-away records are dropped first (all their `del`s), then survivors and other
+    touched records are refreshed, so the losing rid never reappears.
+    """
+    state = read_state(cache)
+    with snapshot(source):
+        changes = truth.changes_after(source, state.applied_seq)
+        if not changes:
+            return Applied(state.applied_seq, state.feed_seq + 1, state.feed_seq)
+        work = plan(source, changes)
+        signers = truth.merge_signers(source)
+        events = [event for loser in work.losers for event in drop(cache, loser)]
+        for rid in sorted(work.scopes):
+            events += refresh(cache, source, rid, work.scopes[rid], signers)
+    last = _append_feed(cache, state, events)
+    _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
+    return Applied(changes[-1].seq, state.feed_seq + 1, last)
+
+
+def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
+    """Recompute every record from the truth under a new epoch (create, rebuild, or repair).
+
+    Local files are kept: they are facts about the disk, not derived from the truth. The feed
+    starts again empty under the new epoch, so old cursors get `gap` and a snapshot.
+    """
+    old = read_state(cache)
+    cache.execute("DELETE FROM records")
+    cache.execute("DELETE FROM cid_index")
+    cache.execute("DELETE FROM feed")
+    with snapshot(source):
+        seq = truth.max_seq(source)
+        signers = truth.merge_signers(source)
+        for rid in truth.active_rids(source):
+            refresh(cache, source, rid, _Scope(whole=True), signers)
+    state = State(epoch=max(_now_ms(), old.epoch + 1), applied_seq=seq, feed_seq=0)
+    _set_state(cache, epoch=state.epoch, applied_seq=state.applied_seq, feed_seq=0)
+    return state
+
+
+# -- reads for the API --------------------------------------------------------------------------
+
+
+def lookup(conn: sqlite3.Connection, cid: str) -> str | None:
+    row = conn.execute("SELECT rid FROM cid_index WHERE cid = ?", (cid,)).fetchone()
+    return row[0] if row else None
+
+
+def group_cids(conn: sqlite3.Connection, rid: str) -> list[str]:
+    return [r[0] for r in conn.execute("SELECT cid FROM cid_index WHERE rid = ?", (rid,))]
+
+
+def document(conn: sqlite3.Connection, rid: str, asked: str | None,
+             overrides: dict[str, str] | None = None) -> dict[str, Any] | None:
+    """The merged document of `rid` read in one snapshot, or None if the cache does not hold it."""
+    with snapshot(conn):
+        members = group_cids(conn, rid)
+        if not members:
+            return None
+        record = record_rows(conn, rid)
+        paths = [f.path for f in local_files(conn, members)]
+    record.update(overrides or {})
+    ranked = merge.document(asked or "", members, record, paths)
+    if asked is None:
+        ranked["cid"] = ranked["canonical_cid"]
+    return ranked
+
+
+def hash_ids(conn: sqlite3.Connection, after: str, limit: int) -> list[str]:
+    return [r[0] for r in conn.execute(
+        "SELECT DISTINCT rid FROM cid_index WHERE rid > ? ORDER BY rid LIMIT ?", (after, limit))]
+
+
+def diff(live: sqlite3.Connection, fresh: sqlite3.Connection) -> list[str]:
+    """Human-readable differences between two caches' records and cid index (for `check`)."""
+    out = []
+    for table, sql in (("records", "SELECT rid, key, value FROM records"),
+                       ("cid_index", "SELECT cid, rid FROM cid_index")):
+        a, b = set(live.execute(sql).fetchall()), set(fresh.execute(sql).fetchall())
+        out += [f"{table}: only in live cache: {row}" for row in sorted(a - b)]
+        out += [f"{table}: missing from live cache: {row}" for row in sorted(b - a)]
+    return out

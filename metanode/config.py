@@ -1,0 +1,121 @@
+"""Settings, declared once as data.
+
+Every setting is one field of `Settings` with its default and help text. Values come from, in
+rising precedence: the default, the TOML file (`metanode.toml` in the working directory, or the
+file named by `--config` / `METANODE_CONFIG`), the environment (`METANODE_<NAME>`, upper case),
+then command-line flags. Every setting has a working default, so `metanode serve` needs none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metanode.errors import InvalidRequest
+
+ENV_PREFIX = "METANODE_"
+DEFAULT_CONFIG_FILE = "metanode.toml"
+
+
+def setting(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = setting("127.0.0.1", "Address the HTTP server binds.")
+    port: int = setting(9000, "TCP port of the HTTP server.")
+    data_dir: Path = setting(Path("./data"), "Directory of truth.db, cache.db, the token, keys/.")
+    accept_unknown_signers: bool = setting(
+        False, "Accept claims from signers that are not registered (they are registered on use).")
+    max_value_bytes: int = setting(65_536, "Largest claim value, in UTF-8 bytes.")
+    max_skew_ms: int = setting(300_000, "How far ahead of this node's clock a claim's ts may be.")
+    max_batch_claims: int = setting(1_000, "Most claims in one POST /api/claims batch.")
+    max_batch_bytes: int = setting(4 * 1024 * 1024, "Largest POST /api/claims body, in bytes.")
+    apply_wait_s: float = setting(
+        5.0, "How long POST /api/claims waits for the cache before answering 202.")
+    apply_poll_s: float = setting(
+        1.0, "How often the applier looks for truth changes made by other processes (the CLI).")
+    log_level: str = setting("info", "Log level: debug, info, warning, error.")
+    test_fault: str = setting(
+        "", "Test-only fault point: `crash_after_truth_commit` exits the process there.")
+
+    @property
+    def truth_path(self) -> Path:
+        return self.data_dir / "truth.db"
+
+    @property
+    def cache_path(self) -> Path:
+        return self.data_dir / "cache.db"
+
+    @property
+    def token_path(self) -> Path:
+        return self.data_dir / "api-token"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.data_dir / "keys"
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+
+
+def _convert(name: str, raw: Any) -> Any:
+    """Coerce a TOML or environment value to the field's type, or explain why it cannot be."""
+    kind: Any = type(FIELDS[name].default)
+    try:
+        if kind is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError(text)
+            return text in ("1", "true", "yes", "on")
+        if kind is Path:
+            return Path(str(raw))
+        if kind is int and isinstance(raw, float):
+            raise ValueError(raw)
+        return kind(raw)
+    except (TypeError, ValueError):
+        raise InvalidRequest(f"setting {name}: {raw!r} is not a valid {kind.__name__}") from None
+
+
+def load(
+    config_file: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Settings from defaults < TOML file < `METANODE_*` environment < explicit overrides."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path is None and Path(DEFAULT_CONFIG_FILE).is_file():
+        path = DEFAULT_CONFIG_FILE
+    if path is not None:
+        values.update(_read_toml(Path(path)))
+    for name in FIELDS:
+        if ENV_PREFIX + name.upper() in env:
+            values[name] = env[ENV_PREFIX + name.upper()]
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return Settings(**{name: _convert(name, raw) for name, raw in values.items()})
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InvalidRequest(f"cannot read config file {path}: {exc}") from None
+    unknown = set(data) - set(FIELDS)
+    if unknown:
+        raise InvalidRequest(f"{path}: unknown setting(s) {', '.join(sorted(unknown))}")
+    return data
+
+
+def describe() -> list[tuple[str, Any, str]]:
+    """(name, default, help) of every setting, for `--help` and the docs."""
+    return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)]

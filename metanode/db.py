@@ -1,0 +1,173 @@
+"""SQLite plumbing: connections, one writer thread per database, and schema migrations.
+
+Why a writer thread rather than aiosqlite: a write transaction in metanode is one synchronous
+function (`*_txn`) that runs start to finish under `BEGIN IMMEDIATE` on the only write connection,
+as datasette's `execute_write_fn` does. Two coroutines' statements can then never interleave, and
+a transaction never waits on the event loop while holding the write lock. Reads that the API does
+on the event loop use a plain read-only connection: a primary-key lookup there costs microseconds,
+less than the thread hop aiosqlite would add (measured in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from metanode.errors import ShuttingDown
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Txn = Callable[..., T]
+
+BUSY_TIMEOUT_MS = 30_000
+
+
+def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+    """A connection with the pragmas every metanode connection needs.
+
+    Autocommit mode (`isolation_level=None`): transactions are always explicit, so nothing begins
+    one behind our back. `synchronous=FULL`: an acknowledged claim survives power loss.
+    """
+    if readonly:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
+                               isolation_level=None, check_same_thread=False)
+    else:
+        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA foreign_keys=ON")
+    return conn
+
+
+def run_txn(conn: sqlite3.Connection, fn: Txn[T], *args: Any) -> T:
+    """Run `fn(conn, *args)` as one `BEGIN IMMEDIATE` transaction: all of it commits or none."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        result = fn(conn, *args)
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+    return result
+
+
+@contextmanager
+def snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+    """A read transaction: every query inside sees the same committed state."""
+    conn.execute("BEGIN")
+    try:
+        yield conn
+    finally:
+        conn.execute("COMMIT")
+
+
+Migration = Callable[[sqlite3.Connection], None]
+
+
+def migrate(conn: sqlite3.Connection, migrations: Sequence[Migration]) -> int:
+    """Apply the migrations after `PRAGMA user_version`, each with its version bump, in one txn.
+
+    Forward only: a database newer than this code is refused rather than guessed at.
+    """
+
+    def txn(conn: sqlite3.Connection) -> int:
+        version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        if version > len(migrations):
+            raise RuntimeError(f"database schema {version} is newer than this metanode "
+                               f"({len(migrations)}); upgrade metanode")
+        for number, step in enumerate(migrations[version:], start=version + 1):
+            step(conn)
+            conn.execute(f"PRAGMA user_version={number}")
+        return len(migrations)
+
+    return run_txn(conn, txn)
+
+
+def executescript_in_txn(conn: sqlite3.Connection, script: str) -> None:
+    """Run a multi-statement schema script inside the current transaction.
+
+    `sqlite3.executescript` would COMMIT first; splitting on `;` is safe for our own DDL, which
+    keeps statements and triggers free of string literals holding semicolons.
+    """
+    for statement in _split_sql(script):
+        conn.execute(statement)
+
+
+def _split_sql(script: str) -> list[str]:
+    statements, current = [], ""
+    for line in script.splitlines(keepends=True):
+        current += line
+        if sqlite3.complete_statement(current):
+            statements.append(current.strip())
+            current = ""
+    if current.strip():
+        statements.append(current.strip())
+    return statements
+
+
+_STOP = object()
+
+
+class Writer:
+    """The single writer of one database: a thread that owns the only write connection.
+
+    `run(fn, *args)` (async) and `run_sync(fn, *args)` (from other threads) queue `fn(conn, *args)`
+    and return its result once it has committed. Jobs run one at a time, in order.
+    """
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.path = path
+        self.conn = connect(path)
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"{name}-writer", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                break
+            future, fn, args = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(run_txn(self.conn, fn, *args))
+            except BaseException as exc:
+                future.set_exception(exc)
+        self.conn.close()
+
+    def submit(self, fn: Txn[T], *args: Any) -> concurrent.futures.Future[T]:
+        if self._closed:
+            raise ShuttingDown("the node is shutting down; nothing was written")
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._jobs.put((future, fn, args))
+        return future
+
+    async def run(self, fn: Txn[T], *args: Any) -> T:
+        """Run a transaction function on the writer thread and await its committed result.
+
+        If the awaiting request is cancelled the transaction still runs to its end (or not at
+        all): a job is never abandoned half-way.
+        """
+        return await asyncio.shield(asyncio.wrap_future(self.submit(fn, *args)))
+
+    def run_sync(self, fn: Txn[T], *args: Any) -> T:
+        return self.submit(fn, *args).result()
+
+    def close(self) -> None:
+        """Finish the queued jobs, then stop; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(_STOP)
+        self._thread.join()

@@ -1,0 +1,397 @@
+"""The node: wires settings, databases, the applier and the operations the API and CLI call.
+
+The only module that connects the pieces. Reads that the API makes run on the event loop with
+read-only connections (microseconds each); writes go to the single writer thread of each
+database; signature verification runs on a thread pool (PyNaCl releases the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import secrets
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from metanode import cache, claims, db, merge, truth
+from metanode import cid as cids
+from metanode import rid as rids
+from metanode.config import Settings
+from metanode.errors import (
+    BadSignature,
+    CacheNotReady,
+    InvalidBatch,
+    InvalidRequest,
+    InvalidUid,
+    Merged,
+    TooLarge,
+    UnknownCid,
+    UnknownRid,
+)
+
+log = logging.getLogger(__name__)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def ensure_token(path: Path) -> tuple[str, bool]:
+    """The API token, created (mode 0600) on first start: (token, created now)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text(encoding="ascii").strip(), False
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return token, True
+
+
+def open_store(settings: Settings) -> None:
+    """Create the data directory and bring both schemas up to date."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    for path, migrations in ((settings.truth_path, truth.MIGRATIONS),
+                             (settings.cache_path, cache.MIGRATIONS)):
+        conn = db.connect(path)
+        try:
+            db.migrate(conn, migrations)
+        finally:
+            conn.close()
+
+
+def cache_needs_build(state: cache.State, truth_seq: int) -> bool:
+    """Never built, or ahead of the truth (the truth was restored): only a rebuild explains it."""
+    return state.epoch == 0 or state.applied_seq > truth_seq
+
+
+class Applier:
+    """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq."""
+
+    def __init__(self, writer: db.Writer, truth_path: Path, poll_s: float) -> None:
+        self._writer = writer
+        # Used only inside the cache writer's jobs, i.e. only on that thread.
+        self._source = db.connect(truth_path, readonly=True)
+        self._poll_s = poll_s
+        self._wake = asyncio.Event()
+        self._applied = asyncio.Condition()
+        self.state = writer.run_sync(lambda conn: cache.read_state(conn))
+        self.ready = False
+        self.degraded = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def applied_seq(self) -> int:
+        return self.state.applied_seq
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="applier")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def wait_for(self, seq: int, timeout: float) -> bool:
+        """Wait until the cache has applied outbox `seq`; False if `timeout` passed first."""
+        async with self._applied:
+            try:
+                await asyncio.wait_for(
+                    self._applied.wait_for(lambda: self.ready and self.applied_seq >= seq),
+                    timeout)
+            except TimeoutError:
+                return False
+        return True
+
+    async def _run(self) -> None:
+        await self._build_if_needed()
+        backoff = 0.1
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+            self._wake.clear()
+            try:
+                applied = await self._writer.run(cache.apply_txn, self._source)
+            except Exception:
+                log.exception("applying truth changes to the cache failed; retrying")
+                self.degraded = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                self._wake.set()
+                continue
+            self.degraded, backoff = False, 0.1
+            await self._publish(cache.State(self.state.epoch, applied.applied_seq,
+                                            applied.last_feed_seq))
+
+    async def _build_if_needed(self) -> None:
+        truth_seq = truth.max_seq(self._source)
+        if cache_needs_build(self.state, truth_seq):
+            log.info("building the cache from the truth (%d changes)", truth_seq)
+            self.state = await self._writer.run(cache.build_txn, self._source)
+        self.ready = True
+        await self._publish(self.state)
+
+    async def _publish(self, state: cache.State) -> None:
+        async with self._applied:
+            self.state = state
+            self._applied.notify_all()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._source.close()
+
+
+@dataclass(frozen=True)
+class IngestAnswer:
+    status: int
+    body: dict[str, Any]
+
+
+class Node:
+    """One metanode: its data directory, databases, applier and operations."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
+        self.policy = truth.Policy(settings.accept_unknown_signers)
+        self.minter = rids.Minter()
+        self.token = ""
+        self.token_created = False
+        self._verify_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=os.cpu_count() or 2, thread_name_prefix="verify")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        open_store(self.settings)
+        self.token, self.token_created = ensure_token(self.settings.token_path)
+        self.truth_writer = db.Writer(self.settings.truth_path, "truth")
+        self.cache_writer = db.Writer(self.settings.cache_path, "cache")
+        self.truth_reader = db.connect(self.settings.truth_path, readonly=True)
+        self.cache_reader = db.connect(self.settings.cache_path, readonly=True)
+        self.applier = Applier(self.cache_writer, self.settings.truth_path,
+                               self.settings.apply_poll_s)
+        self.applier.start()
+
+    async def stop(self) -> None:
+        """Finish queued writes, stop the applier, close everything."""
+        await asyncio.to_thread(self.truth_writer.close)
+        await self.applier.stop()
+        await asyncio.to_thread(self.cache_writer.close)
+        self.truth_reader.close()
+        self.cache_reader.close()
+        self._verify_pool.shutdown()
+
+    # -- ingest ---------------------------------------------------------------------------------
+
+    def _batch_items(self, payload: object) -> list[object]:
+        if not isinstance(payload, dict) or not isinstance(payload.get("claims"), list):
+            raise InvalidRequest('the body must be {"claims": [wire claims…]}')
+        items: list[object] = payload["claims"]
+        if len(items) > self.settings.max_batch_claims:
+            raise TooLarge(f"{len(items)} claims; at most {self.settings.max_batch_claims} "
+                           "per batch")
+        return items
+
+    async def _validate(self, items: list[object], now: int) -> list[claims.Claim]:
+        """Validate every claim, signatures on the thread pool; all errors or all claims."""
+        loop = asyncio.get_running_loop()
+        step = max(1, -(-len(items) // (os.cpu_count() or 2)))
+        parts = await asyncio.gather(*(
+            loop.run_in_executor(self._verify_pool, claims.validate_items, items[i:i + step], i,
+                                 now, self.limits)
+            for i in range(0, len(items), step)))
+        errors = [error for _, part_errors in parts for error in part_errors]
+        if errors:
+            raise InvalidBatch(errors)
+        return [claim for part, _ in parts for claim in part]
+
+    async def ingest(self, payload: object) -> IngestAnswer:
+        """POST /api/claims: validate all, commit all in one transaction, wait for the cache."""
+        items = self._batch_items(payload)
+        now = now_ms()
+        batch = await self._validate(items, now)
+        result = await self.truth_writer.run(truth.ingest_txn, batch, self.minter, self.policy,
+                                             now)
+        if self.settings.test_fault == "crash_after_truth_commit":
+            os._exit(99)  # test-only: the crash window between truth commit and cache apply
+        self.applier.wake()
+        applied = await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
+        body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}
+        for verdict in ("accepted", "duplicate", "stale"):
+            body[verdict] = result.verdicts.count(verdict)
+        body["applied"] = applied
+        return IngestAnswer(200 if applied else 202, body)
+
+    # -- signers --------------------------------------------------------------------------------
+
+    async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> dict[str, Any]:
+        claims.public_key(uid)
+        row = await self.truth_writer.run(truth.add_signer_txn, uid, name, weight, may_link,
+                                          now_ms())
+        self.applier.wake()
+        return row.as_json()
+
+    async def set_signer_status(self, uid: str, status: str) -> dict[str, Any]:
+        row = await self.truth_writer.run(truth.set_signer_status_txn, uid, status, now_ms())
+        self.applier.wake()
+        return row.as_json()
+
+    def signers(self) -> list[dict[str, Any]]:
+        return [row.as_json() for row in truth.signers(self.truth_reader)]
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def _require_ready(self) -> None:
+        if not self.applier.ready:
+            raise CacheNotReady("the cache is being built from the truth; retry shortly")
+
+    def _resolve_cid(self, text: str) -> tuple[str, str]:
+        """(asked CID in canonical spelling, its rid), trying the alias spelling on a miss."""
+        asked = cids.normalise(text)
+        for candidate in (asked, cids.alias(asked)):
+            if candidate is not None:
+                found = cache.lookup(self.cache_reader, candidate)
+                if found is not None:
+                    return asked, found
+        raise UnknownCid(f"no record holds {asked}")
+
+    def _viewer_overrides(self, rid: str, viewer: str | None) -> dict[str, str]:
+        """`?as=<uid>`: the viewer's own live votes, which win on their keys (SPEC §2.5 rule 4)."""
+        if viewer is None:
+            return {}
+        if not isinstance(viewer, str) or not viewer:
+            raise InvalidUid("as= needs a uid")
+        claims.public_key(viewer)
+        with db.snapshot(self.truth_reader):
+            group = truth.survivor(self.truth_reader, rid)
+            votes = truth.group_claims(self.truth_reader, group, uid=viewer)
+            signers = truth.merge_signers(self.truth_reader)
+        return merge.merge_record(votes, signers)
+
+    def meta(self, text: str, viewer: str | None = None) -> dict[str, Any]:
+        """GET /api/meta/{cid}: the merged document of the group holding any spelling of cid."""
+        self._require_ready()
+        for _attempt in range(3):  # a merge can land between resolving and reading: resolve again
+            asked, rid = self._resolve_cid(text)
+            overrides = self._viewer_overrides(rid, viewer)
+            doc = cache.document(self.cache_reader, rid, asked, overrides)
+            if doc is not None:
+                return doc
+        raise CacheNotReady(f"the record of {text} is changing; retry shortly")
+
+    def _rid_or_error(self, text: str) -> str:
+        rid = rids.parse(text)
+        info = truth.rid_info(self.truth_reader, rid)
+        if info is None:
+            raise UnknownRid(f"no record is named {rid}")
+        if info.status == "merged":
+            survivor = truth.survivor(self.truth_reader, rid)
+            raise Merged(f"{rid} was merged into {survivor}", survivor=survivor)
+        return rid
+
+    def metadata(self, text: str) -> dict[str, Any]:
+        """GET /api/metadata/{rid}."""
+        self._require_ready()
+        rid = self._rid_or_error(text)
+        doc = cache.document(self.cache_reader, rid, None)
+        if doc is None:
+            raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
+        return {"hashId": rid, **doc}
+
+    def group_claims(self, rid: str, key: str | None, uid: str | None) -> dict[str, Any]:
+        """The claims listing of a group: every live claim, all signers, optionally filtered."""
+        with db.snapshot(self.truth_reader):
+            members = truth.group_cids(self.truth_reader, rid)
+            listed = truth.group_claims(self.truth_reader, rid,
+                                        keys=None if key is None else [key], uid=uid)
+        return {"rid": rid, "cids": cids.by_rank(members), "claims": [c.wire() for c in listed]}
+
+    def meta_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
+        asked = cids.normalise(text)
+        for candidate in (asked, cids.alias(asked)):
+            rid = truth.group_of(self.truth_reader, candidate) if candidate else None
+            if rid is not None:
+                return self.group_claims(rid, key, uid)
+        raise UnknownCid(f"no record holds {asked}")
+
+    def metadata_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
+        return self.group_claims(self._rid_or_error(text), key, uid)
+
+    def hash_ids(self, after: str | None, limit: int) -> dict[str, Any]:
+        self._require_ready()
+        start = rids.parse(after) if after else ""
+        page = cache.hash_ids(self.cache_reader, start, limit)
+        return {"hashIds": page, "next": page[-1] if len(page) == limit else None}
+
+    def health(self) -> dict[str, Any]:
+        truth_seq = truth.max_seq(self.truth_reader)
+        state = self.applier.state
+        ok = self.applier.ready and not self.applier.degraded
+        return {"status": "ok" if ok else "degraded", "applied_seq": state.applied_seq,
+                "truth_seq": truth_seq, "apply_lag": max(0, truth_seq - state.applied_seq),
+                "epoch": state.epoch, "cache_ready": self.applier.ready}
+
+
+def rebuild_cache(settings: Settings) -> cache.State:
+    """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files."""
+    open_store(settings)
+    conn = db.connect(settings.cache_path)
+    source = db.connect(settings.truth_path, readonly=True)
+    try:
+        return db.run_txn(conn, cache.build_txn, source)
+    finally:
+        conn.close()
+        source.close()
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    differences: list[str]
+    bad_signatures: list[str]
+    claims_checked: int
+
+    @property
+    def clean(self) -> bool:
+        return not self.differences and not self.bad_signatures
+
+
+def check(settings: Settings, scratch: Path) -> CheckReport:
+    """`metanode check`: the live cache against a fresh rebuild, and every stored signature."""
+    source = db.connect(settings.truth_path, readonly=True)
+    live = db.connect(settings.cache_path, readonly=True)
+    fresh = db.connect(scratch)
+    try:
+        db.migrate(fresh, cache.MIGRATIONS)
+        with db.snapshot(live):
+            rows = live.execute("SELECT path, midhash, size, mtime_ns FROM local_file").fetchall()
+            applied = cache.read_state(live).applied_seq
+        differences = []
+        truth_seq = truth.max_seq(source)
+        if applied != truth_seq:
+            differences.append(f"cache applied seq {applied} != truth seq {truth_seq}")
+
+        def build(conn: sqlite3.Connection) -> cache.State:
+            conn.executemany("INSERT INTO local_file VALUES (?, ?, ?, ?)", rows)
+            return cache.build_txn(conn, source)
+
+        db.run_txn(fresh, build)
+        differences += cache.diff(live, fresh)
+        bad, count = [], 0
+        for claim in truth.all_claims(source):
+            count += 1
+            try:
+                claims.verify(claim)
+            except BadSignature:
+                bad.append(f"{claim.uid} {claim.cid} {claim.key}")
+        return CheckReport(differences, bad, count)
+    finally:
+        for conn in (source, live, fresh):
+            conn.close()
