@@ -232,16 +232,21 @@ class Node:
 
     # -- signers --------------------------------------------------------------------------------
 
+    async def _settled(self) -> None:
+        """Wait (bounded) until the cache reflects the truth: read-your-writes for signer edits."""
+        self.applier.wake()
+        await self.applier.wait_for(truth.max_seq(self.truth_reader), self.settings.apply_wait_s)
+
     async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> dict[str, Any]:
         claims.public_key(uid)
         row = await self.truth_writer.run(truth.add_signer_txn, uid, name, weight, may_link,
                                           now_ms())
-        self.applier.wake()
+        await self._settled()
         return row.as_json()
 
     async def set_signer_status(self, uid: str, status: str) -> dict[str, Any]:
         row = await self.truth_writer.run(truth.set_signer_status_txn, uid, status, now_ms())
-        self.applier.wake()
+        await self._settled()
         return row.as_json()
 
     def signers(self) -> list[dict[str, Any]]:

@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+import nacl.signing
 import pytest
+
+from metanode import claims as claims_mod
+from metanode import config
+from metanode.api import create_app
+from metanode.node import Node
 
 VECTORS = Path(__file__).parent / "vectors"
 
@@ -18,3 +32,108 @@ def load_vectors(name: str) -> Any:
 @pytest.fixture(scope="session")
 def claim_vectors() -> Any:
     return load_vectors("claims.json")
+
+
+# -- nodes --------------------------------------------------------------------------------------
+
+
+
+
+NOW_MS = time.time_ns() // 1_000_000
+
+
+@dataclass
+class Signer:
+    """A test signer: a real Ed25519 key that signs wire claims."""
+
+    key: nacl.signing.SigningKey = field(default_factory=nacl.signing.SigningKey.generate)
+
+    @property
+    def uid(self) -> str:
+        return claims_mod.uid_of(bytes(self.key.verify_key))
+
+    def claim(self, cid: str, key: str, value: str | None, ts: int | None = None) -> dict[str, Any]:
+        return claims_mod.sign(self.key, cid, key, value, NOW_MS if ts is None else ts).wire()
+
+
+def settings_for(data_dir: Path, **overrides: Any) -> config.Settings:
+    return config.load(env={}, overrides={"data_dir": data_dir, **overrides})
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    """A started node on a fresh data directory (no HTTP server)."""
+    n = Node(settings_for(tmp_path / "data"))
+    await n.start()
+    await n.applier.wait_for(0, 10)
+    yield n
+    await n.stop()
+
+
+@pytest.fixture
+async def client(node: Node) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client speaking to the node's ASGI app in-process, with the API token set."""
+    transport = httpx.ASGITransport(app=create_app(node))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node",
+                                 headers={"Authorization": f"Bearer {node.token}"}) as c:
+        yield c
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A real `metanode serve` process (uvicorn) on a loopback port."""
+
+    data_dir: Path
+    port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        return (self.data_dir / "api-token").read_text().strip()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def start(self) -> Server:
+        env = {**os.environ, **self.env}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
+             "--port", str(self.port)],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"metanode serve exited with {self.proc.returncode}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("metanode serve did not come up in 30 s")
+
+    def stop(self, sig: int = 15) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    """A running real server on a fresh data directory; stopped (SIGTERM) afterwards."""
+    srv = Server(tmp_path / "data").start()
+    yield srv
+    srv.stop()

@@ -1,0 +1,222 @@
+"""The claim lifecycle over HTTP (in-process ASGI): verdicts, rejections, atomicity."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from metanode import cid as cids
+from metanode import truth
+from metanode.node import Node
+from tests.conftest import NOW_MS, Signer
+
+CID_A = cids.midhash_bytes(b"content a")
+CID_B = cids.midhash_bytes(b"content b")
+
+
+async def register(client: httpx.AsyncClient, signer: Signer, *, weight: int = 1,
+                   may_link: bool = False, name: str = "t") -> None:
+    response = await client.post("/api/signers", json={
+        "uid": signer.uid, "name": name, "weight": weight, "may_link": may_link})
+    assert response.status_code == 200, response.text
+
+
+async def post(client: httpx.AsyncClient, *claims: dict[str, Any]) -> httpx.Response:
+    return await client.post("/api/claims", json={"claims": list(claims)})
+
+
+def verdicts(response: httpx.Response) -> list[str]:
+    return [r["status"] for r in response.json()["results"]]
+
+
+async def db_bytes(node: Node) -> dict[str, bytes]:
+    """Every byte of both databases and their WALs, once the cache has caught up."""
+    assert await node.applier.wait_for(truth.max_seq(node.truth_reader), 10)
+    for writer in (node.truth_writer, node.cache_writer):
+        await writer.run(lambda conn: None)  # drain queued jobs
+    out = {}
+    for path in (node.settings.truth_path, node.settings.cache_path):
+        for suffix in ("", "-wal"):
+            file = Path(str(path) + suffix)
+            out[file.name] = file.read_bytes() if file.exists() else b""
+    return out
+
+
+@pytest.fixture
+def alice() -> Signer:
+    return Signer()
+
+
+async def test_accepted_then_duplicate_then_stale(client: httpx.AsyncClient, alice: Signer) -> None:
+    await register(client, alice)
+    first = alice.claim(CID_A, "title", "The Matrix", ts=NOW_MS)
+    response = await post(client, first)
+    assert response.status_code == 200
+    assert response.json() == {"results": [{"status": "accepted"}], "accepted": 1,
+                               "duplicate": 0, "stale": 0, "applied": True}
+    assert verdicts(await post(client, first)) == ["duplicate"]
+    older = alice.claim(CID_A, "title", "Old", ts=NOW_MS - 1)
+    assert verdicts(await post(client, older)) == ["stale"]
+    doc = (await client.get(f"/api/meta/{CID_A}")).json()
+    assert doc["metadata"]["title"] == "The Matrix"
+    assert doc["cid"] == CID_A and doc["canonical_cid"] == CID_A and doc["cids"] == [CID_A]
+
+
+async def test_newer_replaces_and_retraction_removes(client: httpx.AsyncClient,
+                                                    alice: Signer) -> None:
+    await register(client, alice)
+    await post(client, alice.claim(CID_A, "title", "One", ts=NOW_MS))
+    assert verdicts(await post(client, alice.claim(CID_A, "title", "Two", ts=NOW_MS + 1))) == [
+        "accepted"]
+    assert (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]["title"] == "Two"
+    assert verdicts(await post(client, alice.claim(CID_A, "title", None, ts=NOW_MS + 2))) == [
+        "accepted"]
+    assert "title" not in (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]
+    # the tombstone blocks replay of the older value
+    assert verdicts(await post(client, alice.claim(CID_A, "title", "Two", ts=NOW_MS + 1))) == [
+        "stale"]
+
+
+async def test_equal_ts_tie_break_smaller_signature_wins(client: httpx.AsyncClient,
+                                                        alice: Signer) -> None:
+    await register(client, alice)
+    one = alice.claim(CID_A, "title", "one", ts=NOW_MS)
+    two = alice.claim(CID_A, "title", "two", ts=NOW_MS)
+    raw = {c["value"]: cids_sig(c) for c in (one, two)}
+    winner, loser = sorted((one, two), key=lambda c: raw[c["value"]])
+    assert verdicts(await post(client, loser)) == ["accepted"]
+    assert verdicts(await post(client, winner)) == ["accepted"]
+    assert verdicts(await post(client, loser)) == ["stale"]
+    doc = (await client.get(f"/api/meta/{CID_A}")).json()
+    assert doc["metadata"]["title"] == winner["value"]
+
+
+def cids_sig(wire: dict[str, Any]) -> bytes:
+    from metanode.claims import decode_sig
+
+    return decode_sig(wire["sig"])
+
+
+@pytest.mark.parametrize(
+    ("mutate", "slug"),
+    [
+        (lambda c: {**c, "ts": NOW_MS + 3_600_000}, "ts_in_future"),
+        (lambda c: {**c, "sig": c["sig"][:-2] + ("AA" if c["sig"][-2:] != "AA" else "AQ")},
+         "bad_signature"),
+        (lambda c: {**c, "key": "filePath"}, "reserved_key"),
+        (lambda c: {**c, "cid": c["cid"].upper()}, "noncanonical_cid"),
+        (lambda c: {**c, "cid": "garbage"}, "invalid_cid"),
+        (lambda c: {**c, "uid": "z6Mkbogus"}, "invalid_uid"),
+        (lambda c: {**c, "key": "a//b"}, "invalid_key"),
+        (lambda c: {**c, "value": 5}, "invalid_value"),
+        (lambda c: {**c, "ts": 5}, "invalid_ts"),
+    ],
+)
+async def test_invalid_claim_rejects_whole_batch_and_writes_nothing(
+    client: httpx.AsyncClient, node: Node, alice: Signer, mutate: Any, slug: str
+) -> None:
+    await register(client, alice)
+    before = await db_bytes(node)
+    good = alice.claim(CID_A, "title", "fine")
+    response = await post(client, good, mutate(alice.claim(CID_B, "title", "bad")))
+    assert response.status_code == 400
+    body = response.json()
+    assert body["error"] == "invalid_batch" and body["retryable"] is False
+    assert [(i["index"], i["error"]) for i in body["items"]] == [(1, slug)]
+    assert await db_bytes(node) == before
+    assert (await client.get(f"/api/meta/{CID_A}")).status_code == 404
+
+
+async def test_unknown_and_blocked_signers_are_403(client: httpx.AsyncClient, node: Node,
+                                                   alice: Signer) -> None:
+    stranger = Signer()
+    response = await post(client, stranger.claim(CID_A, "title", "x"))
+    assert response.status_code == 403
+    assert response.json()["items"][0]["error"] == "unknown_signer"
+    await register(client, alice)
+    assert (await client.post(f"/api/signers/{alice.uid}/block")).json()["status"] == "blocked"
+    before = await db_bytes(node)
+    response = await post(client, alice.claim(CID_A, "title", "x"))
+    assert response.status_code == 403
+    assert response.json()["items"][0]["error"] == "blocked_signer"
+    assert await db_bytes(node) == before
+
+
+async def test_link_needs_may_link(client: httpx.AsyncClient, alice: Signer) -> None:
+    await register(client, alice, may_link=False)
+    response = await post(client, alice.claim(CID_A, f"cids/{CID_B}", "true"))
+    assert response.status_code == 403
+    assert response.json()["items"][0]["error"] == "link_not_permitted"
+
+
+async def test_oversize_batches_are_413(client: httpx.AsyncClient, alice: Signer) -> None:
+    await register(client, alice)
+    claim = alice.claim(CID_A, "title", "x")
+    response = await post(client, *([claim] * 1001))
+    assert response.status_code == 413 and response.json()["error"] == "too_large"
+    big = {"claims": [], "pad": "x" * (4 * 1024 * 1024)}
+    response = await client.post("/api/claims", json=big)
+    assert response.status_code == 413 and response.json()["error"] == "too_large"
+
+
+async def test_malformed_bodies(client: httpx.AsyncClient) -> None:
+    response = await client.post("/api/claims", content=b"{not json")
+    assert (response.status_code, response.json()["error"]) == (400, "invalid_json")
+    response = await client.post("/api/claims", json={"claim": []})
+    assert (response.status_code, response.json()["error"]) == (400, "invalid_request")
+    response = await client.post("/api/claims", json={"claims": ["nope"]})
+    assert response.json()["items"][0]["error"] == "invalid_claim"
+
+
+async def test_accept_unknown_signers_registers_them(tmp_path: Path) -> None:
+    from metanode.api import create_app
+    from tests.conftest import settings_for
+
+    node = Node(settings_for(tmp_path / "d", accept_unknown_signers=True))
+    await node.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(node))
+        async with httpx.AsyncClient(transport=transport, base_url="http://n",
+                                     headers={"Authorization": f"Bearer {node.token}"}) as c:
+            stranger = Signer()
+            assert verdicts(await post(c, stranger.claim(CID_A, "title", "x"))) == ["accepted"]
+            listed = (await c.get("/api/signers")).json()["signers"]
+            assert [s["uid"] for s in listed] == [stranger.uid]
+            # an unregistered signer still may not link
+            response = await post(c, Signer().claim(CID_A, f"cids/{CID_B}", "true"))
+            assert response.json()["items"][0]["error"] == "link_not_permitted"
+    finally:
+        await node.stop()
+
+
+async def test_perimeter(client: httpx.AsyncClient, node: Node) -> None:
+    anonymous = {"Authorization": ""}
+    for method, path in (("GET", "/api/signers"), ("POST", "/api/claims"),
+                         ("GET", "/api/hash-ids"), ("GET", "/api/metadata/x")):
+        response = await client.request(method, path, headers=anonymous)
+        assert (response.status_code, response.json()["error"]) == (401, "unauthorized")
+    assert (await client.get("/health", headers=anonymous)).status_code == 200
+    response = await client.get(f"/api/meta/{CID_A}",
+                                headers={**anonymous, "Origin": "http://elsewhere"})
+    assert response.json()["error"] == "unknown_cid"
+    assert response.headers["access-control-allow-origin"] == "*"
+
+
+async def test_lookup_spellings_and_alias(client: httpx.AsyncClient, alice: Signer) -> None:
+    await register(client, alice)
+    digest = hashlib.sha256(b"x").digest()
+    raw_spelling = cids.encode(cids.RAW, cids.SHA2_256, digest)
+    await post(client, alice.claim(raw_spelling, "title", "t"))
+    other = cids.alias(raw_spelling)
+    assert other is not None
+    doc = (await client.get(f"/api/meta/{other}")).json()
+    assert doc["cid"] == other and doc["metadata"]["title"] == "t"
+    from multiformats import CID
+
+    for spelling in (CID.decode(raw_spelling).encode("base58btc"), raw_spelling.upper()):
+        response = await client.get(f"/api/meta/{spelling}")
+        assert response.status_code == 200 and response.json()["cid"] == raw_spelling
