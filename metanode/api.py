@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from metanode import sse
 from metanode.errors import (
     InvalidJson,
     InvalidRequest,
@@ -41,7 +43,8 @@ MAX_PAGE = 1000
 
 
 def error_response(exc: MetanodeError) -> JSONResponse:
-    return JSONResponse(exc.envelope(), status_code=exc.status)
+    headers = {"Retry-After": "1"} if exc.retryable and exc.status == 503 else None
+    return JSONResponse(exc.envelope(), status_code=exc.status, headers=headers)
 
 
 class Perimeter:
@@ -145,6 +148,14 @@ def create_app(node: Node) -> Starlette:
     async def unblock(request: Request) -> Response:
         return JSONResponse(await node.set_signer_status(request.path_params["uid"], "active"))
 
+    async def events(request: Request) -> Response:
+        q = request.query_params
+        cursor = request.headers.get("last-event-id") or q.get("since")
+        where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
+        subscription = node.subscribe(cursor, q.get("snapshot") in ("1", "true"), where)
+        return EventSourceResponse(subscription.stream(), ping=0, sep=sse.SEP,
+                                   headers={"Cache-Control": "no-cache"})
+
     async def health(request: Request) -> Response:
         return JSONResponse(node.health())
 
@@ -176,6 +187,7 @@ def create_app(node: Node) -> Starlette:
         Route("/api/signers", signers, methods=["GET", "POST"]),
         Route("/api/signers/{uid}/block", block, methods=["POST"]),
         Route("/api/signers/{uid}/unblock", unblock, methods=["POST"]),
+        Route("/api/events", events),
         Route("/health", health),
     ]
     middleware = [

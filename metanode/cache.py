@@ -220,14 +220,7 @@ def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event
     return state.feed_seq + len(events)
 
 
-@dataclass(frozen=True)
-class Applied:
-    applied_seq: int
-    first_feed_seq: int
-    last_feed_seq: int
-
-
-def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> Applied:
+def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
     """Apply every outbox change after the stored seq, in one cache transaction.
 
     The truth is read in one snapshot, so the changes and the state they are recomputed from
@@ -238,7 +231,7 @@ def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> Applied:
     with snapshot(source):
         changes = truth.changes_after(source, state.applied_seq)
         if not changes:
-            return Applied(state.applied_seq, state.feed_seq + 1, state.feed_seq)
+            return state
         work = plan(source, changes)
         signers = truth.merge_signers(source)
         events = [event for loser in work.losers for event in drop(cache, loser)]
@@ -246,7 +239,19 @@ def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> Applied:
             events += refresh(cache, source, rid, work.scopes[rid], signers)
     last = _append_feed(cache, state, events)
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
-    return Applied(changes[-1].seq, state.feed_seq + 1, last)
+    return State(state.epoch, changes[-1].seq, last)
+
+
+def prune_feed_txn(cache: sqlite3.Connection, keep_events: int, older_than_ms: int) -> int:
+    """Retention: drop feed events beyond the newest `keep_events` or older than a cutoff.
+
+    The counter in `state` is untouched, so seqs are never reused; a subscriber that needed a
+    pruned event notices the hole and gets a gap and a snapshot.
+    """
+    head = read_state(cache).feed_seq
+    cursor = cache.execute("DELETE FROM feed WHERE seq <= ? OR at < ?",
+                           (head - keep_events, older_than_ms))
+    return cursor.rowcount
 
 
 def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -340,7 +341,10 @@ def midhash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
     try:
         fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise MidhashError(f"{name!r} is not a regular file")
+            size = info.st_size
             want = min(size, MIDHASH_SAMPLE)
             sample = _read_exactly(fd, want, midhash_offset(size))
         finally:

@@ -212,6 +212,9 @@ def parse(obj: object, now_ms: int, limits: Limits = Limits()) -> Claim:
     extra = set(obj) - set(WIRE_FIELDS)
     if extra:
         raise InvalidClaim(f"unknown claim field(s): {', '.join(sorted(map(str, extra)))}")
+    missing = [name for name in WIRE_FIELDS if name not in obj]
+    if missing:  # a retraction says "value": null; a missing value is a mistake, not a tombstone
+        raise InvalidClaim(f"missing claim field(s): {', '.join(missing)}")
     uid, cid = obj.get("uid"), obj.get("cid")
     public_key(uid)
     cids.require_canonical(cid)  # type: ignore[arg-type]  # rejects non-strings too

@@ -6,8 +6,10 @@ error slug on stderr).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import signal
 import sys
 import tempfile
 import time
@@ -220,8 +222,12 @@ def serve(config_file: str | None, data_dir: str | None, host: str | None,
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(node.Node(settings))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=10)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
+    # that was installed before it: make that handler a clean exit (status 0), not a kill.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                    timeout_graceful_shutdown=10)
 
 
 @main.group()
@@ -349,3 +355,46 @@ def check(config_file: str | None, data_dir: str | None) -> None:
                f"{'clean' if report.clean else 'MISMATCH'}")
     if not report.clean:
         sys.exit(1)
+
+
+@main.command()
+@_client_options
+@click.option("--token", envvar="METANODE_TOKEN", required=True,
+              help="API token (or METANODE_TOKEN).")
+@click.option("--since", default=None, help="Resume after this event id (<epoch>-<seq>).")
+@click.option("--snapshot", is_flag=True, help="Start with every current record.")
+@click.option("--prefix", multiple=True, help="Only keys starting with this (repeatable).")
+@click.option("--rid", "rid_values", multiple=True, help="Only this record (repeatable).")
+def events(url: str, token: str, since: str | None, snapshot: bool, prefix: tuple[str, ...],
+           rid_values: tuple[str, ...]) -> None:
+    """Follow the change feed, one line per event: `<id> <event> <json>`. Ctrl-C stops."""
+    params: list[tuple[str, str | int | float | bool | None]] = [("prefix", p) for p in prefix]
+    params += [("rid", r) for r in rid_values]
+    if since:
+        params.append(("since", since))
+    if snapshot:
+        params.append(("snapshot", "1"))
+    headers = {"Authorization": f"Bearer {token}"}
+    try:
+        with httpx.stream("GET", f"{url}/api/events", params=params, headers=headers,
+                          timeout=httpx.Timeout(10, read=None)) as response:
+            if response.status_code != 200:
+                response.read()
+                _print_response(response)
+            for frame in parse_frames(response.iter_lines()):
+                click.echo(frame)
+    except KeyboardInterrupt:
+        pass
+
+
+def parse_frames(lines: Iterator[str]) -> Iterator[str]:
+    """`<id or -> <event> <data>` per SSE frame; comments (keep-alives) are skipped."""
+    fields: dict[str, str] = {}
+    for line in lines:
+        if line == "":
+            if "data" in fields:
+                yield f"{fields.get('id', '-')} {fields.get('event', 'message')} {fields['data']}"
+            fields = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            fields[name] = value[1:] if value.startswith(" ") else value

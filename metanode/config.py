@@ -41,6 +41,11 @@ class Settings:
         5.0, "How long POST /api/claims waits for the cache before answering 202.")
     apply_poll_s: float = setting(
         1.0, "How often the applier looks for truth changes made by other processes (the CLI).")
+    feed_keep_alive_s: float = setting(
+        15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment.")
+    feed_retention_events: int = setting(100_000, "The feed keeps at most the newest N events.")
+    feed_retention_days: float = setting(7.0, "The feed keeps no event older than this.")
+    feed_prune_s: float = setting(60.0, "How often retention is enforced, in seconds.")
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     test_fault: str = setting(
         "", "Test-only fault point: `crash_after_truth_commit` exits the process there.")

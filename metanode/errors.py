@@ -131,6 +131,12 @@ class InvalidRequest(RequestError):
     slug = "invalid_request"
 
 
+class InvalidCursor(RequestError):
+    """A feed cursor (`Last-Event-ID`, `?since=`) that is not `<epoch>-<seq>`."""
+
+    slug = "invalid_cursor"
+
+
 class InvalidBatch(RequestError):
     """At least one claim of a batch failed; `items` lists each failure and nothing was written."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, db, merge, truth
+from metanode import cache, claims, db, feed, merge, sse, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.config import Settings
@@ -107,6 +107,16 @@ class Applier:
                 return False
         return True
 
+    async def wait_feed(self, position: int, epoch: int, timeout: float) -> bool:
+        """Wait until the feed has an event after `position` (or a new epoch); False on timeout."""
+        async with self._applied:
+            try:
+                await asyncio.wait_for(self._applied.wait_for(
+                    lambda: self.state.feed_seq > position or self.state.epoch != epoch), timeout)
+            except TimeoutError:
+                return False
+        return True
+
     async def _run(self) -> None:
         await self._build_if_needed()
         backoff = 0.1
@@ -115,7 +125,7 @@ class Applier:
                 await asyncio.wait_for(self._wake.wait(), self._poll_s)
             self._wake.clear()
             try:
-                applied = await self._writer.run(cache.apply_txn, self._source)
+                state = await self._writer.run(cache.apply_txn, self._source)
             except Exception:
                 log.exception("applying truth changes to the cache failed; retrying")
                 self.degraded = True
@@ -124,8 +134,7 @@ class Applier:
                 self._wake.set()
                 continue
             self.degraded, backoff = False, 0.1
-            await self._publish(cache.State(self.state.epoch, applied.applied_seq,
-                                            applied.last_feed_seq))
+            await self._publish(state)
 
     async def _build_if_needed(self) -> None:
         truth_seq = truth.max_seq(self._source)
@@ -179,15 +188,39 @@ class Node:
         self.applier = Applier(self.cache_writer, self.settings.truth_path,
                                self.settings.apply_poll_s)
         self.applier.start()
+        self._pruner = asyncio.create_task(self._prune_feed(), name="feed-retention")
 
     async def stop(self) -> None:
         """Finish queued writes, stop the applier, close everything."""
+        self._pruner.cancel()
+        await asyncio.gather(self._pruner, return_exceptions=True)
         await asyncio.to_thread(self.truth_writer.close)
         await self.applier.stop()
         await asyncio.to_thread(self.cache_writer.close)
         self.truth_reader.close()
         self.cache_reader.close()
         self._verify_pool.shutdown()
+
+    async def _prune_feed(self) -> None:
+        """Enforce feed retention in the background, from start and then periodically."""
+        keep = self.settings.feed_retention_events
+        window_ms = int(self.settings.feed_retention_days * 86_400_000)
+        while True:
+            try:
+                await self.cache_writer.run(cache.prune_feed_txn, keep, now_ms() - window_ms)
+            except Exception:
+                log.exception("feed retention failed; will retry")
+            await asyncio.sleep(self.settings.feed_prune_s)
+
+    # -- feed -----------------------------------------------------------------------------------
+
+    def subscribe(self, cursor: str | None, snapshot: bool, where: sse.Filter) -> feed.Subscription:
+        """A feed subscription from a `Last-Event-ID`/`?since=` cursor (SPEC §5)."""
+        self._require_ready()
+        return feed.Subscription(
+            self.cache_reader, self.settings.cache_path, lambda: self.applier.state,
+            self.applier.wait_feed, sse.parse_cursor(cursor), snapshot, where,
+            self.settings.feed_keep_alive_s)
 
     # -- ingest ---------------------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ def encode(value: int) -> str:
 
 def decode(text: str) -> int:
     """The 128-bit integer of a rid spelling (case-insensitive); raises `InvalidRid`."""
-    upper = text.upper() if isinstance(text, str) else ""
+    # ASCII first: str.upper() maps some other letters onto the alphabet ("ß" → "SS", "ſ" → "S").
+    upper = text.upper() if isinstance(text, str) and text.isascii() else ""
     if len(upper) != LENGTH or upper[0] > "7" or any(ch not in _DECODE for ch in upper):
         raise InvalidRid(f"not a rid: {text!r}")
     value = 0
@@ -98,7 +99,9 @@ class Minter:
                 value = _compose(now, secrets.randbits(_RAND_BITS - 1))
             elif last_counter < _RAND_MASK:
                 value = _compose(last_ms, last_counter + 1)
-            else:
+            elif last_ms < _MAX_MS:
                 value = _compose(last_ms + 1, 0)  # counter exhausted: borrow the next millisecond
+            else:
+                raise RuntimeError("rid space exhausted: the clock is past the year 10889")
             self._last = value
             return encode(value)

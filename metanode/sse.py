@@ -1,0 +1,81 @@
+"""The change feed's wire form, pure: event framing, cursors and filters (SPEC §5).
+
+Framing is sse-starlette's `ServerSentEvent.encode` with `\\n` line ends; every event's data is
+one line of compact JSON (JSON escapes newlines inside strings, so no value can break a frame).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sse_starlette import ServerSentEvent
+
+from metanode import rid as rids
+from metanode.errors import InvalidCursor
+
+SEP = "\n"
+KEEP_ALIVE = "keep-alive"
+_CURSOR = re.compile(r"(\d{1,19})-(\d{1,19})")
+
+
+def event(kind: str, data: dict[str, Any], event_id: str | None = None) -> ServerSentEvent:
+    """One feed event: `set`, `del`, `gap` or `synced`, data as compact JSON."""
+    payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return ServerSentEvent(data=payload, event=kind, id=event_id, sep=SEP)
+
+
+def keep_alive() -> ServerSentEvent:
+    """The comment sent after a silence, so proxies and clients know the stream is alive."""
+    return ServerSentEvent(comment=KEEP_ALIVE, sep=SEP)
+
+
+def change(epoch: int, seq: int, rid: str, op: str, key: str, value: str | None) -> ServerSentEvent:
+    """A feed row as an event: `set` carries the value, `del` does not."""
+    data: dict[str, Any] = {"rid": rid, "key": key}
+    if op == "set":
+        data["value"] = value
+    return event(op, data, event_id(epoch, seq))
+
+
+def event_id(epoch: int, seq: int) -> str:
+    return f"{epoch}-{seq}"
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A resume point: the id of the last event a client saw."""
+
+    epoch: int
+    seq: int
+    text: str
+
+
+def parse_cursor(text: str | None) -> Cursor | None:
+    """`<epoch>-<seq>` from `Last-Event-ID` or `?since=`; None if absent, else `invalid_cursor`."""
+    if text is None or text == "":
+        return None
+    match = _CURSOR.fullmatch(text.strip())
+    if match is None:
+        raise InvalidCursor(f"cursor {text!r} is not <epoch>-<seq>")
+    return Cursor(int(match.group(1)), int(match.group(2)), text.strip())
+
+
+@dataclass(frozen=True)
+class Filter:
+    """`?rid=` and `?prefix=` (each repeatable): an event passes if it matches both kinds."""
+
+    rids: frozenset[str] = frozenset()
+    prefixes: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, rid_values: Iterable[str], prefixes: Iterable[str]) -> Filter:
+        return cls(frozenset(rids.parse(r) for r in rid_values), tuple(prefixes))
+
+    def matches(self, rid: str, key: str) -> bool:
+        if self.rids and rid not in self.rids:
+            return False
+        return not self.prefixes or key.startswith(self.prefixes)

@@ -1,0 +1,282 @@
+"""The command line (SPEC §8): cid midhash/parse/rank, keygen, claim sign/verify."""
+
+from __future__ import annotations
+
+import json
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+from multiformats import CID
+
+from metanode import cid as cids
+from metanode import claims, keys
+from metanode.cli import main
+from tests.conftest import load_vectors
+
+MIDHASH: dict[str, Any] = load_vectors("midhash.json")
+RANK_VECTORS: list[dict[str, Any]] = load_vectors("cid-rank-vectors.json")["vectors"]
+CLAIM_VECTORS: list[dict[str, Any]] = load_vectors("claims.json")["vectors"]
+
+MIDHASH_CID = MIDHASH["raw_codec_alias_example"]["codec_eq_mh"]  # midhash of the empty file
+MIDHASH_RAW = MIDHASH["raw_codec_alias_example"]["raw_codec"]
+TARGET = "bagacbabaea6gwjljwuu3cyxlrwwxgnmlfwd2gfshoi6mrtxysc4mnahe2hsqu"
+TS = 1_764_500_000_000
+
+
+def run(*args: str, stdin: str | None = None) -> Result:
+    return CliRunner().invoke(main, list(args), input=stdin)
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    path = tmp_path / "signer.key"
+    result = run("keygen", "--out", str(path))
+    assert result.exit_code == 0, result.output
+    return path
+
+
+def sign(key_file: Path, *extra: str) -> dict[str, Any]:
+    result = run("claim", "sign", "--key", str(key_file), "--cid", TARGET, *extra)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1
+    parsed: dict[str, Any] = json.loads(lines[0])
+    return parsed
+
+
+# -- cid -----------------------------------------------------------------------------------------
+
+
+def test_cid_midhash_prints_cid_and_path(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    abc = tmp_path / "abc.txt"
+    abc.write_bytes(b"abc")
+    counting = tmp_path / "counting.bin"
+    counting.write_bytes(bytes(range(256)) * 16)  # the small-4KiB vector
+    result = run("cid", "midhash", str(empty), str(abc), str(counting))
+    assert result.exit_code == 0, result.output
+    expected = {v["name"]: v["cid"] for v in MIDHASH["vectors"]}
+    assert result.stdout.splitlines() == [
+        f"{expected['empty']}  {empty}",
+        f"{expected['literal-abc']}  {abc}",
+        f"{expected['small-4KiB']}  {counting}",
+    ]
+
+
+def test_cid_midhash_missing_file_is_an_error(tmp_path: Path) -> None:
+    result = run("cid", "midhash", str(tmp_path / "absent.bin"))
+    assert result.exit_code == 2
+    assert "midhash_failed" in result.stderr
+
+
+def test_cid_midhash_directory_is_refused(tmp_path: Path) -> None:
+    result = run("cid", "midhash", str(tmp_path))
+    assert result.exit_code == 2
+    assert result.stdout == ""
+
+
+def test_cid_midhash_needs_a_file() -> None:
+    assert run("cid", "midhash").exit_code == 2
+
+
+def test_cid_parse_prints_json() -> None:
+    result = run("cid", "parse", MIDHASH_CID)
+    assert result.exit_code == 0, result.output
+    view = json.loads(result.stdout)
+    assert view["canonical"] == MIDHASH_CID
+    assert view["rank"] == 10
+    assert view["alias"] == MIDHASH_RAW
+    assert view["version"] == 1
+    assert view["codec"] == view["multihash"] == 0x1000
+    assert view["codec_hex"] == view["multihash_hex"] == "0x1000"
+    assert len(bytes.fromhex(view["digest_hex"])) == 32
+
+
+def test_cid_parse_normalises_other_spellings() -> None:
+    sha = "bafkreibjb5etyrhv2y6qnm3u2cs2xuus7lryxewkwl5ol37p4gyosnd7ky"
+    result = run("cid", "parse", CID.decode(sha).encode("base58btc"))
+    assert result.exit_code == 0, result.output
+    view = json.loads(result.stdout)
+    assert view["canonical"] == sha
+    assert view["rank"] == 30
+    assert view["alias"] == cids.alias(sha)
+    assert view["alias"].startswith("baejbei")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["garbage", "midhash256:" + MIDHASH_CID, ""],
+    ids=["garbage", "token-form", "empty"],
+)
+def test_cid_parse_invalid(value: str) -> None:
+    result = run("cid", "parse", value)
+    assert result.exit_code == 2
+    assert "invalid_cid" in result.stderr
+    assert result.stdout == ""
+
+
+def test_cid_rank_orders_best_first() -> None:
+    given = ["not-a-cid", TARGET, "bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+             "bagbcbaraeaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+             "bafybeiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+             "bagasbajacqaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"]
+    result = run("cid", "rank", *given)
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert rows == [
+        ["40", "bafybeiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"],
+        ["30", "bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"],
+        ["20", "bagasbajacqaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"],  # tie: smaller string first
+        ["20", "bagbcbaraeaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"],
+        ["10", TARGET],
+        ["0", "not-a-cid"],
+    ]
+
+
+def test_cid_rank_of_every_fixture_vector() -> None:
+    values = [v["cid"] for v in RANK_VECTORS if v["cid"]]  # "" cannot be an argument here
+    result = run("cid", "rank", *values)
+    assert result.exit_code == 0, result.output
+    rank_of = {v["cid"]: v["rank"] for v in RANK_VECTORS}
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert [row[1] for row in rows] == sorted(values, key=lambda c: (-rank_of[c], c))
+    assert all(int(row[0]) == rank_of[row[1]] for row in rows)
+
+
+# -- keygen --------------------------------------------------------------------------------------
+
+
+def test_keygen_writes_an_owner_only_key(tmp_path: Path) -> None:
+    path = tmp_path / "me.key"
+    result = run("keygen", "--out", str(path))
+    assert result.exit_code == 0, result.output
+    uid = result.stdout.strip()
+    assert uid.startswith("z6Mk")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert keys.uid_of_key(keys.load(path)) == uid
+    assert bytes(claims.public_key(uid)) == bytes(keys.load(path).verify_key)
+
+
+def test_keygen_refuses_to_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "me.key"
+    assert run("keygen", "--out", str(path)).exit_code == 0
+    before = path.read_bytes()
+    result = run("keygen", "--out", str(path))
+    assert result.exit_code != 0
+    assert "already exists" in result.output
+    assert path.read_bytes() == before
+
+
+def test_keygen_needs_out() -> None:
+    assert run("keygen").exit_code == 2
+
+
+# -- claim sign / verify -------------------------------------------------------------------------
+
+
+def test_sign_then_verify(key_file: Path) -> None:
+    signed = sign(key_file, "--key-name", "title", "--value", "The Matrix", "--ts", str(TS))
+    assert signed["uid"] == keys.uid_of_key(keys.load(key_file))
+    assert signed["cid"] == TARGET
+    assert (signed["key"], signed["value"], signed["ts"]) == ("title", "The Matrix", TS)
+    assert len(signed["sig"]) == 86
+    result = run("claim", "verify", stdin=json.dumps(signed) + "\n")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == ["ok"]
+
+
+def test_sign_defaults_to_now(key_file: Path) -> None:
+    before = time.time_ns() // 1_000_000
+    signed = sign(key_file, "--key-name", "year", "--value", "1999")
+    after = time.time_ns() // 1_000_000
+    assert before <= signed["ts"] <= after
+    assert run("claim", "verify", stdin=json.dumps(signed)).exit_code == 0
+
+
+def test_sign_keeps_unicode_readable(key_file: Path) -> None:
+    signed = sign(key_file, "--key-name", "titles/jpn", "--value", "マトリックス", "--ts", str(TS))
+    assert signed["value"] == "マトリックス"
+    assert run("claim", "verify", stdin=json.dumps(signed, ensure_ascii=False)).exit_code == 0
+
+
+def test_tampered_claim_fails(key_file: Path) -> None:
+    signed = sign(key_file, "--key-name", "title", "--value", "The Matrix", "--ts", str(TS))
+    tampered = {**signed, "value": "The Matrix Reloaded"}
+    result = run("claim", "verify", stdin=json.dumps(tampered))
+    assert result.exit_code == 1
+    assert result.stdout.startswith("bad_signature")
+
+
+def test_verify_reports_each_claim(key_file: Path) -> None:
+    good = sign(key_file, "--key-name", "title", "--value", "x", "--ts", str(TS))
+    bad = {**good, "ts": TS + 1}
+    result = run("claim", "verify", stdin=json.dumps([good, bad, good, {"uid": 1}]))
+    assert result.exit_code == 1
+    lines = result.stdout.splitlines()
+    assert lines[0] == "ok"
+    assert lines[1].startswith("bad_signature:")
+    assert lines[2] == "ok"
+    assert lines[3].startswith("invalid_claim:")
+
+
+def test_verify_the_vectors_as_json_lines() -> None:
+    text = "\n".join(json.dumps(v["claim"]) for v in CLAIM_VECTORS) + "\n\n"
+    result = run("claim", "verify", stdin=text)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == ["ok"] * len(CLAIM_VECTORS)
+
+
+def test_sign_retract(key_file: Path) -> None:
+    signed = sign(key_file, "--key-name", "title", "--retract", "--ts", str(TS))
+    assert signed["value"] is None
+    assert run("claim", "verify", stdin=json.dumps(signed)).stdout.strip() == "ok"
+
+
+def test_value_and_retract_together_is_a_usage_error(key_file: Path) -> None:
+    result = run("claim", "sign", "--key", str(key_file), "--cid", TARGET, "--key-name", "title",
+                 "--value", "x", "--retract")
+    assert result.exit_code == 2
+    assert "--retract" in result.output
+    assert result.stdout == ""
+
+
+def test_neither_value_nor_retract_is_a_usage_error(key_file: Path) -> None:
+    result = run("claim", "sign", "--key", str(key_file), "--cid", TARGET, "--key-name", "title")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+
+
+def test_sign_validates_before_printing(key_file: Path) -> None:
+    base58 = CID.decode(TARGET).encode("base58btc")
+    result = run("claim", "sign", "--key", str(key_file), "--cid", base58, "--key-name", "title",
+                 "--value", "x")
+    assert result.exit_code == 2
+    assert "noncanonical_cid" in result.stderr
+    assert TARGET in result.stderr
+    assert result.stdout == ""
+    reserved = run("claim", "sign", "--key", str(key_file), "--cid", TARGET, "--key-name",
+                   "filePath", "--value", "/x")
+    assert reserved.exit_code == 2
+    assert "reserved_key" in reserved.stderr
+
+
+def test_sign_with_a_broken_key_file(tmp_path: Path) -> None:
+    path = tmp_path / "broken.key"
+    path.write_text("{not json")
+    result = run("claim", "sign", "--key", str(path), "--cid", TARGET, "--key-name", "title",
+                 "--value", "x")
+    assert result.exit_code == 2
+    assert "invalid_key_file" in result.stderr
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2", '{"uid": 1}\nnope\n'],
+                         ids=["object", "array", "second-line"])
+def test_verify_invalid_json(text: str) -> None:
+    result = run("claim", "verify", stdin=text)
+    assert result.exit_code == 2
+    assert "invalid_json" in result.stderr
