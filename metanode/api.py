@@ -156,6 +156,10 @@ def create_app(node: Node) -> Starlette:
         return EventSourceResponse(subscription.stream(), ping=0, sep=sse.SEP,
                                    headers={"Cache-Control": "no-cache"})
 
+    async def files(request: Request) -> Response:
+        q = request.query_params
+        return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
+
     async def health(request: Request) -> Response:
         return JSONResponse(node.health())
 
@@ -188,6 +192,7 @@ def create_app(node: Node) -> Starlette:
         Route("/api/signers/{uid}/block", block, methods=["POST"]),
         Route("/api/signers/{uid}/unblock", unblock, methods=["POST"]),
         Route("/api/events", events),
+        Route("/api/files", files),
         Route("/health", health),
     ]
     middleware = [

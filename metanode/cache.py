@@ -274,6 +274,70 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
     return state
 
 
+# -- local files (the watcher) ------------------------------------------------------------------
+
+
+def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
+              upserts: Sequence[merge.LocalFile], removals: Sequence[str]) -> State:
+    """Record what the disk holds and recompute the local keys it changes, in one transaction.
+
+    `removals` are paths of files or folders (every row under a folder goes). Both the old and the
+    new midhash of each touched path have their `filePath`/`fileSize`/`mtimeNano` recomputed, so
+    a rename (a removal and an upsert of the same content in one call) is one `set` of
+    `filePath`, and replacing a file's content moves the path from one record to the other. The
+    midhashes' groups must exist in the truth already (`truth.ensure_groups_txn`).
+    """
+    touched: set[str] = set()
+    for path in removals:
+        rows = cache.execute(
+            "SELECT path, midhash FROM local_file WHERE path = ? OR substr(path, 1, ?) = ?",
+            (path, len(path) + 1, path.rstrip("/") + "/")).fetchall()
+        for row_path, midhash in rows:
+            touched.add(midhash)
+            cache.execute("DELETE FROM local_file WHERE path = ?", (row_path,))
+    for file in upserts:
+        old = cache.execute("SELECT midhash FROM local_file WHERE path = ?",
+                            (file.path,)).fetchone()
+        if old is not None:
+            touched.add(old[0])
+        touched.add(file.midhash)
+        cache.execute(
+            "INSERT INTO local_file (path, midhash, size, mtime_ns) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (path) DO UPDATE SET midhash = excluded.midhash, size = excluded.size, "
+            "mtime_ns = excluded.mtime_ns", (file.path, file.midhash, file.size, file.mtime_ns))
+    state = read_state(cache)
+    events: list[Event] = []
+    with snapshot(source):
+        rids = {truth.group_of(source, midhash) for midhash in touched}
+        for rid in sorted(r for r in rids if r is not None):
+            events += refresh(cache, source, rid, _Scope(group=True), {})
+    last = _append_feed(cache, state, events)
+    _set_state(cache, feed_seq=last)
+    return State(state.epoch, state.applied_seq, last)
+
+
+def local_stats(conn: sqlite3.Connection, under: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """path → (size, mtime_ns) of every local file row below the given folders."""
+    out: dict[str, tuple[int, int]] = {}
+    for root in under:
+        prefix = root.rstrip("/") + "/"
+        out.update((path, (size, mtime)) for path, size, mtime in conn.execute(
+            "SELECT path, size, mtime_ns FROM local_file WHERE substr(path, 1, ?) = ?",
+            (len(prefix), prefix)))
+    return out
+
+
+def files(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list[dict[str, Any]]:
+    """A page of local files with their midhash and current rid (GET /api/files)."""
+    rows = conn.execute(
+        "SELECT f.path, f.midhash, f.size, f.mtime_ns, i.rid FROM local_file f "
+        "LEFT JOIN cid_index i ON i.cid = f.midhash "
+        "WHERE f.path > ? AND substr(f.path, 1, ?) = ? ORDER BY f.path LIMIT ?",
+        (after, len(prefix), prefix, limit))
+    return [{"path": p, "midhash": m, "size": s, "mtimeNano": str(t), "rid": r}
+            for p, m, s, t, r in rows]
+
+
 # -- reads for the API --------------------------------------------------------------------------
 
 

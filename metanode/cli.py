@@ -6,6 +6,7 @@ error slug on stderr).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -22,7 +23,7 @@ import click
 import httpx
 
 from metanode import cid as cids
-from metanode import claims, config, db, keys, node, truth
+from metanode import claims, config, db, keys, node, truth, watcher
 from metanode.errors import InvalidJson, MetanodeError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -398,3 +399,47 @@ def parse_frames(lines: Iterator[str]) -> Iterator[str]:
         elif not line.startswith(":"):
             name, _, value = line.partition(":")
             fields[name] = value[1:] if value.startswith(" ") else value
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True,
+                type=click.Path(exists=True, file_okay=False))
+@settings_options
+@reports_errors
+def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) -> None:
+    """Reconcile PATHS with the data directory once: hash new and changed files, drop vanished
+    ones, update their records; with a progress bar. Works whether or not the server runs."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    settings = load_settings(config_file, data_dir=data_dir, watch_enabled=False)
+
+    async def run() -> watcher.Summary:
+        the_node = node.Node(settings)
+        await the_node.start()
+        try:
+            with Progress("[progress.description]{task.description}", BarColumn(),
+                          MofNCompleteColumn(), DownloadColumn(), TransferSpeedColumn(),
+                          TimeRemainingColumn(), transient=True) as bar:
+                files_task = bar.add_task("files", total=None)
+                bytes_task = bar.add_task("bytes", total=None)
+
+                def report(files: int, size: int, total_files: int, total_size: int) -> None:
+                    bar.update(files_task, completed=files, total=total_files)
+                    bar.update(bytes_task, completed=size, total=total_size)
+
+                return await the_node.scan(paths, progress=report)
+        finally:
+            await the_node.stop()
+
+    summary = asyncio.run(run())
+    click.echo(f"{summary.seen} files seen: {summary.hashed} hashed, {summary.unchanged} "
+               f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable")
+    for path in summary.failed:
+        click.echo(f"unreadable: {path}", err=True)

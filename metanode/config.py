@@ -46,6 +46,17 @@ class Settings:
     feed_retention_events: int = setting(100_000, "The feed keeps at most the newest N events.")
     feed_retention_days: float = setting(7.0, "The feed keeps no event older than this.")
     feed_prune_s: float = setting(60.0, "How often retention is enforced, in seconds.")
+    watch_enabled: bool = setting(True, "Run the watcher inside `metanode serve`.")
+    watch_roots: tuple[str, ...] = setting(
+        ("./media",), "Folders to watch (created if missing); in the environment, `:`-separated.")
+    watch_ignore: tuple[str, ...] = setting(
+        (), "Extra name or path globs to ignore (comma-separated in the environment).")
+    watch_follow_symlinks: bool = setting(False, "Follow symbolic links to files and folders.")
+    watch_settle_s: float = setting(
+        2.0, "A file is hashed once its size and mtime stayed unchanged this long.")
+    watch_rescan_s: float = setting(
+        600.0, "Full rescan period, for network mounts and missed events (0: never).")
+    watch_hash_workers: int = setting(2, "Files hashed at once, off the event loop.")
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     test_fault: str = setting(
         "", "Test-only fault point: `crash_after_truth_commit` exits the process there.")
@@ -83,11 +94,25 @@ def _convert(name: str, raw: Any) -> Any:
             return text in ("1", "true", "yes", "on")
         if kind is Path:
             return Path(str(raw))
+        if kind is tuple:
+            return _as_tuple(name, raw)
         if kind is int and isinstance(raw, float):
             raise ValueError(raw)
         return kind(raw)
     except (TypeError, ValueError):
         raise InvalidRequest(f"setting {name}: {raw!r} is not a valid {kind.__name__}") from None
+
+
+_LIST_SEPARATORS = {"watch_roots": os.pathsep, "watch_ignore": ","}
+
+
+def _as_tuple(name: str, raw: Any) -> tuple[str, ...]:
+    """A list setting from a TOML array, or from an environment string split on its separator."""
+    if isinstance(raw, str):
+        return tuple(part for part in raw.split(_LIST_SEPARATORS[name]) if part)
+    if isinstance(raw, list | tuple) and all(isinstance(item, str) for item in raw):
+        return tuple(raw)
+    raise ValueError(raw)
 
 
 def load(

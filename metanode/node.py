@@ -15,11 +15,12 @@ import os
 import secrets
 import sqlite3
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, db, feed, merge, sse, truth
+from metanode import cache, claims, db, feed, merge, sse, truth, watcher
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.config import Settings
@@ -145,9 +146,17 @@ class Applier:
         await self._publish(self.state)
 
     async def _publish(self, state: cache.State) -> None:
+        """Make a committed cache state visible; never step back (two transactions' answers may
+        arrive out of order)."""
         async with self._applied:
-            self.state = state
+            mark = (state.epoch, state.feed_seq, state.applied_seq)
+            if mark > (self.state.epoch, self.state.feed_seq, self.state.applied_seq):
+                self.state = state
             self._applied.notify_all()
+
+    async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
+        """The watcher's results: local_file rows and local keys, in one cache transaction."""
+        await self._publish(await self._writer.run(cache.local_txn, self._source, files, removals))
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -189,9 +198,37 @@ class Node:
                                self.settings.apply_poll_s)
         self.applier.start()
         self._pruner = asyncio.create_task(self._prune_feed(), name="feed-retention")
+        self.watcher: watcher.Watcher | None = None
+        if self.settings.watch_enabled:
+            self.watcher = self._make_watcher(self.settings.watch_roots)
+            self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
+
+    def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
+        s = self.settings
+        return watcher.Watcher(
+            roots, watcher.Rules(s.watch_ignore, s.watch_follow_symlinks), s.watch_settle_s,
+            s.watch_rescan_s, s.watch_hash_workers, self.ensure_groups, self.applier.apply_local,
+            lambda under: cache.local_stats(self.cache_reader, under))
+
+    async def ensure_groups(self, midhashes: Sequence[str]) -> None:
+        """Mint groups for midhashes the truth has not seen (the watcher, before `apply_local`)."""
+        await self.truth_writer.run(truth.ensure_groups_txn, midhashes, self.minter, now_ms())
+        self.applier.wake()
+
+    async def scan(self, roots: Sequence[str],
+                   progress: watcher.Progress | None = None) -> watcher.Summary:
+        """`metanode scan`: one reconciliation of `roots`, without settling, then wait for the
+        cache."""
+        summary = await self._make_watcher(roots).reconcile(roots, settle=False,
+                                                             progress=progress)
+        await self._settled()
+        return summary
 
     async def stop(self) -> None:
-        """Finish queued writes, stop the applier, close everything."""
+        """Stop watching, finish queued writes, stop the applier, close everything."""
+        if self.watcher is not None:
+            self.watcher.stop()
+            await asyncio.gather(self._watching, return_exceptions=True)
         self._pruner.cancel()
         await asyncio.gather(self._pruner, return_exceptions=True)
         await asyncio.to_thread(self.truth_writer.close)
@@ -369,13 +406,23 @@ class Node:
         page = cache.hash_ids(self.cache_reader, start, limit)
         return {"hashIds": page, "next": page[-1] if len(page) == limit else None}
 
+    def files(self, prefix: str, after: str | None, limit: int) -> dict[str, Any]:
+        """GET /api/files: local files in path order, with their midhash and rid."""
+        page = cache.files(self.cache_reader, prefix, after or "", limit)
+        return {"files": page, "next": page[-1]["path"] if len(page) == limit else None}
+
     def health(self) -> dict[str, Any]:
         truth_seq = truth.max_seq(self.truth_reader)
         state = self.applier.state
         ok = self.applier.ready and not self.applier.degraded
-        return {"status": "ok" if ok else "degraded", "applied_seq": state.applied_seq,
-                "truth_seq": truth_seq, "apply_lag": max(0, truth_seq - state.applied_seq),
-                "epoch": state.epoch, "cache_ready": self.applier.ready}
+        body: dict[str, Any] = {
+            "status": "ok" if ok else "degraded", "applied_seq": state.applied_seq,
+            "truth_seq": truth_seq, "apply_lag": max(0, truth_seq - state.applied_seq),
+            "epoch": state.epoch, "cache_ready": self.applier.ready}
+        if self.watcher is not None:
+            body["watcher"] = {"roots": self.watcher.roots, "scanning": self.watcher.scanning,
+                               "pending": len(self.watcher.pending)}
+        return body
 
 
 def rebuild_cache(settings: Settings) -> cache.State:

@@ -408,6 +408,13 @@ def ingest_txn(
     return IngestResult(verdicts, max_seq(conn))
 
 
+def ensure_groups_txn(conn: sqlite3.Connection, cids: Sequence[str], minter: Minter,
+                      now_ms: int) -> None:
+    """Give every CID a group (the watcher's midhashes): minted if new, in one transaction."""
+    for cid in cids:
+        ensure_group(conn, cid, minter, now_ms)
+
+
 def add_signer_txn(
     conn: sqlite3.Connection, uid: str, name: str, weight: int, may_link: bool, now_ms: int
 ) -> SignerRow:

@@ -57,7 +57,10 @@ class Signer:
 
 
 def settings_for(data_dir: Path, **overrides: Any) -> config.Settings:
-    return config.load(env={}, overrides={"data_dir": data_dir, **overrides})
+    """Settings of a test node: its data directory; the watcher off unless a test turns it on."""
+    defaults = {"data_dir": data_dir, "watch_enabled": False,
+                "watch_roots": (str(data_dir.parent / "media"),)}
+    return config.load(env={}, overrides={**defaults, **overrides})
 
 
 @pytest.fixture
@@ -107,7 +110,8 @@ class Server:
         return {"Authorization": f"Bearer {self.token}"}
 
     def start(self) -> Server:
-        env = {**os.environ, **self.env}
+        media = str(self.data_dir.parent / "media")  # never the checkout's ./media
+        env = {**os.environ, "METANODE_WATCH_ROOTS": media, **self.env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
              "--port", str(self.port)],

@@ -1,0 +1,349 @@
+"""The watcher: keeps `local_file` and the records' local keys true to the disk (SPEC §6).
+
+Three sources of truth about the disk, one way to act on them:
+
+* a full reconciliation at start (and every `watch_rescan_s`, for network mounts and missed
+  events): a walk compared with `local_file` — unchanged (size, mtime_ns) costs a stat, new or
+  changed files are hashed, vanished paths are removed;
+* inotify (watchfiles) between scans: touched paths wait until they have settled;
+* a file is hashed only once its size and mtime stayed the same for the settle window, off the
+  event loop, a bounded number at a time; if it changed while being hashed it waits again.
+
+Each batch of results is applied in the documented order: the midhashes' groups in the truth
+(minted if new), then `local_file` and the local keys with their feed events in one cache
+transaction (`cache.local_txn`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import watchfiles
+
+from metanode import cid as cids
+from metanode.errors import MidhashError
+from metanode.merge import LocalFile
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IGNORED = ("*.part", "*.tmp", "*.crdownload", "*.!qb")
+BATCH = 256
+TICK_S = 0.25
+
+Stat = tuple[int, int]  # (size, mtime_ns)
+EnsureGroups = Callable[[Sequence[str]], Awaitable[None]]
+ApplyLocal = Callable[[Sequence[LocalFile], Sequence[str]], Awaitable[None]]
+KnownStats = Callable[[Sequence[str]], dict[str, Stat]]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """Which paths the watcher ignores, and whether it follows symlinks."""
+
+    globs: tuple[str, ...] = ()
+    follow_symlinks: bool = False
+
+    def ignored(self, root: str, path: str) -> bool:
+        """Dot-files and anything under a dot-folder, partial downloads, configured globs."""
+        relative = os.path.relpath(path, root)
+        parts = relative.split(os.sep)
+        if relative == "." or any(part.startswith(".") for part in parts):
+            return relative != "."
+        name = parts[-1].lower()
+        patterns = DEFAULT_IGNORED + self.globs
+        return any(fnmatch.fnmatchcase(name, g.lower()) or fnmatch.fnmatchcase(relative, g)
+                   for g in patterns)
+
+
+def walk(root: str, rules: Rules) -> Iterator[tuple[str, Stat]]:
+    """Every regular file below `root` that the rules keep, with its (size, mtime_ns).
+
+    Unreadable folders are logged and skipped; followed symlinked folders are visited once.
+    """
+    seen: set[tuple[int, int]] = set()
+    stack = [root]
+    while stack:
+        folder = stack.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as exc:
+            log.warning("cannot list %s: %s", folder, exc.strerror or exc)
+            continue
+        for entry in entries:
+            if rules.ignored(root, entry.path):
+                continue
+            try:
+                if entry.is_symlink() and not rules.follow_symlinks:
+                    continue
+                info = entry.stat(follow_symlinks=True)
+            except OSError:
+                continue  # vanished, or a dangling link
+            if stat.S_ISDIR(info.st_mode):
+                if (info.st_dev, info.st_ino) not in seen:
+                    seen.add((info.st_dev, info.st_ino))
+                    stack.append(entry.path)
+            elif stat.S_ISREG(info.st_mode):
+                yield entry.path, (info.st_size, info.st_mtime_ns)
+
+
+def plan(disk: Mapping[str, Stat], known: Mapping[str, Stat]) -> tuple[list[str], list[str]]:
+    """(paths to hash, paths to remove): new or changed files, and rows whose file is gone."""
+    to_hash = sorted(path for path, st in disk.items() if known.get(path) != st)
+    to_remove = sorted(set(known) - set(disk))
+    return to_hash, to_remove
+
+
+def stat_of(path: str, follow_symlinks: bool) -> Stat | None:
+    """(size, mtime_ns) of a regular file, None for anything else or nothing."""
+    try:
+        info = os.stat(path, follow_symlinks=follow_symlinks)
+    except OSError:
+        return None
+    return (info.st_size, info.st_mtime_ns) if stat.S_ISREG(info.st_mode) else None
+
+
+def hash_settled(path: str, expected: Stat) -> LocalFile | None:
+    """The midhash of a file that still has the stat it settled with, else None (try later)."""
+    before = stat_of(path, follow_symlinks=True)
+    if before != expected:
+        return None
+    midhash, size = cids.midhash_file(path)
+    if stat_of(path, follow_symlinks=True) != before or size != before[0]:
+        return None  # written to while being hashed
+    return LocalFile(path, midhash, before[0], before[1])
+
+
+@dataclass
+class Summary:
+    """What one reconciliation did (`metanode scan` prints it)."""
+
+    seen: int = 0
+    unchanged: int = 0
+    hashed: int = 0
+    removed: int = 0
+    failed: list[str] = field(default_factory=list)
+    bytes_sampled: int = 0
+
+
+# (files done, bytes done, files to do, bytes to do), cumulative; first called with nothing done
+Progress = Callable[[int, int, int, int], None]
+
+
+class Watcher:
+    """Watches roots; talks to the node only through the three callables it is given."""
+
+    def __init__(self, roots: Iterable[str], rules: Rules, settle_s: float, rescan_s: float,
+                 workers: int, ensure_groups: EnsureGroups, apply_local: ApplyLocal,
+                 known_stats: KnownStats) -> None:
+        self.roots = [str(Path(r).resolve()) for r in roots]
+        self.rules = rules
+        self.settle_s = settle_s
+        self.rescan_s = rescan_s
+        self._ensure_groups = ensure_groups
+        self._apply_local = apply_local
+        self._known_stats = known_stats
+        self._slots = asyncio.Semaphore(max(1, workers))
+        self.pending: dict[str, tuple[Stat, float]] = {}  # path → (stat, when it last changed)
+        self._failed: dict[str, Stat] = {}  # unreadable files: not retried until they change
+        self._stop = asyncio.Event()
+        self.scanning = False
+
+    # -- applying results -----------------------------------------------------------------------
+
+    async def _hash(self, path: str, expected: Stat) -> LocalFile | None:
+        async with self._slots:
+            try:
+                return await asyncio.to_thread(hash_settled, path, expected)
+            except MidhashError as exc:
+                if stat_of(path, self.rules.follow_symlinks) == expected:
+                    log.warning("skipping unreadable file: %s", exc.message)
+                    self._failed[path] = expected
+                return None
+
+    async def _commit(self, files: Sequence[LocalFile], removals: Sequence[str]) -> None:
+        if files:
+            await self._ensure_groups(sorted({f.midhash for f in files}))
+        if files or removals:
+            await self._apply_local(files, removals)
+
+    async def _hash_and_commit(self, candidates: Mapping[str, Stat],
+                               removals: Sequence[str] = ()) -> list[LocalFile]:
+        """Hash settled candidates in parallel and commit them (with removals) in one batch.
+
+        A candidate that changed meanwhile goes back to `pending`.
+        """
+        paths = list(candidates)
+        results = await asyncio.gather(*(self._hash(p, candidates[p]) for p in paths))
+        done = [r for r in results if r is not None]
+        for path, result in zip(paths, results, strict=True):
+            current = stat_of(path, self.rules.follow_symlinks)
+            if result is None and current is not None and self._failed.get(path) != current:
+                self.pending[path] = (current, time.monotonic())
+        await self._commit(done, removals)
+        return done
+
+    # -- reconciliation -------------------------------------------------------------------------
+
+    async def reconcile(self, roots: Sequence[str] | None = None, settle: bool = True,
+                        progress: Progress | None = None) -> Summary:
+        """Compare the disk with `local_file` under `roots` and make them agree."""
+        roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
+        self.scanning = True
+        try:
+            disk: dict[str, Stat] = {}
+            for root in roots:
+                disk.update(await asyncio.to_thread(self._files_below, root, root))
+            known = self._known_stats(roots)
+            to_hash, to_remove = plan(disk, known)
+            summary = Summary(seen=len(disk), unchanged=len(disk) - len(to_hash),
+                              removed=len(to_remove))
+            total_bytes = sum(disk[p][0] for p in to_hash)
+            report = progress or (lambda *_: None)
+            report(0, 0, len(to_hash), total_bytes)
+            if settle and to_hash:
+                await asyncio.sleep(self.settle_s)
+            removals: Sequence[str] = to_remove
+            files_done = bytes_done = 0
+            for start in range(0, len(to_hash), BATCH):
+                chunk = {p: disk[p] for p in to_hash[start:start + BATCH]}
+                done = await self._hash_and_commit(chunk, removals)
+                removals = ()
+                summary.hashed += len(done)
+                summary.bytes_sampled += sum(min(f.size, cids.MIDHASH_SAMPLE) for f in done)
+                files_done += len(chunk)
+                bytes_done += sum(size for size, _ in chunk.values())
+                report(files_done, bytes_done, len(to_hash), total_bytes)
+            if removals:
+                await self._commit([], removals)
+            summary.failed = sorted(p for p in to_hash if p in self._failed)
+            return summary
+        finally:
+            self.scanning = False
+
+    # -- live -----------------------------------------------------------------------------------
+
+    def _files_below(self, folder: str, root: str) -> dict[str, Stat]:
+        """Files below `folder` that the rules keep, judged relative to their watch `root`."""
+        return {f: s for f, s in walk(folder, self.rules) if not self.rules.ignored(root, f)}
+
+    def _root_of(self, path: str) -> str | None:
+        for root in self.roots:
+            if path == root or path.startswith(root.rstrip("/") + "/"):
+                return root
+        return None
+
+    def _keep(self, change: watchfiles.Change, path: str) -> bool:
+        root = self._root_of(path)
+        return root is not None and not self.rules.ignored(root, path)
+
+    async def _on_changes(self, changes: set[tuple[watchfiles.Change, str]]) -> None:
+        """Route a batch of inotify events: gone → removed now; present → settle or scan.
+
+        A file that appears with exactly the (size, mtime_ns) of a row removed in the same batch
+        was moved: it is hashed at once and committed with the removal, so a rename is one
+        transaction (one `set` of `filePath`), not a loss and a late re-appearance.
+        """
+        removed: list[str] = []
+        touched: dict[str, Stat] = {}
+        for path in sorted({p for _, p in changes}):
+            if os.path.isdir(path) and (self.rules.follow_symlinks or not os.path.islink(path)):
+                root = self._root_of(path) or path
+                touched.update(await asyncio.to_thread(self._files_below, path, root))
+                continue
+            current = stat_of(path, self.rules.follow_symlinks)
+            if current is None:
+                removed.append(path)
+                self.pending.pop(path, None)
+            else:
+                touched[path] = current
+        gone_stats = set(self._rows_at(removed).values())
+        known = self._rows_at(list(touched))
+        moved = {p: s for p, s in touched.items() if s in gone_stats and known.get(p) != s}
+        now = time.monotonic()
+        for path, current in touched.items():
+            if path in moved or known.get(path) == current:
+                continue  # moved: committed below; unchanged (e.g. chmod): nothing to do
+            held = self.pending.get(path)
+            self.pending[path] = (current, now if held is None or held[0] != current else held[1])
+        if moved or removed:
+            await self._hash_and_commit(moved, removed)
+
+    def _rows_at(self, paths: Sequence[str]) -> dict[str, Stat]:
+        """`local_file` rows of these paths, or below them where a path was a folder."""
+        if not paths:
+            return {}
+        wanted = set(paths)
+        rows = self._known_stats(sorted({os.path.dirname(p) for p in paths}))
+        return {p: s for p, s in rows.items()
+                if p in wanted or any(p.startswith(w + "/") for w in wanted)}
+
+    async def _settle_loop(self) -> None:
+        """Hash pending files once their stat held still for the settle window."""
+        while not self._stop.is_set():
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            ready: dict[str, Stat] = {}
+            for path, (expected, since) in list(self.pending.items()):
+                if now - since < self.settle_s:
+                    continue
+                current = stat_of(path, self.rules.follow_symlinks)
+                if current is None:
+                    del self.pending[path]
+                elif current != expected:
+                    self.pending[path] = (current, now)
+                else:
+                    del self.pending[path]
+                    ready[path] = current
+                if len(ready) >= BATCH:
+                    break
+            if ready:
+                await self._guarded(self._hash_and_commit(ready))
+
+    async def _inotify_loop(self) -> None:
+        async for changes in watchfiles.awatch(*self.roots, watch_filter=self._keep,
+                                               debounce=200, step=50, stop_event=self._stop,
+                                               ignore_permission_denied=True):
+            await self._guarded(self._on_changes(changes))
+
+    async def _rescan_loop(self) -> None:
+        while self.rescan_s > 0 and not self._stop.is_set():
+            await asyncio.sleep(self.rescan_s)
+            await self._guarded(self.reconcile())
+
+    async def _guarded(self, work: Awaitable[object]) -> None:
+        """One failed batch is logged and retried by the next scan; it never stops the watcher."""
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("watcher batch failed; the next rescan will retry it")
+
+    async def run(self) -> None:
+        """Follow inotify, reconcile, then settle and rescan until `stop()`.
+
+        inotify starts before the reconciliation so nothing that changes during it is missed.
+        """
+        for root in self.roots:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        tasks = [asyncio.create_task(self._inotify_loop(), name="watcher-inotify")]
+        try:
+            await self._guarded(self.reconcile())
+            tasks.append(asyncio.create_task(self._settle_loop(), name="watcher-settle"))
+            tasks.append(asyncio.create_task(self._rescan_loop(), name="watcher-rescan"))
+            await self._stop.wait()
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def stop(self) -> None:
+        self._stop.set()
