@@ -6,17 +6,19 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test serve lint bench clean
 
-$(STAMP): pyproject.toml
+PLUGINS := plugins/fullhash plugins/fileinfo plugins/filename
+
+$(STAMP): pyproject.toml $(PLUGINS:%=%/pyproject.toml)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test]' $(PLUGINS:%=-e %)
 	touch $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check metanode tests tools
+	$(BIN)/ruff check metanode plugins tests tools
 	$(BIN)/mypy
 
 serve: $(STAMP)

@@ -160,6 +160,9 @@ def create_app(node: Node) -> Starlette:
         q = request.query_params
         return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
 
+    async def list_plugins(request: Request) -> Response:
+        return JSONResponse({"plugins": node.plugins()})
+
     async def health(request: Request) -> Response:
         return JSONResponse(node.health())
 
@@ -193,6 +196,7 @@ def create_app(node: Node) -> Starlette:
         Route("/api/signers/{uid}/unblock", unblock, methods=["POST"]),
         Route("/api/events", events),
         Route("/api/files", files),
+        Route("/api/plugins", list_plugins),
         Route("/health", health),
     ]
     middleware = [

@@ -8,6 +8,7 @@ is repaired by applying again from the stored seq: behind, never wrong (SPEC §3
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from collections.abc import Iterable, Sequence
@@ -56,11 +57,31 @@ CREATE TABLE state (
 """
 
 
+SCHEMA_V2 = """
+CREATE TABLE plugin_runs (
+    plugin TEXT NOT NULL,
+    version TEXT NOT NULL,
+    midhash TEXT NOT NULL,
+    status TEXT NOT NULL CHECK (status IN ('pending', 'done', 'failed')),
+    attempts INTEGER NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    next_at INTEGER NOT NULL DEFAULT 0,
+    error TEXT,
+    updated_at INTEGER NOT NULL,
+    PRIMARY KEY (plugin, version, midhash)
+) WITHOUT ROWID;
+CREATE INDEX plugin_runs_due ON plugin_runs (status, next_at);
+"""
+
+
 def _v1(conn: sqlite3.Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V1)
 
 
-MIGRATIONS: Sequence[Migration] = (_v1,)
+def _v2(conn: sqlite3.Connection) -> None:
+    executescript_in_txn(conn, SCHEMA_V2)
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2)
 LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 
 
@@ -336,6 +357,66 @@ def files(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list
         (after, len(prefix), prefix, limit))
     return [{"path": p, "midhash": m, "size": s, "mtimeNano": str(t), "rid": r}
             for p, m, s, t, r in rows]
+
+
+# -- plugin runs --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PluginRun:
+    plugin: str
+    version: str
+    midhash: str
+    attempts: int
+
+
+def enqueue_runs_txn(cache: sqlite3.Connection, versions: Sequence[tuple[str, str]],
+                     midhashes: Sequence[str] | None, now_ms: int) -> None:
+    """Queue a run per (plugin, version) for the given midhashes, or for every local file."""
+    source = ("SELECT DISTINCT midhash FROM local_file" if midhashes is None else
+              "SELECT value AS midhash FROM json_each(?)")
+    params: tuple[Any, ...] = () if midhashes is None else (json.dumps(list(midhashes)),)
+    for plugin, version in versions:
+        cache.execute(
+            "INSERT OR IGNORE INTO plugin_runs (plugin, version, midhash, status, updated_at) "
+            f"SELECT ?, ?, midhash, 'pending', ? FROM ({source})",
+            (plugin, version, now_ms, *params))
+
+
+def due_runs(conn: sqlite3.Connection, now_ms: int, limit: int) -> list[PluginRun]:
+    return [PluginRun(*row) for row in conn.execute(
+        "SELECT plugin, version, midhash, attempts FROM plugin_runs "
+        "WHERE status = 'pending' AND next_at <= ? ORDER BY next_at, midhash LIMIT ?",
+        (now_ms, limit))]
+
+
+def file_of(conn: sqlite3.Connection, midhash: str) -> tuple[str, str, int, int] | None:
+    """(midhash, first path, size, mtime_ns) of a local copy of this content, if any."""
+    row = conn.execute("SELECT midhash, path, size, mtime_ns FROM local_file WHERE midhash = ? "
+                       "ORDER BY path LIMIT 1", (midhash,)).fetchone()
+    return (row[0], row[1], row[2], row[3]) if row else None
+
+
+def finish_run_txn(cache: sqlite3.Connection, run: PluginRun, status: str, attempts: int,
+                   next_at: int, error: str | None, now_ms: int) -> None:
+    cache.execute(
+        "UPDATE plugin_runs SET status = ?, attempts = ?, next_at = ?, error = ?, updated_at = ? "
+        "WHERE plugin = ? AND version = ? AND midhash = ?",
+        (status, attempts, next_at, error, now_ms, run.plugin, run.version, run.midhash))
+
+
+def drop_run_txn(cache: sqlite3.Connection, plugin: str, version: str, midhash: str) -> None:
+    cache.execute("DELETE FROM plugin_runs WHERE plugin = ? AND version = ? AND midhash = ?",
+                  (plugin, version, midhash))
+
+
+def run_counts(conn: sqlite3.Connection) -> dict[tuple[str, str], dict[str, int]]:
+    counts: dict[tuple[str, str], dict[str, int]] = {}
+    for plugin, version, status, n in conn.execute(
+            "SELECT plugin, version, status, count(*) FROM plugin_runs "
+            "GROUP BY plugin, version, status"):
+        counts.setdefault((plugin, version), {"done": 0, "pending": 0, "failed": 0})[status] = n
+    return counts
 
 
 # -- reads for the API --------------------------------------------------------------------------

@@ -57,6 +57,15 @@ class Settings:
     watch_rescan_s: float = setting(
         600.0, "Full rescan period, for network mounts and missed events (0: never).")
     watch_hash_workers: int = setting(2, "Files hashed at once, off the event loop.")
+    plugins_enabled: bool = setting(True, "Run plugins inside `metanode serve`.")
+    plugins_disabled: tuple[str, ...] = setting(
+        (), "Names of installed plugins not to run (comma-separated in the environment).")
+    plugin_weights: tuple[str, ...] = setting(
+        (), "Signer weights of plugins as `name=weight` (comma-separated in the environment).")
+    plugin_workers: int = setting(1, "Plugin runs at once, each on its own thread.")
+    plugin_timeout_s: float = setting(600.0, "A plugin run taking longer fails.")
+    plugin_max_attempts: int = setting(3, "Attempts of a failing run before it stays failed.")
+    plugin_retry_s: float = setting(5.0, "First retry delay of a failed run (then 4×, 16×…).")
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     test_fault: str = setting(
         "", "Test-only fault point: `crash_after_truth_commit` exits the process there.")
@@ -103,7 +112,8 @@ def _convert(name: str, raw: Any) -> Any:
         raise InvalidRequest(f"setting {name}: {raw!r} is not a valid {kind.__name__}") from None
 
 
-_LIST_SEPARATORS = {"watch_roots": os.pathsep, "watch_ignore": ","}
+_LIST_SEPARATORS = {"watch_roots": os.pathsep, "watch_ignore": ",", "plugins_disabled": ",",
+                    "plugin_weights": ","}
 
 
 def _as_tuple(name: str, raw: Any) -> tuple[str, ...]:

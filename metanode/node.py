@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, db, feed, merge, sse, truth, watcher
+from metanode import cache, claims, db, feed, merge, plugins, sse, truth, watcher
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.config import Settings
@@ -198,6 +198,9 @@ class Node:
                                self.settings.apply_poll_s)
         self.applier.start()
         self._pruner = asyncio.create_task(self._prune_feed(), name="feed-retention")
+        self.plugin_host: plugins.Host | None = None
+        if self.settings.plugins_enabled:
+            self.plugin_host = await self._start_plugins()
         self.watcher: watcher.Watcher | None = None
         if self.settings.watch_enabled:
             self.watcher = self._make_watcher(self.settings.watch_roots)
@@ -207,8 +210,46 @@ class Node:
         s = self.settings
         return watcher.Watcher(
             roots, watcher.Rules(s.watch_ignore, s.watch_follow_symlinks), s.watch_settle_s,
-            s.watch_rescan_s, s.watch_hash_workers, self.ensure_groups, self.applier.apply_local,
+            s.watch_rescan_s, s.watch_hash_workers, self.ensure_groups, self.apply_local,
             lambda under: cache.local_stats(self.cache_reader, under))
+
+    async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
+        """The watcher's results reach the cache, then the plugins."""
+        await self.applier.apply_local(files, removals)
+        if self.plugin_host is not None:
+            await self.plugin_host.files_changed(sorted({f.midhash for f in files}))
+
+    async def _start_plugins(self) -> plugins.Host:
+        """Discover plugins, register each as a signer with its own key, start the host."""
+        s = self.settings
+        weights = plugins.parse_weights(s.plugin_weights)
+        runners = []
+        for plugin in plugins.discover():
+            if plugin.name in s.plugins_disabled:
+                continue
+            key = plugins.plugin_key(s.keys_dir, plugin.name)
+            runner = plugins.Runner(plugin, key, self.record_of, self.ingest_wire,
+                                    s.plugin_timeout_s)
+            await self.truth_writer.run(
+                truth.add_signer_txn, runner.uid, f"plugin:{plugin.name}",
+                weights.get(plugin.name, plugin.weight), plugin.may_link, now_ms())
+            runners.append(runner)
+        host = plugins.Host(runners, self.cache_writer, self.cache_reader, s.plugin_workers,
+                            s.plugin_max_attempts, s.plugin_retry_s)
+        self._plugins_task = asyncio.create_task(host.run(), name="plugins")
+        return host
+
+    def record_of(self, cid: str) -> dict[str, str] | None:
+        """A plugin's read of the merged metadata of any CID (never a rid); own connection,
+        because plugins call it from their threads."""
+        conn = db.connect(self.settings.cache_path, readonly=True)
+        try:
+            asked = cids.normalise(cid)
+            rid = cache.lookup(conn, asked)
+            doc = cache.document(conn, rid, asked) if rid is not None else None
+            return None if doc is None else dict(doc["metadata"])
+        finally:
+            conn.close()
 
     async def ensure_groups(self, midhashes: Sequence[str]) -> None:
         """Mint groups for midhashes the truth has not seen (the watcher, before `apply_local`)."""
@@ -229,6 +270,9 @@ class Node:
         if self.watcher is not None:
             self.watcher.stop()
             await asyncio.gather(self._watching, return_exceptions=True)
+        if self.plugin_host is not None:
+            self._plugins_task.cancel()
+            await asyncio.gather(self._plugins_task, return_exceptions=True)
         self._pruner.cancel()
         await asyncio.gather(self._pruner, return_exceptions=True)
         await asyncio.to_thread(self.truth_writer.close)
@@ -285,7 +329,10 @@ class Node:
 
     async def ingest(self, payload: object) -> IngestAnswer:
         """POST /api/claims: validate all, commit all in one transaction, wait for the cache."""
-        items = self._batch_items(payload)
+        return await self.ingest_wire(self._batch_items(payload))
+
+    async def ingest_wire(self, items: list[object]) -> IngestAnswer:
+        """A batch of wire claims through validation, the truth and the cache (plugins too)."""
         now = now_ms()
         batch = await self._validate(items, now)
         result = await self.truth_writer.run(truth.ingest_txn, batch, self.minter, self.policy,
@@ -410,6 +457,9 @@ class Node:
         """GET /api/files: local files in path order, with their midhash and rid."""
         page = cache.files(self.cache_reader, prefix, after or "", limit)
         return {"files": page, "next": page[-1]["path"] if len(page) == limit else None}
+
+    def plugins(self) -> list[dict[str, Any]]:
+        return [] if self.plugin_host is None else self.plugin_host.describe()
 
     def health(self) -> dict[str, Any]:
         truth_seq = truth.max_seq(self.truth_reader)

@@ -57,8 +57,9 @@ class Signer:
 
 
 def settings_for(data_dir: Path, **overrides: Any) -> config.Settings:
-    """Settings of a test node: its data directory; the watcher off unless a test turns it on."""
-    defaults = {"data_dir": data_dir, "watch_enabled": False,
+    """Settings of a test node: its data directory; watcher and plugins off unless a test turns
+    them on."""
+    defaults = {"data_dir": data_dir, "watch_enabled": False, "plugins_enabled": False,
                 "watch_roots": (str(data_dir.parent / "media"),)}
     return config.load(env={}, overrides={**defaults, **overrides})
 
@@ -111,7 +112,8 @@ class Server:
 
     def start(self) -> Server:
         media = str(self.data_dir.parent / "media")  # never the checkout's ./media
-        env = {**os.environ, "METANODE_WATCH_ROOTS": media, **self.env}
+        env = {**os.environ, "METANODE_WATCH_ROOTS": media, "METANODE_PLUGINS_ENABLED": "false",
+               **self.env}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
              "--port", str(self.port)],

@@ -1,0 +1,272 @@
+"""Plugins: the authoring API, discovery, the keystore and the host that runs them (SPEC §7).
+
+Writing a plugin (the built-ins in `plugins/` are complete examples):
+
+    class Plugin(metanode.plugins.Plugin):
+        name = "myplugin"
+        version = "1"
+
+        def process(self, file, record, register):
+            register(file.cid, "myKey", "a value")
+
+and declare it in your package's `pyproject.toml`:
+
+    [project.entry-points."metanode.plugins"]
+    myplugin = "my_package:Plugin"
+
+The host calls `process` on a worker thread for each local file (its midhash CID, path, size,
+mtime) with `record(cid)`, a read of the current merged metadata of any CID, and `register`, the
+callback that takes claim drafts `(cid, key, value)`. It signs the drafts with the plugin's own key
+(created in `data/keys/` on first run, registered as a signer) and ingests them exactly as
+`POST /api/claims` would. A plugin never sees a rid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import logging
+import sqlite3
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import nacl.signing
+
+from metanode import cache, claims, db, keys
+from metanode.errors import MetanodeError
+
+log = logging.getLogger(__name__)
+ENTRY_POINT_GROUP = "metanode.plugins"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    """What a plugin is told about the file it looks at."""
+
+    cid: str  # the file's midhash256 CID: the subject of its claims
+    path: str
+    size: int
+    mtime_ns: int
+
+
+Register = Callable[[str, str, str | None], None]  # register(cid, key, value)
+RecordLookup = Callable[[str], dict[str, str] | None]  # merged metadata of any CID, or None
+
+
+class Plugin:
+    """Base class of every plugin: set `name` and `version`, implement `process`.
+
+    Bump `version` whenever what the plugin claims changes: every file is then processed again.
+    `may_link` lets its `cids/…` claims link groups (merges are permanent; grant it only to
+    plugins that compute hashes of the same bytes). `weight` is its default signer weight.
+    """
+
+    name: ClassVar[str]
+    version: ClassVar[str]
+    may_link: ClassVar[bool] = False
+    weight: ClassVar[int] = 1
+
+    def process(self, file: LocalFile, record: RecordLookup, register: Register) -> None:
+        raise NotImplementedError
+
+
+def discover() -> list[Plugin]:
+    """Every installed plugin of the `metanode.plugins` entry-point group, by name.
+
+    A plugin that fails to load is logged and skipped: one broken package must not stop the node.
+    """
+    found: dict[str, Plugin] = {}
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry.load()
+            plugin = loaded() if isinstance(loaded, type) else loaded
+            if not isinstance(plugin, Plugin):
+                raise TypeError(f"{entry.value} is not a metanode.plugins.Plugin")
+        except Exception:
+            log.exception("cannot load plugin %s", entry.name)
+            continue
+        found[plugin.name] = plugin
+    return [found[name] for name in sorted(found)]
+
+
+def plugin_key(keys_dir: Path, name: str) -> nacl.signing.SigningKey:
+    """The plugin's own signing key, created (mode 0600) on first use."""
+    return keys.load_or_create(keys_dir / f"{name}.key")
+
+
+def run_in_thread(fn: Callable[[], T]) -> Awaitable[T]:
+    """Run `fn` on its own daemon thread and await its result.
+
+    Not the default executor: a plugin that hangs would occupy one of its threads for good. A
+    timed-out run's thread is abandoned; being a daemon, it never blocks shutdown.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def deliver(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)  # type: ignore[arg-type]
+        else:
+            future.set_exception(error)
+
+    def body() -> None:
+        try:
+            result = fn()
+        except BaseException as exc:
+            loop.call_soon_threadsafe(deliver, None, exc)
+        else:
+            loop.call_soon_threadsafe(deliver, result, None)
+
+    threading.Thread(target=body, name="plugin", daemon=True).start()
+    return future
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # "done" | "failed"
+    error: str | None = None
+
+
+Ingest = Callable[[list[Any]], Awaitable[object]]
+
+
+class Runner:
+    """Runs one plugin on one file and ingests what it registered, signed with its key."""
+
+    def __init__(self, plugin: Plugin, key: nacl.signing.SigningKey, record: RecordLookup,
+                 ingest: Ingest, timeout_s: float) -> None:
+        self.plugin = plugin
+        self.key = key
+        self.uid = claims.uid_of(bytes(key.verify_key))
+        self._record = record
+        self._ingest = ingest
+        self._timeout_s = timeout_s
+
+    def _collect(self, file: LocalFile, closed: threading.Event) -> list[tuple[str, str,
+                                                                                str | None]]:
+        drafts: list[tuple[str, str, str | None]] = []
+
+        def register(cid: str, key: str, value: str | None) -> None:
+            if closed.is_set():
+                raise RuntimeError("this run is over (it timed out)")
+            drafts.append((cid, key, value))
+
+        self.plugin.process(file, self._record, register)
+        return drafts
+
+    async def run(self, file: LocalFile) -> Outcome:
+        """One run: a raise, a timeout or a rejected draft fails this run only."""
+        closed = threading.Event()
+        try:
+            drafts = await asyncio.wait_for(
+                run_in_thread(lambda: self._collect(file, closed)), self._timeout_s)
+        except TimeoutError:
+            closed.set()
+            return Outcome("failed", f"timed out after {self._timeout_s} s")
+        except Exception as exc:
+            return Outcome("failed", f"{type(exc).__name__}: {exc}")
+        if drafts:
+            now = time.time_ns() // 1_000_000
+            wire = [claims.sign(self.key, cid, key, value, now).wire()
+                    for cid, key, value in drafts]
+            try:
+                await self._ingest(wire)
+            except MetanodeError as exc:
+                detail = exc.extra.get("items", exc.message)
+                return Outcome("failed", f"{exc.slug}: {detail}")
+        return Outcome("done")
+
+
+def backoff_s(attempts: int, base_s: float) -> float:
+    """Delay before retry number `attempts` (1, 2, …): base, 4× base, 16× base…"""
+    return float(base_s * 4 ** (attempts - 1))
+
+
+def parse_weights(pairs: Sequence[str]) -> dict[str, int]:
+    """`name=weight` settings into a map; a malformed pair is a configuration error."""
+    weights: dict[str, int] = {}
+    for pair in pairs:
+        name, _, number = pair.partition("=")
+        if not name or not number.isdigit():
+            raise ValueError(f"plugin weight {pair!r} is not name=integer")
+        weights[name] = int(number)
+    return weights
+
+
+class Host:
+    """Schedules plugin runs: one per (plugin, version, midhash), kept in cache.db.
+
+    Runs survive restarts (pending rows are picked up again), failures retry with backoff and
+    then stay `failed`, and a new plugin version means new rows, so every file is processed again.
+    """
+
+    def __init__(self, runners: Sequence[Runner], writer: db.Writer,
+                 reader: sqlite3.Connection, workers: int, max_attempts: int,
+                 retry_s: float) -> None:
+        self.runners = {runner.plugin.name: runner for runner in runners}
+        self._writer = writer
+        self._reader = reader
+        self._slots = asyncio.Semaphore(max(1, workers))
+        self._max_attempts = max_attempts
+        self._retry_s = retry_s
+        self._wake = asyncio.Event()
+        self._versions = [(r.plugin.name, r.plugin.version) for r in runners]
+
+    async def files_changed(self, midhashes: Sequence[str]) -> None:
+        """New local content: queue a run of every plugin for each midhash."""
+        if self._versions and midhashes:
+            await self._writer.run(cache.enqueue_runs_txn, self._versions, list(midhashes),
+                                   _now_ms())
+            self._wake.set()
+
+    async def run(self) -> None:
+        await self._writer.run(cache.enqueue_runs_txn, self._versions, None, _now_ms())
+        current = set(self._versions)
+        while True:
+            due = [run for run in cache.due_runs(self._reader, _now_ms(), 64)
+                   if (run.plugin, run.version) in current]
+            if not due:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                self._wake.clear()
+                continue
+            await asyncio.gather(*(self._run_one(run) for run in due))
+
+    async def _run_one(self, run: cache.PluginRun) -> None:
+        async with self._slots:
+            file = cache.file_of(self._reader, run.midhash)
+            if file is None:  # no local copy left: forget the run; a new copy queues it again
+                await self._writer.run(cache.drop_run_txn, run.plugin, run.version, run.midhash)
+                return
+            outcome = await self.runners[run.plugin].run(LocalFile(*file))
+            attempts = run.attempts + 1
+            status = outcome.status
+            next_at = 0
+            if status == "failed" and attempts < self._max_attempts:
+                status, next_at = "pending", _now_ms() + int(
+                    1000 * backoff_s(attempts, self._retry_s))
+            if outcome.error:
+                log.warning("plugin %s on %s: %s", run.plugin, file[1], outcome.error)
+            await self._writer.run(cache.finish_run_txn, run, status, attempts, next_at,
+                                   outcome.error, _now_ms())
+
+    def describe(self) -> list[dict[str, Any]]:
+        """GET /api/plugins: each plugin with its uid, version and run counts."""
+        counts = cache.run_counts(self._reader)
+        return [{"name": name, "version": r.plugin.version, "uid": r.uid,
+                 "may_link": r.plugin.may_link,
+                 "runs": counts.get((name, r.plugin.version),
+                                    {"done": 0, "pending": 0, "failed": 0})}
+                for name, r in sorted(self.runners.items())]
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000

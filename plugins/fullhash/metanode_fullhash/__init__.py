@@ -1,0 +1,94 @@
+"""fullhash: link a file's midhash to the content hashes peers and IPFS understand.
+
+One read pass computes sha2-256 (`bafkrei…`), blake3 (`bafkr4i…`, multithreaded) and the IPFS CIDv1
+of the whole file, and claims `cids/<each>` = "true" plus `sizeByte` about the file's midhash. The
+`cids/` claims link the four CIDs into one group, so `GET /api/meta/<any of them>` finds the same
+record, and its `canonical_cid` becomes the IPFS CID.
+
+The same pass re-derives the midhash from the bytes it reads: if the file changed since the watcher
+fingerprinted it, the run fails (and is retried) instead of linking hashes of other content — a
+link, once made, is permanent.
+
+This module is also the tutorial for a plugin that computes something expensive: subclass
+`metanode.plugins.Plugin`, give it a name and a version, do the work in `process` (it runs on its
+own thread) and `register` what you found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+
+import blake3
+
+from metanode import cid as cids
+from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
+from metanode_fullhash.ipfs import CHUNK, Builder
+
+__all__ = ["Digests", "FullHash", "hash_file"]
+
+BLOCK = 16 * CHUNK  # 4 MiB reads: large enough for blake3's threads, bounded memory
+
+
+class ContentChanged(Exception):
+    """The file is no longer the content its midhash names."""
+
+
+@dataclass(frozen=True)
+class Digests:
+    size: int
+    midhash: str
+    sha256: str
+    blake3: str
+    ipfs: str
+
+
+def hash_file(path: str) -> Digests:
+    """Every digest of a file from one sequential read, in memory bounded by `BLOCK`."""
+    sha = hashlib.sha256()
+    b3 = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    dag = Builder()
+    buffer = bytearray(BLOCK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        start = cids.midhash_offset(size)
+        sample = bytearray()
+        want = min(size, cids.MIDHASH_SAMPLE)
+        offset = 0
+        while True:
+            got = f.readinto(buffer)
+            if not got:
+                break
+            block = view[:got]
+            sha.update(block)
+            b3.update(block)
+            dag.update(block)
+            lo, hi = max(start, offset), min(start + want, offset + got)
+            if lo < hi:
+                sample += block[lo - offset : hi - offset]
+            offset += got
+    if offset != size:
+        raise ContentChanged(f"{path} is {offset} bytes, not {size}, while being read")
+    return Digests(
+        size=size,
+        midhash=cids.midhash_cid(cids.midhash_digest(size, bytes(sample))),
+        sha256=cids.encode(cids.RAW, cids.SHA2_256, sha.digest()),
+        blake3=cids.encode(cids.RAW, cids.BLAKE3, b3.digest()),
+        ipfs=dag.finish(),
+    )
+
+
+class FullHash(Plugin):
+    name = "fullhash"
+    version = "1"
+    may_link = True  # it hashes the very bytes the midhash samples: its links are safe
+
+    def process(self, file: LocalFile, record: RecordLookup, register: Register) -> None:
+        digests = hash_file(file.path)
+        if digests.midhash != file.cid:
+            raise ContentChanged(f"{file.path} no longer has midhash {file.cid}")
+        for other in (digests.sha256, digests.blake3, digests.ipfs):
+            register(file.cid, f"cids/{other}", "true")
+        register(file.cid, "sizeByte", str(digests.size))
