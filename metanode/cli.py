@@ -23,7 +23,7 @@ import click
 import httpx
 
 from metanode import cid as cids
-from metanode import claims, config, db, keys, node, truth, watcher
+from metanode import claims, client, config, db, keys, node, truth, watcher
 from metanode.errors import InvalidJson, MetanodeError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -368,37 +368,19 @@ def check(config_file: str | None, data_dir: str | None) -> None:
 @click.option("--rid", "rid_values", multiple=True, help="Only this record (repeatable).")
 def events(url: str, token: str, since: str | None, snapshot: bool, prefix: tuple[str, ...],
            rid_values: tuple[str, ...]) -> None:
-    """Follow the change feed, one line per event: `<id> <event> <json>`. Ctrl-C stops."""
-    params: list[tuple[str, str | int | float | bool | None]] = [("prefix", p) for p in prefix]
-    params += [("rid", r) for r in rid_values]
-    if since:
-        params.append(("since", since))
-    if snapshot:
-        params.append(("snapshot", "1"))
-    headers = {"Authorization": f"Bearer {token}"}
+    """Follow the change feed, one line per event: `<id or -> <event> <json>`; reconnects by
+    itself and resumes where it was. Ctrl-C stops."""
+    node_client = client.Client(url, token=token)
     try:
-        with httpx.stream("GET", f"{url}/api/events", params=params, headers=headers,
-                          timeout=httpx.Timeout(10, read=None)) as response:
-            if response.status_code != 200:
-                response.read()
-                _print_response(response)
-            for frame in parse_frames(response.iter_lines()):
-                click.echo(frame)
+        for event in node_client.events(since=since, snapshot=snapshot, prefix=prefix,
+                                        rid=rid_values):
+            data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
+            click.echo(f"{event.id or '-'} {event.kind} {data}")
+    except client.ClientError as exc:
+        click.echo(f"error: {exc.slug}: {exc.body.get('message')}", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:
         pass
-
-
-def parse_frames(lines: Iterator[str]) -> Iterator[str]:
-    """`<id or -> <event> <data>` per SSE frame; comments (keep-alives) are skipped."""
-    fields: dict[str, str] = {}
-    for line in lines:
-        if line == "":
-            if "data" in fields:
-                yield f"{fields.get('id', '-')} {fields.get('event', 'message')} {fields['data']}"
-            fields = {}
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            fields[name] = value[1:] if value.startswith(" ") else value
 
 
 @main.command()

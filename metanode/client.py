@@ -1,0 +1,143 @@
+"""A small synchronous client for external plugins and scripts: sign, post, read, follow.
+
+    from metanode.client import Client
+    from metanode import keys
+
+    node = Client("http://127.0.0.1:9000", token=open("data/api-token").read().strip(),
+                  key=keys.load("myplugin.key"))
+    for event in node.events(prefix=["filePath"]):
+        if event.kind == "set":
+            for cid in node.meta_by_rid(event.data["rid"])["cids"]:
+                ...
+            node.post([node.sign(cid, "myKey", "value")])
+
+`events` reconnects by itself and resumes after the last event it delivered, so a script that
+follows the feed never misses or repeats one (after a `gap` it receives a fresh snapshot).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import nacl.signing
+
+from metanode import claims
+
+
+class ClientError(Exception):
+    """The node refused a request: `slug` and `body` are its error envelope."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(f"{status} {body.get('error')}: {body.get('message')}")
+        self.status = status
+        self.slug = str(body.get("error"))
+        self.body = body
+
+
+@dataclass(frozen=True)
+class Event:
+    """One feed event: `kind` is set, del, gap or synced; `id` is None for snapshot events."""
+
+    id: str | None
+    kind: str
+    data: dict[str, Any]
+
+
+def parse_frames(lines: Iterable[str]) -> Iterator[Event]:
+    """SSE frames from text lines; comments (keep-alives) are skipped."""
+    fields: dict[str, str] = {}
+    for line in lines:
+        if line == "":
+            if "data" in fields:
+                yield Event(fields.get("id"), fields.get("event", "message"),
+                            json.loads(fields["data"]))
+            fields = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            fields[name] = value[1:] if value.startswith(" ") else value
+
+
+class Client:
+    """Talks to one node; `key` is needed only to sign."""
+
+    def __init__(self, url: str = "http://127.0.0.1:9000", token: str | None = None,
+                 key: nacl.signing.SigningKey | None = None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self._key = key
+
+    @property
+    def uid(self) -> str:
+        if self._key is None:
+            raise ValueError("this client has no signing key")
+        return claims.uid_of(bytes(self._key.verify_key))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _json(self, response: httpx.Response) -> Any:
+        body = response.json()
+        if response.status_code >= 400:
+            raise ClientError(response.status_code, body)
+        return body
+
+    def sign(self, cid: str, key: str, value: str | None, ts: int | None = None) -> dict[str, Any]:
+        """A signed wire claim (ts defaults to now)."""
+        if self._key is None:
+            raise ValueError("this client has no signing key")
+        when = time.time_ns() // 1_000_000 if ts is None else ts
+        return claims.sign(self._key, cid, key, value, when).wire()
+
+    def post(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
+        """POST /api/claims; returns the verdicts, raises `ClientError` on a rejected batch."""
+        result: dict[str, Any] = self._json(self._http.post("/api/claims", json={"claims": batch}))
+        return result
+
+    def meta(self, cid: str, viewer: str | None = None) -> dict[str, Any] | None:
+        """The merged document of any CID, or None if the node knows no such CID."""
+        params = {"as": viewer} if viewer else {}
+        response = self._http.get(f"/api/meta/{cid}", params=params)
+        if response.status_code == 404 and response.json().get("error") == "unknown_cid":
+            return None
+        result: dict[str, Any] = self._json(response)
+        return result
+
+    def meta_by_rid(self, rid: str) -> dict[str, Any]:
+        """The document of a record named in a feed event."""
+        result: dict[str, Any] = self._json(self._http.get(f"/api/metadata/{rid}"))
+        return result
+
+    def events(self, since: str | None = None, snapshot: bool = False,
+               prefix: Iterable[str] = (), rid: Iterable[str] = (),
+               retry_s: float = 1.0) -> Iterator[Event]:
+        """Follow GET /api/events forever, reconnecting after the last id delivered."""
+        params: list[tuple[str, str | int | float | bool | None]] = [
+            *(("prefix", p) for p in prefix), *(("rid", r) for r in rid)]
+        if snapshot and since is None:
+            params.append(("snapshot", "1"))
+        last = since
+        while True:
+            headers = {"Last-Event-ID": last} if last else {}
+            try:
+                with self._http.stream("GET", "/api/events", params=params, headers=headers,
+                                       timeout=httpx.Timeout(10, read=None)) as response:
+                    if response.status_code != 200:
+                        response.read()
+                        self._json(response)
+                    for event in parse_frames(response.iter_lines()):
+                        if event.id is not None:
+                            last = event.id
+                        elif event.kind == "synced":
+                            last = str(event.data["id"])
+                        yield event
+            except httpx.TransportError:
+                pass
+            except ClientError as exc:
+                if not exc.body.get("retryable"):
+                    raise
+            time.sleep(retry_s)
