@@ -10,6 +10,8 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -22,9 +24,9 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metanode import sse
+from metanode import logs, sse
 from metanode.errors import (
     InvalidJson,
     InvalidRequest,
@@ -34,9 +36,11 @@ from metanode.errors import (
     TooLarge,
     Unauthorized,
 )
+from metanode.metrics import CONTENT_TYPE
 from metanode.node import Node
 
 log = logging.getLogger(__name__)
+access = logging.getLogger("metanode.access")
 PUBLIC_PREFIX = "/api/meta/"
 PUBLIC_PATHS = frozenset({"/health"})
 MAX_PAGE = 1000
@@ -70,6 +74,46 @@ class Perimeter:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+class Observe:
+    """Outermost: a request id for every log line of the request (`X-Request-ID`, echoed back),
+    one access log line, and the latency histogram by route template."""
+
+    def __init__(self, app: ASGIApp, node: Node) -> None:
+        self.app = app
+        self.node = node
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if 0 < len(given) <= 64 and given.isprintable() else uuid.uuid4().hex[:16]
+        token = logs.request_id.set(rid)
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", rid.encode("latin-1"))]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            elapsed = time.perf_counter() - started
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.node.metrics.request_seconds.labels(route, scope["method"], str(status)).observe(
+                elapsed)
+            access.info("%s %s %d %.1f ms", scope["method"], scope["path"], status,
+                        elapsed * 1000, extra={"fields": {
+                            "method": scope["method"], "path": scope["path"], "status": status,
+                            "ms": round(elapsed * 1000, 1)}})
+            logs.request_id.reset(token)
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -152,9 +196,12 @@ def create_app(node: Node) -> Starlette:
         q = request.query_params
         cursor = request.headers.get("last-event-id") or q.get("since")
         where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
-        subscription = node.subscribe(cursor, q.get("snapshot") in ("1", "true"), where)
-        return EventSourceResponse(subscription.stream(), ping=0, sep=sse.SEP,
+        stream = node.subscribe(cursor, q.get("snapshot") in ("1", "true"), where)
+        return EventSourceResponse(stream, ping=0, sep=sse.SEP,
                                    headers={"Cache-Control": "no-cache"})
+
+    async def metrics(request: Request) -> Response:
+        return Response(node.metrics.render(), media_type=CONTENT_TYPE)
 
     async def files(request: Request) -> Response:
         q = request.query_params
@@ -198,8 +245,10 @@ def create_app(node: Node) -> Starlette:
         Route("/api/files", files),
         Route("/api/plugins", list_plugins),
         Route("/health", health),
+        Route("/metrics", metrics),
     ]
     middleware = [
+        Middleware(Observe, node=node),
         Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"]),
         Middleware(Perimeter, node=node),
     ]

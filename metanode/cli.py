@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import signal
 import sys
 import tempfile
@@ -23,8 +22,8 @@ import click
 import httpx
 
 from metanode import cid as cids
-from metanode import claims, client, config, db, keys, node, truth, watcher
-from metanode.errors import InvalidJson, MetanodeError
+from metanode import claims, client, config, db, keys, logs, node, truth, watcher
+from metanode.errors import InvalidBatch, InvalidJson, MetanodeError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -220,15 +219,14 @@ def serve(config_file: str | None, data_dir: str | None, host: str | None,
         click.echo(f"API token, shown once (kept in {settings.token_path}): {token}")
     else:
         click.echo(f"API token: in {settings.token_path}")
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level)
     app = create_app(node.Node(settings))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
     # that was installed before it: make that handler a clean exit (status 0), not a kill.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                    timeout_graceful_shutdown=10)
+                    timeout_graceful_shutdown=10, access_log=False, log_config=None)
 
 
 @main.group()
@@ -425,3 +423,74 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
                f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable")
     for path in summary.failed:
         click.echo(f"unreadable: {path}", err=True)
+
+
+def _progress_bar() -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    return Progress("[progress.description]{task.description}", BarColumn(),
+                    MofNCompleteColumn(), TimeRemainingColumn(), transient=True,
+                    console=Console(stderr=True))
+
+
+@main.command()
+@click.argument("target", type=click.Path(file_okay=False))
+@settings_options
+@reports_errors
+def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
+    """Copy truth.db (online: consistent while the server writes) and keys/ into TARGET.
+
+    Restore by putting the copy back as truth.db: the cache is rebuilt from it on start.
+    """
+    settings = load_settings(config_file, data_dir=data_dir)
+    node.open_store(settings)
+    click.echo(node.backup(settings, Path(target)))
+
+
+@main.command("export")
+@click.option("--signer", "uid", default=None, help="Only the claims of this uid.")
+@click.option("--out", type=click.Path(dir_okay=False), default="-", show_default=True,
+              help="Where to write the JSON lines (- is stdout).")
+@settings_options
+@reports_errors
+def export_command(uid: str | None, out: str, config_file: str | None,
+                   data_dir: str | None) -> None:
+    """Write every stored claim, retractions included, as JSON lines of wire claims."""
+    settings = load_settings(config_file, data_dir=data_dir)
+    node.open_store(settings)
+    total, rows = node.export_claims(settings, uid)
+    with click.open_file(out, "w", encoding="utf-8") as sink, _progress_bar() as bar:
+        task = bar.add_task("claims", total=total)
+        for row in rows:
+            sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+            bar.advance(task)
+    click.echo(f"exported {total} claims", err=True)
+
+
+@main.command("import")
+@click.argument("source", type=click.Path(dir_okay=False, allow_dash=True))
+@click.option("--register-signers", is_flag=True,
+              help="Trust the file's signers: register unknown ones (weight 1, may link).")
+@settings_options
+@reports_errors
+def import_command(source: str, register_signers: bool, config_file: str | None,
+                   data_dir: str | None) -> None:
+    """Verify every claim of SOURCE (JSON lines or an array), then ingest them as the node
+    would. Nothing is written if any claim fails; each failure is listed with its line."""
+    settings = load_settings(config_file, data_dir=data_dir)
+    with click.open_file(source, encoding="utf-8") as f:
+        items = list(read_claims(f.read()))
+    limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
+    try:
+        batch = node.validate_import(items, limits)
+        with _progress_bar() as bar:
+            task = bar.add_task("claims", total=len(batch))
+            counts = node.import_claims(settings, batch, register_signers,
+                                        lambda n: bar.advance(task, n))
+    except InvalidBatch as exc:
+        for item in exc.items:
+            click.echo(f"claim {item['index'] + 1}: {item['error']}: {item['message']}", err=True)
+        raise
+    click.echo(f"imported {len(batch)} claims: {counts['accepted']} accepted, "
+               f"{counts['duplicate']} duplicate, {counts['stale']} stale")

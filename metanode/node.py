@@ -13,12 +13,15 @@ import contextlib
 import logging
 import os
 import secrets
+import shutil
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from sse_starlette import ServerSentEvent
 
 from metanode import cache, claims, db, feed, merge, plugins, sse, truth, watcher
 from metanode import cid as cids
@@ -31,12 +34,15 @@ from metanode.errors import (
     InvalidRequest,
     InvalidUid,
     Merged,
+    MetanodeError,
     TooLarge,
     UnknownCid,
     UnknownRid,
 )
+from metanode.metrics import Metrics
 
 log = logging.getLogger(__name__)
+STALL_S = 60.0  # /health reports degraded when the applier or the watcher stalls this long
 
 
 def now_ms() -> int:
@@ -85,6 +91,7 @@ class Applier:
         self.state = writer.run_sync(lambda conn: cache.read_state(conn))
         self.ready = False
         self.degraded = False
+        self.progressed = time.monotonic()  # when applied_seq last moved, or nothing was due
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -152,6 +159,7 @@ class Applier:
             mark = (state.epoch, state.feed_seq, state.applied_seq)
             if mark > (self.state.epoch, self.state.feed_seq, self.state.applied_seq):
                 self.state = state
+            self.progressed = time.monotonic()
             self._applied.notify_all()
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
@@ -184,6 +192,8 @@ class Node:
         self.token_created = False
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=os.cpu_count() or 2, thread_name_prefix="verify")
+        self.metrics = Metrics(self._gauges)
+        self.subscribers = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -295,13 +305,25 @@ class Node:
 
     # -- feed -----------------------------------------------------------------------------------
 
-    def subscribe(self, cursor: str | None, snapshot: bool, where: sse.Filter) -> feed.Subscription:
+    def subscribe(self, cursor: str | None, snapshot: bool,
+                  where: sse.Filter) -> AsyncIterator[ServerSentEvent]:
         """A feed subscription from a `Last-Event-ID`/`?since=` cursor (SPEC §5)."""
         self._require_ready()
-        return feed.Subscription(
+        subscription = feed.Subscription(
             self.cache_reader, self.settings.cache_path, lambda: self.applier.state,
             self.applier.wait_feed, sse.parse_cursor(cursor), snapshot, where,
             self.settings.feed_keep_alive_s)
+        return self._counted(subscription.stream())
+
+    async def _counted(self, stream: AsyncIterator[ServerSentEvent]
+                       ) -> AsyncIterator[ServerSentEvent]:
+        """The stream, counted in `subscribers` while it is open."""
+        self.subscribers += 1
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            self.subscribers -= 1
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -329,7 +351,20 @@ class Node:
 
     async def ingest(self, payload: object) -> IngestAnswer:
         """POST /api/claims: validate all, commit all in one transaction, wait for the cache."""
-        return await self.ingest_wire(self._batch_items(payload))
+        started = time.perf_counter()
+        try:
+            answer = await self.ingest_wire(self._batch_items(payload))
+        except InvalidBatch as exc:
+            for item in exc.items:
+                self.metrics.rejected.labels(item["error"]).inc()
+            raise
+        except MetanodeError as exc:
+            self.metrics.rejected.labels(exc.slug).inc()
+            raise
+        self.metrics.ingest_seconds.observe(time.perf_counter() - started)
+        for verdict in ("accepted", "duplicate", "stale"):
+            self.metrics.claims.labels(verdict).inc(answer.body[verdict])
+        return answer
 
     async def ingest_wire(self, items: list[object]) -> IngestAnswer:
         """A batch of wire claims through validation, the truth and the cache (plugins too)."""
@@ -458,18 +493,45 @@ class Node:
         page = cache.files(self.cache_reader, prefix, after or "", limit)
         return {"files": page, "next": page[-1]["path"] if len(page) == limit else None}
 
+    def _gauges(self) -> dict[str, Any]:
+        """The scrape-time numbers of /metrics."""
+        statuses = dict(self.truth_reader.execute(
+            "SELECT status, count(*) FROM rids GROUP BY status").fetchall())
+        runs = {(plugin, status): n for (plugin, _version), counts
+                in cache.run_counts(self.cache_reader).items() for status, n in counts.items()}
+        return {
+            "records": self.cache_reader.execute(
+                "SELECT count(DISTINCT rid) FROM cid_index").fetchone()[0],
+            "groups": statuses.get("active", 0), "merges": statuses.get("merged", 0),
+            "apply_lag": self.health()["apply_lag"], "feed_subscribers": self.subscribers,
+            "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
+            "watcher_files": self.cache_reader.execute(
+                "SELECT count(*) FROM local_file").fetchone()[0],
+            "plugin_runs": runs,
+        }
+
     def plugins(self) -> list[dict[str, Any]]:
         return [] if self.plugin_host is None else self.plugin_host.describe()
 
     def health(self) -> dict[str, Any]:
         truth_seq = truth.max_seq(self.truth_reader)
         state = self.applier.state
-        ok = self.applier.ready and not self.applier.degraded
+        lag = max(0, truth_seq - state.applied_seq)
+        problems = []
+        if not self.applier.ready:
+            problems.append("the cache is being built")
+        if self.applier.degraded:
+            problems.append("applying truth changes to the cache is failing")
+        if lag and time.monotonic() - self.applier.progressed > STALL_S:
+            problems.append(f"the cache has not caught up for {STALL_S:.0f} s")
         body: dict[str, Any] = {
-            "status": "ok" if ok else "degraded", "applied_seq": state.applied_seq,
-            "truth_seq": truth_seq, "apply_lag": max(0, truth_seq - state.applied_seq),
+            "status": "degraded" if problems else "ok", "problems": problems,
+            "applied_seq": state.applied_seq, "truth_seq": truth_seq, "apply_lag": lag,
             "epoch": state.epoch, "cache_ready": self.applier.ready}
         if self.watcher is not None:
+            if self._watching.done() or time.monotonic() - self.watcher.heartbeat > STALL_S:
+                problems.append("the watcher has stopped")
+                body["status"] = "degraded"
             body["watcher"] = {"roots": self.watcher.roots, "scanning": self.watcher.scanning,
                                "pending": len(self.watcher.pending)}
         return body
@@ -530,3 +592,94 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
     finally:
         for conn in (source, live, fresh):
             conn.close()
+
+
+def backup(settings: Settings, target: Path) -> Path:
+    """`metanode backup DIR`: an online copy of truth.db (consistent while the node writes),
+    checked, plus the node's keys. The cache is not backed up: it is rebuilt from the truth."""
+    target.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    copy = target / f"truth-{stamp}.db"
+    source = db.connect(settings.truth_path, readonly=True)
+    dest = sqlite3.connect(copy)
+    try:
+        source.backup(dest)
+        verdict = dest.execute("PRAGMA integrity_check").fetchone()[0]
+    finally:
+        dest.close()
+        source.close()
+    if verdict != "ok":
+        raise RuntimeError(f"the backup {copy} failed its integrity check: {verdict}")
+    if settings.keys_dir.is_dir():
+        shutil.copytree(settings.keys_dir, target / f"keys-{stamp}")
+    return copy
+
+
+def export_claims(settings: Settings, uid: str | None) -> tuple[int, Iterator[dict[str, Any]]]:
+    """Every stored claim (tombstones too) as wire dicts, optionally of one signer: (count, it)."""
+    conn = db.connect(settings.truth_path, readonly=True)
+    where, params = ("", ()) if uid is None else (" WHERE uid = ?", (uid,))
+    total = int(conn.execute("SELECT count(*) FROM claims" + where, params).fetchone()[0])
+
+    def rows() -> Iterator[dict[str, Any]]:
+        try:
+            with db.snapshot(conn):
+                for claim in truth.all_claims(conn, uid):
+                    yield claim.wire()
+        finally:
+            conn.close()
+
+    return total, rows()
+
+
+IMPORT_BATCH = 1000
+
+
+def validate_import(items: Sequence[object], limits: claims.Limits) -> list[claims.Claim]:
+    """Every claim of an import file, verified; all errors at once, nothing written on any."""
+    valid, errors = claims.validate_items(items, 0, now_ms(), limits)
+    if errors:
+        raise InvalidBatch(errors)
+    return valid
+
+
+def import_claims(settings: Settings, batch: Sequence[claims.Claim], register_signers: bool,
+                  progress: Callable[[int], None]) -> dict[str, int]:
+    """`metanode import`: verified claims through the normal transaction, 1,000 at a time, then
+    the cache brought up to date. `register_signers` trusts the file's signers (weight 1, may
+    link); otherwise they must be registered already."""
+    open_store(settings)
+    minter = rids.Minter()
+    policy = truth.Policy(settings.accept_unknown_signers)
+    counts = {"accepted": 0, "duplicate": 0, "stale": 0}
+    conn = db.connect(settings.truth_path)
+    try:
+        if register_signers:
+            for uid in sorted({c.uid for c in batch}):
+                if truth.signer(conn, uid) is None:
+                    db.run_txn(conn, truth.add_signer_txn, uid, "imported", 1, True, now_ms())
+        truth.check_policy(conn, batch, policy)  # every signer first: nothing written on a refusal
+        for start in range(0, len(batch), IMPORT_BATCH):
+            chunk = batch[start:start + IMPORT_BATCH]
+            result = db.run_txn(conn, truth.ingest_txn, chunk, minter, policy, now_ms())
+            for verdict in result.verdicts:
+                counts[verdict] += 1
+            progress(len(chunk))
+    finally:
+        conn.close()
+    catch_up_cache(settings)
+    return counts
+
+
+def catch_up_cache(settings: Settings) -> cache.State:
+    """Apply the truth's outbox to the cache now (the CLI's writes, when no server runs)."""
+    conn = db.connect(settings.cache_path)
+    source = db.connect(settings.truth_path, readonly=True)
+    try:
+        state = cache.read_state(conn)
+        if cache_needs_build(state, truth.max_seq(source)):
+            return db.run_txn(conn, cache.build_txn, source)
+        return db.run_txn(conn, cache.apply_txn, source)
+    finally:
+        conn.close()
+        source.close()

@@ -155,6 +155,7 @@ class Watcher:
         self._failed: dict[str, Stat] = {}  # unreadable files: not retried until they change
         self._stop = asyncio.Event()
         self.scanning = False
+        self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
 
     # -- applying results -----------------------------------------------------------------------
 
@@ -180,6 +181,7 @@ class Watcher:
 
         A candidate that changed meanwhile goes back to `pending`.
         """
+        self.heartbeat = time.monotonic()
         paths = list(candidates)
         results = await asyncio.gather(*(self._hash(p, candidates[p]) for p in paths))
         done = [r for r in results if r is not None]
@@ -289,7 +291,7 @@ class Watcher:
         """Hash pending files once their stat held still for the settle window."""
         while not self._stop.is_set():
             await asyncio.sleep(TICK_S)
-            now = time.monotonic()
+            now = self.heartbeat = time.monotonic()
             ready: dict[str, Stat] = {}
             for path, (expected, since) in list(self.pending.items()):
                 if now - since < self.settle_s:

@@ -1,0 +1,24 @@
+# metanode in a container: `docker build -t metanode .` then see README ("Container").
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    METANODE_DATA_DIR=/data \
+    METANODE_WATCH_ROOTS=/files/watch
+
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY metanode ./metanode
+COPY plugins ./plugins
+RUN pip install --no-cache-dir . ./plugins/fullhash ./plugins/fileinfo ./plugins/filename
+
+RUN useradd --system --uid 1000 --user-group --home-dir /data metanode \
+    && mkdir -p /data /files/watch \
+    && chown metanode:metanode /data /files/watch
+USER metanode
+
+VOLUME ["/data"]
+EXPOSE 9000
+HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import json, sys, urllib.request; r = urllib.request.urlopen('http://127.0.0.1:9000/health', timeout=4); sys.exit(0 if json.load(r)['status'] == 'ok' else 1)"]
+CMD ["metanode", "serve", "--host", "0.0.0.0"]

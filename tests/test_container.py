@@ -1,0 +1,60 @@
+"""The container's build context and entry point, checked without a Docker engine.
+
+No engine runs on the build machines, so the image itself is not built here; what can break
+silently is checked instead: every file the Dockerfile copies exists and is not excluded by
+.dockerignore, the installed entry point serves, and the HEALTHCHECK command judges /health.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import Server
+
+ROOT = Path(__file__).parents[1]
+DOCKERFILE = (ROOT / "Dockerfile").read_text(encoding="utf-8")
+
+
+def test_every_copied_path_exists_and_is_in_the_context() -> None:
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    copied = [src for line in re.findall(r"^COPY (.+)$", DOCKERFILE, flags=re.M)
+              for src in line.split()[:-1]]
+    assert copied, "the Dockerfile copies nothing"
+    for src in copied:
+        assert (ROOT / src).exists(), src
+        assert src.split("/")[0] not in ignored, f"{src} is excluded by .dockerignore"
+    for plugin in (ROOT / "plugins").iterdir():
+        assert f"./plugins/{plugin.name}" in DOCKERFILE, f"plugin {plugin.name} is not installed"
+
+
+def test_image_settings() -> None:
+    assert "USER metanode" in DOCKERFILE
+    assert 'VOLUME ["/data"]' in DOCKERFILE and "EXPOSE 9000" in DOCKERFILE
+    assert "METANODE_WATCH_ROOTS=/files/watch" in DOCKERFILE
+    assert 'CMD ["metanode", "serve", "--host", "0.0.0.0"]' in DOCKERFILE
+
+
+def healthcheck_command() -> list[str]:
+    line = re.search(r"CMD (\[.*\])\s*$", DOCKERFILE.split("HEALTHCHECK", 1)[1].split("\nCMD")[0],
+                     flags=re.M)
+    assert line is not None
+    return list(json.loads(line.group(1)))
+
+
+def test_entry_point_serves_and_healthcheck_passes(tmp_path: Path) -> None:
+    server = Server(tmp_path / "data").start()
+    try:
+        command = healthcheck_command()
+        assert command[0] == "python"
+        script = command[2].replace("127.0.0.1:9000", f"127.0.0.1:{server.port}")
+        assert subprocess.run([sys.executable, "-c", script], timeout=30).returncode == 0
+    finally:
+        server.stop()
+    # with the node gone the healthcheck fails
+    assert subprocess.run([sys.executable, "-c", script], timeout=30,
+                          capture_output=True).returncode != 0
