@@ -1,0 +1,185 @@
+"""Operability: metrics, logs with request ids, health, backup, export and import."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from metanode import cid as cids
+from metanode import keys, logs
+from metanode.node import Node
+from tests.conftest import NOW_MS, Server, Signer
+from tests.test_ingest import post, register
+
+
+def metric(text: str, name: str) -> float:
+    """The value of one sample line `name value` of a Prometheus exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_metrics_change_as_claims_flow(client: httpx.AsyncClient, node: Node) -> None:
+    signer = Signer()
+    await register(client, signer, may_link=True)
+    before = (await client.get("/metrics")).text
+    a, b = cids.midhash_bytes(b"m1"), cids.midhash_bytes(b"m2")
+    await post(client, signer.claim(a, "title", "x"), signer.claim(b, "title", "y"))
+    await post(client, signer.claim(a, "title", "x"))  # duplicate
+    await post(client, signer.claim(a, f"cids/{b}", "true"))  # merges the two groups
+    await post(client, {**signer.claim(a, "year", "1"), "sig": "A" * 86})  # rejected
+    after = (await client.get("/metrics")).text
+    assert metric(after, 'metanode_claims_total{verdict="accepted"}') - metric(
+        before, 'metanode_claims_total{verdict="accepted"}') == 3
+    assert metric(after, 'metanode_claims_total{verdict="duplicate"}') == 1
+    assert metric(after, 'metanode_claims_rejected_total{slug="bad_signature"}') == 1
+    assert metric(after, "metanode_records") == 1
+    assert (metric(after, "metanode_groups"), metric(after, "metanode_merges")) == (1, 1)
+    assert metric(after, "metanode_ingest_seconds_count") == 3
+    assert metric(after, "metanode_apply_lag") == 0
+    assert 'metanode_request_seconds_count{method="POST",route="/api/claims",status="200"}' in after
+    assert (await client.get("/metrics", headers={"Authorization": ""})).status_code == 401
+
+
+async def test_request_id_is_echoed_and_logged(client: httpx.AsyncClient,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="metanode.access")
+    response = await client.get("/health", headers={"X-Request-ID": "abc-123"})
+    assert response.headers["x-request-id"] == "abc-123"
+    generated = (await client.get("/health")).headers["x-request-id"]
+    assert len(generated) == 16 and generated != "abc-123"
+    access = [r for r in caplog.records if r.name == "metanode.access"]
+    assert any(getattr(r, "fields", {}).get("path") == "/health" and r.msg.startswith("%s %s")
+               for r in access)
+
+
+def test_json_log_lines_carry_the_request_id() -> None:
+    record = logging.LogRecord("metanode.test", logging.INFO, __file__, 1, "hello %s", ("you",),
+                               None)
+    record.request_id = "r-1"
+    record.fields = {"status": 200}
+    line = json.loads(logs.JsonFormatter().format(record))
+    assert line["msg"] == "hello you" and line["request_id"] == "r-1" and line["status"] == 200
+    assert line["level"] == "info" and line["ts"].endswith("Z")
+
+
+async def test_health_degrades_when_the_watcher_stalls(tmp_path: Path) -> None:
+    from tests.conftest import settings_for
+
+    node = Node(settings_for(tmp_path / "d", watch_enabled=True))
+    await node.start()
+    try:
+        assert node.health()["problems"] == ["the cache is being built"] or node.applier.ready
+        assert await node.applier.wait_for(0, 10)
+        assert node.health()["status"] == "ok"
+        assert node.watcher is not None
+        node.watcher.heartbeat -= 3600  # as if the settle loop had not turned for an hour
+        health = node.health()
+        assert health["status"] == "degraded" and "the watcher has stopped" in health["problems"]
+    finally:
+        await node.stop()
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([sys.executable, "-m", "metanode", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:
+    server = Server(tmp_path / "data").start()
+    signer = Signer()
+    stop = threading.Event()
+    try:
+        httpx.post(f"{server.url}/api/signers", headers=server.headers, timeout=10,
+                   json={"uid": signer.uid, "name": "s", "may_link": True}).raise_for_status()
+
+        def ingest() -> None:
+            n = 0
+            while not stop.is_set() and n < 200:
+                batch = [signer.claim(cids.midhash_bytes(f"b{n}-{i}".encode()), "title", str(i))
+                         for i in range(50)]
+                httpx.post(f"{server.url}/api/claims", json={"claims": batch},
+                           headers=server.headers, timeout=30).raise_for_status()
+                n += 1
+
+        keys.create(server.data_dir / "keys" / "someone.key")
+        writer = threading.Thread(target=ingest)
+        writer.start()
+        copies = [Path(cli("backup", str(tmp_path / "bk"), "--data-dir",
+                           str(server.data_dir)).stdout.strip())]
+        stop.set()
+        writer.join()
+    finally:
+        stop.set()
+        server.stop()
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    copies[0].rename(restored / "truth.db")
+    cli("rebuild-cache", "--data-dir", str(restored))
+    assert "clean" in cli("check", "--data-dir", str(restored)).stdout
+    assert list((tmp_path / "bk").glob("keys-*")), "the keys were not backed up"
+
+
+async def documents(node: Node) -> dict[str, dict[str, Any]]:
+    """Every CID's document, keyed by CID."""
+    every = [r[0] for r in node.cache_reader.execute("SELECT cid FROM cid_index")]
+    return {c: node.meta(c) for c in every}
+
+
+async def test_export_then_import_gives_identical_documents(client: httpx.AsyncClient,
+                                                           node: Node, tmp_path: Path) -> None:
+    alice, bob = Signer(), Signer()
+    await register(client, alice, may_link=True)
+    await register(client, bob)
+    a, b, c = (cids.midhash_bytes(x) for x in (b"e1", b"e2", b"e3"))
+    await post(client, alice.claim(a, "title", "A", ts=NOW_MS), bob.claim(b, "title", "B"),
+               alice.claim(a, f"cids/{b}", "true"), bob.claim(c, "genre", "g"),
+               alice.claim(c, "title", "C", ts=NOW_MS - 5))
+    await post(client, alice.claim(c, "title", None, ts=NOW_MS))  # a tombstone travels too
+    export = tmp_path / "claims.jsonl"
+    data = str(node.settings.data_dir)
+    cli("export", "--out", str(export), "--data-dir", data)
+    lines = [json.loads(line) for line in export.read_text().splitlines()]
+    assert len(lines) == 5 and any(line["value"] is None for line in lines)
+    second = tmp_path / "second"
+    done = cli("import", str(export), "--register-signers", "--data-dir", str(second))
+    assert "5 accepted" in done.stdout
+    assert "5 duplicate" in cli("import", str(export), "--data-dir", str(second)).stdout
+    from tests.conftest import settings_for
+
+    other = Node(settings_for(second))
+    await other.start()
+    try:
+        await other.applier.wait_for(0, 10)
+        theirs, ours = await documents(other), await documents(node)
+        assert theirs == ours and len(ours) == 3
+        rid_here = node.cache_reader.execute("SELECT rid FROM cid_index").fetchone()[0]
+        rid_there = other.cache_reader.execute("SELECT rid FROM cid_index").fetchone()[0]
+        assert rid_here != rid_there  # the same records under each box's own rids
+    finally:
+        await other.stop()
+
+
+def test_import_refuses_a_tampered_file_and_writes_nothing(tmp_path: Path) -> None:
+    signer = Signer()
+    good = signer.claim(cids.midhash_bytes(b"t"), "title", "ok")
+    bad = {**good, "value": "tampered"}
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    done = subprocess.run([sys.executable, "-m", "metanode", "import", str(source),
+                           "--register-signers", "--data-dir", str(tmp_path / "d")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "claim 2: bad_signature" in done.stderr
+    assert not (tmp_path / "d" / "truth.db").exists()
