@@ -8,6 +8,7 @@ same envelope, so a client never has to parse anything else.
 from __future__ import annotations
 
 import hmac
+import importlib.resources
 import json
 import logging
 import time
@@ -26,14 +27,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metanode import logs, sse
+from metanode import compat, logs, sse
+from metanode.bodies import ascii_number, read_json
 from metanode.errors import (
-    InvalidJson,
     InvalidRequest,
     MetanodeError,
     MethodNotAllowed,
     NotFoundError,
-    TooLarge,
     Unauthorized,
 )
 from metanode.metrics import CONTENT_TYPE
@@ -42,13 +42,21 @@ from metanode.node import Node
 log = logging.getLogger(__name__)
 access = logging.getLogger("metanode.access")
 PUBLIC_PREFIX = "/api/meta/"
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
 MAX_PAGE = 1000
+
+
+class ErrorResponse(JSONResponse):
+    """The error envelope, ASCII-escaped: a message may quote the caller's input, lone
+    surrogates included, and must still render."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def error_response(exc: MetanodeError) -> JSONResponse:
     headers = {"Retry-After": "1"} if exc.retryable and exc.status == 503 else None
-    return JSONResponse(exc.envelope(), status_code=exc.status, headers=headers)
+    return ErrorResponse(exc.envelope(), status_code=exc.status, headers=headers)
 
 
 class Perimeter:
@@ -116,27 +124,25 @@ class Observe:
             logs.request_id.reset(token)
 
 
-async def read_json(request: Request, limit: int) -> Any:
-    """The JSON body, refusing more than `limit` bytes before reading them all."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"body is {declared} bytes; at most {limit}")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise TooLarge(f"body is over {limit} bytes")
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidJson(f"body is not JSON: {exc}") from None
+def openapi_document() -> bytes:
+    """The OpenAPI document shipped inside the package (a byte copy of schemas/openapi.json,
+    kept in step by tools/openapi_sync.py), so an installed node serves it too."""
+    return importlib.resources.files("metanode").joinpath("openapi.json").read_bytes()
 
 
 def _limit(request: Request, default: int = 100) -> int:
-    raw = request.query_params.get("limit", str(default))
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_PAGE:
+    value = ascii_number(request.query_params.get("limit", str(default)))
+    if value is None or not 1 <= value <= MAX_PAGE:
         raise InvalidRequest(f"limit must be an integer from 1 to {MAX_PAGE}")
-    return int(raw)
+    return value
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates, which JSON can carry and SQLite cannot
+        return False
+    return True
 
 
 def _signer_body(body: Any) -> tuple[str, str, int, bool]:
@@ -145,8 +151,8 @@ def _signer_body(body: Any) -> tuple[str, str, int, bool]:
         raise InvalidRequest('the body must be {"uid": "z6Mk…", "name", "weight", "may_link"}')
     name, weight = body.get("name", ""), body.get("weight", 1)
     may_link = body.get("may_link", False)
-    if not isinstance(name, str):
-        raise InvalidRequest("name must be a string")
+    if not isinstance(name, str) or not _encodable(name):
+        raise InvalidRequest("name must be a string of valid Unicode")
     if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 1_000_000:
         raise InvalidRequest("weight must be an integer from 0 to 1000000")
     if not isinstance(may_link, bool):
@@ -213,6 +219,11 @@ def create_app(node: Node) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse(node.health())
 
+    spec = openapi_document()
+
+    async def openapi(request: Request) -> Response:
+        return Response(spec, media_type="application/json")
+
     async def on_metanode_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, MetanodeError)
         return error_response(exc)
@@ -226,6 +237,7 @@ def create_app(node: Node) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await node.start()
+        await compat.start(node)
         try:
             yield
         finally:
@@ -246,6 +258,8 @@ def create_app(node: Node) -> Starlette:
         Route("/api/plugins", list_plugins),
         Route("/health", health),
         Route("/metrics", metrics),
+        Route("/openapi.json", openapi),
+        *compat.routes(node),  # the MetaMesh routes (docs/compat.md)
     ]
     middleware = [
         Middleware(Observe, node=node),

@@ -81,7 +81,28 @@ def _v2(conn: sqlite3.Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V2)
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2)
+# The MetaMesh file-event log behind `GET /api/events/files` (docs/compat.md): one row per change
+# of `local_file`, written by `local_txn` in the same transaction, on its own dense counter
+# (`state.file_feed_seq`). Paths are stored absolute; the API makes them relative to the roots.
+SCHEMA_V3 = """
+CREATE TABLE file_feed (
+    seq INTEGER PRIMARY KEY NOT NULL,
+    op TEXT NOT NULL CHECK (op IN ('add', 'change', 'delete', 'rename')),
+    path TEXT NOT NULL,
+    old_path TEXT,
+    size INTEGER NOT NULL CHECK (size >= 0),
+    midhash TEXT NOT NULL,
+    at INTEGER NOT NULL,
+    CHECK ((op = 'rename') = (old_path IS NOT NULL))
+);
+"""
+
+
+def _v3(conn: sqlite3.Connection) -> None:
+    executescript_in_txn(conn, SCHEMA_V3)
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3)
 LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 
 
@@ -272,6 +293,7 @@ def prune_feed_txn(cache: sqlite3.Connection, keep_events: int, older_than_ms: i
     head = read_state(cache).feed_seq
     cursor = cache.execute("DELETE FROM feed WHERE seq <= ? OR at < ?",
                            (head - keep_events, older_than_ms))
+    _prune_file_feed(cache, keep_events, older_than_ms)
     return cursor.rowcount
 
 
@@ -306,21 +328,29 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
     new midhash of each touched path have their `filePath`/`fileSize`/`mtimeNano` recomputed, so
     a rename (a removal and an upsert of the same content in one call) is one `set` of
     `filePath`, and replacing a file's content moves the path from one record to the other. The
-    midhashes' groups must exist in the truth already (`truth.ensure_groups_txn`).
+    midhashes' groups must exist in the truth already (`truth.ensure_groups_txn`). What changed
+    on disk is also appended to `file_feed` (`file_events`).
     """
     touched: set[str] = set()
+    removed: dict[str, _Row] = {}
     for path in removals:
         rows = cache.execute(
-            "SELECT path, midhash FROM local_file WHERE path = ? OR substr(path, 1, ?) = ?",
+            "SELECT path, midhash, size, mtime_ns FROM local_file "
+            "WHERE path = ? OR substr(path, 1, ?) = ?",
             (path, len(path) + 1, path.rstrip("/") + "/")).fetchall()
-        for row_path, midhash in rows:
+        for row_path, midhash, size, mtime_ns in rows:
             touched.add(midhash)
+            removed[row_path] = (midhash, size, mtime_ns)
             cache.execute("DELETE FROM local_file WHERE path = ?", (row_path,))
+    written: list[tuple[merge.LocalFile, bool]] = []  # (file, it is new at its path)
     for file in upserts:
-        old = cache.execute("SELECT midhash FROM local_file WHERE path = ?",
-                            (file.path,)).fetchone()
-        if old is not None:
-            touched.add(old[0])
+        found = cache.execute("SELECT midhash, size, mtime_ns FROM local_file WHERE path = ?",
+                              (file.path,)).fetchone()
+        before = (found[0], found[1], found[2]) if found else removed.pop(file.path, None)
+        if before is not None:
+            touched.add(before[0])
+        if before != (file.midhash, file.size, file.mtime_ns):
+            written.append((file, before is None))
         touched.add(file.midhash)
         cache.execute(
             "INSERT INTO local_file (path, midhash, size, mtime_ns) VALUES (?, ?, ?, ?) "
@@ -334,6 +364,7 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
             events += refresh(cache, source, rid, _Scope(group=True), {})
     last = _append_feed(cache, state, events)
     _set_state(cache, feed_seq=last)
+    _append_file_feed(cache, file_events(removed, written))
     return State(state.epoch, state.applied_seq, last)
 
 
@@ -357,6 +388,76 @@ def files(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list
         (after, len(prefix), prefix, limit))
     return [{"path": p, "midhash": m, "size": s, "mtimeNano": str(t), "rid": r}
             for p, m, s, t, r in rows]
+
+
+# -- file events (GET /api/events/files, docs/compat.md) -----------------------------------------
+
+_Row = tuple[str, int, int]  # a local_file row: (midhash, size, mtime_ns)
+FILE_FEED_SEQ = "file_feed_seq"
+
+
+@dataclass(frozen=True)
+class FileEvent:
+    """One change of what the disk holds, as MetaMesh's file events name it."""
+
+    op: str  # "add" | "change" | "delete" | "rename"
+    path: str
+    old_path: str | None
+    size: int
+    midhash: str
+
+
+def file_events(removed: dict[str, _Row],
+                written: Sequence[tuple[merge.LocalFile, bool]]) -> list[FileEvent]:
+    """The events of one `local_txn`: `delete` for each removed path not taken over, then per
+    written path `add` (new path), `change` (new content or stat) or `rename`.
+
+    A written path whose midhash equals a removed row's is that file moved: one `rename` from the
+    removed path (preferring one with the same file name, then the first by path) instead of a
+    `delete` and an `add`.
+    """
+    by_content: dict[str, list[str]] = {}
+    for path, row in sorted(removed.items()):
+        by_content.setdefault(row[0], []).append(path)
+    taken: set[str] = set()
+    upserted = []
+    for file, is_new in written:
+        sources = [p for p in by_content.get(file.midhash, ()) if p not in taken]
+        if sources:
+            name = file.path.rsplit("/", 1)[-1]
+            source = next((p for p in sources if p.rsplit("/", 1)[-1] == name), sources[0])
+            taken.add(source)
+            upserted.append(FileEvent("rename", file.path, source, file.size, file.midhash))
+        else:
+            upserted.append(FileEvent("add" if is_new else "change", file.path, None, file.size,
+                                      file.midhash))
+    deleted = [FileEvent("delete", path, None, row[1], row[0])
+               for path, row in sorted(removed.items()) if path not in taken]
+    return deleted + upserted
+
+
+def file_feed_head(conn: sqlite3.Connection) -> int:
+    """The seq of the newest file event ever written (0: none); never goes back."""
+    row = conn.execute("SELECT value FROM state WHERE name = ?", (FILE_FEED_SEQ,)).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _append_file_feed(cache: sqlite3.Connection, events: Sequence[FileEvent]) -> None:
+    if not events:
+        return
+    head, at = file_feed_head(cache), _now_ms()
+    cache.executemany(
+        "INSERT INTO file_feed (seq, op, path, old_path, size, midhash, at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?)",
+        [(head + i, e.op, e.path, e.old_path, e.size, e.midhash, at)
+         for i, e in enumerate(events, 1)])
+    _set_state(cache, **{FILE_FEED_SEQ: head + len(events)})
+
+
+def _prune_file_feed(cache: sqlite3.Connection, keep_events: int, older_than_ms: int) -> int:
+    """The feed's retention, applied to the file events (the counter is kept: no seq reuse)."""
+    return cache.execute("DELETE FROM file_feed WHERE seq <= ? OR at < ?",
+                         (file_feed_head(cache) - keep_events, older_than_ms)).rowcount
 
 
 # -- plugin runs --------------------------------------------------------------------------------
@@ -383,11 +484,17 @@ def enqueue_runs_txn(cache: sqlite3.Connection, versions: Sequence[tuple[str, st
             (plugin, version, now_ms, *params))
 
 
-def due_runs(conn: sqlite3.Connection, now_ms: int, limit: int) -> list[PluginRun]:
+def due_runs(conn: sqlite3.Connection, versions: Sequence[tuple[str, str]], now_ms: int,
+             limit: int) -> list[PluginRun]:
+    """Pending runs that are due, of the given (plugin, version)s only: rows of an old version
+    or a disabled plugin stay in the table but never crowd out current work."""
+    current = json.dumps([list(pair) for pair in versions])
     return [PluginRun(*row) for row in conn.execute(
         "SELECT plugin, version, midhash, attempts FROM plugin_runs "
-        "WHERE status = 'pending' AND next_at <= ? ORDER BY next_at, midhash LIMIT ?",
-        (now_ms, limit))]
+        "WHERE status = 'pending' AND next_at <= ? AND (plugin, version) IN "
+        "(SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') "
+        "FROM json_each(?)) "
+        "ORDER BY next_at, midhash LIMIT ?", (now_ms, current, limit))]
 
 
 def file_of(conn: sqlite3.Connection, midhash: str) -> tuple[str, str, int, int] | None:

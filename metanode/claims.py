@@ -249,5 +249,6 @@ def validate_items(
         try:
             valid.append(validate(item, now_ms, limits))
         except ClaimError as exc:
-            errors.append({"index": index, "error": exc.slug, "message": exc.message})
+            errors.append({"index": index, "error": exc.slug, "message": exc.message,
+                           **exc.extra})
     return valid, errors

@@ -18,6 +18,7 @@ follows the feed never misses or repeats one (after a `gap` it receives a fresh 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -48,18 +49,40 @@ class Event:
     data: dict[str, Any]
 
 
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def sse_lines(chunks: Iterable[str]) -> Iterator[str]:
+    """Complete lines of an event stream. Only CR, LF and CRLF end a line in SSE:
+    `str.splitlines` (and httpx's `iter_lines`) would also break values at U+2028, U+2029 and
+    U+0085."""
+    buffer = ""
+    for chunk in chunks:
+        buffer += chunk
+        held = "\r" if buffer.endswith("\r") else ""  # maybe the first half of a CRLF
+        parts = _LINE_END.split(buffer[: len(buffer) - len(held)])
+        buffer = parts.pop() + held
+        yield from parts
+    yield from _LINE_END.split(buffer)[:-1]
+
+
 def parse_frames(lines: Iterable[str]) -> Iterator[Event]:
-    """SSE frames from text lines; comments (keep-alives) are skipped."""
+    """SSE frames from lines; several `data:` lines join with LF; comments are skipped."""
     fields: dict[str, str] = {}
+    data: list[str] = []
     for line in lines:
         if line == "":
-            if "data" in fields:
+            if data:
                 yield Event(fields.get("id"), fields.get("event", "message"),
-                            json.loads(fields["data"]))
-            fields = {}
+                            json.loads("\n".join(data)))
+            fields, data = {}, []
         elif not line.startswith(":"):
             name, _, value = line.partition(":")
-            fields[name] = value[1:] if value.startswith(" ") else value
+            value = value[1:] if value.startswith(" ") else value
+            if name == "data":
+                data.append(value)
+            else:
+                fields[name] = value
 
 
 class Client:
@@ -129,7 +152,7 @@ class Client:
                     if response.status_code != 200:
                         response.read()
                         self._json(response)
-                    for event in parse_frames(response.iter_lines()):
+                    for event in parse_frames(sse_lines(response.iter_text())):
                         if event.id is not None:
                             last = event.id
                         elif event.kind == "synced":

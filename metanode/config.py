@@ -66,6 +66,9 @@ class Settings:
     plugin_timeout_s: float = setting(600.0, "A plugin run taking longer fails.")
     plugin_max_attempts: int = setting(3, "Attempts of a failing run before it stays failed.")
     plugin_retry_s: float = setting(5.0, "First retry delay of a failed run (then 4×, 16×…).")
+    legacy_writer_weight: int = setting(
+        1, "Signer weight of the legacy writer, the node's own key that signs MetaMesh `/meta` "
+        "writes.")
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     test_fault: str = setting(
         "", "Test-only fault point: `crash_after_truth_commit` exits the process there.")

@@ -157,6 +157,13 @@ class InvalidKeyFile(RequestError):
     slug = "invalid_key_file"
 
 
+class DeprecatedField(RequestError):
+    """A MetaMesh `/meta` write of a removed per-algorithm CID field (`cid_*`, `midhash256`,
+    `canonical_cid`); the writer should send `cids/<cid>` = "true" instead (docs/compat.md)."""
+
+    slug = "deprecated_field"
+
+
 # -- nothing under that name --------------------------------------------------------------------
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -114,12 +115,18 @@ class Subscription:
         were pruned while this subscriber lagged: it gets a gap and a snapshot instead.
         """
         while True:
-            rows = self._reader.execute(
-                "SELECT seq, rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq LIMIT ?",
-                (self.position, PAGE)).fetchall()
+            with db.snapshot(self._reader):  # the page and the epoch it belongs to, together
+                stored = cache.read_state(self._reader)
+                rows = self._reader.execute(
+                    "SELECT seq, rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq "
+                    "LIMIT ?", (self.position, PAGE)).fetchall()
+            if stored.epoch != self.epoch:  # rebuilt: these rows are another epoch's
+                requested = sse.event_id(self.epoch, self.position)
+                async for item in self._gap_and_snapshot(requested, "unknown_epoch"):
+                    yield item
+                continue
             lost = (rows and rows[0][0] != self.position + 1) or (
-                not rows and self._state().feed_seq > self.position
-                and self._state().epoch == self.epoch)
+                not rows and stored.feed_seq > self.position)
             if lost:
                 requested = sse.event_id(self.epoch, self.position)
                 async for item in self._gap_and_snapshot(requested, "too_old"):
@@ -133,12 +140,16 @@ class Subscription:
                     yield sse.change(self.epoch, seq, rid, op, key, value)
 
     async def _live(self) -> AsyncIterator[ServerSentEvent]:
+        """The tail; a keep-alive after `keep_alive_s` in which this client got nothing (other
+        events may have flowed past its filter meanwhile)."""
+        quiet_since = time.monotonic()
         while True:
-            if self._state().epoch != self.epoch:
-                requested = sse.event_id(self.epoch, self.position)
-                async for item in self._gap_and_snapshot(requested, "unknown_epoch"):
-                    yield item
             async for item in self._drain():
+                quiet_since = time.monotonic()
                 yield item
-            if not await self._wait_feed(self.position, self.epoch, self._keep_alive_s):
+            remaining = quiet_since + self._keep_alive_s - time.monotonic()
+            if remaining <= 0:
+                quiet_since = time.monotonic()
                 yield sse.keep_alive()
+                continue
+            await self._wait_feed(self.position, self.epoch, remaining)

@@ -87,11 +87,12 @@ class Applier:
         self._source = db.connect(truth_path, readonly=True)
         self._poll_s = poll_s
         self._wake = asyncio.Event()
-        self._applied = asyncio.Condition()
+        self._published = asyncio.Event()  # set (and replaced) at every publish
         self.state = writer.run_sync(lambda conn: cache.read_state(conn))
         self.ready = False
         self.degraded = False
         self.progressed = time.monotonic()  # when applied_seq last moved, or nothing was due
+        self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -104,26 +105,31 @@ class Applier:
     def wake(self) -> None:
         self._wake.set()
 
+    async def _until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Wait until `done()` holds after a publish; False if `timeout` passed first.
+
+        No lock: each publish sets the current event and replaces it, and a waiter only ever
+        waits on an event. (An `asyncio.Condition` under `wait_for` on Python 3.11 could be left
+        released by a non-holder when a subscriber's task was cancelled repeatedly, stalling
+        every publisher and subscriber.)
+        """
+        deadline = time.monotonic() + timeout
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._published.wait(), remaining)
+        return True
+
     async def wait_for(self, seq: int, timeout: float) -> bool:
         """Wait until the cache has applied outbox `seq`; False if `timeout` passed first."""
-        async with self._applied:
-            try:
-                await asyncio.wait_for(
-                    self._applied.wait_for(lambda: self.ready and self.applied_seq >= seq),
-                    timeout)
-            except TimeoutError:
-                return False
-        return True
+        return await self._until(lambda: self.ready and self.applied_seq >= seq, timeout)
 
     async def wait_feed(self, position: int, epoch: int, timeout: float) -> bool:
         """Wait until the feed has an event after `position` (or a new epoch); False on timeout."""
-        async with self._applied:
-            try:
-                await asyncio.wait_for(self._applied.wait_for(
-                    lambda: self.state.feed_seq > position or self.state.epoch != epoch), timeout)
-            except TimeoutError:
-                return False
-        return True
+        return await self._until(
+            lambda: self.state.feed_seq > position or self.state.epoch != epoch, timeout)
 
     async def _run(self) -> None:
         await self._build_if_needed()
@@ -132,6 +138,8 @@ class Applier:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._poll_s)
             self._wake.clear()
+            if self._stopping:
+                return
             try:
                 state = await self._writer.run(cache.apply_txn, self._source)
             except Exception:
@@ -155,22 +163,35 @@ class Applier:
     async def _publish(self, state: cache.State) -> None:
         """Make a committed cache state visible; never step back (two transactions' answers may
         arrive out of order)."""
-        async with self._applied:
-            mark = (state.epoch, state.feed_seq, state.applied_seq)
-            if mark > (self.state.epoch, self.state.feed_seq, self.state.applied_seq):
-                self.state = state
-            self.progressed = time.monotonic()
-            self._applied.notify_all()
+        mark = (state.epoch, state.feed_seq, state.applied_seq)
+        if mark > (self.state.epoch, self.state.feed_seq, self.state.applied_seq):
+            self.state = state
+        self.progressed = time.monotonic()
+        published, self._published = self._published, asyncio.Event()
+        published.set()
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
         """The watcher's results: local_file rows and local keys, in one cache transaction."""
         await self._publish(await self._writer.run(cache.local_txn, self._source, files, removals))
 
     async def stop(self) -> None:
+        """Let the loop finish the apply it is in (its job holds `_source`) and end.
+
+        A flag rather than a cancel: cancelling would leave the shielded job running on the
+        writer thread while the connection it uses is closed under it.
+        """
+        self._stopping = True
+        self._wake.set()
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), STALL_S)
+            except TimeoutError:  # a build of a huge cache: the writer's close() waits for it
+                self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+
+    def close(self) -> None:
+        """Close the truth connection; only once the cache writer has drained every job."""
         self._source.close()
 
 
@@ -288,6 +309,7 @@ class Node:
         await asyncio.to_thread(self.truth_writer.close)
         await self.applier.stop()
         await asyncio.to_thread(self.cache_writer.close)
+        self.applier.close()
         self.truth_reader.close()
         self.cache_reader.close()
         self._verify_pool.shutdown()

@@ -119,11 +119,11 @@ def run_in_thread(fn: Callable[[], T]) -> Awaitable[T]:
 
     def body() -> None:
         try:
-            result = fn()
+            outcome: tuple[T | None, BaseException | None] = (fn(), None)
         except BaseException as exc:
-            loop.call_soon_threadsafe(deliver, None, exc)
-        else:
-            loop.call_soon_threadsafe(deliver, result, None)
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits this run
+            loop.call_soon_threadsafe(deliver, *outcome)
 
     threading.Thread(target=body, name="plugin", daemon=True).start()
     return future
@@ -229,10 +229,8 @@ class Host:
 
     async def run(self) -> None:
         await self._writer.run(cache.enqueue_runs_txn, self._versions, None, _now_ms())
-        current = set(self._versions)
         while True:
-            due = [run for run in cache.due_runs(self._reader, _now_ms(), 64)
-                   if (run.plugin, run.version) in current]
+            due = cache.due_runs(self._reader, self._versions, _now_ms(), 64)
             if not due:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), 1.0)

@@ -19,7 +19,7 @@ from metanode.errors import InvalidCursor
 
 SEP = "\n"
 KEEP_ALIVE = "keep-alive"
-_CURSOR = re.compile(r"(\d{1,19})-(\d{1,19})")
+_CURSOR = re.compile(r"([0-9]{1,19})-([0-9]{1,19})")
 
 
 def event(kind: str, data: dict[str, Any], event_id: str | None = None) -> ServerSentEvent:

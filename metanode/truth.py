@@ -30,6 +30,8 @@ from metanode.errors import (
 )
 from metanode.merge import Verdict
 from metanode.rid import Minter
+from metanode.rid import decode as decode_rid
+from metanode.rid import parse as parse_rid
 
 SCHEMA_V1 = """
 CREATE TABLE signers (
@@ -290,8 +292,9 @@ def policy_error(row: SignerRow | None, claim: Claim, policy: Policy) -> SignerP
     return None
 
 
-def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Policy) -> None:
-    """Raise `InvalidBatch` (403) listing every claim whose signer may not make it."""
+def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Policy) -> set[str]:
+    """Raise `InvalidBatch` (403) listing every claim whose signer may not make it; else the
+    batch's signers that are registered already."""
     rows = {uid: signer(conn, uid) for uid in {c.uid for c in batch}}
     items = []
     for index, claim in enumerate(batch):
@@ -300,6 +303,7 @@ def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Polic
             items.append({"index": index, "error": error.slug, "message": error.message})
     if items:
         raise InvalidBatch(items, status=403)
+    return {uid for uid, row in rows.items() if row is not None}
 
 
 # -- writes -------------------------------------------------------------------------------------
@@ -339,6 +343,9 @@ def ensure_group(conn: sqlite3.Connection, cid: str, minter: Minter, now_ms: int
 
 def link(conn: sqlite3.Connection, a: str, b: str, minter: Minter, now_ms: int) -> None:
     """Put `a` and `b` in one group; two existing groups merge and the older rid survives."""
+    if a == b:  # a self-link links nothing; the CID still needs its group
+        ensure_group(conn, a, minter, now_ms)
+        return
     ra, rb = group_of(conn, a), group_of(conn, b)
     if ra is None and rb is None:
         ra = ensure_group(conn, a, minter, now_ms)
@@ -391,14 +398,16 @@ def ingest_txn(
     Claims are applied in batch order, so a batch holding the same claim twice gets `accepted`
     then `duplicate`, exactly as two batches would.
     """
-    check_policy(conn, batch, policy)
+    known = check_policy(conn, batch, policy)
     verdicts: list[Verdict] = []
     for claim in batch:
         verdict = merge.resolve(stored_claim(conn, claim.uid, claim.cid, claim.key), claim)
         verdicts.append(verdict)
         if verdict != "accepted":
             continue
-        _register_unknown(conn, claim.uid, now_ms)
+        if claim.uid not in known:
+            _register_unknown(conn, claim.uid, now_ms)
+            known.add(claim.uid)
         if claim.member is not None and claim.value is not None:
             link(conn, claim.cid, claim.member, minter, now_ms)  # joins before it would mint
         else:
@@ -446,3 +455,58 @@ def set_signer_status_txn(
     after = signer(conn, uid)
     assert after is not None
     return after
+
+
+# -- migration: adopting rids minted elsewhere (tools/claims-migrate) ---------------------------
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """What `adopt_group_txn` did: the active rid now holding the CIDs, and how it got there."""
+
+    rid: str
+    created: bool  # `rid` (the adopted one) was inserted into `rids` now
+    joined: tuple[str, ...]  # CIDs that were in no group and joined this one
+    merged: tuple[str, ...]  # rids merged away because they already held one of the CIDs
+
+
+def adopt_group_txn(conn: sqlite3.Connection, rid: str, cids: Sequence[str],
+                    now_ms: int) -> Adopted:
+    """Make `cids` one group named by an existing rid, minted by another store (a migrated
+    MetaMesh record keeps its UUIDv7), instead of minting a fresh one.
+
+    * `rid` (a UUIDv7 in rid spelling) is inserted into `rids` if absent, with `minted_at` its
+      own UUIDv7 timestamp. If it is there already and was merged away, its survivor stands for
+      it. Minting stays monotonic: `_mint` always starts above the largest rid the truth holds.
+    * A CID in no group joins it (a `group` outbox row, as `ensure_group` writes).
+    * A CID already in another group links the two exactly as a `cids/` vote does: the groups
+      merge and the older (smaller) rid survives (a `merge` outbox row). A migrated rid was
+      minted long before this node's own, so in practice it survives.
+
+    Idempotent: adopting the same rid and CIDs again writes nothing. A rid is never adopted
+    without a CID (an empty group could never be reached).
+    """
+    if not cids:
+        raise ValueError("a group needs at least one CID")
+    rid = parse_rid(rid)
+    info = rid_info(conn, rid)
+    created = info is None
+    if info is None:
+        minted_at = decode_rid(rid) >> 80
+        conn.execute("INSERT INTO rids (rid, minted_at) VALUES (?, ?)", (rid, minted_at))
+        target = rid
+    else:
+        target = survivor(conn, rid)
+    joined: list[str] = []
+    merged: list[str] = []
+    for cid in cids:
+        held = group_of(conn, cid)
+        if held is None:
+            _join(conn, cid, target, now_ms)
+            joined.append(cid)
+        elif held != target:
+            keep, lose = min(held, target), max(held, target)
+            merge_groups(conn, keep, lose, now_ms)
+            merged.append(lose)
+            target = keep
+    return Adopted(target, created, tuple(joined), tuple(merged))

@@ -20,10 +20,12 @@ import asyncio
 import fnmatch
 import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import watchfiles
@@ -46,30 +48,67 @@ KnownStats = Callable[[Sequence[str]], dict[str, Stat]]
 
 @dataclass(frozen=True)
 class Rules:
-    """Which paths the watcher ignores, and whether it follows symlinks."""
+    """Which paths the watcher ignores, and whether it follows symlinks.
+
+    A path is ignored when any of its components (below the watch root) is a dot-name or matches
+    a name glob (case-insensitively): so a file inside an ignored folder is ignored however it
+    arrives, by a walk or by inotify. Globs with a `/` match the path relative to the root.
+    Names that are not valid UTF-8 are ignored too (with a warning): the database stores text.
+    """
 
     globs: tuple[str, ...] = ()
     follow_symlinks: bool = False
 
+    @cached_property
+    def _name_match(self) -> Callable[[str], re.Match[str] | None]:
+        names = [g for g in DEFAULT_IGNORED + self.globs if "/" not in g]
+        return re.compile("|".join(fnmatch.translate(g.lower()) for g in names)).match
+
+    @cached_property
+    def _path_globs(self) -> tuple[str, ...]:
+        return tuple(g for g in self.globs if "/" in g)
+
+    def ignored_name(self, name: str) -> bool:
+        """One path component: dot-name, a name glob, or not UTF-8."""
+        if name.startswith(".") or self._name_match(name.lower()):
+            return True
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            log.warning("ignoring a name that is not valid UTF-8: %r", name)
+            return True
+        return False
+
     def ignored(self, root: str, path: str) -> bool:
-        """Dot-files and anything under a dot-folder, partial downloads, configured globs."""
-        relative = os.path.relpath(path, root)
-        parts = relative.split(os.sep)
-        if relative == "." or any(part.startswith(".") for part in parts):
-            return relative != "."
-        name = parts[-1].lower()
-        patterns = DEFAULT_IGNORED + self.globs
-        return any(fnmatch.fnmatchcase(name, g.lower()) or fnmatch.fnmatchcase(relative, g)
-                   for g in patterns)
+        """Whether `path` is ignored: the root itself never is, a path outside it always is."""
+        if path == root:
+            return False
+        prefix = root.rstrip("/") + "/"
+        if not path.startswith(prefix):
+            return True
+        relative = path[len(prefix):]
+        if any(self.ignored_name(part) for part in relative.split("/")):
+            return True
+        return any(fnmatch.fnmatchcase(relative, g) for g in self._path_globs)
 
 
-def walk(root: str, rules: Rules) -> Iterator[tuple[str, Stat]]:
-    """Every regular file below `root` that the rules keep, with its (size, mtime_ns).
+def walk(root: str, rules: Rules, start: str | None = None) -> Iterator[tuple[str, Stat]]:
+    """Every regular file below `start` (default `root`) that the rules keep, with its
+    (size, mtime_ns). Rules apply relative to the watch `root`.
 
-    Unreadable folders are logged and skipped; followed symlinked folders are visited once.
+    Unreadable folders are logged and skipped; each folder is visited once, even through a
+    followed symlink that loops back (to the root itself, say).
     """
-    seen: set[tuple[int, int]] = set()
-    stack = [root]
+    first = start or root
+    if start is not None and rules.ignored(root, start):
+        return
+    try:
+        top = os.stat(first)
+    except OSError:
+        return
+    seen: set[tuple[int, int]] = {(top.st_dev, top.st_ino)}
+    stack = [first]
+    check_paths = bool(rules._path_globs)
     while stack:
         folder = stack.pop()
         try:
@@ -78,7 +117,7 @@ def walk(root: str, rules: Rules) -> Iterator[tuple[str, Stat]]:
             log.warning("cannot list %s: %s", folder, exc.strerror or exc)
             continue
         for entry in entries:
-            if rules.ignored(root, entry.path):
+            if rules.ignored_name(entry.name) or (check_paths and rules.ignored(root, entry.path)):
                 continue
             try:
                 if entry.is_symlink() and not rules.follow_symlinks:
@@ -172,6 +211,10 @@ class Watcher:
     async def _commit(self, files: Sequence[LocalFile], removals: Sequence[str]) -> None:
         if files:
             await self._ensure_groups(sorted({f.midhash for f in files}))
+            # A file deleted or changed while its group was being made must not come back:
+            # only what still stands as hashed is recorded (the change itself is queued apart).
+            files = [f for f in files
+                     if stat_of(f.path, self.rules.follow_symlinks) == (f.size, f.mtime_ns)]
         if files or removals:
             await self._apply_local(files, removals)
 
@@ -234,7 +277,7 @@ class Watcher:
 
     def _files_below(self, folder: str, root: str) -> dict[str, Stat]:
         """Files below `folder` that the rules keep, judged relative to their watch `root`."""
-        return {f: s for f, s in walk(folder, self.rules) if not self.rules.ignored(root, f)}
+        return dict(walk(root, self.rules, folder))
 
     def _root_of(self, path: str) -> str | None:
         for root in self.roots:
@@ -310,10 +353,24 @@ class Watcher:
                 await self._guarded(self._hash_and_commit(ready))
 
     async def _inotify_loop(self) -> None:
-        async for changes in watchfiles.awatch(*self.roots, watch_filter=self._keep,
-                                               debounce=200, step=50, stop_event=self._stop,
-                                               ignore_permission_denied=True):
-            await self._guarded(self._on_changes(changes))
+        """Follow inotify; if watchfiles itself fails (it raises on a path it cannot decode),
+        watch again and reconcile once the new watch stands, to catch what the gap missed."""
+        resync: asyncio.Task[None] | None = None
+        while not self._stop.is_set():
+            try:
+                async for changes in watchfiles.awatch(
+                        *self.roots, watch_filter=self._keep, debounce=200, step=50,
+                        stop_event=self._stop, ignore_permission_denied=True):
+                    await self._guarded(self._on_changes(changes))
+            except Exception:
+                log.exception("inotify failed; watching again and rescanning")
+                resync = asyncio.create_task(self._resync_soon())
+        if resync is not None:
+            resync.cancel()
+
+    async def _resync_soon(self) -> None:
+        await asyncio.sleep(TICK_S)  # let the new watch register first
+        await self._guarded(self.reconcile())
 
     async def _rescan_loop(self) -> None:
         while self.rescan_s > 0 and not self._stop.is_set():

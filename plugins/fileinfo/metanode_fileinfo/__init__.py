@@ -1,9 +1,10 @@
 """fileinfo: what kind of file this is — `fileName`, `extension`, `mimeType`, `fileType`.
 
 The MIME type comes from the file's first bytes (puremagic) where they are recognised, else from
-the extension. `fileType` is one of audio, video, image, document, archive, subtitle, torrent,
-other. Subtitles and torrents are text or bencode that content sniffing cannot tell apart from
-other text, so for them the extension decides.
+the extension; for containers whose bytes cannot tell audio from video (Matroska, Ogg, MPEG-TS)
+a curated table by extension decides. `fileType` is one of audio, video, image, document,
+archive, subtitle, torrent, other. Subtitles and torrents are text or bencode that content
+sniffing cannot tell apart from other text, so for them the extension decides.
 
 This module is the tutorial for the simplest kind of plugin: a pure function of the file, a
 handful of `register` calls.
@@ -29,7 +30,14 @@ EXTRA_TYPES = {"mkv": "video/x-matroska", "mka": "audio/x-matroska", "srt": "app
                "ass": "text/x-ssa", "ssa": "text/x-ssa", "vtt": "text/vtt",
                "torrent": "application/x-bittorrent", "nfo": "text/plain", "flac": "audio/flac",
                "opus": "audio/opus", "webm": "video/webm", "m4b": "audio/mp4", "7z":
-               "application/x-7z-compressed", "epub": "application/epub+zip"}
+               "application/x-7z-compressed", "epub": "application/epub+zip",
+               "ogg": "audio/ogg", "oga": "audio/ogg", "ogv": "video/ogg", "ts": "video/mp2t",
+               "m2ts": "video/mp2t", "mts": "video/mp2t"}
+# Containers whose magic bytes cannot tell audio from video (Matroska, Ogg) or that sniffing
+# misses (MPEG-TS): for these the extension decides the kind and the MIME type.
+AUDIO = frozenset({"mka", "ogg", "oga", "opus", "flac", "mp3", "m4a", "m4b", "aac", "wav", "wma"})
+VIDEO = frozenset({"mkv", "ogv", "ts", "m2ts", "mts", "mp4", "m4v", "avi", "mov", "webm", "wmv",
+                   "mpg", "mpeg", "vob", "flv"})
 ARCHIVE_MIMES = frozenset({"application/zip", "application/x-rar-compressed",
                            "application/vnd.rar", "application/x-7z-compressed",
                            "application/gzip", "application/x-bzip2", "application/x-xz",
@@ -63,6 +71,10 @@ def file_type(extension: str, mime: str | None) -> str:
         return "subtitle"
     if extension == "torrent" or mime == "application/x-bittorrent":
         return "torrent"
+    if extension in AUDIO:
+        return "audio"
+    if extension in VIDEO:
+        return "video"
     top = (mime or "").split("/")[0]
     if top in ("audio", "video", "image"):
         return top
@@ -77,7 +89,9 @@ def describe(path: str) -> dict[str, str]:
     """The claims fileinfo makes about one file."""
     name = os.path.basename(path)
     extension = extension_of(name)
-    mime = sniff_mime(path) if extension not in SUBTITLES else None
+    mime = EXTRA_TYPES.get(extension)
+    if mime is None and extension not in SUBTITLES:
+        mime = sniff_mime(path)
     mime = mime or guess_mime(name)
     out = {"fileName": name, "fileType": file_type(extension, mime)}
     if extension:

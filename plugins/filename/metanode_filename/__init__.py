@@ -36,9 +36,12 @@ def parse(path: str) -> dict[str, str]:
 
     Only videos and their subtitles are parsed: a release name says nothing sure about a zip.
     """
-    guess = guessit(os.path.basename(path))
-    is_video = str(guess.get("mimetype", "")).startswith("video/")
-    if not is_video and guess.get("container") not in SUBTITLES:
+    name = os.path.basename(path)
+    extension = os.path.splitext(name)[1][1:].lower()
+    guess = guessit(name)
+    mime = guess.get("mimetype")  # a list for names like "x.mkv.srt": then not a video
+    is_video = isinstance(mime, str) and mime.startswith("video/") and extension not in SUBTITLES
+    if not is_video and extension not in SUBTITLES:
         return {}
     kind = guess.get("type") if is_video else None
     out: dict[str, str] = {}

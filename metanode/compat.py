@@ -1,0 +1,648 @@
+"""MetaMesh compatibility: meta-core's routes on top of metanode (docs/compat.md).
+
+meta-sort, meta-fuse, meta-stremio and the MetaMesh plugins talk to meta-core through the `/meta`
+family, two SSE streams (`/api/events/meta`, `/api/events/files`), the content routes
+(`/api/file/{cid}/info`, `/file/{cid}`) and `/urls`. This module serves those shapes from the
+ordinary machinery, adding no state of its own but the legacy writer's key and the cache's
+`file_feed` table:
+
+* reads come from the cache: the merged records, `local_file`, `feed` and `file_feed`;
+* writes cannot be signed by their senders, so the node signs them with its own "legacy writer"
+  key and ingests them through `Node.ingest_wire`, exactly as `POST /api/claims` would: they are
+  votes that merge with every other signer's, not overwrites;
+* the streams resume from `<epoch>-<seq>` cursors like `GET /api/events`; a cursor they cannot
+  resume from gets a `gap` event and then the full current state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mimetypes
+import os
+import socket
+import sqlite3
+import stat
+import time
+import weakref
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nacl.signing
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.requests import Request
+from starlette.responses import (
+    FileResponse,
+    JSONResponse,
+    MalformedRangeHeader,
+    PlainTextResponse,
+    Response,
+)
+from starlette.responses import RangeNotSatisfiable as Unsatisfiable
+from starlette.routing import BaseRoute, Route
+
+from metanode import cache, claims, db, keys, merge, sse, truth
+from metanode import cid as cids
+from metanode import rid as rids
+from metanode.bodies import parse_json, read_body
+from metanode.errors import (
+    CacheNotReady,
+    DeprecatedField,
+    InvalidJson,
+    InvalidRequest,
+    InvalidRid,
+    InvalidValue,
+    Merged,
+    MetanodeError,
+    NotFoundError,
+    TooLarge,
+    UnknownCid,
+    UnknownRid,
+)
+from metanode.node import Node
+
+LEGACY_NAME = "legacy-writer"
+IGNORED_FIELDS = frozenset({"__fields__"})  # meta-core drops it from writes silently, so do we
+MAX_PROPERTY_BODY = 1024 * 1024  # meta-core reads a property body into a 1 MiB buffer
+PAGE = 500
+POLL_S = 0.25  # how often a files-stream subscriber looks for new file events while idle
+Events = AsyncGenerator[ServerSentEvent, None]
+
+
+class RangeNotSatisfiable(MetanodeError):
+    status = 416
+    slug = "range_not_satisfiable"
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def is_deprecated(field: str) -> bool:
+    """meta-core's removed per-algorithm CID fields: `cid_*`, `midhash256`, `canonical_cid`."""
+    return field.startswith("cid_") or field in ("midhash256", "canonical_cid")
+
+
+def _require_ready(node: Node) -> None:
+    if not node.applier.ready:
+        raise CacheNotReady("the cache is being built from the truth; retry shortly")
+
+
+# -- naming a record: a rid, or any CID in any spelling -----------------------------------------
+
+
+def _as_rid(text: str) -> str | None:
+    try:
+        return rids.parse(text)
+    except InvalidRid:
+        return None
+
+
+def _active_rid(node: Node, rid: str) -> str:
+    info = truth.rid_info(node.truth_reader, rid)
+    if info is None:
+        raise UnknownRid(f"no record is named {rid}")
+    if info.status == "merged":
+        survivor = truth.survivor(node.truth_reader, rid)
+        raise Merged(f"{rid} was merged into {survivor}", survivor=survivor)
+    return rid
+
+
+def _cached_rid_of_cid(node: Node, text: str) -> str:
+    """The rid of the record holding this CID (any spelling; the alias spelling on a miss)."""
+    asked = cids.normalise(text)
+    for candidate in (asked, cids.alias(asked)):
+        found = cache.lookup(node.cache_reader, candidate) if candidate else None
+        if found is not None:
+            return found
+    raise UnknownCid(f"no record holds {asked}")
+
+
+def record_rid(node: Node, text: str) -> str:
+    """The active rid that `{hash}` names: a rid (404 `unknown_rid` / `merged`) or any known CID
+    (404 `unknown_cid`; 400 `invalid_cid` for what is neither)."""
+    _require_ready(node)
+    rid = _as_rid(text)
+    return _active_rid(node, rid) if rid is not None else _cached_rid_of_cid(node, text)
+
+
+# -- the legacy writer --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Written:
+    status: int  # 200, or 202 when the cache did not apply the claims in time
+    rid: str  # the record the CID is in afterwards (a `cids/` field may have merged it)
+    updated: int  # fields written (`__fields__` is dropped)
+
+
+class LegacyWriter:
+    """Signs `/meta` writes with the node's own key, one request at a time.
+
+    Serialised by a lock so its timestamps strictly increase: a later write always wins over an
+    earlier one of this signer, whichever CID of the group each named.
+    """
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.path = node.settings.keys_dir / f"{LEGACY_NAME}.key"
+        self._lock = asyncio.Lock()
+        self._key: nacl.signing.SigningKey | None = None
+        self.uid = ""
+        self._last_ts = 0
+
+    async def register(self) -> None:
+        """Load (or create) the key and register it: weight from the settings, may link."""
+        async with self._lock:
+            await self._register()
+
+    async def _register(self) -> nacl.signing.SigningKey:
+        if self._key is None:
+            key = await asyncio.to_thread(keys.load_or_create, self.path)
+            uid = keys.uid_of_key(key)
+            await self.node.truth_writer.run(
+                truth.add_signer_txn, uid, LEGACY_NAME, self.node.settings.legacy_writer_weight,
+                True, _now_ms())
+            self.node.applier.wake()  # a new weight re-merges what it signed before
+            row = self.node.truth_reader.execute(
+                "SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()
+            self._key, self.uid, self._last_ts = key, uid, int(row[0] or 0)
+        return self._key
+
+    def _target(self, text: str) -> tuple[str, str | None]:
+        """(the CID a claim about `{hash}` names, the rid of its group or None if it has none).
+
+        A rid names its group's canonical CID; a CID names itself in canonical spelling, or its
+        alias spelling when only that one is grouped already (so the write joins that record).
+        """
+        rid = _as_rid(text)
+        if rid is not None:
+            rid = _active_rid(self.node, rid)
+            canonical = cids.canonical_cid(truth.group_cids(self.node.truth_reader, rid))
+            assert canonical is not None  # an active rid always holds a CID
+            return canonical, rid
+        asked = cids.normalise(text)
+        for candidate in (asked, cids.alias(asked)):
+            if candidate is None:
+                continue
+            found = truth.group_of(self.node.truth_reader, candidate)
+            if found is not None:
+                return candidate, found
+        return asked, None
+
+    async def write(self, text: str, fields: dict[str, str]) -> Written:
+        """Sign `fields` as claims about the CID `{hash}` names and ingest them.
+
+        "" is a retraction: a tombstone on that CID and on every other CID of the group where
+        this signer still has a live vote on the key.
+        """
+        for field in fields:
+            if is_deprecated(field):
+                raise DeprecatedField(
+                    f"field {field!r} is a removed per-algorithm CID shape; write the bare-CID "
+                    'key-set instead: "cids/<cid>": "true"', field=field)
+        fields = {k: v for k, v in fields.items() if k not in IGNORED_FIELDS}
+        for field, value in fields.items():
+            claims.check_key(field)
+            claims.check_value(value, self.node.limits)
+        async with self._lock:
+            key = await self._register()
+            cid, rid = self._target(text)
+            if not fields:
+                if rid is None:
+                    raise UnknownCid(f"no record holds {cid}")
+                return Written(200, truth.survivor(self.node.truth_reader, rid), 0)
+            drafts = [(cid, field, value or None) for field, value in fields.items()]
+            retracted = [field for field, value in fields.items() if not value]
+            if rid is not None and retracted:
+                drafts += [(c.cid, c.key, None) for c in truth.group_claims(
+                    self.node.truth_reader, rid, keys=retracted, uid=self.uid) if c.cid != cid]
+            ts = max(_now_ms(), self._last_ts + 1)
+            wire: list[object] = [claims.sign(key, c, k, v, ts).wire() for c, k, v in drafts]
+            answer = await self.node.ingest_wire(wire)
+            self._last_ts = ts
+        after = truth.group_of(self.node.truth_reader, cid)
+        assert after is not None  # the claims were stored, so their CID is grouped
+        return Written(answer.status, truth.survivor(self.node.truth_reader, after), len(fields))
+
+
+_writers: weakref.WeakKeyDictionary[Node, LegacyWriter] = weakref.WeakKeyDictionary()
+
+
+def legacy_writer(node: Node) -> LegacyWriter:
+    writer = _writers.get(node)
+    if writer is None:
+        writer = _writers[node] = LegacyWriter(node)
+    return writer
+
+
+async def start(node: Node) -> None:
+    """At server start (after `node.start()`): re-register the legacy writer if it has signed
+    before, so a changed `legacy_writer_weight` re-merges its votes at once. A node that never
+    had a legacy write gets its key and signer row on the first one."""
+    writer = legacy_writer(node)
+    if writer.path.exists():
+        await writer.register()
+
+
+# -- request bodies -----------------------------------------------------------------------------
+
+
+def patch_fields(body: bytes, max_fields: int) -> dict[str, str]:
+    """A PATCH body: one JSON object of string → string (meta-core's `map[string]string`)."""
+    parsed = parse_json(body)
+    if not isinstance(parsed, dict) or not all(isinstance(v, str) for v in parsed.values()):
+        raise InvalidRequest('the body must be a JSON object of strings: {"key": "value", …}')
+    if len(parsed) > max_fields:
+        raise TooLarge(f"{len(parsed)} fields; at most {max_fields} per write")
+    return parsed
+
+
+def property_value(body: bytes) -> str:
+    """A PUT property body: `{"value": "…"}` (null counts as ""), else the raw body as text."""
+    try:
+        parsed = parse_json(body)
+    except InvalidJson:
+        parsed = None  # not JSON: the raw body is the value
+    if isinstance(parsed, dict) and "value" in parsed and (
+            parsed["value"] is None or isinstance(parsed["value"], str)):
+        return parsed["value"] or ""
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidValue("the body is neither {\"value\": …} nor UTF-8 text") from None
+
+
+# -- local files --------------------------------------------------------------------------------
+
+
+class Roots:
+    """Paths as MetaMesh consumers see them: relative to the watch root, no leading `/`.
+
+    With several roots, relative to their common parent, so two roots' files never collide.
+    A path outside every root (scanned by hand) just loses its leading `/`.
+    """
+
+    def __init__(self, roots: tuple[str, ...]) -> None:
+        resolved = [str(Path(r).resolve()) for r in roots] or ["/"]
+        base = resolved[0] if len(resolved) == 1 else os.path.commonpath(resolved)
+        self.prefix = base.rstrip("/") + "/"
+
+    def relative(self, path: str) -> str:
+        return path[len(self.prefix):] if path.startswith(self.prefix) else path.lstrip("/")
+
+
+@dataclass(frozen=True)
+class LocalCopy:
+    path: str
+    stat: os.stat_result
+    content_type: str
+
+
+def _copies(node: Node, text: str) -> tuple[list[merge.LocalFile], str | None]:
+    rid = _cached_rid_of_cid(node, text)
+    with db.snapshot(node.cache_reader):
+        files = cache.local_files(node.cache_reader, cache.group_cids(node.cache_reader, rid))
+        row = node.cache_reader.execute(
+            "SELECT value FROM records WHERE rid = ? AND key = 'mimeType'", (rid,)).fetchone()
+    return sorted(files, key=lambda f: f.path), row[0] if row else None
+
+
+def _still_there(path: str, size: int, mtime_ns: int) -> os.stat_result | None:
+    """The file's stat if it still has the size and mtime it was hashed with (else its content
+    may no longer be the CID's)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or (info.st_size, info.st_mtime_ns) != (size, mtime_ns):
+        return None
+    return info
+
+
+async def local_copy(node: Node, text: str) -> LocalCopy | None:
+    """The first local path (by path) holding the content this CID names, checked on disk."""
+    _require_ready(node)
+    files, mime = _copies(node, text)
+    for file in files:
+        info = await asyncio.to_thread(_still_there, file.path, file.size, file.mtime_ns)
+        if info is not None:
+            guessed = mimetypes.guess_type(file.path)[0]
+            return LocalCopy(file.path, info, mime or guessed or "application/octet-stream")
+    return None
+
+
+def range_refused(response: FileResponse, request: Request, size: int) -> Response | None:
+    """A 416 envelope for a Range that FileResponse would refuse with its own plain-text 400 or
+    416 (a malformed or unsatisfiable range, as Go's `http.ServeContent` refuses both), using
+    FileResponse's own parser so the two never disagree; None when it will serve the request."""
+    wanted, if_range = request.headers.get("range"), request.headers.get("if-range")
+    if wanted is None or if_range not in (None, response.headers.get("last-modified"),
+                                          response.headers.get("etag")):
+        return None  # no range, or If-Range says the client's copy is stale: the whole file
+    try:
+        FileResponse._parse_range_header(wanted, size)
+    except (MalformedRangeHeader, Unsatisfiable):
+        refused = RangeNotSatisfiable(f"range {wanted!r} cannot be served from {size} bytes")
+        return JSONResponse(refused.envelope(), status_code=refused.status,
+                            headers={"Content-Range": f"bytes */{size}"})
+    return None
+
+
+# -- the two SSE streams ------------------------------------------------------------------------
+
+
+class _Follow:
+    """One client of a MetaMesh stream over a cache table of dense seqs.
+
+    Like `feed.Subscription`: resume after a retained cursor; otherwise (another epoch, pruned,
+    in the future, or `0-0`) one `gap` event and then the full current state, read in one read
+    transaction with the seq it reflects; then the live tail, with `: keep-alive` after silences.
+    The last event of a full state carries the id of that seq, so a client resuming from it
+    loses and repeats nothing; the state's other events carry no id (a client cut off halfway
+    resumes from its old cursor and gets the whole state again).
+    """
+
+    table = ""
+
+    def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
+        self.node = node
+        self.cursor = cursor
+        self.conn: sqlite3.Connection  # its own read-only connection, opened by `stream`
+        self.epoch = self.position = 0
+        self.hole: tuple[str, str] | None = None  # set by `_drain` when events were pruned
+
+    # table specifics
+    def _head(self) -> int:
+        raise NotImplementedError
+
+    def _page(self, after: int) -> list[tuple[int, str, dict[str, str]]]:
+        raise NotImplementedError
+
+    def _state(self, now: int) -> Iterator[tuple[str, dict[str, str]]]:
+        raise NotImplementedError
+
+    async def _wait(self) -> bool:
+        raise NotImplementedError
+
+    def _epoch(self) -> int:
+        return cache.read_state(self.conn).epoch
+
+    def _unusable(self, cursor: sse.Cursor) -> tuple[str, str] | None:
+        """(cursor, why) if the events after `cursor` cannot be replayed, else None."""
+        if cursor.epoch != self.epoch:
+            return cursor.text, "unknown_epoch"
+        head = self._head()
+        if cursor.seq > head:
+            return cursor.text, "future"
+        oldest = self.conn.execute(f"SELECT min(seq) FROM {self.table}").fetchone()[0]
+        if cursor.seq < (head + 1 if oldest is None else oldest) - 1:
+            return cursor.text, "retention"
+        return None
+
+    async def stream(self) -> AsyncIterator[ServerSentEvent]:
+        self.conn = db.connect(self.node.settings.cache_path, readonly=True)
+        self.node.subscribers += 1
+        try:
+            self.epoch, self.position = self._epoch(), self._head()
+            redo: tuple[str, str] | None = None  # (requested cursor, why): gap + state due
+            if self.cursor is not None:
+                redo = self._unusable(self.cursor)
+                if redo is None:
+                    self.position = self.cursor.seq
+            while True:
+                if redo is None and self._epoch() != self.epoch:
+                    redo = (sse.event_id(self.epoch, self.position), "unknown_epoch")
+                if redo is not None:
+                    # closed right here if the client goes: it holds a read transaction
+                    async with contextlib.aclosing(self._gap_and_state(*redo)) as items:
+                        async for item in items:
+                            yield item
+                    redo = None
+                async for item in self._drain():
+                    yield item
+                redo, self.hole = self.hole, None
+                if redo is None and not await self._wait():
+                    yield sse.keep_alive()
+        finally:
+            self.node.subscribers -= 1
+            self.conn.close()
+
+    async def _gap_and_state(self, requested: str, reason: str) -> Events:
+        with db.snapshot(self.conn):
+            epoch, head = self._epoch(), self._head()
+            yield sse.event("gap", {"reason": reason, "requested": requested,
+                                    "resumeFrom": sse.event_id(epoch, head)})
+            rows = self._state(_now_ms())
+            held: tuple[str, dict[str, str]] | None = None
+            while page := await asyncio.to_thread(_take, rows, PAGE):
+                for item in page:
+                    if held is not None:
+                        yield sse.event(*held)
+                    held = item
+            if held is not None:
+                yield sse.event(*held, event_id=sse.event_id(epoch, head))
+        self.epoch, self.position = epoch, head
+
+    async def _drain(self) -> Events:
+        """Every event after `position`, page by page, each page read in its own short read
+        transaction. A hole (events pruned while this client lagged) sets `hole` instead: the
+        caller sends a gap and the full state."""
+        while True:
+            with db.snapshot(self.conn):
+                epoch, head = self._epoch(), self._head()
+                rows = self._page(self.position)
+            if epoch != self.epoch:
+                return
+            if (rows and rows[0][0] != self.position + 1) or (not rows and head > self.position):
+                self.hole = (sse.event_id(self.epoch, self.position), "retention")
+                return
+            if not rows:
+                return
+            for seq, kind, data in rows:
+                self.position = seq
+                yield sse.event(kind, data, sse.event_id(self.epoch, seq))
+
+
+def _take(rows: Iterator[tuple[str, dict[str, str]]], n: int) -> list[tuple[str, dict[str, str]]]:
+    out = []
+    for item in rows:
+        out.append(item)
+        if len(out) == n:
+            break
+    return out
+
+
+class MetaFollow(_Follow):
+    """`GET /api/events/meta`: the record feed as meta-core's keyspace events,
+    `set`/`del` with `{"key": "file:<rid>/<field>", "ts": "<ms>"}` and no value."""
+
+    table = "feed"
+
+    def _head(self) -> int:
+        return cache.read_state(self.conn).feed_seq
+
+    def _page(self, after: int) -> list[tuple[int, str, dict[str, str]]]:
+        rows = self.conn.execute("SELECT seq, rid, op, key, at FROM feed WHERE seq > ? "
+                                 "ORDER BY seq LIMIT ?", (after, PAGE)).fetchall()
+        return [(seq, op, {"key": f"file:{rid}/{key}", "ts": str(at)})
+                for seq, rid, op, key, at in rows]
+
+    def _state(self, now: int) -> Iterator[tuple[str, dict[str, str]]]:
+        for rid, key in self.conn.execute("SELECT rid, key FROM records ORDER BY rid, key"):
+            yield "set", {"key": f"file:{rid}/{key}", "ts": str(now)}
+
+    async def _wait(self) -> bool:
+        return await self.node.applier.wait_feed(self.position, self.epoch,
+                                                 self.node.settings.feed_keep_alive_s)
+
+
+class FilesFollow(_Follow):
+    """`GET /api/events/files`: `add`/`change`/`delete`/`rename` from `file_feed`, every value a
+    string as meta-core's Redis-backed stream sends them; the full state is `reset` and then an
+    `add` for every local file."""
+
+    table = "file_feed"
+
+    def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
+        self.roots = Roots(node.settings.watch_roots)
+        super().__init__(node, cursor)
+
+    def _head(self) -> int:
+        return cache.file_feed_head(self.conn)
+
+    def _data(self, path: str, midhash: str, size: int, at: int,
+              old_path: str | None = None) -> dict[str, str]:
+        data = {"midhash256": midhash}
+        if old_path is not None:
+            data["oldPath"] = self.roots.relative(old_path)
+        data.update(path=self.roots.relative(path), size=str(size), timestamp=str(at))
+        return data  # keys in sorted order, as meta-core's Go maps marshal them
+
+    def _page(self, after: int) -> list[tuple[int, str, dict[str, str]]]:
+        rows = self.conn.execute(
+            "SELECT seq, op, path, old_path, size, midhash, at FROM file_feed WHERE seq > ? "
+            "ORDER BY seq LIMIT ?", (after, PAGE)).fetchall()
+        return [(seq, op, self._data(path, midhash, size, at, old_path))
+                for seq, op, path, old_path, size, midhash, at in rows]
+
+    def _state(self, now: int) -> Iterator[tuple[str, dict[str, str]]]:
+        yield "reset", {"path": "", "timestamp": str(now)}
+        for path, midhash, size in self.conn.execute(
+                "SELECT path, midhash, size FROM local_file ORDER BY path"):
+            yield "add", self._data(path, midhash, size, now)
+
+    async def _wait(self) -> bool:
+        """Until a new file event or epoch (True) or a keep-alive's worth of silence (False).
+
+        File events have no waiter of their own: most come with record changes, so the record
+        feed's wake-up is the hint, and a short poll covers the rest.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.node.settings.feed_keep_alive_s
+        while True:
+            if self._head() > self.position or self._epoch() != self.epoch:
+                return True
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            state = self.node.applier.state
+            await self.node.applier.wait_feed(state.feed_seq, state.epoch, min(POLL_S, left))
+
+
+# -- routes -------------------------------------------------------------------------------------
+
+
+def routes(node: Node) -> list[BaseRoute]:
+    """The MetaMesh routes of one node (all behind the token: docs/compat.md)."""
+    writer = legacy_writer(node)
+    roots = Roots(node.settings.watch_roots)
+
+    async def list_meta(request: Request) -> Response:
+        _require_ready(node)
+        found = [r[0] for r in node.cache_reader.execute(
+            "SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
+        return JSONResponse({"hashIds": found, "count": len(found)})
+
+    async def meta_record(request: Request) -> Response:
+        text = request.path_params["hash"]
+        if request.method == "PATCH":
+            body = await read_body(request, node.settings.max_batch_bytes)
+            fields = patch_fields(body, node.settings.max_batch_claims)
+            done = await writer.write(text, fields)
+            return JSONResponse({"success": True, "hashId": done.rid, "updated": done.updated},
+                                status_code=done.status)
+        rid = record_rid(node, text)
+        with db.snapshot(node.cache_reader):
+            record = cache.record_rows(node.cache_reader, rid)
+        if not record:
+            raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
+        return JSONResponse({"hashId": rid, "metadata": dict(sorted(record.items()))})
+
+    async def meta_property(request: Request) -> Response:
+        text, key = request.path_params["hash"], request.path_params["key"]
+        if not key:
+            raise InvalidRequest("a key is required: /meta/{hash}/{key}")
+        if request.method == "PUT":
+            value = property_value(await read_body(request, MAX_PROPERTY_BODY))
+            done = await writer.write(text, {key: value})
+            return JSONResponse({"success": True, "hashId": done.rid, "property": key},
+                                status_code=done.status)
+        rid = record_rid(node, text)
+        row = node.cache_reader.execute("SELECT value FROM records WHERE rid = ? AND key = ?",
+                                        (rid, key)).fetchone()
+        if row is None or row[0] == "":
+            raise NotFoundError(f"{rid} has no value for {key!r}")
+        return PlainTextResponse(row[0])
+
+    def follow(request: Request, kind: type[_Follow]) -> Response:
+        _require_ready(node)
+        cursor = sse.parse_cursor(request.headers.get("last-event-id")
+                                  or request.query_params.get("since"))
+        stream = kind(node, cursor).stream()
+        return EventSourceResponse(stream, ping=0, sep=sse.SEP,
+                                   headers={"Cache-Control": "no-cache"})
+
+    async def events_meta(request: Request) -> Response:
+        return follow(request, MetaFollow)
+
+    async def events_files(request: Request) -> Response:
+        return follow(request, FilesFollow)
+
+    async def file_info(request: Request) -> Response:
+        try:
+            copy = await local_copy(node, request.path_params["cid"])
+        except CacheNotReady:
+            raise
+        except MetanodeError:
+            copy = None  # unknown, or not a CID at all: still 200, with exists false
+        if copy is None:
+            return JSONResponse({"exists": False})
+        return JSONResponse({"exists": True, "contentType": copy.content_type,
+                             "size": copy.stat.st_size, "filePath": roots.relative(copy.path)})
+
+    async def file_bytes(request: Request) -> Response:
+        text = request.path_params["cid"]
+        copy = await local_copy(node, text)
+        if copy is None:
+            raise UnknownCid(f"no local file holds {text}")
+        response = FileResponse(copy.path, stat_result=copy.stat, media_type=copy.content_type)
+        return range_refused(response, request, copy.stat.st_size) or response
+
+    async def urls(request: Request) -> Response:
+        base = str(request.base_url).rstrip("/")
+        return JSONResponse({"hostname": socket.gethostname(), "baseUrl": base, "apiUrl": base,
+                             "redisUrl": "", "webdavUrl": "", "webdavUrlInternal": ""})
+
+    return [
+        Route("/meta", list_meta),
+        Route("/meta/{hash}", meta_record, methods=["GET", "PATCH"]),
+        Route("/meta/{hash}/{key:path}", meta_property, methods=["GET", "PUT"]),
+        Route("/api/events/meta", events_meta),
+        Route("/api/events/files", events_files),
+        Route("/api/file/{cid}/info", file_info),
+        Route("/file/{cid}", file_bytes),
+        Route("/urls", urls),
+    ]
+

@@ -1,0 +1,722 @@
+"""The MetaMesh compatibility routes (metanode/compat.py, docs/compat.md).
+
+Each route is checked against the request/response pairs meta-core gives for it, written out as
+literal bodies (from meta-core's handlers as documented in the MetaMesh anchor notes:
+`handlers.go@0403a6f` for `/meta`, `/urls` and the content routes, `sse_events.go@415595c` and
+`dispatcher.go@415595c` for the two streams), with metanode's documented differences.
+
+The JSON routes run in-process; the two SSE streams run against a real `metanode serve` process
+over a raw socket (the in-process ASGI transport buffers a streamed body until it ends), and the
+file events come from the real watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from email.utils import formatdate
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sse_starlette import ServerSentEvent
+
+from metanode import cache, compat, db, keys, merge, sse
+from metanode import cid as cids
+from metanode import rid as rids
+from metanode.api import create_app
+from metanode.node import Node
+from tests.conftest import NOW_MS, Server, Signer, settings_for
+from tests.test_feed import Frame, FrameParser
+from tests.test_feed_server import Dechunker
+
+CID_A = cids.midhash_bytes(b"compat a")
+CID_B = cids.midhash_bytes(b"compat b")
+SHA_A = cids.encode(cids.RAW, cids.SHA2_256, hashlib.sha256(b"compat a").digest())  # rank 30
+WAIT_S = 30.0
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+async def register(client: httpx.AsyncClient, signer: Signer, may_link: bool = False) -> None:
+    response = await client.post("/api/signers", json={"uid": signer.uid, "name": "test",
+                                                       "may_link": may_link})
+    assert response.status_code == 200, response.text
+
+
+async def post(client: httpx.AsyncClient, *wire: dict[str, Any]) -> None:
+    response = await client.post("/api/claims", json={"claims": list(wire)})
+    assert response.status_code == 200 and response.json()["accepted"] == len(wire), response.text
+
+
+async def rid_of(client: httpx.AsyncClient, cid: str) -> str:
+    response = await client.get(f"/api/meta/{cid}/claims")
+    assert response.status_code == 200, response.text
+    return str(response.json()["rid"])
+
+
+def legacy_uid(node: Node) -> str:
+    return keys.uid_of_key(keys.load(node.settings.keys_dir / "legacy-writer.key"))
+
+
+async def listed_claims(client: httpx.AsyncClient, cid: str) -> list[dict[str, Any]]:
+    response = await client.get(f"/api/meta/{cid}/claims")
+    assert response.status_code == 200, response.text
+    return list(response.json()["claims"])
+
+
+def envelope(response: httpx.Response, status: int, slug: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    body: dict[str, Any] = response.json()
+    assert body["error"] == slug and isinstance(body["message"], str), body
+    assert body["retryable"] is False, body
+    return body
+
+
+# -- GET /meta, GET /meta/{hash}, GET /meta/{hash}/{key…} ----------------------------------------
+
+
+async def test_list_and_read_records_by_rid_or_any_cid_spelling(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/meta")).json() == {"hashIds": [], "count": 0}
+    alice = Signer()
+    await register(client, alice)
+    await post(client, alice.claim(CID_A, "title", "The Matrix"),
+               alice.claim(CID_A, "titles/eng", "The Matrix (1999)"),
+               alice.claim(CID_B, "title", "Other"))
+    rid_a, rid_b = await rid_of(client, CID_A), await rid_of(client, CID_B)
+
+    response = await client.get("/meta")
+    assert response.status_code == 200
+    assert response.json() == {"hashIds": sorted([rid_a, rid_b]), "count": 2}
+
+    expected = {"hashId": rid_a, "metadata": {f"cids/{CID_A}": "true", "title": "The Matrix",
+                                              "titles/eng": "The Matrix (1999)"}}
+    alias = cids.alias(CID_A)
+    assert alias is not None
+    for spelling in (CID_A, CID_A.upper(), alias, rid_a, rid_a.lower()):
+        response = await client.get(f"/meta/{spelling}")
+        assert response.status_code == 200, (spelling, response.text)
+        assert response.json() == expected, spelling
+
+    response = await client.get(f"/meta/{alias}/titles/eng")  # a slash key, an alias spelling
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/plain; charset=utf-8"
+    assert response.text == "The Matrix (1999)"
+    assert (await client.get(f"/meta/{rid_a}/cids/{CID_A}")).text == "true"
+
+
+async def test_a_missing_or_empty_property_is_404(client: httpx.AsyncClient) -> None:
+    alice = Signer()
+    await register(client, alice)
+    await post(client, alice.claim(CID_A, "title", "T"), alice.claim(CID_A, "empty", ""))
+    assert (await client.get(f"/meta/{CID_A}/empty")).status_code == 404  # meta-core: "" = none
+    envelope(await client.get(f"/meta/{CID_A}/empty"), 404, "not_found")
+    envelope(await client.get(f"/meta/{CID_A}/nothing/here"), 404, "not_found")
+    envelope(await client.get(f"/meta/{CID_B}"), 404, "unknown_cid")
+    envelope(await client.get(f"/meta/{CID_B}/title"), 404, "unknown_cid")
+    envelope(await client.get(f"/meta/{rids.Minter().mint()}"), 404, "unknown_rid")
+    envelope(await client.get("/meta/not-a-cid"), 400, "invalid_cid")
+    envelope(await client.get(f"/meta/{CID_A}/"), 400, "invalid_request")
+
+
+# -- writes: PATCH /meta/{hash}, PUT /meta/{hash}/{key…} -----------------------------------------
+
+
+async def test_patch_to_an_unknown_cid_creates_it_signed_by_the_legacy_writer(
+        node: Node, client: httpx.AsyncClient) -> None:
+    response = await client.patch(f"/meta/{CID_A}", json={"title": "T", "year": "1999"})
+    assert response.status_code == 200, response.text
+    rid = await rid_of(client, CID_A)
+    assert response.json() == {"success": True, "hashId": rid, "updated": 2}
+    uid = legacy_uid(node)
+    key_file = node.settings.keys_dir / "legacy-writer.key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    listed = await listed_claims(client, CID_A)
+    assert [(c["uid"], c["cid"], c["key"], c["value"]) for c in listed] == [
+        (uid, CID_A, "title", "T"), (uid, CID_A, "year", "1999")]
+    signers = (await client.get("/api/signers")).json()["signers"]
+    row = next(s for s in signers if s["uid"] == uid)
+    assert (row["name"], row["weight"], row["may_link"], row["status"]) == (
+        "legacy-writer", 1, True, "active")
+    assert (await client.get(f"/meta/{CID_A}")).json() == {
+        "hashId": rid, "metadata": {f"cids/{CID_A}": "true", "title": "T", "year": "1999"}}
+
+
+async def test_put_property_takes_a_value_object_or_a_raw_body(client: httpx.AsyncClient) -> None:
+    response = await client.put(f"/meta/{CID_A}/title", json={"value": "From JSON"})
+    assert response.status_code == 200, response.text
+    rid = await rid_of(client, CID_A)
+    assert response.json() == {"success": True, "hashId": rid, "property": "title"}
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "From JSON"
+
+    response = await client.put(f"/meta/{CID_A}/title", content="raw text, \u00e9")
+    assert response.json() == {"success": True, "hashId": rid, "property": "title"}
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "raw text, \u00e9"
+
+    await client.put(f"/meta/{CID_A}/json", content=b'{"other": 1}')  # no "value": stored raw
+    assert (await client.get(f"/meta/{CID_A}/json")).text == '{"other": 1}'
+
+    response = await client.put(f"/meta/{rid}/tmdb/poster", content=b"/p.jpg")  # slash key
+    assert response.json() == {"success": True, "hashId": rid, "property": "tmdb/poster"}
+    assert (await client.get(f"/meta/{CID_A}/tmdb/poster")).text == "/p.jpg"
+
+    for body in ({"value": ""}, {"value": None}):  # "" is a retraction (so is null)
+        await client.put(f"/meta/{CID_A}/title", json={"value": "again"})
+        response = await client.put(f"/meta/{CID_A}/title", json=body)
+        assert response.status_code == 200, response.text
+        envelope(await client.get(f"/meta/{CID_A}/title"), 404, "not_found")
+    await client.put(f"/meta/{CID_A}/title", content=b"x")
+    await client.put(f"/meta/{CID_A}/title", content=b"")
+    envelope(await client.get(f"/meta/{CID_A}/title"), 404, "not_found")
+    assert [c for c in await listed_claims(client, CID_A) if c["key"] == "title"] == []
+    envelope(await client.put(f"/meta/{CID_A}/title", content=b"\xff\xfe"), 400, "invalid_value")
+
+
+async def test_legacy_writes_are_votes_that_merge_not_overwrites(
+        node: Node, client: httpx.AsyncClient) -> None:
+    alice, bob = Signer(), Signer()
+    await register(client, alice)
+    await register(client, bob)
+    await post(client, alice.claim(CID_A, "title", "Alpha"), bob.claim(CID_A, "title", "Alpha"))
+    await client.patch(f"/meta/{CID_A}", json={"title": "Beta", "note": "mine"})
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "Alpha"  # 2 votes against 1
+    assert (await client.get(f"/meta/{CID_A}/note")).text == "mine"
+    votes = sorted((c["uid"], c["value"]) for c in await listed_claims(client, CID_A)
+                   if c["key"] == "title")
+    assert votes == sorted([(alice.uid, "Alpha"), (bob.uid, "Alpha"), (legacy_uid(node), "Beta")])
+    # a later legacy write beats its own earlier one, whatever the clock says within a millisecond
+    for n in range(5):
+        await client.put(f"/meta/{CID_A}/note", content=f"v{n}".encode())
+    assert (await client.get(f"/meta/{CID_A}/note")).text == "v4"
+
+
+async def test_a_rid_names_the_canonical_cid_and_a_cid_names_itself(
+        node: Node, client: httpx.AsyncClient) -> None:
+    alice = Signer()
+    await register(client, alice, may_link=True)
+    await post(client, alice.claim(CID_A, "title", "A"),
+               alice.claim(CID_A, f"cids/{SHA_A}", "true"))
+    rid = await rid_of(client, CID_A)
+    response = await client.patch(f"/meta/{rid}", json={"genre": "SF"})
+    assert response.json() == {"success": True, "hashId": rid, "updated": 1}
+    await client.put(f"/meta/{CID_A}/note", json={"value": "n"})
+    await post(client, alice.claim(CID_B, "title", "B"))
+    alias = cids.alias(CID_B)
+    assert alias is not None
+    await client.put(f"/meta/{alias}/note", json={"value": "b"})  # the grouped spelling is used
+    uid = legacy_uid(node)
+    mine = {(c["cid"], c["key"]) for c in await listed_claims(client, SHA_A) if c["uid"] == uid}
+    assert mine == {(SHA_A, "genre"), (CID_A, "note")}
+    assert [(c["cid"], c["key"]) for c in await listed_claims(client, CID_B)
+            if c["uid"] == uid] == [(CID_B, "note")]
+    assert (await client.get("/meta")).json()["count"] == 2
+
+
+async def test_an_empty_value_retracts_the_legacy_vote_on_every_cid_of_the_group(
+        node: Node, client: httpx.AsyncClient) -> None:
+    await client.patch(f"/meta/{CID_A}", json={"note": "first"})  # on CID_A, then canonical
+    alice = Signer()
+    await register(client, alice, may_link=True)
+    await post(client, alice.claim(CID_A, f"cids/{SHA_A}", "true"))  # canonical is now SHA_A
+    rid = await rid_of(client, CID_A)
+    await client.patch(f"/meta/{rid}", json={"other": "x"})  # names SHA_A
+    assert (await client.get(f"/meta/{rid}/note")).text == "first"
+    response = await client.patch(f"/meta/{rid}", json={"note": ""})
+    assert response.json() == {"success": True, "hashId": rid, "updated": 1}
+    envelope(await client.get(f"/meta/{rid}/note"), 404, "not_found")
+    live = {(c["cid"], c["key"]) for c in await listed_claims(client, CID_A)
+            if c["uid"] == legacy_uid(node)}
+    assert live == {(SHA_A, "other")}
+
+
+async def test_deprecated_fields_are_refused_and_nothing_is_written(
+        client: httpx.AsyncClient) -> None:
+    for field in ("cid_sha256", "cid_midhash256", "midhash256", "canonical_cid"):
+        response = await client.patch(f"/meta/{CID_A}", json={"title": "kept out", field: "x"})
+        body = envelope(response, 400, "deprecated_field")
+        assert body["field"] == field and "cids/<cid>" in body["message"]
+        envelope(await client.put(f"/meta/{CID_A}/{field}", json={"value": "x"}), 400,
+                 "deprecated_field")
+    envelope(await client.get(f"/meta/{CID_A}"), 404, "unknown_cid")  # nothing was written
+
+
+async def test_other_reserved_and_invalid_fields_get_the_normal_validation_errors(
+        client: httpx.AsyncClient) -> None:
+    for fields, slug in (({"filePath": "/x"}, "reserved_key"), ({"cids": "x"}, "reserved_key"),
+                         ({"hashId": "x"}, "reserved_key"), ({"paths": "x"}, "reserved_key"),
+                         ({"a//b": "x"}, "invalid_key"),
+                         ({"cids/not-a-cid": "true"}, "invalid_member_cid"),
+                         ({"big": "x" * 65_537}, "invalid_value")):
+        envelope(await client.patch(f"/meta/{CID_A}", json=fields), 400, slug)
+    for body, slug in ((b"[1]", "invalid_request"), (b'{"n": 1}', "invalid_request"),
+                       (b"nope", "invalid_json")):
+        envelope(await client.patch(f"/meta/{CID_A}", content=body), 400, slug)
+    envelope(await client.get(f"/meta/{CID_A}"), 404, "unknown_cid")
+    response = await client.patch(f"/meta/{CID_A}", json={"__fields__": "x", "title": "t"})
+    assert response.json()["updated"] == 1  # meta-core drops `__fields__` silently; so do we
+    assert "__fields__" not in (await client.get(f"/meta/{CID_A}")).json()["metadata"]
+    envelope(await client.patch(f"/meta/{CID_B}", json={}), 404, "unknown_cid")
+
+
+async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncClient) -> None:
+    alice = Signer()
+    await register(client, alice)
+    await post(client, alice.claim(CID_A, "title", "A"))
+    await post(client, alice.claim(CID_B, "year", "1999"))
+    rid_a, rid_b = await rid_of(client, CID_A), await rid_of(client, CID_B)
+    assert rid_a < rid_b
+    response = await client.patch(f"/meta/{CID_B}", json={f"cids/{CID_A}": "true"})
+    assert response.json() == {"success": True, "hashId": rid_a, "updated": 1}  # older survives
+    assert (await client.get(f"/meta/{CID_B}")).json() == {
+        "hashId": rid_a, "metadata": {f"cids/{CID_A}": "true", f"cids/{CID_B}": "true",
+                                      "title": "A", "year": "1999"}}
+    assert envelope(await client.get(f"/meta/{rid_b}"), 404, "merged")["survivor"] == rid_a
+    envelope(await client.patch(f"/meta/{rid_b}", json={"x": "y"}), 404, "merged")
+    assert (await client.get("/meta")).json() == {"hashIds": [rid_a], "count": 1}
+
+
+# -- /urls, the perimeter -------------------------------------------------------------------------
+
+
+async def test_urls_has_no_redis_and_no_webdav(client: httpx.AsyncClient) -> None:
+    response = await client.get("/urls")
+    assert response.status_code == 200
+    assert response.json() == {"hostname": socket.gethostname(), "baseUrl": "http://node",
+                               "apiUrl": "http://node", "redisUrl": "", "webdavUrl": "",
+                               "webdavUrlInternal": ""}
+
+
+async def test_every_compat_route_needs_the_token(client: httpx.AsyncClient) -> None:
+    anonymous = {"Authorization": ""}
+    for method, path in (("GET", "/meta"), ("GET", f"/meta/{CID_A}"),
+                         ("PATCH", f"/meta/{CID_A}"), ("GET", f"/meta/{CID_A}/title"),
+                         ("PUT", f"/meta/{CID_A}/title"), ("GET", "/api/events/meta"),
+                         ("GET", "/api/events/files"), ("GET", f"/api/file/{CID_A}/info"),
+                         ("GET", f"/file/{CID_A}"), ("GET", "/urls")):
+        response = await client.request(method, path, headers=anonymous, content=b"{}")
+        envelope(response, 401, "unauthorized")
+    envelope(await client.delete(f"/meta/{CID_A}"), 405, "method_not_allowed")
+
+
+# -- GET /api/file/{cid}/info, GET /file/{cid} ---------------------------------------------------
+
+
+@pytest.fixture
+def media(node: Node) -> Path:
+    """The node's watch root (tests/conftest.py: data_dir.parent / "media")."""
+    root = Path(node.settings.watch_roots[0])
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def write(path: Path, data: bytes) -> tuple[str, Path]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return cids.midhash_file(path)[0], path
+
+
+async def test_file_info_is_always_200(node: Node, client: httpx.AsyncClient,
+                                       media: Path) -> None:
+    film, path = write(media / "films" / "film.mp4", b"film bytes " * 10)
+    await node.scan([str(media)])
+    for cid in (CID_B, "not-a-cid"):
+        response = await client.get(f"/api/file/{cid}/info")
+        assert (response.status_code, response.json()) == (200, {"exists": False})
+    expected = {"exists": True, "contentType": "video/mp4", "size": 110,
+                "filePath": "films/film.mp4"}
+    assert (await client.get(f"/api/file/{film}/info")).json() == expected
+
+    alice = Signer()
+    await register(client, alice, may_link=True)
+    await post(client, alice.claim(film, "mimeType", "video/x-test"),
+               alice.claim(film, f"cids/{SHA_A}", "true"))
+    expected["contentType"] = "video/x-test"  # the record's mimeType wins over the guess
+    for cid in (film, SHA_A):  # any CID of the group finds the content
+        assert (await client.get(f"/api/file/{cid}/info")).json() == expected
+
+    with path.open("ab") as out:  # changed on disk, not yet rehashed: no longer that content
+        out.write(b"more")
+    assert (await client.get(f"/api/file/{film}/info")).json() == {"exists": False}
+    envelope(await client.get(f"/file/{film}"), 404, "unknown_cid")
+
+
+async def test_file_bytes_with_range_and_last_modified(node: Node, client: httpx.AsyncClient,
+                                                       media: Path) -> None:
+    data = bytes(range(256)) * 4
+    poster, path = write(media / "poster.jpg", data)
+    await node.scan([str(media)])
+    modified = formatdate(path.stat().st_mtime, usegmt=True)
+
+    response = await client.get(f"/file/{poster}")
+    assert response.status_code == 200 and response.content == data
+    assert response.headers["content-type"] == "image/jpeg"
+    assert response.headers["content-length"] == "1024"
+    assert response.headers["accept-ranges"] == "bytes"
+    assert response.headers["last-modified"] == modified
+    alias = cids.alias(poster)
+    assert alias is not None
+    assert (await client.get(f"/file/{alias}")).content == data
+
+    for wanted, status, body, content_range in (
+            ("bytes=0-9", 206, data[:10], "bytes 0-9/1024"),
+            ("bytes=-16", 206, data[-16:], "bytes 1008-1023/1024"),
+            ("bytes=1000-", 206, data[1000:], "bytes 1000-1023/1024"),
+            ("bytes=1000-5000", 206, data[1000:], "bytes 1000-1023/1024")):
+        response = await client.get(f"/file/{poster}", headers={"Range": wanted})
+        assert (response.status_code, response.content) == (status, body), wanted
+        assert response.headers["content-range"] == content_range
+        assert response.headers["last-modified"] == modified
+
+    for wanted in ("bytes=1024-", "bytes=5000-6000", "bytes=5-2", "items=0-1"):
+        response = await client.get(f"/file/{poster}", headers={"Range": wanted})
+        assert response.status_code == 416, wanted
+        assert response.json() == {
+            "error": "range_not_satisfiable", "retryable": False,
+            "message": f"range {wanted!r} cannot be served from 1024 bytes"}
+        assert response.headers["content-range"] == "bytes */1024"
+
+    stale = {"Range": "bytes=0-9", "If-Range": "Mon, 01 Jan 2001 00:00:00 GMT"}
+    response = await client.get(f"/file/{poster}", headers=stale)
+    assert (response.status_code, response.content) == (200, data)  # If-Range: whole file
+    response = await client.get(f"/file/{poster}", headers={**stale, "If-Range": modified})
+    assert (response.status_code, response.content) == (206, data[:10])
+    response = await client.head(f"/file/{poster}")
+    assert (response.status_code, response.content) == (200, b"")
+    assert response.headers["content-length"] == "1024"
+
+    envelope(await client.get(f"/file/{CID_B}"), 404, "unknown_cid")
+    envelope(await client.get("/file/not-a-cid"), 400, "invalid_cid")
+
+
+# -- file events in the cache (pure, and through local_txn) --------------------------------------
+
+
+def lf(path: str, midhash: str, size: int = 1, mtime: int = 1) -> merge.LocalFile:
+    return merge.LocalFile(path, midhash, size, mtime)
+
+
+def test_file_events_pair_a_removal_and_an_upsert_of_the_same_content_as_a_rename() -> None:
+    removed = {"/m/a.mkv": ("M1", 5, 1), "/m/x/b.mkv": ("M2", 6, 1), "/m/y/b.mkv": ("M2", 6, 1),
+               "/m/gone.mkv": ("M3", 7, 1)}
+    written = [(lf("/m/new.mkv", "M9", 9), True), (lf("/m/old.mkv", "M8", 8), False),
+               (lf("/m/c.mkv", "M1", 5), True), (lf("/m/z/b.mkv", "M2", 6), True)]
+    assert cache.file_events(removed, written) == [
+        cache.FileEvent("delete", "/m/gone.mkv", None, 7, "M3"),
+        cache.FileEvent("delete", "/m/y/b.mkv", None, 6, "M2"),
+        cache.FileEvent("add", "/m/new.mkv", None, 9, "M9"),
+        cache.FileEvent("change", "/m/old.mkv", None, 8, "M8"),
+        cache.FileEvent("rename", "/m/c.mkv", "/m/a.mkv", 5, "M1"),
+        cache.FileEvent("rename", "/m/z/b.mkv", "/m/x/b.mkv", 6, "M2")]  # first of same name
+
+
+async def test_local_txn_appends_file_events_on_a_dense_counter(node: Node) -> None:
+    m1, m2 = CID_A, CID_B
+    await node.ensure_groups([m1, m2])
+
+    async def rows_after(calls: list[tuple[list[merge.LocalFile], list[str]]]
+                         ) -> list[tuple[Any, ...]]:
+        head = cache.file_feed_head(node.cache_reader)
+        for files, removals in calls:
+            await node.apply_local(files, removals)
+        return node.cache_reader.execute(
+            "SELECT seq, op, path, old_path, size, midhash FROM file_feed WHERE seq > ? "
+            "ORDER BY seq", (head,)).fetchall()
+
+    assert await rows_after([([lf("/m/a", m1, 3)], [])]) == [(1, "add", "/m/a", None, 3, m1)]
+    assert await rows_after([([lf("/m/a", m1, 3)], [])]) == []  # nothing changed: no event
+    assert await rows_after([([lf("/m/a", m2, 4, 2)], [])]) == [(2, "change", "/m/a", None, 4, m2)]
+    assert await rows_after([([lf("/m/d/b", m2, 4, 2)], ["/m/a"])]) == [
+        (3, "rename", "/m/d/b", "/m/a", 4, m2)]
+    assert await rows_after([([lf("/m/d/b", m2, 4, 2)], ["/m/d/b"])]) == []  # gone and back
+    assert await rows_after([([], ["/m/d"])]) == [(4, "delete", "/m/d/b", None, 4, m2)]
+    assert cache.file_feed_head(node.cache_reader) == 4
+    at = node.cache_reader.execute("SELECT min(at), max(at) FROM file_feed").fetchone()
+    assert abs(at[0] - time.time() * 1000) < 60_000 and abs(at[1] - time.time() * 1000) < 60_000
+
+
+def test_an_existing_cache_gains_the_file_feed_table(tmp_path: Path) -> None:
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:2])  # a cache.db from before file events
+        assert db.migrate(conn, cache.MIGRATIONS) == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert conn.execute("SELECT count(*) FROM file_feed").fetchone()[0] == 0
+        assert cache.file_feed_head(conn) == 0
+    finally:
+        conn.close()
+
+
+# -- the streams' logic, in-process (the generator itself, no HTTP) ------------------------------
+
+
+async def take(node: Node, kind: type[compat._Follow], cursor: str | None, n: int
+               ) -> list[ServerSentEvent]:
+    stream = kind(node, sse.parse_cursor(cursor)).stream()
+    try:
+        return [await asyncio.wait_for(anext(stream), WAIT_S) for _ in range(n)]
+    finally:
+        await stream.aclose()
+
+
+def data(event: ServerSentEvent) -> Any:
+    return json.loads(str(event.data))
+
+
+async def test_the_files_stream_gives_a_gap_and_the_full_state_for_a_pruned_cursor(
+        node: Node) -> None:
+    await node.ensure_groups([CID_A, CID_B])
+    await node.apply_local([lf("/elsewhere/a", CID_A)], [])
+    await node.apply_local([lf("/elsewhere/b", CID_B)], [])
+    await node.apply_local([], ["/elsewhere/a"])
+    epoch = node.applier.state.epoch
+    head = f"{epoch}-3"
+    resumed = await take(node, compat.FilesFollow, f"{epoch}-1", 2)
+    assert [(e.event, e.id, data(e)["path"]) for e in resumed] == [
+        ("add", f"{epoch}-2", "elsewhere/b"), ("delete", head, "elsewhere/a")]
+
+    await node.cache_writer.run(cache.prune_feed_txn, 1, 0)  # keeps only the newest file event
+    for cursor, reason in ((f"{epoch}-1", "retention"), (f"{epoch}-9", "future"),
+                           ("0-0", "unknown_epoch"), (f"{epoch + 1}-2", "unknown_epoch")):
+        gap, reset, add = await take(node, compat.FilesFollow, cursor, 3)
+        assert (gap.event, gap.id, data(gap)) == (
+            "gap", None, {"reason": reason, "requested": cursor, "resumeFrom": head})
+        assert (reset.event, reset.id, list(data(reset))) == ("reset", None,
+                                                               ["path", "timestamp"])
+        assert (add.event, add.id, data(add)["path"]) == ("add", head, "elsewhere/b")
+    kept = await take(node, compat.FilesFollow, f"{epoch}-2", 1)  # everything after it is kept
+    assert [(e.event, e.id) for e in kept] == [("delete", head)]
+
+
+async def test_the_meta_stream_resumes_and_replays(node: Node, client: httpx.AsyncClient) -> None:
+    alice = Signer()
+    await register(client, alice)
+    await post(client, alice.claim(CID_A, "title", "T"))  # events 1-2: cids/…, title
+    rid = await rid_of(client, CID_A)
+    epoch = node.applier.state.epoch
+    gap, first, last = await take(node, compat.MetaFollow, "0-0", 3)
+    assert data(gap) == {"reason": "unknown_epoch", "requested": "0-0",
+                         "resumeFrom": f"{epoch}-2"}
+    assert [(e.event, e.id, data(e)["key"]) for e in (first, last)] == [
+        ("set", None, f"file:{rid}/cids/{CID_A}"), ("set", f"{epoch}-2", f"file:{rid}/title")]
+    (replayed,) = await take(node, compat.MetaFollow, f"{epoch}-1", 1)
+    assert (replayed.event, replayed.id, data(replayed)["key"]) == (
+        "set", f"{epoch}-2", f"file:{rid}/title")
+    row_at = node.cache_reader.execute("SELECT at FROM feed WHERE seq = 2").fetchone()[0]
+    assert data(replayed) == {"key": f"file:{rid}/title", "ts": str(row_at)}
+
+
+# -- the streams on a real server -----------------------------------------------------------------
+
+
+class SseClient:
+    """One SSE GET on a raw socket: status and headers, then frames (and the raw body bytes)."""
+
+    def __init__(self, server: Server, path: str, last_event_id: str | None = None) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+        lines = [f"GET {path} HTTP/1.1", "Host: 127.0.0.1",
+                 f"Authorization: Bearer {server.token}", "Accept: text/event-stream"]
+        if last_event_id is not None:
+            lines.append(f"Last-Event-ID: {last_event_id}")
+        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+        self._dechunk, self.parser, self.raw = Dechunker(), FrameParser(), b""
+        self._pending: list[Frame] = []
+        head = b""
+        while b"\r\n\r\n" not in head:
+            head += self._recv()
+        head, _, rest = head.partition(b"\r\n\r\n")
+        status_line, *header_lines = head.decode("latin-1").split("\r\n")
+        assert status_line.split()[1] == "200", (status_line, rest)
+        self.headers = {k.strip().lower(): v.strip()
+                        for k, v in (h.split(":", 1) for h in header_lines)}
+        self._feed(rest)
+
+    def _recv(self) -> bytes:
+        try:
+            chunk = self.sock.recv(1 << 16)
+        except TimeoutError:
+            raise AssertionError(f"the server sent nothing for {WAIT_S} s") from None
+        assert chunk, "the server closed the stream"
+        return chunk
+
+    def _feed(self, chunk: bytes) -> None:
+        body = self._dechunk.feed(chunk)
+        self.raw += body
+        self._pending += self.parser.feed(body)
+
+    def next(self) -> Frame:
+        while not self._pending:
+            self._feed(self._recv())
+        return self._pending.pop(0)
+
+    def events(self, n: int) -> list[Frame]:
+        """The next n events, skipping keep-alive comments."""
+        out: list[Frame] = []
+        while len(out) < n:
+            frame = self.next()
+            if frame.event is not None:
+                out.append(frame)
+        return out
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Server]]:
+    started: list[Server] = []
+
+    def start(env: dict[str, str]) -> Server:
+        server = Server(tmp_path / "data", env=env).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+OpenStream = Callable[..., SseClient]
+
+
+@pytest.fixture
+def open_stream() -> Iterator[OpenStream]:
+    """Open SSE clients; every one is closed at the end, even when the test fails."""
+    opened: list[SseClient] = []
+
+    def open_(server: Server, path: str, last_event_id: str | None = None) -> SseClient:
+        opened.append(SseClient(server, path, last_event_id))
+        return opened[-1]
+
+    yield open_
+    for client in opened:
+        client.close()
+
+
+def epoch_of(server: Server) -> int:
+    return int(httpx.get(f"{server.url}/health", timeout=WAIT_S).json()["epoch"])
+
+
+def http(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers=server.headers, timeout=WAIT_S)
+
+
+def test_events_meta_full_replay_live_tail_resume_and_keep_alive(
+        launch: Callable[[dict[str, str]], Server], open_stream: OpenStream) -> None:
+    server = launch({"METANODE_FEED_KEEP_ALIVE_S": "0.5", "METANODE_WATCH_ENABLED": "false"})
+    alice = Signer()
+    with http(server) as client:
+        assert client.post("/api/signers", json={"uid": alice.uid}).status_code == 200
+        response = client.post("/api/claims", json={"claims": [
+            alice.claim(CID_A, "title", "A"), alice.claim(CID_A, "year", "1999"),
+            alice.claim(CID_B, "title", "B")]})
+        assert response.json()["accepted"] == 3
+        rid_a = client.get(f"/api/meta/{CID_A}/claims").json()["rid"]
+        rid_b = client.get(f"/api/meta/{CID_B}/claims").json()["rid"]
+    ep = epoch_of(server)  # 5 feed events: cids/A, title, year; cids/B, title
+
+    replay = open_stream(server, "/api/events/meta", last_event_id="0-0")
+    assert replay.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert replay.headers["cache-control"] == "no-cache"
+    assert replay.headers["x-accel-buffering"] == "no"
+    gap, *state = replay.events(6)
+    assert (gap.event, gap.id, gap.data) == (
+        "gap", None, {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5"})
+    keys = sorted([(rid_a, f"cids/{CID_A}"), (rid_a, "title"), (rid_a, "year"),
+                   (rid_b, f"cids/{CID_B}"), (rid_b, "title")])
+    assert [(f.event, f.data["key"]) for f in state] == [("set", f"file:{r}/{k}")
+                                                         for r, k in keys]
+    assert [f.id for f in state] == [None] * 4 + [f"{ep}-5"]
+    assert all(list(f.data) == ["key", "ts"] and f.data["ts"].isdigit() for f in state)
+
+    with http(server) as client:
+        client.post("/api/claims", json={"claims": [
+            alice.claim(CID_A, "title", "A2", NOW_MS + 1)]})
+        client.post("/api/claims", json={"claims": [alice.claim(CID_A, "year", None, NOW_MS + 1)]})
+    live = replay.events(2)
+    assert [(f.event, f.id, f.data["key"]) for f in live] == [
+        ("set", f"{ep}-6", f"file:{rid_a}/title"), ("del", f"{ep}-7", f"file:{rid_a}/year")]
+    frame = (f'id: {ep}-6\nevent: set\ndata: {{"key":"file:{rid_a}/title",'
+             f'"ts":"{live[0].data["ts"]}"}}\n\n').encode()
+    assert frame in replay.raw  # meta-core's framing: id, event, one line of JSON data
+    deadline = time.monotonic() + WAIT_S
+    while replay.next().comment != "keep-alive":
+        assert time.monotonic() < deadline
+    assert b"\n\n: keep-alive\n\n" in replay.raw
+    replay.close()
+
+    resumed = open_stream(server, "/api/events/meta", last_event_id=f"{ep}-6")
+    assert [(f.event, f.id) for f in resumed.events(1)] == [("del", f"{ep}-7")]
+    resumed.close()
+    with http(server) as client:
+        response = client.get("/api/events/meta", headers={"Last-Event-ID": "garbage"})
+    assert (response.status_code, response.json()["error"]) == (400, "invalid_cursor")
+
+
+def test_events_files_from_the_watcher_and_full_replay(
+        launch: Callable[[dict[str, str]], Server], open_stream: OpenStream) -> None:
+    server = launch({"METANODE_WATCH_SETTLE_S": "0.3", "METANODE_WATCH_RESCAN_S": "0",
+                     "METANODE_FEED_KEEP_ALIVE_S": "1"})
+    media = server.data_dir.parent / "media"
+    ep = epoch_of(server)
+    stream = open_stream(server, "/api/events/files")  # live only: starts empty
+
+    def expect(kind: str, seq: int, midhash: str, path: str, size: int,
+               old_path: str | None = None) -> None:
+        (frame,) = stream.events(1)
+        assert (frame.event, frame.id) == (kind, f"{ep}-{seq}"), frame
+        expected = {"midhash256": midhash, "path": path, "size": str(size)}
+        if old_path is not None:
+            expected["oldPath"] = old_path
+        timestamp = frame.data.pop("timestamp")
+        assert timestamp.isdigit() and abs(int(timestamp) - time.time() * 1000) < 60_000
+        assert frame.data == expected
+        assert list(json.loads(frame_json(stream, frame))) == sorted([*expected, "timestamp"])
+
+    alpha, a = write(media / "a.bin", b"alpha")
+    expect("add", 1, alpha, "a.bin", 5)
+    alpha2, _ = write(a, b"alpha, longer")
+    expect("change", 2, alpha2, "a.bin", 13)
+    os.rename(a, media / "b.bin")
+    expect("rename", 3, alpha2, "b.bin", 13, old_path="a.bin")
+    gamma, _ = write(media / "sub" / "c.bin", b"gamma")
+    expect("add", 4, gamma, "sub/c.bin", 5)
+    (media / "b.bin").unlink()
+    expect("delete", 5, alpha2, "b.bin", 13)
+    stream.close()
+
+    replay = open_stream(server, "/api/events/files", last_event_id="0-0")
+    gap, reset, add = replay.events(3)
+    assert (gap.event, gap.id, gap.data) == (
+        "gap", None, {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5"})
+    assert (reset.event, reset.id, reset.data["path"]) == ("reset", None, "")
+    assert (add.event, add.id) == ("add", f"{ep}-5")
+    assert {k: v for k, v in add.data.items() if k != "timestamp"} == {
+        "midhash256": gamma, "path": "sub/c.bin", "size": "5"}
+    replay.close()
+
+    resumed = open_stream(server, "/api/events/files", last_event_id=f"{ep}-3")
+    assert [(f.event, f.id, f.data["path"]) for f in resumed.events(2)] == [
+        ("add", f"{ep}-4", "sub/c.bin"), ("delete", f"{ep}-5", "b.bin")]
+    resumed.close()
+
+
+def frame_json(stream: SseClient, frame: Frame) -> str:
+    """The data line of `frame` exactly as sent (to check key order)."""
+    marker = f"id: {frame.id}\nevent: {frame.event}\ndata: ".encode()
+    start = stream.raw.index(marker) + len(marker)
+    return stream.raw[start:stream.raw.index(b"\n", start)].decode()
+
+
+def test_compat_app_builds_without_a_started_node(tmp_path: Path) -> None:
+    app = create_app(Node(settings_for(tmp_path / "data")))
+    paths = {getattr(route, "path", "") for route in app.routes}
+    assert {"/meta", "/meta/{hash}", "/meta/{hash}/{key:path}", "/api/events/meta",
+            "/api/events/files", "/api/file/{cid}/info", "/file/{cid}", "/urls"} <= paths

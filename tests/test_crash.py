@@ -1,0 +1,258 @@
+"""Crashes: an acknowledged claim survives SIGKILL, and a crash between the truth commit and the
+cache apply is repaired on restart by re-applying (SPEC §3: "behind, never wrong")."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from metanode import cache, truth
+from metanode import cid as cids
+from metanode import claims as claims_mod
+from metanode.node import Node
+from tests.conftest import NOW_MS, Server, Signer, settings_for
+
+Launch = Callable[..., Server]
+
+
+@pytest.fixture
+def launch() -> Iterator[Launch]:
+    """Start servers on demand; whatever is still running at the end is stopped."""
+    started: list[Server] = []
+
+    def start(data_dir: Path, env: dict[str, str] | None = None) -> Server:
+        # The watcher gets an empty folder of its own, not ./media of the working directory.
+        isolated = {"METANODE_WATCH_ROOTS": str(data_dir.parent / "media")}
+        srv = Server(data_dir, env={**isolated, **(env or {})})
+        started.append(srv)
+        return srv.start()
+
+    yield start
+    for srv in started:
+        if srv.proc is not None:
+            srv.stop(signal.SIGKILL)
+
+
+def readonly(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+
+
+def register(srv: Server, signer: Signer) -> None:
+    response = httpx.post(f"{srv.url}/api/signers", headers=srv.headers, timeout=10,
+                          json={"uid": signer.uid, "name": "crash"})
+    assert response.status_code == 200, response.text
+
+
+def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
+    """Poll /health until the cache has applied every truth change, or fail saying so."""
+    deadline = time.monotonic() + timeout
+    health: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        if health["cache_ready"] and health["apply_lag"] == 0:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"the cache did not catch up within {timeout} s: {health}")
+
+
+def metanode_check(data_dir: Path) -> str:
+    done = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "clean" in done.stdout, done.stdout
+    return done.stdout
+
+
+def stored_claims(truth_db: Path, uid: str) -> set[tuple[str, str, str | None]]:
+    conn = readonly(truth_db)
+    try:
+        return set(conn.execute("SELECT cid, key, value FROM claims WHERE uid = ?", (uid,)))
+    finally:
+        conn.close()
+
+
+def test_sigkill_mid_ingest_loses_no_acknowledged_claim(tmp_path: Path, launch: Launch) -> None:
+    data = tmp_path / "data"
+    first = launch(data)
+    signer = Signer()
+    register(first, signer)
+
+    acknowledged: list[list[dict[str, Any]]] = []
+    in_doubt: list[list[dict[str, Any]]] = []  # sent, but no answer came back
+    refused: list[str] = []
+    lock = threading.Lock()
+    enough = threading.Event()
+    stop = threading.Event()
+
+    def poster(worker: int) -> None:
+        with httpx.Client(base_url=first.url, headers=first.headers, timeout=30) as http:
+            n = 0
+            while not stop.is_set():
+                batch = [signer.claim(cids.midhash_bytes(f"crash-{worker}-{n}-{i}".encode()),
+                                      "title", f"title {worker}-{n}-{i}") for i in range(50)]
+                n += 1
+                try:
+                    response = http.post("/api/claims", json={"claims": batch})
+                except httpx.TransportError:
+                    with lock:
+                        in_doubt.append(batch)
+                    return
+                with lock:
+                    if response.status_code in (200, 202):
+                        acknowledged.append(batch)
+                    else:
+                        refused.append(f"{response.status_code} {response.text}")
+                    if len(acknowledged) >= 10:
+                        enough.set()
+
+    threads = [threading.Thread(target=poster, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    try:
+        assert enough.wait(timeout=30), f"10 batches were never acknowledged; refused: {refused}"
+        assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert not refused, refused
+
+    # A batch that got no answer is atomic: all of it was committed, or none of it.
+    stored = stored_claims(data / "truth.db", signer.uid)
+    for batch in in_doubt:
+        present = [(c["cid"], c["key"], c["value"]) in stored for c in batch]
+        assert all(present) or not any(present), f"{sum(present)} of {len(batch)} claims stored"
+
+    second = launch(data)
+    health = wait_caught_up(second.url)
+    assert health["status"] == "ok", health
+    with httpx.Client(base_url=second.url, timeout=10) as http:
+        for batch in acknowledged:
+            for claim in batch:
+                listed = http.get(f"/api/meta/{claim['cid']}/claims",
+                                  params={"uid": signer.uid})
+                assert listed.status_code == 200, listed.text
+                assert listed.json()["claims"] == [claim]
+                doc = http.get(f"/api/meta/{claim['cid']}")
+                assert doc.status_code == 200, doc.text
+                assert doc.json()["metadata"]["title"] == claim["value"]
+    metanode_check(data)
+
+
+CID = cids.midhash_bytes(b"crash window")
+
+
+def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Launch) -> None:
+    data = tmp_path / "data"
+    # A poll interval of an hour: only the ingest path wakes the applier, so the crash lands
+    # strictly before the cache applies the claim.
+    faulty = launch(data, {"METANODE_TEST_FAULT": "crash_after_truth_commit",
+                           "METANODE_APPLY_POLL_S": "3600"})
+    signer = Signer()
+    register(faulty, signer)
+    claim = signer.claim(CID, "title", "Survivor")
+    with pytest.raises(httpx.TransportError):
+        httpx.post(f"{faulty.url}/api/claims", headers=faulty.headers, timeout=30,
+                   json={"claims": [claim]})
+    assert faulty.proc is not None
+    assert faulty.proc.wait(timeout=30) == 99
+
+    truth_conn, cache_conn = readonly(data / "truth.db"), readonly(data / "cache.db")
+    try:
+        row = truth_conn.execute("SELECT value, ts FROM claims WHERE uid = ? AND cid = ? AND "
+                                 "key = 'title'", (signer.uid, CID)).fetchone()
+        assert row == ("Survivor", claim["ts"])
+        truth_seq = truth_conn.execute("SELECT max(seq) FROM changes").fetchone()[0]
+        state = dict(cache_conn.execute("SELECT name, value FROM state"))
+        assert state["applied_seq"] < truth_seq
+        assert cache_conn.execute("SELECT rid FROM cid_index WHERE cid = ?", (CID,)).fetchone() \
+            is None
+    finally:
+        truth_conn.close()
+        cache_conn.close()
+
+    healthy = launch(data)
+    health = wait_caught_up(healthy.url)
+    assert health["status"] == "ok", health
+    assert health["applied_seq"] >= truth_seq
+    assert health["epoch"] == state["epoch"], "repaired by a rebuild, not by re-applying"
+    doc = httpx.get(f"{healthy.url}/api/meta/{CID}", timeout=10)
+    assert doc.status_code == 200, doc.text
+    assert doc.json()["metadata"]["title"] == "Survivor"
+    listed = httpx.get(f"{healthy.url}/api/meta/{CID}/claims", timeout=10).json()
+    assert listed["claims"] == [claim]
+    metanode_check(data)
+
+
+async def test_stop_with_an_apply_queued_uses_no_closed_connection(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    node = Node(settings_for(tmp_path / "data", apply_poll_s=3600.0, watch_enabled=False,
+                             plugins_enabled=False))
+    await node.start()
+    assert await node.applier.wait_for(0, 10)
+    failures: list[BaseException] = []
+    real_apply = cache.apply_txn
+
+    def apply_spy(conn: sqlite3.Connection, source: sqlite3.Connection) -> Any:
+        # Records a failure instead of raising it: nobody awaits this job any more (the applier
+        # task is cancelled), and an unretrieved exception would only be logged at some later
+        # garbage collection, possibly on another thread.
+        try:
+            return real_apply(conn, source)
+        except Exception as exc:
+            failures.append(exc)
+            return None
+
+    monkeypatch.setattr(cache, "apply_txn", apply_spy)
+    queued = threading.Event()
+    real_submit = node.cache_writer.submit
+
+    def submit_spy(fn: Any, *args: Any) -> Any:
+        if fn is apply_spy:
+            queued.set()
+        return real_submit(fn, *args)
+
+    monkeypatch.setattr(node.cache_writer, "submit", submit_spy)
+    closing = threading.Event()
+    real_close = node.cache_writer.close
+
+    def close_spy() -> None:
+        closing.set()  # node.stop has got as far as closing the cache writer
+        real_close()
+
+    monkeypatch.setattr(node.cache_writer, "close", close_spy)
+    gate = threading.Event()
+    node.cache_writer.submit(lambda conn: gate.wait(10))  # hold the cache writer
+    stopping: asyncio.Task[None] | None = None
+    try:
+        signer = Signer()
+        await node.truth_writer.run(truth.add_signer_txn, signer.uid, "s", 1, False, NOW_MS)
+        batch = [claims_mod.validate(signer.claim(CID, "title", "x"), NOW_MS)]
+        await node.truth_writer.run(truth.ingest_txn, batch, node.minter, node.policy, NOW_MS)
+        node.applier.wake()
+        await wait_until(queued, "the applier never queued an apply")
+        stopping = asyncio.create_task(node.stop())
+        await wait_until(closing, "node.stop never closed the cache writer")
+    finally:
+        gate.set()
+        await (stopping if stopping is not None else node.stop())
+    assert not failures, f"an apply ran on a closed connection: {failures!r}"
+
+
+async def wait_until(event: threading.Event, failure: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not event.is_set():
+        assert time.monotonic() < deadline, failure
+        await asyncio.sleep(0.01)

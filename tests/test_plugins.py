@@ -1,0 +1,498 @@
+"""The plugin host (SPEC §7), in-process with a started node, its watcher and real files.
+
+Which plugins exist is chosen by replacing `metanode.plugins.discover` (entry points are for
+installed packages); everything else — keys, signer registration, the run table, retries,
+timeouts, signing and ingest — is the node's own code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import stat
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from metanode import cid as cids
+from metanode import db, keys, plugins
+from metanode.api import create_app
+from metanode.node import Node
+from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
+from tests.conftest import settings_for
+
+RID = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")  # a rid: 26 Crockford base32 characters, upper case
+Action = Callable[[LocalFile, RecordLookup, Register], None]
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Probe(Plugin):
+    """A test plugin: records every call, then does `action`."""
+
+    def __init__(self, action: Action) -> None:
+        self.action = action
+        self.calls: list[LocalFile] = []
+        self.called_at_ms: list[int] = []
+        self.arguments: list[str] = []  # repr of everything process() was given
+
+    def process(self, file: LocalFile, record: RecordLookup, register: Register) -> None:
+        self.calls.append(file)
+        self.called_at_ms.append(now_ms())
+        self.arguments.append(repr((file, record, register)))
+        self.action(file, record, register)
+
+
+def probe(name: str, action: Action, version: str = "1", weight: int = 1,
+          may_link: bool = False) -> Probe:
+    """A `Probe` under its own class, since name, version, weight and may_link are class-level."""
+    cls = type(f"Probe_{name}_{version}", (Probe,),
+               {"name": name, "version": version, "weight": weight, "may_link": may_link})
+    instance: Probe = cls(action)
+    return instance
+
+
+def claim(key: str, value: str) -> Action:
+    def action(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        register(file.cid, key, value)
+    return action
+
+
+def raises(file: LocalFile, record: RecordLookup, register: Register) -> None:
+    raise ValueError("boom")
+
+
+async def until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll `check` until it holds; fail after `timeout` seconds (a bound, not a measurement)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        await asyncio.sleep(0.05)
+
+
+@dataclass(frozen=True)
+class Run:
+    status: str
+    attempts: int
+    error: str | None
+
+
+def runs(node: Node) -> dict[tuple[str, str, str], Run]:
+    """Every row of the plugin run table: (plugin, version, midhash) → status."""
+    conn = db.connect(node.settings.cache_path, readonly=True)
+    try:
+        return {(p, v, m): Run(s, a, e) for p, v, m, s, a, e in conn.execute(
+            "SELECT plugin, version, midhash, status, attempts, error FROM plugin_runs")}
+    finally:
+        conn.close()
+
+
+def run_of(node: Node, plugin: Plugin, midhash: str) -> Run | None:
+    return runs(node).get((plugin.name, plugin.version, midhash))
+
+
+def finished(node: Node, plugin: Plugin, midhash: str, status: str = "done") -> Callable[[], bool]:
+    def check() -> bool:
+        run = run_of(node, plugin, midhash)
+        return run is not None and run.status == status
+    return check
+
+
+def metadata(node: Node, cid: str) -> dict[str, str]:
+    doc = node.meta(cid)
+    found: dict[str, str] = doc["metadata"]
+    return found
+
+
+def counts(node: Node, name: str) -> dict[str, int]:
+    for entry in node.plugins():
+        if entry["name"] == name:
+            found: dict[str, int] = entry["runs"]
+            return found
+    raise AssertionError(f"no plugin {name} in {node.plugins()}")
+
+
+@dataclass
+class Harness:
+    """Starts nodes on one data directory with chosen plugins; stops them and releases any
+    blocked plugin threads at the end (while the event loop still runs)."""
+
+    tmp: Path
+    monkeypatch: pytest.MonkeyPatch
+    nodes: list[Node] = field(default_factory=list)
+    gates: list[threading.Event] = field(default_factory=list)
+
+    @property
+    def media(self) -> Path:
+        path = self.tmp / "media"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def drop(self, name: str, data: bytes) -> tuple[str, str]:
+        """Write a file into the watched folder: (path, its midhash)."""
+        path = self.media / name
+        path.write_bytes(data)
+        return str(path), cids.midhash_bytes(data)
+
+    def gate(self) -> threading.Event:
+        event = threading.Event()
+        self.gates.append(event)
+        return event
+
+    async def start(self, found: list[Plugin], **overrides: Any) -> Node:
+        self.monkeypatch.setattr(plugins, "discover", lambda: list(found))
+        options: dict[str, Any] = {
+            "plugins_enabled": True, "watch_enabled": True, "watch_settle_s": 0.2,
+            "plugin_retry_s": 0.1, "plugin_timeout_s": 1.0, "plugin_workers": 2,
+            "plugin_max_attempts": 3, **overrides}
+        node = Node(settings_for(self.tmp / "data", **options))
+        await node.start()
+        self.nodes.append(node)
+        assert await node.applier.wait_for(0, 10)
+        return node
+
+    async def stop(self, node: Node) -> None:
+        self.nodes.remove(node)
+        await node.stop()
+
+    async def close(self) -> None:
+        for node in list(self.nodes):
+            await self.stop(node)
+        for gate in self.gates:
+            gate.set()
+        for thread in threading.enumerate():
+            if thread.name == "plugin":
+                thread.join(10)
+
+
+@pytest.fixture
+async def harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Harness]:
+    h = Harness(tmp_path, monkeypatch)
+    yield h
+    await h.close()
+
+
+def blocked_until(gate: threading.Event, then: Action | None = None,
+                  first_only: bool = False) -> Action:
+    """An action that waits for `gate` (at most 15 s), then does `then`."""
+    state = {"calls": 0}
+
+    def action(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        state["calls"] += 1
+        if not first_only or state["calls"] == 1:
+            gate.wait(15)
+        if then is not None:
+            then(file, record, register)
+    return action
+
+
+# -- units --------------------------------------------------------------------------------------
+
+
+def test_backoff_grows_fourfold() -> None:
+    assert [plugins.backoff_s(n, 0.5) for n in (1, 2, 3, 4)] == [0.5, 2.0, 8.0, 32.0]
+
+
+def test_parse_weights() -> None:
+    assert plugins.parse_weights(["fullhash=5", "filename=1"]) == {"fullhash": 5, "filename": 1}
+    assert plugins.parse_weights([]) == {}
+    for bad in ("fullhash", "=3", "fullhash=", "fullhash=-1", "fullhash=x"):
+        with pytest.raises(ValueError, match="name=integer"):
+            plugins.parse_weights([bad])
+
+
+def test_discover_finds_the_builtins_through_entry_points() -> None:
+    found = plugins.discover()
+    assert [p.name for p in found] == ["fileinfo", "filename", "fullhash"]
+    assert all(isinstance(p, Plugin) and p.version for p in found)
+    assert {p.name: p.may_link for p in found} == {
+        "fileinfo": False, "filename": False, "fullhash": True}
+
+
+def test_plugin_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:
+    first = plugins.plugin_key(tmp_path / "keys", "x")
+    path = tmp_path / "keys" / "x.key"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert bytes(plugins.plugin_key(tmp_path / "keys", "x")) == bytes(first)
+
+
+# -- the host in a node -------------------------------------------------------------------------
+
+
+async def test_drafts_are_claims_signed_by_the_plugins_own_key(harness: Harness) -> None:
+    path, midhash = harness.drop("a.bin", b"signed by the plugin")
+    tagger = probe("tagger", claim("tag", "x"), weight=3)
+    node = await harness.start([tagger])
+    await until(finished(node, tagger, midhash), "tagger done")
+
+    key_file = node.settings.keys_dir / "tagger.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    uid = keys.uid_of_key(keys.load(key_file))
+    [described] = node.plugins()
+    assert described["uid"] == uid and described["name"] == "tagger"
+    [signer] = [s for s in node.signers() if s["uid"] == uid]
+    assert signer["name"] == "plugin:tagger"
+    assert signer["weight"] == 3
+    assert signer["may_link"] is False
+
+    listed = node.meta_claims(midhash, key="tag", uid=None)["claims"]
+    assert [(c["uid"], c["cid"], c["key"], c["value"]) for c in listed] == [
+        (uid, midhash, "tag", "x")]
+    assert metadata(node, midhash)["tag"] == "x"
+    assert metadata(node, midhash)["filePath"] == path
+
+
+async def test_plugin_sees_the_local_file_and_metadata_never_a_rid(harness: Harness) -> None:
+    data = b"what does a plugin see"
+    path, midhash = harness.drop("seen.bin", data)
+    looked: list[Any] = []
+
+    def look(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        looked.append(record(file.cid))
+        looked.append(record(cids.midhash_bytes(b"no such content")))
+        register(file.cid, "seen", "yes")
+
+    watcher = probe("looker", look)
+    node = await harness.start([watcher])
+    await until(finished(node, watcher, midhash), "looker done")
+
+    [file] = watcher.calls
+    info = os.stat(path)
+    assert file == LocalFile(cid=midhash, path=path, size=len(data), mtime_ns=info.st_mtime_ns)
+    rid = node.files("", None, 10)["files"][0]["rid"]
+    assert RID.fullmatch(rid)
+    seen, unknown = looked
+    assert unknown is None
+    assert seen["filePath"] == path
+    assert seen["fileSize"] == str(len(data))
+    assert seen[f"cids/{midhash}"] == "true"
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in seen.items())
+    assert "hashId" not in seen and "rid" not in seen
+    for text in (*watcher.arguments, repr(seen)):
+        assert rid not in text
+        assert RID.search(text) is None, text
+
+
+async def test_a_raising_plugin_fails_its_run_only_retries_with_backoff_then_fails(
+        harness: Harness) -> None:
+    _, midhash = harness.drop("r.bin", b"one plugin raises on this")
+    good = probe("good", claim("good", "yes"))
+    bad = probe("bad", raises)
+    node = await harness.start([good, bad], plugin_max_attempts=3)
+    await until(finished(node, bad, midhash, "failed"), "bad failed")
+    await until(finished(node, good, midhash), "good done")
+
+    assert len(bad.calls) == 3  # plugin_max_attempts
+    assert len(good.calls) == 1
+    run = run_of(node, bad, midhash)
+    assert run is not None and run.attempts == 3
+    assert run.error == "ValueError: boom"
+    # The retries waited their backoff: 0.1 s, then 0.4 s (next_at is a lower bound on the host's
+    # own clock, which is the one read here).
+    gaps = [b - a for a, b in zip(bad.called_at_ms, bad.called_at_ms[1:], strict=False)]
+    assert gaps[0] >= 1000 * plugins.backoff_s(1, 0.1)
+    assert gaps[1] >= 1000 * plugins.backoff_s(2, 0.1)
+    assert counts(node, "bad") == {"done": 0, "pending": 0, "failed": 1}
+    assert counts(node, "good") == {"done": 1, "pending": 0, "failed": 0}
+    assert metadata(node, midhash)["good"] == "yes"
+
+
+async def test_a_hanging_plugin_times_out_and_other_runs_continue(harness: Harness) -> None:
+    gate = harness.gate()
+    _, first = harness.drop("one.bin", b"a plugin hangs on this")
+    hang = probe("hang", blocked_until(gate, claim("late", "too late")))
+    good = probe("good", claim("good", "yes"))
+    node = await harness.start([hang, good], plugin_max_attempts=1, plugin_timeout_s=1.0)
+    await until(finished(node, hang, first, "failed"), "hang timed out")
+    run = run_of(node, hang, first)
+    assert run is not None and run.error is not None and "timed out" in run.error
+    await until(finished(node, good, first), "good done on the first file")
+
+    # The host goes on: a new file is processed by the working plugin.
+    _, second = harness.drop("two.bin", b"after the hang")
+    await until(finished(node, good, second), "good done on the second file")
+    assert metadata(node, second)["good"] == "yes"
+
+    # The abandoned run wakes up: what it registers now is refused, never ingested.
+    gate.set()
+    for thread in threading.enumerate():
+        if thread.name == "plugin":
+            thread.join(10)
+    await asyncio.sleep(0.2)
+    assert "late" not in metadata(node, first)
+    assert counts(node, "hang")["failed"] >= 1
+
+
+async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
+    _, midhash = harness.drop("v.bin", b"versioned")
+    v1 = probe("ver", claim("ver", "one"), version="1")
+    node = await harness.start([v1])
+    await until(finished(node, v1, midhash), "v1 done")
+    assert metadata(node, midhash)["ver"] == "one"
+    await harness.stop(node)
+
+    v2 = probe("ver", claim("ver", "two"), version="2")
+    node = await harness.start([v2])
+    await until(finished(node, v2, midhash), "v2 done")
+    await until(lambda: metadata(node, midhash).get("ver") == "two", "v2's value merged")
+    assert len(v1.calls) == 1 and len(v2.calls) == 1
+    [described] = node.plugins()
+    assert described["version"] == "2"
+    assert described["runs"] == {"done": 1, "pending": 0, "failed": 0}
+    # Same name, same key file: the same signer, whose newer claim replaced the old one.
+    claims_listed = node.meta_claims(midhash, key="ver", uid=None)["claims"]
+    assert [c["value"] for c in claims_listed] == ["two"]
+
+
+async def test_a_restart_resumes_pending_runs_and_skips_done_ones(harness: Harness) -> None:
+    gate = harness.gate()
+    _, midhash = harness.drop("p.bin", b"interrupted")
+    quick = probe("quick", claim("quick", "yes"))
+    slow = probe("slow", blocked_until(gate, claim("slow", "yes")))
+    node = await harness.start([quick, slow], plugin_timeout_s=60.0)
+    await until(finished(node, quick, midhash), "quick done")
+    await until(lambda: len(slow.calls) == 1, "slow running")
+    await harness.stop(node)  # slow's run is still in flight
+    gate.set()
+    for thread in threading.enumerate():
+        if thread.name == "plugin":
+            thread.join(10)
+    # The run did not finish: it is still pending, no attempt counted.
+    assert run_of(node, slow, midhash) == Run("pending", 0, None)
+
+    quick2 = probe("quick", claim("quick", "again"))
+    slow2 = probe("slow", claim("slow", "resumed"))
+    node = await harness.start([quick2, slow2], plugin_timeout_s=60.0)
+    await until(finished(node, slow2, midhash), "slow resumed and done")
+    assert len(slow2.calls) == 1
+    assert quick2.calls == []  # done before the restart: not redone
+    assert counts(node, "quick") == {"done": 1, "pending": 0, "failed": 0}
+    assert metadata(node, midhash)["quick"] == "yes"
+    assert metadata(node, midhash)["slow"] == "resumed"
+
+
+@pytest.mark.parametrize(("key", "slug"), [
+    ("filePath", "reserved_key"),
+    ("cid_anything", "reserved_key"),
+    ("cids/" + cids.encode(cids.RAW, cids.SHA2_256, bytes(32)), "link_not_permitted"),
+    ("bad//key", "invalid_key"),
+])
+async def test_a_rejected_draft_fails_the_run_with_its_slug(
+        harness: Harness, key: str, slug: str) -> None:
+    _, midhash = harness.drop("x.bin", b"rejected drafts")
+
+    def action(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        register(file.cid, "fine", "ok")
+        register(file.cid, key, "/somewhere/else")
+
+    sloppy = probe("sloppy", action)
+    node = await harness.start([sloppy], plugin_max_attempts=1)
+    await until(finished(node, sloppy, midhash, "failed"), "sloppy failed")
+    run = run_of(node, sloppy, midhash)
+    assert run is not None and run.error is not None
+    assert slug in run.error
+    assert run.error.startswith("invalid_batch")
+    # The batch is atomic: the good draft of the same run was not written either.
+    assert "fine" not in metadata(node, midhash)
+    assert node.meta_claims(midhash, key=None, uid=None)["claims"] == []
+
+
+async def test_get_api_plugins(harness: Harness) -> None:
+    _, midhash = harness.drop("api.bin", b"listed")
+    good = probe("good", claim("good", "yes"))
+    bad = probe("bad", raises, version="7", may_link=True)
+    node = await harness.start([good, bad], plugin_max_attempts=1)
+    await until(finished(node, bad, midhash, "failed"), "bad failed")
+    await until(finished(node, good, midhash), "good done")
+    transport = httpx.ASGITransport(app=create_app(node))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as http:
+        assert (await http.get("/api/plugins")).status_code == 401
+        answer = await http.get("/api/plugins",
+                                headers={"Authorization": f"Bearer {node.token}"})
+    assert answer.status_code == 200
+    listed = answer.json()["plugins"]
+    uids = {s["name"]: s["uid"] for s in node.signers()}
+    assert listed == [
+        {"name": "bad", "version": "7", "uid": uids["plugin:bad"], "may_link": True,
+         "runs": {"done": 0, "pending": 0, "failed": 1}},
+        {"name": "good", "version": "1", "uid": uids["plugin:good"], "may_link": False,
+         "runs": {"done": 1, "pending": 0, "failed": 0}},
+    ]
+
+
+async def test_disabled_plugins_and_weights(harness: Harness) -> None:
+    _, midhash = harness.drop("w.bin", b"weights")
+    on = probe("on", claim("on", "yes"), weight=2)
+    off = probe("off", claim("off", "yes"))
+    node = await harness.start([on, off], plugins_disabled=("off",), plugin_weights=("on=7",))
+    await until(finished(node, on, midhash), "on done")
+    assert [p["name"] for p in node.plugins()] == ["on"]
+    signers = {s["name"]: s for s in node.signers()}
+    assert signers["plugin:on"]["weight"] == 7  # the setting beats the class default (2)
+    assert "plugin:off" not in signers
+    assert not (node.settings.keys_dir / "off.key").exists()
+    assert off.calls == []
+    assert all(plugin == "on" for plugin, _, _ in runs(node))
+
+
+async def test_without_weight_setting_the_class_weight_is_used(harness: Harness) -> None:
+    node = await harness.start([probe("heavy", claim("k", "v"), weight=4)])
+    [signer] = [s for s in node.signers() if s["name"] == "plugin:heavy"]
+    assert signer["weight"] == 4
+
+
+async def test_stale_pending_runs_do_not_starve_current_ones(harness: Harness) -> None:
+    total = 70
+    midhashes = [harness.drop(f"f{i:03}.bin", f"file {i}".encode())[1] for i in range(total)]
+    gate = harness.gate()
+    v1 = probe("slow", blocked_until(gate, claim("v", "1"), first_only=True), version="1")
+    node = await harness.start([v1], plugin_workers=1, plugin_timeout_s=60.0)
+    await until(lambda: len(runs(node)) == total and len(v1.calls) == 1, "v1 queued")
+    await harness.stop(node)  # a backlog of v1 runs, all pending, then a new version ships
+    gate.set()
+
+    v2 = probe("slow", claim("v", "2"), version="2")
+    node = await harness.start([v2], plugin_workers=4, plugin_timeout_s=60.0)
+
+    def done() -> int:
+        return sum(1 for (_, version, _), run in runs(node).items()
+                   if version == "2" and run.status == "done")
+
+    progress, still = -1, time.monotonic()
+    while done() < total and time.monotonic() - still < 4.0:  # stop once progress stalls
+        if done() != progress:
+            progress, still = done(), time.monotonic()
+        await asyncio.sleep(0.1)
+    assert done() == total, f"{total - done()} runs of the current version never started"
+    assert {f.cid for f in v2.calls} == set(midhashes)
+
+
+def test_a_run_ending_after_its_loop_closed_is_quiet() -> None:
+    errors: list[BaseException | None] = []
+    release = threading.Event()
+    previous = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        async def main() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(plugins.run_in_thread(lambda: release.wait(10)), 0.05)
+
+        asyncio.run(main())
+        release.set()
+        for thread in threading.enumerate():
+            if thread.name == "plugin":
+                thread.join(10)
+    finally:
+        threading.excepthook = previous
+    assert errors == []

@@ -1,0 +1,296 @@
+"""Plugins in a real `metanode serve` (SPEC §7): the built-ins on dropped files, and an external
+plugin written with `metanode.client.Client` — keygen, register, follow the feed, sign, post."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import blake3
+import httpx
+import pytest
+from metanode_fullhash import hash_file
+
+from metanode import cid as cids
+from metanode import keys
+from metanode import rid as rids
+from metanode.client import Client, ClientError, Event, parse_frames
+from tests.conftest import Server
+
+MIB = 1 << 20
+T = TypeVar("T")
+# Matroska's EBML magic with DocType "matroska", so fileinfo sniffs a video.
+MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B61"
+                         "42878104428581 02".replace(" ", ""))
+
+
+def poll(fetch: Callable[[], T | None], what: str, timeout: float = 45.0) -> T:
+    """Call `fetch` until it returns something; fail after `timeout` s (a bound, not a metric)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = fetch()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One real server with the built-in plugins on, shared by this module's tests (each test
+    drops its own files)."""
+    root = tmp_path_factory.mktemp("plugins-server")
+    server = Server(root / "data", env={"METANODE_PLUGINS_ENABLED": "true",
+                                        "METANODE_WATCH_SETTLE_S": "0.3"}).start()
+    yield server
+    server.stop()
+
+
+def media(srv: Server) -> Path:
+    path = srv.data_dir.parent / "media"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def drop(srv: Server, name: str, data: bytes) -> Path:
+    """Write a file into the watched folder in one go (renamed in, so it is never seen half
+    written)."""
+    final = media(srv) / name
+    part = final.with_name(final.name + ".part")  # the watcher ignores *.part
+    part.write_bytes(data)
+    part.rename(final)
+    return final
+
+
+def get_meta(srv: Server, cid: str) -> dict[str, Any] | None:
+    answer = httpx.get(f"{srv.url}/api/meta/{cid}", timeout=10)
+    if answer.status_code == 404:
+        return None
+    assert answer.status_code == 200, answer.text
+    doc: dict[str, Any] = answer.json()
+    return doc
+
+
+def settled(srv: Server, midhash: str, *keys_: str) -> Callable[[], dict[str, Any] | None]:
+    """The document of `midhash` once every key in `keys_` is in its metadata."""
+    def fetch() -> dict[str, Any] | None:
+        doc = get_meta(srv, midhash)
+        return doc if doc is not None and all(k in doc["metadata"] for k in keys_) else None
+    return fetch
+
+
+def expected_cids(data: bytes, path: Path) -> tuple[str, str, str, str]:
+    """(midhash, sha2-256, blake3, IPFS) of `data`, the first three computed here directly."""
+    midhash = cids.midhash_bytes(data)
+    sha = cids.encode(cids.RAW, cids.SHA2_256, hashlib.sha256(data).digest())
+    b3 = cids.encode(cids.RAW, cids.BLAKE3, blake3.blake3(data).digest())
+    ipfs = hash_file(str(path)).ipfs  # checked against vectors/ipfs.json in test_fullhash
+    return midhash, sha, b3, ipfs
+
+
+def random_bytes(seed: str, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+# -- the built-ins on a dropped file ------------------------------------------------------------
+
+
+def test_dropped_file_gets_four_cids_in_one_group_and_every_plugin_field(srv: Server) -> None:
+    data = MKV_HEAD + random_bytes("matrix", 3 * MIB + 12_345)
+    name = "The.Matrix.1999.1080p.BluRay.x264-GROUP.mkv"
+    path = drop(srv, name, data)
+    midhash, sha, b3, ipfs = expected_cids(data, path)
+    assert ipfs.startswith("bafybei") and sha.startswith("bafkrei") and b3.startswith("bafkr4i")
+
+    doc = poll(settled(srv, midhash, f"cids/{ipfs}", f"cids/{sha}", f"cids/{b3}", "fileType",
+                       "title", "sizeByte"), "the plugins' claims")
+    assert doc["cids"] == [ipfs, sha, b3, midhash]  # best rank first: 40, 30, 29, 10
+    assert doc["canonical_cid"] == ipfs
+    meta = doc["metadata"]
+    for member in (ipfs, sha, b3, midhash):
+        assert meta[f"cids/{member}"] == "true"
+    assert meta["sizeByte"] == meta["fileSize"] == str(len(data))
+    assert meta["filePath"] == str(path) and doc["paths"] == [str(path)]
+    # fileinfo
+    assert meta["fileName"] == name
+    assert meta["extension"] == "mkv"
+    assert meta["mimeType"] == "video/x-matroska"
+    assert meta["fileType"] == "video"
+    # filename
+    assert meta["title"] == "The Matrix"
+    assert meta["year"] == meta["movieYear"] == "1999"
+    assert meta["videoType"] == "movie"
+
+    # Every CID of the group resolves to the same document.
+    for member in (ipfs, sha, b3, midhash):
+        other = get_meta(srv, member)
+        assert other is not None
+        assert other["cid"] == member
+        assert other["cids"] == doc["cids"]
+        assert other["canonical_cid"] == ipfs
+        assert other["metadata"] == meta
+
+    # The three built-ins signed with their own keys; fullhash alone may link.
+    headers = srv.headers
+    listed = httpx.get(f"{srv.url}/api/plugins", headers=headers, timeout=10).json()["plugins"]
+    assert [p["name"] for p in listed] == ["fileinfo", "filename", "fullhash"]
+    assert {p["name"]: p["may_link"] for p in listed} == {
+        "fileinfo": False, "filename": False, "fullhash": True}
+    claims = httpx.get(f"{srv.url}/api/meta/{ipfs}/claims", timeout=10).json()["claims"]
+    uid_of = {p["name"]: p["uid"] for p in listed}
+    assert {c["uid"] for c in claims} == set(uid_of.values())
+    by_uid = {c["key"]: c["uid"] for c in claims}
+    assert by_uid[f"cids/{ipfs}"] == uid_of["fullhash"]
+    assert by_uid["fileType"] == uid_of["fileinfo"]
+    assert by_uid["title"] == uid_of["filename"]
+    for plugin in listed:
+        assert plugin["runs"]["failed"] == 0
+    for name_ in uid_of:
+        key_file = srv.data_dir / "keys" / f"{name_}.key"
+        assert keys.uid_of_key(keys.load(key_file)) == uid_of[name_]
+
+
+def test_same_middle_sample_different_size_stays_apart(srv: Server) -> None:
+    """Same 1 MiB sample, sizes 3 MiB and 3 MiB + 2: the size prefix keeps the midhashes apart,
+    and the content hashes keep the groups apart."""
+    a = random_bytes("sample", 3 * MIB)
+    b = b"<" + a + b">"
+    start_a, start_b = cids.midhash_offset(len(a)), cids.midhash_offset(len(b))
+    assert (start_a, start_b) == (MIB, MIB + 1)
+    assert a[start_a:start_a + MIB] == b[start_b:start_b + MIB]  # the very same sample
+    path_a = drop(srv, "sample-a.bin", a)
+    path_b = drop(srv, "sample-b.bin", b)
+    mid_a, sha_a, b3_a, ipfs_a = expected_cids(a, path_a)
+    mid_b, sha_b, b3_b, ipfs_b = expected_cids(b, path_b)
+    assert mid_a != mid_b
+
+    doc_a = poll(settled(srv, mid_a, f"cids/{ipfs_a}", "sizeByte"), "group of a")
+    doc_b = poll(settled(srv, mid_b, f"cids/{ipfs_b}", "sizeByte"), "group of b")
+    assert doc_a["cids"] == [ipfs_a, sha_a, b3_a, mid_a]
+    assert doc_b["cids"] == [ipfs_b, sha_b, b3_b, mid_b]
+    assert not set(doc_a["cids"]) & set(doc_b["cids"])
+    assert doc_a["metadata"]["sizeByte"] == str(3 * MIB)
+    assert doc_b["metadata"]["sizeByte"] == str(3 * MIB + 2)
+    assert doc_a["paths"] == [str(path_a)] and doc_b["paths"] == [str(path_b)]
+
+
+# -- an external plugin -------------------------------------------------------------------------
+
+
+def test_external_plugin_with_the_client(srv: Server, tmp_path: Path) -> None:
+    key_path = tmp_path / "rater.key"
+    uid = keys.create(key_path)
+    answer = httpx.post(f"{srv.url}/api/signers", headers=srv.headers, timeout=10,
+                        json={"uid": uid, "name": "rater", "weight": 1, "may_link": False})
+    assert answer.status_code == 200, answer.text
+
+    data = random_bytes("rated", 600_000)
+    path = drop(srv, "Heat.1995.mkv", data)
+    midhash, _, _, ipfs = expected_cids(data, path)
+    poll(settled(srv, midhash, f"cids/{ipfs}"), "fullhash on the rated file")
+
+    client = Client(srv.url, token=srv.token, key=keys.load(key_path))
+    try:
+        assert client.uid == uid
+        rid = None
+        for event in client.events(snapshot=True, prefix=["filePath"]):
+            if event.kind == "set" and event.data["value"] == str(path):
+                rid = event.data["rid"]
+                break
+            assert event.kind != "synced", "the snapshot ended without the file"
+        assert rid is not None
+        doc = client.meta_by_rid(rid)
+        assert doc["hashId"] == rid
+        assert doc["canonical_cid"] == ipfs and midhash in doc["cids"]
+
+        claim = client.sign(doc["canonical_cid"], "rating", "5")
+        assert claim["uid"] == uid and claim["cid"] == ipfs
+        result = client.post([claim])
+        assert result["accepted"] == 1 and result["applied"] is True
+        assert client.post([claim])["duplicate"] == 1  # re-sending is safe
+
+        seen = client.meta(midhash)
+        assert seen is not None and seen["metadata"]["rating"] == "5"
+        listed = httpx.get(f"{srv.url}/api/meta/{midhash}/claims",
+                           params={"uid": uid}, timeout=10).json()["claims"]
+        assert listed == [claim]
+    finally:
+        client.close()
+
+
+def test_client_errors(srv: Server, tmp_path: Path) -> None:
+    key_path = tmp_path / "stranger.key"
+    keys.create(key_path)
+    client = Client(srv.url, token=srv.token, key=keys.load(key_path))
+    anonymous = Client(srv.url)
+    keyless = Client(srv.url, token=srv.token)
+    cid = cids.midhash_bytes(b"client errors")
+    try:
+        with pytest.raises(ClientError) as info:
+            client.post([client.sign(cid, "filePath", "/etc/passwd")])
+        assert info.value.status == 400
+        assert info.value.slug == "invalid_batch"
+        assert [item["error"] for item in info.value.body["items"]] == ["reserved_key"]
+
+        with pytest.raises(ClientError) as info:  # not registered
+            client.post([client.sign(cid, "title", "x")])
+        assert (info.value.status, info.value.slug) == (403, "invalid_batch")
+        assert info.value.body["items"][0]["error"] == "unknown_signer"
+
+        with pytest.raises(ClientError) as info:
+            anonymous.post([client.sign(cid, "title", "x")])
+        assert (info.value.status, info.value.slug) == (401, "unauthorized")
+
+        with pytest.raises(ClientError) as info:
+            client.meta("not-a-cid")
+        assert (info.value.status, info.value.slug) == (400, "invalid_cid")
+        assert "400 invalid_cid" in str(info.value)
+
+        assert client.meta(cid) is None  # a valid CID no record holds
+        with pytest.raises(ClientError) as info:
+            client.meta_by_rid(rids.Minter().mint())  # a well-formed rid nobody minted here
+        assert (info.value.status, info.value.slug) == (404, "unknown_rid")
+        with pytest.raises(ClientError) as info:
+            client.meta_by_rid("01ARZ3NDEKTSV4RRFFQ69G5FAV")  # a ULID, not a UUIDv7
+        assert (info.value.status, info.value.slug) == (400, "invalid_rid")
+
+        with pytest.raises(ValueError):
+            keyless.sign(cid, "title", "x")
+        with pytest.raises(ValueError):
+            _ = keyless.uid
+    finally:
+        for c in (client, anonymous, keyless):
+            c.close()
+
+
+# -- parse_frames (no server) -------------------------------------------------------------------
+
+
+def test_parse_frames() -> None:
+    lines = [
+        ": keep-alive", "",
+        "id: 17-1", "event: set", 'data: {"rid": "R", "key": "title", "value": "x"}', "",
+        "event: set", 'data:{"rid": "R", "key": "year", "value": "1999"}', "",  # snapshot: no id
+        "event: synced", 'data: {"id": "17-1"}', "",
+        "id: 17-2", "event: del", 'data: {"rid": "R", "key": "title"}', "",
+        'data: {"plain": true}', "",  # no event name: "message"
+        "id: 17-3", "event: set", "",  # no data: not an event
+        "event: gap", 'data: {"requested": "0-0", "reason": "unknown epoch"}',  # no blank line
+    ]
+    assert list(parse_frames(lines)) == [
+        Event("17-1", "set", {"rid": "R", "key": "title", "value": "x"}),
+        Event(None, "set", {"rid": "R", "key": "year", "value": "1999"}),
+        Event(None, "synced", {"id": "17-1"}),
+        Event("17-2", "del", {"rid": "R", "key": "title"}),
+        Event(None, "message", {"plain": True}),
+    ]
+
+
+def test_parse_frames_keeps_only_one_space_after_the_colon() -> None:
+    frames = list(parse_frames(["event:  set", 'data: {"a": 1}', ""]))
+    assert frames == [Event(None, " set", {"a": 1})]

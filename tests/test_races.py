@@ -1,0 +1,316 @@
+"""Concurrent ingest: overlapping batches that mint and merge the same groups at the same time.
+
+Every batch is posted by several clients at once against one node; the truth must come out as if
+the batches had been applied one after the other, and the cache must equal a fresh rebuild.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from metanode import cid as cids
+from metanode import db, truth
+from metanode.claims import LINK_PREFIX, decode_sig
+from metanode.node import Node
+from metanode.node import check as node_check
+from tests.conftest import NOW_MS, Server, Signer
+
+POOL = [cids.midhash_bytes(f"x{i}".encode()) for i in range(40)]
+
+
+# -- the workload -------------------------------------------------------------------------------
+
+
+def link_edges(rng: random.Random, count: int) -> list[tuple[str, str]]:
+    """A fixed sparse set of pool pairs to vote links on: several components, some singletons."""
+    edges: set[tuple[str, str]] = set()
+    while len(edges) < count:
+        a, b = rng.sample(POOL, 2)
+        edges.add((a, b))
+    return sorted(edges)
+
+
+def make_batches(signers: list[Signer], clients: int, batches: int, size: int,
+                 seed: int) -> list[list[list[dict[str, Any]]]]:
+    """`clients` lists of `batches` batches of `size` wire claims that overlap heavily.
+
+    Half the claims are `title` claims on random pool CIDs with random timestamps (so the same
+    (uid, cid, key) is raced with newer, older and equal-ts rivals); half are `cids/<member>`
+    link votes drawn from one small edge set, so the same link is sent by many clients at once and
+    the same groups are minted and merged concurrently.
+    """
+    rng = random.Random(seed)
+    edges = link_edges(rng, 24)
+    out: list[list[list[dict[str, Any]]]] = []
+    for c in range(clients):
+        mine: list[list[dict[str, Any]]] = []
+        for b in range(batches):
+            batch = []
+            for i in range(size):
+                signer = rng.choice(signers)
+                if rng.random() < 0.5:
+                    subject, member = rng.choice(edges)
+                    batch.append(signer.claim(subject, LINK_PREFIX + member, "true"))
+                else:
+                    batch.append(signer.claim(rng.choice(POOL), "title", f"t-{c}-{b}-{i}",
+                                              ts=NOW_MS - rng.randrange(0, 5)))
+            mine.append(batch)
+        out.append(mine)
+    return out
+
+
+@dataclass
+class Outcome:
+    """Every (batch, response body) a client got back."""
+
+    posted: list[tuple[list[dict[str, Any]], int, dict[str, Any]]] = field(default_factory=list)
+
+    def add(self, batch: list[dict[str, Any]], status: int, body: dict[str, Any]) -> None:
+        self.posted.append((batch, status, body))
+
+
+# -- what the truth must look like --------------------------------------------------------------
+
+
+def components(nodes: Iterable[str], pairs: Iterable[tuple[str, str]]) -> set[frozenset[str]]:
+    """Connected components (union-find) of `nodes` under the undirected edges `pairs`."""
+    parent: dict[str, str] = {n: n for n in nodes}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in pairs:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[ra] = rb
+    groups: dict[str, set[str]] = {}
+    for n in parent:
+        groups.setdefault(find(n), set()).add(n)
+    return {frozenset(g) for g in groups.values()}
+
+
+def sig_order(wire: dict[str, Any]) -> tuple[int, bytes]:
+    """Newest-wins order (SPEC §2.3): higher ts, then the smaller raw signature."""
+    raw = decode_sig(wire["sig"])
+    return (-wire["ts"], raw)
+
+
+def verify_outcome(outcome: Outcome, conn: sqlite3.Connection) -> None:
+    """Check the truth against everything that was posted (SPEC §2.3, §2.4)."""
+    claims_sent = [c for batch, _, _ in outcome.posted for c in batch]
+    for batch, status, body in outcome.posted:
+        assert status == 200, body
+        assert body["applied"] is True, body
+        assert len(body["results"]) == len(batch)
+
+    verdicts: dict[tuple[str, str, str, str], list[str]] = {}
+    for batch, _, body in outcome.posted:
+        for claim, result in zip(batch, body["results"], strict=True):
+            ident = (claim["uid"], claim["cid"], claim["key"], claim["sig"])
+            verdicts.setdefault(ident, []).append(result["status"])
+
+    subjects = {c["cid"] for c in claims_sent}
+    links = [(c["cid"], c["key"][len(LINK_PREFIX):]) for c in claims_sent
+             if c["key"].startswith(LINK_PREFIX)]
+    posted_cids = subjects | {m for _, m in links}
+
+    with db.snapshot(conn):
+        grouped = conn.execute("SELECT cid, rid FROM cid_group").fetchall()
+        rid_rows = conn.execute("SELECT rid, status, merged_into FROM rids").fetchall()
+        stored = {(u, c, k): (v, ts, bytes(sig)) for u, c, k, v, ts, sig in conn.execute(
+            "SELECT uid, cid, key, value, ts, sig FROM claims")}
+
+    # Every CID of every claim is in exactly one group, and nothing else is.
+    group_cids = [cid for cid, _ in grouped]
+    assert len(group_cids) == len(set(group_cids))
+    assert set(group_cids) == posted_cids
+
+    # rids: distinct, every group points at an active rid, every active rid holds a CID,
+    # every merged rid names an active, older survivor.
+    assert len({r for r, _, _ in rid_rows}) == len(rid_rows)
+    status = {r: s for r, s, _ in rid_rows}
+    assert set(status.values()) <= {"active", "merged"}
+    active = {r for r, s in status.items() if s == "active"}
+    for cid, rid in grouped:
+        assert status.get(rid) == "active", f"{cid} points at {rid} ({status.get(rid)})"
+    assert active == {rid for _, rid in grouped}, "an active rid holds no CID"
+    for rid, state, into in rid_rows:
+        if state == "merged":
+            assert into in active, f"{rid} merged into {into}, which is not active"
+            assert into < rid, f"{rid} merged into the younger {into}"
+        else:
+            assert into is None
+    # A rid is minted only for a first-seen CID: never more rids than CIDs.
+    assert len(rid_rows) <= len(posted_cids)
+    # The workload did race merges (else this test would prove little).
+    assert len(rid_rows) > len(active), "no group was ever merged"
+
+    # The groups are exactly the connected components of the link votes.
+    members: dict[str, set[str]] = {}
+    for cid, rid in grouped:
+        members.setdefault(rid, set()).add(cid)
+    assert {frozenset(m) for m in members.values()} == components(posted_cids, links)
+
+    # Newest wins per (uid, cid, key), whatever order the racing batches committed in; the
+    # winner was answered `accepted` and each copy of a link vote exactly once so.
+    by_key: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for c in claims_sent:
+        by_key.setdefault((c["uid"], c["cid"], c["key"]), []).append(c)
+    assert set(stored) == set(by_key)
+    for ident, rivals in by_key.items():
+        winner = min(rivals, key=sig_order)
+        assert stored[ident] == (winner["value"], winner["ts"], decode_sig(winner["sig"])), ident
+        assert "accepted" in verdicts[(*ident, winner["sig"])]
+    for (_, _, key, _), seen in verdicts.items():
+        if key.startswith(LINK_PREFIX):
+            assert seen.count("accepted") == 1, seen
+            assert set(seen) <= {"accepted", "duplicate"}, seen
+
+
+# -- against a real server ----------------------------------------------------------------------
+
+
+def readonly(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+
+
+def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
+    """Poll /health until the cache has applied every truth change, or fail saying so."""
+    deadline = time.monotonic() + timeout
+    health: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        if health["cache_ready"] and health["apply_lag"] == 0:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"the cache did not catch up within {timeout} s: {health}")
+
+
+def metanode_check(data_dir: Path) -> str:
+    """Run `metanode check` on a data directory; it must exit 0 and say clean."""
+    done = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "clean" in done.stdout, done.stdout
+    return done.stdout
+
+
+@pytest.fixture
+def isolated_server(tmp_path: Path) -> Iterator[Server]:
+    """A real server whose watcher watches an empty folder of its own (not ./media of the cwd)."""
+    srv = Server(tmp_path / "data", env={"METANODE_WATCH_ROOTS": str(tmp_path / "media")})
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
+
+
+def test_concurrent_clients_on_a_real_server(isolated_server: Server) -> None:
+    server = isolated_server
+    signers = [Signer(), Signer()]
+    for n, signer in enumerate(signers):
+        response = httpx.post(f"{server.url}/api/signers", headers=server.headers, timeout=10,
+                              json={"uid": signer.uid, "name": f"s{n}", "may_link": True})
+        assert response.status_code == 200, response.text
+    work = make_batches(signers, clients=8, batches=15, size=20, seed=1)
+    outcome = Outcome()
+    lock = threading.Lock()
+    start = threading.Barrier(len(work))
+    failures: list[BaseException] = []
+
+    def client(batches: list[list[dict[str, Any]]]) -> None:
+        try:
+            with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as http:
+                start.wait(timeout=10)
+                for batch in batches:
+                    response = http.post("/api/claims", json={"claims": batch})
+                    with lock:
+                        outcome.add(batch, response.status_code, response.json())
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=client, args=(b,)) for b in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a client hung"
+    assert not failures, failures
+    assert len(outcome.posted) == 8 * 15
+
+    conn = readonly(server.data_dir / "truth.db")
+    try:
+        verify_outcome(outcome, conn)
+    finally:
+        conn.close()
+
+    health = wait_caught_up(server.url)
+    assert health["status"] == "ok", health
+    cache = readonly(server.data_dir / "cache.db")
+    truth_conn = readonly(server.data_dir / "truth.db")
+    try:
+        applied = dict(cache.execute("SELECT name, value FROM state"))["applied_seq"]
+        assert applied == truth.max_seq(truth_conn)
+        assert dict(cache.execute("SELECT cid, rid FROM cid_index")) == dict(
+            truth_conn.execute("SELECT cid, rid FROM cid_group"))
+    finally:
+        cache.close()
+        truth_conn.close()
+    metanode_check(server.data_dir)
+
+    # And what the API serves agrees with the groups: each CID's document lists its group.
+    conn = readonly(server.data_dir / "truth.db")
+    try:
+        groups = dict(conn.execute("SELECT cid, rid FROM cid_group"))
+    finally:
+        conn.close()
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        for cid in POOL[:10]:
+            if cid not in groups:
+                continue
+            doc = http.get(f"/api/meta/{cid}").json()
+            assert set(doc["cids"]) == {c for c, r in groups.items() if r == groups[cid]}
+
+
+# -- in process ---------------------------------------------------------------------------------
+
+
+async def test_concurrent_posts_in_process(client: httpx.AsyncClient, node: Node,
+                                           tmp_path: Path) -> None:
+    signers = [Signer(), Signer()]
+    for signer in signers:
+        response = await client.post("/api/signers", json={"uid": signer.uid, "may_link": True})
+        assert response.status_code == 200, response.text
+    work = make_batches(signers, clients=8, batches=5, size=10, seed=2)
+    outcome = Outcome()
+
+    async def post_all(batches: list[list[dict[str, Any]]]) -> None:
+        for batch in batches:
+            response = await client.post("/api/claims", json={"claims": batch})
+            outcome.add(batch, response.status_code, response.json())
+
+    await asyncio.gather(*(post_all(b) for b in work))
+    assert len(outcome.posted) == 8 * 5
+    verify_outcome(outcome, node.truth_reader)
+
+    assert await node.applier.wait_for(truth.max_seq(node.truth_reader), 10)
+    report = node_check(node.settings, tmp_path / "scratch-cache.db")
+    assert report.clean, report.differences + report.bad_signatures
+    assert report.claims_checked == len(
+        {(c["uid"], c["cid"], c["key"]) for batch, _, _ in outcome.posted for c in batch})

@@ -1,0 +1,511 @@
+"""The watcher's pure parts and its decisions, without a server (SPEC §6).
+
+`Rules.ignored`, `walk`, `plan`, `stat_of` and `hash_settled` on real temporary directories; then
+`Watcher` itself wired to an in-memory stand-in for the node (`Store`: the three callables the
+watcher is given), so reconciliation, inotify batches and the settle loop are driven by hand.
+The real inotify/server round trips are in test_watcher_server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import watchfiles
+
+from metanode import cid as cids
+from metanode.errors import MidhashError
+from metanode.merge import LocalFile
+from metanode.watcher import Rules, Stat, Watcher, hash_settled, plan, stat_of, walk
+
+Change = watchfiles.Change
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def stat_pair(path: Path) -> Stat:
+    info = path.stat()
+    return (info.st_size, info.st_mtime_ns)
+
+
+# -- Rules.ignored ------------------------------------------------------------------------------
+
+ROOT = "/srv/media"
+
+
+@pytest.mark.parametrize("relative", [
+    ".hidden",
+    ".DS_Store",
+    ".cache/movie.mkv",
+    "shows/.trash/episode.mkv",
+    "shows/.hidden.mkv",
+    "movie.mkv.part",
+    "movie.mkv.PART",
+    "movie.tmp",
+    "setup.crdownload",
+    "movie.mkv.!qB",
+    "movie.mkv.!QB",
+    "folder.part",
+])
+def test_default_rules_ignore(relative: str) -> None:
+    assert Rules().ignored(ROOT, f"{ROOT}/{relative}")
+
+
+@pytest.mark.parametrize("relative", [
+    "movie.mkv",
+    "shows/s01/e01.mkv",
+    "not.hidden/movie.mkv",
+    "movie.part.mkv",
+    "tmp",
+    "partial",
+    "movie.mkv.parts",
+    "a..b",
+])
+def test_default_rules_keep(relative: str) -> None:
+    assert not Rules().ignored(ROOT, f"{ROOT}/{relative}")
+
+
+def test_the_root_itself_is_never_ignored_and_outside_paths_are() -> None:
+    rules = Rules()
+    assert not rules.ignored(ROOT, ROOT)
+    assert not rules.ignored("/srv/.media", "/srv/.media/movie.mkv")  # a dot in the root's own path
+    assert rules.ignored(ROOT, "/srv/other/movie.mkv")  # relpath starts with ".."
+
+
+def test_configured_globs_match_names_case_insensitively_and_relative_paths() -> None:
+    rules = Rules(globs=("*.NFO", "Thumbs.db", "extras/*"))
+    assert rules.ignored(ROOT, f"{ROOT}/movie.nfo")
+    assert rules.ignored(ROOT, f"{ROOT}/deep/down/movie.Nfo")
+    assert rules.ignored(ROOT, f"{ROOT}/sub/thumbs.db")
+    assert rules.ignored(ROOT, f"{ROOT}/extras/trailer.mkv")
+    assert not rules.ignored(ROOT, f"{ROOT}/movie.mkv")
+    assert not rules.ignored(ROOT, f"{ROOT}/sub/extras.mkv")
+    # the defaults still apply alongside configured globs
+    assert rules.ignored(ROOT, f"{ROOT}/movie.tmp")
+
+
+@pytest.mark.parametrize(("globs", "relative"), [
+    (("Samples",), "Movie/Samples/clip.mkv"),
+    ((), "download.part/movie.mkv"),
+])
+def test_files_below_an_ignored_folder_are_ignored(globs: tuple[str, ...],
+                                                   relative: str) -> None:
+    rules = Rules(globs=globs)
+    folder = f"{ROOT}/{relative.rsplit('/', 1)[0]}"
+    assert rules.ignored(ROOT, folder)  # walk() does not enter it…
+    assert rules.ignored(ROOT, f"{ROOT}/{relative}")  # …so the live path must skip its files too
+
+
+# -- walk ---------------------------------------------------------------------------------------
+
+
+def test_walk_lists_kept_regular_files_with_their_stat(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    kept = [write(root / "a.mkv", b"a"), write(root / "sub" / "b.mkv", b"bb"),
+            write(root / "sub" / "deeper" / "c.mkv", b"ccc"), write(root / "empty", b"")]
+    for name in (".hidden", ".dot/x.mkv", "sub/.dot/y.mkv", "d.part", "e.tmp", "f.crdownload",
+                 "g.!qB", "skip.part/inside.mkv"):
+        write(root / name, b"ignored")
+    os.mkfifo(root / "fifo")
+    (root / "empty-folder").mkdir()
+    listed = dict(walk(str(root), Rules()))
+    assert listed == {str(p): stat_pair(p) for p in kept}
+
+
+def test_walk_applies_configured_globs(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    write(root / "movie.mkv", b"m")
+    write(root / "movie.nfo", b"n")
+    write(root / "extras" / "trailer.mkv", b"t")
+    listed = dict(walk(str(root), Rules(globs=("*.nfo", "extras/*"))))
+    assert set(listed) == {str(root / "movie.mkv")}
+
+
+def test_walk_does_not_follow_symlinks_by_default(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    write(root / "real.mkv", b"real")
+    target = write(outside / "target.mkv", b"target")
+    write(outside / "folder" / "inner.mkv", b"inner")
+    (root / "link.mkv").symlink_to(target)
+    (root / "linked-folder").symlink_to(outside / "folder")
+    (root / "dangling.mkv").symlink_to(tmp_path / "nowhere")
+    assert set(dict(walk(str(root), Rules()))) == {str(root / "real.mkv")}
+
+
+def test_walk_follows_symlinks_when_asked(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    write(root / "real.mkv", b"real")
+    target = write(outside / "target.mkv", b"target")
+    inner = write(outside / "folder" / "inner.mkv", b"inner")
+    (root / "link.mkv").symlink_to(target)
+    (root / "linked-folder").symlink_to(outside / "folder")
+    (root / "dangling.mkv").symlink_to(tmp_path / "nowhere")
+    listed = dict(walk(str(root), Rules(follow_symlinks=True)))
+    assert listed == {str(root / "real.mkv"): stat_pair(root / "real.mkv"),
+                      str(root / "link.mkv"): stat_pair(target),  # the target's stat
+                      str(root / "linked-folder" / "inner.mkv"): stat_pair(inner)}
+
+
+def test_walk_visits_a_folder_reached_twice_through_symlinks_once(tmp_path: Path) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    write(outside / "shared" / "x.mkv", b"x")
+    (root / "one").mkdir(parents=True)
+    (root / "one" / "a").symlink_to(outside / "shared")
+    (root / "one" / "b").symlink_to(outside / "shared")
+    (root / "one" / "loop").symlink_to(root / "one")  # a cycle below the root
+    listed = list(walk(str(root), Rules(follow_symlinks=True)))
+    assert len(listed) == 1  # terminates, and the shared folder's file is listed once
+    assert listed[0][0] in {str(root / "one" / "a" / "x.mkv"), str(root / "one" / "b" / "x.mkv")}
+
+
+def test_walk_a_symlink_back_to_the_root_does_not_list_the_tree_twice(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    write(root / "a.mkv", b"a")
+    (root / "all").symlink_to(root)
+    listed = sorted(p for p, _ in walk(str(root), Rules(follow_symlinks=True)))
+    assert listed == [str(root / "a.mkv")]
+
+
+def test_walk_skips_an_unlistable_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "root"
+    write(root / "ok" / "a.mkv", b"a")
+    write(root / "locked" / "b.mkv", b"b")
+    real_scandir = os.scandir
+
+    def scandir(path: str) -> Iterable[os.DirEntry[str]]:
+        if path.endswith("locked"):
+            raise PermissionError(13, "Permission denied", path)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)  # root can read anything: simulate it
+    assert set(dict(walk(str(root), Rules()))) == {str(root / "ok" / "a.mkv")}
+
+
+# -- plan ---------------------------------------------------------------------------------------
+
+
+def test_plan_hashes_new_and_changed_and_removes_vanished() -> None:
+    disk = {"/m/new": (1, 10), "/m/same": (2, 20), "/m/grown": (4, 30), "/m/touched": (5, 41)}
+    known = {"/m/same": (2, 20), "/m/grown": (3, 30), "/m/touched": (5, 40), "/m/gone": (6, 60),
+             "/m/also-gone": (7, 70)}
+    to_hash, to_remove = plan(disk, known)
+    assert to_hash == ["/m/grown", "/m/new", "/m/touched"]  # sorted
+    assert to_remove == ["/m/also-gone", "/m/gone"]
+
+
+def test_plan_of_an_unchanged_tree_is_empty() -> None:
+    disk = {f"/m/{i}": (i, i * 7) for i in range(100)}
+    assert plan(disk, dict(disk)) == ([], [])
+    assert plan({}, {}) == ([], [])
+
+
+# -- stat_of / hash_settled ---------------------------------------------------------------------
+
+
+def test_stat_of_regular_files_only(tmp_path: Path) -> None:
+    f = write(tmp_path / "f", b"12345")
+    (tmp_path / "link").symlink_to(f)
+    assert stat_of(str(f), False) == stat_pair(f)
+    assert stat_of(str(tmp_path), False) is None  # a folder
+    assert stat_of(str(tmp_path / "link"), False) is None  # the link itself
+    assert stat_of(str(tmp_path / "link"), True) == stat_pair(f)
+    assert stat_of(str(tmp_path / "missing"), True) is None
+
+
+def test_hash_settled_hashes_a_file_that_kept_its_stat(tmp_path: Path) -> None:
+    data = os.urandom(3000)
+    f = write(tmp_path / "f.mkv", data)
+    result = hash_settled(str(f), stat_pair(f))
+    size, mtime = stat_pair(f)
+    assert result == LocalFile(str(f), cids.midhash_bytes(data), size, mtime)
+
+
+def test_hash_settled_refuses_a_file_whose_stat_moved_on(tmp_path: Path) -> None:
+    f = write(tmp_path / "f.mkv", b"first")
+    settled = stat_pair(f)
+    with f.open("ab") as out:
+        out.write(b" and more")
+    assert hash_settled(str(f), settled) is None
+    f.unlink()
+    assert hash_settled(str(f), settled) is None  # vanished
+
+
+def test_hash_settled_refuses_a_file_changed_while_being_hashed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Changed between the first stat and the end of the hash: None, so the caller waits again."""
+    f = write(tmp_path / "f.mkv", b"original content")
+    settled = stat_pair(f)
+    real = cids.midhash_file
+
+    def midhash_then_append(path: str | os.PathLike[str]) -> tuple[str, int]:
+        answer = real(path)
+        with open(path, "ab") as out:
+            out.write(b"+")
+        return answer
+
+    monkeypatch.setattr(cids, "midhash_file", midhash_then_append)
+    assert hash_settled(str(f), settled) is None
+
+
+def test_hash_settled_refuses_a_same_size_rewrite_while_being_hashed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = write(tmp_path / "f.mkv", b"A" * 100)
+    settled = stat_pair(f)
+    real = cids.midhash_file
+
+    def midhash_then_rewrite(path: str | os.PathLike[str]) -> tuple[str, int]:
+        answer = real(path)
+        Path(path).write_bytes(b"B" * 100)
+        os.utime(path, ns=(settled[1] + 1_000_000, settled[1] + 1_000_000))
+        return answer
+
+    monkeypatch.setattr(cids, "midhash_file", midhash_then_rewrite)
+    assert hash_settled(str(f), settled) is None
+
+
+# -- Watcher, against an in-memory node ---------------------------------------------------------
+
+
+@dataclass
+class Store:
+    """The node as the watcher sees it: groups, `local_file` rows, and every commit made."""
+
+    rows: dict[str, LocalFile] = field(default_factory=dict)
+    groups: set[str] = field(default_factory=set)
+    commits: list[tuple[list[LocalFile], list[str]]] = field(default_factory=list)
+
+    async def ensure_groups(self, midhashes: Sequence[str]) -> None:
+        self.groups.update(midhashes)
+
+    async def apply_local(self, files: Sequence[LocalFile], removals: Sequence[str]) -> None:
+        assert {f.midhash for f in files} <= self.groups, "groups must be ensured first"
+        self.commits.append((list(files), list(removals)))
+        for gone in removals:
+            for path in [p for p in self.rows if p == gone or p.startswith(gone + "/")]:
+                del self.rows[path]
+        self.rows.update((f.path, f) for f in files)
+
+    def known_stats(self, under: Sequence[str]) -> dict[str, Stat]:
+        prefixes = tuple(u.rstrip("/") + "/" for u in under)
+        return {p: (f.size, f.mtime_ns) for p, f in self.rows.items() if p.startswith(prefixes)}
+
+    def watcher(self, root: Path, settle_s: float = 0.0, rules: Rules | None = None) -> Watcher:
+        return Watcher([str(root)], rules or Rules(), settle_s, 0, 2, self.ensure_groups,
+                       self.apply_local, self.known_stats)
+
+
+def local(path: Path) -> LocalFile:
+    size, mtime = stat_pair(path)
+    return LocalFile(str(path), cids.midhash_file(path)[0], size, mtime)
+
+
+async def test_reconcile_hashes_new_files_then_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    files = [write(root / f"f{i}.mkv", os.urandom(1000 * (i + 1))) for i in range(3)]
+    write(root / ".hidden", b"h")
+    store = Store()
+    w = store.watcher(root)
+    calls: list[tuple[int, int, int, int]] = []
+    summary = await w.reconcile(settle=False, progress=lambda *a: calls.append(a))
+    assert (summary.seen, summary.hashed, summary.unchanged, summary.removed) == (3, 3, 0, 0)
+    assert summary.failed == []
+    assert summary.bytes_sampled == 1000 + 2000 + 3000
+    assert calls[0] == (0, 0, 3, 6000) and calls[-1] == (3, 6000, 3, 6000)
+    assert store.rows == {str(f): local(f) for f in files}
+    assert len(store.commits) == 1  # one batch
+
+    again = await w.reconcile(settle=False)
+    assert (again.seen, again.hashed, again.unchanged, again.removed) == (3, 0, 3, 0)
+    assert len(store.commits) == 1  # nothing hashed, nothing committed
+    assert not w.scanning
+
+
+async def test_reconcile_rehashes_changed_and_removes_vanished(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    a, b, c = (write(root / n, n.encode()) for n in ("a.mkv", "b.mkv", "sub/c.mkv"))
+    store = Store()
+    w = store.watcher(root)
+    await w.reconcile(settle=False)
+    b.write_bytes(b"b, rewritten")
+    c.unlink()
+    d = write(root / "d.mkv", b"d")
+    summary = await w.reconcile(settle=False)
+    assert (summary.seen, summary.hashed, summary.unchanged, summary.removed) == (3, 2, 1, 1)
+    assert store.rows == {str(p): local(p) for p in (a, b, d)}
+    files, removals = store.commits[-1]
+    assert removals == [str(c)]  # the removal is committed together with the first batch
+    assert {f.path for f in files} == {str(b), str(d)}
+
+
+async def test_reconcile_commits_removals_alone_when_nothing_is_hashed(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    a = write(root / "a.mkv", b"a")
+    store = Store()
+    w = store.watcher(root)
+    await w.reconcile(settle=False)
+    a.unlink()
+    summary = await w.reconcile(settle=False)
+    assert (summary.seen, summary.hashed, summary.removed) == (0, 0, 1)
+    assert store.commits[-1] == ([], [str(a)])
+    assert store.rows == {}
+
+
+async def test_reconcile_reports_an_unreadable_file_and_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "media"
+    good = write(root / "good.mkv", b"good")
+    bad = write(root / "bad.mkv", b"bad")
+    real = cids.midhash_file
+
+    def refuse_bad(path: str | os.PathLike[str]) -> tuple[str, int]:
+        if os.fspath(path) == str(bad):
+            raise MidhashError(f"cannot read {os.fspath(path)!r}: Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(cids, "midhash_file", refuse_bad)
+    store = Store()
+    w = store.watcher(root)
+    summary = await w.reconcile(settle=False)
+    assert (summary.seen, summary.hashed, summary.unchanged) == (2, 1, 0)
+    assert summary.failed == [str(bad)]
+    assert set(store.rows) == {str(good)}
+    assert str(bad) not in w.pending  # not retried until it changes
+
+
+async def test_on_changes_commits_a_rename_at_once_in_one_batch(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    old = write(root / "old.mkv", b"content")
+    store = Store()
+    w = store.watcher(root, settle_s=60)  # no settling: a rename must not wait for it
+    await w.reconcile(settle=False)
+    new = root / "new.mkv"
+    old.rename(new)
+    await w._on_changes({(Change.deleted, str(old)), (Change.added, str(new))})
+    assert store.commits[-1] == ([local(new)], [str(old)])  # one transaction
+    assert store.rows == {str(new): local(new)}
+    assert w.pending == {}
+
+
+async def test_on_changes_commits_a_folder_rename_at_once(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    files = [write(root / "album" / f"t{i}.flac", f"track {i}".encode()) for i in range(3)]
+    store = Store()
+    w = store.watcher(root, settle_s=60)
+    await w.reconcile(settle=False)
+    (root / "album").rename(root / "renamed")
+    await w._on_changes({(Change.deleted, str(root / "album")),
+                         (Change.added, str(root / "renamed"))})
+    moved = [root / "renamed" / f.name for f in files]
+    assert store.rows == {str(p): local(p) for p in moved}
+    assert len(store.commits) == 2 and store.commits[-1][1] == [str(root / "album")]
+    assert w.pending == {}
+
+
+async def test_on_changes_queues_new_and_changed_files_and_ignores_unchanged(
+        tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    same = write(root / "same.mkv", b"same")
+    changed = write(root / "changed.mkv", b"v1")
+    store = Store()
+    w = store.watcher(root, settle_s=60)
+    await w.reconcile(settle=False)
+    commits = len(store.commits)
+    os.chmod(same, 0o600)  # an attribute change: same (size, mtime)
+    changed.write_bytes(b"version 2")
+    new = write(root / "new.mkv", b"new")
+    await w._on_changes({(Change.modified, str(same)), (Change.modified, str(changed)),
+                         (Change.added, str(new))})
+    assert set(w.pending) == {str(changed), str(new)}
+    assert w.pending[str(new)][0] == stat_pair(new)
+    assert len(store.commits) == commits  # nothing is hashed before it settles
+
+
+async def test_on_changes_folder_moved_in_and_deleted(tmp_path: Path) -> None:
+    root, outside = tmp_path / "media", tmp_path / "outside"
+    root.mkdir()
+    tracks = [write(outside / "album" / f"t{i}.flac", f"t{i}".encode()) for i in range(3)]
+    write(outside / "album" / ".hidden", b"h")
+    write(outside / "album" / "cover.jpg.part", b"p")
+    store = Store()
+    w = store.watcher(root, settle_s=0)
+    (outside / "album").rename(root / "album")
+    await w._on_changes({(Change.added, str(root / "album"))})
+    assert set(w.pending) == {str(root / "album" / t.name) for t in tracks}
+    await w._hash_and_commit({p: s for p, (s, _) in w.pending.items()})
+    assert len(store.rows) == 3
+    for path in (root / "album").iterdir():
+        path.unlink()
+    (root / "album").rmdir()
+    await w._on_changes({(Change.deleted, str(root / "album"))})
+    assert store.rows == {}
+
+
+async def test_on_changes_removes_a_deleted_file_and_forgets_it_pending(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    kept = write(root / "kept.mkv", b"kept")
+    gone = write(root / "gone.mkv", b"gone")
+    store = Store()
+    w = store.watcher(root, settle_s=60)
+    await w.reconcile(settle=False)
+    gone.write_bytes(b"gone, rewritten")
+    await w._on_changes({(Change.modified, str(gone))})
+    assert str(gone) in w.pending
+    gone.unlink()
+    await w._on_changes({(Change.deleted, str(gone))})
+    assert str(gone) not in w.pending
+    assert set(store.rows) == {str(kept)}
+
+
+async def test_settle_loop_hashes_only_after_the_stat_held_still(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    root.mkdir()
+    store = Store()
+    w = store.watcher(root, settle_s=0.6)
+    loop_task = asyncio.create_task(w._settle_loop())
+    try:
+        f = write(root / "growing.mkv", b"part 1")
+        await w._on_changes({(Change.added, str(f))})
+        for i in range(2, 5):  # keep changing it, faster than the settle window
+            await asyncio.sleep(0.3)
+            with f.open("ab") as out:
+                out.write(f", part {i}".encode())
+            assert store.rows == {}, "hashed before it settled"
+        deadline = asyncio.get_running_loop().time() + 10
+        while not store.rows and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert store.rows == {str(f): local(f)}
+        assert len(store.commits) == 1  # hashed once, the final content
+        assert w.pending == {}
+    finally:
+        w.stop()
+        await loop_task
+
+
+async def test_a_delete_reported_while_a_hash_is_being_committed_wins(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    f = write(root / "a.mkv", b"about to be deleted")
+    store = Store()
+    entered, release = asyncio.Event(), asyncio.Event()
+    real_ensure = store.ensure_groups
+
+    async def slow_ensure(midhashes: Sequence[str]) -> None:  # e.g. the truth writer is busy
+        entered.set()
+        await release.wait()
+        await real_ensure(midhashes)
+
+    w = Watcher([str(root)], Rules(), 0, 0, 2, slow_ensure, store.apply_local, store.known_stats)
+    scan = asyncio.create_task(w.reconcile(settle=False))
+    await asyncio.wait_for(entered.wait(), 10)  # hashed; its commit is under way
+    f.unlink()
+    await w._on_changes({(Change.deleted, str(f))})  # inotify reports the deletion
+    release.set()
+    await scan
+    assert str(f) not in store.rows

@@ -1,0 +1,790 @@
+"""The watcher inside a real `metanode serve` process, on real folders (SPEC §6, issue #5).
+
+Every test starts its own server on a fresh data directory in `tmp_path` and watches
+`tmp_path/media`, with a short settle window. Files are changed with ordinary file operations;
+what the node made of them is read back over HTTP: `GET /api/meta/<midhash>`, `GET /api/files`,
+and the change feed, replayed from a cursor (`GET /api/events?since=` up to its `synced` event),
+which holds every event ever emitted, so "never happened" is checked exactly, not by sampling.
+Waits poll with bounded deadlines; nothing asserts on elapsed time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from metanode import cid as cids
+from tests.conftest import Server, Signer, free_port, load_vectors
+
+T = TypeVar("T")
+DEADLINE_S = 20.0
+SPARSE: dict[str, str] = {v["name"]: v["cid"] for v in load_vectors("midhash.json")["vectors"]}
+LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
+# The watcher alone: plugins (fileinfo, filename, fullhash) would add their own claims and CIDs
+# to every record a file makes; tests/test_plugins_server.py covers them.
+NO_PLUGINS = {"METANODE_PLUGINS_ENABLED": "false"}
+
+
+# -- a server of our own ------------------------------------------------------------------------
+
+
+@dataclass
+class WatchServer(Server):
+    """A `Server` with its log in a file, a hermetic environment, and a check that the port that
+    answers is ours (other processes on this machine also pick free ports)."""
+
+    log: Path | None = None
+
+    @property
+    def media(self) -> Path:
+        return self.data_dir.parent / "media"
+
+    def start(self) -> WatchServer:
+        assert self.log is not None
+        env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+        env.update({"METANODE_WATCH_ROOTS": str(self.media), "METANODE_WATCH_RESCAN_S": "0",
+                    "METANODE_APPLY_POLL_S": "0.2", **NO_PLUGINS, **self.env})
+        for _attempt in range(3):
+            with self.log.open("ab") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
+                     "--port", str(self.port)],
+                    env=env, cwd=self.data_dir.parent, stdout=log, stderr=log)
+            if self._up():
+                return self
+            self.port = free_port()  # exited at once: the port was taken meanwhile; retry
+        raise RuntimeError(f"metanode serve did not start: {self.log.read_text()}")
+
+    def _up(self) -> bool:
+        assert self.proc is not None and self.log is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    mine = httpx.get(f"{self.url}/api/signers", headers=self.headers, timeout=5)
+                    assert mine.status_code == 200, f"port {self.port} is not our server"
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"metanode serve did not come up in 30 s: {self.log.read_text()}")
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get(self, path: str, **params: Any) -> httpx.Response:
+        return httpx.get(f"{self.url}{path}", params=params, headers=self.headers, timeout=10)
+
+    def meta(self, cid: str) -> dict[str, Any] | None:
+        """GET /api/meta/<cid> (public), or None on 404."""
+        response = httpx.get(f"{self.url}/api/meta/{cid}", timeout=10)
+        if response.status_code == 404:
+            return None
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    def files(self, prefix: str = "") -> dict[str, dict[str, Any]]:
+        """Every GET /api/files row (all pages) under `prefix`, by path."""
+        out: dict[str, dict[str, Any]] = {}
+        after: str | None = None
+        while True:
+            params: dict[str, Any] = {"limit": 1000, "prefix": prefix}
+            if after is not None:
+                params["after"] = after
+            response = self.get("/api/files", **params)
+            assert response.status_code == 200, response.text
+            page = response.json()
+            out.update((row["path"], row) for row in page["files"])
+            if page["next"] is None:
+                return out
+            after = page["next"]
+
+    def cursor(self) -> str:
+        """The id of the newest feed event (replay from the start, read its `synced`)."""
+        return replay(self, f"{self.health()['epoch']}-0")[1]
+
+    def health(self) -> dict[str, Any]:
+        body: dict[str, Any] = httpx.get(f"{self.url}/health", timeout=10).json()
+        return body
+
+
+@dataclass(frozen=True)
+class Event:
+    id: str
+    op: str  # set | del
+    rid: str
+    key: str
+    value: str | None
+
+
+def replay(server: Server, since: str) -> tuple[list[Event], str]:
+    """Every feed event after cursor `since`, and the cursor after them (from `synced`)."""
+    events: list[Event] = []
+    fields: dict[str, str] = {}
+    with httpx.stream("GET", f"{server.url}/api/events", params={"since": since},
+                      headers=server.headers, timeout=10) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line == "":
+                kind = fields.get("event")
+                if kind is not None:
+                    data = json.loads(fields["data"])
+                    assert kind != "gap", f"the feed lost events after {since}: {data}"
+                    if kind == "synced":
+                        return events, str(data["id"])
+                    events.append(Event(fields["id"], kind, data["rid"], data["key"],
+                                        data.get("value")))
+                fields = {}
+            elif not line.startswith(":"):
+                name, _, value = line.partition(":")
+                fields[name] = value[1:] if value.startswith(" ") else value
+    raise AssertionError("the feed ended before its `synced` event")
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = DEADLINE_S) -> T:
+    """Poll `probe` until it answers something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"within {timeout} s: never {what} (last: {last!r})")
+
+
+Start = Callable[..., WatchServer]
+
+@pytest.fixture
+def start(tmp_path: Path) -> Iterator[Start]:
+    """Start servers on tmp_path/data watching tmp_path/media: `start(settle="0.5", **env)`.
+
+    Each is killed at the end whatever happened; its log is printed (shown if the test failed).
+    """
+    started: list[WatchServer] = []
+    (tmp_path / "media").mkdir(exist_ok=True)
+
+    def launch(settle: str = "0.5", **env: str) -> WatchServer:
+        full = {"METANODE_WATCH_SETTLE_S": settle,
+                **{f"METANODE_{k.upper()}": v for k, v in env.items()}}
+        srv = WatchServer(tmp_path / "data", env=full, log=tmp_path / "serve.log")
+        started.append(srv)
+        return srv.start()
+
+    yield launch
+    for srv in started:
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.stop(signal.SIGKILL)
+    log = tmp_path / "serve.log"
+    if log.exists():
+        print(f"--- {log} ---\n{log.read_text()}")
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def record(server: WatchServer, cid: str, want: Callable[[dict[str, Any]], bool] = bool,
+           what: str = "") -> dict[str, Any]:
+    """Wait until GET /api/meta/<cid> answers a document that satisfies `want`."""
+    def probe() -> dict[str, Any] | None:
+        doc = server.meta(cid)
+        return doc if doc is not None and want(doc) else None
+    return wait_for(f"a record for {cid} {what}".strip(), probe)
+
+
+def has_path(path: Path) -> Callable[[dict[str, Any]], bool]:
+    return lambda doc: str(path) in doc["paths"]
+
+
+def has_file_path(path: Path) -> Callable[[dict[str, Any]], bool]:
+    return lambda doc: doc.get("filePath") == str(path)
+
+
+def rid_of(server: WatchServer, path: Path) -> str:
+    rid: str = server.files()[str(path)]["rid"]
+    return rid
+
+
+def local_rows(data_dir: Path) -> list[tuple[str, str, int, int]]:
+    conn = sqlite3.connect(f"{(data_dir / 'cache.db').as_uri()}?mode=ro", uri=True)
+    try:
+        return conn.execute(
+            "SELECT path, midhash, size, mtime_ns FROM local_file ORDER BY path").fetchall()
+    finally:
+        conn.close()
+
+
+def scan(data_dir: Path, *paths: Path, code: int = 0) -> subprocess.CompletedProcess[str]:
+    """`metanode scan PATHS --data-dir DATA` as a subprocess, in a clean environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    env.update(NO_PLUGINS)
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "scan", *map(str, paths), "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=120, env=env, cwd=data_dir.parent)
+    assert done.returncode == code, done.stdout + done.stderr
+    return done
+
+
+def summary_line(done: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in done.stdout.splitlines() if "files seen" in line]
+    assert len(lines) == 1, done.stdout
+    return lines[0]
+
+
+# -- a file appears -----------------------------------------------------------------------------
+
+
+def test_a_new_file_becomes_a_record_with_its_local_keys(start: Start) -> None:
+    server = start()
+    data = os.urandom(70_000)
+    path = write(server.media / "Movies" / "The Matrix (1999).mkv", data)
+    midhash = cids.midhash_bytes(data)
+    assert cids.midhash_file(path) == (midhash, len(data))
+
+    doc = record(server, midhash)
+    info = path.stat()
+    assert doc["cid"] == midhash and doc["cids"] == [midhash]
+    assert doc["filePath"] == str(path) and os.path.isabs(doc["filePath"])
+    assert doc["paths"] == [str(path)]
+    assert doc["metadata"] == {f"cids/{midhash}": "true", "filePath": str(path),
+                               "fileSize": str(len(data)), "mtimeNano": str(info.st_mtime_ns)}
+
+    row = server.files()[str(path)]
+    assert row == {"path": str(path), "midhash": midhash, "size": len(data),
+                   "mtimeNano": str(info.st_mtime_ns), "rid": row["rid"]}
+    assert server.get("/api/hash-ids").json() == {"hashIds": [row["rid"]], "next": None}
+    by_rid = server.get(f"/api/metadata/{row['rid']}").json()
+    assert by_rid["hashId"] == row["rid"] and by_rid["filePath"] == str(path)
+
+    events, _ = replay(server, f"{server.health()['epoch']}-0")
+    assert {(e.op, e.key, e.value) for e in events} == {
+        ("set", f"cids/{midhash}", "true"), ("set", "filePath", str(path)),
+        ("set", "fileSize", str(len(data))), ("set", "mtimeNano", str(info.st_mtime_ns))}
+    assert {e.rid for e in events} == {row["rid"]} and len(events) == 4
+
+
+def test_files_listing_pages_and_prefixes_with_the_records_rids(start: Start,
+                                                                tmp_path: Path) -> None:
+    media = tmp_path / "media"
+    contents = {media / "a" / "1.mkv": b"a1", media / "a" / "2.mkv": b"a2",
+                media / "b" / "1.mkv": b"b1", media / "b" / "2.mkv": b"b2",
+                media / "c.mkv": b"c"}
+    for path, data in contents.items():
+        write(path, data)  # before the start: found by the startup reconciliation
+    server = start()
+    wait_for("all five files listed", lambda: len(server.files()) == 5)
+    ordered = sorted(str(p) for p in contents)
+
+    first = server.get("/api/files", limit=2).json()
+    assert [f["path"] for f in first["files"]] == ordered[:2] and first["next"] == ordered[1]
+    second = server.get("/api/files", limit=2, after=first["next"]).json()
+    assert [f["path"] for f in second["files"]] == ordered[2:4] and second["next"] == ordered[3]
+    third = server.get("/api/files", limit=2, after=second["next"]).json()
+    assert [f["path"] for f in third["files"]] == ordered[4:] and third["next"] is None
+    exact = server.get("/api/files", limit=5).json()
+    assert len(exact["files"]) == 5 and exact["next"] == ordered[-1]  # a full page: maybe more
+    assert server.get("/api/files", limit=2, after=ordered[-1]).json() == {"files": [],
+                                                                          "next": None}
+
+    in_b = server.get("/api/files", prefix=f"{media}/b/").json()
+    assert [f["path"] for f in in_b["files"]] == [str(media / "b" / n) for n in ("1.mkv", "2.mkv")]
+    assert in_b["next"] is None
+    assert server.get("/api/files", prefix=f"{media}/b/", limit=1,
+                      after=str(media / "b" / "1.mkv")).json()["files"][0]["path"] == str(
+                          media / "b" / "2.mkv")
+    assert server.get("/api/files", prefix="/nowhere/").json() == {"files": [], "next": None}
+    assert server.get("/api/files", limit=0).status_code == 400
+
+    listed = server.files()
+    hash_ids = server.get("/api/hash-ids").json()["hashIds"]
+    assert sorted(row["rid"] for row in listed.values()) == sorted(hash_ids)
+    for path, data in contents.items():
+        row = listed[str(path)]
+        assert row["midhash"] == cids.midhash_bytes(data) and row["size"] == len(data)
+        by_rid = server.get(f"/api/metadata/{row['rid']}").json()
+        assert by_rid["hashId"] == row["rid"] and row["midhash"] in by_rid["cids"]
+        assert by_rid["filePath"] == str(path)
+
+
+# -- settling -----------------------------------------------------------------------------------
+
+
+def test_a_file_written_slowly_is_hashed_once_after_it_settles(start: Start) -> None:
+    server = start(settle="1.0")
+    path = server.media / "slow.mkv"
+    chunks = [os.urandom(50_000) for _ in range(6)]
+    sizes_seen: set[int] = set()
+    with path.open("wb") as out:
+        for chunk in chunks:
+            out.write(chunk)
+            out.flush()
+            for _ in range(6):  # 0.3 s between chunks, watching /api/files meanwhile
+                row = server.files().get(str(path))
+                if row is not None:
+                    sizes_seen.add(row["size"])
+                time.sleep(0.05)
+    final = b"".join(chunks)
+    midhash = cids.midhash_bytes(final)
+    doc = record(server, midhash, has_path(path))
+    assert doc["metadata"]["fileSize"] == str(len(final))
+
+    assert sizes_seen <= {len(final)}, f"listed at an intermediate size: {sizes_seen}"
+    partials = [cids.midhash_bytes(b"".join(chunks[:n])) for n in range(1, len(chunks))]
+    for partial in partials:
+        assert server.meta(partial) is None, "a partial content was hashed and got a record"
+    rid = rid_of(server, path)
+    assert server.get("/api/hash-ids").json()["hashIds"] == [rid]
+    events, _ = replay(server, f"{server.health()['epoch']}-0")
+    assert {e.rid for e in events} == {rid}
+    assert [e.value for e in events if e.key == "fileSize"] == [str(len(final))]
+    assert [(e.op, e.value) for e in events if e.key == "filePath"] == [("set", str(path))]
+
+
+def test_a_change_during_the_settle_window_restarts_it(start: Start) -> None:
+    server = start(settle="1.0")
+    path = server.media / "twice.mkv"
+    first = os.urandom(10_000)
+    write(path, first)
+    time.sleep(0.4)  # well inside the settle window
+    with path.open("ab") as out:
+        out.write(b"appended before it settled")
+    final = path.read_bytes()
+    record(server, cids.midhash_bytes(final), has_path(path))
+    assert server.meta(cids.midhash_bytes(first)) is None
+    events, _ = replay(server, f"{server.health()['epoch']}-0")
+    assert [e.value for e in events if e.key == "fileSize"] == [str(len(final))]
+
+
+def test_a_10_gib_sparse_file_has_the_known_midhash(start: Start) -> None:
+    server = start(settle="0.3")
+    for name, size in (("10GiB-sparse-zero", 10 * 1024**3),
+                       ("4GiB-plus-7-sparse-zero", 4 * 1024**3 + 7)):
+        path = server.media / f"{name}.img"
+        with path.open("wb") as out:
+            out.truncate(size)
+        doc = record(server, SPARSE[name], has_path(path))
+        assert doc["metadata"]["fileSize"] == str(size)
+        assert server.files()[str(path)]["midhash"] == SPARSE[name]
+    assert SPARSE["10GiB-sparse-zero"] == (
+        "bagacbabaedo3c7zugmfehhbpuge7ejxeohniozz4tefuubk7p5jdm3zuhouic")
+
+
+# -- moves, copies, deletes, rewrites -----------------------------------------------------------
+
+
+def settled_after(server: WatchServer, name: str) -> str:
+    """Write a sentinel file and wait for its record: anything the watcher had pending before it
+    (an earlier path waiting to settle) has been hashed by then. Returns the sentinel's rid."""
+    content = f"sentinel {name} {time.monotonic_ns()}".encode()
+    path = write(server.media / name, content)
+    record(server, cids.midhash_bytes(content), has_path(path))
+    return rid_of(server, path)
+
+
+def test_a_rename_is_one_set_of_file_path_and_no_del(start: Start) -> None:
+    server = start()
+    data = os.urandom(5000)
+    old = write(server.media / "old name.mkv", data)
+    midhash = cids.midhash_bytes(data)
+    record(server, midhash, has_path(old))
+    rid = rid_of(server, old)
+    (server.media / "Sorted").mkdir()
+    settled_after(server, "sentinel-1")  # the folder's creation has gone by
+    mark = server.cursor()
+
+    new = server.media / "Sorted" / "new name.mkv"
+    os.rename(old, new)
+    doc = record(server, midhash, has_file_path(new))
+    assert doc["paths"] == [str(new)]
+    sentinel = settled_after(server, "sentinel-2")
+    assert set(server.files()) == {str(new), str(server.media / "sentinel-1"),
+                                   str(server.media / "sentinel-2")}
+    events, _ = replay(server, mark)
+    assert [(e.op, e.rid, e.key, e.value) for e in events if e.rid != sentinel] == [
+        ("set", rid, "filePath", str(new))]
+
+
+def test_a_folder_rename_moves_every_file_in_one_set_each(start: Start) -> None:
+    server = start()
+    tracks = {server.media / "Album" / f"{i:02}.flac": os.urandom(2000 + i) for i in range(3)}
+    for path, data in tracks.items():
+        write(path, data)
+    for path, data in tracks.items():
+        record(server, cids.midhash_bytes(data), has_path(path))
+    rids = {rid_of(server, path) for path in tracks}
+    mark = server.cursor()
+    os.rename(server.media / "Album", server.media / "Album (2001)")
+    for path, data in tracks.items():
+        moved = server.media / "Album (2001)" / path.name
+        record(server, cids.midhash_bytes(data), has_file_path(moved))
+    sentinel = settled_after(server, "sentinel")
+    events, _ = replay(server, mark)
+    assert sorted((e.rid, e.op, e.key) for e in events if e.rid != sentinel) == sorted(
+        (rid, "set", "filePath") for rid in rids)
+
+
+def test_duplicates_then_deleting_every_copy_keeps_the_claims(start: Start) -> None:
+    server = start()
+    data = os.urandom(8000)
+    midhash = cids.midhash_bytes(data)
+    original = write(server.media / "b-original.mkv", data)
+    record(server, midhash, has_path(original))
+    rid = rid_of(server, original)
+
+    alice = Signer()
+    response = httpx.post(f"{server.url}/api/signers", headers=server.headers, timeout=10,
+                          json={"uid": alice.uid, "name": "alice"})
+    assert response.status_code == 200, response.text
+    response = httpx.post(f"{server.url}/api/claims", headers=server.headers, timeout=10,
+                          json={"claims": [alice.claim(midhash, "title", "The Original")]})
+    assert response.status_code == 200 and response.json()["accepted"] == 1, response.text
+
+    copy = server.media / "a-copy.mkv"  # sorts first
+    shutil.copyfile(original, copy)
+    doc = record(server, midhash, lambda d: len(d["paths"]) == 2, "with two paths")
+    assert doc["paths"] == [str(copy), str(original)]
+    assert doc["filePath"] == str(copy)  # the lexicographically first path
+    assert doc["metadata"]["title"] == "The Original"
+    assert {row["rid"] for row in server.files().values()} == {rid}  # one record
+
+    copy.unlink()
+    doc = record(server, midhash, lambda d: d["paths"] == [str(original)], "with one path")
+    assert doc["filePath"] == str(original)
+    assert doc["metadata"]["fileSize"] == str(len(data))
+
+    mark = server.cursor()
+    original.unlink()
+    doc = record(server, midhash, lambda d: d["paths"] == [], "with no path")
+    assert "filePath" not in doc
+    assert doc["metadata"] == {f"cids/{midhash}": "true", "title": "The Original"}
+    assert server.files() == {}
+    events, _ = replay(server, mark)
+    assert sorted((e.op, e.key) for e in events) == [("del", k) for k in sorted(LOCAL_KEYS)]
+    assert {e.rid for e in events} == {rid}
+    by_rid = server.get(f"/api/metadata/{rid}")
+    assert by_rid.status_code == 200 and by_rid.json()["metadata"]["title"] == "The Original"
+
+
+def test_rewriting_a_file_moves_its_path_to_the_new_contents_record(start: Start) -> None:
+    server = start()
+    path = server.media / "episode.mkv"
+    before, after = os.urandom(4000), os.urandom(4000)  # same size, different content
+    write(path, before)
+    old_cid, new_cid = cids.midhash_bytes(before), cids.midhash_bytes(after)
+    record(server, old_cid, has_path(path))
+    old_rid = rid_of(server, path)
+    mark = server.cursor()
+
+    path.write_bytes(after)
+    doc = record(server, new_cid, has_path(path))
+    assert doc["filePath"] == str(path) and doc["paths"] == [str(path)]
+    new_rid = rid_of(server, path)
+    assert new_rid != old_rid
+    old_doc = server.meta(old_cid)
+    assert old_doc is not None and old_doc["paths"] == [] and "filePath" not in old_doc
+    assert not set(LOCAL_KEYS) & set(old_doc["metadata"])
+    events, _ = replay(server, mark)
+    assert sorted((e.op, e.key) for e in events if e.rid == old_rid) == [
+        ("del", k) for k in sorted(LOCAL_KEYS)]
+    assert {e.key for e in events if e.rid == new_rid and e.op == "set"} >= set(LOCAL_KEYS)
+
+
+# -- folders ------------------------------------------------------------------------------------
+
+
+def test_a_folder_moved_in_appears_and_a_deleted_folder_goes(start: Start,
+                                                              tmp_path: Path) -> None:
+    server = start()
+    outside = tmp_path / "downloads"
+    albums = {}
+    for name in ("First Album", "Second Album"):
+        albums[name] = {outside / name / f"{i:02}.flac": os.urandom(3000 + i) for i in range(3)}
+        for path, data in albums[name].items():
+            write(path, data)
+        write(outside / name / ".cover.jpg", b"hidden")
+        write(outside / name / "04.flac.part", b"partial")
+        (outside / name / "CD2").mkdir()
+        write(outside / name / "CD2" / "01.flac", albums[name][outside / name / "00.flac"])
+
+    for name in albums:
+        shutil.move(outside / name, server.media / name)
+    expected = {str(server.media / name / p.name) for name in albums for p in albums[name]}
+    expected |= {str(server.media / name / "CD2" / "01.flac") for name in albums}
+    wait_for("every moved-in file listed", lambda: set(server.files()) == expected)
+
+    shutil.rmtree(server.media / "First Album")  # deleted in place
+    shutil.move(server.media / "Second Album", outside / "Second Album")  # moved out
+    wait_for("the folders' rows gone", lambda: server.files() == {})
+    for name in albums:
+        for data in albums[name].values():
+            doc = server.meta(cids.midhash_bytes(data))
+            assert doc is not None and doc["paths"] == [] and "filePath" not in doc
+
+
+# -- what is ignored ----------------------------------------------------------------------------
+
+IGNORED_NAMES = (".hidden.mkv", ".dot folder/inside.mkv", "sub/.trash/deep.mkv", "movie.mkv.part",
+                 "movie.mkv.PART", "movie.tmp", "setup.crdownload", "torrent.mkv.!qB",
+                 "movie.nfo", "extras/trailer.mkv")
+
+
+def make_ignored(folder: Path, outside: Path) -> None:
+    for n, name in enumerate(IGNORED_NAMES):
+        write(folder / name, f"ignored {folder} {n}".encode())
+    target = write(outside / f"target of {folder.name}.mkv", f"target {folder}".encode())
+    write(outside / f"linked folder {folder.name}" / "in linked folder.mkv",
+          f"linked {folder}".encode())
+    (folder / "link.mkv").symlink_to(target)
+    (folder / "folder link").symlink_to(outside / f"linked folder {folder.name}")
+
+
+def test_ignored_names_and_symlinks_never_appear(start: Start, tmp_path: Path) -> None:
+    media, outside = tmp_path / "media", tmp_path / "outside"
+    (media / "startup").mkdir(parents=True)
+    make_ignored(media / "startup", outside)
+    first = write(media / "startup" / "zz sentinel.mkv", b"sentinel one")
+    server = start(watch_ignore="*.nfo,extras/*,*/extras/*")
+    wait_for("the startup sentinel", lambda: str(first) in server.files())
+    assert set(server.files()) == {str(first)}
+
+    (media / "live").mkdir()
+    make_ignored(media / "live", outside)
+    # a download finishing: written as .part, then renamed to its final name
+    part = write(media / "live" / "download.mkv.part", b"finished download")
+    os.rename(part, media / "live" / "download.mkv")
+    second = write(media / "live" / "zz sentinel.mkv", b"sentinel two")
+    wait_for("the live sentinel", lambda: str(second) in server.files())
+    wait_for("the finished download", lambda: str(media / "live" / "download.mkv")
+             in server.files())
+    assert set(server.files()) == {str(first), str(second), str(media / "live" / "download.mkv")}
+    for folder in (media / "startup", media / "live"):
+        for n, name in enumerate(IGNORED_NAMES):
+            assert server.meta(cids.midhash_bytes(f"ignored {folder} {n}".encode())) is None, name
+        assert server.meta(cids.midhash_bytes(f"target {folder}".encode())) is None
+        assert server.meta(cids.midhash_bytes(f"linked {folder}".encode())) is None
+
+
+def test_symlinks_are_followed_when_configured(start: Start, tmp_path: Path) -> None:
+    media, outside = tmp_path / "media", tmp_path / "outside"
+    target = write(outside / "target.mkv", b"the target")
+    write(outside / "folder" / "inner.mkv", b"inside the linked folder")
+    media.mkdir(exist_ok=True)
+    (media / "link.mkv").symlink_to(target)
+    (media / "folder link").symlink_to(outside / "folder")
+    server = start(watch_follow_symlinks="true")
+    doc = record(server, cids.midhash_bytes(b"the target"), has_path(media / "link.mkv"))
+    assert doc["filePath"] == str(media / "link.mkv")  # the path in the root, not the target's
+    record(server, cids.midhash_bytes(b"inside the linked folder"),
+           has_path(media / "folder link" / "inner.mkv"))
+
+    late = write(outside / "late.mkv", b"linked after the start")
+    (media / "late link.mkv").symlink_to(late)
+    record(server, cids.midhash_bytes(b"linked after the start"),
+           has_path(media / "late link.mkv"))
+
+
+def test_files_created_in_an_ignored_folder_never_appear(start: Start, tmp_path: Path) -> None:
+    media = tmp_path / "media"
+    write(media / "Movie" / "Samples" / "at-start.mkv", b"present at start")
+    first = write(media / "Movie" / "movie.mkv", b"the movie")
+    server = start(watch_ignore="Samples")
+    wait_for("the movie", lambda: str(first) in server.files())
+    assert set(server.files()) == {str(first)}  # the startup walk skips Samples/: right
+
+    write(media / "Movie" / "Samples" / "live.mkv", b"created while running")
+    sentinel = write(media / "Movie" / "sentinel.mkv", b"sentinel")
+    wait_for("the sentinel", lambda: str(sentinel) in server.files())
+    assert set(server.files()) == {str(first), str(sentinel)}
+
+
+# -- restarts -----------------------------------------------------------------------------------
+
+
+def test_a_restart_with_nothing_changed_hashes_nothing(start: Start, tmp_path: Path) -> None:
+    server = start()
+    contents = {server.media / f"f{i}.mkv": os.urandom(1000 * (i + 1)) for i in range(3)}
+    for path, data in contents.items():
+        write(path, data)
+    wait_for("three files", lambda: len(server.files()) == 3)
+    rows = local_rows(server.data_dir)
+    mark = server.cursor()
+    server.stop()
+
+    again = start()
+    marker = write(again.media / "marker.mkv", b"after the restart")
+    # The settle loop starts only after the startup reconciliation, so once the marker is in,
+    # the reconciliation is over: whatever it re-hashed would be in the feed before the marker.
+    record(again, cids.midhash_bytes(b"after the restart"), has_path(marker))
+    marker_rid = rid_of(again, marker)
+    events, _ = replay(again, mark)
+    assert {e.rid for e in events} == {marker_rid}, events
+    assert [r for r in local_rows(again.data_dir) if r[0] != str(marker)] == rows
+    again.stop()
+
+    done = scan(again.data_dir, again.media)
+    assert summary_line(done) == "4 files seen: 0 hashed, 4 unchanged, 0 removed, 0 unreadable"
+
+
+def test_a_restart_reconciles_changes_made_while_stopped(start: Start) -> None:
+    server = start()
+    media = server.media
+    data = {n: os.urandom(2000) for n in ("keep", "modify", "delete", "rename")}
+    for name, content in data.items():
+        write(media / f"{name}.mkv", content)
+    wait_for("four files", lambda: len(server.files()) == 4)
+    server.stop()
+
+    (media / "modify.mkv").write_bytes(b"modified while the server was down")
+    (media / "delete.mkv").unlink()
+    os.rename(media / "rename.mkv", media / "renamed.mkv")
+    write(media / "new" / "added.mkv", b"added while the server was down")
+    expected = {
+        str(media / "keep.mkv"): cids.midhash_bytes(data["keep"]),
+        str(media / "modify.mkv"): cids.midhash_bytes(b"modified while the server was down"),
+        str(media / "renamed.mkv"): cids.midhash_bytes(data["rename"]),
+        str(media / "new" / "added.mkv"): cids.midhash_bytes(b"added while the server was down")}
+
+    again = start()
+    wait_for("the disk reflected", lambda: {
+        p: row["midhash"] for p, row in again.files().items()} == expected)
+    for name in ("modify", "delete"):
+        gone = again.meta(cids.midhash_bytes(data[name]))
+        assert gone is not None and gone["paths"] == [] and "filePath" not in gone
+    renamed = again.meta(cids.midhash_bytes(data["rename"]))
+    assert renamed is not None and renamed["filePath"] == str(media / "renamed.mkv")
+    assert renamed["paths"] == [str(media / "renamed.mkv")]
+
+
+# -- metanode scan ------------------------------------------------------------------------------
+
+
+def test_scan_command_counts_and_a_second_run_hashes_nothing(tmp_path: Path,
+                                                             start: Start) -> None:
+    media, data_dir = tmp_path / "media", tmp_path / "data"
+    files = {media / "a.mkv": os.urandom(3000), media / "sub" / "b.mkv": os.urandom(2_000_000),
+             media / "sub" / "c.mkv": b"c"}
+    for path, content in files.items():
+        write(path, content)
+    write(media / ".hidden", b"ignored")
+    write(media / "d.part", b"ignored")
+
+    first = scan(data_dir, media)  # a fresh data directory
+    assert summary_line(first) == "3 files seen: 3 hashed, 0 unchanged, 0 removed, 0 unreadable"
+    second = scan(data_dir, media)
+    assert summary_line(second) == "3 files seen: 0 hashed, 3 unchanged, 0 removed, 0 unreadable"
+
+    (media / "a.mkv").write_bytes(b"rewritten")
+    (media / "sub" / "c.mkv").unlink()
+    write(media / "e.mkv", b"new")
+    third = scan(data_dir, media)
+    assert summary_line(third) == "3 files seen: 2 hashed, 1 unchanged, 1 removed, 0 unreadable"
+    only_sub = scan(data_dir, media / "sub")
+    assert summary_line(only_sub) == "1 files seen: 0 hashed, 1 unchanged, 0 removed, 0 unreadable"
+
+    server = start()  # the scanned data directory, served: nothing left to do
+    listed = server.files()
+    assert {p: row["midhash"] for p, row in listed.items()} == {
+        str(media / "a.mkv"): cids.midhash_bytes(b"rewritten"),
+        str(media / "sub" / "b.mkv"): cids.midhash_bytes(files[media / "sub" / "b.mkv"]),
+        str(media / "e.mkv"): cids.midhash_bytes(b"new")}
+    doc = server.meta(cids.midhash_bytes(b"new"))
+    assert doc is not None and doc["filePath"] == str(media / "e.mkv")
+    server.stop()
+    assert summary_line(scan(data_dir, media)) == (
+        "3 files seen: 0 hashed, 3 unchanged, 0 removed, 0 unreadable")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason=(
+    "runs as root: chmod 000 does not stop root from reading the file, so it cannot be made "
+    "unreadable (tests/test_watcher.py covers the unreadable path with a refusing midhash_file)"))
+def test_scan_command_reports_an_unreadable_file(tmp_path: Path) -> None:
+    media, data_dir = tmp_path / "media", tmp_path / "data"
+    write(media / "ok.mkv", b"readable")
+    locked = write(media / "locked.mkv", b"unreadable")
+    locked.chmod(0)
+    try:
+        done = scan(data_dir, media)
+        assert summary_line(done) == (
+            "2 files seen: 1 hashed, 0 unchanged, 0 removed, 1 unreadable")
+        assert f"unreadable: {locked}" in done.stderr
+    finally:
+        locked.chmod(0o644)
+
+
+def test_scan_command_survives_a_file_name_that_is_not_utf8(tmp_path: Path) -> None:
+    media, data_dir = tmp_path / "media", tmp_path / "data"
+    write(media / "a.mkv", b"a")
+    write(media / "b.mkv", b"b")
+    media.mkdir(exist_ok=True)
+    with open(os.path.join(os.fsencode(media), b"caf\xe9.mkv"), "wb") as out:
+        out.write(b"latin-1 name")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "scan", str(media), "--data-dir", str(data_dir)],
+        capture_output=True, text=True, timeout=120, env={**env, **NO_PLUGINS}, cwd=tmp_path)
+    # today: exit 1 with a UnicodeEncodeError traceback, or SIGSEGV when the failed scan's
+    # Node.stop also hits the Applier.stop bug (the applier is still applying the minted groups)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
+    counts = summary_line(done)
+    assert counts.startswith("3 files seen: ") or counts.startswith("2 files seen: "), counts
+    assert {r[0] for r in local_rows(data_dir)} >= {str(media / "a.mkv"), str(media / "b.mkv")}
+
+
+
+def test_live_watching_survives_a_file_name_that_is_not_utf8(start: Start) -> None:
+    server = start(settle="0.3")
+    before = write(server.media / "before.mkv", b"before")
+    wait_for("the first file", lambda: str(before) in server.files())
+    with open(os.path.join(os.fsencode(server.media), b"caf\xe9.mkv"), "wb") as out:
+        out.write(b"latin-1 name")
+    time.sleep(0.5)  # let inotify report it
+    after = write(server.media / "after.mkv", b"after")
+    wait_for("a file created after the non-UTF-8 one", lambda: str(after) in server.files(),
+             timeout=8)
+
+
+STOP_WHILE_APPLYING = """
+import asyncio, sys
+from pathlib import Path
+from metanode import cid, config
+from metanode.node import Node
+
+async def main() -> None:
+    for i in range(5):
+        settings = config.load(env={}, overrides={
+            "data_dir": Path(sys.argv[1]), "watch_enabled": False, "plugins_enabled": False})
+        node = Node(settings)
+        await node.start()
+        # what a scan batch does: mint groups (the applier is woken to apply them)…
+        await node.ensure_groups([cid.midhash_bytes(f"{i}-{k}".encode()) for k in range(2000)])
+        await node.stop()  # …and stop right after, as `metanode scan` does
+
+asyncio.run(main())
+"""
+
+
+def test_node_stop_while_the_applier_runs_does_not_crash(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    done = subprocess.run([sys.executable, "-c", STOP_WHILE_APPLYING, str(tmp_path / "data")],
+                          capture_output=True, text=True, timeout=120, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "closed database" not in done.stderr, done.stderr[-2000:]

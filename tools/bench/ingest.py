@@ -1,0 +1,197 @@
+"""Ingest benchmark: claims/s through a real `metanode serve` vs raw Ed25519 verify on one core.
+
+Run: `.venv/bin/python tools/bench/ingest.py [--n 20000] [--batch 500] [--clients 2]`.
+
+A fresh data directory in a temporary directory; `metanode serve` (uvicorn, default settings) on a
+free loopback port; one signer registered through `POST /api/signers` with the data directory's
+API token. N claims (key `title`, each about its own fresh midhash CID, one signer) are signed
+with `metanode.claims.sign` and serialised into `POST /api/claims` bodies of `--batch` claims
+before anything is timed. One extra batch of other claims is posted first, untimed, to warm the
+server (thread pool, lazy imports). Then `--clients` httpx clients (each its own keep-alive
+connection) take batches from one shared queue; the time is the wall time from the first post to
+the last response, and every response must be 200 with every claim `accepted`.
+
+Baseline, same run, same claims: `nacl.signing.VerifyKey.verify(signing_bytes, sig)` in a plain
+loop on one core, signing bytes precomputed and the key object built once, i.e. the floor every
+implementation pays per claim. It is timed just before and just after the ingest (server idle)
+and the faster of the two is used. Ratio = ingest claims/s / raw verify/s (goal >= 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import harness
+import httpx
+import nacl.signing
+
+from metanode import cid as cids
+from metanode import claims
+
+GOAL = 0.5
+
+
+def make_claims(key: nacl.signing.SigningKey, n: int, ts: int, tag: str) -> list[claims.Claim]:
+    return [claims.sign(key, cids.midhash_bytes(os.urandom(32)), "title", f"{tag} {i}", ts)
+            for i in range(n)]
+
+
+def raw_verify_rate(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim]) -> float:
+    """Raw PyNaCl verifies per second over `signed`, one core, signing bytes precomputed."""
+    vk = nacl.signing.VerifyKey(bytes(key.verify_key))
+    pairs = [(c.signing_bytes(), c.sig) for c in signed]
+    start = time.perf_counter()
+    for message, sig in pairs:
+        vk.verify(message, sig)
+    return len(pairs) / (time.perf_counter() - start)
+
+
+async def post_batches(url: str, headers: dict[str, str], bodies: Sequence[bytes],
+                       sizes: Sequence[int], clients: int) -> float:
+    """Post every body with `clients` concurrent keep-alive clients; seconds first post → last."""
+    queue: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue()
+    for item in zip(bodies, sizes, strict=True):
+        queue.put_nowait(item)
+    failures: list[str] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                body, size = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            r = await client.post("/api/claims", content=body)
+            if r.status_code != 200:
+                failures.append(f"{r.status_code}: {r.text[:300]}")
+            elif r.json().get("accepted") != size:
+                failures.append(f"200 but not all accepted: {r.text[:300]}")
+
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    pool = [httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits)
+            for _ in range(clients)]
+    try:
+        # Open every connection before the clock starts, so the timing is of ingest, not TCP setup.
+        await asyncio.gather(*(c.get("/health") for c in pool))
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in pool))
+        elapsed = time.perf_counter() - start
+    finally:
+        await asyncio.gather(*(c.aclose() for c in pool))
+    if failures:
+        raise RuntimeError(f"{len(failures)} batch(es) failed; first: {failures[0]}")
+    return elapsed
+
+
+def breakdown(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim], batch: int,
+              ts: int) -> dict[str, float]:
+    """µs per claim of each stage of ingest, run in-process on one thread on a fresh data dir.
+
+    The stages a node runs for every batch: validate every claim (what the verify thread pool
+    does), `truth.ingest_txn` (the truth writer thread) and `cache.apply_txn` (the cache writer
+    thread), each as its own transaction, as the server commits them.
+    """
+    from metanode import cache, config, db, node, rid, truth
+
+    wires = [c.wire() for c in signed]
+    spent = {"validate": 0.0, "truth.ingest_txn": 0.0, "cache.apply_txn": 0.0}
+    with tempfile.TemporaryDirectory(prefix="metanode-bench-") as tmp:
+        settings = config.load(env={}, overrides={"data_dir": Path(tmp)})
+        node.open_store(settings)
+        truth_conn = db.connect(settings.truth_path)
+        cache_conn = db.connect(settings.cache_path)
+        source = db.connect(settings.truth_path, readonly=True)
+        try:
+            uid = claims.uid_of(bytes(key.verify_key))
+            db.run_txn(truth_conn, truth.add_signer_txn, uid, "bench", 1, False, ts)
+            db.run_txn(cache_conn, cache.build_txn, source)
+            minter, policy = rid.Minter(), truth.Policy()
+            for i in range(0, len(wires), batch):
+                t0 = time.perf_counter()
+                valid = [claims.validate(w, ts) for w in wires[i:i + batch]]
+                t1 = time.perf_counter()
+                db.run_txn(truth_conn, truth.ingest_txn, valid, minter, policy, ts)
+                t2 = time.perf_counter()
+                db.run_txn(cache_conn, cache.apply_txn, source)
+                t3 = time.perf_counter()
+                spent["validate"] += t1 - t0
+                spent["truth.ingest_txn"] += t2 - t1
+                spent["cache.apply_txn"] += t3 - t2
+        finally:
+            for conn in (truth_conn, cache_conn, source):
+                conn.close()
+    return {stage: seconds / len(wires) * 1e6 for stage, seconds in spent.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--n", type=int, default=20_000, help="claims to ingest (default 20000)")
+    parser.add_argument("--batch", type=int, default=500, help="claims per POST (default 500)")
+    parser.add_argument("--clients", type=int, default=2, help="concurrent clients (default 2)")
+    parser.add_argument("--py-spy", type=Path, default=None, metavar="OUT",
+                        help="sample the server with py-spy during the ingest; raw output to OUT")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="afterwards, time each ingest stage in-process on one thread")
+    args = parser.parse_args(argv)
+    if args.n < 1 or not 1 <= args.batch <= 1000 or args.clients < 1:
+        parser.error("need --n >= 1, 1 <= --batch <= 1000, --clients >= 1")
+
+    key = nacl.signing.SigningKey.generate()
+    ts = harness.now_ms()
+    print(f"signing {args.n:,} claims …", flush=True)
+    signed = make_claims(key, args.n, ts, "title")
+    warmup = make_claims(key, args.batch, ts, "warm-up")
+    batches = [signed[i:i + args.batch] for i in range(0, len(signed), args.batch)]
+    bodies = [harness.claims_body(b) for b in batches]
+    sizes = [len(b) for b in batches]
+
+    with tempfile.TemporaryDirectory(prefix="metanode-bench-") as tmp:
+        data_dir = Path(tmp) / "data"
+        with harness.metanode_server(data_dir) as server:
+            harness.register_signer(server, data_dir, key)
+            harness.post_all(server, data_dir, [harness.claims_body(warmup)])
+            raw_before = raw_verify_rate(key, signed)
+            headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
+            print(f"posting {len(bodies)} batches of {args.batch} with {args.clients} clients …",
+                  flush=True)
+            own = os.times()
+            with harness.py_spy(server.pid, args.py_spy), harness.CpuMeter(server.pid) as cpu:
+                elapsed = asyncio.run(post_batches(server.url, headers, bodies, sizes,
+                                                   args.clients))
+            client_cpu = sum(os.times()[:2]) - sum(own[:2])
+            raw_after = raw_verify_rate(key, signed)
+            names = harness.thread_names(server.pid)
+
+    rate = args.n / elapsed
+    raw = max(raw_before, raw_after)
+    ratio = rate / raw
+    print(f"ingest: {rate:,.0f} claims/s ({args.n:,} claims in {elapsed:.2f} s, "
+          f"{len(bodies)} batches of {args.batch}, {args.clients} clients, all 200)")
+    print(f"raw nacl verify, one core: {raw:,.0f}/s (before {raw_before:,.0f}/s, "
+          f"after {raw_after:,.0f}/s; the faster is used)")
+    print(f"ratio {ratio:.2f} (goal >= {GOAL}): {'met' if ratio >= GOAL else 'NOT met'}")
+    print(cpu.report(names))
+    print(f"client (this process) CPU {client_cpu:.2f} s")
+    if args.breakdown:
+        stages = breakdown(key, make_claims(key, args.n, ts, "breakdown"), args.batch, ts)
+        print(f"in-process breakdown, one thread, µs per claim ({args.n:,} new claims, "
+              f"batches of {args.batch}):")
+        for stage, micros in stages.items():
+            print(f"  {micros:7.1f}  {stage}")
+        serial = stages["truth.ingest_txn"] + stages["cache.apply_txn"]
+        print(f"  {1e6 / raw:7.1f}  raw nacl verify (the baseline)")
+        print(f"  the two writer stages alone allow at most {1e6 / serial:,.0f} claims/s "
+              f"= ratio {1e6 / serial / raw:.2f}")
+    if args.py_spy is not None:
+        print(f"server profile ({args.py_spy}):\n{harness.profile_summary(args.py_spy)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
