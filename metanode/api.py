@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hmac
 import importlib.resources
+import itertools
 import json
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -41,6 +42,8 @@ from metanode.node import Node
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("metanode.access")
+# Request ids: a random per-process prefix and a counter, unique without a uuid per request.
+_request_ids = (f"{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
 PUBLIC_PREFIX = "/api/meta/"
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
 MAX_PAGE = 1000
@@ -97,7 +100,7 @@ class Observe:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        rid = given if 0 < len(given) <= 64 and given.isprintable() else uuid.uuid4().hex[:16]
+        rid = given if 0 < len(given) <= 64 and given.isprintable() else next(_request_ids)
         token = logs.request_id.set(rid)
         started = time.perf_counter()
         status = 500
@@ -117,10 +120,11 @@ class Observe:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.node.metrics.request_seconds.labels(route, scope["method"], str(status)).observe(
                 elapsed)
-            access.info("%s %s %d %.1f ms", scope["method"], scope["path"], status,
-                        elapsed * 1000, extra={"fields": {
-                            "method": scope["method"], "path": scope["path"], "status": status,
-                            "ms": round(elapsed * 1000, 1)}})
+            if self.node.settings.log_access:
+                access.info("%s %s %d %.1f ms", scope["method"], scope["path"], status,
+                            elapsed * 1000, extra={"fields": {
+                                "method": scope["method"], "path": scope["path"],
+                                "status": status, "ms": round(elapsed * 1000, 1)}})
             logs.request_id.reset(token)
 
 

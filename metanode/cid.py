@@ -20,7 +20,7 @@ import base64
 import hashlib
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, cast
@@ -255,6 +255,14 @@ def alias(text: str) -> str | None:
     else:
         return None
     return encode(other, parsed.mh_code, parsed.digest)
+
+
+def spellings(canonical: str) -> Iterator[str]:
+    """What a lookup tries: the CID, then (only if asked for) its alias spelling."""
+    yield canonical
+    other = alias(canonical)
+    if other is not None:
+        yield other
 
 
 def _rank_of(parsed: ParsedCid) -> int:

@@ -112,7 +112,7 @@ def _active_rid(node: Node, rid: str) -> str:
 def _cached_rid_of_cid(node: Node, text: str) -> str:
     """The rid of the record holding this CID (any spelling; the alias spelling on a miss)."""
     asked = cids.normalise(text)
-    for candidate in (asked, cids.alias(asked)):
+    for candidate in cids.spellings(asked):
         found = cache.lookup(node.cache_reader, candidate) if candidate else None
         if found is not None:
             return found
@@ -183,7 +183,7 @@ class LegacyWriter:
             assert canonical is not None  # an active rid always holds a CID
             return canonical, rid
         asked = cids.normalise(text)
-        for candidate in (asked, cids.alias(asked)):
+        for candidate in cids.spellings(asked):
             if candidate is None:
                 continue
             found = truth.group_of(self.node.truth_reader, candidate)

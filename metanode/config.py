@@ -70,6 +70,8 @@ class Settings:
         1, "Signer weight of the legacy writer, the node's own key that signs MetaMesh `/meta` "
         "writes.")
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
+    log_access: bool = setting(
+        False, "Log one line per HTTP request (costs about a fifth of the read rate).")
     test_fault: str = setting(
         "", "Test-only fault point: `crash_after_truth_commit` exits the process there.")
 

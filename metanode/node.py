@@ -435,7 +435,7 @@ class Node:
     def _resolve_cid(self, text: str) -> tuple[str, str]:
         """(asked CID in canonical spelling, its rid), trying the alias spelling on a miss."""
         asked = cids.normalise(text)
-        for candidate in (asked, cids.alias(asked)):
+        for candidate in cids.spellings(asked):
             if candidate is not None:
                 found = cache.lookup(self.cache_reader, candidate)
                 if found is not None:
@@ -495,7 +495,7 @@ class Node:
 
     def meta_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
         asked = cids.normalise(text)
-        for candidate in (asked, cids.alias(asked)):
+        for candidate in cids.spellings(asked):
             rid = truth.group_of(self.truth_reader, candidate) if candidate else None
             if rid is not None:
                 return self.group_claims(rid, key, uid)

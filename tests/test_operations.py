@@ -50,16 +50,27 @@ async def test_metrics_change_as_claims_flow(client: httpx.AsyncClient, node: No
     assert (await client.get("/metrics", headers={"Authorization": ""})).status_code == 401
 
 
-async def test_request_id_is_echoed_and_logged(client: httpx.AsyncClient,
+@pytest.mark.parametrize("log_access", [False, True])
+async def test_request_id_is_echoed_and_logged(tmp_path: Path, log_access: bool,
                                               caplog: pytest.LogCaptureFixture) -> None:
+    from metanode.api import create_app
+    from tests.conftest import settings_for
+
     caplog.set_level(logging.INFO, logger="metanode.access")
-    response = await client.get("/health", headers={"X-Request-ID": "abc-123"})
-    assert response.headers["x-request-id"] == "abc-123"
-    generated = (await client.get("/health")).headers["x-request-id"]
-    assert len(generated) == 16 and generated != "abc-123"
+    node = Node(settings_for(tmp_path / "d", log_access=log_access))
+    await node.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(node))
+        async with httpx.AsyncClient(transport=transport, base_url="http://n") as client:
+            response = await client.get("/health", headers={"X-Request-ID": "abc-123"})
+            assert response.headers["x-request-id"] == "abc-123"
+            ids = {(await client.get("/health")).headers["x-request-id"] for _ in range(3)}
+    finally:
+        await node.stop()
+    assert len(ids) == 3 and all(len(i) == 16 for i in ids)
     access = [r for r in caplog.records if r.name == "metanode.access"]
-    assert any(getattr(r, "fields", {}).get("path") == "/health" and r.msg.startswith("%s %s")
-               for r in access)
+    logged = {getattr(r, "fields", {}).get("path") for r in access}
+    assert logged == ({"/health"} if log_access else set())
 
 
 def test_json_log_lines_carry_the_request_id() -> None:
