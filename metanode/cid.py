@@ -214,7 +214,8 @@ def _b32encode(data: bytes) -> str:
     return "b" + base64.b32encode(data).decode("ascii").rstrip("=").lower()
 
 
-def _varint_bytes(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """Unsigned LEB128, as multiformats writes codes and lengths."""
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
@@ -225,7 +226,7 @@ def _varint_bytes(value: int) -> bytes:
 
 def encode(codec: int, mh_code: int, digest: bytes) -> str:
     """The canonical spelling of the CIDv1 (codec, multihash code, digest)."""
-    head = b"\x01" + _varint_bytes(codec) + _varint_bytes(mh_code) + _varint_bytes(len(digest))
+    head = b"\x01" + varint(codec) + varint(mh_code) + varint(len(digest))
     return _b32encode(head + digest)
 
 

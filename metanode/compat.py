@@ -53,12 +53,10 @@ from metanode.errors import (
     InvalidRequest,
     InvalidRid,
     InvalidValue,
-    Merged,
     MetanodeError,
     NotFoundError,
     TooLarge,
     UnknownCid,
-    UnknownRid,
 )
 from metanode.node import Node
 
@@ -99,16 +97,6 @@ def _as_rid(text: str) -> str | None:
         return None
 
 
-def _active_rid(node: Node, rid: str) -> str:
-    info = truth.rid_info(node.truth_reader, rid)
-    if info is None:
-        raise UnknownRid(f"no record is named {rid}")
-    if info.status == "merged":
-        survivor = truth.survivor(node.truth_reader, rid)
-        raise Merged(f"{rid} was merged into {survivor}", survivor=survivor)
-    return rid
-
-
 def _cached_rid_of_cid(node: Node, text: str) -> str:
     """The rid of the record holding this CID (any spelling; the alias spelling on a miss)."""
     asked = cids.normalise(text)
@@ -124,7 +112,7 @@ def record_rid(node: Node, text: str) -> str:
     (404 `unknown_cid`; 400 `invalid_cid` for what is neither)."""
     _require_ready(node)
     rid = _as_rid(text)
-    return _active_rid(node, rid) if rid is not None else _cached_rid_of_cid(node, text)
+    return node.active_rid(rid) if rid is not None else _cached_rid_of_cid(node, text)
 
 
 # -- the legacy writer --------------------------------------------------------------------------
@@ -178,7 +166,7 @@ class LegacyWriter:
         """
         rid = _as_rid(text)
         if rid is not None:
-            rid = _active_rid(self.node, rid)
+            rid = self.node.active_rid(rid)
             canonical = cids.canonical_cid(truth.group_cids(self.node.truth_reader, rid))
             assert canonical is not None  # an active rid always holds a CID
             return canonical, rid

@@ -466,7 +466,8 @@ class Node:
                 return doc
         raise CacheNotReady(f"the record of {text} is changing; retry shortly")
 
-    def _rid_or_error(self, text: str) -> str:
+    def active_rid(self, text: str) -> str:
+        """The rid `text` names, if active; 404 `merged` (with the survivor) or `unknown_rid`."""
         rid = rids.parse(text)
         info = truth.rid_info(self.truth_reader, rid)
         if info is None:
@@ -479,7 +480,7 @@ class Node:
     def metadata(self, text: str) -> dict[str, Any]:
         """GET /api/metadata/{rid}."""
         self._require_ready()
-        rid = self._rid_or_error(text)
+        rid = self.active_rid(text)
         doc = cache.document(self.cache_reader, rid, None)
         if doc is None:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
@@ -502,7 +503,7 @@ class Node:
         raise UnknownCid(f"no record holds {asked}")
 
     def metadata_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
-        return self.group_claims(self._rid_or_error(text), key, uid)
+        return self.group_claims(self.active_rid(text), key, uid)
 
     def hash_ids(self, after: str | None, limit: int) -> dict[str, Any]:
         self._require_ready()

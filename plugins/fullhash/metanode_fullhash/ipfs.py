@@ -30,22 +30,13 @@ class Node:
     tsize: int  # bytes of blocks below it, itself included (the link's Tsize)
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def _field(number: int, payload: bytes) -> bytes:
     """A length-delimited protobuf field."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+    return cids.varint(number << 3 | 2) + cids.varint(len(payload)) + payload
 
 
 def _binary_cid(codec: int, digest: bytes) -> bytes:
-    return b"\x01" + _varint(codec) + b"\x12\x20" + digest
+    return b"\x01" + cids.varint(codec) + b"\x12\x20" + digest
 
 
 def leaf(chunk: bytes) -> Node:
@@ -56,11 +47,11 @@ def leaf(chunk: bytes) -> Node:
 def parent(children: list[Node]) -> Node:
     """A UnixFS file node linking `children` (dag-pb: links first, then the UnixFS data)."""
     links = b"".join(
-        _field(2, _field(1, child.cid) + _field(2, b"") + _varint(3 << 3) + _varint(child.tsize))
+        _field(2, _field(1, child.cid) + _field(2, b"") + b"\x18" + cids.varint(child.tsize))
         for child in children)
     file_size = sum(child.file_size for child in children)
-    unixfs = b"\x08\x02" + b"\x18" + _varint(file_size) + b"".join(
-        b"\x20" + _varint(child.file_size) for child in children)
+    unixfs = b"\x08\x02" + b"\x18" + cids.varint(file_size) + b"".join(
+        b"\x20" + cids.varint(child.file_size) for child in children)
     block = links + _field(1, unixfs)
     tsize = len(block) + sum(child.tsize for child in children)
     return Node(_binary_cid(DAG_PB, hashlib.sha256(block).digest()), file_size, tsize)
