@@ -143,3 +143,24 @@ def server(tmp_path: Path) -> Iterator[Server]:
     srv = Server(tmp_path / "data").start()
     yield srv
     srv.stop()
+
+
+def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
+    """Poll /health until the cache has applied every truth change, or fail saying so."""
+    deadline = time.monotonic() + timeout
+    health: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        if health["cache_ready"] and health["apply_lag"] == 0:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"the cache did not catch up within {timeout} s: {health}")
+
+
+def metanode_check(data_dir: Path) -> str:
+    """Run `metanode check` on a data directory; it must exit 0 and say clean."""
+    done = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "clean" in done.stdout, done.stdout
+    return done.stdout

@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +19,7 @@ from metanode import cache, truth
 from metanode import cid as cids
 from metanode import claims as claims_mod
 from metanode.node import Node
-from tests.conftest import NOW_MS, Server, Signer, settings_for
+from tests.conftest import NOW_MS, Server, Signer, metanode_check, settings_for, wait_caught_up
 
 Launch = Callable[..., Server]
 
@@ -52,26 +50,6 @@ def register(srv: Server, signer: Signer) -> None:
     response = httpx.post(f"{srv.url}/api/signers", headers=srv.headers, timeout=10,
                           json={"uid": signer.uid, "name": "crash"})
     assert response.status_code == 200, response.text
-
-
-def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
-    """Poll /health until the cache has applied every truth change, or fail saying so."""
-    deadline = time.monotonic() + timeout
-    health: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health", timeout=5).json()
-        if health["cache_ready"] and health["apply_lag"] == 0:
-            return health
-        time.sleep(0.05)
-    raise AssertionError(f"the cache did not catch up within {timeout} s: {health}")
-
-
-def metanode_check(data_dir: Path) -> str:
-    done = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "clean" in done.stdout, done.stdout
-    return done.stdout
 
 
 def stored_claims(truth_db: Path, uid: str) -> set[tuple[str, str, str | None]]:

@@ -9,10 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sqlite3
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +23,7 @@ from metanode import db, truth
 from metanode.claims import LINK_PREFIX, decode_sig
 from metanode.node import Node
 from metanode.node import check as node_check
-from tests.conftest import NOW_MS, Server, Signer
+from tests.conftest import NOW_MS, Server, Signer, metanode_check, wait_caught_up
 
 POOL = [cids.midhash_bytes(f"x{i}".encode()) for i in range(40)]
 
@@ -188,27 +185,6 @@ def verify_outcome(outcome: Outcome, conn: sqlite3.Connection) -> None:
 
 def readonly(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
-
-
-def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
-    """Poll /health until the cache has applied every truth change, or fail saying so."""
-    deadline = time.monotonic() + timeout
-    health: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health", timeout=5).json()
-        if health["cache_ready"] and health["apply_lag"] == 0:
-            return health
-        time.sleep(0.05)
-    raise AssertionError(f"the cache did not catch up within {timeout} s: {health}")
-
-
-def metanode_check(data_dir: Path) -> str:
-    """Run `metanode check` on a data directory; it must exit 0 and say clean."""
-    done = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "clean" in done.stdout, done.stdout
-    return done.stdout
 
 
 @pytest.fixture
