@@ -16,12 +16,10 @@ import secrets
 import shutil
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from sse_starlette import ServerSentEvent
 
 from metanode import cache, claims, db, feed, merge, plugins, sse, truth, watcher
 from metanode import cid as cids
@@ -227,6 +225,7 @@ class Node:
         self.cache_reader = db.connect(self.settings.cache_path, readonly=True)
         self.applier = Applier(self.cache_writer, self.settings.truth_path,
                                self.settings.apply_poll_s)
+        self.feed_hub = feed.Hub(self.cache_reader, lambda: self.applier.state)
         self.applier.start()
         self._pruner = asyncio.create_task(self._prune_feed(), name="feed-retention")
         self.plugin_host: plugins.Host | None = None
@@ -328,22 +327,23 @@ class Node:
     # -- feed -----------------------------------------------------------------------------------
 
     def subscribe(self, cursor: str | None, snapshot: bool,
-                  where: sse.Filter) -> AsyncIterator[ServerSentEvent]:
+                  where: sse.Filter) -> AsyncIterator[bytes]:
         """A feed subscription from a `Last-Event-ID`/`?since=` cursor (SPEC §5)."""
         self._require_ready()
         subscription = feed.Subscription(
-            self.cache_reader, self.settings.cache_path, lambda: self.applier.state,
+            self.feed_hub, self.settings.cache_path, lambda: self.applier.state,
             self.applier.wait_feed, sse.parse_cursor(cursor), snapshot, where,
             self.settings.feed_keep_alive_s)
         return self._counted(subscription.stream())
 
-    async def _counted(self, stream: AsyncIterator[ServerSentEvent]
-                       ) -> AsyncIterator[ServerSentEvent]:
-        """The stream, counted in `subscribers` while it is open."""
+    async def _counted(self, stream: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+        """The stream, counted in `subscribers` while it is open; closed with this wrapper, so
+        a client that leaves releases what the stream holds at once, not at garbage collection."""
         self.subscribers += 1
         try:
-            async for item in stream:
-                yield item
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    yield chunk
         finally:
             self.subscribers -= 1
 

@@ -75,6 +75,11 @@ class Filter:
     def of(cls, rid_values: Iterable[str], prefixes: Iterable[str]) -> Filter:
         return cls(frozenset(rids.parse(r) for r in rid_values), tuple(prefixes))
 
+    @property
+    def everything(self) -> bool:
+        """No filter at all: every event passes."""
+        return not self.rids and not self.prefixes
+
     def matches(self, rid: str, key: str) -> bool:
         if self.rids and rid not in self.rids:
             return False
