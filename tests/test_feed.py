@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import importlib.util
 import json
+import random
 import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -850,3 +851,78 @@ async def test_rebuild_while_a_subscriber_waits_gives_gap_unknown_epoch(fd: Feed
     assert replica.state == fd.records() and len(replica.state) == 6
     await reader.close()
 
+
+
+# -- the shared reader (feed.Hub) -----------------------------------------------------------
+
+
+def table_frames(fd: Feed, after: int, upto: int) -> bytes:
+    """The frames of the feed rows in (after, upto], straight from the table."""
+    rows = fd.node.cache_reader.execute(
+        "SELECT seq, rid, op, key, value FROM feed WHERE seq > ? AND seq <= ? ORDER BY seq",
+        (after, upto)).fetchall()
+    assert [row[0] for row in rows] == list(range(after + 1, upto + 1)), "not dense"
+    return b"".join(sse.change(fd.epoch, *row).encode() for row in rows)
+
+
+@pytest.mark.parametrize("seed", range(4))
+async def test_hub_answers_agree_with_the_table_whatever_the_order(fd: Feed, seed: int) -> None:
+    """Positions asked in a random order, through pruning and a memory bound small enough to
+    evict pages: every answer is exactly the table's rows after the position up to the end of
+    its page, `too_old` exactly when the next event was pruned, None exactly at the head."""
+    await fd.post(new_cid_claims(fd.signer, "hub", 1_300))  # 2,600 events: pages 0-5
+    hub = feed.Hub(fd.node.cache_reader, lambda: fd.node.applier.state, cache_bytes=60_000)
+    rng = random.Random(seed)
+    positions = list(range(fd.head + 1))
+    for phase in ("whole", "pruned", "grown"):
+        if phase == "pruned":
+            await fd.node.cache_writer.run(cache.prune_feed_txn, 1_234, 0)
+        if phase == "grown":
+            await fd.post(new_cid_claims(fd.signer, "hub", 60, start=1_300))
+            positions = list(range(fd.head + 1))
+        oldest = fd.node.cache_reader.execute("SELECT min(seq) FROM feed").fetchone()[0]
+        for position in [*rng.sample(positions, 300), fd.head, fd.head - 1, oldest - 1]:
+            got = hub.after(fd.epoch, position)
+            if position >= fd.head:
+                assert got is None, (phase, position)
+            elif position + 1 < oldest:
+                assert got == "too_old", (phase, position, oldest)
+            else:
+                assert isinstance(got, feed.Slice), (phase, position, got)
+                end = min(fd.head, (position // feed.PAGE + 1) * feed.PAGE)
+                assert got.last == end
+                assert got.frames(sse.Filter()) == table_frames(fd, position, end)
+        assert hub.after(fd.epoch - 1, 0) == "unknown_epoch"
+
+
+async def test_hub_frames_filtered_slices_from_the_same_rows(fd: Feed) -> None:
+    await fd.post(new_cid_claims(fd.signer, "flt", 30))  # cids/… and title per record
+    got = fd.node.feed_hub.after(fd.epoch, 10)
+    assert isinstance(got, feed.Slice) and got.last == 60
+    only_titles = FrameParser().feed(got.frames(sse.Filter.of([], ["title"])))
+    assert [f.seq for f in only_titles] == list(range(12, 61, 2))
+    assert {f.data["key"] for f in only_titles} == {"title"}
+    assert got.frames(sse.Filter.of([], ["nothing/"])) == b""
+
+
+async def test_many_subscribers_share_one_read_per_page(fd: Feed) -> None:
+    """40 subscribers at the head: one batch of new events costs one feed read, not 40."""
+    await fd.post(new_cid_claims(fd.signer, "share", 5))
+    readers = [fd.reader() for _ in range(40)]
+    replicas = [Replica(fd.cursor(fd.head)) for _ in readers]
+    waiting = [asyncio.create_task(r.next()) for r in readers]  # all subscribed and waiting
+    await asyncio.sleep(0.2)
+    statements: list[str] = []
+    fd.node.cache_reader.set_trace_callback(statements.append)
+    try:
+        await fd.post(new_cid_claims(fd.signer, "share", 100, start=5))  # 200 events
+        for reader, replica, first in zip(readers, replicas, waiting, strict=True):
+            replica.apply(await first)
+            await reader.until(reached(fd.head), replica)
+    finally:
+        fd.node.cache_reader.set_trace_callback(None)
+    assert all(r.seqs == list(range(11, fd.head + 1)) for r in replicas)
+    feed_reads = [s for s in statements if "FROM feed WHERE seq >" in s]
+    assert 1 <= len(feed_reads) <= 2, feed_reads  # 2 if the applier published twice
+    for reader in readers:
+        await reader.close()
