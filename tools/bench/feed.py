@@ -276,32 +276,6 @@ async def post_paced(url: str, headers: dict[str, str], bodies: Sequence[bytes],
     return sent, acked, wall
 
 
-async def post_flat_out(url: str, headers: dict[str, str], bodies: Sequence[bytes],
-                        sizes: Sequence[int], clients: int = 2) -> float:
-    """Every body as fast as `clients` keep-alive connections allow; seconds first → last."""
-    queue: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue()
-    for item in zip(bodies, sizes, strict=True):
-        queue.put_nowait(item)
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            body, size = queue.get_nowait()
-            r = await client.post("/api/claims", content=body)
-            if r.status_code != 200 or r.json().get("accepted") != size:
-                raise RuntimeError(f"POST /api/claims: {r.status_code} {r.text[:300]}")
-
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    pool = [httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits)
-            for _ in range(clients)]
-    try:
-        await asyncio.gather(*(c.get("/health") for c in pool))
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(c) for c in pool))
-        return time.perf_counter() - start
-    finally:
-        await asyncio.gather(*(c.aclose() for c in pool))
-
-
 @contextmanager
 def prepared_server(tmp: Path, name: str, key: nacl.signing.SigningKey,
                     work: Workload) -> Iterator[tuple[harness.ServerProc, Path]]:
@@ -375,7 +349,8 @@ def measure_throughput(tmp: Path, key: nacl.signing.SigningKey, work: Workload, 
         headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
         with harness.py_spy(srv.pid, profile), harness.CpuMeter(srv.pid) as meter, \
                 harness.CpuMeter(readers.pid if readers else os.getpid()) as reading:
-            elapsed = asyncio.run(post_flat_out(srv.url, headers, work.bodies, work.sizes))
+            elapsed = asyncio.run(harness.post_batches(srv.url, headers, work.bodies,
+                                                       work.sizes, clients=2))
         if readers is not None:
             readers.finish()  # every subscriber got every event
     return Throughput(total / elapsed, meter.total / meter.wall,

@@ -8,6 +8,7 @@ its `with` block ends, whatever happened inside it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -316,3 +317,39 @@ def thread_names(pid: int) -> dict[int, str]:
         if len(words) == 3 and words[0] == "Thread" and words[1].isdigit() and '"' in words[2]:
             names[int(words[1])] = words[2].split('"')[1]
     return names
+
+
+async def post_batches(url: str, headers: dict[str, str], bodies: Sequence[bytes],
+                       sizes: Sequence[int], clients: int) -> float:
+    """Post every body with `clients` concurrent keep-alive clients; seconds first post → last."""
+    queue: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue()
+    for item in zip(bodies, sizes, strict=True):
+        queue.put_nowait(item)
+    failures: list[str] = []
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                body, size = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            r = await client.post("/api/claims", content=body)
+            if r.status_code != 200:
+                failures.append(f"{r.status_code}: {r.text[:300]}")
+            elif r.json().get("accepted") != size:
+                failures.append(f"200 but not all accepted: {r.text[:300]}")
+
+    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+    pool = [httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits)
+            for _ in range(clients)]
+    try:
+        # Open every connection before the clock starts, so the timing is of ingest, not TCP setup.
+        await asyncio.gather(*(c.get("/health") for c in pool))
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(c) for c in pool))
+        elapsed = time.perf_counter() - start
+    finally:
+        await asyncio.gather(*(c.aclose() for c in pool))
+    if failures:
+        raise RuntimeError(f"{len(failures)} batch(es) failed; first: {failures[0]}")
+    return elapsed

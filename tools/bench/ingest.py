@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import harness
-import httpx
 import nacl.signing
 
 from metanode import cid as cids
@@ -51,42 +50,6 @@ def raw_verify_rate(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim]
     for message, sig in pairs:
         vk.verify(message, sig)
     return len(pairs) / (time.perf_counter() - start)
-
-
-async def post_batches(url: str, headers: dict[str, str], bodies: Sequence[bytes],
-                       sizes: Sequence[int], clients: int) -> float:
-    """Post every body with `clients` concurrent keep-alive clients; seconds first post → last."""
-    queue: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue()
-    for item in zip(bodies, sizes, strict=True):
-        queue.put_nowait(item)
-    failures: list[str] = []
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while True:
-            try:
-                body, size = queue.get_nowait()
-            except asyncio.QueueEmpty:
-                return
-            r = await client.post("/api/claims", content=body)
-            if r.status_code != 200:
-                failures.append(f"{r.status_code}: {r.text[:300]}")
-            elif r.json().get("accepted") != size:
-                failures.append(f"200 but not all accepted: {r.text[:300]}")
-
-    limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    pool = [httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits)
-            for _ in range(clients)]
-    try:
-        # Open every connection before the clock starts, so the timing is of ingest, not TCP setup.
-        await asyncio.gather(*(c.get("/health") for c in pool))
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(c) for c in pool))
-        elapsed = time.perf_counter() - start
-    finally:
-        await asyncio.gather(*(c.aclose() for c in pool))
-    if failures:
-        raise RuntimeError(f"{len(failures)} batch(es) failed; first: {failures[0]}")
-    return elapsed
 
 
 def breakdown(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim], batch: int,
@@ -162,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
             own = os.times()
             with harness.py_spy(server.pid, args.py_spy), harness.CpuMeter(server.pid) as cpu:
-                elapsed = asyncio.run(post_batches(server.url, headers, bodies, sizes,
+                elapsed = asyncio.run(harness.post_batches(server.url, headers, bodies, sizes,
                                                    args.clients))
             client_cpu = sum(os.times()[:2]) - sum(own[:2])
             raw_after = raw_verify_rate(key, signed)
