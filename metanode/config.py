@@ -45,7 +45,9 @@ class Settings:
         15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment.")
     feed_retention_events: int = setting(100_000, "The feed keeps at most the newest N events.")
     feed_retention_days: float = setting(7.0, "The feed keeps no event older than this.")
-    feed_prune_s: float = setting(60.0, "How often retention is enforced, in seconds.")
+    feed_prune_s: float = setting(
+        60.0, "How often retention is enforced (feed events, and the truth's outbox rows the "
+        "cache has applied), in seconds.")
     watch_enabled: bool = setting(True, "Run the watcher inside `metanode serve`.")
     watch_roots: tuple[str, ...] = setting(
         ("./media",), "Folders to watch (created if missing); in the environment, `:`-separated.")

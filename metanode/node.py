@@ -71,9 +71,15 @@ def open_store(settings: Settings) -> None:
             conn.close()
 
 
-def cache_needs_build(state: cache.State, truth_seq: int) -> bool:
-    """Never built, or ahead of the truth (the truth was restored): only a rebuild explains it."""
-    return state.epoch == 0 or state.applied_seq > truth_seq
+def cache_needs_build(state: cache.State, source: sqlite3.Connection) -> bool:
+    """Whether only a rebuild can bring the cache in step with the truth: it was never built; it
+    is ahead of the truth (the truth was restored from a backup); or it is behind the oldest
+    outbox row still stored (an old copy of cache.db, after the rows it needs were pruned)."""
+    newest = truth.max_seq(source)
+    if state.epoch == 0 or state.applied_seq > newest:
+        return True
+    oldest = truth.min_seq(source)
+    return state.applied_seq < newest and (oldest is None or oldest > state.applied_seq + 1)
 
 
 class Applier:
@@ -151,9 +157,9 @@ class Applier:
             await self._publish(state)
 
     async def _build_if_needed(self) -> None:
-        truth_seq = truth.max_seq(self._source)
-        if cache_needs_build(self.state, truth_seq):
-            log.info("building the cache from the truth (%d changes)", truth_seq)
+        if cache_needs_build(self.state, self._source):
+            log.info("building the cache from the truth (outbox seq %d)",
+                     truth.max_seq(self._source))
             self.state = await self._writer.run(cache.build_txn, self._source)
         self.ready = True
         await self._publish(self.state)
@@ -227,7 +233,7 @@ class Node:
                                self.settings.apply_poll_s)
         self.feed_hub = feed.Hub(self.cache_reader, lambda: self.applier.state)
         self.applier.start()
-        self._pruner = asyncio.create_task(self._prune_feed(), name="feed-retention")
+        self._pruner = asyncio.create_task(self._retention(), name="retention")
         self.plugin_host: plugins.Host | None = None
         if self.settings.plugins_enabled:
             self.plugin_host = await self._start_plugins()
@@ -313,15 +319,19 @@ class Node:
         self.cache_reader.close()
         self._verify_pool.shutdown()
 
-    async def _prune_feed(self) -> None:
-        """Enforce feed retention in the background, from start and then periodically."""
+    async def _retention(self) -> None:
+        """From start and then periodically: enforce feed retention, and drop the outbox rows
+        the cache has applied."""
         keep = self.settings.feed_retention_events
         window_ms = int(self.settings.feed_retention_days * 86_400_000)
         while True:
             try:
                 await self.cache_writer.run(cache.prune_feed_txn, keep, now_ms() - window_ms)
+                if self.applier.ready:
+                    await self.truth_writer.run(truth.prune_changes_txn,
+                                                self.applier.applied_seq)
             except Exception:
-                log.exception("feed retention failed; will retry")
+                log.exception("retention failed; will retry")
             await asyncio.sleep(self.settings.feed_prune_s)
 
     # -- feed -----------------------------------------------------------------------------------
@@ -700,7 +710,7 @@ def catch_up_cache(settings: Settings) -> cache.State:
     source = db.connect(settings.truth_path, readonly=True)
     try:
         state = cache.read_state(conn)
-        if cache_needs_build(state, truth.max_seq(source)):
+        if cache_needs_build(state, source):
             return db.run_txn(conn, cache.build_txn, source)
         return db.run_txn(conn, cache.apply_txn, source)
     finally:

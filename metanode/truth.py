@@ -117,8 +117,16 @@ MIGRATIONS: Sequence[Migration] = (_v1,)
 
 
 def max_seq(conn: sqlite3.Connection) -> int:
-    row = conn.execute("SELECT max(seq) FROM changes").fetchone()
-    return int(row[0] or 0)
+    """The newest outbox seq ever written: AUTOINCREMENT keeps it in `sqlite_sequence` after
+    the rows themselves are pruned."""
+    row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def min_seq(conn: sqlite3.Connection) -> int | None:
+    """The oldest outbox seq still stored, or None if every row was pruned."""
+    value: int | None = conn.execute("SELECT min(seq) FROM changes").fetchone()[0]
+    return value
 
 
 def max_rid(conn: sqlite3.Connection) -> str | None:
@@ -307,6 +315,12 @@ def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Polic
 
 
 # -- writes -------------------------------------------------------------------------------------
+
+
+def prune_changes_txn(conn: sqlite3.Connection, applied_seq: int) -> int:
+    """Drop the outbox rows the cache has applied (the cache is all that reads them); returns
+    how many. The seq counter stays, so seqs are never reused."""
+    return conn.execute("DELETE FROM changes WHERE seq <= ?", (applied_seq,)).rowcount
 
 
 def _change(conn: sqlite3.Connection, now_ms: int, kind: str, **cols: str | None) -> None:

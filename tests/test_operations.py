@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -14,9 +16,9 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from metanode import keys, logs
+from metanode import db, keys, logs, truth
 from metanode.node import Node
-from tests.conftest import NOW_MS, Server, Signer
+from tests.conftest import NOW_MS, Server, Signer, metanode_check, settings_for
 from tests.test_ingest import post, register
 
 
@@ -194,3 +196,95 @@ def test_import_refuses_a_tampered_file_and_writes_nothing(tmp_path: Path) -> No
     assert done.returncode == 2
     assert "claim 2: bad_signature" in done.stderr
     assert not (tmp_path / "d" / "truth.db").exists()
+
+
+# -- the outbox ------------------------------------------------------------------------------
+
+
+def outbox(path: Path) -> tuple[int, int]:
+    """(rows in truth.db's outbox, the newest seq ever written)."""
+    conn = db.connect(path, readonly=True)
+    try:
+        return conn.execute("SELECT count(*) FROM changes").fetchone()[0], truth.max_seq(conn)
+    finally:
+        conn.close()
+
+
+def copy_db(source: Path, target: Path) -> None:
+    """A consistent copy of a live SQLite database (its WAL included)."""
+    src, dst = sqlite3.connect(source), sqlite3.connect(target)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+
+
+async def started(data_dir: Path) -> Node:
+    node = Node(settings_for(data_dir, feed_prune_s=0.05))
+    await node.start()
+    await node.applier.wait_for(0, 10)
+    return node
+
+
+async def wait_pruned(node: Node) -> None:
+    for _ in range(200):
+        if outbox(node.settings.truth_path)[0] == 0:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the outbox was not pruned: {outbox(node.settings.truth_path)}")
+
+
+async def test_applied_outbox_rows_are_pruned_and_seqs_go_on(tmp_path: Path) -> None:
+    """Retention drops the outbox rows the cache has applied; the seq counter survives it (and a
+    restart), so new changes are applied after the old ones and nothing is rebuilt."""
+    signer = Signer()
+    titles = {cids.midhash_bytes(f"o{i}".encode()): f"t{i}" for i in range(20)}
+    node = await started(tmp_path / "d")
+    try:
+        await node.add_signer(signer.uid, "s", 1, True)
+        answer = await node.ingest({"claims": [signer.claim(c, "title", t)
+                                               for c, t in list(titles.items())[:10]]})
+        assert answer.status == 200
+        await wait_pruned(node)
+        assert outbox(node.settings.truth_path) == (0, 10 + 10)  # a group and a claim each
+        epoch = node.applier.state.epoch
+    finally:
+        await node.stop()
+    node = await started(tmp_path / "d")
+    try:
+        assert node.applier.state.epoch == epoch, "a pruned outbox made the node rebuild"
+        answer = await node.ingest({"claims": [signer.claim(c, "title", t)
+                                               for c, t in list(titles.items())[10:]]})
+        assert answer.status == 200 and node.applier.applied_seq == 40
+        assert {c: node.meta(c)["metadata"]["title"] for c in titles} == titles
+        await wait_pruned(node)
+    finally:
+        await node.stop()
+    assert "clean" in metanode_check(tmp_path / "d")
+
+
+async def test_a_cache_older_than_the_pruned_outbox_is_rebuilt(tmp_path: Path) -> None:
+    """An old copy of cache.db put back after the outbox it needs was pruned: the node cannot
+    catch it up change by change, so it rebuilds it (a new epoch) rather than skip changes."""
+    signer = Signer()
+    cid_a, cid_b = cids.midhash_bytes(b"old cache a"), cids.midhash_bytes(b"old cache b")
+    node = await started(tmp_path / "d")
+    try:
+        await node.add_signer(signer.uid, "s", 1, True)
+        assert (await node.ingest({"claims": [signer.claim(cid_a, "title", "a")]})).status == 200
+        old_epoch = node.applier.state.epoch
+        copy_db(node.settings.cache_path, tmp_path / "old-cache.db")
+        assert (await node.ingest({"claims": [signer.claim(cid_b, "title", "b")]})).status == 200
+        await wait_pruned(node)
+    finally:
+        await node.stop()
+    copy_db(tmp_path / "old-cache.db", tmp_path / "d" / "cache.db")
+    node = await started(tmp_path / "d")
+    try:
+        assert node.applier.state.epoch > old_epoch
+        assert node.meta(cid_a)["metadata"]["title"] == "a"
+        assert node.meta(cid_b)["metadata"]["title"] == "b"
+    finally:
+        await node.stop()
+    assert "clean" in metanode_check(tmp_path / "d")
