@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import nacl.signing
@@ -91,12 +91,19 @@ def free_port() -> int:
 
 @dataclass
 class Server:
-    """A real `metanode serve` process (uvicorn) on a loopback port."""
+    """A real `metanode serve` process (uvicorn) on a loopback port.
+
+    Hermetic: the caller's `METANODE_*` variables are dropped; the watcher watches
+    `<data_dir>/../media` (never the checkout's ./media) and plugins are off, unless `env` says
+    otherwise. Its log goes to `log` (default `serve.log` beside the data directory), which
+    `print_log` shows, e.g. at the end of a test (pytest shows it if the test failed).
+    """
 
     data_dir: Path
     port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
 
     @property
     def url(self) -> str:
@@ -110,31 +117,60 @@ class Server:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
-    def start(self) -> Server:
-        media = str(self.data_dir.parent / "media")  # never the checkout's ./media
-        env = {**os.environ, "METANODE_WATCH_ROOTS": media, "METANODE_PLUGINS_ENABLED": "false",
-               **self.env}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
-             "--port", str(self.port)],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    @property
+    def media(self) -> Path:
+        return self.data_dir.parent / "media"
+
+    def base_env(self) -> dict[str, str]:
+        """The environment `env` is laid over."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+        env.update({"METANODE_WATCH_ROOTS": str(self.media), "METANODE_PLUGINS_ENABLED": "false"})
+        return env
+
+    def start(self) -> Self:
+        """Start it and wait until it answers; on another port if the free one was taken."""
+        self.log = self.log or self.data_dir.parent / "serve.log"
+        for _attempt in range(3):
+            with self.log.open("ab") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
+                     "--port", str(self.port)],
+                    env={**self.base_env(), **self.env}, cwd=self.data_dir.parent,
+                    stdout=log, stderr=log)
+            if self._up():
+                return self
+            self.port = free_port()  # exited at once: the port was taken meanwhile
+        raise RuntimeError(f"metanode serve did not start: {self.log_text()}")
+
+    def _up(self) -> bool:
+        """Whether it came up (False if it exited); the port must answer with our token, since
+        other processes on this machine pick free ports too."""
+        assert self.proc is not None
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"metanode serve exited with {self.proc.returncode}")
+                return False
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return self
+                    mine = httpx.get(f"{self.url}/api/signers", headers=self.headers, timeout=5)
+                    assert mine.status_code == 200, f"port {self.port} is not our server"
+                    return True
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError("metanode serve did not come up in 30 s")
+        raise RuntimeError(f"metanode serve did not come up in 30 s: {self.log_text()}")
 
     def stop(self, sig: int = 15) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout=30)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    def print_log(self) -> None:
+        print(f"--- {self.log} ---\n{self.log_text()}")
 
 
 @pytest.fixture
@@ -143,6 +179,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
     srv = Server(tmp_path / "data").start()
     yield srv
     srv.stop()
+    srv.print_log()
 
 
 def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sqlite3
 import stat
@@ -12,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,36 +22,6 @@ from metanode import rid as rids
 from tests.conftest import Server, Signer
 
 CID = cids.midhash_bytes(b"server round trip")
-
-
-@dataclass
-class LoggedServer(Server):
-    """A `Server` whose stderr (uvicorn's log) goes to a file, to see how it shut down."""
-
-    log: Path | None = None
-
-    def start(self) -> LoggedServer:
-        assert self.log is not None
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
-                 "--port", str(self.port)],
-                env={**os.environ, **self.env}, stdout=log, stderr=log)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"metanode serve exited with {self.proc.returncode}: "
-                                   f"{self.log.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    # Ours, not another process that took the same free port: it knows our token.
-                    mine = httpx.get(f"{self.url}/api/signers", headers=self.headers, timeout=5)
-                    assert mine.status_code == 200, f"port {self.port} is not our server"
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("metanode serve did not come up in 30 s")
 
 
 Track = Callable[[Server], Server]
@@ -77,15 +45,13 @@ def track() -> Iterator[Track]:
     for srv in started:
         if srv.proc is not None:
             srv.stop(signal.SIGKILL)
-        if isinstance(srv, LoggedServer) and srv.log is not None and srv.log.exists():
-            print(f"--- {srv.log} ---\n{srv.log.read_text()}")  # shown if the test failed
+        srv.print_log()  # shown if the test failed
 
 
 @pytest.fixture
 def logged_server(tmp_path: Path, track: Track) -> Server:
     """A running server whose log is printed (shown on failure) at the end."""
-    return track(LoggedServer(tmp_path / "data", env=isolated(tmp_path),
-                              log=tmp_path / "serve.log")).start()
+    return track(Server(tmp_path / "data", env=isolated(tmp_path))).start()
 
 
 def assert_envelope(response: httpx.Response, status: int, slug: str) -> None:
@@ -114,7 +80,7 @@ def truth_rid(data_dir: Path, cid: str) -> str:
 
 def test_round_trip_shutdown_and_restart(tmp_path: Path, track: Track) -> None:
     data = tmp_path / "data"
-    srv = track(LoggedServer(data, env=isolated(tmp_path), log=tmp_path / "serve.log")).start()
+    srv = track(Server(data, env=isolated(tmp_path))).start()
     token_before = token_file(data)
     assert token_before[1] == 0o600
     assert token_before[0].strip() == srv.token and len(srv.token) >= 32

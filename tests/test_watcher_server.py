@@ -27,7 +27,7 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from tests.conftest import Server, Signer, free_port, load_vectors
+from tests.conftest import Server, Signer, load_vectors
 
 T = TypeVar("T")
 DEADLINE_S = 20.0
@@ -43,46 +43,11 @@ NO_PLUGINS = {"METANODE_PLUGINS_ENABLED": "false"}
 
 @dataclass
 class WatchServer(Server):
-    """A `Server` with its log in a file, a hermetic environment, and a check that the port that
-    answers is ours (other processes on this machine also pick free ports)."""
+    """A `Server` that never rescans on a timer and applies promptly, with HTTP helpers."""
 
-    log: Path | None = None
-
-    @property
-    def media(self) -> Path:
-        return self.data_dir.parent / "media"
-
-    def start(self) -> WatchServer:
-        assert self.log is not None
-        env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
-        env.update({"METANODE_WATCH_ROOTS": str(self.media), "METANODE_WATCH_RESCAN_S": "0",
-                    "METANODE_APPLY_POLL_S": "0.2", **NO_PLUGINS, **self.env})
-        for _attempt in range(3):
-            with self.log.open("ab") as log:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
-                     "--port", str(self.port)],
-                    env=env, cwd=self.data_dir.parent, stdout=log, stderr=log)
-            if self._up():
-                return self
-            self.port = free_port()  # exited at once: the port was taken meanwhile; retry
-        raise RuntimeError(f"metanode serve did not start: {self.log.read_text()}")
-
-    def _up(self) -> bool:
-        assert self.proc is not None and self.log is not None
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    mine = httpx.get(f"{self.url}/api/signers", headers=self.headers, timeout=5)
-                    assert mine.status_code == 200, f"port {self.port} is not our server"
-                    return True
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError(f"metanode serve did not come up in 30 s: {self.log.read_text()}")
+    def base_env(self) -> dict[str, str]:
+        return {**super().base_env(), "METANODE_WATCH_RESCAN_S": "0",
+                "METANODE_APPLY_POLL_S": "0.2", **NO_PLUGINS}
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -182,7 +147,7 @@ def start(tmp_path: Path) -> Iterator[Start]:
     def launch(settle: str = "0.5", **env: str) -> WatchServer:
         full = {"METANODE_WATCH_SETTLE_S": settle,
                 **{f"METANODE_{k.upper()}": v for k, v in env.items()}}
-        srv = WatchServer(tmp_path / "data", env=full, log=tmp_path / "serve.log")
+        srv = WatchServer(tmp_path / "data", env=full)
         started.append(srv)
         return srv.start()
 
@@ -190,9 +155,8 @@ def start(tmp_path: Path) -> Iterator[Start]:
     for srv in started:
         if srv.proc is not None and srv.proc.poll() is None:
             srv.stop(signal.SIGKILL)
-    log = tmp_path / "serve.log"
-    if log.exists():
-        print(f"--- {log} ---\n{log.read_text()}")
+    if started:
+        started[-1].print_log()  # they share one log file
 
 
 def write(path: Path, data: bytes) -> Path:
