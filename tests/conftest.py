@@ -160,6 +160,15 @@ class Server:
             time.sleep(0.05)
         raise RuntimeError(f"metanode serve did not come up in 30 s: {self.log_text()}")
 
+    def meta(self, cid: str) -> dict[str, Any] | None:
+        """GET /api/meta/<cid> (public), or None on 404."""
+        response = httpx.get(f"{self.url}/api/meta/{cid}", timeout=10)
+        if response.status_code == 404:
+            return None
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
     def stop(self, sig: int = 15) -> int:
         assert self.proc is not None
         if self.proc.poll() is None:

@@ -33,8 +33,8 @@ from metanode import rid as rids
 from metanode.api import create_app
 from metanode.node import Node
 from tests.conftest import NOW_MS, Server, Signer, settings_for
-from tests.test_feed import Frame, FrameParser
-from tests.test_feed_server import Dechunker
+from tests.test_feed import Frame
+from tests.test_feed_server import Stream, close_streams  # noqa: F401 (autouse fixture)
 
 CID_A = cids.midhash_bytes(b"compat a")
 CID_B = cids.midhash_bytes(b"compat b")
@@ -515,60 +515,6 @@ async def test_the_meta_stream_resumes_and_replays(node: Node, client: httpx.Asy
 # -- the streams on a real server -----------------------------------------------------------------
 
 
-class SseClient:
-    """One SSE GET on a raw socket: status and headers, then frames (and the raw body bytes)."""
-
-    def __init__(self, server: Server, path: str, last_event_id: str | None = None) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
-        lines = [f"GET {path} HTTP/1.1", "Host: 127.0.0.1",
-                 f"Authorization: Bearer {server.token}", "Accept: text/event-stream"]
-        if last_event_id is not None:
-            lines.append(f"Last-Event-ID: {last_event_id}")
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        self._dechunk, self.parser, self.raw = Dechunker(), FrameParser(), b""
-        self._pending: list[Frame] = []
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += self._recv()
-        head, _, rest = head.partition(b"\r\n\r\n")
-        status_line, *header_lines = head.decode("latin-1").split("\r\n")
-        assert status_line.split()[1] == "200", (status_line, rest)
-        self.headers = {k.strip().lower(): v.strip()
-                        for k, v in (h.split(":", 1) for h in header_lines)}
-        self._feed(rest)
-
-    def _recv(self) -> bytes:
-        try:
-            chunk = self.sock.recv(1 << 16)
-        except TimeoutError:
-            raise AssertionError(f"the server sent nothing for {WAIT_S} s") from None
-        assert chunk, "the server closed the stream"
-        return chunk
-
-    def _feed(self, chunk: bytes) -> None:
-        body = self._dechunk.feed(chunk)
-        self.raw += body
-        self._pending += self.parser.feed(body)
-
-    def next(self) -> Frame:
-        while not self._pending:
-            self._feed(self._recv())
-        return self._pending.pop(0)
-
-    def events(self, n: int) -> list[Frame]:
-        """The next n events, skipping keep-alive comments."""
-        out: list[Frame] = []
-        while len(out) < n:
-            frame = self.next()
-            if frame.event is not None:
-                out.append(frame)
-        return out
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-
 @pytest.fixture
 def launch(tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Server]]:
     started: list[Server] = []
@@ -583,21 +529,9 @@ def launch(tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Server]]:
         server.stop()
 
 
-OpenStream = Callable[..., SseClient]
-
-
-@pytest.fixture
-def open_stream() -> Iterator[OpenStream]:
-    """Open SSE clients; every one is closed at the end, even when the test fails."""
-    opened: list[SseClient] = []
-
-    def open_(server: Server, path: str, last_event_id: str | None = None) -> SseClient:
-        opened.append(SseClient(server, path, last_event_id))
-        return opened[-1]
-
-    yield open_
-    for client in opened:
-        client.close()
+def open_stream(server: Server, path: str, last_event_id: str | None = None) -> Stream:
+    """An SSE client on `path`; closed by the autouse `close_streams` fixture after the test."""
+    return Stream(server, last_event_id=last_event_id, path=path)
 
 
 def epoch_of(server: Server) -> int:
@@ -609,7 +543,7 @@ def http(server: Server) -> httpx.Client:
 
 
 def test_events_meta_full_replay_live_tail_resume_and_keep_alive(
-        launch: Callable[[dict[str, str]], Server], open_stream: OpenStream) -> None:
+        launch: Callable[[dict[str, str]], Server]) -> None:
     server = launch({"METANODE_FEED_KEEP_ALIVE_S": "0.5", "METANODE_WATCH_ENABLED": "false"})
     alice = Signer()
     with http(server) as client:
@@ -661,7 +595,7 @@ def test_events_meta_full_replay_live_tail_resume_and_keep_alive(
 
 
 def test_events_files_from_the_watcher_and_full_replay(
-        launch: Callable[[dict[str, str]], Server], open_stream: OpenStream) -> None:
+        launch: Callable[[dict[str, str]], Server]) -> None:
     server = launch({"METANODE_WATCH_SETTLE_S": "0.3", "METANODE_WATCH_RESCAN_S": "0",
                      "METANODE_FEED_KEEP_ALIVE_S": "1"})
     media = server.data_dir.parent / "media"
@@ -708,7 +642,7 @@ def test_events_files_from_the_watcher_and_full_replay(
     resumed.close()
 
 
-def frame_json(stream: SseClient, frame: Frame) -> str:
+def frame_json(stream: Stream, frame: Frame) -> str:
     """The data line of `frame` exactly as sent (to check key order)."""
     marker = f"id: {frame.id}\nevent: {frame.event}\ndata: ".encode()
     start = stream.raw.index(marker) + len(marker)

@@ -99,11 +99,12 @@ def close_streams() -> Iterator[None]:
 
 
 class Stream:
-    """One `GET /api/events` on a raw socket: status and headers, then SSE frames."""
+    """One SSE GET (`/api/events` unless `path` says otherwise) on a raw socket: status and
+    headers, then SSE frames; `raw` keeps every body byte received."""
 
     def __init__(self, server: Server, params: list[tuple[str, str]] | None = None,
                  last_event_id: str | None = None, rcvbuf: int | None = None,
-                 timeout: float = WAIT_S) -> None:
+                 timeout: float = WAIT_S, path: str = "/api/events") -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         OPEN_STREAMS.append(self)
         if rcvbuf is not None:  # before connect, so the window is small from the start
@@ -112,13 +113,14 @@ class Stream:
         self.sock.settimeout(timeout)
         self.sock.connect(("127.0.0.1", server.port))
         query = f"?{urlencode(params)}" if params else ""
-        lines = [f"GET /api/events{query} HTTP/1.1", "Host: 127.0.0.1",
+        lines = [f"GET {path}{query} HTTP/1.1", "Host: 127.0.0.1",
                  f"Authorization: Bearer {server.token}", "Accept: text/event-stream"]
         if last_event_id is not None:
             lines.append(f"Last-Event-ID: {last_event_id}")
         self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
         self._dechunk = Dechunker()
         self.parser = FrameParser()
+        self.raw = b""
         self._pending: list[Frame] = []
         head = b""
         while b"\r\n\r\n" not in head:
@@ -153,11 +155,22 @@ class Stream:
 
     def next(self) -> Frame:
         while not self._pending:
-            self._pending = self.parser.feed(self.body())
+            data = self.body()
+            self.raw += data
+            self._pending = self.parser.feed(data)
         return self._pending.pop(0)
 
     def take(self, n: int) -> list[Frame]:
         return [self.next() for _ in range(n)]
+
+    def events(self, n: int) -> list[Frame]:
+        """The next n events, skipping keep-alive comments."""
+        out: list[Frame] = []
+        while len(out) < n:
+            frame = self.next()
+            if frame.event is not None:
+                out.append(frame)
+        return out
 
     def until(self, done: Callable[[Replica], bool], replica: Replica,
               limit: int = 10_000_000) -> Replica:

@@ -67,19 +67,10 @@ def drop(srv: Server, name: str, data: bytes) -> Path:
     return final
 
 
-def get_meta(srv: Server, cid: str) -> dict[str, Any] | None:
-    answer = httpx.get(f"{srv.url}/api/meta/{cid}", timeout=10)
-    if answer.status_code == 404:
-        return None
-    assert answer.status_code == 200, answer.text
-    doc: dict[str, Any] = answer.json()
-    return doc
-
-
 def settled(srv: Server, midhash: str, *keys_: str) -> Callable[[], dict[str, Any] | None]:
     """The document of `midhash` once every key in `keys_` is in its metadata."""
     def fetch() -> dict[str, Any] | None:
-        doc = get_meta(srv, midhash)
+        doc = srv.meta(midhash)
         return doc if doc is not None and all(k in doc["metadata"] for k in keys_) else None
     return fetch
 
@@ -128,7 +119,7 @@ def test_dropped_file_gets_four_cids_in_one_group_and_every_plugin_field(srv: Se
 
     # Every CID of the group resolves to the same document.
     for member in (ipfs, sha, b3, midhash):
-        other = get_meta(srv, member)
+        other = srv.meta(member)
         assert other is not None
         assert other["cid"] == member
         assert other["cids"] == doc["cids"]

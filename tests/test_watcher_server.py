@@ -54,15 +54,6 @@ class WatchServer(Server):
     def get(self, path: str, **params: Any) -> httpx.Response:
         return httpx.get(f"{self.url}{path}", params=params, headers=self.headers, timeout=10)
 
-    def meta(self, cid: str) -> dict[str, Any] | None:
-        """GET /api/meta/<cid> (public), or None on 404."""
-        response = httpx.get(f"{self.url}/api/meta/{cid}", timeout=10)
-        if response.status_code == 404:
-            return None
-        assert response.status_code == 200, response.text
-        body: dict[str, Any] = response.json()
-        return body
-
     def files(self, prefix: str = "") -> dict[str, dict[str, Any]]:
         """Every GET /api/files row (all pages) under `prefix`, by path."""
         out: dict[str, dict[str, Any]] = {}
