@@ -115,7 +115,9 @@ class Applier:
         No lock: each publish sets the current event and replaces it, and a waiter only ever
         waits on an event. (An `asyncio.Condition` under `wait_for` on Python 3.11 could be left
         released by a non-holder when a subscriber's task was cancelled repeatedly, stalling
-        every publisher and subscriber.)
+        every publisher and subscriber.) And `asyncio.timeout`, not `asyncio.wait_for`: on
+        Python 3.11, wait_for can swallow a cancellation that arrives as the event is set, and
+        a cancelled subscriber would then go on waiting and streaming.
         """
         deadline = time.monotonic() + timeout
         while not done():
@@ -123,7 +125,8 @@ class Applier:
             if remaining <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._published.wait(), remaining)
+                async with asyncio.timeout(remaining):  # not wait_for: see below
+                    await self._published.wait()
         return True
 
     async def wait_for(self, seq: int, timeout: float) -> bool:
@@ -140,7 +143,8 @@ class Applier:
         backoff = 0.1
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._poll_s)
+                async with asyncio.timeout(self._poll_s):
+                    await self._wake.wait()
             self._wake.clear()
             if self._stopping:
                 return

@@ -166,8 +166,8 @@ class Runner:
         """One run: a raise, a timeout or a rejected draft fails this run only."""
         closed = threading.Event()
         try:
-            drafts = await asyncio.wait_for(
-                run_in_thread(lambda: self._collect(file, closed)), self._timeout_s)
+            async with asyncio.timeout(self._timeout_s):  # wait_for may swallow a cancel (3.11)
+                drafts = await run_in_thread(lambda: self._collect(file, closed))
         except TimeoutError:
             closed.set()
             return Outcome("failed", f"timed out after {self._timeout_s} s")
@@ -233,7 +233,8 @@ class Host:
             due = cache.due_runs(self._reader, self._versions, _now_ms(), 64)
             if not due:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), 1.0)
+                    async with asyncio.timeout(1.0):
+                        await self._wake.wait()
                 self._wake.clear()
                 continue
             await asyncio.gather(*(self._run_one(run) for run in due))

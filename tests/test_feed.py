@@ -451,7 +451,8 @@ class Reader:
     async def next(self) -> Frame:
         while not self._pending:
             try:
-                chunk = await asyncio.wait_for(anext(self._stream), self.timeout)
+                async with asyncio.timeout(self.timeout):  # not wait_for: it may swallow a
+                    chunk = await anext(self._stream)      # cancel on 3.11, and loop forever
             except TimeoutError:
                 raise AssertionError(f"no event within {self.timeout} s") from None
             assert chunk.endswith(b"\n\n"), f"a chunk ends inside a frame: {chunk[-80:]!r}"
