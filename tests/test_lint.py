@@ -1,0 +1,26 @@
+"""The code checks of `make lint`, run with the tests so CI enforces them too: ruff (style,
+imports, bugbear rules) and mypy in strict mode over the package, the plugins and the tools."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_ruff_is_clean() -> None:
+    done = run("ruff", "check", "metanode", "plugins", "tests", "tools")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_mypy_strict_is_clean(tmp_path: Path) -> None:
+    done = run("mypy", "--cache-dir", str(tmp_path / "mypy-cache"))  # files: pyproject.toml
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Success" in done.stdout
