@@ -11,9 +11,11 @@ back, so the checks see exactly the frames a client would. The client-side helpe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import json
+import os
 import random
 import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -927,3 +929,29 @@ async def test_many_subscribers_share_one_read_per_page(fd: Feed) -> None:
     assert 1 <= len(feed_reads) <= 2, feed_reads  # 2 if the applier published twice
     for reader in readers:
         await reader.close()
+
+
+def open_cache_files() -> int:
+    """Descriptors this process has open on a cache.db file."""
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            names.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sum(name.endswith("cache.db") for name in names)
+
+
+async def test_a_snapshot_closed_while_a_page_is_being_fetched(fd: Feed) -> None:
+    """A client that leaves mid-snapshot cancels the stream while a page may be being fetched
+    on a worker thread: closing must wait for that fetch, not close the connection under it
+    (which raised, and left the file open), and must free the file."""
+    await fd.post(new_cid_claims(fd.signer, "snap", 2_000))  # 4,000 record rows
+    before = open_cache_files()
+    for _ in range(40):
+        snapshot = feed.Snapshot(fd.node.settings.cache_path, sse.Filter())
+        fetching = asyncio.create_task(snapshot.page())
+        await asyncio.sleep(0)  # the fetch is handed to the worker thread
+        fetching.cancel()
+        snapshot.close()
+        with contextlib.suppress(asyncio.CancelledError):
+            await fetching
+    assert open_cache_files() <= before + 1  # SQLite may keep one closed descriptor for reuse
