@@ -424,7 +424,7 @@ class _Follow:
                                     "resumeFrom": sse.event_id(epoch, head)})
             rows = self._state(_now_ms())
             held: tuple[str, dict[str, str]] | None = None
-            while page := await asyncio.to_thread(_take, rows, PAGE):
+            while page := await db.off_loop(_take, rows, PAGE):
                 for item in page:
                     if held is not None:
                         yield sse.event(*held)

@@ -70,6 +70,27 @@ def snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.execute("COMMIT")
 
 
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a worker thread, for reads too long for the event loop.
+
+    If the caller is cancelled meanwhile, the cancellation is held back until `fn` has returned:
+    `fn` uses a connection, and the caller's cleanup (a `COMMIT`, a `close()`) must never run on
+    that connection while the worker thread still does. The wait is one call's length (a page of
+    rows). anyio's cancel scopes (sse-starlette's) cancel again at every await, hence the loop.
+    """
+    running = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    cancelled = False
+    while not running.done():
+        try:
+            await asyncio.wait([running])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        running.exception()  # retrieved: the caller gets the cancellation instead
+        raise asyncio.CancelledError
+    return running.result()
+
+
 Migration = Callable[[sqlite3.Connection], None]
 
 

@@ -13,9 +13,7 @@ nothing doubled.
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -177,8 +175,6 @@ class Snapshot:
 
     def __init__(self, cache_path: Path, where: sse.Filter) -> None:
         self._filter = where
-        self._lock = threading.Lock()
-        self._closed = False
         self._conn = db.connect(cache_path, readonly=True)
         try:
             self._conn.execute("BEGIN")
@@ -201,29 +197,18 @@ class Snapshot:
 
         Fetched on a worker thread so a large cache never stalls the event loop.
         """
-        rows = await asyncio.to_thread(self._fetch)
+        rows = await db.off_loop(self._rows.fetchmany, PAGE)
         if not rows:
             return None
         return b"".join(sse.event("set", {"rid": rid, "key": key, "value": value}).encode()
                         for rid, key, value in rows if self._filter.matches(rid, key))
 
-    def _fetch(self) -> list[tuple[str, str, str]]:
-        with self._lock:
-            return [] if self._closed else self._rows.fetchmany(PAGE)
-
     def close(self) -> None:
-        """End the read transaction and free the file.
-
-        The cursor first: a connection closed while a cursor still holds a statement keeps its
-        file open until that cursor is garbage. Under the lock: a client that leaves cancels
-        the stream while a page may still be being fetched on the worker thread, and the
-        connection must not be closed under it (this waits for that one page, milliseconds).
-        """
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._rows.close()
-                self._conn.close()
+        """End the read transaction and free the file: the cursor first, since a connection
+        closed while a cursor still holds a statement keeps its file open until that cursor is
+        garbage. (`page` never leaves a fetch running when it returns or is cancelled.)"""
+        self._rows.close()
+        self._conn.close()
 
 
 class Subscription:
