@@ -125,7 +125,7 @@ class Applier:
             if remaining <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(remaining):  # not wait_for: see below
+                async with asyncio.timeout(remaining):  # not wait_for: see the docstring
                     await self._published.wait()
         return True
 
