@@ -158,11 +158,16 @@ def _read_strings(client: redis.Redis, space: Keyspace, file_prefix: str,
             continue  # expired or deleted between SCAN and MGET
         record = space.record(root)
         record.layouts.add("flat")
-        text = decode_value(value)
-        if text is None:
-            record.unreadable[name] = "invalid_utf8"
-        else:
-            record.fields[name] = text
+        _put(record, name, value)
+
+
+def _put(record: SourceRecord, name: str, raw: bytes) -> None:
+    """One field's value, or why it cannot be migrated (bytes that are not UTF-8)."""
+    text = decode_value(raw)
+    if text is None:
+        record.unreadable[name] = "invalid_utf8"
+    else:
+        record.fields[name] = text
 
 
 def _read_hashes(client: redis.Redis, space: Keyspace, file_prefix: str,
@@ -178,12 +183,7 @@ def _read_hashes(client: redis.Redis, space: Keyspace, file_prefix: str,
             continue
         record.layouts.add("hash")
         for raw_name, raw_value in cast(dict[bytes, bytes], mapping).items():
-            field_name = decode_key(raw_name)
-            text = decode_value(raw_value)
-            if text is None:
-                record.unreadable[field_name] = "invalid_utf8"
-            else:
-                record.fields[field_name] = text
+            _put(record, decode_key(raw_name), raw_value)
 
 
 def _read_sets(client: redis.Redis, space: Keyspace, file_prefix: str,
