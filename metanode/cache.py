@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from metanode import merge, truth
+from metanode.claims import Claim
 from metanode.db import Migration, executescript_in_txn, snapshot
 
 SCHEMA_V1 = """
@@ -130,11 +131,12 @@ def _set_state(conn: sqlite3.Connection, **values: int) -> None:
                      "ON CONFLICT (name) DO UPDATE SET value = excluded.value", values.items())
 
 
-# -- recomputing one record ---------------------------------------------------------------------
+# -- recomputing records ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
+    """One feed event. A named tuple, not a dataclass: the applier makes one per changed key."""
+
     rid: str
     op: str  # "set" | "del"
     key: str
@@ -149,8 +151,30 @@ def local_files(conn: sqlite3.Connection, cids: Iterable[str]) -> list[merge.Loc
     return [merge.LocalFile(*row) for row in rows]
 
 
+def local_files_of(conn: sqlite3.Connection,
+                   cids: Iterable[str]) -> dict[str, list[merge.LocalFile]]:
+    """midhash → its local files, for the CIDs of many records in one fixed statement
+    (`local_files`, one `?` per CID, stays the cheaper read for one record)."""
+    found: dict[str, list[merge.LocalFile]] = {}
+    for row in conn.execute(
+            "SELECT path, midhash, size, mtime_ns FROM local_file "
+            "WHERE midhash IN (SELECT value FROM json_each(?))", (truth.json_array(set(cids)),)):
+        found.setdefault(row[1], []).append(merge.LocalFile(*row))
+    return found
+
+
 def record_rows(conn: sqlite3.Connection, rid: str) -> dict[str, str]:
     return dict(conn.execute("SELECT key, value FROM records WHERE rid = ?", (rid,)).fetchall())
+
+
+def records_rows(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, dict[str, str]]:
+    """`record_rows` of many records in one query (a record with no rows is absent)."""
+    found: dict[str, dict[str, str]] = {}
+    for rid, key, value in conn.execute(
+            "SELECT rid, key, value FROM records WHERE rid IN (SELECT value FROM json_each(?))",
+            (truth.json_array(set(rids)),)):
+        found.setdefault(rid, {})[key] = value
+    return found
 
 
 def _is_group_key(key: str) -> bool:
@@ -165,44 +189,107 @@ class _Scope:
     group: bool = False
     whole: bool = False
 
+    @property
+    def regroups(self) -> bool:
+        return self.group or self.whole
 
-def _write_diff(cache: sqlite3.Connection, rid: str, old: dict[str, str],
-                new: dict[str, str], scope: Iterable[str]) -> list[Event]:
+
+@dataclass(frozen=True)
+class _Inputs:
+    """What recomputing a chunk of records reads, one query per table for the whole chunk."""
+
+    old: dict[str, dict[str, str]]  # rid → its rows in the cache now
+    members: dict[str, list[str]]  # rid → its CIDs (records whose group keys are recomputed)
+    files: dict[str, list[merge.LocalFile]]  # midhash → its local files
+    votes: dict[str, list[Claim]]  # rid → the live claims on the keys in scope
+
+
+def _votes(source: sqlite3.Connection, scopes: Mapping[str, _Scope]) -> dict[str, list[Claim]]:
+    """The live claims each record's merge needs: all of them, or those on its scoped keys."""
+    whole = [rid for rid, scope in scopes.items() if scope.whole]
+    keyed = {rid: scope.keys for rid, scope in scopes.items() if scope.keys and not scope.whole}
+    votes = truth.groups_claims(source, whole) if whole else {}
+    if keyed:
+        wanted = set().union(*keyed.values())
+        for rid, found in truth.groups_claims(source, keyed, wanted).items():
+            votes[rid] = [claim for claim in found if claim.key in keyed[rid]]
+    return votes
+
+
+def _read_inputs(cache: sqlite3.Connection, source: sqlite3.Connection,
+                 scopes: Mapping[str, _Scope]) -> _Inputs:
+    members = truth.groups_cids(source, [rid for rid, scope in scopes.items() if scope.regroups])
+    files = local_files_of(cache, (cid for cids in members.values() for cid in cids))
+    return _Inputs(records_rows(cache, scopes), members, files, _votes(source, scopes))
+
+
+def _diff(rid: str, old: dict[str, str], new: dict[str, str], keys: Iterable[str]) -> list[Event]:
+    """The events that turn `old` into `new` on `keys`, in key order (absent: no value)."""
     events = []
-    for key in sorted(scope):
+    for key in sorted(keys):
         before, after = old.get(key), new.get(key)
-        if before == after:
-            continue
-        if after is None:
-            cache.execute("DELETE FROM records WHERE rid = ? AND key = ?", (rid, key))
-            events.append(Event(rid, "del", key, None))
-        else:
-            cache.execute("INSERT INTO records (rid, key, value) VALUES (?, ?, ?) "
-                          "ON CONFLICT (rid, key) DO UPDATE SET value = excluded.value",
-                          (rid, key, after))
-            events.append(Event(rid, "set", key, after))
+        if before != after:
+            events.append(Event(rid, "del", key, None) if after is None
+                          else Event(rid, "set", key, after))
     return events
 
 
-def refresh(cache: sqlite3.Connection, source: sqlite3.Connection, rid: str, scope: _Scope,
-            signers: dict[str, merge.Signer]) -> list[Event]:
-    """Recompute `scope` of record `rid` from the truth (`source`) and write what changed."""
-    old = record_rows(cache, rid)
+def _recompute(rid: str, scope: _Scope, inputs: _Inputs,
+               signers: dict[str, merge.Signer]) -> list[Event]:
+    """The events of one record's recomputed `scope`, from the chunk's reads."""
+    old = inputs.old.get(rid, {})
     new: dict[str, str] = {}
     keys: set[str] = set(scope.keys)
-    if scope.whole or scope.group:
-        members = truth.group_cids(source, rid)
-        new.update(merge.group_keys(members, local_files(cache, members)))
+    if scope.regroups:
+        members = inputs.members.get(rid, [])
+        new.update(merge.group_keys(members, [f for cid in members
+                                              for f in inputs.files.get(cid, ())]))
         keys |= set(new) | {k for k in old if _is_group_key(k)}
-        cache.executemany("INSERT INTO cid_index (cid, rid) VALUES (?, ?) ON CONFLICT (cid) "
-                          "DO UPDATE SET rid = excluded.rid", [(c, rid) for c in members])
     if scope.whole:
-        merged = merge.merge_record(truth.group_claims(source, rid), signers)
+        merged = merge.merge_record(inputs.votes.get(rid, ()), signers)
         keys |= set(merged) | set(old)
         new.update(merged)
     elif scope.keys:
-        new.update(merge.merge_record(truth.group_claims(source, rid, scope.keys), signers))
-    return _write_diff(cache, rid, old, new, keys)
+        new.update(merge.merge_record(inputs.votes.get(rid, ()), signers))
+    return _diff(rid, old, new, keys)
+
+
+def refresh(cache: sqlite3.Connection, source: sqlite3.Connection,
+            scopes: Mapping[str, _Scope], signers: dict[str, merge.Signer]) -> list[Event]:
+    """Recompute the scoped keys of some records (at most `CHUNK`) from the truth (`source`),
+    write what changed and index their CIDs; the events in the order of `scopes`.
+
+    Set-based: each table is read once for all of them and the rows are written with
+    `executemany`, instead of a round of statements per record.
+    """
+    inputs = _read_inputs(cache, source, scopes)
+    events = [event for rid, scope in scopes.items()
+              for event in _recompute(rid, scope, inputs, signers)]
+    cache.executemany("INSERT INTO cid_index (cid, rid) VALUES (?, ?) ON CONFLICT (cid) "
+                      "DO UPDATE SET rid = excluded.rid",
+                      [(cid, rid) for rid, cids in inputs.members.items() for cid in cids])
+    cache.executemany("DELETE FROM records WHERE rid = ? AND key = ?",
+                      [(e.rid, e.key) for e in events if e.op == "del"])
+    cache.executemany("INSERT INTO records (rid, key, value) VALUES (?, ?, ?) "
+                      "ON CONFLICT (rid, key) DO UPDATE SET value = excluded.value",
+                      [(e.rid, e.key, e.value) for e in events if e.op == "set"])
+    return events
+
+
+CHUNK = 500  # records per `refresh`: bounds what a rebuild or a long backlog holds in memory
+
+
+def _chunks(rids: Sequence[str]) -> Iterator[Sequence[str]]:
+    return (rids[start:start + CHUNK] for start in range(0, len(rids), CHUNK))
+
+
+def refresh_all(cache: sqlite3.Connection, source: sqlite3.Connection,
+                scopes: Mapping[str, _Scope], signers: dict[str, merge.Signer]) -> list[Event]:
+    """`refresh` every record of `scopes`, in rid order, a chunk at a time."""
+    events: list[Event] = []
+    for chunk in _chunks(sorted(scopes)):
+        events += refresh(cache, source, {rid: scopes[rid] for rid in chunk}, signers)
+    return events
 
 
 def drop(cache: sqlite3.Connection, rid: str) -> list[Event]:
@@ -224,32 +311,44 @@ class Plan:
     scopes: dict[str, _Scope] = field(default_factory=dict)
 
     def scope(self, rid: str) -> _Scope:
-        return self.scopes.setdefault(rid, _Scope())
+        scope = self.scopes.get(rid)
+        if scope is None:
+            scope = self.scopes[rid] = _Scope()
+        return scope
 
 
 def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
+    """Sort the changes by what they touch, then resolve every CID to its group and every rid
+    to its survivor with one set-based read each (not one lookup per change)."""
     result = Plan()
-
-    def claimed(cid: str, key: str) -> None:
-        rid = truth.group_of(source, cid)
-        if rid is not None and not key.startswith("cids/"):
-            result.scope(rid).keys.add(key)
-
+    claimed: list[tuple[str, str]] = []  # (cid, key) whose merged value may have changed
+    regrouped: list[str] = []  # rids whose group keys may have changed
+    survived: list[str] = []  # rids that took in a merged group
+    local: list[str] = []  # midhashes whose local keys may have changed
     for change in changes:
         if change.kind == "claim":
-            claimed(change.cid or "", change.key or "")
+            claimed.append((change.cid or "", change.key or ""))
         elif change.kind == "group":
-            result.scope(truth.survivor(source, change.rid or "")).group = True
+            regrouped.append(change.rid or "")
         elif change.kind == "merge":
             result.losers.append(change.rid or "")
-            result.scope(truth.survivor(source, change.survivor or "")).whole = True
+            survived.append(change.survivor or "")
         elif change.kind == "signer":
-            for cid, key in truth.signer_cid_keys(source, change.uid or ""):
-                claimed(cid, key)
+            claimed += truth.signer_cid_keys(source, change.uid or "")
         elif change.kind == "local":
-            rid = truth.group_of(source, change.cid or "")
-            if rid is not None:
-                result.scope(rid).group = True
+            local.append(change.cid or "")
+    groups = truth.groups_of(source, [cid for cid, _ in claimed] + local)
+    survivors = truth.survivors(source, regrouped + survived)
+    for cid, key in claimed:
+        if cid in groups and not key.startswith("cids/"):
+            result.scope(groups[cid]).keys.add(key)
+    for rid in regrouped:
+        result.scope(survivors[rid]).group = True
+    for rid in survived:
+        result.scope(survivors[rid]).whole = True
+    for cid in local:
+        if cid in groups:
+            result.scope(groups[cid]).group = True
     return result
 
 
@@ -258,7 +357,7 @@ def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event
     at = _now_ms()
     cache.executemany(
         "INSERT INTO feed (seq, rid, op, key, value, at) VALUES (?, ?, ?, ?, ?, ?)",
-        [(state.feed_seq + i, e.rid, e.op, e.key, e.value, at) for i, e in enumerate(events, 1)])
+        [(state.feed_seq + i, *event, at) for i, event in enumerate(events, 1)])
     return state.feed_seq + len(events)
 
 
@@ -277,8 +376,7 @@ def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
         work = plan(source, changes)
         signers = truth.merge_signers(source)
         events = [event for loser in work.losers for event in drop(cache, loser)]
-        for rid in sorted(work.scopes):
-            events += refresh(cache, source, rid, work.scopes[rid], signers)
+        events += refresh_all(cache, source, work.scopes, signers)
     last = _append_feed(cache, state, events)
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
     return State(state.epoch, changes[-1].seq, last)
@@ -301,17 +399,19 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
     """Recompute every record from the truth under a new epoch (create, rebuild, or repair).
 
     Local files are kept: they are facts about the disk, not derived from the truth. The feed
-    starts again empty under the new epoch, so old cursors get `gap` and a snapshot.
+    starts again empty under the new epoch, so old cursors get `gap` and a snapshot. Records are
+    recomputed a chunk at a time and their events dropped, so memory stays bounded.
     """
     old = read_state(cache)
     cache.execute("DELETE FROM records")
     cache.execute("DELETE FROM cid_index")
     cache.execute("DELETE FROM feed")
+    whole = _Scope(whole=True)
     with snapshot(source):
         seq = truth.max_seq(source)
         signers = truth.merge_signers(source)
-        for rid in truth.active_rids(source):
-            refresh(cache, source, rid, _Scope(whole=True), signers)
+        for chunk in _chunks(truth.active_rids(source)):
+            refresh(cache, source, dict.fromkeys(chunk, whole), signers)
     state = State(epoch=max(_now_ms(), old.epoch + 1), applied_seq=seq, feed_seq=0)
     _set_state(cache, epoch=state.epoch, applied_seq=state.applied_seq, feed_seq=0)
     return state
@@ -357,11 +457,9 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
             "ON CONFLICT (path) DO UPDATE SET midhash = excluded.midhash, size = excluded.size, "
             "mtime_ns = excluded.mtime_ns", (file.path, file.midhash, file.size, file.mtime_ns))
     state = read_state(cache)
-    events: list[Event] = []
     with snapshot(source):
-        rids = {truth.group_of(source, midhash) for midhash in touched}
-        for rid in sorted(r for r in rids if r is not None):
-            events += refresh(cache, source, rid, _Scope(group=True), {})
+        rids = set(truth.groups_of(source, touched).values())
+        events = refresh_all(cache, source, {rid: _Scope(group=True) for rid in rids}, {})
     last = _append_feed(cache, state, events)
     _set_state(cache, feed_seq=last)
     _append_file_feed(cache, file_events(removed, written))

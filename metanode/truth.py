@@ -12,10 +12,11 @@ deleted (so never reused).
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from metanode import merge
 from metanode.claims import Claim
@@ -134,13 +135,36 @@ def max_rid(conn: sqlite3.Connection) -> str | None:
     return row[0] if row else None
 
 
+def json_array(values: Iterable[object]) -> str:
+    """`values` as one SQL parameter, read back with `IN (SELECT value FROM json_each(?))`: a
+    set-based statement for a whole batch with one fixed SQL text, however many values."""
+    return json.dumps(list(values), ensure_ascii=False)
+
+
 def group_of(conn: sqlite3.Connection, cid: str) -> str | None:
     row = conn.execute("SELECT rid FROM cid_group WHERE cid = ?", (cid,)).fetchone()
     return row[0] if row else None
 
 
+def groups_of(conn: sqlite3.Connection, cids: Iterable[str]) -> dict[str, str]:
+    """cid → rid of every grouped CID among `cids` (one query; an ungrouped CID is absent)."""
+    return dict(conn.execute(
+        "SELECT cid, rid FROM cid_group WHERE cid IN (SELECT value FROM json_each(?))",
+        (json_array(set(cids)),)).fetchall())
+
+
 def group_cids(conn: sqlite3.Connection, rid: str) -> list[str]:
     return [r[0] for r in conn.execute("SELECT cid FROM cid_group WHERE rid = ?", (rid,))]
+
+
+def groups_cids(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, list[str]]:
+    """rid → its CIDs, for many groups in one query (a rid holding none is absent)."""
+    found: dict[str, list[str]] = {}
+    for rid, cid in conn.execute(
+            "SELECT rid, cid FROM cid_group WHERE rid IN (SELECT value FROM json_each(?))",
+            (json_array(set(rids)),)):
+        found.setdefault(rid, []).append(cid)
+    return found
 
 
 def active_rids(conn: sqlite3.Connection) -> list[str]:
@@ -167,6 +191,27 @@ def survivor(conn: sqlite3.Connection, rid: str) -> str:
     return info.rid if info else rid
 
 
+def survivors(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, str]:
+    """`survivor` of each of `rids`, one query per step of the longest chain instead of one per
+    rid and step (merges keep chains one step long, so usually two queries in all)."""
+    found: dict[str, str] = {}
+    walking = {rid: rid for rid in rids}  # start → where its walk has got to
+    while walking:
+        merged_into = dict(conn.execute(
+            "SELECT rid, merged_into FROM rids WHERE rid IN (SELECT value FROM json_each(?))",
+            (json_array(set(walking.values())),)).fetchall())
+        step: dict[str, str] = {}
+        for start, rid in walking.items():
+            if rid not in merged_into:  # unknown rid: `survivor` answers the rid asked about
+                found[start] = start
+            elif merged_into[rid] is None:
+                found[start] = rid
+            else:
+                step[start] = merged_into[rid]
+        walking = step
+    return found
+
+
 _CLAIM_COLUMNS = "uid, cid, key, value, ts, sig"
 
 
@@ -180,6 +225,19 @@ def stored_claim(conn: sqlite3.Connection, uid: str, cid: str, key: str) -> Clai
         (uid, cid, key),
     ).fetchone()
     return _claim(row) if row else None
+
+
+ClaimId = tuple[str, str, str]  # (uid, cid, key): what one stored claim is kept per
+
+
+def stored_claims(conn: sqlite3.Connection, ids: Iterable[ClaimId]) -> dict[ClaimId, Claim]:
+    """`stored_claim` of many (uid, cid, key) in one query; those with no stored claim are
+    absent."""
+    rows = conn.execute(
+        f"SELECT {_CLAIM_COLUMNS} FROM claims WHERE (uid, cid, key) IN "
+        "(SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), "
+        "json_extract(value, '$[2]') FROM json_each(?))", (json_array(set(ids)),))
+    return {(row[0], row[1], row[2]): _claim(row) for row in rows}
 
 
 def group_claims(
@@ -204,6 +262,23 @@ def group_claims(
         params.extend(wanted)
     sql += " ORDER BY cid, key, uid"
     return [_claim(row) for row in conn.execute(sql, params)]
+
+
+def groups_claims(conn: sqlite3.Connection, rids: Iterable[str],
+                  keys: Iterable[str] | None = None) -> dict[str, list[Claim]]:
+    """rid → the live stored claims on every CID of each group, optionally only some keys:
+    `group_claims` of many groups in one query (in no particular order)."""
+    sql = ("SELECT g.rid, c.uid, c.cid, c.key, c.value, c.ts, c.sig "
+           "FROM cid_group g JOIN claims c ON c.cid = g.cid "
+           "WHERE g.rid IN (SELECT value FROM json_each(?)) AND c.value IS NOT NULL")
+    params = [json_array(set(rids))]
+    if keys is not None:
+        sql += " AND c.key IN (SELECT value FROM json_each(?))"
+        params.append(json_array(set(keys)))
+    found: dict[str, list[Claim]] = {}
+    for row in conn.execute(sql, params):
+        found.setdefault(row[0], []).append(_claim(row[1:]))
+    return found
 
 
 def all_claims(conn: sqlite3.Connection, uid: str | None = None) -> Iterable[Claim]:
@@ -258,9 +333,9 @@ def merge_signers(conn: sqlite3.Connection) -> dict[str, merge.Signer]:
     }
 
 
-@dataclass(frozen=True)
-class Change:
-    """One outbox row: something that may change what a record shows."""
+class Change(NamedTuple):
+    """One outbox row: something that may change what a record shows. A named tuple, not a
+    dataclass: the applier reads one or two per claim."""
 
     seq: int
     kind: str
@@ -272,7 +347,7 @@ class Change:
 
 
 def changes_after(conn: sqlite3.Connection, seq: int) -> list[Change]:
-    return [Change(*row) for row in conn.execute(
+    return [Change._make(row) for row in conn.execute(
         "SELECT seq, kind, rid, cid, key, uid, survivor FROM changes WHERE seq > ? ORDER BY seq",
         (seq,))]
 
@@ -323,70 +398,140 @@ def prune_changes_txn(conn: sqlite3.Connection, applied_seq: int) -> int:
     return conn.execute("DELETE FROM changes WHERE seq <= ?", (applied_seq,)).rowcount
 
 
-def _change(conn: sqlite3.Connection, now_ms: int, kind: str, **cols: str | None) -> None:
-    conn.execute(
+ChangeRow = tuple[str, str | None, str | None, str | None, str | None, str | None, int]
+
+
+def _change(now_ms: int, kind: str, *, rid: str | None = None, cid: str | None = None,
+            key: str | None = None, uid: str | None = None,
+            survivor: str | None = None) -> ChangeRow:
+    """One outbox row, as `_write_changes` inserts it."""
+    return (kind, rid, cid, key, uid, survivor, now_ms)
+
+
+def _write_changes(conn: sqlite3.Connection, rows: Iterable[ChangeRow]) -> None:
+    """Append outbox rows; their seqs follow the order of `rows`."""
+    conn.executemany(
         "INSERT INTO changes (kind, rid, cid, key, uid, survivor, at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (kind, cols.get("rid"), cols.get("cid"), cols.get("key"), cols.get("uid"),
-         cols.get("survivor"), now_ms),
-    )
+        rows)
 
 
-def _mint(conn: sqlite3.Connection, minter: Minter, now_ms: int) -> str:
-    """A new rid, above every rid the truth holds (also those minted by other processes)."""
-    floor = max_rid(conn)
-    if floor is not None:
-        minter.observe(floor)
-    rid = minter.mint()
-    conn.execute("INSERT INTO rids (rid, minted_at) VALUES (?, ?)", (rid, now_ms))
-    return rid
+class _Groups:
+    """The grouping of one transaction: every CID join, mint and merge, and the outbox rows.
 
+    Why a class: per new claim this was a `cid_group` lookup, a `max(rid)`, an insert into
+    `rids`, one into `cid_group` and one into `changes`, each its own statement. Here the groups
+    of the CIDs the transaction names are read in one query and kept current in memory as CIDs
+    join and groups merge (a CID not named up front is looked up when asked). New rids,
+    memberships and outbox rows wait in lists and are written with `executemany` by `flush`,
+    which a merge also calls first, as its UPDATEs must see them. The rid floor is read at the
+    first mint only: while this transaction holds the write lock no one else adds a rid.
+    """
 
-def _join(conn: sqlite3.Connection, cid: str, rid: str, now_ms: int) -> None:
-    conn.execute("INSERT INTO cid_group (cid, rid) VALUES (?, ?)", (cid, rid))
-    _change(conn, now_ms, "group", rid=rid, cid=cid)
+    def __init__(self, conn: sqlite3.Connection, now_ms: int, cids: Iterable[str],
+                 minter: Minter | None = None) -> None:
+        self._conn = conn
+        self._now_ms = now_ms
+        self._minter = minter  # None: this transaction only joins and merges (adoption)
+        self._floor_seen = False
+        self._rid: dict[str, str | None] = dict.fromkeys(cids)
+        self._members: dict[str, list[str]] = {}  # rid → the CIDs of `_rid` it holds
+        for cid, rid in groups_of(conn, self._rid).items():
+            self._remember(cid, rid)
+        self._new_rids: list[tuple[str, int]] = []
+        self._joins: list[tuple[str, str]] = []
+        self.outbox: list[ChangeRow] = []
+
+    def _remember(self, cid: str, rid: str) -> None:
+        self._rid[cid] = rid
+        self._members.setdefault(rid, []).append(cid)
+
+    def rid_of(self, cid: str) -> str | None:
+        """`group_of(cid)` as of this transaction's writes so far."""
+        if cid not in self._rid:
+            rid = self._rid[cid] = group_of(self._conn, cid)
+            if rid is not None:
+                self._remember(cid, rid)
+        return self._rid[cid]
+
+    def _mint(self) -> str:
+        """A new rid, above every rid the truth holds (also those minted by other processes)."""
+        assert self._minter is not None, "adoption never mints"
+        if not self._floor_seen:
+            floor = max_rid(self._conn)
+            if floor is not None:
+                self._minter.observe(floor)
+            self._floor_seen = True
+        rid = self._minter.mint()
+        self._new_rids.append((rid, self._now_ms))
+        return rid
+
+    def join(self, cid: str, rid: str) -> None:
+        """Put an ungrouped CID in group `rid`."""
+        self._remember(cid, rid)
+        self._joins.append((cid, rid))
+        self.outbox.append(_change(self._now_ms, "group", rid=rid, cid=cid))
+
+    def ensure(self, cid: str) -> str:
+        """The rid of `cid`'s group; a first-seen CID with no link gets a freshly minted one."""
+        rid = self.rid_of(cid)
+        if rid is None:
+            rid = self._mint()
+            self.join(cid, rid)
+        return rid
+
+    def link(self, a: str, b: str) -> None:
+        """Put `a` and `b` in one group; two existing groups merge and the older rid survives."""
+        if a == b:  # a self-link links nothing; the CID still needs its group
+            self.ensure(a)
+            return
+        ra, rb = self.rid_of(a), self.rid_of(b)
+        if ra is None and rb is None:
+            ra = self.ensure(a)
+        if ra is None:
+            self.join(a, rb)  # type: ignore[arg-type]  # rb is set here
+        elif rb is None:
+            self.join(b, ra)
+        elif ra != rb:
+            self.merge(min(ra, rb), max(ra, rb))
+
+    def merge(self, keep: str, lose: str) -> None:
+        """Move every CID of `lose` to `keep` and retire `lose` for good (SPEC §2.4)."""
+        self.flush()
+        conn = self._conn
+        conn.execute("UPDATE cid_group SET rid = ? WHERE rid = ?", (keep, lose))
+        conn.execute("UPDATE rids SET status = 'merged', merged_into = ?, merged_at = ? "
+                     "WHERE rid = ?", (keep, self._now_ms, lose))
+        # Keep every merged rid one step from its survivor, so a lookup never walks a chain.
+        conn.execute("UPDATE rids SET merged_into = ? WHERE merged_into = ?", (keep, lose))
+        self.outbox.append(_change(self._now_ms, "merge", rid=lose, survivor=keep))
+        moved = self._members.pop(lose, [])
+        self._members.setdefault(keep, []).extend(moved)
+        self._rid.update(dict.fromkeys(moved, keep))
+
+    def flush(self) -> None:
+        """Write what waits: rids before the memberships that point at them, then the outbox."""
+        self._conn.executemany("INSERT INTO rids (rid, minted_at) VALUES (?, ?)", self._new_rids)
+        self._conn.executemany("INSERT INTO cid_group (cid, rid) VALUES (?, ?)", self._joins)
+        _write_changes(self._conn, self.outbox)
+        self._new_rids, self._joins, self.outbox = [], [], []
 
 
 def ensure_group(conn: sqlite3.Connection, cid: str, minter: Minter, now_ms: int) -> str:
-    """The rid of `cid`'s group; a first-seen CID with no link gets a freshly minted one."""
-    rid = group_of(conn, cid)
-    if rid is None:
-        rid = _mint(conn, minter, now_ms)
-        _join(conn, cid, rid, now_ms)
+    """`_Groups.ensure` of one CID, written at once (for callers that group CIDs one by one in
+    their own transaction, such as the migration tool)."""
+    groups = _Groups(conn, now_ms, [cid], minter)
+    rid = groups.ensure(cid)
+    groups.flush()
     return rid
 
 
-def link(conn: sqlite3.Connection, a: str, b: str, minter: Minter, now_ms: int) -> None:
-    """Put `a` and `b` in one group; two existing groups merge and the older rid survives."""
-    if a == b:  # a self-link links nothing; the CID still needs its group
-        ensure_group(conn, a, minter, now_ms)
-        return
-    ra, rb = group_of(conn, a), group_of(conn, b)
-    if ra is None and rb is None:
-        ra = ensure_group(conn, a, minter, now_ms)
-    if ra is None:
-        _join(conn, a, rb, now_ms)  # type: ignore[arg-type]  # rb is set here
-    elif rb is None:
-        _join(conn, b, ra, now_ms)
-    elif ra != rb:
-        merge_groups(conn, min(ra, rb), max(ra, rb), now_ms)
-
-
-def merge_groups(conn: sqlite3.Connection, keep: str, lose: str, now_ms: int) -> None:
-    """Move every CID of `lose` to `keep` and retire `lose` for good (SPEC §2.4)."""
-    conn.execute("UPDATE cid_group SET rid = ? WHERE rid = ?", (keep, lose))
-    conn.execute("UPDATE rids SET status = 'merged', merged_into = ?, merged_at = ? WHERE rid = ?",
-                 (keep, now_ms, lose))
-    # Keep every merged rid one step from its survivor, so a lookup never walks a chain.
-    conn.execute("UPDATE rids SET merged_into = ? WHERE merged_into = ?", (keep, lose))
-    _change(conn, now_ms, "merge", rid=lose, survivor=keep)
-
-
-def _store(conn: sqlite3.Connection, claim: Claim) -> None:
-    conn.execute(
+def _store(conn: sqlite3.Connection, accepted: Iterable[Claim]) -> None:
+    """Upsert accepted claims in order (of two on one (uid, cid, key) the later is kept)."""
+    conn.executemany(
         "INSERT INTO claims (uid, cid, key, value, ts, sig) VALUES (?, ?, ?, ?, ?, ?) "
         "ON CONFLICT (uid, cid, key) DO UPDATE SET value = excluded.value, ts = excluded.ts, "
         "sig = excluded.sig",
-        (claim.uid, claim.cid, claim.key, claim.value, claim.ts, claim.sig),
+        [(c.uid, c.cid, c.key, c.value, c.ts, c.sig) for c in accepted],
     )
 
 
@@ -400,6 +545,13 @@ class IngestResult:
     seq: int  # the outbox seq the cache must reach for these claims to be visible
 
 
+def _named_cids(batch: Iterable[Claim]) -> set[str]:
+    """Every CID a batch may group: each claim's CID and each link's member."""
+    named = {claim.cid for claim in batch}
+    named.update(claim.member for claim in batch if claim.member is not None)
+    return named
+
+
 def ingest_txn(
     conn: sqlite3.Connection,
     batch: Sequence[Claim],
@@ -410,32 +562,45 @@ def ingest_txn(
     """Store a validated batch atomically: policy first, then newest-wins per (uid, cid, key).
 
     Claims are applied in batch order, so a batch holding the same claim twice gets `accepted`
-    then `duplicate`, exactly as two batches would.
+    then `duplicate`, exactly as two batches would: each is resolved against the stored claims
+    read in one query up front, updated in memory by every claim accepted before it. Groups,
+    outbox rows and claims are written set-wise (`_Groups`, `_store`) once the batch is resolved.
     """
     known = check_policy(conn, batch, policy)
+    stored = stored_claims(conn, ((c.uid, c.cid, c.key) for c in batch))
+    groups = _Groups(conn, now_ms, _named_cids(batch), minter)
     verdicts: list[Verdict] = []
+    accepted: list[Claim] = []
     for claim in batch:
-        verdict = merge.resolve(stored_claim(conn, claim.uid, claim.cid, claim.key), claim)
+        ident = (claim.uid, claim.cid, claim.key)
+        verdict = merge.resolve(stored.get(ident), claim)
         verdicts.append(verdict)
         if verdict != "accepted":
             continue
+        stored[ident] = claim
+        accepted.append(claim)
         if claim.uid not in known:
             _register_unknown(conn, claim.uid, now_ms)
             known.add(claim.uid)
-        if claim.member is not None and claim.value is not None:
-            link(conn, claim.cid, claim.member, minter, now_ms)  # joins before it would mint
+        member = claim.member
+        if member is not None and claim.value is not None:
+            groups.link(claim.cid, member)  # joins before it would mint
         else:
-            ensure_group(conn, claim.cid, minter, now_ms)
-        _store(conn, claim)
-        _change(conn, now_ms, "claim", cid=claim.cid, key=claim.key, uid=claim.uid)
+            groups.ensure(claim.cid)
+        groups.outbox.append(_change(now_ms, "claim", cid=claim.cid, key=claim.key,
+                                     uid=claim.uid))
+    groups.flush()
+    _store(conn, accepted)
     return IngestResult(verdicts, max_seq(conn))
 
 
 def ensure_groups_txn(conn: sqlite3.Connection, cids: Sequence[str], minter: Minter,
                       now_ms: int) -> None:
     """Give every CID a group (the watcher's midhashes): minted if new, in one transaction."""
+    groups = _Groups(conn, now_ms, cids, minter)
     for cid in cids:
-        ensure_group(conn, cid, minter, now_ms)
+        groups.ensure(cid)
+    groups.flush()
 
 
 def add_signer_txn(
@@ -450,7 +615,7 @@ def add_signer_txn(
         (uid, name, weight, int(may_link), now_ms),
     )
     if before is not None and before.weight != weight:
-        _change(conn, now_ms, "signer", uid=uid)
+        _write_changes(conn, [_change(now_ms, "signer", uid=uid)])
     after = signer(conn, uid)
     assert after is not None
     return after
@@ -465,7 +630,7 @@ def set_signer_status_txn(
         raise UnknownSignerUid(f"signer {uid} is not registered")
     if before.status != status:
         conn.execute("UPDATE signers SET status = ? WHERE uid = ?", (status, uid))
-        _change(conn, now_ms, "signer", uid=uid)
+        _write_changes(conn, [_change(now_ms, "signer", uid=uid)])
     after = signer(conn, uid)
     assert after is not None
     return after
@@ -491,7 +656,7 @@ def adopt_group_txn(conn: sqlite3.Connection, rid: str, cids: Sequence[str],
 
     * `rid` (a UUIDv7 in rid spelling) is inserted into `rids` if absent, with `minted_at` its
       own UUIDv7 timestamp. If it is there already and was merged away, its survivor stands for
-      it. Minting stays monotonic: `_mint` always starts above the largest rid the truth holds.
+      it. Minting stays monotonic: `_Groups` always mints above the largest rid the truth holds.
     * A CID in no group joins it (a `group` outbox row, as `ensure_group` writes).
     * A CID already in another group links the two exactly as a `cids/` vote does: the groups
       merge and the older (smaller) rid survives (a `merge` outbox row). A migrated rid was
@@ -513,14 +678,16 @@ def adopt_group_txn(conn: sqlite3.Connection, rid: str, cids: Sequence[str],
         target = survivor(conn, rid)
     joined: list[str] = []
     merged: list[str] = []
+    groups = _Groups(conn, now_ms, cids)
     for cid in cids:
-        held = group_of(conn, cid)
+        held = groups.rid_of(cid)
         if held is None:
-            _join(conn, cid, target, now_ms)
+            groups.join(cid, target)
             joined.append(cid)
         elif held != target:
             keep, lose = min(held, target), max(held, target)
-            merge_groups(conn, keep, lose, now_ms)
+            groups.merge(keep, lose)
             merged.append(lose)
             target = keep
+    groups.flush()
     return Adopted(target, created, tuple(joined), tuple(merged))

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
-from metanode import cache, truth
+from metanode import cache, db, truth
 from metanode import cid as cids
-from metanode.node import Node, check
-from tests.conftest import NOW_MS, Signer
+from metanode import rid as rids
+from metanode.claims import Claim
+from metanode.node import Node, check, open_store
+from tests.conftest import NOW_MS, Signer, settings_for
 from tests.test_ingest import post, register, verdicts
 
 A, B, C, D = (cids.midhash_bytes(f"group {n}".encode()) for n in "ABCD")
@@ -205,3 +210,118 @@ async def test_check_finds_a_tampered_cache_and_rebuild_repairs_it(
     state = await node.cache_writer.run(cache.build_txn, node.applier._source)
     assert state.epoch > epoch
     assert_cache_is_fresh(node, tmp_path)
+
+
+# -- a batch written and applied at once agrees with one claim at a time ------------------------
+
+POOL = [cids.midhash_bytes(f"pool {n}".encode()) for n in range(8)]
+UIDS = ("z6MkTestSignerA", "z6MkTestSignerB")  # ingest_txn takes validated claims: no signing
+
+CLAIMS = st.builds(
+    Claim,
+    uid=st.sampled_from(UIDS),
+    cid=st.sampled_from(POOL),
+    key=st.sampled_from(["title", "year"]) | st.sampled_from([f"cids/{cid}" for cid in POOL]),
+    value=st.sampled_from([None, "x", "y"]),
+    ts=st.integers(NOW_MS, NOW_MS + 2),
+    sig=st.sampled_from([bytes([n]) * 64 for n in range(3)]),
+)
+BATCHES = st.lists(CLAIMS, min_size=1, max_size=16).map(
+    lambda batch: batch + batch[:2])  # the same claim twice in a batch, often
+
+
+class Store:
+    """A truth and a cache on disk, written and applied as the node's writers do."""
+
+    def __init__(self, data_dir: Path) -> None:
+        settings = settings_for(data_dir)
+        open_store(settings)
+        self.truth = db.connect(settings.truth_path)
+        self.cache = db.connect(settings.cache_path)
+        self.source = db.connect(settings.truth_path, readonly=True)
+        self.minter = rids.Minter()
+        for uid in UIDS:
+            db.run_txn(self.truth, truth.add_signer_txn, uid, "t", 1, True, NOW_MS)
+        db.run_txn(self.cache, cache.build_txn, self.source)
+
+    def close(self) -> None:
+        for conn in (self.truth, self.cache, self.source):
+            conn.close()
+
+    def ingest(self, batch: list[Claim]) -> list[str]:
+        return list(db.run_txn(self.truth, truth.ingest_txn, batch, self.minter, truth.Policy(),
+                               NOW_MS).verdicts)
+
+    def apply(self) -> cache.State:
+        return db.run_txn(self.cache, cache.apply_txn, self.source)
+
+    def dump(self) -> dict[str, list[tuple[Any, ...]]]:
+        """Every truth table and the cache's records, rids named by minting order (two stores
+        mint different rids for the same groups)."""
+        names = {rid: f"rid {n}" for n, (rid,) in enumerate(
+            self.truth.execute("SELECT rid FROM rids ORDER BY rid"))}
+        tables = [(self.truth, t) for t in ("claims", "cid_group", "rids", "changes", "signers")]
+        tables += [(self.cache, t) for t in ("records", "cid_index")]
+        return {table: sorted(tuple(names.get(v, v) for v in row)
+                              for row in conn.execute(f"SELECT * FROM {table}"))
+                for conn, table in tables}
+
+    def records(self) -> dict[tuple[str, str], str]:
+        return {(rid, key): value for rid, key, value in
+                self.cache.execute("SELECT rid, key, value FROM records")}
+
+
+def expected_feed(before: dict[tuple[str, str], str], after: dict[tuple[str, str], str],
+                  losers: list[str]) -> list[tuple[str, str, str, str | None]]:
+    """What one apply must feed: a `del` per key of each merged-away record, then every other
+    changed key in (rid, key) order."""
+    events = [(rid, "del", key, None) for loser in losers
+              for rid, key in sorted(before) if rid == loser]
+    for rid, key in sorted((set(before) | set(after)) - {k for k in before if k[0] in losers}):
+        value = after.get((rid, key))
+        if before.get((rid, key)) != value:
+            events.append((rid, "del", key, None) if value is None else (rid, "set", key, value))
+    return events
+
+
+def _title(n: int) -> Claim:
+    return Claim(UIDS[0], POOL[n], "title", str(n), NOW_MS, bytes(64))
+
+
+def _link(a: int, b: int) -> Claim:
+    return Claim(UIDS[0], POOL[a], f"cids/{POOL[b]}", "true", NOW_MS, bytes(64))
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(BATCHES, min_size=1, max_size=3))
+@example(batches=[[_title(n) for n in range(4)], [_link(1, 0), _link(3, 2)]])  # two survivors
+@example(batches=[[_title(n) for n in range(3)], [_link(2, 1), _link(1, 0), _link(2, 3)]])
+def test_batches_agree_with_one_claim_at_a_time(batches: list[list[Claim]]) -> None:
+    """`ingest_txn` resolves a batch against stored claims read once and kept current in
+    memory, groups it in memory and writes set-wise; `apply_txn` recomputes records with one
+    read per table. Both must do exactly what one claim per transaction does."""
+    with tempfile.TemporaryDirectory() as tmp:
+        batched, single = Store(Path(tmp) / "batched"), Store(Path(tmp) / "single")
+        try:
+            for batch in batches:
+                before, mark = batched.records(), cache.read_state(batched.cache)
+                verdicts = batched.ingest(batch)
+                batched.apply()
+                assert verdicts == [v for claim in batch for v in single.ingest([claim])]
+                single.apply()
+                assert batched.dump() == single.dump()
+                losers = [rid for (rid,) in batched.truth.execute(
+                    "SELECT rid FROM changes WHERE kind = 'merge' AND seq > ? ORDER BY seq",
+                    (mark.applied_seq,))]
+                fed = batched.cache.execute(
+                    "SELECT rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq",
+                    (mark.feed_seq,)).fetchall()
+                assert fed == expected_feed(before, batched.records(), losers)
+            fresh = db.connect(Path(tmp) / "fresh.db")
+            db.migrate(fresh, cache.MIGRATIONS)
+            db.run_txn(fresh, cache.build_txn, batched.source)
+            assert cache.diff(batched.cache, fresh) == []
+            fresh.close()
+        finally:
+            batched.close()
+            single.close()
