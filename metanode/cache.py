@@ -636,17 +636,62 @@ def group_cids(conn: sqlite3.Connection, rid: str) -> list[str]:
     return [r[0] for r in conn.execute("SELECT cid FROM cid_index WHERE rid = ?", (rid,))]
 
 
-def document(conn: sqlite3.Connection, rid: str, asked: str | None,
-             overrides: dict[str, str] | None = None) -> dict[str, Any] | None:
-    """The merged document of `rid` read in one snapshot, or None if the cache does not hold it."""
-    with snapshot(conn):
-        members = group_cids(conn, rid)
-        if not members:
-            return None
-        record = record_rows(conn, rid)
-        paths = [f.path for f in local_files(conn, members)]
-    record.update(overrides or {})
-    ranked = merge.document(asked or "", members, record, paths)
+@dataclass(frozen=True)
+class Group:
+    """What the cache holds of one group: its rid, CIDs, record rows and local file paths."""
+
+    rid: str
+    cids: list[str]
+    record: dict[str, str]
+    paths: list[str]
+
+
+# One statement, so one implicit read snapshot: the group, its record and its files always agree,
+# even while a merge is applied, without a BEGIN/COMMIT round trip around four queries.
+_GROUP_SQL = """
+WITH g(rid) AS ({which})
+SELECT 0, rid, NULL FROM g
+UNION ALL SELECT 1, cid, NULL FROM cid_index WHERE rid = (SELECT rid FROM g)
+UNION ALL SELECT 2, key, value FROM records WHERE rid = (SELECT rid FROM g)
+UNION ALL SELECT 3, path, NULL FROM local_file
+    WHERE midhash IN (SELECT cid FROM cid_index WHERE rid = (SELECT rid FROM g))
+"""
+_GROUP_BY_CID = _GROUP_SQL.format(which="SELECT rid FROM cid_index WHERE cid = ?")
+_GROUP_BY_RID = _GROUP_SQL.format(which="SELECT ?")
+
+
+def _group(conn: sqlite3.Connection, sql: str, param: str) -> Group | None:
+    rid: str | None = None
+    members: list[str] = []
+    record: dict[str, str] = {}
+    paths: list[str] = []
+    for part, a, b in conn.execute(sql, (param,)):
+        if part == 0:
+            rid = a
+        elif part == 1:
+            members.append(a)
+        elif part == 2:
+            record[a] = b
+        else:
+            paths.append(a)
+    return Group(rid, members, record, paths) if rid is not None and members else None
+
+
+def group_by_cid(conn: sqlite3.Connection, cid: str) -> Group | None:
+    """The group holding `cid` (this exact spelling), or None."""
+    return _group(conn, _GROUP_BY_CID, cid)
+
+
+def group_by_rid(conn: sqlite3.Connection, rid: str) -> Group | None:
+    """Group `rid`, or None if the cache does not hold it (yet)."""
+    return _group(conn, _GROUP_BY_RID, rid)
+
+
+def document(group: Group, asked: str | None,
+             overrides: dict[str, str] | None = None) -> dict[str, Any]:
+    """The merged document of a group, as asked for by `asked` (None: by rid)."""
+    ranked = merge.document(asked or "", group.cids, {**group.record, **(overrides or {})},
+                            group.paths)
     if asked is None:
         ranked["cid"] = ranked["canonical_cid"]
     return ranked

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from metanode import cache, claims, db, feed, merge, plugins, sse, truth, watcher
 from metanode import cid as cids
@@ -40,6 +40,7 @@ from metanode.errors import (
 from metanode.metrics import Metrics
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 STALL_S = 60.0  # /health reports degraded when the applier or the watcher stalls this long
 
 
@@ -284,10 +285,8 @@ class Node:
         because plugins call it from their threads."""
         conn = db.connect(self.settings.cache_path, readonly=True)
         try:
-            asked = cids.normalise(cid)
-            rid = cache.lookup(conn, asked)
-            doc = cache.document(conn, rid, asked) if rid is not None else None
-            return None if doc is None else dict(doc["metadata"])
+            group = cache.group_by_cid(conn, cids.normalise(cid))
+            return None if group is None else dict(sorted(group.record.items()))
         finally:
             conn.close()
 
@@ -446,15 +445,20 @@ class Node:
         if not self.applier.ready:
             raise CacheNotReady("the cache is being built from the truth; retry shortly")
 
-    def _resolve_cid(self, text: str) -> tuple[str, str]:
-        """(asked CID in canonical spelling, its rid), trying the alias spelling on a miss."""
+    def _find(self, text: str, lookup: Callable[[str], T | None]) -> tuple[str, T]:
+        """(asked CID in canonical spelling, what `lookup` found for it), trying the alias
+        spelling on a miss."""
         asked = cids.normalise(text)
         for candidate in cids.spellings(asked):
             if candidate is not None:
-                found = cache.lookup(self.cache_reader, candidate)
+                found = lookup(candidate)
                 if found is not None:
                     return asked, found
         raise UnknownCid(f"no record holds {asked}")
+
+    def _resolve_cid(self, text: str) -> tuple[str, str]:
+        """(asked CID in canonical spelling, its rid)."""
+        return self._find(text, lambda cid: cache.lookup(self.cache_reader, cid))
 
     def _viewer_overrides(self, rid: str, viewer: str | None) -> dict[str, str]:
         """`?as=<uid>`: the viewer's own live votes, which win on their keys (SPEC §2.5 rule 4)."""
@@ -472,13 +476,8 @@ class Node:
     def meta(self, text: str, viewer: str | None = None) -> dict[str, Any]:
         """GET /api/meta/{cid}: the merged document of the group holding any spelling of cid."""
         self._require_ready()
-        for _attempt in range(3):  # a merge can land between resolving and reading: resolve again
-            asked, rid = self._resolve_cid(text)
-            overrides = self._viewer_overrides(rid, viewer)
-            doc = cache.document(self.cache_reader, rid, asked, overrides)
-            if doc is not None:
-                return doc
-        raise CacheNotReady(f"the record of {text} is changing; retry shortly")
+        asked, group = self._find(text, lambda cid: cache.group_by_cid(self.cache_reader, cid))
+        return cache.document(group, asked, self._viewer_overrides(group.rid, viewer))
 
     def active_rid(self, text: str) -> str:
         """The rid `text` names, if active; 404 `merged` (with the survivor) or `unknown_rid`."""
@@ -495,10 +494,10 @@ class Node:
         """GET /api/metadata/{rid}."""
         self._require_ready()
         rid = self.active_rid(text)
-        doc = cache.document(self.cache_reader, rid, None)
-        if doc is None:
+        group = cache.group_by_rid(self.cache_reader, rid)
+        if group is None:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
-        return {"hashId": rid, **doc}
+        return {"hashId": rid, **cache.document(group, None)}
 
     def group_claims(self, rid: str, key: str | None, uid: str | None) -> dict[str, Any]:
         """The claims listing of a group: every live claim, all signers, optionally filtered."""
