@@ -470,10 +470,12 @@ def local_stats(conn: sqlite3.Connection, under: Iterable[str]) -> dict[str, tup
     """path → (size, mtime_ns) of every local file row below the given folders."""
     out: dict[str, tuple[int, int]] = {}
     for root in under:
-        prefix = root.rstrip("/") + "/"
+        # The paths that start with "<root>/" are exactly those in ["<root>/", "<root>0"):
+        # "0" follows "/" in code point order. A range on the primary key, not a full scan.
+        stem = root.rstrip("/")
         out.update((path, (size, mtime)) for path, size, mtime in conn.execute(
-            "SELECT path, size, mtime_ns FROM local_file WHERE substr(path, 1, ?) = ?",
-            (len(prefix), prefix)))
+            "SELECT path, size, mtime_ns FROM local_file WHERE path >= ? AND path < ?",
+            (stem + "/", stem + "0")))
     return out
 
 

@@ -62,7 +62,7 @@ class Rules:
     @cached_property
     def _name_match(self) -> Callable[[str], re.Match[str] | None]:
         names = [g for g in DEFAULT_IGNORED + self.globs if "/" not in g]
-        return re.compile("|".join(fnmatch.translate(g.lower()) for g in names)).match
+        return re.compile("|".join(fnmatch.translate(g) for g in names), re.IGNORECASE).match
 
     @cached_property
     def _path_globs(self) -> tuple[str, ...]:
@@ -70,8 +70,10 @@ class Rules:
 
     def ignored_name(self, name: str) -> bool:
         """One path component: dot-name, a name glob, or not UTF-8."""
-        if name.startswith(".") or self._name_match(name.lower()):
+        if name.startswith(".") or self._name_match(name):
             return True
+        if name.isascii():  # the common case, without the encode below
+            return False
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
@@ -243,10 +245,13 @@ class Watcher:
         roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
         self.scanning = True
         try:
-            disk: dict[str, Stat] = {}
-            for root in roots:
-                disk.update(await asyncio.to_thread(self._files_below, root, root))
-            known = self._known_stats(roots)
+            walking = asyncio.gather(*(asyncio.to_thread(self._files_below, root, root)
+                                       for root in roots))
+            try:
+                known = self._known_stats(roots)  # on the loop, while the walks run on threads
+            finally:
+                walked = await walking
+            disk = {path: st for part in walked for path, st in part.items()}
             to_hash, to_remove = plan(disk, known)
             summary = Summary(seen=len(disk), unchanged=len(disk) - len(to_hash),
                               removed=len(to_remove))
