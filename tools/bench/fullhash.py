@@ -12,14 +12,10 @@ Run: `.venv/bin/python tools/bench/fullhash.py [--size-mib 1024] [--rounds 3] [-
    (goal vs sha256sum: ≥ 0.8). Debian's `sha256sum` (coreutils) has no SHA-NI code path, so it is
    a weak baseline on CPUs that have SHA-NI; openssl uses it and is the honest one.
 2. **Breakdown.** The same read loop (4 MiB `readinto`) with only one consumer each: nothing,
-   whole-file sha2-256, blake3 (AUTO threads and 1 thread), the IPFS builder, the builder's leaf
-   sha2-256 alone on memoryview slices, and the builder's `bytes()` copies alone. Best of 2.
+   whole-file sha2-256, blake3 (AUTO threads and 1 thread), the IPFS builder, and the builder's
+   leaf sha2-256 alone on memoryview slices. Best of 2.
    Then a cProfile of one `hash_file` pass, top functions by own time.
-3. **A candidate fix, measured.** `parallel_hash` below (a prototype kept in this script only):
-   no per-leaf `bytes()` copy, the whole-file sha2-256 and the leaf hashing on two worker threads
-   (hashlib releases the GIL on large updates), blake3 on the reading thread, with two buffers so
-   the next read overlaps the hashing. Its digests are checked equal to `hash_file`'s.
-4. **Peak memory.** `hash_file` on a 10 GiB sparse file (a hole: reads as zero pages) in a child
+3. **Peak memory.** `hash_file` on a 10 GiB sparse file (a hole: reads as zero pages) in a child
    process that reports its own RSS after the imports and its peak (VmHWM, reset after the
    imports through /proc/self/clear_refs) while hashing.
 
@@ -41,7 +37,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import blake3
@@ -84,47 +79,6 @@ def hex_of_tool(command: list[str], path: Path) -> str:
     return out.split("= ")[-1] if "= " in out else out.split()[0]
 
 
-# -- the candidate fix (a prototype; the plugin itself is not changed here) ---------------------
-
-
-class NoCopyBuilder(ipfs.Builder):  # type: ignore[misc]  # the plugin ships no type stubs
-    """The IPFS builder, hashing whole chunks straight from the caller's buffer (no `bytes()`)."""
-
-    def update(self, data: bytes | memoryview) -> None:
-        if self._carry:  # a chunk is already started: the original path handles it
-            super().update(data)
-            return
-        view = memoryview(data)
-        whole = len(view) - len(view) % ipfs.CHUNK
-        for i in range(0, whole, ipfs.CHUNK):
-            self._push(0, ipfs.leaf(view[i : i + ipfs.CHUNK]))
-        self._carry += view[whole:]
-
-
-def parallel_hash(path: Path) -> tuple[str, str, str]:
-    """(sha2-256 CID, blake3 CID, IPFS CID): the two sha2-256 streams on worker threads."""
-    sha = hashlib.sha256()
-    b3 = blake3.blake3()
-    dag = NoCopyBuilder()
-    buffers = [bytearray(BLOCK), bytearray(BLOCK)]
-    views = [memoryview(b) for b in buffers]
-    waiting: list[Future[None]] = []
-    with ThreadPoolExecutor(2) as pool, path.open("rb", buffering=0) as f:
-        k = 0
-        while True:
-            got = f.readinto(buffers[k % 2])  # overlaps the hashing of the previous block
-            for job in waiting:
-                job.result()
-            if not got:
-                break
-            block = views[k % 2][:got]
-            waiting = [pool.submit(sha.update, block), pool.submit(dag.update, block)]
-            b3.update(block)
-            k += 1
-    return (cids.encode(cids.RAW, cids.SHA2_256, sha.digest()),
-            cids.encode(cids.RAW, cids.BLAKE3, b3.digest()), dag.finish())
-
-
 # -- sections -----------------------------------------------------------------------------------
 
 
@@ -134,13 +88,11 @@ def throughput(path: Path, size: int, rounds: int) -> tuple[Digests, dict[str, f
         hex_of_tool(["sha256sum"], path)))
     assert digests.sha256 == expected, "sha256sum disagrees with fullhash"
     assert hex_of_tool(["openssl", "dgst", "-sha256"], path) == hex_of_tool(["sha256sum"], path)
-    assert parallel_hash(path) == (digests.sha256, digests.blake3, digests.ipfs)
-    best = {name: float("inf") for name in ("fullhash", "sha256sum", "openssl", "parallel")}
+    best = {name: float("inf") for name in ("fullhash", "sha256sum", "openssl")}
     runs: dict[str, Callable[[], object]] = {
         "fullhash": lambda: hash_file(str(path)),
         "sha256sum": lambda: hex_of_tool(["sha256sum"], path),
         "openssl": lambda: hex_of_tool(["openssl", "dgst", "-sha256"], path),
-        "parallel": lambda: parallel_hash(path),
     }
     for r in range(rounds):
         line = []
@@ -156,8 +108,6 @@ def throughput(path: Path, size: int, rounds: int) -> tuple[Digests, dict[str, f
     for base in ("sha256sum", "openssl"):
         print(f"  ratio fullhash / {base:9} = {best[base] / best['fullhash']:.2f}"
               + ("   (goal >= 0.8)" if base == "sha256sum" else ""))
-    print(f"  ratio parallel prototype / openssl = {best['openssl'] / best['parallel']:.2f}, "
-          f"/ sha256sum = {best['sha256sum'] / best['parallel']:.2f}")
     return digests, best
 
 
@@ -166,18 +116,13 @@ def breakdown(path: Path, size: int) -> None:
         for i in range(0, len(block), ipfs.CHUNK):
             hashlib.sha256(block[i : i + ipfs.CHUNK])
 
-    def leaf_copies(block: memoryview) -> None:
-        for i in range(0, len(block), ipfs.CHUNK):
-            bytes(block[i : i + ipfs.CHUNK])
-
     parts: list[tuple[str, Callable[[], Callable[[memoryview], object]]]] = [
         ("read only", lambda: lambda block: None),
         ("sha2-256, whole file", lambda: hashlib.sha256().update),
         ("blake3, AUTO threads", lambda: blake3.blake3(max_threads=blake3.blake3.AUTO).update),
         ("blake3, 1 thread", lambda: blake3.blake3().update),
-        ("IPFS builder (as shipped)", lambda: ipfs.Builder().update),
+        ("IPFS builder", lambda: ipfs.Builder().update),
         ("  its leaf sha2-256 alone", lambda: leaf_hashes),
-        ("  its bytes() copies alone", lambda: leaf_copies),
     ]
     print("\nbreakdown (the same read loop, one consumer each, best of 2):")
     def one_pass(make: Callable[[], Callable[[memoryview], object]]) -> float:

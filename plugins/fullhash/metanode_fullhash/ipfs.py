@@ -39,7 +39,7 @@ def _binary_cid(codec: int, digest: bytes) -> bytes:
     return b"\x01" + cids.varint(codec) + b"\x12\x20" + digest
 
 
-def leaf(chunk: bytes) -> Node:
+def leaf(chunk: bytes | memoryview) -> Node:
     """A raw leaf: the chunk itself, addressed by its sha2-256."""
     return Node(_binary_cid(cids.RAW, hashlib.sha256(chunk).digest()), len(chunk), len(chunk))
 
@@ -78,7 +78,7 @@ class Builder:
             self._carry.clear()
         whole = len(view) - len(view) % CHUNK
         for i in range(0, whole, CHUNK):
-            self._push(0, leaf(bytes(view[i : i + CHUNK])))
+            self._push(0, leaf(view[i : i + CHUNK]))  # hashed in place: no copy of the chunk
         self._carry += view[whole:]
 
     def _push(self, level: int, node: Node) -> None:
