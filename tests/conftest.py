@@ -169,11 +169,16 @@ class Server:
         body: dict[str, Any] = response.json()
         return body
 
-    def stop(self, sig: int = 15) -> int:
+    def stop(self, sig: int = 15, grace: float = 30.0) -> int:
+        """Send `sig`; SIGKILL if it has not exited within `grace` seconds (a wedged node)."""
         assert self.proc is not None
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout=30)
+        try:
+            return self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=30)
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""

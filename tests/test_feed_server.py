@@ -16,7 +16,6 @@ import json
 import os
 import queue
 import random
-import signal
 import socket
 import sqlite3
 import subprocess
@@ -260,18 +259,6 @@ def wait_until(what: str, check: Callable[[], bool], timeout: float = WAIT_S) ->
 
 
 Launch = Callable[..., Server]
-
-
-def stop(server: Server, grace: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds (a wedged node)."""
-    assert server.proc is not None
-    if server.proc.poll() is None:
-        server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait(timeout=WAIT_S)
 
 
 @pytest.fixture
@@ -762,7 +749,7 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
                lambda: cache_value(server, "SELECT min(seq) FROM feed") == 2_001)
     too_old = Frame("gap", None, {"requested": cursor(ep, 1_999), "reason": "too_old"})
     assert first_frame(server, cursor(ep, 1_999)) == too_old
-    stop(server)
+    server.stop(grace=10.0)
 
     server = launch()  # default retention (100,000): what was pruned stays pruned
     assert epoch(server) == ep
@@ -775,7 +762,7 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
     stream.until(lambda r: r.position == 3_002, replica)
     assert replica.seqs[-2:] == [3_001, 3_002]  # the counter went on from the old head
     stream.close()
-    stop(server)
+    server.stop(grace=10.0)
 
     # retention by age (about 0.9 s here): the feed empties, the counter still goes on
     server = launch({"METANODE_FEED_RETENTION_DAYS": "0.00001", "METANODE_FEED_PRUNE_S": "0.2"})
@@ -798,7 +785,7 @@ def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
     old_epoch = epoch(server)
     old = cursor(old_epoch, 10)
     before = records(server)
-    stop(server)
+    server.stop(grace=10.0)
     done = subprocess.run([sys.executable, "-m", "metanode", "rebuild-cache", "--data-dir",
                            str(server.data_dir)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
