@@ -30,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metanode import compat, logs, sse
 from metanode.bodies import ascii_number, read_json
+from metanode.claims import utf8_size
 from metanode.errors import (
     InvalidRequest,
     MetanodeError,
@@ -141,21 +142,13 @@ def _limit(request: Request, default: int = 100) -> int:
     return value
 
 
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates, which JSON can carry and SQLite cannot
-        return False
-    return True
-
-
 def _signer_body(body: Any) -> tuple[str, str, int, bool]:
     """(uid, name, weight, may_link) from a POST /api/signers body, or a clear error."""
     if not isinstance(body, dict) or not isinstance(body.get("uid"), str):
         raise InvalidRequest('the body must be {"uid": "z6Mk…", "name", "weight", "may_link"}')
     name, weight = body.get("name", ""), body.get("weight", 1)
     may_link = body.get("may_link", False)
-    if not isinstance(name, str) or not _encodable(name):
+    if not isinstance(name, str) or utf8_size(name) is None:
         raise InvalidRequest("name must be a string of valid Unicode")
     if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 1_000_000:
         raise InvalidRequest("weight must be an integer from 0 to 1000000")

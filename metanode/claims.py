@@ -156,14 +156,22 @@ def verify(claim: Claim) -> None:
 # -- field rules (SPEC §2.2) --------------------------------------------------------------------
 
 
+def utf8_size(text: str) -> int | None:
+    """Bytes of `text` in UTF-8, or None if it has none (lone surrogates: JSON and a decoded
+    file name can carry them, UTF-8 and SQLite cannot)."""
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None
+
+
 def check_key(key: object) -> str:
     """Raise `InvalidKey`/`ReservedKey`/`InvalidMemberCid` unless `key` may be claimed."""
     if not isinstance(key, str):
         raise InvalidKey("key must be a string")
-    try:
-        size = len(key.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidKey("key is not valid Unicode") from None
+    size = utf8_size(key)
+    if size is None:
+        raise InvalidKey("key is not valid Unicode")
     if not 1 <= size <= MAX_KEY_BYTES:
         raise InvalidKey(f"key must be 1-{MAX_KEY_BYTES} UTF-8 bytes")
     if not _CONTROL.isdisjoint(key):
@@ -186,10 +194,9 @@ def check_value(value: object, limits: Limits) -> str | None:
         return None
     if not isinstance(value, str):
         raise InvalidValue("value must be a string or null")
-    try:
-        size = len(value.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise InvalidValue("value is not valid Unicode") from None
+    size = utf8_size(value)
+    if size is None:
+        raise InvalidValue("value is not valid Unicode")
     if size > limits.max_value_bytes:
         raise InvalidValue(f"value is {size} bytes, the limit is {limits.max_value_bytes}")
     return value

@@ -31,6 +31,7 @@ from pathlib import Path
 import watchfiles
 
 from metanode import cid as cids
+from metanode.claims import utf8_size
 from metanode.errors import MidhashError
 from metanode.merge import LocalFile
 
@@ -72,14 +73,10 @@ class Rules:
         """One path component: dot-name, a name glob, or not UTF-8."""
         if name.startswith(".") or self._name_match(name):
             return True
-        if name.isascii():  # the common case, without the encode below
+        if name.isascii() or utf8_size(name) is not None:  # ASCII: the common case, at once
             return False
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            log.warning("ignoring a name that is not valid UTF-8: %r", name)
-            return True
-        return False
+        log.warning("ignoring a name that is not valid UTF-8: %r", name)
+        return True
 
     def ignored(self, root: str, path: str) -> bool:
         """Whether `path` is ignored: the root itself never is, a path outside it always is."""
