@@ -366,7 +366,9 @@ class Watcher:
                     await self._guarded(self._on_changes(changes))
             except Exception:
                 log.exception("inotify failed; watching again and rescanning")
-                resync = asyncio.create_task(self._resync_soon())
+                await asyncio.sleep(TICK_S)  # never a busy loop if it fails again at once
+                if resync is None or resync.done():
+                    resync = asyncio.create_task(self._resync_soon())
         if resync is not None:
             resync.cancel()
 
