@@ -450,10 +450,9 @@ class Node:
         spelling on a miss."""
         asked = cids.normalise(text)
         for candidate in cids.spellings(asked):
-            if candidate is not None:
-                found = lookup(candidate)
-                if found is not None:
-                    return asked, found
+            found = lookup(candidate)
+            if found is not None:
+                return asked, found
         raise UnknownCid(f"no record holds {asked}")
 
     def _resolve_cid(self, text: str) -> tuple[str, str]:
@@ -508,12 +507,8 @@ class Node:
         return {"rid": rid, "cids": cids.by_rank(members), "claims": [c.wire() for c in listed]}
 
     def meta_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
-        asked = cids.normalise(text)
-        for candidate in cids.spellings(asked):
-            rid = truth.group_of(self.truth_reader, candidate) if candidate else None
-            if rid is not None:
-                return self.group_claims(rid, key, uid)
-        raise UnknownCid(f"no record holds {asked}")
+        _, rid = self._find(text, lambda cid: truth.group_of(self.truth_reader, cid))
+        return self.group_claims(rid, key, uid)
 
     def metadata_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
         return self.group_claims(self.active_rid(text), key, uid)
