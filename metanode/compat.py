@@ -97,22 +97,12 @@ def _as_rid(text: str) -> str | None:
         return None
 
 
-def _cached_rid_of_cid(node: Node, text: str) -> str:
-    """The rid of the record holding this CID (any spelling; the alias spelling on a miss)."""
-    asked = cids.normalise(text)
-    for candidate in cids.spellings(asked):
-        found = cache.lookup(node.cache_reader, candidate) if candidate else None
-        if found is not None:
-            return found
-    raise UnknownCid(f"no record holds {asked}")
-
-
 def record_rid(node: Node, text: str) -> str:
     """The active rid that `{hash}` names: a rid (404 `unknown_rid` / `merged`) or any known CID
     (404 `unknown_cid`; 400 `invalid_cid` for what is neither)."""
     _require_ready(node)
     rid = _as_rid(text)
-    return node.active_rid(rid) if rid is not None else _cached_rid_of_cid(node, text)
+    return node.active_rid(rid) if rid is not None else node.resolve_cid(text)[1]
 
 
 # -- the legacy writer --------------------------------------------------------------------------
@@ -172,8 +162,6 @@ class LegacyWriter:
             return canonical, rid
         asked = cids.normalise(text)
         for candidate in cids.spellings(asked):
-            if candidate is None:
-                continue
             found = truth.group_of(self.node.truth_reader, candidate)
             if found is not None:
                 return candidate, found
@@ -289,7 +277,7 @@ class LocalCopy:
 
 
 def _copies(node: Node, text: str) -> tuple[list[merge.LocalFile], str | None]:
-    rid = _cached_rid_of_cid(node, text)
+    rid = node.resolve_cid(text)[1]
     with db.snapshot(node.cache_reader):
         files = cache.local_files(node.cache_reader, cache.group_cids(node.cache_reader, rid))
         row = node.cache_reader.execute(

@@ -455,8 +455,8 @@ class Node:
                 return asked, found
         raise UnknownCid(f"no record holds {asked}")
 
-    def _resolve_cid(self, text: str) -> tuple[str, str]:
-        """(asked CID in canonical spelling, its rid)."""
+    def resolve_cid(self, text: str) -> tuple[str, str]:
+        """(asked CID in canonical spelling, the rid of the cached record holding it)."""
         return self._find(text, lambda cid: cache.lookup(self.cache_reader, cid))
 
     def _viewer_overrides(self, rid: str, viewer: str | None) -> dict[str, str]:

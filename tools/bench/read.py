@@ -215,7 +215,7 @@ async def _breakdown(data_dir: Path, known: list[str], n: int,
             Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"])])
         sync_parts: list[tuple[str, Callable[[str], object]]] = [
             ("node.meta(cid)", node.meta),
-            ("  node._resolve_cid (normalise, alias, lookup)", node._resolve_cid),
+            ("  node.resolve_cid (normalise, alias, lookup)", node.resolve_cid),
             ("    cid.alias alone (computed even on a hit)", cids.alias),
             ("  cache.group_by_cid + cache.document (one SELECT, rank)", document_of),
             ("JSONResponse(document)", lambda c: JSONResponse(docs[c])),
