@@ -82,11 +82,6 @@ def is_deprecated(field: str) -> bool:
     return field.startswith("cid_") or field in ("midhash256", "canonical_cid")
 
 
-def _require_ready(node: Node) -> None:
-    if not node.applier.ready:
-        raise CacheNotReady("the cache is being built from the truth; retry shortly")
-
-
 # -- naming a record: a rid, or any CID in any spelling -----------------------------------------
 
 
@@ -100,7 +95,7 @@ def _as_rid(text: str) -> str | None:
 def record_rid(node: Node, text: str) -> str:
     """The active rid that `{hash}` names: a rid (404 `unknown_rid` / `merged`) or any known CID
     (404 `unknown_cid`; 400 `invalid_cid` for what is neither)."""
-    _require_ready(node)
+    node.require_ready()
     rid = _as_rid(text)
     return node.active_rid(rid) if rid is not None else node.resolve_cid(text)[1]
 
@@ -299,7 +294,7 @@ def _still_there(path: str, size: int, mtime_ns: int) -> os.stat_result | None:
 
 async def local_copy(node: Node, text: str) -> LocalCopy | None:
     """The first local path (by path) holding the content this CID names, checked on disk."""
-    _require_ready(node)
+    node.require_ready()
     files, mime = _copies(node, text)
     for file in files:
         info = await asyncio.to_thread(_still_there, file.path, file.size, file.mtime_ns)
@@ -536,7 +531,7 @@ def routes(node: Node) -> list[BaseRoute]:
     roots = Roots(node.settings.watch_roots)
 
     async def list_meta(request: Request) -> Response:
-        _require_ready(node)
+        node.require_ready()
         found = [r[0] for r in node.cache_reader.execute(
             "SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
         return JSONResponse({"hashIds": found, "count": len(found)})
@@ -573,7 +568,7 @@ def routes(node: Node) -> list[BaseRoute]:
         return PlainTextResponse(row[0])
 
     def follow(request: Request, kind: type[_Follow]) -> Response:
-        _require_ready(node)
+        node.require_ready()
         cursor = sse.parse_cursor(request.headers.get("last-event-id")
                                   or request.query_params.get("since"))
         stream = kind(node, cursor).stream()

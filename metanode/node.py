@@ -342,7 +342,7 @@ class Node:
     def subscribe(self, cursor: str | None, snapshot: bool,
                   where: sse.Filter) -> AsyncIterator[bytes]:
         """A feed subscription from a `Last-Event-ID`/`?since=` cursor (SPEC §5)."""
-        self._require_ready()
+        self.require_ready()
         subscription = feed.Subscription(
             self.feed_hub, self.settings.cache_path, lambda: self.applier.state,
             self.applier.wait_feed, sse.parse_cursor(cursor), snapshot, where,
@@ -441,7 +441,8 @@ class Node:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def _require_ready(self) -> None:
+    def require_ready(self) -> None:
+        """503 `cache_not_ready` until the cache has been built (reads need it)."""
         if not self.applier.ready:
             raise CacheNotReady("the cache is being built from the truth; retry shortly")
 
@@ -474,7 +475,7 @@ class Node:
 
     def meta(self, text: str, viewer: str | None = None) -> dict[str, Any]:
         """GET /api/meta/{cid}: the merged document of the group holding any spelling of cid."""
-        self._require_ready()
+        self.require_ready()
         asked, group = self._find(text, lambda cid: cache.group_by_cid(self.cache_reader, cid))
         return cache.document(group, asked, self._viewer_overrides(group.rid, viewer))
 
@@ -491,7 +492,7 @@ class Node:
 
     def metadata(self, text: str) -> dict[str, Any]:
         """GET /api/metadata/{rid}."""
-        self._require_ready()
+        self.require_ready()
         rid = self.active_rid(text)
         group = cache.group_by_rid(self.cache_reader, rid)
         if group is None:
@@ -514,7 +515,7 @@ class Node:
         return self.group_claims(self.active_rid(text), key, uid)
 
     def hash_ids(self, after: str | None, limit: int) -> dict[str, Any]:
-        self._require_ready()
+        self.require_ready()
         start = rids.parse(after) if after else ""
         page = cache.hash_ids(self.cache_reader, start, limit)
         return {"hashIds": page, "next": page[-1] if len(page) == limit else None}
