@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import mimetypes
 import os
 import socket
@@ -407,7 +408,7 @@ class _Follow:
                                     "resumeFrom": sse.event_id(epoch, head)})
             rows = self._state(_now_ms())
             held: tuple[str, dict[str, str]] | None = None
-            while page := await db.off_loop(_take, rows, PAGE):
+            while page := await db.off_loop(lambda: list(itertools.islice(rows, PAGE))):
                 for item in page:
                     if held is not None:
                         yield sse.event(*held)
@@ -434,15 +435,6 @@ class _Follow:
             for seq, kind, data in rows:
                 self.position = seq
                 yield sse.event(kind, data, sse.event_id(self.epoch, seq))
-
-
-def _take(rows: Iterator[tuple[str, dict[str, str]]], n: int) -> list[tuple[str, dict[str, str]]]:
-    out = []
-    for item in rows:
-        out.append(item)
-        if len(out) == n:
-            break
-    return out
 
 
 class MetaFollow(_Follow):
@@ -545,8 +537,7 @@ def routes(node: Node) -> list[BaseRoute]:
             return JSONResponse({"success": True, "hashId": done.rid, "updated": done.updated},
                                 status_code=done.status)
         rid = record_rid(node, text)
-        with db.snapshot(node.cache_reader):
-            record = cache.record_rows(node.cache_reader, rid)
+        record = cache.record_rows(node.cache_reader, rid)  # one statement: one snapshot
         if not record:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
         return JSONResponse({"hashId": rid, "metadata": dict(sorted(record.items()))})
