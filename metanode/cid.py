@@ -1,6 +1,6 @@
 """CIDs: parsing, the canonical spelling, alias spellings, the rank ladder and midhash256.
 
-Pure: the only I/O here is `midhash_file`, which reads at most one 1 MiB sample of a file.
+Pure: no I/O (reading a file's sample is `watcher.midhash_file`).
 
 Three spellings matter (SPEC §1.1):
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
-import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -30,7 +28,7 @@ from multiformats.multicodec import Multicodec
 from multiformats.multihash import raw as multihash_raw
 from multiformats.multihash.raw import Hashfun
 
-from metanode.errors import InvalidCid, MidhashError, NoncanonicalCid
+from metanode.errors import InvalidCid, NoncanonicalCid
 
 RAW = 0x55
 DAG_PB = 0x70
@@ -338,41 +336,3 @@ def midhash_cid(digest: bytes) -> str:
 def midhash_bytes(data: bytes) -> str:
     """midhash256 CID of an in-memory file content."""
     return midhash_cid(_midhash_of_bytes(data))
-
-
-def midhash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """midhash256 CID and size of a file, with one read of at most 1 MiB.
-
-    A file that is shorter than its stat said by the time it is read (it shrank, or was replaced)
-    raises `MidhashError`: hashing zero-filled bytes would give a CID that names no real content.
-    """
-    name = os.fspath(path)
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise MidhashError(f"{name!r} is not a regular file")
-            size = info.st_size
-            want = min(size, MIDHASH_SAMPLE)
-            sample = _read_exactly(fd, want, midhash_offset(size))
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        raise MidhashError(f"cannot read {name!r}: {exc.strerror or exc}") from None
-    if len(sample) != want:
-        raise MidhashError(f"{name!r} shrank while being hashed")
-    return midhash_cid(midhash_digest(size, sample)), size
-
-
-def _read_exactly(fd: int, want: int, offset: int) -> bytes:
-    """Read `want` bytes at `offset`, looping over short reads; fewer bytes only at end of file."""
-    chunks: list[bytes] = []
-    got = 0
-    while got < want:
-        chunk = os.pread(fd, want - got, offset + got)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)

@@ -66,7 +66,7 @@ def cid() -> None:
 def cid_midhash(files: tuple[str, ...]) -> None:
     """Print `<midhash256 CID>  <path>` for each FILE (one read of at most 1 MiB each)."""
     for path in files:
-        value, _size = cids.midhash_file(path)
+        value, _size = watcher.midhash_file(path)
         click.echo(f"{value}  {path}")
 
 

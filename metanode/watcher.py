@@ -148,12 +148,50 @@ def stat_of(path: str, follow_symlinks: bool) -> Stat | None:
     return (info.st_size, info.st_mtime_ns) if stat.S_ISREG(info.st_mode) else None
 
 
+def midhash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
+    """midhash256 CID and size of a file, with one read of at most 1 MiB.
+
+    A file that is shorter than its stat said by the time it is read (it shrank, or was replaced)
+    raises `MidhashError`: hashing zero-filled bytes would give a CID that names no real content.
+    """
+    name = os.fspath(path)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise MidhashError(f"{name!r} is not a regular file")
+            size = info.st_size
+            want = min(size, cids.MIDHASH_SAMPLE)
+            sample = _read_exactly(fd, want, cids.midhash_offset(size))
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise MidhashError(f"cannot read {name!r}: {exc.strerror or exc}") from None
+    if len(sample) != want:
+        raise MidhashError(f"{name!r} shrank while being hashed")
+    return cids.midhash_cid(cids.midhash_digest(size, sample)), size
+
+
+def _read_exactly(fd: int, want: int, offset: int) -> bytes:
+    """Read `want` bytes at `offset`, looping over short reads; fewer bytes only at end of file."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < want:
+        chunk = os.pread(fd, want - got, offset + got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def hash_settled(path: str, expected: Stat) -> LocalFile | None:
     """The midhash of a file that still has the stat it settled with, else None (try later)."""
     before = stat_of(path, follow_symlinks=True)
     if before != expected:
         return None
-    midhash, size = cids.midhash_file(path)
+    midhash, size = midhash_file(path)
     if stat_of(path, follow_symlinks=True) != before or size != before[0]:
         return None  # written to while being hashed
     return LocalFile(path, midhash, before[0], before[1])

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiformats import CID
 
-from metanode import cid
+from metanode import cid, watcher
 from metanode.errors import InvalidCid, MidhashError, NoncanonicalCid
 from tests.conftest import load_vectors
 
@@ -461,8 +461,8 @@ def test_midhash_vector_file(vector: dict[str, Any], tmp_path: Path) -> None:
     data = vector_content(vector)
     path = tmp_path / "content.bin"
     path.write_bytes(data)
-    assert cid.midhash_file(path) == (vector["cid"], len(data))
-    assert cid.midhash_file(str(path)) == (vector["cid"], len(data))
+    assert watcher.midhash_file(path) == (vector["cid"], len(data))
+    assert watcher.midhash_file(str(path)) == (vector["cid"], len(data))
 
 
 @pytest.mark.parametrize("vector", SPARSE_MIDHASH, ids=_ids(SPARSE_MIDHASH))
@@ -473,7 +473,7 @@ def test_midhash_vector_sparse_file(vector: dict[str, Any], tmp_path: Path) -> N
     with path.open("wb") as f:
         f.truncate(size)  # a hole: no data blocks are written
     assert path.stat().st_size == size
-    assert cid.midhash_file(path) == (vector["cid"], size)
+    assert watcher.midhash_file(path) == (vector["cid"], size)
     # The same digest from its definition: size prefix plus one 1 MiB (zero) sample.
     assert cid.midhash_cid(cid.midhash_digest(size, bytes(MIB))) == vector["cid"]
 
@@ -507,13 +507,13 @@ def test_midhash_depends_on_the_size_prefix() -> None:
 
 def test_midhash_of_missing_file(tmp_path: Path) -> None:
     with pytest.raises(MidhashError) as info:
-        cid.midhash_file(tmp_path / "nope.bin")
+        watcher.midhash_file(tmp_path / "nope.bin")
     assert info.value.slug == "midhash_failed"
 
 
 def test_midhash_of_directory(tmp_path: Path) -> None:
     with pytest.raises(MidhashError):
-        cid.midhash_file(tmp_path)
+        watcher.midhash_file(tmp_path)
 
 
 # The shrink check (SPEC §1.2: a short read is an error, never a hash of zero-filled bytes) is
@@ -528,11 +528,11 @@ def test_read_exactly_returns_short_at_end_of_file(tmp_path: Path) -> None:
     path.write_bytes(b"0123456789")
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert cid._read_exactly(fd, 4, 2) == b"2345"
-        assert cid._read_exactly(fd, 100, 0) == b"0123456789"
-        assert cid._read_exactly(fd, 100, 7) == b"789"
-        assert cid._read_exactly(fd, 5, 10) == b""
-        assert cid._read_exactly(fd, 0, 0) == b""
+        assert watcher._read_exactly(fd, 4, 2) == b"2345"
+        assert watcher._read_exactly(fd, 100, 0) == b"0123456789"
+        assert watcher._read_exactly(fd, 100, 7) == b"789"
+        assert watcher._read_exactly(fd, 5, 10) == b""
+        assert watcher._read_exactly(fd, 0, 0) == b""
     finally:
         os.close(fd)
 
@@ -540,9 +540,9 @@ def test_read_exactly_returns_short_at_end_of_file(tmp_path: Path) -> None:
 def test_midhash_is_stable_after_rewrite(tmp_path: Path) -> None:
     path = tmp_path / "f.bin"
     path.write_bytes(b"abc")
-    first = cid.midhash_file(path)
+    first = watcher.midhash_file(path)
     path.write_bytes(b"abd")
-    second = cid.midhash_file(path)
+    second = watcher.midhash_file(path)
     assert first[0] != second[0]
     assert first[1] == second[1] == 3
     assert second[0] == cid.midhash_bytes(b"abd")

@@ -27,7 +27,7 @@ import httpx
 import pytest
 from sse_starlette import ServerSentEvent
 
-from metanode import cache, compat, db, keys, merge, sse
+from metanode import cache, compat, db, keys, merge, sse, watcher
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
@@ -319,7 +319,7 @@ def media(node: Node) -> Path:
 def write(path: Path, data: bytes) -> tuple[str, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-    return cids.midhash_file(path)[0], path
+    return watcher.midhash_file(path)[0], path
 
 
 async def test_file_info_is_always_200(node: Node, client: httpx.AsyncClient,

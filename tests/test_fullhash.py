@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from metanode_fullhash import BLOCK, ContentChanged, FullHash, hash_file, ipfs
 
 from metanode import cid as cids
+from metanode import watcher
 from metanode.plugins import LocalFile
 from tests.conftest import load_vectors
 from tests.test_cid import pattern_bytes
@@ -83,7 +84,7 @@ def test_hash_file_vector(vector: dict[str, Any], tmp_path: Path) -> None:
     assert digests.sha256 == cids.encode(cids.RAW, cids.SHA2_256, hashlib.sha256(data).digest())
     assert digests.blake3 == cids.encode(cids.RAW, cids.BLAKE3, blake3.blake3(data).digest())
     assert digests.midhash == cids.midhash_bytes(data)
-    assert digests.midhash == cids.midhash_file(path)[0]
+    assert digests.midhash == watcher.midhash_file(path)[0]
     assert digests.sha256.startswith("bafkrei")
     assert digests.blake3.startswith("bafkr4i")
     assert cids.rank(digests.ipfs) == (30 if len(data) <= ipfs.CHUNK else 40)
@@ -165,7 +166,7 @@ def test_process_registers_the_links_and_size(tmp_path: Path) -> None:
     data = pattern_bytes("(7i+3)%256", 3 * MIB + 1)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
-    midhash, size = cids.midhash_file(path)
+    midhash, size = watcher.midhash_file(path)
     drafts: list[tuple[str, str, str | None]] = []
     FullHash().process(LocalFile(midhash, str(path), size, path.stat().st_mtime_ns),
                        lambda cid: None, lambda c, k, v: drafts.append((c, k, v)))

@@ -18,6 +18,7 @@ import pytest
 import watchfiles
 
 from metanode import cid as cids
+from metanode import watcher
 from metanode.errors import MidhashError
 from metanode.merge import LocalFile
 from metanode.watcher import Rules, Stat, Watcher, hash_settled, plan, stat_of, walk
@@ -243,7 +244,7 @@ def test_hash_settled_refuses_a_file_changed_while_being_hashed(
     """Changed between the first stat and the end of the hash: None, so the caller waits again."""
     f = write(tmp_path / "f.mkv", b"original content")
     settled = stat_pair(f)
-    real = cids.midhash_file
+    real = watcher.midhash_file
 
     def midhash_then_append(path: str | os.PathLike[str]) -> tuple[str, int]:
         answer = real(path)
@@ -251,7 +252,7 @@ def test_hash_settled_refuses_a_file_changed_while_being_hashed(
             out.write(b"+")
         return answer
 
-    monkeypatch.setattr(cids, "midhash_file", midhash_then_append)
+    monkeypatch.setattr(watcher, "midhash_file", midhash_then_append)
     assert hash_settled(str(f), settled) is None
 
 
@@ -259,7 +260,7 @@ def test_hash_settled_refuses_a_same_size_rewrite_while_being_hashed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = write(tmp_path / "f.mkv", b"A" * 100)
     settled = stat_pair(f)
-    real = cids.midhash_file
+    real = watcher.midhash_file
 
     def midhash_then_rewrite(path: str | os.PathLike[str]) -> tuple[str, int]:
         answer = real(path)
@@ -267,7 +268,7 @@ def test_hash_settled_refuses_a_same_size_rewrite_while_being_hashed(
         os.utime(path, ns=(settled[1] + 1_000_000, settled[1] + 1_000_000))
         return answer
 
-    monkeypatch.setattr(cids, "midhash_file", midhash_then_rewrite)
+    monkeypatch.setattr(watcher, "midhash_file", midhash_then_rewrite)
     assert hash_settled(str(f), settled) is None
 
 
@@ -304,7 +305,7 @@ class Store:
 
 def local(path: Path) -> LocalFile:
     size, mtime = stat_pair(path)
-    return LocalFile(str(path), cids.midhash_file(path)[0], size, mtime)
+    return LocalFile(str(path), watcher.midhash_file(path)[0], size, mtime)
 
 
 async def test_reconcile_hashes_new_files_then_nothing(tmp_path: Path) -> None:
@@ -363,14 +364,14 @@ async def test_reconcile_reports_an_unreadable_file_and_goes_on(
     root = tmp_path / "media"
     good = write(root / "good.mkv", b"good")
     bad = write(root / "bad.mkv", b"bad")
-    real = cids.midhash_file
+    real = watcher.midhash_file
 
     def refuse_bad(path: str | os.PathLike[str]) -> tuple[str, int]:
         if os.fspath(path) == str(bad):
             raise MidhashError(f"cannot read {os.fspath(path)!r}: Permission denied")
         return real(path)
 
-    monkeypatch.setattr(cids, "midhash_file", refuse_bad)
+    monkeypatch.setattr(watcher, "midhash_file", refuse_bad)
     store = Store()
     w = store.watcher(root)
     summary = await w.reconcile(settle=False)

@@ -27,6 +27,7 @@ import httpx
 import pytest
 
 from metanode import cid as cids
+from metanode import watcher
 from tests.conftest import Server, Signer, load_vectors
 
 T = TypeVar("T")
@@ -212,7 +213,7 @@ def test_a_new_file_becomes_a_record_with_its_local_keys(start: Start) -> None:
     data = os.urandom(70_000)
     path = write(server.media / "Movies" / "The Matrix (1999).mkv", data)
     midhash = cids.midhash_bytes(data)
-    assert cids.midhash_file(path) == (midhash, len(data))
+    assert watcher.midhash_file(path) == (midhash, len(data))
 
     doc = record(server, midhash)
     info = path.stat()

@@ -14,12 +14,12 @@ Run: `.venv/bin/python tools/bench/core.py [--n 5000]`.
    printed too. Best of 3 rounds; each round runs validate (cold), raw, validate (warm) in turn so
    machine noise lands on both sides of a ratio.
 
-2. **midhash of a 10 GiB sparse file.** `metanode.cid.midhash_file` (open, fstat, one 1 MiB pread
-   from the middle, sha256, close) against one plain `os.pread(fd, 1 MiB, 0)` of a real, fsync'd
-   1 MiB file of random bytes, timed alternately in the same loop. Both reads are served from the
-   page cache after the first iteration (the sparse file's hole reads as zero pages), so this
-   compares CPU cost, not disk speed; it shows midhash costs about "one read", independent of the
-   file's size (goal: ratio <= 3). Medians of 50 repeats. Interleaving is deliberate: both sides
+2. **midhash of a 10 GiB sparse file.** `metanode.watcher.midhash_file` (open, fstat, one 1 MiB
+   pread from the middle, sha256, close) against one plain `os.pread(fd, 1 MiB, 0)` of a real,
+   fsync'd 1 MiB file of random bytes, timed alternately in the same loop. Both reads are served
+   from the page cache after the first iteration (the sparse file's hole reads as zero pages), so
+   this compares CPU cost, not disk speed; it shows midhash costs about "one read", independent of
+   the file's size (goal: ratio <= 3). Medians of 50 repeats. Interleaving is deliberate: both sides
    run in the same allocator state (glibc trims the 2 MiB midhash frees back to the OS, so each
    fresh 1 MiB buffer, the baseline's included, is page-faulted in again), as in a real process.
 
@@ -45,7 +45,7 @@ from typing import Any
 import nacl.signing
 
 from metanode import cid as cids
-from metanode import claims
+from metanode import claims, watcher
 
 REPEATS = 3
 MIDHASH_REPEATS = 50
@@ -124,7 +124,7 @@ def bench_midhash() -> tuple[float, float, float, float]:
             small_times: list[float] = []
             for _ in range(MIDHASH_REPEATS):
                 start = time.perf_counter()
-                cids.midhash_file(sparse)
+                watcher.midhash_file(sparse)
                 hash_times.append(time.perf_counter() - start)
                 start = time.perf_counter()
                 data = os.pread(fd, READ_SIZE, 0)
@@ -135,7 +135,7 @@ def bench_midhash() -> tuple[float, float, float, float]:
                 hashlib.sha256(os.pread(fd, READ_SIZE, 0)).digest()
                 floor_times.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                cids.midhash_file(plain)
+                watcher.midhash_file(plain)
                 small_times.append(time.perf_counter() - start)
         finally:
             os.close(fd)
