@@ -103,7 +103,13 @@ def _v3(conn: sqlite3.Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V3)
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3)
+def _v4(conn: sqlite3.Connection) -> None:
+    """The inode each local file was hashed from: `GET /file/{cid}` serves a path only while it
+    still is that file (a file swapped in later, even of equal size and mtime, is not)."""
+    conn.execute("ALTER TABLE local_file ADD COLUMN ino INTEGER NOT NULL DEFAULT 0")
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4)
 LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 
 
@@ -146,7 +152,7 @@ class Event(NamedTuple):
 def local_files(conn: sqlite3.Connection, cids: Iterable[str]) -> list[merge.LocalFile]:
     wanted = sorted(set(cids))
     rows = conn.execute(
-        "SELECT path, midhash, size, mtime_ns FROM local_file "
+        "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
         f"WHERE midhash IN ({','.join('?' * len(wanted))})", wanted)
     return [merge.LocalFile(*row) for row in rows]
 
@@ -157,7 +163,7 @@ def local_files_of(conn: sqlite3.Connection,
     (`local_files`, one `?` per CID, stays the cheaper read for one record)."""
     found: dict[str, list[merge.LocalFile]] = {}
     for row in conn.execute(
-            "SELECT path, midhash, size, mtime_ns FROM local_file "
+            "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
             "WHERE midhash IN (SELECT value FROM json_each(?))", (truth.json_array(set(cids)),)):
         found.setdefault(row[1], []).append(merge.LocalFile(*row))
     return found
@@ -453,9 +459,10 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
             written.append((file, before is None))
         touched.add(file.midhash)
         cache.execute(
-            "INSERT INTO local_file (path, midhash, size, mtime_ns) VALUES (?, ?, ?, ?) "
+            "INSERT INTO local_file (path, midhash, size, mtime_ns, ino) VALUES (?, ?, ?, ?, ?) "
             "ON CONFLICT (path) DO UPDATE SET midhash = excluded.midhash, size = excluded.size, "
-            "mtime_ns = excluded.mtime_ns", (file.path, file.midhash, file.size, file.mtime_ns))
+            "mtime_ns = excluded.mtime_ns, ino = excluded.ino",
+            (file.path, file.midhash, file.size, file.mtime_ns, file.ino))
     state = read_state(cache)
     with snapshot(source):
         rids = set(truth.groups_of(source, touched).values())
@@ -467,14 +474,19 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
 
 
 def local_stats(conn: sqlite3.Connection, under: Iterable[str]) -> dict[str, tuple[int, int]]:
-    """path → (size, mtime_ns) of every local file row below the given folders."""
+    """path → (size, mtime_ns) of every local file row below the given folders.
+
+    A row without its inode (written before inodes were recorded) reports size -1, so the next
+    reconciliation hashes that file once more and records it.
+    """
     out: dict[str, tuple[int, int]] = {}
     for root in under:
         # The paths that start with "<root>/" are exactly those in ["<root>/", "<root>0"):
         # "0" follows "/" in code point order. A range on the primary key, not a full scan.
         stem = root.rstrip("/")
         out.update((path, (size, mtime)) for path, size, mtime in conn.execute(
-            "SELECT path, size, mtime_ns FROM local_file WHERE path >= ? AND path < ?",
+            "SELECT path, CASE ino WHEN 0 THEN -1 ELSE size END, mtime_ns FROM local_file "
+            "WHERE path >= ? AND path < ?",
             (stem + "/", stem + "0")))
     return out
 

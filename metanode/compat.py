@@ -26,7 +26,7 @@ import sqlite3
 import stat
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +42,7 @@ from starlette.responses import (
 )
 from starlette.responses import RangeNotSatisfiable as Unsatisfiable
 from starlette.routing import BaseRoute, Route
+from starlette.types import Receive, Scope, Send
 
 from metanode import cache, claims, db, keys, merge, sse, truth
 from metanode import cid as cids
@@ -267,7 +268,13 @@ class Roots:
 
 @dataclass(frozen=True)
 class LocalCopy:
+    """A local file holding the content, opened and checked to still be the file that was hashed.
+
+    Whoever takes one closes `fd` (`OpenedFile` does, however its response ends).
+    """
+
     path: str
+    fd: int
     stat: os.stat_result
     content_type: str
 
@@ -281,28 +288,68 @@ def _copies(node: Node, text: str) -> tuple[list[merge.LocalFile], str | None]:
     return sorted(files, key=lambda f: f.path), row[0] if row else None
 
 
-def _still_there(path: str, size: int, mtime_ns: int) -> os.stat_result | None:
-    """The file's stat if it still has the size and mtime it was hashed with (else its content
-    may no longer be the CID's)."""
+def open_hashed(file: merge.LocalFile, roots: Sequence[str], follow_symlinks: bool) -> \
+        tuple[int, os.stat_result] | None:
+    """The file at `file.path`, opened, if it still is the very file the watcher hashed; else None.
+
+    A path can be swapped after hashing for a link to any file the node may read, even one of the
+    same size and mtime. So, unless the owner chose to follow links: the last component must not
+    be a symbolic link (`O_NOFOLLOW`) and the opened file's real path must lie below a watch root
+    (a linked folder cannot lead out). Always: the opened file has the inode, size and mtime it
+    was hashed with (a row with no inode recorded is not served until it is hashed again).
+    Checked on the open descriptor, which is then what is served: nothing can be swapped between
+    the check and the read.
+    """
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
-        info = os.stat(path)
+        fd = os.open(file.path, flags)
     except OSError:
         return None
-    if not stat.S_ISREG(info.st_mode) or (info.st_size, info.st_mtime_ns) != (size, mtime_ns):
+    try:
+        info = os.fstat(fd)
+        real = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        os.close(fd)
         return None
-    return info
+    same = (stat.S_ISREG(info.st_mode) and file.ino != 0
+            and (info.st_ino, info.st_size, info.st_mtime_ns) == (file.ino, file.size,
+                                                                    file.mtime_ns))
+    inside = follow_symlinks or any(real.startswith(root.rstrip("/") + "/") for root in roots)
+    if same and inside:
+        return fd, info
+    os.close(fd)
+    return None
 
 
 async def local_copy(node: Node, text: str) -> LocalCopy | None:
-    """The first local path (by path) holding the content this CID names, checked on disk."""
+    """The first local path (by path) still holding the content this CID names, opened."""
     node.require_ready()
     files, mime = _copies(node, text)
+    roots = [os.path.realpath(root) for root in node.settings.watch_roots]
     for file in files:
-        info = await asyncio.to_thread(_still_there, file.path, file.size, file.mtime_ns)
-        if info is not None:
+        opened = await asyncio.to_thread(open_hashed, file, roots,
+                                         node.settings.watch_follow_symlinks)
+        if opened is not None:
             guessed = mimetypes.guess_type(file.path)[0]
-            return LocalCopy(file.path, info, mime or guessed or "application/octet-stream")
+            return LocalCopy(file.path, *opened, mime or guessed or "application/octet-stream")
     return None
+
+
+class OpenedFile(FileResponse):
+    """A `FileResponse` of an already opened and checked file, read through its descriptor
+    (`/proc/self/fd/N` opens that same file again, whatever its path points at by now); the
+    descriptor is closed however the response ends."""
+
+    def __init__(self, copy: LocalCopy) -> None:
+        super().__init__(f"/proc/self/fd/{copy.fd}", stat_result=copy.stat,
+                         media_type=copy.content_type)
+        self.fd = copy.fd
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            os.close(self.fd)
 
 
 def range_refused(response: FileResponse, request: Request, size: int) -> Response | None:
@@ -581,6 +628,7 @@ def routes(node: Node) -> list[BaseRoute]:
             copy = None  # unknown, or not a CID at all: still 200, with exists false
         if copy is None:
             return JSONResponse({"exists": False})
+        os.close(copy.fd)
         return JSONResponse({"exists": True, "contentType": copy.content_type,
                              "size": copy.stat.st_size, "filePath": roots.relative(copy.path)})
 
@@ -589,8 +637,11 @@ def routes(node: Node) -> list[BaseRoute]:
         copy = await local_copy(node, text)
         if copy is None:
             raise UnknownCid(f"no local file holds {text}")
-        response = FileResponse(copy.path, stat_result=copy.stat, media_type=copy.content_type)
-        return range_refused(response, request, copy.stat.st_size) or response
+        response = OpenedFile(copy)
+        refused = range_refused(response, request, copy.stat.st_size)
+        if refused is not None:
+            os.close(copy.fd)
+        return refused or response
 
     async def urls(request: Request) -> Response:
         base = str(request.base_url).rstrip("/")

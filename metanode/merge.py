@@ -100,12 +100,17 @@ def merge_record(
 
 @dataclass(frozen=True, slots=True)
 class LocalFile:
-    """A box-local fact from the watcher: a path holding content with this midhash."""
+    """A box-local fact from the watcher: a path holding content with this midhash.
+
+    `ino` is the inode the watcher read the content from (0: not recorded, a row from before
+    inodes were kept): serving the bytes checks the file opened is still that one.
+    """
 
     path: str
     midhash: str
     size: int
     mtime_ns: int
+    ino: int = 0
 
 
 def group_keys(group_cids: Iterable[str], files: Iterable[LocalFile]) -> dict[str, str]:

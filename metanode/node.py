@@ -600,7 +600,8 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
     try:
         db.migrate(fresh, cache.MIGRATIONS)
         with db.snapshot(live):
-            rows = live.execute("SELECT path, midhash, size, mtime_ns FROM local_file").fetchall()
+            rows = live.execute(
+                "SELECT path, midhash, size, mtime_ns, ino FROM local_file").fetchall()
             applied = cache.read_state(live).applied_seq
         differences = []
         truth_seq = truth.max_seq(source)
@@ -608,7 +609,8 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
             differences.append(f"cache applied seq {applied} != truth seq {truth_seq}")
 
         def build(conn: sqlite3.Connection) -> cache.State:
-            conn.executemany("INSERT INTO local_file VALUES (?, ?, ?, ?)", rows)
+            conn.executemany("INSERT INTO local_file (path, midhash, size, mtime_ns, ino) "
+                             "VALUES (?, ?, ?, ?, ?)", rows)
             return cache.build_txn(conn, source)
 
         db.run_txn(fresh, build)

@@ -149,7 +149,13 @@ def stat_of(path: str, follow_symlinks: bool) -> Stat | None:
 
 
 def midhash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
-    """midhash256 CID and size of a file, with one read of at most 1 MiB.
+    """midhash256 CID and size of a file, with one read of at most 1 MiB."""
+    midhash, info = midhash_opened(path)
+    return midhash, info.st_size
+
+
+def midhash_opened(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
+    """midhash256 CID of a file and the stat of the very file that was read (its inode too).
 
     A file that is shorter than its stat said by the time it is read (it shrank, or was replaced)
     raises `MidhashError`: hashing zero-filled bytes would give a CID that names no real content.
@@ -161,16 +167,15 @@ def midhash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise MidhashError(f"{name!r} is not a regular file")
-            size = info.st_size
-            want = min(size, cids.MIDHASH_SAMPLE)
-            sample = _read_exactly(fd, want, cids.midhash_offset(size))
+            want = min(info.st_size, cids.MIDHASH_SAMPLE)
+            sample = _read_exactly(fd, want, cids.midhash_offset(info.st_size))
         finally:
             os.close(fd)
     except OSError as exc:
         raise MidhashError(f"cannot read {name!r}: {exc.strerror or exc}") from None
     if len(sample) != want:
         raise MidhashError(f"{name!r} shrank while being hashed")
-    return cids.midhash_cid(cids.midhash_digest(size, sample)), size
+    return cids.midhash_cid(cids.midhash_digest(info.st_size, sample)), info
 
 
 def _read_exactly(fd: int, want: int, offset: int) -> bytes:
@@ -191,10 +196,10 @@ def hash_settled(path: str, expected: Stat) -> LocalFile | None:
     before = stat_of(path, follow_symlinks=True)
     if before != expected:
         return None
-    midhash, size = midhash_file(path)
-    if stat_of(path, follow_symlinks=True) != before or size != before[0]:
-        return None  # written to while being hashed
-    return LocalFile(path, midhash, before[0], before[1])
+    midhash, read = midhash_opened(path)
+    if stat_of(path, follow_symlinks=True) != before or (read.st_size, read.st_mtime_ns) != before:
+        return None  # written to, or replaced, while being hashed
+    return LocalFile(path, midhash, before[0], before[1], read.st_ino)
 
 
 @dataclass

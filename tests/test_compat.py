@@ -395,6 +395,96 @@ async def test_file_bytes_with_range_and_last_modified(node: Node, client: httpx
     envelope(await client.get("/file/not-a-cid"), 400, "invalid_cid")
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def swap_in(path: Path, replacement: Path) -> None:
+    """Replace `path` atomically by a symbolic link to `replacement`."""
+    link = path.with_name(path.name + ".swap")
+    link.symlink_to(replacement)
+    link.replace(path)
+
+
+async def test_a_path_swapped_after_hashing_is_never_served(
+        node: Node, client: httpx.AsyncClient, media: Path, tmp_path: Path) -> None:
+    """The content route serves the file that was hashed or nothing: not a symbolic link swapped
+    in later, not a file of equal size and mtime renamed over it, not a path through a linked
+    folder leading out of the watch root; and it leaves no descriptor open."""
+    secret = tmp_path / "outside" / "secret.txt"
+    secret.parent.mkdir()
+    secret.write_bytes(b"S" * 64)
+    film, path = write(media / "film.mkv", b"F" * 64)
+    stamp = secret.stat().st_mtime_ns
+    os.utime(path, ns=(stamp, stamp))  # the same size and mtime as the file it will be swapped for
+    await node.scan([str(media)])
+    before = open_fds()
+    assert (await client.get(f"/file/{film}")).content == b"F" * 64
+
+    swap_in(path, secret)  # 1. a link to a file outside the root, same size and mtime
+    envelope(await client.get(f"/file/{film}"), 404, "unknown_cid")
+    assert (await client.get(f"/api/file/{film}/info")).json() == {"exists": False}
+
+    hard = tmp_path / "hard"  # 2. a hard link to the outside file renamed over the path
+    os.link(secret, hard)
+    hard.replace(path)
+    assert path.stat().st_size == 64 and path.stat().st_mtime_ns == stamp
+    envelope(await client.get(f"/file/{film}"), 404, "unknown_cid")
+
+    folder = media / "shows"  # 3. a folder swapped for a link leading out of the root
+    episode, inside = write(folder / "e01.mkv", b"E" * 64)
+    await node.scan([str(media)])
+    assert (await client.get(f"/file/{episode}")).content == b"E" * 64
+    elsewhere = tmp_path / "elsewhere"
+    folder.rename(elsewhere)
+    folder.symlink_to(elsewhere, target_is_directory=True)
+    envelope(await client.get(f"/file/{episode}"), 404, "unknown_cid")
+    assert open_fds() == before
+
+
+async def test_links_are_served_when_the_owner_follows_them(tmp_path: Path) -> None:
+    """With `watch_follow_symlinks`, a linked file is what was hashed, so it is served; the
+    inode check still refuses a different file swapped in behind the link."""
+    media, elsewhere = tmp_path / "media", tmp_path / "elsewhere"
+    media.mkdir()
+    elsewhere.mkdir()
+    target = elsewhere / "film.mkv"
+    target.write_bytes(b"L" * 32)
+    (media / "film.mkv").symlink_to(target)
+    n = Node(settings_for(tmp_path / "data", watch_follow_symlinks=True))
+    await n.start()
+    try:
+        await n.scan([str(media)])
+        film = watcher.midhash_file(target)[0]
+        transport = httpx.ASGITransport(app=create_app(n))
+        async with httpx.AsyncClient(transport=transport, base_url="http://node",
+                                     headers={"Authorization": f"Bearer {n.token}"}) as c:
+            assert (await c.get(f"/file/{film}")).content == b"L" * 32
+            other = elsewhere / "other"  # exists beside the target: a different inode
+            other.write_bytes(b"M" * 32)
+            stamp = target.stat().st_mtime_ns
+            os.utime(other, ns=(stamp, stamp))
+            other.replace(target)
+            envelope(await c.get(f"/file/{film}"), 404, "unknown_cid")
+    finally:
+        await n.stop()
+
+
+async def test_rows_hashed_before_inodes_were_kept_are_hashed_again(
+        node: Node, client: httpx.AsyncClient, media: Path) -> None:
+    """A local_file row from an older cache has no inode: it is not served until the next
+    reconciliation hashes the file again and records it (with no feed event: nothing changed)."""
+    film, _ = write(media / "film.mkv", b"F" * 64)
+    await node.scan([str(media)])
+    await node.cache_writer.run(lambda conn: conn.execute("UPDATE local_file SET ino = 0"))
+    envelope(await client.get(f"/file/{film}"), 404, "unknown_cid")
+    seq = node.applier.state.feed_seq
+    summary = await node.scan([str(media)])
+    assert summary.hashed == 1
+    assert (await client.get(f"/file/{film}")).content == b"F" * 64
+    assert node.applier.state.feed_seq == seq
+
+
 # -- file events in the cache (pure, and through local_txn) --------------------------------------
 
 
@@ -445,8 +535,8 @@ def test_an_existing_cache_gains_the_file_feed_table(tmp_path: Path) -> None:
     conn = db.connect(tmp_path / "cache.db")
     try:
         db.migrate(conn, cache.MIGRATIONS[:2])  # a cache.db from before file events
-        assert db.migrate(conn, cache.MIGRATIONS) == 3
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 3
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS)
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == len(cache.MIGRATIONS)
         assert conn.execute("SELECT count(*) FROM file_feed").fetchone()[0] == 0
         assert cache.file_feed_head(conn) == 0
     finally:

@@ -226,7 +226,7 @@ def test_hash_settled_hashes_a_file_that_kept_its_stat(tmp_path: Path) -> None:
     f = write(tmp_path / "f.mkv", data)
     result = hash_settled(str(f), stat_pair(f))
     size, mtime = stat_pair(f)
-    assert result == LocalFile(str(f), cids.midhash_bytes(data), size, mtime)
+    assert result == LocalFile(str(f), cids.midhash_bytes(data), size, mtime, f.stat().st_ino)
 
 
 def test_hash_settled_refuses_a_file_whose_stat_moved_on(tmp_path: Path) -> None:
@@ -244,15 +244,15 @@ def test_hash_settled_refuses_a_file_changed_while_being_hashed(
     """Changed between the first stat and the end of the hash: None, so the caller waits again."""
     f = write(tmp_path / "f.mkv", b"original content")
     settled = stat_pair(f)
-    real = watcher.midhash_file
+    real = watcher.midhash_opened
 
-    def midhash_then_append(path: str | os.PathLike[str]) -> tuple[str, int]:
+    def midhash_then_append(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
         answer = real(path)
         with open(path, "ab") as out:
             out.write(b"+")
         return answer
 
-    monkeypatch.setattr(watcher, "midhash_file", midhash_then_append)
+    monkeypatch.setattr(watcher, "midhash_opened", midhash_then_append)
     assert hash_settled(str(f), settled) is None
 
 
@@ -260,15 +260,15 @@ def test_hash_settled_refuses_a_same_size_rewrite_while_being_hashed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     f = write(tmp_path / "f.mkv", b"A" * 100)
     settled = stat_pair(f)
-    real = watcher.midhash_file
+    real = watcher.midhash_opened
 
-    def midhash_then_rewrite(path: str | os.PathLike[str]) -> tuple[str, int]:
+    def midhash_then_rewrite(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
         answer = real(path)
         Path(path).write_bytes(b"B" * 100)
         os.utime(path, ns=(settled[1] + 1_000_000, settled[1] + 1_000_000))
         return answer
 
-    monkeypatch.setattr(watcher, "midhash_file", midhash_then_rewrite)
+    monkeypatch.setattr(watcher, "midhash_opened", midhash_then_rewrite)
     assert hash_settled(str(f), settled) is None
 
 
@@ -305,7 +305,7 @@ class Store:
 
 def local(path: Path) -> LocalFile:
     size, mtime = stat_pair(path)
-    return LocalFile(str(path), watcher.midhash_file(path)[0], size, mtime)
+    return LocalFile(str(path), watcher.midhash_file(path)[0], size, mtime, path.stat().st_ino)
 
 
 async def test_reconcile_hashes_new_files_then_nothing(tmp_path: Path) -> None:
@@ -364,14 +364,14 @@ async def test_reconcile_reports_an_unreadable_file_and_goes_on(
     root = tmp_path / "media"
     good = write(root / "good.mkv", b"good")
     bad = write(root / "bad.mkv", b"bad")
-    real = watcher.midhash_file
+    real = watcher.midhash_opened
 
-    def refuse_bad(path: str | os.PathLike[str]) -> tuple[str, int]:
+    def refuse_bad(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
         if os.fspath(path) == str(bad):
             raise MidhashError(f"cannot read {os.fspath(path)!r}: Permission denied")
         return real(path)
 
-    monkeypatch.setattr(watcher, "midhash_file", refuse_bad)
+    monkeypatch.setattr(watcher, "midhash_opened", refuse_bad)
     store = Store()
     w = store.watcher(root)
     summary = await w.reconcile(settle=False)
