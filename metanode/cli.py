@@ -13,7 +13,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import wraps
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,7 +23,7 @@ import httpx
 
 from metanode import cid as cids
 from metanode import claims, client, config, db, keys, logs, node, truth, watcher
-from metanode.errors import InvalidBatch, InvalidJson, MetanodeError
+from metanode.errors import InvalidBatch, InvalidJson, InvalidRequest, MetanodeError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -46,7 +46,32 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-@click.group()
+class Metanode(click.Group):
+    """The `metanode` group. click's own errors (a missing argument, an unknown option, a file it
+    cannot open) come out in the form every other error has, `error: <slug>: <message>`, with
+    the same exit codes, instead of click's usage block."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True,
+             **extra: Any) -> Any:
+        try:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as exc:
+            hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
+            click.echo(f"error: usage: {exc.format_message()}{hint}", err=True)
+            sys.exit(2)
+        except click.FileError as exc:
+            click.echo(f"error: unreadable_file: {exc.format_message()}", err=True)
+            sys.exit(2)
+        except click.ClickException as exc:
+            click.echo(f"error: invalid_request: {exc.format_message()}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
+
+
+@click.group(cls=Metanode)
 @click.version_option(package_name="metanode")
 def main() -> None:
     """metanode: a claims-and-CID metadata node for home media boxes."""
@@ -101,7 +126,7 @@ def keygen(out: str) -> None:
     try:
         uid = keys.create(out)
     except FileExistsError:
-        raise click.ClickException(f"{out} already exists; refusing to overwrite a key") from None
+        raise InvalidRequest(f"{out} already exists; refusing to overwrite a key") from None
     click.echo(uid)
 
 
@@ -198,10 +223,18 @@ def init(config_file: str | None, data_dir: str | None) -> None:
         click.echo(f"API token: in {settings.token_path}")
 
 
+def watching(settings: config.Settings) -> str:
+    """The start-up line naming what the watcher watches, so a wrong folder shows at once."""
+    if not settings.watch_enabled:
+        return "watching: nothing (watch_enabled is off)"
+    return "watching: " + ", ".join(str(Path(root).resolve()) for root in settings.watch_roots)
+
+
 @main.command()
 @settings_options
 @click.option("--host", default=None, help="Bind address (default 127.0.0.1).")
-@click.option("--port", type=int, default=None, help="Port (default 9000).")
+@click.option("--port", type=click.IntRange(1, 65_535), default=None,
+              help="Port (default 9000).")
 @reports_errors
 def serve(config_file: str | None, data_dir: str | None, host: str | None,
           port: int | None) -> None:
@@ -215,6 +248,7 @@ def serve(config_file: str | None, data_dir: str | None, host: str | None,
     token, created = node.ensure_token(settings.token_path)
     url = f"http://{settings.host}:{settings.port}"
     click.echo(f"metanode serving {url}  (data: {settings.data_dir.resolve()})")
+    click.echo(watching(settings))
     if created:
         click.echo(f"API token, shown once (kept in {settings.token_path}): {token}")
     else:
@@ -290,10 +324,37 @@ _status_command("block", "blocked")
 _status_command("unblock", "active")
 
 
-def _client_options(func: F) -> F:
-    func = click.option("--url", default="http://127.0.0.1:9000", show_default=True,
-                        envvar="METANODE_URL", help="Base URL of the node.")(func)
-    return func
+def client_options(func: F) -> F:
+    """`--url`, and the settings it defaults from: a client command finds the node where `serve`
+    with the same settings (TOML, `METANODE_*`, `--config`) listens."""
+    func = click.option("--url", default=None, envvar="METANODE_URL",
+                        help="Base URL of the node (default: http://<host>:<port> of the "
+                        "settings, i.e. METANODE_HOST / METANODE_PORT, else "
+                        "http://127.0.0.1:9000).")(func)
+    return settings_options(func)
+
+
+def token_option(func: F) -> F:
+    return click.option("--token", envvar="METANODE_TOKEN", default=None,
+                        help="API token (default: METANODE_TOKEN, else the api-token file of "
+                        "the data directory, when it is on this machine).")(func)
+
+
+def read_token(path: Path) -> str | None:
+    """The API token kept in a local data directory, if there is one that can be read."""
+    try:
+        return path.read_text(encoding="ascii").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def connect(config_file: str | None, data_dir: str | None, url: str | None,
+            token: str | None = None, needs_token: bool = False) -> client.Client:
+    """A client of the node these settings describe (or of `url`), with its token if needed."""
+    settings = load_settings(config_file, data_dir=data_dir)
+    if needs_token and token is None:
+        token = read_token(settings.token_path)
+    return client.Client(url or settings.client_url, token=token, timeout=60)
 
 
 def _print_response(response: httpx.Response) -> None:
@@ -303,28 +364,30 @@ def _print_response(response: httpx.Response) -> None:
 
 
 @claim.command("post")
-@_client_options
-@click.option("--token", envvar="METANODE_TOKEN", required=True,
-              help="API token (or METANODE_TOKEN).")
+@client_options
+@token_option
 @click.argument("claim_json", nargs=-1)
 @reports_errors
-def claim_post(url: str, token: str, claim_json: tuple[str, ...]) -> None:
+def claim_post(url: str | None, token: str | None, claim_json: tuple[str, ...],
+               config_file: str | None, data_dir: str | None) -> None:
     """POST claims (arguments, or JSON lines / a JSON array on stdin) as one batch."""
     items = [json.loads(c) for c in claim_json] if claim_json else list(
         read_claims(sys.stdin.read()))
-    response = httpx.post(f"{url}/api/claims", json={"claims": items},
-                          headers={"Authorization": f"Bearer {token}"}, timeout=60)
-    _print_response(response)
+    node_client = connect(config_file, data_dir, url, token, needs_token=True)
+    _print_response(node_client.request("POST", "/api/claims", json={"claims": items}))
 
 
 @main.command()
-@_client_options
+@client_options
 @click.argument("cid_value")
 @click.option("--as", "viewer", default=None, help="See the record as this uid.")
-def get(url: str, cid_value: str, viewer: str | None) -> None:
+@reports_errors
+def get(url: str | None, cid_value: str, viewer: str | None, config_file: str | None,
+        data_dir: str | None) -> None:
     """Print the merged document of CID_VALUE from a running node."""
     params = {"as": viewer} if viewer else {}
-    _print_response(httpx.get(f"{url}/api/meta/{cid_value}", params=params, timeout=30))
+    node_client = connect(config_file, data_dir, url)
+    _print_response(node_client.request("GET", f"/api/meta/{cid_value}", params=params))
 
 
 @main.command("rebuild-cache")
@@ -357,23 +420,30 @@ def check(config_file: str | None, data_dir: str | None) -> None:
 
 
 @main.command()
-@_client_options
-@click.option("--token", envvar="METANODE_TOKEN", required=True,
-              help="API token (or METANODE_TOKEN).")
+@client_options
+@token_option
 @click.option("--since", default=None, help="Resume after this event id (<epoch>-<seq>).")
 @click.option("--snapshot", is_flag=True, help="Start with every current record.")
 @click.option("--prefix", multiple=True, help="Only keys starting with this (repeatable).")
 @click.option("--rid", "rid_values", multiple=True, help="Only this record (repeatable).")
-def events(url: str, token: str, since: str | None, snapshot: bool, prefix: tuple[str, ...],
-           rid_values: tuple[str, ...]) -> None:
+@reports_errors
+def events(url: str | None, token: str | None, since: str | None, snapshot: bool,
+           prefix: tuple[str, ...], rid_values: tuple[str, ...], config_file: str | None,
+           data_dir: str | None) -> None:
     """Follow the change feed, one line per event: `<id or -> <event> <json>`; reconnects by
-    itself and resumes where it was. Ctrl-C stops."""
-    node_client = client.Client(url, token=token)
+    itself and resumes where it was (saying so on stderr while it waits). Ctrl-C stops."""
+    node_client = connect(config_file, data_dir, url, token, needs_token=True)
+
+    def waiting(reason: str) -> None:
+        click.echo(f"waiting for the node at {node_client.url} ({reason}); retrying every "
+                   "second…", err=True)
+
     try:
         for event in node_client.events(since=since, snapshot=snapshot, prefix=prefix,
-                                        rid=rid_values):
+                                        rid=rid_values, on_wait=waiting):
             data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
             click.echo(f"{event.id or '-'} {event.kind} {data}")
+            sys.stdout.flush()  # a line as it happens, also into a pipe (`| grep`, a script)
     except client.ClientError as exc:
         click.echo(f"error: {exc.slug}: {exc.body.get('message')}", err=True)
         sys.exit(1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,10 +28,15 @@ import httpx
 import nacl.signing
 
 from metanode import claims
+from metanode.errors import NotMetanode, Unreachable
 
 
 class ClientError(Exception):
-    """The node refused a request: `slug` and `body` are its error envelope."""
+    """The node refused a request: `slug` and `body` are its error envelope.
+
+    Not being able to ask at all raises `errors.Unreachable`; an answer that is not a metanode's
+    (another server on that port, a proxy's error page) raises `errors.NotMetanode`.
+    """
 
     def __init__(self, status: int, body: dict[str, Any]) -> None:
         super().__init__(f"{status} {body.get('error')}: {body.get('message')}")
@@ -85,13 +90,20 @@ def parse_frames(lines: Iterable[str]) -> Iterator[Event]:
                 fields[name] = value
 
 
+def _reason(exc: httpx.TransportError) -> str:
+    """A transport failure in a few words: `Connection refused`, not `[Errno 111] ...`."""
+    text = re.sub(r"^\[Errno -?\d+\]\s*", "", str(exc)).strip()
+    return text or type(exc).__name__
+
+
 class Client:
     """Talks to one node; `key` is needed only to sign."""
 
     def __init__(self, url: str = "http://127.0.0.1:9000", token: str | None = None,
                  key: nacl.signing.SigningKey | None = None, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self._key = key
 
     @property
@@ -103,9 +115,31 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
+    def _not_metanode(self, response: httpx.Response) -> NotMetanode:
+        kind = response.headers.get("content-type") or "no content type"
+        return NotMetanode(f"{self.url} answered {response.status_code} with {kind}, which is not "
+                           "a metanode's answer: is the address right?")
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """One request, answered with JSON. No answer at all raises `Unreachable`; an answer
+        that is not JSON raises `NotMetanode`; the node's refusals are left to the caller."""
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise Unreachable(f"no node answers at {self.url}: {_reason(exc)}") from None
+        if not response.headers.get("content-type", "").startswith("application/json"):
+            raise self._not_metanode(response)
+        return response
+
     def _json(self, response: httpx.Response) -> Any:
-        body = response.json()
+        """The body of a good answer; a refusal raises `ClientError` with its envelope."""
+        try:
+            body = response.json()
+        except ValueError:
+            raise self._not_metanode(response) from None
         if response.status_code >= 400:
+            if not (isinstance(body, dict) and isinstance(body.get("error"), str)):
+                raise self._not_metanode(response)
             raise ClientError(response.status_code, body)
         return body
 
@@ -118,13 +152,14 @@ class Client:
 
     def post(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
         """POST /api/claims; returns the verdicts, raises `ClientError` on a rejected batch."""
-        result: dict[str, Any] = self._json(self._http.post("/api/claims", json={"claims": batch}))
+        result: dict[str, Any] = self._json(
+            self.request("POST", "/api/claims", json={"claims": batch}))
         return result
 
     def meta(self, cid: str, viewer: str | None = None) -> dict[str, Any] | None:
         """The merged document of any CID, or None if the node knows no such CID."""
         params = {"as": viewer} if viewer else {}
-        response = self._http.get(f"/api/meta/{cid}", params=params)
+        response = self.request("GET", f"/api/meta/{cid}", params=params)
         if response.status_code == 404 and response.json().get("error") == "unknown_cid":
             return None
         result: dict[str, Any] = self._json(response)
@@ -132,35 +167,54 @@ class Client:
 
     def meta_by_rid(self, rid: str) -> dict[str, Any]:
         """The document of a record named in a feed event."""
-        result: dict[str, Any] = self._json(self._http.get(f"/api/metadata/{rid}"))
+        result: dict[str, Any] = self._json(self.request("GET", f"/api/metadata/{rid}"))
         return result
+
+    def _check_stream(self, response: httpx.Response) -> None:
+        """Raise unless this is the node's event stream: its refusal, or `NotMetanode`."""
+        if response.status_code != 200:
+            response.read()
+            self._json(response)
+        if not response.headers.get("content-type", "").startswith("text/event-stream"):
+            raise self._not_metanode(response)
 
     def events(self, since: str | None = None, snapshot: bool = False,
                prefix: Iterable[str] = (), rid: Iterable[str] = (),
-               retry_s: float = 1.0) -> Iterator[Event]:
-        """Follow GET /api/events forever, reconnecting after the last id delivered."""
+               retry_s: float = 1.0,
+               on_wait: Callable[[str], None] | None = None) -> Iterator[Event]:
+        """Follow GET /api/events forever, reconnecting after the last id delivered.
+
+        While the node cannot be reached (or says to retry), `on_wait(reason)` is called once
+        per outage, so a person following the feed knows it is waiting, not stuck; an answer
+        that is no metanode's, or a refusal that retrying cannot mend, is raised.
+        """
         params: list[tuple[str, str | int | float | bool | None]] = [
             *(("prefix", p) for p in prefix), *(("rid", r) for r in rid)]
         if snapshot and since is None:
             params.append(("snapshot", "1"))
         last = since
+        waiting = False
         while True:
             headers = {"Last-Event-ID": last} if last else {}
+            reason = ""
             try:
                 with self._http.stream("GET", "/api/events", params=params, headers=headers,
                                        timeout=httpx.Timeout(10, read=None)) as response:
-                    if response.status_code != 200:
-                        response.read()
-                        self._json(response)
+                    self._check_stream(response)
+                    waiting = False
                     for event in parse_frames(sse_lines(response.iter_text())):
                         if event.id is not None:
                             last = event.id
                         elif event.kind == "synced":
                             last = str(event.data["id"])
                         yield event
-            except httpx.TransportError:
-                pass
+            except httpx.TransportError as exc:
+                reason = _reason(exc)
             except ClientError as exc:
                 if not exc.body.get("retryable"):
                     raise
+                reason = f"{exc.slug}: {exc.body.get('message')}"
+            if reason and not waiting and on_wait is not None:
+                on_wait(reason)
+            waiting = waiting or bool(reason)
             time.sleep(retry_s)

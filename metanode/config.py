@@ -77,6 +77,17 @@ class Settings:
     test_fault: str = setting(
         "", "Test-only fault point: `crash_after_truth_commit` exits the process there.")
 
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65_535:
+            raise InvalidRequest(f"setting port: {self.port} is not a TCP port (1 to 65535)")
+
+    @property
+    def client_url(self) -> str:
+        """Where a client on this machine reaches the node these settings serve: a wildcard
+        bind address (`0.0.0.0`, `::`) is asked on loopback."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
     @property
     def truth_path(self) -> Path:
         return self.data_dir / "truth.db"

@@ -12,7 +12,9 @@ The tree, by family:
 * `RequestError` (400/413): the request itself is malformed or too large.
 * `NotFoundError` (404): nothing is known under that name.
 * `AuthError` (401): the perimeter token is missing or wrong.
-* `UnavailableError` (503): the node cannot answer right now; retrying helps.
+* `UnavailableError` (503): the node cannot answer right now; retrying helps. `Unreachable`,
+  raised on the client side (`metanode.client`, the CLI), is one: no node answered at all.
+* `NotMetanode` (502, client side): what answered is not a metanode.
 """
 
 from __future__ import annotations
@@ -218,6 +220,23 @@ class CacheNotReady(UnavailableError):
 
 class ShuttingDown(UnavailableError):
     slug = "shutting_down"
+
+
+# -- the node could not be asked (`metanode.client` and the command line) ----------------------
+
+
+class Unreachable(UnavailableError):
+    """No node answered at the address: the connection was refused, timed out, or the host is
+    unknown."""
+
+    slug = "unreachable"
+
+
+class NotMetanode(MetanodeError):
+    """Something answered at the address, but not a metanode: not its JSON, not its envelope."""
+
+    status = 502
+    slug = "not_metanode"
 
 
 class MidhashError(MetanodeError):

@@ -432,7 +432,7 @@ async def test_a_path_swapped_after_hashing_is_never_served(
     envelope(await client.get(f"/file/{film}"), 404, "unknown_cid")
 
     folder = media / "shows"  # 3. a folder swapped for a link leading out of the root
-    episode, inside = write(folder / "e01.mkv", b"E" * 64)
+    episode, _ = write(folder / "e01.mkv", b"E" * 64)
     await node.scan([str(media)])
     assert (await client.get(f"/file/{episode}")).content == b"E" * 64
     elsewhere = tmp_path / "elsewhere"
