@@ -92,7 +92,7 @@ class Lock:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             raise DataDirLocked(f"{self.data_dir.resolve()} is in use by pid {holder}") from None
-        with db.storage_errors():
+        with db.storage_errors(self.path):
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
 

@@ -41,13 +41,13 @@ PROBE_FREE_BYTES = 1 << 20  # ...and needs this much free space: a tiny write ma
 
 
 @contextmanager
-def storage_errors() -> Iterator[None]:
-    """Raise a storage failure (`sqlite3.Error`, `OSError`) as its typed `StorageError`; let
-    anything else through unchanged."""
+def storage_errors(where: object = None) -> Iterator[None]:
+    """Raise a storage failure (`sqlite3.Error`, `OSError`) as its typed `StorageError`, naming
+    the file `where` if the error does not; let anything else through unchanged."""
     try:
         yield
     except (sqlite3.Error, OSError) as exc:
-        typed = storage_error(exc)
+        typed = storage_error(exc, where)
         if typed is None:
             raise
         raise typed from exc
@@ -60,7 +60,7 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     one behind our back. `synchronous=FULL`: an acknowledged claim survives power loss. A new
     database file is created 0600 first: SQLite gives its `-wal` and `-shm` the same mode.
     """
-    with storage_errors():
+    with storage_errors(path):
         if readonly:
             conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
                                    isolation_level=None, check_same_thread=False)
@@ -113,7 +113,7 @@ def probe(conn: sqlite3.Connection, path: Path) -> None:
     space a failed one left in the WAL, so it alone would report a full disk as healthy), and a
     real write transaction commits (it rewrites `user_version` unchanged: one page).
     """
-    with storage_errors():
+    with storage_errors(path.parent):
         free = shutil.disk_usage(path.parent).free
     if free < PROBE_FREE_BYTES:
         raise StorageFull(f"the data directory failed: {path.parent} has {free} bytes free; "

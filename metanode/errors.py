@@ -266,10 +266,10 @@ _ERRNO_STORAGE: dict[int, type[StorageError]] = {
     errno.EACCES: StorageReadOnly, errno.EPERM: StorageReadOnly, errno.EIO: StorageIOError}
 
 
-def storage_error(exc: BaseException) -> StorageError | None:
+def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
     """The typed error for a storage failure (by SQLite's error name, extended names included,
     or by errno), or None when `exc` is something else (a constraint, a bug) that must not be
-    mistaken for a full disk."""
+    mistaken for a full disk. `where` names the file when the error itself does not."""
     kind: type[StorageError] | None = None
     if isinstance(exc, sqlite3.Error):
         name = getattr(exc, "sqlite_errorname", "") or ""
@@ -277,10 +277,11 @@ def storage_error(exc: BaseException) -> StorageError | None:
         detail = f"{exc} ({name})"
     elif isinstance(exc, OSError) and exc.errno is not None:
         kind = _ERRNO_STORAGE.get(exc.errno)
-        detail = f"{exc.filename}: {exc.strerror}" if exc.filename else str(exc.strerror)
+        where = exc.filename or where
+        detail = str(exc.strerror)
     if kind is None:
         return None
-    return kind(f"the data directory failed: {detail}")
+    return kind(f"the data directory failed: {f'{where}: ' if where else ''}{detail}")
 
 
 class DataDirLocked(MetanodeError):
