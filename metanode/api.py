@@ -32,11 +32,13 @@ from metanode import compat, logs, sse
 from metanode.bodies import ascii_number, read_json
 from metanode.claims import utf8_size
 from metanode.errors import (
+    InternalError,
     InvalidRequest,
     MetanodeError,
     MethodNotAllowed,
     NotFoundError,
     Unauthorized,
+    UnavailableError,
 )
 from metanode.metrics import CONTENT_TYPE
 from metanode.node import Node
@@ -59,8 +61,43 @@ class ErrorResponse(JSONResponse):
 
 
 def error_response(exc: MetanodeError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if exc.retryable and exc.status == 503 else None
+    headers = ({"Retry-After": str(exc.retry_after)} if isinstance(exc, UnavailableError)
+               else None)
     return ErrorResponse(exc.envelope(), status_code=exc.status, headers=headers)
+
+
+class CatchAll:
+    """Whatever a handler let escape that is not a `MetanodeError`: logged with its traceback,
+    answered 500 `internal_error` in the envelope, and the connection kept open.
+
+    Not Starlette's `Exception` handler: that one re-raises after answering, and uvicorn then
+    closes the connection, resetting the client's next request on it. If the answer had already
+    begun (a stream), nothing can be answered any more: the error goes on up to close it.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception:
+            if started:
+                raise
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            response = error_response(InternalError(
+                f"unexpected error; it is logged under request id {logs.request_id.get()}"))
+            await response(scope, receive, send)
 
 
 class Perimeter:
@@ -261,6 +298,7 @@ def create_app(node: Node) -> Starlette:
     middleware = [
         Middleware(Observe, node=node),
         Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"]),
+        Middleware(CatchAll),
         Middleware(Perimeter, node=node),
     ]
     return Starlette(

@@ -10,36 +10,48 @@ import asyncio
 import contextlib
 import json
 import signal
+import sqlite3
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import wraps
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 import httpx
 
 from metanode import cid as cids
-from metanode import claims, client, config, db, keys, logs, node, truth, watcher
-from metanode.errors import InvalidBatch, InvalidJson, InvalidRequest, MetanodeError
+from metanode import claims, client, config, datadir, db, keys, logs, node, truth, watcher
+from metanode.errors import InvalidBatch, InvalidJson, InvalidRequest, MetanodeError, storage_error
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def reports_errors(func: F) -> F:
-    """Turn a `MetanodeError` into `error: <slug>: <message>` on stderr and exit code 2."""
+    """Turn a `MetanodeError` into `error: <slug>: <message>` on stderr and exit code 2; so too
+    a storage failure met outside the database layer (a file write: the token, a key, a backup
+    copy), as its typed `StorageError`."""
 
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
+        except (sqlite3.Error, OSError) as exc:
+            typed = storage_error(exc)
+            if typed is None:
+                raise
+            _fail(typed)
         except MetanodeError as exc:
-            click.echo(f"error: {exc.slug}: {exc.message}", err=True)
-            sys.exit(2)
+            _fail(exc)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _fail(exc: MetanodeError) -> NoReturn:
+    click.echo(f"error: {exc.slug}: {exc.message}", err=True)
+    sys.exit(2)
 
 
 def now_ms() -> int:
@@ -244,7 +256,10 @@ def serve(config_file: str | None, data_dir: str | None, host: str | None,
     from metanode.api import create_app
 
     settings = load_settings(config_file, data_dir=data_dir, host=host, port=port)
+    logs.configure(settings.log_level)  # before the data directory: tightening it is logged
+    datadir.Lock(settings.data_dir).acquire()  # held until the process exits
     node.open_store(settings)
+    datadir.check_writable((settings.truth_path, settings.cache_path))
     token, created = node.ensure_token(settings.token_path)
     url = f"http://{settings.host}:{settings.port}"
     click.echo(f"metanode serving {url}  (data: {settings.data_dir.resolve()})")
@@ -253,7 +268,6 @@ def serve(config_file: str | None, data_dir: str | None, host: str | None,
         click.echo(f"API token, shown once (kept in {settings.token_path}): {token}")
     else:
         click.echo(f"API token: in {settings.token_path}")
-    logs.configure(settings.log_level)
     app = create_app(node.Node(settings))
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
     # that was installed before it: make that handler a clean exit (status 0), not a kill.
@@ -458,7 +472,8 @@ def events(url: str | None, token: str | None, since: str | None, snapshot: bool
 @reports_errors
 def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) -> None:
     """Reconcile PATHS with the data directory once: hash new and changed files, drop vanished
-    ones, update their records; with a progress bar. Works whether or not the server runs."""
+    ones, update their records; with a progress bar. Refused while `serve` runs on the data
+    directory (its watcher does this)."""
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -488,7 +503,8 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
         finally:
             await the_node.stop()
 
-    summary = asyncio.run(run())
+    with datadir.Lock(settings.data_dir):  # a second node beside a running `serve`: refused
+        summary = asyncio.run(run())
     click.echo(f"{summary.seen} files seen: {summary.hashed} hashed, {summary.unchanged} "
                f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable")
     for path in summary.failed:

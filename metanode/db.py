@@ -6,6 +6,11 @@ as datasette's `execute_write_fn` does. Two coroutines' statements can then neve
 a transaction never waits on the event loop while holding the write lock. Reads that the API does
 on the event loop use a plain read-only connection: a primary-key lookup there costs microseconds,
 less than the thread hop aiosqlite would add (measured in docs/benchmarks.md).
+
+Storage failures (a full disk, a read-only mount, an I/O error, a lock held too long) are turned
+into the typed `StorageError`s here, where connections open and transactions run, so every write
+path reports them the same way; each `Writer` remembers its last one and probes until writes
+work again (`Writer.failure`, read by `/health`).
 """
 
 from __future__ import annotations
@@ -13,51 +18,112 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import queue
+import shutil
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from metanode.errors import ShuttingDown
+from metanode.errors import ShuttingDown, StorageError, StorageFull, storage_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 Txn = Callable[..., T]
 
 BUSY_TIMEOUT_MS = 30_000
+PROBE_S = 1.0  # while a writer's writes fail, it probes this often whether they work again
+PROBE_FREE_BYTES = 1 << 20  # ...and needs this much free space: a tiny write may fit in the WAL
+
+
+@contextmanager
+def storage_errors(where: object = None) -> Iterator[None]:
+    """Raise a storage failure (`sqlite3.Error`, `OSError`) as its typed `StorageError`, naming
+    the file `where` if the error does not; let anything else through unchanged."""
+    try:
+        yield
+    except (sqlite3.Error, OSError) as exc:
+        typed = storage_error(exc, where)
+        if typed is None:
+            raise
+        raise typed from exc
 
 
 def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     """A connection with the pragmas every metanode connection needs.
 
     Autocommit mode (`isolation_level=None`): transactions are always explicit, so nothing begins
-    one behind our back. `synchronous=FULL`: an acknowledged claim survives power loss.
+    one behind our back. `synchronous=FULL`: an acknowledged claim survives power loss. A new
+    database file is created 0600 first: SQLite gives its `-wal` and `-shm` the same mode.
     """
-    if readonly:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
-                               isolation_level=None, check_same_thread=False)
-    else:
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-    conn.execute("PRAGMA synchronous=FULL")
-    conn.execute("PRAGMA foreign_keys=ON")
+    with storage_errors(path):
+        if readonly:
+            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
+                                   isolation_level=None, check_same_thread=False)
+        else:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        try:
+            if not readonly:
+                conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+        except BaseException:
+            conn.close()
+            raise
     return conn
 
 
 def run_txn(conn: sqlite3.Connection, fn: Txn[T], *args: Any) -> T:
-    """Run `fn(conn, *args)` as one `BEGIN IMMEDIATE` transaction: all of it commits or none."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        result = fn(conn, *args)
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    conn.execute("COMMIT")
+    """Run `fn(conn, *args)` as one `BEGIN IMMEDIATE` transaction: all of it commits or none.
+
+    A failing statement or COMMIT rolls back whatever SQLite has not rolled back itself (after
+    SQLITE_FULL or an I/O error it may have; a failed COMMIT may leave the transaction open), so
+    the connection is always usable for the next transaction.
+    """
+    with storage_errors():
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn, *args)
+            conn.execute("COMMIT")
+        except BaseException:
+            _rollback(conn)
+            raise
     return result
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    if not conn.in_transaction:
+        return
+    try:
+        conn.execute("ROLLBACK")
+    except sqlite3.Error:  # the original error is the one to report
+        log.exception("ROLLBACK failed after a failed transaction")
+
+
+def probe(conn: sqlite3.Connection, path: Path) -> None:
+    """Raise the `StorageError` a write to the database at `path` would meet now, if any.
+
+    Two checks: the file system has `PROBE_FREE_BYTES` free (a tiny write can still fit in the
+    space a failed one left in the WAL, so it alone would report a full disk as healthy), and a
+    real write transaction commits (it rewrites `user_version` unchanged: one page).
+    """
+    with storage_errors(path.parent):
+        free = shutil.disk_usage(path.parent).free
+    if free < PROBE_FREE_BYTES:
+        raise StorageFull(f"the data directory failed: {path.parent} has {free} bytes free; "
+                          f"writes need at least {PROBE_FREE_BYTES}")
+    run_txn(conn, _rewrite_user_version)
+
+
+def _rewrite_user_version(conn: sqlite3.Connection) -> None:
+    version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    conn.execute(f"PRAGMA user_version={version}")
 
 
 @contextmanager
@@ -143,11 +209,17 @@ class Writer:
 
     `run(fn, *args)` (async) and `run_sync(fn, *args)` (from other threads) queue `fn(conn, *args)`
     and return its result once it has committed. Jobs run one at a time, in order.
+
+    `failure` is the last `StorageError` a job met, until a probe (every `PROBE_S`, between
+    jobs, on this thread) finds writes working again: so `/health` recovers by itself once the
+    disk has space, without waiting for a client's write to succeed first.
     """
 
     def __init__(self, path: Path, name: str) -> None:
         self.path = path
         self.conn = connect(path)
+        self.failure: StorageError | None = None
+        self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"{name}-writer", daemon=True)
@@ -155,7 +227,10 @@ class Writer:
 
     def _loop(self) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._next_job()
+            if job is None:
+                self._probe()
+                continue
             if job is _STOP:
                 break
             future, fn, args = job
@@ -164,8 +239,43 @@ class Writer:
             try:
                 future.set_result(run_txn(self.conn, fn, *args))
             except BaseException as exc:
+                if isinstance(exc, StorageError):
+                    self._failed(exc)
                 future.set_exception(exc)
         self.conn.close()
+
+    def _next_job(self) -> Any:
+        """The next queued job; None when a probe is due first (only while writes fail: even
+        under a steady stream of jobs, so a failure is never left standing after they work)."""
+        if self.failure is None:
+            return self._jobs.get()
+        wait = self._next_probe - time.monotonic()
+        if wait <= 0:
+            return None
+        try:
+            return self._jobs.get(timeout=wait)
+        except queue.Empty:
+            return None
+
+    def _failed(self, exc: StorageError) -> None:
+        if self.failure is None:
+            log.error("writes to %s fail (%s: %s); probing every %g s until they work",
+                      self.path, exc.slug, exc.message, PROBE_S)
+        self.failure = exc
+        self._next_probe = time.monotonic() + PROBE_S
+
+    def _probe(self) -> None:
+        try:
+            probe(self.conn, self.path)
+        except StorageError as exc:
+            self._failed(exc)
+            return
+        except Exception:  # not a storage failure: keep the one we know, never kill the thread
+            log.exception("probing writes to %s failed", self.path)
+            self._next_probe = time.monotonic() + PROBE_S
+            return
+        log.warning("writes to %s work again", self.path)
+        self.failure = None
 
     def submit(self, fn: Txn[T], *args: Any) -> concurrent.futures.Future[T]:
         if self._closed:

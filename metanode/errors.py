@@ -12,13 +12,18 @@ The tree, by family:
 * `RequestError` (400/413): the request itself is malformed or too large.
 * `NotFoundError` (404): nothing is known under that name.
 * `AuthError` (401): the perimeter token is missing or wrong.
-* `UnavailableError` (503): the node cannot answer right now; retrying helps. `Unreachable`,
-  raised on the client side (`metanode.client`, the CLI), is one: no node answered at all.
+* `UnavailableError` (503): the node cannot answer right now; retrying helps. Its
+  `StorageError` family says why the disk refused a write (`storage_full`, ...);
+  `storage_error()` maps a raw `sqlite3.Error` or `OSError` into it. `Unreachable`, raised on
+  the client side (`metanode.client`, the CLI), is one too: no node answered at all.
 * `NotMetanode` (502, client side): what answered is not a metanode.
+* `InternalError` (500): a bug; what no handler turned into one of the above.
 """
 
 from __future__ import annotations
 
+import errno
+import sqlite3
 from typing import Any, ClassVar
 
 
@@ -212,6 +217,7 @@ class UnavailableError(MetanodeError):
     status = 503
     slug = "unavailable"
     retryable = True
+    retry_after: ClassVar[int] = 1  # seconds, sent as `Retry-After`
 
 
 class CacheNotReady(UnavailableError):
@@ -237,6 +243,79 @@ class NotMetanode(MetanodeError):
 
     status = 502
     slug = "not_metanode"
+
+
+class StorageError(UnavailableError):
+    """The data directory failed a read or (mostly) a write; a failed transaction wrote nothing.
+
+    Retryable: the same request succeeds once the operator has freed space, remounted or
+    unlocked; the node probes and reports in `/health` meanwhile (docs/operations.md).
+    """
+
+    slug = "storage_error"
+    retry_after = 5  # a disk is not freed within a second
+
+
+class StorageFull(StorageError):
+    slug = "storage_full"
+
+
+class StorageReadOnly(StorageError):
+    """The file system is read-only, or the data directory is not writable by this user."""
+
+    slug = "storage_read_only"
+
+
+class StorageIOError(StorageError):
+    slug = "storage_io_error"
+
+
+class StorageLocked(StorageError):
+    """Another connection held the database lock for longer than the busy timeout."""
+
+    slug = "storage_locked"
+
+
+_SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
+    ("SQLITE_FULL", StorageFull), ("SQLITE_READONLY", StorageReadOnly),
+    ("SQLITE_CANTOPEN", StorageReadOnly), ("SQLITE_IOERR", StorageIOError),
+    ("SQLITE_BUSY", StorageLocked), ("SQLITE_LOCKED", StorageLocked))
+_ERRNO_STORAGE: dict[int, type[StorageError]] = {
+    errno.ENOSPC: StorageFull, errno.EDQUOT: StorageFull, errno.EROFS: StorageReadOnly,
+    errno.EACCES: StorageReadOnly, errno.EPERM: StorageReadOnly, errno.EIO: StorageIOError}
+
+
+def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
+    """The typed error for a storage failure (by SQLite's error name, extended names included,
+    or by errno), or None when `exc` is something else (a constraint, a bug) that must not be
+    mistaken for a full disk. `where` names the file when the error itself does not."""
+    kind: type[StorageError] | None = None
+    if isinstance(exc, sqlite3.Error):
+        name = getattr(exc, "sqlite_errorname", "") or ""
+        kind = next((k for prefix, k in _SQLITE_STORAGE if name.startswith(prefix)), None)
+        detail = f"{exc} ({name})"
+    elif isinstance(exc, OSError) and exc.errno is not None:
+        kind = _ERRNO_STORAGE.get(exc.errno)
+        where = exc.filename or where
+        detail = str(exc.strerror)
+    if kind is None:
+        return None
+    return kind(f"the data directory failed: {f'{where}: ' if where else ''}{detail}")
+
+
+class DataDirLocked(MetanodeError):
+    """Another process (a `serve`, a `scan`) runs a node on the data directory."""
+
+    status = 409
+    slug = "data_dir_locked"
+    retryable = True
+
+
+class InternalError(MetanodeError):
+    """What escaped every handler: a bug, logged with its traceback under the request id."""
+
+    status = 500
+    slug = "internal_error"
 
 
 class MidhashError(MetanodeError):

@@ -30,7 +30,7 @@ def create(path: str | os.PathLike[str], key: nacl.signing.SigningKey | None = N
     uid = uid_of_key(key)
     body = json.dumps({"type": "ed25519", "seed": bytes(key).hex(), "uid": uid}) + "\n"
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # keys/: its owner's only
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as out:
         out.write(body)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from metanode import cache, claims, db, feed, merge, plugins, sse, truth, watcher
+from metanode import cache, claims, datadir, db, feed, merge, plugins, sse, truth, watcher
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.config import Settings
@@ -61,8 +61,9 @@ def ensure_token(path: Path) -> tuple[str, bool]:
 
 
 def open_store(settings: Settings) -> None:
-    """Create the data directory and bring both schemas up to date."""
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    """Create the data directory (or make an existing one private) and bring both schemas up
+    to date."""
+    datadir.secure(settings.data_dir)
     for path, migrations in ((settings.truth_path, truth.MIGRATIONS),
                              (settings.cache_path, cache.MIGRATIONS)):
         conn = db.connect(path)
@@ -554,6 +555,10 @@ class Node:
             problems.append("the cache is being built")
         if self.applier.degraded:
             problems.append("applying truth changes to the cache is failing")
+        for writer in (self.truth_writer, self.cache_writer):
+            if writer.failure is not None:
+                problems.append(f"writes to {writer.path.name} are failing "
+                                f"({writer.failure.slug}: {writer.failure.message})")
         if lag and time.monotonic() - self.applier.progressed > STALL_S:
             problems.append(f"the cache has not caught up for {STALL_S:.0f} s")
         body: dict[str, Any] = {
@@ -630,11 +635,13 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
 
 def backup(settings: Settings, target: Path) -> Path:
     """`metanode backup DIR`: an online copy of truth.db (consistent while the node writes),
-    checked, plus the node's keys. The cache is not backed up: it is rebuilt from the truth."""
-    target.mkdir(parents=True, exist_ok=True)
+    checked, plus the node's keys. The cache is not backed up: it is rebuilt from the truth.
+    Private like the data directory: a new TARGET is 0700, the copy 0600 (the keys keep theirs)."""
+    target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     copy = target / f"truth-{stamp}.db"
     source = db.connect(settings.truth_path, readonly=True)
+    os.close(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, datadir.FILE_MODE))
     dest = sqlite3.connect(copy)
     try:
         source.backup(dest)

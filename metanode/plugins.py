@@ -38,7 +38,7 @@ from typing import Any, ClassVar, TypeVar
 import nacl.signing
 
 from metanode import cache, claims, db, keys
-from metanode.errors import MetanodeError
+from metanode.errors import MetanodeError, StorageError
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "metanode.plugins"
@@ -179,6 +179,8 @@ class Runner:
                     for cid, key, value in drafts]
             try:
                 await self._ingest(wire)
+            except StorageError:  # the disk's fault, not the plugin's: no attempt is spent
+                raise
             except MetanodeError as exc:
                 detail = exc.extra.get("items", exc.message)
                 return Outcome("failed", f"{exc.slug}: {detail}")
@@ -237,7 +239,20 @@ class Host:
                         await self._wake.wait()
                 self._wake.clear()
                 continue
-            await asyncio.gather(*(self._run_one(run) for run in due))
+            await self._run_all(due)
+
+    async def _run_all(self, due: Sequence[cache.PluginRun]) -> None:
+        """Run a round; if the disk refused a write, its runs stay pending as they were and the
+        next round waits a probe period (no busy loop while the disk is full)."""
+        results = await asyncio.gather(*(self._run_one(run) for run in due),
+                                       return_exceptions=True)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        for failure in failures:
+            if not isinstance(failure, StorageError):
+                raise failure
+        if failures:
+            log.warning("plugin runs wait for the disk: %s", failures[0])
+            await asyncio.sleep(db.PROBE_S)
 
     async def _run_one(self, run: cache.PluginRun) -> None:
         async with self._slots:

@@ -1,0 +1,113 @@
+"""The data directory as a whole: private modes, the lock of the one node using it, and whether
+it can take writes at all.
+
+Private, because it holds the API token, the node's signing keys and every claim: the directory
+is 0700 and every file in it 0600 (SQLite would create its files 0644 under the usual umask).
+
+Locked, because two nodes on one directory would each run an applier, a watcher and plugins
+over the same databases; SQLite keeps each transaction safe, not two nodes' bookkeeping. The
+offline commands (`signers`, `import`, `export`, `check`, `backup`, ...) do not take the lock:
+their transactions are safe beside a running node, which picks their changes up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from types import TracebackType
+
+from metanode import db
+from metanode.errors import DataDirLocked
+
+log = logging.getLogger(__name__)
+LOCK_NAME = "lock"
+DIR_MODE, FILE_MODE = 0o700, 0o600
+
+
+def secure(data_dir: Path) -> None:
+    """Create the data directory (0700), or tighten an existing one: itself and every folder in
+    it to 0700, every file to 0600, each change logged. Never loosens a mode."""
+    with db.storage_errors():
+        data_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        _tighten(data_dir, DIR_MODE)
+        for path in _contents(data_dir):
+            _tighten(path, DIR_MODE if path.is_dir() else FILE_MODE)
+
+
+def _contents(data_dir: Path) -> Iterable[Path]:
+    """The files and folders of the data directory, one level into its folders (`keys/`);
+    symbolic links are left alone (chmod would change what they point at)."""
+    for path in data_dir.iterdir():
+        if path.is_symlink():
+            continue
+        yield path
+        if path.is_dir():
+            yield from (inner for inner in path.iterdir() if not inner.is_symlink())
+
+
+def _tighten(path: Path, allowed: int) -> None:
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:  # a -wal or -shm that a closing connection just removed
+        return
+    if mode & ~allowed:
+        path.chmod(mode & allowed)
+        log.warning("tightened %s from %o to %o: the data directory is private",
+                    path, mode, mode & allowed)
+
+
+class Lock:
+    """An exclusive `flock` on `<data dir>/lock`, which holds the holder's pid, for as long as a
+    node (`serve`, `scan`) runs. The kernel drops it when the process ends, however it ends, so
+    a stale lock file never blocks a restart: `serve` simply holds it until it exits."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.path = data_dir / LOCK_NAME
+        self._fd = -1
+
+    def __enter__(self) -> Lock:
+        return self.acquire()
+
+    def acquire(self) -> Lock:
+        """Take the lock, or raise `DataDirLocked` naming the holder's pid."""
+        secure(self.data_dir)
+        with db.storage_errors():
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        try:
+            self._acquire(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        return self
+
+    def _acquire(self, fd: int) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            raise DataDirLocked(f"{self.data_dir.resolve()} is in use by pid {holder}") from None
+        with db.storage_errors(self.path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        os.close(self._fd)  # releases the flock; the file stays, for the next holder
+        self._fd = -1
+
+
+def check_writable(paths: Iterable[Path]) -> None:
+    """Raise the `StorageError` a write to any of these databases would meet now: `serve`
+    refuses to start on a full disk or a read-only mount rather than start and fail writes."""
+    for path in paths:
+        conn = db.connect(path)
+        try:
+            db.probe(conn, path)
+        finally:
+            conn.close()

@@ -1,0 +1,379 @@
+"""Storage failures and the data directory: a full disk is a typed retryable 503 (never a 500,
+never a reset connection), `/health` degrades and recovers by itself with nothing lost; a node
+will not start on a full, read-only or unwritable data directory, nor beside another node;
+everything in the data directory (and in a backup) is private.
+
+The full disk is real: a small tmpfs mounted by the fixture (we run as root) and filled up.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import json
+import os
+import shutil
+import sqlite3
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from metanode import cid as cids
+from metanode import db, errors
+from metanode.node import Node
+from tests.conftest import Server, Signer, free_port, metanode_check
+
+TMPFS_BYTES = 8 << 20
+DEADLINE_S = 60.0
+
+
+def _mount(point: Path, *options: str) -> None:
+    point.mkdir(exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join((f"size={TMPFS_BYTES}",
+                                                                   *options)), "tmpfs", point],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {done.stderr}")
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A fresh 8 MiB tmpfs, unmounted afterwards: a disk that can really fill up."""
+    point = tmp_path / "mnt"
+    _mount(point)
+    yield point
+    if subprocess.run(["umount", point]).returncode != 0:
+        subprocess.run(["umount", "-l", point], check=True)  # a straggling process holds it
+
+
+def fill(directory: Path) -> Path:
+    """A filler file taking every free byte of `directory`'s file system (to ENOSPC)."""
+    filler = directory / "filler"
+    with filler.open("wb", buffering=0) as out:
+        for chunk in (1 << 20, 4096, 1):
+            try:
+                while True:
+                    out.write(b"\0" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+    return filler
+
+
+def cli(*args: str, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
+    """A `metanode` command in a clean environment (plugins off); `prefix` runs it under a
+    wrapper. A server expected to refuse to start times out if it started."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    env["METANODE_PLUGINS_ENABLED"] = "false"
+    return subprocess.run([*prefix, sys.executable, "-m", "metanode", *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def serve_once(data_dir: Path) -> subprocess.CompletedProcess[str]:
+    """`metanode serve` expected to refuse to start."""
+    return cli("serve", "--data-dir", str(data_dir), "--port", str(free_port()))
+
+
+def assert_refused(done: subprocess.CompletedProcess[str], slug: str) -> None:
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1].startswith(f"error: {slug}: "), done.stderr
+    assert "Traceback" not in done.stderr
+
+
+# -- over HTTP, one keep-alive connection -------------------------------------------------------
+
+
+class Connection:
+    """One HTTP/1.1 connection, kept alive: every request must go over the same TCP socket
+    (http.client would reconnect silently after a `Connection: close`, so the local port is
+    checked on every answer)."""
+
+    def __init__(self, srv: Server) -> None:
+        self.http = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        self.headers = {**srv.headers, "Content-Type": "application/json"}
+        self.http.connect()
+        assert self.http.sock is not None
+        self.local = self.http.sock.getsockname()
+
+    def request(self, method: str, path: str,
+                body: Any = None) -> tuple[int, http.client.HTTPResponse, Any]:
+        payload = None if body is None else json.dumps(body)
+        self.http.request(method, path, body=payload, headers=self.headers)
+        response = self.http.getresponse()
+        data = json.loads(response.read())
+        assert self.http.sock is not None, "the server closed the connection"
+        assert self.http.sock.getsockname() == self.local, "the connection was not kept"
+        return response.status, response, data
+
+    def health(self) -> dict[str, Any]:
+        status, _, body = self.request("GET", "/health")
+        assert status == 200, body
+        result: dict[str, Any] = body
+        return result
+
+    def close(self) -> None:
+        self.http.close()
+
+
+def wait_for(what: str, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not check():
+        assert time.monotonic() < deadline, f"not within {DEADLINE_S} s: {what}"
+        time.sleep(0.05)
+
+
+def batch(signer: Signer, tag: str, n: int) -> list[dict[str, Any]]:
+    """n claims, each about its own CID, with 2 KB values: a batch that needs disk space."""
+    return [signer.claim(cids.midhash_bytes(f"{tag}-{i}".encode()), "title",
+                         f"{tag}-{i}-" + "v" * 2000) for i in range(n)]
+
+
+def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost(
+        tmpfs: Path, tmp_path: Path) -> None:
+    srv = Server(tmpfs, log=tmp_path / "serve.log",  # the log must not need the full disk
+                 env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true", "METANODE_APPLY_WAIT_S": "0.5",
+                      "METANODE_APPLY_POLL_S": "0.2"}).start()
+    signer = Signer()
+    conn = Connection(srv)
+    acknowledged: list[dict[str, Any]] = []
+    try:
+        first = batch(signer, "before", 5)
+        assert conn.request("POST", "/api/claims", {"claims": first})[0] == 200
+        acknowledged += first
+
+        filler = fill(tmpfs)
+        refusal: tuple[http.client.HTTPResponse, dict[str, Any]] | None = None
+        for n in range(200):  # where the disk runs out depends on the WAL: until it does
+            claims = batch(signer, f"full-{n}", 20)
+            status, response, body = conn.request("POST", "/api/claims", {"claims": claims})
+            assert status in (200, 202, 503), (status, body)  # never a 500
+            if status == 503:
+                refusal = response, body
+                break
+            acknowledged += claims  # 202: stored in the truth, the cache apply failed
+        assert refusal is not None, "the filled disk never refused a write"
+        response, body = refusal
+        assert body["error"] in ("storage_full", "storage_io_error"), body
+        assert body["retryable"] is True and set(body) == {"error", "message", "retryable"}
+        assert int(response.headers["Retry-After"]) >= 1
+
+        health = conn.health()  # the same connection still answers
+        assert health["status"] == "degraded", health
+        assert any(body["error"] in problem for problem in health["problems"]), health
+        settle = time.monotonic() + 3  # the probe must not call a full disk healthy
+        while time.monotonic() < settle:
+            assert conn.health()["status"] == "degraded"
+            time.sleep(0.2)
+
+        filler.unlink()
+        wait_for("/health recovers by itself", lambda: (
+            (h := conn.health())["status"] == "ok" and h["apply_lag"] == 0))
+
+        after = batch(signer, "after", 20)
+        status, _, body = conn.request("POST", "/api/claims", {"claims": after})
+        assert status == 200 and body["accepted"] == 20, body
+        acknowledged += after
+    finally:
+        conn.close()
+
+    for claim in acknowledged:  # every acknowledged claim is there, cache and truth
+        document = srv.meta(claim["cid"])
+        assert document is not None and document["metadata"]["title"] == claim["value"]
+    assert srv.stop() == 0
+    metanode_check(tmpfs)
+
+
+def test_claims_stored_while_the_cache_cannot_apply_them_are_applied_once_it_can(
+        tmpfs: Path, tmp_path: Path) -> None:
+    """truth.db has room, cache.db (a link onto the small tmpfs) has none: the claims are stored
+    and acknowledged (202), and applied by the applier's retry once the cache has space."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "cache.db").symlink_to(tmpfs / "cache.db")  # SQLite keeps its -wal beside the target
+    srv = Server(data, env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true",
+                            "METANODE_APPLY_WAIT_S": "0.5"}).start()
+    signer = Signer()
+    conn = Connection(srv)
+    acknowledged: list[dict[str, Any]] = []
+    try:
+        filler = fill(tmpfs)
+        for n in range(200):
+            claims = batch(signer, f"pending-{n}", 20)
+            status, _, body = conn.request("POST", "/api/claims", {"claims": claims})
+            assert status in (200, 202), (status, body)  # the truth has room: always stored
+            acknowledged += claims
+            if status == 202:
+                break
+        assert status == 202, "the full cache never held an apply back"
+        wait_for("/health names the failing cache", lambda: any(
+            "cache.db" in problem for problem in conn.health()["problems"]))
+        filler.unlink()
+        wait_for("the cache catches up by itself", lambda: (
+            (h := conn.health())["status"] == "ok" and h["apply_lag"] == 0))
+    finally:
+        conn.close()
+    for claim in acknowledged:
+        document = srv.meta(claim["cid"])
+        assert document is not None and document["metadata"]["title"] == claim["value"]
+    assert srv.stop() == 0
+    metanode_check(data)
+
+
+@pytest.mark.parametrize("initialised", [True, False], ids=["existing", "fresh"])
+def test_serve_refuses_a_full_disk(tmpfs: Path, initialised: bool) -> None:
+    if initialised:
+        assert cli("init", "--data-dir", str(tmpfs)).returncode == 0
+    fill(tmpfs)
+    assert_refused(serve_once(tmpfs), "storage_full")
+
+
+def test_serve_and_init_refuse_a_read_only_data_directory(tmpfs: Path) -> None:
+    assert cli("init", "--data-dir", str(tmpfs)).returncode == 0
+    subprocess.run(["mount", "-o", "remount,ro", tmpfs], check=True)
+    assert_refused(serve_once(tmpfs), "storage_read_only")
+    assert_refused(cli("init", "--data-dir", str(tmpfs)), "storage_read_only")
+
+
+def test_serve_refuses_a_data_directory_it_may_not_write(tmp_path: Path) -> None:
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to drop the capability to write anywhere")
+    data = tmp_path / "data"
+    data.mkdir(mode=0o500)
+    # Root may write anywhere; without CAP_DAC_OVERRIDE/CAP_FOWNER it meets the modes, as any
+    # user does.
+    done = cli("serve", "--data-dir", str(data), "--port", str(free_port()),
+               prefix=["setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search", "--"])
+    assert_refused(done, "storage_read_only")
+    assert "Permission denied" in done.stderr
+
+
+# -- the database layer maps real SQLite errors ------------------------------------------------
+
+
+def test_real_sqlite_failures_map_to_typed_errors_and_others_pass_through(
+        tmp_path: Path) -> None:
+    path = tmp_path / "x.db"
+    conn = db.connect(path)
+    db.run_txn(conn, lambda c: c.execute("CREATE TABLE t (k INTEGER PRIMARY KEY)"))
+    reader = db.connect(path, readonly=True)
+    with pytest.raises(errors.StorageReadOnly):
+        db.run_txn(reader, lambda c: c.execute("INSERT INTO t VALUES (1)"))
+    holder = db.connect(path)
+    holder.execute("BEGIN IMMEDIATE")
+    conn.execute("PRAGMA busy_timeout=0")
+    with pytest.raises(errors.StorageLocked) as locked:
+        db.run_txn(conn, lambda c: c.execute("INSERT INTO t VALUES (1)"))
+    assert locked.value.retryable and locked.value.status == 503
+    holder.execute("ROLLBACK")
+    db.run_txn(conn, lambda c: c.execute("INSERT INTO t VALUES (1)"))  # usable after a failure
+    with pytest.raises(sqlite3.IntegrityError):  # a constraint is a bug, not a full disk
+        db.run_txn(conn, lambda c: c.execute("INSERT INTO t VALUES (1)"))
+    assert not conn.in_transaction
+    for c in (conn, reader, holder):
+        c.close()
+
+
+@pytest.mark.parametrize(("code", "slug"), [
+    (errno.ENOSPC, "storage_full"), (errno.EDQUOT, "storage_full"),
+    (errno.EROFS, "storage_read_only"), (errno.EACCES, "storage_read_only"),
+    (errno.EIO, "storage_io_error"), (errno.ENOENT, None)])
+def test_os_errors_map_by_errno(code: int, slug: str | None) -> None:
+    typed = errors.storage_error(OSError(code, os.strerror(code), "/data/x"))
+    assert (typed.slug if typed else None) == slug
+    if typed is not None:
+        assert typed.retryable and "/data/x" in typed.message
+
+
+# -- anything else: a 500 envelope, the connection kept -----------------------------------------
+
+
+async def test_an_unexpected_error_is_a_500_envelope(node: Node,
+                                                     client: httpx.AsyncClient) -> None:
+    node.truth_reader.close()  # a real fault: every read of the truth now raises
+    try:
+        response = await client.get("/api/signers")
+    finally:
+        node.truth_reader = db.connect(node.settings.truth_path, readonly=True)
+    assert response.status_code == 500
+    body = response.json()
+    assert body["error"] == "internal_error" and body["retryable"] is False, body
+    assert response.headers["x-request-id"] in body["message"]
+    assert (await client.get("/api/signers")).status_code == 200
+
+
+# -- the lock ----------------------------------------------------------------------------------
+
+
+def test_a_second_node_on_the_data_directory_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    first = Server(data).start()
+    try:
+        assert first.proc is not None
+        done = serve_once(data)
+        assert_refused(done, "data_dir_locked")
+        assert done.stderr.strip() == (
+            f"error: data_dir_locked: {data.resolve()} is in use by pid {first.proc.pid}")
+        media = tmp_path / "media"
+        assert_refused(cli("scan", str(media), "--data-dir", str(data)), "data_dir_locked")
+        for offline in (["signers", "list"], ["check"], ["export", "--out", os.devnull]):
+            done = cli(*offline, "--data-dir", str(data))
+            assert done.returncode == 0, done.stderr  # SQLite makes these safe beside it
+    finally:
+        first.stop()
+    again = Server(data).start()  # the lock went with the process
+    again.stop()
+
+
+# -- private modes -----------------------------------------------------------------------------
+
+
+def modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode)
+            for p in [root, *root.rglob("*")]}
+
+
+def assert_private(root: Path) -> None:
+    for name, mode in modes(root).items():
+        wanted = 0o700 if (root / name).is_dir() else 0o600
+        assert mode & ~wanted == 0, f"{name} is {mode:o}"
+
+
+def test_the_data_directory_and_backups_are_private_and_loose_ones_are_tightened(
+        tmp_path: Path) -> None:
+    data, backups = tmp_path / "data", tmp_path / "backups"
+    old = os.umask(0o022)  # the usual umask, under which SQLite would create files 0644
+    srv = Server(data, env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true"})
+    try:
+        assert cli("keygen", "--out", str(data / "keys" / "own.key")).returncode == 0
+        srv.start()
+        response = httpx.post(f"{srv.url}/api/claims", headers=srv.headers, timeout=30,
+                              json={"claims": batch(Signer(), "private", 3)})
+        assert response.status_code == 200, response.text
+        names = set(modes(data))
+        assert {"truth.db", "truth.db-wal", "truth.db-shm", "cache.db", "cache.db-wal",
+                "api-token", "lock", "keys", "keys/own.key"} <= names, names
+        assert_private(data)
+        done = cli("backup", str(backups), "--data-dir", str(data))
+        assert done.returncode == 0, done.stderr
+        assert_private(backups)
+        assert any(name.startswith("keys-") for name in modes(backups))
+        srv.stop()
+
+        for loose in (data, data / "keys"):
+            loose.chmod(0o755)
+        for loose in (data / "truth.db", data / "api-token", data / "keys" / "own.key"):
+            loose.chmod(0o644)
+        srv.start()
+        assert_private(data)
+        srv.stop()
+        assert f"tightened {data / 'truth.db'} from 644 to 600" in srv.log_text()
+    finally:
+        os.umask(old)
+        if srv.proc is not None:
+            srv.stop()
