@@ -9,7 +9,8 @@ answer is plain text. `BoundedHttpTools` adds, per connection:
   their end, the answer is 431 `headers_too_large` and the connection is closed;
 * a head deadline: a head must be complete within `header_timeout_s` of the connection opening
   (or of the read that started it); else 408 `request_timeout` (or, if nothing was sent yet, a
-  plain close);
+  plain close). The same deadline closes a connection still dripping the body of a request
+  that was already answered;
 * `max_connections`: uvicorn's own `limit_concurrency` check (open connections, or requests in
   progress), answered in the error envelope (503 `too_busy`) instead of plain text.
 
@@ -69,14 +70,21 @@ class BoundedHttpTools(HttpToolsProtocol):
             return
         self.reading = len(data)
         super().data_received(data)
-        if not self.in_head or self.transport.is_closing():
+        if self.transport.is_closing():
             return
-        self.head_bytes += len(data)
-        if self.head_bytes > self.max_header_bytes:
-            self._refuse(HeadersTooLarge(
-                f"request line and headers are over {self.max_header_bytes} bytes"))
-        elif self.head_timer is None:
+        if self.in_head:
+            self.head_bytes += len(data)
+            if self.head_bytes > self.max_header_bytes:
+                self._refuse(HeadersTooLarge(
+                    f"request line and headers are over {self.max_header_bytes} bytes"))
+                return
+        if self.head_timer is None and (self.in_head or self._draining()):
             self._arm()
+
+    def _draining(self) -> bool:
+        """The rest of a body nobody reads any more (the answer is out): each byte of it would
+        cancel uvicorn's keep-alive timer, so a drip could hold the connection forever."""
+        return self.cycle is not None and self.cycle.response_complete and self.cycle.more_body
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -113,8 +121,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         if self.in_head:
             self._refuse(RequestTimeout(
                 f"request headers not complete within {self.header_timeout_s:g} s"))
-        elif self.cycle is None and not self.transport.is_closing():
-            self.transport.close()  # opened, never sent a byte: nothing to answer
+        elif (self.cycle is None or self._draining()) and not self.transport.is_closing():
+            self.transport.close()  # never sent a byte, or answered already: nothing to say
 
     def _refuse(self, exc: MetanodeError) -> None:
         """Answer `exc` in the envelope and close, unless a response of an earlier (pipelined)

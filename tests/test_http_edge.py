@@ -145,6 +145,29 @@ def test_a_head_that_stalls_is_answered_408_and_closed(edge_server: Server) -> N
         assert read_until_closed(silent) == b""  # opened, never wrote: closed without a word
 
 
+@pytest.mark.parametrize("edge_server", [{"METANODE_HEADER_TIMEOUT_S": "1"}], indirect=True)
+def test_a_body_dripped_after_the_answer_does_not_hold_the_connection(edge_server: Server) -> None:
+    """GET /health answers without reading the declared body; a client that keeps dripping it
+    (each byte would reset uvicorn's 5 s keep-alive timer) is closed after the head deadline."""
+    with connect(edge_server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: edge\r\nContent-Length: 100000\r\n\r\nx")
+        deadline = time.monotonic() + DEADLINE_S
+        answered = b""
+        while time.monotonic() < deadline:
+            if select.select([sock], [], [], 0.2)[0]:
+                data = sock.recv(65536)
+                if not data:
+                    break  # closed by the server
+                answered += data
+            try:
+                sock.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        else:
+            pytest.fail(f"still open after {DEADLINE_S} s of dripping")
+    assert answered.startswith(b"HTTP/1.1 200 "), answered[:100]
+
+
 def test_unparseable_http_gets_the_envelope(server: Server) -> None:
     with connect(server) as sock:
         sock.sendall(b"NOT HTTP AT ALL\x00\r\n\r\n")
