@@ -14,7 +14,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -29,7 +29,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metanode import compat, logs, sse
-from metanode.bodies import ascii_number, read_json
+from metanode.bodies import ascii_number, read_json, refuse_unknown
 from metanode.claims import utf8_size
 from metanode.errors import (
     InternalError,
@@ -37,6 +37,7 @@ from metanode.errors import (
     MetanodeError,
     MethodNotAllowed,
     NotFoundError,
+    RequestTimeout,
     Unauthorized,
     UnavailableError,
 )
@@ -50,6 +51,7 @@ _request_ids = (f"{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
 PUBLIC_PREFIX = "/api/meta/"
 PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
 MAX_PAGE = 1000
+SIGNER_MEMBERS = ("uid", "name", "weight", "may_link")  # schemas/signer-request.schema.json
 
 
 class ErrorResponse(JSONResponse):
@@ -60,10 +62,15 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-def error_response(exc: MetanodeError) -> JSONResponse:
-    headers = ({"Retry-After": str(exc.retry_after)} if isinstance(exc, UnavailableError)
-               else None)
-    return ErrorResponse(exc.envelope(), status_code=exc.status, headers=headers)
+def error_response(exc: MetanodeError, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """`exc` in the envelope; a 503 says when to retry, and a 408 closes the connection (the
+    rest of a slow body is not worth waiting for)."""
+    extra = dict(headers or {})
+    if isinstance(exc, UnavailableError):
+        extra["Retry-After"] = str(exc.retry_after)
+    if isinstance(exc, RequestTimeout):
+        extra["Connection"] = "close"
+    return ErrorResponse(exc.envelope(), status_code=exc.status, headers=extra)
 
 
 class CatchAll:
@@ -183,6 +190,7 @@ def _signer_body(body: Any) -> tuple[str, str, int, bool]:
     """(uid, name, weight, may_link) from a POST /api/signers body, or a clear error."""
     if not isinstance(body, dict) or not isinstance(body.get("uid"), str):
         raise InvalidRequest('the body must be {"uid": "z6Mk…", "name", "weight", "may_link"}')
+    refuse_unknown(body, SIGNER_MEMBERS)
     name, weight = body.get("name", ""), body.get("weight", 1)
     may_link = body.get("may_link", False)
     if not isinstance(name, str) or utf8_size(name) is None:
@@ -217,12 +225,14 @@ def create_app(node: Node) -> Starlette:
         return JSONResponse(node.hash_ids(request.query_params.get("after"), _limit(request)))
 
     async def post_claims(request: Request) -> Response:
-        answer = await node.ingest(await read_json(request, node.settings.max_batch_bytes))
+        body = await read_json(request, node.settings.max_batch_bytes,
+                               node.settings.body_timeout_s)
+        answer = await node.ingest(body)
         return JSONResponse(answer.body, status_code=answer.status)
 
     async def signers(request: Request) -> Response:
         if request.method == "POST":
-            body = await read_json(request, 64 * 1024)
+            body = await read_json(request, 64 * 1024, node.settings.body_timeout_s)
             return JSONResponse(await node.add_signer(*_signer_body(body)))
         return JSONResponse({"signers": node.signers()})
 
@@ -264,8 +274,10 @@ def create_app(node: Node) -> Starlette:
 
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        if exc.status_code == 405:
-            return error_response(MethodNotAllowed(f"{request.method} is not allowed here"))
+        if exc.status_code == 405:  # Starlette names the route's methods in `Allow`
+            allow = ", ".join(sorted((exc.headers or {}).get("Allow", "").split(", ")))
+            return error_response(MethodNotAllowed(f"{request.method} is not allowed here; "
+                                                   f"allowed: {allow}"), {"Allow": allow})
         return error_response(NotFoundError(f"no route {request.url.path}"))
 
     @asynccontextmanager

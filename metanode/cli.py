@@ -251,8 +251,7 @@ def watching(settings: config.Settings) -> str:
 def serve(config_file: str | None, data_dir: str | None, host: str | None,
           port: int | None) -> None:
     """Run the node: HTTP API, applier (and, later, the watcher), until SIGINT/SIGTERM."""
-    import uvicorn
-
+    from metanode import server
     from metanode.api import create_app
 
     settings = load_settings(config_file, data_dir=data_dir, host=host, port=port)
@@ -273,8 +272,7 @@ def serve(config_file: str | None, data_dir: str | None, host: str | None,
     # that was installed before it: make that handler a clean exit (status 0), not a kill.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                    timeout_graceful_shutdown=10, access_log=False, log_config=None)
+        server.run(app, settings)
 
 
 @main.group()

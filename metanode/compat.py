@@ -233,7 +233,12 @@ def patch_fields(body: bytes, max_fields: int) -> dict[str, str]:
 
 
 def property_value(body: bytes) -> str:
-    """A PUT property body: `{"value": "…"}` (null counts as ""), else the raw body as text."""
+    """A PUT property body: `{"value": "…"}` (null counts as ""), else the raw body as text.
+    The body is required (the OpenAPI document says so): an empty one is refused rather than
+    read as a retraction, which `{"value": ""}` states explicitly."""
+    if not body:
+        raise InvalidRequest('the body is required: {"value": "…"} or the value as text '
+                             '({"value": ""} retracts)')
     try:
         parsed = parse_json(body)
     except InvalidJson:
@@ -578,7 +583,8 @@ def routes(node: Node) -> list[BaseRoute]:
     async def meta_record(request: Request) -> Response:
         text = request.path_params["hash"]
         if request.method == "PATCH":
-            body = await read_body(request, node.settings.max_batch_bytes)
+            body = await read_body(request, node.settings.max_batch_bytes,
+                                   node.settings.body_timeout_s)
             fields = patch_fields(body, node.settings.max_batch_claims)
             done = await writer.write(text, fields)
             return JSONResponse({"success": True, "hashId": done.rid, "updated": done.updated},
@@ -594,7 +600,8 @@ def routes(node: Node) -> list[BaseRoute]:
         if not key:
             raise InvalidRequest("a key is required: /meta/{hash}/{key}")
         if request.method == "PUT":
-            value = property_value(await read_body(request, MAX_PROPERTY_BODY))
+            value = property_value(await read_body(request, MAX_PROPERTY_BODY,
+                                                   node.settings.body_timeout_s))
             done = await writer.write(text, {key: value})
             return JSONResponse({"success": True, "hashId": done.rid, "property": key},
                                 status_code=done.status)

@@ -30,6 +30,17 @@ def setting(default: Any, help: str) -> Any:
 class Settings:
     host: str = setting("127.0.0.1", "Address the HTTP server binds.")
     port: int = setting(9000, "TCP port of the HTTP server.")
+    max_header_bytes: int = setting(
+        65_536, "Longest request head (request line and headers), in bytes; a longer one is "
+        "answered 431 `headers_too_large` and its connection closed.")
+    header_timeout_s: float = setting(
+        10.0, "Seconds a client has to send a whole request head, from opening the connection "
+        "or from its first byte after an idle keep-alive; then 408 `request_timeout` and close.")
+    body_timeout_s: float = setting(
+        60.0, "Seconds a client has to send a whole request body; then 408 `request_timeout`.")
+    max_connections: int = setting(
+        1024, "Most HTTP connections (feed subscribers included) or requests in progress at "
+        "once; a request beyond it is answered 503 `too_busy`.")
     data_dir: Path = setting(Path("./data"), "Directory of truth.db, cache.db, the token, keys/.")
     accept_unknown_signers: bool = setting(
         False, "Accept claims from signers that are not registered (they are registered on use).")

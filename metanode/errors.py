@@ -9,7 +9,7 @@ The tree, by family:
 
 * `ClaimError` (400): one claim broke a rule of SPEC §2.2 (`invalid_uid`, `invalid_cid`, ...).
 * `SignerPolicyError` (403): the claim is well formed but its signer may not make it.
-* `RequestError` (400/413): the request itself is malformed or too large.
+* `RequestError` (400/408/413/431): the request itself is malformed, too large or too slow.
 * `NotFoundError` (404): nothing is known under that name.
 * `AuthError` (401): the perimeter token is missing or wrong.
 * `UnavailableError` (503): the node cannot answer right now; retrying helps. Its
@@ -160,6 +160,23 @@ class TooLarge(RequestError):
     slug = "too_large"
 
 
+class HeadersTooLarge(RequestError):
+    """The request line and headers passed `max_header_bytes` before they ended; the server
+    answers this itself, before the app, and closes the connection."""
+
+    status = 431
+    slug = "headers_too_large"
+
+
+class RequestTimeout(RequestError):
+    """The client sent its headers or body too slowly (`header_timeout_s`, `body_timeout_s`);
+    the connection is closed after the answer."""
+
+    status = 408
+    slug = "request_timeout"
+    retryable = True
+
+
 class InvalidKeyFile(RequestError):
     slug = "invalid_key_file"
 
@@ -222,6 +239,13 @@ class UnavailableError(MetanodeError):
 
 class CacheNotReady(UnavailableError):
     slug = "cache_not_ready"
+
+
+class TooBusy(UnavailableError):
+    """More than `max_connections` connections or requests at once; answered by the server
+    before the app."""
+
+    slug = "too_busy"
 
 
 class ShuttingDown(UnavailableError):

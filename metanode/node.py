@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from metanode import cache, claims, datadir, db, feed, merge, plugins, sse, truth, watcher
 from metanode import cid as cids
 from metanode import rid as rids
+from metanode.bodies import refuse_unknown
 from metanode.config import Settings
 from metanode.errors import (
     BadSignature,
@@ -366,6 +367,7 @@ class Node:
     def _batch_items(self, payload: object) -> list[object]:
         if not isinstance(payload, dict) or not isinstance(payload.get("claims"), list):
             raise InvalidRequest('the body must be {"claims": [wire claims…]}')
+        refuse_unknown(payload, ("claims",))
         items: list[object] = payload["claims"]
         if len(items) > self.settings.max_batch_claims:
             raise TooLarge(f"{len(items)} claims; at most {self.settings.max_batch_claims} "

@@ -173,7 +173,9 @@ async def test_put_property_takes_a_value_object_or_a_raw_body(client: httpx.Asy
         assert response.status_code == 200, response.text
         envelope(await client.get(f"/meta/{CID_A}/title"), 404, "not_found")
     await client.put(f"/meta/{CID_A}/title", content=b"x")
-    await client.put(f"/meta/{CID_A}/title", content=b"")
+    envelope(await client.put(f"/meta/{CID_A}/title", content=b""), 400, "invalid_request")
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "x"  # an empty body wrote nothing
+    await client.put(f"/meta/{CID_A}/title", json={"value": ""})
     envelope(await client.get(f"/meta/{CID_A}/title"), 404, "not_found")
     assert [c for c in await listed_claims(client, CID_A) if c["key"] == "title"] == []
     envelope(await client.put(f"/meta/{CID_A}/title", content=b"\xff\xfe"), 400, "invalid_value")

@@ -9,8 +9,9 @@ logging set-up (`metanode.logs.configure(log_level)`: one stderr handler, JSON l
 `uvicorn.run(app, host, port, log_level, timeout_graceful_shutdown=10, access_log=False,
 log_config=None)` with uvicorn's defaults for everything else (loop and http "auto", i.e.
 uvloop and httptools when installed). metanode's own per-request work (its access log line,
-request id and latency histogram, CORS, the perimeter) is part of what the benchmark measures,
-so none of it is copied here. Keep the two in step when `metanode serve` changes.
+request id and latency histogram, CORS, the perimeter, and its bounded httptools protocol,
+metanode/server.py) is part of what the benchmark measures, so none of it is copied here.
+Keep the two in step when `metanode serve` changes.
 """
 
 from __future__ import annotations

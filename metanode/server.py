@@ -1,0 +1,174 @@
+"""The HTTP server: uvicorn, bounded so that one client cannot stall or exhaust the node.
+
+uvicorn's httptools parser has no limit on a request head: a 100 MB header is buffered whole
+(httptools joins the pieces of a header value with `bytes +=`, quadratic in its length) and held
+the event loop for ≈ 10 s. Nor does uvicorn time out a head that never ends, and its over-limit
+answer is plain text. `BoundedHttpTools` adds, per connection:
+
+* a head limit: once more than `max_header_bytes` of a request line and headers arrived without
+  their end, the answer is 431 `headers_too_large` and the connection is closed;
+* a head deadline: a head must be complete within `header_timeout_s` of the connection opening
+  (or of the read that started it); else 408 `request_timeout` (or, if nothing was sent yet, a
+  plain close). The same deadline closes a connection still dripping the body of a request
+  that was already answered;
+* `max_connections`: uvicorn's own `limit_concurrency` check (open connections, or requests in
+  progress), answered in the error envelope (503 `too_busy`) instead of plain text.
+
+Bodies have their own deadline, `body_timeout_s`, in `bodies.read_body`. h11, uvicorn's other
+parser, has a head limit built in but cost a measurable share of the read rate
+(docs/benchmarks.md, "HTTP edge"); the httptools subclass did not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, ClassVar
+
+import uvicorn
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from metanode.api import error_response
+from metanode.config import Settings
+from metanode.errors import HeadersTooLarge, MetanodeError, RequestError, RequestTimeout, TooBusy
+
+log = logging.getLogger(__name__)
+STARTUP_FAILURE = 3  # the status `uvicorn.run` exits with when the server did not start
+
+
+class BoundedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a head size limit, a head deadline and enveloped
+    refusals. The limits are class attributes, set by `protocol_for`."""
+
+    max_header_bytes: ClassVar[int]
+    header_timeout_s: ClassVar[float]
+    max_connections: ClassVar[int]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit_concurrency = None  # checked by `on_headers_complete`, answered as envelope
+        self.node_app = self.app
+        self.in_head = False  # between a request's first byte and the end of its headers
+        self.head_bytes = 0
+        self.reading = 0  # length of the read being parsed (see `on_message_begin`)
+        self.head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()  # a connection that never sends a byte is closed too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """Parse, then count the read if the head is still incomplete. Counting after the
+        parse buffers at most one read (≤ 256 KiB) past the limit, and never counts a head
+        that ended within this read, however long the read."""
+        if self.transport.is_closing():
+            return
+        self.reading = len(data)
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self.in_head:
+            self.head_bytes += len(data)
+            if self.head_bytes > self.max_header_bytes:
+                self._refuse(HeadersTooLarge(
+                    f"request line and headers are over {self.max_header_bytes} bytes"))
+                return
+        if self.head_timer is None and (self.in_head or self._draining()):
+            self._arm()
+
+    def _draining(self) -> bool:
+        """The rest of a body nobody reads any more (the answer is out): each byte of it would
+        cancel uvicorn's keep-alive timer, so a drip could hold the connection forever."""
+        return self.cycle is not None and self.cycle.response_complete and self.cycle.more_body
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.in_head = True
+        # The read that starts a head may end the previous request too: count only from the
+        # next read, so a pipelined request is never refused for its predecessor's bytes.
+        self.head_bytes = -self.reading
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        self._disarm()
+        # `connections` counts this one, `tasks` the requests already running.
+        busy = (len(self.connections) > self.max_connections
+                or len(self.tasks) >= self.max_connections)
+        self.app = too_busy if busy else self.node_app
+        if busy:
+            log.warning("over max_connections (%d): answered 503", self.max_connections)
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request the parser cannot read: the envelope instead of uvicorn's plain text."""
+        self._refuse(RequestError(msg))
+
+    def _arm(self) -> None:
+        self.head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
+
+    def _disarm(self) -> None:
+        if self.head_timer is not None:
+            self.head_timer.cancel()
+            self.head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self.head_timer = None
+        if self.in_head:
+            self._refuse(RequestTimeout(
+                f"request headers not complete within {self.header_timeout_s:g} s"))
+        elif (self.cycle is None or self._draining()) and not self.transport.is_closing():
+            self.transport.close()  # never sent a byte, or answered already: nothing to say
+
+    def _refuse(self, exc: MetanodeError) -> None:
+        """Answer `exc` in the envelope and close, unless a response of an earlier (pipelined)
+        request is still being written: then only close."""
+        self._disarm()
+        self.in_head = False
+        if self.cycle is None or self.cycle.response_complete:
+            log.warning("refused a request head: %s: %s", exc.slug, exc.message)
+            self.transport.write(self._raw(exc))
+        self.transport.close()
+
+    def _raw(self, exc: MetanodeError) -> bytes:
+        """`exc` as a complete HTTP/1.1 response with `Connection: close`."""
+        response = error_response(exc)
+        headers = [*self.server_state.default_headers, *response.raw_headers,
+                   (b"connection", b"close")]
+        lines = [STATUS_LINE[exc.status], *(name + b": " + value + b"\r\n"
+                                            for name, value in headers)]
+        return b"".join([*lines, b"\r\n", response.body])
+
+
+async def too_busy(scope: Scope, receive: Receive, send: Send) -> None:
+    """The ASGI app that answers a request over `max_connections`."""
+    response = error_response(TooBusy("too many connections or requests at once; retry"))
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
+
+
+def protocol_for(settings: Settings) -> type[BoundedHttpTools]:
+    """`BoundedHttpTools` with the limits of `settings` (uvicorn builds it from the class)."""
+
+    class Protocol(BoundedHttpTools):
+        max_header_bytes = settings.max_header_bytes
+        header_timeout_s = settings.header_timeout_s
+        max_connections = settings.max_connections
+
+    return Protocol
+
+
+def run(app: ASGIApp, settings: Settings) -> None:
+    """Serve `app` until SIGINT/SIGTERM; exit like `uvicorn.run` if the server never started."""
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        timeout_graceful_shutdown=10, access_log=False, log_config=None,
+        http=protocol_for(settings))
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        raise SystemExit(STARTUP_FAILURE)

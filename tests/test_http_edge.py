@@ -1,0 +1,313 @@
+"""The HTTP edge (issue 13): what a hostile or careless client meets before and around the routes.
+
+On a real `metanode serve`: a huge request head is refused (431) while other clients keep being
+answered, a head or body that stalls is cut off (408), connections beyond `max_connections` get
+503 `too_busy`, and unparseable HTTP gets the envelope too. In-process: 405 names the allowed
+methods, body objects with unknown members are refused, and bodies are UTF-8 JSON only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metanode.bodies import parse_json
+from metanode.errors import InvalidJson
+from tests.conftest import Server, Signer
+
+OPENAPI = json.loads((Path(__file__).parents[1] / "schemas" / "openapi.json").read_text("utf-8"))
+DEADLINE_S = 30.0  # generous: every wait below is for a condition, this only bounds a failure
+
+
+@pytest.fixture
+def edge_server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """A real server; `@pytest.mark.parametrize("edge_server", [{env}], indirect=True)` sets
+    its `METANODE_*` environment."""
+    srv = Server(tmp_path / "data", env=getattr(request, "param", {})).start()
+    yield srv
+    srv.stop()
+    srv.print_log()
+
+
+def connect(server: Server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=DEADLINE_S)
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (bounded by the timeout)."""
+    chunks = []
+    while True:
+        try:
+            data = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return b"".join(chunks)
+
+
+def parse_response(raw: bytes) -> tuple[int, dict[str, str], Any]:
+    """(status, lower-cased headers, JSON body) of one raw HTTP/1.1 response."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.lower().split(": ", 1) for line in lines)
+    return int(status_line.split()[1]), headers, json.loads(body)
+
+
+def assert_envelope(raw: bytes, status: int, slug: str, retryable: bool) -> dict[str, str]:
+    got_status, headers, body = parse_response(raw)
+    assert (got_status, body["error"], body["retryable"]) == (status, slug, retryable), raw[:300]
+    assert headers["content-type"] == "application/json"
+    return headers
+
+
+def readable(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+# -- request heads --------------------------------------------------------------------------------
+
+
+def test_a_10_mb_header_is_refused_while_another_client_keeps_being_answered(
+        server: Server) -> None:
+    """The big header goes out 4 KiB at a time, and between two pieces the other client asks
+    once: it must be answered every time, and the big sender must get 431 long before 10 MB
+    (uvicorn's httptools parser alone buffered all of it, quadratically, and answered 200)."""
+    piece, size, sent, answers = b"a" * 4096, 10 * 2**20, 0, 0
+    with connect(server) as big, httpx.Client(base_url=server.url, timeout=DEADLINE_S) as other:
+        big.sendall(b"GET /health HTTP/1.1\r\nHost: edge\r\nX-Big: ")
+        while sent < size and not readable(big):
+            try:
+                big.sendall(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            sent += len(piece)
+            assert other.get("/health").status_code == 200
+            answers += 1
+        headers = assert_envelope(read_until_closed(big), 431, "headers_too_large", False)
+        assert headers["connection"] == "close"
+        assert other.get("/health").status_code == 200
+    assert sent < 2**20, f"{sent} bytes of header were taken before the refusal"
+    assert answers >= 10  # the other client was answered all along (64 KiB / 4 KiB pieces)
+
+
+def vm_hwm_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_a_100_mb_header_sent_at_full_speed_costs_no_memory_and_stalls_nobody(
+        server: Server) -> None:
+    assert server.proc is not None
+    before = vm_hwm_mib(server.proc.pid)
+    outcome: list[bytes] = []
+
+    def blast() -> None:
+        with connect(server) as sock:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # cut off: fine
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: edge\r\nX-Big: " + b"a" * 100 * 2**20)
+            outcome.append(read_until_closed(sock))
+
+    sender = threading.Thread(target=blast)
+    sender.start()
+    answers = 0
+    with httpx.Client(base_url=server.url, timeout=DEADLINE_S) as other:
+        while sender.is_alive() or answers < 20:
+            assert other.get("/health").status_code == 200
+            answers += 1
+    sender.join()
+    assert_envelope(outcome[0], 431, "headers_too_large", False)
+    assert vm_hwm_mib(server.proc.pid) - before < 32  # was ≈ 200 MiB for 100 MB
+
+
+@pytest.mark.parametrize("edge_server", [{"METANODE_HEADER_TIMEOUT_S": "1"}], indirect=True)
+def test_a_head_that_stalls_is_answered_408_and_closed(edge_server: Server) -> None:
+    with connect(edge_server) as loris, connect(edge_server) as silent:
+        loris.sendall(b"GET /health HTTP/1.1\r\nHost: edge\r\nX-Slow: ")  # ... and nothing more
+        assert httpx.get(f"{edge_server.url}/health", timeout=DEADLINE_S).status_code == 200
+        headers = assert_envelope(read_until_closed(loris), 408, "request_timeout", True)
+        assert headers["connection"] == "close"
+        assert read_until_closed(silent) == b""  # opened, never wrote: closed without a word
+
+
+@pytest.mark.parametrize("edge_server", [{"METANODE_HEADER_TIMEOUT_S": "1"}], indirect=True)
+def test_a_body_dripped_after_the_answer_does_not_hold_the_connection(edge_server: Server) -> None:
+    """GET /health answers without reading the declared body; a client that keeps dripping it
+    (each byte would reset uvicorn's 5 s keep-alive timer) is closed after the head deadline."""
+    with connect(edge_server) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: edge\r\nContent-Length: 100000\r\n\r\nx")
+        deadline = time.monotonic() + DEADLINE_S
+        answered = b""
+        while time.monotonic() < deadline:
+            if select.select([sock], [], [], 0.2)[0]:
+                data = sock.recv(65536)
+                if not data:
+                    break  # closed by the server
+                answered += data
+            try:
+                sock.sendall(b"x")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        else:
+            pytest.fail(f"still open after {DEADLINE_S} s of dripping")
+    assert answered.startswith(b"HTTP/1.1 200 "), answered[:100]
+
+
+def test_unparseable_http_gets_the_envelope(server: Server) -> None:
+    with connect(server) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\x00\r\n\r\n")
+        assert_envelope(read_until_closed(sock), 400, "bad_request", False)
+
+
+# -- request bodies -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("edge_server", [{"METANODE_BODY_TIMEOUT_S": "1"}], indirect=True)
+def test_a_body_that_stalls_is_answered_408_and_closed(edge_server: Server) -> None:
+    with connect(edge_server) as sock:
+        sock.sendall(b"POST /api/signers HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json"
+                     b"\r\nAuthorization: Bearer " + edge_server.token.encode() +
+                     b"\r\nContent-Length: 100\r\n\r\n{\"uid\": ")  # 8 of the 100 bytes
+        headers = assert_envelope(read_until_closed(sock), 408, "request_timeout", True)
+        assert headers["connection"] == "close"
+    assert httpx.get(f"{edge_server.url}/api/signers", headers=edge_server.headers,
+                     timeout=DEADLINE_S).json()["signers"] == []
+
+
+# -- connections ----------------------------------------------------------------------------------
+
+
+def poll_status(url: str, wanted: int) -> httpx.Response:
+    """GET /health on a fresh connection until it answers `wanted` (bounded)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        response = httpx.get(f"{url}/health", timeout=DEADLINE_S)
+        if response.status_code == wanted or time.monotonic() > deadline:
+            return response
+
+
+@pytest.mark.parametrize("edge_server", [{"METANODE_MAX_CONNECTIONS": "3"}], indirect=True)
+def test_connections_beyond_max_connections_get_503_too_busy(edge_server: Server) -> None:
+    idle = [connect(edge_server) for _ in range(3)]
+    try:
+        response = poll_status(edge_server.url, 503)
+        assert response.status_code == 503, response.text
+        assert response.json()["error"] == "too_busy" and response.json()["retryable"] is True
+        assert response.headers["retry-after"] == "1"
+        idle.pop().close()  # 2 idle + this request's connection = 3: served again
+        assert poll_status(edge_server.url, 200).status_code == 200
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+# -- the contract (in-process) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("DELETE", "/api/claims", "POST"),
+    ("PUT", "/api/signers", "GET, HEAD, POST"),
+    ("POST", "/api/meta/bafkqaaa", "GET, HEAD"),
+    ("DELETE", "/meta/x/title", "GET, HEAD, PUT"),
+])
+async def test_405_names_the_allowed_methods(client: httpx.AsyncClient, method: str, path: str,
+                                             allow: str) -> None:
+    response = await client.request(method, path)
+    assert response.status_code == 405
+    assert response.json()["error"] == "method_not_allowed"
+    assert response.headers["allow"] == allow
+
+
+async def test_unknown_members_are_refused_and_named(client: httpx.AsyncClient) -> None:
+    signer = Signer()
+    response = await client.post("/api/signers", json={"uid": signer.uid, "may_Link": True})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == "invalid_request"
+    assert "'may_Link'" in response.json()["message"]
+    assert (await client.get("/api/signers")).json()["signers"] == []  # nothing written
+
+    claim = signer.claim("bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy", "t", "v")
+    response = await client.post("/api/claims", json={"claims": [claim], "atomic": True})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == "invalid_request"
+    assert "'atomic'" in response.json()["message"]
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-8-sig"])
+async def test_a_body_in_another_encoding_is_invalid_json(client: httpx.AsyncClient,
+                                                           encoding: str) -> None:
+    body = json.dumps({"uid": Signer().uid}).encode(encoding)
+    response = await client.post("/api/signers", content=body,
+                                 headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == "invalid_json"
+    assert (await client.get("/api/signers")).json()["signers"] == []
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    | st.text(st.characters(exclude_categories=["Cs"])),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(st.characters(exclude_categories=["Cs"])), inner, max_size=4),
+    max_leaves=12)
+
+
+@given(JSON_VALUES, st.sampled_from(["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le",
+                                     "utf-8-sig"]))
+def test_parse_json_takes_utf8_and_nothing_else(value: Any, encoding: str) -> None:
+    text = json.dumps(value, ensure_ascii=False)
+    assert parse_json(text.encode("utf-8")) == value
+    with pytest.raises(InvalidJson):
+        parse_json(text.encode(encoding))
+
+
+# -- the OpenAPI document --------------------------------------------------------------------------
+
+
+def operations() -> Iterator[tuple[str, str, dict[str, Any]]]:
+    for path, item in OPENAPI["paths"].items():
+        for method, operation in item.items():
+            yield method, path, operation
+
+
+def test_identifier_path_parameters_are_typed() -> None:
+    """cid, rid, uid and hash name a shared schema with a pattern, not a bare string."""
+    seen = set()
+    for method, path, operation in operations():
+        for param in operation.get("parameters", []):
+            if param["in"] == "path" and param["name"] in ("cid", "rid", "uid", "hash"):
+                refs = [s["$ref"] for s in param["schema"].get("anyOf", [param["schema"]])]
+                assert all(ref.startswith("#/components/schemas/Common/$defs/") for ref in refs), (
+                    method, path, param)
+                seen.add(param["name"])
+    assert seen == {"cid", "rid", "uid", "hash"}
+
+
+def test_event_streams_are_described_as_sse_frames() -> None:
+    streams = [(path, op["responses"]["200"]["content"]["text/event-stream"])
+               for _method, path, op in operations()
+               if "text/event-stream" in op["responses"].get("200", {}).get("content", {})]
+    assert {path for path, _ in streams} == {"/api/events", "/api/events/meta",
+                                             "/api/events/files"}
+    for path, media in streams:
+        assert media["schema"]["contentMediaType"] == "text/event-stream", path
+        name = media["x-sse-frame"]["$ref"].removeprefix("#/components/schemas/")
+        schema = OPENAPI["components"]["schemas"][name.split("/")[0]]
+        for part in name.split("/")[1:]:
+            schema = schema[part]  # the frame schema resolves
+        assert schema["type"] == "object", path
