@@ -482,22 +482,28 @@ def import_command(source: str, register_signers: bool, config_file: str | None,
 
     JSON lines are streamed twice (verify, then ingest): memory stays flat whatever the size."""
     settings = load_settings(config_file, data_dir=data_dir)
-    with _rereadable(source, settings.data_dir.resolve().parent) as f, _progress_bar() as bar:
-        verifying = bar.add_task("verifying", total=None)
+    with _rereadable(source, settings.data_dir.resolve().parent) as f:
         try:
-            check = node.validate_import(jsonl.read(f), settings, register_signers,
-                                         lambda n: bar.advance(verifying, n))
+            with _progress_bar() as bar:
+                task = bar.add_task("verifying", total=None)
+                check = node.validate_import(jsonl.read(f), settings, register_signers,
+                                             lambda n: bar.advance(task, n))
         except InvalidBatch as exc:
-            bar.stop()
-            for item in exc.items:
-                click.echo(f"claim {item['position']}: {item['error']}: {item['message']}",
-                           err=True)
-            if exc.total > len(exc.items):
-                click.echo(f"… and {exc.total - len(exc.items)} more", err=True)
+            _list_failures(exc)
             raise
         f.seek(0)
-        importing = bar.add_task("importing", total=check.claims)
-        counts = node.import_claims(settings, jsonl.read(f), check, register_signers,
-                                    lambda n: bar.advance(importing, n))
+        with _progress_bar() as bar:
+            task = bar.add_task("importing", total=check.claims)
+            counts = node.import_claims(settings, jsonl.read(f), check, register_signers,
+                                        lambda n: bar.advance(task, n))
     click.echo(f"imported {check.claims} claims: {counts['accepted']} accepted, "
                f"{counts['duplicate']} duplicate, {counts['stale']} stale")
+
+
+def _list_failures(exc: InvalidBatch) -> None:
+    """`claim N: slug: message` on stderr for each kept failure (N: its line), and how many
+    more there were."""
+    for item in exc.items:
+        click.echo(f"claim {item['position']}: {item['error']}: {item['message']}", err=True)
+    if exc.total > len(exc.items):
+        click.echo(f"… and {exc.total - len(exc.items)} more", err=True)
