@@ -358,7 +358,7 @@ def events(url: str, token: str, since: str | None, snapshot: bool, prefix: tupl
     try:
         for event in node_client.events(since=since, snapshot=snapshot, prefix=prefix,
                                         rid=rid_values):
-            data = jsonl.dumps(event.data)
+            data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
             click.echo(f"{event.id or '-'} {event.kind} {data}")
     except client.ClientError as exc:
         click.echo(f"error: {exc.slug}: {exc.body.get('message')}", err=True)

@@ -777,8 +777,8 @@ def validate_import(items: Iterable[Numbered], settings: Settings, register_sign
 def import_claims(settings: Settings, items: Iterable[Numbered], check: ImportCheck,
                   register_signers: bool, progress: Callable[[int], None]) -> dict[str, int]:
     """Pass 2 of `metanode import`, after `validate_import` passed on the same items: ingest
-    them through the normal transaction, `IMPORT_BATCH` at a time, then bring the cache up to
-    date. `register_signers` trusts the file's signers (weight 1, may link); otherwise they
+    them through the normal transaction `IMPORT_BATCH` at a time, the cache brought up to date
+    after each. `register_signers` trusts the file's signers (weight 1, may link); otherwise they
     must be registered already.
 
     The items are verified again as they are written (on the thread pool, beside the writes):
@@ -786,41 +786,63 @@ def import_claims(settings: Settings, items: Iterable[Numbered], check: ImportCh
     truth. Should the file change between the passes, the import stops at the first claim that
     no longer verifies, with the (verified) claims before it written."""
     open_store(settings)
-    minter = rids.Minter()
     policy = truth.Policy(settings.accept_unknown_signers)
     limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
-    counts = {"accepted": 0, "duplicate": 0, "stale": 0}
     conn = db.connect(settings.truth_path)
     try:
         if register_signers:
             for uid in sorted(check.signers):
                 if truth.signer(conn, uid) is None:
                     db.run_txn(conn, truth.add_signer_txn, uid, "imported", 1, True, now_ms())
-        for valid, errors in _verified_chunks(items, limits):
-            if errors:
-                raise InvalidRequest(f"claim {errors[0]['position']} no longer verifies "
-                                     f"({errors[0]['error']}): the file changed during the "
-                                     "import; the claims before it were imported")
-            batch = [claim for _, claim in valid]
-            result = db.run_txn(conn, truth.ingest_txn, batch, minter, policy, now_ms())
-            for verdict in result.verdicts:
-                counts[verdict] += 1
-            progress(len(batch))
+        with cache_catcher(settings) as catch_up:
+            return _ingest_chunks(conn, items, limits, policy, progress, catch_up)
     finally:
         conn.close()
-    catch_up_cache(settings)
+
+
+def _ingest_chunks(conn: sqlite3.Connection, items: Iterable[Numbered], limits: claims.Limits,
+                   policy: truth.Policy, progress: Callable[[int], None],
+                   catch_up: Callable[[], cache.State]) -> dict[str, int]:
+    """Pass 2's loop: per chunk, verify, ingest, count the verdicts and bring the cache up to
+    date (memory stays flat: the cache never has more than a chunk's changes to apply)."""
+    minter = rids.Minter()
+    counts = {"accepted": 0, "duplicate": 0, "stale": 0}
+    for valid, errors in _verified_chunks(items, limits):
+        if errors:
+            raise InvalidRequest(f"claim {errors[0]['position']} no longer verifies "
+                                 f"({errors[0]['error']}): the file changed during the "
+                                 "import; the claims before it were imported")
+        batch = [claim for _, claim in valid]
+        result = db.run_txn(conn, truth.ingest_txn, batch, minter, policy, now_ms())
+        for verdict in result.verdicts:
+            counts[verdict] += 1
+        catch_up()
+        progress(len(batch))
     return counts
 
 
-def catch_up_cache(settings: Settings) -> cache.State:
-    """Apply the truth's outbox to the cache now (the CLI's writes, when no server runs)."""
+@contextlib.contextmanager
+def cache_catcher(settings: Settings) -> Iterator[Callable[[], cache.State]]:
+    """A function applying the truth's outbox to the cache now (the CLI's writes, when no
+    server runs), its connections open for as many calls as the block makes: a long import
+    calls it after every chunk, so no one transaction holds a whole file's changes."""
     conn = db.connect(settings.cache_path)
     source = db.connect(settings.truth_path, readonly=True)
-    try:
+
+    def catch_up() -> cache.State:
         state = cache.read_state(conn)
         if cache_needs_build(state, source):
             return db.run_txn(conn, cache.build_txn, source)
         return db.run_txn(conn, cache.apply_txn, source)
+
+    try:
+        yield catch_up
     finally:
         conn.close()
         source.close()
+
+
+def catch_up_cache(settings: Settings) -> cache.State:
+    """Apply the truth's outbox to the cache now (the CLI's writes, when no server runs)."""
+    with cache_catcher(settings) as catch_up:
+        return catch_up()
