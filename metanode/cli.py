@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shutil
 import signal
 import sqlite3
 import sys
@@ -17,14 +18,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import wraps
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import IO, Any, NoReturn, TypeVar
 
 import click
 import httpx
 
 from metanode import cid as cids
-from metanode import claims, client, config, datadir, db, keys, logs, node, truth, watcher
-from metanode.errors import InvalidBatch, InvalidJson, InvalidRequest, MetanodeError, storage_error
+from metanode import claims, client, config, datadir, db, jsonl, keys, logs, node, truth, watcher
+from metanode.errors import InvalidBatch, InvalidRequest, MetanodeError, storage_error
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -165,24 +166,7 @@ def claim_sign(key_file: str, cid_value: str, key_name: str, value: str | None, 
     when = ts if ts is not None else now_ms()
     signed = claims.sign(signing_key, cid_value, key_name, value, when)
     claims.validate(signed.wire(), now_ms())
-    click.echo(json.dumps(signed.wire(), ensure_ascii=False))
-
-
-def read_claims(text: str) -> Iterator[object]:
-    """Claims from text: a JSON array, or one JSON object per line."""
-    stripped = text.strip()
-    if stripped.startswith("["):
-        try:
-            yield from json.loads(stripped)
-        except json.JSONDecodeError as exc:
-            raise InvalidJson(f"input is not a JSON array: {exc}") from None
-        return
-    for number, line in enumerate(stripped.splitlines(), 1):
-        if line.strip():
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidJson(f"line {number} is not JSON: {exc}") from None
+    click.echo(jsonl.dumps(signed.wire()))
 
 
 @claim.command("verify")
@@ -193,7 +177,7 @@ def claim_verify() -> None:
     Exits 1 if any claim failed.
     """
     failed = False
-    for item in read_claims(sys.stdin.read()):
+    for _position, item in jsonl.read(sys.stdin.buffer):
         try:
             claims.validate(item, now_ms())
             click.echo("ok")
@@ -383,8 +367,10 @@ def _print_response(response: httpx.Response) -> None:
 def claim_post(url: str | None, token: str | None, claim_json: tuple[str, ...],
                config_file: str | None, data_dir: str | None) -> None:
     """POST claims (arguments, or JSON lines / a JSON array on stdin) as one batch."""
-    items = [json.loads(c) for c in claim_json] if claim_json else list(
-        read_claims(sys.stdin.read()))
+    items = ([jsonl.loads(c, f"argument {n}") for n, c in enumerate(claim_json, 1)]
+             if claim_json else [item for _, item in jsonl.read(sys.stdin.buffer)])
+    if not items:
+        raise InvalidRequest("no claims to post")
     node_client = connect(config_file, data_dir, url, token, needs_token=True)
     _print_response(node_client.request("POST", "/api/claims", json={"claims": items}))
 
@@ -544,37 +530,64 @@ def export_command(uid: str | None, out: str, config_file: str | None,
     settings = load_settings(config_file, data_dir=data_dir)
     node.open_store(settings)
     total, rows = node.export_claims(settings, uid)
-    with click.open_file(out, "w", encoding="utf-8") as sink, _progress_bar() as bar:
+    with click.open_file(out, "wb") as sink, _progress_bar() as bar:
         task = bar.add_task("claims", total=total)
         for row in rows:
-            sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+            sink.write(jsonl.encode(row))
             bar.advance(task)
     click.echo(f"exported {total} claims", err=True)
 
 
+@contextlib.contextmanager
+def _rereadable(source: str, spool_dir: Path) -> Iterator[IO[bytes]]:
+    """SOURCE opened for reading twice (seek to 0 in between). Standard input cannot be: it is
+    copied to an unnamed temporary file on disk first, beside the data directory when it can be
+    (a tmpfs /tmp would hold it in memory)."""
+    if source != "-":
+        with open(source, "rb") as f:
+            yield f
+        return
+    with tempfile.TemporaryFile(dir=spool_dir if spool_dir.is_dir() else None) as spool:
+        shutil.copyfileobj(sys.stdin.buffer, spool)
+        spool.seek(0)
+        yield spool
+
+
 @main.command("import")
-@click.argument("source", type=click.Path(dir_okay=False, allow_dash=True))
+@click.argument("source", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
 @click.option("--register-signers", is_flag=True,
               help="Trust the file's signers: register unknown ones (weight 1, may link).")
 @settings_options
 @reports_errors
 def import_command(source: str, register_signers: bool, config_file: str | None,
                    data_dir: str | None) -> None:
-    """Verify every claim of SOURCE (JSON lines or an array), then ingest them as the node
-    would. Nothing is written if any claim fails; each failure is listed with its line."""
+    """Verify every claim of SOURCE (JSON lines or an array; - is stdin), then ingest them as
+    the node would. Nothing is written if any claim fails; each failure is listed with its line.
+
+    JSON lines are streamed twice (verify, then ingest): memory stays flat whatever the size."""
     settings = load_settings(config_file, data_dir=data_dir)
-    with click.open_file(source, encoding="utf-8") as f:
-        items = list(read_claims(f.read()))
-    limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
-    try:
-        batch = node.validate_import(items, limits)
+    with _rereadable(source, settings.data_dir.resolve().parent) as f:
+        try:
+            with _progress_bar() as bar:
+                task = bar.add_task("verifying", total=None)
+                check = node.validate_import(jsonl.read(f), settings, register_signers,
+                                             lambda n: bar.advance(task, n))
+        except InvalidBatch as exc:
+            _list_failures(exc)
+            raise
+        f.seek(0)
         with _progress_bar() as bar:
-            task = bar.add_task("claims", total=len(batch))
-            counts = node.import_claims(settings, batch, register_signers,
+            task = bar.add_task("importing", total=check.claims)
+            counts = node.import_claims(settings, jsonl.read(f), check, register_signers,
                                         lambda n: bar.advance(task, n))
-    except InvalidBatch as exc:
-        for item in exc.items:
-            click.echo(f"claim {item['index'] + 1}: {item['error']}: {item['message']}", err=True)
-        raise
-    click.echo(f"imported {len(batch)} claims: {counts['accepted']} accepted, "
+    click.echo(f"imported {check.claims} claims: {counts['accepted']} accepted, "
                f"{counts['duplicate']} duplicate, {counts['stale']} stale")
+
+
+def _list_failures(exc: InvalidBatch) -> None:
+    """`claim N: slug: message` on stderr for each kept failure (N: its line), and how many
+    more there were."""
+    for item in exc.items:
+        click.echo(f"claim {item['position']}: {item['error']}: {item['message']}", err=True)
+    if exc.total > len(exc.items):
+        click.echo(f"… and {exc.total - len(exc.items)} more", err=True)

@@ -149,8 +149,11 @@ class InvalidBatch(RequestError):
 
     slug = "invalid_batch"
 
-    def __init__(self, items: list[dict[str, Any]], status: int = 400) -> None:
-        super().__init__(f"{len(items)} claim(s) rejected; nothing was written", items=items)
+    def __init__(self, items: list[dict[str, Any]], status: int = 400,
+                 total: int | None = None) -> None:
+        """`total` counts every failure when `items` keeps only the first of them."""
+        self.total = len(items) if total is None else total
+        super().__init__(f"{self.total} claim(s) rejected; nothing was written", items=items)
         self.items = items
         self.status = status  # type: ignore[misc]  # 400, or 403 when only signer policy failed
 

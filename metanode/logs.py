@@ -7,10 +7,11 @@ Every log record made while a request is handled carries that request's id (from
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import sys
 import time
+
+from metanode import jsonl
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -36,7 +37,7 @@ class JsonFormatter(logging.Formatter):
         entry.update(getattr(record, "fields", {}))
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
-        return json.dumps(entry, ensure_ascii=False, default=str)
+        return jsonl.dumps(entry, default=str)
 
 
 def configure(level: str, json_lines: bool | None = None) -> None:

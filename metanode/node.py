@@ -8,16 +8,26 @@ database; signature verification runs on a thread pool (PyNaCl releases the GIL)
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
+import functools
+import itertools
 import logging
 import os
 import secrets
 import shutil
 import sqlite3
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Callable,
+    Iterable,
+    Iterator,
+    Sequence,
+)
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -676,53 +686,174 @@ def export_claims(settings: Settings, uid: str | None) -> tuple[int, Iterator[di
 
 
 IMPORT_BATCH = 1000
+IMPORT_ERRORS_KEPT = 100  # a file of 10 million bad claims must not fill memory with errors
+Numbered = tuple[int, object]  # (where in its file, a wire claim): `jsonl.read`'s items
 
 
-def validate_import(items: Sequence[object], limits: claims.Limits) -> list[claims.Claim]:
-    """Every claim of an import file, verified; all errors at once, nothing written on any."""
-    valid, errors = claims.validate_items(items, 0, now_ms(), limits)
-    if errors:
-        raise InvalidBatch(errors)
-    return valid
+def _numbered_chunks(items: Iterable[Numbered]) -> Iterator[list[Numbered]]:
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, IMPORT_BATCH)):
+        yield chunk
 
 
-def import_claims(settings: Settings, batch: Sequence[claims.Claim], register_signers: bool,
-                  progress: Callable[[int], None]) -> dict[str, int]:
-    """`metanode import`: verified claims through the normal transaction, 1,000 at a time, then
-    the cache brought up to date. `register_signers` trusts the file's signers (weight 1, may
-    link); otherwise they must be registered already."""
+def _placed(positions: Sequence[int], future: concurrent.futures.Future[
+        tuple[list[claims.Claim], list[dict[str, Any]]]]
+            ) -> tuple[list[tuple[int, claims.Claim]], list[dict[str, Any]]]:
+    """A chunk's `validate_items` answer with file positions: `position` for `index`."""
+    valid, errors = future.result()
+    failed = {error["index"] for error in errors}
+    kept = [p for i, p in enumerate(positions) if i not in failed]
+    placed = [{"position": positions[e["index"]], **{k: v for k, v in e.items() if k != "index"}}
+              for e in errors]
+    return list(zip(kept, valid, strict=True)), placed
+
+
+def _verified_chunks(items: Iterable[Numbered], limits: claims.Limits
+                     ) -> Iterator[tuple[list[tuple[int, claims.Claim]], list[dict[str, Any]]]]:
+    """The items verified `IMPORT_BATCH` at a time on a thread pool, in order: per chunk, the
+    valid claims and the errors, each with its position. Only a few chunks are in flight, so
+    memory stays flat however many items there are."""
+    now, workers = now_ms(), os.cpu_count() or 2
+    with concurrent.futures.ThreadPoolExecutor(workers, "import-verify") as pool:
+        pending: collections.deque[tuple[list[int], concurrent.futures.Future[
+            tuple[list[claims.Claim], list[dict[str, Any]]]]]] = collections.deque()
+        for chunk in _numbered_chunks(items):
+            wires = [wire for _, wire in chunk]
+            pending.append(([p for p, _ in chunk],
+                            pool.submit(claims.validate_items, wires, 0, now, limits)))
+            if len(pending) > workers:
+                yield _placed(*pending.popleft())
+        while pending:
+            yield _placed(*pending.popleft())
+
+
+@contextlib.contextmanager
+def _signer_rows(settings: Settings) -> Iterator[Callable[[str], truth.SignerRow | None]]:
+    """Signer rows as the truth holds them now, cached. There are none without a truth.db: an
+    import into a new data directory creates nothing until every claim has passed."""
+    if not settings.truth_path.exists():
+        yield lambda uid: None
+        return
     open_store(settings)
-    minter = rids.Minter()
+    conn = db.connect(settings.truth_path, readonly=True)
+
+    @functools.cache
+    def row(uid: str) -> truth.SignerRow | None:
+        return truth.signer(conn, uid)
+
+    try:
+        yield row
+    finally:
+        conn.close()
+
+
+@dataclass
+class ImportCheck:
+    """What pass 1 of an import keeps of a file of any size: counts and the signers."""
+
+    claims: int = 0
+    signers: set[str] = field(default_factory=set)
+
+
+def validate_import(items: Iterable[Numbered], settings: Settings, register_signers: bool,
+                    progress: Callable[[int], None]) -> ImportCheck:
+    """Pass 1 of `metanode import`: verify every claim, and its signer's policy against the
+    truth as it is now, writing nothing. Raises `InvalidBatch` with the first
+    `IMPORT_ERRORS_KEPT` failures (each with its `position`) and the count of all of them.
+    With `register_signers`, unknown signers pass: they are registered (may link) first."""
+    check, failed = ImportCheck(), 0
+    errors: list[dict[str, Any]] = []
+    limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
     policy = truth.Policy(settings.accept_unknown_signers)
-    counts = {"accepted": 0, "duplicate": 0, "stale": 0}
+    with _signer_rows(settings) as row_of:
+        for valid, chunk_errors in _verified_chunks(items, limits):
+            check.claims += len(valid) + len(chunk_errors)
+            for position, claim in valid:
+                check.signers.add(claim.uid)
+                row = row_of(claim.uid)
+                error = (None if row is None and register_signers
+                         else truth.policy_error(row, claim, policy))
+                if error is not None:
+                    chunk_errors.append({"position": position, "error": error.slug,
+                                         "message": error.message})
+            chunk_errors.sort(key=lambda e: int(e["position"]))
+            errors.extend(chunk_errors[:IMPORT_ERRORS_KEPT - len(errors)])
+            failed += len(chunk_errors)
+            progress(len(valid))
+    if failed:
+        raise InvalidBatch(errors, total=failed)
+    return check
+
+
+def import_claims(settings: Settings, items: Iterable[Numbered], check: ImportCheck,
+                  register_signers: bool, progress: Callable[[int], None]) -> dict[str, int]:
+    """Pass 2 of `metanode import`, after `validate_import` passed on the same items: ingest
+    them through the normal transaction `IMPORT_BATCH` at a time, the cache brought up to date
+    after each. `register_signers` trusts the file's signers (weight 1, may link); otherwise they
+    must be registered already.
+
+    The items are verified again as they are written (on the thread pool, beside the writes):
+    the file is read a second time, and only what the writing pass verified may reach the
+    truth. Should the file change between the passes, the import stops at the first claim that
+    no longer verifies, with the (verified) claims before it written."""
+    open_store(settings)
+    policy = truth.Policy(settings.accept_unknown_signers)
+    limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
     conn = db.connect(settings.truth_path)
     try:
         if register_signers:
-            for uid in sorted({c.uid for c in batch}):
+            for uid in sorted(check.signers):
                 if truth.signer(conn, uid) is None:
                     db.run_txn(conn, truth.add_signer_txn, uid, "imported", 1, True, now_ms())
-        truth.check_policy(conn, batch, policy)  # every signer first: nothing written on a refusal
-        for start in range(0, len(batch), IMPORT_BATCH):
-            chunk = batch[start:start + IMPORT_BATCH]
-            result = db.run_txn(conn, truth.ingest_txn, chunk, minter, policy, now_ms())
-            for verdict in result.verdicts:
-                counts[verdict] += 1
-            progress(len(chunk))
+        with cache_catcher(settings) as catch_up:
+            return _ingest_chunks(conn, items, limits, policy, progress, catch_up)
     finally:
         conn.close()
-    catch_up_cache(settings)
+
+
+def _ingest_chunks(conn: sqlite3.Connection, items: Iterable[Numbered], limits: claims.Limits,
+                   policy: truth.Policy, progress: Callable[[int], None],
+                   catch_up: Callable[[], cache.State]) -> dict[str, int]:
+    """Pass 2's loop: per chunk, verify, ingest, count the verdicts and bring the cache up to
+    date (memory stays flat: the cache never has more than a chunk's changes to apply)."""
+    minter = rids.Minter()
+    counts = {"accepted": 0, "duplicate": 0, "stale": 0}
+    for valid, errors in _verified_chunks(items, limits):
+        if errors:
+            raise InvalidRequest(f"claim {errors[0]['position']} no longer verifies "
+                                 f"({errors[0]['error']}): the file changed during the "
+                                 "import; the claims before it were imported")
+        batch = [claim for _, claim in valid]
+        result = db.run_txn(conn, truth.ingest_txn, batch, minter, policy, now_ms())
+        for verdict in result.verdicts:
+            counts[verdict] += 1
+        catch_up()
+        progress(len(batch))
     return counts
 
 
-def catch_up_cache(settings: Settings) -> cache.State:
-    """Apply the truth's outbox to the cache now (the CLI's writes, when no server runs)."""
+@contextlib.contextmanager
+def cache_catcher(settings: Settings) -> Iterator[Callable[[], cache.State]]:
+    """A function applying the truth's outbox to the cache now (the CLI's writes, when no
+    server runs), its connections open for as many calls as the block makes: a long import
+    calls it after every chunk, so no one transaction holds a whole file's changes."""
     conn = db.connect(settings.cache_path)
     source = db.connect(settings.truth_path, readonly=True)
-    try:
+
+    def catch_up() -> cache.State:
         state = cache.read_state(conn)
         if cache_needs_build(state, source):
             return db.run_txn(conn, cache.build_txn, source)
         return db.run_txn(conn, cache.apply_txn, source)
+
+    try:
+        yield catch_up
     finally:
         conn.close()
         source.close()
+
+
+def catch_up_cache(settings: Settings) -> cache.State:
+    """Apply the truth's outbox to the cache now (the CLI's writes, when no server runs)."""
+    with cache_catcher(settings) as catch_up:
+        return catch_up()

@@ -1,0 +1,70 @@
+"""JSON lines: the one reader and the one writer of claims and events one JSON value a line.
+
+A line ends at b"\\n" and nowhere else. `str.splitlines` (and anything built on it) also ends
+lines at \\r, \\x0b, \\x0c, \\x1c-\\x1e, \\x85, U+2028 and U+2029, and a JSON string may hold the
+last three raw: a claim whose value held one was stored fine but its export could not be
+imported. A JSON encoder never writes a raw \\n inside a string, so b"\\n" is always safe; a
+trailing \\r (a CRLF file) is JSON whitespace and is tolerated.
+
+The writer escapes U+0085, U+2028 and U+2029 (`\\u2028`, the same JSON value), so that what we
+write also survives readers that split on them: older metanode versions, other people's scripts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import IO, Any
+
+from metanode.errors import InvalidJson
+
+WHITESPACE = b" \t\r\n"  # JSON's whitespace: a line of only these is blank
+_ESCAPES = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
+
+
+def dumps(value: object, default: Callable[[Any], Any] | None = None) -> str:
+    """One JSON line without its newline: UTF-8 readable (not ASCII-escaped), and safe to split
+    on any line ending a reader may honour."""
+    return json.dumps(value, ensure_ascii=False, default=default).translate(_ESCAPES)
+
+
+def encode(value: object) -> bytes:
+    """One JSON line with its b"\\n", as UTF-8 bytes (what a binary sink takes)."""
+    return dumps(value).encode("utf-8") + b"\n"
+
+
+def loads(raw: bytes | str, where: str) -> object:
+    """One JSON value; `InvalidJson` naming `where` (e.g. "line 3") if it is not UTF-8 JSON."""
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise InvalidJson(f"{where} is not UTF-8: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidJson(f"{where} is not JSON: {exc}") from None
+
+
+def read(stream: IO[bytes]) -> Iterator[tuple[int, object]]:
+    """`(position, value)` for each value of a binary stream holding JSON lines or one JSON
+    array; blank lines are skipped.
+
+    `position` is the 1-based line number for JSON lines and the 1-based element number for an
+    array, so an error can name where it is. JSON lines are read a line at a time (memory stays
+    flat whatever the size); an array is one JSON text and is read whole.
+    """
+    first = True
+    for number, raw in enumerate(stream, 1):
+        if not raw.strip(WHITESPACE):
+            continue
+        if first and raw.lstrip(WHITESPACE).startswith(b"["):
+            yield from _array(raw + stream.read())
+            return
+        first = False
+        yield number, loads(raw, f"line {number}")
+
+
+def _array(raw: bytes) -> Iterator[tuple[int, object]]:
+    value = loads(raw, "the input (a JSON array)")
+    if not isinstance(value, list):
+        raise InvalidJson("the input starts with '[' but is not one JSON array")
+    yield from enumerate(value, 1)
