@@ -371,8 +371,8 @@ def claim_post(url: str | None, token: str | None, claim_json: tuple[str, ...],
              if claim_json else [item for _, item in jsonl.read(sys.stdin.buffer)])
     if not items:
         raise InvalidRequest("no claims to post")
-    node_client = connect(config_file, data_dir, url, token, needs_token=True)
-    _print_response(node_client.request("POST", "/api/claims", json={"claims": items}))
+    with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
+        _print_response(node_client.request("POST", "/api/claims", json={"claims": items}))
 
 
 @main.command()
@@ -384,8 +384,8 @@ def get(url: str | None, cid_value: str, viewer: str | None, config_file: str | 
         data_dir: str | None) -> None:
     """Print the merged document of CID_VALUE from a running node."""
     params = {"as": viewer} if viewer else {}
-    node_client = connect(config_file, data_dir, url)
-    _print_response(node_client.request("GET", f"/api/meta/{cid_value}", params=params))
+    with connect(config_file, data_dir, url) as node_client:
+        _print_response(node_client.request("GET", f"/api/meta/{cid_value}", params=params))
 
 
 @main.command("rebuild-cache")
@@ -447,6 +447,8 @@ def events(url: str | None, token: str | None, since: str | None, snapshot: bool
         sys.exit(1)
     except KeyboardInterrupt:
         pass
+    finally:
+        node_client.close()
 
 
 @main.command()

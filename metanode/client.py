@@ -115,6 +115,12 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def _not_metanode(self, response: httpx.Response) -> NotMetanode:
         kind = response.headers.get("content-type") or "no content type"
         return NotMetanode(f"{self.url} answered {response.status_code} with {kind}, which is not "
