@@ -1,30 +1,39 @@
 # `make test` and `make serve` each set everything up first: a fresh machine needs only Python 3.11.
+# `make serve` installs only what serving needs (the package and its plugins); `make test` adds
+# the test tools to the same .venv.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.serve-installed
+TEST_STAMP := $(VENV)/.test-installed
 
 .PHONY: test serve lint bench clean
 
 PLUGINS := plugins/fullhash plugins/fileinfo plugins/filename
 
-$(STAMP): pyproject.toml $(PLUGINS:%=%/pyproject.toml)
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]' $(PLUGINS:%=-e %)
-	touch $(STAMP)
 
-test: $(STAMP)
+$(SERVE_STAMP): pyproject.toml $(PLUGINS:%=%/pyproject.toml) | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e . $(PLUGINS:%=-e %)
+	touch $(SERVE_STAMP)
+
+$(TEST_STAMP): $(SERVE_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $(TEST_STAMP)
+
+test: $(TEST_STAMP)
 	$(BIN)/python -m pytest
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check metanode plugins tests tools
 	$(BIN)/mypy
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/metanode serve
 
-bench: $(STAMP)
+bench: $(TEST_STAMP)
 	$(BIN)/python tools/bench/core.py
 
 clean:
