@@ -35,7 +35,7 @@ from metanode.errors import (
     ReservedKey,
     TsInFuture,
 )
-from tests.conftest import load_vectors
+from tests.helpers.vectors import load_vectors
 
 VECTORS: dict[str, Any] = load_vectors("claims.json")
 SEEDS: dict[str, str] = {s["uid"]: s["seed_hex"] for s in VECTORS["signers"]}

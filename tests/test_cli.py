@@ -15,7 +15,7 @@ from multiformats import CID
 from metanode import cid as cids
 from metanode import claims, keys
 from metanode.cli import main
-from tests.conftest import load_vectors
+from tests.helpers.vectors import load_vectors
 
 MIDHASH: dict[str, Any] = load_vectors("midhash.json")
 RANK_VECTORS: list[dict[str, Any]] = load_vectors("cid-rank-vectors.json")["vectors"]

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from tests.conftest import NOW_MS, Server, Signer, free_port
+from tests.helpers.claims import NOW_MS, Signer
+from tests.helpers.server import Server, free_port
 
 MIDHASH = cids.midhash_bytes(b"the command line as a client")
 

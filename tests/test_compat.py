@@ -32,9 +32,10 @@ from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
 from metanode.node import Node
-from tests.conftest import NOW_MS, Server, Signer, settings_for
-from tests.test_feed import Frame
-from tests.test_feed_server import Stream, close_streams  # noqa: F401 (autouse fixture)
+from tests.helpers.claims import NOW_MS, Signer
+from tests.helpers.feed import Frame, Stream
+from tests.helpers.server import Server
+from tests.helpers.settings import settings_for
 
 CID_A = cids.midhash_bytes(b"compat a")
 CID_B = cids.midhash_bytes(b"compat b")
@@ -312,7 +313,7 @@ async def test_every_compat_route_needs_the_token(client: httpx.AsyncClient) -> 
 
 @pytest.fixture
 def media(node: Node) -> Path:
-    """The node's watch root (tests/conftest.py: data_dir.parent / "media")."""
+    """The node's watch root (tests/helpers/settings.py: data_dir.parent / "media")."""
     root = Path(node.settings.watch_roots[0])
     root.mkdir(parents=True, exist_ok=True)
     return root

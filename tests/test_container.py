@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import Server
+from tests.helpers.server import Server
 
 ROOT = Path(__file__).parents[1]
 DOCKERFILE = (ROOT / "Dockerfile").read_text(encoding="utf-8")

@@ -19,7 +19,9 @@ from metanode import cache, truth
 from metanode import cid as cids
 from metanode import claims as claims_mod
 from metanode.node import Node
-from tests.conftest import NOW_MS, Server, Signer, metanode_check, settings_for, wait_caught_up
+from tests.helpers.claims import NOW_MS, Signer
+from tests.helpers.server import Server, metanode_check, wait_caught_up
+from tests.helpers.settings import settings_for
 
 Launch = Callable[..., Server]
 

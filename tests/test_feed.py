@@ -5,7 +5,7 @@ Streaming over HTTP is tested against a real uvicorn server in `test_feed_server
 in-process ASGI transport buffers a streamed body until it ends). Here the async generator of
 `Node.subscribe(...).stream()` is iterated directly; every event it yields is encoded and parsed
 back, so the checks see exactly the frames a client would. The client-side helpers
-(`FrameParser`, `Replica`, `fast_claims`) are shared with `test_feed_server.py`.
+(`FrameParser`, `Replica`, `fast_claims`) live in `tests/helpers/`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import os
 import random
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,220 +26,31 @@ import httpx
 import pytest
 from sse_starlette import ServerSentEvent
 
-from metanode import cache, claims, db, feed, sse
-from metanode import cid as cids
+from metanode import cache, db, feed, sse
 from metanode import rid as rids
 from metanode.api import error_response
 from metanode.errors import CacheNotReady, InvalidCursor, InvalidRid
 from metanode.node import Node
-from tests.conftest import NOW_MS, Signer
-from tests.test_ingest import register
+from tests.helpers.claims import NOW_MS, Signer, fast_claims, register
+from tests.helpers.feed import (
+    Frame,
+    FrameParser,
+    Replica,
+    assert_agrees,
+    cid_n,
+    frames_of,
+    new_cid_claims,
+    reached,
+)
 
 RID = rids.encode(0x0190_0000_0000_7000_8000_0000_0000_0001)
 OTHER_RID = rids.encode(0x0190_0000_0000_7000_8000_0000_0000_0002)
-
-
-# -- client-side helpers (shared with test_feed_server.py) -----------------------------------
-
-
-@dataclass(frozen=True)
-class Frame:
-    """One dispatched SSE frame: an event (with data) or a comment-only frame (a keep-alive)."""
-
-    event: str | None = None
-    id: str | None = None
-    data: Any = None
-    comment: str | None = None
-
-    @property
-    def seq(self) -> int:
-        """The seq of this event's `id:` (`<epoch>-<seq>`)."""
-        assert self.id is not None, f"{self} has no id"
-        return int(self.id.rsplit("-", 1)[1])
-
-
-class FrameParser:
-    """An incremental SSE parser: bytes in, frames out. Lines end at LF only (the server's `sep`);
-    a CR anywhere would be a framing error here, which is what the byte-exact tests pin down."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._fields: dict[str, str] = {}
-        self._comment: str | None = None
-
-    def feed(self, chunk: bytes) -> list[Frame]:
-        self._buffer += chunk
-        *lines, self._buffer = self._buffer.split(b"\n")
-        frames = []
-        for raw in lines:
-            line = raw.decode("utf-8")
-            assert "\r" not in line, f"CR inside an SSE line: {line!r}"
-            if line == "":
-                if "data" in self._fields:
-                    frames.append(Frame(self._fields.get("event"), self._fields.get("id"),
-                                        json.loads(self._fields["data"]), self._comment))
-                elif self._comment is not None:
-                    frames.append(Frame(comment=self._comment))
-                self._fields, self._comment = {}, None
-            elif line.startswith(":"):
-                self._comment = line[1:].lstrip(" ")
-            else:
-                name, _, value = line.partition(":")
-                assert name not in self._fields, f"field {name!r} twice in one frame: {line!r}"
-                self._fields[name] = value[1:] if value.startswith(" ") else value
-        return frames
-
-
-def frames_of(*events: ServerSentEvent) -> list[Frame]:
-    parser = FrameParser()
-    return [frame for e in events for frame in parser.feed(e.encode())]
-
-
-class Replica:
-    """What a feed consumer rebuilds, checking SPEC §5's ordering rules frame by frame.
-
-    Live events must carry ids of the current epoch, strictly increasing (and with `dense`,
-    consecutive); a `gap` must be followed by id-less `set`s (the snapshot) and a `synced` whose id
-    is where the live tail resumes; `synced` after a replay names the position reached.
-    """
-
-    def __init__(self, cursor: str | None = None, *, dense: bool = True,
-                 gaps_allowed: bool = True) -> None:
-        self.epoch: int | None = None
-        self.position = 0
-        if cursor is not None:
-            epoch, seq = cursor.rsplit("-", 1)
-            self.epoch, self.position = int(epoch), int(seq)
-        self.dense = dense
-        self.gaps_allowed = gaps_allowed
-        self.state: dict[tuple[str, str], str] = {}
-        self.seqs: list[int] = []
-        self.history: list[Frame] = []  # the live events, in order
-        self.gaps: list[dict[str, Any]] = []
-        self.synced: list[str] = []
-        self.keep_alives = 0
-        self._snapshot: dict[tuple[str, str], str] | None = None
-        self.snapshot_sizes: list[int] = []
-
-    @property
-    def last_id(self) -> str | None:
-        return None if self.epoch is None else sse.event_id(self.epoch, self.position)
-
-    @property
-    def in_snapshot(self) -> bool:
-        return self._snapshot is not None
-
-    def apply_all(self, frames: Iterable[Frame]) -> None:
-        for frame in frames:
-            self.apply(frame)
-
-    def apply(self, frame: Frame) -> None:
-        if frame.event is None:
-            assert frame.comment == "keep-alive", f"unexpected comment frame {frame}"
-            assert self._snapshot is None, "keep-alive inside a snapshot"
-            self.keep_alives += 1
-        elif frame.event == "gap":
-            assert self.gaps_allowed, f"unexpected gap {frame.data}"
-            assert self._snapshot is None, f"gap inside a snapshot: {frame.data}"
-            assert frame.id is None and set(frame.data) == {"requested", "reason"}, frame
-            if frame.data["reason"] == "too_old" and self.last_id is not None:
-                assert frame.data["requested"] == self.last_id, f"{frame} at {self.last_id}"
-            self.gaps.append(frame.data)
-            self._snapshot = {}
-        elif frame.event == "synced":
-            assert frame.id is None and set(frame.data) == {"id"}, frame
-            epoch_text, seq_text = frame.data["id"].rsplit("-", 1)
-            epoch, seq = int(epoch_text), int(seq_text)
-            self.synced.append(frame.data["id"])
-            if self._snapshot is not None:  # end of a snapshot: the live tail starts here
-                self.state, self._snapshot = self._snapshot, None
-                self.snapshot_sizes.append(len(self.state))
-                self.epoch, self.position = epoch, seq
-            elif self.epoch is None:  # ?snapshot=1 on a fresh stream counts as a snapshot too
-                self.epoch, self.position = epoch, seq
-            else:  # end of a replay
-                assert epoch == self.epoch, f"synced {frame.data} in epoch {self.epoch}"
-                if self.dense:
-                    assert seq == self.position, f"synced {frame.data} at {self.last_id}"
-                else:
-                    assert seq >= self.position, f"synced {frame.data} behind {self.last_id}"
-                    self.position = seq
-        elif frame.event in ("set", "del"):
-            data = frame.data
-            expected = {"rid", "key", "value"} if frame.event == "set" else {"rid", "key"}
-            assert set(data) == expected, frame
-            where = (data["rid"], data["key"])
-            if frame.id is None:  # a snapshot row
-                assert frame.event == "set", f"del inside a snapshot: {frame}"
-                if self._snapshot is None:  # the snapshot of ?snapshot=1 (no gap before it)
-                    assert self.epoch is None and not self.seqs, f"id-less event live: {frame}"
-                    self._snapshot = {}
-                assert where not in self._snapshot, f"{where} twice in one snapshot"
-                self._snapshot[where] = data["value"]
-                return
-            assert self._snapshot is None, f"live event {frame.id} inside a snapshot"
-            epoch_text, seq_text = frame.id.rsplit("-", 1)
-            epoch, seq = int(epoch_text), int(seq_text)
-            if self.epoch is None:
-                self.epoch = epoch
-                self.position = seq - 1 if self.dense else self.position
-            assert epoch == self.epoch, f"event {frame.id} in epoch {self.epoch}"
-            if self.dense:
-                assert seq == self.position + 1, f"event {frame.id} after {self.last_id}"
-            else:
-                assert seq > self.position, f"event {frame.id} after {self.last_id}"
-            self.position = seq
-            self.seqs.append(seq)
-            self.history.append(frame)
-            if frame.event == "set":
-                self.state[where] = data["value"]
-            else:
-                self.state.pop(where, None)
-        else:
-            raise AssertionError(f"unknown event {frame}")
-
-
-def reached(seq: int) -> Callable[[Replica], bool]:
-    """`until` condition: the replica's position is at `seq` or past it."""
-    return lambda replica: replica.position >= seq
 
 
 def records(conn: sqlite3.Connection, where: Any = None) -> dict[tuple[str, str], str]:
     """The cache's current records as {(rid, key): value}, optionally only those `where` admits."""
     rows = conn.execute("SELECT rid, key, value FROM records").fetchall()
     return {(r, k): v for r, k, v in rows if where is None or where(r, k)}
-
-
-def assert_agrees(replica: Replica, want: dict[tuple[str, str], str]) -> None:
-    """Every (rid, key) the replica learnt of holds the value the records hold (or is gone)."""
-    wrong = {k: (v, want.get(k)) for k, v in replica.state.items() if want.get(k) != v}
-    assert not wrong, f"replica vs records: {wrong}"
-
-
-def fast_claims(signer: Signer, items: Iterable[tuple[str, str, str | None, int]]
-                ) -> list[dict[str, Any]]:
-    """Wire claims `(cid, key, value, ts)` signed by `signer`, its uid computed once.
-
-    `Signer.claim` recomputes the uid (a base58 encoding) per claim, which dominates signing
-    thousands of claims; the bytes signed and the wire form are the same.
-    """
-    uid = signer.uid
-    out = []
-    for cid, key, value, ts in items:
-        sig = signer.key.sign(claims.signing_bytes(uid, cid, key, value, ts)).signature
-        out.append(claims.Claim(uid, cid, key, value, ts, sig).wire())
-    return out
-
-
-def cid_n(tag: str, n: int) -> str:
-    return cids.midhash_bytes(f"feed {tag} {n}".encode())
-
-
-def new_cid_claims(signer: Signer, tag: str, count: int, start: int = 0,
-                   key: str = "title") -> list[dict[str, Any]]:
-    """`count` claims each on a new CID: 2 feed events apiece (`cids/<cid>`, then `key`)."""
-    return fast_claims(signer, [(cid_n(tag, i), key, f"{tag} {i}", NOW_MS)
-                                for i in range(start, start + count)])
 
 
 # -- the wire form, byte for byte ------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 The in-process ASGI transport buffers a streamed body until it ends, so every stream here is a
 raw TCP socket speaking HTTP/1.1 to a server subprocess: the chunked body is de-framed and parsed
-by `FrameParser`, and `Replica` checks the ordering rules frame by frame (see test_feed.py).
+by `FrameParser`, and `Replica` checks the ordering rules frame by frame (tests/helpers/feed.py).
 Nothing here asserts how long anything took; every wait is bounded and says what it waited for.
 
 Servers are killed (not stopped) at the end of a test: the streams still open then never make
@@ -16,7 +16,6 @@ import json
 import os
 import queue
 import random
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -25,162 +24,30 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlencode
 
 import httpx
 import pytest
 
 from metanode import sse
-from tests.conftest import NOW_MS, Server, Signer
-from tests.test_feed import (
+from tests.helpers.claims import NOW_MS, Signer, fast_claims
+from tests.helpers.feed import (
+    WAIT_S,
     Frame,
     FrameParser,
     Replica,
+    Stream,
     assert_agrees,
     cid_n,
-    fast_claims,
+    close_open_streams,
     new_cid_claims,
     reached,
 )
+from tests.helpers.server import Server
 
-WAIT_S = 30.0  # the bound on any single wait for the server
-STALL_S = 10.0  # the same, where events flow all the time, so a silence this long is a wedge
+STALL_S = 10.0  # the bound on a wait where events flow all the time: a silence this long is a wedge
 
 
 # -- plumbing ---------------------------------------------------------------------------------
-
-
-class Dechunker:
-    """The body of a `Transfer-Encoding: chunked` response, incrementally."""
-
-    def __init__(self) -> None:
-        self._buffer = b""
-        self._left = 0  # bytes of the current chunk still to come, then its CRLF
-        self.ended = False
-
-    def feed(self, data: bytes) -> bytes:
-        self._buffer += data
-        out = bytearray()
-        while not self.ended:
-            if self._left > 0:
-                take = self._buffer[:self._left]
-                out += take
-                self._buffer = self._buffer[len(take):]
-                self._left -= len(take)
-                if self._left:
-                    break
-                self._left = -2
-            if self._left == -2:  # the CRLF after a chunk's data
-                if len(self._buffer) < 2:
-                    break
-                assert self._buffer[:2] == b"\r\n", self._buffer[:20]
-                self._buffer, self._left = self._buffer[2:], 0
-            line, sep, rest = self._buffer.partition(b"\r\n")
-            if not sep:
-                break
-            size = int(line.split(b";")[0], 16)
-            self._buffer = rest
-            if size == 0:
-                self.ended = True
-            self._left = size
-        return bytes(out)
-
-
-OPEN_STREAMS: list[Stream] = []
-
-
-@pytest.fixture(autouse=True)
-def close_streams() -> Iterator[None]:
-    """Close every stream a test opened, also when it failed half-way."""
-    yield
-    while OPEN_STREAMS:
-        OPEN_STREAMS.pop().close()
-
-
-class Stream:
-    """One SSE GET (`/api/events` unless `path` says otherwise) on a raw socket: status and
-    headers, then SSE frames; `raw` keeps every body byte received."""
-
-    def __init__(self, server: Server, params: list[tuple[str, str]] | None = None,
-                 last_event_id: str | None = None, rcvbuf: int | None = None,
-                 timeout: float = WAIT_S, path: str = "/api/events") -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        OPEN_STREAMS.append(self)
-        if rcvbuf is not None:  # before connect, so the window is small from the start
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-        self.timeout = timeout
-        self.sock.settimeout(timeout)
-        self.sock.connect(("127.0.0.1", server.port))
-        query = f"?{urlencode(params)}" if params else ""
-        lines = [f"GET {path}{query} HTTP/1.1", "Host: 127.0.0.1",
-                 f"Authorization: Bearer {server.token}", "Accept: text/event-stream"]
-        if last_event_id is not None:
-            lines.append(f"Last-Event-ID: {last_event_id}")
-        self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        self._dechunk = Dechunker()
-        self.parser = FrameParser()
-        self.raw = b""
-        self._pending: list[Frame] = []
-        head = b""
-        while b"\r\n\r\n" not in head:
-            head += self._recv()
-        head, _, rest = head.partition(b"\r\n\r\n")
-        status_line, *header_lines = head.decode("latin-1").split("\r\n")
-        self.status = int(status_line.split()[1])
-        self.headers = {k.strip().lower(): v.strip()
-                        for k, v in (h.split(":", 1) for h in header_lines)}
-        assert self.status == 200, f"{status_line}: {rest!r}"
-        assert self.headers.get("transfer-encoding") == "chunked", self.headers
-        self._early = self._dechunk.feed(rest)
-
-    def _recv(self) -> bytes:
-        try:
-            data = self.sock.recv(1 << 16)
-        except TimeoutError:
-            raise AssertionError(f"the server sent nothing for {self.timeout} s") from None
-        assert data, "the server closed the stream"
-        return data
-
-    def body(self) -> bytes:
-        """The next de-chunked body bytes (blocking, bounded)."""
-        if self._early:
-            data, self._early = self._early, b""
-            return data
-        while True:
-            data = self._dechunk.feed(self._recv())
-            assert not self._dechunk.ended, "the server ended the stream"
-            if data:
-                return data
-
-    def next(self) -> Frame:
-        while not self._pending:
-            data = self.body()
-            self.raw += data
-            self._pending = self.parser.feed(data)
-        return self._pending.pop(0)
-
-    def take(self, n: int) -> list[Frame]:
-        return [self.next() for _ in range(n)]
-
-    def events(self, n: int) -> list[Frame]:
-        """The next n events, skipping keep-alive comments."""
-        out: list[Frame] = []
-        while len(out) < n:
-            frame = self.next()
-            if frame.event is not None:
-                out.append(frame)
-        return out
-
-    def until(self, done: Callable[[Replica], bool], replica: Replica,
-              limit: int = 10_000_000) -> Replica:
-        for _ in range(limit):
-            if done(replica):
-                return replica
-            replica.apply(self.next())
-        raise AssertionError(f"{limit} frames and still not done")
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def http(server: Server, timeout: float = WAIT_S) -> httpx.Client:
@@ -277,8 +144,7 @@ def launch(tmp_path: Path) -> Iterator[Launch]:
         if srv.proc is not None and srv.proc.poll() is None:
             srv.proc.kill()
             srv.proc.wait(timeout=WAIT_S)
-    while OPEN_STREAMS:
-        OPEN_STREAMS.pop().close()
+    close_open_streams()
 
 
 @pytest.fixture

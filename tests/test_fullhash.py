@@ -20,8 +20,7 @@ from metanode_fullhash import BLOCK, ContentChanged, FullHash, hash_file, ipfs
 from metanode import cid as cids
 from metanode import watcher
 from metanode.plugins import LocalFile
-from tests.conftest import load_vectors
-from tests.test_cid import pattern_bytes
+from tests.helpers.vectors import load_vectors, pattern_bytes
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -16,8 +16,8 @@ from metanode import cid as cids
 from metanode import rid as rids
 from metanode.claims import Claim
 from metanode.node import Node, check, open_store
-from tests.conftest import NOW_MS, Signer, settings_for
-from tests.test_ingest import post, register, verdicts
+from tests.helpers.claims import NOW_MS, Signer, post, register, verdicts
+from tests.helpers.settings import settings_for
 
 A, B, C, D = (cids.midhash_bytes(f"group {n}".encode()) for n in "ABCD")
 

@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 
 from metanode.bodies import parse_json
 from metanode.errors import InvalidJson
-from tests.conftest import Server, Signer
+from tests.helpers.claims import Signer
+from tests.helpers.server import Server
 
 OPENAPI = json.loads((Path(__file__).parents[1] / "schemas" / "openapi.json").read_text("utf-8"))
 DEADLINE_S = 30.0  # generous: every wait below is for a condition, this only bounds a failure

@@ -12,25 +12,10 @@ import pytest
 from metanode import cid as cids
 from metanode import truth
 from metanode.node import Node
-from tests.conftest import NOW_MS, Signer
+from tests.helpers.claims import NOW_MS, Signer, post, register, verdicts
 
 CID_A = cids.midhash_bytes(b"content a")
 CID_B = cids.midhash_bytes(b"content b")
-
-
-async def register(client: httpx.AsyncClient, signer: Signer, *, weight: int = 1,
-                   may_link: bool = False, name: str = "t") -> None:
-    response = await client.post("/api/signers", json={
-        "uid": signer.uid, "name": name, "weight": weight, "may_link": may_link})
-    assert response.status_code == 200, response.text
-
-
-async def post(client: httpx.AsyncClient, *claims: dict[str, Any]) -> httpx.Response:
-    return await client.post("/api/claims", json={"claims": list(claims)})
-
-
-def verdicts(response: httpx.Response) -> list[str]:
-    return [r["status"] for r in response.json()["results"]]
 
 
 async def db_bytes(node: Node) -> dict[str, bytes]:
@@ -174,7 +159,7 @@ async def test_malformed_bodies(client: httpx.AsyncClient) -> None:
 
 async def test_accept_unknown_signers_registers_them(tmp_path: Path) -> None:
     from metanode.api import create_app
-    from tests.conftest import settings_for
+    from tests.helpers.settings import settings_for
 
     node = Node(settings_for(tmp_path / "d", accept_unknown_signers=True))
     await node.start()

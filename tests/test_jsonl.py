@@ -21,7 +21,8 @@ from metanode import cache, db, jsonl
 from metanode import cid as cids
 from metanode.cli import main
 from metanode.errors import InvalidJson
-from tests.conftest import Server, Signer
+from tests.helpers.claims import Signer
+from tests.helpers.server import Server
 
 # Every character str.splitlines ends a line at, which JSON lines must not.
 LINE_BREAKERS = ["\u2028", "\u2029", "\x85", "\x1c", "\x1d", "\x1e", "\x0b", "\x0c", "\r", "\n",

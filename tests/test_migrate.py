@@ -31,7 +31,8 @@ from metanode import db, node, truth  # noqa: E402
 from metanode import rid as rids  # noqa: E402
 from metanode.api import create_app  # noqa: E402
 from metanode.node import Node  # noqa: E402
-from tests.conftest import Server, free_port, settings_for  # noqa: E402
+from tests.helpers.server import Server, free_port  # noqa: E402
+from tests.helpers.settings import settings_for  # noqa: E402
 from tools.claims_migrate import plan  # noqa: E402
 from tools.claims_migrate.__main__ import Options, main, migrate  # noqa: E402
 from tools.claims_migrate.report import Report  # noqa: E402

@@ -37,7 +37,8 @@ from schemathesis.specs.openapi.checks import (
 
 from metanode.api import create_app
 from metanode.node import Node
-from tests.conftest import load_vectors, settings_for
+from tests.helpers.settings import settings_for
+from tests.helpers.vectors import load_vectors
 
 OPENAPI = Path(__file__).parents[1] / "schemas" / "openapi.json"
 # Endless text/event-stream answers (see the module docstring): /api/events and the compat ones.

@@ -18,8 +18,9 @@ import pytest
 from metanode import cid as cids
 from metanode import db, keys, logs, truth
 from metanode.node import Node
-from tests.conftest import NOW_MS, Server, Signer, metanode_check, settings_for
-from tests.test_ingest import post, register
+from tests.helpers.claims import NOW_MS, Signer, post, register
+from tests.helpers.server import Server, metanode_check
+from tests.helpers.settings import settings_for
 
 
 def metric(text: str, name: str) -> float:
@@ -56,7 +57,6 @@ async def test_metrics_change_as_claims_flow(client: httpx.AsyncClient, node: No
 async def test_request_id_is_echoed_and_logged(tmp_path: Path, log_access: bool,
                                               caplog: pytest.LogCaptureFixture) -> None:
     from metanode.api import create_app
-    from tests.conftest import settings_for
 
     caplog.set_level(logging.INFO, logger="metanode.access")
     node = Node(settings_for(tmp_path / "d", log_access=log_access))
@@ -86,8 +86,6 @@ def test_json_log_lines_carry_the_request_id() -> None:
 
 
 async def test_health_degrades_when_the_watcher_stalls(tmp_path: Path) -> None:
-    from tests.conftest import settings_for
-
     node = Node(settings_for(tmp_path / "d", watch_enabled=True))
     await node.start()
     try:
@@ -169,8 +167,6 @@ async def test_export_then_import_gives_identical_documents(client: httpx.AsyncC
     done = cli("import", str(export), "--register-signers", "--data-dir", str(second))
     assert "5 accepted" in done.stdout
     assert "5 duplicate" in cli("import", str(export), "--data-dir", str(second)).stdout
-    from tests.conftest import settings_for
-
     other = Node(settings_for(second))
     await other.start()
     try:

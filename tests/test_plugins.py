@@ -27,7 +27,7 @@ from metanode import db, keys, plugins
 from metanode.api import create_app
 from metanode.node import Node
 from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
-from tests.conftest import settings_for
+from tests.helpers.settings import settings_for
 
 RID = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")  # a rid: 26 Crockford base32 characters, upper case
 Action = Callable[[LocalFile, RecordLookup, Register], None]

@@ -19,7 +19,7 @@ from metanode import cid as cids
 from metanode import keys
 from metanode import rid as rids
 from metanode.client import Client, ClientError, Event, parse_frames
-from tests.conftest import Server
+from tests.helpers.server import Server
 
 MIB = 1 << 20
 T = TypeVar("T")

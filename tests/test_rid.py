@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from metanode import rid
 from metanode.errors import InvalidRid
-from tests.conftest import load_vectors
+from tests.helpers.vectors import load_vectors
 
 VECTORS: list[dict[str, str]] = load_vectors("rids.json")["vectors"]
 CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"

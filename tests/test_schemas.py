@@ -34,8 +34,10 @@ from metanode import errors
 from metanode import rid as rids
 from metanode.api import create_app
 from metanode.node import Node
-from tests.conftest import NOW_MS, Server, Signer, load_vectors, settings_for
-from tests.test_ingest import register
+from tests.helpers.claims import NOW_MS, Signer, register
+from tests.helpers.server import Server
+from tests.helpers.settings import settings_for
+from tests.helpers.vectors import load_vectors
 from tools import openapi_sync
 
 ROOT = Path(__file__).parents[1]

@@ -19,7 +19,8 @@ import pytest
 
 from metanode import cid as cids
 from metanode import rid as rids
-from tests.conftest import Server, Signer
+from tests.helpers.claims import Signer
+from tests.helpers.server import Server
 
 CID = cids.midhash_bytes(b"server round trip")
 

@@ -28,7 +28,8 @@ import pytest
 from metanode import cid as cids
 from metanode import db, errors
 from metanode.node import Node
-from tests.conftest import Server, Signer, free_port, metanode_check
+from tests.helpers.claims import Signer
+from tests.helpers.server import Server, free_port, metanode_check
 
 TMPFS_BYTES = 8 << 20
 DEADLINE_S = 60.0

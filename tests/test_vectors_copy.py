@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import VECTORS
+from tests.helpers.vectors import VECTORS
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "vectors"
 

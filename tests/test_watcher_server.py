@@ -28,7 +28,9 @@ import pytest
 
 from metanode import cid as cids
 from metanode import watcher
-from tests.conftest import Server, Signer, load_vectors
+from tests.helpers.claims import Signer
+from tests.helpers.server import Server
+from tests.helpers.vectors import load_vectors
 
 T = TypeVar("T")
 DEADLINE_S = 20.0

@@ -1,0 +1,139 @@
+"""A real `metanode serve` subprocess on a loopback port, and the checks made against one."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A real `metanode serve` process (uvicorn) on a loopback port.
+
+    Hermetic: the caller's `METANODE_*` variables are dropped; the watcher watches
+    `<data_dir>/../media` (never the checkout's ./media) and plugins are off, unless `env` says
+    otherwise. Its log goes to `log` (default `serve.log` beside the data directory), which
+    `print_log` shows, e.g. at the end of a test (pytest shows it if the test failed).
+    """
+
+    data_dir: Path
+    port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def token(self) -> str:
+        return (self.data_dir / "api-token").read_text().strip()
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    @property
+    def media(self) -> Path:
+        return self.data_dir.parent / "media"
+
+    def base_env(self) -> dict[str, str]:
+        """The environment `env` is laid over."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+        env.update({"METANODE_WATCH_ROOTS": str(self.media), "METANODE_PLUGINS_ENABLED": "false"})
+        return env
+
+    def start(self) -> Self:
+        """Start it and wait until it answers; on another port if the free one was taken."""
+        self.log = self.log or self.data_dir.parent / "serve.log"
+        for _attempt in range(3):
+            with self.log.open("ab") as log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
+                     "--port", str(self.port)],
+                    env={**self.base_env(), **self.env}, cwd=self.data_dir.parent,
+                    stdout=log, stderr=log)
+            if self._up():
+                return self
+            self.port = free_port()  # exited at once: the port was taken meanwhile
+        raise RuntimeError(f"metanode serve did not start: {self.log_text()}")
+
+    def _up(self) -> bool:
+        """Whether it came up (False if it exited); the port must answer with our token, since
+        other processes on this machine pick free ports too."""
+        assert self.proc is not None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    mine = httpx.get(f"{self.url}/api/signers", headers=self.headers, timeout=5)
+                    assert mine.status_code == 200, f"port {self.port} is not our server"
+                    return True
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"metanode serve did not come up in 30 s: {self.log_text()}")
+
+    def meta(self, cid: str) -> dict[str, Any] | None:
+        """GET /api/meta/<cid> (public), or None on 404."""
+        response = httpx.get(f"{self.url}/api/meta/{cid}", timeout=10)
+        if response.status_code == 404:
+            return None
+        assert response.status_code == 200, response.text
+        body: dict[str, Any] = response.json()
+        return body
+
+    def stop(self, sig: int = 15, grace: float = 30.0) -> int:
+        """Send `sig`; SIGKILL if it has not exited within `grace` seconds (a wedged node)."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout=30)
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    def print_log(self) -> None:
+        print(f"--- {self.log} ---\n{self.log_text()}")
+
+
+def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
+    """Poll /health until the cache has applied every truth change, or fail saying so."""
+    deadline = time.monotonic() + timeout
+    health: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{url}/health", timeout=5).json()
+        if health["cache_ready"] and health["apply_lag"] == 0:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"the cache did not catch up within {timeout} s: {health}")
+
+
+def metanode_check(data_dir: Path) -> str:
+    """Run `metanode check` on a data directory; it must exit 0 and say clean."""
+    done = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "clean" in done.stdout, done.stdout
+    return done.stdout
