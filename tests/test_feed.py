@@ -553,17 +553,16 @@ async def test_keep_alive_reaches_a_filtered_subscriber_while_other_events_flow(
 
     listener = asyncio.create_task(listen())
     loop = asyncio.get_running_loop()
-    start, n = loop.time(), 0
-    # events every few ms (none admitted by the filter) for at least 5 keep-alive periods
-    while loop.time() - start < 5 * keep_alive_s and n < 2_000:
+    deadline, n = loop.time() + 30, 0  # a bound on a failure, far past 5 keep-alive periods
+    # events every few ms (none admitted by the filter) until the subscriber hears a keep-alive
+    while Frame(comment="keep-alive") not in heard and loop.time() < deadline:
         await fd.post(new_cid_claims(fd.signer, "busy", 1, start=n))
         n += 1
-    await asyncio.sleep(0)
     listener.cancel()
     await asyncio.gather(listener, return_exceptions=True)
     assert fd.head == 2 * n
     assert Frame(comment="keep-alive") in heard, (
-        f"{n} posts over ≥ {5 * keep_alive_s} s, no keep-alive to a filtered subscriber")
+        f"{n} posts over 30 s, no keep-alive to a filtered subscriber")
 
 
 async def test_snapshot_and_live_tail_are_exact_while_ingesting(fd: Feed) -> None:
@@ -724,8 +723,12 @@ async def test_many_subscribers_share_one_read_per_page(fd: Feed) -> None:
     await fd.post(new_cid_claims(fd.signer, "share", 5))
     readers = [fd.reader() for _ in range(40)]
     replicas = [Replica(fd.cursor(fd.head)) for _ in readers]
-    waiting = [asyncio.create_task(r.next()) for r in readers]  # all subscribed and waiting
-    await asyncio.sleep(0.2)
+    waiting = [asyncio.create_task(r.next()) for r in readers]
+    for _ in range(1_000):  # each task runs its stream up to its wait for the feed in one step
+        if fd.node.subscribers == len(readers):
+            break
+        await asyncio.sleep(0.01)
+    assert fd.node.subscribers == len(readers), "not every subscriber is waiting"
     statements: list[str] = []
     fd.node.cache_reader.set_trace_callback(statements.append)
     try:

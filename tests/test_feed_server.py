@@ -737,6 +737,17 @@ def parse_line(line: str) -> tuple[str, str, Any]:
     return ident, kind, json.loads(data)
 
 
+def idle_for_keep_alives(server: Server, at: str, count: int = 2) -> None:
+    """Wait while the feed is idle until a subscriber that joined after the CLI's got `count`
+    keep-alives: the CLI's older subscription has been sent keep-alives by then too."""
+    stream = Stream(server, last_event_id=at)
+    try:
+        assert stream.next().event == "synced"
+        assert stream.take(count) == [Frame(comment="keep-alive")] * count
+    finally:
+        stream.close()
+
+
 def test_events_cli_prints_the_feed(launch: Launch) -> None:
     server = launch({"METANODE_FEED_KEEP_ALIVE_S": "0.3"})  # keep-alives are not printed
     signer = Signer()
@@ -750,7 +761,7 @@ def test_events_cli_prints_the_feed(launch: Launch) -> None:
         assert {(d["rid"], d["key"]): d["value"] for _, _, d in lines[:6]} == want
         assert all(ident == "-" and kind == "set" for ident, kind, _ in lines[:6])
         assert lines[6] == ("-", "synced", {"id": cursor(ep, 6)})
-        time.sleep(1.0)  # idle: the server sends keep-alives, which must not be printed
+        idle_for_keep_alives(server, cursor(ep, 6))  # which the CLI must not print
         post_all(server, fast_claims(signer, [(cid_n("cli", 0), "title", "new ☃", NOW_MS + 1)]))
         rid = records_rid(server, cid_n("cli", 0))
         assert snapshot.line() == (

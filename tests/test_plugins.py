@@ -311,7 +311,16 @@ async def test_a_raising_plugin_fails_its_run_only_retries_with_backoff_then_fai
 async def test_a_hanging_plugin_times_out_and_other_runs_continue(harness: Harness) -> None:
     gate = harness.gate()
     _, first = harness.drop("one.bin", b"a plugin hangs on this")
-    hang = probe("hang", blocked_until(gate, claim("late", "too late")))
+    refused: list[str] = []
+
+    def late(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        try:
+            register(file.cid, "late", "too late")
+        except RuntimeError as exc:
+            refused.append(str(exc))
+            raise
+
+    hang = probe("hang", blocked_until(gate, late))
     good = probe("good", claim("good", "yes"))
     node = await harness.start([hang, good], plugin_max_attempts=1, plugin_timeout_s=1.0)
     await until(finished(node, hang, first, "failed"), "hang timed out")
@@ -326,10 +335,11 @@ async def test_a_hanging_plugin_times_out_and_other_runs_continue(harness: Harne
 
     # The abandoned run wakes up: what it registers now is refused, never ingested.
     gate.set()
+    await until(lambda: bool(refused), "the abandoned run's late register to be refused")
+    assert refused == ["this run is over (it timed out)"]
     for thread in threading.enumerate():
         if thread.name == "plugin":
             thread.join(10)
-    await asyncio.sleep(0.2)
     assert "late" not in metadata(node, first)
     assert counts(node, "hang")["failed"] >= 1
 
@@ -469,12 +479,8 @@ async def test_stale_pending_runs_do_not_starve_current_ones(harness: Harness) -
         return sum(1 for (_, version, _), run in runs(node).items()
                    if version == "2" and run.status == "done")
 
-    progress, still = -1, time.monotonic()
-    while done() < total and time.monotonic() - still < 4.0:  # stop once progress stalls
-        if done() != progress:
-            progress, still = done(), time.monotonic()
-        await asyncio.sleep(0.1)
-    assert done() == total, f"{total - done()} runs of the current version never started"
+    await until(lambda: done() == total,  # a starved run never starts: the bound is generous
+                f"every one of the {total} runs of the current version to finish", timeout=120)
     assert {f.cid for f in v2.calls} == set(midhashes)
 
 

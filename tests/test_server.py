@@ -155,7 +155,7 @@ def cli_json(data_dir: Path, *args: str) -> list[dict[str, Any]]:
 
 
 def wait_for_doc(url: str, want: Callable[[dict[str, Any]], bool], what: str,
-                 timeout: float = 10.0) -> dict[str, Any]:
+                 timeout: float = 30.0) -> dict[str, Any]:
     """Poll GET /api/meta/{CID} until `want(metadata)`; the applier polls the truth every 1 s."""
     deadline = time.monotonic() + timeout
     metadata: dict[str, Any] = {}

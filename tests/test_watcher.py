@@ -465,21 +465,37 @@ async def test_on_changes_removes_a_deleted_file_and_forgets_it_pending(tmp_path
     assert set(store.rows) == {str(kept)}
 
 
+async def next_turn(w: Watcher, timeout: float = 30.0) -> None:
+    """Wait until the settle loop has taken a turn since this call (its heartbeat moved on)."""
+    loop = asyncio.get_running_loop()
+    before, deadline = w.heartbeat, loop.time() + timeout
+    while w.heartbeat == before:
+        assert loop.time() < deadline, f"the settle loop took no turn in {timeout} s"
+        await asyncio.sleep(0.01)
+
+
 async def test_settle_loop_hashes_only_after_the_stat_held_still(tmp_path: Path) -> None:
+    """While the file keeps changing it is not hashed, however slowly this test runs: the window
+    is a minute, and each change is checked against a turn of the loop. Then the window is made
+    short: the loop finds the stat it queued out of date, waits a window again, and hashes the
+    final content, once."""
     root = tmp_path / "media"
     root.mkdir()
     store = Store()
-    w = store.watcher(root, settle_s=0.6)
+    w = store.watcher(root, settle_s=60)
     loop_task = asyncio.create_task(w._settle_loop())
     try:
         f = write(root / "growing.mkv", b"part 1")
         await w._on_changes({(Change.added, str(f))})
-        for i in range(2, 5):  # keep changing it, faster than the settle window
-            await asyncio.sleep(0.3)
+        for i in range(2, 5):  # keep changing it, inside the settle window
+            await next_turn(w)
+            assert store.rows == {} and str(f) in w.pending, "hashed before it settled"
             with f.open("ab") as out:
                 out.write(f", part {i}".encode())
-            assert store.rows == {}, "hashed before it settled"
-        deadline = asyncio.get_running_loop().time() + 10
+        await next_turn(w)
+        assert store.rows == {}, "hashed before it settled"
+        w.settle_s = 0.3  # it holds still from now on
+        deadline = asyncio.get_running_loop().time() + 30
         while not store.rows and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         assert store.rows == {str(f): local(f)}
