@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from metanode import merge, truth
 from metanode.claims import Claim
+from metanode.clock import Clock, now_ms
 from metanode.db import Migration, executescript_in_txn, snapshot
 
 SCHEMA_V1 = """
@@ -111,10 +111,6 @@ def _v4(conn: sqlite3.Connection) -> None:
 
 MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4)
 LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -358,16 +354,18 @@ def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
     return result
 
 
-def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event]) -> int:
-    """Feed rows on consecutive seqs from the stored counter; returns the new counter."""
-    at = _now_ms()
+def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event],
+                 at: int) -> int:
+    """Feed rows on consecutive seqs from the stored counter, stamped `at`; returns the new
+    counter."""
     cache.executemany(
         "INSERT INTO feed (seq, rid, op, key, value, at) VALUES (?, ?, ?, ?, ?, ?)",
         [(state.feed_seq + i, *event, at) for i, event in enumerate(events, 1)])
     return state.feed_seq + len(events)
 
 
-def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
+def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
+              clock: Clock = now_ms) -> State:
     """Apply every outbox change after the stored seq, in one cache transaction.
 
     The truth is read in one snapshot, so the changes and the state they are recomputed from
@@ -383,7 +381,7 @@ def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
         signers = truth.merge_signers(source)
         events = [event for loser in work.losers for event in drop(cache, loser)]
         events += refresh_all(cache, source, work.scopes, signers)
-    last = _append_feed(cache, state, events)
+    last = _append_feed(cache, state, events, clock())
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
     return State(state.epoch, changes[-1].seq, last)
 
@@ -401,7 +399,8 @@ def prune_feed_txn(cache: sqlite3.Connection, keep_events: int, older_than_ms: i
     return cursor.rowcount
 
 
-def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
+def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
+              clock: Clock = now_ms) -> State:
     """Recompute every record from the truth under a new epoch (create, rebuild, or repair).
 
     Local files are kept: they are facts about the disk, not derived from the truth. The feed
@@ -418,7 +417,7 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
         signers = truth.merge_signers(source)
         for chunk in _chunks(truth.active_rids(source)):
             refresh(cache, source, dict.fromkeys(chunk, whole), signers)
-    state = State(epoch=max(_now_ms(), old.epoch + 1), applied_seq=seq, feed_seq=0)
+    state = State(epoch=max(clock(), old.epoch + 1), applied_seq=seq, feed_seq=0)
     _set_state(cache, epoch=state.epoch, applied_seq=state.applied_seq, feed_seq=0)
     return state
 
@@ -427,7 +426,8 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
 
 
 def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
-              upserts: Sequence[merge.LocalFile], removals: Sequence[str]) -> State:
+              upserts: Sequence[merge.LocalFile], removals: Sequence[str],
+              clock: Clock = now_ms) -> State:
     """Record what the disk holds and recompute the local keys it changes, in one transaction.
 
     `removals` are paths of files or folders (every row under a folder goes). Both the old and the
@@ -467,9 +467,10 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
     with snapshot(source):
         rids = set(truth.groups_of(source, touched).values())
         events = refresh_all(cache, source, {rid: _Scope(group=True) for rid in rids}, {})
-    last = _append_feed(cache, state, events)
+    at = clock()
+    last = _append_feed(cache, state, events, at)
     _set_state(cache, feed_seq=last)
-    _append_file_feed(cache, file_events(removed, written))
+    _append_file_feed(cache, file_events(removed, written), at)
     return State(state.epoch, state.applied_seq, last)
 
 
@@ -554,10 +555,10 @@ def file_feed_head(conn: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def _append_file_feed(cache: sqlite3.Connection, events: Sequence[FileEvent]) -> None:
+def _append_file_feed(cache: sqlite3.Connection, events: Sequence[FileEvent], at: int) -> None:
     if not events:
         return
-    head, at = file_feed_head(cache), _now_ms()
+    head = file_feed_head(cache)
     cache.executemany(
         "INSERT INTO file_feed (seq, op, path, old_path, size, midhash, at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -14,7 +14,6 @@ import signal
 import sqlite3
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import wraps
 from pathlib import Path
@@ -25,6 +24,7 @@ import httpx
 
 from metanode import cid as cids
 from metanode import claims, client, config, datadir, db, jsonl, keys, logs, node, truth, watcher
+from metanode.clock import now_ms
 from metanode.errors import InvalidBatch, InvalidRequest, MetanodeError, storage_error
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,10 +53,6 @@ def reports_errors(func: F) -> F:
 def _fail(exc: MetanodeError) -> NoReturn:
     click.echo(f"error: {exc.slug}: {exc.message}", err=True)
     sys.exit(2)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Metanode(click.Group):

@@ -24,7 +24,6 @@ import os
 import socket
 import sqlite3
 import stat
-import time
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
@@ -73,10 +72,6 @@ Events = AsyncGenerator[ServerSentEvent, None]
 class RangeNotSatisfiable(MetanodeError):
     status = 416
     slug = "range_not_satisfiable"
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def is_deprecated(field: str) -> bool:
@@ -138,7 +133,7 @@ class LegacyWriter:
             uid = keys.uid_of_key(key)
             await self.node.truth_writer.run(
                 truth.add_signer_txn, uid, LEGACY_NAME, self.node.settings.legacy_writer_weight,
-                True, _now_ms())
+                True, self.node.clock())
             self.node.applier.wake()  # a new weight re-merges what it signed before
             row = self.node.truth_reader.execute(
                 "SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()
@@ -191,7 +186,7 @@ class LegacyWriter:
             if rid is not None and retracted:
                 drafts += [(c.cid, c.key, None) for c in truth.group_claims(
                     self.node.truth_reader, rid, keys=retracted, uid=self.uid) if c.cid != cid]
-            ts = max(_now_ms(), self._last_ts + 1)
+            ts = max(self.node.clock(), self._last_ts + 1)
             wire: list[object] = [claims.sign(key, c, k, v, ts).wire() for c, k, v in drafts]
             answer = await self.node.ingest_wire(wire)
             self._last_ts = ts
@@ -458,7 +453,7 @@ class _Follow:
             epoch, head = self._epoch(), self._head()
             yield sse.event("gap", {"reason": reason, "requested": requested,
                                     "resumeFrom": sse.event_id(epoch, head)})
-            rows = self._state(_now_ms())
+            rows = self._state(self.node.clock())
             held: tuple[str, dict[str, str]] | None = None
             while page := await db.off_loop(lambda: list(itertools.islice(rows, PAGE))):
                 for item in page:

@@ -35,6 +35,7 @@ from metanode import cache, claims, datadir, db, feed, merge, plugins, sse, trut
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.bodies import refuse_unknown
+from metanode.clock import Clock, now_ms
 from metanode.config import Settings
 from metanode.errors import (
     BadSignature,
@@ -53,10 +54,6 @@ from metanode.metrics import Metrics
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 STALL_S = 60.0  # /health reports degraded when the applier or the watcher stalls this long
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def ensure_token(path: Path) -> tuple[str, bool]:
@@ -98,8 +95,10 @@ def cache_needs_build(state: cache.State, source: sqlite3.Connection) -> bool:
 class Applier:
     """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq."""
 
-    def __init__(self, writer: db.Writer, truth_path: Path, poll_s: float) -> None:
+    def __init__(self, writer: db.Writer, truth_path: Path, poll_s: float,
+                 clock: Clock = now_ms) -> None:
         self._writer = writer
+        self._clock = clock
         # Used only inside the cache writer's jobs, i.e. only on that thread.
         self._source = db.connect(truth_path, readonly=True)
         self._poll_s = poll_s
@@ -162,7 +161,7 @@ class Applier:
             if self._stopping:
                 return
             try:
-                state = await self._writer.run(cache.apply_txn, self._source)
+                state = await self._writer.run(cache.apply_txn, self._source, self._clock)
             except Exception:
                 log.exception("applying truth changes to the cache failed; retrying")
                 self.degraded = True
@@ -177,7 +176,7 @@ class Applier:
         if cache_needs_build(self.state, self._source):
             log.info("building the cache from the truth (outbox seq %d)",
                      truth.max_seq(self._source))
-            self.state = await self._writer.run(cache.build_txn, self._source)
+            self.state = await self._writer.run(cache.build_txn, self._source, self._clock)
         self.ready = True
         await self._publish(self.state)
 
@@ -193,7 +192,8 @@ class Applier:
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
         """The watcher's results: local_file rows and local keys, in one cache transaction."""
-        await self._publish(await self._writer.run(cache.local_txn, self._source, files, removals))
+        await self._publish(await self._writer.run(cache.local_txn, self._source, files, removals,
+                                               self._clock))
 
     async def stop(self) -> None:
         """Let the loop finish the apply it is in (its job holds `_source`) and end.
@@ -225,11 +225,13 @@ class IngestAnswer:
 class Node:
     """One metanode: its data directory, databases, applier and operations."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, clock: Clock = now_ms) -> None:
+        """`clock` stamps everything the node writes (claims' "now", rids, rows, feed events)."""
         self.settings = settings
+        self.clock = clock
         self.limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
         self.policy = truth.Policy(settings.accept_unknown_signers)
-        self.minter = rids.Minter()
+        self.minter = rids.Minter(clock)
         self.token = ""
         self.token_created = False
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
@@ -247,7 +249,7 @@ class Node:
         self.truth_reader = db.connect(self.settings.truth_path, readonly=True)
         self.cache_reader = db.connect(self.settings.cache_path, readonly=True)
         self.applier = Applier(self.cache_writer, self.settings.truth_path,
-                               self.settings.apply_poll_s)
+                               self.settings.apply_poll_s, self.clock)
         self.feed_hub = feed.Hub(self.cache_reader, lambda: self.applier.state)
         self.applier.start()
         self._pruner = asyncio.create_task(self._retention(), name="retention")
@@ -282,13 +284,13 @@ class Node:
                 continue
             key = plugins.plugin_key(s.keys_dir, plugin.name)
             runner = plugins.Runner(plugin, key, self.record_of, self.ingest_wire,
-                                    s.plugin_timeout_s)
+                                    s.plugin_timeout_s, self.clock)
             await self.truth_writer.run(
                 truth.add_signer_txn, runner.uid, f"plugin:{plugin.name}",
-                weights.get(plugin.name, plugin.weight), plugin.may_link, now_ms())
+                weights.get(plugin.name, plugin.weight), plugin.may_link, self.clock())
             runners.append(runner)
         host = plugins.Host(runners, self.cache_writer, self.cache_reader, s.plugin_workers,
-                            s.plugin_max_attempts, s.plugin_retry_s)
+                            s.plugin_max_attempts, s.plugin_retry_s, self.clock)
         self._plugins_task = asyncio.create_task(host.run(), name="plugins")
         return host
 
@@ -304,7 +306,7 @@ class Node:
 
     async def ensure_groups(self, midhashes: Sequence[str]) -> None:
         """Mint groups for midhashes the truth has not seen (the watcher, before `apply_local`)."""
-        await self.truth_writer.run(truth.ensure_groups_txn, midhashes, self.minter, now_ms())
+        await self.truth_writer.run(truth.ensure_groups_txn, midhashes, self.minter, self.clock())
         self.applier.wake()
 
     async def scan(self, roots: Sequence[str],
@@ -341,7 +343,8 @@ class Node:
         window_ms = int(self.settings.feed_retention_days * 86_400_000)
         while True:
             try:
-                await self.cache_writer.run(cache.prune_feed_txn, keep, now_ms() - window_ms)
+                await self.cache_writer.run(cache.prune_feed_txn, keep,
+                                            self.clock() - window_ms)
                 if self.applier.ready:
                     await self.truth_writer.run(truth.prune_changes_txn,
                                                 self.applier.applied_seq)
@@ -416,7 +419,7 @@ class Node:
 
     async def ingest_wire(self, items: list[object]) -> IngestAnswer:
         """A batch of wire claims through validation, the truth and the cache (plugins too)."""
-        now = now_ms()
+        now = self.clock()
         batch = await self._validate(items, now)
         result = await self.truth_writer.run(truth.ingest_txn, batch, self.minter, self.policy,
                                              now)
@@ -440,12 +443,13 @@ class Node:
     async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> dict[str, Any]:
         claims.public_key(uid)
         row = await self.truth_writer.run(truth.add_signer_txn, uid, name, weight, may_link,
-                                          now_ms())
+                                          self.clock())
         await self._settled()
         return row.as_json()
 
     async def set_signer_status(self, uid: str, status: str) -> dict[str, Any]:
-        row = await self.truth_writer.run(truth.set_signer_status_txn, uid, status, now_ms())
+        row = await self.truth_writer.run(truth.set_signer_status_txn, uid, status,
+                                          self.clock())
         await self._settled()
         return row.as_json()
 

@@ -30,6 +30,7 @@ from metanode import cid as cids  # noqa: E402
 from metanode import db, node, truth  # noqa: E402
 from metanode import rid as rids  # noqa: E402
 from metanode.api import create_app  # noqa: E402
+from metanode.clock import now_ms  # noqa: E402
 from metanode.node import Node  # noqa: E402
 from tests.conftest import Server, free_port, settings_for  # noqa: E402
 from tools.claims_migrate import plan  # noqa: E402
@@ -435,7 +436,7 @@ def test_a_cid_the_node_grouped_already_merges_and_the_old_rid_survives(
     ma = cids.midhash_bytes(b"matrix")
     conn = db.connect(settings.truth_path)
     try:  # the watcher saw the file before the migration: a fresh (younger) rid
-        db.run_txn(conn, truth.ensure_groups_txn, [ma], rids.Minter(), node.now_ms())
+        db.run_txn(conn, truth.ensure_groups_txn, [ma], rids.Minter(), now_ms())
         fresh = truth.group_of(conn, ma)
     finally:
         conn.close()
@@ -466,7 +467,7 @@ def test_the_legacy_key_is_found_again_and_a_blocked_one_stops_the_run(
 
     conn = db.connect(data / "truth.db")
     try:
-        db.run_txn(conn, truth.set_signer_status_txn, uid, "blocked", node.now_ms())
+        db.run_txn(conn, truth.set_signer_status_txn, uid, "blocked", now_ms())
     finally:
         conn.close()
     assert main(["--redis", redis_url, "--data-dir", str(data)]) == 1
@@ -489,24 +490,24 @@ def test_adopt_group_txn_keeps_the_rid_and_links_like_a_vote(tmp_path: Path) -> 
     a, b, c = (cids.midhash_bytes(x) for x in (b"a", b"b", b"c"))
     conn = db.connect(settings.truth_path)
     try:
-        done = db.run_txn(conn, truth.adopt_group_txn, old, [a, b], node.now_ms())
+        done = db.run_txn(conn, truth.adopt_group_txn, old, [a, b], now_ms())
         assert done == truth.Adopted(old, True, (a, b), ())
         seq = truth.max_seq(conn)
-        assert db.run_txn(conn, truth.adopt_group_txn, old, [b, a], node.now_ms()) == \
+        assert db.run_txn(conn, truth.adopt_group_txn, old, [b, a], now_ms()) == \
             truth.Adopted(old, False, (), ())
         assert truth.max_seq(conn) == seq  # nothing written the second time
         # a younger rid naming a CID of an older group is merged into it
-        merged = db.run_txn(conn, truth.adopt_group_txn, old2, [c, a], node.now_ms())
+        merged = db.run_txn(conn, truth.adopt_group_txn, old2, [c, a], now_ms())
         assert merged == truth.Adopted(old, True, (c,), (old2,))
         assert set(truth.group_cids(conn, old)) == {a, b, c}
         # a merged-away rid stands for its survivor
-        assert db.run_txn(conn, truth.adopt_group_txn, old2, [c], node.now_ms()).rid == old
+        assert db.run_txn(conn, truth.adopt_group_txn, old2, [c], now_ms()).rid == old
         with pytest.raises(ValueError):
-            db.run_txn(conn, truth.adopt_group_txn, never_adopted, [], node.now_ms())
+            db.run_txn(conn, truth.adopt_group_txn, never_adopted, [], now_ms())
         assert truth.rid_info(conn, never_adopted) is None
         # minting after an adoption stays above every rid the truth holds
         minted = db.run_txn(conn, truth.ensure_group, cids.midhash_bytes(b"d"), rids.Minter(),
-                            node.now_ms())
+                            now_ms())
         assert minted > max(old, old2)
     finally:
         conn.close()

@@ -64,6 +64,7 @@ import nacl.signing
 
 from metanode import cid as cids
 from metanode import claims
+from metanode.clock import now_ms
 
 GOAL = 0.8
 VALUE = re.compile(rb'"value":"v([0-9]{7})"')
@@ -376,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     key = nacl.signing.SigningKey.generate()
-    ts = harness.now_ms()
+    ts = now_ms()
     paced = sign_updates(key, args.records, int(args.rate * args.duration), args.batch, ts)
     flat = sign_updates(key, args.records, args.throughput_claims, 500, ts)
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "

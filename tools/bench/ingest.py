@@ -33,6 +33,7 @@ import nacl.signing
 
 from metanode import cid as cids
 from metanode import claims
+from metanode.clock import now_ms
 
 GOAL = 0.5
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --n >= 1, 1 <= --batch <= 1000, --clients >= 1")
 
     key = nacl.signing.SigningKey.generate()
-    ts = harness.now_ms()
+    ts = now_ms()
     print(f"signing {args.n:,} claims …", flush=True)
     signed = make_claims(key, args.n, ts, "title")
     warmup = make_claims(key, args.batch, ts, "warm-up")

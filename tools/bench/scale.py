@@ -43,6 +43,7 @@ import nacl.signing
 
 from metanode import cid as cids
 from metanode import claims, config, db, node, rid, truth
+from metanode.clock import now_ms
 
 GOAL = 1.5
 KEYS = ("title", "year", "genre", "director", "language", "runtime", "country", "rating",
@@ -78,7 +79,7 @@ def build(data_dir: Path, n_claims: int, per: int, chunk: int, workers: int,
     node.open_store(settings)
     key = nacl.signing.SigningKey.generate()
     uid = claims.uid_of(bytes(key.verify_key))
-    ts = harness.now_ms()
+    ts = now_ms()
     records = n_claims // per
     per_chunk = max(1, chunk // per)
     jobs = [(bytes(key), uid, first, min(per_chunk, records - first), per, ts)

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 from metanode import config, db, node, truth
+from metanode.clock import now_ms
 from metanode.config import Settings
 from metanode.errors import MetanodeError
 from tools.claims_migrate import keyspace, plan
@@ -35,7 +36,6 @@ from tools.claims_migrate.write import (
     MigrateError,
     holders,
     legacy_key,
-    now_ms,
     register,
     write,
 )

@@ -24,6 +24,7 @@ import nacl.signing
 from metanode import claims, db, keys, truth
 from metanode import rid as rids
 from metanode.claims import LINK_PREFIX, Claim
+from metanode.clock import now_ms
 from metanode.config import Settings
 from tools.claims_migrate.plan import Planned
 from tools.claims_migrate.report import Report
@@ -35,10 +36,6 @@ DEFAULT_WEIGHT = 1
 
 class MigrateError(Exception):
     """A reason to stop, worded for the person running the tool."""
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 # -- is the data directory in use? --------------------------------------------------------------
