@@ -153,6 +153,25 @@ def local_files(conn: sqlite3.Connection, cids: Iterable[str]) -> list[merge.Loc
     return [merge.LocalFile(*row) for row in rows]
 
 
+def all_local_files(conn: sqlite3.Connection) -> list[merge.LocalFile]:
+    """Every local_file row: what `check` copies into its fresh rebuild (facts about the disk,
+    not derived from the truth)."""
+    return [merge.LocalFile(*row) for row in conn.execute(
+        "SELECT path, midhash, size, mtime_ns, ino FROM local_file")]
+
+
+def put_local_files(cache: sqlite3.Connection, files: Iterable[merge.LocalFile]) -> None:
+    """Insert local_file rows as they are (into an empty cache: `check`'s fresh rebuild)."""
+    cache.executemany("INSERT INTO local_file (path, midhash, size, mtime_ns, ino) "
+                      "VALUES (?, ?, ?, ?, ?)",
+                      [(f.path, f.midhash, f.size, f.mtime_ns, f.ino) for f in files])
+
+
+def local_file_count(conn: sqlite3.Connection) -> int:
+    """How many local files the cache holds (the /metrics `watcher_files` gauge)."""
+    return int(conn.execute("SELECT count(*) FROM local_file").fetchone()[0])
+
+
 def local_files_of(conn: sqlite3.Connection,
                    cids: Iterable[str]) -> dict[str, list[merge.LocalFile]]:
     """midhash → its local files, for the CIDs of many records in one fixed statement
@@ -647,6 +666,11 @@ def lookup(conn: sqlite3.Connection, cid: str) -> str | None:
     return row[0] if row else None
 
 
+def record_count(conn: sqlite3.Connection) -> int:
+    """How many records the cache holds (the /metrics `records` gauge)."""
+    return int(conn.execute("SELECT count(DISTINCT rid) FROM cid_index").fetchone()[0])
+
+
 def group_cids(conn: sqlite3.Connection, rid: str) -> list[str]:
     return [r[0] for r in conn.execute("SELECT cid FROM cid_index WHERE rid = ?", (rid,))]
 
@@ -703,10 +727,11 @@ def group_by_rid(conn: sqlite3.Connection, rid: str) -> Group | None:
 
 
 def document(group: Group, asked: str | None,
-             overrides: dict[str, str] | None = None) -> dict[str, Any]:
-    """The merged document of a group, as asked for by `asked` (None: by rid)."""
-    ranked = merge.document(asked or "", group.cids, {**group.record, **(overrides or {})},
-                            group.paths)
+             record: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The merged document of a group, as asked for by `asked` (None: by rid), showing `record`
+    (default: the group's merged record; a viewer's view is `merge.seen_by` of it)."""
+    ranked = merge.document(asked or "", group.cids,
+                            group.record if record is None else record, group.paths)
     if asked is None:
         ranked["cid"] = ranked["canonical_cid"]
     return ranked

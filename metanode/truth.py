@@ -289,6 +289,19 @@ def all_claims(conn: sqlite3.Connection, uid: str | None = None) -> Iterable[Cla
     return (_claim(row) for row in conn.execute(sql + " ORDER BY uid, cid, key", params))
 
 
+def claim_count(conn: sqlite3.Connection, uid: str | None = None) -> int:
+    """How many claims are stored (tombstones too), optionally of one signer: an export's total."""
+    if uid is None:
+        return int(conn.execute("SELECT count(*) FROM claims").fetchone()[0])
+    return int(conn.execute("SELECT count(*) FROM claims WHERE uid = ?", (uid,)).fetchone()[0])
+
+
+def rid_status_counts(conn: sqlite3.Connection) -> dict[str, int]:
+    """How many rids are in each lifecycle status (`active`, `merged`): the /metrics gauges."""
+    return {status: int(n) for status, n in conn.execute(
+        "SELECT status, count(*) FROM rids GROUP BY status")}
+
+
 def signer_cid_keys(conn: sqlite3.Connection, uid: str) -> list[tuple[str, str]]:
     """Every (cid, key) a signer has a claim on: what blocking or re-weighting it can change."""
     return [(r[0], r[1]) for r in conn.execute(

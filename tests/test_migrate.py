@@ -27,7 +27,7 @@ import pytest
 redis = pytest.importorskip("redis", reason="the redis package (extra `migrate`) is missing")
 
 from metanode import cid as cids  # noqa: E402
-from metanode import db, node, truth  # noqa: E402
+from metanode import db, maintenance, truth  # noqa: E402
 from metanode import rid as rids  # noqa: E402
 from metanode.api import create_app  # noqa: E402
 from metanode.clock import now_ms  # noqa: E402
@@ -290,7 +290,7 @@ async def test_every_old_cid_resolves_to_its_fields_and_rids_are_kept(
                                                         f"cids/{cids.midhash_bytes(b'matrix')}"}
 
     settings = settings_for(data)
-    report = node.check(settings, tmp_path / "scratch.db")
+    report = maintenance.check(settings, tmp_path / "scratch.db")
     assert report.clean, report.differences + report.bad_signatures
     checked = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data)],
                              capture_output=True, text=True, timeout=120)
@@ -425,14 +425,14 @@ def test_a_run_that_stopped_half_way_finishes_on_the_next(
     groups, claimed = truth_state(data, uid)
     assert groups == groups_whole
     assert claimed == claims_whole
-    assert node.check(settings_for(data), tmp_path / "scratch.db").clean
+    assert maintenance.check(settings_for(data), tmp_path / "scratch.db").clean
 
 
 def test_a_cid_the_node_grouped_already_merges_and_the_old_rid_survives(
         redis_url: str, seeded: Seeded, tmp_path: Path) -> None:
     data = tmp_path / "data"
     settings = settings_for(data)
-    node.open_store(settings)
+    maintenance.open_store(settings)
     ma = cids.midhash_bytes(b"matrix")
     conn = db.connect(settings.truth_path)
     try:  # the watcher saw the file before the migration: a fresh (younger) rid
@@ -450,7 +450,7 @@ def test_a_cid_the_node_grouped_already_merges_and_the_old_rid_survives(
         assert truth.rid_info(conn, fresh) == truth.RidInfo(fresh, "merged", seeded.rids["A"])
     finally:
         conn.close()
-    assert node.check(settings, tmp_path / "scratch.db").clean
+    assert maintenance.check(settings, tmp_path / "scratch.db").clean
 
 
 def test_the_legacy_key_is_found_again_and_a_blocked_one_stops_the_run(
@@ -484,7 +484,7 @@ def test_redis_unreachable_is_a_clear_error(tmp_path: Path,
 
 def test_adopt_group_txn_keeps_the_rid_and_links_like_a_vote(tmp_path: Path) -> None:
     settings = settings_for(tmp_path / "data")
-    node.open_store(settings)
+    maintenance.open_store(settings)
     minter = rids.Minter()
     old, never_adopted, old2 = minter.mint(), minter.mint(), minter.mint()
     a, b, c = (cids.midhash_bytes(x) for x in (b"a", b"b", b"c"))

@@ -61,13 +61,13 @@ def breakdown(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim], batc
     does), `truth.ingest_txn` (the truth writer thread) and `cache.apply_txn` (the cache writer
     thread), each as its own transaction, as the server commits them.
     """
-    from metanode import cache, config, db, node, rid, truth
+    from metanode import cache, config, db, maintenance, rid, truth
 
     wires = [c.wire() for c in signed]
     spent = {"validate": 0.0, "truth.ingest_txn": 0.0, "cache.apply_txn": 0.0}
     with tempfile.TemporaryDirectory(prefix="metanode-bench-") as tmp:
         settings = config.load(env={}, overrides={"data_dir": Path(tmp)})
-        node.open_store(settings)
+        maintenance.open_store(settings)
         truth_conn = db.connect(settings.truth_path)
         cache_conn = db.connect(settings.cache_path)
         source = db.connect(settings.truth_path, readonly=True)
