@@ -345,7 +345,6 @@ def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
     claimed: list[tuple[str, str]] = []  # (cid, key) whose merged value may have changed
     regrouped: list[str] = []  # rids whose group keys may have changed
     survived: list[str] = []  # rids that took in a merged group
-    local: list[str] = []  # midhashes whose local keys may have changed
     for change in changes:
         if change.kind == "claim":
             claimed.append((change.cid or "", change.key or ""))
@@ -356,9 +355,7 @@ def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
             survived.append(change.survivor or "")
         elif change.kind == "signer":
             claimed += truth.signer_cid_keys(source, change.uid or "")
-        elif change.kind == "local":
-            local.append(change.cid or "")
-    groups = truth.groups_of(source, [cid for cid, _ in claimed] + local)
+    groups = truth.groups_of(source, [cid for cid, _ in claimed])
     survivors = truth.survivors(source, regrouped + survived)
     for cid, key in claimed:
         if cid in groups and not key.startswith("cids/"):
@@ -367,9 +364,6 @@ def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
         result.scope(survivors[rid]).group = True
     for rid in survived:
         result.scope(survivors[rid]).whole = True
-    for cid in local:
-        if cid in groups:
-            result.scope(groups[cid]).group = True
     return result
 
 

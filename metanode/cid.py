@@ -47,7 +47,6 @@ BITTORRENT = frozenset({BTIH_V1_FILE, BTIH_V2_FILE, BTIH_V2})
 DIGESTS = frozenset({SHA2_256, SHA3_256, SHA3_384})
 
 MIDHASH_SAMPLE = 1 << 20
-MIDHASH_PREFIX = "bagacbabae"
 
 
 def _midhash_of_bytes(data: bytes, size: int | None = None) -> bytes:
@@ -295,11 +294,6 @@ def rank(text: str) -> int:
 def sort_key(text: str) -> tuple[int, str]:
     """Sort key that puts the best CID first: higher rank, then the smaller string."""
     return (-rank(text), text)
-
-
-def better(a: str, b: str) -> str:
-    """The better of two CIDs by rank; a tie goes to the lexicographically smaller string."""
-    return min(a, b, key=sort_key)
 
 
 def by_rank(cids: Iterable[str]) -> list[str]:

@@ -60,7 +60,6 @@ class Node:
         self.policy = truth.Policy(settings.accept_unknown_signers)
         self.minter = rids.Minter(clock)
         self.token = ""
-        self.token_created = False
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=os.cpu_count() or 2, thread_name_prefix="verify")
         self.metrics = Metrics(self._gauges)
@@ -70,7 +69,7 @@ class Node:
 
     async def start(self) -> None:
         maintenance.open_store(self.settings)
-        self.token, self.token_created = maintenance.ensure_token(self.settings.token_path)
+        self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.truth_writer = db.Writer(self.settings.truth_path, "truth")
         self.cache_writer = db.Writer(self.settings.cache_path, "cache")
         self.truth_reader = db.connect(self.settings.truth_path, readonly=True)

@@ -61,10 +61,6 @@ def from_uuid(value: uuid.UUID | str) -> str:
     return encode(uuid.UUID(str(value)).int)
 
 
-def to_uuid(text: str) -> uuid.UUID:
-    return uuid.UUID(int=decode(text))
-
-
 def _compose(ms: int, counter: int) -> int:
     rand_a = counter >> 62
     rand_b = counter & ((1 << 62) - 1)

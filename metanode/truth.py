@@ -34,6 +34,9 @@ from metanode.rid import Minter
 from metanode.rid import decode as decode_rid
 from metanode.rid import parse as parse_rid
 
+# Schema v1 as existing truth.db files hold it. The outbox kind 'local' in its CHECK is never
+# written (the watcher's changes go straight to the cache, `cache.local_txn`); a CHECK cannot be
+# dropped from an existing table, so it stays, unused.
 SCHEMA_V1 = """
 CREATE TABLE signers (
     uid TEXT PRIMARY KEY NOT NULL,
