@@ -47,6 +47,7 @@ BITTORRENT = frozenset({BTIH_V1_FILE, BTIH_V2_FILE, BTIH_V2})
 DIGESTS = frozenset({SHA2_256, SHA3_256, SHA3_384})
 
 MIDHASH_SAMPLE = 1 << 20
+MIDHASH_PREFIX = "bagacbabae"
 
 
 def _midhash_of_bytes(data: bytes, size: int | None = None) -> bytes:
