@@ -52,7 +52,8 @@ class Signer:
 def merge_key(votes: Iterable[Claim], signers: Mapping[str, Signer]) -> str | None:
     """The merged value of one key from every claim on it across a group's CIDs (None: no value).
 
-    1. live votes only: non-null values from signers that are not blocked;
+    1. live votes only: non-null values from signers that are not blocked and weigh above 0
+       (a weight-0 signer's claims are stored and listed, never counted);
     2. one signer counts once: its newest vote;
     3. a value scores the sum of its voters' weights; highest wins, then the value whose newest
        vote is newest, then the smaller string.
@@ -61,7 +62,8 @@ def merge_key(votes: Iterable[Claim], signers: Mapping[str, Signer]) -> str | No
     """
     per_signer: dict[str, Claim] = {}
     for vote in votes:
-        if vote.value is None or signers.get(vote.uid, Signer()).blocked:
+        signer = signers.get(vote.uid, Signer())
+        if vote.value is None or signer.blocked or signer.weight <= 0:
             continue
         held = per_signer.get(vote.uid)
         per_signer[vote.uid] = vote if held is None else _newest(held, vote)
@@ -95,8 +97,10 @@ def seen_by(record: Mapping[str, str], votes: Iterable[Claim], signers: Mapping[
     """The merged `record` as `viewer` sees it with `?as=<uid>` (SPEC §2.5 rule 4): a key on
     which the viewer has a live vote takes that vote's value (their newest, as rule 2 picks it;
     none if they are blocked). `votes` may be the group's or only the viewer's: the node reads
-    just the viewer's, and the merged record comes from the cache."""
-    own = merge_record([vote for vote in votes if vote.uid == viewer], signers)
+    just the viewer's, and the merged record comes from the cache. The viewer's weight does not
+    matter here: a weight-0 signer asking for its own view sees its own votes."""
+    own = merge_record([vote for vote in votes if vote.uid == viewer],
+                       {viewer: Signer(weight=1, blocked=signers.get(viewer, Signer()).blocked)})
     return {**record, **own}
 
 

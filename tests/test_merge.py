@@ -164,6 +164,14 @@ def test_blocked_signers_are_ignored() -> None:
     assert merge_key([vote(KC, "y", TS)], {C: Signer(blocked=True)}) is None
 
 
+def test_weight_zero_signers_are_listed_never_counted() -> None:
+    """SPEC §2.5 rule 1: a vote needs a weight above 0, even when it is the only value."""
+    assert merge_key([vote(KA, "zero", TS + 5)], {A: Signer(weight=0)}) is None
+    votes = [vote(KA, "zero", TS + 5), vote(KB, "one", TS)]
+    assert merge_key(votes, {A: Signer(weight=0)}) == "one"  # not the newest-vote tie-break
+    assert merge_record(votes, {A: Signer(weight=0), B: Signer(weight=0)}) == {}
+
+
 def test_one_signer_counts_once_across_the_group() -> None:
     # A voted "x" through two CIDs long ago, then "y" through a third; only "y" counts for A.
     votes = [
@@ -216,6 +224,13 @@ def test_viewer_without_a_live_vote_gets_the_merge() -> None:
     assert seen(votes, {}, A)["title"] == "x"
     blocked = [vote(KA, "mine", TS), vote(KB, "x", TS)]
     assert seen(blocked, {A: Signer(blocked=True)}, A)["title"] == "x"
+
+
+def test_a_weight_zero_viewer_sees_their_own_vote() -> None:
+    """A weight-0 signer counts in no one's record, yet `?as=` shows it its own vote."""
+    votes = [vote(KA, "mine", TS), vote(KB, "x", TS)]
+    assert seen(votes, {A: Signer(weight=0)}, A)["title"] == "mine"
+    assert merge_record(votes, {A: Signer(weight=0)})["title"] == "x"
 
 
 def test_viewer_votes_alone_give_the_same_view() -> None:
