@@ -548,13 +548,28 @@ def test_an_existing_cache_gains_the_file_feed_table(tmp_path: Path) -> None:
 # -- the streams' logic, in-process (the generator itself, no HTTP) ------------------------------
 
 
-async def take(node: Node, kind: type[compat._Follow], cursor: str | None, n: int
+async def take(node: Node, kind: type[compat._Follow[Any]], cursor: str | None, n: int
                ) -> list[ServerSentEvent]:
+    """The first `n` events (a comment counts) of a stream, from its chunks of whole frames."""
     stream = kind(node, sse.parse_cursor(cursor)).stream()
+    events: list[ServerSentEvent] = []
     try:
-        return [await asyncio.wait_for(anext(stream), WAIT_S) for _ in range(n)]
+        while len(events) < n:
+            events += parse_chunk(await asyncio.wait_for(anext(stream), WAIT_S))
+        return events[:n]
     finally:
         await stream.aclose()
+
+
+def parse_chunk(chunk: bytes) -> list[ServerSentEvent]:
+    """Whole SSE frames (each field on one line, as the streams send them) as events."""
+    events = []
+    for frame in chunk.decode().split("\n\n"):
+        if frame:
+            fields = dict(line.split(": ", 1) for line in frame.split("\n"))
+            events.append(ServerSentEvent(data=fields.get("data"), event=fields.get("event"),
+                                          id=fields.get("id"), comment=fields.get("")))
+    return events
 
 
 def data(event: ServerSentEvent) -> Any:
