@@ -6,12 +6,14 @@ family, two SSE streams (`/api/events/meta`, `/api/events/files`), the content r
 ordinary machinery, adding no state of its own but the legacy writer's key and the cache's
 `file_feed` table:
 
-* reads come from the cache: the merged records, `local_file`, `feed` and `file_feed`;
+* reads come from the cache (the merged records, `local_file`, `feed` and `file_feed`) and the
+  truth, always through `Node`'s typed methods: this module holds no connection and no SQL;
 * writes cannot be signed by their senders, so the node signs them with its own "legacy writer"
   key and ingests them through `Node.ingest_wire`, exactly as `POST /api/claims` would: they are
   votes that merge with every other signer's, not overwrites;
-* the streams resume from `<epoch>-<seq>` cursors like `GET /api/events`; a cursor they cannot
-  resume from gets a `gap` event and then the full current state.
+* the streams resume from `<epoch>-<seq>` cursors by `GET /api/events`' rule and from its
+  shared readers (`feed.Hub`), framed their own way; a cursor they cannot resume from gets a
+  `gap` event and then the full current state.
 """
 
 from __future__ import annotations
@@ -468,6 +470,8 @@ class _Follow(Generic[R]):
                 await self.feed.wait(self.position, self.epoch, left)
 
     async def _gap_and_state(self, requested: str, reason: str) -> AsyncGenerator[bytes, None]:
+        """`gap` and the full state, a page of the snapshot per chunk; each page's last event is
+        held back until the next page shows whether it is the last of all (it carries the id)."""
         reading = self.feed.snapshot()
         try:
             epoch, head = reading.state.epoch, self.feed.hub.table.head(reading.state)
