@@ -91,6 +91,11 @@ class Applier:
         return await self._until(
             lambda: self.state.feed_seq > position or self.state.epoch != epoch, timeout)
 
+    async def wait_files(self, position: int, epoch: int, timeout: float) -> bool:
+        """`wait_feed` for the file events (`file_feed`)."""
+        return await self._until(
+            lambda: self.state.file_feed_seq > position or self.state.epoch != epoch, timeout)
+
     async def _run(self) -> None:
         await self._build_if_needed()
         backoff = 0.1
@@ -124,8 +129,9 @@ class Applier:
     async def _publish(self, state: cache.State) -> None:
         """Make a committed cache state visible; never step back (two transactions' answers may
         arrive out of order)."""
-        mark = (state.epoch, state.feed_seq, state.applied_seq)
-        if mark > (self.state.epoch, self.state.feed_seq, self.state.applied_seq):
+        mark = (state.epoch, state.feed_seq, state.applied_seq, state.file_feed_seq)
+        if mark > (self.state.epoch, self.state.feed_seq, self.state.applied_seq,
+                   self.state.file_feed_seq):
             self.state = state
         self.progressed = time.monotonic()
         published, self._published = self._published, asyncio.Event()

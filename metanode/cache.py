@@ -121,11 +121,13 @@ class State:
     epoch: int  # 0: never built
     applied_seq: int
     feed_seq: int
+    file_feed_seq: int  # the head of `file_feed` (MetaMesh's file events), on its own counter
 
 
 def read_state(conn: sqlite3.Connection) -> State:
     values = dict(conn.execute("SELECT name, value FROM state").fetchall())
-    return State(values.get("epoch", 0), values.get("applied_seq", 0), values.get("feed_seq", 0))
+    return State(values.get("epoch", 0), values.get("applied_seq", 0), values.get("feed_seq", 0),
+                 values.get(FILE_FEED_SEQ, 0))
 
 
 def _set_state(conn: sqlite3.Connection, **values: int) -> None:
@@ -396,7 +398,7 @@ def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
         events += refresh_all(cache, source, work.scopes, signers)
     last = _append_feed(cache, state, events, clock())
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
-    return State(state.epoch, changes[-1].seq, last)
+    return State(state.epoch, changes[-1].seq, last, state.file_feed_seq)
 
 
 def prune_feed_txn(cache: sqlite3.Connection, keep_events: int, older_than_ms: int) -> int:
@@ -430,7 +432,8 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
         signers = truth.merge_signers(source)
         for chunk in _chunks(truth.active_rids(source)):
             refresh(cache, source, dict.fromkeys(chunk, whole), signers)
-    state = State(epoch=max(clock(), old.epoch + 1), applied_seq=seq, feed_seq=0)
+    state = State(epoch=max(clock(), old.epoch + 1), applied_seq=seq, feed_seq=0,
+                  file_feed_seq=old.file_feed_seq)
     _set_state(cache, epoch=state.epoch, applied_seq=state.applied_seq, feed_seq=0)
     return state
 
@@ -483,8 +486,8 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
     at = clock()
     last = _append_feed(cache, state, events, at)
     _set_state(cache, feed_seq=last)
-    _append_file_feed(cache, file_events(removed, written), at)
-    return State(state.epoch, state.applied_seq, last)
+    files = _append_file_feed(cache, state.file_feed_seq, file_events(removed, written), at)
+    return State(state.epoch, state.applied_seq, last, files)
 
 
 def local_stats(conn: sqlite3.Connection, under: Iterable[str]) -> dict[str, tuple[int, int]]:
@@ -568,22 +571,91 @@ def file_feed_head(conn: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def _append_file_feed(cache: sqlite3.Connection, events: Sequence[FileEvent], at: int) -> None:
+def _append_file_feed(cache: sqlite3.Connection, head: int, events: Sequence[FileEvent],
+                      at: int) -> int:
+    """File events on consecutive seqs after `head`; returns the new head."""
     if not events:
-        return
-    head = file_feed_head(cache)
+        return head
     cache.executemany(
         "INSERT INTO file_feed (seq, op, path, old_path, size, midhash, at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?)",
         [(head + i, e.op, e.path, e.old_path, e.size, e.midhash, at)
          for i, e in enumerate(events, 1)])
     _set_state(cache, **{FILE_FEED_SEQ: head + len(events)})
+    return head + len(events)
 
 
 def _prune_file_feed(cache: sqlite3.Connection, keep_events: int, older_than_ms: int) -> int:
     """The feed's retention, applied to the file events (the counter is kept: no seq reuse)."""
     return cache.execute("DELETE FROM file_feed WHERE seq <= ? OR at < ?",
                          (file_feed_head(cache) - keep_events, older_than_ms)).rowcount
+
+
+# -- reading the two event tables (feed.Hub pages them, feed.Reading snapshots) ------------------
+
+
+class FeedRow(NamedTuple):
+    """A `feed` row: framed by `GET /api/events` and by MetaMesh's meta stream, each its own way."""
+
+    seq: int
+    rid: str
+    op: str
+    key: str
+    value: str | None
+    at: int
+
+
+class FileFeedRow(NamedTuple):
+    """A `file_feed` row (MetaMesh's file events)."""
+
+    seq: int
+    op: str
+    path: str
+    old_path: str | None
+    size: int
+    midhash: str
+    at: int
+
+
+def feed_rows(conn: sqlite3.Connection, after: int, upto: int) -> list[FeedRow]:
+    """The feed rows with seqs in (after, upto], in order."""
+    return list(map(FeedRow._make, conn.execute(
+        "SELECT seq, rid, op, key, value, at FROM feed WHERE seq > ? AND seq <= ? ORDER BY seq",
+        (after, upto))))
+
+
+def file_feed_rows(conn: sqlite3.Connection, after: int, upto: int) -> list[FileFeedRow]:
+    """The file events with seqs in (after, upto], in order."""
+    return list(map(FileFeedRow._make, conn.execute(
+        "SELECT seq, op, path, old_path, size, midhash, at FROM file_feed "
+        "WHERE seq > ? AND seq <= ? ORDER BY seq", (after, upto))))
+
+
+def oldest_feed_seq(conn: sqlite3.Connection) -> int | None:
+    """The oldest feed seq still stored (retention prunes from the front); None if empty."""
+    value: int | None = conn.execute("SELECT min(seq) FROM feed").fetchone()[0]
+    return value
+
+
+def oldest_file_feed_seq(conn: sqlite3.Connection) -> int | None:
+    value: int | None = conn.execute("SELECT min(seq) FROM file_feed").fetchone()[0]
+    return value
+
+
+def records_in_order(conn: sqlite3.Connection, rids: Iterable[str] = ()) -> sqlite3.Cursor:
+    """(rid, key, value) of every record (only of `rids`, if any) by rid and key: an open
+    cursor, for a snapshot to fetch a page at a time."""
+    wanted = sorted(rids)
+    if wanted:
+        return conn.execute(
+            "SELECT rid, key, value FROM records WHERE rid IN "
+            f"({','.join('?' * len(wanted))}) ORDER BY rid, key", wanted)
+    return conn.execute("SELECT rid, key, value FROM records ORDER BY rid, key")
+
+
+def local_files_in_order(conn: sqlite3.Connection) -> sqlite3.Cursor:
+    """(path, midhash, size) of every local file by path: an open cursor, as above."""
+    return conn.execute("SELECT path, midhash, size FROM local_file ORDER BY path")
 
 
 # -- plugin runs --------------------------------------------------------------------------------
@@ -729,6 +801,26 @@ def document(group: Group, asked: str | None,
     if asked is None:
         ranked["cid"] = ranked["canonical_cid"]
     return ranked
+
+
+def all_rids(conn: sqlite3.Connection) -> list[str]:
+    """Every record's rid, in order, in one list (MetaMesh's unpaginated `GET /meta`)."""
+    return [r[0] for r in conn.execute("SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
+
+
+def record_value(conn: sqlite3.Connection, rid: str, key: str) -> str | None:
+    row = conn.execute("SELECT value FROM records WHERE rid = ? AND key = ?",
+                       (rid, key)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def local_copies(conn: sqlite3.Connection, rid: str) -> tuple[list[merge.LocalFile], str | None]:
+    """The local files of group `rid` by path, and its record's `mimeType` (None if it has
+    none), read in one snapshot."""
+    with snapshot(conn):
+        files = local_files(conn, group_cids(conn, rid))
+        mime = record_value(conn, rid, "mimeType")
+    return sorted(files, key=lambda f: f.path), mime
 
 
 def hash_ids(conn: sqlite3.Connection, after: str, limit: int) -> list[str]:

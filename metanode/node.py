@@ -77,6 +77,8 @@ class Node:
         self.applier = Applier(self.cache_writer, self.settings.truth_path,
                                self.settings.apply_poll_s, self.clock)
         self.feed_hub = feed.Hub(self.cache_reader, lambda: self.applier.state)
+        self.file_hub = feed.Hub(self.cache_reader, lambda: self.applier.state,
+                                 table=feed.FILE_FEED)
         self.applier.start()
         self._pruner = asyncio.create_task(self._retention(), name="retention")
         self.plugin_host: plugins.Host | None = None
@@ -188,9 +190,24 @@ class Node:
             self.feed_hub, self.settings.cache_path, lambda: self.applier.state,
             self.applier.wait_feed, sse.parse_cursor(cursor), snapshot, where,
             self.settings.feed_keep_alive_s)
-        return self._counted(subscription.stream())
+        return self.counted(subscription.stream())
 
-    async def _counted(self, stream: AsyncGenerator[bytes, None]) -> AsyncIterator[bytes]:
+    def meta_feed(self) -> feed.Feed[feed.FeedRow]:
+        """The feed table for streams of their own format (MetaMesh's `/api/events/meta`):
+        the shared hub, and a snapshot of every record."""
+        return feed.Feed(self.feed_hub, lambda: self.applier.state, self.applier.wait_feed,
+                         lambda: feed.Reading(self.settings.cache_path, cache.records_in_order),
+                         self.settings.feed_keep_alive_s)
+
+    def files_feed(self) -> feed.Feed[feed.FileFeedRow]:
+        """The file events (MetaMesh's `/api/events/files`): their shared hub, and a snapshot
+        of every local file."""
+        return feed.Feed(self.file_hub, lambda: self.applier.state, self.applier.wait_files,
+                         lambda: feed.Reading(self.settings.cache_path,
+                                              cache.local_files_in_order),
+                         self.settings.feed_keep_alive_s)
+
+    async def counted(self, stream: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """The stream, counted in `subscribers` while it is open; closed with this wrapper, so
         a client that leaves releases what the stream holds at once, not at garbage collection."""
         self.subscribers += 1
@@ -266,8 +283,7 @@ class Node:
 
     async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> dict[str, Any]:
         claims.public_key(uid)
-        row = await self.truth_writer.run(truth.add_signer_txn, uid, name, weight, may_link,
-                                          self.clock())
+        row = await self.register_signer(uid, name, weight, may_link)
         await self._settled()
         return row.as_json()
 
@@ -279,6 +295,19 @@ class Node:
 
     def signers(self) -> list[dict[str, Any]]:
         return [row.as_json() for row in truth.signers(self.truth_reader)]
+
+    async def register_signer(self, uid: str, name: str, weight: int,
+                              may_link: bool) -> truth.SignerRow:
+        """Register (or re-weigh) a signer the node itself holds the key of, without waiting
+        for the cache; the applier is woken, as a new weight re-merges what it signed."""
+        row = await self.truth_writer.run(truth.add_signer_txn, uid, name, weight, may_link,
+                                          self.clock())
+        self.applier.wake()
+        return row
+
+    def newest_ts(self, uid: str) -> int:
+        """The newest ts of any claim stored from `uid` (0: none)."""
+        return truth.newest_ts(self.truth_reader, uid)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -355,6 +384,39 @@ class Node:
 
     def metadata_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
         return self.group_claims(self.active_rid(text), key, uid)
+
+    # the MetaMesh routes' reads (compat.py): by rid, of the cache unless it says the truth
+
+    def list_rids(self) -> list[str]:
+        """Every record's rid, in order, unpaginated."""
+        return cache.all_rids(self.cache_reader)
+
+    def record_rows(self, rid: str) -> dict[str, str]:
+        """The merged record of `rid` (empty if the cache does not hold it yet)."""
+        return cache.record_rows(self.cache_reader, rid)  # one statement: one snapshot
+
+    def record_value(self, rid: str, key: str) -> str | None:
+        return cache.record_value(self.cache_reader, rid, key)
+
+    def local_copies(self, rid: str) -> tuple[list[merge.LocalFile], str | None]:
+        """The local files holding group `rid`'s content by path, and its `mimeType`."""
+        return cache.local_copies(self.cache_reader, rid)
+
+    def group_of(self, cid: str) -> str | None:
+        """The truth's group of this exact CID spelling, or None."""
+        return truth.group_of(self.truth_reader, cid)
+
+    def group_cids(self, rid: str) -> list[str]:
+        """The CIDs of group `rid`, as the truth holds them."""
+        return truth.group_cids(self.truth_reader, rid)
+
+    def survivor(self, rid: str) -> str:
+        """The active rid `rid` is now part of (itself if active)."""
+        return truth.survivor(self.truth_reader, rid)
+
+    def live_claims(self, rid: str, keys: list[str], uid: str) -> list[claims.Claim]:
+        """`uid`'s live claims on `keys` over every CID of group `rid`."""
+        return truth.group_claims(self.truth_reader, rid, keys=keys, uid=uid)
 
     def hash_ids(self, after: str | None, limit: int) -> dict[str, Any]:
         self.require_ready()

@@ -186,6 +186,12 @@ def rid_info(conn: sqlite3.Connection, rid: str) -> RidInfo | None:
     return RidInfo(*row) if row else None
 
 
+def newest_ts(conn: sqlite3.Connection, uid: str) -> int:
+    """The newest ts of any claim stored from `uid` (0: none), so its next claim can be newer."""
+    return int(conn.execute("SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()[0]
+               or 0)
+
+
 def survivor(conn: sqlite3.Connection, rid: str) -> str:
     """The active rid that `rid` is now part of (itself if active)."""
     info = rid_info(conn, rid)
