@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metanode import compat, logs, sse
+from metanode import compat, logs, merge, sse
 from metanode.bodies import ascii_number, read_json, refuse_unknown
 from metanode.claims import utf8_size
 from metanode.errors import (
@@ -191,12 +191,13 @@ def _signer_body(body: Any) -> tuple[str, str, int, bool]:
     if not isinstance(body, dict) or not isinstance(body.get("uid"), str):
         raise InvalidRequest('the body must be {"uid": "z6Mk…", "name", "weight", "may_link"}')
     refuse_unknown(body, SIGNER_MEMBERS)
-    name, weight = body.get("name", ""), body.get("weight", 1)
+    name, weight = body.get("name", ""), body.get("weight", merge.DEFAULT_WEIGHT)
     may_link = body.get("may_link", False)
     if not isinstance(name, str) or utf8_size(name) is None:
         raise InvalidRequest("name must be a string of valid Unicode")
-    if not isinstance(weight, int) or isinstance(weight, bool) or not 0 <= weight <= 1_000_000:
-        raise InvalidRequest("weight must be an integer from 0 to 1000000")
+    if (not isinstance(weight, int) or isinstance(weight, bool)
+            or not 0 <= weight <= merge.MAX_WEIGHT):
+        raise InvalidRequest(f"weight must be an integer from 0 to {merge.MAX_WEIGHT}")
     if not isinstance(may_link, bool):
         raise InvalidRequest("may_link must be true or false")
     return body["uid"], name, weight, may_link

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from metanode import merge, truth
 from metanode.claims import Claim
+from metanode.clock import Clock, now_ms
 from metanode.db import Migration, executescript_in_txn, snapshot
 
 SCHEMA_V1 = """
@@ -113,10 +113,6 @@ MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4)
 LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 
 
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 # -- state --------------------------------------------------------------------------------------
 
 
@@ -125,11 +121,13 @@ class State:
     epoch: int  # 0: never built
     applied_seq: int
     feed_seq: int
+    file_feed_seq: int  # the head of `file_feed` (MetaMesh's file events), on its own counter
 
 
 def read_state(conn: sqlite3.Connection) -> State:
     values = dict(conn.execute("SELECT name, value FROM state").fetchall())
-    return State(values.get("epoch", 0), values.get("applied_seq", 0), values.get("feed_seq", 0))
+    return State(values.get("epoch", 0), values.get("applied_seq", 0), values.get("feed_seq", 0),
+                 values.get(FILE_FEED_SEQ, 0))
 
 
 def _set_state(conn: sqlite3.Connection, **values: int) -> None:
@@ -155,6 +153,25 @@ def local_files(conn: sqlite3.Connection, cids: Iterable[str]) -> list[merge.Loc
         "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
         f"WHERE midhash IN ({','.join('?' * len(wanted))})", wanted)
     return [merge.LocalFile(*row) for row in rows]
+
+
+def all_local_files(conn: sqlite3.Connection) -> list[merge.LocalFile]:
+    """Every local_file row: what `check` copies into its fresh rebuild (facts about the disk,
+    not derived from the truth)."""
+    return [merge.LocalFile(*row) for row in conn.execute(
+        "SELECT path, midhash, size, mtime_ns, ino FROM local_file")]
+
+
+def put_local_files(cache: sqlite3.Connection, files: Iterable[merge.LocalFile]) -> None:
+    """Insert local_file rows as they are (into an empty cache: `check`'s fresh rebuild)."""
+    cache.executemany("INSERT INTO local_file (path, midhash, size, mtime_ns, ino) "
+                      "VALUES (?, ?, ?, ?, ?)",
+                      [(f.path, f.midhash, f.size, f.mtime_ns, f.ino) for f in files])
+
+
+def local_file_count(conn: sqlite3.Connection) -> int:
+    """How many local files the cache holds (the /metrics `watcher_files` gauge)."""
+    return int(conn.execute("SELECT count(*) FROM local_file").fetchone()[0])
 
 
 def local_files_of(conn: sqlite3.Connection,
@@ -330,7 +347,6 @@ def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
     claimed: list[tuple[str, str]] = []  # (cid, key) whose merged value may have changed
     regrouped: list[str] = []  # rids whose group keys may have changed
     survived: list[str] = []  # rids that took in a merged group
-    local: list[str] = []  # midhashes whose local keys may have changed
     for change in changes:
         if change.kind == "claim":
             claimed.append((change.cid or "", change.key or ""))
@@ -341,9 +357,7 @@ def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
             survived.append(change.survivor or "")
         elif change.kind == "signer":
             claimed += truth.signer_cid_keys(source, change.uid or "")
-        elif change.kind == "local":
-            local.append(change.cid or "")
-    groups = truth.groups_of(source, [cid for cid, _ in claimed] + local)
+    groups = truth.groups_of(source, [cid for cid, _ in claimed])
     survivors = truth.survivors(source, regrouped + survived)
     for cid, key in claimed:
         if cid in groups and not key.startswith("cids/"):
@@ -352,22 +366,21 @@ def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
         result.scope(survivors[rid]).group = True
     for rid in survived:
         result.scope(survivors[rid]).whole = True
-    for cid in local:
-        if cid in groups:
-            result.scope(groups[cid]).group = True
     return result
 
 
-def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event]) -> int:
-    """Feed rows on consecutive seqs from the stored counter; returns the new counter."""
-    at = _now_ms()
+def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event],
+                 at: int) -> int:
+    """Feed rows on consecutive seqs from the stored counter, stamped `at`; returns the new
+    counter."""
     cache.executemany(
         "INSERT INTO feed (seq, rid, op, key, value, at) VALUES (?, ?, ?, ?, ?, ?)",
         [(state.feed_seq + i, *event, at) for i, event in enumerate(events, 1)])
     return state.feed_seq + len(events)
 
 
-def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
+def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
+              clock: Clock = now_ms) -> State:
     """Apply every outbox change after the stored seq, in one cache transaction.
 
     The truth is read in one snapshot, so the changes and the state they are recomputed from
@@ -383,9 +396,9 @@ def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
         signers = truth.merge_signers(source)
         events = [event for loser in work.losers for event in drop(cache, loser)]
         events += refresh_all(cache, source, work.scopes, signers)
-    last = _append_feed(cache, state, events)
+    last = _append_feed(cache, state, events, clock())
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
-    return State(state.epoch, changes[-1].seq, last)
+    return State(state.epoch, changes[-1].seq, last, state.file_feed_seq)
 
 
 def prune_feed_txn(cache: sqlite3.Connection, keep_events: int, older_than_ms: int) -> int:
@@ -401,7 +414,8 @@ def prune_feed_txn(cache: sqlite3.Connection, keep_events: int, older_than_ms: i
     return cursor.rowcount
 
 
-def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
+def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
+              clock: Clock = now_ms) -> State:
     """Recompute every record from the truth under a new epoch (create, rebuild, or repair).
 
     Local files are kept: they are facts about the disk, not derived from the truth. The feed
@@ -418,7 +432,8 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
         signers = truth.merge_signers(source)
         for chunk in _chunks(truth.active_rids(source)):
             refresh(cache, source, dict.fromkeys(chunk, whole), signers)
-    state = State(epoch=max(_now_ms(), old.epoch + 1), applied_seq=seq, feed_seq=0)
+    state = State(epoch=max(clock(), old.epoch + 1), applied_seq=seq, feed_seq=0,
+                  file_feed_seq=old.file_feed_seq)
     _set_state(cache, epoch=state.epoch, applied_seq=state.applied_seq, feed_seq=0)
     return state
 
@@ -427,7 +442,8 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection) -> State:
 
 
 def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
-              upserts: Sequence[merge.LocalFile], removals: Sequence[str]) -> State:
+              upserts: Sequence[merge.LocalFile], removals: Sequence[str],
+              clock: Clock = now_ms) -> State:
     """Record what the disk holds and recompute the local keys it changes, in one transaction.
 
     `removals` are paths of files or folders (every row under a folder goes). Both the old and the
@@ -467,10 +483,11 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
     with snapshot(source):
         rids = set(truth.groups_of(source, touched).values())
         events = refresh_all(cache, source, {rid: _Scope(group=True) for rid in rids}, {})
-    last = _append_feed(cache, state, events)
+    at = clock()
+    last = _append_feed(cache, state, events, at)
     _set_state(cache, feed_seq=last)
-    _append_file_feed(cache, file_events(removed, written))
-    return State(state.epoch, state.applied_seq, last)
+    files = _append_file_feed(cache, state.file_feed_seq, file_events(removed, written), at)
+    return State(state.epoch, state.applied_seq, last, files)
 
 
 def local_stats(conn: sqlite3.Connection, under: Iterable[str]) -> dict[str, tuple[int, int]]:
@@ -554,22 +571,91 @@ def file_feed_head(conn: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def _append_file_feed(cache: sqlite3.Connection, events: Sequence[FileEvent]) -> None:
+def _append_file_feed(cache: sqlite3.Connection, head: int, events: Sequence[FileEvent],
+                      at: int) -> int:
+    """File events on consecutive seqs after `head`; returns the new head."""
     if not events:
-        return
-    head, at = file_feed_head(cache), _now_ms()
+        return head
     cache.executemany(
         "INSERT INTO file_feed (seq, op, path, old_path, size, midhash, at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?)",
         [(head + i, e.op, e.path, e.old_path, e.size, e.midhash, at)
          for i, e in enumerate(events, 1)])
     _set_state(cache, **{FILE_FEED_SEQ: head + len(events)})
+    return head + len(events)
 
 
 def _prune_file_feed(cache: sqlite3.Connection, keep_events: int, older_than_ms: int) -> int:
     """The feed's retention, applied to the file events (the counter is kept: no seq reuse)."""
     return cache.execute("DELETE FROM file_feed WHERE seq <= ? OR at < ?",
                          (file_feed_head(cache) - keep_events, older_than_ms)).rowcount
+
+
+# -- reading the two event tables (feed.Hub pages them, feed.Reading snapshots) ------------------
+
+
+class FeedRow(NamedTuple):
+    """A `feed` row: framed by `GET /api/events` and by MetaMesh's meta stream, each its own way."""
+
+    seq: int
+    rid: str
+    op: str
+    key: str
+    value: str | None
+    at: int
+
+
+class FileFeedRow(NamedTuple):
+    """A `file_feed` row (MetaMesh's file events)."""
+
+    seq: int
+    op: str
+    path: str
+    old_path: str | None
+    size: int
+    midhash: str
+    at: int
+
+
+def feed_rows(conn: sqlite3.Connection, after: int, upto: int) -> list[FeedRow]:
+    """The feed rows with seqs in (after, upto], in order."""
+    return list(map(FeedRow._make, conn.execute(
+        "SELECT seq, rid, op, key, value, at FROM feed WHERE seq > ? AND seq <= ? ORDER BY seq",
+        (after, upto))))
+
+
+def file_feed_rows(conn: sqlite3.Connection, after: int, upto: int) -> list[FileFeedRow]:
+    """The file events with seqs in (after, upto], in order."""
+    return list(map(FileFeedRow._make, conn.execute(
+        "SELECT seq, op, path, old_path, size, midhash, at FROM file_feed "
+        "WHERE seq > ? AND seq <= ? ORDER BY seq", (after, upto))))
+
+
+def oldest_feed_seq(conn: sqlite3.Connection) -> int | None:
+    """The oldest feed seq still stored (retention prunes from the front); None if empty."""
+    value: int | None = conn.execute("SELECT min(seq) FROM feed").fetchone()[0]
+    return value
+
+
+def oldest_file_feed_seq(conn: sqlite3.Connection) -> int | None:
+    value: int | None = conn.execute("SELECT min(seq) FROM file_feed").fetchone()[0]
+    return value
+
+
+def records_in_order(conn: sqlite3.Connection, rids: Iterable[str] = ()) -> sqlite3.Cursor:
+    """(rid, key, value) of every record (only of `rids`, if any) by rid and key: an open
+    cursor, for a snapshot to fetch a page at a time."""
+    wanted = sorted(rids)
+    if wanted:
+        return conn.execute(
+            "SELECT rid, key, value FROM records WHERE rid IN "
+            f"({','.join('?' * len(wanted))}) ORDER BY rid, key", wanted)
+    return conn.execute("SELECT rid, key, value FROM records ORDER BY rid, key")
+
+
+def local_files_in_order(conn: sqlite3.Connection) -> sqlite3.Cursor:
+    """(path, midhash, size) of every local file by path: an open cursor, as above."""
+    return conn.execute("SELECT path, midhash, size FROM local_file ORDER BY path")
 
 
 # -- plugin runs --------------------------------------------------------------------------------
@@ -646,6 +732,11 @@ def lookup(conn: sqlite3.Connection, cid: str) -> str | None:
     return row[0] if row else None
 
 
+def record_count(conn: sqlite3.Connection) -> int:
+    """How many records the cache holds (the /metrics `records` gauge)."""
+    return int(conn.execute("SELECT count(DISTINCT rid) FROM cid_index").fetchone()[0])
+
+
 def group_cids(conn: sqlite3.Connection, rid: str) -> list[str]:
     return [r[0] for r in conn.execute("SELECT cid FROM cid_index WHERE rid = ?", (rid,))]
 
@@ -702,13 +793,34 @@ def group_by_rid(conn: sqlite3.Connection, rid: str) -> Group | None:
 
 
 def document(group: Group, asked: str | None,
-             overrides: dict[str, str] | None = None) -> dict[str, Any]:
-    """The merged document of a group, as asked for by `asked` (None: by rid)."""
-    ranked = merge.document(asked or "", group.cids, {**group.record, **(overrides or {})},
-                            group.paths)
+             record: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The merged document of a group, as asked for by `asked` (None: by rid), showing `record`
+    (default: the group's merged record; a viewer's view is `merge.seen_by` of it)."""
+    ranked = merge.document(asked or "", group.cids,
+                            group.record if record is None else record, group.paths)
     if asked is None:
         ranked["cid"] = ranked["canonical_cid"]
     return ranked
+
+
+def all_rids(conn: sqlite3.Connection) -> list[str]:
+    """Every record's rid, in order, in one list (MetaMesh's unpaginated `GET /meta`)."""
+    return [r[0] for r in conn.execute("SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
+
+
+def record_value(conn: sqlite3.Connection, rid: str, key: str) -> str | None:
+    row = conn.execute("SELECT value FROM records WHERE rid = ? AND key = ?",
+                       (rid, key)).fetchone()
+    return None if row is None else str(row[0])
+
+
+def local_copies(conn: sqlite3.Connection, rid: str) -> tuple[list[merge.LocalFile], str | None]:
+    """The local files of group `rid` by path, and its record's `mimeType` (None if it has
+    none), read in one snapshot."""
+    with snapshot(conn):
+        files = local_files(conn, group_cids(conn, rid))
+        mime = record_value(conn, rid, "mimeType")
+    return sorted(files, key=lambda f: f.path), mime
 
 
 def hash_ids(conn: sqlite3.Connection, after: str, limit: int) -> list[str]:

@@ -297,11 +297,6 @@ def sort_key(text: str) -> tuple[int, str]:
     return (-rank(text), text)
 
 
-def better(a: str, b: str) -> str:
-    """The better of two CIDs by rank; a tie goes to the lexicographically smaller string."""
-    return min(a, b, key=sort_key)
-
-
 def by_rank(cids: Iterable[str]) -> list[str]:
     """CIDs best first."""
     return sorted(cids, key=sort_key)

@@ -14,7 +14,6 @@ import signal
 import sqlite3
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import wraps
 from pathlib import Path
@@ -24,7 +23,20 @@ import click
 import httpx
 
 from metanode import cid as cids
-from metanode import claims, client, config, datadir, db, jsonl, keys, logs, node, truth, watcher
+from metanode import (
+    claims,
+    client,
+    config,
+    datadir,
+    jsonl,
+    keys,
+    logs,
+    maintenance,
+    merge,
+    node,
+    watcher,
+)
+from metanode.clock import now_ms
 from metanode.errors import InvalidBatch, InvalidRequest, MetanodeError, storage_error
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -53,10 +65,6 @@ def reports_errors(func: F) -> F:
 def _fail(exc: MetanodeError) -> NoReturn:
     click.echo(f"error: {exc.slug}: {exc.message}", err=True)
     sys.exit(2)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Metanode(click.Group):
@@ -210,8 +218,8 @@ def load_settings(config_file: str | None, **overrides: Any) -> config.Settings:
 def init(config_file: str | None, data_dir: str | None) -> None:
     """Create the data directory, both databases and the API token; print where they are."""
     settings = load_settings(config_file, data_dir=data_dir)
-    node.open_store(settings)
-    token, created = node.ensure_token(settings.token_path)
+    maintenance.open_store(settings)
+    token, created = maintenance.ensure_token(settings.token_path)
     click.echo(f"data directory: {settings.data_dir.resolve()}")
     if created:
         click.echo(f"API token (also in {settings.token_path}): {token}")
@@ -241,9 +249,9 @@ def serve(config_file: str | None, data_dir: str | None, host: str | None,
     settings = load_settings(config_file, data_dir=data_dir, host=host, port=port)
     logs.configure(settings.log_level)  # before the data directory: tightening it is logged
     datadir.Lock(settings.data_dir).acquire()  # held until the process exits
-    node.open_store(settings)
+    maintenance.open_store(settings)
     datadir.check_writable((settings.truth_path, settings.cache_path))
-    token, created = node.ensure_token(settings.token_path)
+    token, created = maintenance.ensure_token(settings.token_path)
     url = f"http://{settings.host}:{settings.port}"
     click.echo(f"metanode serving {url}  (data: {settings.data_dir.resolve()})")
     click.echo(watching(settings))
@@ -264,28 +272,19 @@ def signers() -> None:
     """Manage the signer registry (works on the data directory, server running or not)."""
 
 
-def _signer_txn(config_file: str | None, data_dir: str | None, fn: Any, *args: Any) -> Any:
-    settings = load_settings(config_file, data_dir=data_dir)
-    node.open_store(settings)
-    conn = db.connect(settings.truth_path)
-    try:
-        return db.run_txn(conn, fn, *args, now_ms())
-    finally:
-        conn.close()
-
-
 @signers.command("add")
 @click.argument("uid")
 @click.option("--name", required=True, help="A human name for the signer.")
-@click.option("--weight", type=click.IntRange(0, 1_000_000), default=1, show_default=True)
+@click.option("--weight", type=click.IntRange(0, merge.MAX_WEIGHT), default=merge.DEFAULT_WEIGHT,
+              show_default=True)
 @click.option("--may-link", is_flag=True, help="Allow its cids/ votes to link groups.")
 @settings_options
 @reports_errors
 def signers_add(uid: str, name: str, weight: int, may_link: bool, config_file: str | None,
                 data_dir: str | None) -> None:
     """Register UID (or update its name, weight and link permission)."""
-    claims.public_key(uid)
-    row = _signer_txn(config_file, data_dir, truth.add_signer_txn, uid, name, weight, may_link)
+    row = maintenance.add_signer(load_settings(config_file, data_dir=data_dir), uid, name, weight,
+                                 may_link)
     click.echo(json.dumps(row.as_json()))
 
 
@@ -294,14 +293,8 @@ def signers_add(uid: str, name: str, weight: int, may_link: bool, config_file: s
 @reports_errors
 def signers_list(config_file: str | None, data_dir: str | None) -> None:
     """Print every registered signer as one JSON line."""
-    settings = load_settings(config_file, data_dir=data_dir)
-    node.open_store(settings)
-    conn = db.connect(settings.truth_path, readonly=True)
-    try:
-        for row in truth.signers(conn):
-            click.echo(json.dumps(row.as_json()))
-    finally:
-        conn.close()
+    for row in maintenance.signers(load_settings(config_file, data_dir=data_dir)):
+        click.echo(json.dumps(row.as_json()))
 
 
 def _status_command(name: str, status: str) -> None:
@@ -310,7 +303,8 @@ def _status_command(name: str, status: str) -> None:
     @settings_options
     @reports_errors
     def command(uid: str, config_file: str | None, data_dir: str | None) -> None:
-        row = _signer_txn(config_file, data_dir, truth.set_signer_status_txn, uid, status)
+        row = maintenance.set_signer_status(load_settings(config_file, data_dir=data_dir), uid,
+                                            status)
         click.echo(json.dumps(row.as_json()))
 
     command.__doc__ = f"Set UID's status to {status}; the records it voted on are recomputed."
@@ -393,7 +387,7 @@ def get(url: str | None, cid_value: str, viewer: str | None, config_file: str | 
 @reports_errors
 def rebuild_cache(config_file: str | None, data_dir: str | None) -> None:
     """Recompute cache.db from truth.db under a new feed epoch (local files are kept)."""
-    state = node.rebuild_cache(load_settings(config_file, data_dir=data_dir))
+    state = maintenance.rebuild_cache(load_settings(config_file, data_dir=data_dir))
     click.echo(f"rebuilt: epoch {state.epoch}, applied seq {state.applied_seq}")
 
 
@@ -406,9 +400,8 @@ def check(config_file: str | None, data_dir: str | None) -> None:
     Exits 1 and prints each difference if anything disagrees.
     """
     settings = load_settings(config_file, data_dir=data_dir)
-    node.open_store(settings)
     with tempfile.TemporaryDirectory() as scratch:
-        report = node.check(settings, Path(scratch) / "cache.db")
+        report = maintenance.check(settings, Path(scratch) / "cache.db")
     for line in report.differences + [f"bad signature: {b}" for b in report.bad_signatures]:
         click.echo(line)
     click.echo(f"{report.claims_checked} claims verified; "
@@ -516,8 +509,7 @@ def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
     Restore by putting the copy back as truth.db: the cache is rebuilt from it on start.
     """
     settings = load_settings(config_file, data_dir=data_dir)
-    node.open_store(settings)
-    click.echo(node.backup(settings, Path(target)))
+    click.echo(maintenance.backup(settings, Path(target)))
 
 
 @main.command("export")
@@ -530,8 +522,7 @@ def export_command(uid: str | None, out: str, config_file: str | None,
                    data_dir: str | None) -> None:
     """Write every stored claim, retractions included, as JSON lines of wire claims."""
     settings = load_settings(config_file, data_dir=data_dir)
-    node.open_store(settings)
-    total, rows = node.export_claims(settings, uid)
+    total, rows = maintenance.export_claims(settings, uid)
     with click.open_file(out, "wb") as sink, _progress_bar() as bar:
         task = bar.add_task("claims", total=total)
         for row in rows:
@@ -572,7 +563,7 @@ def import_command(source: str, register_signers: bool, config_file: str | None,
         try:
             with _progress_bar() as bar:
                 task = bar.add_task("verifying", total=None)
-                check = node.validate_import(jsonl.read(f), settings, register_signers,
+                check = maintenance.validate_import(jsonl.read(f), settings, register_signers,
                                              lambda n: bar.advance(task, n))
         except InvalidBatch as exc:
             _list_failures(exc)
@@ -580,7 +571,7 @@ def import_command(source: str, register_signers: bool, config_file: str | None,
         f.seek(0)
         with _progress_bar() as bar:
             task = bar.add_task("importing", total=check.claims)
-            counts = node.import_claims(settings, jsonl.read(f), check, register_signers,
+            counts = maintenance.import_claims(settings, jsonl.read(f), check, register_signers,
                                         lambda n: bar.advance(task, n))
     click.echo(f"imported {check.claims} claims: {counts['accepted']} accepted, "
                f"{counts['duplicate']} duplicate, {counts['stale']} stale")

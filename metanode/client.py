@@ -28,6 +28,7 @@ import httpx
 import nacl.signing
 
 from metanode import claims
+from metanode.clock import now_ms
 from metanode.errors import NotMetanode, Unreachable
 
 
@@ -153,7 +154,7 @@ class Client:
         """A signed wire claim (ts defaults to now)."""
         if self._key is None:
             raise ValueError("this client has no signing key")
-        when = time.time_ns() // 1_000_000 if ts is None else ts
+        when = now_ms() if ts is None else ts
         return claims.sign(self._key, cid, key, value, when).wire()
 
     def post(self, batch: list[dict[str, Any]]) -> dict[str, Any]:

@@ -6,32 +6,33 @@ family, two SSE streams (`/api/events/meta`, `/api/events/files`), the content r
 ordinary machinery, adding no state of its own but the legacy writer's key and the cache's
 `file_feed` table:
 
-* reads come from the cache: the merged records, `local_file`, `feed` and `file_feed`;
+* reads come from the cache (the merged records, `local_file`, `feed` and `file_feed`) and the
+  truth, always through `Node`'s typed methods: this module holds no connection and no SQL;
 * writes cannot be signed by their senders, so the node signs them with its own "legacy writer"
   key and ingests them through `Node.ingest_wire`, exactly as `POST /api/claims` would: they are
   votes that merge with every other signer's, not overwrites;
-* the streams resume from `<epoch>-<seq>` cursors like `GET /api/events`; a cursor they cannot
-  resume from gets a `gap` event and then the full current state.
+* the streams resume from `<epoch>-<seq>` cursors by `GET /api/events`' rule and from its
+  shared readers (`feed.Hub`), framed their own way; a cursor they cannot resume from gets a
+  `gap` event and then the full current state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import mimetypes
 import os
 import socket
-import sqlite3
 import stat
 import time
 import weakref
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 import nacl.signing
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import (
     FileResponse,
@@ -44,8 +45,8 @@ from starlette.responses import RangeNotSatisfiable as Unsatisfiable
 from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
-from metanode import cache, claims, db, keys, merge, sse, truth
 from metanode import cid as cids
+from metanode import claims, feed, keys, merge, sse
 from metanode import rid as rids
 from metanode.bodies import parse_json, read_body
 from metanode.errors import (
@@ -65,18 +66,11 @@ from metanode.node import Node
 LEGACY_NAME = "legacy-writer"
 IGNORED_FIELDS = frozenset({"__fields__"})  # meta-core drops it from writes silently, so do we
 MAX_PROPERTY_BODY = 1024 * 1024  # meta-core reads a property body into a 1 MiB buffer
-PAGE = 500
-POLL_S = 0.25  # how often a files-stream subscriber looks for new file events while idle
-Events = AsyncGenerator[ServerSentEvent, None]
 
 
 class RangeNotSatisfiable(MetanodeError):
     status = 416
     slug = "range_not_satisfiable"
-
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def is_deprecated(field: str) -> bool:
@@ -136,13 +130,9 @@ class LegacyWriter:
         if self._key is None:
             key = await asyncio.to_thread(keys.load_or_create, self.path)
             uid = keys.uid_of_key(key)
-            await self.node.truth_writer.run(
-                truth.add_signer_txn, uid, LEGACY_NAME, self.node.settings.legacy_writer_weight,
-                True, _now_ms())
-            self.node.applier.wake()  # a new weight re-merges what it signed before
-            row = self.node.truth_reader.execute(
-                "SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()
-            self._key, self.uid, self._last_ts = key, uid, int(row[0] or 0)
+            await self.node.register_signer(uid, LEGACY_NAME,
+                                            self.node.settings.legacy_writer_weight, True)
+            self._key, self.uid, self._last_ts = key, uid, self.node.newest_ts(uid)
         return self._key
 
     def _target(self, text: str) -> tuple[str, str | None]:
@@ -154,12 +144,12 @@ class LegacyWriter:
         rid = _as_rid(text)
         if rid is not None:
             rid = self.node.active_rid(rid)
-            canonical = cids.canonical_cid(truth.group_cids(self.node.truth_reader, rid))
+            canonical = cids.canonical_cid(self.node.group_cids(rid))
             assert canonical is not None  # an active rid always holds a CID
             return canonical, rid
         asked = cids.normalise(text)
         for candidate in cids.spellings(asked):
-            found = truth.group_of(self.node.truth_reader, candidate)
+            found = self.node.group_of(candidate)
             if found is not None:
                 return candidate, found
         return asked, None
@@ -185,19 +175,19 @@ class LegacyWriter:
             if not fields:
                 if rid is None:
                     raise UnknownCid(f"no record holds {cid}")
-                return Written(200, truth.survivor(self.node.truth_reader, rid), 0)
+                return Written(200, self.node.survivor(rid), 0)
             drafts = [(cid, field, value or None) for field, value in fields.items()]
             retracted = [field for field, value in fields.items() if not value]
             if rid is not None and retracted:
-                drafts += [(c.cid, c.key, None) for c in truth.group_claims(
-                    self.node.truth_reader, rid, keys=retracted, uid=self.uid) if c.cid != cid]
-            ts = max(_now_ms(), self._last_ts + 1)
+                drafts += [(c.cid, c.key, None) for c in self.node.live_claims(
+                    rid, retracted, self.uid) if c.cid != cid]
+            ts = max(self.node.clock(), self._last_ts + 1)
             wire: list[object] = [claims.sign(key, c, k, v, ts).wire() for c, k, v in drafts]
             answer = await self.node.ingest_wire(wire)
             self._last_ts = ts
-        after = truth.group_of(self.node.truth_reader, cid)
+        after = self.node.group_of(cid)
         assert after is not None  # the claims were stored, so their CID is grouped
-        return Written(answer.status, truth.survivor(self.node.truth_reader, after), len(fields))
+        return Written(answer.status, self.node.survivor(after), len(fields))
 
 
 _writers: weakref.WeakKeyDictionary[Node, LegacyWriter] = weakref.WeakKeyDictionary()
@@ -255,6 +245,7 @@ def property_value(body: bytes) -> str:
 # -- local files --------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
 class Roots:
     """Paths as MetaMesh consumers see them: relative to the watch root, no leading `/`.
 
@@ -262,10 +253,13 @@ class Roots:
     A path outside every root (scanned by hand) just loses its leading `/`.
     """
 
-    def __init__(self, roots: tuple[str, ...]) -> None:
+    prefix: str
+
+    @classmethod
+    def of(cls, roots: tuple[str, ...]) -> Roots:
         resolved = [str(Path(r).resolve()) for r in roots] or ["/"]
         base = resolved[0] if len(resolved) == 1 else os.path.commonpath(resolved)
-        self.prefix = base.rstrip("/") + "/"
+        return cls(base.rstrip("/") + "/")
 
     def relative(self, path: str) -> str:
         return path[len(self.prefix):] if path.startswith(self.prefix) else path.lstrip("/")
@@ -282,15 +276,6 @@ class LocalCopy:
     fd: int
     stat: os.stat_result
     content_type: str
-
-
-def _copies(node: Node, text: str) -> tuple[list[merge.LocalFile], str | None]:
-    rid = node.resolve_cid(text)[1]
-    with db.snapshot(node.cache_reader):
-        files = cache.local_files(node.cache_reader, cache.group_cids(node.cache_reader, rid))
-        row = node.cache_reader.execute(
-            "SELECT value FROM records WHERE rid = ? AND key = 'mimeType'", (rid,)).fetchone()
-    return sorted(files, key=lambda f: f.path), row[0] if row else None
 
 
 def open_hashed(file: merge.LocalFile, roots: Sequence[str], follow_symlinks: bool) -> \
@@ -329,7 +314,7 @@ def open_hashed(file: merge.LocalFile, roots: Sequence[str], follow_symlinks: bo
 async def local_copy(node: Node, text: str) -> LocalCopy | None:
     """The first local path (by path) still holding the content this CID names, opened."""
     node.require_ready()
-    files, mime = _copies(node, text)
+    files, mime = node.local_copies(node.resolve_cid(text)[1])
     roots = [os.path.realpath(root) for root in node.settings.watch_roots]
     for file in files:
         opened = await asyncio.to_thread(open_hashed, file, roots,
@@ -376,194 +361,163 @@ def range_refused(response: FileResponse, request: Request, size: int) -> Respon
 
 # -- the two SSE streams ------------------------------------------------------------------------
 
-
-class _Follow:
-    """One client of a MetaMesh stream over a cache table of dense seqs.
-
-    Like `feed.Subscription`: resume after a retained cursor; otherwise (another epoch, pruned,
-    in the future, or `0-0`) one `gap` event and then the full current state, read in one read
-    transaction with the seq it reflects; then the live tail, with `: keep-alive` after silences.
-    The last event of a full state carries the id of that seq, so a client resuming from it
-    loses and repeats nothing; the state's other events carry no id (a client cut off halfway
-    resumes from its old cursor and gets the whole state again).
-    """
-
-    table = ""
-
-    def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
-        self.node = node
-        self.cursor = cursor
-        self.conn: sqlite3.Connection  # its own read-only connection, opened by `stream`
-        self.epoch = self.position = 0
-        self.hole: tuple[str, str] | None = None  # set by `_drain` when events were pruned
-
-    # table specifics
-    def _head(self) -> int:
-        raise NotImplementedError
-
-    def _page(self, after: int) -> list[tuple[int, str, dict[str, str]]]:
-        raise NotImplementedError
-
-    def _state(self, now: int) -> Iterator[tuple[str, dict[str, str]]]:
-        raise NotImplementedError
-
-    async def _wait(self) -> bool:
-        raise NotImplementedError
-
-    def _epoch(self) -> int:
-        return cache.read_state(self.conn).epoch
-
-    def _unusable(self, cursor: sse.Cursor) -> tuple[str, str] | None:
-        """(cursor, why) if the events after `cursor` cannot be replayed, else None."""
-        if cursor.epoch != self.epoch:
-            return cursor.text, "unknown_epoch"
-        head = self._head()
-        if cursor.seq > head:
-            return cursor.text, "future"
-        oldest = self.conn.execute(f"SELECT min(seq) FROM {self.table}").fetchone()[0]
-        if cursor.seq < (head + 1 if oldest is None else oldest) - 1:
-            return cursor.text, "retention"
-        return None
-
-    async def stream(self) -> AsyncIterator[ServerSentEvent]:
-        self.conn = db.connect(self.node.settings.cache_path, readonly=True)
-        self.node.subscribers += 1
-        try:
-            self.epoch, self.position = self._epoch(), self._head()
-            redo: tuple[str, str] | None = None  # (requested cursor, why): gap + state due
-            if self.cursor is not None:
-                redo = self._unusable(self.cursor)
-                if redo is None:
-                    self.position = self.cursor.seq
-            while True:
-                if redo is None and self._epoch() != self.epoch:
-                    redo = (sse.event_id(self.epoch, self.position), "unknown_epoch")
-                if redo is not None:
-                    # closed right here if the client goes: it holds a read transaction
-                    async with contextlib.aclosing(self._gap_and_state(*redo)) as items:
-                        async for item in items:
-                            yield item
-                    redo = None
-                async for item in self._drain():
-                    yield item
-                redo, self.hole = self.hole, None
-                if redo is None and not await self._wait():
-                    yield sse.keep_alive()
-        finally:
-            self.node.subscribers -= 1
-            self.conn.close()
-
-    async def _gap_and_state(self, requested: str, reason: str) -> Events:
-        with db.snapshot(self.conn):
-            epoch, head = self._epoch(), self._head()
-            yield sse.event("gap", {"reason": reason, "requested": requested,
-                                    "resumeFrom": sse.event_id(epoch, head)})
-            rows = self._state(_now_ms())
-            held: tuple[str, dict[str, str]] | None = None
-            while page := await db.off_loop(lambda: list(itertools.islice(rows, PAGE))):
-                for item in page:
-                    if held is not None:
-                        yield sse.event(*held)
-                    held = item
-            if held is not None:
-                yield sse.event(*held, event_id=sse.event_id(epoch, head))
-        self.epoch, self.position = epoch, head
-
-    async def _drain(self) -> Events:
-        """Every event after `position`, page by page, each page read in its own short read
-        transaction. A hole (events pruned while this client lagged) sets `hole` instead: the
-        caller sends a gap and the full state."""
-        while True:
-            with db.snapshot(self.conn):
-                epoch, head = self._epoch(), self._head()
-                rows = self._page(self.position)
-            if epoch != self.epoch:
-                return
-            if (rows and rows[0][0] != self.position + 1) or (not rows and head > self.position):
-                self.hole = (sse.event_id(self.epoch, self.position), "retention")
-                return
-            if not rows:
-                return
-            for seq, kind, data in rows:
-                self.position = seq
-                yield sse.event(kind, data, sse.event_id(self.epoch, seq))
+# The reasons of the one resume rule (`sse.resume_gap`, `feed.Hub.after`) as MetaMesh consumers
+# know them (docs/compat.md): the rule is /api/events', only a name differs.
+GAP_REASONS = {sse.UNKNOWN_EPOCH: "unknown_epoch", sse.FUTURE: "future", sse.TOO_OLD: "retention"}
+R = TypeVar("R", bound=feed.Sequenced)
+Event = tuple[str, dict[str, str]]  # (kind, data) of one frame
 
 
-class MetaFollow(_Follow):
-    """`GET /api/events/meta`: the record feed as meta-core's keyspace events,
-    `set`/`del` with `{"key": "file:<rid>/<field>", "ts": "<ms>"}` and no value."""
-
-    table = "feed"
-
-    def _head(self) -> int:
-        return cache.read_state(self.conn).feed_seq
-
-    def _page(self, after: int) -> list[tuple[int, str, dict[str, str]]]:
-        rows = self.conn.execute("SELECT seq, rid, op, key, at FROM feed WHERE seq > ? "
-                                 "ORDER BY seq LIMIT ?", (after, PAGE)).fetchall()
-        return [(seq, op, {"key": f"file:{rid}/{key}", "ts": str(at)})
-                for seq, rid, op, key, at in rows]
-
-    def _state(self, now: int) -> Iterator[tuple[str, dict[str, str]]]:
-        for rid, key in self.conn.execute("SELECT rid, key FROM records ORDER BY rid, key"):
-            yield "set", {"key": f"file:{rid}/{key}", "ts": str(now)}
-
-    async def _wait(self) -> bool:
-        return await self.node.applier.wait_feed(self.position, self.epoch,
-                                                 self.node.settings.feed_keep_alive_s)
+def _meta_data(rid: str, key: str, at: int) -> dict[str, str]:
+    return {"key": f"file:{rid}/{key}", "ts": str(at)}
 
 
-class FilesFollow(_Follow):
-    """`GET /api/events/files`: `add`/`change`/`delete`/`rename` from `file_feed`, every value a
-    string as meta-core's Redis-backed stream sends them; the full state is `reset` and then an
-    `add` for every local file."""
+def meta_frame(epoch: int, row: feed.FeedRow) -> bytes:
+    """A feed row as meta-core's keyspace event: `set`/`del`, the key and when, no value."""
+    return sse.event(row.op, _meta_data(row.rid, row.key, row.at),
+                     sse.event_id(epoch, row.seq)).encode()
 
-    table = "file_feed"
 
-    def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
-        self.roots = Roots(node.settings.watch_roots)
-        super().__init__(node, cursor)
+@dataclass(frozen=True)
+class FileFrames:
+    """The files stream's framing of `file_feed` rows, every value a string as meta-core's
+    Redis-backed stream sends them. A value (equal for equal roots), so every subscriber of a
+    node shares one set of frames per page."""
 
-    def _head(self) -> int:
-        return cache.file_feed_head(self.conn)
+    roots: Roots
 
-    def _data(self, path: str, midhash: str, size: int, at: int,
-              old_path: str | None = None) -> dict[str, str]:
+    def __call__(self, epoch: int, row: feed.FileFeedRow) -> bytes:
+        data = self.data(row.path, row.midhash, row.size, row.at, row.old_path)
+        return sse.event(row.op, data, sse.event_id(epoch, row.seq)).encode()
+
+    def data(self, path: str, midhash: str, size: int, at: int,
+             old_path: str | None = None) -> dict[str, str]:
         data = {"midhash256": midhash}
         if old_path is not None:
             data["oldPath"] = self.roots.relative(old_path)
         data.update(path=self.roots.relative(path), size=str(size), timestamp=str(at))
         return data  # keys in sorted order, as meta-core's Go maps marshal them
 
-    def _page(self, after: int) -> list[tuple[int, str, dict[str, str]]]:
-        rows = self.conn.execute(
-            "SELECT seq, op, path, old_path, size, midhash, at FROM file_feed WHERE seq > ? "
-            "ORDER BY seq LIMIT ?", (after, PAGE)).fetchall()
-        return [(seq, op, self._data(path, midhash, size, at, old_path))
-                for seq, op, path, old_path, size, midhash, at in rows]
 
-    def _state(self, now: int) -> Iterator[tuple[str, dict[str, str]]]:
-        yield "reset", {"path": "", "timestamp": str(now)}
-        for path, midhash, size in self.conn.execute(
-                "SELECT path, midhash, size FROM local_file ORDER BY path"):
-            yield "add", self._data(path, midhash, size, now)
+class _Follow(Generic[R]):
+    """One client of a MetaMesh stream over an event table, served from the table's shared hub
+    (`feed.Hub`, the same one as `/api/events` for the meta stream), framed its own way.
 
-    async def _wait(self) -> bool:
-        """Until a new file event or epoch (True) or a keep-alive's worth of silence (False).
+    Like `feed.Subscription`, by the same resume rule: resume after a retained cursor; otherwise
+    (another epoch, pruned, in the future, or `0-0`) one `gap` event and then the full current
+    state, read in one read transaction with the seq it reflects (`feed.Reading`); then the live
+    tail, with `: keep-alive` after silences. The last event of a full state carries the id of
+    that seq, so a client resuming from it loses and repeats nothing; the state's other events
+    carry no id (a client cut off halfway resumes from its old cursor and gets the whole state
+    again). Chunks of whole frames: a page of events per chunk.
+    """
 
-        File events have no waiter of their own: most come with record changes, so the record
-        feed's wake-up is the hint, and a short poll covers the rest.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.node.settings.feed_keep_alive_s
+    def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
+        self.node = node
+        self.cursor = cursor
+        self.feed = self._feed()
+        self.form = self._form()
+        self.epoch, self.position = self.feed.hub.head()
+
+    # the stream's specifics
+    def _feed(self) -> feed.Feed[R]:
+        raise NotImplementedError
+
+    def _form(self) -> feed.Form[R]:
+        raise NotImplementedError
+
+    def _state(self, rows: list[Any], now: int) -> list[Event]:
+        """The full state's events of one page of the snapshot's rows."""
+        raise NotImplementedError
+
+    def _state_start(self, now: int) -> list[Event]:
+        return []
+
+    def stream(self) -> AsyncGenerator[bytes, None]:
+        return self.node.counted(self._stream())
+
+    async def _stream(self) -> AsyncGenerator[bytes, None]:
+        redo: tuple[str, str] | None = None  # (requested cursor, why): gap + state due
+        if self.cursor is not None:
+            reason = self.feed.hub.resume(self.cursor)
+            if reason is None:
+                self.position = self.cursor.seq
+            else:
+                redo = (self.cursor.text, reason)
+        quiet_since = time.monotonic()
         while True:
-            if self._head() > self.position or self._epoch() != self.epoch:
-                return True
-            left = deadline - loop.time()
-            if left <= 0:
-                return False
-            state = self.node.applier.state
-            await self.node.applier.wait_feed(state.feed_seq, state.epoch, min(POLL_S, left))
+            if redo is not None:
+                # closed right here if the client goes: it holds a read transaction
+                async with contextlib.aclosing(self._gap_and_state(*redo)) as chunks:
+                    async for chunk in chunks:
+                        yield chunk
+                redo, quiet_since = None, time.monotonic()
+            got = self.feed.hub.after(self.epoch, self.position)
+            if isinstance(got, str):  # pruned while lagging, or the cache was rebuilt
+                redo = (sse.event_id(self.epoch, self.position), got)
+            elif got is not None:
+                self.position = got.last
+                yield got.chunk(self.form)
+                quiet_since = time.monotonic()
+            elif (left := quiet_since + self.feed.keep_alive_s - time.monotonic()) <= 0:
+                yield sse.keep_alive().encode()
+                quiet_since = time.monotonic()
+            else:
+                await self.feed.wait(self.position, self.epoch, left)
+
+    async def _gap_and_state(self, requested: str, reason: str) -> AsyncGenerator[bytes, None]:
+        """`gap` and the full state, a page of the snapshot per chunk; each page's last event is
+        held back until the next page shows whether it is the last of all (it carries the id)."""
+        reading = self.feed.snapshot()
+        try:
+            epoch, head = reading.state.epoch, self.feed.hub.table.head(reading.state)
+            now, marker = self.node.clock(), sse.event_id(epoch, head)
+            chunk = sse.event("gap", {"reason": GAP_REASONS[reason], "requested": requested,
+                                      "resumeFrom": marker}).encode()
+            held = self._state_start(now)  # the last event so far: it may be the last of all
+            while rows := await reading.rows():
+                held += self._state(rows, now)
+                chunk += b"".join(sse.event(*item).encode() for item in held[:-1])
+                held = held[-1:]
+                if chunk:
+                    yield chunk
+                chunk = b""
+            yield chunk + b"".join(sse.event(*item, event_id=marker).encode() for item in held)
+        finally:
+            reading.close()
+        self.epoch, self.position = epoch, head
+
+
+class MetaFollow(_Follow[feed.FeedRow]):
+    """`GET /api/events/meta`: the record feed as meta-core's keyspace events,
+    `set`/`del` with `{"key": "file:<rid>/<field>", "ts": "<ms>"}` and no value."""
+
+    def _feed(self) -> feed.Feed[feed.FeedRow]:
+        return self.node.meta_feed()
+
+    def _form(self) -> feed.Form[feed.FeedRow]:
+        return meta_frame
+
+    def _state(self, rows: list[Any], now: int) -> list[Event]:
+        return [("set", _meta_data(rid, key, now)) for rid, key, _ in rows]
+
+
+class FilesFollow(_Follow[feed.FileFeedRow]):
+    """`GET /api/events/files`: `add`/`change`/`delete`/`rename` from `file_feed`; the full
+    state is `reset` and then an `add` for every local file."""
+
+    def _feed(self) -> feed.Feed[feed.FileFeedRow]:
+        return self.node.files_feed()
+
+    def _form(self) -> FileFrames:
+        return FileFrames(Roots.of(self.node.settings.watch_roots))
+
+    def _state_start(self, now: int) -> list[Event]:
+        return [("reset", {"path": "", "timestamp": str(now)})]
+
+    def _state(self, rows: list[Any], now: int) -> list[Event]:
+        frames = self._form()
+        return [("add", frames.data(path, midhash, size, now)) for path, midhash, size in rows]
 
 
 # -- routes -------------------------------------------------------------------------------------
@@ -572,12 +526,11 @@ class FilesFollow(_Follow):
 def routes(node: Node) -> list[BaseRoute]:
     """The MetaMesh routes of one node (all behind the token: docs/compat.md)."""
     writer = legacy_writer(node)
-    roots = Roots(node.settings.watch_roots)
+    roots = Roots.of(node.settings.watch_roots)
 
     async def list_meta(request: Request) -> Response:
         node.require_ready()
-        found = [r[0] for r in node.cache_reader.execute(
-            "SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
+        found = node.list_rids()
         return JSONResponse({"hashIds": found, "count": len(found)})
 
     async def meta_record(request: Request) -> Response:
@@ -590,7 +543,7 @@ def routes(node: Node) -> list[BaseRoute]:
             return JSONResponse({"success": True, "hashId": done.rid, "updated": done.updated},
                                 status_code=done.status)
         rid = record_rid(node, text)
-        record = cache.record_rows(node.cache_reader, rid)  # one statement: one snapshot
+        record = node.record_rows(rid)
         if not record:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
         return JSONResponse({"hashId": rid, "metadata": dict(sorted(record.items()))})
@@ -606,13 +559,12 @@ def routes(node: Node) -> list[BaseRoute]:
             return JSONResponse({"success": True, "hashId": done.rid, "property": key},
                                 status_code=done.status)
         rid = record_rid(node, text)
-        row = node.cache_reader.execute("SELECT value FROM records WHERE rid = ? AND key = ?",
-                                        (rid, key)).fetchone()
-        if row is None or row[0] == "":
+        stored = node.record_value(rid, key)
+        if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
-        return PlainTextResponse(row[0])
+        return PlainTextResponse(stored)
 
-    def follow(request: Request, kind: type[_Follow]) -> Response:
+    def follow(request: Request, kind: type[_Follow[Any]]) -> Response:
         node.require_ready()
         cursor = sse.parse_cursor(request.headers.get("last-event-id")
                                   or request.query_params.get("since"))

@@ -85,8 +85,6 @@ class Settings:
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     log_access: bool = setting(
         False, "Log one line per HTTP request (costs about a fifth of the read rate).")
-    test_fault: str = setting(
-        "", "Test-only fault point: `crash_after_truth_commit` exits the process there.")
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65_535:

@@ -79,6 +79,20 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     return conn
 
 
+def copy_database(source: Path, copy: Path) -> str:
+    """An online copy of the database at `source` into the (existing, empty) file `copy`:
+    consistent while others write, via SQLite's backup API. Returns the copy's
+    `PRAGMA integrity_check` verdict ("ok" when it is sound)."""
+    origin = connect(source, readonly=True)
+    dest = sqlite3.connect(copy)
+    try:
+        origin.backup(dest)
+        return str(dest.execute("PRAGMA integrity_check").fetchone()[0])
+    finally:
+        dest.close()
+        origin.close()
+
+
 def run_txn(conn: sqlite3.Connection, fn: Txn[T], *args: Any) -> T:
     """Run `fn(conn, *args)` as one `BEGIN IMMEDIATE` transaction: all of it commits or none.
 

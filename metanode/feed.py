@@ -1,14 +1,17 @@
-"""The change feed (SPEC §5): one shared reader of the feed table, and one subscription per client.
+"""The change feeds (SPEC §5): one shared reader per event table, and one subscription per client.
 
-Delivery is a fan-out. The `Hub` reads each page of feed rows once, frames every event once, and
-keeps the frames of recent pages in memory; every subscriber takes the frames after its own
-position from there, as one chunk per page (one socket write, not one per event). A subscriber
-that lags reads older pages through the same hub, so a slow one only lags: it never holds up
-ingest or other subscribers, and never silently loses events. If the events it needs were pruned
-(retention) or the cache was rebuilt (new epoch), it gets one `gap` event and a snapshot of every
-current record, then `synced`, then the live tail. The snapshot is read in one read transaction
-together with the feed seq it corresponds to, so the tail starts exactly after it: nothing lost,
-nothing doubled.
+Delivery is a fan-out. A `Hub` reads each page of an event table once and keeps recent pages in
+memory; each stream format (`Form`) frames a page's rows once, the first time one of its
+subscribers asks; every subscriber takes the frames after its own position from there, as one
+chunk per page (one socket write, not one per event). Two tables are served so: `feed` (to
+`GET /api/events`, framed by `change_frame`, and to MetaMesh's `/api/events/meta`, framed its own
+way in `compat`) and `file_feed` (MetaMesh's `/api/events/files`). A subscriber that lags reads
+older pages through the same hub, so a slow one only lags: it never holds up ingest or other
+subscribers, and never silently loses events. Whether a cursor can be resumed from is one rule
+(`sse.resume_gap`, through `Hub.resume`), as is a lagging subscriber's loss (`Hub.after`). If
+the events it needs were pruned (retention) or the cache was rebuilt (new epoch), it gets one
+`gap` event and a snapshot of the current state (`Reading`: one read transaction together with
+the seq it corresponds to, so the tail starts exactly after it: nothing lost, nothing doubled).
 """
 
 from __future__ import annotations
@@ -19,60 +22,95 @@ from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from metanode import cache, db, sse
 
 PAGE = 500
 CACHE_BYTES = 16 << 20  # frames of recent pages kept for the fan-out; oldest-used pages go first
 WaitFeed = Callable[[int, int, float], Awaitable[bool]]
+FeedRow = cache.FeedRow
+FileFeedRow = cache.FileFeedRow
+
+
+class Sequenced(Protocol):
+    """A row of an event table: it has its seq."""
+
+    @property
+    def seq(self) -> int: ...
+
+
+R = TypeVar("R", bound=Sequenced)
+Form = Callable[[int, R], bytes]  # a stream format: one row of an epoch as its SSE frame
+
+
+def change_frame(epoch: int, row: FeedRow) -> bytes:
+    """A feed row as `GET /api/events` sends it (`set` with the value, `del` without)."""
+    return sse.change(epoch, row.seq, row.rid, row.op, row.key, row.value).encode()
 
 
 @dataclass(frozen=True)
-class Row:
-    """One feed event, framed once for every subscriber."""
+class Table(Generic[R]):
+    """An event table on a dense seq counter, as a `Hub` pages it."""
 
-    seq: int
-    rid: str
-    key: str
-    frame: bytes
+    rows: Callable[[sqlite3.Connection, int, int], list[R]]  # the rows with seqs in (after, upto]
+    oldest: Callable[[sqlite3.Connection], int | None]  # the oldest seq stored; None if empty
+    head: Callable[[cache.State], int]  # the newest seq ever written, in a cache state
 
 
-class Page:
-    """Feed rows with seqs in (index × PAGE, (index + 1) × PAGE]: a dense run from `first`.
+FEED: Table[FeedRow] = Table(cache.feed_rows, cache.oldest_feed_seq, lambda s: s.feed_seq)
+FILE_FEED: Table[FileFeedRow] = Table(cache.file_feed_rows, cache.oldest_file_feed_seq,
+                                      lambda s: s.file_feed_seq)
+
+
+class Page(Generic[R]):
+    """Rows of one epoch with seqs in (index × PAGE, (index + 1) × PAGE]: a dense run from `first`.
 
     Rows are only ever appended, so a `Slice` of a page stays valid while the page grows. A page
     whose run starts after the page's own start had its earlier rows pruned before it was read.
+    Each `Form` frames the rows once, when first asked; `size` counts the frames made.
     """
 
-    def __init__(self, index: int, first: int, rows: list[Row]) -> None:
+    def __init__(self, index: int, epoch: int, first: int, rows: list[R]) -> None:
         self.index = index
+        self.epoch = epoch
         self.first = first
         self.rows = rows
-        self.size = sum(len(row.frame) for row in rows)
-        self._joined: tuple[int, int, bytes] = (0, 0, b"")
+        self.size = 0
+        self._frames: dict[Form[R], list[bytes]] = {}
+        self._joined: dict[Form[R], tuple[int, int, bytes]] = {}
 
     @property
     def upto(self) -> int:
         """The last seq read into this page."""
         return self.rows[-1].seq if self.rows else self.first - 1
 
-    def extend(self, rows: list[Row]) -> None:
+    def extend(self, rows: list[R]) -> None:
         self.rows.extend(rows)
-        self.size += sum(len(row.frame) for row in rows)
 
-    def joined(self, start: int, end: int) -> bytes:
-        """The frames of rows[start:end] as one chunk; the last one is kept, since subscribers
-        that keep up all ask for the same rows."""
-        if self._joined[:2] != (start, end):
-            self._joined = (start, end, b"".join(row.frame for row in self.rows[start:end]))
-        return self._joined[2]
+    def frames(self, form: Form[R]) -> list[bytes]:
+        """Every row framed by `form`: rows appended since the last call are framed now."""
+        made = self._frames.setdefault(form, [])
+        if len(made) < len(self.rows):
+            new = [form(self.epoch, row) for row in self.rows[len(made):]]
+            made.extend(new)
+            self.size += sum(map(len, new))
+        return made
+
+    def joined(self, form: Form[R], start: int, end: int) -> bytes:
+        """The frames of rows[start:end] as one chunk; the last one of each form is kept, since
+        subscribers that keep up all ask for the same rows."""
+        kept = self._joined.get(form)
+        if kept is None or kept[:2] != (start, end):
+            kept = self._joined[form] = (start, end, b"".join(self.frames(form)[start:end]))
+        return kept[2]
 
 
 @dataclass(frozen=True)
-class Slice:
+class Slice(Generic[R]):
     """The events of one page after a subscriber's position."""
 
-    page: Page
+    page: Page[R]
     start: int
     end: int
 
@@ -80,43 +118,68 @@ class Slice:
     def last(self) -> int:
         return self.page.rows[self.end - 1].seq
 
-    def frames(self, where: sse.Filter) -> bytes:
-        """The frames that pass `where`, as one chunk (possibly empty)."""
+    def chunk(self, form: Form[R]) -> bytes:
+        """Every event of the slice framed by `form`, as one chunk."""
+        return self.page.joined(form, self.start, self.end)
+
+    def frames(self: Slice[FeedRow], where: sse.Filter) -> bytes:
+        """`GET /api/events`' frames that pass `where`, as one chunk (possibly empty)."""
         if where.everything:
-            return self.page.joined(self.start, self.end)
-        return b"".join(row.frame for row in self.page.rows[self.start:self.end]
-                        if where.matches(row.rid, row.key))
+            return self.chunk(change_frame)
+        framed, rows = self.page.frames(change_frame), self.page.rows
+        return b"".join(framed[i] for i in range(self.start, self.end)
+                        if where.matches(rows[i].rid, rows[i].key))
 
 
-class Hub:
-    """The feed table, read once per page and shared by every subscriber of this process.
+class Hub(Generic[R]):
+    """An event table (`feed` unless told), read once per page and shared by every subscriber
+    of this process, whatever format each streams.
 
     Runs on the event loop with the node's read-only cache connection: a page read is one
     indexed range query, done once per published change rather than once per subscriber.
     Cached pages belong to `epoch`; a read that finds another epoch drops them all.
     """
 
+    @overload
+    def __init__(self: Hub[FeedRow], reader: sqlite3.Connection,
+                 state: Callable[[], cache.State], cache_bytes: int = ...) -> None: ...
+
+    @overload
     def __init__(self, reader: sqlite3.Connection, state: Callable[[], cache.State],
-                 cache_bytes: int = CACHE_BYTES) -> None:
+                 cache_bytes: int = ..., *, table: Table[R]) -> None: ...
+
+    def __init__(self, reader: sqlite3.Connection, state: Callable[[], cache.State],
+                 cache_bytes: int = CACHE_BYTES, *, table: Table[Any] = FEED) -> None:
         self._reader = reader
         self._state = state
         self._cache_bytes = cache_bytes
-        self._pages: OrderedDict[int, Page] = OrderedDict()
+        self.table: Table[R] = table
+        self._pages: OrderedDict[int, Page[R]] = OrderedDict()
         self.epoch = state().epoch
 
     def oldest(self) -> int | None:
-        """The oldest seq still stored, or None if the feed table is empty."""
-        value: int | None = self._reader.execute("SELECT min(seq) FROM feed").fetchone()[0]
-        return value
+        """The oldest seq still stored, or None if the table is empty."""
+        return self.table.oldest(self._reader)
 
-    def after(self, epoch: int, position: int) -> Slice | str | None:
+    def head(self) -> tuple[int, int]:
+        """(epoch, newest seq) as last published: where a live-only subscriber starts."""
+        published = self._state()
+        return published.epoch, self.table.head(published)
+
+    def resume(self, cursor: sse.Cursor) -> str | None:
+        """Why the events after `cursor` cannot be replayed (`sse.resume_gap`), or None if
+        every one of them is still stored."""
+        epoch, head = self.head()
+        return sse.resume_gap(cursor, epoch, head, self.oldest())
+
+    def after(self, epoch: int, position: int) -> Slice[R] | str | None:
         """The events of `epoch` after `position`, up to the end of their page.
 
         None when there are none yet; the reason for a `gap` (`unknown_epoch`, `too_old`) when
         they cannot be had any more.
         """
         published = self._state()
-        if epoch == published.epoch == self.epoch and position >= published.feed_seq:
+        if epoch == published.epoch == self.epoch and position >= self.table.head(published):
             return None  # caught up: no read at all, however many subscribers wake
         wanted = position + 1
         index = (wanted - 1) // PAGE
@@ -124,15 +187,15 @@ class Hub:
         if page is None or page.upto < wanted:
             page = self._read(index)
             if epoch != self.epoch:
-                return "unknown_epoch"
+                return sse.UNKNOWN_EPOCH
         self._pages.move_to_end(index)
         if wanted < page.first:
-            return "too_old"
+            return sse.TOO_OLD
         if wanted > page.upto:
             return None
         return Slice(page, wanted - page.first, len(page.rows))
 
-    def _read(self, index: int) -> Page:
+    def _read(self, index: int) -> Page[R]:
         """Page `index` brought up to date from the database, its rows read in one transaction
         with the epoch they belong to."""
         while True:
@@ -140,22 +203,18 @@ class Hub:
             after = index * PAGE if page is None else page.upto
             with db.snapshot(self._reader):
                 stored = cache.read_state(self._reader)
-                rows = [Row(seq, rid, key, sse.change(stored.epoch, seq, rid, op, key,
-                                                      value).encode())
-                        for seq, rid, op, key, value in self._reader.execute(
-                            "SELECT seq, rid, op, key, value FROM feed WHERE seq > ? AND seq <= ?"
-                            " ORDER BY seq", (after, (index + 1) * PAGE))]
+                rows = self.table.rows(self._reader, after, (index + 1) * PAGE)
             if stored.epoch == self.epoch:
                 break
             self._pages.clear()
             self.epoch = stored.epoch
-        dense = rows[0].seq == after + 1 if rows else stored.feed_seq <= after
+        head = self.table.head(stored)
+        dense = rows[0].seq == after + 1 if rows else head <= after
         if page is not None and dense:
             page.extend(rows)
         else:  # new, or rows pruned since it was read: the run restarts at what is left
-            head = min(stored.feed_seq, (index + 1) * PAGE)
-            first = rows[0].seq if rows else max(after, head) + 1
-            page = self._pages[index] = Page(index, first, rows)
+            first = rows[0].seq if rows else max(after, min(head, (index + 1) * PAGE)) + 1
+            page = self._pages[index] = Page(index, self.epoch, first, rows)
         self._evict(keep=index)
         return page
 
@@ -169,46 +228,61 @@ class Hub:
                 total -= self._pages.pop(index).size
 
 
-class Snapshot:
-    """An open read transaction over the records: `set` frames a page at a time, then the feed
-    position they correspond to. Holds a connection until `close()`."""
+class Reading:
+    """An open read transaction on its own read-only connection: the cache state it reflects,
+    and the rows of one query, fetched a page at a time on a worker thread so that a large
+    cache never stalls the event loop. Holds the connection until `close()`."""
 
-    def __init__(self, cache_path: Path, where: sse.Filter) -> None:
-        self._filter = where
+    def __init__(self, cache_path: Path,
+                 query: Callable[[sqlite3.Connection], sqlite3.Cursor]) -> None:
         self._conn = db.connect(cache_path, readonly=True)
         try:
             self._conn.execute("BEGIN")
             self.state = cache.read_state(self._conn)
-            self._rows = self._records()
+            self._rows = query(self._conn)
         except BaseException:
             self._conn.close()
             raise
 
-    def _records(self) -> sqlite3.Cursor:
-        if self._filter.rids:
-            wanted = sorted(self._filter.rids)
-            return self._conn.execute(
-                "SELECT rid, key, value FROM records WHERE rid IN "
-                f"({','.join('?' * len(wanted))}) ORDER BY rid, key", wanted)
-        return self._conn.execute("SELECT rid, key, value FROM records ORDER BY rid, key")
+    async def rows(self) -> list[Any]:
+        """The next page of rows (as the query names its columns); empty at the end."""
+        return await db.off_loop(self._rows.fetchmany, PAGE)
+
+    def close(self) -> None:
+        """End the read transaction and free the file: the cursor first, since a connection
+        closed while a cursor still holds a statement keeps its file open until that cursor is
+        garbage. (`rows` never leaves a fetch running when it returns or is cancelled.)"""
+        self._rows.close()
+        self._conn.close()
+
+
+class Snapshot(Reading):
+    """Every current record as `set` frames, a page at a time, then the feed position they
+    correspond to (`state`)."""
+
+    def __init__(self, cache_path: Path, where: sse.Filter) -> None:
+        self._filter = where
+        super().__init__(cache_path, lambda conn: cache.records_in_order(conn, where.rids))
 
     async def page(self) -> bytes | None:
-        """The next page's frames (possibly empty, if the filter passed none); None at the end.
-
-        Fetched on a worker thread so a large cache never stalls the event loop.
-        """
-        rows = await db.off_loop(self._rows.fetchmany, PAGE)
+        """The next page's frames (possibly empty, if the filter passed none); None at the end."""
+        rows = await self.rows()
         if not rows:
             return None
         return b"".join(sse.event("set", {"rid": rid, "key": key, "value": value}).encode()
                         for rid, key, value in rows if self._filter.matches(rid, key))
 
-    def close(self) -> None:
-        """End the read transaction and free the file: the cursor first, since a connection
-        closed while a cursor still holds a statement keeps its file open until that cursor is
-        garbage. (`page` never leaves a fetch running when it returns or is cancelled.)"""
-        self._rows.close()
-        self._conn.close()
+
+@dataclass(frozen=True)
+class Feed(Generic[R]):
+    """One event table as a stream over it needs it: the shared hub, the published cache state,
+    a wait for news (`WaitFeed`), a snapshot of what the events describe, the keep-alive."""
+
+    hub: Hub[R]
+    state: Callable[[], cache.State]
+    wait: WaitFeed
+    snapshot: Callable[[], Reading]
+    keep_alive_s: float
 
 
 class Subscription:
@@ -219,7 +293,7 @@ class Subscription:
     and releases an open snapshot at once.
     """
 
-    def __init__(self, hub: Hub, cache_path: Path, state: Callable[[], cache.State],
+    def __init__(self, hub: Hub[FeedRow], cache_path: Path, state: Callable[[], cache.State],
                  wait_feed: WaitFeed, cursor: sse.Cursor | None, snapshot: bool,
                  where: sse.Filter, keep_alive_s: float) -> None:
         self._hub = hub
@@ -235,18 +309,6 @@ class Subscription:
         self._snapshot: Snapshot | None = None
         self._replaying = False  # a usable cursor: `synced` once caught up
         self._quiet_since = time.monotonic()
-
-    def _unusable(self, cursor: sse.Cursor) -> str | None:
-        """Why a cursor cannot be resumed from, or None if every event after it is retained."""
-        current = self._state()
-        if cursor.epoch != current.epoch:
-            return "unknown_epoch"
-        if cursor.seq > current.feed_seq:
-            return "future"
-        oldest = self._hub.oldest()
-        if cursor.seq < (current.feed_seq + 1 if oldest is None else oldest) - 1:
-            return "too_old"
-        return None
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
         """Replay, or gap + snapshot, or snapshot; then `synced` and the live tail."""
@@ -265,7 +327,7 @@ class Subscription:
     def _begin(self) -> bytes:
         cursor = self._cursor
         if cursor is not None:
-            reason = self._unusable(cursor)
+            reason = self._hub.resume(cursor)
             if reason is None:
                 self.position, self._replaying = cursor.seq, True
                 return b""

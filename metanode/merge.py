@@ -15,6 +15,7 @@ from metanode.claims import Claim
 
 Verdict = Literal["accepted", "duplicate", "stale"]
 DEFAULT_WEIGHT = 1
+MAX_WEIGHT = 1_000_000  # a signer's weight: an integer from 0 to this (schemas/signer*.json)
 
 
 def resolve(stored: Claim | None, incoming: Claim) -> Verdict:
@@ -48,29 +49,26 @@ class Signer:
     blocked: bool = False
 
 
-def merge_key(
-    votes: Iterable[Claim],
-    signers: Mapping[str, Signer],
-    viewer: str | None = None,
-) -> str | None:
+def merge_key(votes: Iterable[Claim], signers: Mapping[str, Signer]) -> str | None:
     """The merged value of one key from every claim on it across a group's CIDs (None: no value).
 
-    1. live votes only: non-null values from signers that are not blocked;
+    1. live votes only: non-null values from signers that are not blocked and weigh above 0
+       (a weight-0 signer's claims are stored and listed, never counted);
     2. one signer counts once: its newest vote;
     3. a value scores the sum of its voters' weights; highest wins, then the value whose newest
-       vote is newest, then the smaller string;
-    4. a viewer with a live vote on the key sees their own value.
+       vote is newest, then the smaller string.
+
+    (Rule 4 of SPEC §2.5, a viewer's own vote, is `seen_by`.)
     """
     per_signer: dict[str, Claim] = {}
     for vote in votes:
-        if vote.value is None or signers.get(vote.uid, Signer()).blocked:
+        signer = signers.get(vote.uid, Signer())
+        if vote.value is None or signer.blocked or signer.weight <= 0:
             continue
         held = per_signer.get(vote.uid)
         per_signer[vote.uid] = vote if held is None else _newest(held, vote)
     if not per_signer:
         return None
-    if viewer is not None and viewer in per_signer:
-        return per_signer[viewer].value
     score: dict[str, int] = {}
     newest: dict[str, int] = {}
     for vote in per_signer.values():
@@ -81,11 +79,7 @@ def merge_key(
     return min(score, key=lambda value: (-score[value], -newest[value], value))
 
 
-def merge_record(
-    votes: Iterable[Claim],
-    signers: Mapping[str, Signer],
-    viewer: str | None = None,
-) -> dict[str, str]:
+def merge_record(votes: Iterable[Claim], signers: Mapping[str, Signer]) -> dict[str, str]:
     """The merged claims of a record: `merge_key` for every key, link votes left out.
 
     `cids/…` votes link groups; membership is synthesised from the group itself (`group_keys`).
@@ -94,8 +88,20 @@ def merge_record(
     for vote in votes:
         if not vote.is_link:
             by_key.setdefault(vote.key, []).append(vote)
-    merged = {key: merge_key(kv, signers, viewer) for key, kv in by_key.items()}
+    merged = {key: merge_key(kv, signers) for key, kv in by_key.items()}
     return {key: value for key, value in merged.items() if value is not None}
+
+
+def seen_by(record: Mapping[str, str], votes: Iterable[Claim], signers: Mapping[str, Signer],
+            viewer: str) -> dict[str, str]:
+    """The merged `record` as `viewer` sees it with `?as=<uid>` (SPEC §2.5 rule 4): a key on
+    which the viewer has a live vote takes that vote's value (their newest, as rule 2 picks it;
+    none if they are blocked). `votes` may be the group's or only the viewer's: the node reads
+    just the viewer's, and the merged record comes from the cache. The viewer's weight does not
+    matter here: a weight-0 signer asking for its own view sees its own votes."""
+    own = merge_record([vote for vote in votes if vote.uid == viewer],
+                       {viewer: Signer(weight=1, blocked=signers.get(viewer, Signer()).blocked)})
+    return {**record, **own}
 
 
 @dataclass(frozen=True, slots=True)

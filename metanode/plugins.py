@@ -29,7 +29,6 @@ import importlib.metadata
 import logging
 import sqlite3
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, ClassVar, TypeVar
 import nacl.signing
 
 from metanode import cache, claims, db, keys
+from metanode.clock import Clock, now_ms
 from metanode.errors import MetanodeError, StorageError
 
 log = logging.getLogger(__name__)
@@ -142,13 +142,14 @@ class Runner:
     """Runs one plugin on one file and ingests what it registered, signed with its key."""
 
     def __init__(self, plugin: Plugin, key: nacl.signing.SigningKey, record: RecordLookup,
-                 ingest: Ingest, timeout_s: float) -> None:
+                 ingest: Ingest, timeout_s: float, clock: Clock = now_ms) -> None:
         self.plugin = plugin
         self.key = key
         self.uid = claims.uid_of(bytes(key.verify_key))
         self._record = record
         self._ingest = ingest
         self._timeout_s = timeout_s
+        self._clock = clock
 
     def _collect(self, file: LocalFile, closed: threading.Event) -> list[tuple[str, str,
                                                                                 str | None]]:
@@ -174,7 +175,7 @@ class Runner:
         except Exception as exc:
             return Outcome("failed", f"{type(exc).__name__}: {exc}")
         if drafts:
-            now = time.time_ns() // 1_000_000
+            now = self._clock()
             wire = [claims.sign(self.key, cid, key, value, now).wire()
                     for cid, key, value in drafts]
             try:
@@ -212,13 +213,14 @@ class Host:
 
     def __init__(self, runners: Sequence[Runner], writer: db.Writer,
                  reader: sqlite3.Connection, workers: int, max_attempts: int,
-                 retry_s: float) -> None:
+                 retry_s: float, clock: Clock = now_ms) -> None:
         self.runners = {runner.plugin.name: runner for runner in runners}
         self._writer = writer
         self._reader = reader
         self._slots = asyncio.Semaphore(max(1, workers))
         self._max_attempts = max_attempts
         self._retry_s = retry_s
+        self._clock = clock
         self._wake = asyncio.Event()
         self._versions = [(r.plugin.name, r.plugin.version) for r in runners]
 
@@ -226,13 +228,13 @@ class Host:
         """New local content: queue a run of every plugin for each midhash."""
         if self._versions and midhashes:
             await self._writer.run(cache.enqueue_runs_txn, self._versions, list(midhashes),
-                                   _now_ms())
+                                   self._clock())
             self._wake.set()
 
     async def run(self) -> None:
-        await self._writer.run(cache.enqueue_runs_txn, self._versions, None, _now_ms())
+        await self._writer.run(cache.enqueue_runs_txn, self._versions, None, self._clock())
         while True:
-            due = cache.due_runs(self._reader, self._versions, _now_ms(), 64)
+            due = cache.due_runs(self._reader, self._versions, self._clock(), 64)
             if not due:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
@@ -265,12 +267,12 @@ class Host:
             status = outcome.status
             next_at = 0
             if status == "failed" and attempts < self._max_attempts:
-                status, next_at = "pending", _now_ms() + int(
+                status, next_at = "pending", self._clock() + int(
                     1000 * backoff_s(attempts, self._retry_s))
             if outcome.error:
                 log.warning("plugin %s on %s: %s", run.plugin, file[1], outcome.error)
             await self._writer.run(cache.finish_run_txn, run, status, attempts, next_at,
-                                   outcome.error, _now_ms())
+                                   outcome.error, self._clock())
 
     def describe(self) -> list[dict[str, Any]]:
         """GET /api/plugins: each plugin with its uid, version and run counts."""
@@ -281,6 +283,3 @@ class Host:
                                     {"done": 0, "pending": 0, "failed": 0})}
                 for name, r in sorted(self.runners.items())]
 
-
-def _now_ms() -> int:
-    return time.time_ns() // 1_000_000

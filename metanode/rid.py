@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import secrets
 import threading
-import time
 import uuid
-from collections.abc import Callable
 
+from metanode.clock import Clock, now_ms
 from metanode.errors import InvalidRid
 
 ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -62,10 +61,6 @@ def from_uuid(value: uuid.UUID | str) -> str:
     return encode(uuid.UUID(str(value)).int)
 
 
-def to_uuid(text: str) -> uuid.UUID:
-    return uuid.UUID(int=decode(text))
-
-
 def _compose(ms: int, counter: int) -> int:
     rand_a = counter >> 62
     rand_b = counter & ((1 << 62) - 1)
@@ -85,8 +80,8 @@ class Minter:
     so a rid is never minted twice and never below one that already exists.
     """
 
-    def __init__(self, clock_ms: Callable[[], int] | None = None) -> None:
-        self._clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
+    def __init__(self, clock_ms: Clock = now_ms) -> None:
+        self._clock_ms = clock_ms
         self._lock = threading.Lock()
         self._last = 0
 

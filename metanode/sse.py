@@ -64,6 +64,24 @@ def parse_cursor(text: str | None) -> Cursor | None:
     return Cursor(int(match.group(1)), int(match.group(2)), text.strip())
 
 
+UNKNOWN_EPOCH = "unknown_epoch"  # another epoch: a rebuilt cache, another node's, `0-0`
+FUTURE = "future"  # beyond the newest event
+TOO_OLD = "too_old"  # the next event was pruned (retention)
+
+
+def resume_gap(cursor: Cursor, epoch: int, head: int, oldest: int | None) -> str | None:
+    """SPEC §5's resume rule, for every stream: why the events after `cursor` cannot be
+    replayed from a table of epoch `epoch` whose newest seq is `head` and oldest stored one
+    `oldest` (None: empty, so nothing up to `head` is left), or None if every one is stored."""
+    if cursor.epoch != epoch:
+        return UNKNOWN_EPOCH
+    if cursor.seq > head:
+        return FUTURE
+    if cursor.seq < (head + 1 if oldest is None else oldest) - 1:
+        return TOO_OLD
+    return None
+
+
 @dataclass(frozen=True)
 class Filter:
     """`?rid=` and `?prefix=` (each repeatable): an event passes if it matches both kinds."""

@@ -34,6 +34,9 @@ from metanode.rid import Minter
 from metanode.rid import decode as decode_rid
 from metanode.rid import parse as parse_rid
 
+# Schema v1 as existing truth.db files hold it. The outbox kind 'local' in its CHECK is never
+# written (the watcher's changes go straight to the cache, `cache.local_txn`); a CHECK cannot be
+# dropped from an existing table, so it stays, unused.
 SCHEMA_V1 = """
 CREATE TABLE signers (
     uid TEXT PRIMARY KEY NOT NULL,
@@ -183,6 +186,12 @@ def rid_info(conn: sqlite3.Connection, rid: str) -> RidInfo | None:
     return RidInfo(*row) if row else None
 
 
+def newest_ts(conn: sqlite3.Connection, uid: str) -> int:
+    """The newest ts of any claim stored from `uid` (0: none), so its next claim can be newer."""
+    return int(conn.execute("SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()[0]
+               or 0)
+
+
 def survivor(conn: sqlite3.Connection, rid: str) -> str:
     """The active rid that `rid` is now part of (itself if active)."""
     info = rid_info(conn, rid)
@@ -287,6 +296,19 @@ def all_claims(conn: sqlite3.Connection, uid: str | None = None) -> Iterable[Cla
     if uid is not None:
         sql, params = sql + " WHERE uid = ?", (uid,)
     return (_claim(row) for row in conn.execute(sql + " ORDER BY uid, cid, key", params))
+
+
+def claim_count(conn: sqlite3.Connection, uid: str | None = None) -> int:
+    """How many claims are stored (tombstones too), optionally of one signer: an export's total."""
+    if uid is None:
+        return int(conn.execute("SELECT count(*) FROM claims").fetchone()[0])
+    return int(conn.execute("SELECT count(*) FROM claims WHERE uid = ?", (uid,)).fetchone()[0])
+
+
+def rid_status_counts(conn: sqlite3.Connection) -> dict[str, int]:
+    """How many rids are in each lifecycle status (`active`, `merged`): the /metrics gauges."""
+    return {status: int(n) for status, n in conn.execute(
+        "SELECT status, count(*) FROM rids GROUP BY status")}
 
 
 def signer_cid_keys(conn: sqlite3.Connection, uid: str) -> list[tuple[str, str]]:

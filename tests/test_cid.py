@@ -109,25 +109,25 @@ def test_rank_of_non_string_is_zero(value: Any) -> None:
     assert cid.rank(value) == 0
 
 
-def test_better_prefers_higher_rank_whatever_the_order() -> None:
+def test_canonical_prefers_higher_rank_whatever_the_order() -> None:
     dagpb = "bafybeiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
     midhash = "bagacbabaeaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
-    assert cid.better(dagpb, midhash) == dagpb
-    assert cid.better(midhash, dagpb) == dagpb
-    assert cid.better("not-a-cid", midhash) == midhash
+    assert cid.canonical_cid([dagpb, midhash]) == dagpb
+    assert cid.canonical_cid([midhash, dagpb]) == dagpb
+    assert cid.canonical_cid(["not-a-cid", midhash]) == midhash
 
 
-def test_better_tie_goes_to_smaller_string() -> None:
+def test_canonical_tie_goes_to_smaller_string() -> None:
     v1_file = "bagasbajacqaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
     v2_file = "bagbcbaraeaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
     v2_info = "bag3sdnzbeaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
     assert cid.rank(v1_file) == cid.rank(v2_file) == cid.rank(v2_info) == 20
     # metamesh-anchor §3.4: no v2-over-v1 rule, the string decides.
-    assert cid.better(v2_file, v1_file) == v1_file
-    assert cid.better(v1_file, v2_file) == v1_file
-    assert cid.better(v1_file, v2_info) == v2_info
+    assert cid.canonical_cid([v2_file, v1_file]) == v1_file
+    assert cid.canonical_cid([v1_file, v2_file]) == v1_file
+    assert cid.canonical_cid([v1_file, v2_info]) == v2_info
     # Two unranked strings: still the smaller one.
-    assert cid.better("zzz", "aaa") == "aaa"
+    assert cid.canonical_cid(["zzz", "aaa"]) == "aaa"
 
 
 def test_by_rank_and_canonical_cid_on_the_fixture() -> None:
@@ -157,8 +157,11 @@ def test_canonical_cid_prefers_content_digest_over_midhash() -> None:
 
 @settings(max_examples=100, database=None)
 @given(st.permutations([v["cid"] for v in RANK_VECTORS]))
-def test_canonical_cid_is_the_fold_of_better(order: list[str]) -> None:
-    folded = functools.reduce(cid.better, order)
+def test_canonical_cid_is_the_fold_of_the_pairwise_choice(order: list[str]) -> None:
+    def better(a: str, b: str) -> str:  # higher rank; a tie goes to the smaller string
+        return a if (-cid.rank(a), a) <= (-cid.rank(b), b) else b
+
+    folded = functools.reduce(better, order)
     assert cid.canonical_cid(order) == folded
     assert cid.by_rank(order) == cid.by_rank(sorted(order))
 

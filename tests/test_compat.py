@@ -25,6 +25,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sse_starlette import ServerSentEvent
 
 from metanode import cache, compat, db, keys, merge, sse, watcher
@@ -549,13 +551,28 @@ def test_an_existing_cache_gains_the_file_feed_table(tmp_path: Path) -> None:
 # -- the streams' logic, in-process (the generator itself, no HTTP) ------------------------------
 
 
-async def take(node: Node, kind: type[compat._Follow], cursor: str | None, n: int
+async def take(node: Node, kind: type[compat._Follow[Any]], cursor: str | None, n: int
                ) -> list[ServerSentEvent]:
+    """The first `n` events (a comment counts) of a stream, from its chunks of whole frames."""
     stream = kind(node, sse.parse_cursor(cursor)).stream()
+    events: list[ServerSentEvent] = []
     try:
-        return [await asyncio.wait_for(anext(stream), WAIT_S) for _ in range(n)]
+        while len(events) < n:
+            events += parse_chunk(await asyncio.wait_for(anext(stream), WAIT_S))
+        return events[:n]
     finally:
         await stream.aclose()
+
+
+def parse_chunk(chunk: bytes) -> list[ServerSentEvent]:
+    """Whole SSE frames (each field on one line, as the streams send them) as events."""
+    events = []
+    for frame in chunk.decode().split("\n\n"):
+        if frame:
+            fields = dict(line.split(": ", 1) for line in frame.split("\n"))
+            events.append(ServerSentEvent(data=fields.get("data"), event=fields.get("event"),
+                                          id=fields.get("id"), comment=fields.get("")))
+    return events
 
 
 def data(event: ServerSentEvent) -> Any:
@@ -603,6 +620,150 @@ async def test_the_meta_stream_resumes_and_replays(node: Node, client: httpx.Asy
         "set", f"{epoch}-2", f"file:{rid}/title")
     row_at = node.cache_reader.execute("SELECT at FROM feed WHERE seq = 2").fetchone()[0]
     assert data(replayed) == {"key": f"file:{rid}/title", "ts": str(row_at)}
+
+
+async def until_seq(stream: Any, seq: str) -> list[ServerSentEvent]:
+    """Events of `stream` up to and including the one with id `seq`."""
+    events: list[ServerSentEvent] = []
+    while not events or events[-1].id != seq:
+        events += parse_chunk(await asyncio.wait_for(anext(stream), WAIT_S))
+    return events
+
+
+async def test_many_meta_subscribers_share_one_read_per_page(
+        node: Node, client: httpx.AsyncClient) -> None:
+    """40 MetaMesh meta-stream subscribers and 10 of /api/events at the head: one batch of new
+    events costs one read of the feed table, not one per subscriber (one shared feed.Hub)."""
+    alice = Signer()
+    await register(client, alice)
+    await post(client, alice.claim(CID_A, "title", "T"))  # events 1-2
+    # a replay first: the hub reads page 0 and learns the cache's epoch (it was created before
+    # the cache was built), so what follows counts only the reads the new events cost
+    await take(node, compat.MetaFollow, sse.event_id(node.applier.state.epoch, 1), 1)
+    statements: list[str] = []
+    node.cache_reader.set_trace_callback(statements.append)
+    meta = [compat.MetaFollow(node, None).stream() for _ in range(40)]
+    native = [node.subscribe(None, False, sse.Filter()) for _ in range(10)]
+    try:
+        waiting = [asyncio.create_task(anext(stream)) for stream in [*meta, *native]]
+        await post(client, *[alice.claim(cids.midhash_bytes(b"share %d" % i), "title", f"v{i}")
+                             for i in range(100)])  # events 3-202
+        head = sse.event_id(node.applier.state.epoch, 202)
+        for stream, first in zip([*meta, *native], waiting, strict=True):
+            got = parse_chunk(await asyncio.wait_for(first, WAIT_S))
+            if got[-1].id != head:
+                got += await until_seq(stream, head)
+            assert [e.id for e in got] == [sse.event_id(node.applier.state.epoch, seq)
+                                           for seq in range(3, 203)]
+        assert {e.event for e in got} == {"set"}
+    finally:
+        node.cache_reader.set_trace_callback(None)
+        for stream in [*meta, *native]:
+            await stream.aclose()
+    feed_reads = [s for s in statements if "FROM feed WHERE seq >" in s]
+    assert 1 <= len(feed_reads) <= 2, feed_reads  # 2 if the applier published twice
+
+
+@pytest.fixture
+async def quiet_node(tmp_path: Path) -> Any:
+    """A node whose streams send a keep-alive after 0.2 s of silence, with 60 feed events and
+    12 file events of which retention kept the newest 8 of each."""
+    n = Node(settings_for(tmp_path / "data", feed_keep_alive_s=0.2))
+    await n.start()
+    try:
+        await n.applier.wait_for(0, WAIT_S)
+        signer = Signer()
+        await n.add_signer(signer.uid, "test", 1, False)
+        answer = await n.ingest_wire([signer.claim(cids.midhash_bytes(b"h %d" % i), "title",
+                                                   f"t{i}") for i in range(30)])
+        assert answer.status == 200
+        files = [cids.midhash_bytes(b"f %d" % i) for i in range(8)]
+        await n.ensure_groups(files)
+        for i, midhash in enumerate(files):  # 8 adds, then 4 deletes
+            await n.apply_local([lf(f"/elsewhere/{i}", midhash, i + 1)], [])
+        for i in range(4):
+            await n.apply_local([], [f"/elsewhere/{i}"])
+        await n.cache_writer.run(cache.prune_feed_txn, 8, 0)
+        yield n
+    finally:
+        await n.stop()
+
+
+async def until_quiet(node: Node, kind: type[compat._Follow[Any]], cursor: str
+                      ) -> list[ServerSentEvent]:
+    """Everything a stream sends before its first keep-alive, which it sends only once it has
+    sent every event it has (so no timing decides what comes before it)."""
+    stream = kind(node, sse.parse_cursor(cursor)).stream()
+    events: list[ServerSentEvent] = []
+    try:
+        while not events or events[-1].comment is None:
+            events += parse_chunk(await asyncio.wait_for(anext(stream), WAIT_S))
+    finally:
+        await stream.aclose()
+    return events[:-1]
+
+
+def meta_table(node: Node, after: int) -> tuple[list[Any], list[Any]]:
+    """(every event after `after` as the meta stream frames it, its full state), from the
+    tables themselves."""
+    epoch, conn = node.applier.state.epoch, node.cache_reader
+    rows = conn.execute("SELECT seq, rid, op, key, at FROM feed WHERE seq > ? ORDER BY seq",
+                        (after,)).fetchall()
+    events = [(op, sse.event_id(epoch, seq), {"key": f"file:{rid}/{key}", "ts": str(at)})
+              for seq, rid, op, key, at in rows]
+    state = [("set", {"key": f"file:{rid}/{key}"}) for rid, key in conn.execute(
+        "SELECT rid, key FROM records ORDER BY rid, key")]
+    return events, state
+
+
+def files_table(node: Node, after: int) -> tuple[list[Any], list[Any]]:
+    """The same for the files stream (paths outside every root lose their leading `/`)."""
+    epoch, conn = node.applier.state.epoch, node.cache_reader
+    rows = conn.execute("SELECT seq, op, path, size, midhash, at FROM file_feed WHERE seq > ? "
+                        "ORDER BY seq", (after,)).fetchall()
+    events = [(op, sse.event_id(epoch, seq), {"midhash256": midhash, "path": path[1:],
+                                              "size": str(size), "timestamp": str(at)})
+              for seq, op, path, size, midhash, at in rows]
+    state = [("reset", {"path": ""})] + [
+        ("add", {"midhash256": m, "path": p[1:], "size": str(z)}) for p, m, z in conn.execute(
+            "SELECT path, midhash, size FROM local_file ORDER BY path")]
+    return events, state
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # examples only read
+@given(draw=st.data(), files=st.booleans())
+async def test_meta_stream_replay_agrees_with_the_table_whatever_the_cursor(
+        quiet_node: Node, draw: st.DataObject, files: bool) -> None:
+    """Any cursor, of any epoch and any seq (pruned, retained, at the head, in the future):
+    either exactly the table's events after it, or a gap by the resume rule and then the full
+    state from the tables, whose last event carries the head's id."""
+    node = quiet_node
+    kind: type[compat._Follow[Any]] = compat.FilesFollow if files else compat.MetaFollow
+    state = node.applier.state
+    head = state.file_feed_seq if files else state.feed_seq
+    table = "file_feed" if files else "feed"
+    oldest = node.cache_reader.execute(f"SELECT min(seq) FROM {table}").fetchone()[0]
+    epoch = draw.draw(st.just(state.epoch) | st.sampled_from([state.epoch - 1, state.epoch + 1,
+                                                               0]))
+    edges = [oldest - 2, oldest - 1, oldest, head - 1, head, head + 1]  # where the rule turns
+    seq = draw.draw(st.sampled_from(edges) | st.integers(0, head + 3))
+    cursor = sse.event_id(epoch, seq)
+    got = await until_quiet(node, kind, cursor)
+    events, full = (files_table if files else meta_table)(node, seq)
+    reason = ("unknown_epoch" if epoch != state.epoch else "future" if seq > head
+              else "retention" if seq < oldest - 1 else None)
+    if reason is None:
+        assert [(e.event, e.id, json.loads(str(e.data))) for e in got] == events
+        return
+    gap, *rest = got
+    marker = sse.event_id(state.epoch, head)
+    assert (gap.event, gap.id, json.loads(str(gap.data))) == (
+        "gap", None, {"reason": reason, "requested": cursor, "resumeFrom": marker})
+    assert [e.id for e in rest] == [None] * (len(full) - 1) + [marker]
+    shown = [(e.event, {k: v for k, v in json.loads(str(e.data)).items()
+                        if k not in ("ts", "timestamp")}) for e in rest]
+    assert shown == full
 
 
 # -- the streams on a real server -----------------------------------------------------------------

@@ -4,6 +4,7 @@ cache apply is repaired on restart by re-applying (SPEC §3: "behind, never wron
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sqlite3
 import threading
@@ -134,31 +135,54 @@ def test_sigkill_mid_ingest_loses_no_acknowledged_claim(tmp_path: Path, launch: 
 CID = cids.midhash_bytes(b"crash window")
 
 
+@contextlib.contextmanager
+def cache_write_lock(cache_db: Path) -> Iterator[None]:
+    """Hold cache.db's write lock from a connection of our own (`BEGIN IMMEDIATE`): the server
+    still commits to truth.db, but its applier cannot commit to the cache until we let go. Its
+    `BEGIN IMMEDIATE` waits out the busy timeout (`db.BUSY_TIMEOUT_MS`), fails `storage_locked`
+    and is retried, and never gets through while the block runs."""
+    conn = sqlite3.connect(cache_db, timeout=60, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        yield
+    finally:
+        conn.close()  # rolls back: we wrote nothing
+
+
 def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Launch) -> None:
     data = tmp_path / "data"
-    # A poll interval of an hour: only the ingest path wakes the applier, so the crash lands
-    # strictly before the cache applies the claim.
-    faulty = launch(data, {"METANODE_TEST_FAULT": "crash_after_truth_commit",
-                           "METANODE_APPLY_POLL_S": "3600"})
+    # The cache is locked, so every POST waits `apply_wait_s` and answers 202 `applied: false`.
+    first = launch(data, {"METANODE_APPLY_WAIT_S": "0.2", "METANODE_WATCH_ENABLED": "false"})
     signer = Signer()
-    register(faulty, signer)
-    claim = signer.claim(CID, "title", "Survivor")
-    with pytest.raises(httpx.TransportError):
-        httpx.post(f"{faulty.url}/api/claims", headers=faulty.headers, timeout=30,
-                   json={"claims": [claim]})
-    assert faulty.proc is not None
-    assert faulty.proc.wait(timeout=30) == 99
+    register(first, signer)
+    before = wait_caught_up(first.url)
+    batches = [[signer.claim(cids.midhash_bytes(f"crash window {n}-{i}".encode()), "title",
+                             f"Survivor {n}-{i}") for i in range(20)] for n in range(3)]
+    batches[0][0] = claim = signer.claim(CID, "title", "Survivor")
+
+    with cache_write_lock(data / "cache.db"):
+        with httpx.Client(base_url=first.url, headers=first.headers, timeout=30) as http:
+            for batch in batches:
+                response = http.post("/api/claims", json={"claims": batch})
+                assert response.status_code == 202, response.text
+                assert response.json()["applied"] is False
+                assert response.json()["accepted"] == len(batch)
+            lagging = http.get("/health").json()
+        assert lagging["apply_lag"] > 0, lagging
+        assert first.stop(signal.SIGKILL) == -signal.SIGKILL  # while the apply still waits
 
     truth_conn, cache_conn = readonly(data / "truth.db"), readonly(data / "cache.db")
     try:
-        row = truth_conn.execute("SELECT value, ts FROM claims WHERE uid = ? AND cid = ? AND "
-                                 "key = 'title'", (signer.uid, CID)).fetchone()
-        assert row == ("Survivor", claim["ts"])
+        stored = stored_claims(data / "truth.db", signer.uid)
+        assert all((c["cid"], c["key"], c["value"]) in stored for b in batches for c in b)
         truth_seq = truth_conn.execute("SELECT max(seq) FROM changes").fetchone()[0]
         state = dict(cache_conn.execute("SELECT name, value FROM state"))
-        assert state["applied_seq"] < truth_seq
-        assert cache_conn.execute("SELECT rid FROM cid_index WHERE cid = ?", (CID,)).fetchone() \
-            is None
+        assert state["applied_seq"] == before["applied_seq"] < truth_seq
+        assert state["epoch"] == before["epoch"]
+        for batch in batches:
+            for c in batch:
+                assert cache_conn.execute("SELECT rid FROM cid_index WHERE cid = ?",
+                                          (c["cid"],)).fetchone() is None
     finally:
         truth_conn.close()
         cache_conn.close()
@@ -168,10 +192,13 @@ def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Laun
     assert health["status"] == "ok", health
     assert health["applied_seq"] >= truth_seq
     assert health["epoch"] == state["epoch"], "repaired by a rebuild, not by re-applying"
-    doc = httpx.get(f"{healthy.url}/api/meta/{CID}", timeout=10)
-    assert doc.status_code == 200, doc.text
-    assert doc.json()["metadata"]["title"] == "Survivor"
-    listed = httpx.get(f"{healthy.url}/api/meta/{CID}/claims", timeout=10).json()
+    with httpx.Client(base_url=healthy.url, timeout=10) as http:
+        for batch in batches:
+            for c in batch:
+                doc = http.get(f"/api/meta/{c['cid']}")
+                assert doc.status_code == 200, doc.text
+                assert doc.json()["metadata"]["title"] == c["value"]
+        listed = http.get(f"/api/meta/{CID}/claims").json()
     assert listed["claims"] == [claim]
     metanode_check(data)
 
@@ -185,12 +212,12 @@ async def test_stop_with_an_apply_queued_uses_no_closed_connection(
     failures: list[BaseException] = []
     real_apply = cache.apply_txn
 
-    def apply_spy(conn: sqlite3.Connection, source: sqlite3.Connection) -> Any:
+    def apply_spy(conn: sqlite3.Connection, source: sqlite3.Connection, *rest: Any) -> Any:
         # Records a failure instead of raising it: nobody awaits this job any more (the applier
         # task is cancelled), and an unretrieved exception would only be logged at some later
         # garbage collection, possibly on another thread.
         try:
-            return real_apply(conn, source)
+            return real_apply(conn, source, *rest)
         except Exception as exc:
             failures.append(exc)
             return None

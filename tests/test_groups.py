@@ -15,7 +15,8 @@ from metanode import cache, db, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.claims import Claim
-from metanode.node import Node, check, open_store
+from metanode.maintenance import check, open_store
+from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register, verdicts
 from tests.helpers.settings import settings_for
 

@@ -12,7 +12,16 @@ from hypothesis import strategies as st
 
 from metanode import claims
 from metanode.claims import Claim
-from metanode.merge import LocalFile, Signer, document, group_keys, merge_key, merge_record, resolve
+from metanode.merge import (
+    LocalFile,
+    Signer,
+    document,
+    group_keys,
+    merge_key,
+    merge_record,
+    resolve,
+    seen_by,
+)
 
 TS = 1_764_500_000_000
 KEYS = [nacl.signing.SigningKey(bytes([n]) * 32) for n in (0x31, 0x32, 0x33, 0x34)]
@@ -155,6 +164,14 @@ def test_blocked_signers_are_ignored() -> None:
     assert merge_key([vote(KC, "y", TS)], {C: Signer(blocked=True)}) is None
 
 
+def test_weight_zero_signers_are_listed_never_counted() -> None:
+    """SPEC §2.5 rule 1: a vote needs a weight above 0, even when it is the only value."""
+    assert merge_key([vote(KA, "zero", TS + 5)], {A: Signer(weight=0)}) is None
+    votes = [vote(KA, "zero", TS + 5), vote(KB, "one", TS)]
+    assert merge_key(votes, {A: Signer(weight=0)}) == "one"  # not the newest-vote tie-break
+    assert merge_record(votes, {A: Signer(weight=0), B: Signer(weight=0)}) == {}
+
+
 def test_one_signer_counts_once_across_the_group() -> None:
     # A voted "x" through two CIDs long ago, then "y" through a third; only "y" counts for A.
     votes = [
@@ -184,24 +201,43 @@ def test_tombstone_drops_the_signer_vote() -> None:
     assert merge_key([vote(KA, None, TS + 1)], {}) is None
 
 
+def seen(votes: list[Claim], signers: dict[str, Signer], viewer: str) -> dict[str, str]:
+    """The record as `viewer` sees it: `seen_by` over the merged record, as the node does."""
+    return seen_by(merge_record(votes, signers), votes, signers, viewer)
+
+
 def test_viewer_sees_their_own_vote() -> None:
     votes = [vote(KA, "mine", TS), vote(KB, "theirs", TS), vote(KC, "theirs", TS)]
     assert merge_key(votes, {}) == "theirs"
-    assert merge_key(votes, {}, viewer=A) == "mine"
-    assert merge_key(votes, {}, viewer=B) == "theirs"
-    assert merge_key(votes, {}, viewer=D) == "theirs"  # no vote: the merged value
+    assert seen(votes, {}, A)["title"] == "mine"
+    assert seen(votes, {}, B)["title"] == "theirs"
+    assert seen(votes, {}, D)["title"] == "theirs"  # no vote: the merged value
 
 
 def test_viewer_sees_their_newest_vote() -> None:
     votes = [vote(KA, "old", TS, cid=SHA), vote(KA, "new", TS + 1), vote(KB, "x", TS)]
-    assert merge_key(votes, {}, viewer=A) == "new"
+    assert seen(votes, {}, A)["title"] == "new"
 
 
 def test_viewer_without_a_live_vote_gets_the_merge() -> None:
     votes = [vote(KA, None, TS), vote(KB, "x", TS)]
-    assert merge_key(votes, {}, viewer=A) == "x"
+    assert seen(votes, {}, A)["title"] == "x"
     blocked = [vote(KA, "mine", TS), vote(KB, "x", TS)]
-    assert merge_key(blocked, {A: Signer(blocked=True)}, viewer=A) == "x"
+    assert seen(blocked, {A: Signer(blocked=True)}, A)["title"] == "x"
+
+
+def test_a_weight_zero_viewer_sees_their_own_vote() -> None:
+    """A weight-0 signer counts in no one's record, yet `?as=` shows it its own vote."""
+    votes = [vote(KA, "mine", TS), vote(KB, "x", TS)]
+    assert seen(votes, {A: Signer(weight=0)}, A)["title"] == "mine"
+    assert merge_record(votes, {A: Signer(weight=0)})["title"] == "x"
+
+
+def test_viewer_votes_alone_give_the_same_view() -> None:
+    """The node passes `seen_by` only the viewer's votes (and the cached record)."""
+    votes = [vote(KA, "mine", TS), vote(KA, "1999", TS, key_name="year"), vote(KB, "x", TS)]
+    own = [v for v in votes if v.uid == A]
+    assert seen_by(merge_record(votes, {}), own, {}, A) == seen(votes, {}, A)
 
 
 # -- merge_record --------------------------------------------------------------------------------
@@ -222,7 +258,7 @@ def test_merge_record_per_key_and_no_link_values() -> None:
     assert record == {"title": "The Matrix", "year": "1999"}
     assert not any(k.startswith("cids/") for k in record)
     assert merge_record(votes, {C: Signer(weight=5)})["title"] == "Matrix"
-    assert merge_record(votes, {}, viewer=C)["title"] == "Matrix"
+    assert seen(votes, {}, C)["title"] == "Matrix"
     assert merge_record([], {}) == {}
 
 
@@ -264,10 +300,13 @@ signer_tables = st.fixed_dictionaries(
        data=st.data())
 def test_merge_record_ignores_vote_order(votes: list[Claim], signers: dict[str, Signer],
                                          viewer: str | None, data: Any) -> None:
-    expected = merge_record(votes, signers, viewer)
+    def view(these: list[Claim]) -> dict[str, str]:
+        return merge_record(these, signers) if viewer is None else seen(these, signers, viewer)
+
+    expected = view(votes)
     order = data.draw(st.permutations(votes))
-    assert merge_record(order, signers, viewer) == expected
-    assert merge_record(list(reversed(votes)), signers, viewer) == expected
+    assert view(order) == expected
+    assert view(list(reversed(votes))) == expected
     assert not any(k.startswith("cids/") for k in expected)
     # Every merged value is one that a live, unblocked vote carries for that key.
     for key, value in expected.items():

@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,10 @@ import pytest
 redis = pytest.importorskip("redis", reason="the redis package (extra `migrate`) is missing")
 
 from metanode import cid as cids  # noqa: E402
-from metanode import db, node, truth  # noqa: E402
+from metanode import db, maintenance, truth  # noqa: E402
 from metanode import rid as rids  # noqa: E402
 from metanode.api import create_app  # noqa: E402
+from metanode.clock import now_ms  # noqa: E402
 from metanode.node import Node  # noqa: E402
 from tests.helpers.server import Server, free_port  # noqa: E402
 from tests.helpers.settings import settings_for  # noqa: E402
@@ -290,7 +292,7 @@ async def test_every_old_cid_resolves_to_its_fields_and_rids_are_kept(
                                                         f"cids/{cids.midhash_bytes(b'matrix')}"}
 
     settings = settings_for(data)
-    report = node.check(settings, tmp_path / "scratch.db")
+    report = maintenance.check(settings, tmp_path / "scratch.db")
     assert report.clean, report.differences + report.bad_signatures
     checked = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data)],
                              capture_output=True, text=True, timeout=120)
@@ -425,18 +427,18 @@ def test_a_run_that_stopped_half_way_finishes_on_the_next(
     groups, claimed = truth_state(data, uid)
     assert groups == groups_whole
     assert claimed == claims_whole
-    assert node.check(settings_for(data), tmp_path / "scratch.db").clean
+    assert maintenance.check(settings_for(data), tmp_path / "scratch.db").clean
 
 
 def test_a_cid_the_node_grouped_already_merges_and_the_old_rid_survives(
         redis_url: str, seeded: Seeded, tmp_path: Path) -> None:
     data = tmp_path / "data"
     settings = settings_for(data)
-    node.open_store(settings)
+    maintenance.open_store(settings)
     ma = cids.midhash_bytes(b"matrix")
     conn = db.connect(settings.truth_path)
     try:  # the watcher saw the file before the migration: a fresh (younger) rid
-        db.run_txn(conn, truth.ensure_groups_txn, [ma], rids.Minter(), node.now_ms())
+        db.run_txn(conn, truth.ensure_groups_txn, [ma], rids.Minter(), now_ms())
         fresh = truth.group_of(conn, ma)
     finally:
         conn.close()
@@ -450,7 +452,7 @@ def test_a_cid_the_node_grouped_already_merges_and_the_old_rid_survives(
         assert truth.rid_info(conn, fresh) == truth.RidInfo(fresh, "merged", seeded.rids["A"])
     finally:
         conn.close()
-    assert node.check(settings, tmp_path / "scratch.db").clean
+    assert maintenance.check(settings, tmp_path / "scratch.db").clean
 
 
 def test_the_legacy_key_is_found_again_and_a_blocked_one_stops_the_run(
@@ -467,7 +469,7 @@ def test_the_legacy_key_is_found_again_and_a_blocked_one_stops_the_run(
 
     conn = db.connect(data / "truth.db")
     try:
-        db.run_txn(conn, truth.set_signer_status_txn, uid, "blocked", node.now_ms())
+        db.run_txn(conn, truth.set_signer_status_txn, uid, "blocked", now_ms())
     finally:
         conn.close()
     assert main(["--redis", redis_url, "--data-dir", str(data)]) == 1
@@ -484,30 +486,30 @@ def test_redis_unreachable_is_a_clear_error(tmp_path: Path,
 
 def test_adopt_group_txn_keeps_the_rid_and_links_like_a_vote(tmp_path: Path) -> None:
     settings = settings_for(tmp_path / "data")
-    node.open_store(settings)
+    maintenance.open_store(settings)
     minter = rids.Minter()
     old, never_adopted, old2 = minter.mint(), minter.mint(), minter.mint()
     a, b, c = (cids.midhash_bytes(x) for x in (b"a", b"b", b"c"))
     conn = db.connect(settings.truth_path)
     try:
-        done = db.run_txn(conn, truth.adopt_group_txn, old, [a, b], node.now_ms())
+        done = db.run_txn(conn, truth.adopt_group_txn, old, [a, b], now_ms())
         assert done == truth.Adopted(old, True, (a, b), ())
         seq = truth.max_seq(conn)
-        assert db.run_txn(conn, truth.adopt_group_txn, old, [b, a], node.now_ms()) == \
+        assert db.run_txn(conn, truth.adopt_group_txn, old, [b, a], now_ms()) == \
             truth.Adopted(old, False, (), ())
         assert truth.max_seq(conn) == seq  # nothing written the second time
         # a younger rid naming a CID of an older group is merged into it
-        merged = db.run_txn(conn, truth.adopt_group_txn, old2, [c, a], node.now_ms())
+        merged = db.run_txn(conn, truth.adopt_group_txn, old2, [c, a], now_ms())
         assert merged == truth.Adopted(old, True, (c,), (old2,))
         assert set(truth.group_cids(conn, old)) == {a, b, c}
         # a merged-away rid stands for its survivor
-        assert db.run_txn(conn, truth.adopt_group_txn, old2, [c], node.now_ms()).rid == old
+        assert db.run_txn(conn, truth.adopt_group_txn, old2, [c], now_ms()).rid == old
         with pytest.raises(ValueError):
-            db.run_txn(conn, truth.adopt_group_txn, never_adopted, [], node.now_ms())
+            db.run_txn(conn, truth.adopt_group_txn, never_adopted, [], now_ms())
         assert truth.rid_info(conn, never_adopted) is None
         # minting after an adoption stays above every rid the truth holds
         minted = db.run_txn(conn, truth.ensure_group, cids.midhash_bytes(b"d"), rids.Minter(),
-                            node.now_ms())
+                            now_ms())
         assert minted > max(old, old2)
     finally:
         conn.close()
@@ -536,7 +538,7 @@ def test_rid_of_keeps_uuid7_rids_only() -> None:
     rid = rids.Minter().mint()
     assert plan.rid_of(rid) == rid
     assert plan.rid_of(rid.lower()) == rid
-    assert plan.rid_of(str(rids.to_uuid(rid))) == rid
+    assert plan.rid_of(str(uuid.UUID(int=rids.decode(rid)))) == rid
     assert plan.rid_of("00000000-0000-4000-8000-000000000000") is None  # a UUIDv4
     assert plan.rid_of(f"midhash256:{cids.midhash_bytes(b'x')}") is None
     assert plan.rid_of(cids.midhash_bytes(b"x")) is None

@@ -21,8 +21,8 @@ import pytest
 from metanode import cid as cids
 from metanode import db, truth
 from metanode.claims import LINK_PREFIX, decode_sig
+from metanode.maintenance import check as node_check
 from metanode.node import Node
-from metanode.node import check as node_check
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.server import Server, metanode_check, wait_caught_up
 

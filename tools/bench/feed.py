@@ -2,7 +2,7 @@
 cost ingest.
 
 Run: `.venv/bin/python tools/bench/feed.py [--rate 1000] [--duration 5] [--subscribers 1,10,100]
-[--throughput-claims 30000] [--rounds 5] [--stalled 10]`.
+[--throughput-claims 30000] [--rounds 5] [--stalled 10] [--stream events|meta]`.
 
 Every measurement uses a fresh data directory in a temporary directory and a real
 `metanode serve` (uvicorn) on a free loopback port, started through `harness.metanode_server`
@@ -12,11 +12,15 @@ midhash CID. Every timed claim then sets `title` on one of those records to a ne
 (`v0000042`) with a newer ts, so each accepted claim is exactly one `set` event, recognisable by
 its value. All claims are signed and serialised before anything is timed.
 
-Subscribers are raw asyncio TCP connections (HTTP/1.1 `GET /api/events`, live only, no filter)
+Subscribers are raw asyncio TCP connections (HTTP/1.1 `GET /api/events`, live only, no filter;
+with `--stream meta`, MetaMesh's `GET /api/events/meta` instead, docs/compat.md)
 in a separate process, so their reading does not share an event loop or a GIL with the poster;
 each connection records, per value, the `time.perf_counter()` (CLOCK_MONOTONIC, the same clock
 in both processes) at which the bytes holding that event arrived (a regex over the received
-bytes, no full SSE parse, to keep the readers cheap). Every subscriber must receive every value.
+bytes, no full SSE parse, to keep the readers cheap). The meta stream carries no value, so there
+the i-th `set` event is the i-th timed claim: batches are posted one after another, each applied
+before the next is sent, so each event is matched to its own claim's batch. Every subscriber must
+receive every event.
 
 1. **Latency** (per subscriber count): the poster paces batches of `--batch` (default 20) claims
    every `batch / rate` seconds (20 every 20 ms = 1,000 claims/s) for `--duration` seconds,
@@ -64,10 +68,12 @@ import nacl.signing
 
 from metanode import cid as cids
 from metanode import claims
+from metanode.clock import now_ms
 
 GOAL = 0.8
 VALUE = re.compile(rb'"value":"v([0-9]{7})"')
 SET_MARK = b"\nevent: set\n"
+STREAMS = {"events": "/api/events", "meta": "/api/events/meta"}
 SERVER_ENV = {"METANODE_WATCH_ENABLED": "false", "METANODE_PLUGINS_ENABLED": "false"}
 SUBSCRIBE_TIMEOUT_S = 60.0
 DRAIN_TIMEOUT_S = 120.0
@@ -106,14 +112,19 @@ def sign_updates(key: nacl.signing.SigningKey, records: int, count: int, batch: 
 # -- subscribers (a separate process) -------------------------------------------------------
 
 
-async def _subscribe(port: int, token: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+def _request(path: str, token: str) -> bytes:
+    return (f"GET {path} HTTP/1.1\r\nHost: {harness.HOST}\r\n"
+            f"Authorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n").encode()
+
+
+async def _subscribe(port: int, token: str, path: str
+                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection(harness.HOST, port)
-    writer.write((f"GET /api/events HTTP/1.1\r\nHost: {harness.HOST}\r\n"
-                  f"Authorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n").encode())
+    writer.write(_request(path, token))
     await writer.drain()
     head = await reader.readuntil(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
-        raise RuntimeError(f"GET /api/events answered {head[:200]!r}")
+        raise RuntimeError(f"GET {path} answered {head[:200]!r}")
     return reader, writer
 
 
@@ -140,6 +151,25 @@ async def _read(reader: asyncio.StreamReader, times: list[float], total: int,
     done.set()
 
 
+async def _read_in_order(reader: asyncio.StreamReader, times: list[float], total: int,
+                         done: asyncio.Event) -> None:
+    """`_read` for the meta stream, which carries no value: the i-th `set` event is the i-th
+    timed claim (see the module docstring)."""
+    clock = time.perf_counter
+    tail, received = b"", 0
+    while received < total:
+        data = await reader.read(1 << 16)
+        if not data:
+            raise RuntimeError("the server closed a feed stream")
+        now = clock()
+        window = tail + data
+        arrived = min(window.count(SET_MARK), total - received)
+        times[received:received + arrived] = [now] * arrived
+        received += arrived
+        tail = window[1 - len(SET_MARK):]
+    done.set()
+
+
 async def _count(reader: asyncio.StreamReader, times: list[float], total: int,
                  done: asyncio.Event) -> None:
     """Count `set` events until `total` have arrived; the last one's arrival goes in `times`.
@@ -160,13 +190,13 @@ async def _count(reader: asyncio.StreamReader, times: list[float], total: int,
     done.set()
 
 
-async def _run_subscribers(port: int, token: str, count: int, total: int, timed: bool,
-                           ready: multiprocessing.synchronize.Event,
+async def _run_subscribers(port: int, token: str, path: str, count: int, total: int,
+                           timed: bool, ready: multiprocessing.synchronize.Event,
                            posted: multiprocessing.synchronize.Event) -> list[list[float]]:
-    streams = [await _subscribe(port, token) for _ in range(count)]
+    streams = [await _subscribe(port, token, path) for _ in range(count)]
     times = [[float("nan")] * total for _ in range(count)]
     flags = [asyncio.Event() for _ in range(count)]
-    read = _read if timed else _count
+    read = (_read if path == STREAMS["events"] else _read_in_order) if timed else _count
     tasks = [asyncio.create_task(read(r, t, total, f))
              for (r, _), t, f in zip(streams, times, flags, strict=True)]
     ready.set()
@@ -183,14 +213,14 @@ async def _run_subscribers(port: int, token: str, count: int, total: int, timed:
     return times
 
 
-def subscriber_process(port: int, token: str, count: int, total: int, timed: bool,
+def subscriber_process(port: int, token: str, path: str, count: int, total: int, timed: bool,
                        ready: multiprocessing.synchronize.Event,
                        posted: multiprocessing.synchronize.Event,
                        out: Any) -> None:
     """Entry point of the subscriber process: its arrival times (or an error) go to `out`."""
     try:
-        out.put(("ok", asyncio.run(_run_subscribers(port, token, count, total, timed, ready,
-                                                    posted))))
+        out.put(("ok", asyncio.run(_run_subscribers(port, token, path, count, total, timed,
+                                                    ready, posted))))
     except BaseException as exc:  # reported by the parent
         ready.set()
         out.put(("error", repr(exc)))
@@ -200,14 +230,14 @@ class Subscribers:
     """`count` subscribers in their own process, connected before the poster starts; `timed`:
     each records every event's arrival, else each only counts events."""
 
-    def __init__(self, server: harness.ServerProc, data_dir: Path, count: int,
+    def __init__(self, server: harness.ServerProc, data_dir: Path, path: str, count: int,
                  total: int, timed: bool) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.ready, self.posted = ctx.Event(), ctx.Event()
         self.out = ctx.Queue()
         self.proc = ctx.Process(target=subscriber_process, daemon=True, args=(
-            server.port, harness.token(data_dir), count, total, timed, self.ready, self.posted,
-            self.out))
+            server.port, harness.token(data_dir), path, count, total, timed, self.ready,
+            self.posted, self.out))
         self.proc.start()
         if not self.ready.wait(SUBSCRIBE_TIMEOUT_S):
             self.proc.kill()
@@ -234,10 +264,9 @@ class Subscribers:
 
 
 @contextmanager
-def stalled_subscribers(port: int, token: str, count: int) -> Iterator[None]:
+def stalled_subscribers(port: int, token: str, path: str, count: int) -> Iterator[None]:
     """`count` connections that subscribe (live, no filter) and then never read."""
-    request = (f"GET /api/events HTTP/1.1\r\nHost: {harness.HOST}\r\n"
-               f"Authorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n").encode()
+    request = _request(path, token)
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
@@ -309,11 +338,11 @@ class Latency:
                 f"{p(self.sent_ms, 50)} | {p(self.sent_ms, 99)} | {self.cpu} |")
 
 
-def measure_latency(tmp: Path, key: nacl.signing.SigningKey, work: Workload, subscribers: int,
-                    interval: float) -> Latency:
+def measure_latency(tmp: Path, key: nacl.signing.SigningKey, work: Workload, path: str,
+                    subscribers: int, interval: float) -> Latency:
     total = sum(work.sizes)
     with prepared_server(tmp, f"latency-{subscribers}", key, work) as (srv, data_dir):
-        readers = Subscribers(srv, data_dir, subscribers, total, timed=True)
+        readers = Subscribers(srv, data_dir, path, subscribers, total, timed=True)
         headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
         with harness.CpuMeter(srv.pid) as meter, harness.CpuMeter(readers.pid) as reading:
             sent, acked, wall = asyncio.run(post_paced(srv.url, headers, work.bodies,
@@ -338,13 +367,13 @@ class Throughput:
     reader_cores: float  # the subscribers' process, over the same time
 
 
-def measure_throughput(tmp: Path, key: nacl.signing.SigningKey, work: Workload, name: str,
-                       subscribers: int, stalled: int = 0,
+def measure_throughput(tmp: Path, key: nacl.signing.SigningKey, work: Workload, path: str,
+                       name: str, subscribers: int, stalled: int = 0,
                        profile: Path | None = None) -> Throughput:
     total = sum(work.sizes)
     with prepared_server(tmp, name, key, work) as (srv, data_dir), \
-            stalled_subscribers(srv.port, harness.token(data_dir), stalled):
-        readers = (Subscribers(srv, data_dir, subscribers, total, timed=False)
+            stalled_subscribers(srv.port, harness.token(data_dir), path, stalled):
+        readers = (Subscribers(srv, data_dir, path, subscribers, total, timed=False)
                    if subscribers else None)
         headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
         with harness.py_spy(srv.pid, profile), harness.CpuMeter(srv.pid) as meter, \
@@ -373,14 +402,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="sample the server of the last run with subscribers (py-spy raw "
                              "output to OUT) and print where its time went")
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--stream", choices=sorted(STREAMS), default="events",
+                        help="the stream subscribed to: /api/events (default) or MetaMesh's "
+                             "/api/events/meta")
     args = parser.parse_args(argv)
+    path = STREAMS[args.stream]
 
     key = nacl.signing.SigningKey.generate()
-    ts = harness.now_ms()
+    ts = now_ms()
     paced = sign_updates(key, args.records, int(args.rate * args.duration), args.batch, ts)
     flat = sign_updates(key, args.records, args.throughput_claims, 500, ts)
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"load average {os.getloadavg()[0]:.2f}; subscribers on {path}")
     with tempfile.TemporaryDirectory(prefix="metanode-bench-feed-") as tmp_name:
         tmp = Path(tmp_name)
         print(f"\nlatency, claim acknowledged -> event received, {args.batch} claims every "
@@ -391,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---:|---:|---:|---:|---:|---:|---|")
         for count in ([] if args.skip_latency else
                       [int(c) for c in args.subscribers.split(",")]):
-            print(measure_latency(tmp, key, paced, count, args.batch / args.rate).row(),
+            print(measure_latency(tmp, key, paced, path, count, args.batch / args.rate).row(),
                   flush=True)
 
         print(f"\ningest throughput, {args.throughput_claims:,} claims in batches of 500, "
@@ -404,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
             order = list(kinds)[round_no % 3:] + list(kinds)[:round_no % 3]
             last = round_no == args.rounds - 1
             runs = {kind: measure_throughput(
-                        tmp, key, flat, f"tp-{round_no}-{kind}", *kinds[kind],
+                        tmp, key, flat, path, f"tp-{round_no}-{kind}", *kinds[kind],
                         profile=args.py_spy if kind == "reading" and last else None)
                     for kind in order}
             none, some, stuck = runs["none"], runs["reading"], runs["stalled"]

@@ -34,10 +34,6 @@ STOP_TIMEOUT_S = 30.0
 REPO = Path(__file__).resolve().parents[2]
 
 
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

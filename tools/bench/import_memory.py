@@ -38,6 +38,7 @@ import nacl.signing
 
 from metanode import cid as cids
 from metanode import claims, jsonl
+from metanode.clock import now_ms
 
 GOAL = 1.5
 
@@ -54,7 +55,7 @@ def write_exports(key: nacl.signing.SigningKey, small: Path, large: Path, n: int
                   factor: int) -> None:
     """The two files: `small` is the first `n` lines of `large` (`n * factor` lines). Signed as
     `claims.sign` does, but with the uid spelled once (base58 is slow in pure Python)."""
-    ts, uid = harness.now_ms(), claims.uid_of(bytes(key.verify_key))
+    ts, uid = now_ms(), claims.uid_of(bytes(key.verify_key))
     with small.open("wb") as first, large.open("wb") as every:
         for i in range(n * factor):
             cid = cids.midhash_bytes(i.to_bytes(8, "big") + b"import-memory")

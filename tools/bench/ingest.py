@@ -33,6 +33,7 @@ import nacl.signing
 
 from metanode import cid as cids
 from metanode import claims
+from metanode.clock import now_ms
 
 GOAL = 0.5
 
@@ -60,13 +61,13 @@ def breakdown(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim], batc
     does), `truth.ingest_txn` (the truth writer thread) and `cache.apply_txn` (the cache writer
     thread), each as its own transaction, as the server commits them.
     """
-    from metanode import cache, config, db, node, rid, truth
+    from metanode import cache, config, db, maintenance, rid, truth
 
     wires = [c.wire() for c in signed]
     spent = {"validate": 0.0, "truth.ingest_txn": 0.0, "cache.apply_txn": 0.0}
     with tempfile.TemporaryDirectory(prefix="metanode-bench-") as tmp:
         settings = config.load(env={}, overrides={"data_dir": Path(tmp)})
-        node.open_store(settings)
+        maintenance.open_store(settings)
         truth_conn = db.connect(settings.truth_path)
         cache_conn = db.connect(settings.cache_path)
         source = db.connect(settings.truth_path, readonly=True)
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --n >= 1, 1 <= --batch <= 1000, --clients >= 1")
 
     key = nacl.signing.SigningKey.generate()
-    ts = harness.now_ms()
+    ts = now_ms()
     print(f"signing {args.n:,} claims …", flush=True)
     signed = make_claims(key, args.n, ts, "title")
     warmup = make_claims(key, args.batch, ts, "warm-up")

@@ -49,6 +49,7 @@ from starlette.types import ASGIApp, Message, Scope
 
 from metanode import cid as cids
 from metanode import claims, config
+from metanode.clock import now_ms
 
 GOAL = 0.6
 KEYS = ("title", "year", "genre", "director", "language", "runtime", "country", "rating",
@@ -82,7 +83,7 @@ def populate(server: harness.ServerProc, data_dir: Path, records: int, keys: int
     """Register a signer and post `records` × `keys` signed claims; returns the records' CIDs."""
     key = nacl.signing.SigningKey.generate()
     harness.register_signer(server, data_dir, key)
-    ts = harness.now_ms()
+    ts = now_ms()
     known = [cids.midhash_bytes(os.urandom(32)) for _ in range(records)]
     signed = [claims.sign(key, cid, name, f"{name} of record {i}", ts)
               for i, cid in enumerate(known) for name in KEYS[:keys]]

@@ -7,8 +7,8 @@ measure ingest, not lookups): one signer registered with `truth.add_signer_txn`;
 `--keys-per-record` claims (10 different keys, one fresh midhash CID per record), every claim
 signed on its own (`claims.signing_bytes` + Ed25519, in `--workers` processes) and written with
 `truth.ingest_txn` in transactions of `--chunk` claims via `db.run_txn` on a `db.connect(truth)`
-connection after `node.open_store`; then `node.rebuild_cache` builds cache.db. A sample of the
-stored claims is re-verified with `claims.verify`.
+connection after `maintenance.open_store`; then `maintenance.rebuild_cache` builds cache.db. A
+sample of the stored claims is re-verified with `claims.verify`.
 
 Then `metanode serve` runs on each (both at once, on their own ports) and one sequential client
 (`http.client`, keep-alive, no concurrency: this is a latency test) asks each for random known
@@ -42,7 +42,8 @@ import harness
 import nacl.signing
 
 from metanode import cid as cids
-from metanode import claims, config, db, node, rid, truth
+from metanode import claims, config, db, maintenance, rid, truth
+from metanode.clock import now_ms
 
 GOAL = 1.5
 KEYS = ("title", "year", "genre", "director", "language", "runtime", "country", "rating",
@@ -75,10 +76,10 @@ def build(data_dir: Path, n_claims: int, per: int, chunk: int, workers: int,
           start: float) -> list[str]:
     """Build truth.db and cache.db with `n_claims` signed claims; returns the records' CIDs."""
     settings = config.load(env={}, overrides={"data_dir": data_dir})
-    node.open_store(settings)
+    maintenance.open_store(settings)
     key = nacl.signing.SigningKey.generate()
     uid = claims.uid_of(bytes(key.verify_key))
-    ts = harness.now_ms()
+    ts = now_ms()
     records = n_claims // per
     per_chunk = max(1, chunk // per)
     jobs = [(bytes(key), uid, first, min(per_chunk, records - first), per, ts)
@@ -105,8 +106,8 @@ def build(data_dir: Path, n_claims: int, per: int, chunk: int, workers: int,
         conn.close()
     for claim in sample[:: max(1, len(sample) // 100)]:
         claims.verify(claim)  # raises BadSignature: the stored bytes are really signed
-    log("  building cache.db (node.rebuild_cache) …", start)
-    state = node.rebuild_cache(settings)
+    log("  building cache.db (maintenance.rebuild_cache) …", start)
+    state = maintenance.rebuild_cache(settings)
     log(f"  cache built: epoch {state.epoch}, applied seq {state.applied_seq:,}", start)
     return known
 

@@ -25,7 +25,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from metanode import config, db, node, truth
+from metanode import config, db, maintenance, truth
+from metanode.clock import now_ms
 from metanode.config import Settings
 from metanode.errors import MetanodeError
 from tools.claims_migrate import keyspace, plan
@@ -35,7 +36,6 @@ from tools.claims_migrate.write import (
     MigrateError,
     holders,
     legacy_key,
-    now_ms,
     register,
     write,
 )
@@ -181,14 +181,14 @@ def migrate(opts: Options) -> Report:
                 with tempfile.TemporaryDirectory(prefix="claims-migrate-") as scratch:
                     target = dataclasses.replace(settings, data_dir=Path(scratch) / "data")
                     _copy_truth(settings, target)
-                    node.open_store(target)
+                    maintenance.open_store(target)
                     _migrate_into(target, planned, legacy_key(settings, dry_run=True), opts, ts,
                                   report, bar.writing)
             else:
-                node.open_store(settings)
+                maintenance.open_store(settings)
                 _migrate_into(settings, planned, legacy_key(settings, dry_run=False), opts, ts,
                               report, bar.writing)
-                node.catch_up_cache(settings)
+                maintenance.catch_up_cache(settings)
     finally:
         client.close()
     report.duration_s = time.monotonic() - started

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from metanode import cid as cids
@@ -239,7 +238,3 @@ def plan(space: Keyspace, report: Report) -> list[Planned]:
                 report.drop("folded_conflict")
     report.groups = len(planned)
     return [planned[s.record.root] for s in ordered if s.record.root in planned]
-
-
-def all_cids(planned: Iterable[Planned]) -> list[str]:
-    return sorted({c for p in planned for c in p.cids})

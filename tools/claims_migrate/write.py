@@ -3,10 +3,10 @@
 Everything goes through the node's own write path: groups through `truth.adopt_group_txn` (an
 old rid kept) or `truth.ensure_group` (a rid minted for a record that had none), claims through
 `claims.sign` → `claims.validate_items` → `truth.ingest_txn`, one transaction per batch of
-records, then `node.catch_up_cache` brings cache.db up to date. Each batch commits its groups and
-claims together, so a run that stops half-way leaves whole records behind, and running again
-finishes the job: a claim the legacy signer already holds with the same value is skipped, a group
-already in place is left alone.
+records, then `maintenance.catch_up_cache` brings cache.db up to date. Each batch commits its
+groups and claims together, so a run that stops half-way leaves whole records behind, and running
+again finishes the job: a claim the legacy signer already holds with the same value is skipped, a
+group already in place is left alone.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import nacl.signing
 from metanode import claims, db, keys, truth
 from metanode import rid as rids
 from metanode.claims import LINK_PREFIX, Claim
+from metanode.clock import now_ms
 from metanode.config import Settings
 from tools.claims_migrate.plan import Planned
 from tools.claims_migrate.report import Report
@@ -35,10 +36,6 @@ DEFAULT_WEIGHT = 1
 
 class MigrateError(Exception):
     """A reason to stop, worded for the person running the tool."""
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 # -- is the data directory in use? --------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""The applier: keeps cache.db in step with truth.db's outbox, and tells waiters when it has.
+
+One asyncio task per node. It wakes on a write (or every `apply_poll_s`, for writes other
+processes made), runs `cache.apply_txn` on the cache's single writer thread, and publishes each
+committed cache state; request handlers (read-your-writes) and feed subscribers wait on that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sqlite3
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from metanode import cache, db, merge, truth
+from metanode.clock import Clock, now_ms
+
+log = logging.getLogger(__name__)
+STALL_S = 60.0  # /health reports degraded when the applier or the watcher stalls this long
+
+
+def cache_needs_build(state: cache.State, source: sqlite3.Connection) -> bool:
+    """Whether only a rebuild can bring the cache in step with the truth: it was never built; it
+    is ahead of the truth (the truth was restored from a backup); or it is behind the oldest
+    outbox row still stored (an old copy of cache.db, after the rows it needs were pruned)."""
+    newest = truth.max_seq(source)
+    if state.epoch == 0 or state.applied_seq > newest:
+        return True
+    oldest = truth.min_seq(source)
+    return state.applied_seq < newest and (oldest is None or oldest > state.applied_seq + 1)
+
+
+class Applier:
+    """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq."""
+
+    def __init__(self, writer: db.Writer, truth_path: Path, poll_s: float,
+                 clock: Clock = now_ms) -> None:
+        self._writer = writer
+        self._clock = clock
+        # Used only inside the cache writer's jobs, i.e. only on that thread.
+        self._source = db.connect(truth_path, readonly=True)
+        self._poll_s = poll_s
+        self._wake = asyncio.Event()
+        self._published = asyncio.Event()  # set (and replaced) at every publish
+        self.state = writer.run_sync(lambda conn: cache.read_state(conn))
+        self.ready = False
+        self.degraded = False
+        self.progressed = time.monotonic()  # when applied_seq last moved, or nothing was due
+        self._stopping = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def applied_seq(self) -> int:
+        return self.state.applied_seq
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="applier")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def _until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Wait until `done()` holds after a publish; False if `timeout` passed first.
+
+        No lock: each publish sets the current event and replaces it, and a waiter only ever
+        waits on an event. (An `asyncio.Condition` under `wait_for` on Python 3.11 could be left
+        released by a non-holder when a subscriber's task was cancelled repeatedly, stalling
+        every publisher and subscriber.) And `asyncio.timeout`, not `asyncio.wait_for`: on
+        Python 3.11, wait_for can swallow a cancellation that arrives as the event is set, and
+        a cancelled subscriber would then go on waiting and streaming.
+        """
+        deadline = time.monotonic() + timeout
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(remaining):  # not wait_for: see the docstring
+                    await self._published.wait()
+        return True
+
+    async def wait_for(self, seq: int, timeout: float) -> bool:
+        """Wait until the cache has applied outbox `seq`; False if `timeout` passed first."""
+        return await self._until(lambda: self.ready and self.applied_seq >= seq, timeout)
+
+    async def wait_feed(self, position: int, epoch: int, timeout: float) -> bool:
+        """Wait until the feed has an event after `position` (or a new epoch); False on timeout."""
+        return await self._until(
+            lambda: self.state.feed_seq > position or self.state.epoch != epoch, timeout)
+
+    async def wait_files(self, position: int, epoch: int, timeout: float) -> bool:
+        """`wait_feed` for the file events (`file_feed`)."""
+        return await self._until(
+            lambda: self.state.file_feed_seq > position or self.state.epoch != epoch, timeout)
+
+    async def _run(self) -> None:
+        await self._build_if_needed()
+        backoff = 0.1
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._poll_s):
+                    await self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            try:
+                state = await self._writer.run(cache.apply_txn, self._source, self._clock)
+            except Exception:
+                log.exception("applying truth changes to the cache failed; retrying")
+                self.degraded = True
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+                self._wake.set()
+                continue
+            self.degraded, backoff = False, 0.1
+            await self._publish(state)
+
+    async def _build_if_needed(self) -> None:
+        if cache_needs_build(self.state, self._source):
+            log.info("building the cache from the truth (outbox seq %d)",
+                     truth.max_seq(self._source))
+            self.state = await self._writer.run(cache.build_txn, self._source, self._clock)
+        self.ready = True
+        await self._publish(self.state)
+
+    async def _publish(self, state: cache.State) -> None:
+        """Make a committed cache state visible; never step back (two transactions' answers may
+        arrive out of order)."""
+        mark = (state.epoch, state.feed_seq, state.applied_seq, state.file_feed_seq)
+        if mark > (self.state.epoch, self.state.feed_seq, self.state.applied_seq,
+                   self.state.file_feed_seq):
+            self.state = state
+        self.progressed = time.monotonic()
+        published, self._published = self._published, asyncio.Event()
+        published.set()
+
+    async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
+        """The watcher's results: local_file rows and local keys, in one cache transaction."""
+        await self._publish(await self._writer.run(cache.local_txn, self._source, files, removals,
+                                               self._clock))
+
+    async def stop(self) -> None:
+        """Let the loop finish the apply it is in (its job holds `_source`) and end.
+
+        A flag rather than a cancel: cancelling would leave the shielded job running on the
+        writer thread while the connection it uses is closed under it.
+        """
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), STALL_S)
+            except TimeoutError:  # a build of a huge cache: the writer's close() waits for it
+                self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def close(self) -> None:
+        """Close the truth connection; only once the cache writer has drained every job."""
+        self._source.close()

@@ -1,0 +1,371 @@
+"""Offline maintenance of a data directory: what the CLI and tools do with no server running.
+
+Creating the store and the API token; `rebuild-cache`, `check`, `backup`, `export`, `import`,
+the signer registry (`metanode signers …`), and bringing the cache up to date after such writes.
+Each function opens the connections it needs and closes them before it returns; writes go
+through the same transactions (`truth.*_txn`, `cache.*_txn`) as the running node's. The edges
+(`cli.py`, `tools/`) call these functions, and `node.Node` for a running node: never `db`,
+`truth` or `cache` themselves.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import functools
+import itertools
+import os
+import secrets
+import shutil
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metanode import cache, claims, datadir, db, truth
+from metanode import rid as rids
+from metanode.applier import cache_needs_build
+from metanode.clock import now_ms
+from metanode.config import Settings
+from metanode.errors import BadSignature, InvalidBatch, InvalidRequest
+
+# -- the store and the token ------------------------------------------------------------------
+
+
+def ensure_token(path: Path) -> tuple[str, bool]:
+    """The API token, created (mode 0600) on first start: (token, created now)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text(encoding="ascii").strip(), False
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return token, True
+
+
+def open_store(settings: Settings) -> None:
+    """Create the data directory (or make an existing one private) and bring both schemas up
+    to date."""
+    datadir.secure(settings.data_dir)
+    for path, migrations in ((settings.truth_path, truth.MIGRATIONS),
+                             (settings.cache_path, cache.MIGRATIONS)):
+        conn = db.connect(path)
+        try:
+            db.migrate(conn, migrations)
+        finally:
+            conn.close()
+
+
+# -- the signer registry ------------------------------------------------------------------------
+
+
+def _signer_write(settings: Settings, fn: Callable[..., truth.SignerRow],
+                  *args: Any) -> truth.SignerRow:
+    """One signer transaction on truth.db (the server, if one runs, sees it at its next poll)."""
+    open_store(settings)
+    conn = db.connect(settings.truth_path)
+    try:
+        return db.run_txn(conn, fn, *args, now_ms())
+    finally:
+        conn.close()
+
+
+def add_signer(settings: Settings, uid: str, name: str, weight: int,
+               may_link: bool) -> truth.SignerRow:
+    """`metanode signers add`: register `uid` (or update its name, weight and link permission)."""
+    claims.public_key(uid)
+    return _signer_write(settings, truth.add_signer_txn, uid, name, weight, may_link)
+
+
+def set_signer_status(settings: Settings, uid: str, status: str) -> truth.SignerRow:
+    """`metanode signers block|unblock`: the records it voted on are recomputed by the applier."""
+    return _signer_write(settings, truth.set_signer_status_txn, uid, status)
+
+
+def signers(settings: Settings) -> list[truth.SignerRow]:
+    """`metanode signers list`: every registered signer, by uid."""
+    open_store(settings)
+    conn = db.connect(settings.truth_path, readonly=True)
+    try:
+        return truth.signers(conn)
+    finally:
+        conn.close()
+
+
+# -- the cache: rebuild, check ------------------------------------------------------------------
+
+
+def rebuild_cache(settings: Settings) -> cache.State:
+    """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files."""
+    open_store(settings)
+    conn = db.connect(settings.cache_path)
+    source = db.connect(settings.truth_path, readonly=True)
+    try:
+        return db.run_txn(conn, cache.build_txn, source)
+    finally:
+        conn.close()
+        source.close()
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    differences: list[str]
+    bad_signatures: list[str]
+    claims_checked: int
+
+    @property
+    def clean(self) -> bool:
+        return not self.differences and not self.bad_signatures
+
+
+def check(settings: Settings, scratch: Path) -> CheckReport:
+    """`metanode check`: the live cache against a fresh rebuild, and every stored signature."""
+    open_store(settings)
+    source = db.connect(settings.truth_path, readonly=True)
+    live = db.connect(settings.cache_path, readonly=True)
+    fresh = db.connect(scratch)
+    try:
+        db.migrate(fresh, cache.MIGRATIONS)
+        with db.snapshot(live):
+            files = cache.all_local_files(live)
+            applied = cache.read_state(live).applied_seq
+        differences = []
+        truth_seq = truth.max_seq(source)
+        if applied != truth_seq:
+            differences.append(f"cache applied seq {applied} != truth seq {truth_seq}")
+
+        def build(conn: sqlite3.Connection) -> cache.State:
+            cache.put_local_files(conn, files)
+            return cache.build_txn(conn, source)
+
+        db.run_txn(fresh, build)
+        differences += cache.diff(live, fresh)
+        bad, count = [], 0
+        for claim in truth.all_claims(source):
+            count += 1
+            try:
+                claims.verify(claim)
+            except BadSignature:
+                bad.append(f"{claim.uid} {claim.cid} {claim.key}")
+        return CheckReport(differences, bad, count)
+    finally:
+        for conn in (source, live, fresh):
+            conn.close()
+
+
+def backup(settings: Settings, target: Path) -> Path:
+    """`metanode backup DIR`: an online copy of truth.db (consistent while the node writes),
+    checked, plus the node's keys. The cache is not backed up: it is rebuilt from the truth.
+    Private like the data directory: a new TARGET is 0700, the copy 0600 (the keys keep theirs)."""
+    open_store(settings)
+    target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    copy = target / f"truth-{stamp}.db"
+    os.close(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, datadir.FILE_MODE))
+    verdict = db.copy_database(settings.truth_path, copy)
+    if verdict != "ok":
+        raise RuntimeError(f"the backup {copy} failed its integrity check: {verdict}")
+    if settings.keys_dir.is_dir():
+        shutil.copytree(settings.keys_dir, target / f"keys-{stamp}")
+    return copy
+
+
+# -- export and import --------------------------------------------------------------------------
+
+
+def export_claims(settings: Settings, uid: str | None) -> tuple[int, Iterator[dict[str, Any]]]:
+    """Every stored claim (tombstones too) as wire dicts, optionally of one signer: (count, it)."""
+    open_store(settings)
+    conn = db.connect(settings.truth_path, readonly=True)
+    total = truth.claim_count(conn, uid)
+
+    def rows() -> Iterator[dict[str, Any]]:
+        try:
+            with db.snapshot(conn):
+                for claim in truth.all_claims(conn, uid):
+                    yield claim.wire()
+        finally:
+            conn.close()
+
+    return total, rows()
+
+
+IMPORT_BATCH = 1000
+IMPORT_ERRORS_KEPT = 100  # a file of 10 million bad claims must not fill memory with errors
+Numbered = tuple[int, object]  # (where in its file, a wire claim): `jsonl.read`'s items
+
+
+def _numbered_chunks(items: Iterable[Numbered]) -> Iterator[list[Numbered]]:
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, IMPORT_BATCH)):
+        yield chunk
+
+
+def _placed(positions: Sequence[int], future: concurrent.futures.Future[
+        tuple[list[claims.Claim], list[dict[str, Any]]]]
+            ) -> tuple[list[tuple[int, claims.Claim]], list[dict[str, Any]]]:
+    """A chunk's `validate_items` answer with file positions: `position` for `index`."""
+    valid, errors = future.result()
+    failed = {error["index"] for error in errors}
+    kept = [p for i, p in enumerate(positions) if i not in failed]
+    placed = [{"position": positions[e["index"]], **{k: v for k, v in e.items() if k != "index"}}
+              for e in errors]
+    return list(zip(kept, valid, strict=True)), placed
+
+
+def _verified_chunks(items: Iterable[Numbered], limits: claims.Limits
+                     ) -> Iterator[tuple[list[tuple[int, claims.Claim]], list[dict[str, Any]]]]:
+    """The items verified `IMPORT_BATCH` at a time on a thread pool, in order: per chunk, the
+    valid claims and the errors, each with its position. Only a few chunks are in flight, so
+    memory stays flat however many items there are."""
+    now, workers = now_ms(), os.cpu_count() or 2
+    with concurrent.futures.ThreadPoolExecutor(workers, "import-verify") as pool:
+        pending: collections.deque[tuple[list[int], concurrent.futures.Future[
+            tuple[list[claims.Claim], list[dict[str, Any]]]]]] = collections.deque()
+        for chunk in _numbered_chunks(items):
+            wires = [wire for _, wire in chunk]
+            pending.append(([p for p, _ in chunk],
+                            pool.submit(claims.validate_items, wires, 0, now, limits)))
+            if len(pending) > workers:
+                yield _placed(*pending.popleft())
+        while pending:
+            yield _placed(*pending.popleft())
+
+
+@contextlib.contextmanager
+def _signer_rows(settings: Settings) -> Iterator[Callable[[str], truth.SignerRow | None]]:
+    """Signer rows as the truth holds them now, cached. There are none without a truth.db: an
+    import into a new data directory creates nothing until every claim has passed."""
+    if not settings.truth_path.exists():
+        yield lambda uid: None
+        return
+    open_store(settings)
+    conn = db.connect(settings.truth_path, readonly=True)
+
+    @functools.cache
+    def row(uid: str) -> truth.SignerRow | None:
+        return truth.signer(conn, uid)
+
+    try:
+        yield row
+    finally:
+        conn.close()
+
+
+@dataclass
+class ImportCheck:
+    """What pass 1 of an import keeps of a file of any size: counts and the signers."""
+
+    claims: int = 0
+    signers: set[str] = field(default_factory=set)
+
+
+def validate_import(items: Iterable[Numbered], settings: Settings, register_signers: bool,
+                    progress: Callable[[int], None]) -> ImportCheck:
+    """Pass 1 of `metanode import`: verify every claim, and its signer's policy against the
+    truth as it is now, writing nothing. Raises `InvalidBatch` with the first
+    `IMPORT_ERRORS_KEPT` failures (each with its `position`) and the count of all of them.
+    With `register_signers`, unknown signers pass: they are registered (may link) first."""
+    check, failed = ImportCheck(), 0
+    errors: list[dict[str, Any]] = []
+    limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
+    policy = truth.Policy(settings.accept_unknown_signers)
+    with _signer_rows(settings) as row_of:
+        for valid, chunk_errors in _verified_chunks(items, limits):
+            check.claims += len(valid) + len(chunk_errors)
+            for position, claim in valid:
+                check.signers.add(claim.uid)
+                row = row_of(claim.uid)
+                error = (None if row is None and register_signers
+                         else truth.policy_error(row, claim, policy))
+                if error is not None:
+                    chunk_errors.append({"position": position, "error": error.slug,
+                                         "message": error.message})
+            chunk_errors.sort(key=lambda e: int(e["position"]))
+            errors.extend(chunk_errors[:IMPORT_ERRORS_KEPT - len(errors)])
+            failed += len(chunk_errors)
+            progress(len(valid))
+    if failed:
+        raise InvalidBatch(errors, total=failed)
+    return check
+
+
+def import_claims(settings: Settings, items: Iterable[Numbered], check: ImportCheck,
+                  register_signers: bool, progress: Callable[[int], None]) -> dict[str, int]:
+    """Pass 2 of `metanode import`, after `validate_import` passed on the same items: ingest
+    them through the normal transaction `IMPORT_BATCH` at a time, the cache brought up to date
+    after each. `register_signers` trusts the file's signers (weight 1, may link); otherwise they
+    must be registered already.
+
+    The items are verified again as they are written (on the thread pool, beside the writes):
+    the file is read a second time, and only what the writing pass verified may reach the
+    truth. Should the file change between the passes, the import stops at the first claim that
+    no longer verifies, with the (verified) claims before it written."""
+    open_store(settings)
+    policy = truth.Policy(settings.accept_unknown_signers)
+    limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
+    conn = db.connect(settings.truth_path)
+    try:
+        if register_signers:
+            for uid in sorted(check.signers):
+                if truth.signer(conn, uid) is None:
+                    db.run_txn(conn, truth.add_signer_txn, uid, "imported", 1, True, now_ms())
+        with cache_catcher(settings) as catch_up:
+            return _ingest_chunks(conn, items, limits, policy, progress, catch_up)
+    finally:
+        conn.close()
+
+
+def _ingest_chunks(conn: sqlite3.Connection, items: Iterable[Numbered], limits: claims.Limits,
+                   policy: truth.Policy, progress: Callable[[int], None],
+                   catch_up: Callable[[], cache.State]) -> dict[str, int]:
+    """Pass 2's loop: per chunk, verify, ingest, count the verdicts and bring the cache up to
+    date (memory stays flat: the cache never has more than a chunk's changes to apply)."""
+    minter = rids.Minter()
+    counts = {"accepted": 0, "duplicate": 0, "stale": 0}
+    for valid, errors in _verified_chunks(items, limits):
+        if errors:
+            raise InvalidRequest(f"claim {errors[0]['position']} no longer verifies "
+                                 f"({errors[0]['error']}): the file changed during the "
+                                 "import; the claims before it were imported")
+        batch = [claim for _, claim in valid]
+        result = db.run_txn(conn, truth.ingest_txn, batch, minter, policy, now_ms())
+        for verdict in result.verdicts:
+            counts[verdict] += 1
+        catch_up()
+        progress(len(batch))
+    return counts
+
+
+# -- bringing the cache up to date --------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cache_catcher(settings: Settings) -> Iterator[Callable[[], cache.State]]:
+    """A function applying the truth's outbox to the cache now (the CLI's writes, when no
+    server runs), its connections open for as many calls as the block makes: a long import
+    calls it after every chunk, so no one transaction holds a whole file's changes."""
+    conn = db.connect(settings.cache_path)
+    source = db.connect(settings.truth_path, readonly=True)
+
+    def catch_up() -> cache.State:
+        state = cache.read_state(conn)
+        if cache_needs_build(state, source):
+            return db.run_txn(conn, cache.build_txn, source)
+        return db.run_txn(conn, cache.apply_txn, source)
+
+    try:
+        yield catch_up
+    finally:
+        conn.close()
+        source.close()
+
+
+def catch_up_cache(settings: Settings) -> cache.State:
+    """Apply the truth's outbox to the cache now (the CLI's writes, when no server runs)."""
+    with cache_catcher(settings) as catch_up:
+        return catch_up()
