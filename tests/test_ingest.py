@@ -66,6 +66,22 @@ async def test_newer_replaces_and_retraction_removes(client: httpx.AsyncClient,
         "stale"]
 
 
+async def test_a_weight_zero_signer_is_listed_never_counted(client: httpx.AsyncClient,
+                                                            alice: Signer) -> None:
+    """SPEC §2.5 rule 1, end to end: stored and listed, absent from the merged record (even as
+    the only value), visible to its signer with `?as=`; raising the weight counts it."""
+    await register(client, alice, weight=0)
+    claim = alice.claim(CID_A, "title", "Mine alone")
+    assert verdicts(await post(client, claim)) == ["accepted"]
+    assert "title" not in (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]
+    listed = (await client.get(f"/api/meta/{CID_A}/claims")).json()["claims"]
+    assert [c["value"] for c in listed if c["key"] == "title"] == ["Mine alone"]
+    mine = await client.get(f"/api/meta/{CID_A}", params={"as": alice.uid})
+    assert mine.json()["metadata"]["title"] == "Mine alone"
+    await register(client, alice, weight=1)
+    assert (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]["title"] == "Mine alone"
+
+
 async def test_equal_ts_tie_break_smaller_signature_wins(client: httpx.AsyncClient,
                                                         alice: Signer) -> None:
     await register(client, alice)
