@@ -1,8 +1,9 @@
 """The applier: keeps cache.db in step with truth.db's outbox, and tells waiters when it has.
 
 One asyncio task per node. It wakes on a write (or every `apply_poll_s`, for writes other
-processes made), runs `cache.apply_txn` on the cache's single writer thread, and publishes each
-committed cache state; request handlers (read-your-writes) and feed subscribers wait on that.
+processes made), runs `CacheStore.apply` (on the cache's single writer thread, reading the truth
+through `TruthStore.snapshot`), and publishes each committed cache state; request handlers
+(read-your-writes) and feed subscribers wait on that.
 """
 
 from __future__ import annotations
@@ -10,42 +11,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sqlite3
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-from metanode import cache, db, merge, truth
-from metanode.clock import Clock, now_ms
+from metanode import cache, merge, truth
 
 log = logging.getLogger(__name__)
 STALL_S = 60.0  # /health reports degraded when the applier or the watcher stalls this long
 
 
-def cache_needs_build(state: cache.State, source: sqlite3.Connection) -> bool:
+def cache_needs_build(state: cache.State, source: truth.TruthStore) -> bool:
     """Whether only a rebuild can bring the cache in step with the truth: it was never built; it
     is ahead of the truth (the truth was restored from a backup); or it is behind the oldest
     outbox row still stored (an old copy of cache.db, after the rows it needs were pruned)."""
-    newest = truth.max_seq(source)
+    newest = source.max_seq()
     if state.epoch == 0 or state.applied_seq > newest:
         return True
-    oldest = truth.min_seq(source)
+    oldest = source.min_seq()
     return state.applied_seq < newest and (oldest is None or oldest > state.applied_seq + 1)
 
 
 class Applier:
     """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq."""
 
-    def __init__(self, writer: db.Writer, truth_path: Path, poll_s: float,
-                 clock: Clock = now_ms) -> None:
-        self._writer = writer
-        self._clock = clock
-        # Used only inside the cache writer's jobs, i.e. only on that thread.
-        self._source = db.connect(truth_path, readonly=True)
+    def __init__(self, store: cache.CacheStore, source: truth.TruthStore, poll_s: float) -> None:
+        self._store = store
+        self._source = source
         self._poll_s = poll_s
         self._wake = asyncio.Event()
         self._published = asyncio.Event()  # set (and replaced) at every publish
-        self.state = writer.run_sync(lambda conn: cache.read_state(conn))
+        self.state = store.state()
         self.ready = False
         self.degraded = False
         self.progressed = time.monotonic()  # when applied_seq last moved, or nothing was due
@@ -107,7 +102,7 @@ class Applier:
             if self._stopping:
                 return
             try:
-                state = await self._writer.run(cache.apply_txn, self._source, self._clock)
+                state = await self._store.apply(self._source)
             except Exception:
                 log.exception("applying truth changes to the cache failed; retrying")
                 self.degraded = True
@@ -121,8 +116,8 @@ class Applier:
     async def _build_if_needed(self) -> None:
         if cache_needs_build(self.state, self._source):
             log.info("building the cache from the truth (outbox seq %d)",
-                     truth.max_seq(self._source))
-            self.state = await self._writer.run(cache.build_txn, self._source, self._clock)
+                     self._source.max_seq())
+            self.state = await self._store.build(self._source)
         self.ready = True
         await self._publish(self.state)
 
@@ -139,11 +134,10 @@ class Applier:
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
         """The watcher's results: local_file rows and local keys, in one cache transaction."""
-        await self._publish(await self._writer.run(cache.local_txn, self._source, files, removals,
-                                               self._clock))
+        await self._publish(await self._store.apply_local(self._source, files, removals))
 
     async def stop(self) -> None:
-        """Let the loop finish the apply it is in (its job holds `_source`) and end.
+        """Let the loop finish the apply it is in (its job reads a truth snapshot) and end.
 
         A flag rather than a cancel: cancelling would leave the shielded job running on the
         writer thread while the connection it uses is closed under it.
@@ -157,7 +151,3 @@ class Applier:
                 self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-
-    def close(self) -> None:
-        """Close the truth connection; only once the cache writer has drained every job."""
-        self._source.close()

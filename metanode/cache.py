@@ -1,8 +1,10 @@
 """cache.db: merged records, the cid index, local files, the feed, and the applier that fills them.
 
-Derived and rebuildable. The applier reads the truth's outbox after its last applied seq,
-recomputes the affected keys of the affected records from the truth, and writes the changed rows,
-one feed event per changed key and the new applied seq in ONE cache transaction. A crash anywhere
+`CacheStore` is the only door: it owns the connections, the writer and the schema; the
+module-level functions are its statements. Derived and rebuildable. The apply reads the
+truth's outbox after its last applied seq through a `view.TruthView`, lets `plan` decide what
+the affected records become, and writes the changed rows, one feed event per changed key and
+the new applied seq in ONE cache transaction. A crash anywhere
 is repaired by applying again from the stored seq: behind, never wrong (SPEC §3).
 """
 
@@ -10,14 +12,39 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
-from metanode import merge, truth
+from metanode import merge
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
-from metanode.db import Migration, executescript_in_txn, snapshot
+from metanode.db import (
+    Migration,
+    Writer,
+    connect,
+    executescript_in_txn,
+    mapped,
+    migrate_file,
+    off_loop,
+    snapshot,
+    storage_errors,
+)
+from metanode.errors import StorageError
+from metanode.plan import (
+    Event,
+    FileEvent,
+    Inputs,
+    Plan,
+    Row,
+    Scope,
+    file_events,
+    recompute,
+    resolve,
+)
+from metanode.plan import touched as touched_by
+from metanode.view import Change, TruthSource, TruthView
 
 SCHEMA_V1 = """
 CREATE TABLE records (
@@ -110,7 +137,6 @@ def _v4(conn: sqlite3.Connection) -> None:
 
 
 MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4)
-LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -136,15 +162,6 @@ def _set_state(conn: sqlite3.Connection, **values: int) -> None:
 
 
 # -- recomputing records ------------------------------------------------------------------------
-
-
-class Event(NamedTuple):
-    """One feed event. A named tuple, not a dataclass: the applier makes one per changed key."""
-
-    rid: str
-    op: str  # "set" | "del"
-    key: str
-    value: str | None
 
 
 def local_files(conn: sqlite3.Connection, cids: Iterable[str]) -> list[merge.LocalFile]:
@@ -181,7 +198,7 @@ def local_files_of(conn: sqlite3.Connection,
     found: dict[str, list[merge.LocalFile]] = {}
     for row in conn.execute(
             "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
-            "WHERE midhash IN (SELECT value FROM json_each(?))", (truth.json_array(set(cids)),)):
+            "WHERE midhash IN (SELECT value FROM json_each(?))", (json_array(set(cids)),)):
         found.setdefault(row[1], []).append(merge.LocalFile(*row))
     return found
 
@@ -195,99 +212,46 @@ def records_rows(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, dic
     found: dict[str, dict[str, str]] = {}
     for rid, key, value in conn.execute(
             "SELECT rid, key, value FROM records WHERE rid IN (SELECT value FROM json_each(?))",
-            (truth.json_array(set(rids)),)):
+            (json_array(set(rids)),)):
         found.setdefault(rid, {})[key] = value
     return found
 
 
-def _is_group_key(key: str) -> bool:
-    return key.startswith("cids/") or key in LOCAL_KEYS
+def json_array(values: Iterable[object]) -> str:
+    """`values` as one SQL parameter, read back with `IN (SELECT value FROM json_each(?))`."""
+    return json.dumps(list(values), ensure_ascii=False)
 
 
-@dataclass
-class _Scope:
-    """What to recompute of one record: some claimed keys, the group keys, or all of it."""
-
-    keys: set[str] = field(default_factory=set)
-    group: bool = False
-    whole: bool = False
-
-    @property
-    def regroups(self) -> bool:
-        return self.group or self.whole
-
-
-@dataclass(frozen=True)
-class _Inputs:
-    """What recomputing a chunk of records reads, one query per table for the whole chunk."""
-
-    old: dict[str, dict[str, str]]  # rid → its rows in the cache now
-    members: dict[str, list[str]]  # rid → its CIDs (records whose group keys are recomputed)
-    files: dict[str, list[merge.LocalFile]]  # midhash → its local files
-    votes: dict[str, list[Claim]]  # rid → the live claims on the keys in scope
-
-
-def _votes(source: sqlite3.Connection, scopes: Mapping[str, _Scope]) -> dict[str, list[Claim]]:
+def _votes(view: TruthView, scopes: Mapping[str, Scope]) -> dict[str, list[Claim]]:
     """The live claims each record's merge needs: all of them, or those on its scoped keys."""
     whole = [rid for rid, scope in scopes.items() if scope.whole]
     keyed = {rid: scope.keys for rid, scope in scopes.items() if scope.keys and not scope.whole}
-    votes = truth.groups_claims(source, whole) if whole else {}
+    votes = view.groups_claims(whole) if whole else {}
     if keyed:
         wanted = set().union(*keyed.values())
-        for rid, found in truth.groups_claims(source, keyed, wanted).items():
+        for rid, found in view.groups_claims(keyed, wanted).items():
             votes[rid] = [claim for claim in found if claim.key in keyed[rid]]
     return votes
 
 
-def _read_inputs(cache: sqlite3.Connection, source: sqlite3.Connection,
-                 scopes: Mapping[str, _Scope]) -> _Inputs:
-    members = truth.groups_cids(source, [rid for rid, scope in scopes.items() if scope.regroups])
+def _read_inputs(cache: sqlite3.Connection, view: TruthView,
+                 scopes: Mapping[str, Scope]) -> Inputs:
+    members = view.groups_cids([rid for rid, scope in scopes.items() if scope.regroups])
     files = local_files_of(cache, (cid for cids in members.values() for cid in cids))
-    return _Inputs(records_rows(cache, scopes), members, files, _votes(source, scopes))
+    return Inputs(records_rows(cache, scopes), members, files, _votes(view, scopes))
 
 
-def _diff(rid: str, old: dict[str, str], new: dict[str, str], keys: Iterable[str]) -> list[Event]:
-    """The events that turn `old` into `new` on `keys`, in key order (absent: no value)."""
-    events = []
-    for key in sorted(keys):
-        before, after = old.get(key), new.get(key)
-        if before != after:
-            events.append(Event(rid, "del", key, None) if after is None
-                          else Event(rid, "set", key, after))
-    return events
-
-
-def _recompute(rid: str, scope: _Scope, inputs: _Inputs,
-               signers: dict[str, merge.Signer]) -> list[Event]:
-    """The events of one record's recomputed `scope`, from the chunk's reads."""
-    old = inputs.old.get(rid, {})
-    new: dict[str, str] = {}
-    keys: set[str] = set(scope.keys)
-    if scope.regroups:
-        members = inputs.members.get(rid, [])
-        new.update(merge.group_keys(members, [f for cid in members
-                                              for f in inputs.files.get(cid, ())]))
-        keys |= set(new) | {k for k in old if _is_group_key(k)}
-    if scope.whole:
-        merged = merge.merge_record(inputs.votes.get(rid, ()), signers)
-        keys |= set(merged) | set(old)
-        new.update(merged)
-    elif scope.keys:
-        new.update(merge.merge_record(inputs.votes.get(rid, ()), signers))
-    return _diff(rid, old, new, keys)
-
-
-def refresh(cache: sqlite3.Connection, source: sqlite3.Connection,
-            scopes: Mapping[str, _Scope], signers: dict[str, merge.Signer]) -> list[Event]:
-    """Recompute the scoped keys of some records (at most `CHUNK`) from the truth (`source`),
+def refresh(cache: sqlite3.Connection, view: TruthView,
+            scopes: Mapping[str, Scope], signers: dict[str, merge.Signer]) -> list[Event]:
+    """Recompute the scoped keys of some records (at most `CHUNK`) from the truth (`view`),
     write what changed and index their CIDs; the events in the order of `scopes`.
 
     Set-based: each table is read once for all of them and the rows are written with
     `executemany`, instead of a round of statements per record.
     """
-    inputs = _read_inputs(cache, source, scopes)
+    inputs = _read_inputs(cache, view, scopes)
     events = [event for rid, scope in scopes.items()
-              for event in _recompute(rid, scope, inputs, signers)]
+              for event in recompute(rid, scope, inputs, signers)]
     cache.executemany("INSERT INTO cid_index (cid, rid) VALUES (?, ?) ON CONFLICT (cid) "
                       "DO UPDATE SET rid = excluded.rid",
                       [(cid, rid) for rid, cids in inputs.members.items() for cid in cids])
@@ -306,12 +270,12 @@ def _chunks(rids: Sequence[str]) -> Iterator[Sequence[str]]:
     return (rids[start:start + CHUNK] for start in range(0, len(rids), CHUNK))
 
 
-def refresh_all(cache: sqlite3.Connection, source: sqlite3.Connection,
-                scopes: Mapping[str, _Scope], signers: dict[str, merge.Signer]) -> list[Event]:
+def refresh_all(cache: sqlite3.Connection, view: TruthView,
+                scopes: Mapping[str, Scope], signers: dict[str, merge.Signer]) -> list[Event]:
     """`refresh` every record of `scopes`, in rid order, a chunk at a time."""
     events: list[Event] = []
     for chunk in _chunks(sorted(scopes)):
-        events += refresh(cache, source, {rid: scopes[rid] for rid in chunk}, signers)
+        events += refresh(cache, view, {rid: scopes[rid] for rid in chunk}, signers)
     return events
 
 
@@ -326,49 +290,6 @@ def drop(cache: sqlite3.Connection, rid: str) -> list[Event]:
 # -- the applier's transaction ------------------------------------------------------------------
 
 
-@dataclass
-class Plan:
-    """Which records a run of outbox changes touches, resolved against the current truth."""
-
-    losers: list[str] = field(default_factory=list)
-    scopes: dict[str, _Scope] = field(default_factory=dict)
-
-    def scope(self, rid: str) -> _Scope:
-        scope = self.scopes.get(rid)
-        if scope is None:
-            scope = self.scopes[rid] = _Scope()
-        return scope
-
-
-def plan(source: sqlite3.Connection, changes: Sequence[truth.Change]) -> Plan:
-    """Sort the changes by what they touch, then resolve every CID to its group and every rid
-    to its survivor with one set-based read each (not one lookup per change)."""
-    result = Plan()
-    claimed: list[tuple[str, str]] = []  # (cid, key) whose merged value may have changed
-    regrouped: list[str] = []  # rids whose group keys may have changed
-    survived: list[str] = []  # rids that took in a merged group
-    for change in changes:
-        if change.kind == "claim":
-            claimed.append((change.cid or "", change.key or ""))
-        elif change.kind == "group":
-            regrouped.append(change.rid or "")
-        elif change.kind == "merge":
-            result.losers.append(change.rid or "")
-            survived.append(change.survivor or "")
-        elif change.kind == "signer":
-            claimed += truth.signer_cid_keys(source, change.uid or "")
-    groups = truth.groups_of(source, [cid for cid, _ in claimed])
-    survivors = truth.survivors(source, regrouped + survived)
-    for cid, key in claimed:
-        if cid in groups and not key.startswith("cids/"):
-            result.scope(groups[cid]).keys.add(key)
-    for rid in regrouped:
-        result.scope(survivors[rid]).group = True
-    for rid in survived:
-        result.scope(survivors[rid]).whole = True
-    return result
-
-
 def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event],
                  at: int) -> int:
     """Feed rows on consecutive seqs from the stored counter, stamped `at`; returns the new
@@ -379,7 +300,18 @@ def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event
     return state.feed_seq + len(events)
 
 
-def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
+def _plan(view: TruthView, changes: Sequence[Change]) -> Plan:
+    """The records `changes` touch, with every CID resolved to its group and every rid to its
+    survivor by one set-based read each (not one lookup per change)."""
+    work = touched_by(changes)
+    claimed = [*work.claimed, *(pair for uid in work.signers
+                                for pair in view.signer_cid_keys(uid))]
+    groups = view.groups_of(cid for cid, _ in claimed)
+    survivors = view.survivors(work.regrouped + work.survived)
+    return resolve(work, claimed, groups, survivors)
+
+
+def apply_txn(cache: sqlite3.Connection, source: TruthSource,
               clock: Clock = now_ms) -> State:
     """Apply every outbox change after the stored seq, in one cache transaction.
 
@@ -388,14 +320,14 @@ def apply_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
     touched records are refreshed, so the losing rid never reappears.
     """
     state = read_state(cache)
-    with snapshot(source):
-        changes = truth.changes_after(source, state.applied_seq)
+    with source.snapshot() as view:
+        changes = view.changes_after(state.applied_seq)
         if not changes:
             return state
-        work = plan(source, changes)
-        signers = truth.merge_signers(source)
+        work = _plan(view, changes)
+        signers = view.merge_signers()
         events = [event for loser in work.losers for event in drop(cache, loser)]
-        events += refresh_all(cache, source, work.scopes, signers)
+        events += refresh_all(cache, view, work.scopes, signers)
     last = _append_feed(cache, state, events, clock())
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
     return State(state.epoch, changes[-1].seq, last, state.file_feed_seq)
@@ -414,7 +346,7 @@ def prune_feed_txn(cache: sqlite3.Connection, keep_events: int, older_than_ms: i
     return cursor.rowcount
 
 
-def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
+def build_txn(cache: sqlite3.Connection, source: TruthSource,
               clock: Clock = now_ms) -> State:
     """Recompute every record from the truth under a new epoch (create, rebuild, or repair).
 
@@ -426,12 +358,12 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
     cache.execute("DELETE FROM records")
     cache.execute("DELETE FROM cid_index")
     cache.execute("DELETE FROM feed")
-    whole = _Scope(whole=True)
-    with snapshot(source):
-        seq = truth.max_seq(source)
-        signers = truth.merge_signers(source)
-        for chunk in _chunks(truth.active_rids(source)):
-            refresh(cache, source, dict.fromkeys(chunk, whole), signers)
+    whole = Scope(whole=True)
+    with source.snapshot() as view:
+        seq = view.max_seq()
+        signers = view.merge_signers()
+        for chunk in _chunks(view.active_rids()):
+            refresh(cache, view, dict.fromkeys(chunk, whole), signers)
     state = State(epoch=max(clock(), old.epoch + 1), applied_seq=seq, feed_seq=0,
                   file_feed_seq=old.file_feed_seq)
     _set_state(cache, epoch=state.epoch, applied_seq=state.applied_seq, feed_seq=0)
@@ -441,7 +373,7 @@ def build_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
 # -- local files (the watcher) ------------------------------------------------------------------
 
 
-def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
+def local_txn(cache: sqlite3.Connection, source: TruthSource,
               upserts: Sequence[merge.LocalFile], removals: Sequence[str],
               clock: Clock = now_ms) -> State:
     """Record what the disk holds and recompute the local keys it changes, in one transaction.
@@ -450,11 +382,11 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
     new midhash of each touched path have their `filePath`/`fileSize`/`mtimeNano` recomputed, so
     a rename (a removal and an upsert of the same content in one call) is one `set` of
     `filePath`, and replacing a file's content moves the path from one record to the other. The
-    midhashes' groups must exist in the truth already (`truth.ensure_groups_txn`). What changed
+    midhashes' groups must exist in the truth already (`TruthStore.ensure_groups`). What changed
     on disk is also appended to `file_feed` (`file_events`).
     """
     touched: set[str] = set()
-    removed: dict[str, _Row] = {}
+    removed: dict[str, Row] = {}
     for path in removals:
         rows = cache.execute(
             "SELECT path, midhash, size, mtime_ns FROM local_file "
@@ -480,9 +412,9 @@ def local_txn(cache: sqlite3.Connection, source: sqlite3.Connection,
             "mtime_ns = excluded.mtime_ns, ino = excluded.ino",
             (file.path, file.midhash, file.size, file.mtime_ns, file.ino))
     state = read_state(cache)
-    with snapshot(source):
-        rids = set(truth.groups_of(source, touched).values())
-        events = refresh_all(cache, source, {rid: _Scope(group=True) for rid in rids}, {})
+    with source.snapshot() as view:
+        rids = set(view.groups_of(touched).values())
+        events = refresh_all(cache, view, {rid: Scope(group=True) for rid in rids}, {})
     at = clock()
     last = _append_feed(cache, state, events, at)
     _set_state(cache, feed_seq=last)
@@ -521,48 +453,7 @@ def files(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list
 
 # -- file events (GET /api/events/files, docs/compat.md) -----------------------------------------
 
-_Row = tuple[str, int, int]  # a local_file row: (midhash, size, mtime_ns)
 FILE_FEED_SEQ = "file_feed_seq"
-
-
-@dataclass(frozen=True)
-class FileEvent:
-    """One change of what the disk holds, as MetaMesh's file events name it."""
-
-    op: str  # "add" | "change" | "delete" | "rename"
-    path: str
-    old_path: str | None
-    size: int
-    midhash: str
-
-
-def file_events(removed: dict[str, _Row],
-                written: Sequence[tuple[merge.LocalFile, bool]]) -> list[FileEvent]:
-    """The events of one `local_txn`: `delete` for each removed path not taken over, then per
-    written path `add` (new path), `change` (new content or stat) or `rename`.
-
-    A written path whose midhash equals a removed row's is that file moved: one `rename` from the
-    removed path (preferring one with the same file name, then the first by path) instead of a
-    `delete` and an `add`.
-    """
-    by_content: dict[str, list[str]] = {}
-    for path, row in sorted(removed.items()):
-        by_content.setdefault(row[0], []).append(path)
-    taken: set[str] = set()
-    upserted = []
-    for file, is_new in written:
-        sources = [p for p in by_content.get(file.midhash, ()) if p not in taken]
-        if sources:
-            name = file.path.rsplit("/", 1)[-1]
-            source = next((p for p in sources if p.rsplit("/", 1)[-1] == name), sources[0])
-            taken.add(source)
-            upserted.append(FileEvent("rename", file.path, source, file.size, file.midhash))
-        else:
-            upserted.append(FileEvent("add" if is_new else "change", file.path, None, file.size,
-                                      file.midhash))
-    deleted = [FileEvent("delete", path, None, row[1], row[0])
-               for path, row in sorted(removed.items()) if path not in taken]
-    return deleted + upserted
 
 
 def file_feed_head(conn: sqlite3.Connection) -> int:
@@ -837,3 +728,268 @@ def diff(live: sqlite3.Connection, fresh: sqlite3.Connection) -> list[str]:
         out += [f"{table}: only in live cache: {row}" for row in sorted(a - b)]
         out += [f"{table}: missing from live cache: {row}" for row in sorted(b - a)]
     return out
+
+
+# -- the store ----------------------------------------------------------------------------------
+
+
+class Reading:
+    """An open read transaction on its own read-only connection: the cache state it reflects,
+    and the rows of one query, fetched a page at a time on a worker thread so that a large
+    cache never stalls the event loop. Holds the connection until `close()`."""
+
+    def __init__(self, path: Path, query: Callable[[sqlite3.Connection], sqlite3.Cursor],
+                 page: int) -> None:
+        self._page = page
+        with storage_errors(path):
+            self._conn = connect(path, readonly=True)
+            try:
+                self._conn.execute("BEGIN")
+                self.state = read_state(self._conn)
+                self._rows = query(self._conn)
+            except BaseException:
+                self._conn.close()
+                raise
+
+    async def rows(self) -> list[Any]:
+        """The next page of rows (as the query names its columns); empty at the end."""
+        with storage_errors():
+            return await off_loop(self._rows.fetchmany, self._page)
+
+    def close(self) -> None:
+        """End the read transaction and free the file: the cursor first, since a connection
+        closed while a cursor still holds a statement keeps its file open until that cursor is
+        garbage. (`rows` never leaves a fetch running when it returns or is cancelled.)"""
+        self._rows.close()
+        self._conn.close()
+
+
+class CacheStore:
+    """cache.db: its schema, its single writer, its read connection and every statement on it.
+
+    `open()` migrates, starts the writer thread and opens the event loop's read connection (the
+    primary-key reads of GET /api/meta stay there: microseconds, no thread hop). The apply path
+    (`apply`, `build`, `apply_local`) runs on the writer and reads the truth only through a
+    `view.TruthSource`; the feed's snapshots (`reading`) open a connection of their own. Callers
+    see values (`State`, `Group`, `FeedRow` …), never a connection; a storage failure is raised
+    as its typed `StorageError`.
+    """
+
+    def __init__(self, path: Path, clock: Clock = now_ms) -> None:
+        self.path = path
+        self._clock = clock
+        self._writer: Writer | None = None
+        self._reader: sqlite3.Connection | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Create cache.db or bring its schema up to date (forward only)."""
+        migrate_file(self.path, MIGRATIONS)
+
+    def open(self) -> CacheStore:
+        self.migrate()
+        self._writer = Writer(self.path, "cache")
+        self._reader = connect(self.path, readonly=True)
+        return self
+
+    def close(self) -> None:
+        """Finish the queued transactions, stop the writer, close the read connection."""
+        if self._writer is not None:
+            self._writer.close()
+        if self._reader is not None:
+            self._reader.close()
+
+    def __enter__(self) -> CacheStore:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def failure(self) -> StorageError | None:
+        """The last storage failure of a write, until writes work again (`/health`)."""
+        return None if self._writer is None else self._writer.failure
+
+    @property
+    def writer(self) -> Writer:
+        assert self._writer is not None, "the store is not open"
+        return self._writer
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """The event loop's read connection (for this module and the tests only)."""
+        assert self._reader is not None, "the store is not open"
+        return self._reader
+
+    # -- the apply path -------------------------------------------------------------------------
+
+    async def apply(self, source: TruthSource) -> State:
+        """Apply the truth's outbox after the stored seq (`apply_txn`)."""
+        return await self.writer.run(apply_txn, source, self._clock)
+
+    def apply_sync(self, source: TruthSource) -> State:
+        return self.writer.run_sync(apply_txn, source, self._clock)
+
+    async def build(self, source: TruthSource) -> State:
+        """Recompute every record under a new epoch (`build_txn`)."""
+        return await self.writer.run(build_txn, source, self._clock)
+
+    def build_sync(self, source: TruthSource,
+                   files: Sequence[merge.LocalFile] = ()) -> State:
+        """`build`, first inserting `files` as local_file rows (`check`'s fresh rebuild into an
+        empty cache), in the same transaction."""
+        return self.writer.run_sync(_build_with_files, source, files, self._clock)
+
+    async def apply_local(self, source: TruthSource, files: Sequence[merge.LocalFile],
+                          removals: Sequence[str]) -> State:
+        """The watcher's results: local_file rows and local keys (`local_txn`)."""
+        return await self.writer.run(local_txn, source, files, removals, self._clock)
+
+    async def drained(self) -> None:
+        """Return once every write queued before this call has committed."""
+        await self.writer.run(_nothing)
+
+    async def prune_feed(self, keep_events: int, older_than_ms: int) -> int:
+        """Retention of both event tables (`prune_feed_txn`); how many feed events went."""
+        return await self.writer.run(prune_feed_txn, keep_events, older_than_ms)
+
+    # -- plugin runs ----------------------------------------------------------------------------
+
+    async def enqueue_runs(self, versions: Sequence[tuple[str, str]],
+                           midhashes: Sequence[str] | None) -> None:
+        await self.writer.run(enqueue_runs_txn, versions, midhashes, self._clock())
+
+    async def finish_run(self, run: PluginRun, status: str, attempts: int, next_at: int,
+                         error: str | None) -> None:
+        await self.writer.run(finish_run_txn, run, status, attempts, next_at, error,
+                              self._clock())
+
+    async def drop_run(self, run: PluginRun) -> None:
+        await self.writer.run(drop_run_txn, run.plugin, run.version, run.midhash)
+
+    @mapped
+    def due_runs(self, versions: Sequence[tuple[str, str]], limit: int) -> list[PluginRun]:
+        return due_runs(self.conn, versions, self._clock(), limit)
+
+    @mapped
+    def file_of(self, midhash: str) -> tuple[str, str, int, int] | None:
+        return file_of(self.conn, midhash)
+
+    @mapped
+    def run_counts(self) -> dict[tuple[str, str], dict[str, int]]:
+        return run_counts(self.conn)
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    @mapped
+    def state(self) -> State:
+        return read_state(self.conn)
+
+    @mapped
+    def lookup(self, cid: str) -> str | None:
+        return lookup(self.conn, cid)
+
+    @mapped
+    def group_by_cid(self, cid: str) -> Group | None:
+        return group_by_cid(self.conn, cid)
+
+    @mapped
+    def group_by_rid(self, rid: str) -> Group | None:
+        return group_by_rid(self.conn, rid)
+
+    def record_of(self, cid: str) -> dict[str, str] | None:
+        """The merged record of the group holding `cid`, on a connection of its own: for
+        threads (plugins), which must not share the event loop's."""
+        with storage_errors(self.path):
+            conn = connect(self.path, readonly=True)
+            try:
+                group = group_by_cid(conn, cid)
+            finally:
+                conn.close()
+        return None if group is None else dict(sorted(group.record.items()))
+
+    @mapped
+    def record_rows(self, rid: str) -> dict[str, str]:
+        return record_rows(self.conn, rid)  # one statement: one snapshot
+
+    @mapped
+    def record_value(self, rid: str, key: str) -> str | None:
+        return record_value(self.conn, rid, key)
+
+    @mapped
+    def local_copies(self, rid: str) -> tuple[list[merge.LocalFile], str | None]:
+        return local_copies(self.conn, rid)
+
+    @mapped
+    def all_rids(self) -> list[str]:
+        return all_rids(self.conn)
+
+    @mapped
+    def hash_ids(self, after: str, limit: int) -> list[str]:
+        return hash_ids(self.conn, after, limit)
+
+    @mapped
+    def files(self, prefix: str, after: str, limit: int) -> list[dict[str, Any]]:
+        return files(self.conn, prefix, after, limit)
+
+    @mapped
+    def local_stats(self, under: Iterable[str]) -> dict[str, tuple[int, int]]:
+        return local_stats(self.conn, under)
+
+    @mapped
+    def all_local_files(self) -> list[merge.LocalFile]:
+        return all_local_files(self.conn)
+
+    @mapped
+    def record_count(self) -> int:
+        return record_count(self.conn)
+
+    @mapped
+    def local_file_count(self) -> int:
+        return local_file_count(self.conn)
+
+    @mapped
+    def diff(self, fresh: CacheStore) -> list[str]:
+        """Human-readable differences of records and cid index from `fresh` (for `check`)."""
+        return diff(self.conn, fresh.conn)
+
+    # -- the event tables -----------------------------------------------------------------------
+
+    @mapped
+    def feed_page(self, after: int, upto: int) -> tuple[State, list[FeedRow]]:
+        """(the state, the feed rows in (after, upto]) in one read transaction."""
+        with snapshot(self.conn):
+            return read_state(self.conn), feed_rows(self.conn, after, upto)
+
+    @mapped
+    def file_feed_page(self, after: int, upto: int) -> tuple[State, list[FileFeedRow]]:
+        with snapshot(self.conn):
+            return read_state(self.conn), file_feed_rows(self.conn, after, upto)
+
+    @mapped
+    def oldest_feed_seq(self) -> int | None:
+        return oldest_feed_seq(self.conn)
+
+    @mapped
+    def oldest_file_feed_seq(self) -> int | None:
+        return oldest_file_feed_seq(self.conn)
+
+    def records_reading(self, rids: Iterable[str], page: int) -> Reading:
+        """Every record's (rid, key, value) (only of `rids`, if any), by rid and key."""
+        wanted = sorted(rids)
+        return Reading(self.path, lambda conn: records_in_order(conn, wanted), page)
+
+    def files_reading(self, page: int) -> Reading:
+        """Every local file's (path, midhash, size), by path."""
+        return Reading(self.path, local_files_in_order, page)
+
+
+def _build_with_files(cache: sqlite3.Connection, source: TruthSource,
+                      files: Sequence[merge.LocalFile], clock: Clock) -> State:
+    put_local_files(cache, files)
+    return build_txn(cache, source, clock)
+
+
+def _nothing(cache: sqlite3.Connection) -> None:
+    """An empty transaction: `drained`'s marker in the writer's queue."""

@@ -11,7 +11,6 @@ import contextlib
 import json
 import shutil
 import signal
-import sqlite3
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -51,7 +50,7 @@ def reports_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except (sqlite3.Error, OSError) as exc:
+        except OSError as exc:
             typed = storage_error(exc)
             if typed is None:
                 raise

@@ -106,8 +106,4 @@ def check_writable(paths: Iterable[Path]) -> None:
     """Raise the `StorageError` a write to any of these databases would meet now: `serve`
     refuses to start on a full disk or a read-only mount rather than start and fail writes."""
     for path in paths:
-        conn = db.connect(path)
-        try:
-            db.probe(conn, path)
-        finally:
-            conn.close()
+        db.check_writable(path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import os
 import queue
@@ -27,17 +28,63 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
-from metanode.errors import ShuttingDown, StorageError, StorageFull, storage_error
+from metanode.errors import (
+    ShuttingDown,
+    StorageError,
+    StorageFull,
+    StorageIOError,
+    StorageLocked,
+    StorageReadOnly,
+)
+from metanode.errors import storage_error as file_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+P = ParamSpec("P")
 Txn = Callable[..., T]
 
 BUSY_TIMEOUT_MS = 30_000
 PROBE_S = 1.0  # while a writer's writes fail, it probes this often whether they work again
 PROBE_FREE_BYTES = 1 << 20  # ...and needs this much free space: a tiny write may fit in the WAL
+
+
+_SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
+    ("SQLITE_FULL", StorageFull), ("SQLITE_READONLY", StorageReadOnly),
+    ("SQLITE_CANTOPEN", StorageReadOnly), ("SQLITE_IOERR", StorageIOError),
+    ("SQLITE_BUSY", StorageLocked), ("SQLITE_LOCKED", StorageLocked))
+
+
+def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
+    """The typed error for a storage failure (by SQLite's error name, extended names included,
+    or by errno), or None when `exc` is something else (a constraint, a bug) that must not be
+    mistaken for a full disk. `where` names the file when the error itself does not."""
+    if not isinstance(exc, sqlite3.Error):
+        return file_error(exc, where)
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    kind = next((k for prefix, k in _SQLITE_STORAGE if name.startswith(prefix)), None)
+    if kind is None:
+        return None
+    return kind(f"the data directory failed: {f'{where}: ' if where else ''}{exc} ({name})")
+
+
+def mapped(method: Callable[P, T]) -> Callable[P, T]:
+    """A store's read method that raises a storage failure as its typed `StorageError`: a
+    try/except around the call (not a context manager), as cheap as the primary-key reads on
+    the event loop it wraps."""
+
+    @functools.wraps(method)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return method(*args, **kwargs)
+        except (sqlite3.Error, OSError) as exc:
+            typed = storage_error(exc)
+            if typed is None:
+                raise
+            raise typed from exc
+
+    return wrapper
 
 
 @contextmanager
@@ -191,6 +238,25 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[Migration]) -> int:
         return len(migrations)
 
     return run_txn(conn, txn)
+
+
+def migrate_file(path: Path, migrations: Sequence[Migration]) -> int:
+    """Create the database at `path` or bring its schema up to date (`migrate`) on a connection
+    of its own."""
+    conn = connect(path)
+    try:
+        return migrate(conn, migrations)
+    finally:
+        conn.close()
+
+
+def check_writable(path: Path) -> None:
+    """Raise the `StorageError` a write to the database at `path` would meet now, if any."""
+    conn = connect(path)
+    try:
+        probe(conn, path)
+    finally:
+        conn.close()
 
 
 def executescript_in_txn(conn: sqlite3.Connection, script: str) -> None:

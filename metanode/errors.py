@@ -14,8 +14,9 @@ The tree, by family:
 * `AuthError` (401): the perimeter token is missing or wrong.
 * `UnavailableError` (503): the node cannot answer right now; retrying helps. Its
   `StorageError` family says why the disk refused a write (`storage_full`, ...);
-  `storage_error()` maps a raw `sqlite3.Error` or `OSError` into it. `Unreachable`, raised on
-  the client side (`metanode.client`, the CLI), is one too: no node answered at all.
+  `storage_error()` maps a raw `OSError` into it (`db.storage_error` a database's errors).
+  `Unreachable`, raised on the client side (`metanode.client`, the CLI), is one too: no node
+  answered at all.
 * `NotMetanode` (502, client side): what answered is not a metanode.
 * `InternalError` (500): a bug; what no handler turned into one of the above.
 """
@@ -23,7 +24,6 @@ The tree, by family:
 from __future__ import annotations
 
 import errno
-import sqlite3
 from typing import Any, ClassVar
 
 
@@ -303,31 +303,22 @@ class StorageLocked(StorageError):
     slug = "storage_locked"
 
 
-_SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
-    ("SQLITE_FULL", StorageFull), ("SQLITE_READONLY", StorageReadOnly),
-    ("SQLITE_CANTOPEN", StorageReadOnly), ("SQLITE_IOERR", StorageIOError),
-    ("SQLITE_BUSY", StorageLocked), ("SQLITE_LOCKED", StorageLocked))
 _ERRNO_STORAGE: dict[int, type[StorageError]] = {
     errno.ENOSPC: StorageFull, errno.EDQUOT: StorageFull, errno.EROFS: StorageReadOnly,
     errno.EACCES: StorageReadOnly, errno.EPERM: StorageReadOnly, errno.EIO: StorageIOError}
 
 
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
-    """The typed error for a storage failure (by SQLite's error name, extended names included,
-    or by errno), or None when `exc` is something else (a constraint, a bug) that must not be
-    mistaken for a full disk. `where` names the file when the error itself does not."""
-    kind: type[StorageError] | None = None
-    if isinstance(exc, sqlite3.Error):
-        name = getattr(exc, "sqlite_errorname", "") or ""
-        kind = next((k for prefix, k in _SQLITE_STORAGE if name.startswith(prefix)), None)
-        detail = f"{exc} ({name})"
-    elif isinstance(exc, OSError) and exc.errno is not None:
-        kind = _ERRNO_STORAGE.get(exc.errno)
-        where = exc.filename or where
-        detail = str(exc.strerror)
+    """The typed error for a failed file operation (by errno), or None when `exc` is something
+    else that must not be mistaken for a full disk. `where` names the file when the error itself
+    does not. (A database's own errors are mapped by the stores: `db.storage_error`.)"""
+    if not isinstance(exc, OSError) or exc.errno is None:
+        return None
+    kind = _ERRNO_STORAGE.get(exc.errno)
     if kind is None:
         return None
-    return kind(f"the data directory failed: {f'{where}: ' if where else ''}{detail}")
+    return kind(f"the data directory failed: {exc.filename or where}: {exc.strerror}"
+                if exc.filename or where else f"the data directory failed: {exc.strerror}")
 
 
 class DataDirLocked(MetanodeError):

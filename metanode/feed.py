@@ -16,21 +16,20 @@ the seq it corresponds to, so the tail starts exactly after it: nothing lost, no
 
 from __future__ import annotations
 
-import sqlite3
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, overload
 
-from metanode import cache, db, sse
+from metanode import cache, sse
 
 PAGE = 500
 CACHE_BYTES = 16 << 20  # frames of recent pages kept for the fan-out; oldest-used pages go first
 WaitFeed = Callable[[int, int, float], Awaitable[bool]]
 FeedRow = cache.FeedRow
 FileFeedRow = cache.FileFeedRow
+Reading = cache.Reading
 
 
 class Sequenced(Protocol):
@@ -53,13 +52,16 @@ def change_frame(epoch: int, row: FeedRow) -> bytes:
 class Table(Generic[R]):
     """An event table on a dense seq counter, as a `Hub` pages it."""
 
-    rows: Callable[[sqlite3.Connection, int, int], list[R]]  # the rows with seqs in (after, upto]
-    oldest: Callable[[sqlite3.Connection], int | None]  # the oldest seq stored; None if empty
+    # (the cache state, the rows with seqs in (after, upto]), read together
+    page: Callable[[cache.CacheStore, int, int], tuple[cache.State, list[R]]]
+    oldest: Callable[[cache.CacheStore], int | None]  # the oldest seq stored; None if empty
     head: Callable[[cache.State], int]  # the newest seq ever written, in a cache state
 
 
-FEED: Table[FeedRow] = Table(cache.feed_rows, cache.oldest_feed_seq, lambda s: s.feed_seq)
-FILE_FEED: Table[FileFeedRow] = Table(cache.file_feed_rows, cache.oldest_file_feed_seq,
+FEED: Table[FeedRow] = Table(cache.CacheStore.feed_page, cache.CacheStore.oldest_feed_seq,
+                             lambda s: s.feed_seq)
+FILE_FEED: Table[FileFeedRow] = Table(cache.CacheStore.file_feed_page,
+                                      cache.CacheStore.oldest_file_feed_seq,
                                       lambda s: s.file_feed_seq)
 
 
@@ -135,22 +137,22 @@ class Hub(Generic[R]):
     """An event table (`feed` unless told), read once per page and shared by every subscriber
     of this process, whatever format each streams.
 
-    Runs on the event loop with the node's read-only cache connection: a page read is one
-    indexed range query, done once per published change rather than once per subscriber.
+    Runs on the event loop with the cache store's loop reads: a page read is one indexed range
+    query, done once per published change rather than once per subscriber.
     Cached pages belong to `epoch`; a read that finds another epoch drops them all.
     """
 
     @overload
-    def __init__(self: Hub[FeedRow], reader: sqlite3.Connection,
+    def __init__(self: Hub[FeedRow], store: cache.CacheStore,
                  state: Callable[[], cache.State], cache_bytes: int = ...) -> None: ...
 
     @overload
-    def __init__(self, reader: sqlite3.Connection, state: Callable[[], cache.State],
+    def __init__(self, store: cache.CacheStore, state: Callable[[], cache.State],
                  cache_bytes: int = ..., *, table: Table[R]) -> None: ...
 
-    def __init__(self, reader: sqlite3.Connection, state: Callable[[], cache.State],
+    def __init__(self, store: cache.CacheStore, state: Callable[[], cache.State],
                  cache_bytes: int = CACHE_BYTES, *, table: Table[Any] = FEED) -> None:
-        self._reader = reader
+        self._store = store
         self._state = state
         self._cache_bytes = cache_bytes
         self.table: Table[R] = table
@@ -159,7 +161,7 @@ class Hub(Generic[R]):
 
     def oldest(self) -> int | None:
         """The oldest seq still stored, or None if the table is empty."""
-        return self.table.oldest(self._reader)
+        return self.table.oldest(self._store)
 
     def head(self) -> tuple[int, int]:
         """(epoch, newest seq) as last published: where a live-only subscriber starts."""
@@ -201,9 +203,7 @@ class Hub(Generic[R]):
         while True:
             page = self._pages.get(index)
             after = index * PAGE if page is None else page.upto
-            with db.snapshot(self._reader):
-                stored = cache.read_state(self._reader)
-                rows = self.table.rows(self._reader, after, (index + 1) * PAGE)
+            stored, rows = self.table.page(self._store, after, (index + 1) * PAGE)
             if stored.epoch == self.epoch:
                 break
             self._pages.clear()
@@ -228,49 +228,25 @@ class Hub(Generic[R]):
                 total -= self._pages.pop(index).size
 
 
-class Reading:
-    """An open read transaction on its own read-only connection: the cache state it reflects,
-    and the rows of one query, fetched a page at a time on a worker thread so that a large
-    cache never stalls the event loop. Holds the connection until `close()`."""
-
-    def __init__(self, cache_path: Path,
-                 query: Callable[[sqlite3.Connection], sqlite3.Cursor]) -> None:
-        self._conn = db.connect(cache_path, readonly=True)
-        try:
-            self._conn.execute("BEGIN")
-            self.state = cache.read_state(self._conn)
-            self._rows = query(self._conn)
-        except BaseException:
-            self._conn.close()
-            raise
-
-    async def rows(self) -> list[Any]:
-        """The next page of rows (as the query names its columns); empty at the end."""
-        return await db.off_loop(self._rows.fetchmany, PAGE)
-
-    def close(self) -> None:
-        """End the read transaction and free the file: the cursor first, since a connection
-        closed while a cursor still holds a statement keeps its file open until that cursor is
-        garbage. (`rows` never leaves a fetch running when it returns or is cancelled.)"""
-        self._rows.close()
-        self._conn.close()
-
-
-class Snapshot(Reading):
+class Snapshot:
     """Every current record as `set` frames, a page at a time, then the feed position they
-    correspond to (`state`)."""
+    correspond to (`state`): one `cache.Reading`."""
 
-    def __init__(self, cache_path: Path, where: sse.Filter) -> None:
+    def __init__(self, store: cache.CacheStore, where: sse.Filter) -> None:
         self._filter = where
-        super().__init__(cache_path, lambda conn: cache.records_in_order(conn, where.rids))
+        self._reading = store.records_reading(where.rids, PAGE)
+        self.state = self._reading.state
 
     async def page(self) -> bytes | None:
         """The next page's frames (possibly empty, if the filter passed none); None at the end."""
-        rows = await self.rows()
+        rows = await self._reading.rows()
         if not rows:
             return None
         return b"".join(sse.event("set", {"rid": rid, "key": key, "value": value}).encode()
                         for rid, key, value in rows if self._filter.matches(rid, key))
+
+    def close(self) -> None:
+        self._reading.close()
 
 
 @dataclass(frozen=True)
@@ -293,11 +269,12 @@ class Subscription:
     and releases an open snapshot at once.
     """
 
-    def __init__(self, hub: Hub[FeedRow], cache_path: Path, state: Callable[[], cache.State],
+    def __init__(self, hub: Hub[FeedRow], store: cache.CacheStore,
+                 state: Callable[[], cache.State],
                  wait_feed: WaitFeed, cursor: sse.Cursor | None, snapshot: bool,
                  where: sse.Filter, keep_alive_s: float) -> None:
         self._hub = hub
-        self._cache_path = cache_path
+        self._store = store
         self._state = state
         self._wait_feed = wait_feed
         self._cursor = cursor
@@ -333,13 +310,13 @@ class Subscription:
                 return b""
             return self._gap(cursor.text, reason)
         if self._want_snapshot:
-            self._snapshot = Snapshot(self._cache_path, self._filter)
+            self._snapshot = Snapshot(self._store, self._filter)
         return b""
 
     def _gap(self, requested: str | None, reason: str) -> bytes:
         """The `gap` frame; the snapshot that must follow it is opened here."""
         self._replaying = False  # the snapshot ends in its own `synced`
-        self._snapshot = Snapshot(self._cache_path, self._filter)
+        self._snapshot = Snapshot(self._store, self._filter)
         return sse.event("gap", {"requested": requested, "reason": reason}).encode()
 
     def _synced(self) -> bytes:

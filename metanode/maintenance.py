@@ -2,10 +2,10 @@
 
 Creating the store and the API token; `rebuild-cache`, `check`, `backup`, `export`, `import`,
 the signer registry (`metanode signers …`), and bringing the cache up to date after such writes.
-Each function opens the connections it needs and closes them before it returns; writes go
-through the same transactions (`truth.*_txn`, `cache.*_txn`) as the running node's. The edges
-(`cli.py`, `tools/`) call these functions, and `node.Node` for a running node: never `db`,
-`truth` or `cache` themselves.
+Each function opens the stores it needs (`truth.TruthStore`, `cache.CacheStore`: never a
+connection) and closes them before it returns; writes go through the same store methods as the
+running node's. The edges (`cli.py`, `tools/`) call these functions, and `node.Node` for a
+running node: never `db`, `truth` or `cache` themselves.
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ import itertools
 import os
 import secrets
 import shutil
-import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, datadir, db, truth
+from metanode import cache, claims, datadir, truth
 from metanode import rid as rids
 from metanode.applier import cache_needs_build
 from metanode.clock import now_ms
@@ -51,49 +50,39 @@ def open_store(settings: Settings) -> None:
     """Create the data directory (or make an existing one private) and bring both schemas up
     to date."""
     datadir.secure(settings.data_dir)
-    for path, migrations in ((settings.truth_path, truth.MIGRATIONS),
-                             (settings.cache_path, cache.MIGRATIONS)):
-        conn = db.connect(path)
-        try:
-            db.migrate(conn, migrations)
-        finally:
-            conn.close()
+    truth.TruthStore(settings.truth_path).migrate()
+    cache.CacheStore(settings.cache_path).migrate()
 
 
 # -- the signer registry ------------------------------------------------------------------------
 
 
-def _signer_write(settings: Settings, fn: Callable[..., truth.SignerRow],
-                  *args: Any) -> truth.SignerRow:
-    """One signer transaction on truth.db (the server, if one runs, sees it at its next poll)."""
+def truth_store(settings: Settings) -> truth.TruthStore:
+    """The data directory's truth store, opened (its schema brought up to date); a `with` block
+    closes it."""
     open_store(settings)
-    conn = db.connect(settings.truth_path)
-    try:
-        return db.run_txn(conn, fn, *args, now_ms())
-    finally:
-        conn.close()
+    return truth.TruthStore(settings.truth_path).open()
 
 
 def add_signer(settings: Settings, uid: str, name: str, weight: int,
                may_link: bool) -> truth.SignerRow:
-    """`metanode signers add`: register `uid` (or update its name, weight and link permission)."""
+    """`metanode signers add`: register `uid` (or update its name, weight and link permission);
+    the server, if one runs, sees it at its next poll."""
     claims.public_key(uid)
-    return _signer_write(settings, truth.add_signer_txn, uid, name, weight, may_link)
+    with truth_store(settings) as store:
+        return store.add_signer_sync(uid, name, weight, may_link)
 
 
 def set_signer_status(settings: Settings, uid: str, status: str) -> truth.SignerRow:
     """`metanode signers block|unblock`: the records it voted on are recomputed by the applier."""
-    return _signer_write(settings, truth.set_signer_status_txn, uid, status)
+    with truth_store(settings) as store:
+        return store.set_signer_status_sync(uid, status)
 
 
 def signers(settings: Settings) -> list[truth.SignerRow]:
     """`metanode signers list`: every registered signer, by uid."""
-    open_store(settings)
-    conn = db.connect(settings.truth_path, readonly=True)
-    try:
-        return truth.signers(conn)
-    finally:
-        conn.close()
+    with truth_store(settings) as store:
+        return store.signers()
 
 
 # -- the cache: rebuild, check ------------------------------------------------------------------
@@ -101,14 +90,8 @@ def signers(settings: Settings) -> list[truth.SignerRow]:
 
 def rebuild_cache(settings: Settings) -> cache.State:
     """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files."""
-    open_store(settings)
-    conn = db.connect(settings.cache_path)
-    source = db.connect(settings.truth_path, readonly=True)
-    try:
-        return db.run_txn(conn, cache.build_txn, source)
-    finally:
-        conn.close()
-        source.close()
+    with truth_store(settings) as source, cache.CacheStore(settings.cache_path) as store:
+        return store.build_sync(source)
 
 
 @dataclass(frozen=True)
@@ -124,37 +107,23 @@ class CheckReport:
 
 def check(settings: Settings, scratch: Path) -> CheckReport:
     """`metanode check`: the live cache against a fresh rebuild, and every stored signature."""
-    open_store(settings)
-    source = db.connect(settings.truth_path, readonly=True)
-    live = db.connect(settings.cache_path, readonly=True)
-    fresh = db.connect(scratch)
-    try:
-        db.migrate(fresh, cache.MIGRATIONS)
-        with db.snapshot(live):
-            files = cache.all_local_files(live)
-            applied = cache.read_state(live).applied_seq
+    with (truth_store(settings) as source, cache.CacheStore(settings.cache_path) as live,
+          cache.CacheStore(scratch) as fresh):
+        files, applied = live.all_local_files(), live.state().applied_seq
         differences = []
-        truth_seq = truth.max_seq(source)
+        truth_seq = source.max_seq()
         if applied != truth_seq:
             differences.append(f"cache applied seq {applied} != truth seq {truth_seq}")
-
-        def build(conn: sqlite3.Connection) -> cache.State:
-            cache.put_local_files(conn, files)
-            return cache.build_txn(conn, source)
-
-        db.run_txn(fresh, build)
-        differences += cache.diff(live, fresh)
+        fresh.build_sync(source, files)
+        differences += live.diff(fresh)
         bad, count = [], 0
-        for claim in truth.all_claims(source):
+        for claim in source.claims():
             count += 1
             try:
                 claims.verify(claim)
             except BadSignature:
                 bad.append(f"{claim.uid} {claim.cid} {claim.key}")
         return CheckReport(differences, bad, count)
-    finally:
-        for conn in (source, live, fresh):
-            conn.close()
 
 
 def backup(settings: Settings, target: Path) -> Path:
@@ -166,7 +135,7 @@ def backup(settings: Settings, target: Path) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     copy = target / f"truth-{stamp}.db"
     os.close(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, datadir.FILE_MODE))
-    verdict = db.copy_database(settings.truth_path, copy)
+    verdict = truth.TruthStore(settings.truth_path).backup_to(copy)
     if verdict != "ok":
         raise RuntimeError(f"the backup {copy} failed its integrity check: {verdict}")
     if settings.keys_dir.is_dir():
@@ -179,19 +148,9 @@ def backup(settings: Settings, target: Path) -> Path:
 
 def export_claims(settings: Settings, uid: str | None) -> tuple[int, Iterator[dict[str, Any]]]:
     """Every stored claim (tombstones too) as wire dicts, optionally of one signer: (count, it)."""
-    open_store(settings)
-    conn = db.connect(settings.truth_path, readonly=True)
-    total = truth.claim_count(conn, uid)
-
-    def rows() -> Iterator[dict[str, Any]]:
-        try:
-            with db.snapshot(conn):
-                for claim in truth.all_claims(conn, uid):
-                    yield claim.wire()
-        finally:
-            conn.close()
-
-    return total, rows()
+    with truth_store(settings) as store:
+        total = store.claim_count(uid)
+    return total, (claim.wire() for claim in truth.TruthStore(settings.truth_path).claims(uid))
 
 
 IMPORT_BATCH = 1000
@@ -243,17 +202,8 @@ def _signer_rows(settings: Settings) -> Iterator[Callable[[str], truth.SignerRow
     if not settings.truth_path.exists():
         yield lambda uid: None
         return
-    open_store(settings)
-    conn = db.connect(settings.truth_path, readonly=True)
-
-    @functools.cache
-    def row(uid: str) -> truth.SignerRow | None:
-        return truth.signer(conn, uid)
-
-    try:
-        yield row
-    finally:
-        conn.close()
+    with truth_store(settings) as store:
+        yield functools.cache(store.signer)
 
 
 @dataclass
@@ -305,22 +255,18 @@ def import_claims(settings: Settings, items: Iterable[Numbered], check: ImportCh
     the file is read a second time, and only what the writing pass verified may reach the
     truth. Should the file change between the passes, the import stops at the first claim that
     no longer verifies, with the (verified) claims before it written."""
-    open_store(settings)
     policy = truth.Policy(settings.accept_unknown_signers)
     limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
-    conn = db.connect(settings.truth_path)
-    try:
+    with truth_store(settings) as store:
         if register_signers:
             for uid in sorted(check.signers):
-                if truth.signer(conn, uid) is None:
-                    db.run_txn(conn, truth.add_signer_txn, uid, "imported", 1, True, now_ms())
-        with cache_catcher(settings) as catch_up:
-            return _ingest_chunks(conn, items, limits, policy, progress, catch_up)
-    finally:
-        conn.close()
+                if store.signer(uid) is None:
+                    store.add_signer_sync(uid, "imported", 1, True)
+        with cache_catcher(settings, store) as catch_up:
+            return _ingest_chunks(store, items, limits, policy, progress, catch_up)
 
 
-def _ingest_chunks(conn: sqlite3.Connection, items: Iterable[Numbered], limits: claims.Limits,
+def _ingest_chunks(store: truth.TruthStore, items: Iterable[Numbered], limits: claims.Limits,
                    policy: truth.Policy, progress: Callable[[int], None],
                    catch_up: Callable[[], cache.State]) -> dict[str, int]:
     """Pass 2's loop: per chunk, verify, ingest, count the verdicts and bring the cache up to
@@ -333,7 +279,7 @@ def _ingest_chunks(conn: sqlite3.Connection, items: Iterable[Numbered], limits: 
                                  f"({errors[0]['error']}): the file changed during the "
                                  "import; the claims before it were imported")
         batch = [claim for _, claim in valid]
-        result = db.run_txn(conn, truth.ingest_txn, batch, minter, policy, now_ms())
+        result = store.ingest_sync(batch, minter, policy, now_ms())
         for verdict in result.verdicts:
             counts[verdict] += 1
         catch_up()
@@ -345,27 +291,23 @@ def _ingest_chunks(conn: sqlite3.Connection, items: Iterable[Numbered], limits: 
 
 
 @contextlib.contextmanager
-def cache_catcher(settings: Settings) -> Iterator[Callable[[], cache.State]]:
-    """A function applying the truth's outbox to the cache now (the CLI's writes, when no
-    server runs), its connections open for as many calls as the block makes: a long import
-    calls it after every chunk, so no one transaction holds a whole file's changes."""
-    conn = db.connect(settings.cache_path)
-    source = db.connect(settings.truth_path, readonly=True)
+def cache_catcher(settings: Settings,
+                  source: truth.TruthStore) -> Iterator[Callable[[], cache.State]]:
+    """A function applying the truth's outbox (of the open `source`) to the cache now (the
+    CLI's writes, when no server runs), the cache store open for as many calls as the block
+    makes: a long import calls it after every chunk, so no one transaction holds a whole file's
+    changes."""
+    with cache.CacheStore(settings.cache_path) as store:
 
-    def catch_up() -> cache.State:
-        state = cache.read_state(conn)
-        if cache_needs_build(state, source):
-            return db.run_txn(conn, cache.build_txn, source)
-        return db.run_txn(conn, cache.apply_txn, source)
+        def catch_up() -> cache.State:
+            if cache_needs_build(store.state(), source):
+                return store.build_sync(source)
+            return store.apply_sync(source)
 
-    try:
         yield catch_up
-    finally:
-        conn.close()
-        source.close()
 
 
 def catch_up_cache(settings: Settings) -> cache.State:
     """Apply the truth's outbox to the cache now (the CLI's writes, when no server runs)."""
-    with cache_catcher(settings) as catch_up:
+    with truth_store(settings) as source, cache_catcher(settings, source) as catch_up:
         return catch_up()

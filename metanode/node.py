@@ -1,10 +1,11 @@
 """The node: wires settings, databases, the applier, the watcher and the plugin host, and is
 the typed API the edges (`api.py`, `compat.py`, `cli.py`'s `serve` and `scan`) call.
 
-The only module that connects the pieces of a running node; the applier is `applier.py`, the
-offline maintenance of a data directory `maintenance.py`. Reads that the API makes run on the
-event loop with read-only connections (microseconds each); writes go to the single writer thread
-of each database; signature verification runs on a thread pool (PyNaCl releases the GIL).
+The only module that connects the pieces of a running node, and the only one that holds the
+two stores (`truth.TruthStore`, `cache.CacheStore`); the applier is `applier.py`, the offline
+maintenance of a data directory `maintenance.py`. Reads that the API makes run on the event loop
+through the stores' read connections (microseconds each); writes go to the single writer thread
+of each store; signature verification runs on a thread pool (PyNaCl releases the GIL).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from metanode import cache, claims, db, feed, maintenance, merge, plugins, sse, truth, watcher
+from metanode import cache, claims, feed, maintenance, merge, plugins, sse, truth, watcher
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.applier import STALL_S, Applier
@@ -70,15 +71,11 @@ class Node:
     async def start(self) -> None:
         maintenance.open_store(self.settings)
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
-        self.truth_writer = db.Writer(self.settings.truth_path, "truth")
-        self.cache_writer = db.Writer(self.settings.cache_path, "cache")
-        self.truth_reader = db.connect(self.settings.truth_path, readonly=True)
-        self.cache_reader = db.connect(self.settings.cache_path, readonly=True)
-        self.applier = Applier(self.cache_writer, self.settings.truth_path,
-                               self.settings.apply_poll_s, self.clock)
-        self.feed_hub = feed.Hub(self.cache_reader, lambda: self.applier.state)
-        self.file_hub = feed.Hub(self.cache_reader, lambda: self.applier.state,
-                                 table=feed.FILE_FEED)
+        self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
+        self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
+        self.applier = Applier(self.cache, self.truth, self.settings.apply_poll_s)
+        self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)
+        self.file_hub = feed.Hub(self.cache, lambda: self.applier.state, table=feed.FILE_FEED)
         self.applier.start()
         self._pruner = asyncio.create_task(self._retention(), name="retention")
         self.plugin_host: plugins.Host | None = None
@@ -94,7 +91,7 @@ class Node:
         return watcher.Watcher(
             roots, watcher.Rules(s.watch_ignore, s.watch_follow_symlinks), s.watch_settle_s,
             s.watch_rescan_s, s.watch_hash_workers, self.ensure_groups, self.apply_local,
-            lambda under: cache.local_stats(self.cache_reader, under))
+            self.cache.local_stats)
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
         """The watcher's results reach the cache, then the plugins."""
@@ -113,28 +110,21 @@ class Node:
             key = plugins.plugin_key(s.keys_dir, plugin.name)
             runner = plugins.Runner(plugin, key, self.record_of, self.ingest_wire,
                                     s.plugin_timeout_s, self.clock)
-            await self.truth_writer.run(
-                truth.add_signer_txn, runner.uid, f"plugin:{plugin.name}",
-                weights.get(plugin.name, plugin.weight), plugin.may_link, self.clock())
+            await self.truth.add_signer(runner.uid, f"plugin:{plugin.name}",
+                                        weights.get(plugin.name, plugin.weight), plugin.may_link)
             runners.append(runner)
-        host = plugins.Host(runners, self.cache_writer, self.cache_reader, s.plugin_workers,
-                            s.plugin_max_attempts, s.plugin_retry_s, self.clock)
+        host = plugins.Host(runners, self.cache, s.plugin_workers, s.plugin_max_attempts,
+                            s.plugin_retry_s, self.clock)
         self._plugins_task = asyncio.create_task(host.run(), name="plugins")
         return host
 
     def record_of(self, cid: str) -> dict[str, str] | None:
-        """A plugin's read of the merged metadata of any CID (never a rid); own connection,
-        because plugins call it from their threads."""
-        conn = db.connect(self.settings.cache_path, readonly=True)
-        try:
-            group = cache.group_by_cid(conn, cids.normalise(cid))
-            return None if group is None else dict(sorted(group.record.items()))
-        finally:
-            conn.close()
+        """A plugin's read of the merged metadata of any CID (never a rid), from its threads."""
+        return self.cache.record_of(cids.normalise(cid))
 
     async def ensure_groups(self, midhashes: Sequence[str]) -> None:
         """Mint groups for midhashes the truth has not seen (the watcher, before `apply_local`)."""
-        await self.truth_writer.run(truth.ensure_groups_txn, midhashes, self.minter, self.clock())
+        await self.truth.ensure_groups(midhashes, self.minter)
         self.applier.wake()
 
     async def scan(self, roots: Sequence[str],
@@ -156,12 +146,10 @@ class Node:
             await asyncio.gather(self._plugins_task, return_exceptions=True)
         self._pruner.cancel()
         await asyncio.gather(self._pruner, return_exceptions=True)
-        await asyncio.to_thread(self.truth_writer.close)
+        await asyncio.to_thread(self.truth.stop_writes)
         await self.applier.stop()
-        await asyncio.to_thread(self.cache_writer.close)
-        self.applier.close()
-        self.truth_reader.close()
-        self.cache_reader.close()
+        await asyncio.to_thread(self.cache.close)  # drains the jobs reading truth snapshots
+        self.truth.close()
         self._verify_pool.shutdown()
 
     async def _retention(self) -> None:
@@ -171,11 +159,9 @@ class Node:
         window_ms = int(self.settings.feed_retention_days * 86_400_000)
         while True:
             try:
-                await self.cache_writer.run(cache.prune_feed_txn, keep,
-                                            self.clock() - window_ms)
+                await self.cache.prune_feed(keep, self.clock() - window_ms)
                 if self.applier.ready:
-                    await self.truth_writer.run(truth.prune_changes_txn,
-                                                self.applier.applied_seq)
+                    await self.truth.prune_changes(self.applier.applied_seq)
             except Exception:
                 log.exception("retention failed; will retry")
             await asyncio.sleep(self.settings.feed_prune_s)
@@ -187,7 +173,7 @@ class Node:
         """A feed subscription from a `Last-Event-ID`/`?since=` cursor (SPEC §5)."""
         self.require_ready()
         subscription = feed.Subscription(
-            self.feed_hub, self.settings.cache_path, lambda: self.applier.state,
+            self.feed_hub, self.cache, lambda: self.applier.state,
             self.applier.wait_feed, sse.parse_cursor(cursor), snapshot, where,
             self.settings.feed_keep_alive_s)
         return self.counted(subscription.stream())
@@ -196,15 +182,14 @@ class Node:
         """The feed table for streams of their own format (MetaMesh's `/api/events/meta`):
         the shared hub, and a snapshot of every record."""
         return feed.Feed(self.feed_hub, lambda: self.applier.state, self.applier.wait_feed,
-                         lambda: feed.Reading(self.settings.cache_path, cache.records_in_order),
+                         lambda: self.cache.records_reading((), feed.PAGE),
                          self.settings.feed_keep_alive_s)
 
     def files_feed(self) -> feed.Feed[feed.FileFeedRow]:
         """The file events (MetaMesh's `/api/events/files`): their shared hub, and a snapshot
         of every local file."""
         return feed.Feed(self.file_hub, lambda: self.applier.state, self.applier.wait_files,
-                         lambda: feed.Reading(self.settings.cache_path,
-                                              cache.local_files_in_order),
+                         lambda: self.cache.files_reading(feed.PAGE),
                          self.settings.feed_keep_alive_s)
 
     async def counted(self, stream: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
@@ -264,8 +249,7 @@ class Node:
         """A batch of wire claims through validation, the truth and the cache (plugins too)."""
         now = self.clock()
         batch = await self._validate(items, now)
-        result = await self.truth_writer.run(truth.ingest_txn, batch, self.minter, self.policy,
-                                             now)
+        result = await self.truth.ingest(batch, self.minter, self.policy, now)
         self.applier.wake()
         applied = await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}
@@ -279,7 +263,7 @@ class Node:
     async def _settled(self) -> None:
         """Wait (bounded) until the cache reflects the truth: read-your-writes for signer edits."""
         self.applier.wake()
-        await self.applier.wait_for(truth.max_seq(self.truth_reader), self.settings.apply_wait_s)
+        await self.applier.wait_for(self.truth.max_seq(), self.settings.apply_wait_s)
 
     async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> dict[str, Any]:
         claims.public_key(uid)
@@ -288,26 +272,24 @@ class Node:
         return row.as_json()
 
     async def set_signer_status(self, uid: str, status: str) -> dict[str, Any]:
-        row = await self.truth_writer.run(truth.set_signer_status_txn, uid, status,
-                                          self.clock())
+        row = await self.truth.set_signer_status(uid, status)
         await self._settled()
         return row.as_json()
 
     def signers(self) -> list[dict[str, Any]]:
-        return [row.as_json() for row in truth.signers(self.truth_reader)]
+        return [row.as_json() for row in self.truth.signers()]
 
     async def register_signer(self, uid: str, name: str, weight: int,
                               may_link: bool) -> truth.SignerRow:
         """Register (or re-weigh) a signer the node itself holds the key of, without waiting
         for the cache; the applier is woken, as a new weight re-merges what it signed."""
-        row = await self.truth_writer.run(truth.add_signer_txn, uid, name, weight, may_link,
-                                          self.clock())
+        row = await self.truth.add_signer(uid, name, weight, may_link)
         self.applier.wake()
         return row
 
     def newest_ts(self, uid: str) -> int:
         """The newest ts of any claim stored from `uid` (0: none)."""
-        return truth.newest_ts(self.truth_reader, uid)
+        return self.truth.newest_ts(uid)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -328,7 +310,7 @@ class Node:
 
     def resolve_cid(self, text: str) -> tuple[str, str]:
         """(asked CID in canonical spelling, the rid of the cached record holding it)."""
-        return self._find(text, lambda cid: cache.lookup(self.cache_reader, cid))
+        return self._find(text, self.cache.lookup)
 
     def _seen_by(self, group: cache.Group, viewer: str | None) -> dict[str, str]:
         """`?as=<uid>`: the group's record as the viewer sees it (`merge.seen_by`), from the
@@ -338,26 +320,23 @@ class Node:
         if not isinstance(viewer, str) or not viewer:
             raise InvalidUid("as= needs a uid")
         claims.public_key(viewer)
-        with db.snapshot(self.truth_reader):
-            rid = truth.survivor(self.truth_reader, group.rid)
-            votes = truth.group_claims(self.truth_reader, rid, uid=viewer)
-            signers = truth.merge_signers(self.truth_reader)
+        votes, signers = self.truth.votes_of(group.rid, viewer)
         return merge.seen_by(group.record, votes, signers, viewer)
 
     def meta(self, text: str, viewer: str | None = None) -> dict[str, Any]:
         """GET /api/meta/{cid}: the merged document of the group holding any spelling of cid."""
         self.require_ready()
-        asked, group = self._find(text, lambda cid: cache.group_by_cid(self.cache_reader, cid))
+        asked, group = self._find(text, self.cache.group_by_cid)
         return cache.document(group, asked, self._seen_by(group, viewer))
 
     def active_rid(self, text: str) -> str:
         """The rid `text` names, if active; 404 `merged` (with the survivor) or `unknown_rid`."""
         rid = rids.parse(text)
-        info = truth.rid_info(self.truth_reader, rid)
+        info = self.truth.rid_info(rid)
         if info is None:
             raise UnknownRid(f"no record is named {rid}")
         if info.status == "merged":
-            survivor = truth.survivor(self.truth_reader, rid)
+            survivor = self.truth.survivor(rid)
             raise Merged(f"{rid} was merged into {survivor}", survivor=survivor)
         return rid
 
@@ -365,21 +344,18 @@ class Node:
         """GET /api/metadata/{rid}."""
         self.require_ready()
         rid = self.active_rid(text)
-        group = cache.group_by_rid(self.cache_reader, rid)
+        group = self.cache.group_by_rid(rid)
         if group is None:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
         return {"hashId": rid, **cache.document(group, None)}
 
     def group_claims(self, rid: str, key: str | None, uid: str | None) -> dict[str, Any]:
         """The claims listing of a group: every live claim, all signers, optionally filtered."""
-        with db.snapshot(self.truth_reader):
-            members = truth.group_cids(self.truth_reader, rid)
-            listed = truth.group_claims(self.truth_reader, rid,
-                                        keys=None if key is None else [key], uid=uid)
+        members, listed = self.truth.listing(rid, None if key is None else [key], uid)
         return {"rid": rid, "cids": cids.by_rank(members), "claims": [c.wire() for c in listed]}
 
     def meta_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
-        _, rid = self._find(text, lambda cid: truth.group_of(self.truth_reader, cid))
+        _, rid = self._find(text, self.truth.group_of)
         return self.group_claims(rid, key, uid)
 
     def metadata_claims(self, text: str, key: str | None, uid: str | None) -> dict[str, Any]:
@@ -389,57 +365,57 @@ class Node:
 
     def list_rids(self) -> list[str]:
         """Every record's rid, in order, unpaginated."""
-        return cache.all_rids(self.cache_reader)
+        return self.cache.all_rids()
 
     def record_rows(self, rid: str) -> dict[str, str]:
         """The merged record of `rid` (empty if the cache does not hold it yet)."""
-        return cache.record_rows(self.cache_reader, rid)  # one statement: one snapshot
+        return self.cache.record_rows(rid)
 
     def record_value(self, rid: str, key: str) -> str | None:
-        return cache.record_value(self.cache_reader, rid, key)
+        return self.cache.record_value(rid, key)
 
     def local_copies(self, rid: str) -> tuple[list[merge.LocalFile], str | None]:
         """The local files holding group `rid`'s content by path, and its `mimeType`."""
-        return cache.local_copies(self.cache_reader, rid)
+        return self.cache.local_copies(rid)
 
     def group_of(self, cid: str) -> str | None:
         """The truth's group of this exact CID spelling, or None."""
-        return truth.group_of(self.truth_reader, cid)
+        return self.truth.group_of(cid)
 
     def group_cids(self, rid: str) -> list[str]:
         """The CIDs of group `rid`, as the truth holds them."""
-        return truth.group_cids(self.truth_reader, rid)
+        return self.truth.group_cids(rid)
 
     def survivor(self, rid: str) -> str:
         """The active rid `rid` is now part of (itself if active)."""
-        return truth.survivor(self.truth_reader, rid)
+        return self.truth.survivor(rid)
 
     def live_claims(self, rid: str, keys: list[str], uid: str) -> list[claims.Claim]:
         """`uid`'s live claims on `keys` over every CID of group `rid`."""
-        return truth.group_claims(self.truth_reader, rid, keys=keys, uid=uid)
+        return self.truth.group_claims(rid, keys=keys, uid=uid)
 
     def hash_ids(self, after: str | None, limit: int) -> dict[str, Any]:
         self.require_ready()
         start = rids.parse(after) if after else ""
-        page = cache.hash_ids(self.cache_reader, start, limit)
+        page = self.cache.hash_ids(start, limit)
         return {"hashIds": page, "next": page[-1] if len(page) == limit else None}
 
     def files(self, prefix: str, after: str | None, limit: int) -> dict[str, Any]:
         """GET /api/files: local files in path order, with their midhash and rid."""
-        page = cache.files(self.cache_reader, prefix, after or "", limit)
+        page = self.cache.files(prefix, after or "", limit)
         return {"files": page, "next": page[-1]["path"] if len(page) == limit else None}
 
     def _gauges(self) -> dict[str, Any]:
         """The scrape-time numbers of /metrics."""
-        statuses = truth.rid_status_counts(self.truth_reader)
+        statuses = self.truth.rid_status_counts()
         runs = {(plugin, status): n for (plugin, _version), counts
-                in cache.run_counts(self.cache_reader).items() for status, n in counts.items()}
+                in self.cache.run_counts().items() for status, n in counts.items()}
         return {
-            "records": cache.record_count(self.cache_reader),
+            "records": self.cache.record_count(),
             "groups": statuses.get("active", 0), "merges": statuses.get("merged", 0),
             "apply_lag": self.health()["apply_lag"], "feed_subscribers": self.subscribers,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
-            "watcher_files": cache.local_file_count(self.cache_reader),
+            "watcher_files": self.cache.local_file_count(),
             "plugin_runs": runs,
         }
 
@@ -447,7 +423,7 @@ class Node:
         return [] if self.plugin_host is None else self.plugin_host.describe()
 
     def health(self) -> dict[str, Any]:
-        truth_seq = truth.max_seq(self.truth_reader)
+        truth_seq = self.truth.max_seq()
         state = self.applier.state
         lag = max(0, truth_seq - state.applied_seq)
         problems = []
@@ -455,10 +431,10 @@ class Node:
             problems.append("the cache is being built")
         if self.applier.degraded:
             problems.append("applying truth changes to the cache is failing")
-        for writer in (self.truth_writer, self.cache_writer):
-            if writer.failure is not None:
-                problems.append(f"writes to {writer.path.name} are failing "
-                                f"({writer.failure.slug}: {writer.failure.message})")
+        for store in (self.truth, self.cache):
+            if store.failure is not None:
+                problems.append(f"writes to {store.path.name} are failing "
+                                f"({store.failure.slug}: {store.failure.message})")
         if lag and time.monotonic() - self.applier.progressed > STALL_S:
             problems.append(f"the cache has not caught up for {STALL_S:.0f} s")
         body: dict[str, Any] = {

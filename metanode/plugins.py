@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
-import sqlite3
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -211,12 +210,10 @@ class Host:
     then stay `failed`, and a new plugin version means new rows, so every file is processed again.
     """
 
-    def __init__(self, runners: Sequence[Runner], writer: db.Writer,
-                 reader: sqlite3.Connection, workers: int, max_attempts: int,
-                 retry_s: float, clock: Clock = now_ms) -> None:
+    def __init__(self, runners: Sequence[Runner], store: cache.CacheStore, workers: int,
+                 max_attempts: int, retry_s: float, clock: Clock = now_ms) -> None:
         self.runners = {runner.plugin.name: runner for runner in runners}
-        self._writer = writer
-        self._reader = reader
+        self._store = store
         self._slots = asyncio.Semaphore(max(1, workers))
         self._max_attempts = max_attempts
         self._retry_s = retry_s
@@ -227,14 +224,13 @@ class Host:
     async def files_changed(self, midhashes: Sequence[str]) -> None:
         """New local content: queue a run of every plugin for each midhash."""
         if self._versions and midhashes:
-            await self._writer.run(cache.enqueue_runs_txn, self._versions, list(midhashes),
-                                   self._clock())
+            await self._store.enqueue_runs(self._versions, list(midhashes))
             self._wake.set()
 
     async def run(self) -> None:
-        await self._writer.run(cache.enqueue_runs_txn, self._versions, None, self._clock())
+        await self._store.enqueue_runs(self._versions, None)
         while True:
-            due = cache.due_runs(self._reader, self._versions, self._clock(), 64)
+            due = self._store.due_runs(self._versions, 64)
             if not due:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(1.0):
@@ -258,9 +254,9 @@ class Host:
 
     async def _run_one(self, run: cache.PluginRun) -> None:
         async with self._slots:
-            file = cache.file_of(self._reader, run.midhash)
+            file = self._store.file_of(run.midhash)
             if file is None:  # no local copy left: forget the run; a new copy queues it again
-                await self._writer.run(cache.drop_run_txn, run.plugin, run.version, run.midhash)
+                await self._store.drop_run(run)
                 return
             outcome = await self.runners[run.plugin].run(LocalFile(*file))
             attempts = run.attempts + 1
@@ -271,12 +267,11 @@ class Host:
                     1000 * backoff_s(attempts, self._retry_s))
             if outcome.error:
                 log.warning("plugin %s on %s: %s", run.plugin, file[1], outcome.error)
-            await self._writer.run(cache.finish_run_txn, run, status, attempts, next_at,
-                                   outcome.error, self._clock())
+            await self._store.finish_run(run, status, attempts, next_at, outcome.error)
 
     def describe(self) -> list[dict[str, Any]]:
         """GET /api/plugins: each plugin with its uid, version and run counts."""
-        counts = cache.run_counts(self._reader)
+        counts = self._store.run_counts()
         return [{"name": name, "version": r.plugin.version, "uid": r.uid,
                  "may_link": r.plugin.may_link,
                  "runs": counts.get((name, r.plugin.version),

@@ -1,7 +1,9 @@
 """truth.db: the authoritative store of claims, groups, rids, signers and the outbox.
 
-Every write is one `*_txn` function run by the truth `Writer` (or `db.run_txn` from the CLI)
-under `BEGIN IMMEDIATE`. Each transaction that changes what a record shows also appends rows to
+`TruthStore` is the only door: it owns the connections, the writer and the schema. The
+module-level functions below are its statements (each takes a connection, and only the store
+hands them one). Every write is one `*_txn` function run by the store's `Writer` under
+`BEGIN IMMEDIATE`. Each transaction that changes what a record shows also appends rows to
 the outbox `changes`, which the cache applier replays; so a crash between the truth commit and the
 cache commit loses nothing (SPEC §3).
 
@@ -14,18 +16,33 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import Any
 
 from metanode import merge
 from metanode.claims import Claim
-from metanode.db import Migration, executescript_in_txn
+from metanode.clock import Clock, now_ms
+from metanode.db import (
+    Migration,
+    Writer,
+    connect,
+    copy_database,
+    executescript_in_txn,
+    mapped,
+    migrate_file,
+    snapshot,
+    storage_errors,
+)
 from metanode.errors import (
     BlockedSigner,
     InvalidBatch,
     LinkNotPermitted,
     SignerPolicyError,
+    StorageError,
     UnknownSigner,
     UnknownSignerUid,
 )
@@ -33,6 +50,7 @@ from metanode.merge import Verdict
 from metanode.rid import Minter
 from metanode.rid import decode as decode_rid
 from metanode.rid import parse as parse_rid
+from metanode.view import Change, TruthView
 
 # Schema v1 as existing truth.db files hold it. The outbox kind 'local' in its CHECK is never
 # written (the watcher's changes go straight to the cache, `cache.local_txn`); a CHECK cannot be
@@ -353,19 +371,6 @@ def merge_signers(conn: sqlite3.Connection) -> dict[str, merge.Signer]:
         uid: merge.Signer(weight=weight, blocked=status == "blocked")
         for uid, weight, status in conn.execute("SELECT uid, weight, status FROM signers")
     }
-
-
-class Change(NamedTuple):
-    """One outbox row: something that may change what a record shows. A named tuple, not a
-    dataclass: the applier reads one or two per claim."""
-
-    seq: int
-    kind: str
-    rid: str | None
-    cid: str | None
-    key: str | None
-    uid: str | None
-    survivor: str | None
 
 
 def changes_after(conn: sqlite3.Connection, seq: int) -> list[Change]:
@@ -713,3 +718,276 @@ def adopt_group_txn(conn: sqlite3.Connection, rid: str, cids: Sequence[str],
             target = keep
     groups.flush()
     return Adopted(target, created, tuple(joined), tuple(merged))
+
+
+@dataclass(frozen=True)
+class Grouping:
+    """A migrated record's group: its old rid (None: it had none), the CID to mint a group for
+    if need be, and every CID the group must hold."""
+
+    rid: str | None
+    canonical: str
+    cids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Grouped:
+    adopted: Adopted
+    how: str  # "kept" (the old rid), "reused" (found through its CIDs), "minted"
+
+
+def _adopt_record(conn: sqlite3.Connection, record: Grouping, minter: Minter,
+                  now_ms: int) -> Grouped:
+    """Put a record's CIDs in one group: under its old rid, else under the rid that already holds
+    one of them (a re-run), else under a freshly minted one."""
+    if record.rid is not None:
+        return Grouped(adopt_group_txn(conn, record.rid, record.cids, now_ms), "kept")
+    held = sorted({r for c in record.cids if (r := group_of(conn, c)) is not None})
+    if held:
+        return Grouped(adopt_group_txn(conn, held[0], record.cids, now_ms), "reused")
+    rid = ensure_group(conn, record.canonical, minter, now_ms)
+    rest = adopt_group_txn(conn, rid, record.cids, now_ms)
+    return Grouped(Adopted(rest.rid, True, (record.canonical, *rest.joined), rest.merged),
+                   "minted")
+
+
+def migrate_batch_txn(conn: sqlite3.Connection, records: Sequence[Grouping],
+                      batch: Sequence[Claim], minter: Minter, policy: Policy,
+                      now_ms: int) -> tuple[list[Grouped], IngestResult]:
+    """One transaction of tools/claims_migrate: the groups of some records, then their claims."""
+    grouped = [_adopt_record(conn, record, minter, now_ms) for record in records]
+    return grouped, ingest_txn(conn, batch, minter, policy, now_ms)
+
+
+# -- the store ----------------------------------------------------------------------------------
+
+
+class _View:
+    """`view.TruthView` over one connection inside one read transaction."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def max_seq(self) -> int:
+        return max_seq(self._conn)
+
+    def changes_after(self, seq: int) -> list[Change]:
+        return changes_after(self._conn, seq)
+
+    def groups_of(self, cids: Iterable[str]) -> dict[str, str]:
+        return groups_of(self._conn, cids)
+
+    def groups_cids(self, rids: Iterable[str]) -> dict[str, list[str]]:
+        return groups_cids(self._conn, rids)
+
+    def survivors(self, rids: Iterable[str]) -> dict[str, str]:
+        return survivors(self._conn, rids)
+
+    def groups_claims(self, rids: Iterable[str],
+                      keys: Iterable[str] | None = None) -> dict[str, list[Claim]]:
+        return groups_claims(self._conn, rids, keys)
+
+    def merge_signers(self) -> dict[str, merge.Signer]:
+        return merge_signers(self._conn)
+
+    def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
+        return signer_cid_keys(self._conn, uid)
+
+    def active_rids(self) -> list[str]:
+        return active_rids(self._conn)
+
+
+class TruthStore:
+    """truth.db: its schema, its single writer, its read connections and every statement on it.
+
+    `open()` migrates the schema, starts the writer thread and opens two read-only connections:
+    one for reads on the event loop (primary-key lookups, microseconds: no thread hop), one for
+    the cache's apply (`snapshot()`, used on the cache writer's thread, under a lock). Writes are
+    async methods running one transaction on the writer (`*_sync` from a thread or the CLI);
+    reads are plain methods. Callers see values (`Claim`, `SignerRow`, `RidInfo`, `Change` …),
+    never a connection; a storage failure is raised as its typed `StorageError`.
+    """
+
+    def __init__(self, path: Path, clock: Clock = now_ms) -> None:
+        self.path = path
+        self._clock = clock
+        self._writer: Writer | None = None
+        self._reader: sqlite3.Connection | None = None
+        self._source: sqlite3.Connection | None = None
+        self._source_lock = threading.Lock()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Create truth.db or bring its schema up to date (forward only)."""
+        migrate_file(self.path, MIGRATIONS)
+
+    def open(self) -> TruthStore:
+        self.migrate()
+        self._writer = Writer(self.path, "truth")
+        self._reader = connect(self.path, readonly=True)
+        self._source = connect(self.path, readonly=True)
+        return self
+
+    def stop_writes(self) -> None:
+        """Finish the queued transactions and stop the writer; later writes raise ShuttingDown."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def close(self) -> None:
+        """Stop writing, then close the read connections; only once nothing reads a view."""
+        self.stop_writes()
+        for conn in (self._reader, self._source):
+            if conn is not None:
+                conn.close()
+
+    def __enter__(self) -> TruthStore:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def failure(self) -> StorageError | None:
+        """The last storage failure of a write, until writes work again (`/health`)."""
+        return None if self._writer is None else self._writer.failure
+
+    @property
+    def writer(self) -> Writer:
+        assert self._writer is not None, "the store is not open"
+        return self._writer
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """The event loop's read connection (for this module and the tests only)."""
+        assert self._reader is not None, "the store is not open"
+        return self._reader
+
+    # -- writes ---------------------------------------------------------------------------------
+
+    async def ingest(self, batch: Sequence[Claim], minter: Minter, policy: Policy,
+                     now: int) -> IngestResult:
+        """Store a validated batch (`ingest_txn`); `now` is the time it was validated at."""
+        return await self.writer.run(ingest_txn, batch, minter, policy, now)
+
+    def ingest_sync(self, batch: Sequence[Claim], minter: Minter, policy: Policy,
+                    now: int) -> IngestResult:
+        return self.writer.run_sync(ingest_txn, batch, minter, policy, now)
+
+    async def ensure_groups(self, cids: Sequence[str], minter: Minter) -> None:
+        await self.writer.run(ensure_groups_txn, cids, minter, self._clock())
+
+    async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> SignerRow:
+        return await self.writer.run(add_signer_txn, uid, name, weight, may_link, self._clock())
+
+    def add_signer_sync(self, uid: str, name: str, weight: int, may_link: bool) -> SignerRow:
+        return self.writer.run_sync(add_signer_txn, uid, name, weight, may_link, self._clock())
+
+    async def set_signer_status(self, uid: str, status: str) -> SignerRow:
+        return await self.writer.run(set_signer_status_txn, uid, status, self._clock())
+
+    def set_signer_status_sync(self, uid: str, status: str) -> SignerRow:
+        return self.writer.run_sync(set_signer_status_txn, uid, status, self._clock())
+
+    async def prune_changes(self, applied_seq: int) -> int:
+        return await self.writer.run(prune_changes_txn, applied_seq)
+
+    def migrate_batch_sync(self, records: Sequence[Grouping], batch: Sequence[Claim],
+                           minter: Minter, policy: Policy) -> tuple[list[Grouped], IngestResult]:
+        return self.writer.run_sync(migrate_batch_txn, records, batch, minter, policy,
+                                    self._clock())
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    @mapped
+    def max_seq(self) -> int:
+        return max_seq(self.conn)
+
+    @mapped
+    def min_seq(self) -> int | None:
+        return min_seq(self.conn)
+
+    @mapped
+    def signer(self, uid: str) -> SignerRow | None:
+        return signer(self.conn, uid)
+
+    @mapped
+    def signers(self) -> list[SignerRow]:
+        return signers(self.conn)
+
+    @mapped
+    def newest_ts(self, uid: str) -> int:
+        return newest_ts(self.conn, uid)
+
+    @mapped
+    def rid_info(self, rid: str) -> RidInfo | None:
+        return rid_info(self.conn, rid)
+
+    @mapped
+    def survivor(self, rid: str) -> str:
+        return survivor(self.conn, rid)
+
+    @mapped
+    def group_of(self, cid: str) -> str | None:
+        return group_of(self.conn, cid)
+
+    @mapped
+    def group_cids(self, rid: str) -> list[str]:
+        return group_cids(self.conn, rid)
+
+    @mapped
+    def group_claims(self, rid: str, keys: Iterable[str] | None = None,
+                     uid: str | None = None) -> list[Claim]:
+        return group_claims(self.conn, rid, keys=keys, uid=uid)
+
+    @mapped
+    def stored_claim(self, uid: str, cid: str, key: str) -> Claim | None:
+        return stored_claim(self.conn, uid, cid, key)
+
+    @mapped
+    def rid_status_counts(self) -> dict[str, int]:
+        return rid_status_counts(self.conn)
+
+    @mapped
+    def listing(self, rid: str, keys: Iterable[str] | None,
+                uid: str | None) -> tuple[list[str], list[Claim]]:
+        """(the CIDs of group `rid`, its live claims, optionally filtered), in one snapshot."""
+        with snapshot(self.conn):
+            return group_cids(self.conn, rid), group_claims(self.conn, rid, keys=keys, uid=uid)
+
+    @mapped
+    def votes_of(self, rid: str, uid: str) -> tuple[list[Claim], dict[str, merge.Signer]]:
+        """(`uid`'s live claims on the group `rid` is part of now, every signer's weight and
+        block), in one snapshot: what `merge.seen_by` needs for `?as=`."""
+        with snapshot(self.conn):
+            votes = group_claims(self.conn, survivor(self.conn, rid), uid=uid)
+            return votes, merge_signers(self.conn)
+
+    @mapped
+    def claim_count(self, uid: str | None = None) -> int:
+        return claim_count(self.conn, uid)
+
+    def claims(self, uid: str | None = None) -> Iterator[Claim]:
+        """Every stored claim (tombstones too), optionally of one signer, by (uid, cid, key):
+        read in one snapshot on a connection of its own, closed when the iterator ends."""
+        with storage_errors(self.path):
+            conn = connect(self.path, readonly=True)
+        try:
+            with storage_errors(self.path), snapshot(conn):
+                yield from all_claims(conn, uid)
+        finally:
+            conn.close()
+
+    def backup_to(self, copy: Path) -> str:
+        """An online, consistent copy of truth.db into the (existing, empty) file `copy`; the
+        copy's `PRAGMA integrity_check` verdict ("ok" when it is sound)."""
+        with storage_errors(copy):
+            return copy_database(self.path, copy)
+
+    @contextmanager
+    def snapshot(self) -> Iterator[TruthView]:
+        """One read snapshot of the truth as a `view.TruthView` (the cache's apply reads it on
+        the cache writer's thread; the lock keeps two threads off the one connection)."""
+        assert self._source is not None, "the store is not open"
+        with self._source_lock, storage_errors(self.path), snapshot(self._source):
+            yield _View(self._source)

@@ -481,7 +481,7 @@ async def test_rows_hashed_before_inodes_were_kept_are_hashed_again(
     reconciliation hashes the file again and records it (with no feed event: nothing changed)."""
     film, _ = write(media / "film.mkv", b"F" * 64)
     await node.scan([str(media)])
-    await node.cache_writer.run(lambda conn: conn.execute("UPDATE local_file SET ino = 0"))
+    await node.cache.writer.run(lambda conn: conn.execute("UPDATE local_file SET ino = 0"))
     envelope(await client.get(f"/file/{film}"), 404, "unknown_cid")
     seq = node.applier.state.feed_seq
     summary = await node.scan([str(media)])
@@ -517,10 +517,10 @@ async def test_local_txn_appends_file_events_on_a_dense_counter(node: Node) -> N
 
     async def rows_after(calls: list[tuple[list[merge.LocalFile], list[str]]]
                          ) -> list[tuple[Any, ...]]:
-        head = cache.file_feed_head(node.cache_reader)
+        head = cache.file_feed_head(node.cache.conn)
         for files, removals in calls:
             await node.apply_local(files, removals)
-        return node.cache_reader.execute(
+        return node.cache.conn.execute(
             "SELECT seq, op, path, old_path, size, midhash FROM file_feed WHERE seq > ? "
             "ORDER BY seq", (head,)).fetchall()
 
@@ -531,8 +531,8 @@ async def test_local_txn_appends_file_events_on_a_dense_counter(node: Node) -> N
         (3, "rename", "/m/d/b", "/m/a", 4, m2)]
     assert await rows_after([([lf("/m/d/b", m2, 4, 2)], ["/m/d/b"])]) == []  # gone and back
     assert await rows_after([([], ["/m/d"])]) == [(4, "delete", "/m/d/b", None, 4, m2)]
-    assert cache.file_feed_head(node.cache_reader) == 4
-    at = node.cache_reader.execute("SELECT min(at), max(at) FROM file_feed").fetchone()
+    assert cache.file_feed_head(node.cache.conn) == 4
+    at = node.cache.conn.execute("SELECT min(at), max(at) FROM file_feed").fetchone()
     assert abs(at[0] - time.time() * 1000) < 60_000 and abs(at[1] - time.time() * 1000) < 60_000
 
 
@@ -591,7 +591,7 @@ async def test_the_files_stream_gives_a_gap_and_the_full_state_for_a_pruned_curs
     assert [(e.event, e.id, data(e)["path"]) for e in resumed] == [
         ("add", f"{epoch}-2", "elsewhere/b"), ("delete", head, "elsewhere/a")]
 
-    await node.cache_writer.run(cache.prune_feed_txn, 1, 0)  # keeps only the newest file event
+    await node.cache.writer.run(cache.prune_feed_txn, 1, 0)  # keeps only the newest file event
     for cursor, reason in ((f"{epoch}-1", "retention"), (f"{epoch}-9", "future"),
                            ("0-0", "unknown_epoch"), (f"{epoch + 1}-2", "unknown_epoch")):
         gap, reset, add = await take(node, compat.FilesFollow, cursor, 3)
@@ -618,7 +618,7 @@ async def test_the_meta_stream_resumes_and_replays(node: Node, client: httpx.Asy
     (replayed,) = await take(node, compat.MetaFollow, f"{epoch}-1", 1)
     assert (replayed.event, replayed.id, data(replayed)["key"]) == (
         "set", f"{epoch}-2", f"file:{rid}/title")
-    row_at = node.cache_reader.execute("SELECT at FROM feed WHERE seq = 2").fetchone()[0]
+    row_at = node.cache.conn.execute("SELECT at FROM feed WHERE seq = 2").fetchone()[0]
     assert data(replayed) == {"key": f"file:{rid}/title", "ts": str(row_at)}
 
 
@@ -641,7 +641,7 @@ async def test_many_meta_subscribers_share_one_read_per_page(
     # the cache was built), so what follows counts only the reads the new events cost
     await take(node, compat.MetaFollow, sse.event_id(node.applier.state.epoch, 1), 1)
     statements: list[str] = []
-    node.cache_reader.set_trace_callback(statements.append)
+    node.cache.conn.set_trace_callback(statements.append)
     meta = [compat.MetaFollow(node, None).stream() for _ in range(40)]
     native = [node.subscribe(None, False, sse.Filter()) for _ in range(10)]
     try:
@@ -657,7 +657,7 @@ async def test_many_meta_subscribers_share_one_read_per_page(
                                            for seq in range(3, 203)]
         assert {e.event for e in got} == {"set"}
     finally:
-        node.cache_reader.set_trace_callback(None)
+        node.cache.conn.set_trace_callback(None)
         for stream in [*meta, *native]:
             await stream.aclose()
     feed_reads = [s for s in statements if "FROM feed WHERE seq >" in s]
@@ -683,7 +683,7 @@ async def quiet_node(tmp_path: Path) -> Any:
             await n.apply_local([lf(f"/elsewhere/{i}", midhash, i + 1)], [])
         for i in range(4):
             await n.apply_local([], [f"/elsewhere/{i}"])
-        await n.cache_writer.run(cache.prune_feed_txn, 8, 0)
+        await n.cache.writer.run(cache.prune_feed_txn, 8, 0)
         yield n
     finally:
         await n.stop()
@@ -706,7 +706,7 @@ async def until_quiet(node: Node, kind: type[compat._Follow[Any]], cursor: str
 def meta_table(node: Node, after: int) -> tuple[list[Any], list[Any]]:
     """(every event after `after` as the meta stream frames it, its full state), from the
     tables themselves."""
-    epoch, conn = node.applier.state.epoch, node.cache_reader
+    epoch, conn = node.applier.state.epoch, node.cache.conn
     rows = conn.execute("SELECT seq, rid, op, key, at FROM feed WHERE seq > ? ORDER BY seq",
                         (after,)).fetchall()
     events = [(op, sse.event_id(epoch, seq), {"key": f"file:{rid}/{key}", "ts": str(at)})
@@ -718,7 +718,7 @@ def meta_table(node: Node, after: int) -> tuple[list[Any], list[Any]]:
 
 def files_table(node: Node, after: int) -> tuple[list[Any], list[Any]]:
     """The same for the files stream (paths outside every root lose their leading `/`)."""
-    epoch, conn = node.applier.state.epoch, node.cache_reader
+    epoch, conn = node.applier.state.epoch, node.cache.conn
     rows = conn.execute("SELECT seq, op, path, size, midhash, at FROM file_feed WHERE seq > ? "
                         "ORDER BY seq", (after,)).fetchall()
     events = [(op, sse.event_id(epoch, seq), {"midhash256": midhash, "path": path[1:],
@@ -743,7 +743,7 @@ async def test_meta_stream_replay_agrees_with_the_table_whatever_the_cursor(
     state = node.applier.state
     head = state.file_feed_seq if files else state.feed_seq
     table = "file_feed" if files else "feed"
-    oldest = node.cache_reader.execute(f"SELECT min(seq) FROM {table}").fetchone()[0]
+    oldest = node.cache.conn.execute(f"SELECT min(seq) FROM {table}").fetchone()[0]
     epoch = draw.draw(st.just(state.epoch) | st.sampled_from([state.epoch - 1, state.epoch + 1,
                                                                0]))
     edges = [oldest - 2, oldest - 1, oldest, head - 1, head, head + 1]  # where the rule turns

@@ -224,30 +224,30 @@ async def test_stop_with_an_apply_queued_uses_no_closed_connection(
 
     monkeypatch.setattr(cache, "apply_txn", apply_spy)
     queued = threading.Event()
-    real_submit = node.cache_writer.submit
+    real_submit = node.cache.writer.submit
 
     def submit_spy(fn: Any, *args: Any) -> Any:
         if fn is apply_spy:
             queued.set()
         return real_submit(fn, *args)
 
-    monkeypatch.setattr(node.cache_writer, "submit", submit_spy)
+    monkeypatch.setattr(node.cache.writer, "submit", submit_spy)
     closing = threading.Event()
-    real_close = node.cache_writer.close
+    real_close = node.cache.writer.close
 
     def close_spy() -> None:
         closing.set()  # node.stop has got as far as closing the cache writer
         real_close()
 
-    monkeypatch.setattr(node.cache_writer, "close", close_spy)
+    monkeypatch.setattr(node.cache.writer, "close", close_spy)
     gate = threading.Event()
-    node.cache_writer.submit(lambda conn: gate.wait(10))  # hold the cache writer
+    node.cache.writer.submit(lambda conn: gate.wait(10))  # hold the cache writer
     stopping: asyncio.Task[None] | None = None
     try:
         signer = Signer()
-        await node.truth_writer.run(truth.add_signer_txn, signer.uid, "s", 1, False, NOW_MS)
+        await node.truth.writer.run(truth.add_signer_txn, signer.uid, "s", 1, False, NOW_MS)
         batch = [claims_mod.validate(signer.claim(CID, "title", "x"), NOW_MS)]
-        await node.truth_writer.run(truth.ingest_txn, batch, node.minter, node.policy, NOW_MS)
+        await node.truth.writer.run(truth.ingest_txn, batch, node.minter, node.policy, NOW_MS)
         node.applier.wake()
         await wait_until(queued, "the applier never queued an apply")
         stopping = asyncio.create_task(node.stop())

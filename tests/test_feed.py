@@ -26,7 +26,7 @@ import httpx
 import pytest
 from sse_starlette import ServerSentEvent
 
-from metanode import cache, db, feed, sse
+from metanode import cache, feed, sse
 from metanode import rid as rids
 from metanode.api import error_response
 from metanode.errors import CacheNotReady, InvalidCursor, InvalidRid
@@ -313,7 +313,7 @@ class Feed:
             # a Subscription, or (wrapped for counting) its stream itself
             return Reader(subscribed.stream() if hasattr(subscribed, "stream") else subscribed)
         return Reader(feed.Subscription(
-            self.node.feed_hub, self.node.settings.cache_path,
+            self.node.feed_hub, self.node.cache,
             lambda: self.node.applier.state, self.node.applier.wait_feed,
             sse.parse_cursor(cursor), snapshot, where, keep_alive_s).stream())
 
@@ -324,10 +324,10 @@ class Feed:
             assert response.json()["accepted"] == len(batch[i:i + 500]), response.text
 
     def records(self, where: Any = None) -> dict[tuple[str, str], str]:
-        return records(self.node.cache_reader, where)
+        return records(self.node.cache.conn, where)
 
     def rid(self, cid: str) -> str:
-        found = cache.lookup(self.node.cache_reader, cid)
+        found = cache.lookup(self.node.cache.conn, cid)
         assert found is not None, f"{cid} is in no record"
         return found
 
@@ -419,7 +419,7 @@ async def test_retention_too_old_cursor_and_lagging_subscriber(fd: Feed) -> None
     lagging = fd.reader(fd.cursor(0))
     replica = Replica(fd.cursor(0))
     replica.apply_all(await lagging.take(10))
-    deleted = await fd.node.cache_writer.run(cache.prune_feed_txn, 1_000, 0)
+    deleted = await fd.node.cache.writer.run(cache.prune_feed_txn, 1_000, 0)
     assert deleted == 2_000
     # cursors: 2,000 still has every later event (2,001…); 1,999 lost one
     assert (await fd.reader(fd.cursor(1_999)).next()) == Frame(
@@ -439,8 +439,8 @@ async def test_retention_too_old_cursor_and_lagging_subscriber(fd: Feed) -> None
 
 async def test_everything_pruned_by_age_keeps_the_counter(fd: Feed) -> None:
     await fd.post(new_cid_claims(fd.signer, "age", 2))
-    assert await fd.node.cache_writer.run(cache.prune_feed_txn, 1_000_000, 2**62) == 4
-    assert fd.node.cache_reader.execute("SELECT count(*) FROM feed").fetchone()[0] == 0
+    assert await fd.node.cache.writer.run(cache.prune_feed_txn, 1_000_000, 2**62) == 4
+    assert fd.node.cache.conn.execute("SELECT count(*) FROM feed").fetchone()[0] == 0
     assert (await fd.reader(fd.cursor(3)).next()).data["reason"] == "too_old"
     at_head = fd.reader(fd.cursor(4))
     assert await at_head.take(1) == [Frame("synced", None, {"id": fd.cursor(4)})]
@@ -499,7 +499,7 @@ async def test_filters_apply_to_replay_snapshot_and_live(fd: Feed) -> None:
 
 
 def feed_rows(fd: Feed, after: int) -> list[tuple[int, str, str]]:
-    return [(seq, rid, key) for seq, rid, key in fd.node.cache_reader.execute(
+    return [(seq, rid, key) for seq, rid, key in fd.node.cache.conn.execute(
         "SELECT seq, rid, key FROM feed WHERE seq > ? ORDER BY seq", (after,))]
 
 
@@ -616,15 +616,11 @@ async def test_rebuild_while_a_subscriber_drains_never_mislabels_events(fd: Feed
     await fd.post(new_cid_claims(fd.signer, "e", 400))  # 800 events in the old epoch
     old_epoch = fd.epoch
     old_feed = {seq: (rid, op, key, value) for seq, rid, op, key, value in
-                fd.node.cache_reader.execute("SELECT seq, rid, op, key, value FROM feed")}
+                fd.node.cache.conn.execute("SELECT seq, rid, op, key, value FROM feed")}
     replica = Replica(fd.cursor(0))
     lagging = fd.reader(fd.cursor(0))
     replica.apply_all(await lagging.take(10))  # it has fetched its first page (1…PAGE)
-    source = db.connect(fd.node.settings.truth_path, readonly=True)
-    try:  # what `metanode rebuild-cache` does, here while the node runs
-        await fd.node.cache_writer.run(cache.build_txn, source)
-    finally:
-        source.close()
+    await fd.node.cache.build(fd.node.truth)  # what `metanode rebuild-cache` does, here live
     await fd.post(new_cid_claims(fd.signer, "e", 350, start=400))  # 700 events, new epoch
     assert fd.epoch != old_epoch and fd.head == 700
     await lagging.until(lambda r: r.epoch == fd.epoch and r.position == 700, replica,
@@ -646,11 +642,7 @@ async def test_rebuild_while_a_subscriber_waits_gives_gap_unknown_epoch(fd: Feed
     await fd.post(new_cid_claims(fd.signer, "w", 3))
     old = fd.cursor(fd.head)
     reader = fd.reader()
-    source = db.connect(fd.node.settings.truth_path, readonly=True)
-    try:
-        await fd.node.cache_writer.run(cache.build_txn, source)
-    finally:
-        source.close()
+    await fd.node.cache.build(fd.node.truth)
     fd.node.applier.wake()
     replica = Replica(old)
     first = await reader.next()
@@ -658,7 +650,7 @@ async def test_rebuild_while_a_subscriber_waits_gives_gap_unknown_epoch(fd: Feed
     replica.apply(first)
     await reader.until(lambda r: bool(r.synced), replica)
     # the subscriber may notice the rebuilt cache before the applier publishes it
-    rebuilt = cache.read_state(fd.node.cache_reader).epoch
+    rebuilt = cache.read_state(fd.node.cache.conn).epoch
     assert replica.synced == [sse.event_id(rebuilt, 0)]
     assert replica.epoch == rebuilt and old.split("-")[0] != str(rebuilt)
     assert replica.state == fd.records() and len(replica.state) == 6
@@ -671,7 +663,7 @@ async def test_rebuild_while_a_subscriber_waits_gives_gap_unknown_epoch(fd: Feed
 
 def table_frames(fd: Feed, after: int, upto: int) -> bytes:
     """The frames of the feed rows in (after, upto], straight from the table."""
-    rows = fd.node.cache_reader.execute(
+    rows = fd.node.cache.conn.execute(
         "SELECT seq, rid, op, key, value FROM feed WHERE seq > ? AND seq <= ? ORDER BY seq",
         (after, upto)).fetchall()
     assert [row[0] for row in rows] == list(range(after + 1, upto + 1)), "not dense"
@@ -684,16 +676,16 @@ async def test_hub_answers_agree_with_the_table_whatever_the_order(fd: Feed, see
     evict pages: every answer is exactly the table's rows after the position up to the end of
     its page, `too_old` exactly when the next event was pruned, None exactly at the head."""
     await fd.post(new_cid_claims(fd.signer, "hub", 1_300))  # 2,600 events: pages 0-5
-    hub = feed.Hub(fd.node.cache_reader, lambda: fd.node.applier.state, cache_bytes=60_000)
+    hub = feed.Hub(fd.node.cache, lambda: fd.node.applier.state, cache_bytes=60_000)
     rng = random.Random(seed)
     positions = list(range(fd.head + 1))
     for phase in ("whole", "pruned", "grown"):
         if phase == "pruned":
-            await fd.node.cache_writer.run(cache.prune_feed_txn, 1_234, 0)
+            await fd.node.cache.writer.run(cache.prune_feed_txn, 1_234, 0)
         if phase == "grown":
             await fd.post(new_cid_claims(fd.signer, "hub", 60, start=1_300))
             positions = list(range(fd.head + 1))
-        oldest = fd.node.cache_reader.execute("SELECT min(seq) FROM feed").fetchone()[0]
+        oldest = fd.node.cache.conn.execute("SELECT min(seq) FROM feed").fetchone()[0]
         for position in [*rng.sample(positions, 300), fd.head, fd.head - 1, oldest - 1]:
             got = hub.after(fd.epoch, position)
             if position >= fd.head:
@@ -730,14 +722,14 @@ async def test_many_subscribers_share_one_read_per_page(fd: Feed) -> None:
         await asyncio.sleep(0.01)
     assert fd.node.subscribers == len(readers), "not every subscriber is waiting"
     statements: list[str] = []
-    fd.node.cache_reader.set_trace_callback(statements.append)
+    fd.node.cache.conn.set_trace_callback(statements.append)
     try:
         await fd.post(new_cid_claims(fd.signer, "share", 100, start=5))  # 200 events
         for reader, replica, first in zip(readers, replicas, waiting, strict=True):
             replica.apply(await first)
             await reader.until(reached(fd.head), replica)
     finally:
-        fd.node.cache_reader.set_trace_callback(None)
+        fd.node.cache.conn.set_trace_callback(None)
     assert all(r.seqs == list(range(11, fd.head + 1)) for r in replicas)
     feed_reads = [s for s in statements if "FROM feed WHERE seq >" in s]
     assert 1 <= len(feed_reads) <= 2, feed_reads  # 2 if the applier published twice
@@ -761,7 +753,7 @@ async def test_a_snapshot_closed_while_a_page_is_being_fetched(fd: Feed) -> None
     await fd.post(new_cid_claims(fd.signer, "snap", 2_000))  # 4,000 record rows
     before = open_cache_files()
     for _ in range(40):
-        snapshot = feed.Snapshot(fd.node.settings.cache_path, sse.Filter())
+        snapshot = feed.Snapshot(fd.node.cache, sse.Filter())
         fetching = asyncio.create_task(snapshot.page())
         await asyncio.sleep(0)  # the fetch is handed to the worker thread
         fetching.cancel()

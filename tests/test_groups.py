@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from metanode import cache, db, truth
+from metanode import cache, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.claims import Claim
@@ -31,17 +31,17 @@ async def linker(client: httpx.AsyncClient) -> Signer:
 
 
 def rid_of(node: Node, cid: str) -> str | None:
-    return truth.group_of(node.truth_reader, cid)
+    return node.truth.group_of(cid)
 
 
 def feed(node: Node, after: int = 0) -> list[tuple[str, str, str, str | None]]:
-    rows = node.cache_reader.execute(
+    rows = node.cache.conn.execute(
         "SELECT rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq", (after,)).fetchall()
     return [tuple(r) for r in rows]
 
 
 def feed_seq(node: Node) -> int:
-    return int(node.cache_reader.execute("SELECT coalesce(max(seq), 0) FROM feed").fetchone()[0])
+    return int(node.cache.conn.execute("SELECT coalesce(max(seq), 0) FROM feed").fetchone()[0])
 
 
 async def test_first_sighting_mints_one_rid(client: httpx.AsyncClient, node: Node,
@@ -51,7 +51,7 @@ async def test_first_sighting_mints_one_rid(client: httpx.AsyncClient, node: Nod
     assert rid is not None
     await post(client, linker.claim(A, "year", "1999"))
     assert rid_of(node, A) == rid
-    assert node.truth_reader.execute("SELECT count(*) FROM rids").fetchone()[0] == 1
+    assert node.truth.conn.execute("SELECT count(*) FROM rids").fetchone()[0] == 1
     listed = (await client.get("/api/hash-ids")).json()
     assert listed == {"hashIds": [rid], "next": None}
     doc = (await client.get(f"/api/metadata/{rid.lower()}")).json()
@@ -64,7 +64,7 @@ async def test_link_vote_joins_a_new_member_without_minting(
     await post(client, linker.claim(A, "title", "a"))
     await post(client, linker.claim(A, f"cids/{B}", "true"))
     assert rid_of(node, B) == rid_of(node, A)
-    assert node.truth_reader.execute("SELECT count(*) FROM rids").fetchone()[0] == 1
+    assert node.truth.conn.execute("SELECT count(*) FROM rids").fetchone()[0] == 1
     doc = (await client.get(f"/api/meta/{B}")).json()
     assert doc["cid"] == B and sorted(doc["cids"]) == sorted([A, B])
     assert doc["metadata"][f"cids/{A}"] == doc["metadata"][f"cids/{B}"] == "true"
@@ -82,7 +82,7 @@ async def test_merge_keeps_older_rid_and_feeds_del_then_set(
     mark = feed_seq(node)
     assert verdicts(await post(client, linker.claim(B, f"cids/{A}", "true"))) == ["accepted"]
     assert rid_of(node, A) == rid_of(node, B) == older
-    info = truth.rid_info(node.truth_reader, newer)
+    info = node.truth.rid_info(newer)
     assert info is not None and (info.status, info.merged_into) == ("merged", older)
     events = feed(node, mark)
     loser_events = [e for e in events if e[0] == newer]
@@ -93,7 +93,7 @@ async def test_merge_keeps_older_rid_and_feeds_del_then_set(
     survivor_sets = {e[2]: e[3] for e in events if e[0] == older}
     assert survivor_sets == {"title": "new group", "genre": "sf", f"cids/{B}": "true"}
     # the loser is gone from the cache and answers 404 merged with its survivor
-    assert node.cache_reader.execute(
+    assert node.cache.conn.execute(
         "SELECT count(*) FROM records WHERE rid = ?", (newer,)).fetchone()[0] == 0
     response = await client.get(f"/api/metadata/{newer}")
     assert response.status_code == 404
@@ -123,10 +123,10 @@ async def test_chains_of_merges(client: httpx.AsyncClient, node: Node, linker: S
     oldest = min(r for r in rids.values() if r is not None)
     assert {rid_of(node, cid) for cid in (A, B, C, D)} == {oldest}
     for cid, rid in rids.items():
-        info = truth.rid_info(node.truth_reader, rid or "")
+        info = node.truth.rid_info(rid or "")
         assert info is not None
         assert info.merged_into == (None if rid == oldest else oldest), cid
-    live = {r[0] for r in node.cache_reader.execute("SELECT DISTINCT rid FROM records")}
+    live = {r[0] for r in node.cache.conn.execute("SELECT DISTINCT rid FROM records")}
     assert live == {oldest}
     assert set((await client.get(f"/api/meta/{D}")).json()["cids"]) == {A, B, C, D}
     assert_cache_is_fresh(node, tmp_path)
@@ -202,13 +202,13 @@ async def test_check_finds_a_tampered_cache_and_rebuild_repairs_it(
     client: httpx.AsyncClient, node: Node, linker: Signer, tmp_path: Path
 ) -> None:
     await post(client, linker.claim(A, "title", "truth"))
-    await node.cache_writer.run(
+    await node.cache.writer.run(
         lambda conn: conn.execute("UPDATE records SET value = 'tampered' WHERE key = 'title'"))
     report = check(node.settings, tmp_path / "scratch.db")
     assert not report.clean
     assert any("tampered" in line for line in report.differences)
     epoch = node.applier.state.epoch
-    state = await node.cache_writer.run(cache.build_txn, node.applier._source)
+    state = await node.cache.build(node.truth)
     assert state.epoch > epoch
     assert_cache_is_fresh(node, tmp_path)
 
@@ -237,24 +237,23 @@ class Store:
     def __init__(self, data_dir: Path) -> None:
         settings = settings_for(data_dir)
         open_store(settings)
-        self.truth = db.connect(settings.truth_path)
-        self.cache = db.connect(settings.cache_path)
-        self.source = db.connect(settings.truth_path, readonly=True)
+        self.source = truth.TruthStore(settings.truth_path, lambda: NOW_MS).open()
+        self.store = cache.CacheStore(settings.cache_path).open()
+        self.truth, self.cache = self.source.conn, self.store.conn  # to read the files
         self.minter = rids.Minter()
         for uid in UIDS:
-            db.run_txn(self.truth, truth.add_signer_txn, uid, "t", 1, True, NOW_MS)
-        db.run_txn(self.cache, cache.build_txn, self.source)
+            self.source.add_signer_sync(uid, "t", 1, True)
+        self.store.build_sync(self.source)
 
     def close(self) -> None:
-        for conn in (self.truth, self.cache, self.source):
-            conn.close()
+        self.store.close()
+        self.source.close()
 
     def ingest(self, batch: list[Claim]) -> list[str]:
-        return list(db.run_txn(self.truth, truth.ingest_txn, batch, self.minter, truth.Policy(),
-                               NOW_MS).verdicts)
+        return list(self.source.ingest_sync(batch, self.minter, truth.Policy(), NOW_MS).verdicts)
 
     def apply(self) -> cache.State:
-        return db.run_txn(self.cache, cache.apply_txn, self.source)
+        return self.store.apply_sync(self.source)
 
     def dump(self) -> dict[str, list[tuple[Any, ...]]]:
         """Every truth table and the cache's records, rids named by minting order (two stores
@@ -318,11 +317,9 @@ def test_batches_agree_with_one_claim_at_a_time(batches: list[list[Claim]]) -> N
                     "SELECT rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq",
                     (mark.feed_seq,)).fetchall()
                 assert fed == expected_feed(before, batched.records(), losers)
-            fresh = db.connect(Path(tmp) / "fresh.db")
-            db.migrate(fresh, cache.MIGRATIONS)
-            db.run_txn(fresh, cache.build_txn, batched.source)
-            assert cache.diff(batched.cache, fresh) == []
-            fresh.close()
+            with cache.CacheStore(Path(tmp) / "fresh.db") as fresh:
+                fresh.build_sync(batched.source)
+                assert batched.store.diff(fresh) == []
         finally:
             batched.close()
             single.close()

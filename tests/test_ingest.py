@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from metanode import truth
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register, verdicts
 
@@ -20,8 +19,8 @@ CID_B = cids.midhash_bytes(b"content b")
 
 async def db_bytes(node: Node) -> dict[str, bytes]:
     """Every byte of both databases and their WALs, once the cache has caught up."""
-    assert await node.applier.wait_for(truth.max_seq(node.truth_reader), 10)
-    for writer in (node.truth_writer, node.cache_writer):
+    assert await node.applier.wait_for(node.truth.max_seq(), 10)
+    for writer in (node.truth.writer, node.cache.writer):
         await writer.run(lambda conn: None)  # drain queued jobs
     out = {}
     for path in (node.settings.truth_path, node.settings.cache_path):

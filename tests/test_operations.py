@@ -144,7 +144,7 @@ def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:
 
 async def documents(node: Node) -> dict[str, dict[str, Any]]:
     """Every CID's document, keyed by CID."""
-    every = [r[0] for r in node.cache_reader.execute("SELECT cid FROM cid_index")]
+    every = [r[0] for r in node.cache.conn.execute("SELECT cid FROM cid_index")]
     return {c: node.meta(c) for c in every}
 
 
@@ -173,8 +173,8 @@ async def test_export_then_import_gives_identical_documents(client: httpx.AsyncC
         await other.applier.wait_for(0, 10)
         theirs, ours = await documents(other), await documents(node)
         assert theirs == ours and len(ours) == 3
-        rid_here = node.cache_reader.execute("SELECT rid FROM cid_index").fetchone()[0]
-        rid_there = other.cache_reader.execute("SELECT rid FROM cid_index").fetchone()[0]
+        rid_here = node.cache.conn.execute("SELECT rid FROM cid_index").fetchone()[0]
+        rid_there = other.cache.conn.execute("SELECT rid FROM cid_index").fetchone()[0]
         assert rid_here != rid_there  # the same records under each box's own rids
     finally:
         await other.stop()

@@ -284,9 +284,9 @@ async def test_concurrent_posts_in_process(client: httpx.AsyncClient, node: Node
 
     await asyncio.gather(*(post_all(b) for b in work))
     assert len(outcome.posted) == 8 * 5
-    verify_outcome(outcome, node.truth_reader)
+    verify_outcome(outcome, node.truth.conn)
 
-    assert await node.applier.wait_for(truth.max_seq(node.truth_reader), 10)
+    assert await node.applier.wait_for(node.truth.max_seq(), 10)
     report = node_check(node.settings, tmp_path / "scratch-cache.db")
     assert report.clean, report.differences + report.bad_signatures
     assert report.claims_checked == len(

@@ -296,11 +296,11 @@ def test_os_errors_map_by_errno(code: int, slug: str | None) -> None:
 
 async def test_an_unexpected_error_is_a_500_envelope(node: Node,
                                                      client: httpx.AsyncClient) -> None:
-    node.truth_reader.close()  # a real fault: every read of the truth now raises
+    node.truth.conn.close()  # a real fault: every read of the truth now raises
     try:
         response = await client.get("/api/signers")
     finally:
-        node.truth_reader = db.connect(node.settings.truth_path, readonly=True)
+        node.truth._reader = db.connect(node.settings.truth_path, readonly=True)
     assert response.status_code == 500
     body = response.json()
     assert body["error"] == "internal_error" and body["retryable"] is False, body

@@ -58,38 +58,34 @@ def breakdown(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim], batc
     """µs per claim of each stage of ingest, run in-process on one thread on a fresh data dir.
 
     The stages a node runs for every batch: validate every claim (what the verify thread pool
-    does), `truth.ingest_txn` (the truth writer thread) and `cache.apply_txn` (the cache writer
-    thread), each as its own transaction, as the server commits them.
+    does), `truth.ingest_txn` (`TruthStore.ingest_sync`, on the truth writer thread) and
+    `cache.apply_txn` (`CacheStore.apply_sync`, on the cache writer thread), each as its own
+    transaction, as the server commits them.
     """
-    from metanode import cache, config, db, maintenance, rid, truth
+    from metanode import cache, config, maintenance, rid, truth
 
     wires = [c.wire() for c in signed]
     spent = {"validate": 0.0, "truth.ingest_txn": 0.0, "cache.apply_txn": 0.0}
     with tempfile.TemporaryDirectory(prefix="metanode-bench-") as tmp:
         settings = config.load(env={}, overrides={"data_dir": Path(tmp)})
         maintenance.open_store(settings)
-        truth_conn = db.connect(settings.truth_path)
-        cache_conn = db.connect(settings.cache_path)
-        source = db.connect(settings.truth_path, readonly=True)
-        try:
+        with (truth.TruthStore(settings.truth_path, lambda: ts) as source,
+              cache.CacheStore(settings.cache_path) as store):
             uid = claims.uid_of(bytes(key.verify_key))
-            db.run_txn(truth_conn, truth.add_signer_txn, uid, "bench", 1, False, ts)
-            db.run_txn(cache_conn, cache.build_txn, source)
+            source.add_signer_sync(uid, "bench", 1, False)
+            store.build_sync(source)
             minter, policy = rid.Minter(), truth.Policy()
             for i in range(0, len(wires), batch):
                 t0 = time.perf_counter()
                 valid = [claims.validate(w, ts) for w in wires[i:i + batch]]
                 t1 = time.perf_counter()
-                db.run_txn(truth_conn, truth.ingest_txn, valid, minter, policy, ts)
+                source.ingest_sync(valid, minter, policy, ts)
                 t2 = time.perf_counter()
-                db.run_txn(cache_conn, cache.apply_txn, source)
+                store.apply_sync(source)
                 t3 = time.perf_counter()
                 spent["validate"] += t1 - t0
                 spent["truth.ingest_txn"] += t2 - t1
                 spent["cache.apply_txn"] += t3 - t2
-        finally:
-            for conn in (truth_conn, cache_conn, source):
-                conn.close()
     return {stage: seconds / len(wires) * 1e6 for stage, seconds in spent.items()}
 
 

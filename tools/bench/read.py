@@ -199,7 +199,7 @@ async def _breakdown(data_dir: Path, known: list[str], n: int,
         resolved = {c: cids.normalise(c) for c in known}  # the spelling the cache holds
 
         def document_of(c: str) -> dict[str, Any]:
-            group = cache.group_by_cid(node.cache_reader, resolved[c])
+            group = node.cache.group_by_cid(resolved[c])
             assert group is not None, c
             return cache.document(group, c)
 

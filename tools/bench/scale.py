@@ -3,12 +3,12 @@
 Run: `.venv/bin/python tools/bench/scale.py [--claims 1000000] [--small 10000] [--requests 5000]`.
 
 Two data directories are built directly, without HTTP (posting 1M claims through the API would
-measure ingest, not lookups): one signer registered with `truth.add_signer_txn`; records of
+measure ingest, not lookups): one signer registered with `TruthStore.add_signer_sync`; records of
 `--keys-per-record` claims (10 different keys, one fresh midhash CID per record), every claim
 signed on its own (`claims.signing_bytes` + Ed25519, in `--workers` processes) and written with
-`truth.ingest_txn` in transactions of `--chunk` claims via `db.run_txn` on a `db.connect(truth)`
-connection after `maintenance.open_store`; then `maintenance.rebuild_cache` builds cache.db. A
-sample of the stored claims is re-verified with `claims.verify`.
+`TruthStore.ingest_sync` in transactions of `--chunk` claims after `maintenance.open_store`;
+then `maintenance.rebuild_cache` builds cache.db. A sample of the stored claims is
+re-verified with `claims.verify`.
 
 Then `metanode serve` runs on each (both at once, on their own ports) and one sequential client
 (`http.client`, keep-alive, no concurrency: this is a latency test) asks each for random known
@@ -42,7 +42,7 @@ import harness
 import nacl.signing
 
 from metanode import cid as cids
-from metanode import claims, config, db, maintenance, rid, truth
+from metanode import claims, config, maintenance, rid, truth
 from metanode.clock import now_ms
 
 GOAL = 1.5
@@ -84,17 +84,16 @@ def build(data_dir: Path, n_claims: int, per: int, chunk: int, workers: int,
     per_chunk = max(1, chunk // per)
     jobs = [(bytes(key), uid, first, min(per_chunk, records - first), per, ts)
             for first in range(0, records, per_chunk)]
-    conn = db.connect(settings.truth_path)
     known: list[str] = []
     sample: list[claims.Claim] = []
-    try:
-        db.run_txn(conn, truth.add_signer_txn, uid, "bench", 1, False, ts)
+    with truth.TruthStore(settings.truth_path, lambda: ts) as store:
+        store.add_signer_sync(uid, "bench", 1, False)
         minter, policy = rid.Minter(), truth.Policy()
         done, step = 0, max(1, len(jobs) // 10)
         with multiprocessing.Pool(workers) as pool:
             for i, part in enumerate(pool.imap(sign_chunk, jobs)):
                 batch = [claims.Claim(uid, c, k, v, ts, s) for c, k, v, s in part]
-                result = db.run_txn(conn, truth.ingest_txn, batch, minter, policy, ts)
+                result = store.ingest_sync(batch, minter, policy, ts)
                 if result.verdicts.count("accepted") != len(batch):
                     raise RuntimeError("a freshly signed claim was not accepted")
                 known.extend(dict.fromkeys(c.cid for c in batch))
@@ -102,8 +101,6 @@ def build(data_dir: Path, n_claims: int, per: int, chunk: int, workers: int,
                 done += len(batch)
                 if (i + 1) % step == 0 or i + 1 == len(jobs):
                     log(f"  {done:,} claims signed and written to truth.db", start)
-    finally:
-        conn.close()
     for claim in sample[:: max(1, len(sample) // 100)]:
         claims.verify(claim)  # raises BadSignature: the stored bytes are really signed
     log("  building cache.db (maintenance.rebuild_cache) …", start)

@@ -43,7 +43,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from metanode import cache, config, watcher
+from metanode import config, watcher
 from metanode.node import Node
 
 PER_FOLDER = 100
@@ -119,11 +119,11 @@ async def stop_quietly(node: Node) -> None:
     event it waits on fires, and the task then never ends.)
     """
     for _ in range(1000):
-        await node.cache_writer.run(lambda conn: None)
+        await node.cache.drained()
         await asyncio.sleep(0.01)
         if not node.applier._wake.is_set():
             break
-    await node.cache_writer.run(lambda conn: None)
+    await node.cache.drained()
     await node.stop()
 
 
@@ -152,7 +152,7 @@ async def warm_rounds(data_dir: Path, root: Path, repeats: int, profile: bool
     parts: dict[str, float] = {}
     report = ""
     try:
-        files = len(cache.local_stats(node.cache_reader, [str(root)]))
+        files = len(node.cache.local_stats([str(root)]))
         for _ in range(repeats):
             t0 = time.perf_counter()
             summary = await node.scan([str(root)])
@@ -178,7 +178,7 @@ def profile_rescan(node: Node, root: str) -> str:
     profiler = cProfile.Profile()
     profiler.enable()
     disk = w._files_below(root, root)
-    known = cache.local_stats(node.cache_reader, [root])
+    known = node.cache.local_stats([root])
     watcher.plan(disk, known)
     profiler.disable()
     out = io.StringIO()
@@ -203,7 +203,7 @@ async def rescan_parts(node: Node, root: str) -> dict[str, float]:
     async def sync(fn: Callable[[], object]) -> object:
         return fn()
 
-    known = cache.local_stats(node.cache_reader, [root])
+    known = node.cache.local_stats([root])
     disk = w._files_below(root, root)
     return {
         "bare scandir + stat": await best(lambda: sync(lambda: bare_walk(root))),
@@ -216,7 +216,7 @@ async def rescan_parts(node: Node, root: str) -> dict[str, float]:
         "  of which os.path.relpath, once per file": await best(
             lambda: sync(lambda: [os.path.relpath(p, root) for p in paths])),
         "cache.local_stats (rows below the root)": await best(
-            lambda: sync(lambda: cache.local_stats(node.cache_reader, [root]))),
+            lambda: sync(lambda: node.cache.local_stats([root]))),
         "watcher.plan": await best(lambda: sync(lambda: watcher.plan(disk, known))),
         "Node._settled (wake the applier, wait for it)": await best(node._settled),
         "Watcher.reconcile (in the loop, walk on a thread)": await best(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sqlite3
 import sys
 import tempfile
 import time
@@ -25,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from metanode import config, db, maintenance, truth
+from metanode import config, maintenance, truth
 from metanode.clock import now_ms
 from metanode.config import Settings
 from metanode.errors import MetanodeError
@@ -121,32 +120,20 @@ def _copy_truth(source: Settings, target: Settings) -> None:
     target.data_dir.mkdir(parents=True)
     if not source.truth_path.is_file():
         return
-    src = db.connect(source.truth_path, readonly=True)
-    dst = sqlite3.connect(target.truth_path)
-    try:
-        src.backup(dst)
-    finally:
-        dst.close()
-        src.close()
+    truth.TruthStore(source.truth_path).backup_to(target.truth_path)
 
 
 def _migrate_into(settings: Settings, planned: Sequence[plan.Planned], legacy: Legacy,
                   opts: Options, ts: int, report: Report, progress: Callable[[int], None]) -> None:
-    conn = db.connect(settings.truth_path)
-    try:
-        before = truth.max_seq(conn)
-        row = register(conn, legacy, opts.legacy_weight, now_ms())
-    finally:
-        conn.close()
+    with truth.TruthStore(settings.truth_path).open() as store:
+        before = store.max_seq()
+        row = register(store, legacy, opts.legacy_weight)
     report.legacy_signer = {
         "uid": legacy.uid, "name": row.name, "weight": row.weight, "may_link": row.may_link,
         "key_file": str(legacy.path) if legacy.path else None, "created": legacy.created}
     write(settings, planned, legacy, ts, opts.batch, report, progress)
-    conn = db.connect(settings.truth_path, readonly=True)
-    try:
-        report.changes = truth.max_seq(conn) - before
-    finally:
-        conn.close()
+    with truth.TruthStore(settings.truth_path).open() as store:
+        report.changes = store.max_seq() - before
 
 
 def migrate(opts: Options) -> Report:

@@ -1,9 +1,10 @@
 """Writing planned groups and claims into a metanode data directory (the server stopped).
 
-Everything goes through the node's own write path: groups through `truth.adopt_group_txn` (an
-old rid kept) or `truth.ensure_group` (a rid minted for a record that had none), claims through
-`claims.sign` → `claims.validate_items` → `truth.ingest_txn`, one transaction per batch of
-records, then `maintenance.catch_up_cache` brings cache.db up to date. Each batch commits its
+Everything goes through the node's own write path, the truth store: groups through
+`truth.adopt_group_txn` (an old rid kept) or `truth.ensure_group` (a rid minted for a record
+that had none), claims through `claims.sign` → `claims.validate_items` → `truth.ingest_txn`, one
+transaction (`TruthStore.migrate_batch_sync`) per batch of records, then
+`maintenance.catch_up_cache` brings cache.db up to date. Each batch commits its
 groups and claims together, so a run that stops half-way leaves whole records behind, and running
 again finishes the job: a claim the legacy signer already holds with the same value is skipped, a
 group already in place is left alone.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nacl.signing
 
-from metanode import claims, db, keys, truth
+from metanode import claims, keys, truth
 from metanode import rid as rids
 from metanode.claims import LINK_PREFIX, Claim
 from metanode.clock import now_ms
@@ -142,24 +142,23 @@ def legacy_key(settings: Settings, dry_run: bool) -> Legacy:
     return Legacy(keys.load(path), uid, path, True)
 
 
-def register(conn: sqlite3.Connection, legacy: Legacy, weight: int | None,
-             now: int) -> truth.SignerRow:
+def register(store: truth.TruthStore, legacy: Legacy, weight: int | None) -> truth.SignerRow:
     """Register the legacy signer (low weight, may link: it signs the groups' `cids/` links).
 
     A re-run keeps the registered weight unless `weight` is given; a blocked legacy signer stops
     the run rather than being silently unblocked.
     """
     name = KEY_STEM + (legacy.path.stem[len(KEY_STEM):] if legacy.path else "dry-run")
-    row = truth.signer(conn, legacy.uid)
+    row = store.signer(legacy.uid)
     if row is not None and row.status == "blocked":
         raise MigrateError(f"the legacy signer {legacy.uid} is blocked; unblock it first "
                            f"(metanode signers unblock {legacy.uid}) to migrate again")
     if row is None:
-        return db.run_txn(conn, truth.add_signer_txn, legacy.uid, name,
-                          DEFAULT_WEIGHT if weight is None else weight, True, now)
+        return store.add_signer_sync(legacy.uid, name,
+                                     DEFAULT_WEIGHT if weight is None else weight, True)
     if (weight is not None and weight != row.weight) or not row.may_link:
-        return db.run_txn(conn, truth.add_signer_txn, legacy.uid, row.name,
-                          row.weight if weight is None else weight, True, now)
+        return store.add_signer_sync(legacy.uid, row.name,
+                                     row.weight if weight is None else weight, True)
     return row
 
 
@@ -180,36 +179,8 @@ def _batches(planned: Sequence[Planned], size: int) -> Iterator[list[Planned]]:
         yield batch
 
 
-@dataclass(frozen=True)
-class _Grouped:
-    adopted: truth.Adopted
-    how: str  # "kept" (the old rid), "reused" (found through its CIDs), "minted"
-
-
-def _group(conn: sqlite3.Connection, record: Planned, minter: rids.Minter,
-           now: int) -> _Grouped:
-    """Put a record's CIDs in one group: under its old rid, else under the rid that already holds
-    one of them (a re-run), else under a freshly minted one."""
-    if record.rid is not None:
-        return _Grouped(truth.adopt_group_txn(conn, record.rid, record.cids, now), "kept")
-    held = sorted({r for c in record.cids if (r := truth.group_of(conn, c)) is not None})
-    if held:
-        return _Grouped(truth.adopt_group_txn(conn, held[0], record.cids, now), "reused")
-    rid = truth.ensure_group(conn, record.canonical, minter, now)
-    rest = truth.adopt_group_txn(conn, rid, record.cids, now)
-    return _Grouped(truth.Adopted(rest.rid, True, (record.canonical, *rest.joined), rest.merged),
-                    "minted")
-
-
-def _batch_txn(conn: sqlite3.Connection, records: Sequence[Planned], batch: Sequence[Claim],
-               minter: rids.Minter, policy: truth.Policy,
-               now: int) -> tuple[list[_Grouped], truth.IngestResult]:
-    """One transaction: the groups of some records, then their claims."""
-    grouped = [_group(conn, record, minter, now) for record in records]
-    return grouped, truth.ingest_txn(conn, batch, minter, policy, now)
-
-
-def _count_groups(report: Report, records: Sequence[Planned], grouped: Sequence[_Grouped]) -> None:
+def _count_groups(report: Report, records: Sequence[Planned],
+                  grouped: Sequence[truth.Grouped]) -> None:
     for record, done in zip(records, grouped, strict=True):
         adopted = done.adopted
         if done.how == "kept":
@@ -238,13 +209,12 @@ def write(settings: Settings, planned: Sequence[Planned], legacy: Legacy, ts: in
     limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
     policy = truth.Policy(settings.accept_unknown_signers)
     minter = rids.Minter()
-    conn = db.connect(settings.truth_path)
-    try:
+    with truth.TruthStore(settings.truth_path).open() as store:
         for records in _batches(planned, batch_size):
             pending: list[tuple[str, str, str]] = []  # (cid, key, value) to sign
             for record in records:
                 for key, value in record.claims():
-                    stored = truth.stored_claim(conn, legacy.uid, record.canonical, key)
+                    stored = store.stored_claim(legacy.uid, record.canonical, key)
                     if stored is not None and stored.value == value:
                         if not key.startswith(LINK_PREFIX):
                             report.fields_unchanged += 1
@@ -255,8 +225,9 @@ def write(settings: Settings, planned: Sequence[Planned], legacy: Legacy, ts: in
             for error in errors:
                 report.drop(str(error["error"]))
             report.claims_signed += len(valid)
-            grouped, result = db.run_txn(conn, _batch_txn, records, valid, minter, policy,
-                                         now_ms())
+            grouped, result = store.migrate_batch_sync(
+                [truth.Grouping(r.rid, r.canonical, tuple(r.cids)) for r in records], valid,
+                minter, policy)
             _count_groups(report, records, grouped)
             for claim, verdict in zip(valid, result.verdicts, strict=True):
                 link = claim.is_link
@@ -272,5 +243,3 @@ def write(settings: Settings, planned: Sequence[Planned], legacy: Legacy, ts: in
                     report.fields_stale += not link
             if progress is not None:
                 progress(len(records))
-    finally:
-        conn.close()
