@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import aiosqlite
 
 from metanode import merge
 from metanode.claims import Claim
@@ -24,10 +26,10 @@ from metanode.db import (
     Migration,
     Writer,
     connect,
+    connect_reader,
     executescript_in_txn,
     mapped,
     migrate_file,
-    off_loop,
     snapshot,
     storage_errors,
 )
@@ -150,8 +152,16 @@ class State:
     file_feed_seq: int  # the head of `file_feed` (MetaMesh's file events), on its own counter
 
 
+STATE = "SELECT name, value FROM state"
+
+
 def read_state(conn: sqlite3.Connection) -> State:
-    values = dict(conn.execute("SELECT name, value FROM state").fetchall())
+    return state_of(conn.execute(STATE).fetchall())
+
+
+def state_of(rows: Iterable[Any]) -> State:
+    """The `State` that the rows of `STATE` (name, value) describe."""
+    values = dict(rows)
     return State(values.get("epoch", 0), values.get("applied_seq", 0), values.get("feed_seq", 0),
                  values.get(FILE_FEED_SEQ, 0))
 
@@ -533,20 +543,22 @@ def oldest_file_feed_seq(conn: sqlite3.Connection) -> int | None:
     return value
 
 
-def records_in_order(conn: sqlite3.Connection, rids: Iterable[str] = ()) -> sqlite3.Cursor:
-    """(rid, key, value) of every record (only of `rids`, if any) by rid and key: an open
-    cursor, for a snapshot to fetch a page at a time."""
+Query = tuple[str, Sequence[object]]  # a statement and its parameters, for a `Reading`
+
+
+def records_in_order(rids: Iterable[str] = ()) -> Query:
+    """(rid, key, value) of every record (only of `rids`, if any) by rid and key: for a
+    snapshot to fetch a page at a time."""
     wanted = sorted(rids)
     if wanted:
-        return conn.execute(
-            "SELECT rid, key, value FROM records WHERE rid IN "
-            f"({','.join('?' * len(wanted))}) ORDER BY rid, key", wanted)
-    return conn.execute("SELECT rid, key, value FROM records ORDER BY rid, key")
+        return ("SELECT rid, key, value FROM records WHERE rid IN "
+                f"({','.join('?' * len(wanted))}) ORDER BY rid, key", wanted)
+    return "SELECT rid, key, value FROM records ORDER BY rid, key", ()
 
 
-def local_files_in_order(conn: sqlite3.Connection) -> sqlite3.Cursor:
-    """(path, midhash, size) of every local file by path: an open cursor, as above."""
-    return conn.execute("SELECT path, midhash, size FROM local_file ORDER BY path")
+def local_files_in_order() -> Query:
+    """(path, midhash, size) of every local file by path, as above."""
+    return "SELECT path, midhash, size FROM local_file ORDER BY path", ()
 
 
 # -- plugin runs --------------------------------------------------------------------------------
@@ -734,34 +746,55 @@ def diff(live: sqlite3.Connection, fresh: sqlite3.Connection) -> list[str]:
 
 
 class Reading:
-    """An open read transaction on its own read-only connection: the cache state it reflects,
-    and the rows of one query, fetched a page at a time on a worker thread so that a large
-    cache never stalls the event loop. Holds the connection until `close()`."""
+    """An open read transaction on a read-only aiosqlite connection of its own: the cache state
+    it reflects, and the rows of one query, fetched a page at a time on the connection's thread
+    so that a large cache never stalls the event loop. Made by `CacheStore.records_reading` and
+    `files_reading` (`open`); holds the connection until `close()`, which nothing else sees.
 
-    def __init__(self, path: Path, query: Callable[[sqlite3.Connection], sqlite3.Cursor],
+    A cancelled `rows()` returns at once while its fetch finishes on that thread; `close()`
+    queues behind it (`db.connect_reader`), so the read transaction ends right after that page.
+    """
+
+    def __init__(self, conn: aiosqlite.Connection, state: State, rows: aiosqlite.Cursor,
                  page: int) -> None:
+        self.state = state
+        self._conn = conn
+        self._rows = rows
         self._page = page
-        with storage_errors(path):
-            self._conn = connect(path, readonly=True)
-            try:
-                self._conn.execute("BEGIN")
-                self.state = read_state(self._conn)
-                self._rows = query(self._conn)
-            except BaseException:
-                self._conn.close()
-                raise
+        self._closed = False
+
+    @classmethod
+    async def open(cls, path: Path, query: Query, page: int) -> Reading:
+        """`BEGIN`, the state, the query's cursor: one read transaction from here to `close`."""
+        conn = await connect_reader(path)
+        try:
+            with storage_errors(path):
+                await conn.execute_fetchall("BEGIN")
+                state = state_of(await conn.execute_fetchall(STATE))
+                rows = await conn.execute(*query)
+        except BaseException:
+            await conn.close()
+            raise
+        return cls(conn, state, rows, page)
 
     async def rows(self) -> list[Any]:
         """The next page of rows (as the query names its columns); empty at the end."""
         with storage_errors():
-            return await off_loop(self._rows.fetchmany, self._page)
+            return list(await self._rows.fetchmany(self._page))
 
-    def close(self) -> None:
-        """End the read transaction and free the file: the cursor first, since a connection
-        closed while a cursor still holds a statement keeps its file open until that cursor is
-        garbage. (`rows` never leaves a fetch running when it returns or is cancelled.)"""
-        self._rows.close()
-        self._conn.close()
+    async def close(self) -> None:
+        """End the read transaction and free the file; idempotent. The cursor first, since a
+        connection closed while a cursor still holds a statement keeps its file open until that
+        cursor is garbage. Both are queued before any await, so a cancellation cannot skip the
+        connection's close."""
+        if self._closed:
+            return
+        self._closed = True
+        with storage_errors():
+            try:
+                await self._rows.close()
+            finally:
+                await self._conn.close()
 
 
 class CacheStore:
@@ -770,7 +803,8 @@ class CacheStore:
     `open()` migrates, starts the writer thread and opens the event loop's read connection (the
     primary-key reads of GET /api/meta stay there: microseconds, no thread hop). The apply path
     (`apply`, `build`, `apply_local`) runs on the writer and reads the truth only through a
-    `view.TruthSource`; the feed's snapshots (`reading`) open a connection of their own. Callers
+    `view.TruthSource`; the feed's snapshots (`records_reading`, `files_reading`) each open an
+    aiosqlite connection of their own (a `Reading`), paged off the loop. Callers
     see values (`State`, `Group`, `FeedRow` …), never a connection; a storage failure is raised
     as its typed `StorageError`.
     """
@@ -975,14 +1009,13 @@ class CacheStore:
     def oldest_file_feed_seq(self) -> int | None:
         return oldest_file_feed_seq(self.conn)
 
-    def records_reading(self, rids: Iterable[str], page: int) -> Reading:
+    async def records_reading(self, rids: Iterable[str], page: int) -> Reading:
         """Every record's (rid, key, value) (only of `rids`, if any), by rid and key."""
-        wanted = sorted(rids)
-        return Reading(self.path, lambda conn: records_in_order(conn, wanted), page)
+        return await Reading.open(self.path, records_in_order(rids), page)
 
-    def files_reading(self, page: int) -> Reading:
+    async def files_reading(self, page: int) -> Reading:
         """Every local file's (path, midhash, size), by path."""
-        return Reading(self.path, local_files_in_order, page)
+        return await Reading.open(self.path, local_files_in_order(), page)
 
 
 def _build_with_files(cache: sqlite3.Connection, source: TruthSource,

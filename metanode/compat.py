@@ -468,7 +468,7 @@ class _Follow(Generic[R]):
     async def _gap_and_state(self, requested: str, reason: str) -> AsyncGenerator[bytes, None]:
         """`gap` and the full state, a page of the snapshot per chunk; each page's last event is
         held back until the next page shows whether it is the last of all (it carries the id)."""
-        reading = self.feed.snapshot()
+        reading = await self.feed.snapshot()
         try:
             epoch, head = reading.state.epoch, self.feed.hub.table.head(reading.state)
             now, marker = self.node.clock(), sse.event_id(epoch, head)
@@ -484,7 +484,7 @@ class _Follow(Generic[R]):
                 chunk = b""
             yield chunk + b"".join(sse.event(*item, event_id=marker).encode() for item in held)
         finally:
-            reading.close()
+            await reading.close()
         self.epoch, self.position = epoch, head
 
 

@@ -1,11 +1,15 @@
 """SQLite plumbing: connections, one writer thread per database, and schema migrations.
 
-Why a writer thread rather than aiosqlite: a write transaction in metanode is one synchronous
-function (`*_txn`) that runs start to finish under `BEGIN IMMEDIATE` on the only write connection,
-as datasette's `execute_write_fn` does. Two coroutines' statements can then never interleave, and
-a transaction never waits on the event loop while holding the write lock. Reads that the API does
-on the event loop use a plain read-only connection: a primary-key lookup there costs microseconds,
-less than the thread hop aiosqlite would add (measured in docs/benchmarks.md).
+Three paths, each where the benchmark puts it (docs/architecture.md, "Which path is which"):
+* writes: a writer thread rather than aiosqlite. A write transaction in metanode is one
+  synchronous function (`*_txn`) that runs start to finish under `BEGIN IMMEDIATE` on the only
+  write connection, as datasette's `execute_write_fn` does. Two coroutines' statements can then
+  never interleave, and a transaction never waits on the event loop while holding the write lock;
+* the API's primary-key reads: a plain read-only connection on the event loop (`connect`). A
+  lookup there costs microseconds, less than the thread hop aiosqlite adds to each call;
+* long reads (the feed's snapshots): aiosqlite (`connect_reader`), a connection whose every call
+  runs on its own thread, in order, so a cancelled caller's cleanup is queued behind the call it
+  abandoned and never runs under it.
 
 Storage failures (a full disk, a read-only mount, an I/O error, a lock held too long) are turned
 into the typed `StorageError`s here, where connections open and transactions run, so every write
@@ -30,6 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
+import aiosqlite
+
 from metanode.errors import (
     ShuttingDown,
     StorageError,
@@ -46,6 +52,8 @@ P = ParamSpec("P")
 Txn = Callable[..., T]
 
 BUSY_TIMEOUT_MS = 30_000
+PRAGMAS = (f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}", "PRAGMA synchronous=FULL",
+           "PRAGMA foreign_keys=ON")  # every connection's, writers' and readers' alike
 PROBE_S = 1.0  # while a writer's writes fail, it probes this often whether they work again
 PROBE_FREE_BYTES = 1 << 20  # ...and needs this much free space: a tiny write may fit in the WAL
 
@@ -109,19 +117,42 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     """
     with storage_errors(path):
         if readonly:
-            conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
-                                   isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(_read_only(path), uri=True, isolation_level=None,
+                                   check_same_thread=False)
         else:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
             if not readonly:
                 conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            conn.execute("PRAGMA synchronous=FULL")
-            conn.execute("PRAGMA foreign_keys=ON")
+            for pragma in PRAGMAS:
+                conn.execute(pragma)
         except BaseException:
             conn.close()
+            raise
+    return conn
+
+
+def _read_only(path: Path) -> str:
+    return f"{path.resolve().as_uri()}?mode=ro"
+
+
+async def connect_reader(path: Path) -> aiosqlite.Connection:
+    """A read-only aiosqlite connection with `connect`'s pragmas, for a long read off the loop.
+
+    Each call runs on the connection's own thread, in the order made. A caller cancelled while
+    awaiting one gets the cancellation at once, and the call still runs to its end on that
+    thread; whatever the caller queues next (a cursor's or the connection's `close()`) runs after
+    it, so nothing ever closes the connection under a running call. A `close()` is queued before
+    its first await, so even a cancelled `close()` closes.
+    """
+    with storage_errors(path):
+        conn = await aiosqlite.connect(_read_only(path), uri=True, isolation_level=None)
+        try:
+            for pragma in PRAGMAS:
+                await conn.execute_fetchall(pragma)  # fetched: no statement left open
+        except BaseException:
+            await conn.close()
             raise
     return conn
 
@@ -195,27 +226,6 @@ def snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         yield conn
     finally:
         conn.execute("COMMIT")
-
-
-async def off_loop(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` on a worker thread, for reads too long for the event loop.
-
-    If the caller is cancelled meanwhile, the cancellation is held back until `fn` has returned:
-    `fn` uses a connection, and the caller's cleanup (a `COMMIT`, a `close()`) must never run on
-    that connection while the worker thread still does. The wait is one call's length (a page of
-    rows). anyio's cancel scopes (sse-starlette's) cancel again at every await, hence the loop.
-    """
-    running = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-    cancelled = False
-    while not running.done():
-        try:
-            await asyncio.wait([running])
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        running.exception()  # retrieved: the caller gets the cancellation instead
-        raise asyncio.CancelledError
-    return running.result()
 
 
 Migration = Callable[[sqlite3.Connection], None]

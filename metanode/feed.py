@@ -232,10 +232,14 @@ class Snapshot:
     """Every current record as `set` frames, a page at a time, then the feed position they
     correspond to (`state`): one `cache.Reading`."""
 
-    def __init__(self, store: cache.CacheStore, where: sse.Filter) -> None:
+    def __init__(self, reading: Reading, where: sse.Filter) -> None:
         self._filter = where
-        self._reading = store.records_reading(where.rids, PAGE)
-        self.state = self._reading.state
+        self._reading = reading
+        self.state = reading.state
+
+    @classmethod
+    async def open(cls, store: cache.CacheStore, where: sse.Filter) -> Snapshot:
+        return cls(await store.records_reading(where.rids, PAGE), where)
 
     async def page(self) -> bytes | None:
         """The next page's frames (possibly empty, if the filter passed none); None at the end."""
@@ -245,8 +249,8 @@ class Snapshot:
         return b"".join(sse.event("set", {"rid": rid, "key": key, "value": value}).encode()
                         for rid, key, value in rows if self._filter.matches(rid, key))
 
-    def close(self) -> None:
-        self._reading.close()
+    async def close(self) -> None:
+        await self._reading.close()
 
 
 @dataclass(frozen=True)
@@ -257,7 +261,7 @@ class Feed(Generic[R]):
     hub: Hub[R]
     state: Callable[[], cache.State]
     wait: WaitFeed
-    snapshot: Callable[[], Reading]
+    snapshot: Callable[[], Awaitable[Reading]]
     keep_alive_s: float
 
 
@@ -290,7 +294,7 @@ class Subscription:
     async def stream(self) -> AsyncGenerator[bytes, None]:
         """Replay, or gap + snapshot, or snapshot; then `synced` and the live tail."""
         try:
-            first = self._begin()
+            first = await self._begin()
             if first:
                 yield first
             while True:
@@ -299,24 +303,24 @@ class Subscription:
                     yield chunk
         finally:
             if self._snapshot is not None:
-                self._snapshot.close()
+                await self._snapshot.close()
 
-    def _begin(self) -> bytes:
+    async def _begin(self) -> bytes:
         cursor = self._cursor
         if cursor is not None:
             reason = self._hub.resume(cursor)
             if reason is None:
                 self.position, self._replaying = cursor.seq, True
                 return b""
-            return self._gap(cursor.text, reason)
+            return await self._gap(cursor.text, reason)
         if self._want_snapshot:
-            self._snapshot = Snapshot(self._store, self._filter)
+            self._snapshot = await Snapshot.open(self._store, self._filter)
         return b""
 
-    def _gap(self, requested: str | None, reason: str) -> bytes:
+    async def _gap(self, requested: str | None, reason: str) -> bytes:
         """The `gap` frame; the snapshot that must follow it is opened here."""
         self._replaying = False  # the snapshot ends in its own `synced`
-        self._snapshot = Snapshot(self._store, self._filter)
+        self._snapshot = await Snapshot.open(self._store, self._filter)
         return sse.event("gap", {"requested": requested, "reason": reason}).encode()
 
     def _synced(self) -> bytes:
@@ -328,7 +332,7 @@ class Subscription:
             return await self._snapshot_page(self._snapshot)
         got = self._hub.after(self.epoch, self.position)
         if isinstance(got, str):  # pruned while lagging, or the cache was rebuilt
-            return self._gap(sse.event_id(self.epoch, self.position), got)
+            return await self._gap(sse.event_id(self.epoch, self.position), got)
         if got is not None:
             self.position = got.last
             return got.frames(self._filter)
@@ -345,7 +349,7 @@ class Subscription:
         chunk = await snapshot.page()
         if chunk is not None:
             return chunk
-        snapshot.close()
-        self._snapshot = None
+        self._snapshot = None  # before the await: a cancelled close is not closed twice
+        await snapshot.close()
         self.epoch, self.position = snapshot.state.epoch, snapshot.state.feed_seq
         return self._synced()

@@ -753,11 +753,11 @@ async def test_a_snapshot_closed_while_a_page_is_being_fetched(fd: Feed) -> None
     await fd.post(new_cid_claims(fd.signer, "snap", 2_000))  # 4,000 record rows
     before = open_cache_files()
     for _ in range(40):
-        snapshot = feed.Snapshot(fd.node.cache, sse.Filter())
+        snapshot = await feed.Snapshot.open(fd.node.cache, sse.Filter())
         fetching = asyncio.create_task(snapshot.page())
         await asyncio.sleep(0)  # the fetch is handed to the worker thread
         fetching.cancel()
         with contextlib.suppress(asyncio.CancelledError):  # as the stream's `finally` runs
             await fetching
-        snapshot.close()
+        await snapshot.close()
     assert open_cache_files() <= before + 1  # SQLite may keep one closed descriptor for reuse
