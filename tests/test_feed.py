@@ -18,8 +18,11 @@ import json
 import os
 import random
 import sqlite3
+import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +32,7 @@ from sse_starlette import ServerSentEvent
 from metanode import cache, feed, sse
 from metanode import rid as rids
 from metanode.api import error_response
-from metanode.errors import CacheNotReady, InvalidCursor, InvalidRid
+from metanode.errors import CacheNotReady, InvalidCursor, InvalidRid, StorageError
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, fast_claims, register
 from tests.helpers.feed import (
@@ -761,3 +764,67 @@ async def test_a_snapshot_closed_while_a_page_is_being_fetched(fd: Feed) -> None
             await fetching
         await snapshot.close()
     assert open_cache_files() <= before + 1  # SQLite may keep one closed descriptor for reuse
+
+
+def checkpoint_held_back(node: Node) -> bool:
+    """Whether a read transaction on cache.db holds back a full checkpoint of its WAL (asked on a
+    connection of the test's own, which does not wait for readers)."""
+    conn = sqlite3.connect(node.cache.path, timeout=0)
+    try:
+        busy: int = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        return busy == 1
+    finally:
+        conn.close()
+
+
+async def test_a_snapshot_left_mid_page_releases_its_read_transaction(fd: Feed) -> None:
+    """A client that leaves while a page is being fetched: once the stream's `close()` returns,
+    the snapshot's read transaction is over (the WAL written since can be checkpointed whole),
+    not at some later garbage collection."""
+    await fd.post(new_cid_claims(fd.signer, "held", 2_000))  # 4,000 record rows
+    snapshot = await feed.Snapshot.open(fd.node.cache, sse.Filter())
+    await fd.post(new_cid_claims(fd.signer, "later", 10))  # WAL frames past the snapshot
+    assert await fd.node.applier.wait_for(fd.node.truth.max_seq(), 30)
+    await fd.node.cache.drained()  # no write of the cache's own is under way
+    assert checkpoint_held_back(fd.node)
+    fetching = asyncio.create_task(snapshot.page())
+    await asyncio.sleep(0)  # the fetch is queued on the connection's thread
+    fetching.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await fetching
+    await snapshot.close()
+    assert not checkpoint_held_back(fd.node)
+
+
+async def test_a_cancelled_page_fetch_leaves_the_reading_usable(fd: Feed) -> None:
+    """The fetch a cancelled caller abandoned still runs to its end before the next call on the
+    same connection: the next page is the one after it, in order, and nothing fails."""
+    await fd.post(new_cid_claims(fd.signer, "page", 1_000))  # 2,000 record rows
+    every = sorted(fd.records().items())
+    reading = await fd.node.cache.records_reading((), 500)
+    try:
+        fetching = asyncio.create_task(reading.rows())
+        await asyncio.sleep(0)  # the fetch is queued on the connection's thread
+        fetching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await fetching
+        rest = []
+        while rows := await reading.rows():
+            rest.extend(((rid, key), value) for rid, key, value in rows)
+    finally:
+        await reading.close()
+    assert rest == every[500:]
+
+
+async def test_a_reading_that_cannot_open_is_a_typed_storage_error(tmp_path: Path) -> None:
+    """The aiosqlite reads map storage failures to `StorageError` like every other store read:
+    a cache.db that is not there (read-only open: SQLITE_CANTOPEN)."""
+    with pytest.raises(StorageError) as raised:
+        await cache.Reading.open(tmp_path / "cache.db", cache.records_in_order(), 10)
+    assert raised.value.retryable and "cache.db" in raised.value.message
+    # aiosqlite stops a connection that failed to open on its thread, a moment later, and then
+    # calls back into the event loop: a server's loop is still there; this test's must wait
+    deadline = time.monotonic() + 30
+    while any(t.name.endswith("(_connection_worker_thread)") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "aiosqlite's thread never stopped"
+        await asyncio.sleep(0.01)
