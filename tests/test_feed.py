@@ -819,12 +819,13 @@ async def test_a_cancelled_page_fetch_leaves_the_reading_usable(fd: Feed) -> Non
 async def test_a_reading_that_cannot_open_is_a_typed_storage_error(tmp_path: Path) -> None:
     """The aiosqlite reads map storage failures to `StorageError` like every other store read:
     a cache.db that is not there (read-only open: SQLITE_CANTOPEN)."""
+    threads = set(threading.enumerate())
     with pytest.raises(StorageError) as raised:
         await cache.Reading.open(tmp_path / "cache.db", cache.records_in_order(), 10)
     assert raised.value.retryable and "cache.db" in raised.value.message
     # aiosqlite stops a connection that failed to open on its thread, a moment later, and then
     # calls back into the event loop: a server's loop is still there; this test's must wait
     deadline = time.monotonic() + 30
-    while any(t.name.endswith("(_connection_worker_thread)") for t in threading.enumerate()):
+    while set(threading.enumerate()) - threads:
         assert time.monotonic() < deadline, "aiosqlite's thread never stopped"
         await asyncio.sleep(0.01)
