@@ -29,6 +29,7 @@ test: $(TEST_STAMP)
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check metanode plugins tests tools
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 serve: $(SERVE_STAMP)
 	$(BIN)/metanode serve

@@ -38,10 +38,10 @@ ED25519_PUB = b"\xed\x01"
 MIN_TS = 946_684_800_000  # 2000-01-01T00:00:00Z
 MAX_KEY_BYTES = 1024
 LINK_PREFIX = "cids/"
+# The keys a node synthesises from its own local files (SPEC §2.5 step 5); no claim may set them.
+LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 RESERVED_KEYS = frozenset(
-    {"filePath", "fileSize", "mtimeNano", "paths", "canonical_cid", "cids", "midhash256", "hashId",
-     "__fields__"}
-)
+    {*LOCAL_KEYS, "paths", "canonical_cid", "cids", "midhash256", "hashId", "__fields__"})
 WIRE_FIELDS = ("uid", "cid", "key", "value", "ts", "sig")
 _CONTROL = frozenset(chr(c) for c in [*range(0x20), 0x7F])
 

@@ -147,12 +147,7 @@ class LegacyWriter:
             canonical = cids.canonical_cid(self.node.group_cids(rid))
             assert canonical is not None  # an active rid always holds a CID
             return canonical, rid
-        asked = cids.normalise(text)
-        for candidate in cids.spellings(asked):
-            found = self.node.group_of(candidate)
-            if found is not None:
-                return candidate, found
-        return asked, None
+        return self.node.grouped_spelling(text)
 
     async def write(self, text: str, fields: dict[str, str]) -> Written:
         """Sign `fields` as claims about the CID `{hash}` names and ingest them.

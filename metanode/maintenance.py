@@ -126,6 +126,13 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
         return CheckReport(differences, bad, count)
 
 
+def copy_truth(settings: Settings, target: Path) -> str:
+    """An online copy of truth.db at `target` (SQLite's backup, integrity-checked: the verdict,
+    "ok" when sound), leaving the source as it is: no migration, no change of mode. The
+    migration tool's dry run works on such a copy."""
+    return truth.TruthStore(settings.truth_path).backup_to(target)
+
+
 def backup(settings: Settings, target: Path) -> Path:
     """`metanode backup DIR`: an online copy of truth.db (consistent while the node writes),
     checked, plus the node's keys. The cache is not backed up: it is rebuilt from the truth.
@@ -135,7 +142,7 @@ def backup(settings: Settings, target: Path) -> Path:
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     copy = target / f"truth-{stamp}.db"
     os.close(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, datadir.FILE_MODE))
-    verdict = truth.TruthStore(settings.truth_path).backup_to(copy)
+    verdict = copy_truth(settings, copy)
     if verdict != "ok":
         raise RuntimeError(f"the backup {copy} failed its integrity check: {verdict}")
     if settings.keys_dir.is_dir():

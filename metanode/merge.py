@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from metanode import cid as cids
-from metanode.claims import Claim
+from metanode.claims import LINK_PREFIX, LOCAL_KEYS, Claim
 
 Verdict = Literal["accepted", "duplicate", "stale"]
 DEFAULT_WEIGHT = 1
@@ -126,12 +126,19 @@ def group_keys(group_cids: Iterable[str], files: Iterable[LocalFile]) -> dict[st
     the lexicographically first local path whose midhash is in the group.
     """
     members = set(group_cids)
-    keys = {f"cids/{member}": "true" for member in members}
+    keys = {f"{LINK_PREFIX}{member}": "true" for member in members}
     local = [f for f in files if f.midhash in members]
     if local:
         first = min(local, key=lambda f: f.path)
-        keys.update(filePath=first.path, fileSize=str(first.size), mtimeNano=str(first.mtime_ns))
+        keys.update(zip(LOCAL_KEYS, (first.path, str(first.size), str(first.mtime_ns)),
+                        strict=True))
     return keys
+
+
+def is_group_key(key: str) -> bool:
+    """Whether `group_keys` computes `key` (from the group's members and local files), rather
+    than the claims."""
+    return key.startswith(LINK_PREFIX) or key in LOCAL_KEYS
 
 
 def document(asked: str, group_cids: Iterable[str], record: Mapping[str, str],

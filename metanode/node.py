@@ -298,15 +298,30 @@ class Node:
         if not self.applier.ready:
             raise CacheNotReady("the cache is being built from the truth; retry shortly")
 
-    def _find(self, text: str, lookup: Callable[[str], T | None]) -> tuple[str, T]:
-        """(asked CID in canonical spelling, what `lookup` found for it), trying the alias
-        spelling on a miss."""
+    @staticmethod
+    def _match(text: str, lookup: Callable[[str], T | None]) -> tuple[str, str, T | None]:
+        """(asked CID in canonical spelling, the spelling `lookup` found something under, what
+        it found), trying the alias spelling on a miss (SPEC §1.1); (asked, asked, None) if
+        neither spelling finds anything. The one home of the alias-spelling retry."""
         asked = cids.normalise(text)
         for candidate in cids.spellings(asked):
             found = lookup(candidate)
             if found is not None:
-                return asked, found
-        raise UnknownCid(f"no record holds {asked}")
+                return asked, candidate, found
+        return asked, asked, None
+
+    def _find(self, text: str, lookup: Callable[[str], T | None]) -> tuple[str, T]:
+        """(asked CID in canonical spelling, what `lookup` found for it); 404 `unknown_cid`."""
+        asked, _, found = self._match(text, lookup)
+        if found is None:
+            raise UnknownCid(f"no record holds {asked}")
+        return asked, found
+
+    def grouped_spelling(self, text: str) -> tuple[str, str | None]:
+        """(the spelling of CID `text` the truth has grouped, else its canonical spelling; that
+        group's rid, or None): a write about either spelling joins the record that exists."""
+        _, spelling, rid = self._match(text, self.truth.group_of)
+        return spelling, rid
 
     def resolve_cid(self, text: str) -> tuple[str, str]:
         """(asked CID in canonical spelling, the rid of the cached record holding it)."""

@@ -13,10 +13,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from metanode import merge
-from metanode.claims import Claim
+from metanode.claims import LINK_PREFIX, Claim
 from metanode.view import Change
-
-LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 
 
 class Event(NamedTuple):
@@ -26,11 +24,6 @@ class Event(NamedTuple):
     op: str  # "set" | "del"
     key: str
     value: str | None
-
-
-def is_group_key(key: str) -> bool:
-    """Keys computed from a group's members and local files, not from claims."""
-    return key.startswith("cids/") or key in LOCAL_KEYS
 
 
 @dataclass
@@ -78,7 +71,7 @@ def recompute(rid: str, scope: Scope, inputs: Inputs,
         members = inputs.members.get(rid, [])
         new.update(merge.group_keys(members, [f for cid in members
                                               for f in inputs.files.get(cid, ())]))
-        keys |= set(new) | {k for k in old if is_group_key(k)}
+        keys |= set(new) | {k for k in old if merge.is_group_key(k)}
     if scope.whole:
         merged = merge.merge_record(inputs.votes.get(rid, ()), signers)
         keys |= set(merged) | set(old)
@@ -139,7 +132,7 @@ def resolve(work: Touched, claimed: Iterable[tuple[str, str]], groups: Mapping[s
     survivor. A `cids/` key is a link, shown through the group keys, never merged."""
     result = Plan(losers=list(work.losers))
     for cid, key in claimed:
-        if cid in groups and not key.startswith("cids/"):
+        if cid in groups and not key.startswith(LINK_PREFIX):
             result.scope(groups[cid]).keys.add(key)
     for rid in work.regrouped:
         result.scope(survivors[rid]).group = True

@@ -1,5 +1,6 @@
 """The code checks of `make lint`, run with the tests so CI enforces them too: ruff (style,
-imports, bugbear rules) and mypy in strict mode over the package, the plugins and the tools."""
+imports, bugbear rules), mypy in strict mode over the package, the plugins and the tools, and
+import-linter's contracts (the layers of docs/architecture.md, in pyproject.toml)."""
 
 from __future__ import annotations
 
@@ -24,3 +25,12 @@ def test_mypy_strict_is_clean(tmp_path: Path) -> None:
     done = run("mypy", "--cache-dir", str(tmp_path / "mypy-cache"))  # files: pyproject.toml
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Success" in done.stdout
+
+
+def test_the_layers_hold() -> None:
+    """pyproject.toml's import-linter contracts: the layers, a pure core without I/O, SQLite only
+    in the stores, the edges only through the node."""
+    done = subprocess.run([str(Path(sys.executable).with_name("lint-imports"))], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "0 broken" in done.stdout

@@ -55,7 +55,12 @@ class Server:
     def base_env(self) -> dict[str, str]:
         """The environment `env` is laid over."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
-        env.update({"METANODE_WATCH_ROOTS": str(self.media), "METANODE_PLUGINS_ENABLED": "false"})
+        # A POST answers 200 once the cache has applied it, 202 if that took `apply_wait_s`: a
+        # wall-clock limit. Tests assert 200 (read-your-writes), so on a machine whose cores
+        # are busy the limit must not be what decides: 120 s instead of the default 5 s (a test
+        # of the 202 sets its own).
+        env.update({"METANODE_WATCH_ROOTS": str(self.media), "METANODE_PLUGINS_ENABLED": "false",
+                    "METANODE_APPLY_WAIT_S": "120"})
         return env
 
     def start(self) -> Self:

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from metanode import config, maintenance, truth
+from metanode import config, maintenance
 from metanode.clock import now_ms
 from metanode.config import Settings
 from metanode.errors import MetanodeError
@@ -120,19 +120,19 @@ def _copy_truth(source: Settings, target: Settings) -> None:
     target.data_dir.mkdir(parents=True)
     if not source.truth_path.is_file():
         return
-    truth.TruthStore(source.truth_path).backup_to(target.truth_path)
+    maintenance.copy_truth(source, target.truth_path)
 
 
 def _migrate_into(settings: Settings, planned: Sequence[plan.Planned], legacy: Legacy,
                   opts: Options, ts: int, report: Report, progress: Callable[[int], None]) -> None:
-    with truth.TruthStore(settings.truth_path).open() as store:
+    with maintenance.truth_store(settings) as store:
         before = store.max_seq()
         row = register(store, legacy, opts.legacy_weight)
     report.legacy_signer = {
         "uid": legacy.uid, "name": row.name, "weight": row.weight, "may_link": row.may_link,
         "key_file": str(legacy.path) if legacy.path else None, "created": legacy.created}
     write(settings, planned, legacy, ts, opts.batch, report, progress)
-    with truth.TruthStore(settings.truth_path).open() as store:
+    with maintenance.truth_store(settings) as store:
         report.changes = store.max_seq() - before
 
 

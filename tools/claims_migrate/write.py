@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nacl.signing
 
-from metanode import claims, keys, truth
+from metanode import claims, keys, maintenance, truth
 from metanode import rid as rids
 from metanode.claims import LINK_PREFIX, Claim
 from metanode.clock import now_ms
@@ -209,7 +209,7 @@ def write(settings: Settings, planned: Sequence[Planned], legacy: Legacy, ts: in
     limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
     policy = truth.Policy(settings.accept_unknown_signers)
     minter = rids.Minter()
-    with truth.TruthStore(settings.truth_path).open() as store:
+    with maintenance.truth_store(settings) as store:
         for records in _batches(planned, batch_size):
             pending: list[tuple[str, str, str]] = []  # (cid, key, value) to sign
             for record in records:
