@@ -28,6 +28,7 @@ test: $(TEST_STAMP)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check metanode plugins tests tools
+	$(BIN)/ruff format --check metanode plugins tests tools
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -102,8 +102,11 @@ class CatchAll:
             if started:
                 raise
             log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
-            response = error_response(InternalError(
-                f"unexpected error; it is logged under request id {logs.request_id.get()}"))
+            response = error_response(
+                InternalError(
+                    f"unexpected error; it is logged under request id {logs.request_id.get()}"
+                )
+            )
             await response(scope, receive, send)
 
 
@@ -124,9 +127,12 @@ class Perimeter:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self._allowed(scope):
-            response = error_response(Unauthorized(
-                "this route needs `Authorization: Bearer <token>` (the token is in the data "
-                "directory's api-token file)"))
+            response = error_response(
+                Unauthorized(
+                    "this route needs `Authorization: Bearer <token>` (the token is in the data "
+                    "directory's api-token file)"
+                )
+            )
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
@@ -154,8 +160,10 @@ class Observe:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", []),
-                                      (b"x-request-id", rid.encode("latin-1"))]
+                message["headers"] = [
+                    *message.get("headers", []),
+                    (b"x-request-id", rid.encode("latin-1")),
+                ]
             await send(message)
 
         try:
@@ -164,12 +172,24 @@ class Observe:
             elapsed = time.perf_counter() - started
             route = getattr(scope.get("route"), "path", "unmatched")
             self.node.metrics.request_seconds.labels(route, scope["method"], str(status)).observe(
-                elapsed)
+                elapsed
+            )
             if self.node.settings.log_access:
-                access.info("%s %s %d %.1f ms", scope["method"], scope["path"], status,
-                            elapsed * 1000, extra={"fields": {
-                                "method": scope["method"], "path": scope["path"],
-                                "status": status, "ms": round(elapsed * 1000, 1)}})
+                access.info(
+                    "%s %s %d %.1f ms",
+                    scope["method"],
+                    scope["path"],
+                    status,
+                    elapsed * 1000,
+                    extra={
+                        "fields": {
+                            "method": scope["method"],
+                            "path": scope["path"],
+                            "status": status,
+                            "ms": round(elapsed * 1000, 1),
+                        }
+                    },
+                )
             logs.request_id.reset(token)
 
 
@@ -195,8 +215,11 @@ def _signer_body(body: Any) -> tuple[str, str, int, bool]:
     may_link = body.get("may_link", False)
     if not isinstance(name, str) or utf8_size(name) is None:
         raise InvalidRequest("name must be a string of valid Unicode")
-    if (not isinstance(weight, int) or isinstance(weight, bool)
-            or not 0 <= weight <= merge.MAX_WEIGHT):
+    if (
+        not isinstance(weight, int)
+        or isinstance(weight, bool)
+        or not 0 <= weight <= merge.MAX_WEIGHT
+    ):
         raise InvalidRequest(f"weight must be an integer from 0 to {merge.MAX_WEIGHT}")
     if not isinstance(may_link, bool):
         raise InvalidRequest("may_link must be true or false")
@@ -219,15 +242,15 @@ def create_app(node: Node) -> Starlette:
 
     async def metadata_claims(request: Request) -> Response:
         q = request.query_params
-        return JSONResponse(node.metadata_claims(request.path_params["rid"], q.get("key"),
-                                                 q.get("uid")))
+        return JSONResponse(
+            node.metadata_claims(request.path_params["rid"], q.get("key"), q.get("uid"))
+        )
 
     async def hash_ids(request: Request) -> Response:
         return JSONResponse(node.hash_ids(request.query_params.get("after"), _limit(request)))
 
     async def post_claims(request: Request) -> Response:
-        body = await read_json(request, node.settings.max_batch_bytes,
-                               node.settings.body_timeout_s)
+        body = await read_json(request, node.settings.max_batch_bytes, node.settings.body_timeout_s)
         answer = await node.ingest(body)
         return JSONResponse(answer.body, status_code=answer.status)
 
@@ -248,8 +271,9 @@ def create_app(node: Node) -> Starlette:
         cursor = request.headers.get("last-event-id") or q.get("since")
         where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
         stream = node.subscribe(cursor, q.get("snapshot") in ("1", "true"), where)
-        return EventSourceResponse(stream, ping=0, sep=sse.SEP,
-                                   headers={"Cache-Control": "no-cache"})
+        return EventSourceResponse(
+            stream, ping=0, sep=sse.SEP, headers={"Cache-Control": "no-cache"}
+        )
 
     async def metrics(request: Request) -> Response:
         return Response(node.metrics.render(), media_type=CONTENT_TYPE)
@@ -277,8 +301,10 @@ def create_app(node: Node) -> Starlette:
         assert isinstance(exc, HTTPException)
         if exc.status_code == 405:  # Starlette names the route's methods in `Allow`
             allow = ", ".join(sorted((exc.headers or {}).get("Allow", "").split(", ")))
-            return error_response(MethodNotAllowed(f"{request.method} is not allowed here; "
-                                                   f"allowed: {allow}"), {"Allow": allow})
+            return error_response(
+                MethodNotAllowed(f"{request.method} is not allowed here; allowed: {allow}"),
+                {"Allow": allow},
+            )
         return error_response(NotFoundError(f"no route {request.url.path}"))
 
     @asynccontextmanager

@@ -84,12 +84,14 @@ class Applier:
     async def wait_feed(self, position: int, epoch: int, timeout: float) -> bool:
         """Wait until the feed has an event after `position` (or a new epoch); False on timeout."""
         return await self._until(
-            lambda: self.state.feed_seq > position or self.state.epoch != epoch, timeout)
+            lambda: self.state.feed_seq > position or self.state.epoch != epoch, timeout
+        )
 
     async def wait_files(self, position: int, epoch: int, timeout: float) -> bool:
         """`wait_feed` for the file events (`file_feed`)."""
         return await self._until(
-            lambda: self.state.file_feed_seq > position or self.state.epoch != epoch, timeout)
+            lambda: self.state.file_feed_seq > position or self.state.epoch != epoch, timeout
+        )
 
     async def _run(self) -> None:
         await self._build_if_needed()
@@ -115,8 +117,7 @@ class Applier:
 
     async def _build_if_needed(self) -> None:
         if cache_needs_build(self.state, self._source):
-            log.info("building the cache from the truth (outbox seq %d)",
-                     self._source.max_seq())
+            log.info("building the cache from the truth (outbox seq %d)", self._source.max_seq())
             self.state = await self._store.build(self._source)
         self.ready = True
         await self._publish(self.state)
@@ -125,8 +126,12 @@ class Applier:
         """Make a committed cache state visible; never step back (two transactions' answers may
         arrive out of order)."""
         mark = (state.epoch, state.feed_seq, state.applied_seq, state.file_feed_seq)
-        if mark > (self.state.epoch, self.state.feed_seq, self.state.applied_seq,
-                   self.state.file_feed_seq):
+        if mark > (
+            self.state.epoch,
+            self.state.feed_seq,
+            self.state.applied_seq,
+            self.state.file_feed_seq,
+        ):
             self.state = state
         self.progressed = time.monotonic()
         published, self._published = self._published, asyncio.Event()

@@ -36,8 +36,9 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                 if len(body) > limit:
                     raise TooLarge(f"body is over {limit} bytes")
     except TimeoutError:
-        raise RequestTimeout(f"the body did not arrive within {timeout_s:g} s "
-                             f"({len(body)} bytes came)") from None
+        raise RequestTimeout(
+            f"the body did not arrive within {timeout_s:g} s ({len(body)} bytes came)"
+        ) from None
     return bytes(body)
 
 
@@ -65,5 +66,6 @@ def refuse_unknown(body: dict[Any, Any], allowed: Collection[str]) -> None:
     misspelt field (`may_Link`) is an error rather than silently ignored."""
     unknown = sorted(map(str, set(body) - set(allowed)))
     if unknown:
-        raise InvalidRequest(f"unknown member(s) {', '.join(map(repr, unknown))}; "
-                             f"allowed: {', '.join(allowed)}")
+        raise InvalidRequest(
+            f"unknown member(s) {', '.join(map(repr, unknown))}; allowed: {', '.join(allowed)}"
+        )

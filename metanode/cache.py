@@ -162,13 +162,20 @@ def read_state(conn: sqlite3.Connection) -> State:
 def state_of(rows: Iterable[Any]) -> State:
     """The `State` that the rows of `STATE` (name, value) describe."""
     values = dict(rows)
-    return State(values.get("epoch", 0), values.get("applied_seq", 0), values.get("feed_seq", 0),
-                 values.get(FILE_FEED_SEQ, 0))
+    return State(
+        values.get("epoch", 0),
+        values.get("applied_seq", 0),
+        values.get("feed_seq", 0),
+        values.get(FILE_FEED_SEQ, 0),
+    )
 
 
 def _set_state(conn: sqlite3.Connection, **values: int) -> None:
-    conn.executemany("INSERT INTO state (name, value) VALUES (?, ?) "
-                     "ON CONFLICT (name) DO UPDATE SET value = excluded.value", values.items())
+    conn.executemany(
+        "INSERT INTO state (name, value) VALUES (?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+        values.items(),
+    )
 
 
 # -- recomputing records ------------------------------------------------------------------------
@@ -178,22 +185,27 @@ def local_files(conn: sqlite3.Connection, cids: Iterable[str]) -> list[merge.Loc
     wanted = sorted(set(cids))
     rows = conn.execute(
         "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
-        f"WHERE midhash IN ({','.join('?' * len(wanted))})", wanted)
+        f"WHERE midhash IN ({','.join('?' * len(wanted))})",
+        wanted,
+    )
     return [merge.LocalFile(*row) for row in rows]
 
 
 def all_local_files(conn: sqlite3.Connection) -> list[merge.LocalFile]:
     """Every local_file row: what `check` copies into its fresh rebuild (facts about the disk,
     not derived from the truth)."""
-    return [merge.LocalFile(*row) for row in conn.execute(
-        "SELECT path, midhash, size, mtime_ns, ino FROM local_file")]
+    return [
+        merge.LocalFile(*row)
+        for row in conn.execute("SELECT path, midhash, size, mtime_ns, ino FROM local_file")
+    ]
 
 
 def put_local_files(cache: sqlite3.Connection, files: Iterable[merge.LocalFile]) -> None:
     """Insert local_file rows as they are (into an empty cache: `check`'s fresh rebuild)."""
-    cache.executemany("INSERT INTO local_file (path, midhash, size, mtime_ns, ino) "
-                      "VALUES (?, ?, ?, ?, ?)",
-                      [(f.path, f.midhash, f.size, f.mtime_ns, f.ino) for f in files])
+    cache.executemany(
+        "INSERT INTO local_file (path, midhash, size, mtime_ns, ino) VALUES (?, ?, ?, ?, ?)",
+        [(f.path, f.midhash, f.size, f.mtime_ns, f.ino) for f in files],
+    )
 
 
 def local_file_count(conn: sqlite3.Connection) -> int:
@@ -201,14 +213,17 @@ def local_file_count(conn: sqlite3.Connection) -> int:
     return int(conn.execute("SELECT count(*) FROM local_file").fetchone()[0])
 
 
-def local_files_of(conn: sqlite3.Connection,
-                   cids: Iterable[str]) -> dict[str, list[merge.LocalFile]]:
+def local_files_of(
+    conn: sqlite3.Connection, cids: Iterable[str]
+) -> dict[str, list[merge.LocalFile]]:
     """midhash → its local files, for the CIDs of many records in one fixed statement
     (`local_files`, one `?` per CID, stays the cheaper read for one record)."""
     found: dict[str, list[merge.LocalFile]] = {}
     for row in conn.execute(
-            "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
-            "WHERE midhash IN (SELECT value FROM json_each(?))", (json_array(set(cids)),)):
+        "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
+        "WHERE midhash IN (SELECT value FROM json_each(?))",
+        (json_array(set(cids)),),
+    ):
         found.setdefault(row[1], []).append(merge.LocalFile(*row))
     return found
 
@@ -221,8 +236,9 @@ def records_rows(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, dic
     """`record_rows` of many records in one query (a record with no rows is absent)."""
     found: dict[str, dict[str, str]] = {}
     for rid, key, value in conn.execute(
-            "SELECT rid, key, value FROM records WHERE rid IN (SELECT value FROM json_each(?))",
-            (json_array(set(rids)),)):
+        "SELECT rid, key, value FROM records WHERE rid IN (SELECT value FROM json_each(?))",
+        (json_array(set(rids)),),
+    ):
         found.setdefault(rid, {})[key] = value
     return found
 
@@ -244,15 +260,18 @@ def _votes(view: TruthView, scopes: Mapping[str, Scope]) -> dict[str, list[Claim
     return votes
 
 
-def _read_inputs(cache: sqlite3.Connection, view: TruthView,
-                 scopes: Mapping[str, Scope]) -> Inputs:
+def _read_inputs(cache: sqlite3.Connection, view: TruthView, scopes: Mapping[str, Scope]) -> Inputs:
     members = view.groups_cids([rid for rid, scope in scopes.items() if scope.regroups])
     files = local_files_of(cache, (cid for cids in members.values() for cid in cids))
     return Inputs(records_rows(cache, scopes), members, files, _votes(view, scopes))
 
 
-def refresh(cache: sqlite3.Connection, view: TruthView,
-            scopes: Mapping[str, Scope], signers: dict[str, merge.Signer]) -> list[Event]:
+def refresh(
+    cache: sqlite3.Connection,
+    view: TruthView,
+    scopes: Mapping[str, Scope],
+    signers: dict[str, merge.Signer],
+) -> list[Event]:
     """Recompute the scoped keys of some records (at most `CHUNK`) from the truth (`view`),
     write what changed and index their CIDs; the events in the order of `scopes`.
 
@@ -260,16 +279,23 @@ def refresh(cache: sqlite3.Connection, view: TruthView,
     `executemany`, instead of a round of statements per record.
     """
     inputs = _read_inputs(cache, view, scopes)
-    events = [event for rid, scope in scopes.items()
-              for event in recompute(rid, scope, inputs, signers)]
-    cache.executemany("INSERT INTO cid_index (cid, rid) VALUES (?, ?) ON CONFLICT (cid) "
-                      "DO UPDATE SET rid = excluded.rid",
-                      [(cid, rid) for rid, cids in inputs.members.items() for cid in cids])
-    cache.executemany("DELETE FROM records WHERE rid = ? AND key = ?",
-                      [(e.rid, e.key) for e in events if e.op == "del"])
-    cache.executemany("INSERT INTO records (rid, key, value) VALUES (?, ?, ?) "
-                      "ON CONFLICT (rid, key) DO UPDATE SET value = excluded.value",
-                      [(e.rid, e.key, e.value) for e in events if e.op == "set"])
+    events = [
+        event for rid, scope in scopes.items() for event in recompute(rid, scope, inputs, signers)
+    ]
+    cache.executemany(
+        "INSERT INTO cid_index (cid, rid) VALUES (?, ?) ON CONFLICT (cid) "
+        "DO UPDATE SET rid = excluded.rid",
+        [(cid, rid) for rid, cids in inputs.members.items() for cid in cids],
+    )
+    cache.executemany(
+        "DELETE FROM records WHERE rid = ? AND key = ?",
+        [(e.rid, e.key) for e in events if e.op == "del"],
+    )
+    cache.executemany(
+        "INSERT INTO records (rid, key, value) VALUES (?, ?, ?) "
+        "ON CONFLICT (rid, key) DO UPDATE SET value = excluded.value",
+        [(e.rid, e.key, e.value) for e in events if e.op == "set"],
+    )
     return events
 
 
@@ -277,11 +303,15 @@ CHUNK = 500  # records per `refresh`: bounds what a rebuild or a long backlog ho
 
 
 def _chunks(rids: Sequence[str]) -> Iterator[Sequence[str]]:
-    return (rids[start:start + CHUNK] for start in range(0, len(rids), CHUNK))
+    return (rids[start : start + CHUNK] for start in range(0, len(rids), CHUNK))
 
 
-def refresh_all(cache: sqlite3.Connection, view: TruthView,
-                scopes: Mapping[str, Scope], signers: dict[str, merge.Signer]) -> list[Event]:
+def refresh_all(
+    cache: sqlite3.Connection,
+    view: TruthView,
+    scopes: Mapping[str, Scope],
+    signers: dict[str, merge.Signer],
+) -> list[Event]:
     """`refresh` every record of `scopes`, in rid order, a chunk at a time."""
     events: list[Event] = []
     for chunk in _chunks(sorted(scopes)):
@@ -300,13 +330,13 @@ def drop(cache: sqlite3.Connection, rid: str) -> list[Event]:
 # -- the applier's transaction ------------------------------------------------------------------
 
 
-def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event],
-                 at: int) -> int:
+def _append_feed(cache: sqlite3.Connection, state: State, events: Sequence[Event], at: int) -> int:
     """Feed rows on consecutive seqs from the stored counter, stamped `at`; returns the new
     counter."""
     cache.executemany(
         "INSERT INTO feed (seq, rid, op, key, value, at) VALUES (?, ?, ?, ?, ?, ?)",
-        [(state.feed_seq + i, *event, at) for i, event in enumerate(events, 1)])
+        [(state.feed_seq + i, *event, at) for i, event in enumerate(events, 1)],
+    )
     return state.feed_seq + len(events)
 
 
@@ -314,15 +344,13 @@ def _plan(view: TruthView, changes: Sequence[Change]) -> Plan:
     """The records `changes` touch, with every CID resolved to its group and every rid to its
     survivor by one set-based read each (not one lookup per change)."""
     work = touched_by(changes)
-    claimed = [*work.claimed, *(pair for uid in work.signers
-                                for pair in view.signer_cid_keys(uid))]
+    claimed = [*work.claimed, *(pair for uid in work.signers for pair in view.signer_cid_keys(uid))]
     groups = view.groups_of(cid for cid, _ in claimed)
     survivors = view.survivors(work.regrouped + work.survived)
     return resolve(work, claimed, groups, survivors)
 
 
-def apply_txn(cache: sqlite3.Connection, source: TruthSource,
-              clock: Clock = now_ms) -> State:
+def apply_txn(cache: sqlite3.Connection, source: TruthSource, clock: Clock = now_ms) -> State:
     """Apply every outbox change after the stored seq, in one cache transaction.
 
     The truth is read in one snapshot, so the changes and the state they are recomputed from
@@ -350,14 +378,14 @@ def prune_feed_txn(cache: sqlite3.Connection, keep_events: int, older_than_ms: i
     pruned event notices the hole and gets a gap and a snapshot.
     """
     head = read_state(cache).feed_seq
-    cursor = cache.execute("DELETE FROM feed WHERE seq <= ? OR at < ?",
-                           (head - keep_events, older_than_ms))
+    cursor = cache.execute(
+        "DELETE FROM feed WHERE seq <= ? OR at < ?", (head - keep_events, older_than_ms)
+    )
     _prune_file_feed(cache, keep_events, older_than_ms)
     return cursor.rowcount
 
 
-def build_txn(cache: sqlite3.Connection, source: TruthSource,
-              clock: Clock = now_ms) -> State:
+def build_txn(cache: sqlite3.Connection, source: TruthSource, clock: Clock = now_ms) -> State:
     """Recompute every record from the truth under a new epoch (create, rebuild, or repair).
 
     Local files are kept: they are facts about the disk, not derived from the truth. The feed
@@ -374,8 +402,12 @@ def build_txn(cache: sqlite3.Connection, source: TruthSource,
         signers = view.merge_signers()
         for chunk in _chunks(view.active_rids()):
             refresh(cache, view, dict.fromkeys(chunk, whole), signers)
-    state = State(epoch=max(clock(), old.epoch + 1), applied_seq=seq, feed_seq=0,
-                  file_feed_seq=old.file_feed_seq)
+    state = State(
+        epoch=max(clock(), old.epoch + 1),
+        applied_seq=seq,
+        feed_seq=0,
+        file_feed_seq=old.file_feed_seq,
+    )
     _set_state(cache, epoch=state.epoch, applied_seq=state.applied_seq, feed_seq=0)
     return state
 
@@ -383,9 +415,13 @@ def build_txn(cache: sqlite3.Connection, source: TruthSource,
 # -- local files (the watcher) ------------------------------------------------------------------
 
 
-def local_txn(cache: sqlite3.Connection, source: TruthSource,
-              upserts: Sequence[merge.LocalFile], removals: Sequence[str],
-              clock: Clock = now_ms) -> State:
+def local_txn(
+    cache: sqlite3.Connection,
+    source: TruthSource,
+    upserts: Sequence[merge.LocalFile],
+    removals: Sequence[str],
+    clock: Clock = now_ms,
+) -> State:
     """Record what the disk holds and recompute the local keys it changes, in one transaction.
 
     `removals` are paths of files or folders (every row under a folder goes). Both the old and the
@@ -401,15 +437,17 @@ def local_txn(cache: sqlite3.Connection, source: TruthSource,
         rows = cache.execute(
             "SELECT path, midhash, size, mtime_ns FROM local_file "
             "WHERE path = ? OR substr(path, 1, ?) = ?",
-            (path, len(path) + 1, path.rstrip("/") + "/")).fetchall()
+            (path, len(path) + 1, path.rstrip("/") + "/"),
+        ).fetchall()
         for row_path, midhash, size, mtime_ns in rows:
             touched.add(midhash)
             removed[row_path] = (midhash, size, mtime_ns)
             cache.execute("DELETE FROM local_file WHERE path = ?", (row_path,))
     written: list[tuple[merge.LocalFile, bool]] = []  # (file, it is new at its path)
     for file in upserts:
-        found = cache.execute("SELECT midhash, size, mtime_ns FROM local_file WHERE path = ?",
-                              (file.path,)).fetchone()
+        found = cache.execute(
+            "SELECT midhash, size, mtime_ns FROM local_file WHERE path = ?", (file.path,)
+        ).fetchone()
         before = (found[0], found[1], found[2]) if found else removed.pop(file.path, None)
         if before is not None:
             touched.add(before[0])
@@ -420,7 +458,8 @@ def local_txn(cache: sqlite3.Connection, source: TruthSource,
             "INSERT INTO local_file (path, midhash, size, mtime_ns, ino) VALUES (?, ?, ?, ?, ?) "
             "ON CONFLICT (path) DO UPDATE SET midhash = excluded.midhash, size = excluded.size, "
             "mtime_ns = excluded.mtime_ns, ino = excluded.ino",
-            (file.path, file.midhash, file.size, file.mtime_ns, file.ino))
+            (file.path, file.midhash, file.size, file.mtime_ns, file.ino),
+        )
     state = read_state(cache)
     with source.snapshot() as view:
         rids = set(view.groups_of(touched).values())
@@ -443,10 +482,14 @@ def local_stats(conn: sqlite3.Connection, under: Iterable[str]) -> dict[str, tup
         # The paths that start with "<root>/" are exactly those in ["<root>/", "<root>0"):
         # "0" follows "/" in code point order. A range on the primary key, not a full scan.
         stem = root.rstrip("/")
-        out.update((path, (size, mtime)) for path, size, mtime in conn.execute(
-            "SELECT path, CASE ino WHEN 0 THEN -1 ELSE size END, mtime_ns FROM local_file "
-            "WHERE path >= ? AND path < ?",
-            (stem + "/", stem + "0")))
+        out.update(
+            (path, (size, mtime))
+            for path, size, mtime in conn.execute(
+                "SELECT path, CASE ino WHEN 0 THEN -1 ELSE size END, mtime_ns FROM local_file "
+                "WHERE path >= ? AND path < ?",
+                (stem + "/", stem + "0"),
+            )
+        )
     return out
 
 
@@ -456,9 +499,12 @@ def files(conn: sqlite3.Connection, prefix: str, after: str, limit: int) -> list
         "SELECT f.path, f.midhash, f.size, f.mtime_ns, i.rid FROM local_file f "
         "LEFT JOIN cid_index i ON i.cid = f.midhash "
         "WHERE f.path > ? AND substr(f.path, 1, ?) = ? ORDER BY f.path LIMIT ?",
-        (after, len(prefix), prefix, limit))
-    return [{"path": p, "midhash": m, "size": s, "mtimeNano": str(t), "rid": r}
-            for p, m, s, t, r in rows]
+        (after, len(prefix), prefix, limit),
+    )
+    return [
+        {"path": p, "midhash": m, "size": s, "mtimeNano": str(t), "rid": r}
+        for p, m, s, t, r in rows
+    ]
 
 
 # -- file events (GET /api/events/files, docs/compat.md) -----------------------------------------
@@ -472,24 +518,30 @@ def file_feed_head(conn: sqlite3.Connection) -> int:
     return int(row[0]) if row else 0
 
 
-def _append_file_feed(cache: sqlite3.Connection, head: int, events: Sequence[FileEvent],
-                      at: int) -> int:
+def _append_file_feed(
+    cache: sqlite3.Connection, head: int, events: Sequence[FileEvent], at: int
+) -> int:
     """File events on consecutive seqs after `head`; returns the new head."""
     if not events:
         return head
     cache.executemany(
         "INSERT INTO file_feed (seq, op, path, old_path, size, midhash, at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?)",
-        [(head + i, e.op, e.path, e.old_path, e.size, e.midhash, at)
-         for i, e in enumerate(events, 1)])
+        [
+            (head + i, e.op, e.path, e.old_path, e.size, e.midhash, at)
+            for i, e in enumerate(events, 1)
+        ],
+    )
     _set_state(cache, **{FILE_FEED_SEQ: head + len(events)})
     return head + len(events)
 
 
 def _prune_file_feed(cache: sqlite3.Connection, keep_events: int, older_than_ms: int) -> int:
     """The feed's retention, applied to the file events (the counter is kept: no seq reuse)."""
-    return cache.execute("DELETE FROM file_feed WHERE seq <= ? OR at < ?",
-                         (file_feed_head(cache) - keep_events, older_than_ms)).rowcount
+    return cache.execute(
+        "DELETE FROM file_feed WHERE seq <= ? OR at < ?",
+        (file_feed_head(cache) - keep_events, older_than_ms),
+    ).rowcount
 
 
 # -- reading the two event tables (feed.Hub pages them, feed.Reading snapshots) ------------------
@@ -520,16 +572,30 @@ class FileFeedRow(NamedTuple):
 
 def feed_rows(conn: sqlite3.Connection, after: int, upto: int) -> list[FeedRow]:
     """The feed rows with seqs in (after, upto], in order."""
-    return list(map(FeedRow._make, conn.execute(
-        "SELECT seq, rid, op, key, value, at FROM feed WHERE seq > ? AND seq <= ? ORDER BY seq",
-        (after, upto))))
+    return list(
+        map(
+            FeedRow._make,
+            conn.execute(
+                "SELECT seq, rid, op, key, value, at FROM feed "
+                "WHERE seq > ? AND seq <= ? ORDER BY seq",
+                (after, upto),
+            ),
+        )
+    )
 
 
 def file_feed_rows(conn: sqlite3.Connection, after: int, upto: int) -> list[FileFeedRow]:
     """The file events with seqs in (after, upto], in order."""
-    return list(map(FileFeedRow._make, conn.execute(
-        "SELECT seq, op, path, old_path, size, midhash, at FROM file_feed "
-        "WHERE seq > ? AND seq <= ? ORDER BY seq", (after, upto))))
+    return list(
+        map(
+            FileFeedRow._make,
+            conn.execute(
+                "SELECT seq, op, path, old_path, size, midhash, at FROM file_feed "
+                "WHERE seq > ? AND seq <= ? ORDER BY seq",
+                (after, upto),
+            ),
+        )
+    )
 
 
 def oldest_feed_seq(conn: sqlite3.Connection) -> int | None:
@@ -551,8 +617,11 @@ def records_in_order(rids: Iterable[str] = ()) -> Query:
     snapshot to fetch a page at a time."""
     wanted = sorted(rids)
     if wanted:
-        return ("SELECT rid, key, value FROM records WHERE rid IN "
-                f"({','.join('?' * len(wanted))}) ORDER BY rid, key", wanted)
+        return (
+            "SELECT rid, key, value FROM records WHERE rid IN "
+            f"({','.join('?' * len(wanted))}) ORDER BY rid, key",
+            wanted,
+        )
     return "SELECT rid, key, value FROM records ORDER BY rid, key", ()
 
 
@@ -572,57 +641,84 @@ class PluginRun:
     attempts: int
 
 
-def enqueue_runs_txn(cache: sqlite3.Connection, versions: Sequence[tuple[str, str]],
-                     midhashes: Sequence[str] | None, now_ms: int) -> None:
+def enqueue_runs_txn(
+    cache: sqlite3.Connection,
+    versions: Sequence[tuple[str, str]],
+    midhashes: Sequence[str] | None,
+    now_ms: int,
+) -> None:
     """Queue a run per (plugin, version) for the given midhashes, or for every local file."""
-    source = ("SELECT DISTINCT midhash FROM local_file" if midhashes is None else
-              "SELECT value AS midhash FROM json_each(?)")
+    source = (
+        "SELECT DISTINCT midhash FROM local_file"
+        if midhashes is None
+        else "SELECT value AS midhash FROM json_each(?)"
+    )
     params: tuple[Any, ...] = () if midhashes is None else (json.dumps(list(midhashes)),)
     for plugin, version in versions:
         cache.execute(
             "INSERT OR IGNORE INTO plugin_runs (plugin, version, midhash, status, updated_at) "
             f"SELECT ?, ?, midhash, 'pending', ? FROM ({source})",
-            (plugin, version, now_ms, *params))
+            (plugin, version, now_ms, *params),
+        )
 
 
-def due_runs(conn: sqlite3.Connection, versions: Sequence[tuple[str, str]], now_ms: int,
-             limit: int) -> list[PluginRun]:
+def due_runs(
+    conn: sqlite3.Connection, versions: Sequence[tuple[str, str]], now_ms: int, limit: int
+) -> list[PluginRun]:
     """Pending runs that are due, of the given (plugin, version)s only: rows of an old version
     or a disabled plugin stay in the table but never crowd out current work."""
     current = json.dumps([list(pair) for pair in versions])
-    return [PluginRun(*row) for row in conn.execute(
-        "SELECT plugin, version, midhash, attempts FROM plugin_runs "
-        "WHERE status = 'pending' AND next_at <= ? AND (plugin, version) IN "
-        "(SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') "
-        "FROM json_each(?)) "
-        "ORDER BY next_at, midhash LIMIT ?", (now_ms, current, limit))]
+    return [
+        PluginRun(*row)
+        for row in conn.execute(
+            "SELECT plugin, version, midhash, attempts FROM plugin_runs "
+            "WHERE status = 'pending' AND next_at <= ? AND (plugin, version) IN "
+            "(SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') "
+            "FROM json_each(?)) "
+            "ORDER BY next_at, midhash LIMIT ?",
+            (now_ms, current, limit),
+        )
+    ]
 
 
 def file_of(conn: sqlite3.Connection, midhash: str) -> tuple[str, str, int, int] | None:
     """(midhash, first path, size, mtime_ns) of a local copy of this content, if any."""
-    row = conn.execute("SELECT midhash, path, size, mtime_ns FROM local_file WHERE midhash = ? "
-                       "ORDER BY path LIMIT 1", (midhash,)).fetchone()
+    row = conn.execute(
+        "SELECT midhash, path, size, mtime_ns FROM local_file WHERE midhash = ? "
+        "ORDER BY path LIMIT 1",
+        (midhash,),
+    ).fetchone()
     return (row[0], row[1], row[2], row[3]) if row else None
 
 
-def finish_run_txn(cache: sqlite3.Connection, run: PluginRun, status: str, attempts: int,
-                   next_at: int, error: str | None, now_ms: int) -> None:
+def finish_run_txn(
+    cache: sqlite3.Connection,
+    run: PluginRun,
+    status: str,
+    attempts: int,
+    next_at: int,
+    error: str | None,
+    now_ms: int,
+) -> None:
     cache.execute(
         "UPDATE plugin_runs SET status = ?, attempts = ?, next_at = ?, error = ?, updated_at = ? "
         "WHERE plugin = ? AND version = ? AND midhash = ?",
-        (status, attempts, next_at, error, now_ms, run.plugin, run.version, run.midhash))
+        (status, attempts, next_at, error, now_ms, run.plugin, run.version, run.midhash),
+    )
 
 
 def drop_run_txn(cache: sqlite3.Connection, plugin: str, version: str, midhash: str) -> None:
-    cache.execute("DELETE FROM plugin_runs WHERE plugin = ? AND version = ? AND midhash = ?",
-                  (plugin, version, midhash))
+    cache.execute(
+        "DELETE FROM plugin_runs WHERE plugin = ? AND version = ? AND midhash = ?",
+        (plugin, version, midhash),
+    )
 
 
 def run_counts(conn: sqlite3.Connection) -> dict[tuple[str, str], dict[str, int]]:
     counts: dict[tuple[str, str], dict[str, int]] = {}
     for plugin, version, status, n in conn.execute(
-            "SELECT plugin, version, status, count(*) FROM plugin_runs "
-            "GROUP BY plugin, version, status"):
+        "SELECT plugin, version, status, count(*) FROM plugin_runs GROUP BY plugin, version, status"
+    ):
         counts.setdefault((plugin, version), {"done": 0, "pending": 0, "failed": 0})[status] = n
     return counts
 
@@ -695,12 +791,14 @@ def group_by_rid(conn: sqlite3.Connection, rid: str) -> Group | None:
     return _group(conn, _GROUP_BY_RID, rid)
 
 
-def document(group: Group, asked: str | None,
-             record: Mapping[str, str] | None = None) -> dict[str, Any]:
+def document(
+    group: Group, asked: str | None, record: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The merged document of a group, as asked for by `asked` (None: by rid), showing `record`
     (default: the group's merged record; a viewer's view is `merge.seen_by` of it)."""
-    ranked = merge.document(asked or "", group.cids,
-                            group.record if record is None else record, group.paths)
+    ranked = merge.document(
+        asked or "", group.cids, group.record if record is None else record, group.paths
+    )
     if asked is None:
         ranked["cid"] = ranked["canonical_cid"]
     return ranked
@@ -712,8 +810,7 @@ def all_rids(conn: sqlite3.Connection) -> list[str]:
 
 
 def record_value(conn: sqlite3.Connection, rid: str, key: str) -> str | None:
-    row = conn.execute("SELECT value FROM records WHERE rid = ? AND key = ?",
-                       (rid, key)).fetchone()
+    row = conn.execute("SELECT value FROM records WHERE rid = ? AND key = ?", (rid, key)).fetchone()
     return None if row is None else str(row[0])
 
 
@@ -727,15 +824,21 @@ def local_copies(conn: sqlite3.Connection, rid: str) -> tuple[list[merge.LocalFi
 
 
 def hash_ids(conn: sqlite3.Connection, after: str, limit: int) -> list[str]:
-    return [r[0] for r in conn.execute(
-        "SELECT DISTINCT rid FROM cid_index WHERE rid > ? ORDER BY rid LIMIT ?", (after, limit))]
+    return [
+        r[0]
+        for r in conn.execute(
+            "SELECT DISTINCT rid FROM cid_index WHERE rid > ? ORDER BY rid LIMIT ?", (after, limit)
+        )
+    ]
 
 
 def diff(live: sqlite3.Connection, fresh: sqlite3.Connection) -> list[str]:
     """Human-readable differences between two caches' records and cid index (for `check`)."""
     out = []
-    for table, sql in (("records", "SELECT rid, key, value FROM records"),
-                       ("cid_index", "SELECT cid, rid FROM cid_index")):
+    for table, sql in (
+        ("records", "SELECT rid, key, value FROM records"),
+        ("cid_index", "SELECT cid, rid FROM cid_index"),
+    ):
         a, b = set(live.execute(sql).fetchall()), set(fresh.execute(sql).fetchall())
         out += [f"{table}: only in live cache: {row}" for row in sorted(a - b)]
         out += [f"{table}: missing from live cache: {row}" for row in sorted(b - a)]
@@ -755,8 +858,9 @@ class Reading:
     queues behind it (`db.connect_reader`), so the read transaction ends right after that page.
     """
 
-    def __init__(self, conn: aiosqlite.Connection, state: State, rows: aiosqlite.Cursor,
-                 page: int) -> None:
+    def __init__(
+        self, conn: aiosqlite.Connection, state: State, rows: aiosqlite.Cursor, page: int
+    ) -> None:
         self.state = state
         self._conn = conn
         self._rows = rows
@@ -869,14 +973,14 @@ class CacheStore:
         """Recompute every record under a new epoch (`build_txn`)."""
         return await self.writer.run(build_txn, source, self._clock)
 
-    def build_sync(self, source: TruthSource,
-                   files: Sequence[merge.LocalFile] = ()) -> State:
+    def build_sync(self, source: TruthSource, files: Sequence[merge.LocalFile] = ()) -> State:
         """`build`, first inserting `files` as local_file rows (`check`'s fresh rebuild into an
         empty cache), in the same transaction."""
         return self.writer.run_sync(_build_with_files, source, files, self._clock)
 
-    async def apply_local(self, source: TruthSource, files: Sequence[merge.LocalFile],
-                          removals: Sequence[str]) -> State:
+    async def apply_local(
+        self, source: TruthSource, files: Sequence[merge.LocalFile], removals: Sequence[str]
+    ) -> State:
         """The watcher's results: local_file rows and local keys (`local_txn`)."""
         return await self.writer.run(local_txn, source, files, removals, self._clock)
 
@@ -890,14 +994,15 @@ class CacheStore:
 
     # -- plugin runs ----------------------------------------------------------------------------
 
-    async def enqueue_runs(self, versions: Sequence[tuple[str, str]],
-                           midhashes: Sequence[str] | None) -> None:
+    async def enqueue_runs(
+        self, versions: Sequence[tuple[str, str]], midhashes: Sequence[str] | None
+    ) -> None:
         await self.writer.run(enqueue_runs_txn, versions, midhashes, self._clock())
 
-    async def finish_run(self, run: PluginRun, status: str, attempts: int, next_at: int,
-                         error: str | None) -> None:
-        await self.writer.run(finish_run_txn, run, status, attempts, next_at, error,
-                              self._clock())
+    async def finish_run(
+        self, run: PluginRun, status: str, attempts: int, next_at: int, error: str | None
+    ) -> None:
+        await self.writer.run(finish_run_txn, run, status, attempts, next_at, error, self._clock())
 
     async def drop_run(self, run: PluginRun) -> None:
         await self.writer.run(drop_run_txn, run.plugin, run.version, run.midhash)
@@ -1018,8 +1123,9 @@ class CacheStore:
         return await Reading.open(self.path, local_files_in_order(), page)
 
 
-def _build_with_files(cache: sqlite3.Connection, source: TruthSource,
-                      files: Sequence[merge.LocalFile], clock: Clock) -> State:
+def _build_with_files(
+    cache: sqlite3.Connection, source: TruthSource, files: Sequence[merge.LocalFile], clock: Clock
+) -> State:
     put_local_files(cache, files)
     return build_txn(cache, source, clock)
 

@@ -41,7 +41,8 @@ LINK_PREFIX = "cids/"
 # The keys a node synthesises from its own local files (SPEC §2.5 step 5); no claim may set them.
 LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 RESERVED_KEYS = frozenset(
-    {*LOCAL_KEYS, "paths", "canonical_cid", "cids", "midhash256", "hashId", "__fields__"})
+    {*LOCAL_KEYS, "paths", "canonical_cid", "cids", "midhash256", "hashId", "__fields__"}
+)
 WIRE_FIELDS = ("uid", "cid", "key", "value", "ts", "sig")
 _CONTROL = frozenset(chr(c) for c in [*range(0x20), 0x7F])
 
@@ -77,8 +78,14 @@ class Claim:
 
     def wire(self) -> dict[str, Any]:
         """The JSON wire form."""
-        return {"uid": self.uid, "cid": self.cid, "key": self.key, "value": self.value,
-                "ts": self.ts, "sig": encode_sig(self.sig)}
+        return {
+            "uid": self.uid,
+            "cid": self.cid,
+            "key": self.key,
+            "value": self.value,
+            "ts": self.ts,
+            "sig": encode_sig(self.sig),
+        }
 
     def signing_bytes(self) -> bytes:
         return signing_bytes(self.uid, self.cid, self.key, self.value, self.ts)
@@ -256,6 +263,5 @@ def validate_items(
         try:
             valid.append(validate(item, now_ms, limits))
         except ClaimError as exc:
-            errors.append({"index": index, "error": exc.slug, "message": exc.message,
-                           **exc.extra})
+            errors.append({"index": index, "error": exc.slug, "message": exc.message, **exc.extra})
     return valid, errors

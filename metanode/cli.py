@@ -71,9 +71,14 @@ class Metanode(click.Group):
     cannot open) come out in the form every other error has, `error: <slug>: <message>`, with
     the same exit codes, instead of click's usage block."""
 
-    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
-             complete_var: str | None = None, standalone_mode: bool = True,
-             **extra: Any) -> Any:
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
         try:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
@@ -138,8 +143,13 @@ def cid_rank(values: tuple[str, ...]) -> None:
 
 
 @main.command()
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False),
-              help="Where to write the new key file (must not exist; created with mode 0600).")
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Where to write the new key file (must not exist; created with mode 0600).",
+)
 @reports_errors
 def keygen(out: str) -> None:
     """Create a new Ed25519 key file and print its uid."""
@@ -156,16 +166,22 @@ def claim() -> None:
 
 
 @claim.command("sign")
-@click.option("--key", "key_file", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Key file made by `metanode keygen`.")
+@click.option(
+    "--key",
+    "key_file",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Key file made by `metanode keygen`.",
+)
 @click.option("--cid", "cid_value", required=True, help="Canonical CID the claim is about.")
 @click.option("--key-name", required=True, help="The claimed key, e.g. `title`.")
 @click.option("--value", default=None, help="The value (a string).")
 @click.option("--retract", is_flag=True, help="Sign a retraction (value null) instead.")
 @click.option("--ts", type=int, default=None, help="Milliseconds since the epoch (default: now).")
 @reports_errors
-def claim_sign(key_file: str, cid_value: str, key_name: str, value: str | None, retract: bool,
-               ts: int | None) -> None:
+def claim_sign(
+    key_file: str, cid_value: str, key_name: str, value: str | None, retract: bool, ts: int | None
+) -> None:
     """Print a signed wire claim as one JSON line, validated exactly as a node would."""
     if retract == (value is not None):
         raise click.UsageError("give exactly one of --value or --retract")
@@ -200,10 +216,19 @@ def claim_verify() -> None:
 
 def settings_options(func: F) -> F:
     """`--config` and `--data-dir`, shared by every command that works on a data directory."""
-    func = click.option("--data-dir", type=click.Path(file_okay=False), default=None,
-                        help="Data directory (default ./data, or METANODE_DATA_DIR).")(func)
-    func = click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-                        help="TOML config file (default ./metanode.toml if present).")(func)
+    func = click.option(
+        "--data-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Data directory (default ./data, or METANODE_DATA_DIR).",
+    )(func)
+    func = click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="TOML config file (default ./metanode.toml if present).",
+    )(func)
     return func
 
 
@@ -236,11 +261,11 @@ def watching(settings: config.Settings) -> str:
 @main.command()
 @settings_options
 @click.option("--host", default=None, help="Bind address (default 127.0.0.1).")
-@click.option("--port", type=click.IntRange(1, 65_535), default=None,
-              help="Port (default 9000).")
+@click.option("--port", type=click.IntRange(1, 65_535), default=None, help="Port (default 9000).")
 @reports_errors
-def serve(config_file: str | None, data_dir: str | None, host: str | None,
-          port: int | None) -> None:
+def serve(
+    config_file: str | None, data_dir: str | None, host: str | None, port: int | None
+) -> None:
     """Run the node: HTTP API, applier (and, later, the watcher), until SIGINT/SIGTERM."""
     from metanode import server
     from metanode.api import create_app
@@ -274,16 +299,22 @@ def signers() -> None:
 @signers.command("add")
 @click.argument("uid")
 @click.option("--name", required=True, help="A human name for the signer.")
-@click.option("--weight", type=click.IntRange(0, merge.MAX_WEIGHT), default=merge.DEFAULT_WEIGHT,
-              show_default=True)
+@click.option(
+    "--weight",
+    type=click.IntRange(0, merge.MAX_WEIGHT),
+    default=merge.DEFAULT_WEIGHT,
+    show_default=True,
+)
 @click.option("--may-link", is_flag=True, help="Allow its cids/ votes to link groups.")
 @settings_options
 @reports_errors
-def signers_add(uid: str, name: str, weight: int, may_link: bool, config_file: str | None,
-                data_dir: str | None) -> None:
+def signers_add(
+    uid: str, name: str, weight: int, may_link: bool, config_file: str | None, data_dir: str | None
+) -> None:
     """Register UID (or update its name, weight and link permission)."""
-    row = maintenance.add_signer(load_settings(config_file, data_dir=data_dir), uid, name, weight,
-                                 may_link)
+    row = maintenance.add_signer(
+        load_settings(config_file, data_dir=data_dir), uid, name, weight, may_link
+    )
     click.echo(json.dumps(row.as_json()))
 
 
@@ -302,8 +333,9 @@ def _status_command(name: str, status: str) -> None:
     @settings_options
     @reports_errors
     def command(uid: str, config_file: str | None, data_dir: str | None) -> None:
-        row = maintenance.set_signer_status(load_settings(config_file, data_dir=data_dir), uid,
-                                            status)
+        row = maintenance.set_signer_status(
+            load_settings(config_file, data_dir=data_dir), uid, status
+        )
         click.echo(json.dumps(row.as_json()))
 
     command.__doc__ = f"Set UID's status to {status}; the records it voted on are recomputed."
@@ -316,17 +348,25 @@ _status_command("unblock", "active")
 def client_options(func: F) -> F:
     """`--url`, and the settings it defaults from: a client command finds the node where `serve`
     with the same settings (TOML, `METANODE_*`, `--config`) listens."""
-    func = click.option("--url", default=None, envvar="METANODE_URL",
-                        help="Base URL of the node (default: http://<host>:<port> of the "
-                        "settings, i.e. METANODE_HOST / METANODE_PORT, else "
-                        "http://127.0.0.1:9000).")(func)
+    func = click.option(
+        "--url",
+        default=None,
+        envvar="METANODE_URL",
+        help="Base URL of the node (default: http://<host>:<port> of the "
+        "settings, i.e. METANODE_HOST / METANODE_PORT, else "
+        "http://127.0.0.1:9000).",
+    )(func)
     return settings_options(func)
 
 
 def token_option(func: F) -> F:
-    return click.option("--token", envvar="METANODE_TOKEN", default=None,
-                        help="API token (default: METANODE_TOKEN, else the api-token file of "
-                        "the data directory, when it is on this machine).")(func)
+    return click.option(
+        "--token",
+        envvar="METANODE_TOKEN",
+        default=None,
+        help="API token (default: METANODE_TOKEN, else the api-token file of "
+        "the data directory, when it is on this machine).",
+    )(func)
 
 
 def read_token(path: Path) -> str | None:
@@ -337,8 +377,13 @@ def read_token(path: Path) -> str | None:
         return None
 
 
-def connect(config_file: str | None, data_dir: str | None, url: str | None,
-            token: str | None = None, needs_token: bool = False) -> client.Client:
+def connect(
+    config_file: str | None,
+    data_dir: str | None,
+    url: str | None,
+    token: str | None = None,
+    needs_token: bool = False,
+) -> client.Client:
     """A client of the node these settings describe (or of `url`), with its token if needed."""
     settings = load_settings(config_file, data_dir=data_dir)
     if needs_token and token is None:
@@ -357,11 +402,19 @@ def _print_response(response: httpx.Response) -> None:
 @token_option
 @click.argument("claim_json", nargs=-1)
 @reports_errors
-def claim_post(url: str | None, token: str | None, claim_json: tuple[str, ...],
-               config_file: str | None, data_dir: str | None) -> None:
+def claim_post(
+    url: str | None,
+    token: str | None,
+    claim_json: tuple[str, ...],
+    config_file: str | None,
+    data_dir: str | None,
+) -> None:
     """POST claims (arguments, or JSON lines / a JSON array on stdin) as one batch."""
-    items = ([jsonl.loads(c, f"argument {n}") for n, c in enumerate(claim_json, 1)]
-             if claim_json else [item for _, item in jsonl.read(sys.stdin.buffer)])
+    items = (
+        [jsonl.loads(c, f"argument {n}") for n, c in enumerate(claim_json, 1)]
+        if claim_json
+        else [item for _, item in jsonl.read(sys.stdin.buffer)]
+    )
     if not items:
         raise InvalidRequest("no claims to post")
     with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
@@ -373,8 +426,13 @@ def claim_post(url: str | None, token: str | None, claim_json: tuple[str, ...],
 @click.argument("cid_value")
 @click.option("--as", "viewer", default=None, help="See the record as this uid.")
 @reports_errors
-def get(url: str | None, cid_value: str, viewer: str | None, config_file: str | None,
-        data_dir: str | None) -> None:
+def get(
+    url: str | None,
+    cid_value: str,
+    viewer: str | None,
+    config_file: str | None,
+    data_dir: str | None,
+) -> None:
     """Print the merged document of CID_VALUE from a running node."""
     params = {"as": viewer} if viewer else {}
     with connect(config_file, data_dir, url) as node_client:
@@ -403,8 +461,9 @@ def check(config_file: str | None, data_dir: str | None) -> None:
         report = maintenance.check(settings, Path(scratch) / "cache.db")
     for line in report.differences + [f"bad signature: {b}" for b in report.bad_signatures]:
         click.echo(line)
-    click.echo(f"{report.claims_checked} claims verified; "
-               f"{'clean' if report.clean else 'MISMATCH'}")
+    click.echo(
+        f"{report.claims_checked} claims verified; {'clean' if report.clean else 'MISMATCH'}"
+    )
     if not report.clean:
         sys.exit(1)
 
@@ -417,20 +476,30 @@ def check(config_file: str | None, data_dir: str | None) -> None:
 @click.option("--prefix", multiple=True, help="Only keys starting with this (repeatable).")
 @click.option("--rid", "rid_values", multiple=True, help="Only this record (repeatable).")
 @reports_errors
-def events(url: str | None, token: str | None, since: str | None, snapshot: bool,
-           prefix: tuple[str, ...], rid_values: tuple[str, ...], config_file: str | None,
-           data_dir: str | None) -> None:
+def events(
+    url: str | None,
+    token: str | None,
+    since: str | None,
+    snapshot: bool,
+    prefix: tuple[str, ...],
+    rid_values: tuple[str, ...],
+    config_file: str | None,
+    data_dir: str | None,
+) -> None:
     """Follow the change feed, one line per event: `<id or -> <event> <json>`; reconnects by
     itself and resumes where it was (saying so on stderr while it waits). Ctrl-C stops."""
     node_client = connect(config_file, data_dir, url, token, needs_token=True)
 
     def waiting(reason: str) -> None:
-        click.echo(f"waiting for the node at {node_client.url} ({reason}); retrying every "
-                   "second…", err=True)
+        click.echo(
+            f"waiting for the node at {node_client.url} ({reason}); retrying every second…",
+            err=True,
+        )
 
     try:
-        for event in node_client.events(since=since, snapshot=snapshot, prefix=prefix,
-                                        rid=rid_values, on_wait=waiting):
+        for event in node_client.events(
+            since=since, snapshot=snapshot, prefix=prefix, rid=rid_values, on_wait=waiting
+        ):
             data = json.dumps(event.data, ensure_ascii=False, separators=(",", ":"))
             click.echo(f"{event.id or '-'} {event.kind} {data}")
             sys.stdout.flush()  # a line as it happens, also into a pipe (`| grep`, a script)
@@ -444,8 +513,7 @@ def events(url: str | None, token: str | None, since: str | None, snapshot: bool
 
 
 @main.command()
-@click.argument("paths", nargs=-1, required=True,
-                type=click.Path(exists=True, file_okay=False))
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @settings_options
 @reports_errors
 def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) -> None:
@@ -467,9 +535,15 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
         the_node = node.Node(settings)
         await the_node.start()
         try:
-            with Progress("[progress.description]{task.description}", BarColumn(),
-                          MofNCompleteColumn(), DownloadColumn(), TransferSpeedColumn(),
-                          TimeRemainingColumn(), transient=True) as bar:
+            with Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                DownloadColumn(),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                transient=True,
+            ) as bar:
                 files_task = bar.add_task("files", total=None)
                 bytes_task = bar.add_task("bytes", total=None)
 
@@ -483,8 +557,10 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
 
     with datadir.Lock(settings.data_dir):  # a second node beside a running `serve`: refused
         summary = asyncio.run(run())
-    click.echo(f"{summary.seen} files seen: {summary.hashed} hashed, {summary.unchanged} "
-               f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable")
+    click.echo(
+        f"{summary.seen} files seen: {summary.hashed} hashed, {summary.unchanged} "
+        f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable"
+    )
     for path in summary.failed:
         click.echo(f"unreadable: {path}", err=True)
 
@@ -493,9 +569,14 @@ def _progress_bar() -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-    return Progress("[progress.description]{task.description}", BarColumn(),
-                    MofNCompleteColumn(), TimeRemainingColumn(), transient=True,
-                    console=Console(stderr=True))
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        console=Console(stderr=True),
+    )
 
 
 @main.command()
@@ -513,12 +594,18 @@ def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
 
 @main.command("export")
 @click.option("--signer", "uid", default=None, help="Only the claims of this uid.")
-@click.option("--out", type=click.Path(dir_okay=False), default="-", show_default=True,
-              help="Where to write the JSON lines (- is stdout).")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False),
+    default="-",
+    show_default=True,
+    help="Where to write the JSON lines (- is stdout).",
+)
 @settings_options
 @reports_errors
-def export_command(uid: str | None, out: str, config_file: str | None,
-                   data_dir: str | None) -> None:
+def export_command(
+    uid: str | None, out: str, config_file: str | None, data_dir: str | None
+) -> None:
     """Write every stored claim, retractions included, as JSON lines of wire claims."""
     settings = load_settings(config_file, data_dir=data_dir)
     total, rows = maintenance.export_claims(settings, uid)
@@ -547,12 +634,16 @@ def _rereadable(source: str, spool_dir: Path) -> Iterator[IO[bytes]]:
 
 @main.command("import")
 @click.argument("source", type=click.Path(exists=True, dir_okay=False, allow_dash=True))
-@click.option("--register-signers", is_flag=True,
-              help="Trust the file's signers: register unknown ones (weight 1, may link).")
+@click.option(
+    "--register-signers",
+    is_flag=True,
+    help="Trust the file's signers: register unknown ones (weight 1, may link).",
+)
 @settings_options
 @reports_errors
-def import_command(source: str, register_signers: bool, config_file: str | None,
-                   data_dir: str | None) -> None:
+def import_command(
+    source: str, register_signers: bool, config_file: str | None, data_dir: str | None
+) -> None:
     """Verify every claim of SOURCE (JSON lines or an array; - is stdin), then ingest them as
     the node would. Nothing is written if any claim fails; each failure is listed with its line.
 
@@ -562,18 +653,22 @@ def import_command(source: str, register_signers: bool, config_file: str | None,
         try:
             with _progress_bar() as bar:
                 task = bar.add_task("verifying", total=None)
-                check = maintenance.validate_import(jsonl.read(f), settings, register_signers,
-                                             lambda n: bar.advance(task, n))
+                check = maintenance.validate_import(
+                    jsonl.read(f), settings, register_signers, lambda n: bar.advance(task, n)
+                )
         except InvalidBatch as exc:
             _list_failures(exc)
             raise
         f.seek(0)
         with _progress_bar() as bar:
             task = bar.add_task("importing", total=check.claims)
-            counts = maintenance.import_claims(settings, jsonl.read(f), check, register_signers,
-                                        lambda n: bar.advance(task, n))
-    click.echo(f"imported {check.claims} claims: {counts['accepted']} accepted, "
-               f"{counts['duplicate']} duplicate, {counts['stale']} stale")
+            counts = maintenance.import_claims(
+                settings, jsonl.read(f), check, register_signers, lambda n: bar.advance(task, n)
+            )
+    click.echo(
+        f"imported {check.claims} claims: {counts['accepted']} accepted, "
+        f"{counts['duplicate']} duplicate, {counts['stale']} stale"
+    )
 
 
 def _list_failures(exc: InvalidBatch) -> None:

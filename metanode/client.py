@@ -79,8 +79,9 @@ def parse_frames(lines: Iterable[str]) -> Iterator[Event]:
     for line in lines:
         if line == "":
             if data:
-                yield Event(fields.get("id"), fields.get("event", "message"),
-                            json.loads("\n".join(data)))
+                yield Event(
+                    fields.get("id"), fields.get("event", "message"), json.loads("\n".join(data))
+                )
             fields, data = {}, []
         elif not line.startswith(":"):
             name, _, value = line.partition(":")
@@ -100,8 +101,13 @@ def _reason(exc: httpx.TransportError) -> str:
 class Client:
     """Talks to one node; `key` is needed only to sign."""
 
-    def __init__(self, url: str = "http://127.0.0.1:9000", token: str | None = None,
-                 key: nacl.signing.SigningKey | None = None, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str = "http://127.0.0.1:9000",
+        token: str | None = None,
+        key: nacl.signing.SigningKey | None = None,
+        timeout: float = 30.0,
+    ) -> None:
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
@@ -124,8 +130,10 @@ class Client:
 
     def _not_metanode(self, response: httpx.Response) -> NotMetanode:
         kind = response.headers.get("content-type") or "no content type"
-        return NotMetanode(f"{self.url} answered {response.status_code} with {kind}, which is not "
-                           "a metanode's answer: is the address right?")
+        return NotMetanode(
+            f"{self.url} answered {response.status_code} with {kind}, which is not "
+            "a metanode's answer: is the address right?"
+        )
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One request, answered with JSON. No answer at all raises `Unreachable`; an answer
@@ -160,7 +168,8 @@ class Client:
     def post(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
         """POST /api/claims; returns the verdicts, raises `ClientError` on a rejected batch."""
         result: dict[str, Any] = self._json(
-            self.request("POST", "/api/claims", json={"claims": batch}))
+            self.request("POST", "/api/claims", json={"claims": batch})
+        )
         return result
 
     def meta(self, cid: str, viewer: str | None = None) -> dict[str, Any] | None:
@@ -185,10 +194,15 @@ class Client:
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             raise self._not_metanode(response)
 
-    def events(self, since: str | None = None, snapshot: bool = False,
-               prefix: Iterable[str] = (), rid: Iterable[str] = (),
-               retry_s: float = 1.0,
-               on_wait: Callable[[str], None] | None = None) -> Iterator[Event]:
+    def events(
+        self,
+        since: str | None = None,
+        snapshot: bool = False,
+        prefix: Iterable[str] = (),
+        rid: Iterable[str] = (),
+        retry_s: float = 1.0,
+        on_wait: Callable[[str], None] | None = None,
+    ) -> Iterator[Event]:
         """Follow GET /api/events forever, reconnecting after the last id delivered.
 
         While the node cannot be reached (or says to retry), `on_wait(reason)` is called once
@@ -196,7 +210,9 @@ class Client:
         that is no metanode's, or a refusal that retrying cannot mend, is raised.
         """
         params: list[tuple[str, str | int | float | bool | None]] = [
-            *(("prefix", p) for p in prefix), *(("rid", r) for r in rid)]
+            *(("prefix", p) for p in prefix),
+            *(("rid", r) for r in rid),
+        ]
         if snapshot and since is None:
             params.append(("snapshot", "1"))
         last = since
@@ -205,8 +221,13 @@ class Client:
             headers = {"Last-Event-ID": last} if last else {}
             reason = ""
             try:
-                with self._http.stream("GET", "/api/events", params=params, headers=headers,
-                                       timeout=httpx.Timeout(10, read=None)) as response:
+                with self._http.stream(
+                    "GET",
+                    "/api/events",
+                    params=params,
+                    headers=headers,
+                    timeout=httpx.Timeout(10, read=None),
+                ) as response:
                     self._check_stream(response)
                     waiting = False
                     for event in parse_frames(sse_lines(response.iter_text())):

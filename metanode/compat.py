@@ -130,8 +130,9 @@ class LegacyWriter:
         if self._key is None:
             key = await asyncio.to_thread(keys.load_or_create, self.path)
             uid = keys.uid_of_key(key)
-            await self.node.register_signer(uid, LEGACY_NAME,
-                                            self.node.settings.legacy_writer_weight, True)
+            await self.node.register_signer(
+                uid, LEGACY_NAME, self.node.settings.legacy_writer_weight, True
+            )
             self._key, self.uid, self._last_ts = key, uid, self.node.newest_ts(uid)
         return self._key
 
@@ -159,7 +160,9 @@ class LegacyWriter:
             if is_deprecated(field):
                 raise DeprecatedField(
                     f"field {field!r} is a removed per-algorithm CID shape; write the bare-CID "
-                    'key-set instead: "cids/<cid>": "true"', field=field)
+                    'key-set instead: "cids/<cid>": "true"',
+                    field=field,
+                )
         fields = {k: v for k, v in fields.items() if k not in IGNORED_FIELDS}
         for field, value in fields.items():
             claims.check_key(field)
@@ -174,8 +177,11 @@ class LegacyWriter:
             drafts = [(cid, field, value or None) for field, value in fields.items()]
             retracted = [field for field, value in fields.items() if not value]
             if rid is not None and retracted:
-                drafts += [(c.cid, c.key, None) for c in self.node.live_claims(
-                    rid, retracted, self.uid) if c.cid != cid]
+                drafts += [
+                    (c.cid, c.key, None)
+                    for c in self.node.live_claims(rid, retracted, self.uid)
+                    if c.cid != cid
+                ]
             ts = max(self.node.clock(), self._last_ts + 1)
             wire: list[object] = [claims.sign(key, c, k, v, ts).wire() for c, k, v in drafts]
             answer = await self.node.ingest_wire(wire)
@@ -222,19 +228,23 @@ def property_value(body: bytes) -> str:
     The body is required (the OpenAPI document says so): an empty one is refused rather than
     read as a retraction, which `{"value": ""}` states explicitly."""
     if not body:
-        raise InvalidRequest('the body is required: {"value": "…"} or the value as text '
-                             '({"value": ""} retracts)')
+        raise InvalidRequest(
+            'the body is required: {"value": "…"} or the value as text ({"value": ""} retracts)'
+        )
     try:
         parsed = parse_json(body)
     except InvalidJson:
         parsed = None  # not JSON: the raw body is the value
-    if isinstance(parsed, dict) and "value" in parsed and (
-            parsed["value"] is None or isinstance(parsed["value"], str)):
+    if (
+        isinstance(parsed, dict)
+        and "value" in parsed
+        and (parsed["value"] is None or isinstance(parsed["value"], str))
+    ):
         return parsed["value"] or ""
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError:
-        raise InvalidValue("the body is neither {\"value\": …} nor UTF-8 text") from None
+        raise InvalidValue('the body is neither {"value": …} nor UTF-8 text') from None
 
 
 # -- local files --------------------------------------------------------------------------------
@@ -257,7 +267,7 @@ class Roots:
         return cls(base.rstrip("/") + "/")
 
     def relative(self, path: str) -> str:
-        return path[len(self.prefix):] if path.startswith(self.prefix) else path.lstrip("/")
+        return path[len(self.prefix) :] if path.startswith(self.prefix) else path.lstrip("/")
 
 
 @dataclass(frozen=True)
@@ -273,8 +283,9 @@ class LocalCopy:
     content_type: str
 
 
-def open_hashed(file: merge.LocalFile, roots: Sequence[str], follow_symlinks: bool) -> \
-        tuple[int, os.stat_result] | None:
+def open_hashed(
+    file: merge.LocalFile, roots: Sequence[str], follow_symlinks: bool
+) -> tuple[int, os.stat_result] | None:
     """The file at `file.path`, opened, if it still is the very file the watcher hashed; else None.
 
     A path can be swapped after hashing for a link to any file the node may read, even one of the
@@ -296,9 +307,11 @@ def open_hashed(file: merge.LocalFile, roots: Sequence[str], follow_symlinks: bo
     except OSError:
         os.close(fd)
         return None
-    same = (stat.S_ISREG(info.st_mode) and file.ino != 0
-            and (info.st_ino, info.st_size, info.st_mtime_ns) == (file.ino, file.size,
-                                                                    file.mtime_ns))
+    same = (
+        stat.S_ISREG(info.st_mode)
+        and file.ino != 0
+        and (info.st_ino, info.st_size, info.st_mtime_ns) == (file.ino, file.size, file.mtime_ns)
+    )
     inside = follow_symlinks or any(real.startswith(root.rstrip("/") + "/") for root in roots)
     if same and inside:
         return fd, info
@@ -312,8 +325,9 @@ async def local_copy(node: Node, text: str) -> LocalCopy | None:
     files, mime = node.local_copies(node.resolve_cid(text)[1])
     roots = [os.path.realpath(root) for root in node.settings.watch_roots]
     for file in files:
-        opened = await asyncio.to_thread(open_hashed, file, roots,
-                                         node.settings.watch_follow_symlinks)
+        opened = await asyncio.to_thread(
+            open_hashed, file, roots, node.settings.watch_follow_symlinks
+        )
         if opened is not None:
             guessed = mimetypes.guess_type(file.path)[0]
             return LocalCopy(file.path, *opened, mime or guessed or "application/octet-stream")
@@ -326,8 +340,9 @@ class OpenedFile(FileResponse):
     descriptor is closed however the response ends."""
 
     def __init__(self, copy: LocalCopy) -> None:
-        super().__init__(f"/proc/self/fd/{copy.fd}", stat_result=copy.stat,
-                         media_type=copy.content_type)
+        super().__init__(
+            f"/proc/self/fd/{copy.fd}", stat_result=copy.stat, media_type=copy.content_type
+        )
         self.fd = copy.fd
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -342,15 +357,21 @@ def range_refused(response: FileResponse, request: Request, size: int) -> Respon
     416 (a malformed or unsatisfiable range, as Go's `http.ServeContent` refuses both), using
     FileResponse's own parser so the two never disagree; None when it will serve the request."""
     wanted, if_range = request.headers.get("range"), request.headers.get("if-range")
-    if wanted is None or if_range not in (None, response.headers.get("last-modified"),
-                                          response.headers.get("etag")):
+    if wanted is None or if_range not in (
+        None,
+        response.headers.get("last-modified"),
+        response.headers.get("etag"),
+    ):
         return None  # no range, or If-Range says the client's copy is stale: the whole file
     try:
         FileResponse._parse_range_header(wanted, size)
     except (MalformedRangeHeader, Unsatisfiable):
         refused = RangeNotSatisfiable(f"range {wanted!r} cannot be served from {size} bytes")
-        return JSONResponse(refused.envelope(), status_code=refused.status,
-                            headers={"Content-Range": f"bytes */{size}"})
+        return JSONResponse(
+            refused.envelope(),
+            status_code=refused.status,
+            headers={"Content-Range": f"bytes */{size}"},
+        )
     return None
 
 
@@ -369,8 +390,9 @@ def _meta_data(rid: str, key: str, at: int) -> dict[str, str]:
 
 def meta_frame(epoch: int, row: feed.FeedRow) -> bytes:
     """A feed row as meta-core's keyspace event: `set`/`del`, the key and when, no value."""
-    return sse.event(row.op, _meta_data(row.rid, row.key, row.at),
-                     sse.event_id(epoch, row.seq)).encode()
+    return sse.event(
+        row.op, _meta_data(row.rid, row.key, row.at), sse.event_id(epoch, row.seq)
+    ).encode()
 
 
 @dataclass(frozen=True)
@@ -385,8 +407,9 @@ class FileFrames:
         data = self.data(row.path, row.midhash, row.size, row.at, row.old_path)
         return sse.event(row.op, data, sse.event_id(epoch, row.seq)).encode()
 
-    def data(self, path: str, midhash: str, size: int, at: int,
-             old_path: str | None = None) -> dict[str, str]:
+    def data(
+        self, path: str, midhash: str, size: int, at: int, old_path: str | None = None
+    ) -> dict[str, str]:
         data = {"midhash256": midhash}
         if old_path is not None:
             data["oldPath"] = self.roots.relative(old_path)
@@ -467,8 +490,9 @@ class _Follow(Generic[R]):
         try:
             epoch, head = reading.state.epoch, self.feed.hub.table.head(reading.state)
             now, marker = self.node.clock(), sse.event_id(epoch, head)
-            chunk = sse.event("gap", {"reason": GAP_REASONS[reason], "requested": requested,
-                                      "resumeFrom": marker}).encode()
+            chunk = sse.event(
+                "gap", {"reason": GAP_REASONS[reason], "requested": requested, "resumeFrom": marker}
+            ).encode()
             held = self._state_start(now)  # the last event so far: it may be the last of all
             while rows := await reading.rows():
                 held += self._state(rows, now)
@@ -531,12 +555,15 @@ def routes(node: Node) -> list[BaseRoute]:
     async def meta_record(request: Request) -> Response:
         text = request.path_params["hash"]
         if request.method == "PATCH":
-            body = await read_body(request, node.settings.max_batch_bytes,
-                                   node.settings.body_timeout_s)
+            body = await read_body(
+                request, node.settings.max_batch_bytes, node.settings.body_timeout_s
+            )
             fields = patch_fields(body, node.settings.max_batch_claims)
             done = await writer.write(text, fields)
-            return JSONResponse({"success": True, "hashId": done.rid, "updated": done.updated},
-                                status_code=done.status)
+            return JSONResponse(
+                {"success": True, "hashId": done.rid, "updated": done.updated},
+                status_code=done.status,
+            )
         rid = record_rid(node, text)
         record = node.record_rows(rid)
         if not record:
@@ -548,11 +575,13 @@ def routes(node: Node) -> list[BaseRoute]:
         if not key:
             raise InvalidRequest("a key is required: /meta/{hash}/{key}")
         if request.method == "PUT":
-            value = property_value(await read_body(request, MAX_PROPERTY_BODY,
-                                                   node.settings.body_timeout_s))
+            value = property_value(
+                await read_body(request, MAX_PROPERTY_BODY, node.settings.body_timeout_s)
+            )
             done = await writer.write(text, {key: value})
-            return JSONResponse({"success": True, "hashId": done.rid, "property": key},
-                                status_code=done.status)
+            return JSONResponse(
+                {"success": True, "hashId": done.rid, "property": key}, status_code=done.status
+            )
         rid = record_rid(node, text)
         stored = node.record_value(rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
@@ -561,11 +590,13 @@ def routes(node: Node) -> list[BaseRoute]:
 
     def follow(request: Request, kind: type[_Follow[Any]]) -> Response:
         node.require_ready()
-        cursor = sse.parse_cursor(request.headers.get("last-event-id")
-                                  or request.query_params.get("since"))
+        cursor = sse.parse_cursor(
+            request.headers.get("last-event-id") or request.query_params.get("since")
+        )
         stream = kind(node, cursor).stream()
-        return EventSourceResponse(stream, ping=0, sep=sse.SEP,
-                                   headers={"Cache-Control": "no-cache"})
+        return EventSourceResponse(
+            stream, ping=0, sep=sse.SEP, headers={"Cache-Control": "no-cache"}
+        )
 
     async def events_meta(request: Request) -> Response:
         return follow(request, MetaFollow)
@@ -583,8 +614,14 @@ def routes(node: Node) -> list[BaseRoute]:
         if copy is None:
             return JSONResponse({"exists": False})
         os.close(copy.fd)
-        return JSONResponse({"exists": True, "contentType": copy.content_type,
-                             "size": copy.stat.st_size, "filePath": roots.relative(copy.path)})
+        return JSONResponse(
+            {
+                "exists": True,
+                "contentType": copy.content_type,
+                "size": copy.stat.st_size,
+                "filePath": roots.relative(copy.path),
+            }
+        )
 
     async def file_bytes(request: Request) -> Response:
         text = request.path_params["cid"]
@@ -599,8 +636,16 @@ def routes(node: Node) -> list[BaseRoute]:
 
     async def urls(request: Request) -> Response:
         base = str(request.base_url).rstrip("/")
-        return JSONResponse({"hostname": socket.gethostname(), "baseUrl": base, "apiUrl": base,
-                             "redisUrl": "", "webdavUrl": "", "webdavUrlInternal": ""})
+        return JSONResponse(
+            {
+                "hostname": socket.gethostname(),
+                "baseUrl": base,
+                "apiUrl": base,
+                "redisUrl": "",
+                "webdavUrl": "",
+                "webdavUrlInternal": "",
+            }
+        )
 
     return [
         Route("/meta", list_meta),
@@ -612,4 +657,3 @@ def routes(node: Node) -> list[BaseRoute]:
         Route("/file/{cid}", file_bytes),
         Route("/urls", urls),
     ]
-

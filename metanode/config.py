@@ -31,60 +31,82 @@ class Settings:
     host: str = setting("127.0.0.1", "Address the HTTP server binds.")
     port: int = setting(9000, "TCP port of the HTTP server.")
     max_header_bytes: int = setting(
-        65_536, "Longest request head (request line and headers), in bytes; a longer one is "
-        "answered 431 `headers_too_large` and its connection closed.")
+        65_536,
+        "Longest request head (request line and headers), in bytes; a longer one is "
+        "answered 431 `headers_too_large` and its connection closed.",
+    )
     header_timeout_s: float = setting(
-        10.0, "Seconds a client has to send a whole request head, from opening the connection "
-        "or from its first byte after an idle keep-alive; then 408 `request_timeout` and close.")
+        10.0,
+        "Seconds a client has to send a whole request head, from opening the connection "
+        "or from its first byte after an idle keep-alive; then 408 `request_timeout` and close.",
+    )
     body_timeout_s: float = setting(
-        60.0, "Seconds a client has to send a whole request body; then 408 `request_timeout`.")
+        60.0, "Seconds a client has to send a whole request body; then 408 `request_timeout`."
+    )
     max_connections: int = setting(
-        1024, "Most HTTP connections (feed subscribers included) or requests in progress at "
-        "once; a request beyond it is answered 503 `too_busy`.")
+        1024,
+        "Most HTTP connections (feed subscribers included) or requests in progress at "
+        "once; a request beyond it is answered 503 `too_busy`.",
+    )
     data_dir: Path = setting(Path("./data"), "Directory of truth.db, cache.db, the token, keys/.")
     accept_unknown_signers: bool = setting(
-        False, "Accept claims from signers that are not registered (they are registered on use).")
+        False, "Accept claims from signers that are not registered (they are registered on use)."
+    )
     max_value_bytes: int = setting(65_536, "Largest claim value, in UTF-8 bytes.")
     max_skew_ms: int = setting(300_000, "How far ahead of this node's clock a claim's ts may be.")
     max_batch_claims: int = setting(1_000, "Most claims in one POST /api/claims batch.")
     max_batch_bytes: int = setting(4 * 1024 * 1024, "Largest POST /api/claims body, in bytes.")
     apply_wait_s: float = setting(
-        5.0, "How long POST /api/claims waits for the cache before answering 202.")
+        5.0, "How long POST /api/claims waits for the cache before answering 202."
+    )
     apply_poll_s: float = setting(
-        1.0, "How often the applier looks for truth changes made by other processes (the CLI).")
+        1.0, "How often the applier looks for truth changes made by other processes (the CLI)."
+    )
     feed_keep_alive_s: float = setting(
-        15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment.")
+        15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment."
+    )
     feed_retention_events: int = setting(100_000, "The feed keeps at most the newest N events.")
     feed_retention_days: float = setting(7.0, "The feed keeps no event older than this.")
     feed_prune_s: float = setting(
-        60.0, "How often retention is enforced (feed events, and the truth's outbox rows the "
-        "cache has applied), in seconds.")
+        60.0,
+        "How often retention is enforced (feed events, and the truth's outbox rows the "
+        "cache has applied), in seconds.",
+    )
     watch_enabled: bool = setting(True, "Run the watcher inside `metanode serve`.")
     watch_roots: tuple[str, ...] = setting(
-        ("./media",), "Folders to watch (created if missing); in the environment, `:`-separated.")
+        ("./media",), "Folders to watch (created if missing); in the environment, `:`-separated."
+    )
     watch_ignore: tuple[str, ...] = setting(
-        (), "Extra name or path globs to ignore (comma-separated in the environment).")
+        (), "Extra name or path globs to ignore (comma-separated in the environment)."
+    )
     watch_follow_symlinks: bool = setting(False, "Follow symbolic links to files and folders.")
     watch_settle_s: float = setting(
-        2.0, "A file is hashed once its size and mtime stayed unchanged this long.")
+        2.0, "A file is hashed once its size and mtime stayed unchanged this long."
+    )
     watch_rescan_s: float = setting(
-        600.0, "Full rescan period, for network mounts and missed events (0: never).")
+        600.0, "Full rescan period, for network mounts and missed events (0: never)."
+    )
     watch_hash_workers: int = setting(2, "Files hashed at once, off the event loop.")
     plugins_enabled: bool = setting(True, "Run plugins inside `metanode serve`.")
     plugins_disabled: tuple[str, ...] = setting(
-        (), "Names of installed plugins not to run (comma-separated in the environment).")
+        (), "Names of installed plugins not to run (comma-separated in the environment)."
+    )
     plugin_weights: tuple[str, ...] = setting(
-        (), "Signer weights of plugins as `name=weight` (comma-separated in the environment).")
+        (), "Signer weights of plugins as `name=weight` (comma-separated in the environment)."
+    )
     plugin_workers: int = setting(1, "Plugin runs at once, each on its own thread.")
     plugin_timeout_s: float = setting(600.0, "A plugin run taking longer fails.")
     plugin_max_attempts: int = setting(3, "Attempts of a failing run before it stays failed.")
     plugin_retry_s: float = setting(5.0, "First retry delay of a failed run (then 4×, 16×…).")
     legacy_writer_weight: int = setting(
-        1, "Signer weight of the legacy writer, the node's own key that signs MetaMesh `/meta` "
-        "writes.")
+        1,
+        "Signer weight of the legacy writer, the node's own key that signs MetaMesh `/meta` "
+        "writes.",
+    )
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     log_access: bool = setting(
-        False, "Log one line per HTTP request (costs about a fifth of the read rate).")
+        False, "Log one line per HTTP request (costs about a fifth of the read rate)."
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65_535:
@@ -139,8 +161,12 @@ def _convert(name: str, raw: Any) -> Any:
         raise InvalidRequest(f"setting {name}: {raw!r} is not a valid {kind.__name__}") from None
 
 
-_LIST_SEPARATORS = {"watch_roots": os.pathsep, "watch_ignore": ",", "plugins_disabled": ",",
-                    "plugin_weights": ","}
+_LIST_SEPARATORS = {
+    "watch_roots": os.pathsep,
+    "watch_ignore": ",",
+    "plugins_disabled": ",",
+    "plugin_weights": ",",
+}
 
 
 def _as_tuple(name: str, raw: Any) -> tuple[str, ...]:

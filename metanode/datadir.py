@@ -56,8 +56,9 @@ def _tighten(path: Path, allowed: int) -> None:
         return
     if mode & ~allowed:
         path.chmod(mode & allowed)
-        log.warning("tightened %s from %o to %o: the data directory is private",
-                    path, mode, mode & allowed)
+        log.warning(
+            "tightened %s from %o to %o: the data directory is private", path, mode, mode & allowed
+        )
 
 
 class Lock:
@@ -96,8 +97,9 @@ class Lock:
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         os.close(self._fd)  # releases the flock; the file stays, for the next holder
         self._fd = -1
 

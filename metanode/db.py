@@ -52,16 +52,23 @@ P = ParamSpec("P")
 Txn = Callable[..., T]
 
 BUSY_TIMEOUT_MS = 30_000
-PRAGMAS = (f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}", "PRAGMA synchronous=FULL",
-           "PRAGMA foreign_keys=ON")  # every connection's, writers' and readers' alike
+PRAGMAS = (
+    f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}",
+    "PRAGMA synchronous=FULL",
+    "PRAGMA foreign_keys=ON",
+)  # every connection's, writers' and readers' alike
 PROBE_S = 1.0  # while a writer's writes fail, it probes this often whether they work again
 PROBE_FREE_BYTES = 1 << 20  # ...and needs this much free space: a tiny write may fit in the WAL
 
 
 _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
-    ("SQLITE_FULL", StorageFull), ("SQLITE_READONLY", StorageReadOnly),
-    ("SQLITE_CANTOPEN", StorageReadOnly), ("SQLITE_IOERR", StorageIOError),
-    ("SQLITE_BUSY", StorageLocked), ("SQLITE_LOCKED", StorageLocked))
+    ("SQLITE_FULL", StorageFull),
+    ("SQLITE_READONLY", StorageReadOnly),
+    ("SQLITE_CANTOPEN", StorageReadOnly),
+    ("SQLITE_IOERR", StorageIOError),
+    ("SQLITE_BUSY", StorageLocked),
+    ("SQLITE_LOCKED", StorageLocked),
+)
 
 
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
@@ -117,8 +124,9 @@ def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     """
     with storage_errors(path):
         if readonly:
-            conn = sqlite3.connect(_read_only(path), uri=True, isolation_level=None,
-                                   check_same_thread=False)
+            conn = sqlite3.connect(
+                _read_only(path), uri=True, isolation_level=None, check_same_thread=False
+            )
         else:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
@@ -208,8 +216,10 @@ def probe(conn: sqlite3.Connection, path: Path) -> None:
     with storage_errors(path.parent):
         free = shutil.disk_usage(path.parent).free
     if free < PROBE_FREE_BYTES:
-        raise StorageFull(f"the data directory failed: {path.parent} has {free} bytes free; "
-                          f"writes need at least {PROBE_FREE_BYTES}")
+        raise StorageFull(
+            f"the data directory failed: {path.parent} has {free} bytes free; "
+            f"writes need at least {PROBE_FREE_BYTES}"
+        )
     run_txn(conn, _rewrite_user_version)
 
 
@@ -240,8 +250,10 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[Migration]) -> int:
     def txn(conn: sqlite3.Connection) -> int:
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
         if version > len(migrations):
-            raise RuntimeError(f"database schema {version} is newer than this metanode "
-                               f"({len(migrations)}); upgrade metanode")
+            raise RuntimeError(
+                f"database schema {version} is newer than this metanode "
+                f"({len(migrations)}); upgrade metanode"
+            )
         for number, step in enumerate(migrations[version:], start=version + 1):
             step(conn)
             conn.execute(f"PRAGMA user_version={number}")
@@ -349,8 +361,13 @@ class Writer:
 
     def _failed(self, exc: StorageError) -> None:
         if self.failure is None:
-            log.error("writes to %s fail (%s: %s); probing every %g s until they work",
-                      self.path, exc.slug, exc.message, PROBE_S)
+            log.error(
+                "writes to %s fail (%s: %s); probing every %g s until they work",
+                self.path,
+                exc.slug,
+                exc.message,
+                PROBE_S,
+            )
         self.failure = exc
         self._next_probe = time.monotonic() + PROBE_S
 

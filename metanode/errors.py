@@ -41,8 +41,12 @@ class MetanodeError(Exception):
 
     def envelope(self) -> dict[str, Any]:
         """The JSON body of this error: the envelope plus any extra fields."""
-        return {"error": self.slug, "message": self.message, "retryable": self.retryable,
-                **self.extra}
+        return {
+            "error": self.slug,
+            "message": self.message,
+            "retryable": self.retryable,
+            **self.extra,
+        }
 
 
 # -- one claim is invalid (SPEC §2.2) ------------------------------------------------------------
@@ -149,8 +153,9 @@ class InvalidBatch(RequestError):
 
     slug = "invalid_batch"
 
-    def __init__(self, items: list[dict[str, Any]], status: int = 400,
-                 total: int | None = None) -> None:
+    def __init__(
+        self, items: list[dict[str, Any]], status: int = 400, total: int | None = None
+    ) -> None:
         """`total` counts every failure when `items` keeps only the first of them."""
         self.total = len(items) if total is None else total
         super().__init__(f"{self.total} claim(s) rejected; nothing was written", items=items)
@@ -304,8 +309,13 @@ class StorageLocked(StorageError):
 
 
 _ERRNO_STORAGE: dict[int, type[StorageError]] = {
-    errno.ENOSPC: StorageFull, errno.EDQUOT: StorageFull, errno.EROFS: StorageReadOnly,
-    errno.EACCES: StorageReadOnly, errno.EPERM: StorageReadOnly, errno.EIO: StorageIOError}
+    errno.ENOSPC: StorageFull,
+    errno.EDQUOT: StorageFull,
+    errno.EROFS: StorageReadOnly,
+    errno.EACCES: StorageReadOnly,
+    errno.EPERM: StorageReadOnly,
+    errno.EIO: StorageIOError,
+}
 
 
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
@@ -317,8 +327,11 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     kind = _ERRNO_STORAGE.get(exc.errno)
     if kind is None:
         return None
-    return kind(f"the data directory failed: {exc.filename or where}: {exc.strerror}"
-                if exc.filename or where else f"the data directory failed: {exc.strerror}")
+    return kind(
+        f"the data directory failed: {exc.filename or where}: {exc.strerror}"
+        if exc.filename or where
+        else f"the data directory failed: {exc.strerror}"
+    )
 
 
 class DataDirLocked(MetanodeError):

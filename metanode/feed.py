@@ -58,11 +58,14 @@ class Table(Generic[R]):
     head: Callable[[cache.State], int]  # the newest seq ever written, in a cache state
 
 
-FEED: Table[FeedRow] = Table(cache.CacheStore.feed_page, cache.CacheStore.oldest_feed_seq,
-                             lambda s: s.feed_seq)
-FILE_FEED: Table[FileFeedRow] = Table(cache.CacheStore.file_feed_page,
-                                      cache.CacheStore.oldest_file_feed_seq,
-                                      lambda s: s.file_feed_seq)
+FEED: Table[FeedRow] = Table(
+    cache.CacheStore.feed_page, cache.CacheStore.oldest_feed_seq, lambda s: s.feed_seq
+)
+FILE_FEED: Table[FileFeedRow] = Table(
+    cache.CacheStore.file_feed_page,
+    cache.CacheStore.oldest_file_feed_seq,
+    lambda s: s.file_feed_seq,
+)
 
 
 class Page(Generic[R]):
@@ -94,7 +97,7 @@ class Page(Generic[R]):
         """Every row framed by `form`: rows appended since the last call are framed now."""
         made = self._frames.setdefault(form, [])
         if len(made) < len(self.rows):
-            new = [form(self.epoch, row) for row in self.rows[len(made):]]
+            new = [form(self.epoch, row) for row in self.rows[len(made) :]]
             made.extend(new)
             self.size += sum(map(len, new))
         return made
@@ -129,8 +132,11 @@ class Slice(Generic[R]):
         if where.everything:
             return self.chunk(change_frame)
         framed, rows = self.page.frames(change_frame), self.page.rows
-        return b"".join(framed[i] for i in range(self.start, self.end)
-                        if where.matches(rows[i].rid, rows[i].key))
+        return b"".join(
+            framed[i]
+            for i in range(self.start, self.end)
+            if where.matches(rows[i].rid, rows[i].key)
+        )
 
 
 class Hub(Generic[R]):
@@ -143,15 +149,31 @@ class Hub(Generic[R]):
     """
 
     @overload
-    def __init__(self: Hub[FeedRow], store: cache.CacheStore,
-                 state: Callable[[], cache.State], cache_bytes: int = ...) -> None: ...
+    def __init__(
+        self: Hub[FeedRow],
+        store: cache.CacheStore,
+        state: Callable[[], cache.State],
+        cache_bytes: int = ...,
+    ) -> None: ...
 
     @overload
-    def __init__(self, store: cache.CacheStore, state: Callable[[], cache.State],
-                 cache_bytes: int = ..., *, table: Table[R]) -> None: ...
+    def __init__(
+        self,
+        store: cache.CacheStore,
+        state: Callable[[], cache.State],
+        cache_bytes: int = ...,
+        *,
+        table: Table[R],
+    ) -> None: ...
 
-    def __init__(self, store: cache.CacheStore, state: Callable[[], cache.State],
-                 cache_bytes: int = CACHE_BYTES, *, table: Table[Any] = FEED) -> None:
+    def __init__(
+        self,
+        store: cache.CacheStore,
+        state: Callable[[], cache.State],
+        cache_bytes: int = CACHE_BYTES,
+        *,
+        table: Table[Any] = FEED,
+    ) -> None:
         self._store = store
         self._state = state
         self._cache_bytes = cache_bytes
@@ -246,8 +268,11 @@ class Snapshot:
         rows = await self._reading.rows()
         if not rows:
             return None
-        return b"".join(sse.event("set", {"rid": rid, "key": key, "value": value}).encode()
-                        for rid, key, value in rows if self._filter.matches(rid, key))
+        return b"".join(
+            sse.event("set", {"rid": rid, "key": key, "value": value}).encode()
+            for rid, key, value in rows
+            if self._filter.matches(rid, key)
+        )
 
     async def close(self) -> None:
         await self._reading.close()
@@ -273,10 +298,17 @@ class Subscription:
     and releases an open snapshot at once.
     """
 
-    def __init__(self, hub: Hub[FeedRow], store: cache.CacheStore,
-                 state: Callable[[], cache.State],
-                 wait_feed: WaitFeed, cursor: sse.Cursor | None, snapshot: bool,
-                 where: sse.Filter, keep_alive_s: float) -> None:
+    def __init__(
+        self,
+        hub: Hub[FeedRow],
+        store: cache.CacheStore,
+        state: Callable[[], cache.State],
+        wait_feed: WaitFeed,
+        cursor: sse.Cursor | None,
+        snapshot: bool,
+        where: sse.Filter,
+        keep_alive_s: float,
+    ) -> None:
         self._hub = hub
         self._store = store
         self._state = state

@@ -46,8 +46,11 @@ def configure(level: str, json_lines: bool | None = None) -> None:
         json_lines = not sys.stderr.isatty()
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
-    handler.setFormatter(JsonFormatter() if json_lines else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if json_lines
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

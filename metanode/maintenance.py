@@ -64,8 +64,9 @@ def truth_store(settings: Settings) -> truth.TruthStore:
     return truth.TruthStore(settings.truth_path).open()
 
 
-def add_signer(settings: Settings, uid: str, name: str, weight: int,
-               may_link: bool) -> truth.SignerRow:
+def add_signer(
+    settings: Settings, uid: str, name: str, weight: int, may_link: bool
+) -> truth.SignerRow:
     """`metanode signers add`: register `uid` (or update its name, weight and link permission);
     the server, if one runs, sees it at its next poll."""
     claims.public_key(uid)
@@ -107,8 +108,11 @@ class CheckReport:
 
 def check(settings: Settings, scratch: Path) -> CheckReport:
     """`metanode check`: the live cache against a fresh rebuild, and every stored signature."""
-    with (truth_store(settings) as source, cache.CacheStore(settings.cache_path) as live,
-          cache.CacheStore(scratch) as fresh):
+    with (
+        truth_store(settings) as source,
+        cache.CacheStore(settings.cache_path) as live,
+        cache.CacheStore(scratch) as fresh,
+    ):
         files, applied = live.all_local_files(), live.state().applied_seq
         differences = []
         truth_seq = source.max_seq()
@@ -171,31 +175,40 @@ def _numbered_chunks(items: Iterable[Numbered]) -> Iterator[list[Numbered]]:
         yield chunk
 
 
-def _placed(positions: Sequence[int], future: concurrent.futures.Future[
-        tuple[list[claims.Claim], list[dict[str, Any]]]]
-            ) -> tuple[list[tuple[int, claims.Claim]], list[dict[str, Any]]]:
+def _placed(
+    positions: Sequence[int],
+    future: concurrent.futures.Future[tuple[list[claims.Claim], list[dict[str, Any]]]],
+) -> tuple[list[tuple[int, claims.Claim]], list[dict[str, Any]]]:
     """A chunk's `validate_items` answer with file positions: `position` for `index`."""
     valid, errors = future.result()
     failed = {error["index"] for error in errors}
     kept = [p for i, p in enumerate(positions) if i not in failed]
-    placed = [{"position": positions[e["index"]], **{k: v for k, v in e.items() if k != "index"}}
-              for e in errors]
+    placed = [
+        {"position": positions[e["index"]], **{k: v for k, v in e.items() if k != "index"}}
+        for e in errors
+    ]
     return list(zip(kept, valid, strict=True)), placed
 
 
-def _verified_chunks(items: Iterable[Numbered], limits: claims.Limits
-                     ) -> Iterator[tuple[list[tuple[int, claims.Claim]], list[dict[str, Any]]]]:
+def _verified_chunks(
+    items: Iterable[Numbered], limits: claims.Limits
+) -> Iterator[tuple[list[tuple[int, claims.Claim]], list[dict[str, Any]]]]:
     """The items verified `IMPORT_BATCH` at a time on a thread pool, in order: per chunk, the
     valid claims and the errors, each with its position. Only a few chunks are in flight, so
     memory stays flat however many items there are."""
     now, workers = now_ms(), os.cpu_count() or 2
     with concurrent.futures.ThreadPoolExecutor(workers, "import-verify") as pool:
-        pending: collections.deque[tuple[list[int], concurrent.futures.Future[
-            tuple[list[claims.Claim], list[dict[str, Any]]]]]] = collections.deque()
+        pending: collections.deque[
+            tuple[
+                list[int],
+                concurrent.futures.Future[tuple[list[claims.Claim], list[dict[str, Any]]]],
+            ]
+        ] = collections.deque()
         for chunk in _numbered_chunks(items):
             wires = [wire for _, wire in chunk]
-            pending.append(([p for p, _ in chunk],
-                            pool.submit(claims.validate_items, wires, 0, now, limits)))
+            pending.append(
+                ([p for p, _ in chunk], pool.submit(claims.validate_items, wires, 0, now, limits))
+            )
             if len(pending) > workers:
                 yield _placed(*pending.popleft())
         while pending:
@@ -221,8 +234,12 @@ class ImportCheck:
     signers: set[str] = field(default_factory=set)
 
 
-def validate_import(items: Iterable[Numbered], settings: Settings, register_signers: bool,
-                    progress: Callable[[int], None]) -> ImportCheck:
+def validate_import(
+    items: Iterable[Numbered],
+    settings: Settings,
+    register_signers: bool,
+    progress: Callable[[int], None],
+) -> ImportCheck:
     """Pass 1 of `metanode import`: verify every claim, and its signer's policy against the
     truth as it is now, writing nothing. Raises `InvalidBatch` with the first
     `IMPORT_ERRORS_KEPT` failures (each with its `position`) and the count of all of them.
@@ -237,13 +254,17 @@ def validate_import(items: Iterable[Numbered], settings: Settings, register_sign
             for position, claim in valid:
                 check.signers.add(claim.uid)
                 row = row_of(claim.uid)
-                error = (None if row is None and register_signers
-                         else truth.policy_error(row, claim, policy))
+                error = (
+                    None
+                    if row is None and register_signers
+                    else truth.policy_error(row, claim, policy)
+                )
                 if error is not None:
-                    chunk_errors.append({"position": position, "error": error.slug,
-                                         "message": error.message})
+                    chunk_errors.append(
+                        {"position": position, "error": error.slug, "message": error.message}
+                    )
             chunk_errors.sort(key=lambda e: int(e["position"]))
-            errors.extend(chunk_errors[:IMPORT_ERRORS_KEPT - len(errors)])
+            errors.extend(chunk_errors[: IMPORT_ERRORS_KEPT - len(errors)])
             failed += len(chunk_errors)
             progress(len(valid))
     if failed:
@@ -251,8 +272,13 @@ def validate_import(items: Iterable[Numbered], settings: Settings, register_sign
     return check
 
 
-def import_claims(settings: Settings, items: Iterable[Numbered], check: ImportCheck,
-                  register_signers: bool, progress: Callable[[int], None]) -> dict[str, int]:
+def import_claims(
+    settings: Settings,
+    items: Iterable[Numbered],
+    check: ImportCheck,
+    register_signers: bool,
+    progress: Callable[[int], None],
+) -> dict[str, int]:
     """Pass 2 of `metanode import`, after `validate_import` passed on the same items: ingest
     them through the normal transaction `IMPORT_BATCH` at a time, the cache brought up to date
     after each. `register_signers` trusts the file's signers (weight 1, may link); otherwise they
@@ -273,18 +299,25 @@ def import_claims(settings: Settings, items: Iterable[Numbered], check: ImportCh
             return _ingest_chunks(store, items, limits, policy, progress, catch_up)
 
 
-def _ingest_chunks(store: truth.TruthStore, items: Iterable[Numbered], limits: claims.Limits,
-                   policy: truth.Policy, progress: Callable[[int], None],
-                   catch_up: Callable[[], cache.State]) -> dict[str, int]:
+def _ingest_chunks(
+    store: truth.TruthStore,
+    items: Iterable[Numbered],
+    limits: claims.Limits,
+    policy: truth.Policy,
+    progress: Callable[[int], None],
+    catch_up: Callable[[], cache.State],
+) -> dict[str, int]:
     """Pass 2's loop: per chunk, verify, ingest, count the verdicts and bring the cache up to
     date (memory stays flat: the cache never has more than a chunk's changes to apply)."""
     minter = rids.Minter()
     counts = {"accepted": 0, "duplicate": 0, "stale": 0}
     for valid, errors in _verified_chunks(items, limits):
         if errors:
-            raise InvalidRequest(f"claim {errors[0]['position']} no longer verifies "
-                                 f"({errors[0]['error']}): the file changed during the "
-                                 "import; the claims before it were imported")
+            raise InvalidRequest(
+                f"claim {errors[0]['position']} no longer verifies "
+                f"({errors[0]['error']}): the file changed during the "
+                "import; the claims before it were imported"
+            )
         batch = [claim for _, claim in valid]
         result = store.ingest_sync(batch, minter, policy, now_ms())
         for verdict in result.verdicts:
@@ -298,8 +331,9 @@ def _ingest_chunks(store: truth.TruthStore, items: Iterable[Numbered], limits: c
 
 
 @contextlib.contextmanager
-def cache_catcher(settings: Settings,
-                  source: truth.TruthStore) -> Iterator[Callable[[], cache.State]]:
+def cache_catcher(
+    settings: Settings, source: truth.TruthStore
+) -> Iterator[Callable[[], cache.State]]:
     """A function applying the truth's outbox (of the open `source`) to the cache now (the
     CLI's writes, when no server runs), the cache store open for as many calls as the block
     makes: a long import calls it after every chunk, so no one transaction holds a whole file's

@@ -92,15 +92,18 @@ def merge_record(votes: Iterable[Claim], signers: Mapping[str, Signer]) -> dict[
     return {key: value for key, value in merged.items() if value is not None}
 
 
-def seen_by(record: Mapping[str, str], votes: Iterable[Claim], signers: Mapping[str, Signer],
-            viewer: str) -> dict[str, str]:
+def seen_by(
+    record: Mapping[str, str], votes: Iterable[Claim], signers: Mapping[str, Signer], viewer: str
+) -> dict[str, str]:
     """The merged `record` as `viewer` sees it with `?as=<uid>` (SPEC §2.5 rule 4): a key on
     which the viewer has a live vote takes that vote's value (their newest, as rule 2 picks it;
     none if they are blocked). `votes` may be the group's or only the viewer's: the node reads
     just the viewer's, and the merged record comes from the cache. The viewer's weight does not
     matter here: a weight-0 signer asking for its own view sees its own votes."""
-    own = merge_record([vote for vote in votes if vote.uid == viewer],
-                       {viewer: Signer(weight=1, blocked=signers.get(viewer, Signer()).blocked)})
+    own = merge_record(
+        [vote for vote in votes if vote.uid == viewer],
+        {viewer: Signer(weight=1, blocked=signers.get(viewer, Signer()).blocked)},
+    )
     return {**record, **own}
 
 
@@ -130,8 +133,9 @@ def group_keys(group_cids: Iterable[str], files: Iterable[LocalFile]) -> dict[st
     local = [f for f in files if f.midhash in members]
     if local:
         first = min(local, key=lambda f: f.path)
-        keys.update(zip(LOCAL_KEYS, (first.path, str(first.size), str(first.mtime_ns)),
-                        strict=True))
+        keys.update(
+            zip(LOCAL_KEYS, (first.path, str(first.size), str(first.mtime_ns)), strict=True)
+        )
     return keys
 
 
@@ -141,8 +145,9 @@ def is_group_key(key: str) -> bool:
     return key.startswith(LINK_PREFIX) or key in LOCAL_KEYS
 
 
-def document(asked: str, group_cids: Iterable[str], record: Mapping[str, str],
-             paths: Iterable[str]) -> dict[str, object]:
+def document(
+    asked: str, group_cids: Iterable[str], record: Mapping[str, str], paths: Iterable[str]
+) -> dict[str, object]:
     """The `GET /api/meta/{cid}` body: the MetaMesh envelope, rid-free (SPEC §4)."""
     ranked = cids.by_rank(group_cids)
     body: dict[str, object] = {

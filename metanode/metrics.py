@@ -23,16 +23,26 @@ class Metrics:
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
-        self.claims = Counter("metanode_claims", "Claims ingested, by verdict",
-                              ["verdict"], registry=self.registry)
-        self.rejected = Counter("metanode_claims_rejected", "Claims rejected, by error slug",
-                                ["slug"], registry=self.registry)
+        self.claims = Counter(
+            "metanode_claims", "Claims ingested, by verdict", ["verdict"], registry=self.registry
+        )
+        self.rejected = Counter(
+            "metanode_claims_rejected",
+            "Claims rejected, by error slug",
+            ["slug"],
+            registry=self.registry,
+        )
         self.ingest_seconds = Histogram(
-            "metanode_ingest_seconds", "POST /api/claims batches: validation to cache applied",
-            registry=self.registry)
+            "metanode_ingest_seconds",
+            "POST /api/claims batches: validation to cache applied",
+            registry=self.registry,
+        )
         self.request_seconds = Histogram(
-            "metanode_request_seconds", "HTTP requests by route template, method and status",
-            ["route", "method", "status"], registry=self.registry)
+            "metanode_request_seconds",
+            "HTTP requests by route template, method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
         self.registry.register(_Gauges(snapshot))
 
     def render(self) -> bytes:
@@ -57,8 +67,9 @@ class _Gauges(Collector):
             ("watcher_files", "Local files known to the watcher"),
         ):
             yield GaugeMetricFamily(f"metanode_{name}", help_text, value=state[name])
-        runs = GaugeMetricFamily("metanode_plugin_runs", "Plugin runs by plugin and status",
-                                 labels=["plugin", "status"])
+        runs = GaugeMetricFamily(
+            "metanode_plugin_runs", "Plugin runs by plugin and status", labels=["plugin", "status"]
+        )
         for (plugin, status), count in sorted(state["plugin_runs"].items()):
             runs.add_metric([plugin, status], count)
         yield runs

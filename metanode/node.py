@@ -62,7 +62,8 @@ class Node:
         self.minter = rids.Minter(clock)
         self.token = ""
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=os.cpu_count() or 2, thread_name_prefix="verify")
+            max_workers=os.cpu_count() or 2, thread_name_prefix="verify"
+        )
         self.metrics = Metrics(self._gauges)
         self.subscribers = 0
 
@@ -89,9 +90,15 @@ class Node:
     def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
         s = self.settings
         return watcher.Watcher(
-            roots, watcher.Rules(s.watch_ignore, s.watch_follow_symlinks), s.watch_settle_s,
-            s.watch_rescan_s, s.watch_hash_workers, self.ensure_groups, self.apply_local,
-            self.cache.local_stats)
+            roots,
+            watcher.Rules(s.watch_ignore, s.watch_follow_symlinks),
+            s.watch_settle_s,
+            s.watch_rescan_s,
+            s.watch_hash_workers,
+            self.ensure_groups,
+            self.apply_local,
+            self.cache.local_stats,
+        )
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
         """The watcher's results reach the cache, then the plugins."""
@@ -108,13 +115,24 @@ class Node:
             if plugin.name in s.plugins_disabled:
                 continue
             key = plugins.plugin_key(s.keys_dir, plugin.name)
-            runner = plugins.Runner(plugin, key, self.record_of, self.ingest_wire,
-                                    s.plugin_timeout_s, self.clock)
-            await self.truth.add_signer(runner.uid, f"plugin:{plugin.name}",
-                                        weights.get(plugin.name, plugin.weight), plugin.may_link)
+            runner = plugins.Runner(
+                plugin, key, self.record_of, self.ingest_wire, s.plugin_timeout_s, self.clock
+            )
+            await self.truth.add_signer(
+                runner.uid,
+                f"plugin:{plugin.name}",
+                weights.get(plugin.name, plugin.weight),
+                plugin.may_link,
+            )
             runners.append(runner)
-        host = plugins.Host(runners, self.cache, s.plugin_workers, s.plugin_max_attempts,
-                            s.plugin_retry_s, self.clock)
+        host = plugins.Host(
+            runners,
+            self.cache,
+            s.plugin_workers,
+            s.plugin_max_attempts,
+            s.plugin_retry_s,
+            self.clock,
+        )
         self._plugins_task = asyncio.create_task(host.run(), name="plugins")
         return host
 
@@ -127,12 +145,12 @@ class Node:
         await self.truth.ensure_groups(midhashes, self.minter)
         self.applier.wake()
 
-    async def scan(self, roots: Sequence[str],
-                   progress: watcher.Progress | None = None) -> watcher.Summary:
+    async def scan(
+        self, roots: Sequence[str], progress: watcher.Progress | None = None
+    ) -> watcher.Summary:
         """`metanode scan`: one reconciliation of `roots`, without settling, then wait for the
         cache."""
-        summary = await self._make_watcher(roots).reconcile(roots, settle=False,
-                                                             progress=progress)
+        summary = await self._make_watcher(roots).reconcile(roots, settle=False, progress=progress)
         await self._settled()
         return summary
 
@@ -168,29 +186,44 @@ class Node:
 
     # -- feed -----------------------------------------------------------------------------------
 
-    def subscribe(self, cursor: str | None, snapshot: bool,
-                  where: sse.Filter) -> AsyncIterator[bytes]:
+    def subscribe(
+        self, cursor: str | None, snapshot: bool, where: sse.Filter
+    ) -> AsyncIterator[bytes]:
         """A feed subscription from a `Last-Event-ID`/`?since=` cursor (SPEC §5)."""
         self.require_ready()
         subscription = feed.Subscription(
-            self.feed_hub, self.cache, lambda: self.applier.state,
-            self.applier.wait_feed, sse.parse_cursor(cursor), snapshot, where,
-            self.settings.feed_keep_alive_s)
+            self.feed_hub,
+            self.cache,
+            lambda: self.applier.state,
+            self.applier.wait_feed,
+            sse.parse_cursor(cursor),
+            snapshot,
+            where,
+            self.settings.feed_keep_alive_s,
+        )
         return self.counted(subscription.stream())
 
     def meta_feed(self) -> feed.Feed[feed.FeedRow]:
         """The feed table for streams of their own format (MetaMesh's `/api/events/meta`):
         the shared hub, and a snapshot of every record."""
-        return feed.Feed(self.feed_hub, lambda: self.applier.state, self.applier.wait_feed,
-                         lambda: self.cache.records_reading((), feed.PAGE),
-                         self.settings.feed_keep_alive_s)
+        return feed.Feed(
+            self.feed_hub,
+            lambda: self.applier.state,
+            self.applier.wait_feed,
+            lambda: self.cache.records_reading((), feed.PAGE),
+            self.settings.feed_keep_alive_s,
+        )
 
     def files_feed(self) -> feed.Feed[feed.FileFeedRow]:
         """The file events (MetaMesh's `/api/events/files`): their shared hub, and a snapshot
         of every local file."""
-        return feed.Feed(self.file_hub, lambda: self.applier.state, self.applier.wait_files,
-                         lambda: self.cache.files_reading(feed.PAGE),
-                         self.settings.feed_keep_alive_s)
+        return feed.Feed(
+            self.file_hub,
+            lambda: self.applier.state,
+            self.applier.wait_files,
+            lambda: self.cache.files_reading(feed.PAGE),
+            self.settings.feed_keep_alive_s,
+        )
 
     async def counted(self, stream: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """The stream, counted in `subscribers` while it is open; closed with this wrapper, so
@@ -211,18 +244,28 @@ class Node:
         refuse_unknown(payload, ("claims",))
         items: list[object] = payload["claims"]
         if len(items) > self.settings.max_batch_claims:
-            raise TooLarge(f"{len(items)} claims; at most {self.settings.max_batch_claims} "
-                           "per batch")
+            raise TooLarge(
+                f"{len(items)} claims; at most {self.settings.max_batch_claims} per batch"
+            )
         return items
 
     async def _validate(self, items: list[object], now: int) -> list[claims.Claim]:
         """Validate every claim, signatures on the thread pool; all errors or all claims."""
         loop = asyncio.get_running_loop()
         step = max(1, -(-len(items) // (os.cpu_count() or 2)))
-        parts = await asyncio.gather(*(
-            loop.run_in_executor(self._verify_pool, claims.validate_items, items[i:i + step], i,
-                                 now, self.limits)
-            for i in range(0, len(items), step)))
+        parts = await asyncio.gather(
+            *(
+                loop.run_in_executor(
+                    self._verify_pool,
+                    claims.validate_items,
+                    items[i : i + step],
+                    i,
+                    now,
+                    self.limits,
+                )
+                for i in range(0, len(items), step)
+            )
+        )
         errors = [error for _, part_errors in parts for error in part_errors]
         if errors:
             raise InvalidBatch(errors)
@@ -279,8 +322,9 @@ class Node:
     def signers(self) -> list[dict[str, Any]]:
         return [row.as_json() for row in self.truth.signers()]
 
-    async def register_signer(self, uid: str, name: str, weight: int,
-                              may_link: bool) -> truth.SignerRow:
+    async def register_signer(
+        self, uid: str, name: str, weight: int, may_link: bool
+    ) -> truth.SignerRow:
         """Register (or re-weigh) a signer the node itself holds the key of, without waiting
         for the cache; the applier is woken, as a new weight re-merges what it signed."""
         row = await self.truth.add_signer(uid, name, weight, may_link)
@@ -423,12 +467,17 @@ class Node:
     def _gauges(self) -> dict[str, Any]:
         """The scrape-time numbers of /metrics."""
         statuses = self.truth.rid_status_counts()
-        runs = {(plugin, status): n for (plugin, _version), counts
-                in self.cache.run_counts().items() for status, n in counts.items()}
+        runs = {
+            (plugin, status): n
+            for (plugin, _version), counts in self.cache.run_counts().items()
+            for status, n in counts.items()
+        }
         return {
             "records": self.cache.record_count(),
-            "groups": statuses.get("active", 0), "merges": statuses.get("merged", 0),
-            "apply_lag": self.health()["apply_lag"], "feed_subscribers": self.subscribers,
+            "groups": statuses.get("active", 0),
+            "merges": statuses.get("merged", 0),
+            "apply_lag": self.health()["apply_lag"],
+            "feed_subscribers": self.subscribers,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": self.cache.local_file_count(),
             "plugin_runs": runs,
@@ -448,18 +497,28 @@ class Node:
             problems.append("applying truth changes to the cache is failing")
         for store in (self.truth, self.cache):
             if store.failure is not None:
-                problems.append(f"writes to {store.path.name} are failing "
-                                f"({store.failure.slug}: {store.failure.message})")
+                problems.append(
+                    f"writes to {store.path.name} are failing "
+                    f"({store.failure.slug}: {store.failure.message})"
+                )
         if lag and time.monotonic() - self.applier.progressed > STALL_S:
             problems.append(f"the cache has not caught up for {STALL_S:.0f} s")
         body: dict[str, Any] = {
-            "status": "degraded" if problems else "ok", "problems": problems,
-            "applied_seq": state.applied_seq, "truth_seq": truth_seq, "apply_lag": lag,
-            "epoch": state.epoch, "cache_ready": self.applier.ready}
+            "status": "degraded" if problems else "ok",
+            "problems": problems,
+            "applied_seq": state.applied_seq,
+            "truth_seq": truth_seq,
+            "apply_lag": lag,
+            "epoch": state.epoch,
+            "cache_ready": self.applier.ready,
+        }
         if self.watcher is not None:
             if self._watching.done() or time.monotonic() - self.watcher.heartbeat > STALL_S:
                 problems.append("the watcher has stopped")
                 body["status"] = "degraded"
-            body["watcher"] = {"roots": self.watcher.roots, "scanning": self.watcher.scanning,
-                               "pending": len(self.watcher.pending)}
+            body["watcher"] = {
+                "roots": self.watcher.roots,
+                "scanning": self.watcher.scanning,
+                "pending": len(self.watcher.pending),
+            }
         return body

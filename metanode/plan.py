@@ -49,28 +49,32 @@ class Inputs:
     votes: dict[str, list[Claim]]  # rid → the live claims on the keys in scope
 
 
-def diff(rid: str, old: Mapping[str, str], new: Mapping[str, str],
-         keys: Iterable[str]) -> list[Event]:
+def diff(
+    rid: str, old: Mapping[str, str], new: Mapping[str, str], keys: Iterable[str]
+) -> list[Event]:
     """The events that turn `old` into `new` on `keys`, in key order (absent: no value)."""
     events = []
     for key in sorted(keys):
         before, after = old.get(key), new.get(key)
         if before != after:
-            events.append(Event(rid, "del", key, None) if after is None
-                          else Event(rid, "set", key, after))
+            events.append(
+                Event(rid, "del", key, None) if after is None else Event(rid, "set", key, after)
+            )
     return events
 
 
-def recompute(rid: str, scope: Scope, inputs: Inputs,
-              signers: dict[str, merge.Signer]) -> list[Event]:
+def recompute(
+    rid: str, scope: Scope, inputs: Inputs, signers: dict[str, merge.Signer]
+) -> list[Event]:
     """The events of one record's recomputed `scope`, from the chunk's reads."""
     old = inputs.old.get(rid, {})
     new: dict[str, str] = {}
     keys: set[str] = set(scope.keys)
     if scope.regroups:
         members = inputs.members.get(rid, [])
-        new.update(merge.group_keys(members, [f for cid in members
-                                              for f in inputs.files.get(cid, ())]))
+        new.update(
+            merge.group_keys(members, [f for cid in members for f in inputs.files.get(cid, ())])
+        )
         keys |= set(new) | {k for k in old if merge.is_group_key(k)}
     if scope.whole:
         merged = merge.merge_record(inputs.votes.get(rid, ()), signers)
@@ -125,8 +129,12 @@ class Plan:
         return scope
 
 
-def resolve(work: Touched, claimed: Iterable[tuple[str, str]], groups: Mapping[str, str],
-            survivors: Mapping[str, str]) -> Plan:
+def resolve(
+    work: Touched,
+    claimed: Iterable[tuple[str, str]],
+    groups: Mapping[str, str],
+    survivors: Mapping[str, str],
+) -> Plan:
     """The plan of `work`: `claimed` is every (cid, key) to re-merge (the claims' and the
     signers' votes), `groups` their CIDs' rids, `survivors` every regrouped and surviving rid's
     survivor. A `cids/` key is a link, shown through the group keys, never merged."""
@@ -157,8 +165,9 @@ class FileEvent:
     midhash: str
 
 
-def file_events(removed: dict[str, Row],
-                written: Sequence[tuple[merge.LocalFile, bool]]) -> list[FileEvent]:
+def file_events(
+    removed: dict[str, Row], written: Sequence[tuple[merge.LocalFile, bool]]
+) -> list[FileEvent]:
     """The events of one local transaction: `delete` for each removed path not taken over, then
     per written path `add` (new path), `change` (new content or stat) or `rename`.
 
@@ -179,8 +188,12 @@ def file_events(removed: dict[str, Row],
             taken.add(source)
             upserted.append(FileEvent("rename", file.path, source, file.size, file.midhash))
         else:
-            upserted.append(FileEvent("add" if is_new else "change", file.path, None, file.size,
-                                      file.midhash))
-    deleted = [FileEvent("delete", path, None, row[1], row[0])
-               for path, row in sorted(removed.items()) if path not in taken]
+            upserted.append(
+                FileEvent("add" if is_new else "change", file.path, None, file.size, file.midhash)
+            )
+    deleted = [
+        FileEvent("delete", path, None, row[1], row[0])
+        for path, row in sorted(removed.items())
+        if path not in taken
+    ]
     return deleted + upserted

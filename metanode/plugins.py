@@ -140,8 +140,15 @@ Ingest = Callable[[list[Any]], Awaitable[object]]
 class Runner:
     """Runs one plugin on one file and ingests what it registered, signed with its key."""
 
-    def __init__(self, plugin: Plugin, key: nacl.signing.SigningKey, record: RecordLookup,
-                 ingest: Ingest, timeout_s: float, clock: Clock = now_ms) -> None:
+    def __init__(
+        self,
+        plugin: Plugin,
+        key: nacl.signing.SigningKey,
+        record: RecordLookup,
+        ingest: Ingest,
+        timeout_s: float,
+        clock: Clock = now_ms,
+    ) -> None:
         self.plugin = plugin
         self.key = key
         self.uid = claims.uid_of(bytes(key.verify_key))
@@ -150,8 +157,9 @@ class Runner:
         self._timeout_s = timeout_s
         self._clock = clock
 
-    def _collect(self, file: LocalFile, closed: threading.Event) -> list[tuple[str, str,
-                                                                                str | None]]:
+    def _collect(
+        self, file: LocalFile, closed: threading.Event
+    ) -> list[tuple[str, str, str | None]]:
         drafts: list[tuple[str, str, str | None]] = []
 
         def register(cid: str, key: str, value: str | None) -> None:
@@ -175,8 +183,9 @@ class Runner:
             return Outcome("failed", f"{type(exc).__name__}: {exc}")
         if drafts:
             now = self._clock()
-            wire = [claims.sign(self.key, cid, key, value, now).wire()
-                    for cid, key, value in drafts]
+            wire = [
+                claims.sign(self.key, cid, key, value, now).wire() for cid, key, value in drafts
+            ]
             try:
                 await self._ingest(wire)
             except StorageError:  # the disk's fault, not the plugin's: no attempt is spent
@@ -210,8 +219,15 @@ class Host:
     then stay `failed`, and a new plugin version means new rows, so every file is processed again.
     """
 
-    def __init__(self, runners: Sequence[Runner], store: cache.CacheStore, workers: int,
-                 max_attempts: int, retry_s: float, clock: Clock = now_ms) -> None:
+    def __init__(
+        self,
+        runners: Sequence[Runner],
+        store: cache.CacheStore,
+        workers: int,
+        max_attempts: int,
+        retry_s: float,
+        clock: Clock = now_ms,
+    ) -> None:
         self.runners = {runner.plugin.name: runner for runner in runners}
         self._store = store
         self._slots = asyncio.Semaphore(max(1, workers))
@@ -242,8 +258,7 @@ class Host:
     async def _run_all(self, due: Sequence[cache.PluginRun]) -> None:
         """Run a round; if the disk refused a write, its runs stay pending as they were and the
         next round waits a probe period (no busy loop while the disk is full)."""
-        results = await asyncio.gather(*(self._run_one(run) for run in due),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(self._run_one(run) for run in due), return_exceptions=True)
         failures = [r for r in results if isinstance(r, BaseException)]
         for failure in failures:
             if not isinstance(failure, StorageError):
@@ -263,8 +278,10 @@ class Host:
             status = outcome.status
             next_at = 0
             if status == "failed" and attempts < self._max_attempts:
-                status, next_at = "pending", self._clock() + int(
-                    1000 * backoff_s(attempts, self._retry_s))
+                status, next_at = (
+                    "pending",
+                    self._clock() + int(1000 * backoff_s(attempts, self._retry_s)),
+                )
             if outcome.error:
                 log.warning("plugin %s on %s: %s", run.plugin, file[1], outcome.error)
             await self._store.finish_run(run, status, attempts, next_at, outcome.error)
@@ -272,9 +289,15 @@ class Host:
     def describe(self) -> list[dict[str, Any]]:
         """GET /api/plugins: each plugin with its uid, version and run counts."""
         counts = self._store.run_counts()
-        return [{"name": name, "version": r.plugin.version, "uid": r.uid,
-                 "may_link": r.plugin.may_link,
-                 "runs": counts.get((name, r.plugin.version),
-                                    {"done": 0, "pending": 0, "failed": 0})}
-                for name, r in sorted(self.runners.items())]
-
+        return [
+            {
+                "name": name,
+                "version": r.plugin.version,
+                "uid": r.uid,
+                "may_link": r.plugin.may_link,
+                "runs": counts.get(
+                    (name, r.plugin.version), {"done": 0, "pending": 0, "failed": 0}
+                ),
+            }
+            for name, r in sorted(self.runners.items())
+        ]

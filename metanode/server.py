@@ -75,8 +75,11 @@ class BoundedHttpTools(HttpToolsProtocol):
         if self.in_head:
             self.head_bytes += len(data)
             if self.head_bytes > self.max_header_bytes:
-                self._refuse(HeadersTooLarge(
-                    f"request line and headers are over {self.max_header_bytes} bytes"))
+                self._refuse(
+                    HeadersTooLarge(
+                        f"request line and headers are over {self.max_header_bytes} bytes"
+                    )
+                )
                 return
         if self.head_timer is None and (self.in_head or self._draining()):
             self._arm()
@@ -97,8 +100,9 @@ class BoundedHttpTools(HttpToolsProtocol):
         self.in_head = False
         self._disarm()
         # `connections` counts this one, `tasks` the requests already running.
-        busy = (len(self.connections) > self.max_connections
-                or len(self.tasks) >= self.max_connections)
+        busy = (
+            len(self.connections) > self.max_connections or len(self.tasks) >= self.max_connections
+        )
         self.app = too_busy if busy else self.node_app
         if busy:
             log.warning("over max_connections (%d): answered 503", self.max_connections)
@@ -119,8 +123,9 @@ class BoundedHttpTools(HttpToolsProtocol):
     def _head_timed_out(self) -> None:
         self.head_timer = None
         if self.in_head:
-            self._refuse(RequestTimeout(
-                f"request headers not complete within {self.header_timeout_s:g} s"))
+            self._refuse(
+                RequestTimeout(f"request headers not complete within {self.header_timeout_s:g} s")
+            )
         elif (self.cycle is None or self._draining()) and not self.transport.is_closing():
             self.transport.close()  # never sent a byte, or answered already: nothing to say
 
@@ -137,10 +142,15 @@ class BoundedHttpTools(HttpToolsProtocol):
     def _raw(self, exc: MetanodeError) -> bytes:
         """`exc` as a complete HTTP/1.1 response with `Connection: close`."""
         response = error_response(exc)
-        headers = [*self.server_state.default_headers, *response.raw_headers,
-                   (b"connection", b"close")]
-        lines = [STATUS_LINE[exc.status], *(name + b": " + value + b"\r\n"
-                                            for name, value in headers)]
+        headers = [
+            *self.server_state.default_headers,
+            *response.raw_headers,
+            (b"connection", b"close"),
+        ]
+        lines = [
+            STATUS_LINE[exc.status],
+            *(name + b": " + value + b"\r\n" for name, value in headers),
+        ]
         return b"".join([*lines, b"\r\n", response.body])
 
 
@@ -165,9 +175,15 @@ def protocol_for(settings: Settings) -> type[BoundedHttpTools]:
 def run(app: ASGIApp, settings: Settings) -> None:
     """Serve `app` until SIGINT/SIGTERM; exit like `uvicorn.run` if the server never started."""
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        timeout_graceful_shutdown=10, access_log=False, log_config=None,
-        http=protocol_for(settings))
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=10,
+        access_log=False,
+        log_config=None,
+        http=protocol_for(settings),
+    )
     server = uvicorn.Server(config)
     server.run()
     if not server.started:

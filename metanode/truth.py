@@ -169,9 +169,12 @@ def group_of(conn: sqlite3.Connection, cid: str) -> str | None:
 
 def groups_of(conn: sqlite3.Connection, cids: Iterable[str]) -> dict[str, str]:
     """cid → rid of every grouped CID among `cids` (one query; an ungrouped CID is absent)."""
-    return dict(conn.execute(
-        "SELECT cid, rid FROM cid_group WHERE cid IN (SELECT value FROM json_each(?))",
-        (json_array(set(cids)),)).fetchall())
+    return dict(
+        conn.execute(
+            "SELECT cid, rid FROM cid_group WHERE cid IN (SELECT value FROM json_each(?))",
+            (json_array(set(cids)),),
+        ).fetchall()
+    )
 
 
 def group_cids(conn: sqlite3.Connection, rid: str) -> list[str]:
@@ -182,8 +185,9 @@ def groups_cids(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, list
     """rid → its CIDs, for many groups in one query (a rid holding none is absent)."""
     found: dict[str, list[str]] = {}
     for rid, cid in conn.execute(
-            "SELECT rid, cid FROM cid_group WHERE rid IN (SELECT value FROM json_each(?))",
-            (json_array(set(rids)),)):
+        "SELECT rid, cid FROM cid_group WHERE rid IN (SELECT value FROM json_each(?))",
+        (json_array(set(rids)),),
+    ):
         found.setdefault(rid, []).append(cid)
     return found
 
@@ -206,8 +210,7 @@ def rid_info(conn: sqlite3.Connection, rid: str) -> RidInfo | None:
 
 def newest_ts(conn: sqlite3.Connection, uid: str) -> int:
     """The newest ts of any claim stored from `uid` (0: none), so its next claim can be newer."""
-    return int(conn.execute("SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()[0]
-               or 0)
+    return int(conn.execute("SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()[0] or 0)
 
 
 def survivor(conn: sqlite3.Connection, rid: str) -> str:
@@ -224,9 +227,12 @@ def survivors(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, str]:
     found: dict[str, str] = {}
     walking = {rid: rid for rid in rids}  # start → where its walk has got to
     while walking:
-        merged_into = dict(conn.execute(
-            "SELECT rid, merged_into FROM rids WHERE rid IN (SELECT value FROM json_each(?))",
-            (json_array(set(walking.values())),)).fetchall())
+        merged_into = dict(
+            conn.execute(
+                "SELECT rid, merged_into FROM rids WHERE rid IN (SELECT value FROM json_each(?))",
+                (json_array(set(walking.values())),),
+            ).fetchall()
+        )
         step: dict[str, str] = {}
         for start, rid in walking.items():
             if rid not in merged_into:  # unknown rid: `survivor` answers the rid asked about
@@ -263,7 +269,9 @@ def stored_claims(conn: sqlite3.Connection, ids: Iterable[ClaimId]) -> dict[Clai
     rows = conn.execute(
         f"SELECT {_CLAIM_COLUMNS} FROM claims WHERE (uid, cid, key) IN "
         "(SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), "
-        "json_extract(value, '$[2]') FROM json_each(?))", (json_array(set(ids)),))
+        "json_extract(value, '$[2]') FROM json_each(?))",
+        (json_array(set(ids)),),
+    )
     return {(row[0], row[1], row[2]): _claim(row) for row in rows}
 
 
@@ -275,8 +283,10 @@ def group_claims(
     live_only: bool = True,
 ) -> list[Claim]:
     """Stored claims on every CID of a group, optionally only some keys or one signer."""
-    sql = (f"SELECT {_CLAIM_COLUMNS} FROM claims WHERE cid IN "
-           "(SELECT cid FROM cid_group WHERE rid = ?)")
+    sql = (
+        f"SELECT {_CLAIM_COLUMNS} FROM claims WHERE cid IN "
+        "(SELECT cid FROM cid_group WHERE rid = ?)"
+    )
     params: list[Any] = [rid]
     if live_only:
         sql += " AND value IS NOT NULL"
@@ -291,13 +301,16 @@ def group_claims(
     return [_claim(row) for row in conn.execute(sql, params)]
 
 
-def groups_claims(conn: sqlite3.Connection, rids: Iterable[str],
-                  keys: Iterable[str] | None = None) -> dict[str, list[Claim]]:
+def groups_claims(
+    conn: sqlite3.Connection, rids: Iterable[str], keys: Iterable[str] | None = None
+) -> dict[str, list[Claim]]:
     """rid → the live stored claims on every CID of each group, optionally only some keys:
     `group_claims` of many groups in one query (in no particular order)."""
-    sql = ("SELECT g.rid, c.uid, c.cid, c.key, c.value, c.ts, c.sig "
-           "FROM cid_group g JOIN claims c ON c.cid = g.cid "
-           "WHERE g.rid IN (SELECT value FROM json_each(?)) AND c.value IS NOT NULL")
+    sql = (
+        "SELECT g.rid, c.uid, c.cid, c.key, c.value, c.ts, c.sig "
+        "FROM cid_group g JOIN claims c ON c.cid = g.cid "
+        "WHERE g.rid IN (SELECT value FROM json_each(?)) AND c.value IS NOT NULL"
+    )
     params = [json_array(set(rids))]
     if keys is not None:
         sql += " AND c.key IN (SELECT value FROM json_each(?))"
@@ -325,14 +338,15 @@ def claim_count(conn: sqlite3.Connection, uid: str | None = None) -> int:
 
 def rid_status_counts(conn: sqlite3.Connection) -> dict[str, int]:
     """How many rids are in each lifecycle status (`active`, `merged`): the /metrics gauges."""
-    return {status: int(n) for status, n in conn.execute(
-        "SELECT status, count(*) FROM rids GROUP BY status")}
+    return {
+        status: int(n)
+        for status, n in conn.execute("SELECT status, count(*) FROM rids GROUP BY status")
+    }
 
 
 def signer_cid_keys(conn: sqlite3.Connection, uid: str) -> list[tuple[str, str]]:
     """Every (cid, key) a signer has a claim on: what blocking or re-weighting it can change."""
-    return [(r[0], r[1]) for r in conn.execute(
-        "SELECT cid, key FROM claims WHERE uid = ?", (uid,))]
+    return [(r[0], r[1]) for r in conn.execute("SELECT cid, key FROM claims WHERE uid = ?", (uid,))]
 
 
 @dataclass(frozen=True)
@@ -345,8 +359,14 @@ class SignerRow:
     added_at: int
 
     def as_json(self) -> dict[str, Any]:
-        return {"uid": self.uid, "name": self.name, "weight": self.weight,
-                "status": self.status, "may_link": self.may_link, "added_at": self.added_at}
+        return {
+            "uid": self.uid,
+            "name": self.name,
+            "weight": self.weight,
+            "status": self.status,
+            "may_link": self.may_link,
+            "added_at": self.added_at,
+        }
 
 
 _SIGNER_COLUMNS = "uid, name, weight, status, may_link, added_at"
@@ -374,9 +394,14 @@ def merge_signers(conn: sqlite3.Connection) -> dict[str, merge.Signer]:
 
 
 def changes_after(conn: sqlite3.Connection, seq: int) -> list[Change]:
-    return [Change._make(row) for row in conn.execute(
-        "SELECT seq, kind, rid, cid, key, uid, survivor FROM changes WHERE seq > ? ORDER BY seq",
-        (seq,))]
+    return [
+        Change._make(row)
+        for row in conn.execute(
+            "SELECT seq, kind, rid, cid, key, uid, survivor FROM changes "
+            "WHERE seq > ? ORDER BY seq",
+            (seq,),
+        )
+    ]
 
 
 # -- signer policy ------------------------------------------------------------------------------
@@ -428,9 +453,16 @@ def prune_changes_txn(conn: sqlite3.Connection, applied_seq: int) -> int:
 ChangeRow = tuple[str, str | None, str | None, str | None, str | None, str | None, int]
 
 
-def _change(now_ms: int, kind: str, *, rid: str | None = None, cid: str | None = None,
-            key: str | None = None, uid: str | None = None,
-            survivor: str | None = None) -> ChangeRow:
+def _change(
+    now_ms: int,
+    kind: str,
+    *,
+    rid: str | None = None,
+    cid: str | None = None,
+    key: str | None = None,
+    uid: str | None = None,
+    survivor: str | None = None,
+) -> ChangeRow:
     """One outbox row, as `_write_changes` inserts it."""
     return (kind, rid, cid, key, uid, survivor, now_ms)
 
@@ -439,7 +471,8 @@ def _write_changes(conn: sqlite3.Connection, rows: Iterable[ChangeRow]) -> None:
     """Append outbox rows; their seqs follow the order of `rows`."""
     conn.executemany(
         "INSERT INTO changes (kind, rid, cid, key, uid, survivor, at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        rows)
+        rows,
+    )
 
 
 class _Groups:
@@ -454,8 +487,13 @@ class _Groups:
     first mint only: while this transaction holds the write lock no one else adds a rid.
     """
 
-    def __init__(self, conn: sqlite3.Connection, now_ms: int, cids: Iterable[str],
-                 minter: Minter | None = None) -> None:
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        now_ms: int,
+        cids: Iterable[str],
+        minter: Minter | None = None,
+    ) -> None:
         self._conn = conn
         self._now_ms = now_ms
         self._minter = minter  # None: this transaction only joins and merges (adoption)
@@ -526,8 +564,10 @@ class _Groups:
         self.flush()
         conn = self._conn
         conn.execute("UPDATE cid_group SET rid = ? WHERE rid = ?", (keep, lose))
-        conn.execute("UPDATE rids SET status = 'merged', merged_into = ?, merged_at = ? "
-                     "WHERE rid = ?", (keep, self._now_ms, lose))
+        conn.execute(
+            "UPDATE rids SET status = 'merged', merged_into = ?, merged_at = ? WHERE rid = ?",
+            (keep, self._now_ms, lose),
+        )
         # Keep every merged rid one step from its survivor, so a lookup never walks a chain.
         conn.execute("UPDATE rids SET merged_into = ? WHERE merged_into = ?", (keep, lose))
         self.outbox.append(_change(self._now_ms, "merge", rid=lose, survivor=keep))
@@ -614,15 +654,15 @@ def ingest_txn(
             groups.link(claim.cid, member)  # joins before it would mint
         else:
             groups.ensure(claim.cid)
-        groups.outbox.append(_change(now_ms, "claim", cid=claim.cid, key=claim.key,
-                                     uid=claim.uid))
+        groups.outbox.append(_change(now_ms, "claim", cid=claim.cid, key=claim.key, uid=claim.uid))
     groups.flush()
     _store(conn, accepted)
     return IngestResult(verdicts, max_seq(conn))
 
 
-def ensure_groups_txn(conn: sqlite3.Connection, cids: Sequence[str], minter: Minter,
-                      now_ms: int) -> None:
+def ensure_groups_txn(
+    conn: sqlite3.Connection, cids: Sequence[str], minter: Minter, now_ms: int
+) -> None:
     """Give every CID a group (the watcher's midhashes): minted if new, in one transaction."""
     groups = _Groups(conn, now_ms, cids, minter)
     for cid in cids:
@@ -676,8 +716,9 @@ class Adopted:
     merged: tuple[str, ...]  # rids merged away because they already held one of the CIDs
 
 
-def adopt_group_txn(conn: sqlite3.Connection, rid: str, cids: Sequence[str],
-                    now_ms: int) -> Adopted:
+def adopt_group_txn(
+    conn: sqlite3.Connection, rid: str, cids: Sequence[str], now_ms: int
+) -> Adopted:
     """Make `cids` one group named by an existing rid, minted by another store (a migrated
     MetaMesh record keeps its UUIDv7), instead of minting a fresh one.
 
@@ -736,8 +777,9 @@ class Grouped:
     how: str  # "kept" (the old rid), "reused" (found through its CIDs), "minted"
 
 
-def _adopt_record(conn: sqlite3.Connection, record: Grouping, minter: Minter,
-                  now_ms: int) -> Grouped:
+def _adopt_record(
+    conn: sqlite3.Connection, record: Grouping, minter: Minter, now_ms: int
+) -> Grouped:
     """Put a record's CIDs in one group: under its old rid, else under the rid that already holds
     one of them (a re-run), else under a freshly minted one."""
     if record.rid is not None:
@@ -747,13 +789,17 @@ def _adopt_record(conn: sqlite3.Connection, record: Grouping, minter: Minter,
         return Grouped(adopt_group_txn(conn, held[0], record.cids, now_ms), "reused")
     rid = ensure_group(conn, record.canonical, minter, now_ms)
     rest = adopt_group_txn(conn, rid, record.cids, now_ms)
-    return Grouped(Adopted(rest.rid, True, (record.canonical, *rest.joined), rest.merged),
-                   "minted")
+    return Grouped(Adopted(rest.rid, True, (record.canonical, *rest.joined), rest.merged), "minted")
 
 
-def migrate_batch_txn(conn: sqlite3.Connection, records: Sequence[Grouping],
-                      batch: Sequence[Claim], minter: Minter, policy: Policy,
-                      now_ms: int) -> tuple[list[Grouped], IngestResult]:
+def migrate_batch_txn(
+    conn: sqlite3.Connection,
+    records: Sequence[Grouping],
+    batch: Sequence[Claim],
+    minter: Minter,
+    policy: Policy,
+    now_ms: int,
+) -> tuple[list[Grouped], IngestResult]:
     """One transaction of tools/claims_migrate: the groups of some records, then their claims."""
     grouped = [_adopt_record(conn, record, minter, now_ms) for record in records]
     return grouped, ingest_txn(conn, batch, minter, policy, now_ms)
@@ -783,8 +829,9 @@ class _View:
     def survivors(self, rids: Iterable[str]) -> dict[str, str]:
         return survivors(self._conn, rids)
 
-    def groups_claims(self, rids: Iterable[str],
-                      keys: Iterable[str] | None = None) -> dict[str, list[Claim]]:
+    def groups_claims(
+        self, rids: Iterable[str], keys: Iterable[str] | None = None
+    ) -> dict[str, list[Claim]]:
         return groups_claims(self._conn, rids, keys)
 
     def merge_signers(self) -> dict[str, merge.Signer]:
@@ -865,13 +912,15 @@ class TruthStore:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    async def ingest(self, batch: Sequence[Claim], minter: Minter, policy: Policy,
-                     now: int) -> IngestResult:
+    async def ingest(
+        self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
+    ) -> IngestResult:
         """Store a validated batch (`ingest_txn`); `now` is the time it was validated at."""
         return await self.writer.run(ingest_txn, batch, minter, policy, now)
 
-    def ingest_sync(self, batch: Sequence[Claim], minter: Minter, policy: Policy,
-                    now: int) -> IngestResult:
+    def ingest_sync(
+        self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
+    ) -> IngestResult:
         return self.writer.run_sync(ingest_txn, batch, minter, policy, now)
 
     async def ensure_groups(self, cids: Sequence[str], minter: Minter) -> None:
@@ -892,10 +941,12 @@ class TruthStore:
     async def prune_changes(self, applied_seq: int) -> int:
         return await self.writer.run(prune_changes_txn, applied_seq)
 
-    def migrate_batch_sync(self, records: Sequence[Grouping], batch: Sequence[Claim],
-                           minter: Minter, policy: Policy) -> tuple[list[Grouped], IngestResult]:
-        return self.writer.run_sync(migrate_batch_txn, records, batch, minter, policy,
-                                    self._clock())
+    def migrate_batch_sync(
+        self, records: Sequence[Grouping], batch: Sequence[Claim], minter: Minter, policy: Policy
+    ) -> tuple[list[Grouped], IngestResult]:
+        return self.writer.run_sync(
+            migrate_batch_txn, records, batch, minter, policy, self._clock()
+        )
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -936,8 +987,9 @@ class TruthStore:
         return group_cids(self.conn, rid)
 
     @mapped
-    def group_claims(self, rid: str, keys: Iterable[str] | None = None,
-                     uid: str | None = None) -> list[Claim]:
+    def group_claims(
+        self, rid: str, keys: Iterable[str] | None = None, uid: str | None = None
+    ) -> list[Claim]:
         return group_claims(self.conn, rid, keys=keys, uid=uid)
 
     @mapped
@@ -949,8 +1001,9 @@ class TruthStore:
         return rid_status_counts(self.conn)
 
     @mapped
-    def listing(self, rid: str, keys: Iterable[str] | None,
-                uid: str | None) -> tuple[list[str], list[Claim]]:
+    def listing(
+        self, rid: str, keys: Iterable[str] | None, uid: str | None
+    ) -> tuple[list[str], list[Claim]]:
         """(the CIDs of group `rid`, its live claims, optionally filtered), in one snapshot."""
         with snapshot(self.conn):
             return group_cids(self.conn, rid), group_claims(self.conn, rid, keys=keys, uid=uid)

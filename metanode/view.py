@@ -52,8 +52,9 @@ class TruthView(Protocol):
         """rid → the active rid it is part of now (itself if active or unknown)."""
         ...
 
-    def groups_claims(self, rids: Iterable[str],
-                      keys: Iterable[str] | None = None) -> dict[str, list[Claim]]:
+    def groups_claims(
+        self, rids: Iterable[str], keys: Iterable[str] | None = None
+    ) -> dict[str, list[Claim]]:
         """rid → the live claims on its CIDs, optionally only on `keys`."""
         ...
 

@@ -85,7 +85,7 @@ class Rules:
         prefix = root.rstrip("/") + "/"
         if not path.startswith(prefix):
             return True
-        relative = path[len(prefix):]
+        relative = path[len(prefix) :]
         if any(self.ignored_name(part) for part in relative.split("/")):
             return True
         return any(fnmatch.fnmatchcase(relative, g) for g in self._path_globs)
@@ -221,9 +221,17 @@ Progress = Callable[[int, int, int, int], None]
 class Watcher:
     """Watches roots; talks to the node only through the three callables it is given."""
 
-    def __init__(self, roots: Iterable[str], rules: Rules, settle_s: float, rescan_s: float,
-                 workers: int, ensure_groups: EnsureGroups, apply_local: ApplyLocal,
-                 known_stats: KnownStats) -> None:
+    def __init__(
+        self,
+        roots: Iterable[str],
+        rules: Rules,
+        settle_s: float,
+        rescan_s: float,
+        workers: int,
+        ensure_groups: EnsureGroups,
+        apply_local: ApplyLocal,
+        known_stats: KnownStats,
+    ) -> None:
         self.roots = [str(Path(r).resolve()) for r in roots]
         self.rules = rules
         self.settle_s = settle_s
@@ -255,13 +263,17 @@ class Watcher:
             await self._ensure_groups(sorted({f.midhash for f in files}))
             # A file deleted or changed while its group was being made must not come back:
             # only what still stands as hashed is recorded (the change itself is queued apart).
-            files = [f for f in files
-                     if stat_of(f.path, self.rules.follow_symlinks) == (f.size, f.mtime_ns)]
+            files = [
+                f
+                for f in files
+                if stat_of(f.path, self.rules.follow_symlinks) == (f.size, f.mtime_ns)
+            ]
         if files or removals:
             await self._apply_local(files, removals)
 
-    async def _hash_and_commit(self, candidates: Mapping[str, Stat],
-                               removals: Sequence[str] = ()) -> list[LocalFile]:
+    async def _hash_and_commit(
+        self, candidates: Mapping[str, Stat], removals: Sequence[str] = ()
+    ) -> list[LocalFile]:
         """Hash settled candidates in parallel and commit them (with removals) in one batch.
 
         A candidate that changed meanwhile goes back to `pending`.
@@ -279,22 +291,28 @@ class Watcher:
 
     # -- reconciliation -------------------------------------------------------------------------
 
-    async def reconcile(self, roots: Sequence[str] | None = None, settle: bool = True,
-                        progress: Progress | None = None) -> Summary:
+    async def reconcile(
+        self,
+        roots: Sequence[str] | None = None,
+        settle: bool = True,
+        progress: Progress | None = None,
+    ) -> Summary:
         """Compare the disk with `local_file` under `roots` and make them agree."""
         roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
         self.scanning = True
         try:
-            walking = asyncio.gather(*(asyncio.to_thread(self._files_below, root, root)
-                                       for root in roots))
+            walking = asyncio.gather(
+                *(asyncio.to_thread(self._files_below, root, root) for root in roots)
+            )
             try:
                 known = self._known_stats(roots)  # on the loop, while the walks run on threads
             finally:
                 walked = await walking
             disk = {path: st for part in walked for path, st in part.items()}
             to_hash, to_remove = plan(disk, known)
-            summary = Summary(seen=len(disk), unchanged=len(disk) - len(to_hash),
-                              removed=len(to_remove))
+            summary = Summary(
+                seen=len(disk), unchanged=len(disk) - len(to_hash), removed=len(to_remove)
+            )
             total_bytes = sum(disk[p][0] for p in to_hash)
             report = progress or (lambda *_: None)
             report(0, 0, len(to_hash), total_bytes)
@@ -303,7 +321,7 @@ class Watcher:
             removals: Sequence[str] = to_remove
             files_done = bytes_done = 0
             for start in range(0, len(to_hash), BATCH):
-                chunk = {p: disk[p] for p in to_hash[start:start + BATCH]}
+                chunk = {p: disk[p] for p in to_hash[start : start + BATCH]}
                 done = await self._hash_and_commit(chunk, removals)
                 removals = ()
                 summary.hashed += len(done)
@@ -372,8 +390,11 @@ class Watcher:
             return {}
         wanted = set(paths)
         rows = self._known_stats(sorted({os.path.dirname(p) for p in paths}))
-        return {p: s for p, s in rows.items()
-                if p in wanted or any(p.startswith(w + "/") for w in wanted)}
+        return {
+            p: s
+            for p, s in rows.items()
+            if p in wanted or any(p.startswith(w + "/") for w in wanted)
+        }
 
     async def _settle_loop(self) -> None:
         """Hash pending files once their stat held still for the settle window."""
@@ -404,8 +425,13 @@ class Watcher:
         while not self._stop.is_set():
             try:
                 async for changes in watchfiles.awatch(
-                        *self.roots, watch_filter=self._keep, debounce=200, step=50,
-                        stop_event=self._stop, ignore_permission_denied=True):
+                    *self.roots,
+                    watch_filter=self._keep,
+                    debounce=200,
+                    step=50,
+                    stop_event=self._stop,
+                    ignore_permission_denied=True,
+                ):
                     await self._guarded(self._on_changes(changes))
             except Exception:
                 log.exception("inotify failed; watching again and rescanning")

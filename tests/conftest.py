@@ -40,8 +40,11 @@ async def node(tmp_path: Path) -> AsyncIterator[Node]:
 async def client(node: Node) -> AsyncIterator[httpx.AsyncClient]:
     """An httpx client speaking to the node's ASGI app in-process, with the API token set."""
     transport = httpx.ASGITransport(app=create_app(node))
-    async with httpx.AsyncClient(transport=transport, base_url="http://node",
-                                 headers={"Authorization": f"Bearer {node.token}"}) as c:
+    async with httpx.AsyncClient(
+        transport=transport,
+        base_url="http://node",
+        headers={"Authorization": f"Bearer {node.token}"},
+    ) as c:
         yield c
 
 

@@ -328,8 +328,9 @@ def test_multiformats_also_rejects_what_parse_rejects(text: str) -> None:
 LOOKALIKE_BASE = "bafkreibjb5etyrhv2y6qnm3u2cs2xuus7lryxewkwl5ol37p4gyosnd7ky"
 
 
-@pytest.mark.parametrize("lookalike", ["\u0131", "\u017f", "\uff41"], ids=["dotless-i", "long-s",
-                                                                          "fullwidth-a"])
+@pytest.mark.parametrize(
+    "lookalike", ["\u0131", "\u017f", "\uff41"], ids=["dotless-i", "long-s", "fullwidth-a"]
+)
 def test_non_ascii_lookalikes_are_invalid(lookalike: str) -> None:
     ascii_letter = {"\u0131": "i", "\u017f": "s", "\uff41": "a"}[lookalike]
     text = LOOKALIKE_BASE.replace(ascii_letter, lookalike, 1)

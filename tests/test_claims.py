@@ -52,8 +52,17 @@ CID_A = "bagacbabaea6gwjljwuu3cyxlrwwxgnmlfwd2gfshoi6mrtxysc4mnahe2hsqu"
 CID_B = "bafkreibjb5etyrhv2y6qnm3u2cs2xuus7lryxewkwl5ol37p4gyosnd7ky"
 
 # SPEC §2.2, written out here rather than imported, so a change to the module's list shows up.
-RESERVED = ["filePath", "fileSize", "mtimeNano", "paths", "canonical_cid", "cids", "midhash256",
-            "hashId", "__fields__"]
+RESERVED = [
+    "filePath",
+    "fileSize",
+    "mtimeNano",
+    "paths",
+    "canonical_cid",
+    "cids",
+    "midhash256",
+    "hashId",
+    "__fields__",
+]
 
 
 def b64url(raw: bytes) -> str:
@@ -72,8 +81,13 @@ OTHER_UID = uid_for(OTHER_KEY)
 def wire(signer: nacl.signing.SigningKey = KEY, **changes: Any) -> dict[str, Any]:
     """A wire claim signed over its own (possibly invalid) fields, so only the field under test
     can break it. `sig` in `changes` replaces the signature as given."""
-    body: dict[str, Any] = {"uid": uid_for(signer), "cid": CID_A, "key": "title",
-                            "value": "The Matrix", "ts": TS}
+    body: dict[str, Any] = {
+        "uid": uid_for(signer),
+        "cid": CID_A,
+        "key": "title",
+        "value": "The Matrix",
+        "ts": TS,
+    }
     body.update({k: v for k, v in changes.items() if k != "sig"})
     if "sig" in changes:
         body["sig"] = changes["sig"]
@@ -88,8 +102,9 @@ def wire(signer: nacl.signing.SigningKey = KEY, **changes: Any) -> dict[str, Any
     return body
 
 
-def rejects(obj: object, error: type[ClaimError], slug: str, now: int = NOW,
-            limits: Limits | None = None) -> ClaimError:
+def rejects(
+    obj: object, error: type[ClaimError], slug: str, now: int = NOW, limits: Limits | None = None
+) -> ClaimError:
     with pytest.raises(error) as info:
         if limits is None:
             claims.validate(obj, now)
@@ -179,10 +194,38 @@ BASE32_UID = str(multibase.encode(b"\xed\x01" + bytes(KEY.verify_key), "base32")
 
 @pytest.mark.parametrize(
     "uid",
-    ["", "z", "not-a-uid", "z6Mk0OIl", "did:key:" + UID, X25519_UID, SHORT_UID, LONG_UID,
-     BASE32_UID, UID + "a", UID[:-1], None, 123, [UID]],
-    ids=["empty", "z", "garbage", "non-base58", "did-key", "x25519", "short", "long", "base32",
-         "extra-char", "truncated", "none", "int", "list"],
+    [
+        "",
+        "z",
+        "not-a-uid",
+        "z6Mk0OIl",
+        "did:key:" + UID,
+        X25519_UID,
+        SHORT_UID,
+        LONG_UID,
+        BASE32_UID,
+        UID + "a",
+        UID[:-1],
+        None,
+        123,
+        [UID],
+    ],
+    ids=[
+        "empty",
+        "z",
+        "garbage",
+        "non-base58",
+        "did-key",
+        "x25519",
+        "short",
+        "long",
+        "base32",
+        "extra-char",
+        "truncated",
+        "none",
+        "int",
+        "list",
+    ],
 )
 def test_invalid_uid(uid: Any) -> None:
     rejects(wire(uid=uid), InvalidUid, "invalid_uid")
@@ -229,13 +272,56 @@ def test_cidv0_in_a_claim_is_noncanonical() -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["", "a" * 1025, "é" * 513, "a//b", "/a", "a/", "/", ".", "..", "a/./b", "a/../b", "./a",
-     "a/..", "a\x00b", "a\x1fb", "a\x7fb", "\n", "tab\there", "\ud800", None, 1, ["title"],
-     {"title": 1}],
-    ids=["empty", "1025-bytes", "1026-utf8-bytes", "empty-segment", "leading-slash",
-         "trailing-slash", "slash", "dot", "dotdot", "inner-dot", "inner-dotdot", "leading-dot-seg",
-         "trailing-dotdot", "nul", "us-0x1f", "del-0x7f", "newline", "tab", "surrogate", "none",
-         "int", "list", "dict"],
+    [
+        "",
+        "a" * 1025,
+        "é" * 513,
+        "a//b",
+        "/a",
+        "a/",
+        "/",
+        ".",
+        "..",
+        "a/./b",
+        "a/../b",
+        "./a",
+        "a/..",
+        "a\x00b",
+        "a\x1fb",
+        "a\x7fb",
+        "\n",
+        "tab\there",
+        "\ud800",
+        None,
+        1,
+        ["title"],
+        {"title": 1},
+    ],
+    ids=[
+        "empty",
+        "1025-bytes",
+        "1026-utf8-bytes",
+        "empty-segment",
+        "leading-slash",
+        "trailing-slash",
+        "slash",
+        "dot",
+        "dotdot",
+        "inner-dot",
+        "inner-dotdot",
+        "leading-dot-seg",
+        "trailing-dotdot",
+        "nul",
+        "us-0x1f",
+        "del-0x7f",
+        "newline",
+        "tab",
+        "surrogate",
+        "none",
+        "int",
+        "list",
+        "dict",
+    ],
 )
 def test_invalid_key(key: Any) -> None:
     rejects(wire(key=key), InvalidKey, "invalid_key")
@@ -245,8 +331,22 @@ def test_invalid_key(key: Any) -> None:
 
 @pytest.mark.parametrize(
     "key",
-    ["title", "a" * 1024, "é" * 512, "titles/jpn/マトリックス", "a.b", ".hidden", "...", "a b",
-     "cidx", "cids2", "x/cids", "x/filePath", "FilePath", "cids/" + CID_B],
+    [
+        "title",
+        "a" * 1024,
+        "é" * 512,
+        "titles/jpn/マトリックス",
+        "a.b",
+        ".hidden",
+        "...",
+        "a b",
+        "cidx",
+        "cids2",
+        "x/cids",
+        "x/filePath",
+        "FilePath",
+        "cids/" + CID_B,
+    ],
 )
 def test_valid_keys(key: str) -> None:
     assert claims.check_key(key) == key
@@ -266,8 +366,14 @@ def test_reserved_key(key: str) -> None:
 
 @pytest.mark.parametrize(
     "member",
-    ["garbage", CID.decode(CID_B).encode("base58btc"), CID.decode(CID_B).encode("base36"),
-     "QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG", "midhash256:" + CID_A, CID_B[:-2]],
+    [
+        "garbage",
+        CID.decode(CID_B).encode("base58btc"),
+        CID.decode(CID_B).encode("base36"),
+        "QmYwAPJzv5CZsnA625s3Xf2nemtYgPpHdWEz79ojWnPbdG",
+        "midhash256:" + CID_A,
+        CID_B[:-2],
+    ],
     ids=["garbage", "base58btc", "base36", "cidv0", "token-form", "truncated"],
 )
 def test_invalid_member_cid(member: str) -> None:
@@ -295,8 +401,11 @@ def test_invalid_value(value: Any) -> None:
     rejects(wire(value=value), InvalidValue, "invalid_value")
 
 
-@pytest.mark.parametrize("value", ["x" * 65_536, "é" * 32_768, "", None, "\x00 \x1f ok"],
-                         ids=["65536-bytes", "65536-utf8-bytes", "empty", "null", "controls"])
+@pytest.mark.parametrize(
+    "value",
+    ["x" * 65_536, "é" * 32_768, "", None, "\x00 \x1f ok"],
+    ids=["65536-bytes", "65536-utf8-bytes", "empty", "null", "controls"],
+)
 def test_valid_values(value: str | None) -> None:
     assert accepts(wire(value=value)).value == value
 
@@ -317,8 +426,18 @@ def test_custom_value_limit() -> None:
 @pytest.mark.parametrize(
     "ts",
     [True, False, float(TS), 1.5, str(TS), None, [TS], MIN_TS - 1, 0, -1],
-    ids=["true", "false", "float", "fraction", "string", "none", "list", "before-2000", "zero",
-         "negative"],
+    ids=[
+        "true",
+        "false",
+        "float",
+        "fraction",
+        "string",
+        "none",
+        "list",
+        "before-2000",
+        "zero",
+        "negative",
+    ],
 )
 def test_invalid_ts(ts: Any) -> None:
     error = rejects(wire(ts=ts), InvalidTs, "invalid_ts")
@@ -361,13 +480,42 @@ PAD_BITS_SIG = GOOD_SIG[:-1] + ALPHABET[ALPHABET.index(GOOD_SIG[-1]) ^ 1]
 
 @pytest.mark.parametrize(
     "sig",
-    [b64url(GOOD_RAW[:63]), b64url(GOOD_RAW + b"\x00"), GOOD_SIG + "==", PAD_BITS_SIG, "",
-     "!" * 86, GOOD_SIG[:-1], GOOD_SIG + "A", b64url(_flip_bit(GOOD_RAW, 0)),
-     b64url(_flip_bit(GOOD_RAW, 511)), b64url(bytes(64)), wire(value="other")["sig"],
-     wire(signer=OTHER_KEY)["sig"], None, 123, GOOD_RAW],
-    ids=["63-bytes", "65-bytes", "padded", "pad-bits", "empty", "not-base64", "85-chars",
-         "87-chars", "flip-first-bit", "flip-last-bit", "zeros", "other-claim", "other-key",
-         "none", "int", "raw-bytes"],
+    [
+        b64url(GOOD_RAW[:63]),
+        b64url(GOOD_RAW + b"\x00"),
+        GOOD_SIG + "==",
+        PAD_BITS_SIG,
+        "",
+        "!" * 86,
+        GOOD_SIG[:-1],
+        GOOD_SIG + "A",
+        b64url(_flip_bit(GOOD_RAW, 0)),
+        b64url(_flip_bit(GOOD_RAW, 511)),
+        b64url(bytes(64)),
+        wire(value="other")["sig"],
+        wire(signer=OTHER_KEY)["sig"],
+        None,
+        123,
+        GOOD_RAW,
+    ],
+    ids=[
+        "63-bytes",
+        "65-bytes",
+        "padded",
+        "pad-bits",
+        "empty",
+        "not-base64",
+        "85-chars",
+        "87-chars",
+        "flip-first-bit",
+        "flip-last-bit",
+        "zeros",
+        "other-claim",
+        "other-key",
+        "none",
+        "int",
+        "raw-bytes",
+    ],
 )
 def test_bad_signature(sig: Any) -> None:
     rejects(wire(sig=sig), BadSignature, "bad_signature")
@@ -399,8 +547,11 @@ def test_decode_sig_wants_canonical_unpadded_base64url() -> None:
 # -- invalid_claim -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("obj", [[], "claim", None, 1, [wire()], json.dumps(wire())],
-                         ids=["list", "string", "none", "int", "list-of-claim", "json-text"])
+@pytest.mark.parametrize(
+    "obj",
+    [[], "claim", None, 1, [wire()], json.dumps(wire())],
+    ids=["list", "string", "none", "int", "list-of-claim", "json-text"],
+)
 def test_not_an_object(obj: Any) -> None:
     rejects(obj, InvalidClaim, "invalid_claim")
 
@@ -419,7 +570,7 @@ BASE = claims.sign(KEY, CID_A, "title", "The Matrix", TS)
 FIELDS = ["uid", "cid", "key", "value", "ts", "sig"]
 # Explicit alphabets (no Unicode-category lookups, which are slow on a cold Hypothesis cache).
 KEY_ALPHABET = "abcxyzABZ0189/._- éßマトリ\u2028😀"
-VALUE_ALPHABET = KEY_ALPHABET + "\x00\x01\x1f\x7f\n\t\"\\"
+VALUE_ALPHABET = KEY_ALPHABET + '\x00\x01\x1f\x7f\n\t"\\'
 
 
 def _valid_key(text: str) -> bool:
@@ -469,8 +620,11 @@ def test_any_single_change_breaks_the_signature(claim: Claim) -> None:
 
 
 @settings(max_examples=50, database=None)
-@given(seed=st.binary(min_size=32, max_size=32), value=st.none() | st.text(VALUE_ALPHABET),
-       ts=st.integers(min_value=MIN_TS, max_value=NOW))
+@given(
+    seed=st.binary(min_size=32, max_size=32),
+    value=st.none() | st.text(VALUE_ALPHABET),
+    ts=st.integers(min_value=MIN_TS, max_value=NOW),
+)
 def test_sign_then_validate_round_trips(seed: bytes, value: str | None, ts: int) -> None:
     key = nacl.signing.SigningKey(seed)
     claim = claims.sign(key, CID_B, "title", value, ts)
@@ -554,8 +708,21 @@ def _good_body() -> dict[str, Any]:
         json.dumps(_good_body() | {"uid": OTHER_UID}),
         json.dumps(_good_body() | {"uid": "z6Mk-wrong"}),
     ],
-    ids=["not-json", "empty", "list", "null", "empty-object", "wrong-type", "no-seed",
-         "non-hex-seed", "short-seed", "long-seed", "int-seed", "mismatched-uid", "garbage-uid"],
+    ids=[
+        "not-json",
+        "empty",
+        "list",
+        "null",
+        "empty-object",
+        "wrong-type",
+        "no-seed",
+        "non-hex-seed",
+        "short-seed",
+        "long-seed",
+        "int-seed",
+        "mismatched-uid",
+        "garbage-uid",
+    ],
 )
 def test_load_rejects_broken_files(tmp_path: Path, text: str) -> None:
     path = tmp_path / "k.json"

@@ -121,10 +121,14 @@ def test_cid_parse_invalid(value: str) -> None:
 
 
 def test_cid_rank_orders_best_first() -> None:
-    given = ["not-a-cid", TARGET, "bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
-             "bagbcbaraeaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
-             "bafybeiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
-             "bagasbajacqaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"]
+    given = [
+        "not-a-cid",
+        TARGET,
+        "bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "bagbcbaraeaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "bafybeiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+        "bagasbajacqaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+    ]
     result = run("cid", "rank", *given)
     assert result.exit_code == 0, result.output
     rows = [line.split() for line in result.stdout.splitlines()]
@@ -238,8 +242,19 @@ def test_sign_retract(key_file: Path) -> None:
 
 
 def test_value_and_retract_together_is_a_usage_error(key_file: Path) -> None:
-    result = run("claim", "sign", "--key", str(key_file), "--cid", TARGET, "--key-name", "title",
-                 "--value", "x", "--retract")
+    result = run(
+        "claim",
+        "sign",
+        "--key",
+        str(key_file),
+        "--cid",
+        TARGET,
+        "--key-name",
+        "title",
+        "--value",
+        "x",
+        "--retract",
+    )
     assert result.exit_code == 2
     assert "--retract" in result.output
     assert result.stdout == ""
@@ -253,14 +268,34 @@ def test_neither_value_nor_retract_is_a_usage_error(key_file: Path) -> None:
 
 def test_sign_validates_before_printing(key_file: Path) -> None:
     base58 = CID.decode(TARGET).encode("base58btc")
-    result = run("claim", "sign", "--key", str(key_file), "--cid", base58, "--key-name", "title",
-                 "--value", "x")
+    result = run(
+        "claim",
+        "sign",
+        "--key",
+        str(key_file),
+        "--cid",
+        base58,
+        "--key-name",
+        "title",
+        "--value",
+        "x",
+    )
     assert result.exit_code == 2
     assert "noncanonical_cid" in result.stderr
     assert TARGET in result.stderr
     assert result.stdout == ""
-    reserved = run("claim", "sign", "--key", str(key_file), "--cid", TARGET, "--key-name",
-                   "filePath", "--value", "/x")
+    reserved = run(
+        "claim",
+        "sign",
+        "--key",
+        str(key_file),
+        "--cid",
+        TARGET,
+        "--key-name",
+        "filePath",
+        "--value",
+        "/x",
+    )
     assert reserved.exit_code == 2
     assert "reserved_key" in reserved.stderr
 
@@ -268,14 +303,16 @@ def test_sign_validates_before_printing(key_file: Path) -> None:
 def test_sign_with_a_broken_key_file(tmp_path: Path) -> None:
     path = tmp_path / "broken.key"
     path.write_text("{not json")
-    result = run("claim", "sign", "--key", str(path), "--cid", TARGET, "--key-name", "title",
-                 "--value", "x")
+    result = run(
+        "claim", "sign", "--key", str(path), "--cid", TARGET, "--key-name", "title", "--value", "x"
+    )
     assert result.exit_code == 2
     assert "invalid_key_file" in result.stderr
 
 
-@pytest.mark.parametrize("text", ["{not json", "[1, 2", '{"uid": 1}\nnope\n'],
-                         ids=["object", "array", "second-line"])
+@pytest.mark.parametrize(
+    "text", ["{not json", "[1, 2", '{"uid": 1}\nnope\n'], ids=["object", "array", "second-line"]
+)
 def test_verify_invalid_json(text: str) -> None:
     result = run("claim", "verify", stdin=text)
     assert result.exit_code == 2

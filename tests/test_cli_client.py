@@ -25,13 +25,20 @@ from tests.helpers.server import Server, free_port
 MIDHASH = cids.midhash_bytes(b"the command line as a client")
 
 
-def metanode(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-             stdin: str = "") -> subprocess.CompletedProcess[str]:
+def metanode(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, stdin: str = ""
+) -> subprocess.CompletedProcess[str]:
     """Run the real `metanode` command with a hermetic environment (no METANODE_* but `env`)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
-    return subprocess.run([sys.executable, "-m", "metanode", *args], input=stdin,
-                          capture_output=True, text=True, timeout=120, cwd=cwd,
-                          env={**base, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "metanode", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+        env={**base, **(env or {})},
+    )
 
 
 @pytest.fixture
@@ -43,7 +50,8 @@ def served(tmp_path: Path) -> Iterator[Server]:
 
 
 def test_client_commands_find_a_node_on_another_port_from_the_settings(
-        served: Server, tmp_path: Path) -> None:
+    served: Server, tmp_path: Path
+) -> None:
     """METANODE_PORT alone points `get`, `claim post` and `events` at the node; the token comes
     from the local data directory (METANODE_DATA_DIR), and never has to be exported."""
     assert served.port != 9000
@@ -52,8 +60,12 @@ def test_client_commands_find_a_node_on_another_port_from_the_settings(
     assert missing.returncode == 1 and '"unknown_cid"' in missing.stdout
 
     alice = Signer()
-    httpx.post(f"{served.url}/api/signers", headers=served.headers, timeout=10,
-               json={"uid": alice.uid, "name": "alice"}).raise_for_status()
+    httpx.post(
+        f"{served.url}/api/signers",
+        headers=served.headers,
+        timeout=10,
+        json={"uid": alice.uid, "name": "alice"},
+    ).raise_for_status()
     claim = alice.claim(MIDHASH, "title", "Found")
     posted = metanode("claim", "post", env=env, stdin=json.dumps(claim))
     assert posted.returncode == 0, posted.stderr
@@ -63,14 +75,17 @@ def test_client_commands_find_a_node_on_another_port_from_the_settings(
 
     # the same through a TOML file naming the port, from the directory it sits in
     (tmp_path / "metanode.toml").write_text(
-        f'port = {served.port}\ndata_dir = "{served.data_dir}"\n')
+        f'port = {served.port}\ndata_dir = "{served.data_dir}"\n'
+    )
     assert metanode("get", MIDHASH, cwd=tmp_path).returncode == 0
 
     with subprocess.Popen(
-            [sys.executable, "-m", "metanode", "events", "--snapshot"], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-            env={**{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
-                 **env}) as follow:
+        [sys.executable, "-m", "metanode", "events", "--snapshot"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}, **env},
+    ) as follow:
         try:
             out = Lines(follow.stdout)
             lines = [out.next(30.0) for _ in range(3)]
@@ -86,8 +101,9 @@ def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:
         assert done.returncode == 2, done
         lines = done.stderr.splitlines()
         assert len(lines) == 1, done.stderr
-        assert lines[0].startswith(f"error: unreachable: no node answers at "
-                                   f"http://127.0.0.1:{port}: "), lines[0]
+        assert lines[0].startswith(
+            f"error: unreachable: no node answers at http://127.0.0.1:{port}: "
+        ), lines[0]
         assert "refused" in lines[0].lower()
 
 
@@ -95,12 +111,24 @@ def test_events_says_it_waits_then_follows_the_node_once_it_is_up(tmp_path: Path
     """`events` against a node that is not up yet says it is waiting, once, and then follows it
     as soon as it answers."""
     srv = Server(tmp_path / "data")
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
-           "METANODE_PORT": str(srv.port), "METANODE_DATA_DIR": str(srv.data_dir)}
-    subprocess.run([sys.executable, "-m", "metanode", "init", "--data-dir", str(srv.data_dir)],
-                   check=True, capture_output=True, timeout=60)
-    with subprocess.Popen([sys.executable, "-m", "metanode", "events"], env=env, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as follow:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
+        "METANODE_PORT": str(srv.port),
+        "METANODE_DATA_DIR": str(srv.data_dir),
+    }
+    subprocess.run(
+        [sys.executable, "-m", "metanode", "init", "--data-dir", str(srv.data_dir)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    with subprocess.Popen(
+        [sys.executable, "-m", "metanode", "events"],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    ) as follow:
         _follow_until_up(follow, srv)
 
 
@@ -111,8 +139,12 @@ def _follow_until_up(follow: subprocess.Popen[str], srv: Server) -> None:
         assert said.startswith(f"waiting for the node at http://127.0.0.1:{srv.port} ("), said
         srv.start()
         alice = Signer()
-        httpx.post(f"{srv.url}/api/signers", headers=srv.headers, timeout=10,
-                   json={"uid": alice.uid, "name": "alice"}).raise_for_status()
+        httpx.post(
+            f"{srv.url}/api/signers",
+            headers=srv.headers,
+            timeout=10,
+            json={"uid": alice.uid, "name": "alice"},
+        ).raise_for_status()
         deadline = time.monotonic() + 60
         line = ""
         attempt = 0
@@ -120,9 +152,16 @@ def _follow_until_up(follow: subprocess.Popen[str], srv: Server) -> None:
             # a new value until the follower, which retries every second, is connected and sees
             # one (live only: what changed before it connected is not sent)
             attempt += 1
-            httpx.post(f"{srv.url}/api/claims", headers=srv.headers, timeout=10, json={
-                "claims": [alice.claim(MIDHASH, "title", f"Arrived {attempt}",
-                                       ts=NOW_MS + attempt)]}).raise_for_status()
+            httpx.post(
+                f"{srv.url}/api/claims",
+                headers=srv.headers,
+                timeout=10,
+                json={
+                    "claims": [
+                        alice.claim(MIDHASH, "title", f"Arrived {attempt}", ts=NOW_MS + attempt)
+                    ]
+                },
+            ).raise_for_status()
             line = out.next(2.0)
         assert "Arrived" in line, line
     finally:
@@ -139,8 +178,9 @@ class Lines:
     def __init__(self, stream: IO[str] | None) -> None:
         assert stream is not None
         self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [self._lines.put(line) for line in stream],
-                         daemon=True).start()
+        threading.Thread(
+            target=lambda: [self._lines.put(line) for line in stream], daemon=True
+        ).start()
 
     def next(self, seconds: float) -> str:
         """The next line, or "" if none came within `seconds`."""
@@ -172,19 +212,34 @@ def test_an_answer_that_is_not_a_metanode_is_a_clear_error() -> None:
             done = metanode(*args, env={"METANODE_PORT": port})
             assert done.returncode == 2, done
             assert done.stderr.startswith(
-                f"error: not_metanode: http://127.0.0.1:{port} answered 200 with text/html"), \
-                done.stderr
+                f"error: not_metanode: http://127.0.0.1:{port} answered 200 with text/html"
+            ), done.stderr
     finally:
         other.shutdown()
         other.server_close()
 
 
 def test_click_usage_errors_use_the_one_error_form(tmp_path: Path) -> None:
-    for args, fragment in ((("cid", "midhash"), "Missing argument"),
-                           (("get", MIDHASH, "--bogus"), "No such option"),
-                           (("serve", "--port", "99999"), "99999"),
-                           (("claim", "sign", "--key", str(tmp_path / "absent.key"), "--cid",
-                             MIDHASH, "--key-name", "title", "--value", "v"), "absent.key")):
+    for args, fragment in (
+        (("cid", "midhash"), "Missing argument"),
+        (("get", MIDHASH, "--bogus"), "No such option"),
+        (("serve", "--port", "99999"), "99999"),
+        (
+            (
+                "claim",
+                "sign",
+                "--key",
+                str(tmp_path / "absent.key"),
+                "--cid",
+                MIDHASH,
+                "--key-name",
+                "title",
+                "--value",
+                "v",
+            ),
+            "absent.key",
+        ),
+    ):
         done = metanode(*args)
         assert done.returncode == 2, (args, done)
         first = done.stderr.splitlines()[0]
@@ -194,11 +249,11 @@ def test_click_usage_errors_use_the_one_error_form(tmp_path: Path) -> None:
 
 
 def test_a_port_out_of_range_is_refused_from_any_setting(tmp_path: Path) -> None:
-    done = metanode("serve", "--data-dir", str(tmp_path / "data"),
-                    env={"METANODE_PORT": "99999"})
+    done = metanode("serve", "--data-dir", str(tmp_path / "data"), env={"METANODE_PORT": "99999"})
     assert done.returncode == 2
-    assert done.stderr.startswith("error: invalid_request: setting port: 99999 is not a TCP "
-                                  "port"), done.stderr
+    assert done.stderr.startswith(
+        "error: invalid_request: setting port: 99999 is not a TCP port"
+    ), done.stderr
     assert not (tmp_path / "data").exists()
 
 

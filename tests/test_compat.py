@@ -49,8 +49,9 @@ WAIT_S = 30.0
 
 
 async def register(client: httpx.AsyncClient, signer: Signer, may_link: bool = False) -> None:
-    response = await client.post("/api/signers", json={"uid": signer.uid, "name": "test",
-                                                       "may_link": may_link})
+    response = await client.post(
+        "/api/signers", json={"uid": signer.uid, "name": "test", "may_link": may_link}
+    )
     assert response.status_code == 200, response.text
 
 
@@ -90,17 +91,26 @@ async def test_list_and_read_records_by_rid_or_any_cid_spelling(client: httpx.As
     assert (await client.get("/meta")).json() == {"hashIds": [], "count": 0}
     alice = Signer()
     await register(client, alice)
-    await post(client, alice.claim(CID_A, "title", "The Matrix"),
-               alice.claim(CID_A, "titles/eng", "The Matrix (1999)"),
-               alice.claim(CID_B, "title", "Other"))
+    await post(
+        client,
+        alice.claim(CID_A, "title", "The Matrix"),
+        alice.claim(CID_A, "titles/eng", "The Matrix (1999)"),
+        alice.claim(CID_B, "title", "Other"),
+    )
     rid_a, rid_b = await rid_of(client, CID_A), await rid_of(client, CID_B)
 
     response = await client.get("/meta")
     assert response.status_code == 200
     assert response.json() == {"hashIds": sorted([rid_a, rid_b]), "count": 2}
 
-    expected = {"hashId": rid_a, "metadata": {f"cids/{CID_A}": "true", "title": "The Matrix",
-                                              "titles/eng": "The Matrix (1999)"}}
+    expected = {
+        "hashId": rid_a,
+        "metadata": {
+            f"cids/{CID_A}": "true",
+            "title": "The Matrix",
+            "titles/eng": "The Matrix (1999)",
+        },
+    }
     alias = cids.alias(CID_A)
     assert alias is not None
     for spelling in (CID_A, CID_A.upper(), alias, rid_a, rid_a.lower()):
@@ -133,7 +143,8 @@ async def test_a_missing_or_empty_property_is_404(client: httpx.AsyncClient) -> 
 
 
 async def test_patch_to_an_unknown_cid_creates_it_signed_by_the_legacy_writer(
-        node: Node, client: httpx.AsyncClient) -> None:
+    node: Node, client: httpx.AsyncClient
+) -> None:
     response = await client.patch(f"/meta/{CID_A}", json={"title": "T", "year": "1999"})
     assert response.status_code == 200, response.text
     rid = await rid_of(client, CID_A)
@@ -143,13 +154,21 @@ async def test_patch_to_an_unknown_cid_creates_it_signed_by_the_legacy_writer(
     assert key_file.stat().st_mode & 0o777 == 0o600
     listed = await listed_claims(client, CID_A)
     assert [(c["uid"], c["cid"], c["key"], c["value"]) for c in listed] == [
-        (uid, CID_A, "title", "T"), (uid, CID_A, "year", "1999")]
+        (uid, CID_A, "title", "T"),
+        (uid, CID_A, "year", "1999"),
+    ]
     signers = (await client.get("/api/signers")).json()["signers"]
     row = next(s for s in signers if s["uid"] == uid)
     assert (row["name"], row["weight"], row["may_link"], row["status"]) == (
-        "legacy-writer", 1, True, "active")
+        "legacy-writer",
+        1,
+        True,
+        "active",
+    )
     assert (await client.get(f"/meta/{CID_A}")).json() == {
-        "hashId": rid, "metadata": {f"cids/{CID_A}": "true", "title": "T", "year": "1999"}}
+        "hashId": rid,
+        "metadata": {f"cids/{CID_A}": "true", "title": "T", "year": "1999"},
+    }
 
 
 async def test_put_property_takes_a_value_object_or_a_raw_body(client: httpx.AsyncClient) -> None:
@@ -185,7 +204,8 @@ async def test_put_property_takes_a_value_object_or_a_raw_body(client: httpx.Asy
 
 
 async def test_legacy_writes_are_votes_that_merge_not_overwrites(
-        node: Node, client: httpx.AsyncClient) -> None:
+    node: Node, client: httpx.AsyncClient
+) -> None:
     alice, bob = Signer(), Signer()
     await register(client, alice)
     await register(client, bob)
@@ -193,8 +213,9 @@ async def test_legacy_writes_are_votes_that_merge_not_overwrites(
     await client.patch(f"/meta/{CID_A}", json={"title": "Beta", "note": "mine"})
     assert (await client.get(f"/meta/{CID_A}/title")).text == "Alpha"  # 2 votes against 1
     assert (await client.get(f"/meta/{CID_A}/note")).text == "mine"
-    votes = sorted((c["uid"], c["value"]) for c in await listed_claims(client, CID_A)
-                   if c["key"] == "title")
+    votes = sorted(
+        (c["uid"], c["value"]) for c in await listed_claims(client, CID_A) if c["key"] == "title"
+    )
     assert votes == sorted([(alice.uid, "Alpha"), (bob.uid, "Alpha"), (legacy_uid(node), "Beta")])
     # a later legacy write beats its own earlier one, whatever the clock says within a millisecond
     for n in range(5):
@@ -203,11 +224,13 @@ async def test_legacy_writes_are_votes_that_merge_not_overwrites(
 
 
 async def test_a_rid_names_the_canonical_cid_and_a_cid_names_itself(
-        node: Node, client: httpx.AsyncClient) -> None:
+    node: Node, client: httpx.AsyncClient
+) -> None:
     alice = Signer()
     await register(client, alice, may_link=True)
-    await post(client, alice.claim(CID_A, "title", "A"),
-               alice.claim(CID_A, f"cids/{SHA_A}", "true"))
+    await post(
+        client, alice.claim(CID_A, "title", "A"), alice.claim(CID_A, f"cids/{SHA_A}", "true")
+    )
     rid = await rid_of(client, CID_A)
     response = await client.patch(f"/meta/{rid}", json={"genre": "SF"})
     assert response.json() == {"success": True, "hashId": rid, "updated": 1}
@@ -219,13 +242,15 @@ async def test_a_rid_names_the_canonical_cid_and_a_cid_names_itself(
     uid = legacy_uid(node)
     mine = {(c["cid"], c["key"]) for c in await listed_claims(client, SHA_A) if c["uid"] == uid}
     assert mine == {(SHA_A, "genre"), (CID_A, "note")}
-    assert [(c["cid"], c["key"]) for c in await listed_claims(client, CID_B)
-            if c["uid"] == uid] == [(CID_B, "note")]
+    assert [
+        (c["cid"], c["key"]) for c in await listed_claims(client, CID_B) if c["uid"] == uid
+    ] == [(CID_B, "note")]
     assert (await client.get("/meta")).json()["count"] == 2
 
 
 async def test_an_empty_value_retracts_the_legacy_vote_on_every_cid_of_the_group(
-        node: Node, client: httpx.AsyncClient) -> None:
+    node: Node, client: httpx.AsyncClient
+) -> None:
     await client.patch(f"/meta/{CID_A}", json={"note": "first"})  # on CID_A, then canonical
     alice = Signer()
     await register(client, alice, may_link=True)
@@ -236,32 +261,45 @@ async def test_an_empty_value_retracts_the_legacy_vote_on_every_cid_of_the_group
     response = await client.patch(f"/meta/{rid}", json={"note": ""})
     assert response.json() == {"success": True, "hashId": rid, "updated": 1}
     envelope(await client.get(f"/meta/{rid}/note"), 404, "not_found")
-    live = {(c["cid"], c["key"]) for c in await listed_claims(client, CID_A)
-            if c["uid"] == legacy_uid(node)}
+    live = {
+        (c["cid"], c["key"])
+        for c in await listed_claims(client, CID_A)
+        if c["uid"] == legacy_uid(node)
+    }
     assert live == {(SHA_A, "other")}
 
 
 async def test_deprecated_fields_are_refused_and_nothing_is_written(
-        client: httpx.AsyncClient) -> None:
+    client: httpx.AsyncClient,
+) -> None:
     for field in ("cid_sha256", "cid_midhash256", "midhash256", "canonical_cid"):
         response = await client.patch(f"/meta/{CID_A}", json={"title": "kept out", field: "x"})
         body = envelope(response, 400, "deprecated_field")
         assert body["field"] == field and "cids/<cid>" in body["message"]
-        envelope(await client.put(f"/meta/{CID_A}/{field}", json={"value": "x"}), 400,
-                 "deprecated_field")
+        envelope(
+            await client.put(f"/meta/{CID_A}/{field}", json={"value": "x"}), 400, "deprecated_field"
+        )
     envelope(await client.get(f"/meta/{CID_A}"), 404, "unknown_cid")  # nothing was written
 
 
 async def test_other_reserved_and_invalid_fields_get_the_normal_validation_errors(
-        client: httpx.AsyncClient) -> None:
-    for fields, slug in (({"filePath": "/x"}, "reserved_key"), ({"cids": "x"}, "reserved_key"),
-                         ({"hashId": "x"}, "reserved_key"), ({"paths": "x"}, "reserved_key"),
-                         ({"a//b": "x"}, "invalid_key"),
-                         ({"cids/not-a-cid": "true"}, "invalid_member_cid"),
-                         ({"big": "x" * 65_537}, "invalid_value")):
+    client: httpx.AsyncClient,
+) -> None:
+    for fields, slug in (
+        ({"filePath": "/x"}, "reserved_key"),
+        ({"cids": "x"}, "reserved_key"),
+        ({"hashId": "x"}, "reserved_key"),
+        ({"paths": "x"}, "reserved_key"),
+        ({"a//b": "x"}, "invalid_key"),
+        ({"cids/not-a-cid": "true"}, "invalid_member_cid"),
+        ({"big": "x" * 65_537}, "invalid_value"),
+    ):
         envelope(await client.patch(f"/meta/{CID_A}", json=fields), 400, slug)
-    for body, slug in ((b"[1]", "invalid_request"), (b'{"n": 1}', "invalid_request"),
-                       (b"nope", "invalid_json")):
+    for body, slug in (
+        (b"[1]", "invalid_request"),
+        (b'{"n": 1}', "invalid_request"),
+        (b"nope", "invalid_json"),
+    ):
         envelope(await client.patch(f"/meta/{CID_A}", content=body), 400, slug)
     envelope(await client.get(f"/meta/{CID_A}"), 404, "unknown_cid")
     response = await client.patch(f"/meta/{CID_A}", json={"__fields__": "x", "title": "t"})
@@ -280,8 +318,14 @@ async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncC
     response = await client.patch(f"/meta/{CID_B}", json={f"cids/{CID_A}": "true"})
     assert response.json() == {"success": True, "hashId": rid_a, "updated": 1}  # older survives
     assert (await client.get(f"/meta/{CID_B}")).json() == {
-        "hashId": rid_a, "metadata": {f"cids/{CID_A}": "true", f"cids/{CID_B}": "true",
-                                      "title": "A", "year": "1999"}}
+        "hashId": rid_a,
+        "metadata": {
+            f"cids/{CID_A}": "true",
+            f"cids/{CID_B}": "true",
+            "title": "A",
+            "year": "1999",
+        },
+    }
     assert envelope(await client.get(f"/meta/{rid_b}"), 404, "merged")["survivor"] == rid_a
     envelope(await client.patch(f"/meta/{rid_b}", json={"x": "y"}), 404, "merged")
     assert (await client.get("/meta")).json() == {"hashIds": [rid_a], "count": 1}
@@ -293,18 +337,30 @@ async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncC
 async def test_urls_has_no_redis_and_no_webdav(client: httpx.AsyncClient) -> None:
     response = await client.get("/urls")
     assert response.status_code == 200
-    assert response.json() == {"hostname": socket.gethostname(), "baseUrl": "http://node",
-                               "apiUrl": "http://node", "redisUrl": "", "webdavUrl": "",
-                               "webdavUrlInternal": ""}
+    assert response.json() == {
+        "hostname": socket.gethostname(),
+        "baseUrl": "http://node",
+        "apiUrl": "http://node",
+        "redisUrl": "",
+        "webdavUrl": "",
+        "webdavUrlInternal": "",
+    }
 
 
 async def test_every_compat_route_needs_the_token(client: httpx.AsyncClient) -> None:
     anonymous = {"Authorization": ""}
-    for method, path in (("GET", "/meta"), ("GET", f"/meta/{CID_A}"),
-                         ("PATCH", f"/meta/{CID_A}"), ("GET", f"/meta/{CID_A}/title"),
-                         ("PUT", f"/meta/{CID_A}/title"), ("GET", "/api/events/meta"),
-                         ("GET", "/api/events/files"), ("GET", f"/api/file/{CID_A}/info"),
-                         ("GET", f"/file/{CID_A}"), ("GET", "/urls")):
+    for method, path in (
+        ("GET", "/meta"),
+        ("GET", f"/meta/{CID_A}"),
+        ("PATCH", f"/meta/{CID_A}"),
+        ("GET", f"/meta/{CID_A}/title"),
+        ("PUT", f"/meta/{CID_A}/title"),
+        ("GET", "/api/events/meta"),
+        ("GET", "/api/events/files"),
+        ("GET", f"/api/file/{CID_A}/info"),
+        ("GET", f"/file/{CID_A}"),
+        ("GET", "/urls"),
+    ):
         response = await client.request(method, path, headers=anonymous, content=b"{}")
         envelope(response, 401, "unauthorized")
     envelope(await client.delete(f"/meta/{CID_A}"), 405, "method_not_allowed")
@@ -327,21 +383,27 @@ def write(path: Path, data: bytes) -> tuple[str, Path]:
     return watcher.midhash_file(path)[0], path
 
 
-async def test_file_info_is_always_200(node: Node, client: httpx.AsyncClient,
-                                       media: Path) -> None:
+async def test_file_info_is_always_200(node: Node, client: httpx.AsyncClient, media: Path) -> None:
     film, path = write(media / "films" / "film.mp4", b"film bytes " * 10)
     await node.scan([str(media)])
     for cid in (CID_B, "not-a-cid"):
         response = await client.get(f"/api/file/{cid}/info")
         assert (response.status_code, response.json()) == (200, {"exists": False})
-    expected = {"exists": True, "contentType": "video/mp4", "size": 110,
-                "filePath": "films/film.mp4"}
+    expected = {
+        "exists": True,
+        "contentType": "video/mp4",
+        "size": 110,
+        "filePath": "films/film.mp4",
+    }
     assert (await client.get(f"/api/file/{film}/info")).json() == expected
 
     alice = Signer()
     await register(client, alice, may_link=True)
-    await post(client, alice.claim(film, "mimeType", "video/x-test"),
-               alice.claim(film, f"cids/{SHA_A}", "true"))
+    await post(
+        client,
+        alice.claim(film, "mimeType", "video/x-test"),
+        alice.claim(film, f"cids/{SHA_A}", "true"),
+    )
     expected["contentType"] = "video/x-test"  # the record's mimeType wins over the guess
     for cid in (film, SHA_A):  # any CID of the group finds the content
         assert (await client.get(f"/api/file/{cid}/info")).json() == expected
@@ -352,8 +414,9 @@ async def test_file_info_is_always_200(node: Node, client: httpx.AsyncClient,
     envelope(await client.get(f"/file/{film}"), 404, "unknown_cid")
 
 
-async def test_file_bytes_with_range_and_last_modified(node: Node, client: httpx.AsyncClient,
-                                                       media: Path) -> None:
+async def test_file_bytes_with_range_and_last_modified(
+    node: Node, client: httpx.AsyncClient, media: Path
+) -> None:
     data = bytes(range(256)) * 4
     poster, path = write(media / "poster.jpg", data)
     await node.scan([str(media)])
@@ -370,10 +433,11 @@ async def test_file_bytes_with_range_and_last_modified(node: Node, client: httpx
     assert (await client.get(f"/file/{alias}")).content == data
 
     for wanted, status, body, content_range in (
-            ("bytes=0-9", 206, data[:10], "bytes 0-9/1024"),
-            ("bytes=-16", 206, data[-16:], "bytes 1008-1023/1024"),
-            ("bytes=1000-", 206, data[1000:], "bytes 1000-1023/1024"),
-            ("bytes=1000-5000", 206, data[1000:], "bytes 1000-1023/1024")):
+        ("bytes=0-9", 206, data[:10], "bytes 0-9/1024"),
+        ("bytes=-16", 206, data[-16:], "bytes 1008-1023/1024"),
+        ("bytes=1000-", 206, data[1000:], "bytes 1000-1023/1024"),
+        ("bytes=1000-5000", 206, data[1000:], "bytes 1000-1023/1024"),
+    ):
         response = await client.get(f"/file/{poster}", headers={"Range": wanted})
         assert (response.status_code, response.content) == (status, body), wanted
         assert response.headers["content-range"] == content_range
@@ -383,8 +447,10 @@ async def test_file_bytes_with_range_and_last_modified(node: Node, client: httpx
         response = await client.get(f"/file/{poster}", headers={"Range": wanted})
         assert response.status_code == 416, wanted
         assert response.json() == {
-            "error": "range_not_satisfiable", "retryable": False,
-            "message": f"range {wanted!r} cannot be served from 1024 bytes"}
+            "error": "range_not_satisfiable",
+            "retryable": False,
+            "message": f"range {wanted!r} cannot be served from 1024 bytes",
+        }
         assert response.headers["content-range"] == "bytes */1024"
 
     stale = {"Range": "bytes=0-9", "If-Range": "Mon, 01 Jan 2001 00:00:00 GMT"}
@@ -412,7 +478,8 @@ def swap_in(path: Path, replacement: Path) -> None:
 
 
 async def test_a_path_swapped_after_hashing_is_never_served(
-        node: Node, client: httpx.AsyncClient, media: Path, tmp_path: Path) -> None:
+    node: Node, client: httpx.AsyncClient, media: Path, tmp_path: Path
+) -> None:
     """The content route serves the file that was hashed or nothing: not a symbolic link swapped
     in later, not a file of equal size and mtime renamed over it, not a path through a linked
     folder leading out of the watch root; and it leaves no descriptor open."""
@@ -462,8 +529,11 @@ async def test_links_are_served_when_the_owner_follows_them(tmp_path: Path) -> N
         await n.scan([str(media)])
         film = watcher.midhash_file(target)[0]
         transport = httpx.ASGITransport(app=create_app(n))
-        async with httpx.AsyncClient(transport=transport, base_url="http://node",
-                                     headers={"Authorization": f"Bearer {n.token}"}) as c:
+        async with httpx.AsyncClient(
+            transport=transport,
+            base_url="http://node",
+            headers={"Authorization": f"Bearer {n.token}"},
+        ) as c:
             assert (await c.get(f"/file/{film}")).content == b"L" * 32
             other = elsewhere / "other"  # exists beside the target: a different inode
             other.write_bytes(b"M" * 32)
@@ -476,7 +546,8 @@ async def test_links_are_served_when_the_owner_follows_them(tmp_path: Path) -> N
 
 
 async def test_rows_hashed_before_inodes_were_kept_are_hashed_again(
-        node: Node, client: httpx.AsyncClient, media: Path) -> None:
+    node: Node, client: httpx.AsyncClient, media: Path
+) -> None:
     """A local_file row from an older cache has no inode: it is not served until the next
     reconciliation hashes the file again and records it (with no feed event: nothing changed)."""
     film, _ = write(media / "film.mkv", b"F" * 64)
@@ -498,37 +569,50 @@ def lf(path: str, midhash: str, size: int = 1, mtime: int = 1) -> merge.LocalFil
 
 
 def test_file_events_pair_a_removal_and_an_upsert_of_the_same_content_as_a_rename() -> None:
-    removed = {"/m/a.mkv": ("M1", 5, 1), "/m/x/b.mkv": ("M2", 6, 1), "/m/y/b.mkv": ("M2", 6, 1),
-               "/m/gone.mkv": ("M3", 7, 1)}
-    written = [(lf("/m/new.mkv", "M9", 9), True), (lf("/m/old.mkv", "M8", 8), False),
-               (lf("/m/c.mkv", "M1", 5), True), (lf("/m/z/b.mkv", "M2", 6), True)]
+    removed = {
+        "/m/a.mkv": ("M1", 5, 1),
+        "/m/x/b.mkv": ("M2", 6, 1),
+        "/m/y/b.mkv": ("M2", 6, 1),
+        "/m/gone.mkv": ("M3", 7, 1),
+    }
+    written = [
+        (lf("/m/new.mkv", "M9", 9), True),
+        (lf("/m/old.mkv", "M8", 8), False),
+        (lf("/m/c.mkv", "M1", 5), True),
+        (lf("/m/z/b.mkv", "M2", 6), True),
+    ]
     assert cache.file_events(removed, written) == [
         cache.FileEvent("delete", "/m/gone.mkv", None, 7, "M3"),
         cache.FileEvent("delete", "/m/y/b.mkv", None, 6, "M2"),
         cache.FileEvent("add", "/m/new.mkv", None, 9, "M9"),
         cache.FileEvent("change", "/m/old.mkv", None, 8, "M8"),
         cache.FileEvent("rename", "/m/c.mkv", "/m/a.mkv", 5, "M1"),
-        cache.FileEvent("rename", "/m/z/b.mkv", "/m/x/b.mkv", 6, "M2")]  # first of same name
+        cache.FileEvent("rename", "/m/z/b.mkv", "/m/x/b.mkv", 6, "M2"),
+    ]  # first of same name
 
 
 async def test_local_txn_appends_file_events_on_a_dense_counter(node: Node) -> None:
     m1, m2 = CID_A, CID_B
     await node.ensure_groups([m1, m2])
 
-    async def rows_after(calls: list[tuple[list[merge.LocalFile], list[str]]]
-                         ) -> list[tuple[Any, ...]]:
+    async def rows_after(
+        calls: list[tuple[list[merge.LocalFile], list[str]]],
+    ) -> list[tuple[Any, ...]]:
         head = cache.file_feed_head(node.cache.conn)
         for files, removals in calls:
             await node.apply_local(files, removals)
         return node.cache.conn.execute(
             "SELECT seq, op, path, old_path, size, midhash FROM file_feed WHERE seq > ? "
-            "ORDER BY seq", (head,)).fetchall()
+            "ORDER BY seq",
+            (head,),
+        ).fetchall()
 
     assert await rows_after([([lf("/m/a", m1, 3)], [])]) == [(1, "add", "/m/a", None, 3, m1)]
     assert await rows_after([([lf("/m/a", m1, 3)], [])]) == []  # nothing changed: no event
     assert await rows_after([([lf("/m/a", m2, 4, 2)], [])]) == [(2, "change", "/m/a", None, 4, m2)]
     assert await rows_after([([lf("/m/d/b", m2, 4, 2)], ["/m/a"])]) == [
-        (3, "rename", "/m/d/b", "/m/a", 4, m2)]
+        (3, "rename", "/m/d/b", "/m/a", 4, m2)
+    ]
     assert await rows_after([([lf("/m/d/b", m2, 4, 2)], ["/m/d/b"])]) == []  # gone and back
     assert await rows_after([([], ["/m/d"])]) == [(4, "delete", "/m/d/b", None, 4, m2)]
     assert cache.file_feed_head(node.cache.conn) == 4
@@ -551,8 +635,9 @@ def test_an_existing_cache_gains_the_file_feed_table(tmp_path: Path) -> None:
 # -- the streams' logic, in-process (the generator itself, no HTTP) ------------------------------
 
 
-async def take(node: Node, kind: type[compat._Follow[Any]], cursor: str | None, n: int
-               ) -> list[ServerSentEvent]:
+async def take(
+    node: Node, kind: type[compat._Follow[Any]], cursor: str | None, n: int
+) -> list[ServerSentEvent]:
     """The first `n` events (a comment counts) of a stream, from its chunks of whole frames."""
     stream = kind(node, sse.parse_cursor(cursor)).stream()
     events: list[ServerSentEvent] = []
@@ -570,8 +655,14 @@ def parse_chunk(chunk: bytes) -> list[ServerSentEvent]:
     for frame in chunk.decode().split("\n\n"):
         if frame:
             fields = dict(line.split(": ", 1) for line in frame.split("\n"))
-            events.append(ServerSentEvent(data=fields.get("data"), event=fields.get("event"),
-                                          id=fields.get("id"), comment=fields.get("")))
+            events.append(
+                ServerSentEvent(
+                    data=fields.get("data"),
+                    event=fields.get("event"),
+                    id=fields.get("id"),
+                    comment=fields.get(""),
+                )
+            )
     return events
 
 
@@ -580,7 +671,8 @@ def data(event: ServerSentEvent) -> Any:
 
 
 async def test_the_files_stream_gives_a_gap_and_the_full_state_for_a_pruned_cursor(
-        node: Node) -> None:
+    node: Node,
+) -> None:
     await node.ensure_groups([CID_A, CID_B])
     await node.apply_local([lf("/elsewhere/a", CID_A)], [])
     await node.apply_local([lf("/elsewhere/b", CID_B)], [])
@@ -589,16 +681,24 @@ async def test_the_files_stream_gives_a_gap_and_the_full_state_for_a_pruned_curs
     head = f"{epoch}-3"
     resumed = await take(node, compat.FilesFollow, f"{epoch}-1", 2)
     assert [(e.event, e.id, data(e)["path"]) for e in resumed] == [
-        ("add", f"{epoch}-2", "elsewhere/b"), ("delete", head, "elsewhere/a")]
+        ("add", f"{epoch}-2", "elsewhere/b"),
+        ("delete", head, "elsewhere/a"),
+    ]
 
     await node.cache.writer.run(cache.prune_feed_txn, 1, 0)  # keeps only the newest file event
-    for cursor, reason in ((f"{epoch}-1", "retention"), (f"{epoch}-9", "future"),
-                           ("0-0", "unknown_epoch"), (f"{epoch + 1}-2", "unknown_epoch")):
+    for cursor, reason in (
+        (f"{epoch}-1", "retention"),
+        (f"{epoch}-9", "future"),
+        ("0-0", "unknown_epoch"),
+        (f"{epoch + 1}-2", "unknown_epoch"),
+    ):
         gap, reset, add = await take(node, compat.FilesFollow, cursor, 3)
         assert (gap.event, gap.id, data(gap)) == (
-            "gap", None, {"reason": reason, "requested": cursor, "resumeFrom": head})
-        assert (reset.event, reset.id, list(data(reset))) == ("reset", None,
-                                                               ["path", "timestamp"])
+            "gap",
+            None,
+            {"reason": reason, "requested": cursor, "resumeFrom": head},
+        )
+        assert (reset.event, reset.id, list(data(reset))) == ("reset", None, ["path", "timestamp"])
         assert (add.event, add.id, data(add)["path"]) == ("add", head, "elsewhere/b")
     kept = await take(node, compat.FilesFollow, f"{epoch}-2", 1)  # everything after it is kept
     assert [(e.event, e.id) for e in kept] == [("delete", head)]
@@ -611,13 +711,17 @@ async def test_the_meta_stream_resumes_and_replays(node: Node, client: httpx.Asy
     rid = await rid_of(client, CID_A)
     epoch = node.applier.state.epoch
     gap, first, last = await take(node, compat.MetaFollow, "0-0", 3)
-    assert data(gap) == {"reason": "unknown_epoch", "requested": "0-0",
-                         "resumeFrom": f"{epoch}-2"}
+    assert data(gap) == {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{epoch}-2"}
     assert [(e.event, e.id, data(e)["key"]) for e in (first, last)] == [
-        ("set", None, f"file:{rid}/cids/{CID_A}"), ("set", f"{epoch}-2", f"file:{rid}/title")]
+        ("set", None, f"file:{rid}/cids/{CID_A}"),
+        ("set", f"{epoch}-2", f"file:{rid}/title"),
+    ]
     (replayed,) = await take(node, compat.MetaFollow, f"{epoch}-1", 1)
     assert (replayed.event, replayed.id, data(replayed)["key"]) == (
-        "set", f"{epoch}-2", f"file:{rid}/title")
+        "set",
+        f"{epoch}-2",
+        f"file:{rid}/title",
+    )
     row_at = node.cache.conn.execute("SELECT at FROM feed WHERE seq = 2").fetchone()[0]
     assert data(replayed) == {"key": f"file:{rid}/title", "ts": str(row_at)}
 
@@ -631,7 +735,8 @@ async def until_seq(stream: Any, seq: str) -> list[ServerSentEvent]:
 
 
 async def test_many_meta_subscribers_share_one_read_per_page(
-        node: Node, client: httpx.AsyncClient) -> None:
+    node: Node, client: httpx.AsyncClient
+) -> None:
     """40 MetaMesh meta-stream subscribers and 10 of /api/events at the head: one batch of new
     events costs one read of the feed table, not one per subscriber (one shared feed.Hub)."""
     alice = Signer()
@@ -646,15 +751,21 @@ async def test_many_meta_subscribers_share_one_read_per_page(
     native = [node.subscribe(None, False, sse.Filter()) for _ in range(10)]
     try:
         waiting = [asyncio.create_task(anext(stream)) for stream in [*meta, *native]]
-        await post(client, *[alice.claim(cids.midhash_bytes(b"share %d" % i), "title", f"v{i}")
-                             for i in range(100)])  # events 3-202
+        await post(
+            client,
+            *[
+                alice.claim(cids.midhash_bytes(b"share %d" % i), "title", f"v{i}")
+                for i in range(100)
+            ],
+        )  # events 3-202
         head = sse.event_id(node.applier.state.epoch, 202)
         for stream, first in zip([*meta, *native], waiting, strict=True):
             got = parse_chunk(await asyncio.wait_for(first, WAIT_S))
             if got[-1].id != head:
                 got += await until_seq(stream, head)
-            assert [e.id for e in got] == [sse.event_id(node.applier.state.epoch, seq)
-                                           for seq in range(3, 203)]
+            assert [e.id for e in got] == [
+                sse.event_id(node.applier.state.epoch, seq) for seq in range(3, 203)
+            ]
         assert {e.event for e in got} == {"set"}
     finally:
         node.cache.conn.set_trace_callback(None)
@@ -674,8 +785,9 @@ async def quiet_node(tmp_path: Path) -> Any:
         await n.applier.wait_for(0, WAIT_S)
         signer = Signer()
         await n.add_signer(signer.uid, "test", 1, False)
-        answer = await n.ingest_wire([signer.claim(cids.midhash_bytes(b"h %d" % i), "title",
-                                                   f"t{i}") for i in range(30)])
+        answer = await n.ingest_wire(
+            [signer.claim(cids.midhash_bytes(b"h %d" % i), "title", f"t{i}") for i in range(30)]
+        )
         assert answer.status == 200
         files = [cids.midhash_bytes(b"f %d" % i) for i in range(8)]
         await n.ensure_groups(files)
@@ -689,8 +801,9 @@ async def quiet_node(tmp_path: Path) -> Any:
         await n.stop()
 
 
-async def until_quiet(node: Node, kind: type[compat._Follow[Any]], cursor: str
-                      ) -> list[ServerSentEvent]:
+async def until_quiet(
+    node: Node, kind: type[compat._Follow[Any]], cursor: str
+) -> list[ServerSentEvent]:
     """Everything a stream sends before its first keep-alive, which it sends only once it has
     sent every event it has (so no timing decides what comes before it)."""
     stream = kind(node, sse.parse_cursor(cursor)).stream()
@@ -707,34 +820,49 @@ def meta_table(node: Node, after: int) -> tuple[list[Any], list[Any]]:
     """(every event after `after` as the meta stream frames it, its full state), from the
     tables themselves."""
     epoch, conn = node.applier.state.epoch, node.cache.conn
-    rows = conn.execute("SELECT seq, rid, op, key, at FROM feed WHERE seq > ? ORDER BY seq",
-                        (after,)).fetchall()
-    events = [(op, sse.event_id(epoch, seq), {"key": f"file:{rid}/{key}", "ts": str(at)})
-              for seq, rid, op, key, at in rows]
-    state = [("set", {"key": f"file:{rid}/{key}"}) for rid, key in conn.execute(
-        "SELECT rid, key FROM records ORDER BY rid, key")]
+    rows = conn.execute(
+        "SELECT seq, rid, op, key, at FROM feed WHERE seq > ? ORDER BY seq", (after,)
+    ).fetchall()
+    events = [
+        (op, sse.event_id(epoch, seq), {"key": f"file:{rid}/{key}", "ts": str(at)})
+        for seq, rid, op, key, at in rows
+    ]
+    state = [
+        ("set", {"key": f"file:{rid}/{key}"})
+        for rid, key in conn.execute("SELECT rid, key FROM records ORDER BY rid, key")
+    ]
     return events, state
 
 
 def files_table(node: Node, after: int) -> tuple[list[Any], list[Any]]:
     """The same for the files stream (paths outside every root lose their leading `/`)."""
     epoch, conn = node.applier.state.epoch, node.cache.conn
-    rows = conn.execute("SELECT seq, op, path, size, midhash, at FROM file_feed WHERE seq > ? "
-                        "ORDER BY seq", (after,)).fetchall()
-    events = [(op, sse.event_id(epoch, seq), {"midhash256": midhash, "path": path[1:],
-                                              "size": str(size), "timestamp": str(at)})
-              for seq, op, path, size, midhash, at in rows]
+    rows = conn.execute(
+        "SELECT seq, op, path, size, midhash, at FROM file_feed WHERE seq > ? ORDER BY seq",
+        (after,),
+    ).fetchall()
+    events = [
+        (
+            op,
+            sse.event_id(epoch, seq),
+            {"midhash256": midhash, "path": path[1:], "size": str(size), "timestamp": str(at)},
+        )
+        for seq, op, path, size, midhash, at in rows
+    ]
     state = [("reset", {"path": ""})] + [
-        ("add", {"midhash256": m, "path": p[1:], "size": str(z)}) for p, m, z in conn.execute(
-            "SELECT path, midhash, size FROM local_file ORDER BY path")]
+        ("add", {"midhash256": m, "path": p[1:], "size": str(z)})
+        for p, m, z in conn.execute("SELECT path, midhash, size FROM local_file ORDER BY path")
+    ]
     return events, state
 
 
-@settings(max_examples=60, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # examples only read
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # examples only read
 @given(draw=st.data(), files=st.booleans())
 async def test_meta_stream_replay_agrees_with_the_table_whatever_the_cursor(
-        quiet_node: Node, draw: st.DataObject, files: bool) -> None:
+    quiet_node: Node, draw: st.DataObject, files: bool
+) -> None:
     """Any cursor, of any epoch and any seq (pruned, retained, at the head, in the future):
     either exactly the table's events after it, or a gap by the resume rule and then the full
     state from the tables, whose last event carries the head's id."""
@@ -744,25 +872,39 @@ async def test_meta_stream_replay_agrees_with_the_table_whatever_the_cursor(
     head = state.file_feed_seq if files else state.feed_seq
     table = "file_feed" if files else "feed"
     oldest = node.cache.conn.execute(f"SELECT min(seq) FROM {table}").fetchone()[0]
-    epoch = draw.draw(st.just(state.epoch) | st.sampled_from([state.epoch - 1, state.epoch + 1,
-                                                               0]))
+    epoch = draw.draw(st.just(state.epoch) | st.sampled_from([state.epoch - 1, state.epoch + 1, 0]))
     edges = [oldest - 2, oldest - 1, oldest, head - 1, head, head + 1]  # where the rule turns
     seq = draw.draw(st.sampled_from(edges) | st.integers(0, head + 3))
     cursor = sse.event_id(epoch, seq)
     got = await until_quiet(node, kind, cursor)
     events, full = (files_table if files else meta_table)(node, seq)
-    reason = ("unknown_epoch" if epoch != state.epoch else "future" if seq > head
-              else "retention" if seq < oldest - 1 else None)
+    reason = (
+        "unknown_epoch"
+        if epoch != state.epoch
+        else "future"
+        if seq > head
+        else "retention"
+        if seq < oldest - 1
+        else None
+    )
     if reason is None:
         assert [(e.event, e.id, json.loads(str(e.data))) for e in got] == events
         return
     gap, *rest = got
     marker = sse.event_id(state.epoch, head)
     assert (gap.event, gap.id, json.loads(str(gap.data))) == (
-        "gap", None, {"reason": reason, "requested": cursor, "resumeFrom": marker})
+        "gap",
+        None,
+        {"reason": reason, "requested": cursor, "resumeFrom": marker},
+    )
     assert [e.id for e in rest] == [None] * (len(full) - 1) + [marker]
-    shown = [(e.event, {k: v for k, v in json.loads(str(e.data)).items()
-                        if k not in ("ts", "timestamp")}) for e in rest]
+    shown = [
+        (
+            e.event,
+            {k: v for k, v in json.loads(str(e.data)).items() if k not in ("ts", "timestamp")},
+        )
+        for e in rest
+    ]
     assert shown == full
 
 
@@ -797,14 +939,22 @@ def http(server: Server) -> httpx.Client:
 
 
 def test_events_meta_full_replay_live_tail_resume_and_keep_alive(
-        launch: Callable[[dict[str, str]], Server]) -> None:
+    launch: Callable[[dict[str, str]], Server],
+) -> None:
     server = launch({"METANODE_FEED_KEEP_ALIVE_S": "0.5", "METANODE_WATCH_ENABLED": "false"})
     alice = Signer()
     with http(server) as client:
         assert client.post("/api/signers", json={"uid": alice.uid}).status_code == 200
-        response = client.post("/api/claims", json={"claims": [
-            alice.claim(CID_A, "title", "A"), alice.claim(CID_A, "year", "1999"),
-            alice.claim(CID_B, "title", "B")]})
+        response = client.post(
+            "/api/claims",
+            json={
+                "claims": [
+                    alice.claim(CID_A, "title", "A"),
+                    alice.claim(CID_A, "year", "1999"),
+                    alice.claim(CID_B, "title", "B"),
+                ]
+            },
+        )
         assert response.json()["accepted"] == 3
         rid_a = client.get(f"/api/meta/{CID_A}/claims").json()["rid"]
         rid_b = client.get(f"/api/meta/{CID_B}/claims").json()["rid"]
@@ -816,23 +966,35 @@ def test_events_meta_full_replay_live_tail_resume_and_keep_alive(
     assert replay.headers["x-accel-buffering"] == "no"
     gap, *state = replay.events(6)
     assert (gap.event, gap.id, gap.data) == (
-        "gap", None, {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5"})
-    keys = sorted([(rid_a, f"cids/{CID_A}"), (rid_a, "title"), (rid_a, "year"),
-                   (rid_b, f"cids/{CID_B}"), (rid_b, "title")])
-    assert [(f.event, f.data["key"]) for f in state] == [("set", f"file:{r}/{k}")
-                                                         for r, k in keys]
+        "gap",
+        None,
+        {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5"},
+    )
+    keys = sorted(
+        [
+            (rid_a, f"cids/{CID_A}"),
+            (rid_a, "title"),
+            (rid_a, "year"),
+            (rid_b, f"cids/{CID_B}"),
+            (rid_b, "title"),
+        ]
+    )
+    assert [(f.event, f.data["key"]) for f in state] == [("set", f"file:{r}/{k}") for r, k in keys]
     assert [f.id for f in state] == [None] * 4 + [f"{ep}-5"]
     assert all(list(f.data) == ["key", "ts"] and f.data["ts"].isdigit() for f in state)
 
     with http(server) as client:
-        client.post("/api/claims", json={"claims": [
-            alice.claim(CID_A, "title", "A2", NOW_MS + 1)]})
+        client.post("/api/claims", json={"claims": [alice.claim(CID_A, "title", "A2", NOW_MS + 1)]})
         client.post("/api/claims", json={"claims": [alice.claim(CID_A, "year", None, NOW_MS + 1)]})
     live = replay.events(2)
     assert [(f.event, f.id, f.data["key"]) for f in live] == [
-        ("set", f"{ep}-6", f"file:{rid_a}/title"), ("del", f"{ep}-7", f"file:{rid_a}/year")]
-    frame = (f'id: {ep}-6\nevent: set\ndata: {{"key":"file:{rid_a}/title",'
-             f'"ts":"{live[0].data["ts"]}"}}\n\n').encode()
+        ("set", f"{ep}-6", f"file:{rid_a}/title"),
+        ("del", f"{ep}-7", f"file:{rid_a}/year"),
+    ]
+    frame = (
+        f'id: {ep}-6\nevent: set\ndata: {{"key":"file:{rid_a}/title",'
+        f'"ts":"{live[0].data["ts"]}"}}\n\n'
+    ).encode()
     assert frame in replay.raw  # meta-core's framing: id, event, one line of JSON data
     deadline = time.monotonic() + WAIT_S
     while replay.next().comment != "keep-alive":
@@ -849,15 +1011,22 @@ def test_events_meta_full_replay_live_tail_resume_and_keep_alive(
 
 
 def test_events_files_from_the_watcher_and_full_replay(
-        launch: Callable[[dict[str, str]], Server]) -> None:
-    server = launch({"METANODE_WATCH_SETTLE_S": "0.3", "METANODE_WATCH_RESCAN_S": "0",
-                     "METANODE_FEED_KEEP_ALIVE_S": "1"})
+    launch: Callable[[dict[str, str]], Server],
+) -> None:
+    server = launch(
+        {
+            "METANODE_WATCH_SETTLE_S": "0.3",
+            "METANODE_WATCH_RESCAN_S": "0",
+            "METANODE_FEED_KEEP_ALIVE_S": "1",
+        }
+    )
     media = server.data_dir.parent / "media"
     ep = epoch_of(server)
     stream = open_stream(server, "/api/events/files")  # live only: starts empty
 
-    def expect(kind: str, seq: int, midhash: str, path: str, size: int,
-               old_path: str | None = None) -> None:
+    def expect(
+        kind: str, seq: int, midhash: str, path: str, size: int, old_path: str | None = None
+    ) -> None:
         (frame,) = stream.events(1)
         assert (frame.event, frame.id) == (kind, f"{ep}-{seq}"), frame
         expected = {"midhash256": midhash, "path": path, "size": str(size)}
@@ -883,16 +1052,24 @@ def test_events_files_from_the_watcher_and_full_replay(
     replay = open_stream(server, "/api/events/files", last_event_id="0-0")
     gap, reset, add = replay.events(3)
     assert (gap.event, gap.id, gap.data) == (
-        "gap", None, {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5"})
+        "gap",
+        None,
+        {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5"},
+    )
     assert (reset.event, reset.id, reset.data["path"]) == ("reset", None, "")
     assert (add.event, add.id) == ("add", f"{ep}-5")
     assert {k: v for k, v in add.data.items() if k != "timestamp"} == {
-        "midhash256": gamma, "path": "sub/c.bin", "size": "5"}
+        "midhash256": gamma,
+        "path": "sub/c.bin",
+        "size": "5",
+    }
     replay.close()
 
     resumed = open_stream(server, "/api/events/files", last_event_id=f"{ep}-3")
     assert [(f.event, f.id, f.data["path"]) for f in resumed.events(2)] == [
-        ("add", f"{ep}-4", "sub/c.bin"), ("delete", f"{ep}-5", "b.bin")]
+        ("add", f"{ep}-4", "sub/c.bin"),
+        ("delete", f"{ep}-5", "b.bin"),
+    ]
     resumed.close()
 
 
@@ -900,11 +1077,19 @@ def frame_json(stream: Stream, frame: Frame) -> str:
     """The data line of `frame` exactly as sent (to check key order)."""
     marker = f"id: {frame.id}\nevent: {frame.event}\ndata: ".encode()
     start = stream.raw.index(marker) + len(marker)
-    return stream.raw[start:stream.raw.index(b"\n", start)].decode()
+    return stream.raw[start : stream.raw.index(b"\n", start)].decode()
 
 
 def test_compat_app_builds_without_a_started_node(tmp_path: Path) -> None:
     app = create_app(Node(settings_for(tmp_path / "data")))
     paths = {getattr(route, "path", "") for route in app.routes}
-    assert {"/meta", "/meta/{hash}", "/meta/{hash}/{key:path}", "/api/events/meta",
-            "/api/events/files", "/api/file/{cid}/info", "/file/{cid}", "/urls"} <= paths
+    assert {
+        "/meta",
+        "/meta/{hash}",
+        "/meta/{hash}/{key:path}",
+        "/api/events/meta",
+        "/api/events/files",
+        "/api/file/{cid}/info",
+        "/file/{cid}",
+        "/urls",
+    } <= paths

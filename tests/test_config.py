@@ -36,8 +36,10 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("env", "fragment"),
-    [({"METANODE_PORT": "nine"}, "port"), ({"METANODE_ACCEPT_UNKNOWN_SIGNERS": "maybe"},
-                                           "accept_unknown_signers")],
+    [
+        ({"METANODE_PORT": "nine"}, "port"),
+        ({"METANODE_ACCEPT_UNKNOWN_SIGNERS": "maybe"}, "accept_unknown_signers"),
+    ],
 )
 def test_bad_values_name_the_setting(env: dict[str, str], fragment: str) -> None:
     with pytest.raises(InvalidRequest, match=fragment):

@@ -20,10 +20,16 @@ DOCKERFILE = (ROOT / "Dockerfile").read_text(encoding="utf-8")
 
 
 def test_every_copied_path_exists_and_is_in_the_context() -> None:
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
-    copied = [src for line in re.findall(r"^COPY (.+)$", DOCKERFILE, flags=re.M)
-              for src in line.split()[:-1]]
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
+    copied = [
+        src
+        for line in re.findall(r"^COPY (.+)$", DOCKERFILE, flags=re.M)
+        for src in line.split()[:-1]
+    ]
     assert copied, "the Dockerfile copies nothing"
     for src in copied:
         assert (ROOT / src).exists(), src
@@ -40,8 +46,9 @@ def test_image_settings() -> None:
 
 
 def healthcheck_command() -> list[str]:
-    line = re.search(r"CMD (\[.*\])\s*$", DOCKERFILE.split("HEALTHCHECK", 1)[1].split("\nCMD")[0],
-                     flags=re.M)
+    line = re.search(
+        r"CMD (\[.*\])\s*$", DOCKERFILE.split("HEALTHCHECK", 1)[1].split("\nCMD")[0], flags=re.M
+    )
     assert line is not None
     return list(json.loads(line.group(1)))
 
@@ -56,5 +63,7 @@ def test_entry_point_serves_and_healthcheck_passes(tmp_path: Path) -> None:
     finally:
         server.stop()
     # with the node gone the healthcheck fails
-    assert subprocess.run([sys.executable, "-c", script], timeout=30,
-                          capture_output=True).returncode != 0
+    assert (
+        subprocess.run([sys.executable, "-c", script], timeout=30, capture_output=True).returncode
+        != 0
+    )

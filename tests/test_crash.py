@@ -50,8 +50,12 @@ def readonly(path: Path) -> sqlite3.Connection:
 
 
 def register(srv: Server, signer: Signer) -> None:
-    response = httpx.post(f"{srv.url}/api/signers", headers=srv.headers, timeout=10,
-                          json={"uid": signer.uid, "name": "crash"})
+    response = httpx.post(
+        f"{srv.url}/api/signers",
+        headers=srv.headers,
+        timeout=10,
+        json={"uid": signer.uid, "name": "crash"},
+    )
     assert response.status_code == 200, response.text
 
 
@@ -80,8 +84,14 @@ def test_sigkill_mid_ingest_loses_no_acknowledged_claim(tmp_path: Path, launch: 
         with httpx.Client(base_url=first.url, headers=first.headers, timeout=30) as http:
             n = 0
             while not stop.is_set():
-                batch = [signer.claim(cids.midhash_bytes(f"crash-{worker}-{n}-{i}".encode()),
-                                      "title", f"title {worker}-{n}-{i}") for i in range(50)]
+                batch = [
+                    signer.claim(
+                        cids.midhash_bytes(f"crash-{worker}-{n}-{i}".encode()),
+                        "title",
+                        f"title {worker}-{n}-{i}",
+                    )
+                    for i in range(50)
+                ]
                 n += 1
                 try:
                     response = http.post("/api/claims", json={"claims": batch})
@@ -122,8 +132,7 @@ def test_sigkill_mid_ingest_loses_no_acknowledged_claim(tmp_path: Path, launch: 
     with httpx.Client(base_url=second.url, timeout=10) as http:
         for batch in acknowledged:
             for claim in batch:
-                listed = http.get(f"/api/meta/{claim['cid']}/claims",
-                                  params={"uid": signer.uid})
+                listed = http.get(f"/api/meta/{claim['cid']}/claims", params={"uid": signer.uid})
                 assert listed.status_code == 200, listed.text
                 assert listed.json()["claims"] == [claim]
                 doc = http.get(f"/api/meta/{claim['cid']}")
@@ -156,8 +165,15 @@ def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Laun
     signer = Signer()
     register(first, signer)
     before = wait_caught_up(first.url)
-    batches = [[signer.claim(cids.midhash_bytes(f"crash window {n}-{i}".encode()), "title",
-                             f"Survivor {n}-{i}") for i in range(20)] for n in range(3)]
+    batches = [
+        [
+            signer.claim(
+                cids.midhash_bytes(f"crash window {n}-{i}".encode()), "title", f"Survivor {n}-{i}"
+            )
+            for i in range(20)
+        ]
+        for n in range(3)
+    ]
     batches[0][0] = claim = signer.claim(CID, "title", "Survivor")
 
     with cache_write_lock(data / "cache.db"):
@@ -181,8 +197,12 @@ def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Laun
         assert state["epoch"] == before["epoch"]
         for batch in batches:
             for c in batch:
-                assert cache_conn.execute("SELECT rid FROM cid_index WHERE cid = ?",
-                                          (c["cid"],)).fetchone() is None
+                assert (
+                    cache_conn.execute(
+                        "SELECT rid FROM cid_index WHERE cid = ?", (c["cid"],)
+                    ).fetchone()
+                    is None
+                )
     finally:
         truth_conn.close()
         cache_conn.close()
@@ -204,9 +224,13 @@ def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Laun
 
 
 async def test_stop_with_an_apply_queued_uses_no_closed_connection(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    node = Node(settings_for(tmp_path / "data", apply_poll_s=3600.0, watch_enabled=False,
-                             plugins_enabled=False))
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    node = Node(
+        settings_for(
+            tmp_path / "data", apply_poll_s=3600.0, watch_enabled=False, plugins_enabled=False
+        )
+    )
     await node.start()
     assert await node.applier.wait_for(0, 10)
     failures: list[BaseException] = []

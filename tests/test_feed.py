@@ -59,50 +59,87 @@ def records(conn: sqlite3.Connection, where: Any = None) -> dict[tuple[str, str]
 # -- the wire form, byte for byte ------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("built", "expected"), [
-    (sse.change(5, 7, "R", "set", "k", "v"),
-     b'id: 5-7\nevent: set\ndata: {"rid":"R","key":"k","value":"v"}\n\n'),
-    (sse.change(5, 8, "R", "del", "k", None),
-     b'id: 5-8\nevent: del\ndata: {"rid":"R","key":"k"}\n\n'),
-    (sse.change(5, 8, "R", "del", "k", "ignored"),  # a del never carries a value
-     b'id: 5-8\nevent: del\ndata: {"rid":"R","key":"k"}\n\n'),
-    (sse.change(1796083954188, 123456789, RID, "set", "title", "Amélie ☃ 🎬 字"),
-     f'id: 1796083954188-123456789\nevent: set\ndata: {{"rid":"{RID}","key":"title",'
-     f'"value":"Amélie ☃ 🎬 字"}}\n\n'.encode()),
-    (sse.change(2, 3, "R", "set", "plot", "line one\nline two\r\nthree\rfour\tend"),
-     b'id: 2-3\nevent: set\ndata: {"rid":"R","key":"plot",'
-     b'"value":"line one\\nline two\\r\\nthree\\rfour\\tend"}\n\n'),
-    (sse.change(2, 4, "R", "set", "q", 'say "hi" \\ \x00\x1f'),
-     b'id: 2-4\nevent: set\ndata: {"rid":"R","key":"q","value":"say \\"hi\\" \\\\ '
-     b'\\u0000\\u001f"}\n\n'),
-    (sse.change(2, 5, "R", "set", "ls", "a\u2028b\u2029c\x85d"),  # not SSE line ends: raw
-     'id: 2-5\nevent: set\ndata: {"rid":"R","key":"ls","value":"a\u2028b\u2029c\x85d"}\n\n'
-     .encode()),
-    (sse.change(2, 6, "R", "set", "empty", ""),
-     b'id: 2-6\nevent: set\ndata: {"rid":"R","key":"empty","value":""}\n\n'),
-    (sse.event("gap", {"requested": "0-0", "reason": "unknown_epoch"}),
-     b'event: gap\ndata: {"requested":"0-0","reason":"unknown_epoch"}\n\n'),
-    (sse.event("gap", {"requested": None, "reason": "too_old"}),
-     b'event: gap\ndata: {"requested":null,"reason":"too_old"}\n\n'),
-    (sse.event("synced", {"id": "9-0"}), b'event: synced\ndata: {"id":"9-0"}\n\n'),
-    (sse.event("set", {"rid": "R", "key": "k", "value": "v"}),  # a snapshot row: no id
-     b'event: set\ndata: {"rid":"R","key":"k","value":"v"}\n\n'),
-    (sse.keep_alive(), b": keep-alive\n\n"),
-])
+@pytest.mark.parametrize(
+    ("built", "expected"),
+    [
+        (
+            sse.change(5, 7, "R", "set", "k", "v"),
+            b'id: 5-7\nevent: set\ndata: {"rid":"R","key":"k","value":"v"}\n\n',
+        ),
+        (
+            sse.change(5, 8, "R", "del", "k", None),
+            b'id: 5-8\nevent: del\ndata: {"rid":"R","key":"k"}\n\n',
+        ),
+        (
+            sse.change(5, 8, "R", "del", "k", "ignored"),  # a del never carries a value
+            b'id: 5-8\nevent: del\ndata: {"rid":"R","key":"k"}\n\n',
+        ),
+        (
+            sse.change(1796083954188, 123456789, RID, "set", "title", "Amélie ☃ 🎬 字"),
+            f'id: 1796083954188-123456789\nevent: set\ndata: {{"rid":"{RID}","key":"title",'
+            f'"value":"Amélie ☃ 🎬 字"}}\n\n'.encode(),
+        ),
+        (
+            sse.change(2, 3, "R", "set", "plot", "line one\nline two\r\nthree\rfour\tend"),
+            b'id: 2-3\nevent: set\ndata: {"rid":"R","key":"plot",'
+            b'"value":"line one\\nline two\\r\\nthree\\rfour\\tend"}\n\n',
+        ),
+        (
+            sse.change(2, 4, "R", "set", "q", 'say "hi" \\ \x00\x1f'),
+            b'id: 2-4\nevent: set\ndata: {"rid":"R","key":"q","value":"say \\"hi\\" \\\\ '
+            b'\\u0000\\u001f"}\n\n',
+        ),
+        (
+            sse.change(2, 5, "R", "set", "ls", "a\u2028b\u2029c\x85d"),  # not SSE line ends: raw
+            "id: 2-5\nevent: set\n"
+            'data: {"rid":"R","key":"ls","value":"a\u2028b\u2029c\x85d"}\n\n'.encode(),
+        ),
+        (
+            sse.change(2, 6, "R", "set", "empty", ""),
+            b'id: 2-6\nevent: set\ndata: {"rid":"R","key":"empty","value":""}\n\n',
+        ),
+        (
+            sse.event("gap", {"requested": "0-0", "reason": "unknown_epoch"}),
+            b'event: gap\ndata: {"requested":"0-0","reason":"unknown_epoch"}\n\n',
+        ),
+        (
+            sse.event("gap", {"requested": None, "reason": "too_old"}),
+            b'event: gap\ndata: {"requested":null,"reason":"too_old"}\n\n',
+        ),
+        (sse.event("synced", {"id": "9-0"}), b'event: synced\ndata: {"id":"9-0"}\n\n'),
+        (
+            sse.event("set", {"rid": "R", "key": "k", "value": "v"}),  # a snapshot row: no id
+            b'event: set\ndata: {"rid":"R","key":"k","value":"v"}\n\n',
+        ),
+        (sse.keep_alive(), b": keep-alive\n\n"),
+    ],
+)
 def test_encoding_is_byte_exact(built: ServerSentEvent, expected: bytes) -> None:
     assert built.encode() == expected
 
 
-@pytest.mark.parametrize("value", ["plain", "", "multi\nline\n\n", "\r\n\r", "ü 漢字 🎉",
-                                   "a\u2028b", ":colon", "data: fake\n\nevent: del",
-                                   "x" * 70_000])
+@pytest.mark.parametrize(
+    "value",
+    [
+        "plain",
+        "",
+        "multi\nline\n\n",
+        "\r\n\r",
+        "ü 漢字 🎉",
+        "a\u2028b",
+        ":colon",
+        "data: fake\n\nevent: del",
+        "x" * 70_000,
+    ],
+)
 def test_any_value_is_one_data_line_and_round_trips(value: str) -> None:
     encoded = sse.change(3, 4, RID, "set", "k", value).encode()
     lines = encoded.split(b"\n")
     assert lines[-2:] == [b"", b""] and b"\r" not in encoded
     assert [line.split(b":", 1)[0] for line in lines[:-2]] == [b"id", b"event", b"data"]
     assert frames_of(sse.change(3, 4, RID, "set", "k", value)) == [
-        Frame("set", "3-4", {"rid": RID, "key": "k", "value": value})]
+        Frame("set", "3-4", {"rid": RID, "key": "k", "value": value})
+    ]
 
 
 def test_event_data_is_compact_json_with_unescaped_unicode() -> None:
@@ -116,24 +153,49 @@ def test_event_data_is_compact_json_with_unescaped_unicode() -> None:
 # -- cursors and filters --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    ("5-7", sse.Cursor(5, 7, "5-7")),
-    ("0-0", sse.Cursor(0, 0, "0-0")),
-    (" 1796083954188-42 ", sse.Cursor(1796083954188, 42, "1796083954188-42")),
-    ("9223372036854775807-9999999999999999999",
-     sse.Cursor(9223372036854775807, 9999999999999999999,
-                "9223372036854775807-9999999999999999999")),
-    ("007-010", sse.Cursor(7, 10, "007-010")),
-    (None, None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("5-7", sse.Cursor(5, 7, "5-7")),
+        ("0-0", sse.Cursor(0, 0, "0-0")),
+        (" 1796083954188-42 ", sse.Cursor(1796083954188, 42, "1796083954188-42")),
+        (
+            "9223372036854775807-9999999999999999999",
+            sse.Cursor(
+                9223372036854775807, 9999999999999999999, "9223372036854775807-9999999999999999999"
+            ),
+        ),
+        ("007-010", sse.Cursor(7, 10, "007-010")),
+        (None, None),
+        ("", None),
+    ],
+)
 def test_parse_cursor(text: str | None, expected: sse.Cursor | None) -> None:
     assert sse.parse_cursor(text) == expected
 
 
-@pytest.mark.parametrize("text", ["5", "5-", "-7", "5--7", "5-7-9", "a-1", "1-b", "-1-2",
-                                  "1.0-2", "+1-2", "1 - 2", "1_0-2", "12345678901234567890-1",
-                                  "1-12345678901234567890", " ", "5-7\n8", "0x1-2"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "5",
+        "5-",
+        "-7",
+        "5--7",
+        "5-7-9",
+        "a-1",
+        "1-b",
+        "-1-2",
+        "1.0-2",
+        "+1-2",
+        "1 - 2",
+        "1_0-2",
+        "12345678901234567890-1",
+        "1-12345678901234567890",
+        " ",
+        "5-7\n8",
+        "0x1-2",
+    ],
+)
 def test_parse_cursor_rejects(text: str) -> None:
     with pytest.raises(InvalidCursor) as caught:
         sse.parse_cursor(text)
@@ -190,15 +252,17 @@ def cli_frame_lines(lines: list[str]) -> list[str]:
 
 
 def test_parse_frames() -> None:
-    wire = (": keep-alive\n\n"
-            'id: 5-7\nevent: set\ndata: {"rid":"R","key":"k","value":"v ☃"}\n\n'
-            'event: gap\ndata: {"requested":"0-0","reason":"unknown_epoch"}\n\n'
-            'event: set\ndata: {"rid":"R","key":"k","value":"snap"}\n\n'
-            'event: synced\ndata: {"id":"5-7"}\n\n'
-            "id:5-8\nevent:del\ndata:{}\n\n"  # no space after the colon: still a value
-            'data: "no event name"\n\n'
-            "id: 5-9\nevent: ignored-without-data\n\n"
-            "retry: 10\n: comment\n\n")
+    wire = (
+        ": keep-alive\n\n"
+        'id: 5-7\nevent: set\ndata: {"rid":"R","key":"k","value":"v ☃"}\n\n'
+        'event: gap\ndata: {"requested":"0-0","reason":"unknown_epoch"}\n\n'
+        'event: set\ndata: {"rid":"R","key":"k","value":"snap"}\n\n'
+        'event: synced\ndata: {"id":"5-7"}\n\n'
+        "id:5-8\nevent:del\ndata:{}\n\n"  # no space after the colon: still a value
+        'data: "no event name"\n\n'
+        "id: 5-9\nevent: ignored-without-data\n\n"
+        "retry: 10\n: comment\n\n"
+    )
     assert cli_frame_lines(wire.split("\n")) == [
         '5-7 set {"rid":"R","key":"k","value":"v ☃"}',
         '- gap {"requested":"0-0","reason":"unknown_epoch"}',
@@ -217,11 +281,15 @@ def test_cache_not_ready_renders_503_with_retry_after() -> None:
     response = error_response(CacheNotReady("building"))
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert json.loads(bytes(response.body)) == {
-        "error": "cache_not_ready", "message": "building", "retryable": True}
+        "error": "cache_not_ready",
+        "message": "building",
+        "retryable": True,
+    }
 
 
 async def test_events_answers_503_while_the_cache_is_not_ready(
-        client: httpx.AsyncClient, node: Node) -> None:
+    client: httpx.AsyncClient, node: Node
+) -> None:
     node.applier.ready = False
     try:
         for query in ("", "?snapshot=1", "?since=1-1"):
@@ -234,14 +302,18 @@ async def test_events_answers_503_while_the_cache_is_not_ready(
         node.applier.ready = True
 
 
-@pytest.mark.parametrize(("query", "headers", "slug"), [
-    ("?since=yesterday", {}, "invalid_cursor"),
-    ("", {"Last-Event-ID": "5"}, "invalid_cursor"),
-    ("?since=1-1", {"Last-Event-ID": "bad"}, "invalid_cursor"),  # the header wins over since=
-    ("?rid=nope", {}, "invalid_rid"),
-])
-async def test_events_rejects_bad_requests(client: httpx.AsyncClient, query: str,
-                                           headers: dict[str, str], slug: str) -> None:
+@pytest.mark.parametrize(
+    ("query", "headers", "slug"),
+    [
+        ("?since=yesterday", {}, "invalid_cursor"),
+        ("", {"Last-Event-ID": "5"}, "invalid_cursor"),
+        ("?since=1-1", {"Last-Event-ID": "bad"}, "invalid_cursor"),  # the header wins over since=
+        ("?rid=nope", {}, "invalid_rid"),
+    ],
+)
+async def test_events_rejects_bad_requests(
+    client: httpx.AsyncClient, query: str, headers: dict[str, str], slug: str
+) -> None:
     response = await client.get(f"/api/events{query}", headers=headers)
     assert response.status_code == 400, response.text
     assert response.json()["error"] == slug and response.json()["retryable"] is False
@@ -268,7 +340,7 @@ class Reader:
         while not self._pending:
             try:
                 async with asyncio.timeout(self.timeout):  # not wait_for: it may swallow a
-                    chunk = await anext(self._stream)      # cancel on 3.11, and loop forever
+                    chunk = await anext(self._stream)  # cancel on 3.11, and loop forever
             except TimeoutError:
                 raise AssertionError(f"no event within {self.timeout} s") from None
             assert chunk.endswith(b"\n\n"), f"a chunk ends inside a frame: {chunk[-80:]!r}"
@@ -307,24 +379,37 @@ class Feed:
     def cursor(self, seq: int) -> str:
         return sse.event_id(self.epoch, seq)
 
-    def reader(self, cursor: str | None = None, snapshot: bool = False,
-               rid: Iterable[str] = (), prefix: Iterable[str] = (),
-               keep_alive_s: float | None = None) -> Reader:
+    def reader(
+        self,
+        cursor: str | None = None,
+        snapshot: bool = False,
+        rid: Iterable[str] = (),
+        prefix: Iterable[str] = (),
+        keep_alive_s: float | None = None,
+    ) -> Reader:
         where = sse.Filter.of(rid, prefix)
         if keep_alive_s is None:
             subscribed: Any = self.node.subscribe(cursor, snapshot, where)
             # a Subscription, or (wrapped for counting) its stream itself
             return Reader(subscribed.stream() if hasattr(subscribed, "stream") else subscribed)
-        return Reader(feed.Subscription(
-            self.node.feed_hub, self.node.cache,
-            lambda: self.node.applier.state, self.node.applier.wait_feed,
-            sse.parse_cursor(cursor), snapshot, where, keep_alive_s).stream())
+        return Reader(
+            feed.Subscription(
+                self.node.feed_hub,
+                self.node.cache,
+                lambda: self.node.applier.state,
+                self.node.applier.wait_feed,
+                sse.parse_cursor(cursor),
+                snapshot,
+                where,
+                keep_alive_s,
+            ).stream()
+        )
 
     async def post(self, batch: list[dict[str, Any]]) -> None:
         for i in range(0, len(batch), 500):
-            response = await self.client.post("/api/claims", json={"claims": batch[i:i + 500]})
+            response = await self.client.post("/api/claims", json={"claims": batch[i : i + 500]})
             assert response.status_code == 200, response.text
-            assert response.json()["accepted"] == len(batch[i:i + 500]), response.text
+            assert response.json()["accepted"] == len(batch[i : i + 500]), response.text
 
     def records(self, where: Any = None) -> dict[tuple[str, str], str]:
         return records(self.node.cache.conn, where)
@@ -349,8 +434,11 @@ async def test_live_only_without_a_cursor(fd: Feed) -> None:
     frames = await reader.take(4)
     assert [f.id for f in frames] == [fd.cursor(s) for s in (7, 8, 9, 10)]
     assert [(f.event, f.data["key"], f.data["value"]) for f in frames] == [
-        ("set", f"cids/{cid_n('new', 0)}", "true"), ("set", "title", "new 0"),
-        ("set", f"cids/{cid_n('new', 1)}", "true"), ("set", "title", "new 1")]
+        ("set", f"cids/{cid_n('new', 0)}", "true"),
+        ("set", "title", "new 0"),
+        ("set", f"cids/{cid_n('new', 1)}", "true"),
+        ("set", "title", "new 1"),
+    ]
     assert frames[0].data["rid"] == frames[1].data["rid"] == fd.rid(cid_n("new", 0))
     await reader.close()
 
@@ -364,8 +452,9 @@ async def test_snapshot_then_synced_then_live(fd: Feed) -> None:
     await reader.until(lambda r: bool(r.synced), replica)
     assert replica.synced == [fd.cursor(6)] and replica.state == fd.records()
     assert len(replica.state) == 6 and not replica.seqs
-    await fd.post(fd_update := fast_claims(fd.signer, [(cid_n("a", 1), "title", "changed",
-                                                        NOW_MS + 1)]))
+    await fd.post(
+        fd_update := fast_claims(fd.signer, [(cid_n("a", 1), "title", "changed", NOW_MS + 1)])
+    )
     assert fd_update
     await reader.until(lambda r: r.position == 7, replica)
     assert replica.state == fd.records() and replica.seqs == [7]
@@ -394,12 +483,19 @@ async def test_replay_after_a_cursor_then_live(fd: Feed) -> None:
     await at_head.close()
 
 
-@pytest.mark.parametrize(("cursor", "reason"), [
-    ("0-0", "unknown_epoch"), ("1-1", "unknown_epoch"), ("{epoch_plus}-3", "unknown_epoch"),
-    ("{epoch}-7", "future"), ("{epoch}-1007", "future"),
-])
-async def test_unusable_cursors_get_gap_snapshot_synced_live(fd: Feed, cursor: str,
-                                                              reason: str) -> None:
+@pytest.mark.parametrize(
+    ("cursor", "reason"),
+    [
+        ("0-0", "unknown_epoch"),
+        ("1-1", "unknown_epoch"),
+        ("{epoch_plus}-3", "unknown_epoch"),
+        ("{epoch}-7", "future"),
+        ("{epoch}-1007", "future"),
+    ],
+)
+async def test_unusable_cursors_get_gap_snapshot_synced_live(
+    fd: Feed, cursor: str, reason: str
+) -> None:
     await fd.post(new_cid_claims(fd.signer, "g", 3))
     cursor = cursor.format(epoch=fd.epoch, epoch_plus=fd.epoch + 1)
     replica = Replica()
@@ -426,7 +522,8 @@ async def test_retention_too_old_cursor_and_lagging_subscriber(fd: Feed) -> None
     assert deleted == 2_000
     # cursors: 2,000 still has every later event (2,001…); 1,999 lost one
     assert (await fd.reader(fd.cursor(1_999)).next()) == Frame(
-        "gap", None, {"requested": fd.cursor(1_999), "reason": "too_old"})
+        "gap", None, {"requested": fd.cursor(1_999), "reason": "too_old"}
+    )
     replay = Replica(fd.cursor(2_000), gaps_allowed=False)
     await fd.reader(fd.cursor(2_000)).until(lambda r: bool(r.synced), replay)
     assert replay.seqs == list(range(2_001, 3_001))
@@ -452,19 +549,28 @@ async def test_everything_pruned_by_age_keeps_the_counter(fd: Feed) -> None:
 
 
 async def test_filters_apply_to_replay_snapshot_and_live(fd: Feed) -> None:
-    batch = fast_claims(fd.signer, [(cid_n("f", i), key, f"{key} {i}", NOW_MS)
-                                    for i in range(3) for key in ("title", "year", "genre")])
+    batch = fast_claims(
+        fd.signer,
+        [
+            (cid_n("f", i), key, f"{key} {i}", NOW_MS)
+            for i in range(3)
+            for key in ("title", "year", "genre")
+        ],
+    )
     await fd.post(batch)
     rid0, rid1, rid2 = (fd.rid(cid_n("f", i)) for i in range(3))
     cases: list[tuple[set[str], tuple[str, ...]]] = [
-        ({rid0}, ()), (set(), ("ti", "ye")), ({rid1, rid2}, ("genre",)), (set(), ("cids/",)),
-        ({rid0}, ("nothing",))]
+        ({rid0}, ()),
+        (set(), ("ti", "ye")),
+        ({rid1, rid2}, ("genre",)),
+        (set(), ("cids/",)),
+        ({rid0}, ("nothing",)),
+    ]
     subs = []
     for rid_set, prefixes in cases:
         where = sse.Filter.of(rid_set, prefixes).matches
         replay = Replica(fd.cursor(0), dense=False, gaps_allowed=False)
-        replay_reader = fd.reader(fd.cursor(0), rid=[r.lower() for r in rid_set],
-                                  prefix=prefixes)
+        replay_reader = fd.reader(fd.cursor(0), rid=[r.lower() for r in rid_set], prefix=prefixes)
         await replay_reader.until(lambda r: bool(r.synced), replay)
         assert replay.state == fd.records(where), (rid_set, prefixes)
         assert replay.synced == [fd.cursor(fd.head)]
@@ -477,16 +583,29 @@ async def test_filters_apply_to_replay_snapshot_and_live(fd: Feed) -> None:
         live_reader = fd.reader(rid=rid_set, prefix=prefixes)
         subs.append((where, [(replay, replay_reader), (snap, snap_reader), (live, live_reader)]))
     mark = fd.head
-    await fd.post(fast_claims(fd.signer, [
-        (cid_n("f", 0), "title", "new title 0", NOW_MS + 1),
-        (cid_n("f", 1), "year", None, NOW_MS + 1),
-        (cid_n("f", 2), "genre", "new genre 2", NOW_MS + 1),
-        (cid_n("f", 2), "plot", "plot 2", NOW_MS + 1),
-    ]))
+    await fd.post(
+        fast_claims(
+            fd.signer,
+            [
+                (cid_n("f", 0), "title", "new title 0", NOW_MS + 1),
+                (cid_n("f", 1), "year", None, NOW_MS + 1),
+                (cid_n("f", 2), "genre", "new genre 2", NOW_MS + 1),
+                (cid_n("f", 2), "plot", "plot 2", NOW_MS + 1),
+            ],
+        )
+    )
     # last, an event each filter admits, so every reader can tell it has seen all before it
-    await fd.post(fast_claims(fd.signer, [
-        (cid_n("f", 0), "title", "end", NOW_MS + 2), (cid_n("f", 2), "genre", "end", NOW_MS + 2),
-        (cid_n("f", 0), "nothingness", "end", NOW_MS), (cid_n("f", 9), "x", "end", NOW_MS)]))
+    await fd.post(
+        fast_claims(
+            fd.signer,
+            [
+                (cid_n("f", 0), "title", "end", NOW_MS + 2),
+                (cid_n("f", 2), "genre", "end", NOW_MS + 2),
+                (cid_n("f", 0), "nothingness", "end", NOW_MS),
+                (cid_n("f", 9), "x", "end", NOW_MS),
+            ],
+        )
+    )
     changed = feed_rows(fd, mark)
     for where, readers in subs:
         expected = [seq for seq, rid, key in changed if where(rid, key)]
@@ -502,15 +621,20 @@ async def test_filters_apply_to_replay_snapshot_and_live(fd: Feed) -> None:
 
 
 def feed_rows(fd: Feed, after: int) -> list[tuple[int, str, str]]:
-    return [(seq, rid, key) for seq, rid, key in fd.node.cache.conn.execute(
-        "SELECT seq, rid, key FROM feed WHERE seq > ? ORDER BY seq", (after,))]
+    return [
+        (seq, rid, key)
+        for seq, rid, key in fd.node.cache.conn.execute(
+            "SELECT seq, rid, key FROM feed WHERE seq > ? ORDER BY seq", (after,)
+        )
+    ]
 
 
 async def test_merge_is_del_for_the_loser_and_set_for_the_survivor(fd: Feed) -> None:
     a, b = cid_n("m", 1), cid_n("m", 2)
     await fd.post(fast_claims(fd.signer, [(a, "title", "old group", NOW_MS)]))
-    await fd.post(fast_claims(fd.signer, [(b, "title", "new group", NOW_MS + 1),
-                                          (b, "genre", "sf", NOW_MS)]))
+    await fd.post(
+        fast_claims(fd.signer, [(b, "title", "new group", NOW_MS + 1), (b, "genre", "sf", NOW_MS)])
+    )
     older, newer = fd.rid(a), fd.rid(b)
     assert older < newer
     replica = Replica(fd.cursor(fd.head))
@@ -519,14 +643,18 @@ async def test_merge_is_del_for_the_loser_and_set_for_the_survivor(fd: Feed) -> 
     mark = len(replica.seqs)
     await fd.post(fast_claims(fd.signer, [(b, f"cids/{a}", "true", NOW_MS)]))
     await reader.until(lambda r: r.position == fd.head, replica)
-    events = [(f.event, f.data["rid"], f.data["key"], f.data.get("value"))
-              for f in replica.history[mark:]]
+    events = [
+        (f.event, f.data["rid"], f.data["key"], f.data.get("value")) for f in replica.history[mark:]
+    ]
     assert events == sorted(events, key=lambda e: e[1] != newer)  # every del first
     assert {e for e in events if e[1] == newer} == {
-        ("del", newer, k, None) for k in ("title", "genre", f"cids/{b}")}
+        ("del", newer, k, None) for k in ("title", "genre", f"cids/{b}")
+    }
     assert {e for e in events if e[1] == older} == {
-        ("set", older, "title", "new group"), ("set", older, "genre", "sf"),
-        ("set", older, f"cids/{b}", "true")}
+        ("set", older, "title", "new group"),
+        ("set", older, "genre", "sf"),
+        ("set", older, f"cids/{b}", "true"),
+    }
     assert_agrees(replica, fd.records())
     assert not any(rid == newer for rid, _ in fd.records())
     await reader.close()
@@ -542,8 +670,7 @@ async def test_keep_alive_when_idle(fd: Feed) -> None:
     await reader.close()
 
 
-async def test_keep_alive_reaches_a_filtered_subscriber_while_other_events_flow(
-        fd: Feed) -> None:
+async def test_keep_alive_reaches_a_filtered_subscriber_while_other_events_flow(fd: Feed) -> None:
     """Regression: the keep-alive was sent only when the whole feed had been quiet, so a
     subscriber whose filter admitted none of a steady flow of events heard nothing, ever."""
     keep_alive_s = 0.2
@@ -565,14 +692,19 @@ async def test_keep_alive_reaches_a_filtered_subscriber_while_other_events_flow(
     await asyncio.gather(listener, return_exceptions=True)
     assert fd.head == 2 * n
     assert Frame(comment="keep-alive") in heard, (
-        f"{n} posts over 30 s, no keep-alive to a filtered subscriber")
+        f"{n} posts over 30 s, no keep-alive to a filtered subscriber"
+    )
 
 
 async def test_snapshot_and_live_tail_are_exact_while_ingesting(fd: Feed) -> None:
     """Subscribers that join mid-ingest (snapshot, replay or gap) end equal to the records."""
     batches = [new_cid_claims(fd.signer, f"c{b}", 100) for b in range(12)]
-    updates = [fast_claims(fd.signer, [(cid_n(f"c{b}", i), "title", f"v{b}", NOW_MS + 1)
-                                       for i in range(0, 100, 3)]) for b in range(6)]
+    updates = [
+        fast_claims(
+            fd.signer, [(cid_n(f"c{b}", i), "title", f"v{b}", NOW_MS + 1) for i in range(0, 100, 3)]
+        )
+        for b in range(6)
+    ]
     joined: list[tuple[Replica, Reader]] = []
 
     async def ingest() -> None:
@@ -618,25 +750,33 @@ async def test_rebuild_while_a_subscriber_drains_never_mislabels_events(fd: Feed
     old epoch's ids."""
     await fd.post(new_cid_claims(fd.signer, "e", 400))  # 800 events in the old epoch
     old_epoch = fd.epoch
-    old_feed = {seq: (rid, op, key, value) for seq, rid, op, key, value in
-                fd.node.cache.conn.execute("SELECT seq, rid, op, key, value FROM feed")}
+    old_feed = {
+        seq: (rid, op, key, value)
+        for seq, rid, op, key, value in fd.node.cache.conn.execute(
+            "SELECT seq, rid, op, key, value FROM feed"
+        )
+    }
     replica = Replica(fd.cursor(0))
     lagging = fd.reader(fd.cursor(0))
     replica.apply_all(await lagging.take(10))  # it has fetched its first page (1…PAGE)
     await fd.node.cache.build(fd.node.truth)  # what `metanode rebuild-cache` does, here live
     await fd.post(new_cid_claims(fd.signer, "e", 350, start=400))  # 700 events, new epoch
     assert fd.epoch != old_epoch and fd.head == 700
-    await lagging.until(lambda r: r.epoch == fd.epoch and r.position == 700, replica,
-                        limit=5_000)
+    await lagging.until(lambda r: r.epoch == fd.epoch and r.position == 700, replica, limit=5_000)
     old_events = [f for f in replica.history if f.id and f.id.startswith(f"{old_epoch}-")]
-    mislabelled = [f for f in old_events
-                   if old_feed[f.seq] != (f.data["rid"], f.event, f.data["key"],
-                                          f.data.get("value"))]
-    assert not mislabelled, f"{len(mislabelled)} events not in the old epoch, e.g. " \
+    mislabelled = [
+        f
+        for f in old_events
+        if old_feed[f.seq] != (f.data["rid"], f.event, f.data["key"], f.data.get("value"))
+    ]
+    assert not mislabelled, (
+        f"{len(mislabelled)} events not in the old epoch, e.g. "
         f"{mislabelled[0]} (the old epoch's {mislabelled[0].id} was {old_feed[mislabelled[0].seq]})"
+    )
     assert [f.seq for f in old_events] == list(range(1, feed.PAGE + 1))
-    assert replica.gaps == [{"requested": sse.event_id(old_epoch, feed.PAGE),
-                             "reason": "unknown_epoch"}]
+    assert replica.gaps == [
+        {"requested": sse.event_id(old_epoch, feed.PAGE), "reason": "unknown_epoch"}
+    ]
     assert replica.state == fd.records()
     await lagging.close()
 
@@ -660,7 +800,6 @@ async def test_rebuild_while_a_subscriber_waits_gives_gap_unknown_epoch(fd: Feed
     await reader.close()
 
 
-
 # -- the shared reader (feed.Hub) -----------------------------------------------------------
 
 
@@ -668,7 +807,8 @@ def table_frames(fd: Feed, after: int, upto: int) -> bytes:
     """The frames of the feed rows in (after, upto], straight from the table."""
     rows = fd.node.cache.conn.execute(
         "SELECT seq, rid, op, key, value FROM feed WHERE seq > ? AND seq <= ? ORDER BY seq",
-        (after, upto)).fetchall()
+        (after, upto),
+    ).fetchall()
     assert [row[0] for row in rows] == list(range(after + 1, upto + 1)), "not dense"
     return b"".join(sse.change(fd.epoch, *row).encode() for row in rows)
 

@@ -56,8 +56,9 @@ def http(server: Server, timeout: float = WAIT_S) -> httpx.Client:
 
 def register(server: Server, signer: Signer, may_link: bool = False) -> None:
     with http(server) as client:
-        response = client.post("/api/signers", json={"uid": signer.uid, "name": "feed",
-                                                     "may_link": may_link})
+        response = client.post(
+            "/api/signers", json={"uid": signer.uid, "name": "feed", "may_link": may_link}
+        )
     assert response.status_code == 200, response.text
 
 
@@ -71,7 +72,7 @@ def post(client: httpx.Client, batch: list[dict[str, Any]]) -> None:
 def post_all(server: Server, batch: list[dict[str, Any]], size: int = 1_000) -> None:
     with http(server) as client:
         for i in range(0, len(batch), size):
-            post(client, batch[i:i + size])
+            post(client, batch[i : i + size])
 
 
 def epoch(server: Server) -> int:
@@ -99,8 +100,9 @@ def open_cache(server: Server) -> sqlite3.Connection:
     return sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
 
 
-def records(server: Server, where: Callable[[str, str], bool] | None = None
-            ) -> dict[tuple[str, str], str]:
+def records(
+    server: Server, where: Callable[[str, str], bool] | None = None
+) -> dict[tuple[str, str], str]:
     conn = open_cache(server)
     try:
         rows = conn.execute("SELECT rid, key, value FROM records").fetchall()
@@ -176,8 +178,15 @@ def test_live_delivery_headers_and_exact_bytes(server: Server) -> None:
     value = 'Amélie "line one\nline two" ☃\u2028🎬'
     post_all(server, fast_claims(signer, [(cid_n("before", 0), "title", value, NOW_MS + 1)]))
     rid = records_rid(server, cid_n("before", 0))
-    expected = ('id: ' + cursor(ep, 5) + '\nevent: set\ndata: {"rid":"' + rid +
-                '","key":"title","value":' + json.dumps(value, ensure_ascii=False) + '}\n\n')
+    expected = (
+        "id: "
+        + cursor(ep, 5)
+        + '\nevent: set\ndata: {"rid":"'
+        + rid
+        + '","key":"title","value":'
+        + json.dumps(value, ensure_ascii=False)
+        + "}\n\n"
+    )
     got = b""
     while len(got) < len(expected.encode()):
         got += stream.body()
@@ -185,7 +194,9 @@ def test_live_delivery_headers_and_exact_bytes(server: Server) -> None:
     post_all(server, new_cid_claims(signer, "after", 1))
     frames = stream.take(2)
     assert [(f.id, f.event, f.data["key"]) for f in frames] == [
-        (cursor(ep, 6), "set", f"cids/{cid_n('after', 0)}"), (cursor(ep, 7), "set", "title")]
+        (cursor(ep, 6), "set", f"cids/{cid_n('after', 0)}"),
+        (cursor(ep, 7), "set", "title"),
+    ]
     stream.close()
 
 
@@ -208,11 +219,15 @@ def test_resume_after_random_disconnects_loses_and_repeats_nothing(server: Serve
     signer = Signer()
     register(server, signer)
     n = 2_500
-    phases = [new_cid_claims(signer, "r", n),  # 5,000 events
-              fast_claims(signer, [(cid_n("r", i), "year", str(1900 + i % 100), NOW_MS)
-                                   for i in range(n)]),  # 2,500
-              fast_claims(signer, [(cid_n("r", i), "title", f"retitled {i}", NOW_MS + 1)
-                                   for i in range(n)])]  # 2,500
+    phases = [
+        new_cid_claims(signer, "r", n),  # 5,000 events
+        fast_claims(
+            signer, [(cid_n("r", i), "year", str(1900 + i % 100), NOW_MS) for i in range(n)]
+        ),  # 2,500
+        fast_claims(
+            signer, [(cid_n("r", i), "title", f"retitled {i}", NOW_MS + 1) for i in range(n)]
+        ),
+    ]  # 2,500
     total = 2 * n + n + n
     failures: list[BaseException] = []
 
@@ -221,7 +236,7 @@ def test_resume_after_random_disconnects_loses_and_repeats_nothing(server: Serve
             with http(server, STALL_S) as client:
                 for batch in phases:
                     for i in range(0, len(batch), 250):
-                        post(client, batch[i:i + 250])
+                        post(client, batch[i : i + 250])
         except BaseException as exc:  # reported by the main thread
             failures.append(exc)
 
@@ -256,7 +271,8 @@ def test_resume_after_random_disconnects_loses_and_repeats_nothing(server: Serve
 
 
 def test_disconnects_while_events_flow_disturb_neither_ingest_nor_other_subscribers(
-        server: Server) -> None:
+    server: Server,
+) -> None:
     """Regression: on HEAD 8a77073, Applier.wait_feed's `async with cond` around
     `asyncio.wait_for(cond.wait_for(...))` let a cancelled subscriber release the condition's
     lock while another task held it (Python 3.11 runs the inner wait as its own task, and
@@ -306,13 +322,20 @@ def test_unusable_cursors_get_gap_then_snapshot_then_live(server: Server) -> Non
     register(server, signer)
     post_all(server, new_cid_claims(signer, "g", 4))  # events 1–8
     ep = epoch(server)
-    cases = [("0-0", "unknown_epoch", "header"), ("1-1", "unknown_epoch", "since"),
-             (cursor(ep + 1, 8), "unknown_epoch", "header"),
-             (cursor(ep, 8 + 1_000), "future", "since"), (cursor(ep, 9), "future", "header")]
+    cases = [
+        ("0-0", "unknown_epoch", "header"),
+        ("1-1", "unknown_epoch", "since"),
+        (cursor(ep + 1, 8), "unknown_epoch", "header"),
+        (cursor(ep, 8 + 1_000), "future", "since"),
+        (cursor(ep, 9), "future", "header"),
+    ]
     streams = []
     for text, reason, how in cases:
-        stream = (Stream(server, last_event_id=text) if how == "header"
-                  else Stream(server, [("since", text)]))
+        stream = (
+            Stream(server, last_event_id=text)
+            if how == "header"
+            else Stream(server, [("since", text)])
+        )
         assert stream.next() == Frame("gap", None, {"requested": text, "reason": reason})
         replica = Replica()
         replica.apply(Frame("gap", None, {"requested": text, "reason": reason}))
@@ -337,7 +360,8 @@ def test_unusable_cursors_get_gap_then_snapshot_then_live(server: Server) -> Non
         stream.until(lambda r: r.position == 9, replica)
     for _, replica in streams:
         assert replica.history[-1] == Frame(
-            "del", cursor(ep, 9), {"rid": records_rid(server, cid_n("g", 0)), "key": "title"})
+            "del", cursor(ep, 9), {"rid": records_rid(server, cid_n("g", 0)), "key": "title"}
+        )
         if replica.snapshot_sizes:
             assert replica.state == records(server)
         assert_agrees(replica, records(server))
@@ -351,8 +375,10 @@ def test_merge_arrives_as_del_for_the_loser_and_set_for_the_survivor(server: Ser
     register(server, linker, may_link=True)
     a, b = cid_n("merge", 1), cid_n("merge", 2)
     post_all(server, fast_claims(linker, [(a, "title", "old group", NOW_MS)]))
-    post_all(server, fast_claims(linker, [(b, "title", "new group", NOW_MS + 1),
-                                          (b, "genre", "sf", NOW_MS)]))
+    post_all(
+        server,
+        fast_claims(linker, [(b, "title", "new group", NOW_MS + 1), (b, "genre", "sf", NOW_MS)]),
+    )
     older, newer = records_rid(server, a), records_rid(server, b)
     assert older < newer
     ep = epoch(server)
@@ -362,18 +388,22 @@ def test_merge_arrives_as_del_for_the_loser_and_set_for_the_survivor(server: Ser
     post_all(server, fast_claims(linker, [(b, f"cids/{a}", "true", NOW_MS)]))
     last = int(head(server).rsplit("-", 1)[1])
     replica = live.until(lambda r: r.position == last, Replica(cursor(ep, mark)))
-    events = [(f.event, f.data["rid"], f.data["key"], f.data.get("value"))
-              for f in replica.history]
+    events = [(f.event, f.data["rid"], f.data["key"], f.data.get("value")) for f in replica.history]
     dels = [e for e in events if e[0] == "del"]
-    assert events[:len(dels)] == dels, "every del comes before the survivor's sets"
+    assert events[: len(dels)] == dels, "every del comes before the survivor's sets"
     assert sorted(dels) == sorted(("del", newer, k, None) for k in ("title", "genre", f"cids/{b}"))
-    assert sorted(events[len(dels):]) == sorted([
-        ("set", older, f"cids/{b}", "true"), ("set", older, "genre", "sf"),
-        ("set", older, "title", "new group")])
+    assert sorted(events[len(dels) :]) == sorted(
+        [
+            ("set", older, f"cids/{b}", "true"),
+            ("set", older, "genre", "sf"),
+            ("set", older, "title", "new group"),
+        ]
+    )
     assert_agrees(replica, records(server))
     assert not any(rid == newer for rid, _ in records(server))
-    loser = only_loser.until(lambda r: len(r.seqs) == len(dels),
-                             Replica(cursor(ep, mark), dense=False))
+    loser = only_loser.until(
+        lambda r: len(r.seqs) == len(dels), Replica(cursor(ep, mark), dense=False)
+    )
     assert [f.event for f in loser.history] == ["del"] * len(dels)
     # a consumer re-resolves by CID: both CIDs now name the survivor
     assert records_rid(server, a) == records_rid(server, b) == older
@@ -384,19 +414,32 @@ def test_merge_arrives_as_del_for_the_loser_and_set_for_the_survivor(server: Ser
 def test_filters_on_replay_snapshot_and_live(server: Server) -> None:
     signer = Signer()
     register(server, signer)
-    post_all(server, fast_claims(signer, [(cid_n("f", i), key, f"{key} {i}", NOW_MS)
-                                          for i in range(3) for key in ("title", "year")]))
+    post_all(
+        server,
+        fast_claims(
+            signer,
+            [
+                (cid_n("f", i), key, f"{key} {i}", NOW_MS)
+                for i in range(3)
+                for key in ("title", "year")
+            ],
+        ),
+    )
     rid0, rid1 = records_rid(server, cid_n("f", 0)), records_rid(server, cid_n("f", 1))
     ep = epoch(server)
     cases: list[tuple[list[str], list[str]]] = [
-        ([rid0.lower()], []), ([], ["ti"]), ([rid0, rid1], ["year", "cids/"])]
+        ([rid0.lower()], []),
+        ([], ["ti"]),
+        ([rid0, rid1], ["year", "cids/"]),
+    ]
     followers = []
     for rid_values, prefixes in cases:
         where = sse.Filter.of(rid_values, prefixes).matches
         params = [("rid", r) for r in rid_values] + [("prefix", p) for p in prefixes]
         replay = Stream(server, [*params, ("since", cursor(ep, 0))])
-        replayed = replay.until(lambda r: bool(r.synced),
-                                Replica(cursor(ep, 0), dense=False, gaps_allowed=False))
+        replayed = replay.until(
+            lambda r: bool(r.synced), Replica(cursor(ep, 0), dense=False, gaps_allowed=False)
+        )
         assert replayed.state == records(server, where) and replayed.state
         snap = Stream(server, [*params, ("snapshot", "1")])
         snapped = snap.until(lambda r: bool(r.synced), Replica(dense=False, gaps_allowed=False))
@@ -405,19 +448,44 @@ def test_filters_on_replay_snapshot_and_live(server: Server) -> None:
         gapped = gap.until(lambda r: bool(r.synced), Replica(dense=False))
         assert gapped.gaps and gapped.state == records(server, where)
         live = Stream(server, params)
-        followers += [(where, s, r) for s, r in ((replay, replayed), (snap, snapped),
-                                                 (gap, gapped), (live, Replica(dense=False)))]
+        followers += [
+            (where, s, r)
+            for s, r in (
+                (replay, replayed),
+                (snap, snapped),
+                (gap, gapped),
+                (live, Replica(dense=False)),
+            )
+        ]
     mark = int(head(server).rsplit("-", 1)[1])
-    post_all(server, fast_claims(signer, [
-        (cid_n("f", 0), "title", "new 0", NOW_MS + 1), (cid_n("f", 1), "year", None, NOW_MS + 1),
-        (cid_n("f", 2), "title", "new 2", NOW_MS + 1), (cid_n("f", 1), "plot", "p", NOW_MS)]))
+    post_all(
+        server,
+        fast_claims(
+            signer,
+            [
+                (cid_n("f", 0), "title", "new 0", NOW_MS + 1),
+                (cid_n("f", 1), "year", None, NOW_MS + 1),
+                (cid_n("f", 2), "title", "new 2", NOW_MS + 1),
+                (cid_n("f", 1), "plot", "p", NOW_MS),
+            ],
+        ),
+    )
     # last, one event every filter admits, so a reader knows it has seen everything before it
-    post_all(server, fast_claims(signer, [(cid_n("f", 0), "title", "end", NOW_MS + 2),
-                                          (cid_n("f", 1), "year", "end", NOW_MS + 2)]))
+    post_all(
+        server,
+        fast_claims(
+            signer,
+            [
+                (cid_n("f", 0), "title", "end", NOW_MS + 2),
+                (cid_n("f", 1), "year", "end", NOW_MS + 2),
+            ],
+        ),
+    )
     conn = open_cache(server)
     try:
-        changed = conn.execute("SELECT seq, rid, key FROM feed WHERE seq > ? ORDER BY seq",
-                               (mark,)).fetchall()
+        changed = conn.execute(
+            "SELECT seq, rid, key FROM feed WHERE seq > ? ORDER BY seq", (mark,)
+        ).fetchall()
     finally:
         conn.close()
     for where, stream, replica in followers:
@@ -433,13 +501,15 @@ def test_filters_on_replay_snapshot_and_live(server: Server) -> None:
 
 @pytest.mark.parametrize("pruned", [True, False], ids=["retention-1000", "no-pruning"])
 def test_a_stalled_subscriber_blocks_nothing_and_loses_nothing(
-        launch: Launch, bulk: tuple[Signer, list[dict[str, Any]]], pruned: bool) -> None:
+    launch: Launch, bulk: tuple[Signer, list[dict[str, Any]]], pruned: bool
+) -> None:
     """A subscriber that stops reading (small receive buffer, no reads) while 50,000 events
     flow: ingest completes, a reading subscriber keeps up meanwhile (without pruning; with it,
     a reader in this busy test process may lag past 1,000 events itself), and when the stalled
     one reads again it gets every event in order, or (past retention) gap then snapshot."""
-    env = ({"METANODE_FEED_RETENTION_EVENTS": "1000", "METANODE_FEED_PRUNE_S": "0.2"}
-           if pruned else {})
+    env = (
+        {"METANODE_FEED_RETENTION_EVENTS": "1000", "METANODE_FEED_PRUNE_S": "0.2"} if pruned else {}
+    )
     server = launch(env)
     signer, batch = bulk
     register(server, signer)
@@ -471,8 +541,10 @@ def test_a_stalled_subscriber_blocks_nothing_and_loses_nothing(
         assert not reader_errors, reader_errors
         assert reader_replica.state == want
     if pruned:
-        wait_until("retention to prune the feed to 1,000 events",
-                   lambda: cache_value(server, "SELECT count(*) FROM feed") <= 1_000)
+        wait_until(
+            "retention to prune the feed to 1,000 events",
+            lambda: cache_value(server, "SELECT count(*) FROM feed") <= 1_000,
+        )
     replica = Replica(cursor(ep, 0), gaps_allowed=pruned)
     stalled.until(lambda r: r.position >= total and not r.in_snapshot, replica)
     stalled.close()
@@ -541,12 +613,14 @@ def subscriber_wave(server: Server, signer: Signer, wave: int) -> None:
         ([], cursor(ep, 0), lambda: Replica(cursor(ep, 0))),  # replay from the start
         ([("snapshot", "1")], None, lambda: Replica()),  # a snapshot of every record
         ([], "0-0", lambda: Replica()),  # gap + snapshot
-        ([("prefix", "title")], cursor(ep, 1_000), lambda: Replica(cursor(ep, 1_000),
-                                                                   dense=False)),
+        ([("prefix", "title")], cursor(ep, 1_000), lambda: Replica(cursor(ep, 1_000), dense=False)),
     ]
     idle_sockets = settled(lambda: sockets(server))
-    streams = [(Stream(server, params, last_event_id=last), make())
-               for _ in range(12) for params, last, make in kinds]
+    streams = [
+        (Stream(server, params, last_event_id=last), make())
+        for _ in range(12)
+        for params, last, make in kinds
+    ]
     wait_until("60 subscribers to be connected", lambda: sockets(server) >= idle_sockets + 60)
     if feed_subscribers(server) is not None:
         wait_until("the gauge to count 60 subscribers", lambda: feed_subscribers(server) == 60)
@@ -566,8 +640,11 @@ def subscriber_wave(server: Server, signer: Signer, wave: int) -> None:
             replica.apply_all(stream.take(n % 7))
     for stream, _ in streams:
         stream.close()
-    wait_until(f"the server to close every subscriber's socket (open: {sockets(server)}, "
-               f"before: {idle_sockets})", lambda: sockets(server) <= idle_sockets)
+    wait_until(
+        f"the server to close every subscriber's socket (open: {sockets(server)}, "
+        f"before: {idle_sockets})",
+        lambda: sockets(server) <= idle_sockets,
+    )
     if feed_subscribers(server) is not None:
         wait_until("the gauge to count no subscriber", lambda: feed_subscribers(server) == 0)
 
@@ -611,8 +688,10 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
     register(server, signer)
     post_all(server, new_cid_claims(signer, "keep", 1_500))  # events 1–3,000
     ep = epoch(server)
-    wait_until("retention to keep the newest 1,000 events",
-               lambda: cache_value(server, "SELECT min(seq) FROM feed") == 2_001)
+    wait_until(
+        "retention to keep the newest 1,000 events",
+        lambda: cache_value(server, "SELECT min(seq) FROM feed") == 2_001,
+    )
     too_old = Frame("gap", None, {"requested": cursor(ep, 1_999), "reason": "too_old"})
     assert first_frame(server, cursor(ep, 1_999)) == too_old
     server.stop(grace=10.0)
@@ -621,8 +700,7 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
     assert epoch(server) == ep
     assert first_frame(server, cursor(ep, 1_999)) == too_old
     stream = Stream(server, last_event_id=cursor(ep, 2_000))
-    replica = stream.until(lambda r: bool(r.synced), Replica(cursor(ep, 2_000),
-                                                             gaps_allowed=False))
+    replica = stream.until(lambda r: bool(r.synced), Replica(cursor(ep, 2_000), gaps_allowed=False))
     assert replica.seqs == list(range(2_001, 3_001)) and replica.synced == [cursor(ep, 3_000)]
     post_all(server, new_cid_claims(signer, "keep", 1, start=1_500))
     stream.until(lambda r: r.position == 3_002, replica)
@@ -632,10 +710,14 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
 
     # retention by age (about 0.9 s here): the feed empties, the counter still goes on
     server = launch({"METANODE_FEED_RETENTION_DAYS": "0.00001", "METANODE_FEED_PRUNE_S": "0.2"})
-    wait_until("retention by age to empty the feed",
-               lambda: cache_value(server, "SELECT count(*) FROM feed") == 0)
-    assert first_frame(server, cursor(ep, 3_001)).data == {"requested": cursor(ep, 3_001),
-                                                           "reason": "too_old"}
+    wait_until(
+        "retention by age to empty the feed",
+        lambda: cache_value(server, "SELECT count(*) FROM feed") == 0,
+    )
+    assert first_frame(server, cursor(ep, 3_001)).data == {
+        "requested": cursor(ep, 3_001),
+        "reason": "too_old",
+    }
     at_head = Stream(server, last_event_id=cursor(ep, 3_002))
     assert at_head.next() == Frame("synced", None, {"id": cursor(ep, 3_002)})
     post_all(server, new_cid_claims(signer, "keep", 1, start=1_501))
@@ -652,8 +734,12 @@ def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
     old = cursor(old_epoch, 10)
     before = records(server)
     server.stop(grace=10.0)
-    done = subprocess.run([sys.executable, "-m", "metanode", "rebuild-cache", "--data-dir",
-                           str(server.data_dir)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "rebuild-cache", "--data-dir", str(server.data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     server = launch()
     new_epoch = epoch(server)
@@ -666,7 +752,8 @@ def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
     stream.until(lambda r: bool(r.synced), replica)
     assert replica.synced == [cursor(new_epoch, 0)] and replica.state == before
     assert first_frame(server, cursor(new_epoch, 0)) == Frame(
-        "synced", None, {"id": cursor(new_epoch, 0)})
+        "synced", None, {"id": cursor(new_epoch, 0)}
+    )
     post_all(server, new_cid_claims(signer, "rebuild", 1, start=5))
     stream.until(lambda r: r.position == 2, replica)
     assert [f.id for f in replica.history] == [cursor(new_epoch, 1), cursor(new_epoch, 2)]
@@ -701,7 +788,10 @@ class Cli:
         env = {**os.environ, "METANODE_TOKEN": server.token}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "metanode", "events", "--url", server.url, *args],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         self.lines: queue.Queue[str | None] = queue.Queue()
         assert self.proc.stdout is not None
         threading.Thread(target=self._pump, args=(self.proc.stdout,), daemon=True).start()
@@ -719,8 +809,10 @@ class Cli:
         if text is None:
             self.proc.wait(timeout=WAIT_S)
             assert self.proc.stderr is not None
-            raise AssertionError(f"`metanode events` exited {self.proc.returncode}: "
-                                 f"{self.proc.stderr.read().decode()[-2000:]}")
+            raise AssertionError(
+                f"`metanode events` exited {self.proc.returncode}: "
+                f"{self.proc.stderr.read().decode()[-2000:]}"
+            )
         return text
 
     def stop(self) -> None:
@@ -765,7 +857,8 @@ def test_events_cli_prints_the_feed(launch: Launch) -> None:
         post_all(server, fast_claims(signer, [(cid_n("cli", 0), "title", "new ☃", NOW_MS + 1)]))
         rid = records_rid(server, cid_n("cli", 0))
         assert snapshot.line() == (
-            f'{cursor(ep, 7)} set {{"rid":"{rid}","key":"title","value":"new ☃"}}')
+            f'{cursor(ep, 7)} set {{"rid":"{rid}","key":"title","value":"new ☃"}}'
+        )
     finally:
         snapshot.stop()
     since = Cli(server, "--since", cursor(ep, 0), "--prefix", "title")
@@ -774,7 +867,8 @@ def test_events_cli_prints_the_feed(launch: Launch) -> None:
     finally:
         since.stop()
     assert [(i, k, d["key"]) for i, k, d in got[:4]] == [
-        (cursor(ep, seq), "set", "title") for seq in (2, 4, 6, 7)]
+        (cursor(ep, seq), "set", "title") for seq in (2, 4, 6, 7)
+    ]
     assert got[3][2]["value"] == "new ☃"
     assert got[4] == ("-", "synced", {"id": cursor(ep, 7)})
 
@@ -796,4 +890,5 @@ def test_events_cli_prints_values_with_unicode_line_separators(launch: Launch) -
     finally:
         cli.stop()
     assert first == f"{cursor(ep, 2)} set " + json.dumps(
-        {"rid": rid, "key": "title", "value": value}, ensure_ascii=False, separators=(",", ":"))
+        {"rid": rid, "key": "title", "value": value}, ensure_ascii=False, separators=(",", ":")
+    )

@@ -109,8 +109,12 @@ def test_builder_vector_in_random_pieces(vector: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("vector", SMALL_IPFS, ids=_ids(SMALL_IPFS))
-@settings(max_examples=15, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=15,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_builder_vector_hypothesis_pieces(vector: dict[str, Any], data: st.DataObject) -> None:
     payload = content(vector)
@@ -127,16 +131,22 @@ def reference_root(data: bytes) -> str:
     chunks = [data[i : i + ipfs.CHUNK] for i in range(0, len(data), ipfs.CHUNK)] or [b""]
     level = [ipfs.leaf(chunk) for chunk in chunks]
     while len(level) > 1:
-        level = [ipfs.parent(level[i : i + ipfs.MAX_LINKS])
-                 for i in range(0, len(level), ipfs.MAX_LINKS)]
+        level = [
+            ipfs.parent(level[i : i + ipfs.MAX_LINKS]) for i in range(0, len(level), ipfs.MAX_LINKS)
+        ]
     return cids._b32encode(level[0].cid)
 
 
 @settings(max_examples=150, deadline=None, database=None)
-@given(chunk=st.integers(1, 5), links=st.integers(2, 4), size=st.integers(0, 400),
-       cuts=st.lists(st.integers(0, 400), max_size=12))
+@given(
+    chunk=st.integers(1, 5),
+    links=st.integers(2, 4),
+    size=st.integers(0, 400),
+    cuts=st.lists(st.integers(0, 400), max_size=12),
+)
 def test_builder_matches_balanced_reference_on_deep_trees(
-        chunk: int, links: int, size: int, cuts: list[int]) -> None:
+    chunk: int, links: int, size: int, cuts: list[int]
+) -> None:
     """With tiny chunks and fan-out the streaming builder makes trees of up to 8 levels; it must
     close every level exactly as the whole-file reference does (exact powers, one-past, …)."""
     with pytest.MonkeyPatch.context() as mp:
@@ -146,8 +156,9 @@ def test_builder_matches_balanced_reference_on_deep_trees(
         assert build(data, cuts) == reference_root(data)
 
 
-@pytest.mark.parametrize("chunks", [1, 2, 173, 174, 175, 348, 349, 174 * 174, 174 * 174 + 1],
-                         ids=str)
+@pytest.mark.parametrize(
+    "chunks", [1, 2, 173, 174, 175, 348, 349, 174 * 174, 174 * 174 + 1], ids=str
+)
 def test_builder_matches_reference_around_the_fan_out(chunks: int) -> None:
     """The real fan-out (174) at the level boundaries, with 4-byte chunks: only counts matter."""
     with pytest.MonkeyPatch.context() as mp:
@@ -167,15 +178,20 @@ def test_process_registers_the_links_and_size(tmp_path: Path) -> None:
     path.write_bytes(data)
     midhash, size = watcher.midhash_file(path)
     drafts: list[tuple[str, str, str | None]] = []
-    FullHash().process(LocalFile(midhash, str(path), size, path.stat().st_mtime_ns),
-                       lambda cid: None, lambda c, k, v: drafts.append((c, k, v)))
+    FullHash().process(
+        LocalFile(midhash, str(path), size, path.stat().st_mtime_ns),
+        lambda cid: None,
+        lambda c, k, v: drafts.append((c, k, v)),
+    )
     digests = hash_file(str(path))
-    assert sorted(drafts) == sorted([
-        (midhash, f"cids/{digests.sha256}", "true"),
-        (midhash, f"cids/{digests.blake3}", "true"),
-        (midhash, f"cids/{digests.ipfs}", "true"),
-        (midhash, "sizeByte", str(len(data))),
-    ])
+    assert sorted(drafts) == sorted(
+        [
+            (midhash, f"cids/{digests.sha256}", "true"),
+            (midhash, f"cids/{digests.blake3}", "true"),
+            (midhash, f"cids/{digests.ipfs}", "true"),
+            (midhash, "sizeByte", str(len(data))),
+        ]
+    )
     assert FullHash.may_link is True
 
 
@@ -185,8 +201,11 @@ def test_process_refuses_a_file_that_no_longer_has_its_midhash(tmp_path: Path) -
     other = cids.midhash_bytes(b"what the watcher hashed")
     drafts: list[tuple[str, str, str | None]] = []
     with pytest.raises(ContentChanged):
-        FullHash().process(LocalFile(other, str(path), 23, 0), lambda cid: None,
-                           lambda c, k, v: drafts.append((c, k, v)))
+        FullHash().process(
+            LocalFile(other, str(path), 23, 0),
+            lambda cid: None,
+            lambda c, k, v: drafts.append((c, k, v)),
+        )
     assert drafts == []
 
 

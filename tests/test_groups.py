@@ -36,7 +36,8 @@ def rid_of(node: Node, cid: str) -> str | None:
 
 def feed(node: Node, after: int = 0) -> list[tuple[str, str, str, str | None]]:
     rows = node.cache.conn.execute(
-        "SELECT rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq", (after,)).fetchall()
+        "SELECT rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq", (after,)
+    ).fetchall()
     return [tuple(r) for r in rows]
 
 
@@ -44,8 +45,9 @@ def feed_seq(node: Node) -> int:
     return int(node.cache.conn.execute("SELECT coalesce(max(seq), 0) FROM feed").fetchone()[0])
 
 
-async def test_first_sighting_mints_one_rid(client: httpx.AsyncClient, node: Node,
-                                            linker: Signer) -> None:
+async def test_first_sighting_mints_one_rid(
+    client: httpx.AsyncClient, node: Node, linker: Signer
+) -> None:
     await post(client, linker.claim(A, "title", "a"))
     rid = rid_of(node, A)
     assert rid is not None
@@ -93,8 +95,12 @@ async def test_merge_keeps_older_rid_and_feeds_del_then_set(
     survivor_sets = {e[2]: e[3] for e in events if e[0] == older}
     assert survivor_sets == {"title": "new group", "genre": "sf", f"cids/{B}": "true"}
     # the loser is gone from the cache and answers 404 merged with its survivor
-    assert node.cache.conn.execute(
-        "SELECT count(*) FROM records WHERE rid = ?", (newer,)).fetchone()[0] == 0
+    assert (
+        node.cache.conn.execute("SELECT count(*) FROM records WHERE rid = ?", (newer,)).fetchone()[
+            0
+        ]
+        == 0
+    )
     response = await client.get(f"/api/metadata/{newer}")
     assert response.status_code == 404
     assert response.json()["error"] == "merged" and response.json()["survivor"] == older
@@ -102,8 +108,9 @@ async def test_merge_keeps_older_rid_and_feeds_del_then_set(
     assert claims["rid"] == older and {c["cid"] for c in claims["claims"]} == {A, B}
 
 
-async def test_retracting_a_link_does_not_split(client: httpx.AsyncClient, node: Node,
-                                                linker: Signer) -> None:
+async def test_retracting_a_link_does_not_split(
+    client: httpx.AsyncClient, node: Node, linker: Signer
+) -> None:
     await post(client, linker.claim(A, f"cids/{B}", "true", ts=NOW_MS))
     rid = rid_of(node, A)
     await post(client, linker.claim(A, f"cids/{B}", None, ts=NOW_MS + 1))
@@ -112,8 +119,9 @@ async def test_retracting_a_link_does_not_split(client: httpx.AsyncClient, node:
     assert doc["metadata"][f"cids/{B}"] == "true"  # membership comes from the group
 
 
-async def test_chains_of_merges(client: httpx.AsyncClient, node: Node, linker: Signer,
-                                tmp_path: Path) -> None:
+async def test_chains_of_merges(
+    client: httpx.AsyncClient, node: Node, linker: Signer, tmp_path: Path
+) -> None:
     for cid in (A, B, C, D):
         await post(client, linker.claim(cid, "title", cid[-6:]))
     rids = {cid: rid_of(node, cid) for cid in (A, B, C, D)}
@@ -138,8 +146,9 @@ def assert_cache_is_fresh(node: Node, tmp_path: Path) -> None:
     assert report.clean, report.differences + report.bad_signatures
 
 
-async def test_weights_ties_viewer_and_blocking(client: httpx.AsyncClient, node: Node,
-                                               tmp_path: Path) -> None:
+async def test_weights_ties_viewer_and_blocking(
+    client: httpx.AsyncClient, node: Node, tmp_path: Path
+) -> None:
     light1, light2, heavy = Signer(), Signer(), Signer()
     await register(client, light1)
     await register(client, light2)
@@ -170,8 +179,12 @@ async def test_weights_ties_viewer_and_blocking(client: httpx.AsyncClient, node:
 async def test_claims_listing_filters(client: httpx.AsyncClient, linker: Signer) -> None:
     other = Signer()
     await register(client, other)
-    await post(client, linker.claim(A, "title", "x"), linker.claim(A, "year", "1"),
-               other.claim(A, "title", "y"))
+    await post(
+        client,
+        linker.claim(A, "title", "x"),
+        linker.claim(A, "year", "1"),
+        other.claim(A, "title", "y"),
+    )
     listing = (await client.get(f"/api/meta/{A}/claims", params={"key": "title"})).json()
     assert sorted(c["value"] for c in listing["claims"]) == ["x", "y"]
     listing = (await client.get(f"/api/meta/{A}/claims", params={"uid": other.uid})).json()
@@ -203,7 +216,8 @@ async def test_check_finds_a_tampered_cache_and_rebuild_repairs_it(
 ) -> None:
     await post(client, linker.claim(A, "title", "truth"))
     await node.cache.writer.run(
-        lambda conn: conn.execute("UPDATE records SET value = 'tampered' WHERE key = 'title'"))
+        lambda conn: conn.execute("UPDATE records SET value = 'tampered' WHERE key = 'title'")
+    )
     report = check(node.settings, tmp_path / "scratch.db")
     assert not report.clean
     assert any("tampered" in line for line in report.differences)
@@ -228,7 +242,8 @@ CLAIMS = st.builds(
     sig=st.sampled_from([bytes([n]) * 64 for n in range(3)]),
 )
 BATCHES = st.lists(CLAIMS, min_size=1, max_size=16).map(
-    lambda batch: batch + batch[:2])  # the same claim twice in a batch, often
+    lambda batch: batch + batch[:2]
+)  # the same claim twice in a batch, often
 
 
 class Store:
@@ -258,25 +273,35 @@ class Store:
     def dump(self) -> dict[str, list[tuple[Any, ...]]]:
         """Every truth table and the cache's records, rids named by minting order (two stores
         mint different rids for the same groups)."""
-        names = {rid: f"rid {n}" for n, (rid,) in enumerate(
-            self.truth.execute("SELECT rid FROM rids ORDER BY rid"))}
+        names = {
+            rid: f"rid {n}"
+            for n, (rid,) in enumerate(self.truth.execute("SELECT rid FROM rids ORDER BY rid"))
+        }
         tables = [(self.truth, t) for t in ("claims", "cid_group", "rids", "changes", "signers")]
         tables += [(self.cache, t) for t in ("records", "cid_index")]
-        return {table: sorted(tuple(names.get(v, v) for v in row)
-                              for row in conn.execute(f"SELECT * FROM {table}"))
-                for conn, table in tables}
+        return {
+            table: sorted(
+                tuple(names.get(v, v) for v in row)
+                for row in conn.execute(f"SELECT * FROM {table}")
+            )
+            for conn, table in tables
+        }
 
     def records(self) -> dict[tuple[str, str], str]:
-        return {(rid, key): value for rid, key, value in
-                self.cache.execute("SELECT rid, key, value FROM records")}
+        return {
+            (rid, key): value
+            for rid, key, value in self.cache.execute("SELECT rid, key, value FROM records")
+        }
 
 
-def expected_feed(before: dict[tuple[str, str], str], after: dict[tuple[str, str], str],
-                  losers: list[str]) -> list[tuple[str, str, str, str | None]]:
+def expected_feed(
+    before: dict[tuple[str, str], str], after: dict[tuple[str, str], str], losers: list[str]
+) -> list[tuple[str, str, str, str | None]]:
     """What one apply must feed: a `del` per key of each merged-away record, then every other
     changed key in (rid, key) order."""
-    events = [(rid, "del", key, None) for loser in losers
-              for rid, key in sorted(before) if rid == loser]
+    events = [
+        (rid, "del", key, None) for loser in losers for rid, key in sorted(before) if rid == loser
+    ]
     for rid, key in sorted((set(before) | set(after)) - {k for k in before if k[0] in losers}):
         value = after.get((rid, key))
         if before.get((rid, key)) != value:
@@ -310,12 +335,17 @@ def test_batches_agree_with_one_claim_at_a_time(batches: list[list[Claim]]) -> N
                 assert verdicts == [v for claim in batch for v in single.ingest([claim])]
                 single.apply()
                 assert batched.dump() == single.dump()
-                losers = [rid for (rid,) in batched.truth.execute(
-                    "SELECT rid FROM changes WHERE kind = 'merge' AND seq > ? ORDER BY seq",
-                    (mark.applied_seq,))]
+                losers = [
+                    rid
+                    for (rid,) in batched.truth.execute(
+                        "SELECT rid FROM changes WHERE kind = 'merge' AND seq > ? ORDER BY seq",
+                        (mark.applied_seq,),
+                    )
+                ]
                 fed = batched.cache.execute(
                     "SELECT rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq",
-                    (mark.feed_seq,)).fetchall()
+                    (mark.feed_seq,),
+                ).fetchall()
                 assert fed == expected_feed(before, batched.records(), losers)
             with cache.CacheStore(Path(tmp) / "fresh.db") as fresh:
                 fresh.build_sync(batched.source)

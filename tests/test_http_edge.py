@@ -83,7 +83,8 @@ def readable(sock: socket.socket) -> bool:
 
 
 def test_a_10_mb_header_is_refused_while_another_client_keeps_being_answered(
-        server: Server) -> None:
+    server: Server,
+) -> None:
     """The big header goes out 4 KiB at a time, and between two pieces the other client asks
     once: it must be answered every time, and the big sender must get 431 long before 10 MB
     (uvicorn's httptools parser alone buffered all of it, quadratically, and answered 200)."""
@@ -113,7 +114,8 @@ def vm_hwm_mib(pid: int) -> float:
 
 
 def test_a_100_mb_header_sent_at_full_speed_costs_no_memory_and_stalls_nobody(
-        server: Server) -> None:
+    server: Server,
+) -> None:
     assert server.proc is not None
     before = vm_hwm_mib(server.proc.pid)
     outcome: list[bytes] = []
@@ -181,13 +183,20 @@ def test_unparseable_http_gets_the_envelope(server: Server) -> None:
 @pytest.mark.parametrize("edge_server", [{"METANODE_BODY_TIMEOUT_S": "1"}], indirect=True)
 def test_a_body_that_stalls_is_answered_408_and_closed(edge_server: Server) -> None:
     with connect(edge_server) as sock:
-        sock.sendall(b"POST /api/signers HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json"
-                     b"\r\nAuthorization: Bearer " + edge_server.token.encode() +
-                     b"\r\nContent-Length: 100\r\n\r\n{\"uid\": ")  # 8 of the 100 bytes
+        sock.sendall(
+            b"POST /api/signers HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json"
+            b"\r\nAuthorization: Bearer "
+            + edge_server.token.encode()
+            + b'\r\nContent-Length: 100\r\n\r\n{"uid": '
+        )  # 8 of the 100 bytes
         headers = assert_envelope(read_until_closed(sock), 408, "request_timeout", True)
         assert headers["connection"] == "close"
-    assert httpx.get(f"{edge_server.url}/api/signers", headers=edge_server.headers,
-                     timeout=DEADLINE_S).json()["signers"] == []
+    assert (
+        httpx.get(
+            f"{edge_server.url}/api/signers", headers=edge_server.headers, timeout=DEADLINE_S
+        ).json()["signers"]
+        == []
+    )
 
 
 # -- connections ----------------------------------------------------------------------------------
@@ -220,14 +229,18 @@ def test_connections_beyond_max_connections_get_503_too_busy(edge_server: Server
 # -- the contract (in-process) --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("method", "path", "allow"), [
-    ("DELETE", "/api/claims", "POST"),
-    ("PUT", "/api/signers", "GET, HEAD, POST"),
-    ("POST", "/api/meta/bafkqaaa", "GET, HEAD"),
-    ("DELETE", "/meta/x/title", "GET, HEAD, PUT"),
-])
-async def test_405_names_the_allowed_methods(client: httpx.AsyncClient, method: str, path: str,
-                                             allow: str) -> None:
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("DELETE", "/api/claims", "POST"),
+        ("PUT", "/api/signers", "GET, HEAD, POST"),
+        ("POST", "/api/meta/bafkqaaa", "GET, HEAD"),
+        ("DELETE", "/meta/x/title", "GET, HEAD, PUT"),
+    ],
+)
+async def test_405_names_the_allowed_methods(
+    client: httpx.AsyncClient, method: str, path: str, allow: str
+) -> None:
     response = await client.request(method, path)
     assert response.status_code == 405
     assert response.json()["error"] == "method_not_allowed"
@@ -250,26 +263,36 @@ async def test_unknown_members_are_refused_and_named(client: httpx.AsyncClient) 
 
 
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-8-sig"])
-async def test_a_body_in_another_encoding_is_invalid_json(client: httpx.AsyncClient,
-                                                           encoding: str) -> None:
+async def test_a_body_in_another_encoding_is_invalid_json(
+    client: httpx.AsyncClient, encoding: str
+) -> None:
     body = json.dumps({"uid": Signer().uid}).encode(encoding)
-    response = await client.post("/api/signers", content=body,
-                                 headers={"Content-Type": "application/json"})
+    response = await client.post(
+        "/api/signers", content=body, headers={"Content-Type": "application/json"}
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"] == "invalid_json"
     assert (await client.get("/api/signers")).json()["signers"] == []
 
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False)
     | st.text(st.characters(exclude_categories=["Cs"])),
-    lambda inner: st.lists(inner, max_size=4)
-    | st.dictionaries(st.text(st.characters(exclude_categories=["Cs"])), inner, max_size=4),
-    max_leaves=12)
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(st.text(st.characters(exclude_categories=["Cs"])), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
-@given(JSON_VALUES, st.sampled_from(["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le",
-                                     "utf-8-sig"]))
+@given(
+    JSON_VALUES,
+    st.sampled_from(["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-32-le", "utf-8-sig"]),
+)
 def test_parse_json_takes_utf8_and_nothing_else(value: Any, encoding: str) -> None:
     text = json.dumps(value, ensure_ascii=False)
     assert parse_json(text.encode("utf-8")) == value
@@ -294,17 +317,21 @@ def test_identifier_path_parameters_are_typed() -> None:
             if param["in"] == "path" and param["name"] in ("cid", "rid", "uid", "hash"):
                 refs = [s["$ref"] for s in param["schema"].get("anyOf", [param["schema"]])]
                 assert all(ref.startswith("#/components/schemas/Common/$defs/") for ref in refs), (
-                    method, path, param)
+                    method,
+                    path,
+                    param,
+                )
                 seen.add(param["name"])
     assert seen == {"cid", "rid", "uid", "hash"}
 
 
 def test_event_streams_are_described_as_sse_frames() -> None:
-    streams = [(path, op["responses"]["200"]["content"]["text/event-stream"])
-               for _method, path, op in operations()
-               if "text/event-stream" in op["responses"].get("200", {}).get("content", {})]
-    assert {path for path, _ in streams} == {"/api/events", "/api/events/meta",
-                                             "/api/events/files"}
+    streams = [
+        (path, op["responses"]["200"]["content"]["text/event-stream"])
+        for _method, path, op in operations()
+        if "text/event-stream" in op["responses"].get("200", {}).get("content", {})
+    ]
+    assert {path for path, _ in streams} == {"/api/events", "/api/events/meta", "/api/events/files"}
     for path, media in streams:
         assert media["schema"]["contentMediaType"] == "text/event-stream", path
         name = media["x-sse-frame"]["$ref"].removeprefix("#/components/schemas/")

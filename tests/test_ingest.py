@@ -40,8 +40,13 @@ async def test_accepted_then_duplicate_then_stale(client: httpx.AsyncClient, ali
     first = alice.claim(CID_A, "title", "The Matrix", ts=NOW_MS)
     response = await post(client, first)
     assert response.status_code == 200
-    assert response.json() == {"results": [{"status": "accepted"}], "accepted": 1,
-                               "duplicate": 0, "stale": 0, "applied": True}
+    assert response.json() == {
+        "results": [{"status": "accepted"}],
+        "accepted": 1,
+        "duplicate": 0,
+        "stale": 0,
+        "applied": True,
+    }
     assert verdicts(await post(client, first)) == ["duplicate"]
     older = alice.claim(CID_A, "title", "Old", ts=NOW_MS - 1)
     assert verdicts(await post(client, older)) == ["stale"]
@@ -50,23 +55,28 @@ async def test_accepted_then_duplicate_then_stale(client: httpx.AsyncClient, ali
     assert doc["cid"] == CID_A and doc["canonical_cid"] == CID_A and doc["cids"] == [CID_A]
 
 
-async def test_newer_replaces_and_retraction_removes(client: httpx.AsyncClient,
-                                                    alice: Signer) -> None:
+async def test_newer_replaces_and_retraction_removes(
+    client: httpx.AsyncClient, alice: Signer
+) -> None:
     await register(client, alice)
     await post(client, alice.claim(CID_A, "title", "One", ts=NOW_MS))
     assert verdicts(await post(client, alice.claim(CID_A, "title", "Two", ts=NOW_MS + 1))) == [
-        "accepted"]
+        "accepted"
+    ]
     assert (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]["title"] == "Two"
     assert verdicts(await post(client, alice.claim(CID_A, "title", None, ts=NOW_MS + 2))) == [
-        "accepted"]
+        "accepted"
+    ]
     assert "title" not in (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]
     # the tombstone blocks replay of the older value
     assert verdicts(await post(client, alice.claim(CID_A, "title", "Two", ts=NOW_MS + 1))) == [
-        "stale"]
+        "stale"
+    ]
 
 
-async def test_a_weight_zero_signer_is_listed_never_counted(client: httpx.AsyncClient,
-                                                            alice: Signer) -> None:
+async def test_a_weight_zero_signer_is_listed_never_counted(
+    client: httpx.AsyncClient, alice: Signer
+) -> None:
     """SPEC §2.5 rule 1, end to end: stored and listed, absent from the merged record (even as
     the only value), visible to its signer with `?as=`; raising the weight counts it."""
     await register(client, alice, weight=0)
@@ -81,8 +91,9 @@ async def test_a_weight_zero_signer_is_listed_never_counted(client: httpx.AsyncC
     assert (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]["title"] == "Mine alone"
 
 
-async def test_equal_ts_tie_break_smaller_signature_wins(client: httpx.AsyncClient,
-                                                        alice: Signer) -> None:
+async def test_equal_ts_tie_break_smaller_signature_wins(
+    client: httpx.AsyncClient, alice: Signer
+) -> None:
     await register(client, alice)
     one = alice.claim(CID_A, "title", "one", ts=NOW_MS)
     two = alice.claim(CID_A, "title", "two", ts=NOW_MS)
@@ -105,8 +116,10 @@ def cids_sig(wire: dict[str, Any]) -> bytes:
     ("mutate", "slug"),
     [
         (lambda c: {**c, "ts": NOW_MS + 3_600_000}, "ts_in_future"),
-        (lambda c: {**c, "sig": c["sig"][:-2] + ("AA" if c["sig"][-2:] != "AA" else "AQ")},
-         "bad_signature"),
+        (
+            lambda c: {**c, "sig": c["sig"][:-2] + ("AA" if c["sig"][-2:] != "AA" else "AQ")},
+            "bad_signature",
+        ),
         (lambda c: {**c, "key": "filePath"}, "reserved_key"),
         (lambda c: {**c, "cid": c["cid"].upper()}, "noncanonical_cid"),
         (lambda c: {**c, "cid": "garbage"}, "invalid_cid"),
@@ -131,8 +144,9 @@ async def test_invalid_claim_rejects_whole_batch_and_writes_nothing(
     assert (await client.get(f"/api/meta/{CID_A}")).status_code == 404
 
 
-async def test_unknown_and_blocked_signers_are_403(client: httpx.AsyncClient, node: Node,
-                                                   alice: Signer) -> None:
+async def test_unknown_and_blocked_signers_are_403(
+    client: httpx.AsyncClient, node: Node, alice: Signer
+) -> None:
     stranger = Signer()
     response = await post(client, stranger.claim(CID_A, "title", "x"))
     assert response.status_code == 403
@@ -180,8 +194,11 @@ async def test_accept_unknown_signers_registers_them(tmp_path: Path) -> None:
     await node.start()
     try:
         transport = httpx.ASGITransport(app=create_app(node))
-        async with httpx.AsyncClient(transport=transport, base_url="http://n",
-                                     headers={"Authorization": f"Bearer {node.token}"}) as c:
+        async with httpx.AsyncClient(
+            transport=transport,
+            base_url="http://n",
+            headers={"Authorization": f"Bearer {node.token}"},
+        ) as c:
             stranger = Signer()
             assert verdicts(await post(c, stranger.claim(CID_A, "title", "x"))) == ["accepted"]
             listed = (await c.get("/api/signers")).json()["signers"]
@@ -195,13 +212,18 @@ async def test_accept_unknown_signers_registers_them(tmp_path: Path) -> None:
 
 async def test_perimeter(client: httpx.AsyncClient, node: Node) -> None:
     anonymous = {"Authorization": ""}
-    for method, path in (("GET", "/api/signers"), ("POST", "/api/claims"),
-                         ("GET", "/api/hash-ids"), ("GET", "/api/metadata/x")):
+    for method, path in (
+        ("GET", "/api/signers"),
+        ("POST", "/api/claims"),
+        ("GET", "/api/hash-ids"),
+        ("GET", "/api/metadata/x"),
+    ):
         response = await client.request(method, path, headers=anonymous)
         assert (response.status_code, response.json()["error"]) == (401, "unauthorized")
     assert (await client.get("/health", headers=anonymous)).status_code == 200
-    response = await client.get(f"/api/meta/{CID_A}",
-                                headers={**anonymous, "Origin": "http://elsewhere"})
+    response = await client.get(
+        f"/api/meta/{CID_A}", headers={**anonymous, "Origin": "http://elsewhere"}
+    )
     assert response.json()["error"] == "unknown_cid"
     assert response.headers["access-control-allow-origin"] == "*"
 

@@ -25,8 +25,19 @@ from tests.helpers.claims import Signer
 from tests.helpers.server import Server
 
 # Every character str.splitlines ends a line at, which JSON lines must not.
-LINE_BREAKERS = ["\u2028", "\u2029", "\x85", "\x1c", "\x1d", "\x1e", "\x0b", "\x0c", "\r", "\n",
-                 "\r\n"]
+LINE_BREAKERS = [
+    "\u2028",
+    "\u2029",
+    "\x85",
+    "\x1c",
+    "\x1d",
+    "\x1e",
+    "\x0b",
+    "\x0c",
+    "\r",
+    "\n",
+    "\r\n",
+]
 MIXED = "a\u2028b\u2029c\x85d\x1ce\x1df\x1eg\x0bh\x0ci\rj\nk\r\nl"
 values = st.text()
 
@@ -58,7 +69,8 @@ def raw_line(wire: dict[str, Any]) -> bytes:
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.text(),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
-    max_leaves=12)
+    max_leaves=12,
+)
 
 
 def read_all(data: bytes) -> list[tuple[int, object]]:
@@ -78,8 +90,10 @@ def test_what_the_writer_writes_the_reader_reads(items: list[object]) -> None:
 @settings(max_examples=200, database=None)
 def test_a_raw_line_breaker_inside_a_string_does_not_end_the_line(value: str) -> None:
     line = raw_line({"value": value})
-    assert read_all(line + line.rstrip(b"\n") + b"\r\n") == [(1, {"value": value}),
-                                                              (2, {"value": value})]
+    assert read_all(line + line.rstrip(b"\n") + b"\r\n") == [
+        (1, {"value": value}),
+        (2, {"value": value}),
+    ]
 
 
 def test_blank_lines_are_skipped_and_positions_are_line_numbers() -> None:
@@ -92,11 +106,14 @@ def test_an_array_is_one_json_text_numbered_by_element() -> None:
     assert read_all(b'{"a": 1}\n[{"b": 2}]\n') == [(1, {"a": 1}), (2, [{"b": 2}])]
 
 
-@pytest.mark.parametrize(("data", "message"), [
-    (b'{"a": 1}\n{"a": \n', "line 2 is not JSON"),
-    (b'{"a": 1}\n\n{"a": "\xff"}\n', "line 3 is not UTF-8"),
-    (b"[1, 2", "not JSON"),
-])
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b'{"a": 1}\n{"a": \n', "line 2 is not JSON"),
+        (b'{"a": 1}\n\n{"a": "\xff"}\n', "line 3 is not UTF-8"),
+        (b"[1, 2", "not JSON"),
+    ],
+)
 def test_bad_input_names_where(data: bytes, message: str) -> None:
     with pytest.raises(InvalidJson, match=message):
         read_all(data)
@@ -143,8 +160,10 @@ def test_any_value_survives_export_then_import(scratch: Path, value: str) -> Non
     with tempfile.TemporaryDirectory(dir=scratch) as tmp:
         here, there, source = Path(tmp) / "here", Path(tmp) / "there", Path(tmp) / "in.jsonl"
         cid = cids.midhash_bytes(value.encode("utf-8"))
-        source.write_bytes(raw_line(SIGNER.claim(cid, "title", value))
-                           + raw_line(SIGNER.claim(cid, "note", f"[{value}]")))
+        source.write_bytes(
+            raw_line(SIGNER.claim(cid, "title", value))
+            + raw_line(SIGNER.claim(cid, "note", f"[{value}]"))
+        )
         ok(import_file(here, source, "--register-signers"))
         exported = export_bytes(here, Path(tmp) / "here.jsonl")
         ok(import_file(there, Path(tmp) / "here.jsonl", "--register-signers"))
@@ -172,8 +191,18 @@ def live(scratch: Path) -> Iterator[Server]:
     server.data_dir.parent.mkdir()
     server.start()
     try:
-        ok(run("signers", "add", SIGNER.uid, "--name", "t", "--may-link", "--data-dir",
-               str(server.data_dir)))
+        ok(
+            run(
+                "signers",
+                "add",
+                SIGNER.uid,
+                "--name",
+                "t",
+                "--may-link",
+                "--data-dir",
+                str(server.data_dir),
+            )
+        )
         yield server
     finally:
         server.stop()
@@ -186,7 +215,8 @@ def live(scratch: Path) -> Iterator[Server]:
 def test_claim_post_on_stdin_stores_any_value(live: Server, value: str) -> None:
     cid = cids.midhash_bytes(b"post " + value.encode("utf-8"))
     lines = raw_line(SIGNER.claim(cid, "title", value)) + raw_line(
-        SIGNER.claim(cid, "note", value + "!"))
+        SIGNER.claim(cid, "note", value + "!")
+    )
     result = ok(run("claim", "post", "--url", live.url, "--token", live.token, stdin=lines))
     answer = json.loads(result.stdout)
     assert answer["accepted"] == 2 or answer["duplicate"] == 2
@@ -225,8 +255,10 @@ def failures(result: Result) -> list[str]:
 
 
 def claim_lines(n: int, tag: str) -> list[bytes]:
-    return [raw_line(SIGNER.claim(cids.midhash_bytes(f"{tag}{i}".encode()), "title", f"{i}"))
-            for i in range(n)]
+    return [
+        raw_line(SIGNER.claim(cids.midhash_bytes(f"{tag}{i}".encode()), "title", f"{i}"))
+        for i in range(n)
+    ]
 
 
 def test_one_bad_claim_in_the_middle_writes_nothing_and_names_its_line(tmp_path: Path) -> None:
@@ -250,12 +282,14 @@ def test_one_bad_claim_in_the_middle_writes_nothing_and_names_its_line(tmp_path:
 
 
 def test_a_signer_the_node_refuses_fails_the_import_before_anything_is_written(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     source = tmp_path / "in.jsonl"
     stranger = Signer()
     cid = cids.midhash_bytes(b"s")
-    source.write_bytes(b"".join(claim_lines(2, "known"))
-                       + raw_line(stranger.claim(cid, "title", "x")))
+    source.write_bytes(
+        b"".join(claim_lines(2, "known")) + raw_line(stranger.claim(cid, "title", "x"))
+    )
     data = tmp_path / "data"
     ok(run("signers", "add", SIGNER.uid, "--name", "t", "--data-dir", str(data)))
     result = import_file(data, source)
@@ -266,8 +300,9 @@ def test_a_signer_the_node_refuses_fails_the_import_before_anything_is_written(
 
 def test_many_failures_are_listed_up_to_a_cap_and_counted(tmp_path: Path) -> None:
     source = tmp_path / "in.jsonl"
-    source.write_bytes(b"".join(line.replace(b'"title"', b'"titel"')
-                                for line in claim_lines(150, "bad")))
+    source.write_bytes(
+        b"".join(line.replace(b'"title"', b'"titel"') for line in claim_lines(150, "bad"))
+    )
     result = import_file(tmp_path / "data", source, "--register-signers")
     assert result.exit_code == 2
     listed = failures(result)
@@ -279,9 +314,11 @@ def test_many_failures_are_listed_up_to_a_cap_and_counted(tmp_path: Path) -> Non
 
 def test_import_reads_standard_input(tmp_path: Path) -> None:
     lines = b"".join(claim_lines(1500, "stdin")) + raw_line(
-        SIGNER.claim(cids.midhash_bytes(b"odd"), "title", MIXED))
-    result = ok(run("import", "-", "--register-signers", "--data-dir", str(tmp_path / "data"),
-                    stdin=lines))
+        SIGNER.claim(cids.midhash_bytes(b"odd"), "title", MIXED)
+    )
+    result = ok(
+        run("import", "-", "--register-signers", "--data-dir", str(tmp_path / "data"), stdin=lines)
+    )
     assert "imported 1501 claims: 1501 accepted" in result.stdout
     assert claim_count(tmp_path / "data") == 1501
     again = ok(run("import", "-", "--data-dir", str(tmp_path / "data"), stdin=lines))

@@ -44,38 +44,47 @@ def imported_test_modules(source: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("source", [
-    "from tests.test_feed import Frame",
-    "import tests.test_ingest",
-    "import tests.test_cid as c",
-    "from tests import test_feed_server",
-    "from tests.conftest import Server",
-    "from . import test_cid",
-    "from .test_feed import Replica",
-    "import test_cid",
-    "def f():\n    from tests.test_ingest import register\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from tests.test_feed import Frame",
+        "import tests.test_ingest",
+        "import tests.test_cid as c",
+        "from tests import test_feed_server",
+        "from tests.conftest import Server",
+        "from . import test_cid",
+        "from .test_feed import Replica",
+        "import test_cid",
+        "def f():\n    from tests.test_ingest import register\n",
+    ],
+)
 def test_the_check_sees_each_spelling(source: str) -> None:
     assert imported_test_modules(source), source
 
 
-@pytest.mark.parametrize("source", [
-    "from tests.helpers.feed import Frame",
-    "from tests.helpers import claims",
-    "import tests.helpers.server",
-    "from metanode import cid",
-    "import pytest",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from tests.helpers.feed import Frame",
+        "from tests.helpers import claims",
+        "import tests.helpers.server",
+        "from metanode import cid",
+        "import pytest",
+    ],
+)
 def test_the_check_lets_helpers_through(source: str) -> None:
     assert imported_test_modules(source) == [], source
 
 
-@pytest.mark.parametrize("path", [*TEST_MODULES, TESTS / "conftest.py",
-                                  *sorted((TESTS / "helpers").glob("*.py"))],
-                         ids=lambda p: p.relative_to(TESTS).as_posix())
+@pytest.mark.parametrize(
+    "path",
+    [*TEST_MODULES, TESTS / "conftest.py", *sorted((TESTS / "helpers").glob("*.py"))],
+    ids=lambda p: p.relative_to(TESTS).as_posix(),
+)
 def test_no_module_of_the_suite_imports_a_test_module(path: Path) -> None:
     assert imported_test_modules(path.read_text(encoding="utf-8")) == [], (
-        f"{path.name} imports a test module (or conftest); move what it shares to tests/helpers")
+        f"{path.name} imports a test module (or conftest); move what it shares to tests/helpers"
+    )
 
 
 def test_the_suite_has_test_modules() -> None:

@@ -37,14 +37,20 @@ OUTSIDE = "bagacbabaeaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
 
 
 @functools.lru_cache(maxsize=4096)
-def sign(key: nacl.signing.SigningKey, cid: str, key_name: str, value: str | None,
-         ts: int) -> Claim:
+def sign(
+    key: nacl.signing.SigningKey, cid: str, key_name: str, value: str | None, ts: int
+) -> Claim:
     """A real signed claim (cached: hypothesis asks for the same ones again and again)."""
     return claims.sign(key, cid, key_name, value, ts)
 
 
-def vote(key: nacl.signing.SigningKey, value: str | None, ts: int, cid: str = MIDHASH_1,
-         key_name: str = "title") -> Claim:
+def vote(
+    key: nacl.signing.SigningKey,
+    value: str | None,
+    ts: int,
+    cid: str = MIDHASH_1,
+    key_name: str = "title",
+) -> Claim:
     return sign(key, cid, key_name, value, ts)
 
 
@@ -104,9 +110,12 @@ def _fold(order: list[Claim]) -> Claim | None:
 @settings(max_examples=100, database=None)
 @given(
     specs=st.lists(
-        st.tuples(st.integers(min_value=0, max_value=3),
-                  st.sampled_from(["a", "b", "c", "The Matrix", None])),
-        min_size=1, max_size=8,
+        st.tuples(
+            st.integers(min_value=0, max_value=3),
+            st.sampled_from(["a", "b", "c", "The Matrix", None]),
+        ),
+        min_size=1,
+        max_size=8,
     ),
     data=st.data(),
 )
@@ -281,8 +290,9 @@ def vote_sets(draw: st.DrawFn) -> list[Claim]:
             unique_by=lambda s: (s[0], s[1], s[2]),  # the truth stores one row per (uid, cid, key)
         )
     )
-    return [vote(MERGE_SIGNERS[s], value, TS + dt, cid=c, key_name=k)
-            for s, c, k, value, dt in specs]
+    return [
+        vote(MERGE_SIGNERS[s], value, TS + dt, cid=c, key_name=k) for s, c, k, value, dt in specs
+    ]
 
 
 signer_tables = st.fixed_dictionaries(
@@ -296,10 +306,15 @@ signer_tables = st.fixed_dictionaries(
 
 
 @settings(max_examples=150, database=None)
-@given(votes=vote_sets(), signers=signer_tables, viewer=st.sampled_from([None, A, B, D]),
-       data=st.data())
-def test_merge_record_ignores_vote_order(votes: list[Claim], signers: dict[str, Signer],
-                                         viewer: str | None, data: Any) -> None:
+@given(
+    votes=vote_sets(),
+    signers=signer_tables,
+    viewer=st.sampled_from([None, A, B, D]),
+    data=st.data(),
+)
+def test_merge_record_ignores_vote_order(
+    votes: list[Claim], signers: dict[str, Signer], viewer: str | None, data: Any
+) -> None:
     def view(these: list[Claim]) -> dict[str, str]:
         return merge_record(these, signers) if viewer is None else seen(these, signers, viewer)
 
@@ -310,8 +325,10 @@ def test_merge_record_ignores_vote_order(votes: list[Claim], signers: dict[str, 
     assert not any(k.startswith("cids/") for k in expected)
     # Every merged value is one that a live, unblocked vote carries for that key.
     for key, value in expected.items():
-        assert any(v.key == key and v.value == value and not signers.get(v.uid, Signer()).blocked
-                   for v in votes)
+        assert any(
+            v.key == key and v.value == value and not signers.get(v.uid, Signer()).blocked
+            for v in votes
+        )
 
 
 # -- group_keys and document (SPEC §2.5 rule 5, §4) ----------------------------------------------
@@ -343,15 +360,19 @@ def test_group_keys_without_a_local_file() -> None:
 
 
 def test_group_keys_path_order_is_lexicographic() -> None:
-    files = [LocalFile("/m/b", MIDHASH_1, 1, 1), LocalFile("/m/B", MIDHASH_1, 2, 2),
-             LocalFile("/m/a/z", MIDHASH_1, 3, 3)]
+    files = [
+        LocalFile("/m/b", MIDHASH_1, 1, 1),
+        LocalFile("/m/B", MIDHASH_1, 2, 2),
+        LocalFile("/m/a/z", MIDHASH_1, 3, 3),
+    ]
     assert group_keys([MIDHASH_1], files)["filePath"] == "/m/B"  # 'B' < 'a' < 'b'
 
 
 def test_document_ranks_cids_and_elects_the_canonical() -> None:
     record = {"title": "The Matrix", "filePath": "/media/a.mkv", "fileSize": "3"}
-    body = document(MIDHASH_2, [MIDHASH_2, SHA, MIDHASH_1, DAGPB], record,
-                    ["/media/b.mkv", "/media/a.mkv"])
+    body = document(
+        MIDHASH_2, [MIDHASH_2, SHA, MIDHASH_1, DAGPB], record, ["/media/b.mkv", "/media/a.mkv"]
+    )
     assert body["cid"] == MIDHASH_2
     assert body["canonical_cid"] == DAGPB
     assert body["cids"] == [DAGPB, SHA, MIDHASH_1, MIDHASH_2]

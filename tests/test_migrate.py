@@ -47,8 +47,11 @@ SHIM = ROOT / "tools" / "claims-migrate"
 
 def _redis_server() -> tuple[str | None, str]:
     """The redis-server binary, installed through apt-get if missing: (path, why not)."""
-    for candidate in (shutil.which("redis-server"), "/usr/bin/redis-server",
-                      "/usr/sbin/redis-server"):
+    for candidate in (
+        shutil.which("redis-server"),
+        "/usr/bin/redis-server",
+        "/usr/sbin/redis-server",
+    ):
         if candidate and os.access(candidate, os.X_OK):
             return candidate, ""
     if shutil.which("apt-get") is None:
@@ -59,13 +62,16 @@ def _redis_server() -> tuple[str | None, str]:
     install = ["apt-get", "install", "-y", "-qq", "redis-server"]
     for steps in ([install], [["apt-get", "update", "-qq"], install]):
         try:
-            if all(subprocess.run(step, env=env, capture_output=True, timeout=600).returncode == 0
-                   for step in steps):
+            if all(
+                subprocess.run(step, env=env, capture_output=True, timeout=600).returncode == 0
+                for step in steps
+            ):
                 break
         except (OSError, subprocess.TimeoutExpired):
             continue
     found = shutil.which("redis-server") or (
-        "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None)
+        "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
+    )
     return found, "" if found else "apt-get install redis-server failed"
 
 
@@ -78,9 +84,24 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     workdir = tmp_path_factory.mktemp("redis")
     port = free_port()
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--daemonize", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--daemonize",
+            "no",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     try:
         deadline = time.monotonic() + 20
@@ -148,25 +169,46 @@ def seed(client: Any) -> Seeded:
 
     r = client
     r.set("meta-core:schema-version", "2")
-    r.sadd("file:__index__", ra, rb, rc, rg, rh, f"midhash256:{md}",
-           f"midhash256:{me_digest.hex()}")
+    r.sadd(
+        "file:__index__", ra, rb, rc, rg, rh, f"midhash256:{md}", f"midhash256:{me_digest.hex()}"
+    )
     # A: v1.x flat, two CIDs, every kind of field that is not claimed
     a = f"file:{ra}/"
-    r.mset({a + "filePath": "/files/watch/The.Matrix.1999.mkv", a + "sizeByte": "734003200",
-            a + "mtimeNano": "1700000000000000000", a + "fileSize": "734003200",
-            a + "title": "The Matrix", a + "year": "1999", a + "tmdb/poster": poster,
-            a + "titles/eng/The Matrix": "true", a + f"cids/{ma}": "true",
-            a + f"cids/{sa}": "true", a + "canonical_cid": sa, a + "cid_sha256": sa,
-            a + "midhash256": ma, a + "hashId": ra, a + "bad//key": "x",
-            a + "genres": "Action|Sci-Fi", a + "blob": b"\xff\xfe\x00"})
+    r.mset(
+        {
+            a + "filePath": "/files/watch/The.Matrix.1999.mkv",
+            a + "sizeByte": "734003200",
+            a + "mtimeNano": "1700000000000000000",
+            a + "fileSize": "734003200",
+            a + "title": "The Matrix",
+            a + "year": "1999",
+            a + "tmdb/poster": poster,
+            a + "titles/eng/The Matrix": "true",
+            a + f"cids/{ma}": "true",
+            a + f"cids/{sa}": "true",
+            a + "canonical_cid": sa,
+            a + "cid_sha256": sa,
+            a + "midhash256": ma,
+            a + "hashId": ra,
+            a + "bad//key": "x",
+            a + "genres": "Action|Sci-Fi",
+            a + "blob": b"\xff\xfe\x00",
+        }
+    )
     r.sadd(a + "__fields__", "title", "year")
     r.sadd(a + "duplicates", "/files/watch/copy.mkv")
     r.set(f"cid:{ma}", ra)
     r.set(f"cid:{sa}", ra)
     # B: its `cids/*` names A's sha256, which the index gives to A; an index-only IPFS alias
     b = f"file:{rb}/"
-    r.mset({b + "title": "Inception", b + "year": "2010", b + f"cids/{mb}": "true",
-            b + f"cids/{sa}": "true"})
+    r.mset(
+        {
+            b + "title": "Inception",
+            b + "year": "2010",
+            b + f"cids/{mb}": "true",
+            b + f"cids/{sa}": "true",
+        }
+    )
     r.set(f"cid:{mb}", rb)
     r.set(f"cid:{ib}", rb)
     # a stranded root named by B's midhash (the dual-root bug): folded into B
@@ -180,12 +222,24 @@ def seed(client: Any) -> Seeded:
     r.set(f"cid:midhash256:{mh}", rh)
     r.set(f"cid:sha256:{sh}", rh)
     # D: the older layout, one HASH per record named by a midhash token
-    r.hset(f"file:midhash256:{md}", mapping={
-        "title": "Old Movie", "year": "1987", "filePath": "movies/old.avi", "sizeByte": "1000",
-        "mtime": "2019-01-01T00:00:00Z", "cid_sha256": sd, "midhash256": md, "poster": poster})
+    r.hset(
+        f"file:midhash256:{md}",
+        mapping={
+            "title": "Old Movie",
+            "year": "1987",
+            "filePath": "movies/old.avi",
+            "sizeByte": "1000",
+            "mtime": "2019-01-01T00:00:00Z",
+            "cid_sha256": sd,
+            "midhash256": md,
+            "poster": poster,
+        },
+    )
     # E: the older layout with hex digests instead of CIDs
-    r.hset(f"file:midhash256:{me_digest.hex()}", mapping={
-        "title": "Hex Movie", "cid_sha256": hashlib.sha256(b"hex movie").hexdigest()})
+    r.hset(
+        f"file:midhash256:{me_digest.hex()}",
+        mapping={"title": "Hex Movie", "cid_sha256": hashlib.sha256(b"hex movie").hexdigest()},
+    )
     # G: a v1.x record with no CID at all; a dangling alias; the watcher's stream
     r.set(f"file:{rg}/title", "Nothing to claim about")
     r.set(f"cid:{dangling}", minter.mint())
@@ -193,11 +247,15 @@ def seed(client: Any) -> Seeded:
 
     return Seeded(
         rids={"A": ra, "B": rb, "C": rc, "H": rh},
-        cids={"A": {ma, sa}, "B": {mb, ib}, "C": {mc}, "D": {md, sd}, "E": {me, se},
-              "H": {mh, sh}},
+        cids={"A": {ma, sa}, "B": {mb, ib}, "C": {mc}, "D": {md, sd}, "E": {me, se}, "H": {mh, sh}},
         docs={
-            "A": {"title": "The Matrix", "year": "1999", "tmdb/poster": poster,
-                  "titles/eng/The Matrix": "true", "genres": "Action|Sci-Fi"},
+            "A": {
+                "title": "The Matrix",
+                "year": "1999",
+                "tmdb/poster": poster,
+                "titles/eng/The Matrix": "true",
+                "genres": "Action|Sci-Fi",
+            },
             "B": {"title": "Inception", "year": "2010", "plot": "dreams within dreams"},
             "C": {"title": "C Movie"},
             "D": {"title": "Old Movie", "year": "1987", "poster": poster},
@@ -227,8 +285,11 @@ async def started(data_dir: Path) -> AsyncIterator[httpx.AsyncClient]:
     try:
         await the_node.applier.wait_for(0, 10)
         transport = httpx.ASGITransport(app=create_app(the_node))
-        async with httpx.AsyncClient(transport=transport, base_url="http://node", headers={
-                "Authorization": f"Bearer {the_node.token}"}) as client:
+        async with httpx.AsyncClient(
+            transport=transport,
+            base_url="http://node",
+            headers={"Authorization": f"Bearer {the_node.token}"},
+        ) as client:
             yield client
     finally:
         await the_node.stop()
@@ -255,8 +316,8 @@ def truth_state(data_dir: Path, uid: str) -> tuple[set[frozenset[str]], set[tupl
 
 
 async def test_every_old_cid_resolves_to_its_fields_and_rids_are_kept(
-        redis_url: str, seeded: Seeded, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    redis_url: str, seeded: Seeded, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "data"
     assert main(["--redis", redis_url, "--data-dir", str(data), "--progress", "never"]) == 0
     printed = capsys.readouterr().out
@@ -288,34 +349,46 @@ async def test_every_old_cid_resolves_to_its_fields_and_rids_are_kept(
         assert (legacy["weight"], legacy["may_link"], legacy["status"]) == (1, True, "active")
         claims = (await client.get(f"/api/meta/{seeded.canonical['A']}/claims")).json()
         assert {c["uid"] for c in claims["claims"]} == {uid}
-        assert {c["key"] for c in claims["claims"]} == {*seeded.docs["A"],
-                                                        f"cids/{cids.midhash_bytes(b'matrix')}"}
+        assert {c["key"] for c in claims["claims"]} == {
+            *seeded.docs["A"],
+            f"cids/{cids.midhash_bytes(b'matrix')}",
+        }
 
     settings = settings_for(data)
     report = maintenance.check(settings, tmp_path / "scratch.db")
     assert report.clean, report.differences + report.bad_signatures
-    checked = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data)],
-                             capture_output=True, text=True, timeout=120)
+    checked = subprocess.run(
+        [sys.executable, "-m", "metanode", "check", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
     again = run(redis_url, data)
     assert again.changes == 0
-    assert (again.claims_signed, again.claims_accepted, again.rids_created,
-            again.cids_joined) == (0, 0, 0, 0)
+    assert (again.claims_signed, again.claims_accepted, again.rids_created, again.cids_joined) == (
+        0,
+        0,
+        0,
+        0,
+    )
     assert again.fields_unchanged == sum(len(doc) for doc in seeded.docs.values())
     assert again.legacy_signer["uid"] == uid and not again.legacy_signer["created"]
 
 
 def test_report_counts_records_fields_groups_and_conflicts(
-        redis_url: str, seeded: Seeded, tmp_path: Path) -> None:
+    redis_url: str, seeded: Seeded, tmp_path: Path
+) -> None:
     report = run(redis_url, tmp_path / "data")
     out = report.as_json()
     assert out["records"]["total"] == 8  # A B C D E G H + the stranded root
     assert out["records"]["layouts"] == {"flat": 6, "hash": 2}
     assert (report.rids_kept, report.rids_minted, report.rids_reused) == (4, 2, 0)
     assert report.without_cid == [seeded_rid_g(report)]
-    assert report.absorbed == [{"record": cids.midhash_bytes(b"inception"),
-                                "into": seeded.rids["B"]}]
+    assert report.absorbed == [
+        {"record": cids.midhash_bytes(b"inception"), "into": seeded.rids["B"]}
+    ]
     assert out["groups"]["total"] == 6
     assert report.cids_joined == sum(len(c) for c in seeded.cids.values())
     assert report.rids_created == 6
@@ -334,16 +407,28 @@ def test_report_counts_records_fields_groups_and_conflicts(
         "folded_conflict": 1,  # the stranded root's title: B keeps its own
         "no_cid": 1,  # G's title
     }
-    total = (report.fields_claimed + report.group_members + sum(report.dropped.values()))
+    total = report.fields_claimed + report.group_members + sum(report.dropped.values())
     assert total == report.fields
     sa = sha256_cid(b"matrix")
     assert report.disagreements == [
-        {"record": seeded.rids["B"], "cid": sa, "source": "cids/*", "owner": seeded.rids["A"],
-         "rule": "the cid: index wins"},
-        {"record": cids.midhash_bytes(b"inception"), "cid": cids.midhash_bytes(b"inception"),
-         "source": "root id", "owner": seeded.rids["B"], "rule": "the cid: index wins"}]
-    assert report.field_conflicts == [{"record": cids.midhash_bytes(b"inception"),
-                                       "into": seeded.rids["B"], "key": "title"}]
+        {
+            "record": seeded.rids["B"],
+            "cid": sa,
+            "source": "cids/*",
+            "owner": seeded.rids["A"],
+            "rule": "the cid: index wins",
+        },
+        {
+            "record": cids.midhash_bytes(b"inception"),
+            "cid": cids.midhash_bytes(b"inception"),
+            "source": "root id",
+            "owner": seeded.rids["B"],
+            "rule": "the cid: index wins",
+        },
+    ]
+    assert report.field_conflicts == [
+        {"record": cids.midhash_bytes(b"inception"), "into": seeded.rids["B"], "key": "title"}
+    ]
     assert report.conflicts_resolved == 3
     assert [a["reason"] for a in report.dangling_aliases] == ["no such record"]
     assert report.keyspace["schema_version"] == "2"
@@ -358,7 +443,8 @@ def seeded_rid_g(report: Report) -> str:
 
 
 def test_dry_run_writes_nothing_and_reports_what_a_run_would_do(
-        redis_url: str, seeded: Seeded, tmp_path: Path) -> None:
+    redis_url: str, seeded: Seeded, tmp_path: Path
+) -> None:
     data = tmp_path / "data"
     dry = run(redis_url, data, dry_run=True)
     assert not data.exists()
@@ -375,12 +461,27 @@ def test_dry_run_writes_nothing_and_reports_what_a_run_would_do(
 
 
 def test_shim_report_file_and_refusal_while_the_server_runs(
-        redis_url: str, seeded: Seeded, tmp_path: Path) -> None:
+    redis_url: str, seeded: Seeded, tmp_path: Path
+) -> None:
     data, report_file = tmp_path / "data", tmp_path / "report.json"
     done = subprocess.run(
-        [sys.executable, str(SHIM), "--redis", redis_url, "--data-dir", str(data),
-         "--legacy-weight", "3", "--report", str(report_file)],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        [
+            sys.executable,
+            str(SHIM),
+            "--redis",
+            redis_url,
+            "--data-dir",
+            str(data),
+            "--legacy-weight",
+            "3",
+            "--report",
+            str(report_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(report_file.read_text())
     assert report["legacy_signer"]["weight"] == 3
@@ -394,7 +495,10 @@ def test_shim_report_file_and_refusal_while_the_server_runs(
         assert fields_of(document) == seeded.docs["D"]
         refused = subprocess.run(
             [sys.executable, str(SHIM), "--redis", redis_url, "--data-dir", str(data)],
-            capture_output=True, text=True, timeout=120)
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert refused.returncode == 1
         assert "in use" in refused.stderr and "Stop the server" in refused.stderr
     finally:
@@ -402,7 +506,8 @@ def test_shim_report_file_and_refusal_while_the_server_runs(
 
 
 def test_a_run_that_stopped_half_way_finishes_on_the_next(
-        redis_url: str, seeded: Seeded, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    redis_url: str, seeded: Seeded, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     whole = run(redis_url, tmp_path / "whole")
     real_ingest = truth.ingest_txn
     calls = {"n": 0}
@@ -431,7 +536,8 @@ def test_a_run_that_stopped_half_way_finishes_on_the_next(
 
 
 def test_a_cid_the_node_grouped_already_merges_and_the_old_rid_survives(
-        redis_url: str, seeded: Seeded, tmp_path: Path) -> None:
+    redis_url: str, seeded: Seeded, tmp_path: Path
+) -> None:
     data = tmp_path / "data"
     settings = settings_for(data)
     maintenance.open_store(settings)
@@ -444,8 +550,9 @@ def test_a_cid_the_node_grouped_already_merges_and_the_old_rid_survives(
         conn.close()
     assert fresh is not None and fresh > seeded.rids["A"]
     report = run(redis_url, data)
-    assert report.groups_merged == [{"record": seeded.rids["A"], "lost": fresh,
-                                     "into": seeded.rids["A"]}]
+    assert report.groups_merged == [
+        {"record": seeded.rids["A"], "lost": fresh, "into": seeded.rids["A"]}
+    ]
     conn = sqlite3.connect(settings.truth_path)
     try:
         assert truth.group_of(conn, ma) == seeded.rids["A"]
@@ -456,8 +563,8 @@ def test_a_cid_the_node_grouped_already_merges_and_the_old_rid_survives(
 
 
 def test_the_legacy_key_is_found_again_and_a_blocked_one_stops_the_run(
-        redis_url: str, seeded: Seeded, tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    redis_url: str, seeded: Seeded, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     data = tmp_path / "data"
     first = run(redis_url, data, legacy_weight=0)
     uid = first.legacy_signer["uid"]
@@ -476,8 +583,9 @@ def test_the_legacy_key_is_found_again_and_a_blocked_one_stops_the_run(
     assert f"the legacy signer {uid} is blocked" in capsys.readouterr().err
 
 
-def test_redis_unreachable_is_a_clear_error(tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_redis_unreachable_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     url = f"redis://127.0.0.1:{free_port()}/0"
     assert main(["--redis", url, "--data-dir", str(tmp_path / "data")]) == 1
     assert "cannot reach Redis" in capsys.readouterr().err
@@ -495,8 +603,9 @@ def test_adopt_group_txn_keeps_the_rid_and_links_like_a_vote(tmp_path: Path) -> 
         done = db.run_txn(conn, truth.adopt_group_txn, old, [a, b], now_ms())
         assert done == truth.Adopted(old, True, (a, b), ())
         seq = truth.max_seq(conn)
-        assert db.run_txn(conn, truth.adopt_group_txn, old, [b, a], now_ms()) == \
-            truth.Adopted(old, False, (), ())
+        assert db.run_txn(conn, truth.adopt_group_txn, old, [b, a], now_ms()) == truth.Adopted(
+            old, False, (), ()
+        )
         assert truth.max_seq(conn) == seq  # nothing written the second time
         # a younger rid naming a CID of an older group is merged into it
         merged = db.run_txn(conn, truth.adopt_group_txn, old2, [c, a], now_ms())
@@ -508,8 +617,9 @@ def test_adopt_group_txn_keeps_the_rid_and_links_like_a_vote(tmp_path: Path) -> 
             db.run_txn(conn, truth.adopt_group_txn, never_adopted, [], now_ms())
         assert truth.rid_info(conn, never_adopted) is None
         # minting after an adoption stays above every rid the truth holds
-        minted = db.run_txn(conn, truth.ensure_group, cids.midhash_bytes(b"d"), rids.Minter(),
-                            now_ms())
+        minted = db.run_txn(
+            conn, truth.ensure_group, cids.midhash_bytes(b"d"), rids.Minter(), now_ms()
+        )
         assert minted > max(old, old2)
     finally:
         conn.close()

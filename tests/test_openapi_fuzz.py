@@ -43,9 +43,11 @@ from tests.helpers.vectors import load_vectors
 OPENAPI = Path(__file__).parents[1] / "schemas" / "openapi.json"
 # Endless text/event-stream answers (see the module docstring): /api/events and the compat ones.
 EXCLUDED_PATHS = sorted(
-    path for path, item in json.loads(OPENAPI.read_text(encoding="utf-8"))["paths"].items()
-    if "text/event-stream" in item.get("get", {}).get("responses", {}).get("200", {}).get(
-        "content", {}))
+    path
+    for path, item in json.loads(OPENAPI.read_text(encoding="utf-8"))["paths"].items()
+    if "text/event-stream"
+    in item.get("get", {}).get("responses", {}).get("200", {}).get("content", {})
+)
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
 READY_S = 30.0
 
@@ -99,9 +101,15 @@ schema = schemathesis.openapi.from_path(OPENAPI).exclude(path=EXCLUDED_PATHS)
 
 
 @schema.parametrize()
-@settings(max_examples=30, deadline=None, derandomize=True, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 def test_openapi_conformance(case: schemathesis.Case[Any], fuzz_node: tuple[Node, Any]) -> None:
     node, app = fuzz_node
-    case.call_and_validate(app=app, headers={"Authorization": f"Bearer {node.token}"},
-                           checks=CHECKS)
+    case.call_and_validate(
+        app=app, headers={"Authorization": f"Bearer {node.token}"}, checks=CHECKS
+    )

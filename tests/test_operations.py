@@ -41,8 +41,11 @@ async def test_metrics_change_as_claims_flow(client: httpx.AsyncClient, node: No
     await post(client, signer.claim(a, f"cids/{b}", "true"))  # merges the two groups
     await post(client, {**signer.claim(a, "year", "1"), "sig": "A" * 86})  # rejected
     after = (await client.get("/metrics")).text
-    assert metric(after, 'metanode_claims_total{verdict="accepted"}') - metric(
-        before, 'metanode_claims_total{verdict="accepted"}') == 3
+    assert (
+        metric(after, 'metanode_claims_total{verdict="accepted"}')
+        - metric(before, 'metanode_claims_total{verdict="accepted"}')
+        == 3
+    )
     assert metric(after, 'metanode_claims_total{verdict="duplicate"}') == 1
     assert metric(after, 'metanode_claims_rejected_total{slug="bad_signature"}') == 1
     assert metric(after, "metanode_records") == 1
@@ -54,8 +57,9 @@ async def test_metrics_change_as_claims_flow(client: httpx.AsyncClient, node: No
 
 
 @pytest.mark.parametrize("log_access", [False, True])
-async def test_request_id_is_echoed_and_logged(tmp_path: Path, log_access: bool,
-                                              caplog: pytest.LogCaptureFixture) -> None:
+async def test_request_id_is_echoed_and_logged(
+    tmp_path: Path, log_access: bool, caplog: pytest.LogCaptureFixture
+) -> None:
     from metanode.api import create_app
 
     caplog.set_level(logging.INFO, logger="metanode.access")
@@ -76,8 +80,9 @@ async def test_request_id_is_echoed_and_logged(tmp_path: Path, log_access: bool,
 
 
 def test_json_log_lines_carry_the_request_id() -> None:
-    record = logging.LogRecord("metanode.test", logging.INFO, __file__, 1, "hello %s", ("you",),
-                               None)
+    record = logging.LogRecord(
+        "metanode.test", logging.INFO, __file__, 1, "hello %s", ("you",), None
+    )
     record.request_id = "r-1"
     record.fields = {"status": 200}
     line = json.loads(logs.JsonFormatter().format(record))
@@ -101,8 +106,9 @@ async def test_health_degrades_when_the_watcher_stalls(tmp_path: Path) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "metanode", *args], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", *args], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
 
@@ -112,23 +118,38 @@ def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:
     signer = Signer()
     stop = threading.Event()
     try:
-        httpx.post(f"{server.url}/api/signers", headers=server.headers, timeout=10,
-                   json={"uid": signer.uid, "name": "s", "may_link": True}).raise_for_status()
+        httpx.post(
+            f"{server.url}/api/signers",
+            headers=server.headers,
+            timeout=10,
+            json={"uid": signer.uid, "name": "s", "may_link": True},
+        ).raise_for_status()
 
         def ingest() -> None:
             n = 0
             while not stop.is_set() and n < 200:
-                batch = [signer.claim(cids.midhash_bytes(f"b{n}-{i}".encode()), "title", str(i))
-                         for i in range(50)]
-                httpx.post(f"{server.url}/api/claims", json={"claims": batch},
-                           headers=server.headers, timeout=30).raise_for_status()
+                batch = [
+                    signer.claim(cids.midhash_bytes(f"b{n}-{i}".encode()), "title", str(i))
+                    for i in range(50)
+                ]
+                httpx.post(
+                    f"{server.url}/api/claims",
+                    json={"claims": batch},
+                    headers=server.headers,
+                    timeout=30,
+                ).raise_for_status()
                 n += 1
 
         keys.create(server.data_dir / "keys" / "someone.key")
         writer = threading.Thread(target=ingest)
         writer.start()
-        copies = [Path(cli("backup", str(tmp_path / "bk"), "--data-dir",
-                           str(server.data_dir)).stdout.strip())]
+        copies = [
+            Path(
+                cli(
+                    "backup", str(tmp_path / "bk"), "--data-dir", str(server.data_dir)
+                ).stdout.strip()
+            )
+        ]
         stop.set()
         writer.join()
     finally:
@@ -148,15 +169,21 @@ async def documents(node: Node) -> dict[str, dict[str, Any]]:
     return {c: node.meta(c) for c in every}
 
 
-async def test_export_then_import_gives_identical_documents(client: httpx.AsyncClient,
-                                                           node: Node, tmp_path: Path) -> None:
+async def test_export_then_import_gives_identical_documents(
+    client: httpx.AsyncClient, node: Node, tmp_path: Path
+) -> None:
     alice, bob = Signer(), Signer()
     await register(client, alice, may_link=True)
     await register(client, bob)
     a, b, c = (cids.midhash_bytes(x) for x in (b"e1", b"e2", b"e3"))
-    await post(client, alice.claim(a, "title", "A", ts=NOW_MS), bob.claim(b, "title", "B"),
-               alice.claim(a, f"cids/{b}", "true"), bob.claim(c, "genre", "g"),
-               alice.claim(c, "title", "C", ts=NOW_MS - 5))
+    await post(
+        client,
+        alice.claim(a, "title", "A", ts=NOW_MS),
+        bob.claim(b, "title", "B"),
+        alice.claim(a, f"cids/{b}", "true"),
+        bob.claim(c, "genre", "g"),
+        alice.claim(c, "title", "C", ts=NOW_MS - 5),
+    )
     await post(client, alice.claim(c, "title", None, ts=NOW_MS))  # a tombstone travels too
     export = tmp_path / "claims.jsonl"
     data = str(node.settings.data_dir)
@@ -186,9 +213,21 @@ def test_import_refuses_a_tampered_file_and_writes_nothing(tmp_path: Path) -> No
     bad = {**good, "value": "tampered"}
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    done = subprocess.run([sys.executable, "-m", "metanode", "import", str(source),
-                           "--register-signers", "--data-dir", str(tmp_path / "d")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "metanode",
+            "import",
+            str(source),
+            "--register-signers",
+            "--data-dir",
+            str(tmp_path / "d"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
     assert "claim 2: bad_signature" in done.stderr
     assert not (tmp_path / "d" / "truth.db").exists()
@@ -239,8 +278,9 @@ async def test_applied_outbox_rows_are_pruned_and_seqs_go_on(tmp_path: Path) -> 
     node = await started(tmp_path / "d")
     try:
         await node.add_signer(signer.uid, "s", 1, True)
-        answer = await node.ingest({"claims": [signer.claim(c, "title", t)
-                                               for c, t in list(titles.items())[:10]]})
+        answer = await node.ingest(
+            {"claims": [signer.claim(c, "title", t) for c, t in list(titles.items())[:10]]}
+        )
         assert answer.status == 200
         await wait_pruned(node)
         assert outbox(node.settings.truth_path) == (0, 10 + 10)  # a group and a claim each
@@ -250,8 +290,9 @@ async def test_applied_outbox_rows_are_pruned_and_seqs_go_on(tmp_path: Path) -> 
     node = await started(tmp_path / "d")
     try:
         assert node.applier.state.epoch == epoch, "a pruned outbox made the node rebuild"
-        answer = await node.ingest({"claims": [signer.claim(c, "title", t)
-                                               for c, t in list(titles.items())[10:]]})
+        answer = await node.ingest(
+            {"claims": [signer.claim(c, "title", t) for c, t in list(titles.items())[10:]]}
+        )
         assert answer.status == 200 and node.applier.applied_seq == 40
         assert {c: node.meta(c)["metadata"]["title"] for c in titles} == titles
         await wait_pruned(node)

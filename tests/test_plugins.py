@@ -53,11 +53,15 @@ class Probe(Plugin):
         self.action(file, record, register)
 
 
-def probe(name: str, action: Action, version: str = "1", weight: int = 1,
-          may_link: bool = False) -> Probe:
+def probe(
+    name: str, action: Action, version: str = "1", weight: int = 1, may_link: bool = False
+) -> Probe:
     """A `Probe` under its own class, since name, version, weight and may_link are class-level."""
-    cls = type(f"Probe_{name}_{version}", (Probe,),
-               {"name": name, "version": version, "weight": weight, "may_link": may_link})
+    cls = type(
+        f"Probe_{name}_{version}",
+        (Probe,),
+        {"name": name, "version": version, "weight": weight, "may_link": may_link},
+    )
     instance: Probe = cls(action)
     return instance
 
@@ -65,6 +69,7 @@ def probe(name: str, action: Action, version: str = "1", weight: int = 1,
 def claim(key: str, value: str) -> Action:
     def action(file: LocalFile, record: RecordLookup, register: Register) -> None:
         register(file.cid, key, value)
+
     return action
 
 
@@ -92,8 +97,12 @@ def runs(node: Node) -> dict[tuple[str, str, str], Run]:
     """Every row of the plugin run table: (plugin, version, midhash) → status."""
     conn = db.connect(node.settings.cache_path, readonly=True)
     try:
-        return {(p, v, m): Run(s, a, e) for p, v, m, s, a, e in conn.execute(
-            "SELECT plugin, version, midhash, status, attempts, error FROM plugin_runs")}
+        return {
+            (p, v, m): Run(s, a, e)
+            for p, v, m, s, a, e in conn.execute(
+                "SELECT plugin, version, midhash, status, attempts, error FROM plugin_runs"
+            )
+        }
     finally:
         conn.close()
 
@@ -106,6 +115,7 @@ def finished(node: Node, plugin: Plugin, midhash: str, status: str = "done") -> 
     def check() -> bool:
         run = run_of(node, plugin, midhash)
         return run is not None and run.status == status
+
     return check
 
 
@@ -153,9 +163,15 @@ class Harness:
     async def start(self, found: list[Plugin], **overrides: Any) -> Node:
         self.monkeypatch.setattr(plugins, "discover", lambda: list(found))
         options: dict[str, Any] = {
-            "plugins_enabled": True, "watch_enabled": True, "watch_settle_s": 0.2,
-            "plugin_retry_s": 0.1, "plugin_timeout_s": 1.0, "plugin_workers": 2,
-            "plugin_max_attempts": 3, **overrides}
+            "plugins_enabled": True,
+            "watch_enabled": True,
+            "watch_settle_s": 0.2,
+            "plugin_retry_s": 0.1,
+            "plugin_timeout_s": 1.0,
+            "plugin_workers": 2,
+            "plugin_max_attempts": 3,
+            **overrides,
+        }
         node = Node(settings_for(self.tmp / "data", **options))
         await node.start()
         self.nodes.append(node)
@@ -183,8 +199,9 @@ async def harness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncItera
     await h.close()
 
 
-def blocked_until(gate: threading.Event, then: Action | None = None,
-                  first_only: bool = False) -> Action:
+def blocked_until(
+    gate: threading.Event, then: Action | None = None, first_only: bool = False
+) -> Action:
     """An action that waits for `gate` (at most 15 s), then does `then`."""
     state = {"calls": 0}
 
@@ -194,6 +211,7 @@ def blocked_until(gate: threading.Event, then: Action | None = None,
             gate.wait(15)
         if then is not None:
             then(file, record, register)
+
     return action
 
 
@@ -217,7 +235,10 @@ def test_discover_finds_the_builtins_through_entry_points() -> None:
     assert [p.name for p in found] == ["fileinfo", "filename", "fullhash"]
     assert all(isinstance(p, Plugin) and p.version for p in found)
     assert {p.name: p.may_link for p in found} == {
-        "fileinfo": False, "filename": False, "fullhash": True}
+        "fileinfo": False,
+        "filename": False,
+        "fullhash": True,
+    }
 
 
 def test_plugin_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:
@@ -248,7 +269,8 @@ async def test_drafts_are_claims_signed_by_the_plugins_own_key(harness: Harness)
 
     listed = node.meta_claims(midhash, key="tag", uid=None)["claims"]
     assert [(c["uid"], c["cid"], c["key"], c["value"]) for c in listed] == [
-        (uid, midhash, "tag", "x")]
+        (uid, midhash, "tag", "x")
+    ]
     assert metadata(node, midhash)["tag"] == "x"
     assert metadata(node, midhash)["filePath"] == path
 
@@ -285,7 +307,8 @@ async def test_plugin_sees_the_local_file_and_metadata_never_a_rid(harness: Harn
 
 
 async def test_a_raising_plugin_fails_its_run_only_retries_with_backoff_then_fails(
-        harness: Harness) -> None:
+    harness: Harness,
+) -> None:
     _, midhash = harness.drop("r.bin", b"one plugin raises on this")
     good = probe("good", claim("good", "yes"))
     bad = probe("bad", raises)
@@ -392,14 +415,18 @@ async def test_a_restart_resumes_pending_runs_and_skips_done_ones(harness: Harne
     assert metadata(node, midhash)["slow"] == "resumed"
 
 
-@pytest.mark.parametrize(("key", "slug"), [
-    ("filePath", "reserved_key"),
-    ("cid_anything", "reserved_key"),
-    ("cids/" + cids.encode(cids.RAW, cids.SHA2_256, bytes(32)), "link_not_permitted"),
-    ("bad//key", "invalid_key"),
-])
+@pytest.mark.parametrize(
+    ("key", "slug"),
+    [
+        ("filePath", "reserved_key"),
+        ("cid_anything", "reserved_key"),
+        ("cids/" + cids.encode(cids.RAW, cids.SHA2_256, bytes(32)), "link_not_permitted"),
+        ("bad//key", "invalid_key"),
+    ],
+)
 async def test_a_rejected_draft_fails_the_run_with_its_slug(
-        harness: Harness, key: str, slug: str) -> None:
+    harness: Harness, key: str, slug: str
+) -> None:
     _, midhash = harness.drop("x.bin", b"rejected drafts")
 
     def action(file: LocalFile, record: RecordLookup, register: Register) -> None:
@@ -428,16 +455,25 @@ async def test_get_api_plugins(harness: Harness) -> None:
     transport = httpx.ASGITransport(app=create_app(node))
     async with httpx.AsyncClient(transport=transport, base_url="http://node") as http:
         assert (await http.get("/api/plugins")).status_code == 401
-        answer = await http.get("/api/plugins",
-                                headers={"Authorization": f"Bearer {node.token}"})
+        answer = await http.get("/api/plugins", headers={"Authorization": f"Bearer {node.token}"})
     assert answer.status_code == 200
     listed = answer.json()["plugins"]
     uids = {s["name"]: s["uid"] for s in node.signers()}
     assert listed == [
-        {"name": "bad", "version": "7", "uid": uids["plugin:bad"], "may_link": True,
-         "runs": {"done": 0, "pending": 0, "failed": 1}},
-        {"name": "good", "version": "1", "uid": uids["plugin:good"], "may_link": False,
-         "runs": {"done": 1, "pending": 0, "failed": 0}},
+        {
+            "name": "bad",
+            "version": "7",
+            "uid": uids["plugin:bad"],
+            "may_link": True,
+            "runs": {"done": 0, "pending": 0, "failed": 1},
+        },
+        {
+            "name": "good",
+            "version": "1",
+            "uid": uids["plugin:good"],
+            "may_link": False,
+            "runs": {"done": 1, "pending": 0, "failed": 0},
+        },
     ]
 
 
@@ -476,11 +512,17 @@ async def test_stale_pending_runs_do_not_starve_current_ones(harness: Harness) -
     node = await harness.start([v2], plugin_workers=4, plugin_timeout_s=60.0)
 
     def done() -> int:
-        return sum(1 for (_, version, _), run in runs(node).items()
-                   if version == "2" and run.status == "done")
+        return sum(
+            1
+            for (_, version, _), run in runs(node).items()
+            if version == "2" and run.status == "done"
+        )
 
-    await until(lambda: done() == total,  # a starved run never starts: the bound is generous
-                f"every one of the {total} runs of the current version to finish", timeout=120)
+    await until(
+        lambda: done() == total,  # a starved run never starts: the bound is generous
+        f"every one of the {total} runs of the current version to finish",
+        timeout=120,
+    )
     assert {f.cid for f in v2.calls} == set(midhashes)
 
 
@@ -490,6 +532,7 @@ def test_a_run_ending_after_its_loop_closed_is_quiet() -> None:
     previous = threading.excepthook
     threading.excepthook = lambda args: errors.append(args.exc_value)
     try:
+
         async def main() -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(plugins.run_in_thread(lambda: release.wait(10)), 0.05)

@@ -24,8 +24,11 @@ from tests.helpers.server import Server
 MIB = 1 << 20
 T = TypeVar("T")
 # Matroska's EBML magic with DocType "matroska", so fileinfo sniffs a video.
-MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B61"
-                         "42878104428581 02".replace(" ", ""))
+MKV_HEAD = bytes.fromhex(
+    "1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B6142878104428581 02".replace(
+        " ", ""
+    )
+)
 
 
 def poll(fetch: Callable[[], T | None], what: str, timeout: float = 45.0) -> T:
@@ -45,8 +48,9 @@ def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One real server with the built-in plugins on, shared by this module's tests (each test
     drops its own files)."""
     root = tmp_path_factory.mktemp("plugins-server")
-    server = Server(root / "data", env={"METANODE_PLUGINS_ENABLED": "true",
-                                        "METANODE_WATCH_SETTLE_S": "0.3"}).start()
+    server = Server(
+        root / "data", env={"METANODE_PLUGINS_ENABLED": "true", "METANODE_WATCH_SETTLE_S": "0.3"}
+    ).start()
     yield server
     server.stop()
 
@@ -69,9 +73,11 @@ def drop(srv: Server, name: str, data: bytes) -> Path:
 
 def settled(srv: Server, midhash: str, *keys_: str) -> Callable[[], dict[str, Any] | None]:
     """The document of `midhash` once every key in `keys_` is in its metadata."""
+
     def fetch() -> dict[str, Any] | None:
         doc = srv.meta(midhash)
         return doc if doc is not None and all(k in doc["metadata"] for k in keys_) else None
+
     return fetch
 
 
@@ -98,8 +104,19 @@ def test_dropped_file_gets_four_cids_in_one_group_and_every_plugin_field(srv: Se
     midhash, sha, b3, ipfs = expected_cids(data, path)
     assert ipfs.startswith("bafybei") and sha.startswith("bafkrei") and b3.startswith("bafkr4i")
 
-    doc = poll(settled(srv, midhash, f"cids/{ipfs}", f"cids/{sha}", f"cids/{b3}", "fileType",
-                       "title", "sizeByte"), "the plugins' claims")
+    doc = poll(
+        settled(
+            srv,
+            midhash,
+            f"cids/{ipfs}",
+            f"cids/{sha}",
+            f"cids/{b3}",
+            "fileType",
+            "title",
+            "sizeByte",
+        ),
+        "the plugins' claims",
+    )
     assert doc["cids"] == [ipfs, sha, b3, midhash]  # best rank first: 40, 30, 29, 10
     assert doc["canonical_cid"] == ipfs
     meta = doc["metadata"]
@@ -131,7 +148,10 @@ def test_dropped_file_gets_four_cids_in_one_group_and_every_plugin_field(srv: Se
     listed = httpx.get(f"{srv.url}/api/plugins", headers=headers, timeout=10).json()["plugins"]
     assert [p["name"] for p in listed] == ["fileinfo", "filename", "fullhash"]
     assert {p["name"]: p["may_link"] for p in listed} == {
-        "fileinfo": False, "filename": False, "fullhash": True}
+        "fileinfo": False,
+        "filename": False,
+        "fullhash": True,
+    }
     claims = httpx.get(f"{srv.url}/api/meta/{ipfs}/claims", timeout=10).json()["claims"]
     uid_of = {p["name"]: p["uid"] for p in listed}
     assert {c["uid"] for c in claims} == set(uid_of.values())
@@ -153,7 +173,7 @@ def test_same_middle_sample_different_size_stays_apart(srv: Server) -> None:
     b = b"<" + a + b">"
     start_a, start_b = cids.midhash_offset(len(a)), cids.midhash_offset(len(b))
     assert (start_a, start_b) == (MIB, MIB + 1)
-    assert a[start_a:start_a + MIB] == b[start_b:start_b + MIB]  # the very same sample
+    assert a[start_a : start_a + MIB] == b[start_b : start_b + MIB]  # the very same sample
     path_a = drop(srv, "sample-a.bin", a)
     path_b = drop(srv, "sample-b.bin", b)
     mid_a, sha_a, b3_a, ipfs_a = expected_cids(a, path_a)
@@ -176,8 +196,12 @@ def test_same_middle_sample_different_size_stays_apart(srv: Server) -> None:
 def test_external_plugin_with_the_client(srv: Server, tmp_path: Path) -> None:
     key_path = tmp_path / "rater.key"
     uid = keys.create(key_path)
-    answer = httpx.post(f"{srv.url}/api/signers", headers=srv.headers, timeout=10,
-                        json={"uid": uid, "name": "rater", "weight": 1, "may_link": False})
+    answer = httpx.post(
+        f"{srv.url}/api/signers",
+        headers=srv.headers,
+        timeout=10,
+        json={"uid": uid, "name": "rater", "weight": 1, "may_link": False},
+    )
     assert answer.status_code == 200, answer.text
 
     data = random_bytes("rated", 600_000)
@@ -207,8 +231,9 @@ def test_external_plugin_with_the_client(srv: Server, tmp_path: Path) -> None:
 
         seen = client.meta(midhash)
         assert seen is not None and seen["metadata"]["rating"] == "5"
-        listed = httpx.get(f"{srv.url}/api/meta/{midhash}/claims",
-                           params={"uid": uid}, timeout=10).json()["claims"]
+        listed = httpx.get(
+            f"{srv.url}/api/meta/{midhash}/claims", params={"uid": uid}, timeout=10
+        ).json()["claims"]
         assert listed == [claim]
     finally:
         client.close()
@@ -264,14 +289,29 @@ def test_client_errors(srv: Server, tmp_path: Path) -> None:
 
 def test_parse_frames() -> None:
     lines = [
-        ": keep-alive", "",
-        "id: 17-1", "event: set", 'data: {"rid": "R", "key": "title", "value": "x"}', "",
-        "event: set", 'data:{"rid": "R", "key": "year", "value": "1999"}', "",  # snapshot: no id
-        "event: synced", 'data: {"id": "17-1"}', "",
-        "id: 17-2", "event: del", 'data: {"rid": "R", "key": "title"}', "",
-        'data: {"plain": true}', "",  # no event name: "message"
-        "id: 17-3", "event: set", "",  # no data: not an event
-        "event: gap", 'data: {"requested": "0-0", "reason": "unknown epoch"}',  # no blank line
+        ": keep-alive",
+        "",
+        "id: 17-1",
+        "event: set",
+        'data: {"rid": "R", "key": "title", "value": "x"}',
+        "",
+        "event: set",
+        'data:{"rid": "R", "key": "year", "value": "1999"}',
+        "",  # snapshot: no id
+        "event: synced",
+        'data: {"id": "17-1"}',
+        "",
+        "id: 17-2",
+        "event: del",
+        'data: {"rid": "R", "key": "title"}',
+        "",
+        'data: {"plain": true}',
+        "",  # no event name: "message"
+        "id: 17-3",
+        "event: set",
+        "",  # no data: not an event
+        "event: gap",
+        'data: {"requested": "0-0", "reason": "unknown epoch"}',  # no blank line
     ]
     assert list(parse_frames(lines)) == [
         Event("17-1", "set", {"rid": "R", "key": "title", "value": "x"}),

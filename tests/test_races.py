@@ -41,8 +41,9 @@ def link_edges(rng: random.Random, count: int) -> list[tuple[str, str]]:
     return sorted(edges)
 
 
-def make_batches(signers: list[Signer], clients: int, batches: int, size: int,
-                 seed: int) -> list[list[list[dict[str, Any]]]]:
+def make_batches(
+    signers: list[Signer], clients: int, batches: int, size: int, seed: int
+) -> list[list[list[dict[str, Any]]]]:
     """`clients` lists of `batches` batches of `size` wire claims that overlap heavily.
 
     Half the claims are `title` claims on random pool CIDs with random timestamps (so the same
@@ -63,8 +64,14 @@ def make_batches(signers: list[Signer], clients: int, batches: int, size: int,
                     subject, member = rng.choice(edges)
                     batch.append(signer.claim(subject, LINK_PREFIX + member, "true"))
                 else:
-                    batch.append(signer.claim(rng.choice(POOL), "title", f"t-{c}-{b}-{i}",
-                                              ts=NOW_MS - rng.randrange(0, 5)))
+                    batch.append(
+                        signer.claim(
+                            rng.choice(POOL),
+                            "title",
+                            f"t-{c}-{b}-{i}",
+                            ts=NOW_MS - rng.randrange(0, 5),
+                        )
+                    )
             mine.append(batch)
         out.append(mine)
     return out
@@ -124,15 +131,22 @@ def verify_outcome(outcome: Outcome, conn: sqlite3.Connection) -> None:
             verdicts.setdefault(ident, []).append(result["status"])
 
     subjects = {c["cid"] for c in claims_sent}
-    links = [(c["cid"], c["key"][len(LINK_PREFIX):]) for c in claims_sent
-             if c["key"].startswith(LINK_PREFIX)]
+    links = [
+        (c["cid"], c["key"][len(LINK_PREFIX) :])
+        for c in claims_sent
+        if c["key"].startswith(LINK_PREFIX)
+    ]
     posted_cids = subjects | {m for _, m in links}
 
     with db.snapshot(conn):
         grouped = conn.execute("SELECT cid, rid FROM cid_group").fetchall()
         rid_rows = conn.execute("SELECT rid, status, merged_into FROM rids").fetchall()
-        stored = {(u, c, k): (v, ts, bytes(sig)) for u, c, k, v, ts, sig in conn.execute(
-            "SELECT uid, cid, key, value, ts, sig FROM claims")}
+        stored = {
+            (u, c, k): (v, ts, bytes(sig))
+            for u, c, k, v, ts, sig in conn.execute(
+                "SELECT uid, cid, key, value, ts, sig FROM claims"
+            )
+        }
 
     # Every CID of every claim is in exactly one group, and nothing else is.
     group_cids = [cid for cid, _ in grouped]
@@ -202,8 +216,12 @@ def test_concurrent_clients_on_a_real_server(isolated_server: Server) -> None:
     server = isolated_server
     signers = [Signer(), Signer()]
     for n, signer in enumerate(signers):
-        response = httpx.post(f"{server.url}/api/signers", headers=server.headers, timeout=10,
-                              json={"uid": signer.uid, "name": f"s{n}", "may_link": True})
+        response = httpx.post(
+            f"{server.url}/api/signers",
+            headers=server.headers,
+            timeout=10,
+            json={"uid": signer.uid, "name": f"s{n}", "may_link": True},
+        )
         assert response.status_code == 200, response.text
     work = make_batches(signers, clients=8, batches=15, size=20, seed=1)
     outcome = Outcome()
@@ -245,7 +263,8 @@ def test_concurrent_clients_on_a_real_server(isolated_server: Server) -> None:
         applied = dict(cache.execute("SELECT name, value FROM state"))["applied_seq"]
         assert applied == truth.max_seq(truth_conn)
         assert dict(cache.execute("SELECT cid, rid FROM cid_index")) == dict(
-            truth_conn.execute("SELECT cid, rid FROM cid_group"))
+            truth_conn.execute("SELECT cid, rid FROM cid_group")
+        )
     finally:
         cache.close()
         truth_conn.close()
@@ -268,8 +287,9 @@ def test_concurrent_clients_on_a_real_server(isolated_server: Server) -> None:
 # -- in process ---------------------------------------------------------------------------------
 
 
-async def test_concurrent_posts_in_process(client: httpx.AsyncClient, node: Node,
-                                           tmp_path: Path) -> None:
+async def test_concurrent_posts_in_process(
+    client: httpx.AsyncClient, node: Node, tmp_path: Path
+) -> None:
     signers = [Signer(), Signer()]
     for signer in signers:
         response = await client.post("/api/signers", json={"uid": signer.uid, "may_link": True})
@@ -290,4 +310,5 @@ async def test_concurrent_posts_in_process(client: httpx.AsyncClient, node: Node
     report = node_check(node.settings, tmp_path / "scratch-cache.db")
     assert report.clean, report.differences + report.bad_signatures
     assert report.claims_checked == len(
-        {(c["uid"], c["cid"], c["key"]) for batch, _, _ in outcome.posted for c in batch})
+        {(c["uid"], c["cid"], c["key"]) for batch, _, _ in outcome.posted for c in batch}
+    )

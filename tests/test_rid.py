@@ -206,8 +206,18 @@ def test_clock_stepping_back_still_increases() -> None:
     minted = [minter.mint() for _ in clock]
     assert all(a < b for a, b in itertools.pairwise(minted))
     # While the clock is behind, minting stays on the newest millisecond it has seen.
-    assert [_ms(t) for t in minted] == [5_000, 5_000, 5_000, 5_000, 5_000, 5_000, 6_000,
-                                        6_000, 6_000, 7_000]
+    assert [_ms(t) for t in minted] == [
+        5_000,
+        5_000,
+        5_000,
+        5_000,
+        5_000,
+        5_000,
+        6_000,
+        6_000,
+        6_000,
+        7_000,
+    ]
     for text in minted:
         assert rid.parse(text) == text
 

@@ -51,11 +51,14 @@ WAIT_S = 30.0
 
 
 def _registry() -> Registry[Any]:
-    resources = [(BASE + name, DRAFT202012.create_resource(openapi_sync.load(SCHEMAS / name)))
-                 for name in FILES]
+    resources = [
+        (BASE + name, DRAFT202012.create_resource(openapi_sync.load(SCHEMAS / name)))
+        for name in FILES
+    ]
     # The OpenAPI document itself, so a pointer into it resolves its #/components/... refs.
-    resources.append((OPENAPI_URI, Resource.from_contents(
-        OPENAPI, default_specification=DRAFT202012)))
+    resources.append(
+        (OPENAPI_URI, Resource.from_contents(OPENAPI, default_specification=DRAFT202012))
+    )
     return Registry().with_resources(resources)
 
 
@@ -66,8 +69,10 @@ def check(ref: str, instance: Any) -> None:
     """Validate `instance` against the schema at `ref` (a URI, `#/pointer` allowed)."""
     validator = Draft202012Validator({"$ref": ref}, registry=REGISTRY)
     error = best_match(validator.iter_errors(instance))
-    assert error is None, (f"{ref}: {error.message} at {list(error.absolute_path)} "
-                           f"(schema path {list(error.absolute_schema_path)})\n{instance!r}")
+    assert error is None, (
+        f"{ref}: {error.message} at {list(error.absolute_path)} "
+        f"(schema path {list(error.absolute_schema_path)})\n{instance!r}"
+    )
 
 
 def file_schema(name: str, pointer: str = "") -> str:
@@ -191,14 +196,25 @@ def test_claim_schema_accepts_the_vectors_and_refuses_malformed_claims() -> None
     for vector in load_vectors("claims.json")["vectors"]:
         check(file_schema("claim.schema.json"), vector["claim"])
     good = load_vectors("claims.json")["vectors"][0]["claim"]
-    for bad in ({**good, "extra": 1}, {k: v for k, v in good.items() if k != "value"},
-                {**good, "value": 5}, {**good, "ts": 1.5}, {**good, "ts": 1},
-                {**good, "sig": good["sig"] + "A"}, {**good, "sig": "=" * 86},
-                {**good, "uid": "did:key:" + good["uid"]}, {**good, "cid": "z" + good["cid"]},
-                {**good, "cid": good["cid"].upper()}, {**good, "key": ""},
-                {**good, "key": "a\nb"}):
-        errors_found = list(Draft202012Validator(
-            {"$ref": file_schema("claim.schema.json")}, registry=REGISTRY).iter_errors(bad))
+    for bad in (
+        {**good, "extra": 1},
+        {k: v for k, v in good.items() if k != "value"},
+        {**good, "value": 5},
+        {**good, "ts": 1.5},
+        {**good, "ts": 1},
+        {**good, "sig": good["sig"] + "A"},
+        {**good, "sig": "=" * 86},
+        {**good, "uid": "did:key:" + good["uid"]},
+        {**good, "cid": "z" + good["cid"]},
+        {**good, "cid": good["cid"].upper()},
+        {**good, "key": ""},
+        {**good, "key": "a\nb"},
+    ):
+        errors_found = list(
+            Draft202012Validator(
+                {"$ref": file_schema("claim.schema.json")}, registry=REGISTRY
+            ).iter_errors(bad)
+        )
         assert errors_found, f"the claim schema accepted {bad!r}"
 
 
@@ -218,7 +234,8 @@ def test_openapi_document_is_valid_and_every_operation_resolves() -> None:
             raise result.err()
         operations.append(result.ok())
     assert {(op.method.upper(), op.path) for op in operations} == {
-        (method.upper(), path) for path, item in OPENAPI["paths"].items() for method in item}
+        (method.upper(), path) for path, item in OPENAPI["paths"].items() for method in item
+    }
     assert OPENAPI["openapi"].startswith("3.1")
     assert OPENAPI["info"]["version"] == metanode.__version__
 
@@ -238,8 +255,9 @@ def _routes(routes: list[BaseRoute], prefix: str = "") -> Iterator[tuple[str, st
 def test_openapi_document_describes_every_route_of_the_app(tmp_path: Path) -> None:
     app = create_app(Node(settings_for(tmp_path / "data")))  # not started: routes only
     in_app = set(_routes(list(app.routes)))
-    in_document = {(method.upper(), path) for path, item in OPENAPI["paths"].items()
-                   for method in item}
+    in_document = {
+        (method.upper(), path) for path, item in OPENAPI["paths"].items() for method in item
+    }
     assert in_app == in_document
 
 
@@ -292,16 +310,22 @@ async def test_real_bodies_conform(node: Node, client: httpx.AsyncClient, tmp_pa
     await node.scan([str(media)])
     midhash, sha = cids.midhash_bytes(CONTENT), sha256_cid(CONTENT)
 
-    batch = {"claims": [signer.claim(midhash, "title", "The Matrix"),
-                        signer.claim(midhash, f"cids/{sha}", "true"),
-                        signer.claim(sha, "year", "1999"),
-                        signer.claim(sha, "retracted", None)]}
+    batch = {
+        "claims": [
+            signer.claim(midhash, "title", "The Matrix"),
+            signer.claim(midhash, f"cids/{sha}", "true"),
+            signer.claim(sha, "year", "1999"),
+            signer.claim(sha, "retracted", None),
+        ]
+    }
     check(file_schema("claims-request.schema.json"), batch)
-    first = conforms(await client.post("/api/claims", json=batch),
-                     "claims-response.schema.json", 200)
+    first = conforms(
+        await client.post("/api/claims", json=batch), "claims-response.schema.json", 200
+    )
     assert first["accepted"] == 4 and first["applied"] is True
-    again = conforms(await client.post("/api/claims", json=batch),
-                     "claims-response.schema.json", 200)
+    again = conforms(
+        await client.post("/api/claims", json=batch), "claims-response.schema.json", 200
+    )
     assert again["duplicate"] == 4
 
     document = conforms(await client.get(f"/api/meta/{sha}"), "document.schema.json", 200)
@@ -311,61 +335,75 @@ async def test_real_bodies_conform(node: Node, client: httpx.AsyncClient, tmp_pa
     viewer = await client.get(f"/api/meta/{midhash}", params={"as": signer.uid})
     assert conforms(viewer, "document.schema.json", 200)["cid"] == midhash
 
-    listing = conforms(await client.get(f"/api/meta/{midhash}/claims"),
-                       "claims-listing.schema.json", 200)
+    listing = conforms(
+        await client.get(f"/api/meta/{midhash}/claims"), "claims-listing.schema.json", 200
+    )
     assert len(listing["claims"]) == 3  # the retraction is not listed
     rid = listing["rid"]
     filtered = await client.get(f"/api/meta/{sha}/claims", params={"key": "year"})
     assert len(conforms(filtered, "claims-listing.schema.json", 200)["claims"]) == 1
-    by_rid = conforms(await client.get(f"/api/metadata/{rid.lower()}"),
-                      "rid-document.schema.json", 200)
+    by_rid = conforms(
+        await client.get(f"/api/metadata/{rid.lower()}"), "rid-document.schema.json", 200
+    )
     assert by_rid["hashId"] == rid and by_rid["cid"] == by_rid["canonical_cid"] == sha
-    conforms(await client.get(f"/api/metadata/{rid}/claims", params={"uid": signer.uid}),
-             "claims-listing.schema.json", 200)
+    conforms(
+        await client.get(f"/api/metadata/{rid}/claims", params={"uid": signer.uid}),
+        "claims-listing.schema.json",
+        200,
+    )
 
     signer2 = Signer()
     await register(client, signer2)
     await client.post("/api/claims", json={"claims": [signer2.claim(sha256_cid(b"2"), "t", "v")]})
-    page = conforms(await client.get("/api/hash-ids", params={"limit": 1}),
-                    "hash-ids.schema.json", 200)
+    page = conforms(
+        await client.get("/api/hash-ids", params={"limit": 1}), "hash-ids.schema.json", 200
+    )
     assert page["next"] == page["hashIds"][0]
     last = await client.get("/api/hash-ids", params={"after": page["next"], "limit": 1000})
     assert conforms(last, "hash-ids.schema.json", 200)["next"] is None
 
     files = conforms(await client.get("/api/files", params={"limit": 1}), "files.schema.json", 200)
     assert files["files"][0]["rid"] == rid and files["next"] == files["files"][0]["path"]
-    conforms(await client.get("/api/files", params={"prefix": str(media)}),
-             "files.schema.json", 200)
+    conforms(
+        await client.get("/api/files", params={"prefix": str(media)}), "files.schema.json", 200
+    )
 
     signers = conforms(await client.get("/api/signers"), "signers.schema.json", 200)
     assert {s["uid"] for s in signers["signers"]} == {signer.uid, signer2.uid}
-    blocked = conforms(await client.post(f"/api/signers/{signer2.uid}/block"),
-                       "signer.schema.json", 200)
+    blocked = conforms(
+        await client.post(f"/api/signers/{signer2.uid}/block"), "signer.schema.json", 200
+    )
     assert blocked["status"] == "blocked"
     conforms(await client.post(f"/api/signers/{signer2.uid}/unblock"), "signer.schema.json", 200)
 
     conforms(await client.get("/health"), "health.schema.json", 200)
-    assert conforms(await client.get("/api/plugins"), "plugins.schema.json", 200) == {
-        "plugins": []}
+    assert conforms(await client.get("/api/plugins"), "plugins.schema.json", 200) == {"plugins": []}
 
 
 async def test_health_and_plugins_of_a_node_with_watcher_and_plugins(tmp_path: Path) -> None:
     media = tmp_path / "media"
     media.mkdir()
     (media / "The.Matrix.1999.mkv").write_bytes(CONTENT)
-    node = Node(settings_for(tmp_path / "data", watch_enabled=True, plugins_enabled=True,
-                             watch_settle_s=0.05))
+    node = Node(
+        settings_for(
+            tmp_path / "data", watch_enabled=True, plugins_enabled=True, watch_settle_s=0.05
+        )
+    )
     await node.start()
     try:
         transport = httpx.ASGITransport(app=create_app(node))
-        async with httpx.AsyncClient(transport=transport, base_url="http://node",
-                                     headers={"Authorization": f"Bearer {node.token}"}) as c:
+        async with httpx.AsyncClient(
+            transport=transport,
+            base_url="http://node",
+            headers={"Authorization": f"Bearer {node.token}"},
+        ) as c:
             deadline = time.monotonic() + WAIT_S
             while True:  # until every plugin has finished with the file
                 plugins = conforms(await c.get("/api/plugins"), "plugins.schema.json", 200)
                 if plugins["plugins"] and all(
-                        p["runs"]["pending"] == 0 and p["runs"]["done"] + p["runs"]["failed"] == 1
-                        for p in plugins["plugins"]):
+                    p["runs"]["pending"] == 0 and p["runs"]["done"] + p["runs"]["failed"] == 1
+                    for p in plugins["plugins"]
+                ):
                     break
                 assert time.monotonic() < deadline, plugins
                 await asyncio.sleep(0.05)
@@ -374,7 +412,8 @@ async def test_health_and_plugins_of_a_node_with_watcher_and_plugins(tmp_path: P
             assert health["watcher"]["roots"] == [str(media.resolve())]
             document = await c.get(f"/api/meta/{cids.midhash_bytes(CONTENT)}")
             assert conforms(document, "document.schema.json", 200)["paths"] == [
-                str((media / "The.Matrix.1999.mkv").resolve())]
+                str((media / "The.Matrix.1999.mkv").resolve())
+            ]
     finally:
         await node.stop()
 
@@ -388,8 +427,9 @@ async def test_error_envelopes_conform(node: Node, client: httpx.AsyncClient) ->
     await client.post("/api/claims", json={"claims": [linker.claim(younger, "title", "b")]})
     loser = (await client.get(f"/api/meta/{younger}/claims")).json()["rid"]
     survivor = (await client.get(f"/api/meta/{older}/claims")).json()["rid"]
-    link = await client.post("/api/claims", json={"claims": [
-        linker.claim(older, f"cids/{younger}", "true")]})
+    link = await client.post(
+        "/api/claims", json={"claims": [linker.claim(older, f"cids/{younger}", "true")]}
+    )
     assert link.status_code == 200, link.text
     unknown_rid = rids.encode(0x0190_0000_0000_7000_8000_0000_0000_0001)  # never minted
 
@@ -414,8 +454,11 @@ async def test_error_envelopes_conform(node: Node, client: httpx.AsyncClient) ->
         (await batch(stranger.claim(older, "title", "x")), 403, "invalid_batch"),
         (await batch(plain.claim(older, f"cids/{unknown}", "true")), 403, "invalid_batch"),
         (await client.post("/api/signers", json={"uid": "nobody"}), 400, "invalid_uid"),
-        (await client.post("/api/signers", json={"uid": plain.uid, "weight": -1}), 400,
-         "invalid_request"),
+        (
+            await client.post("/api/signers", json={"uid": plain.uid, "weight": -1}),
+            400,
+            "invalid_request",
+        ),
         (await client.post("/api/signers", content=b"["), 400, "invalid_json"),
         (await client.post("/api/signers", content=b" " * 70_000), 413, "too_large"),
         (await client.post(f"/api/signers/{stranger.uid}/block"), 404, "unknown_signer"),
@@ -434,17 +477,30 @@ async def test_error_envelopes_conform(node: Node, client: httpx.AsyncClient) ->
     error_of(await client.get(f"/api/metadata/{loser}/claims"), 404, "merged")
 
     good = linker.claim(older, "k", "v")
-    rejected = error_of(await batch(
-        good, {**good, "sig": "A" * 86}, {**good, "extra": 1},
-        linker.claim(older.upper(), "k", "v"), linker.claim(older, "cid_x", "v"),
-        linker.claim(older, "k", "v", ts=NOW_MS + 3_600_000)), 400, "invalid_batch")
+    rejected = error_of(
+        await batch(
+            good,
+            {**good, "sig": "A" * 86},
+            {**good, "extra": 1},
+            linker.claim(older.upper(), "k", "v"),
+            linker.claim(older, "cid_x", "v"),
+            linker.claim(older, "k", "v", ts=NOW_MS + 3_600_000),
+        ),
+        400,
+        "invalid_batch",
+    )
     assert [(item["index"], item["error"]) for item in rejected["items"]] == [
-        (1, "bad_signature"), (2, "invalid_claim"), (3, "noncanonical_cid"),
-        (4, "reserved_key"), (5, "ts_in_future")]
+        (1, "bad_signature"),
+        (2, "invalid_claim"),
+        (3, "noncanonical_cid"),
+        (4, "reserved_key"),
+        (5, "ts_in_future"),
+    ]
     policy = error_of(await batch(stranger.claim(older, "k", "v")), 403, "invalid_batch")
     assert policy["items"][0]["error"] == "unknown_signer"
-    link_refused = error_of(await batch(plain.claim(older, f"cids/{unknown}", "true")), 403,
-                            "invalid_batch")
+    link_refused = error_of(
+        await batch(plain.claim(older, f"cids/{unknown}", "true")), 403, "invalid_batch"
+    )
     assert link_refused["items"][0]["error"] == "link_not_permitted"
 
     transport = httpx.ASGITransport(app=create_app(node))
@@ -455,8 +511,12 @@ async def test_error_envelopes_conform(node: Node, client: httpx.AsyncClient) ->
 
     node.applier.ready = False  # as while the cache is first built
     try:
-        for path in (f"/api/meta/{older}", f"/api/metadata/{survivor}", "/api/hash-ids",
-                     "/api/events"):
+        for path in (
+            f"/api/meta/{older}",
+            f"/api/metadata/{survivor}",
+            "/api/hash-ids",
+            "/api/events",
+        ):
             response = await client.get(path)
             error_of(response, 503, "cache_not_ready")
             assert response.headers["retry-after"] == "1"
@@ -468,43 +528,90 @@ SOME_CID = "bagacbabaea6gwjljwuu3cyxlrwwxgnmlfwd2gfshoi6mrtxysc4mnahe2hsqu"
 # Bugs found while fuzzing and probing (issue #7): bad input that answers 500 instead of an
 # error envelope; each of these once was one.
 NEVER_500 = [
-    pytest.param("GET", "/api/hash-ids?limit=%C2%B2", {}, 400, "invalid_request",
-                 id="limit-superscript"),
-    pytest.param("POST", "/api/claims", {"content": b"{}", "headers": {
-        "content-length": "\xb2".encode("latin-1")}}, 400, "invalid_request", id="content-length"),
-    pytest.param("POST", "/api/claims", {"content": b"[" * 5000 + b"]" * 5000}, 400,
-                 "invalid_json",
-                 id="deep-json"),
-    pytest.param("POST", "/api/signers", {"content": b'{"uid": "%UID%", "name": "\\ud800"}'},
-                 400, "invalid_request",
-                 id="signer-name-surrogate"),
-    pytest.param("POST", "/api/claims", {"content": b'{"claims": [{"\\ud800": 1}]}'}, 400,
-                 "invalid_batch",
-                 id="field-name-surrogate"),
-    pytest.param("PATCH", f"/meta/{SOME_CID}", {"content": b"[" * 5000 + b"]" * 5000}, 400,
-                 "invalid_json",
-                 id="compat-patch-deep-json"),
-    pytest.param("PUT", f"/meta/{SOME_CID}/title", {"content": b"[" * 5000 + b"]" * 5000},
-                 200, "",
-                 id="compat-put-deep-json"),
-    pytest.param("PATCH", f"/meta/{SOME_CID}", {"content": b"{}", "headers": {
-        "content-length": "\xb2".encode("latin-1")}}, 404, "unknown_cid",
-        id="compat-content-length"),  # the bogus length is ignored; an empty PATCH of nothing
-    pytest.param("PATCH", f"/meta/{SOME_CID}", {"content": b'{"cid_\\ud800": "x"}'}, 400,
-                 "deprecated_field", id="compat-deprecated-surrogate"),
+    pytest.param(
+        "GET", "/api/hash-ids?limit=%C2%B2", {}, 400, "invalid_request", id="limit-superscript"
+    ),
+    pytest.param(
+        "POST",
+        "/api/claims",
+        {"content": b"{}", "headers": {"content-length": "\xb2".encode("latin-1")}},
+        400,
+        "invalid_request",
+        id="content-length",
+    ),
+    pytest.param(
+        "POST",
+        "/api/claims",
+        {"content": b"[" * 5000 + b"]" * 5000},
+        400,
+        "invalid_json",
+        id="deep-json",
+    ),
+    pytest.param(
+        "POST",
+        "/api/signers",
+        {"content": b'{"uid": "%UID%", "name": "\\ud800"}'},
+        400,
+        "invalid_request",
+        id="signer-name-surrogate",
+    ),
+    pytest.param(
+        "POST",
+        "/api/claims",
+        {"content": b'{"claims": [{"\\ud800": 1}]}'},
+        400,
+        "invalid_batch",
+        id="field-name-surrogate",
+    ),
+    pytest.param(
+        "PATCH",
+        f"/meta/{SOME_CID}",
+        {"content": b"[" * 5000 + b"]" * 5000},
+        400,
+        "invalid_json",
+        id="compat-patch-deep-json",
+    ),
+    pytest.param(
+        "PUT",
+        f"/meta/{SOME_CID}/title",
+        {"content": b"[" * 5000 + b"]" * 5000},
+        200,
+        "",
+        id="compat-put-deep-json",
+    ),
+    pytest.param(
+        "PATCH",
+        f"/meta/{SOME_CID}",
+        {"content": b"{}", "headers": {"content-length": "\xb2".encode("latin-1")}},
+        404,
+        "unknown_cid",
+        id="compat-content-length",
+    ),  # the bogus length is ignored; an empty PATCH of nothing
+    pytest.param(
+        "PATCH",
+        f"/meta/{SOME_CID}",
+        {"content": b'{"cid_\\ud800": "x"}'},
+        400,
+        "deprecated_field",
+        id="compat-deprecated-surrogate",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("method", "path", "request_args", "status", "slug"), NEVER_500)
-async def test_bad_input_is_never_a_500(node: Node, method: str, path: str,
-                                        request_args: dict[str, Any], status: int,
-                                        slug: str) -> None:
+async def test_bad_input_is_never_a_500(
+    node: Node, method: str, path: str, request_args: dict[str, Any], status: int, slug: str
+) -> None:
     transport = httpx.ASGITransport(app=create_app(node), raise_app_exceptions=False)
     content = request_args.get("content", b"").replace(b"%UID%", Signer().uid.encode())
-    async with httpx.AsyncClient(transport=transport, base_url="http://node",
-                                 headers={"Authorization": f"Bearer {node.token}"}) as c:
-        response = await c.request(method, path, content=content,
-                                   headers=request_args.get("headers"))
+    async with httpx.AsyncClient(
+        transport=transport,
+        base_url="http://node",
+        headers={"Authorization": f"Bearer {node.token}"},
+    ) as c:
+        response = await c.request(
+            method, path, content=content, headers=request_args.get("headers")
+        )
     if slug:
         error_of(response, status, slug)
     else:
@@ -513,13 +620,17 @@ async def test_bad_input_is_never_a_500(node: Node, method: str, path: str,
 
 async def test_a_link_vote_naming_its_own_cid_is_accepted(node: Node) -> None:
     transport = httpx.ASGITransport(app=create_app(node), raise_app_exceptions=False)
-    async with httpx.AsyncClient(transport=transport, base_url="http://node",
-                                 headers={"Authorization": f"Bearer {node.token}"}) as c:
+    async with httpx.AsyncClient(
+        transport=transport,
+        base_url="http://node",
+        headers={"Authorization": f"Bearer {node.token}"},
+    ) as c:
         linker = Signer()
         await register(c, linker, may_link=True)
         fresh = sha256_cid(b"links to itself")
-        response = await c.post("/api/claims", json={"claims": [
-            linker.claim(fresh, f"cids/{fresh}", "true")]})
+        response = await c.post(
+            "/api/claims", json={"claims": [linker.claim(fresh, f"cids/{fresh}", "true")]}
+        )
     assert conforms(response, "claims-response.schema.json", 200)["accepted"] == 1
 
 
@@ -530,9 +641,14 @@ class Feed:
     """An SSE route of a real server, parsed into `{"event", "id"?, "data"}` dicts as a client
     sees them, each checked against `frame` (a schema file, `#/pointer` allowed)."""
 
-    def __init__(self, client: httpx.Client, params: dict[str, str] | None = None,
-                 last_event_id: str | None = None, path: str = "/api/events",
-                 frame: str = "events.schema.json") -> None:
+    def __init__(
+        self,
+        client: httpx.Client,
+        params: dict[str, str] | None = None,
+        last_event_id: str | None = None,
+        path: str = "/api/events",
+        frame: str = "events.schema.json",
+    ) -> None:
         self.frame = frame
         headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
         self._context = client.stream("GET", path, params=params, headers=headers)
@@ -549,8 +665,10 @@ class Feed:
         for line in self._lines:
             if line == "":
                 if "data" in fields:
-                    event: dict[str, Any] = {"event": fields["event"],
-                                             "data": json.loads(fields["data"])}
+                    event: dict[str, Any] = {
+                        "event": fields["event"],
+                        "data": json.loads(fields["data"]),
+                    }
                     if "id" in fields:
                         event["id"] = fields["id"]
                     check(file_schema(self.frame), event)
@@ -582,11 +700,14 @@ def test_feed_events_conform(server: Server) -> None:
     linker = Signer()
     a, b = sha256_cid(b"feed a"), sha256_cid(b"feed b")
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=WAIT_S) as client:
-        assert client.post("/api/signers", json={"uid": linker.uid, "may_link": True}
-                           ).status_code == 200
+        assert (
+            client.post("/api/signers", json={"uid": linker.uid, "may_link": True}).status_code
+            == 200
+        )
         for cid, title in ((a, "A"), (b, "B")):
-            response = client.post("/api/claims", json={"claims": [
-                linker.claim(cid, "title", title)]})
+            response = client.post(
+                "/api/claims", json={"claims": [linker.claim(cid, "title", title)]}
+            )
             assert response.status_code == 200, response.text
 
         snapshot = Feed(client, {"snapshot": "1"})
@@ -596,13 +717,17 @@ def test_feed_events_conform(server: Server) -> None:
 
         gapped = Feed(client, last_event_id="0-0")
         second = gapped.until("synced")
-        assert second[0] == {"event": "gap", "data": {"requested": "0-0",
-                                                      "reason": "unknown_epoch"}}
+        assert second[0] == {
+            "event": "gap",
+            "data": {"requested": "0-0", "reason": "unknown_epoch"},
+        }
         assert second[1:] == first
         gapped.close()
 
-        for claim in (linker.claim(a, f"cids/{b}", "true"),  # a merge: del, then set
-                      linker.claim(a, "end", "here")):  # then this set ends the test's reading
+        for claim in (
+            linker.claim(a, f"cids/{b}", "true"),  # a merge: del, then set
+            linker.claim(a, "end", "here"),
+        ):  # then this set ends the test's reading
             response = client.post("/api/claims", json={"claims": [claim]})
             assert response.status_code == 200, response.text
         live = [snapshot.next()]
@@ -625,8 +750,7 @@ def compat(name: str) -> str:
     return f"compat.schema.json#/$defs/{name}"
 
 
-async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient,
-                                     tmp_path: Path) -> None:
+async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient, tmp_path: Path) -> None:
     media = tmp_path / "media"
     media.mkdir()
     (media / "film.mkv").write_bytes(CONTENT)
@@ -635,8 +759,9 @@ async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient,
 
     patch = {"title": "The Matrix", "__fields__": "ignored"}
     check(file_schema(compat("metaPatch")), patch)
-    written = conforms(await client.patch(f"/meta/{midhash}", json=patch),
-                       compat("metaWritten"), 200)
+    written = conforms(
+        await client.patch(f"/meta/{midhash}", json=patch), compat("metaWritten"), 200
+    )
     rid = written["hashId"]
     assert written["updated"] == 1
     listing = conforms(await client.get("/meta"), compat("metaList"), 200)
@@ -645,14 +770,17 @@ async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient,
         record = conforms(await client.get(f"/meta/{name}"), compat("metaRecord"), 200)
         assert record["hashId"] == rid and record["metadata"]["title"] == "The Matrix"
     assert conforms_raw(await client.get(f"/meta/{midhash}/title"), 200, "text/plain") == (
-        b"The Matrix")
+        b"The Matrix"
+    )
     put = {"value": "1999"}
     check(file_schema(compat("propertyPut")), put)
-    stored = conforms(await client.put(f"/meta/{midhash}/year", json=put),
-                      compat("propertyWritten"), 200)
+    stored = conforms(
+        await client.put(f"/meta/{midhash}/year", json=put), compat("propertyWritten"), 200
+    )
     assert stored == {"success": True, "hashId": rid, "property": "year"}
-    conforms(await client.put(f"/meta/{rid}/a/b", content=b"raw text"),
-             compat("propertyWritten"), 200)
+    conforms(
+        await client.put(f"/meta/{rid}/a/b", content=b"raw text"), compat("propertyWritten"), 200
+    )
     assert conforms_raw(await client.get(f"/meta/{rid}/a/b"), 200, "text/plain") == b"raw text"
 
     info = conforms(await client.get(f"/api/file/{midhash}/info"), compat("fileInfo"), 200)
@@ -673,11 +801,11 @@ async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient,
     assert refused.headers["content-range"] == f"bytes */{len(CONTENT)}"
     conforms(await client.get("/urls"), compat("urls"), 200)
 
-    deprecated = error_of(await client.patch(f"/meta/{midhash}", json={"cid_sha256": "x"}),
-                          400, "deprecated_field")
+    deprecated = error_of(
+        await client.patch(f"/meta/{midhash}", json={"cid_sha256": "x"}), 400, "deprecated_field"
+    )
     assert deprecated["field"] == "cid_sha256"
-    error_of(await client.patch(f"/meta/{midhash}", json={"filePath": "/x"}), 400,
-             "reserved_key")
+    error_of(await client.patch(f"/meta/{midhash}", json={"filePath": "/x"}), 400, "reserved_key")
     error_of(await client.patch(f"/meta/{midhash}", json={"n": 1}), 400, "invalid_request")
     error_of(await client.patch(f"/meta/{midhash}", content=b"{"), 400, "invalid_json")
     error_of(await client.patch(f"/meta/{unknown}", json={}), 404, "unknown_cid")
@@ -691,8 +819,7 @@ async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient,
     error_of(await client.get(f"/file/{unknown}"), 404, "unknown_cid")
     error_of(await client.get("/file/not-a-cid"), 400, "invalid_cid")
     error_of(await client.get("/api/events/meta", params={"since": "x"}), 400, "invalid_cursor")
-    error_of(await client.get("/api/events/files", params={"since": "x"}), 400,
-             "invalid_cursor")
+    error_of(await client.get("/api/events/files", params={"since": "x"}), 400, "invalid_cursor")
 
 
 def test_compat_feed_events_conform(tmp_path: Path) -> None:
@@ -709,8 +836,9 @@ def test_compat_feed_events_conform(tmp_path: Path) -> None:
             patch = client.patch(f"/meta/{cids.midhash_bytes(CONTENT)}", json={"title": "A"})
             assert patch.status_code == 200, patch.text
 
-            meta = Feed(client, last_event_id="0-0", path="/api/events/meta",
-                        frame=compat("metaEvent"))
+            meta = Feed(
+                client, last_event_id="0-0", path="/api/events/meta", frame=compat("metaEvent")
+            )
             state = meta.through_id()
             assert state[0]["event"] == "gap" and state[0]["data"]["requested"] == "0-0"
             assert {e["event"] for e in state[1:]} == {"set"}
@@ -720,8 +848,9 @@ def test_compat_feed_events_conform(tmp_path: Path) -> None:
             assert live["event"] == "del" and "id" in live
             meta.close()
 
-            files = Feed(client, {"since": "0-0"}, path="/api/events/files",
-                         frame=compat("filesEvent"))
+            files = Feed(
+                client, {"since": "0-0"}, path="/api/events/files", frame=compat("filesEvent")
+            )
             state = files.through_id()
             assert [e["event"] for e in state] == ["gap", "reset", "add"]
             assert state[-1]["data"]["path"] == "a.mkv"

@@ -95,24 +95,42 @@ def test_round_trip_shutdown_and_restart(tmp_path: Path, track: Track) -> None:
         response = http.post("/api/signers", json={"uid": alice.uid, "name": "alice"})
         assert response.status_code == 200, response.text
         assert {k: v for k, v in response.json().items() if k != "added_at"} == {
-            "uid": alice.uid, "name": "alice", "weight": 1, "status": "active",
-            "may_link": False}
+            "uid": alice.uid,
+            "name": "alice",
+            "weight": 1,
+            "status": "active",
+            "may_link": False,
+        }
 
         batch = [alice.claim(CID, "title", "The Matrix"), alice.claim(CID, "year", "1999")]
         response = http.post("/api/claims", json={"claims": batch})
         assert response.status_code == 200, response.text
-        assert response.json() == {"results": [{"status": "accepted"}] * 2, "accepted": 2,
-                                   "duplicate": 0, "stale": 0, "applied": True}
+        assert response.json() == {
+            "results": [{"status": "accepted"}] * 2,
+            "accepted": 2,
+            "duplicate": 0,
+            "stale": 0,
+            "applied": True,
+        }
         response = http.post("/api/claims", json={"claims": batch})
         assert response.status_code == 200, response.text
-        assert response.json() == {"results": [{"status": "duplicate"}] * 2, "accepted": 0,
-                                   "duplicate": 2, "stale": 0, "applied": True}
+        assert response.json() == {
+            "results": [{"status": "duplicate"}] * 2,
+            "accepted": 0,
+            "duplicate": 2,
+            "stale": 0,
+            "applied": True,
+        }
 
         doc = httpx.get(f"{srv.url}/api/meta/{CID}", timeout=10)  # public: no token
         assert doc.status_code == 200, doc.text
-        expected_doc = {"cid": CID, "canonical_cid": CID, "cids": [CID], "paths": [],
-                        "metadata": {f"cids/{CID}": "true", "title": "The Matrix",
-                                     "year": "1999"}}
+        expected_doc = {
+            "cid": CID,
+            "canonical_cid": CID,
+            "cids": [CID],
+            "paths": [],
+            "metadata": {f"cids/{CID}": "true", "title": "The Matrix", "year": "1999"},
+        }
         assert doc.json() == expected_doc
 
         assert_envelope(http.get("/api/meta/garbage"), 400, "invalid_cid")
@@ -144,8 +162,12 @@ def test_round_trip_shutdown_and_restart(tmp_path: Path, track: Track) -> None:
 
 
 def cli(data_dir: Path, *args: str, code: int = 0) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run([sys.executable, "-m", "metanode", *args, "--data-dir", str(data_dir)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", *args, "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == code, done.stdout + done.stderr
     return done
 
@@ -154,8 +176,9 @@ def cli_json(data_dir: Path, *args: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in cli(data_dir, *args).stdout.splitlines() if line]
 
 
-def wait_for_doc(url: str, want: Callable[[dict[str, Any]], bool], what: str,
-                 timeout: float = 30.0) -> dict[str, Any]:
+def wait_for_doc(
+    url: str, want: Callable[[dict[str, Any]], bool], what: str, timeout: float = 30.0
+) -> dict[str, Any]:
     """Poll GET /api/meta/{CID} until `want(metadata)`; the applier polls the truth every 1 s."""
     deadline = time.monotonic() + timeout
     metadata: dict[str, Any] = {}
@@ -172,12 +195,17 @@ def wait_for_doc(url: str, want: Callable[[dict[str, Any]], bool], what: str,
 def test_signers_cli_while_the_server_runs(logged_server: Server) -> None:
     server = logged_server
     alice, bob = Signer(), Signer()
-    added = cli_json(server.data_dir, "signers", "add", alice.uid, "--name", "alice",
-                     "--weight", "2")
+    added = cli_json(
+        server.data_dir, "signers", "add", alice.uid, "--name", "alice", "--weight", "2"
+    )
     assert len(added) == 1
     assert (added[0]["uid"], added[0]["weight"], added[0]["status"]) == (alice.uid, 2, "active")
-    response = httpx.post(f"{server.url}/api/signers", headers=server.headers, timeout=10,
-                          json={"uid": bob.uid, "name": "bob"})
+    response = httpx.post(
+        f"{server.url}/api/signers",
+        headers=server.headers,
+        timeout=10,
+        json={"uid": bob.uid, "name": "bob"},
+    )
     assert response.status_code == 200, response.text
     # (The node also registers a signer of its own for each built-in plugin.)
     listed = {row["uid"]: row for row in cli_json(server.data_dir, "signers", "list")}
@@ -185,30 +213,44 @@ def test_signers_cli_while_the_server_runs(logged_server: Server) -> None:
     assert (listed[alice.uid]["name"], listed[bob.uid]["name"]) == ("alice", "bob")
 
     # alice (weight 2) outvotes bob on title; only alice claims year.
-    batch = [alice.claim(CID, "title", "Alpha"), alice.claim(CID, "year", "1999"),
-             bob.claim(CID, "title", "Beta")]
-    response = httpx.post(f"{server.url}/api/claims", headers=server.headers, timeout=10,
-                          json={"claims": batch})
+    batch = [
+        alice.claim(CID, "title", "Alpha"),
+        alice.claim(CID, "year", "1999"),
+        bob.claim(CID, "title", "Beta"),
+    ]
+    response = httpx.post(
+        f"{server.url}/api/claims", headers=server.headers, timeout=10, json={"claims": batch}
+    )
     assert response.status_code == 200 and response.json()["accepted"] == 3, response.text
     doc = httpx.get(f"{server.url}/api/meta/{CID}", timeout=10).json()
     assert (doc["metadata"]["title"], doc["metadata"]["year"]) == ("Alpha", "1999")
 
     blocked = cli_json(server.data_dir, "signers", "block", alice.uid)
     assert blocked[0]["status"] == "blocked"
-    wait_for_doc(server.url, lambda m: m.get("title") == "Beta" and "year" not in m,
-                 "alice's votes gone (title Beta, no year)")
+    wait_for_doc(
+        server.url,
+        lambda m: m.get("title") == "Beta" and "year" not in m,
+        "alice's votes gone (title Beta, no year)",
+    )
     signers = httpx.get(f"{server.url}/api/signers", headers=server.headers, timeout=10).json()
     status = {s["uid"]: s["status"] for s in signers["signers"]}
     assert (status[alice.uid], status[bob.uid]) == ("blocked", "active")
-    response = httpx.post(f"{server.url}/api/claims", headers=server.headers, timeout=10,
-                          json={"claims": [alice.claim(CID, "genre", "SF")]})
+    response = httpx.post(
+        f"{server.url}/api/claims",
+        headers=server.headers,
+        timeout=10,
+        json={"claims": [alice.claim(CID, "genre", "SF")]},
+    )
     assert response.status_code == 403, response.text
     assert response.json()["items"][0]["error"] == "blocked_signer"
 
     unblocked = cli_json(server.data_dir, "signers", "unblock", alice.uid)
     assert unblocked[0]["status"] == "active"
-    wait_for_doc(server.url, lambda m: m.get("title") == "Alpha" and m.get("year") == "1999",
-                 "alice's votes back (title Alpha, year 1999)")
+    wait_for_doc(
+        server.url,
+        lambda m: m.get("title") == "Alpha" and m.get("year") == "1999",
+        "alice's votes back (title Alpha, year 1999)",
+    )
 
     failed = cli(server.data_dir, "signers", "block", Signer().uid, code=2)
     assert failed.stderr.startswith("error: unknown_signer"), failed.stderr

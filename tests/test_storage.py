@@ -37,9 +37,11 @@ DEADLINE_S = 60.0
 
 def _mount(point: Path, *options: str) -> None:
     point.mkdir(exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join((f"size={TMPFS_BYTES}",
-                                                                   *options)), "tmpfs", point],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join((f"size={TMPFS_BYTES}", *options)), "tmpfs", point],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {done.stderr}")
 
@@ -72,8 +74,13 @@ def cli(*args: str, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[s
     wrapper. A server expected to refuse to start times out if it started."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
     env["METANODE_PLUGINS_ENABLED"] = "false"
-    return subprocess.run([*prefix, sys.executable, "-m", "metanode", *args],
-                          capture_output=True, text=True, timeout=60, env=env)
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "metanode", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
 
 
 def serve_once(data_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -102,8 +109,9 @@ class Connection:
         assert self.http.sock is not None
         self.local = self.http.sock.getsockname()
 
-    def request(self, method: str, path: str,
-                body: Any = None) -> tuple[int, http.client.HTTPResponse, Any]:
+    def request(
+        self, method: str, path: str, body: Any = None
+    ) -> tuple[int, http.client.HTTPResponse, Any]:
         payload = None if body is None else json.dumps(body)
         self.http.request(method, path, body=payload, headers=self.headers)
         response = self.http.getresponse()
@@ -131,15 +139,24 @@ def wait_for(what: str, check: Callable[[], bool]) -> None:
 
 def batch(signer: Signer, tag: str, n: int) -> list[dict[str, Any]]:
     """n claims, each about its own CID, with 2 KB values: a batch that needs disk space."""
-    return [signer.claim(cids.midhash_bytes(f"{tag}-{i}".encode()), "title",
-                         f"{tag}-{i}-" + "v" * 2000) for i in range(n)]
+    return [
+        signer.claim(cids.midhash_bytes(f"{tag}-{i}".encode()), "title", f"{tag}-{i}-" + "v" * 2000)
+        for i in range(n)
+    ]
 
 
 def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost(
-        tmpfs: Path, tmp_path: Path) -> None:
-    srv = Server(tmpfs, log=tmp_path / "serve.log",  # the log must not need the full disk
-                 env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true", "METANODE_APPLY_WAIT_S": "0.5",
-                      "METANODE_APPLY_POLL_S": "0.2"}).start()
+    tmpfs: Path, tmp_path: Path
+) -> None:
+    srv = Server(
+        tmpfs,
+        log=tmp_path / "serve.log",  # the log must not need the full disk
+        env={
+            "METANODE_ACCEPT_UNKNOWN_SIGNERS": "true",
+            "METANODE_APPLY_WAIT_S": "0.5",
+            "METANODE_APPLY_POLL_S": "0.2",
+        },
+    ).start()
     signer = Signer()
     conn = Connection(srv)
     acknowledged: list[dict[str, Any]] = []
@@ -173,8 +190,10 @@ def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost
             time.sleep(0.2)
 
         filler.unlink()
-        wait_for("/health recovers by itself", lambda: (
-            (h := conn.health())["status"] == "ok" and h["apply_lag"] == 0))
+        wait_for(
+            "/health recovers by itself",
+            lambda: (h := conn.health())["status"] == "ok" and h["apply_lag"] == 0,
+        )
 
         after = batch(signer, "after", 20)
         status, _, body = conn.request("POST", "/api/claims", {"claims": after})
@@ -191,14 +210,16 @@ def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost
 
 
 def test_claims_stored_while_the_cache_cannot_apply_them_are_applied_once_it_can(
-        tmpfs: Path, tmp_path: Path) -> None:
+    tmpfs: Path, tmp_path: Path
+) -> None:
     """truth.db has room, cache.db (a link onto the small tmpfs) has none: the claims are stored
     and acknowledged (202), and applied by the applier's retry once the cache has space."""
     data = tmp_path / "data"
     data.mkdir()
     (data / "cache.db").symlink_to(tmpfs / "cache.db")  # SQLite keeps its -wal beside the target
-    srv = Server(data, env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true",
-                            "METANODE_APPLY_WAIT_S": "0.5"}).start()
+    srv = Server(
+        data, env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true", "METANODE_APPLY_WAIT_S": "0.5"}
+    ).start()
     signer = Signer()
     conn = Connection(srv)
     acknowledged: list[dict[str, Any]] = []
@@ -212,11 +233,15 @@ def test_claims_stored_while_the_cache_cannot_apply_them_are_applied_once_it_can
             if status == 202:
                 break
         assert status == 202, "the full cache never held an apply back"
-        wait_for("/health names the failing cache", lambda: any(
-            "cache.db" in problem for problem in conn.health()["problems"]))
+        wait_for(
+            "/health names the failing cache",
+            lambda: any("cache.db" in problem for problem in conn.health()["problems"]),
+        )
         filler.unlink()
-        wait_for("the cache catches up by itself", lambda: (
-            (h := conn.health())["status"] == "ok" and h["apply_lag"] == 0))
+        wait_for(
+            "the cache catches up by itself",
+            lambda: (h := conn.health())["status"] == "ok" and h["apply_lag"] == 0,
+        )
     finally:
         conn.close()
     for claim in acknowledged:
@@ -248,8 +273,14 @@ def test_serve_refuses_a_data_directory_it_may_not_write(tmp_path: Path) -> None
     data.mkdir(mode=0o500)
     # Root may write anywhere; without CAP_DAC_OVERRIDE/CAP_FOWNER it meets the modes, as any
     # user does.
-    done = cli("serve", "--data-dir", str(data), "--port", str(free_port()),
-               prefix=["setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search", "--"])
+    done = cli(
+        "serve",
+        "--data-dir",
+        str(data),
+        "--port",
+        str(free_port()),
+        prefix=["setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search", "--"],
+    )
     assert_refused(done, "storage_read_only")
     assert "Permission denied" in done.stderr
 
@@ -257,8 +288,7 @@ def test_serve_refuses_a_data_directory_it_may_not_write(tmp_path: Path) -> None
 # -- the database layer maps real SQLite errors ------------------------------------------------
 
 
-def test_real_sqlite_failures_map_to_typed_errors_and_others_pass_through(
-        tmp_path: Path) -> None:
+def test_real_sqlite_failures_map_to_typed_errors_and_others_pass_through(tmp_path: Path) -> None:
     path = tmp_path / "x.db"
     conn = db.connect(path)
     db.run_txn(conn, lambda c: c.execute("CREATE TABLE t (k INTEGER PRIMARY KEY)"))
@@ -280,10 +310,17 @@ def test_real_sqlite_failures_map_to_typed_errors_and_others_pass_through(
         c.close()
 
 
-@pytest.mark.parametrize(("code", "slug"), [
-    (errno.ENOSPC, "storage_full"), (errno.EDQUOT, "storage_full"),
-    (errno.EROFS, "storage_read_only"), (errno.EACCES, "storage_read_only"),
-    (errno.EIO, "storage_io_error"), (errno.ENOENT, None)])
+@pytest.mark.parametrize(
+    ("code", "slug"),
+    [
+        (errno.ENOSPC, "storage_full"),
+        (errno.EDQUOT, "storage_full"),
+        (errno.EROFS, "storage_read_only"),
+        (errno.EACCES, "storage_read_only"),
+        (errno.EIO, "storage_io_error"),
+        (errno.ENOENT, None),
+    ],
+)
 def test_os_errors_map_by_errno(code: int, slug: str | None) -> None:
     typed = errors.storage_error(OSError(code, os.strerror(code), "/data/x"))
     assert (typed.slug if typed else None) == slug
@@ -294,8 +331,7 @@ def test_os_errors_map_by_errno(code: int, slug: str | None) -> None:
 # -- anything else: a 500 envelope, the connection kept -----------------------------------------
 
 
-async def test_an_unexpected_error_is_a_500_envelope(node: Node,
-                                                     client: httpx.AsyncClient) -> None:
+async def test_an_unexpected_error_is_a_500_envelope(node: Node, client: httpx.AsyncClient) -> None:
     node.truth.conn.close()  # a real fault: every read of the truth now raises
     try:
         response = await client.get("/api/signers")
@@ -319,7 +355,8 @@ def test_a_second_node_on_the_data_directory_is_refused(tmp_path: Path) -> None:
         done = serve_once(data)
         assert_refused(done, "data_dir_locked")
         assert done.stderr.strip() == (
-            f"error: data_dir_locked: {data.resolve()} is in use by pid {first.proc.pid}")
+            f"error: data_dir_locked: {data.resolve()} is in use by pid {first.proc.pid}"
+        )
         media = tmp_path / "media"
         assert_refused(cli("scan", str(media), "--data-dir", str(data)), "data_dir_locked")
         for offline in (["signers", "list"], ["check"], ["export", "--out", os.devnull]):
@@ -335,8 +372,9 @@ def test_a_second_node_on_the_data_directory_is_refused(tmp_path: Path) -> None:
 
 
 def modes(root: Path) -> dict[str, int]:
-    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode)
-            for p in [root, *root.rglob("*")]}
+    return {
+        str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]
+    }
 
 
 def assert_private(root: Path) -> None:
@@ -346,19 +384,33 @@ def assert_private(root: Path) -> None:
 
 
 def test_the_data_directory_and_backups_are_private_and_loose_ones_are_tightened(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     data, backups = tmp_path / "data", tmp_path / "backups"
     old = os.umask(0o022)  # the usual umask, under which SQLite would create files 0644
     srv = Server(data, env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true"})
     try:
         assert cli("keygen", "--out", str(data / "keys" / "own.key")).returncode == 0
         srv.start()
-        response = httpx.post(f"{srv.url}/api/claims", headers=srv.headers, timeout=30,
-                              json={"claims": batch(Signer(), "private", 3)})
+        response = httpx.post(
+            f"{srv.url}/api/claims",
+            headers=srv.headers,
+            timeout=30,
+            json={"claims": batch(Signer(), "private", 3)},
+        )
         assert response.status_code == 200, response.text
         names = set(modes(data))
-        assert {"truth.db", "truth.db-wal", "truth.db-shm", "cache.db", "cache.db-wal",
-                "api-token", "lock", "keys", "keys/own.key"} <= names, names
+        assert {
+            "truth.db",
+            "truth.db-wal",
+            "truth.db-shm",
+            "cache.db",
+            "cache.db-wal",
+            "api-token",
+            "lock",
+            "keys",
+            "keys/own.key",
+        } <= names, names
         assert_private(data)
         done = cli("backup", str(backups), "--data-dir", str(data))
         assert done.returncode == 0, done.stderr

@@ -13,8 +13,14 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "vectors"
 
 def test_copy_has_every_vector_file() -> None:
     names = {p.name for p in VECTORS.glob("*.json")}
-    assert {"midhash.json", "claims.json", "rids.json", "ipfs.json", "cid-rank-vectors.json",
-            "cid-aliases.json"} <= names
+    assert {
+        "midhash.json",
+        "claims.json",
+        "rids.json",
+        "ipfs.json",
+        "cid-rank-vectors.json",
+        "cid-aliases.json",
+    } <= names
 
 
 @pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/vectors/ is not beside this checkout")

@@ -42,34 +42,40 @@ def stat_pair(path: Path) -> Stat:
 ROOT = "/srv/media"
 
 
-@pytest.mark.parametrize("relative", [
-    ".hidden",
-    ".DS_Store",
-    ".cache/movie.mkv",
-    "shows/.trash/episode.mkv",
-    "shows/.hidden.mkv",
-    "movie.mkv.part",
-    "movie.mkv.PART",
-    "movie.tmp",
-    "setup.crdownload",
-    "movie.mkv.!qB",
-    "movie.mkv.!QB",
-    "folder.part",
-])
+@pytest.mark.parametrize(
+    "relative",
+    [
+        ".hidden",
+        ".DS_Store",
+        ".cache/movie.mkv",
+        "shows/.trash/episode.mkv",
+        "shows/.hidden.mkv",
+        "movie.mkv.part",
+        "movie.mkv.PART",
+        "movie.tmp",
+        "setup.crdownload",
+        "movie.mkv.!qB",
+        "movie.mkv.!QB",
+        "folder.part",
+    ],
+)
 def test_default_rules_ignore(relative: str) -> None:
     assert Rules().ignored(ROOT, f"{ROOT}/{relative}")
 
 
-@pytest.mark.parametrize("relative", [
-    "movie.mkv",
-    "shows/s01/e01.mkv",
-    "not.hidden/movie.mkv",
-    "movie.part.mkv",
-    "tmp",
-    "partial",
-    "movie.mkv.parts",
-    "a..b",
-])
+@pytest.mark.parametrize(
+    "relative",
+    [
+        "movie.mkv",
+        "shows/s01/e01.mkv",
+        "not.hidden/movie.mkv",
+        "movie.part.mkv",
+        "tmp",
+        "partial",
+        "movie.mkv.parts",
+        "a..b",
+    ],
+)
 def test_default_rules_keep(relative: str) -> None:
     assert not Rules().ignored(ROOT, f"{ROOT}/{relative}")
 
@@ -93,12 +99,14 @@ def test_configured_globs_match_names_case_insensitively_and_relative_paths() ->
     assert rules.ignored(ROOT, f"{ROOT}/movie.tmp")
 
 
-@pytest.mark.parametrize(("globs", "relative"), [
-    (("Samples",), "Movie/Samples/clip.mkv"),
-    ((), "download.part/movie.mkv"),
-])
-def test_files_below_an_ignored_folder_are_ignored(globs: tuple[str, ...],
-                                                   relative: str) -> None:
+@pytest.mark.parametrize(
+    ("globs", "relative"),
+    [
+        (("Samples",), "Movie/Samples/clip.mkv"),
+        ((), "download.part/movie.mkv"),
+    ],
+)
+def test_files_below_an_ignored_folder_are_ignored(globs: tuple[str, ...], relative: str) -> None:
     rules = Rules(globs=globs)
     folder = f"{ROOT}/{relative.rsplit('/', 1)[0]}"
     assert rules.ignored(ROOT, folder)  # walk() does not enter it…
@@ -110,10 +118,22 @@ def test_files_below_an_ignored_folder_are_ignored(globs: tuple[str, ...],
 
 def test_walk_lists_kept_regular_files_with_their_stat(tmp_path: Path) -> None:
     root = tmp_path / "root"
-    kept = [write(root / "a.mkv", b"a"), write(root / "sub" / "b.mkv", b"bb"),
-            write(root / "sub" / "deeper" / "c.mkv", b"ccc"), write(root / "empty", b"")]
-    for name in (".hidden", ".dot/x.mkv", "sub/.dot/y.mkv", "d.part", "e.tmp", "f.crdownload",
-                 "g.!qB", "skip.part/inside.mkv"):
+    kept = [
+        write(root / "a.mkv", b"a"),
+        write(root / "sub" / "b.mkv", b"bb"),
+        write(root / "sub" / "deeper" / "c.mkv", b"ccc"),
+        write(root / "empty", b""),
+    ]
+    for name in (
+        ".hidden",
+        ".dot/x.mkv",
+        "sub/.dot/y.mkv",
+        "d.part",
+        "e.tmp",
+        "f.crdownload",
+        "g.!qB",
+        "skip.part/inside.mkv",
+    ):
         write(root / name, b"ignored")
     os.mkfifo(root / "fifo")
     (root / "empty-folder").mkdir()
@@ -150,9 +170,11 @@ def test_walk_follows_symlinks_when_asked(tmp_path: Path) -> None:
     (root / "linked-folder").symlink_to(outside / "folder")
     (root / "dangling.mkv").symlink_to(tmp_path / "nowhere")
     listed = dict(walk(str(root), Rules(follow_symlinks=True)))
-    assert listed == {str(root / "real.mkv"): stat_pair(root / "real.mkv"),
-                      str(root / "link.mkv"): stat_pair(target),  # the target's stat
-                      str(root / "linked-folder" / "inner.mkv"): stat_pair(inner)}
+    assert listed == {
+        str(root / "real.mkv"): stat_pair(root / "real.mkv"),
+        str(root / "link.mkv"): stat_pair(target),  # the target's stat
+        str(root / "linked-folder" / "inner.mkv"): stat_pair(inner),
+    }
 
 
 def test_walk_visits_a_folder_reached_twice_through_symlinks_once(tmp_path: Path) -> None:
@@ -195,8 +217,13 @@ def test_walk_skips_an_unlistable_folder(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_plan_hashes_new_and_changed_and_removes_vanished() -> None:
     disk = {"/m/new": (1, 10), "/m/same": (2, 20), "/m/grown": (4, 30), "/m/touched": (5, 41)}
-    known = {"/m/same": (2, 20), "/m/grown": (3, 30), "/m/touched": (5, 40), "/m/gone": (6, 60),
-             "/m/also-gone": (7, 70)}
+    known = {
+        "/m/same": (2, 20),
+        "/m/grown": (3, 30),
+        "/m/touched": (5, 40),
+        "/m/gone": (6, 60),
+        "/m/also-gone": (7, 70),
+    }
     to_hash, to_remove = plan(disk, known)
     assert to_hash == ["/m/grown", "/m/new", "/m/touched"]  # sorted
     assert to_remove == ["/m/also-gone", "/m/gone"]
@@ -240,7 +267,8 @@ def test_hash_settled_refuses_a_file_whose_stat_moved_on(tmp_path: Path) -> None
 
 
 def test_hash_settled_refuses_a_file_changed_while_being_hashed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Changed between the first stat and the end of the hash: None, so the caller waits again."""
     f = write(tmp_path / "f.mkv", b"original content")
     settled = stat_pair(f)
@@ -257,7 +285,8 @@ def test_hash_settled_refuses_a_file_changed_while_being_hashed(
 
 
 def test_hash_settled_refuses_a_same_size_rewrite_while_being_hashed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     f = write(tmp_path / "f.mkv", b"A" * 100)
     settled = stat_pair(f)
     real = watcher.midhash_opened
@@ -299,8 +328,16 @@ class Store:
         return {p: (f.size, f.mtime_ns) for p, f in self.rows.items() if p.startswith(prefixes)}
 
     def watcher(self, root: Path, settle_s: float = 0.0, rules: Rules | None = None) -> Watcher:
-        return Watcher([str(root)], rules or Rules(), settle_s, 0, 2, self.ensure_groups,
-                       self.apply_local, self.known_stats)
+        return Watcher(
+            [str(root)],
+            rules or Rules(),
+            settle_s,
+            0,
+            2,
+            self.ensure_groups,
+            self.apply_local,
+            self.known_stats,
+        )
 
 
 def local(path: Path) -> LocalFile:
@@ -360,7 +397,8 @@ async def test_reconcile_commits_removals_alone_when_nothing_is_hashed(tmp_path:
 
 
 async def test_reconcile_reports_an_unreadable_file_and_goes_on(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "media"
     good = write(root / "good.mkv", b"good")
     bad = write(root / "bad.mkv", b"bad")
@@ -402,8 +440,9 @@ async def test_on_changes_commits_a_folder_rename_at_once(tmp_path: Path) -> Non
     w = store.watcher(root, settle_s=60)
     await w.reconcile(settle=False)
     (root / "album").rename(root / "renamed")
-    await w._on_changes({(Change.deleted, str(root / "album")),
-                         (Change.added, str(root / "renamed"))})
+    await w._on_changes(
+        {(Change.deleted, str(root / "album")), (Change.added, str(root / "renamed"))}
+    )
     moved = [root / "renamed" / f.name for f in files]
     assert store.rows == {str(p): local(p) for p in moved}
     assert len(store.commits) == 2 and store.commits[-1][1] == [str(root / "album")]
@@ -411,7 +450,8 @@ async def test_on_changes_commits_a_folder_rename_at_once(tmp_path: Path) -> Non
 
 
 async def test_on_changes_queues_new_and_changed_files_and_ignores_unchanged(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     root = tmp_path / "media"
     same = write(root / "same.mkv", b"same")
     changed = write(root / "changed.mkv", b"v1")
@@ -422,8 +462,9 @@ async def test_on_changes_queues_new_and_changed_files_and_ignores_unchanged(
     os.chmod(same, 0o600)  # an attribute change: same (size, mtime)
     changed.write_bytes(b"version 2")
     new = write(root / "new.mkv", b"new")
-    await w._on_changes({(Change.modified, str(same)), (Change.modified, str(changed)),
-                         (Change.added, str(new))})
+    await w._on_changes(
+        {(Change.modified, str(same)), (Change.modified, str(changed)), (Change.added, str(new))}
+    )
     assert set(w.pending) == {str(changed), str(new)}
     assert w.pending[str(new)][0] == stat_pair(new)
     assert len(store.commits) == commits  # nothing is hashed before it settles

@@ -49,8 +49,12 @@ class WatchServer(Server):
     """A `Server` that never rescans on a timer and applies promptly, with HTTP helpers."""
 
     def base_env(self) -> dict[str, str]:
-        return {**super().base_env(), "METANODE_WATCH_RESCAN_S": "0",
-                "METANODE_APPLY_POLL_S": "0.2", **NO_PLUGINS}
+        return {
+            **super().base_env(),
+            "METANODE_WATCH_RESCAN_S": "0",
+            "METANODE_APPLY_POLL_S": "0.2",
+            **NO_PLUGINS,
+        }
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -95,8 +99,13 @@ def replay(server: Server, since: str) -> tuple[list[Event], str]:
     """Every feed event after cursor `since`, and the cursor after them (from `synced`)."""
     events: list[Event] = []
     fields: dict[str, str] = {}
-    with httpx.stream("GET", f"{server.url}/api/events", params={"since": since},
-                      headers=server.headers, timeout=10) as response:
+    with httpx.stream(
+        "GET",
+        f"{server.url}/api/events",
+        params={"since": since},
+        headers=server.headers,
+        timeout=10,
+    ) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line == "":
@@ -106,8 +115,9 @@ def replay(server: Server, since: str) -> tuple[list[Event], str]:
                     assert kind != "gap", f"the feed lost events after {since}: {data}"
                     if kind == "synced":
                         return events, str(data["id"])
-                    events.append(Event(fields["id"], kind, data["rid"], data["key"],
-                                        data.get("value")))
+                    events.append(
+                        Event(fields["id"], kind, data["rid"], data["key"], data.get("value"))
+                    )
                 fields = {}
             elif not line.startswith(":"):
                 name, _, value = line.partition(":")
@@ -129,6 +139,7 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float = DEADLINE
 
 Start = Callable[..., WatchServer]
 
+
 @pytest.fixture
 def start(tmp_path: Path) -> Iterator[Start]:
     """Start servers on tmp_path/data watching tmp_path/media: `start(settle="0.5", **env)`.
@@ -139,8 +150,10 @@ def start(tmp_path: Path) -> Iterator[Start]:
     (tmp_path / "media").mkdir(exist_ok=True)
 
     def launch(settle: str = "0.5", **env: str) -> WatchServer:
-        full = {"METANODE_WATCH_SETTLE_S": settle,
-                **{f"METANODE_{k.upper()}": v for k, v in env.items()}}
+        full = {
+            "METANODE_WATCH_SETTLE_S": settle,
+            **{f"METANODE_{k.upper()}": v for k, v in env.items()},
+        }
         srv = WatchServer(tmp_path / "data", env=full)
         started.append(srv)
         return srv.start()
@@ -159,12 +172,15 @@ def write(path: Path, data: bytes) -> Path:
     return path
 
 
-def record(server: WatchServer, cid: str, want: Callable[[dict[str, Any]], bool] = bool,
-           what: str = "") -> dict[str, Any]:
+def record(
+    server: WatchServer, cid: str, want: Callable[[dict[str, Any]], bool] = bool, what: str = ""
+) -> dict[str, Any]:
     """Wait until GET /api/meta/<cid> answers a document that satisfies `want`."""
+
     def probe() -> dict[str, Any] | None:
         doc = server.meta(cid)
         return doc if doc is not None and want(doc) else None
+
     return wait_for(f"a record for {cid} {what}".strip(), probe)
 
 
@@ -185,7 +201,8 @@ def local_rows(data_dir: Path) -> list[tuple[str, str, int, int]]:
     conn = sqlite3.connect(f"{(data_dir / 'cache.db').as_uri()}?mode=ro", uri=True)
     try:
         return conn.execute(
-            "SELECT path, midhash, size, mtime_ns FROM local_file ORDER BY path").fetchall()
+            "SELECT path, midhash, size, mtime_ns FROM local_file ORDER BY path"
+        ).fetchall()
     finally:
         conn.close()
 
@@ -196,7 +213,12 @@ def scan(data_dir: Path, *paths: Path, code: int = 0) -> subprocess.CompletedPro
     env.update(NO_PLUGINS)
     done = subprocess.run(
         [sys.executable, "-m", "metanode", "scan", *map(str, paths), "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=120, env=env, cwd=data_dir.parent)
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=data_dir.parent,
+    )
     assert done.returncode == code, done.stdout + done.stderr
     return done
 
@@ -222,29 +244,46 @@ def test_a_new_file_becomes_a_record_with_its_local_keys(start: Start) -> None:
     assert doc["cid"] == midhash and doc["cids"] == [midhash]
     assert doc["filePath"] == str(path) and os.path.isabs(doc["filePath"])
     assert doc["paths"] == [str(path)]
-    assert doc["metadata"] == {f"cids/{midhash}": "true", "filePath": str(path),
-                               "fileSize": str(len(data)), "mtimeNano": str(info.st_mtime_ns)}
+    assert doc["metadata"] == {
+        f"cids/{midhash}": "true",
+        "filePath": str(path),
+        "fileSize": str(len(data)),
+        "mtimeNano": str(info.st_mtime_ns),
+    }
 
     row = server.files()[str(path)]
-    assert row == {"path": str(path), "midhash": midhash, "size": len(data),
-                   "mtimeNano": str(info.st_mtime_ns), "rid": row["rid"]}
+    assert row == {
+        "path": str(path),
+        "midhash": midhash,
+        "size": len(data),
+        "mtimeNano": str(info.st_mtime_ns),
+        "rid": row["rid"],
+    }
     assert server.get("/api/hash-ids").json() == {"hashIds": [row["rid"]], "next": None}
     by_rid = server.get(f"/api/metadata/{row['rid']}").json()
     assert by_rid["hashId"] == row["rid"] and by_rid["filePath"] == str(path)
 
     events, _ = replay(server, f"{server.health()['epoch']}-0")
     assert {(e.op, e.key, e.value) for e in events} == {
-        ("set", f"cids/{midhash}", "true"), ("set", "filePath", str(path)),
-        ("set", "fileSize", str(len(data))), ("set", "mtimeNano", str(info.st_mtime_ns))}
+        ("set", f"cids/{midhash}", "true"),
+        ("set", "filePath", str(path)),
+        ("set", "fileSize", str(len(data))),
+        ("set", "mtimeNano", str(info.st_mtime_ns)),
+    }
     assert {e.rid for e in events} == {row["rid"]} and len(events) == 4
 
 
-def test_files_listing_pages_and_prefixes_with_the_records_rids(start: Start,
-                                                                tmp_path: Path) -> None:
+def test_files_listing_pages_and_prefixes_with_the_records_rids(
+    start: Start, tmp_path: Path
+) -> None:
     media = tmp_path / "media"
-    contents = {media / "a" / "1.mkv": b"a1", media / "a" / "2.mkv": b"a2",
-                media / "b" / "1.mkv": b"b1", media / "b" / "2.mkv": b"b2",
-                media / "c.mkv": b"c"}
+    contents = {
+        media / "a" / "1.mkv": b"a1",
+        media / "a" / "2.mkv": b"a2",
+        media / "b" / "1.mkv": b"b1",
+        media / "b" / "2.mkv": b"b2",
+        media / "c.mkv": b"c",
+    }
     for path, data in contents.items():
         write(path, data)  # before the start: found by the startup reconciliation
     server = start()
@@ -259,15 +298,17 @@ def test_files_listing_pages_and_prefixes_with_the_records_rids(start: Start,
     assert [f["path"] for f in third["files"]] == ordered[4:] and third["next"] is None
     exact = server.get("/api/files", limit=5).json()
     assert len(exact["files"]) == 5 and exact["next"] == ordered[-1]  # a full page: maybe more
-    assert server.get("/api/files", limit=2, after=ordered[-1]).json() == {"files": [],
-                                                                          "next": None}
+    assert server.get("/api/files", limit=2, after=ordered[-1]).json() == {
+        "files": [],
+        "next": None,
+    }
 
     in_b = server.get("/api/files", prefix=f"{media}/b/").json()
     assert [f["path"] for f in in_b["files"]] == [str(media / "b" / n) for n in ("1.mkv", "2.mkv")]
     assert in_b["next"] is None
-    assert server.get("/api/files", prefix=f"{media}/b/", limit=1,
-                      after=str(media / "b" / "1.mkv")).json()["files"][0]["path"] == str(
-                          media / "b" / "2.mkv")
+    assert server.get(
+        "/api/files", prefix=f"{media}/b/", limit=1, after=str(media / "b" / "1.mkv")
+    ).json()["files"][0]["path"] == str(media / "b" / "2.mkv")
     assert server.get("/api/files", prefix="/nowhere/").json() == {"files": [], "next": None}
     assert server.get("/api/files", limit=0).status_code == 400
 
@@ -345,8 +386,10 @@ def test_a_change_during_the_settle_window_restarts_it(start: Start) -> None:
 
 def test_a_10_gib_sparse_file_has_the_known_midhash(start: Start) -> None:
     server = start(settle="0.3")
-    for name, size in (("10GiB-sparse-zero", 10 * 1024**3),
-                       ("4GiB-plus-7-sparse-zero", 4 * 1024**3 + 7)):
+    for name, size in (
+        ("10GiB-sparse-zero", 10 * 1024**3),
+        ("4GiB-plus-7-sparse-zero", 4 * 1024**3 + 7),
+    ):
         path = server.media / f"{name}.img"
         with path.open("wb") as out:
             out.truncate(size)
@@ -354,7 +397,8 @@ def test_a_10_gib_sparse_file_has_the_known_midhash(start: Start) -> None:
         assert doc["metadata"]["fileSize"] == str(size)
         assert server.files()[str(path)]["midhash"] == SPARSE[name]
     assert SPARSE["10GiB-sparse-zero"] == (
-        "bagacbabaedo3c7zugmfehhbpuge7ejxeohniozz4tefuubk7p5jdm3zuhouic")
+        "bagacbabaedo3c7zugmfehhbpuge7ejxeohniozz4tefuubk7p5jdm3zuhouic"
+    )
 
 
 # -- moves, copies, deletes, rewrites -----------------------------------------------------------
@@ -385,11 +429,15 @@ def test_a_rename_is_one_set_of_file_path_and_no_del(start: Start) -> None:
     doc = record(server, midhash, has_file_path(new))
     assert doc["paths"] == [str(new)]
     sentinel = settled_after(server, "sentinel-2")
-    assert set(server.files()) == {str(new), str(server.media / "sentinel-1"),
-                                   str(server.media / "sentinel-2")}
+    assert set(server.files()) == {
+        str(new),
+        str(server.media / "sentinel-1"),
+        str(server.media / "sentinel-2"),
+    }
     events, _ = replay(server, mark)
     assert [(e.op, e.rid, e.key, e.value) for e in events if e.rid != sentinel] == [
-        ("set", rid, "filePath", str(new))]
+        ("set", rid, "filePath", str(new))
+    ]
 
 
 def test_a_folder_rename_moves_every_file_in_one_set_each(start: Start) -> None:
@@ -408,7 +456,8 @@ def test_a_folder_rename_moves_every_file_in_one_set_each(start: Start) -> None:
     sentinel = settled_after(server, "sentinel")
     events, _ = replay(server, mark)
     assert sorted((e.rid, e.op, e.key) for e in events if e.rid != sentinel) == sorted(
-        (rid, "set", "filePath") for rid in rids)
+        (rid, "set", "filePath") for rid in rids
+    )
 
 
 def test_duplicates_then_deleting_every_copy_keeps_the_claims(start: Start) -> None:
@@ -420,11 +469,19 @@ def test_duplicates_then_deleting_every_copy_keeps_the_claims(start: Start) -> N
     rid = rid_of(server, original)
 
     alice = Signer()
-    response = httpx.post(f"{server.url}/api/signers", headers=server.headers, timeout=10,
-                          json={"uid": alice.uid, "name": "alice"})
+    response = httpx.post(
+        f"{server.url}/api/signers",
+        headers=server.headers,
+        timeout=10,
+        json={"uid": alice.uid, "name": "alice"},
+    )
     assert response.status_code == 200, response.text
-    response = httpx.post(f"{server.url}/api/claims", headers=server.headers, timeout=10,
-                          json={"claims": [alice.claim(midhash, "title", "The Original")]})
+    response = httpx.post(
+        f"{server.url}/api/claims",
+        headers=server.headers,
+        timeout=10,
+        json={"claims": [alice.claim(midhash, "title", "The Original")]},
+    )
     assert response.status_code == 200 and response.json()["accepted"] == 1, response.text
 
     copy = server.media / "a-copy.mkv"  # sorts first
@@ -473,15 +530,15 @@ def test_rewriting_a_file_moves_its_path_to_the_new_contents_record(start: Start
     assert not set(LOCAL_KEYS) & set(old_doc["metadata"])
     events, _ = replay(server, mark)
     assert sorted((e.op, e.key) for e in events if e.rid == old_rid) == [
-        ("del", k) for k in sorted(LOCAL_KEYS)]
+        ("del", k) for k in sorted(LOCAL_KEYS)
+    ]
     assert {e.key for e in events if e.rid == new_rid and e.op == "set"} >= set(LOCAL_KEYS)
 
 
 # -- folders ------------------------------------------------------------------------------------
 
 
-def test_a_folder_moved_in_appears_and_a_deleted_folder_goes(start: Start,
-                                                              tmp_path: Path) -> None:
+def test_a_folder_moved_in_appears_and_a_deleted_folder_goes(start: Start, tmp_path: Path) -> None:
     server = start()
     outside = tmp_path / "downloads"
     albums = {}
@@ -511,17 +568,28 @@ def test_a_folder_moved_in_appears_and_a_deleted_folder_goes(start: Start,
 
 # -- what is ignored ----------------------------------------------------------------------------
 
-IGNORED_NAMES = (".hidden.mkv", ".dot folder/inside.mkv", "sub/.trash/deep.mkv", "movie.mkv.part",
-                 "movie.mkv.PART", "movie.tmp", "setup.crdownload", "torrent.mkv.!qB",
-                 "movie.nfo", "extras/trailer.mkv")
+IGNORED_NAMES = (
+    ".hidden.mkv",
+    ".dot folder/inside.mkv",
+    "sub/.trash/deep.mkv",
+    "movie.mkv.part",
+    "movie.mkv.PART",
+    "movie.tmp",
+    "setup.crdownload",
+    "torrent.mkv.!qB",
+    "movie.nfo",
+    "extras/trailer.mkv",
+)
 
 
 def make_ignored(folder: Path, outside: Path) -> None:
     for n, name in enumerate(IGNORED_NAMES):
         write(folder / name, f"ignored {folder} {n}".encode())
     target = write(outside / f"target of {folder.name}.mkv", f"target {folder}".encode())
-    write(outside / f"linked folder {folder.name}" / "in linked folder.mkv",
-          f"linked {folder}".encode())
+    write(
+        outside / f"linked folder {folder.name}" / "in linked folder.mkv",
+        f"linked {folder}".encode(),
+    )
     (folder / "link.mkv").symlink_to(target)
     (folder / "folder link").symlink_to(outside / f"linked folder {folder.name}")
 
@@ -542,8 +610,9 @@ def test_ignored_names_and_symlinks_never_appear(start: Start, tmp_path: Path) -
     os.rename(part, media / "live" / "download.mkv")
     second = write(media / "live" / "zz sentinel.mkv", b"sentinel two")
     wait_for("the live sentinel", lambda: str(second) in server.files())
-    wait_for("the finished download", lambda: str(media / "live" / "download.mkv")
-             in server.files())
+    wait_for(
+        "the finished download", lambda: str(media / "live" / "download.mkv") in server.files()
+    )
     assert set(server.files()) == {str(first), str(second), str(media / "live" / "download.mkv")}
     for folder in (media / "startup", media / "live"):
         for n, name in enumerate(IGNORED_NAMES):
@@ -562,13 +631,15 @@ def test_symlinks_are_followed_when_configured(start: Start, tmp_path: Path) -> 
     server = start(watch_follow_symlinks="true")
     doc = record(server, cids.midhash_bytes(b"the target"), has_path(media / "link.mkv"))
     assert doc["filePath"] == str(media / "link.mkv")  # the path in the root, not the target's
-    record(server, cids.midhash_bytes(b"inside the linked folder"),
-           has_path(media / "folder link" / "inner.mkv"))
+    record(
+        server,
+        cids.midhash_bytes(b"inside the linked folder"),
+        has_path(media / "folder link" / "inner.mkv"),
+    )
 
     late = write(outside / "late.mkv", b"linked after the start")
     (media / "late link.mkv").symlink_to(late)
-    record(server, cids.midhash_bytes(b"linked after the start"),
-           has_path(media / "late link.mkv"))
+    record(server, cids.midhash_bytes(b"linked after the start"), has_path(media / "late link.mkv"))
 
 
 def test_files_created_in_an_ignored_folder_never_appear(start: Start, tmp_path: Path) -> None:
@@ -630,11 +701,14 @@ def test_a_restart_reconciles_changes_made_while_stopped(start: Start) -> None:
         str(media / "keep.mkv"): cids.midhash_bytes(data["keep"]),
         str(media / "modify.mkv"): cids.midhash_bytes(b"modified while the server was down"),
         str(media / "renamed.mkv"): cids.midhash_bytes(data["rename"]),
-        str(media / "new" / "added.mkv"): cids.midhash_bytes(b"added while the server was down")}
+        str(media / "new" / "added.mkv"): cids.midhash_bytes(b"added while the server was down"),
+    }
 
     again = start()
-    wait_for("the disk reflected", lambda: {
-        p: row["midhash"] for p, row in again.files().items()} == expected)
+    wait_for(
+        "the disk reflected",
+        lambda: {p: row["midhash"] for p, row in again.files().items()} == expected,
+    )
     for name in ("modify", "delete"):
         gone = again.meta(cids.midhash_bytes(data[name]))
         assert gone is not None and gone["paths"] == [] and "filePath" not in gone
@@ -646,11 +720,13 @@ def test_a_restart_reconciles_changes_made_while_stopped(start: Start) -> None:
 # -- metanode scan ------------------------------------------------------------------------------
 
 
-def test_scan_command_counts_and_a_second_run_hashes_nothing(tmp_path: Path,
-                                                             start: Start) -> None:
+def test_scan_command_counts_and_a_second_run_hashes_nothing(tmp_path: Path, start: Start) -> None:
     media, data_dir = tmp_path / "media", tmp_path / "data"
-    files = {media / "a.mkv": os.urandom(3000), media / "sub" / "b.mkv": os.urandom(2_000_000),
-             media / "sub" / "c.mkv": b"c"}
+    files = {
+        media / "a.mkv": os.urandom(3000),
+        media / "sub" / "b.mkv": os.urandom(2_000_000),
+        media / "sub" / "c.mkv": b"c",
+    }
     for path, content in files.items():
         write(path, content)
     write(media / ".hidden", b"ignored")
@@ -674,17 +750,23 @@ def test_scan_command_counts_and_a_second_run_hashes_nothing(tmp_path: Path,
     assert {p: row["midhash"] for p, row in listed.items()} == {
         str(media / "a.mkv"): cids.midhash_bytes(b"rewritten"),
         str(media / "sub" / "b.mkv"): cids.midhash_bytes(files[media / "sub" / "b.mkv"]),
-        str(media / "e.mkv"): cids.midhash_bytes(b"new")}
+        str(media / "e.mkv"): cids.midhash_bytes(b"new"),
+    }
     doc = server.meta(cids.midhash_bytes(b"new"))
     assert doc is not None and doc["filePath"] == str(media / "e.mkv")
     server.stop()
     assert summary_line(scan(data_dir, media)) == (
-        "3 files seen: 0 hashed, 3 unchanged, 0 removed, 0 unreadable")
+        "3 files seen: 0 hashed, 3 unchanged, 0 removed, 0 unreadable"
+    )
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason=(
-    "runs as root: chmod 000 does not stop root from reading the file, so it cannot be made "
-    "unreadable (tests/test_watcher.py covers the unreadable path with a refusing midhash_file)"))
+@pytest.mark.skipif(
+    os.geteuid() == 0,
+    reason=(
+        "runs as root: chmod 000 does not stop root from reading the file, so it cannot be made "
+        "unreadable (tests/test_watcher.py covers the unreadable path with a refusing midhash_file)"
+    ),
+)
 def test_scan_command_reports_an_unreadable_file(tmp_path: Path) -> None:
     media, data_dir = tmp_path / "media", tmp_path / "data"
     write(media / "ok.mkv", b"readable")
@@ -693,7 +775,8 @@ def test_scan_command_reports_an_unreadable_file(tmp_path: Path) -> None:
     try:
         done = scan(data_dir, media)
         assert summary_line(done) == (
-            "2 files seen: 1 hashed, 0 unchanged, 0 removed, 1 unreadable")
+            "2 files seen: 1 hashed, 0 unchanged, 0 removed, 1 unreadable"
+        )
         assert f"unreadable: {locked}" in done.stderr
     finally:
         locked.chmod(0o644)
@@ -709,14 +792,18 @@ def test_scan_command_survives_a_file_name_that_is_not_utf8(tmp_path: Path) -> N
     env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
     done = subprocess.run(
         [sys.executable, "-m", "metanode", "scan", str(media), "--data-dir", str(data_dir)],
-        capture_output=True, text=True, timeout=120, env={**env, **NO_PLUGINS}, cwd=tmp_path)
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, **NO_PLUGINS},
+        cwd=tmp_path,
+    )
     # today: exit 1 with a UnicodeEncodeError traceback, or SIGSEGV when the failed scan's
     # Node.stop also hits the Applier.stop bug (the applier is still applying the minted groups)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
     counts = summary_line(done)
     assert counts.startswith("3 files seen: ") or counts.startswith("2 files seen: "), counts
     assert {r[0] for r in local_rows(data_dir)} >= {str(media / "a.mkv"), str(media / "b.mkv")}
-
 
 
 def test_live_watching_survives_a_file_name_that_is_not_utf8(start: Start) -> None:
@@ -727,8 +814,10 @@ def test_live_watching_survives_a_file_name_that_is_not_utf8(start: Start) -> No
         out.write(b"latin-1 name")
     # the watcher has seen it once it warns that it ignores the name (today watchfiles fails on
     # it, and the rescan after watching again logs the warning): only then is the next file made
-    wait_for("the watcher to ignore the non-UTF-8 name",
-             lambda: "ignoring a name that is not valid UTF-8" in server.log_text())
+    wait_for(
+        "the watcher to ignore the non-UTF-8 name",
+        lambda: "ignoring a name that is not valid UTF-8" in server.log_text(),
+    )
     after = write(server.media / "after.mkv", b"after")
     wait_for("a file created after the non-UTF-8 one", lambda: str(after) in server.files())
 
@@ -755,8 +844,13 @@ asyncio.run(main())
 
 def test_node_stop_while_the_applier_runs_does_not_crash(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
-    done = subprocess.run([sys.executable, "-c", STOP_WHILE_APPLYING, str(tmp_path / "data")],
-                          capture_output=True, text=True, timeout=120, env=env,
-                          cwd=Path(__file__).resolve().parents[1])
+    done = subprocess.run(
+        [sys.executable, "-c", STOP_WHILE_APPLYING, str(tmp_path / "data")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "closed database" not in done.stderr, done.stderr[-2000:]

@@ -99,8 +99,10 @@ def stale(directory: Path = SCHEMAS, packaged: Path = PACKAGED) -> list[str]:
     expected = expected_openapi(directory)
     problems = []
     if (directory / "openapi.json").read_text(encoding="utf-8") != expected:
-        problems.append(f"{directory / 'openapi.json'}: components.schemas differ from the "
-                        "schema files (or it is not in the canonical JSON spelling)")
+        problems.append(
+            f"{directory / 'openapi.json'}: components.schemas differ from the "
+            "schema files (or it is not in the canonical JSON spelling)"
+        )
     if not packaged.exists() or packaged.read_text(encoding="utf-8") != expected:
         problems.append(f"{packaged}: not a copy of {directory / 'openapi.json'}")
     return problems

@@ -30,11 +30,19 @@ class Signer:
         return claims_mod.sign(self.key, cid, key, value, NOW_MS if ts is None else ts).wire()
 
 
-async def register(client: httpx.AsyncClient, signer: Signer, *, weight: int = 1,
-                   may_link: bool = False, name: str = "t") -> None:
+async def register(
+    client: httpx.AsyncClient,
+    signer: Signer,
+    *,
+    weight: int = 1,
+    may_link: bool = False,
+    name: str = "t",
+) -> None:
     """Add `signer` to the node's signers (POST /api/signers); it must succeed."""
-    response = await client.post("/api/signers", json={
-        "uid": signer.uid, "name": name, "weight": weight, "may_link": may_link})
+    response = await client.post(
+        "/api/signers",
+        json={"uid": signer.uid, "name": name, "weight": weight, "may_link": may_link},
+    )
     assert response.status_code == 200, response.text
 
 
@@ -48,8 +56,9 @@ def verdicts(response: httpx.Response) -> list[str]:
     return [r["status"] for r in response.json()["results"]]
 
 
-def fast_claims(signer: Signer, items: Iterable[tuple[str, str, str | None, int]]
-                ) -> list[dict[str, Any]]:
+def fast_claims(
+    signer: Signer, items: Iterable[tuple[str, str, str | None, int]]
+) -> list[dict[str, Any]]:
     """Wire claims `(cid, key, value, ts)` signed by `signer`, its uid computed once.
 
     `Signer.claim` recomputes the uid (a base58 encoding) per claim, which dominates signing

@@ -62,8 +62,14 @@ class FrameParser:
             assert "\r" not in line, f"CR inside an SSE line: {line!r}"
             if line == "":
                 if "data" in self._fields:
-                    frames.append(Frame(self._fields.get("event"), self._fields.get("id"),
-                                        json.loads(self._fields["data"]), self._comment))
+                    frames.append(
+                        Frame(
+                            self._fields.get("event"),
+                            self._fields.get("id"),
+                            json.loads(self._fields["data"]),
+                            self._comment,
+                        )
+                    )
                 elif self._comment is not None:
                     frames.append(Frame(comment=self._comment))
                 self._fields, self._comment = {}, None
@@ -89,8 +95,9 @@ class Replica:
     is where the live tail resumes; `synced` after a replay names the position reached.
     """
 
-    def __init__(self, cursor: str | None = None, *, dense: bool = True,
-                 gaps_allowed: bool = True) -> None:
+    def __init__(
+        self, cursor: str | None = None, *, dense: bool = True, gaps_allowed: bool = True
+    ) -> None:
         self.epoch: int | None = None
         self.position = 0
         if cursor is not None:
@@ -200,11 +207,13 @@ def cid_n(tag: str, n: int) -> str:
     return cids.midhash_bytes(f"feed {tag} {n}".encode())
 
 
-def new_cid_claims(signer: Signer, tag: str, count: int, start: int = 0,
-                   key: str = "title") -> list[dict[str, Any]]:
+def new_cid_claims(
+    signer: Signer, tag: str, count: int, start: int = 0, key: str = "title"
+) -> list[dict[str, Any]]:
     """`count` claims each on a new CID: 2 feed events apiece (`cids/<cid>`, then `key`)."""
-    return fast_claims(signer, [(cid_n(tag, i), key, f"{tag} {i}", NOW_MS)
-                                for i in range(start, start + count)])
+    return fast_claims(
+        signer, [(cid_n(tag, i), key, f"{tag} {i}", NOW_MS) for i in range(start, start + count)]
+    )
 
 
 # -- streams over HTTP ---------------------------------------------------------------------
@@ -223,9 +232,9 @@ class Dechunker:
         out = bytearray()
         while not self.ended:
             if self._left > 0:
-                take = self._buffer[:self._left]
+                take = self._buffer[: self._left]
                 out += take
-                self._buffer = self._buffer[len(take):]
+                self._buffer = self._buffer[len(take) :]
                 self._left -= len(take)
                 if self._left:
                     break
@@ -259,9 +268,15 @@ class Stream:
     """One SSE GET (`/api/events` unless `path` says otherwise) on a raw socket: status and
     headers, then SSE frames; `raw` keeps every body byte received."""
 
-    def __init__(self, server: Server, params: list[tuple[str, str]] | None = None,
-                 last_event_id: str | None = None, rcvbuf: int | None = None,
-                 timeout: float = WAIT_S, path: str = "/api/events") -> None:
+    def __init__(
+        self,
+        server: Server,
+        params: list[tuple[str, str]] | None = None,
+        last_event_id: str | None = None,
+        rcvbuf: int | None = None,
+        timeout: float = WAIT_S,
+        path: str = "/api/events",
+    ) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         OPEN_STREAMS.append(self)
         if rcvbuf is not None:  # before connect, so the window is small from the start
@@ -270,8 +285,12 @@ class Stream:
         self.sock.settimeout(timeout)
         self.sock.connect(("127.0.0.1", server.port))
         query = f"?{urlencode(params)}" if params else ""
-        lines = [f"GET {path}{query} HTTP/1.1", "Host: 127.0.0.1",
-                 f"Authorization: Bearer {server.token}", "Accept: text/event-stream"]
+        lines = [
+            f"GET {path}{query} HTTP/1.1",
+            "Host: 127.0.0.1",
+            f"Authorization: Bearer {server.token}",
+            "Accept: text/event-stream",
+        ]
         if last_event_id is not None:
             lines.append(f"Last-Event-ID: {last_event_id}")
         self.sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
@@ -285,8 +304,9 @@ class Stream:
         head, _, rest = head.partition(b"\r\n\r\n")
         status_line, *header_lines = head.decode("latin-1").split("\r\n")
         self.status = int(status_line.split()[1])
-        self.headers = {k.strip().lower(): v.strip()
-                        for k, v in (h.split(":", 1) for h in header_lines)}
+        self.headers = {
+            k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in header_lines)
+        }
         assert self.status == 200, f"{status_line}: {rest!r}"
         assert self.headers.get("transfer-encoding") == "chunked", self.headers
         self._early = self._dechunk.feed(rest)
@@ -329,8 +349,9 @@ class Stream:
                 out.append(frame)
         return out
 
-    def until(self, done: Callable[[Replica], bool], replica: Replica,
-              limit: int = 10_000_000) -> Replica:
+    def until(
+        self, done: Callable[[Replica], bool], replica: Replica, limit: int = 10_000_000
+    ) -> Replica:
         for _ in range(limit):
             if done(replica):
                 return replica

@@ -59,8 +59,13 @@ class Server:
         # wall-clock limit. Tests assert 200 (read-your-writes), so on a machine whose cores
         # are busy the limit must not be what decides: 120 s instead of the default 5 s (a test
         # of the 202 sets its own).
-        env.update({"METANODE_WATCH_ROOTS": str(self.media), "METANODE_PLUGINS_ENABLED": "false",
-                    "METANODE_APPLY_WAIT_S": "120"})
+        env.update(
+            {
+                "METANODE_WATCH_ROOTS": str(self.media),
+                "METANODE_PLUGINS_ENABLED": "false",
+                "METANODE_APPLY_WAIT_S": "120",
+            }
+        )
         return env
 
     def start(self) -> Self:
@@ -69,10 +74,21 @@ class Server:
         for _attempt in range(3):
             with self.log.open("ab") as log:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "metanode", "serve", "--data-dir", str(self.data_dir),
-                     "--port", str(self.port)],
-                    env={**self.base_env(), **self.env}, cwd=self.data_dir.parent,
-                    stdout=log, stderr=log)
+                    [
+                        sys.executable,
+                        "-m",
+                        "metanode",
+                        "serve",
+                        "--data-dir",
+                        str(self.data_dir),
+                        "--port",
+                        str(self.port),
+                    ],
+                    env={**self.base_env(), **self.env},
+                    cwd=self.data_dir.parent,
+                    stdout=log,
+                    stderr=log,
+                )
             if self._up():
                 return self
             self.port = free_port()  # exited at once: the port was taken meanwhile
@@ -137,8 +153,12 @@ def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
 
 def metanode_check(data_dir: Path) -> str:
     """Run `metanode check` on a data directory; it must exit 0 and say clean."""
-    done = subprocess.run([sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "clean" in done.stdout, done.stdout
     return done.stdout

@@ -45,8 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="info", help="as metanode's log_level setting")
     args = parser.parse_args(argv)
     logs.configure(args.log_level)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=10, access_log=False, log_config=None)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=10,
+        access_log=False,
+        log_config=None,
+    )
     return 0
 
 

@@ -140,8 +140,12 @@ def bench_midhash() -> tuple[float, float, float, float]:
                 small_times.append(time.perf_counter() - start)
         finally:
             os.close(fd)
-    return (statistics.median(hash_times), statistics.median(read_times),
-            statistics.median(floor_times), statistics.median(small_times))
+    return (
+        statistics.median(hash_times),
+        statistics.median(read_times),
+        statistics.median(floor_times),
+        statistics.median(small_times),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,16 +156,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--n must be at least 1")
 
     cold, base, warm = bench_verify(args.n)
-    print(f"verify: claims {cold:,.0f}/s  raw nacl {base:,.0f}/s  ratio {cold / base:.2f}"
-          f" (goal >= 0.9)  [n={args.n:,}, cold CID cache, best of {REPEATS}]")
-    print(f"verify (warm CID cache): claims {warm:,.0f}/s  raw nacl {base:,.0f}/s"
-          f"  ratio {warm / base:.2f}")
+    print(
+        f"verify: claims {cold:,.0f}/s  raw nacl {base:,.0f}/s  ratio {cold / base:.2f}"
+        f" (goal >= 0.9)  [n={args.n:,}, cold CID cache, best of {REPEATS}]"
+    )
+    print(
+        f"verify (warm CID cache): claims {warm:,.0f}/s  raw nacl {base:,.0f}/s"
+        f"  ratio {warm / base:.2f}"
+    )
 
     hashed, read, floor, small = bench_midhash()
-    print(f"midhash: 10 GiB sparse file {hashed * 1e3:.3f} ms  1 MiB pread {read * 1e3:.3f} ms"
-          f"  ratio {hashed / read:.2f} (goal <= 3)  [median of {MIDHASH_REPEATS}, page cache]")
-    print(f"midhash vs 1 MiB pread + sha256 {floor * 1e3:.3f} ms: ratio {hashed / floor:.2f};"
-          f"  vs midhash of a 1 MiB file {small * 1e3:.3f} ms: ratio {hashed / small:.2f}")
+    print(
+        f"midhash: 10 GiB sparse file {hashed * 1e3:.3f} ms  1 MiB pread {read * 1e3:.3f} ms"
+        f"  ratio {hashed / read:.2f} (goal <= 3)  [median of {MIDHASH_REPEATS}, page cache]"
+    )
+    print(
+        f"midhash vs 1 MiB pread + sha256 {floor * 1e3:.3f} ms: ratio {hashed / floor:.2f};"
+        f"  vs midhash of a 1 MiB file {small * 1e3:.3f} ms: ratio {hashed / small:.2f}"
+    )
     return 0
 
 

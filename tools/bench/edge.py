@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="metanode-edge-") as tmp:
         data_dir = Path(tmp) / "data"
-        with harness.metanode_server(data_dir, METANODE_WATCH_ENABLED="false",
-                                     METANODE_PLUGINS_ENABLED="false") as server:
+        with harness.metanode_server(
+            data_dir, METANODE_WATCH_ENABLED="false", METANODE_PLUGINS_ENABLED="false"
+        ) as server:
             before = server.rss_mib("VmHWM")
             sender = BigSender(server.port, args.mib * 2**20)
             thread = threading.Thread(target=sender.run, daemon=True)
@@ -102,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     latencies.sort()
     print(f"big header ({args.mib} MiB): {sender.outcome}, {sender.seconds:.2f} s")
     p50, worst = statistics.median(latencies) * 1000, latencies[-1] * 1000
-    print(f"other client: {len(latencies)} answers (at least 20, and until the big sender "
-          f"was done), p50 {p50:.1f} ms, max {worst:.1f} ms")
+    print(
+        f"other client: {len(latencies)} answers (at least 20, and until the big sender "
+        f"was done), p50 {p50:.1f} ms, max {worst:.1f} ms"
+    )
     print(f"server peak RSS: {before:.0f} MiB before, {after:.0f} MiB after")
     return 0
 

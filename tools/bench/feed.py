@@ -91,8 +91,9 @@ class Workload:
     sizes: list[int]
 
 
-def sign_updates(key: nacl.signing.SigningKey, records: int, count: int, batch: int,
-                 ts: int) -> Workload:
+def sign_updates(
+    key: nacl.signing.SigningKey, records: int, count: int, batch: int, ts: int
+) -> Workload:
     uid = claims.uid_of(bytes(key.verify_key))
     pool = [cids.midhash_bytes(f"feed bench {i}".encode()) for i in range(records)]
 
@@ -101,11 +102,10 @@ def sign_updates(key: nacl.signing.SigningKey, records: int, count: int, batch: 
         return claims.Claim(uid, cid, "title", value, when, sig)
 
     made = [signed(cid, "initial", ts) for cid in pool]
-    setup = [harness.claims_body(made[i:i + 500]) for i in range(0, len(made), 500)]
-    updates = [signed(pool[i % records], f"v{i:07d}", ts + 1 + i // records)
-               for i in range(count)]
-    bodies = [harness.claims_body(updates[i:i + batch]) for i in range(0, count, batch)]
-    sizes = [len(updates[i:i + batch]) for i in range(0, count, batch)]
+    setup = [harness.claims_body(made[i : i + 500]) for i in range(0, len(made), 500)]
+    updates = [signed(pool[i % records], f"v{i:07d}", ts + 1 + i // records) for i in range(count)]
+    bodies = [harness.claims_body(updates[i : i + batch]) for i in range(0, count, batch)]
+    sizes = [len(updates[i : i + batch]) for i in range(0, count, batch)]
     return Workload(setup, bodies, sizes)
 
 
@@ -113,12 +113,15 @@ def sign_updates(key: nacl.signing.SigningKey, records: int, count: int, batch: 
 
 
 def _request(path: str, token: str) -> bytes:
-    return (f"GET {path} HTTP/1.1\r\nHost: {harness.HOST}\r\n"
-            f"Authorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n").encode()
+    return (
+        f"GET {path} HTTP/1.1\r\nHost: {harness.HOST}\r\n"
+        f"Authorization: Bearer {token}\r\nAccept: text/event-stream\r\n\r\n"
+    ).encode()
 
 
-async def _subscribe(port: int, token: str, path: str
-                     ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def _subscribe(
+    port: int, token: str, path: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     reader, writer = await asyncio.open_connection(harness.HOST, port)
     writer.write(_request(path, token))
     await writer.drain()
@@ -128,8 +131,9 @@ async def _subscribe(port: int, token: str, path: str
     return reader, writer
 
 
-async def _read(reader: asyncio.StreamReader, times: list[float], total: int,
-                done: asyncio.Event) -> None:
+async def _read(
+    reader: asyncio.StreamReader, times: list[float], total: int, done: asyncio.Event
+) -> None:
     """Record when each value first arrives; the bytes after the last complete frame are kept
     for the next read (each HTTP chunk holds whole frames, so no chunk header is inside one)."""
     clock = time.perf_counter
@@ -151,8 +155,9 @@ async def _read(reader: asyncio.StreamReader, times: list[float], total: int,
     done.set()
 
 
-async def _read_in_order(reader: asyncio.StreamReader, times: list[float], total: int,
-                         done: asyncio.Event) -> None:
+async def _read_in_order(
+    reader: asyncio.StreamReader, times: list[float], total: int, done: asyncio.Event
+) -> None:
     """`_read` for the meta stream, which carries no value: the i-th `set` event is the i-th
     timed claim (see the module docstring)."""
     clock = time.perf_counter
@@ -164,14 +169,15 @@ async def _read_in_order(reader: asyncio.StreamReader, times: list[float], total
         now = clock()
         window = tail + data
         arrived = min(window.count(SET_MARK), total - received)
-        times[received:received + arrived] = [now] * arrived
+        times[received : received + arrived] = [now] * arrived
         received += arrived
-        tail = window[1 - len(SET_MARK):]
+        tail = window[1 - len(SET_MARK) :]
     done.set()
 
 
-async def _count(reader: asyncio.StreamReader, times: list[float], total: int,
-                 done: asyncio.Event) -> None:
+async def _count(
+    reader: asyncio.StreamReader, times: list[float], total: int, done: asyncio.Event
+) -> None:
     """Count `set` events until `total` have arrived; the last one's arrival goes in `times`.
 
     For the throughput runs: far cheaper than `_read`, so the subscribers' process (on the same
@@ -185,20 +191,29 @@ async def _count(reader: asyncio.StreamReader, times: list[float], total: int,
             raise RuntimeError("the server closed a feed stream")
         window = tail + data
         received += window.count(SET_MARK)
-        tail = window[1 - len(SET_MARK):]
+        tail = window[1 - len(SET_MARK) :]
     times[-1] = time.perf_counter()
     done.set()
 
 
-async def _run_subscribers(port: int, token: str, path: str, count: int, total: int,
-                           timed: bool, ready: multiprocessing.synchronize.Event,
-                           posted: multiprocessing.synchronize.Event) -> list[list[float]]:
+async def _run_subscribers(
+    port: int,
+    token: str,
+    path: str,
+    count: int,
+    total: int,
+    timed: bool,
+    ready: multiprocessing.synchronize.Event,
+    posted: multiprocessing.synchronize.Event,
+) -> list[list[float]]:
     streams = [await _subscribe(port, token, path) for _ in range(count)]
     times = [[float("nan")] * total for _ in range(count)]
     flags = [asyncio.Event() for _ in range(count)]
     read = (_read if path == STREAMS["events"] else _read_in_order) if timed else _count
-    tasks = [asyncio.create_task(read(r, t, total, f))
-             for (r, _), t, f in zip(streams, times, flags, strict=True)]
+    tasks = [
+        asyncio.create_task(read(r, t, total, f))
+        for (r, _), t, f in zip(streams, times, flags, strict=True)
+    ]
     ready.set()
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, posted.wait)
@@ -206,21 +221,35 @@ async def _run_subscribers(port: int, token: str, path: str, count: int, total: 
         await asyncio.wait_for(asyncio.gather(*tasks), DRAIN_TIMEOUT_S)
     except TimeoutError:
         missing = sum(1 for flag in flags if not flag.is_set())
-        raise RuntimeError(f"{missing} subscribers still miss events {DRAIN_TIMEOUT_S:.0f} s "
-                           "after the last post") from None
+        raise RuntimeError(
+            f"{missing} subscribers still miss events {DRAIN_TIMEOUT_S:.0f} s after the last post"
+        ) from None
     for _, writer in streams:
         writer.close()
     return times
 
 
-def subscriber_process(port: int, token: str, path: str, count: int, total: int, timed: bool,
-                       ready: multiprocessing.synchronize.Event,
-                       posted: multiprocessing.synchronize.Event,
-                       out: Any) -> None:
+def subscriber_process(
+    port: int,
+    token: str,
+    path: str,
+    count: int,
+    total: int,
+    timed: bool,
+    ready: multiprocessing.synchronize.Event,
+    posted: multiprocessing.synchronize.Event,
+    out: Any,
+) -> None:
     """Entry point of the subscriber process: its arrival times (or an error) go to `out`."""
     try:
-        out.put(("ok", asyncio.run(_run_subscribers(port, token, path, count, total, timed,
-                                                    ready, posted))))
+        out.put(
+            (
+                "ok",
+                asyncio.run(
+                    _run_subscribers(port, token, path, count, total, timed, ready, posted)
+                ),
+            )
+        )
     except BaseException as exc:  # reported by the parent
         ready.set()
         out.put(("error", repr(exc)))
@@ -230,14 +259,33 @@ class Subscribers:
     """`count` subscribers in their own process, connected before the poster starts; `timed`:
     each records every event's arrival, else each only counts events."""
 
-    def __init__(self, server: harness.ServerProc, data_dir: Path, path: str, count: int,
-                 total: int, timed: bool) -> None:
+    def __init__(
+        self,
+        server: harness.ServerProc,
+        data_dir: Path,
+        path: str,
+        count: int,
+        total: int,
+        timed: bool,
+    ) -> None:
         ctx = multiprocessing.get_context("spawn")
         self.ready, self.posted = ctx.Event(), ctx.Event()
         self.out = ctx.Queue()
-        self.proc = ctx.Process(target=subscriber_process, daemon=True, args=(
-            server.port, harness.token(data_dir), path, count, total, timed, self.ready,
-            self.posted, self.out))
+        self.proc = ctx.Process(
+            target=subscriber_process,
+            daemon=True,
+            args=(
+                server.port,
+                harness.token(data_dir),
+                path,
+                count,
+                total,
+                timed,
+                self.ready,
+                self.posted,
+                self.out,
+            ),
+        )
         self.proc.start()
         if not self.ready.wait(SUBSCRIBE_TIMEOUT_S):
             self.proc.kill()
@@ -284,9 +332,13 @@ def stalled_subscribers(port: int, token: str, path: str, count: int) -> Iterato
 # -- posting --------------------------------------------------------------------------------
 
 
-async def post_paced(url: str, headers: dict[str, str], bodies: Sequence[bytes],
-                     sizes: Sequence[int], interval: float) -> tuple[list[float], list[float],
-                                                                     float]:
+async def post_paced(
+    url: str,
+    headers: dict[str, str],
+    bodies: Sequence[bytes],
+    sizes: Sequence[int],
+    interval: float,
+) -> tuple[list[float], list[float], float]:
     """One POST per `interval` (or later, if the previous one is late); (sent, acked, wall)."""
     sent, acked = [], []
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=120) as client:
@@ -306,8 +358,9 @@ async def post_paced(url: str, headers: dict[str, str], bodies: Sequence[bytes],
 
 
 @contextmanager
-def prepared_server(tmp: Path, name: str, key: nacl.signing.SigningKey,
-                    work: Workload) -> Iterator[tuple[harness.ServerProc, Path]]:
+def prepared_server(
+    tmp: Path, name: str, key: nacl.signing.SigningKey, work: Workload
+) -> Iterator[tuple[harness.ServerProc, Path]]:
     """A fresh server with the signer registered and the records created (untimed)."""
     data_dir = tmp / name / "data"
     data_dir.parent.mkdir(parents=True)
@@ -333,20 +386,29 @@ class Latency:
         def p(values: list[float], pct: float) -> str:
             return f"{harness.percentile(values, pct):.1f}"
 
-        return (f"| {self.subscribers} | {self.achieved_rate:,.0f}/s | "
-                f"{p(self.ack_ms, 50)} | {p(self.ack_ms, 99)} | {self.ack_ms[-1]:.1f} | "
-                f"{p(self.sent_ms, 50)} | {p(self.sent_ms, 99)} | {self.cpu} |")
+        return (
+            f"| {self.subscribers} | {self.achieved_rate:,.0f}/s | "
+            f"{p(self.ack_ms, 50)} | {p(self.ack_ms, 99)} | {self.ack_ms[-1]:.1f} | "
+            f"{p(self.sent_ms, 50)} | {p(self.sent_ms, 99)} | {self.cpu} |"
+        )
 
 
-def measure_latency(tmp: Path, key: nacl.signing.SigningKey, work: Workload, path: str,
-                    subscribers: int, interval: float) -> Latency:
+def measure_latency(
+    tmp: Path,
+    key: nacl.signing.SigningKey,
+    work: Workload,
+    path: str,
+    subscribers: int,
+    interval: float,
+) -> Latency:
     total = sum(work.sizes)
     with prepared_server(tmp, f"latency-{subscribers}", key, work) as (srv, data_dir):
         readers = Subscribers(srv, data_dir, path, subscribers, total, timed=True)
         headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
         with harness.CpuMeter(srv.pid) as meter, harness.CpuMeter(readers.pid) as reading:
-            sent, acked, wall = asyncio.run(post_paced(srv.url, headers, work.bodies,
-                                                       work.sizes, interval))
+            sent, acked, wall = asyncio.run(
+                post_paced(srv.url, headers, work.bodies, work.sizes, interval)
+            )
         times = readers.finish()
     index_batch = [b for b, size in enumerate(work.sizes) for _ in range(size)]
     ack_ms, sent_ms = [], []
@@ -355,8 +417,10 @@ def measure_latency(tmp: Path, key: nacl.signing.SigningKey, work: Workload, pat
             batch = index_batch[index]
             ack_ms.append((arrived - acked[batch]) * 1e3)
             sent_ms.append((arrived - sent[batch]) * 1e3)
-    cpu = (f"{meter.total / meter.wall:.2f} cores (subscribers' process "
-           f"{reading.total / reading.wall:.2f})")
+    cpu = (
+        f"{meter.total / meter.wall:.2f} cores (subscribers' process "
+        f"{reading.total / reading.wall:.2f})"
+    )
     return Latency(subscribers, total, total / wall, sorted(ack_ms), sorted(sent_ms), cpu)
 
 
@@ -367,23 +431,40 @@ class Throughput:
     reader_cores: float  # the subscribers' process, over the same time
 
 
-def measure_throughput(tmp: Path, key: nacl.signing.SigningKey, work: Workload, path: str,
-                       name: str, subscribers: int, stalled: int = 0,
-                       profile: Path | None = None) -> Throughput:
+def measure_throughput(
+    tmp: Path,
+    key: nacl.signing.SigningKey,
+    work: Workload,
+    path: str,
+    name: str,
+    subscribers: int,
+    stalled: int = 0,
+    profile: Path | None = None,
+) -> Throughput:
     total = sum(work.sizes)
-    with prepared_server(tmp, name, key, work) as (srv, data_dir), \
-            stalled_subscribers(srv.port, harness.token(data_dir), path, stalled):
-        readers = (Subscribers(srv, data_dir, path, subscribers, total, timed=False)
-                   if subscribers else None)
+    with (
+        prepared_server(tmp, name, key, work) as (srv, data_dir),
+        stalled_subscribers(srv.port, harness.token(data_dir), path, stalled),
+    ):
+        readers = (
+            Subscribers(srv, data_dir, path, subscribers, total, timed=False)
+            if subscribers
+            else None
+        )
         headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
-        with harness.py_spy(srv.pid, profile), harness.CpuMeter(srv.pid) as meter, \
-                harness.CpuMeter(readers.pid if readers else os.getpid()) as reading:
-            elapsed = asyncio.run(harness.post_batches(srv.url, headers, work.bodies,
-                                                       work.sizes, clients=2))
+        with (
+            harness.py_spy(srv.pid, profile),
+            harness.CpuMeter(srv.pid) as meter,
+            harness.CpuMeter(readers.pid if readers else os.getpid()) as reading,
+        ):
+            elapsed = asyncio.run(
+                harness.post_batches(srv.url, headers, work.bodies, work.sizes, clients=2)
+            )
         if readers is not None:
             readers.finish()  # every subscriber got every event
-    return Throughput(total / elapsed, meter.total / meter.wall,
-                      reading.total / reading.wall if readers else 0.0)
+    return Throughput(
+        total / elapsed, meter.total / meter.wall, reading.total / reading.wall if readers else 0.0
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -395,16 +476,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=1_000, help="records updated (1000)")
     parser.add_argument("--throughput-claims", type=int, default=30_000)
     parser.add_argument("--throughput-subscribers", type=int, default=100)
-    parser.add_argument("--stalled", type=int, default=10,
-                        help="subscribers that never read, for the third measurement (10)")
+    parser.add_argument(
+        "--stalled",
+        type=int,
+        default=10,
+        help="subscribers that never read, for the third measurement (10)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="throughput rounds (default 5)")
-    parser.add_argument("--py-spy", type=Path, default=None, metavar="OUT",
-                        help="sample the server of the last run with subscribers (py-spy raw "
-                             "output to OUT) and print where its time went")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="sample the server of the last run with subscribers (py-spy raw "
+        "output to OUT) and print where its time went",
+    )
     parser.add_argument("--skip-latency", action="store_true")
-    parser.add_argument("--stream", choices=sorted(STREAMS), default="events",
-                        help="the stream subscribed to: /api/events (default) or MetaMesh's "
-                             "/api/events/meta")
+    parser.add_argument(
+        "--stream",
+        choices=sorted(STREAMS),
+        default="events",
+        help="the stream subscribed to: /api/events (default) or MetaMesh's /api/events/meta",
+    )
     args = parser.parse_args(argv)
     path = STREAMS[args.stream]
 
@@ -412,49 +505,73 @@ def main(argv: list[str] | None = None) -> int:
     ts = now_ms()
     paced = sign_updates(key, args.records, int(args.rate * args.duration), args.batch, ts)
     flat = sign_updates(key, args.records, args.throughput_claims, 500, ts)
-    print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "
-          f"load average {os.getloadavg()[0]:.2f}; subscribers on {path}")
+    print(
+        f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "
+        f"load average {os.getloadavg()[0]:.2f}; subscribers on {path}"
+    )
     with tempfile.TemporaryDirectory(prefix="metanode-bench-feed-") as tmp_name:
         tmp = Path(tmp_name)
-        print(f"\nlatency, claim acknowledged -> event received, {args.batch} claims every "
-              f"{args.batch / args.rate * 1e3:.0f} ms for {args.duration:g} s "
-              f"({sum(paced.sizes):,} claims, one set event each):")
-        print("| subscribers | achieved rate | p50 ms | p99 ms | max ms | sent->received p50 ms"
-              " | p99 ms | server CPU |")
+        print(
+            f"\nlatency, claim acknowledged -> event received, {args.batch} claims every "
+            f"{args.batch / args.rate * 1e3:.0f} ms for {args.duration:g} s "
+            f"({sum(paced.sizes):,} claims, one set event each):"
+        )
+        print(
+            "| subscribers | achieved rate | p50 ms | p99 ms | max ms | sent->received p50 ms"
+            " | p99 ms | server CPU |"
+        )
         print("|---:|---:|---:|---:|---:|---:|---:|---|")
-        for count in ([] if args.skip_latency else
-                      [int(c) for c in args.subscribers.split(",")]):
-            print(measure_latency(tmp, key, paced, path, count, args.batch / args.rate).row(),
-                  flush=True)
+        for count in [] if args.skip_latency else [int(c) for c in args.subscribers.split(",")]:
+            print(
+                measure_latency(tmp, key, paced, path, count, args.batch / args.rate).row(),
+                flush=True,
+            )
 
-        print(f"\ningest throughput, {args.throughput_claims:,} claims in batches of 500, "
-              f"2 clients: {args.throughput_subscribers} reading subscribers, and "
-              f"{args.stalled} stalled ones, each vs none:")
+        print(
+            f"\ningest throughput, {args.throughput_claims:,} claims in batches of 500, "
+            f"2 clients: {args.throughput_subscribers} reading subscribers, and "
+            f"{args.stalled} stalled ones, each vs none:"
+        )
         reading, stalling = [], []
         for round_no in range(args.rounds):
-            kinds = {"none": (0, 0), "reading": (args.throughput_subscribers, 0),
-                     "stalled": (0, args.stalled)}
-            order = list(kinds)[round_no % 3:] + list(kinds)[:round_no % 3]
+            kinds = {
+                "none": (0, 0),
+                "reading": (args.throughput_subscribers, 0),
+                "stalled": (0, args.stalled),
+            }
+            order = list(kinds)[round_no % 3 :] + list(kinds)[: round_no % 3]
             last = round_no == args.rounds - 1
-            runs = {kind: measure_throughput(
-                        tmp, key, flat, path, f"tp-{round_no}-{kind}", *kinds[kind],
-                        profile=args.py_spy if kind == "reading" and last else None)
-                    for kind in order}
+            runs = {
+                kind: measure_throughput(
+                    tmp,
+                    key,
+                    flat,
+                    path,
+                    f"tp-{round_no}-{kind}",
+                    *kinds[kind],
+                    profile=args.py_spy if kind == "reading" and last else None,
+                )
+                for kind in order
+            }
             none, some, stuck = runs["none"], runs["reading"], runs["stalled"]
             reading.append(some.rate / none.rate)
             stalling.append(stuck.rate / none.rate)
-            print(f"round {round_no + 1}: none {none.rate:,.0f} claims/s (server "
-                  f"{none.server_cores:.2f} cores); {args.throughput_subscribers} reading "
-                  f"{some.rate:,.0f} claims/s (server {some.server_cores:.2f} cores, "
-                  f"subscribers' process {some.reader_cores:.2f}), ratio {reading[-1]:.2f}; "
-                  f"{args.stalled} stalled {stuck.rate:,.0f} claims/s, ratio {stalling[-1]:.2f}",
-                  flush=True)
+            print(
+                f"round {round_no + 1}: none {none.rate:,.0f} claims/s (server "
+                f"{none.server_cores:.2f} cores); {args.throughput_subscribers} reading "
+                f"{some.rate:,.0f} claims/s (server {some.server_cores:.2f} cores, "
+                f"subscribers' process {some.reader_cores:.2f}), ratio {reading[-1]:.2f}; "
+                f"{args.stalled} stalled {stuck.rate:,.0f} claims/s, ratio {stalling[-1]:.2f}",
+                flush=True,
+            )
         if args.py_spy is not None:
             print(harness.profile_summary(args.py_spy))
         for what, ratios in (("reading subscribers", reading), ("stalled subscribers", stalling)):
             median = statistics.median(ratios)
-            print(f"ratio with {what} (median): {median:.2f} (goal >= {GOAL}): "
-                  f"{'met' if median >= GOAL else 'NOT met'}")
+            print(
+                f"ratio with {what} (median): {median:.2f} (goal >= {GOAL}): "
+                f"{'met' if median >= GOAL else 'NOT met'}"
+            )
     return 0
 
 

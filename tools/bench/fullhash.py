@@ -74,8 +74,9 @@ def read_loop(path: Path, consume: Callable[[memoryview], object]) -> None:
 
 def hex_of_tool(command: list[str], path: Path) -> str:
     """Run a digest tool; its hex digest (sha256sum: first field; openssl: after '= ')."""
-    out = subprocess.run([*command, str(path)], check=True, capture_output=True,
-                         text=True).stdout.strip()
+    out = subprocess.run(
+        [*command, str(path)], check=True, capture_output=True, text=True
+    ).stdout.strip()
     return out.split("= ")[-1] if "= " in out else out.split()[0]
 
 
@@ -84,8 +85,7 @@ def hex_of_tool(command: list[str], path: Path) -> str:
 
 def throughput(path: Path, size: int, rounds: int) -> tuple[Digests, dict[str, float]]:
     digests = hash_file(str(path))
-    expected = cids.encode(cids.RAW, cids.SHA2_256, bytes.fromhex(
-        hex_of_tool(["sha256sum"], path)))
+    expected = cids.encode(cids.RAW, cids.SHA2_256, bytes.fromhex(hex_of_tool(["sha256sum"], path)))
     assert digests.sha256 == expected, "sha256sum disagrees with fullhash"
     assert hex_of_tool(["openssl", "dgst", "-sha256"], path) == hex_of_tool(["sha256sum"], path)
     best = {name: float("inf") for name in ("fullhash", "sha256sum", "openssl")}
@@ -101,13 +101,16 @@ def throughput(path: Path, size: int, rounds: int) -> tuple[Digests, dict[str, f
             best[name] = min(best[name], seconds)
             line.append(f"{name} {seconds:.3f} s")
         print(f"  round {r + 1}: " + ", ".join(line))
-    print(f"\nthroughput on {size / MIB:.0f} MiB of random bytes (page cache warm), best of "
-          f"{rounds}:")
+    print(
+        f"\nthroughput on {size / MIB:.0f} MiB of random bytes (page cache warm), best of {rounds}:"
+    )
     for name, seconds in best.items():
         print(f"  {name:10} {seconds:7.3f} s  {size / seconds / 1e6:8.0f} MB/s")
     for base in ("sha256sum", "openssl"):
-        print(f"  ratio fullhash / {base:9} = {best[base] / best['fullhash']:.2f}"
-              + ("   (goal >= 0.8)" if base == "sha256sum" else ""))
+        print(
+            f"  ratio fullhash / {base:9} = {best[base] / best['fullhash']:.2f}"
+            + ("   (goal >= 0.8)" if base == "sha256sum" else "")
+        )
     return digests, best
 
 
@@ -125,6 +128,7 @@ def breakdown(path: Path, size: int) -> None:
         ("  its leaf sha2-256 alone", lambda: leaf_hashes),
     ]
     print("\nbreakdown (the same read loop, one consumer each, best of 2):")
+
     def one_pass(make: Callable[[], Callable[[memoryview], object]]) -> float:
         return timed(lambda: read_loop(path, make()))
 
@@ -167,14 +171,17 @@ def peak_memory(folder: Path) -> None:
     with sparse.open("wb") as f:
         f.truncate(SPARSE_SIZE)
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", CHILD, str(sparse)], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(sparse)], check=True, capture_output=True, text=True
+    ).stdout
     seconds = time.perf_counter() - start
     figures = json.loads(out)
     imported, peak = figures["imported"] / 1024, figures["peak"] / 1024
-    print(f"\npeak RSS hashing a 10 GiB sparse file in a child (VmHWM): {peak:.1f} MiB; after "
-          f"the imports {imported:.1f} MiB, so hashing adds {peak - imported:.1f} MiB "
-          f"(took {seconds:.1f} s, {SPARSE_SIZE / seconds / 1e6:.0f} MB/s on zero pages)")
+    print(
+        f"\npeak RSS hashing a 10 GiB sparse file in a child (VmHWM): {peak:.1f} MiB; after "
+        f"the imports {imported:.1f} MiB, so hashing adds {peak - imported:.1f} MiB "
+        f"(took {seconds:.1f} s, {SPARSE_SIZE / seconds / 1e6:.0f} MB/s on zero pages)"
+    )
     sparse.unlink()
 
 
@@ -196,8 +203,10 @@ def main() -> None:
         write_random(path, size)
         read_loop(path, lambda block: None)  # warm the page cache; nothing is ever dropped
         openssl = subprocess.run(["openssl", "version"], capture_output=True, text=True)
-        print(f"python {sys.version.split()[0]}, blake3 {blake3.__version__}, "
-              f"{openssl.stdout.strip()}, {os.cpu_count()} CPUs, BLOCK {BLOCK // MIB} MiB")
+        print(
+            f"python {sys.version.split()[0]}, blake3 {blake3.__version__}, "
+            f"{openssl.stdout.strip()}, {os.cpu_count()} CPUs, BLOCK {BLOCK // MIB} MiB"
+        )
         throughput(path, size, args.rounds)
         breakdown(path, size)
         path.unlink()

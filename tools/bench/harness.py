@@ -69,19 +69,21 @@ class ServerProc:
 
     def start(self, ready_path: str, ready: Any = None) -> ServerProc:
         """Start and wait (bounded) until GET `ready_path` answers 200 and `ready(json)` holds."""
-        out = (open(self.log_path, "ab") if self.log_path is not None  # noqa: SIM115
-               else subprocess.DEVNULL)
+        log = self.log_path
+        out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.proc = subprocess.Popen(self.argv, env=self.env, cwd=self.cwd, stdout=out,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT
+            )
         finally:
             if not isinstance(out, int):
                 out.close()
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.argv[:4]} exited with {self.proc.returncode}"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"{self.argv[:4]} exited with {self.proc.returncode}{self.log_tail()}"
+                )
             try:
                 r = httpx.get(self.url + ready_path, timeout=2)
                 if r.status_code == 200 and (ready is None or ready(r.json())):
@@ -90,8 +92,9 @@ class ServerProc:
                 pass
             time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"{self.argv[:4]} did not come up in {START_TIMEOUT_S:.0f} s"
-                           f"{self.log_tail()}")
+        raise RuntimeError(
+            f"{self.argv[:4]} did not come up in {START_TIMEOUT_S:.0f} s{self.log_tail()}"
+        )
 
     def log_tail(self, lines: int = 30) -> str:
         if self.log_path is None or not self.log_path.exists():
@@ -122,16 +125,29 @@ class ServerProc:
 
 
 def metanode_argv(data_dir: Path, port: int) -> list[str]:
-    return [sys.executable, "-m", "metanode", "serve", "--data-dir", str(data_dir),
-            "--port", str(port)]
+    return [
+        sys.executable,
+        "-m",
+        "metanode",
+        "serve",
+        "--data-dir",
+        str(data_dir),
+        "--port",
+        str(port),
+    ]
 
 
 @contextmanager
 def metanode_server(data_dir: Path, **env: str) -> Iterator[ServerProc]:
     """A real `metanode serve` (uvicorn) on a fresh port, ready once its cache is ready."""
     port = free_port()
-    server = ServerProc(metanode_argv(data_dir, port), port, clean_env(**env),
-                        cwd=data_dir.parent, log_path=data_dir.parent / f"serve-{port}.log")
+    server = ServerProc(
+        metanode_argv(data_dir, port),
+        port,
+        clean_env(**env),
+        cwd=data_dir.parent,
+        log_path=data_dir.parent / f"serve-{port}.log",
+    )
     try:
         server.start("/health", lambda body: bool(body.get("cache_ready")))
         yield server
@@ -150,8 +166,12 @@ def auth(data_dir: Path) -> dict[str, str]:
 def register_signer(server: ServerProc, data_dir: Path, key: nacl.signing.SigningKey) -> str:
     """POST /api/signers for `key`; returns its uid."""
     uid = str(claims.uid_of(bytes(key.verify_key)))
-    r = httpx.post(server.url + "/api/signers", headers=auth(data_dir), timeout=30,
-                   json={"uid": uid, "name": "bench", "weight": 1, "may_link": False})
+    r = httpx.post(
+        server.url + "/api/signers",
+        headers=auth(data_dir),
+        timeout=30,
+        json={"uid": uid, "name": "bench", "weight": 1, "may_link": False},
+    )
     if r.status_code != 200:
         raise RuntimeError(f"POST /api/signers answered {r.status_code}: {r.text}")
     return uid
@@ -201,9 +221,24 @@ def py_spy(pid: int, out: Path | None) -> Iterator[None]:
         yield
         return
     exe = Path(sys.executable).with_name("py-spy")
-    spy = subprocess.Popen([str(exe), "record", "--pid", str(pid), "--rate", "200", "--threads",
-                            "--nonblocking", "--format", "raw", "--output", str(out)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spy = subprocess.Popen(
+        [
+            str(exe),
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            "200",
+            "--threads",
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(0.5)  # let it attach before the measured phase starts
     try:
         yield
@@ -241,14 +276,16 @@ def profile_summary(path: Path, top: int = 25) -> str:
         leaf[label] = leaf.get(label, 0) + count
     if not total:
         return "no samples"
+
     def ranked(table: dict[str, int], limit: int) -> list[str]:
-        return [f"  {n / total:6.1%}  {k}"
-                for k, n in sorted(table.items(), key=lambda kv: -kv[1])[:limit]]
+        return [
+            f"  {n / total:6.1%}  {k}"
+            for k, n in sorted(table.items(), key=lambda kv: -kv[1])[:limit]
+        ]
 
     out = [f"{total} samples; by thread:", *ranked(threads, 20)]
     out += ["inclusive (function and everything it calls):", *ranked(inclusive, top)]
-    out += ["self (the innermost Python frame; C calls count to their caller):",
-            *ranked(leaf, top)]
+    out += ["self (the innermost Python frame; C calls count to their caller):", *ranked(leaf, top)]
     return "\n".join(out)
 
 
@@ -293,8 +330,10 @@ class CpuMeter:
         names = names or {}
         busy = sorted(((t, tid) for tid, t in self.by_tid.items() if t >= 0.01), reverse=True)
         parts = [f"{names.get(tid, f'tid {tid}')} {t:.2f} s" for t, tid in busy]
-        return (f"server CPU {self.total:.2f} s over {self.wall:.2f} s wall "
-                f"({self.total / self.wall:.2f} cores): " + ", ".join(parts))
+        return (
+            f"server CPU {self.total:.2f} s over {self.wall:.2f} s wall "
+            f"({self.total / self.wall:.2f} cores): " + ", ".join(parts)
+        )
 
 
 def thread_names(pid: int) -> dict[int, str]:
@@ -303,8 +342,9 @@ def thread_names(pid: int) -> dict[int, str]:
     if not exe.exists():
         return {}
     try:
-        dump = subprocess.run([str(exe), "dump", "--pid", str(pid)], capture_output=True,
-                              text=True, timeout=30).stdout
+        dump = subprocess.run(
+            [str(exe), "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     names: dict[int, str] = {}
@@ -315,8 +355,9 @@ def thread_names(pid: int) -> dict[int, str]:
     return names
 
 
-async def post_batches(url: str, headers: dict[str, str], bodies: Sequence[bytes],
-                       sizes: Sequence[int], clients: int) -> float:
+async def post_batches(
+    url: str, headers: dict[str, str], bodies: Sequence[bytes], sizes: Sequence[int], clients: int
+) -> float:
     """Post every body with `clients` concurrent keep-alive clients; seconds first post → last."""
     queue: asyncio.Queue[tuple[bytes, int]] = asyncio.Queue()
     for item in zip(bodies, sizes, strict=True):
@@ -336,8 +377,10 @@ async def post_batches(url: str, headers: dict[str, str], bodies: Sequence[bytes
                 failures.append(f"200 but not all accepted: {r.text[:300]}")
 
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    pool = [httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits)
-            for _ in range(clients)]
+    pool = [
+        httpx.AsyncClient(base_url=url, headers=headers, timeout=120, limits=limits)
+        for _ in range(clients)
+    ]
     try:
         # Open every connection before the clock starts, so the timing is of ingest, not TCP setup.
         await asyncio.gather(*(c.get("/health") for c in pool))

@@ -51,8 +51,9 @@ class Run:
     seconds: float
 
 
-def write_exports(key: nacl.signing.SigningKey, small: Path, large: Path, n: int,
-                  factor: int) -> None:
+def write_exports(
+    key: nacl.signing.SigningKey, small: Path, large: Path, n: int, factor: int
+) -> None:
     """The two files: `small` is the first `n` lines of `large` (`n * factor` lines). Signed as
     `claims.sign` does, but with the uid spelled once (base58 is slow in pure Python)."""
     ts, uid = now_ms(), claims.uid_of(bytes(key.verify_key))
@@ -79,8 +80,10 @@ def measure(argv: list[str], env: dict[str, str]) -> tuple[Run, str]:
         out.seek(0)
         err.seek(0)
         if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(argv[2:])} exited {proc.returncode}: "
-                               f"{err.read().decode(errors='replace')}")
+            raise RuntimeError(
+                f"{' '.join(argv[2:])} exited {proc.returncode}: "
+                f"{err.read().decode(errors='replace')}"
+            )
         text = out.read().decode()
     return Run(usage.ru_maxrss / 1024, time.perf_counter() - started), text
 
@@ -89,8 +92,7 @@ def metanode(env: dict[str, str], *args: str) -> tuple[Run, str]:
     return measure([sys.executable, "-m", "metanode", *args], env)
 
 
-def import_run(env: dict[str, str], uid: str, source: Path, data_dir: Path,
-               claims_in: int) -> Run:
+def import_run(env: dict[str, str], uid: str, source: Path, data_dir: Path, claims_in: int) -> Run:
     """Register the signer, import `source` into the fresh `data_dir`, check every claim was
     accepted; the import's figures."""
     metanode(env, "signers", "add", uid, "--name", "bench", "--data-dir", str(data_dir))
@@ -102,11 +104,26 @@ def import_run(env: dict[str, str], uid: str, source: Path, data_dir: Path,
 
 def baseline_tree(into: Path) -> Path:
     """The package as it was before import streamed, unpacked under `into`."""
-    added = subprocess.run(["git", "-C", str(harness.REPO), "log", "--diff-filter=A",
-                            "--format=%H", "--", "metanode/jsonl.py"], check=True,
-                           capture_output=True, text=True).stdout.split()[-1]
-    archive = subprocess.run(["git", "-C", str(harness.REPO), "archive", f"{added}^",
-                              "metanode"], check=True, capture_output=True).stdout
+    added = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(harness.REPO),
+            "log",
+            "--diff-filter=A",
+            "--format=%H",
+            "--",
+            "metanode/jsonl.py",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()[-1]
+    archive = subprocess.run(
+        ["git", "-C", str(harness.REPO), "archive", f"{added}^", "metanode"],
+        check=True,
+        capture_output=True,
+    ).stdout
     into.mkdir()
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
     return into
@@ -116,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--n", type=int, default=20_000, help="claims in the small file")
     parser.add_argument("--factor", type=int, default=10, help="the large file is factor×N")
-    parser.add_argument("--no-baseline", action="store_true",
-                        help="skip the imports by the code before import streamed")
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the imports by the code before import streamed",
+    )
     args = parser.parse_args(argv)
     if args.n < 1 or args.factor < 2:
         parser.error("need --n >= 1 and --factor >= 2")
@@ -131,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"signing {big:,} claims …", flush=True)
         write_exports(key, small, large, args.n, args.factor)
         sizes = {small: args.n, large: big}
-        print(f"files: {small.stat().st_size / 2**20:,.1f} MiB and "
-              f"{large.stat().st_size / 2**20:,.1f} MiB", flush=True)
+        print(
+            f"files: {small.stat().st_size / 2**20:,.1f} MiB and "
+            f"{large.stat().st_size / 2**20:,.1f} MiB",
+            flush=True,
+        )
         envs = {"streaming": harness.clean_env()}
         if not args.no_baseline:
             old = baseline_tree(tmp / "before")
@@ -145,22 +168,34 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{label}: importing {count:,} claims …", flush=True)
                 imports[label, source] = import_run(env, uid, source, data_dir, count)
                 if label == "streaming":
-                    exports[source], _ = metanode(env, "export", "--out",
-                                                  str(tmp / f"out-{source.stem}.jsonl"),
-                                                  "--data-dir", str(data_dir))
+                    exports[source], _ = metanode(
+                        env,
+                        "export",
+                        "--out",
+                        str(tmp / f"out-{source.stem}.jsonl"),
+                        "--data-dir",
+                        str(data_dir),
+                    )
 
-    print(f"\npeak RSS of `metanode import` (ru_maxrss), N = {args.n:,}, {args.factor}×N = "
-          f"{big:,}:")
+    print(
+        f"\npeak RSS of `metanode import` (ru_maxrss), N = {args.n:,}, {args.factor}×N = {big:,}:"
+    )
     for label in envs:
         a, b = imports[label, small], imports[label, large]
-        print(f"  {label:9}  N: {a.peak_mib:7.1f} MiB ({a.seconds:5.1f} s)   {args.factor}×N: "
-              f"{b.peak_mib:7.1f} MiB ({b.seconds:5.1f} s)   ratio {b.peak_mib / a.peak_mib:.2f}")
+        print(
+            f"  {label:9}  N: {a.peak_mib:7.1f} MiB ({a.seconds:5.1f} s)   {args.factor}×N: "
+            f"{b.peak_mib:7.1f} MiB ({b.seconds:5.1f} s)   ratio {b.peak_mib / a.peak_mib:.2f}"
+        )
     a, b = exports[small], exports[large]
-    print(f"  export     N: {a.peak_mib:7.1f} MiB ({a.seconds:5.1f} s)   {args.factor}×N: "
-          f"{b.peak_mib:7.1f} MiB ({b.seconds:5.1f} s)   ratio {b.peak_mib / a.peak_mib:.2f}")
+    print(
+        f"  export     N: {a.peak_mib:7.1f} MiB ({a.seconds:5.1f} s)   {args.factor}×N: "
+        f"{b.peak_mib:7.1f} MiB ({b.seconds:5.1f} s)   ratio {b.peak_mib / a.peak_mib:.2f}"
+    )
     ratio = imports["streaming", large].peak_mib / imports["streaming", small].peak_mib
-    print(f"ratio peak({args.factor}×N) / peak(N) {ratio:.2f} (goal <= {GOAL}, flat = 1.0): "
-          f"{'met' if ratio <= GOAL else 'NOT met'}")
+    print(
+        f"ratio peak({args.factor}×N) / peak(N) {ratio:.2f} (goal <= {GOAL}, flat = 1.0): "
+        f"{'met' if ratio <= GOAL else 'NOT met'}"
+    )
     if "before" in envs:
         against = imports["streaming", large].peak_mib / imports["before", large].peak_mib
         print(f"streaming ÷ before at {args.factor}×N: {against:.2f}")

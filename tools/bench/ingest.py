@@ -39,8 +39,10 @@ GOAL = 0.5
 
 
 def make_claims(key: nacl.signing.SigningKey, n: int, ts: int, tag: str) -> list[claims.Claim]:
-    return [claims.sign(key, cids.midhash_bytes(os.urandom(32)), "title", f"{tag} {i}", ts)
-            for i in range(n)]
+    return [
+        claims.sign(key, cids.midhash_bytes(os.urandom(32)), "title", f"{tag} {i}", ts)
+        for i in range(n)
+    ]
 
 
 def raw_verify_rate(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim]) -> float:
@@ -53,8 +55,9 @@ def raw_verify_rate(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim]
     return len(pairs) / (time.perf_counter() - start)
 
 
-def breakdown(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim], batch: int,
-              ts: int) -> dict[str, float]:
+def breakdown(
+    key: nacl.signing.SigningKey, signed: Sequence[claims.Claim], batch: int, ts: int
+) -> dict[str, float]:
     """µs per claim of each stage of ingest, run in-process on one thread on a fresh data dir.
 
     The stages a node runs for every batch: validate every claim (what the verify thread pool
@@ -69,15 +72,17 @@ def breakdown(key: nacl.signing.SigningKey, signed: Sequence[claims.Claim], batc
     with tempfile.TemporaryDirectory(prefix="metanode-bench-") as tmp:
         settings = config.load(env={}, overrides={"data_dir": Path(tmp)})
         maintenance.open_store(settings)
-        with (truth.TruthStore(settings.truth_path, lambda: ts) as source,
-              cache.CacheStore(settings.cache_path) as store):
+        with (
+            truth.TruthStore(settings.truth_path, lambda: ts) as source,
+            cache.CacheStore(settings.cache_path) as store,
+        ):
             uid = claims.uid_of(bytes(key.verify_key))
             source.add_signer_sync(uid, "bench", 1, False)
             store.build_sync(source)
             minter, policy = rid.Minter(), truth.Policy()
             for i in range(0, len(wires), batch):
                 t0 = time.perf_counter()
-                valid = [claims.validate(w, ts) for w in wires[i:i + batch]]
+                valid = [claims.validate(w, ts) for w in wires[i : i + batch]]
                 t1 = time.perf_counter()
                 source.ingest_sync(valid, minter, policy, ts)
                 t2 = time.perf_counter()
@@ -94,10 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n", type=int, default=20_000, help="claims to ingest (default 20000)")
     parser.add_argument("--batch", type=int, default=500, help="claims per POST (default 500)")
     parser.add_argument("--clients", type=int, default=2, help="concurrent clients (default 2)")
-    parser.add_argument("--py-spy", type=Path, default=None, metavar="OUT",
-                        help="sample the server with py-spy during the ingest; raw output to OUT")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="afterwards, time each ingest stage in-process on one thread")
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="sample the server with py-spy during the ingest; raw output to OUT",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="afterwards, time each ingest stage in-process on one thread",
+    )
     args = parser.parse_args(argv)
     if args.n < 1 or not 1 <= args.batch <= 1000 or args.clients < 1:
         parser.error("need --n >= 1, 1 <= --batch <= 1000, --clients >= 1")
@@ -107,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"signing {args.n:,} claims …", flush=True)
     signed = make_claims(key, args.n, ts, "title")
     warmup = make_claims(key, args.batch, ts, "warm-up")
-    batches = [signed[i:i + args.batch] for i in range(0, len(signed), args.batch)]
+    batches = [signed[i : i + args.batch] for i in range(0, len(signed), args.batch)]
     bodies = [harness.claims_body(b) for b in batches]
     sizes = [len(b) for b in batches]
 
@@ -118,12 +131,15 @@ def main(argv: list[str] | None = None) -> int:
             harness.post_all(server, data_dir, [harness.claims_body(warmup)])
             raw_before = raw_verify_rate(key, signed)
             headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
-            print(f"posting {len(bodies)} batches of {args.batch} with {args.clients} clients …",
-                  flush=True)
+            print(
+                f"posting {len(bodies)} batches of {args.batch} with {args.clients} clients …",
+                flush=True,
+            )
             own = os.times()
             with harness.py_spy(server.pid, args.py_spy), harness.CpuMeter(server.pid) as cpu:
-                elapsed = asyncio.run(harness.post_batches(server.url, headers, bodies, sizes,
-                                                   args.clients))
+                elapsed = asyncio.run(
+                    harness.post_batches(server.url, headers, bodies, sizes, args.clients)
+                )
             client_cpu = sum(os.times()[:2]) - sum(own[:2])
             raw_after = raw_verify_rate(key, signed)
             names = harness.thread_names(server.pid)
@@ -131,23 +147,31 @@ def main(argv: list[str] | None = None) -> int:
     rate = args.n / elapsed
     raw = max(raw_before, raw_after)
     ratio = rate / raw
-    print(f"ingest: {rate:,.0f} claims/s ({args.n:,} claims in {elapsed:.2f} s, "
-          f"{len(bodies)} batches of {args.batch}, {args.clients} clients, all 200)")
-    print(f"raw nacl verify, one core: {raw:,.0f}/s (before {raw_before:,.0f}/s, "
-          f"after {raw_after:,.0f}/s; the faster is used)")
+    print(
+        f"ingest: {rate:,.0f} claims/s ({args.n:,} claims in {elapsed:.2f} s, "
+        f"{len(bodies)} batches of {args.batch}, {args.clients} clients, all 200)"
+    )
+    print(
+        f"raw nacl verify, one core: {raw:,.0f}/s (before {raw_before:,.0f}/s, "
+        f"after {raw_after:,.0f}/s; the faster is used)"
+    )
     print(f"ratio {ratio:.2f} (goal >= {GOAL}): {'met' if ratio >= GOAL else 'NOT met'}")
     print(cpu.report(names))
     print(f"client (this process) CPU {client_cpu:.2f} s")
     if args.breakdown:
         stages = breakdown(key, make_claims(key, args.n, ts, "breakdown"), args.batch, ts)
-        print(f"in-process breakdown, one thread, µs per claim ({args.n:,} new claims, "
-              f"batches of {args.batch}):")
+        print(
+            f"in-process breakdown, one thread, µs per claim ({args.n:,} new claims, "
+            f"batches of {args.batch}):"
+        )
         for stage, micros in stages.items():
             print(f"  {micros:7.1f}  {stage}")
         serial = stages["truth.ingest_txn"] + stages["cache.apply_txn"]
         print(f"  {1e6 / raw:7.1f}  raw nacl verify (the baseline)")
-        print(f"  the two writer stages alone allow at most {1e6 / serial:,.0f} claims/s "
-              f"= ratio {1e6 / serial / raw:.2f}")
+        print(
+            f"  the two writer stages alone allow at most {1e6 / serial:,.0f} claims/s "
+            f"= ratio {1e6 / serial / raw:.2f}"
+        )
     if args.py_spy is not None:
         print(f"server profile ({args.py_spy}):\n{harness.profile_summary(args.py_spy)}")
     return 0

@@ -52,8 +52,18 @@ from metanode import claims, config
 from metanode.clock import now_ms
 
 GOAL = 0.6
-KEYS = ("title", "year", "genre", "director", "language", "runtime", "country", "rating",
-        "description", "studio")
+KEYS = (
+    "title",
+    "year",
+    "genre",
+    "director",
+    "language",
+    "runtime",
+    "country",
+    "rating",
+    "description",
+    "studio",
+)
 BARE_APP = Path(__file__).with_name("bare_app.py")
 
 LUA = """
@@ -85,10 +95,16 @@ def populate(server: harness.ServerProc, data_dir: Path, records: int, keys: int
     harness.register_signer(server, data_dir, key)
     ts = now_ms()
     known = [cids.midhash_bytes(os.urandom(32)) for _ in range(records)]
-    signed = [claims.sign(key, cid, name, f"{name} of record {i}", ts)
-              for i, cid in enumerate(known) for name in KEYS[:keys]]
-    harness.post_all(server, data_dir, [harness.claims_body(signed[i:i + 1000])
-                                        for i in range(0, len(signed), 1000)])
+    signed = [
+        claims.sign(key, cid, name, f"{name} of record {i}", ts)
+        for i, cid in enumerate(known)
+        for name in KEYS[:keys]
+    ]
+    harness.post_all(
+        server,
+        data_dir,
+        [harness.claims_body(signed[i : i + 1000]) for i in range(0, len(signed), 1000)],
+    )
     return known
 
 
@@ -100,9 +116,22 @@ def write_lua(path: Path, known: list[str]) -> None:
 def run_wrk(url: str, script: Path, duration: float, connections: int, threads: int) -> Run:
     seconds = max(1, round(duration))
     proc = subprocess.run(
-        ["wrk", f"-t{threads}", f"-c{connections}", f"-d{seconds}s", "--timeout", "10s",
-         "-s", str(script), url],
-        capture_output=True, text=True, timeout=seconds + 60, check=True)
+        [
+            "wrk",
+            f"-t{threads}",
+            f"-c{connections}",
+            f"-d{seconds}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 60,
+        check=True,
+    )
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")), None)
     if line is None:
         raise RuntimeError(f"wrk printed no result:\n{proc.stdout}\n{proc.stderr}")
@@ -133,8 +162,12 @@ async def _httpx_load(url: str, paths: list[str], connections: int) -> Run:
     if failures:
         raise RuntimeError(f"{len(failures)} non-200 answers, e.g. {failures[0]}")
     latencies.sort()
-    return Run(len(paths) / elapsed, harness.percentile(latencies, 50) * 1e3,
-               harness.percentile(latencies, 99) * 1e3, len(paths))
+    return Run(
+        len(paths) / elapsed,
+        harness.percentile(latencies, 50) * 1e3,
+        harness.percentile(latencies, 99) * 1e3,
+        len(paths),
+    )
 
 
 def run_httpx(url: str, known: list[str], requests: int, connections: int) -> Run:
@@ -146,10 +179,19 @@ def run_httpx(url: str, known: list[str], requests: int, connections: int) -> Ru
 async def _asgi_get(app: ASGIApp, path: str) -> None:
     """One GET through an ASGI app in-process (no socket, no uvicorn); must answer 200."""
     scope: Scope = {
-        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "GET",
-        "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
-        "root_path": "", "headers": [(b"host", b"127.0.0.1")], "client": ("127.0.0.1", 1),
-        "server": ("127.0.0.1", 2)}
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"host", b"127.0.0.1")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
     status: list[int] = []
 
     async def receive() -> Message:
@@ -164,8 +206,9 @@ async def _asgi_get(app: ASGIApp, path: str) -> None:
         raise RuntimeError(f"GET {path} answered {status}")
 
 
-async def _breakdown(data_dir: Path, known: list[str], n: int,
-                     log_level: str) -> list[tuple[str, float]]:
+async def _breakdown(
+    data_dir: Path, known: list[str], n: int, log_level: str
+) -> list[tuple[str, float]]:
     """µs per request of the parts of GET /api/meta, in-process on the populated data dir.
 
     Logging is set up as `metanode serve` does it (JSON lines at `log_level`), into /dev/null.
@@ -188,8 +231,12 @@ async def _breakdown(data_dir: Path, known: list[str], n: int,
 
     # The request path only: no watcher (it would watch ./media of the working directory) and
     # no plugins.
-    node = Node(config.load(env={}, overrides={"data_dir": data_dir, "watch_enabled": False,
-                                               "plugins_enabled": False}))
+    node = Node(
+        config.load(
+            env={},
+            overrides={"data_dir": data_dir, "watch_enabled": False, "plugins_enabled": False},
+        )
+    )
     await node.start()
     try:
         if not await node.applier.wait_for(0, 60):
@@ -210,10 +257,14 @@ async def _breakdown(data_dir: Path, known: list[str], n: int,
             return JSONResponse(node.meta(request.path_params["cid"]))
 
         bare_meta = Starlette(routes=[Route("/api/meta/{cid}", meta_only)])
-        bare_observe = Starlette(routes=[Route("/api/meta/{cid}", bare_app.meta)], middleware=[
-            Middleware(Observe, node=node)])
-        bare_cors = Starlette(routes=[Route("/api/meta/{cid}", bare_app.meta)], middleware=[
-            Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"])])
+        bare_observe = Starlette(
+            routes=[Route("/api/meta/{cid}", bare_app.meta)],
+            middleware=[Middleware(Observe, node=node)],
+        )
+        bare_cors = Starlette(
+            routes=[Route("/api/meta/{cid}", bare_app.meta)],
+            middleware=[Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"])],
+        )
         sync_parts: list[tuple[str, Callable[[str], object]]] = [
             ("node.meta(cid)", node.meta),
             ("  node.resolve_cid (normalise, alias, lookup)", node.resolve_cid),
@@ -227,8 +278,10 @@ async def _breakdown(data_dir: Path, known: list[str], n: int,
             ("bare app, whole request in-process (ASGI)", bare_app.app),
             ("bare app, route body = JSONResponse(node.meta(cid)) (ASGI)", bare_meta),
             ("bare app + CORSMiddleware (ASGI)", bare_cors),
-            (f"bare app + metanode's Observe (access log at {log_level}, histogram) (ASGI)",
-             bare_observe),
+            (
+                f"bare app + metanode's Observe (access log at {log_level}, histogram) (ASGI)",
+                bare_observe,
+            ),
         ]
         best: dict[str, float] = {}
         for _ in range(3):  # passes interleave the parts; best of 3 each
@@ -259,13 +312,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=20_000, help="httpx requests per run")
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--log-level", default=config.Settings().log_level,
-                        help="log level of both servers (default: metanode's default)")
-    parser.add_argument("--py-spy", type=Path, default=None, metavar="OUT",
-                        help="after the rounds, one extra (unreported) metanode run sampled "
-                             "with py-spy; raw output to OUT")
-    parser.add_argument("--breakdown", action="store_true",
-                        help="afterwards, time the parts of a request in-process (no network)")
+    parser.add_argument(
+        "--log-level",
+        default=config.Settings().log_level,
+        help="log level of both servers (default: metanode's default)",
+    )
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="OUT",
+        help="after the rounds, one extra (unreported) metanode run sampled "
+        "with py-spy; raw output to OUT",
+    )
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="afterwards, time the parts of a request in-process (no network)",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.keys <= len(KEYS) or args.records < 1 or args.rounds < 1:
         parser.error(f"need --records >= 1, 1 <= --keys <= {len(KEYS)}, --rounds >= 1")
@@ -280,9 +344,18 @@ def main(argv: list[str] | None = None) -> int:
         script = Path(tmp) / "paths.lua"
         bare_port = harness.free_port()
         bare = harness.ServerProc(
-            [sys.executable, str(BARE_APP), "--port", str(bare_port), "--log-level",
-             args.log_level], bare_port, cwd=Path(tmp),
-            log_path=Path(tmp) / f"bare-{bare_port}.log")
+            [
+                sys.executable,
+                str(BARE_APP),
+                "--port",
+                str(bare_port),
+                "--log-level",
+                args.log_level,
+            ],
+            bare_port,
+            cwd=Path(tmp),
+            log_path=Path(tmp) / f"bare-{bare_port}.log",
+        )
         with harness.metanode_server(data_dir, METANODE_LOG_LEVEL=args.log_level) as node:
             print(f"populating {args.records:,} records × {args.keys} claims …", flush=True)
             known = populate(node, data_dir, args.records, args.keys)
@@ -307,32 +380,47 @@ def main(argv: list[str] | None = None) -> int:
                         measure(urls[name], 1)  # warm-up, not recorded
                         runs[name].append(measure(urls[name], args.duration))
                         last = runs[name][-1]
-                        print(f"round {r + 1} {name:8s} {last.rate:9,.0f} req/s  "
-                              f"p50 {last.p50_ms:.2f} ms  p99 {last.p99_ms:.2f} ms  "
-                              f"({last.requests:,} requests)", flush=True)
+                        print(
+                            f"round {r + 1} {name:8s} {last.rate:9,.0f} req/s  "
+                            f"p50 {last.p50_ms:.2f} ms  p99 {last.p99_ms:.2f} ms  "
+                            f"({last.requests:,} requests)",
+                            flush=True,
+                        )
                 if args.py_spy is not None:
                     with harness.py_spy(node.pid, args.py_spy):
                         measure(node.url, args.duration)
             finally:
                 bare.stop()
-        parts = (asyncio.run(_breakdown(data_dir, known, 10_000, args.log_level))
-                 if args.breakdown else [])
+        parts = (
+            asyncio.run(_breakdown(data_dir, known, 10_000, args.log_level))
+            if args.breakdown
+            else []
+        )
 
     def med(name: str, attr: str) -> float:
         return float(statistics.median(getattr(run, attr) for run in runs[name]))
 
     ratios = [m.rate / b.rate for m, b in zip(runs["metanode"], runs["bare"], strict=True)]
     ratio = statistics.median(ratios)
-    how = (f"wrk -t1 -c{args.connections} -d{round(args.duration)}s" if client == "wrk"
-           else f"httpx, {args.connections} connections, {args.requests:,} requests")
-    print(f"metanode GET /api/meta/{{cid}}: {med('metanode', 'rate'):,.0f} req/s  "
-          f"p50 {med('metanode', 'p50_ms'):.2f} ms  p99 {med('metanode', 'p99_ms'):.2f} ms")
-    print(f"bare Starlette JSON endpoint: {med('bare', 'rate'):,.0f} req/s  "
-          f"p50 {med('bare', 'p50_ms'):.2f} ms  p99 {med('bare', 'p99_ms'):.2f} ms")
-    print(f"ratio {ratio:.2f} (goal >= {GOAL}): {'met' if ratio >= GOAL else 'NOT met'}  "
-          f"[per round: {', '.join(f'{r:.2f}' for r in ratios)}; {how}, median of "
-          f"{args.rounds} rounds, {args.records:,} records, "
-          f"log level {args.log_level}]")
+    how = (
+        f"wrk -t1 -c{args.connections} -d{round(args.duration)}s"
+        if client == "wrk"
+        else f"httpx, {args.connections} connections, {args.requests:,} requests"
+    )
+    print(
+        f"metanode GET /api/meta/{{cid}}: {med('metanode', 'rate'):,.0f} req/s  "
+        f"p50 {med('metanode', 'p50_ms'):.2f} ms  p99 {med('metanode', 'p99_ms'):.2f} ms"
+    )
+    print(
+        f"bare Starlette JSON endpoint: {med('bare', 'rate'):,.0f} req/s  "
+        f"p50 {med('bare', 'p50_ms'):.2f} ms  p99 {med('bare', 'p99_ms'):.2f} ms"
+    )
+    print(
+        f"ratio {ratio:.2f} (goal >= {GOAL}): {'met' if ratio >= GOAL else 'NOT met'}  "
+        f"[per round: {', '.join(f'{r:.2f}' for r in ratios)}; {how}, median of "
+        f"{args.rounds} rounds, {args.records:,} records, "
+        f"log level {args.log_level}]"
+    )
     if parts:
         print("in-process breakdown, µs per request (best of 3 passes of 10,000):")
         for label, micros in parts:

@@ -105,10 +105,12 @@ def build(data_dir: Path, records: int) -> list[str]:
         store.add_signer_sync(uid, "bench", 1, False)
         minter, policy = rid.Minter(), truth.Policy()
         for first in range(0, records, 1000):
-            batch = [claims.sign(key, cid, name, f"{name} of record {i}", ts)
-                     for i in range(first, min(records, first + 1000))
-                     for cid in [cids.midhash_bytes(os.urandom(32))]
-                     for name in ("title", "year")]
+            batch = [
+                claims.sign(key, cid, name, f"{name} of record {i}", ts)
+                for i in range(first, min(records, first + 1000))
+                for cid in [cids.midhash_bytes(os.urandom(32))]
+                for name in ("title", "year")
+            ]
             store.ingest_sync(batch, minter, policy, ts)
     maintenance.rebuild_cache(settings)
     with cache.CacheStore(settings.cache_path) as store:
@@ -199,14 +201,21 @@ async def snapshots(store: cache.CacheStore, rows: int, rounds: int) -> None:
                 stalls[name].append(stall)
     print(f"paged snapshot of {rows:,} rows ({PAGE} a page), median of {rounds}:")
     for name in names:
-        print(f"  {name:15} {statistics.median(times[name]):8.1f} ms   "
-              f"longest loop stall {statistics.median(stalls[name]):6.1f} ms")
+        print(
+            f"  {name:15} {statistics.median(times[name]):8.1f} ms   "
+            f"longest loop stall {statistics.median(stalls[name]):6.1f} ms"
+        )
     ratio = statistics.median(times["aiosqlite"]) / statistics.median(times["off_loop (old)"])
     print(f"  ratio aiosqlite ÷ off_loop (old) time: {ratio:.2f}")
 
 
-async def per_read(reads: int, rounds: int, name: str, loop_read: Callable[[], Any],
-                   async_read: Callable[[], Awaitable[Any]]) -> None:
+async def per_read(
+    reads: int,
+    rounds: int,
+    name: str,
+    loop_read: Callable[[], Any],
+    async_read: Callable[[], Awaitable[Any]],
+) -> None:
     """µs per read, one after the other, on the loop against through aiosqlite."""
     on_loop: list[float] = []
     through: list[float] = []
@@ -242,13 +251,19 @@ async def run(args: argparse.Namespace, data_dir: Path) -> None:
     try:
         pick = random.Random(1).choice
         await per_read(
-            args.reads, args.rounds, "primary-key read (GET /api/meta's SELECT)",
+            args.reads,
+            args.rounds,
+            "primary-key read (GET /api/meta's SELECT)",
             lambda: loop_conn.execute(PK_READ, (pick(rids),)).fetchall(),
-            lambda: aio_conn.execute_fetchall(PK_READ, (pick(rids),)))
+            lambda: aio_conn.execute_fetchall(PK_READ, (pick(rids),)),
+        )
         await per_read(
-            max(1, args.reads // 100), args.rounds, f"a page of {PAGE} rows (feed.Hub's read)",
+            max(1, args.reads // 100),
+            args.rounds,
+            f"a page of {PAGE} rows (feed.Hub's read)",
             lambda: loop_conn.execute(RANGE_READ, (pick(rids), PAGE)).fetchall(),
-            lambda: aio_conn.execute_fetchall(RANGE_READ, (pick(rids), PAGE)))
+            lambda: aio_conn.execute_fetchall(RANGE_READ, (pick(rids), PAGE)),
+        )
     finally:
         loop_conn.close()
         await aio_conn.close()

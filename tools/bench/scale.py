@@ -46,8 +46,18 @@ from metanode import claims, config, maintenance, rid, truth
 from metanode.clock import now_ms
 
 GOAL = 1.5
-KEYS = ("title", "year", "genre", "director", "language", "runtime", "country", "rating",
-        "description", "studio")
+KEYS = (
+    "title",
+    "year",
+    "genre",
+    "director",
+    "language",
+    "runtime",
+    "country",
+    "rating",
+    "description",
+    "studio",
+)
 DB_FILES = ("truth.db", "cache.db")
 MARKER = "bench-built.json"
 
@@ -72,8 +82,9 @@ def log(message: str, start: float) -> None:
     print(f"[{time.monotonic() - start:6.1f} s] {message}", flush=True)
 
 
-def build(data_dir: Path, n_claims: int, per: int, chunk: int, workers: int,
-          start: float) -> list[str]:
+def build(
+    data_dir: Path, n_claims: int, per: int, chunk: int, workers: int, start: float
+) -> list[str]:
     """Build truth.db and cache.db with `n_claims` signed claims; returns the records' CIDs."""
     settings = config.load(env={}, overrides={"data_dir": data_dir})
     maintenance.open_store(settings)
@@ -82,8 +93,10 @@ def build(data_dir: Path, n_claims: int, per: int, chunk: int, workers: int,
     ts = now_ms()
     records = n_claims // per
     per_chunk = max(1, chunk // per)
-    jobs = [(bytes(key), uid, first, min(per_chunk, records - first), per, ts)
-            for first in range(0, records, per_chunk)]
+    jobs = [
+        (bytes(key), uid, first, min(per_chunk, records - first), per, ts)
+        for first in range(0, records, per_chunk)
+    ]
     known: list[str] = []
     sample: list[claims.Claim] = []
     with truth.TruthStore(settings.truth_path, lambda: ts) as store:
@@ -109,8 +122,9 @@ def build(data_dir: Path, n_claims: int, per: int, chunk: int, workers: int,
     return known
 
 
-def prepared(root: Path, name: str, n_claims: int, args: argparse.Namespace,
-             start: float) -> tuple[Path, list[str]]:
+def prepared(
+    root: Path, name: str, n_claims: int, args: argparse.Namespace, start: float
+) -> tuple[Path, list[str]]:
     """A built data directory for `n_claims` (reused from `root` if built before)."""
     data_dir = root / name / "data"
     marker = root / name / MARKER
@@ -122,11 +136,13 @@ def prepared(root: Path, name: str, n_claims: int, args: argparse.Namespace,
     if data_dir.parent.exists():
         shutil.rmtree(data_dir.parent)
     data_dir.mkdir(parents=True)
-    log(f"building {n_claims:,} claims ({n_claims // args.keys_per_record:,} records × "
-        f"{args.keys_per_record}) in {data_dir} …", start)
+    log(
+        f"building {n_claims:,} claims ({n_claims // args.keys_per_record:,} records × "
+        f"{args.keys_per_record}) in {data_dir} …",
+        start,
+    )
     known = build(data_dir, n_claims, args.keys_per_record, args.chunk, args.workers, start)
-    marker.write_text(json.dumps({"claims": n_claims, "per": args.keys_per_record,
-                                  "cids": known}))
+    marker.write_text(json.dumps({"claims": n_claims, "per": args.keys_per_record, "cids": known}))
     return data_dir, known
 
 
@@ -147,8 +163,9 @@ class Latencies:
         body = response.read()
         elapsed = time.perf_counter() - begin
         if response.status != 200:
-            raise RuntimeError(f"{self.name}: GET /api/meta/{cid} answered {response.status}: "
-                               f"{body[:300]!r}")
+            raise RuntimeError(
+                f"{self.name}: GET /api/meta/{cid} answered {response.status}: {body[:300]!r}"
+            )
         return elapsed
 
     def close(self) -> None:
@@ -170,8 +187,11 @@ def measure(sides: list[Latencies], requests: int, warmup: int) -> None:
 def summary(side: Latencies) -> tuple[float, float, float]:
     """(p50, p99, max) in milliseconds."""
     ordered = sorted(side.samples)
-    return (harness.percentile(ordered, 50) * 1e3, harness.percentile(ordered, 99) * 1e3,
-            ordered[-1] * 1e3)
+    return (
+        harness.percentile(ordered, 50) * 1e3,
+        harness.percentile(ordered, 99) * 1e3,
+        ordered[-1] * 1e3,
+    )
 
 
 @contextlib.contextmanager
@@ -186,18 +206,31 @@ def work_root(path: Path | None) -> Iterator[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--claims", type=int, default=1_000_000,
-                        help="claims in the large data dir (default 1000000)")
-    parser.add_argument("--small", type=int, default=10_000,
-                        help="claims in the small data dir (default 10000)")
+    parser.add_argument(
+        "--claims",
+        type=int,
+        default=1_000_000,
+        help="claims in the large data dir (default 1000000)",
+    )
+    parser.add_argument(
+        "--small", type=int, default=10_000, help="claims in the small data dir (default 10000)"
+    )
     parser.add_argument("--keys-per-record", type=int, default=10)
     parser.add_argument("--chunk", type=int, default=5_000, help="claims per truth transaction")
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2,
-                        help="signing processes (default: one per core)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 2,
+        help="signing processes (default: one per core)",
+    )
     parser.add_argument("--requests", type=int, default=5_000, help="timed lookups per size")
     parser.add_argument("--warmup", type=int, default=500, help="untimed lookups per size first")
-    parser.add_argument("--work-dir", type=Path, default=None,
-                        help="keep (and reuse) the built data directories here")
+    parser.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="keep (and reuse) the built data directories here",
+    )
     args = parser.parse_args(argv)
     if not 1 <= args.keys_per_record <= len(KEYS):
         parser.error(f"--keys-per-record must be 1 to {len(KEYS)}")
@@ -210,33 +243,47 @@ def main(argv: list[str] | None = None) -> int:
         large_dir, large_cids = prepared(root, f"large-{args.claims}", args.claims, args, start)
         sizes = {d: harness.dir_size(d, DB_FILES) for d in (small_dir, large_dir)}
         log("starting both servers …", start)
-        with harness.metanode_server(small_dir) as small_srv, \
-                harness.metanode_server(large_dir) as large_srv:
-            log(f"servers up; {args.warmup} + {args.requests:,} lookups per size, alternating …",
-                start)
-            sides = [Latencies("small", small_srv, small_cids, []),
-                     Latencies("large", large_srv, large_cids, [])]
+        with (
+            harness.metanode_server(small_dir) as small_srv,
+            harness.metanode_server(large_dir) as large_srv,
+        ):
+            log(
+                f"servers up; {args.warmup} + {args.requests:,} lookups per size, alternating …",
+                start,
+            )
+            sides = [
+                Latencies("small", small_srv, small_cids, []),
+                Latencies("large", large_srv, large_cids, []),
+            ]
             try:
                 measure(sides, args.requests, args.warmup)
             finally:
                 for side in sides:
                     side.close()
-            rss = {side.name: (side.server.rss_mib("VmRSS"), side.server.rss_mib("VmHWM"))
-                   for side in sides}
+            rss = {
+                side.name: (side.server.rss_mib("VmRSS"), side.server.rss_mib("VmHWM"))
+                for side in sides
+            }
         log("done", start)
 
-    print(f"{'size':>30s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} {'db MiB':>8s} "
-          f"{'RSS MiB':>8s} {'HWM MiB':>8s}")
+    print(
+        f"{'size':>30s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} {'db MiB':>8s} "
+        f"{'RSS MiB':>8s} {'HWM MiB':>8s}"
+    )
     for side, n, d in ((sides[0], args.small, small_dir), (sides[1], args.claims, large_dir)):
         p50, p99, top = summary(side)
         label = f"{n:,} claims ({len(side.known):,} rec)"
-        print(f"{label:>30s} {p50:8.3f} {p99:8.3f} {top:8.2f} {sizes[d] / 2**20:8.1f} "
-              f"{rss[side.name][0]:8.1f} {rss[side.name][1]:8.1f}")
+        print(
+            f"{label:>30s} {p50:8.3f} {p99:8.3f} {top:8.2f} {sizes[d] / 2**20:8.1f} "
+            f"{rss[side.name][0]:8.1f} {rss[side.name][1]:8.1f}"
+        )
     ratio = summary(sides[1])[1] / summary(sides[0])[1]
     p50_ratio = summary(sides[1])[0] / summary(sides[0])[0]
-    print(f"ratio p99({args.claims:,}) / p99({args.small:,}) = {ratio:.2f} (goal <= {GOAL}): "
-          f"{'met' if ratio <= GOAL else 'NOT met'}; p50 ratio {p50_ratio:.2f}  "
-          f"[{args.requests:,} sequential lookups per size, http.client keep-alive]")
+    print(
+        f"ratio p99({args.claims:,}) / p99({args.small:,}) = {ratio:.2f} (goal <= {GOAL}): "
+        f"{'met' if ratio <= GOAL else 'NOT met'}; p50 ratio {p50_ratio:.2f}  "
+        f"[{args.requests:,} sequential lookups per size, http.client keep-alive]"
+    )
     print(f"total time {time.monotonic() - start:.0f} s")
     return 0
 

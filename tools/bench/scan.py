@@ -70,14 +70,17 @@ def make_tree(root: Path, files: int, seed: int = 5) -> tuple[int, int, int]:
                 out.truncate(size)
             apparent += size
             continue
-        size = rng.randint(1, 5) * MiB + rng.randint(0, MiB) if rng.random() < 0.02 else \
-            rng.randint(1, 200) * 1024
+        size = (
+            rng.randint(1, 5) * MiB + rng.randint(0, MiB)
+            if rng.random() < 0.02
+            else rng.randint(1, 200) * 1024
+        )
         start = rng.randint(0, len(pool) - min(size, len(pool)))
         with path.open("wb") as out:
             out.write(i.to_bytes(8, "big"))
             left = size - 8
             while left > 0:
-                chunk = pool[start:start + min(left, len(pool) - start)]
+                chunk = pool[start : start + min(left, len(pool) - start)]
                 out.write(chunk)
                 left -= len(chunk)
                 start = 0
@@ -102,9 +105,16 @@ def bare_walk(root: str) -> int:
 
 
 def settings_for(data_dir: Path, root: Path) -> config.Settings:
-    return config.load(env={}, overrides={
-        "data_dir": data_dir, "watch_enabled": False, "plugins_enabled": False,
-        "watch_roots": (str(root),), "apply_poll_s": 3600.0})
+    return config.load(
+        env={},
+        overrides={
+            "data_dir": data_dir,
+            "watch_enabled": False,
+            "plugins_enabled": False,
+            "watch_roots": (str(root),),
+            "apply_poll_s": 3600.0,
+        },
+    )
 
 
 async def stop_quietly(node: Node) -> None:
@@ -140,8 +150,9 @@ async def cold_scan(data_dir: Path, root: Path) -> tuple[watcher.Summary, float,
     return summary, scan_s, time.perf_counter() - began
 
 
-async def warm_rounds(data_dir: Path, root: Path, repeats: int, profile: bool
-                      ) -> tuple[list[float], list[float], dict[str, float], str]:
+async def warm_rounds(
+    data_dir: Path, root: Path, repeats: int, profile: bool
+) -> tuple[list[float], list[float], dict[str, float], str]:
     """Alternate warm rescans and bare walks; (rescan times, bare times, the rescan's parts
     timed alone, profile text)."""
     node = Node(settings_for(data_dir, root))
@@ -208,19 +219,25 @@ async def rescan_parts(node: Node, root: str) -> dict[str, float]:
     return {
         "bare scandir + stat": await best(lambda: sync(lambda: bare_walk(root))),
         "watcher.walk (scandir, stat, Rules.ignored per entry)": await best(
-            lambda: sync(lambda: sum(1 for _ in watcher.walk(root, rules)))),
+            lambda: sync(lambda: sum(1 for _ in watcher.walk(root, rules)))
+        ),
         "Watcher._files_below (walk + Rules.ignored again per file)": await best(
-            lambda: sync(lambda: w._files_below(root, root))),
+            lambda: sync(lambda: w._files_below(root, root))
+        ),
         "  of which Rules.ignored, once per file": await best(
-            lambda: sync(lambda: [rules.ignored(root, p) for p in paths])),
+            lambda: sync(lambda: [rules.ignored(root, p) for p in paths])
+        ),
         "  of which os.path.relpath, once per file": await best(
-            lambda: sync(lambda: [os.path.relpath(p, root) for p in paths])),
+            lambda: sync(lambda: [os.path.relpath(p, root) for p in paths])
+        ),
         "cache.local_stats (rows below the root)": await best(
-            lambda: sync(lambda: node.cache.local_stats([root]))),
+            lambda: sync(lambda: node.cache.local_stats([root]))
+        ),
         "watcher.plan": await best(lambda: sync(lambda: watcher.plan(disk, known))),
         "Node._settled (wake the applier, wait for it)": await best(node._settled),
         "Watcher.reconcile (in the loop, walk on a thread)": await best(
-            lambda: w.reconcile([root], settle=False)),
+            lambda: w.reconcile([root], settle=False)
+        ),
     }
 
 
@@ -237,24 +254,33 @@ def main() -> None:
         root, data_dir = base / "media", base / "data"
         t0 = time.perf_counter()
         files, on_disk, apparent = make_tree(root, args.files)
-        print(f"tree: {files:,} files in {files // PER_FOLDER} folders, {on_disk / MiB:,.0f} MiB "
-              f"written, {apparent / GiB:,.0f} GiB apparent ({SPARSE_FILES} sparse); "
-              f"made in {time.perf_counter() - t0:.1f} s")
+        print(
+            f"tree: {files:,} files in {files // PER_FOLDER} folders, {on_disk / MiB:,.0f} MiB "
+            f"written, {apparent / GiB:,.0f} GiB apparent ({SPARSE_FILES} sparse); "
+            f"made in {time.perf_counter() - t0:.1f} s"
+        )
 
         summary, scan_s, total_s = asyncio.run(cold_scan(data_dir, root))
         sampled = summary.bytes_sampled / MiB
-        print(f"cold scan: {summary.hashed:,} hashed of {summary.seen:,} in {scan_s:.2f} s "
-              f"({total_s:.2f} s with node start/stop): {summary.hashed / scan_s:,.0f} files/s, "
-              f"{sampled:,.0f} MiB read, {sampled / scan_s:,.0f} MiB/s")
+        print(
+            f"cold scan: {summary.hashed:,} hashed of {summary.seen:,} in {scan_s:.2f} s "
+            f"({total_s:.2f} s with node start/stop): {summary.hashed / scan_s:,.0f} files/s, "
+            f"{sampled:,.0f} MiB read, {sampled / scan_s:,.0f} MiB/s"
+        )
         assert summary.hashed == files and not summary.failed, summary
 
         rescans, bares, parts, report = asyncio.run(
-            warm_rounds(data_dir, root, args.repeats, args.profile))
+            warm_rounds(data_dir, root, args.repeats, args.profile)
+        )
         rescan, bare = statistics.median(rescans), statistics.median(bares)
-        print(f"warm rescan (nothing changed): median {rescan * 1000:.0f} ms "
-              f"(min {min(rescans) * 1000:.0f}), {files / rescan:,.0f} files/s")
-        print(f"bare scandir+stat walk:        median {bare * 1000:.0f} ms "
-              f"(min {min(bares) * 1000:.0f}), {files / bare:,.0f} files/s")
+        print(
+            f"warm rescan (nothing changed): median {rescan * 1000:.0f} ms "
+            f"(min {min(rescans) * 1000:.0f}), {files / rescan:,.0f} files/s"
+        )
+        print(
+            f"bare scandir+stat walk:        median {bare * 1000:.0f} ms "
+            f"(min {min(bares) * 1000:.0f}), {files / bare:,.0f} files/s"
+        )
         print(f"ratio bare / rescan: {bare / rescan:.2f} (goal >= 0.5)")
         print("parts of a warm rescan, each alone (best of 3):")
         for part, seconds in parts.items():

@@ -72,7 +72,8 @@ class Bar:
 
     def __init__(self, mode: str, keys: int) -> None:
         self.enabled = mode == "always" or (
-            mode == "auto" and keys >= PROGRESS_MIN_KEYS and sys.stderr.isatty())
+            mode == "auto" and keys >= PROGRESS_MIN_KEYS and sys.stderr.isatty()
+        )
         self._bar: Any = None
         self._keys = keys
         self._tasks: dict[str, Any] = {}
@@ -82,9 +83,14 @@ class Bar:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
 
-            self._bar = Progress("[progress.description]{task.description}", BarColumn(),
-                                 MofNCompleteColumn(), TimeRemainingColumn(), transient=True,
-                                 console=Console(stderr=True))
+            self._bar = Progress(
+                "[progress.description]{task.description}",
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                transient=True,
+                console=Console(stderr=True),
+            )
             self._bar.start()
             self._tasks["keys"] = self._bar.add_task("reading redis keys", total=self._keys)
         return self
@@ -123,14 +129,26 @@ def _copy_truth(source: Settings, target: Settings) -> None:
     maintenance.copy_truth(source, target.truth_path)
 
 
-def _migrate_into(settings: Settings, planned: Sequence[plan.Planned], legacy: Legacy,
-                  opts: Options, ts: int, report: Report, progress: Callable[[int], None]) -> None:
+def _migrate_into(
+    settings: Settings,
+    planned: Sequence[plan.Planned],
+    legacy: Legacy,
+    opts: Options,
+    ts: int,
+    report: Report,
+    progress: Callable[[int], None],
+) -> None:
     with maintenance.truth_store(settings) as store:
         before = store.max_seq()
         row = register(store, legacy, opts.legacy_weight)
     report.legacy_signer = {
-        "uid": legacy.uid, "name": row.name, "weight": row.weight, "may_link": row.may_link,
-        "key_file": str(legacy.path) if legacy.path else None, "created": legacy.created}
+        "uid": legacy.uid,
+        "name": row.name,
+        "weight": row.weight,
+        "may_link": row.may_link,
+        "key_file": str(legacy.path) if legacy.path else None,
+        "created": legacy.created,
+    }
     write(settings, planned, legacy, ts, opts.batch, report, progress)
     with maintenance.truth_store(settings) as store:
         report.changes = store.max_seq() - before
@@ -142,26 +160,33 @@ def migrate(opts: Options) -> Report:
     started = time.monotonic()
     ts = now_ms()
     settings = config.load(opts.config_file, overrides={"data_dir": opts.data_dir})
-    report = Report(redis=masked(opts.redis_url), data_dir=str(settings.data_dir),
-                    dry_run=opts.dry_run,
-                    started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts / 1000)))
+    report = Report(
+        redis=masked(opts.redis_url),
+        data_dir=str(settings.data_dir),
+        dry_run=opts.dry_run,
+        started_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts / 1000)),
+    )
     if not opts.dry_run and not opts.force:
         pids = holders(settings)
         if pids:
             raise MigrateError(
                 f"{settings.data_dir} is in use by process {', '.join(map(str, pids))} (a "
                 "running metanode?). Stop the server first: the migration writes the databases "
-                "directly. --force skips this check.")
+                "directly. --force skips this check."
+            )
     client = connect(opts.redis_url)
     try:
         total_keys = int(client.dbsize())
         with Bar(opts.progress, total_keys) as bar:
             space = keyspace.read(client, opts.key_prefix, bar.reading)
             report.keyspace = {
-                "schema_version": space.schema_version, "keys_read": space.keys_read,
-                "index_members": space.index_members, "cid_index_entries": len(space.index),
+                "schema_version": space.schema_version,
+                "keys_read": space.keys_read,
+                "index_members": space.index_members,
+                "cid_index_entries": len(space.index),
                 "ignored_keys": dict(sorted(space.ignored.items())),
-                "key_prefix": opts.key_prefix}
+                "key_prefix": opts.key_prefix,
+            }
             planned = plan.plan(space, report)
             bar.start_writing(len(planned))
             if opts.dry_run:
@@ -169,12 +194,26 @@ def migrate(opts: Options) -> Report:
                     target = dataclasses.replace(settings, data_dir=Path(scratch) / "data")
                     _copy_truth(settings, target)
                     maintenance.open_store(target)
-                    _migrate_into(target, planned, legacy_key(settings, dry_run=True), opts, ts,
-                                  report, bar.writing)
+                    _migrate_into(
+                        target,
+                        planned,
+                        legacy_key(settings, dry_run=True),
+                        opts,
+                        ts,
+                        report,
+                        bar.writing,
+                    )
             else:
                 maintenance.open_store(settings)
-                _migrate_into(settings, planned, legacy_key(settings, dry_run=False), opts, ts,
-                              report, bar.writing)
+                _migrate_into(
+                    settings,
+                    planned,
+                    legacy_key(settings, dry_run=False),
+                    opts,
+                    ts,
+                    report,
+                    bar.writing,
+                )
                 maintenance.catch_up_cache(settings)
     finally:
         client.close()
@@ -186,29 +225,70 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="claims-migrate",
         description="Bring a MetaMesh meta-core Redis keyspace into a metanode data directory "
-                    "(run it with the server stopped). See docs/migration.md.")
-    p.add_argument("--redis", default=DEFAULT_REDIS, metavar="URL",
-                   help=f"meta-core's Redis (default {DEFAULT_REDIS}).")
-    p.add_argument("--key-prefix", default="", metavar="PREFIX",
-                   help="Key prefix meta-core was configured with (default none).")
-    p.add_argument("--data-dir", type=Path, default=None,
-                   help="metanode data directory (default ./data, or METANODE_DATA_DIR).")
-    p.add_argument("--config", dest="config_file", default=None, metavar="FILE",
-                   help="metanode TOML config file (default ./metanode.toml if present).")
-    p.add_argument("--dry-run", action="store_true",
-                   help="Plan and report everything against a scratch copy; write nothing.")
-    p.add_argument("--legacy-weight", type=int, default=None, metavar="N",
-                   help="Signer weight of the legacy key (default 1 on the first run; later "
-                        "runs keep the registered weight unless this is given).")
-    p.add_argument("--report", dest="report_path", type=Path, default=None, metavar="FILE",
-                   help="Also write the report as JSON to FILE.")
-    p.add_argument("--batch", type=int, default=1000, metavar="N",
-                   help="About N claims per truth transaction (default 1000).")
-    p.add_argument("--force", action="store_true",
-                   help="Write even if another process has the databases open.")
-    p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
-                   help=f"Progress bar on stderr (auto: from {PROGRESS_MIN_KEYS} keys, on a "
-                        "terminal).")
+        "(run it with the server stopped). See docs/migration.md.",
+    )
+    p.add_argument(
+        "--redis",
+        default=DEFAULT_REDIS,
+        metavar="URL",
+        help=f"meta-core's Redis (default {DEFAULT_REDIS}).",
+    )
+    p.add_argument(
+        "--key-prefix",
+        default="",
+        metavar="PREFIX",
+        help="Key prefix meta-core was configured with (default none).",
+    )
+    p.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="metanode data directory (default ./data, or METANODE_DATA_DIR).",
+    )
+    p.add_argument(
+        "--config",
+        dest="config_file",
+        default=None,
+        metavar="FILE",
+        help="metanode TOML config file (default ./metanode.toml if present).",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="Plan and report everything against a scratch copy; write nothing.",
+    )
+    p.add_argument(
+        "--legacy-weight",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Signer weight of the legacy key (default 1 on the first run; later "
+        "runs keep the registered weight unless this is given).",
+    )
+    p.add_argument(
+        "--report",
+        dest="report_path",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="Also write the report as JSON to FILE.",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="About N claims per truth transaction (default 1000).",
+    )
+    p.add_argument(
+        "--force", action="store_true", help="Write even if another process has the databases open."
+    )
+    p.add_argument(
+        "--progress",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help=f"Progress bar on stderr (auto: from {PROGRESS_MIN_KEYS} keys, on a terminal).",
+    )
     return p
 
 
@@ -219,10 +299,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.batch < 1:
         parser().error("--batch must be at least 1")
     opts = Options(
-        redis_url=args.redis, key_prefix=args.key_prefix, data_dir=args.data_dir,
-        config_file=args.config_file, dry_run=args.dry_run, legacy_weight=args.legacy_weight,
-        report_path=args.report_path, batch=args.batch, force=args.force,
-        progress=args.progress)
+        redis_url=args.redis,
+        key_prefix=args.key_prefix,
+        data_dir=args.data_dir,
+        config_file=args.config_file,
+        dry_run=args.dry_run,
+        legacy_weight=args.legacy_weight,
+        report_path=args.report_path,
+        batch=args.batch,
+        force=args.force,
+        progress=args.progress,
+    )
     try:
         report = migrate(opts)
     except (MigrateError, MetanodeError, RuntimeError) as exc:
@@ -231,8 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for line in report.lines():
         print(line)
     if report.legacy_signer and not opts.dry_run:
-        print(f"block it with: metanode signers block {report.legacy_signer['uid']} "
-              f"--data-dir {report.data_dir}")
+        print(
+            f"block it with: metanode signers block {report.legacy_signer['uid']} "
+            f"--data-dir {report.data_dir}"
+        )
     if opts.report_path is not None:
         report.save(opts.report_path)
     return 0

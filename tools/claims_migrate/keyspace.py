@@ -92,8 +92,9 @@ def _chunks(client: redis.Redis, pattern: str) -> Iterator[list[bytes]]:
         yield chunk
 
 
-def _pipelined(client: redis.Redis, keys: Sequence[bytes],
-               command: Callable[[Any, bytes], object]) -> list[Any]:
+def _pipelined(
+    client: redis.Redis, keys: Sequence[bytes], command: Callable[[Any, bytes], object]
+) -> list[Any]:
     pipe = client.pipeline(transaction=False)
     for key in keys:
         command(pipe, key)
@@ -101,8 +102,9 @@ def _pipelined(client: redis.Redis, keys: Sequence[bytes],
     return result
 
 
-def read(client: redis.Redis, prefix: str = "",
-         progress: Callable[[int], None] | None = None) -> Keyspace:
+def read(
+    client: redis.Redis, prefix: str = "", progress: Callable[[int], None] | None = None
+) -> Keyspace:
     """Read every record key, the `cid:` index and the schema sentinel under `prefix`.
 
     `progress(n)` is called with the number of keys read since its last call.
@@ -120,7 +122,7 @@ def read(client: redis.Redis, prefix: str = "",
         _read_sets(client, space, file_prefix, by_type.pop("set", []))
         for kind, keys in by_type.items():
             for key in keys:
-                root, sep, name = decode_key(key)[len(file_prefix):].partition("/")
+                root, sep, name = decode_key(key)[len(file_prefix) :].partition("/")
                 if sep and kind != "none":
                     space.record(root).unreadable[name] = "not_a_string"
                 elif kind != "none":  # e.g. the watcher's `file:events` stream
@@ -135,7 +137,7 @@ def read(client: redis.Redis, prefix: str = "",
             if text is None:
                 space.ignored["cid: index entry not a string"] += 1
                 continue
-            space.index[decode_key(key)[len(cid_prefix):]] = text.strip()
+            space.index[decode_key(key)[len(cid_prefix) :]] = text.strip()
         space.keys_read += len(chunk)
         if progress is not None:
             progress(len(chunk))
@@ -144,13 +146,14 @@ def read(client: redis.Redis, prefix: str = "",
     return space
 
 
-def _read_strings(client: redis.Redis, space: Keyspace, file_prefix: str,
-                  keys: list[bytes]) -> None:
+def _read_strings(
+    client: redis.Redis, space: Keyspace, file_prefix: str, keys: list[bytes]
+) -> None:
     if not keys:
         return
     values = cast(list[bytes | None], client.mget(keys))
     for key, value in zip(keys, values, strict=True):
-        root, sep, name = decode_key(key)[len(file_prefix):].partition("/")
+        root, sep, name = decode_key(key)[len(file_prefix) :].partition("/")
         if not sep:
             space.ignored["string"] += 1  # `file:<x>` holding a plain string: no layout has that
             continue
@@ -170,13 +173,11 @@ def _put(record: SourceRecord, name: str, raw: bytes) -> None:
         record.fields[name] = text
 
 
-def _read_hashes(client: redis.Redis, space: Keyspace, file_prefix: str,
-                 keys: list[bytes]) -> None:
+def _read_hashes(client: redis.Redis, space: Keyspace, file_prefix: str, keys: list[bytes]) -> None:
     if not keys:
         return
-    for key, mapping in zip(keys, _pipelined(client, keys, lambda p, k: p.hgetall(k)),
-                            strict=True):
-        root, sep, name = decode_key(key)[len(file_prefix):].partition("/")
+    for key, mapping in zip(keys, _pipelined(client, keys, lambda p, k: p.hgetall(k)), strict=True):
+        root, sep, name = decode_key(key)[len(file_prefix) :].partition("/")
         record = space.record(root)
         if sep:  # a HASH at a flat leaf: not a value a claim can carry
             record.unreadable[name] = "not_a_string"
@@ -186,13 +187,13 @@ def _read_hashes(client: redis.Redis, space: Keyspace, file_prefix: str,
             _put(record, decode_key(raw_name), raw_value)
 
 
-def _read_sets(client: redis.Redis, space: Keyspace, file_prefix: str,
-               keys: list[bytes]) -> None:
+def _read_sets(client: redis.Redis, space: Keyspace, file_prefix: str, keys: list[bytes]) -> None:
     if not keys:
         return
-    for key, members in zip(keys, _pipelined(client, keys, lambda p, k: p.smembers(k)),
-                            strict=True):
-        root, sep, name = decode_key(key)[len(file_prefix):].partition("/")
+    for key, members in zip(
+        keys, _pipelined(client, keys, lambda p, k: p.smembers(k)), strict=True
+    ):
+        root, sep, name = decode_key(key)[len(file_prefix) :].partition("/")
         texts = sorted(decode_key(m) for m in cast(set[bytes], members))
         if not sep and root == INDEX:
             space.index_members += len(texts)

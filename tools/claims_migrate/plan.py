@@ -121,12 +121,12 @@ def _members(record: SourceRecord, report: Report) -> dict[str, str]:
     add(cid_of(record.root), "root id")
     for name, value in sorted(record.fields.items()):
         if name.startswith(LINK_PREFIX):
-            member = cid_of(name[len(LINK_PREFIX):])
+            member = cid_of(name[len(LINK_PREFIX) :])
             if member is None:
                 report.drop("invalid_member_cid")
             add(member, "cids/*")
         elif name.startswith(DEPRECATED_PREFIX):
-            add(cid_of(value, name[len(DEPRECATED_PREFIX):].lower()), name)
+            add(cid_of(value, name[len(DEPRECATED_PREFIX) :].lower()), name)
         elif name == "midhash256":
             add(cid_of(value, "midhash256"), name)
     for token in record.sets.get(MEMBER_SET, []):
@@ -139,7 +139,7 @@ def _keep(record: SourceRecord, owned: set[str], report: Report) -> dict[str, st
     keep: dict[str, str] = {}
     for name, value in sorted(record.fields.items()):
         if name.startswith(LINK_PREFIX):
-            member = cid_of(name[len(LINK_PREFIX):])
+            member = cid_of(name[len(LINK_PREFIX) :])
             if member is None:
                 continue  # counted in _members
             if member in owned:
@@ -170,12 +170,12 @@ def _index(space: Keyspace, by_root: dict[str, _Source], report: Report) -> dict
             continue
         root = value if value in by_root else by_rid.get(rid_of(value) or "")
         if root is None:
-            report.dangling_aliases.append({"cid": key, "rid": value,
-                                            "reason": "no such record"})
+            report.dangling_aliases.append({"cid": key, "rid": value, "reason": "no such record"})
             continue
         if owners.get(cid, root) != root:  # two spellings of one CID naming two records
-            report.dangling_aliases.append({"cid": key, "rid": value,
-                                            "reason": f"{cid} is indexed to {owners[cid]}"})
+            report.dangling_aliases.append(
+                {"cid": key, "rid": value, "reason": f"{cid} is indexed to {owners[cid]}"}
+            )
             continue
         owners[cid] = root
     return owners
@@ -204,9 +204,15 @@ def plan(space: Keyspace, report: Report) -> list[Planned]:
         for cid, where in source.members.items():
             if owner[cid] != source.record.root:
                 rule = "the cid: index wins" if cid in indexed else "an older record names it"
-                report.disagreements.append({"record": source.record.root, "cid": cid,
-                                             "source": where, "owner": owner[cid],
-                                             "rule": rule})
+                report.disagreements.append(
+                    {
+                        "record": source.record.root,
+                        "cid": cid,
+                        "source": where,
+                        "owner": owner[cid],
+                        "rule": rule,
+                    }
+                )
 
     owned: dict[str, set[str]] = {}
     for cid, root in owner.items():
@@ -216,8 +222,9 @@ def plan(space: Keyspace, report: Report) -> list[Planned]:
         mine = owned.get(source.record.root, set())
         source.keep = _keep(source.record, mine, report)
         if mine:
-            planned[source.record.root] = Planned(source.record.root, source.rid,
-                                                  cids.by_rank(mine), dict(source.keep))
+            planned[source.record.root] = Planned(
+                source.record.root, source.rid, cids.by_rank(mine), dict(source.keep)
+            )
     for source in ordered:
         root = source.record.root
         if root in planned:

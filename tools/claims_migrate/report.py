@@ -63,30 +63,44 @@ class Report:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "redis": self.redis, "data_dir": self.data_dir, "dry_run": self.dry_run,
-            "started_at": self.started_at, "duration_s": round(self.duration_s, 3),
-            "legacy_signer": self.legacy_signer, "keyspace": self.keyspace,
+            "redis": self.redis,
+            "data_dir": self.data_dir,
+            "dry_run": self.dry_run,
+            "started_at": self.started_at,
+            "duration_s": round(self.duration_s, 3),
+            "legacy_signer": self.legacy_signer,
+            "keyspace": self.keyspace,
             "records": {
-                "total": self.records, "layouts": dict(sorted(self.layouts.items())),
-                "rids_kept": self.rids_kept, "rids_minted": self.rids_minted,
-                "rids_reused": self.rids_reused, "rids_merged": self.rids_merged,
-                "not_indexed": self.not_indexed, "without_cid": self.without_cid,
+                "total": self.records,
+                "layouts": dict(sorted(self.layouts.items())),
+                "rids_kept": self.rids_kept,
+                "rids_minted": self.rids_minted,
+                "rids_reused": self.rids_reused,
+                "rids_merged": self.rids_merged,
+                "not_indexed": self.not_indexed,
+                "without_cid": self.without_cid,
                 "absorbed": self.absorbed,
             },
             "fields": {
-                "total": self.fields, "claimed": self.fields_claimed,
-                "unchanged": self.fields_unchanged, "stale": self.fields_stale,
+                "total": self.fields,
+                "claimed": self.fields_claimed,
+                "unchanged": self.fields_unchanged,
+                "stale": self.fields_stale,
                 "group_members": self.group_members,
                 "dropped_total": sum(self.dropped.values()),
                 "dropped": dict(sorted(self.dropped.items())),
             },
             "groups": {
-                "total": self.groups, "rids_created": self.rids_created,
-                "cids_joined": self.cids_joined, "merged_with_existing": self.groups_merged,
+                "total": self.groups,
+                "rids_created": self.rids_created,
+                "cids_joined": self.cids_joined,
+                "merged_with_existing": self.groups_merged,
             },
             "claims": {
-                "signed": self.claims_signed, "accepted": self.claims_accepted,
-                "links_accepted": self.links_accepted, "duplicate": self.claims_duplicate,
+                "signed": self.claims_signed,
+                "accepted": self.claims_accepted,
+                "links_accepted": self.links_accepted,
+                "duplicate": self.claims_duplicate,
                 "stale": self.claims_stale,
             },
             "conflicts_resolved": self.conflicts_resolved,
@@ -97,8 +111,9 @@ class Report:
         }
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.as_json(), indent=2, ensure_ascii=False) + "\n",
-                        encoding="utf-8")
+        path.write_text(
+            json.dumps(self.as_json(), indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
+        )
 
     def lines(self) -> list[str]:
         """The human summary printed at the end of a run."""
@@ -114,8 +129,11 @@ class Report:
             f"fields: {self.fields} read; {self.fields_claimed} claimed, "
             f"{self.fields_unchanged} unchanged, {self.group_members} group members, "
             f"{sum(self.dropped.values())} dropped"
-            + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) + ")"
-               if self.dropped else ""),
+            + (
+                " (" + ", ".join(f"{k} {v}" for k, v in sorted(self.dropped.items())) + ")"
+                if self.dropped
+                else ""
+            ),
             f"groups: {self.groups}; {self.rids_created} rids and {self.cids_joined} cid rows "
             f"added, {len(self.groups_merged)} merged with groups the node had",
             f"claims: {self.claims_signed} signed, {self.claims_accepted} accepted "
@@ -126,11 +144,14 @@ class Report:
         for root in self.without_cid:
             out.append(f"  record {root}: names no CID, so none of its fields can be claimed")
         for a in self.absorbed:
-            out.append(f"  record {a['record']}: owns no CID, its fields were claimed on "
-                       f"{a['into']}")
+            out.append(
+                f"  record {a['record']}: owns no CID, its fields were claimed on {a['into']}"
+            )
         for d in self.disagreements:
-            out.append(f"  record {d['record']}: {d['source']} member {d['cid']} belongs to "
-                       f"{d['owner']} ({d['rule']})")
+            out.append(
+                f"  record {d['record']}: {d['source']} member {d['cid']} belongs to "
+                f"{d['owner']} ({d['rule']})"
+            )
         for c in self.field_conflicts:
             out.append(f"  record {c['record']} folded into {c['into']}: kept its own {c['key']}")
         for m in self.groups_merged:
@@ -140,6 +161,8 @@ class Report:
         out.append(f"changes: {verb} {self.changes} truth change(s)")
         if self.legacy_signer:
             s = self.legacy_signer
-            out.append(f"legacy signer: {s['uid']} (weight {s['weight']}, key "
-                       f"{s.get('key_file') or 'not created: dry run'})")
+            out.append(
+                f"legacy signer: {s['uid']} (weight {s['weight']}, key "
+                f"{s.get('key_file') or 'not created: dry run'})"
+            )
         return out

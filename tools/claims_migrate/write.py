@@ -47,9 +47,11 @@ def holders(settings: Settings) -> list[int]:
     proc = Path("/proc")
     if not proc.is_dir() or not settings.data_dir.is_dir():
         return []
-    wanted = {str(path.resolve()) + suffix
-              for path in (settings.truth_path, settings.cache_path)
-              for suffix in ("", "-wal")}
+    wanted = {
+        str(path.resolve()) + suffix
+        for path in (settings.truth_path, settings.cache_path)
+        for suffix in ("", "-wal")
+    }
     found = []
     for entry in proc.iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -89,9 +91,12 @@ class Legacy:
 
 def _write_marker(settings: Settings, path: Path, uid: str) -> None:
     """Record which key the migration signs with, so a re-run signs with the same one."""
-    body = {"tool": "claims-migrate", "uid": uid,
-            "key_file": str(path.relative_to(settings.data_dir)),
-            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    body = {
+        "tool": "claims-migrate",
+        "uid": uid,
+        "key_file": str(path.relative_to(settings.data_dir)),
+        "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     marker = settings.data_dir / MARKER
     scratch = marker.with_name(marker.name + ".tmp")
     scratch.write_text(json.dumps(body, indent=2) + "\n", encoding="utf-8")
@@ -109,11 +114,12 @@ def find_legacy_key(settings: Settings) -> Path | None:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise MigrateError(f"{marker} is unreadable ({exc}); fix or remove it") from None
         if not path.is_file():
-            raise MigrateError(f"{marker} names the legacy key {path}, which is missing; restore "
-                               "it (re-signing with a new key would duplicate every claim)")
+            raise MigrateError(
+                f"{marker} names the legacy key {path}, which is missing; restore "
+                "it (re-signing with a new key would duplicate every claim)"
+            )
         return path
-    found = sorted(settings.keys_dir.glob(f"{KEY_STEM}*.key")) if settings.keys_dir.is_dir() \
-        else []
+    found = sorted(settings.keys_dir.glob(f"{KEY_STEM}*.key")) if settings.keys_dir.is_dir() else []
     return found[-1] if found else None
 
 
@@ -128,8 +134,10 @@ def legacy_key(settings: Settings, dry_run: bool) -> Legacy:
         if marker.is_file():
             recorded = json.loads(marker.read_text(encoding="utf-8")).get("uid")
             if recorded not in (None, uid):
-                raise MigrateError(f"{marker} records the legacy signer {recorded}, but {found} "
-                                   f"holds the key of {uid}; restore the right key file")
+                raise MigrateError(
+                    f"{marker} records the legacy signer {recorded}, but {found} "
+                    f"holds the key of {uid}; restore the right key file"
+                )
         elif not dry_run:
             _write_marker(settings, found, uid)
         return Legacy(key, uid, found, False)
@@ -148,17 +156,21 @@ def register(store: truth.TruthStore, legacy: Legacy, weight: int | None) -> tru
     A re-run keeps the registered weight unless `weight` is given; a blocked legacy signer stops
     the run rather than being silently unblocked.
     """
-    name = KEY_STEM + (legacy.path.stem[len(KEY_STEM):] if legacy.path else "dry-run")
+    name = KEY_STEM + (legacy.path.stem[len(KEY_STEM) :] if legacy.path else "dry-run")
     row = store.signer(legacy.uid)
     if row is not None and row.status == "blocked":
-        raise MigrateError(f"the legacy signer {legacy.uid} is blocked; unblock it first "
-                           f"(metanode signers unblock {legacy.uid}) to migrate again")
+        raise MigrateError(
+            f"the legacy signer {legacy.uid} is blocked; unblock it first "
+            f"(metanode signers unblock {legacy.uid}) to migrate again"
+        )
     if row is None:
-        return store.add_signer_sync(legacy.uid, name,
-                                     DEFAULT_WEIGHT if weight is None else weight, True)
+        return store.add_signer_sync(
+            legacy.uid, name, DEFAULT_WEIGHT if weight is None else weight, True
+        )
     if (weight is not None and weight != row.weight) or not row.may_link:
-        return store.add_signer_sync(legacy.uid, row.name,
-                                     row.weight if weight is None else weight, True)
+        return store.add_signer_sync(
+            legacy.uid, row.name, row.weight if weight is None else weight, True
+        )
     return row
 
 
@@ -179,29 +191,38 @@ def _batches(planned: Sequence[Planned], size: int) -> Iterator[list[Planned]]:
         yield batch
 
 
-def _count_groups(report: Report, records: Sequence[Planned],
-                  grouped: Sequence[truth.Grouped]) -> None:
+def _count_groups(
+    report: Report, records: Sequence[Planned], grouped: Sequence[truth.Grouped]
+) -> None:
     for record, done in zip(records, grouped, strict=True):
         adopted = done.adopted
         if done.how == "kept":
             if adopted.rid == record.rid:
                 report.rids_kept += 1
             else:
-                report.rids_merged.append({"record": record.root, "rid": record.rid or "",
-                                           "into": adopted.rid})
+                report.rids_merged.append(
+                    {"record": record.root, "rid": record.rid or "", "into": adopted.rid}
+                )
         elif done.how == "minted":
             report.rids_minted += 1
         else:
             report.rids_reused += 1
         report.rids_created += adopted.created
         report.cids_joined += len(adopted.joined)
-        report.groups_merged += [{"record": record.root, "lost": lost, "into": adopted.rid}
-                                 for lost in adopted.merged]
+        report.groups_merged += [
+            {"record": record.root, "lost": lost, "into": adopted.rid} for lost in adopted.merged
+        ]
 
 
-def write(settings: Settings, planned: Sequence[Planned], legacy: Legacy, ts: int,
-          batch_size: int, report: Report,
-          progress: Callable[[int], None] | None = None) -> None:
+def write(
+    settings: Settings,
+    planned: Sequence[Planned],
+    legacy: Legacy,
+    ts: int,
+    batch_size: int,
+    report: Report,
+    progress: Callable[[int], None] | None = None,
+) -> None:
     """Write every planned record into the truth of `settings` (open_store done by the caller).
 
     `ts` is the migration time, the same for every claim of the run.
@@ -226,8 +247,11 @@ def write(settings: Settings, planned: Sequence[Planned], legacy: Legacy, ts: in
                 report.drop(str(error["error"]))
             report.claims_signed += len(valid)
             grouped, result = store.migrate_batch_sync(
-                [truth.Grouping(r.rid, r.canonical, tuple(r.cids)) for r in records], valid,
-                minter, policy)
+                [truth.Grouping(r.rid, r.canonical, tuple(r.cids)) for r in records],
+                valid,
+                minter,
+                policy,
+            )
             _count_groups(report, records, grouped)
             for claim, verdict in zip(valid, result.verdicts, strict=True):
                 link = claim.is_link

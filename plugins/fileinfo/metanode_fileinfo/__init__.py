@@ -22,28 +22,101 @@ from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
 __all__ = ["FileInfo", "describe", "file_type", "sniff_mime"]
 
 SUBTITLES = frozenset({"srt", "ass", "ssa", "sub", "idx", "vtt", "sup", "smi", "ttml"})
-ARCHIVES = frozenset({"zip", "rar", "7z", "tar", "gz", "tgz", "bz2", "xz", "zst", "lz", "cab",
-                      "iso", "dmg"})
-DOCUMENTS = frozenset({"pdf", "epub", "mobi", "azw3", "djvu", "doc", "docx", "odt", "rtf", "txt",
-                       "md", "nfo", "xls", "xlsx", "ods", "ppt", "pptx", "odp", "cbz", "cbr"})
-EXTRA_TYPES = {"mkv": "video/x-matroska", "mka": "audio/x-matroska", "srt": "application/x-subrip",
-               "ass": "text/x-ssa", "ssa": "text/x-ssa", "vtt": "text/vtt",
-               "torrent": "application/x-bittorrent", "nfo": "text/plain", "flac": "audio/flac",
-               "opus": "audio/opus", "webm": "video/webm", "m4b": "audio/mp4", "7z":
-               "application/x-7z-compressed", "epub": "application/epub+zip",
-               "ogg": "audio/ogg", "oga": "audio/ogg", "ogv": "video/ogg", "ts": "video/mp2t",
-               "m2ts": "video/mp2t", "mts": "video/mp2t"}
+ARCHIVES = frozenset(
+    {"zip", "rar", "7z", "tar", "gz", "tgz", "bz2", "xz", "zst", "lz", "cab", "iso", "dmg"}
+)
+DOCUMENTS = frozenset(
+    {
+        "pdf",
+        "epub",
+        "mobi",
+        "azw3",
+        "djvu",
+        "doc",
+        "docx",
+        "odt",
+        "rtf",
+        "txt",
+        "md",
+        "nfo",
+        "xls",
+        "xlsx",
+        "ods",
+        "ppt",
+        "pptx",
+        "odp",
+        "cbz",
+        "cbr",
+    }
+)
+EXTRA_TYPES = {
+    "mkv": "video/x-matroska",
+    "mka": "audio/x-matroska",
+    "srt": "application/x-subrip",
+    "ass": "text/x-ssa",
+    "ssa": "text/x-ssa",
+    "vtt": "text/vtt",
+    "torrent": "application/x-bittorrent",
+    "nfo": "text/plain",
+    "flac": "audio/flac",
+    "opus": "audio/opus",
+    "webm": "video/webm",
+    "m4b": "audio/mp4",
+    "7z": "application/x-7z-compressed",
+    "epub": "application/epub+zip",
+    "ogg": "audio/ogg",
+    "oga": "audio/ogg",
+    "ogv": "video/ogg",
+    "ts": "video/mp2t",
+    "m2ts": "video/mp2t",
+    "mts": "video/mp2t",
+}
 # Containers whose magic bytes cannot tell audio from video (Matroska, Ogg) or that sniffing
 # misses (MPEG-TS): for these the extension decides the kind and the MIME type.
 AUDIO = frozenset({"mka", "ogg", "oga", "opus", "flac", "mp3", "m4a", "m4b", "aac", "wav", "wma"})
-VIDEO = frozenset({"mkv", "ogv", "ts", "m2ts", "mts", "mp4", "m4v", "avi", "mov", "webm", "wmv",
-                   "mpg", "mpeg", "vob", "flv"})
-ARCHIVE_MIMES = frozenset({"application/zip", "application/x-rar-compressed",
-                           "application/vnd.rar", "application/x-7z-compressed",
-                           "application/gzip", "application/x-bzip2", "application/x-xz",
-                           "application/x-tar", "application/zstd", "application/x-iso9660-image"})
-DOCUMENT_MIMES = frozenset({"application/pdf", "application/epub+zip", "application/msword",
-                            "application/rtf", "text/plain", "text/markdown"})
+VIDEO = frozenset(
+    {
+        "mkv",
+        "ogv",
+        "ts",
+        "m2ts",
+        "mts",
+        "mp4",
+        "m4v",
+        "avi",
+        "mov",
+        "webm",
+        "wmv",
+        "mpg",
+        "mpeg",
+        "vob",
+        "flv",
+    }
+)
+ARCHIVE_MIMES = frozenset(
+    {
+        "application/zip",
+        "application/x-rar-compressed",
+        "application/vnd.rar",
+        "application/x-7z-compressed",
+        "application/gzip",
+        "application/x-bzip2",
+        "application/x-xz",
+        "application/x-tar",
+        "application/zstd",
+        "application/x-iso9660-image",
+    }
+)
+DOCUMENT_MIMES = frozenset(
+    {
+        "application/pdf",
+        "application/epub+zip",
+        "application/msword",
+        "application/rtf",
+        "text/plain",
+        "text/markdown",
+    }
+)
 
 
 def extension_of(name: str) -> str:

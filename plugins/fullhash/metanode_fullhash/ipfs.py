@@ -48,10 +48,15 @@ def parent(children: list[Node]) -> Node:
     """A UnixFS file node linking `children` (dag-pb: links first, then the UnixFS data)."""
     links = b"".join(
         _field(2, _field(1, child.cid) + _field(2, b"") + b"\x18" + cids.varint(child.tsize))
-        for child in children)
+        for child in children
+    )
     file_size = sum(child.file_size for child in children)
-    unixfs = b"\x08\x02" + b"\x18" + cids.varint(file_size) + b"".join(
-        b"\x20" + cids.varint(child.file_size) for child in children)
+    unixfs = (
+        b"\x08\x02"
+        + b"\x18"
+        + cids.varint(file_size)
+        + b"".join(b"\x20" + cids.varint(child.file_size) for child in children)
+    )
     block = links + _field(1, unixfs)
     tsize = len(block) + sum(child.tsize for child in children)
     return Node(_binary_cid(DAG_PB, hashlib.sha256(block).digest()), file_size, tsize)
