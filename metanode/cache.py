@@ -24,16 +24,14 @@ from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
 from metanode.db import (
     Migration,
-    Writer,
+    Store,
     connect,
     connect_reader,
     executescript_in_txn,
     mapped,
-    migrate_file,
     snapshot,
     storage_errors,
 )
-from metanode.errors import StorageError
 from metanode.plan import (
     Event,
     FileEvent,
@@ -901,7 +899,7 @@ class Reading:
                 await self._conn.close()
 
 
-class CacheStore:
+class CacheStore(Store):
     """cache.db: its schema, its single writer, its read connection and every statement on it.
 
     `open()` migrates, starts the writer thread and opens the event loop's read connection (the
@@ -913,52 +911,8 @@ class CacheStore:
     as its typed `StorageError`.
     """
 
-    def __init__(self, path: Path, clock: Clock = now_ms) -> None:
-        self.path = path
-        self._clock = clock
-        self._writer: Writer | None = None
-        self._reader: sqlite3.Connection | None = None
-
-    # -- lifecycle ------------------------------------------------------------------------------
-
-    def migrate(self) -> None:
-        """Create cache.db or bring its schema up to date (forward only)."""
-        migrate_file(self.path, MIGRATIONS)
-
-    def open(self) -> CacheStore:
-        self.migrate()
-        self._writer = Writer(self.path, "cache")
-        self._reader = connect(self.path, readonly=True)
-        return self
-
-    def close(self) -> None:
-        """Finish the queued transactions, stop the writer, close the read connection."""
-        if self._writer is not None:
-            self._writer.close()
-        if self._reader is not None:
-            self._reader.close()
-
-    def __enter__(self) -> CacheStore:
-        return self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def failure(self) -> StorageError | None:
-        """The last storage failure of a write, until writes work again (`/health`)."""
-        return None if self._writer is None else self._writer.failure
-
-    @property
-    def writer(self) -> Writer:
-        assert self._writer is not None, "the store is not open"
-        return self._writer
-
-    @property
-    def conn(self) -> sqlite3.Connection:
-        """The event loop's read connection (for this module and the tests only)."""
-        assert self._reader is not None, "the store is not open"
-        return self._reader
+    name = "cache"
+    migrations = MIGRATIONS
 
     # -- the apply path -------------------------------------------------------------------------
 

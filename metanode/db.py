@@ -32,10 +32,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ClassVar, ParamSpec, Self, TypeVar
 
 import aiosqlite
 
+from metanode.clock import Clock, now_ms
 from metanode.errors import (
     ShuttingDown,
     StorageError,
@@ -409,3 +410,62 @@ class Writer:
         self._closed = True
         self._jobs.put(_STOP)
         self._thread.join()
+
+
+class Store:
+    """What the two stores (`truth.TruthStore`, `cache.CacheStore`) share: one database file,
+    its schema (`migrations`), its one writer thread and the event loop's read connection;
+    `open()` and `close()`, or a `with` block. Each store adds the statements of its database."""
+
+    name: ClassVar[str]  # the writer thread's name
+    migrations: ClassVar[Sequence[Migration]]
+
+    def __init__(self, path: Path, clock: Clock = now_ms) -> None:
+        self.path = path
+        self._clock = clock
+        self._writer: Writer | None = None
+        self._reader: sqlite3.Connection | None = None
+
+    def migrate(self) -> None:
+        """Create the database or bring its schema up to date (forward only)."""
+        migrate_file(self.path, self.migrations)
+
+    def open(self) -> Self:
+        """Migrate, start the writer thread, open the loop's read connection."""
+        self.migrate()
+        self._writer = Writer(self.path, self.name)
+        self._reader = connect(self.path, readonly=True)
+        return self
+
+    def stop_writes(self) -> None:
+        """Finish the queued transactions and stop the writer; later writes raise ShuttingDown."""
+        if self._writer is not None:
+            self._writer.close()
+
+    def close(self) -> None:
+        """Stop writing, then close the read connection."""
+        self.stop_writes()
+        if self._reader is not None:
+            self._reader.close()
+
+    def __enter__(self) -> Self:
+        return self.open()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def failure(self) -> StorageError | None:
+        """The last storage failure of a write, until writes work again (`/health`)."""
+        return None if self._writer is None else self._writer.failure
+
+    @property
+    def writer(self) -> Writer:
+        assert self._writer is not None, "the store is not open"
+        return self._writer
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        """The event loop's read connection (for the store's module and the tests only)."""
+        assert self._reader is not None, "the store is not open"
+        return self._reader

@@ -21,19 +21,18 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 from metanode import merge
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
 from metanode.db import (
     Migration,
-    Writer,
+    Store,
     connect,
     copy_database,
     executescript_in_txn,
     mapped,
-    migrate_file,
     snapshot,
     storage_errors,
 )
@@ -42,7 +41,6 @@ from metanode.errors import (
     InvalidBatch,
     LinkNotPermitted,
     SignerPolicyError,
-    StorageError,
     UnknownSigner,
     UnknownSignerUid,
 )
@@ -844,7 +842,7 @@ class _View:
         return active_rids(self._conn)
 
 
-class TruthStore:
+class TruthStore(Store):
     """truth.db: its schema, its single writer, its read connections and every statement on it.
 
     `open()` migrates the schema, starts the writer thread and opens two read-only connections:
@@ -855,60 +853,25 @@ class TruthStore:
     never a connection; a storage failure is raised as its typed `StorageError`.
     """
 
+    name = "truth"
+    migrations = MIGRATIONS
+
     def __init__(self, path: Path, clock: Clock = now_ms) -> None:
-        self.path = path
-        self._clock = clock
-        self._writer: Writer | None = None
-        self._reader: sqlite3.Connection | None = None
+        super().__init__(path, clock)
         self._source: sqlite3.Connection | None = None
         self._source_lock = threading.Lock()
 
-    # -- lifecycle ------------------------------------------------------------------------------
-
-    def migrate(self) -> None:
-        """Create truth.db or bring its schema up to date (forward only)."""
-        migrate_file(self.path, MIGRATIONS)
-
-    def open(self) -> TruthStore:
-        self.migrate()
-        self._writer = Writer(self.path, "truth")
-        self._reader = connect(self.path, readonly=True)
+    def open(self) -> Self:
+        """Migrate, start the writer, open the loop's read connection and the apply's."""
+        super().open()
         self._source = connect(self.path, readonly=True)
         return self
 
-    def stop_writes(self) -> None:
-        """Finish the queued transactions and stop the writer; later writes raise ShuttingDown."""
-        if self._writer is not None:
-            self._writer.close()
-
     def close(self) -> None:
         """Stop writing, then close the read connections; only once nothing reads a view."""
-        self.stop_writes()
-        for conn in (self._reader, self._source):
-            if conn is not None:
-                conn.close()
-
-    def __enter__(self) -> TruthStore:
-        return self.open()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def failure(self) -> StorageError | None:
-        """The last storage failure of a write, until writes work again (`/health`)."""
-        return None if self._writer is None else self._writer.failure
-
-    @property
-    def writer(self) -> Writer:
-        assert self._writer is not None, "the store is not open"
-        return self._writer
-
-    @property
-    def conn(self) -> sqlite3.Connection:
-        """The event loop's read connection (for this module and the tests only)."""
-        assert self._reader is not None, "the store is not open"
-        return self._reader
+        super().close()
+        if self._source is not None:
+            self._source.close()
 
     # -- writes ---------------------------------------------------------------------------------
 
