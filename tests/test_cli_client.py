@@ -11,12 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 import httpx
-import pytest
 
 from metanode import cid as cids
 from tests.helpers.claims import NOW_MS, Signer
@@ -41,28 +39,20 @@ def metanode(
     )
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[Server]:
-    srv = Server(tmp_path / "data").start()
-    yield srv
-    srv.stop()
-    srv.print_log()
-
-
 def test_client_commands_find_a_node_on_another_port_from_the_settings(
-    served: Server, tmp_path: Path
+    server: Server, tmp_path: Path
 ) -> None:
     """METANODE_PORT alone points `get`, `claim post` and `events` at the node; the token comes
     from the local data directory (METANODE_DATA_DIR), and never has to be exported."""
-    assert served.port != 9000
-    env = {"METANODE_PORT": str(served.port), "METANODE_DATA_DIR": str(served.data_dir)}
+    assert server.port != 9000
+    env = {"METANODE_PORT": str(server.port), "METANODE_DATA_DIR": str(server.data_dir)}
     missing = metanode("get", MIDHASH, env=env)
     assert missing.returncode == 1 and '"unknown_cid"' in missing.stdout
 
     alice = Signer()
     httpx.post(
-        f"{served.url}/api/signers",
-        headers=served.headers,
+        f"{server.url}/api/signers",
+        headers=server.headers,
         timeout=10,
         json={"uid": alice.uid, "name": "alice"},
     ).raise_for_status()
@@ -75,7 +65,7 @@ def test_client_commands_find_a_node_on_another_port_from_the_settings(
 
     # the same through a TOML file naming the port, from the directory it sits in
     (tmp_path / "metanode.toml").write_text(
-        f'port = {served.port}\ndata_dir = "{served.data_dir}"\n'
+        f'port = {server.port}\ndata_dir = "{server.data_dir}"\n'
     )
     assert metanode("get", MIDHASH, cwd=tmp_path).returncode == 0
 
@@ -257,8 +247,8 @@ def test_a_port_out_of_range_is_refused_from_any_setting(tmp_path: Path) -> None
     assert not (tmp_path / "data").exists()
 
 
-def test_serve_names_the_watched_roots(served: Server) -> None:
+def test_serve_names_the_watched_roots(server: Server) -> None:
     deadline = time.monotonic() + 30
-    while "watching:" not in served.log_text() and time.monotonic() < deadline:
+    while "watching:" not in server.log_text() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert f"watching: {served.media.resolve()}" in served.log_text()
+    assert f"watching: {server.media.resolve()}" in server.log_text()
