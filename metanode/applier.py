@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from metanode import cache, merge, truth
 
@@ -94,8 +94,7 @@ class Applier:
         )
 
     async def _run(self) -> None:
-        await self._build_if_needed()
-        backoff = 0.1
+        await self._retrying(self._build_if_needed, "building the cache from the truth")
         while True:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._poll_s):
@@ -103,17 +102,30 @@ class Applier:
             self._wake.clear()
             if self._stopping:
                 return
+            await self._retrying(self._apply, "applying truth changes to the cache")
+
+    async def _retrying(self, step: Callable[[], Awaitable[None]], what: str) -> None:
+        """Run `step` until it succeeds (or the applier stops): `degraded` meanwhile (so
+        `/health` says so), with a backoff of 0.1 s doubling to 10 s; the traceback is logged
+        once per run of failures, then one line per retry (a full disk fails every retry)."""
+        backoff = 0.1
+        while not self._stopping:
             try:
-                state = await self._store.apply(self._source)
-            except Exception:
-                log.exception("applying truth changes to the cache failed; retrying")
+                await step()
+            except Exception as exc:
+                if self.degraded:
+                    log.warning("%s still fails (%s); retrying in %.1f s", what, exc, backoff)
+                else:
+                    log.exception("%s failed; retrying", what)
                 self.degraded = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
-                self._wake.set()
                 continue
-            self.degraded, backoff = False, 0.1
-            await self._publish(state)
+            self.degraded = False
+            return
+
+    async def _apply(self) -> None:
+        await self._publish(await self._store.apply(self._source))
 
     async def _build_if_needed(self) -> None:
         if cache_needs_build(self.state, self._source):

@@ -807,37 +807,48 @@ def migrate_batch_txn(
 
 
 class _View:
-    """`view.TruthView` over one connection inside one read transaction."""
+    """`view.TruthView` over one connection inside one read transaction. Each read raises a
+    storage failure as its typed `StorageError` itself: the snapshot's `with` block also holds
+    the cache's writes, whose failures are the cache's, not the truth's."""
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
 
+    @mapped
     def max_seq(self) -> int:
         return max_seq(self._conn)
 
+    @mapped
     def changes_after(self, seq: int) -> list[Change]:
         return changes_after(self._conn, seq)
 
+    @mapped
     def groups_of(self, cids: Iterable[str]) -> dict[str, str]:
         return groups_of(self._conn, cids)
 
+    @mapped
     def groups_cids(self, rids: Iterable[str]) -> dict[str, list[str]]:
         return groups_cids(self._conn, rids)
 
+    @mapped
     def survivors(self, rids: Iterable[str]) -> dict[str, str]:
         return survivors(self._conn, rids)
 
+    @mapped
     def groups_claims(
         self, rids: Iterable[str], keys: Iterable[str] | None = None
     ) -> dict[str, list[Claim]]:
         return groups_claims(self._conn, rids, keys)
 
+    @mapped
     def merge_signers(self) -> dict[str, merge.Signer]:
         return merge_signers(self._conn)
 
+    @mapped
     def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
         return signer_cid_keys(self._conn, uid)
 
+    @mapped
     def active_rids(self) -> list[str]:
         return active_rids(self._conn)
 
@@ -1005,5 +1016,11 @@ class TruthStore(Store):
         """One read snapshot of the truth as a `view.TruthView` (the cache's apply reads it on
         the cache writer's thread; the lock keeps two threads off the one connection)."""
         assert self._source is not None, "the store is not open"
-        with self._source_lock, storage_errors(self.path), snapshot(self._source):
-            yield _View(self._source)
+        with self._source_lock:
+            with storage_errors(self.path):
+                self._source.execute("BEGIN")
+            try:
+                yield _View(self._source)
+            finally:
+                with storage_errors(self.path):
+                    self._source.execute("COMMIT")

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from metanode import db, errors
+from metanode import db, errors, jsonl
 from metanode.node import Node
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server, free_port, metanode_check
@@ -248,6 +248,48 @@ def test_claims_stored_while_the_cache_cannot_apply_them_are_applied_once_it_can
         document = srv.meta(claim["cid"])
         assert document is not None and document["metadata"]["title"] == claim["value"]
     assert srv.stop() == 0
+    metanode_check(data)
+
+
+def health(srv: Server) -> dict[str, Any]:
+    body: dict[str, Any] = httpx.get(f"{srv.url}/health", timeout=10).json()
+    return body
+
+
+def test_a_cache_build_that_runs_out_of_space_is_retried_until_it_fits(
+    tmpfs: Path, tmp_path: Path
+) -> None:
+    """A node that must build its cache (here: cache.db lost) on a disk that passes the start-up
+    check but cannot hold the whole cache keeps retrying the build, degraded, and finishes it
+    by itself once the disk is larger: nothing lost, `check` clean."""
+    data = tmp_path / "data"
+    signer = Signer()
+    lines = tmp_path / "claims.jsonl"
+    with lines.open("wb") as out:
+        for claim in batch(signer, "big", 5_000):  # ≈ 10 MB of values: more than the tmpfs
+            out.write(jsonl.encode(claim))
+    imported = cli("import", str(lines), "--register-signers", "--data-dir", str(data))
+    assert imported.returncode == 0, imported.stderr
+    for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
+        (data / name).unlink(missing_ok=True)
+    (data / "cache.db").symlink_to(tmpfs / "cache.db")
+    srv = Server(data).start()  # /health and /api/signers answer while the cache is built
+    try:
+        wait_for(
+            "/health says the build is failing",
+            lambda: "applying truth changes to the cache is failing" in health(srv)["problems"],
+        )
+        problems = health(srv)["problems"]
+        assert health(srv)["cache_ready"] is False
+        assert any("cache.db" in p for p in problems) and not any("truth.db" in p for p in problems)
+        subprocess.run(["mount", "-o", "remount,size=64m", tmpfs], check=True)
+        wait_for("the build finishes by itself", lambda: health(srv)["status"] == "ok")
+        for claim in batch(signer, "big", 5_000)[::500]:
+            document = srv.meta(claim["cid"])
+            assert document is not None and document["metadata"]["title"] == claim["value"]
+    finally:
+        assert srv.stop() == 0
+        srv.print_log()
     metanode_check(data)
 
 
