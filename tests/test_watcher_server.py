@@ -18,7 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -207,12 +207,24 @@ def local_rows(data_dir: Path) -> list[tuple[str, str, int, int]]:
         conn.close()
 
 
-def scan(data_dir: Path, *paths: Path, code: int = 0) -> subprocess.CompletedProcess[str]:
-    """`metanode scan PATHS --data-dir DATA` as a subprocess, in a clean environment."""
+def scan(
+    data_dir: Path, *paths: Path, code: int = 0, prefix: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """`metanode scan PATHS --data-dir DATA` as a subprocess, in a clean environment; `prefix`
+    runs it under a wrapper."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
     env.update(NO_PLUGINS)
     done = subprocess.run(
-        [sys.executable, "-m", "metanode", "scan", *map(str, paths), "--data-dir", str(data_dir)],
+        [
+            *prefix,
+            sys.executable,
+            "-m",
+            "metanode",
+            "scan",
+            *map(str, paths),
+            "--data-dir",
+            str(data_dir),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -760,20 +772,18 @@ def test_scan_command_counts_and_a_second_run_hashes_nothing(tmp_path: Path, sta
     )
 
 
-@pytest.mark.skipif(
-    os.geteuid() == 0,
-    reason=(
-        "runs as root: chmod 000 does not stop root from reading the file, so it cannot be made "
-        "unreadable (tests/test_watcher.py covers the unreadable path with a refusing midhash_file)"
-    ),
-)
 def test_scan_command_reports_an_unreadable_file(tmp_path: Path) -> None:
     media, data_dir = tmp_path / "media", tmp_path / "data"
     write(media / "ok.mkv", b"readable")
     locked = write(media / "locked.mkv", b"unreadable")
     locked.chmod(0)
+    # Root reads any file whatever its mode; without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH it
+    # meets the modes, as any user does.
+    as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("runs as root without setpriv (util-linux): chmod 000 cannot stop root")
     try:
-        done = scan(data_dir, media)
+        done = scan(data_dir, media, prefix=as_user if os.geteuid() == 0 else ())
         assert summary_line(done) == (
             "2 files seen: 1 hashed, 0 unchanged, 0 removed, 1 unreadable"
         )
