@@ -8,6 +8,8 @@ host and exercises the very address uvicorn reports, not a stand-in.
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import time
@@ -16,12 +18,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from metanode.api import Access, access_of
 from tests.helpers.server import Server
 
 CONTENT = b"trusted networks " * 4096
 TRUSTED, UNTRUSTED = "127.0.0.1", "127.0.0.2"
 WAIT_S = 60.0
+OPENAPI = json.loads((Path(__file__).parents[1] / "schemas" / "openapi.json").read_text("utf-8"))
 
 
 def client_from(address: str) -> httpx.Client:
@@ -164,3 +170,19 @@ def test_a_malformed_cidr_refuses_to_start(tmp_path: Path, name: str, value: str
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"error: invalid_request: setting {name.lower()}: {value!r}")
+
+
+@given(st.from_regex(r"[a-zA-Z0-9._~%-]{1,20}", fullmatch=True))
+def test_every_documented_route_is_in_the_family_its_document_says(value: str) -> None:
+    """The perimeter's table agrees with the OpenAPI document for every route, whatever a path
+    parameter holds: the compat tag is TRUSTED, `security: []` PUBLIC, the rest TOKEN."""
+    for template, item in OPENAPI["paths"].items():
+        path = re.sub(r"\{[^}]+\}", value, template)
+        for operation in item.values():
+            if operation.get("security") == []:
+                expected = Access.PUBLIC
+            elif "compat" in operation.get("tags", []):
+                expected = Access.TRUSTED
+            else:
+                expected = Access.TOKEN
+            assert access_of(path) is expected, (template, path)
