@@ -7,8 +7,10 @@ same envelope, so a client never has to parse anything else.
 
 from __future__ import annotations
 
+import enum
 import hmac
 import importlib.resources
+import ipaddress
 import itertools
 import json
 import logging
@@ -48,8 +50,6 @@ log = logging.getLogger(__name__)
 access = logging.getLogger("metanode.access")
 # Request ids: a random per-process prefix and a counter, unique without a uuid per request.
 _request_ids = (f"{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
-PUBLIC_PREFIX = "/api/meta/"
-PUBLIC_PATHS = frozenset({"/health", "/openapi.json"})
 MAX_PAGE = 1000
 SIGNER_MEMBERS = ("uid", "name", "weight", "may_link")  # schemas/signer-request.schema.json
 
@@ -110,16 +110,70 @@ class CatchAll:
             await response(scope, receive, send)
 
 
+class Access(enum.Enum):
+    """Who may use a route family (SPEC §4, docs/api.md "Perimeter")."""
+
+    PUBLIC = "public"  # anyone
+    TRUSTED = "trusted"  # the token, or a client address in `trusted_networks`
+    TOKEN = "token"  # the token only
+
+
+# The route families, by exact path or by prefix (ending in "/"); the first match decides, and
+# a path matching none needs the token. The MetaMesh routes (docs/compat.md) are TRUSTED: their
+# consumers send no token and relied on the box's network, as they did with meta-core.
+FAMILIES: tuple[tuple[str, Access], ...] = (
+    ("/api/meta/", Access.PUBLIC),
+    ("/health", Access.PUBLIC),
+    ("/openapi.json", Access.PUBLIC),
+    ("/meta", Access.TRUSTED),
+    ("/meta/", Access.TRUSTED),
+    ("/api/events/meta", Access.TRUSTED),
+    ("/api/events/files", Access.TRUSTED),
+    ("/api/file/", Access.TRUSTED),
+    ("/file/", Access.TRUSTED),
+    ("/urls", Access.TRUSTED),
+    ("/api/services", Access.TRUSTED),
+)
+
+
+def access_of(path: str) -> Access:
+    """The access rule of `path`'s route family."""
+    for family, access in FAMILIES:
+        if path == family or (family.endswith("/") and path.startswith(family)):
+            return access
+    return Access.TOKEN
+
+
+def client_address(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The client's IP address (after uvicorn applied a trusted proxy's `X-Forwarded-For`), an
+    IPv4-mapped IPv6 one as IPv4; None when there is none (a Unix socket, a test transport)."""
+    client = scope.get("client")
+    try:
+        address = ipaddress.ip_address(client[0]) if client else None
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 class Perimeter:
-    """Bearer-token check on every route but `/api/meta/*` and `/health` (SPEC §4)."""
+    """The one place that decides who may use a route: `FAMILIES` (SPEC §4, docs/api.md)."""
 
     def __init__(self, app: ASGIApp, node: Node) -> None:
         self.app = app
         self.node = node
+        self.trusted = node.settings.trusted
+
+    def _from_trusted_network(self, scope: Scope) -> bool:
+        address = client_address(scope)
+        return address is not None and any(address in network for network in self.trusted)
 
     def _allowed(self, scope: Scope) -> bool:
-        path: str = scope["path"]
-        if path.startswith(PUBLIC_PREFIX) or path in PUBLIC_PATHS:
+        access = access_of(scope["path"])
+        if access is Access.PUBLIC:
+            return True
+        if access is Access.TRUSTED and self._from_trusted_network(scope):
             return True
         given = dict(scope["headers"]).get(b"authorization", b"")
         expected = f"Bearer {self.node.token}".encode()

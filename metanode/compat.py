@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import mimetypes
 import os
 import socket
@@ -52,6 +53,7 @@ from metanode.bodies import parse_json, read_body
 from metanode.errors import (
     CacheNotReady,
     DeprecatedField,
+    InvalidCid,
     InvalidJson,
     InvalidRequest,
     InvalidRid,
@@ -90,10 +92,16 @@ def _as_rid(text: str) -> str | None:
 
 def record_rid(node: Node, text: str) -> str:
     """The active rid that `{hash}` names: a rid (404 `unknown_rid` / `merged`) or any known CID
-    (404 `unknown_cid`; 400 `invalid_cid` for what is neither)."""
+    (404 `unknown_cid`, also for what is neither: MetaMesh clients read only a 404 as missing,
+    and meta-core answered 404 for any key it did not hold)."""
     node.require_ready()
     rid = _as_rid(text)
-    return node.active_rid(rid) if rid is not None else node.resolve_cid(text)[1]
+    if rid is not None:
+        return node.active_rid(rid)
+    try:
+        return node.resolve_cid(text)[1]
+    except InvalidCid as exc:
+        raise UnknownCid(f"no record is named {text!r}: {exc.message}") from None
 
 
 # -- the legacy writer --------------------------------------------------------------------------
@@ -543,7 +551,7 @@ class FilesFollow(_Follow[feed.FileFeedRow]):
 
 
 def routes(node: Node) -> list[BaseRoute]:
-    """The MetaMesh routes of one node (all behind the token: docs/compat.md)."""
+    """The MetaMesh routes of one node (the token, or a trusted network: docs/compat.md)."""
     writer = legacy_writer(node)
     roots = Roots.of(node.settings.watch_roots)
 
@@ -647,6 +655,23 @@ def routes(node: Node) -> list[BaseRoute]:
             }
         )
 
+    async def services(request: Request) -> Response:
+        """meta-core's service registry (`{"services": [ServiceInfo], "count"}`), which
+        meta-sort's and meta-fuse's navigation read: this node only, as nothing else is known to
+        be there (no registry, no discovery)."""
+        base = str(request.base_url).rstrip("/")
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        this = {
+            "name": "metanode",
+            "hostname": socket.gethostname(),
+            "baseUrl": base,
+            "apiUrl": base,
+            "healthUrl": f"{base}/health",
+            "status": "running",
+            "lastHeartbeat": now,
+        }
+        return JSONResponse({"services": [this], "count": 1})
+
     return [
         Route("/meta", list_meta),
         Route("/meta/{hash}", meta_record, methods=["GET", "PATCH"]),
@@ -656,4 +681,5 @@ def routes(node: Node) -> list[BaseRoute]:
         Route("/api/file/{cid}/info", file_info),
         Route("/file/{cid}", file_bytes),
         Route("/urls", urls),
+        Route("/api/services", services),
     ]

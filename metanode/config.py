@@ -9,6 +9,7 @@ then command-line flags. Every setting has a working default, so `metanode serve
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import tomllib
 from collections.abc import Mapping
@@ -103,6 +104,17 @@ class Settings:
         "Signer weight of the legacy writer, the node's own key that signs MetaMesh `/meta` "
         "writes.",
     )
+    trusted_networks: tuple[str, ...] = setting(
+        ("127.0.0.0/8", "::1/128"),
+        "Client networks (CIDRs, comma-separated in the environment) that reach the MetaMesh "
+        "compatibility routes without the token; anyone there can read the library and write "
+        "legacy claims (docs/compat.md).",
+    )
+    trusted_proxies: tuple[str, ...] = setting(
+        (),
+        "Reverse proxies (CIDRs, comma-separated in the environment) whose `X-Forwarded-For` "
+        "and `X-Forwarded-Proto` are believed; from anyone else the headers are ignored.",
+    )
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     log_access: bool = setting(
         False, "Log one line per HTTP request (costs about a fifth of the read rate)."
@@ -111,6 +123,18 @@ class Settings:
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65_535:
             raise InvalidRequest(f"setting port: {self.port} is not a TCP port (1 to 65535)")
+        networks("trusted_networks", self.trusted_networks)
+        networks("trusted_proxies", self.trusted_proxies)
+
+    @property
+    def trusted(self) -> tuple[Network, ...]:
+        """`trusted_networks`, parsed (checked when the settings were made)."""
+        return networks("trusted_networks", self.trusted_networks)
+
+    @property
+    def proxies(self) -> tuple[Network, ...]:
+        """`trusted_proxies`, parsed."""
+        return networks("trusted_proxies", self.trusted_proxies)
 
     @property
     def client_url(self) -> str:
@@ -134,6 +158,23 @@ class Settings:
     @property
     def keys_dir(self) -> Path:
         return self.data_dir / "keys"
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def networks(name: str, texts: tuple[str, ...]) -> tuple[Network, ...]:
+    """CIDRs parsed by the stdlib (a bare address is a /32 or /128; host bits are allowed), or
+    a clear error naming the setting: a typo must stop the node, not silently trust nobody."""
+    parsed = []
+    for text in texts:
+        try:
+            parsed.append(ipaddress.ip_network(text.strip(), strict=False))
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"setting {name}: {text!r} is not a CIDR network ({exc})"
+            ) from None
+    return tuple(parsed)
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
@@ -166,6 +207,8 @@ _LIST_SEPARATORS = {
     "watch_ignore": ",",
     "plugins_disabled": ",",
     "plugin_weights": ",",
+    "trusted_networks": ",",
+    "trusted_proxies": ",",
 }
 
 

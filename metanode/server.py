@@ -183,6 +183,10 @@ def run(app: ASGIApp, settings: Settings) -> None:
         access_log=False,
         log_config=None,
         http=protocol_for(settings),
+        # uvicorn believes X-Forwarded-For from 127.0.0.1 by default: a local client could then
+        # claim any address, trusted ones included. Only the configured proxies are believed.
+        proxy_headers=bool(settings.trusted_proxies),
+        forwarded_allow_ips=[str(network) for network in settings.proxies],
     )
     server = uvicorn.Server(config)
     server.run()

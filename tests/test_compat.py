@@ -135,7 +135,10 @@ async def test_a_missing_or_empty_property_is_404(client: httpx.AsyncClient) -> 
     envelope(await client.get(f"/meta/{CID_B}"), 404, "unknown_cid")
     envelope(await client.get(f"/meta/{CID_B}/title"), 404, "unknown_cid")
     envelope(await client.get(f"/meta/{rids.Minter().mint()}"), 404, "unknown_rid")
-    envelope(await client.get("/meta/not-a-cid"), 400, "invalid_cid")
+    # meta-core answered 404 for any key it did not hold, and MetaMesh clients read only a 404
+    # as missing: a {hash} that is neither a rid nor a CID is missing too, not a bad request
+    envelope(await client.get("/meta/not-a-cid"), 404, "unknown_cid")
+    envelope(await client.get("/meta/not-a-cid/title"), 404, "unknown_cid")
     envelope(await client.get(f"/meta/{CID_A}/"), 400, "invalid_request")
 
 
@@ -347,23 +350,53 @@ async def test_urls_has_no_redis_and_no_webdav(client: httpx.AsyncClient) -> Non
     }
 
 
-async def test_every_compat_route_needs_the_token(client: httpx.AsyncClient) -> None:
-    anonymous = {"Authorization": ""}
-    for method, path in (
-        ("GET", "/meta"),
-        ("GET", f"/meta/{CID_A}"),
-        ("PATCH", f"/meta/{CID_A}"),
-        ("GET", f"/meta/{CID_A}/title"),
-        ("PUT", f"/meta/{CID_A}/title"),
-        ("GET", "/api/events/meta"),
-        ("GET", "/api/events/files"),
-        ("GET", f"/api/file/{CID_A}/info"),
-        ("GET", f"/file/{CID_A}"),
-        ("GET", "/urls"),
-    ):
-        response = await client.request(method, path, headers=anonymous, content=b"{}")
-        envelope(response, 401, "unauthorized")
-    envelope(await client.delete(f"/meta/{CID_A}"), 405, "method_not_allowed")
+COMPAT_ROUTES = (
+    ("GET", "/meta"),
+    ("GET", f"/meta/{CID_A}"),
+    ("PATCH", f"/meta/{CID_A}"),
+    ("GET", f"/meta/{CID_A}/title"),
+    ("PUT", f"/meta/{CID_A}/title"),
+    ("GET", "/api/events/meta"),
+    ("GET", "/api/events/files"),
+    ("GET", f"/api/file/{CID_A}/info"),
+    ("GET", f"/file/{CID_A}"),
+    ("GET", "/urls"),
+    ("GET", "/api/services"),
+)
+
+
+async def test_every_compat_route_needs_the_token_outside_the_trusted_networks(
+    node: Node,
+) -> None:
+    transport = httpx.ASGITransport(app=create_app(node), client=("192.0.2.7", 4000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as stranger:
+        for method, path in COMPAT_ROUTES:
+            response = await stranger.request(method, path, content=b"{}")
+            envelope(response, 401, "unauthorized")
+        with_token = {"Authorization": f"Bearer {node.token}"}
+        assert (await stranger.get("/meta", headers=with_token)).status_code == 200
+        envelope(
+            await stranger.delete(f"/meta/{CID_A}", headers=with_token), 405, "method_not_allowed"
+        )
+
+
+async def test_api_services_lists_this_node_only(client: httpx.AsyncClient) -> None:
+    response = await client.get("/api/services")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["count"] == 1 and len(body["services"]) == 1
+    this = body["services"][0]
+    heartbeat = this.pop("lastHeartbeat")
+    assert this == {
+        "name": "metanode",
+        "hostname": socket.gethostname(),
+        "baseUrl": "http://node",
+        "apiUrl": "http://node",
+        "healthUrl": "http://node/health",
+        "status": "running",
+    }
+    assert heartbeat.endswith("Z") and len(heartbeat) == len("2026-01-01T00:00:00Z")
+    assert (await client.get("/health")).status_code == 200  # the health URL answers
 
 
 # -- GET /api/file/{cid}/info, GET /file/{cid} ---------------------------------------------------

@@ -800,6 +800,8 @@ async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient, tmp_
     error_of(refused, 416, "range_not_satisfiable")
     assert refused.headers["content-range"] == f"bytes */{len(CONTENT)}"
     conforms(await client.get("/urls"), compat("urls"), 200)
+    services = conforms(await client.get("/api/services"), compat("services"), 200)
+    assert services["services"][0]["baseUrl"] == "http://node"
 
     deprecated = error_of(
         await client.patch(f"/meta/{midhash}", json={"cid_sha256": "x"}), 400, "deprecated_field"
@@ -812,7 +814,7 @@ async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient, tmp_
     error_of(await client.put(f"/meta/{midhash}/a", content=b"\xff"), 400, "invalid_value")
     error_of(await client.get(f"/meta/{midhash}/missing"), 404, "not_found")
     error_of(await client.get(f"/meta/{midhash}/"), 400, "invalid_request")
-    error_of(await client.get("/meta/not-a-cid"), 400, "invalid_cid")
+    error_of(await client.get("/meta/not-a-cid"), 404, "unknown_cid")
     error_of(await client.get(f"/meta/{unknown}"), 404, "unknown_cid")
     unknown_rid = rids.encode(0x0190_0000_0000_7000_8000_0000_0000_0001)
     error_of(await client.get(f"/meta/{unknown_rid}"), 404, "unknown_rid")

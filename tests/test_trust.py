@@ -1,0 +1,188 @@
+"""Who may use which route, decided by the client address (`trusted_networks`, `trusted_proxies`;
+docs/compat.md "Access", docs/api.md "Perimeter"), against a real `metanode serve`.
+
+The server trusts only 127.0.0.1/32; the untrusted client is the same machine connecting from
+127.0.0.2 (every 127/8 address is on Linux's loopback interface), so the test needs no second
+host and exercises the very address uvicorn reports, not a stand-in.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metanode.api import Access, access_of
+from tests.helpers.server import Server
+
+CONTENT = b"trusted networks " * 4096
+TRUSTED, UNTRUSTED = "127.0.0.1", "127.0.0.2"
+WAIT_S = 60.0
+OPENAPI = json.loads((Path(__file__).parents[1] / "schemas" / "openapi.json").read_text("utf-8"))
+
+
+def client_from(address: str) -> httpx.Client:
+    """An HTTP client whose connections leave from `address`."""
+    return httpx.Client(transport=httpx.HTTPTransport(local_address=address), timeout=30)
+
+
+def start(tmp_path: Path, **env: str) -> Server:
+    """A server trusting only 127.0.0.1, with one media file hashed and one legacy record."""
+    media = tmp_path / "media"
+    media.mkdir()
+    (media / "film.mkv").write_bytes(CONTENT)
+    server = Server(tmp_path / "data", env={"METANODE_TRUSTED_NETWORKS": "127.0.0.1/32", **env})
+    return server.start()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    srv = start(tmp_path)
+    yield srv
+    srv.stop()
+    srv.print_log()
+
+
+def hashed_cid(server: Server) -> str:
+    """The midhash of the media file, once the watcher has hashed it (polled, no timer race)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        files = httpx.get(f"{server.url}/api/files", headers=server.headers, timeout=10).json()
+        if files["files"]:
+            return str(files["files"][0]["midhash"])
+        time.sleep(0.1)
+    raise AssertionError(f"the watcher did not hash the media file in {WAIT_S} s")
+
+
+def compat_routes(cid: str) -> list[tuple[str, str, bytes | None]]:
+    """One request of every MetaMesh route family that answers 200 on this node."""
+    return [
+        ("GET", "/meta", None),
+        ("GET", f"/meta/{cid}", None),
+        ("PATCH", f"/meta/{cid}", b'{"title": "T"}'),
+        ("PUT", f"/meta/{cid}/year", b'{"value": "1999"}'),
+        ("GET", f"/meta/{cid}/title", None),
+        ("GET", f"/api/file/{cid}/info", None),
+        ("GET", f"/file/{cid}", None),
+        ("GET", "/urls", None),
+        ("GET", "/api/services", None),
+    ]
+
+
+STREAMS = ("/api/events/meta", "/api/events/files")
+NATIVE = ("/api/signers", "/api/hash-ids", "/api/files", "/api/plugins", "/api/events", "/metrics")
+
+
+def status_of(client: httpx.Client, method: str, url: str, **kwargs: object) -> int:
+    """The status of a request; a stream is closed as soon as its head has arrived."""
+    with client.stream(method, url, **kwargs) as response:  # type: ignore[arg-type]
+        if response.status_code != 200:
+            response.read()
+            assert response.json()["error"] == "unauthorized", response.text
+        return response.status_code
+
+
+def test_compat_routes_are_open_to_trusted_networks_only(server: Server) -> None:
+    cid = hashed_cid(server)
+    routes = [*compat_routes(cid), *(("GET", path, None) for path in STREAMS)]
+    with client_from(TRUSTED) as trusted, client_from(UNTRUSTED) as untrusted:
+        for method, path, body in routes:
+            url = f"{server.url}{path}"
+            assert status_of(untrusted, method, url, content=body) == 401, path
+            assert status_of(untrusted, method, url, content=body, headers=server.headers) == 200
+            assert status_of(trusted, method, url, content=body) == 200, path
+        assert untrusted.get(f"{server.url}/meta/{cid}/title", headers=server.headers).text == "T"
+
+
+def test_native_routes_need_the_token_from_everywhere(server: Server) -> None:
+    with client_from(TRUSTED) as trusted, client_from(UNTRUSTED) as untrusted:
+        for client in (trusted, untrusted):
+            for path in NATIVE:
+                url = f"{server.url}{path}"
+                assert status_of(client, "GET", url) == 401, path
+                assert status_of(client, "GET", url, headers=server.headers) == 200, path
+            for path in ("/health", "/openapi.json", "/api/meta/not-a-cid"):  # public as before
+                assert client.get(f"{server.url}{path}").status_code in (200, 400), path
+
+
+def test_a_spoofed_forwarded_for_does_not_make_a_client_trusted(server: Server) -> None:
+    spoofed = {"X-Forwarded-For": TRUSTED}
+    with client_from(UNTRUSTED) as untrusted:
+        for path in ("/meta", "/urls", "/api/services"):
+            assert status_of(untrusted, "GET", f"{server.url}{path}", headers=spoofed) == 401
+
+
+def test_forwarded_headers_are_ignored_from_loopback_too(tmp_path: Path) -> None:
+    """uvicorn's own default believes X-Forwarded-* from 127.0.0.1; with no trusted_proxies
+    metanode does not, so a local client cannot take on another (trusted) address."""
+    server = start(tmp_path, METANODE_TRUSTED_NETWORKS=f"{UNTRUSTED}/32")
+    try:
+        with client_from(TRUSTED) as local:
+            meta = f"{server.url}/meta"
+            assert status_of(local, "GET", meta, headers={"X-Forwarded-For": UNTRUSTED}) == 401
+            forwarded = {**server.headers, "X-Forwarded-Proto": "https"}
+            urls = local.get(f"{server.url}/urls", headers=forwarded).json()
+            assert urls["baseUrl"] == server.url, urls
+    finally:
+        server.stop()
+        server.print_log()
+
+
+def test_a_configured_proxy_is_believed(tmp_path: Path) -> None:
+    server = start(tmp_path, METANODE_TRUSTED_PROXIES=UNTRUSTED)
+    try:
+        with client_from(UNTRUSTED) as proxy, client_from(TRUSTED) as trusted:
+            meta = f"{server.url}/meta"
+            assert status_of(proxy, "GET", meta) == 401  # the proxy itself is not trusted
+            assert status_of(proxy, "GET", meta, headers={"X-Forwarded-For": TRUSTED}) == 200
+            # the proxy forwarding an outside client: that client's address decides
+            outside = {"X-Forwarded-For": "192.0.2.9"}
+            assert status_of(proxy, "GET", meta, headers=outside) == 401
+            # a client that is no proxy is not believed, even a trusted one
+            assert status_of(trusted, "GET", meta, headers=outside) == 200
+    finally:
+        server.stop()
+        server.print_log()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("TRUSTED_NETWORKS", "10.0.0.0/33"), ("TRUSTED_NETWORKS", "lan"), ("TRUSTED_PROXIES", "::g")],
+)
+def test_a_malformed_cidr_refuses_to_start(tmp_path: Path, name: str, value: str) -> None:
+    env = {**Server(tmp_path / "data").base_env(), f"METANODE_{name}": value}
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "serve", "--data-dir", str(tmp_path / "data")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: invalid_request: setting {name.lower()}: {value!r}")
+
+
+@given(st.from_regex(r"[a-zA-Z0-9._~%-]{1,20}", fullmatch=True))
+def test_every_documented_route_is_in_the_family_its_document_says(value: str) -> None:
+    """The perimeter's table agrees with the OpenAPI document for every route, whatever a path
+    parameter holds: the compat tag is TRUSTED, `security: []` PUBLIC, the rest TOKEN."""
+    for template, item in OPENAPI["paths"].items():
+        path = re.sub(r"\{[^}]+\}", value, template)
+        for operation in item.values():
+            if operation.get("security") == []:
+                expected = Access.PUBLIC
+            elif "compat" in operation.get("tags", []):
+                expected = Access.TRUSTED
+            else:
+                expected = Access.TOKEN
+            assert access_of(path) is expected, (template, path)
