@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from metanode import cache, claims, feed, maintenance, merge, plugins, sse, truth, watcher
+from metanode import cache, claims, datadir, feed, maintenance, merge, plugins, sse, truth, watcher
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.applier import STALL_S, Applier
@@ -70,7 +70,7 @@ class Node:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        maintenance.open_store(self.settings)
+        datadir.secure(self.settings.data_dir)  # the stores migrate their schemas as they open
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
         self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
