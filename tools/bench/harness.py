@@ -34,6 +34,21 @@ STOP_TIMEOUT_S = 30.0
 REPO = Path(__file__).resolve().parents[2]
 
 
+# The keys the read benchmarks give their records (a record has the first N of them).
+RECORD_KEYS = (
+    "title",
+    "year",
+    "genre",
+    "director",
+    "language",
+    "runtime",
+    "country",
+    "rating",
+    "description",
+    "studio",
+)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

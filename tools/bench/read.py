@@ -52,18 +52,6 @@ from metanode import claims, config
 from metanode.clock import now_ms
 
 GOAL = 0.6
-KEYS = (
-    "title",
-    "year",
-    "genre",
-    "director",
-    "language",
-    "runtime",
-    "country",
-    "rating",
-    "description",
-    "studio",
-)
 BARE_APP = Path(__file__).with_name("bare_app.py")
 
 LUA = """
@@ -98,7 +86,7 @@ def populate(server: harness.ServerProc, data_dir: Path, records: int, keys: int
     signed = [
         claims.sign(key, cid, name, f"{name} of record {i}", ts)
         for i, cid in enumerate(known)
-        for name in KEYS[:keys]
+        for name in harness.RECORD_KEYS[:keys]
     ]
     harness.post_all(
         server,
@@ -331,8 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         help="afterwards, time the parts of a request in-process (no network)",
     )
     args = parser.parse_args(argv)
-    if not 1 <= args.keys <= len(KEYS) or args.records < 1 or args.rounds < 1:
-        parser.error(f"need --records >= 1, 1 <= --keys <= {len(KEYS)}, --rounds >= 1")
+    if not 1 <= args.keys <= len(harness.RECORD_KEYS) or args.records < 1 or args.rounds < 1:
+        parser.error(
+            f"need --records >= 1, 1 <= --keys <= {len(harness.RECORD_KEYS)}, --rounds >= 1"
+        )
     client = args.client
     if client == "auto":
         client = "wrk" if shutil.which("wrk") else "httpx"

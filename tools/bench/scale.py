@@ -46,18 +46,6 @@ from metanode import claims, config, maintenance, rid, truth
 from metanode.clock import now_ms
 
 GOAL = 1.5
-KEYS = (
-    "title",
-    "year",
-    "genre",
-    "director",
-    "language",
-    "runtime",
-    "country",
-    "rating",
-    "description",
-    "studio",
-)
 DB_FILES = ("truth.db", "cache.db")
 MARKER = "bench-built.json"
 
@@ -71,7 +59,7 @@ def sign_chunk(job: tuple[bytes, str, int, int, int, int]) -> list[Signed]:
     out: list[Signed] = []
     for r in range(first, first + records):
         cid = cids.midhash_bytes(os.urandom(32))
-        for name in KEYS[:per]:
+        for name in harness.RECORD_KEYS[:per]:
             value = f"{name} of record {r}"
             sig = key.sign(claims.signing_bytes(uid, cid, name, value, ts)).signature
             out.append((cid, name, value, sig))
@@ -232,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         help="keep (and reuse) the built data directories here",
     )
     args = parser.parse_args(argv)
-    if not 1 <= args.keys_per_record <= len(KEYS):
-        parser.error(f"--keys-per-record must be 1 to {len(KEYS)}")
+    if not 1 <= args.keys_per_record <= len(harness.RECORD_KEYS):
+        parser.error(f"--keys-per-record must be 1 to {len(harness.RECORD_KEYS)}")
     if not args.keys_per_record <= args.small <= args.claims or args.requests < 1:
         parser.error("need keys-per-record <= --small <= --claims and --requests >= 1")
 
