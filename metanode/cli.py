@@ -244,7 +244,9 @@ def init(config_file: str | None, data_dir: str | None) -> None:
     settings = load_settings(config_file, data_dir=data_dir)
     maintenance.open_store(settings)
     token, created = maintenance.ensure_token(settings.token_path)
+    owner, _ = maintenance.ensure_owner(settings)
     click.echo(f"data directory: {settings.data_dir.resolve()}")
+    click.echo(f"owner key: {owner} (signer `owner`, in {settings.keys_dir})")
     if created:
         click.echo(f"API token (also in {settings.token_path}): {token}")
     else:

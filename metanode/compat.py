@@ -26,13 +26,11 @@ import os
 import socket
 import stat
 import time
-import weakref
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import nacl.signing
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import (
@@ -47,7 +45,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from metanode import cid as cids
-from metanode import claims, feed, keys, merge, sse
+from metanode import claims, feed, merge, sse
 from metanode import rid as rids
 from metanode.bodies import parse_json, read_body
 from metanode.errors import (
@@ -65,7 +63,6 @@ from metanode.errors import (
 )
 from metanode.node import Node
 
-LEGACY_NAME = "legacy-writer"
 IGNORED_FIELDS = frozenset({"__fields__"})  # meta-core drops it from writes silently, so do we
 MAX_PROPERTY_BODY = 1024 * 1024  # meta-core reads a property body into a 1 MiB buffer
 
@@ -115,34 +112,13 @@ class Written:
 
 
 class LegacyWriter:
-    """Signs `/meta` writes with the node's own key, one request at a time.
-
-    Serialised by a lock so its timestamps strictly increase: a later write always wins over an
-    earlier one of this signer, whichever CID of the group each named.
-    """
+    """Signs `/meta` writes with the node's own legacy-writer key (`Node.legacy`), one request
+    at a time: a later write always wins over an earlier one of this signer, whichever CID of
+    the group each named."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.path = node.settings.keys_dir / f"{LEGACY_NAME}.key"
-        self._lock = asyncio.Lock()
-        self._key: nacl.signing.SigningKey | None = None
-        self.uid = ""
-        self._last_ts = 0
-
-    async def register(self) -> None:
-        """Load (or create) the key and register it: weight from the settings, may link."""
-        async with self._lock:
-            await self._register()
-
-    async def _register(self) -> nacl.signing.SigningKey:
-        if self._key is None:
-            key = await asyncio.to_thread(keys.load_or_create, self.path)
-            uid = keys.uid_of_key(key)
-            await self.node.register_signer(
-                uid, LEGACY_NAME, self.node.settings.legacy_writer_weight, True
-            )
-            self._key, self.uid, self._last_ts = key, uid, self.node.newest_ts(uid)
-        return self._key
+        self.signer = node.legacy
 
     def _target(self, text: str) -> tuple[str, str | None]:
         """(the CID a claim about `{hash}` names, the rid of its group or None if it has none).
@@ -175,8 +151,8 @@ class LegacyWriter:
         for field, value in fields.items():
             claims.check_key(field)
             claims.check_value(value, self.node.limits)
-        async with self._lock:
-            key = await self._register()
+        async with self.signer.lock:
+            await self.signer.register()
             cid, rid = self._target(text)
             if not fields:
                 if rid is None:
@@ -187,35 +163,21 @@ class LegacyWriter:
             if rid is not None and retracted:
                 drafts += [
                     (c.cid, c.key, None)
-                    for c in self.node.live_claims(rid, retracted, self.uid)
+                    for c in self.node.live_claims(rid, retracted, self.signer.uid)
                     if c.cid != cid
                 ]
-            ts = max(self.node.clock(), self._last_ts + 1)
-            wire: list[object] = [claims.sign(key, c, k, v, ts).wire() for c, k, v in drafts]
-            answer = await self.node.ingest_wire(wire)
-            self._last_ts = ts
+            answer = await self.signer.sign_and_ingest(drafts)
         after = self.node.group_of(cid)
         assert after is not None  # the claims were stored, so their CID is grouped
         return Written(answer.status, self.node.survivor(after), len(fields))
-
-
-_writers: weakref.WeakKeyDictionary[Node, LegacyWriter] = weakref.WeakKeyDictionary()
-
-
-def legacy_writer(node: Node) -> LegacyWriter:
-    writer = _writers.get(node)
-    if writer is None:
-        writer = _writers[node] = LegacyWriter(node)
-    return writer
 
 
 async def start(node: Node) -> None:
     """At server start (after `node.start()`): re-register the legacy writer if it has signed
     before, so a changed `legacy_writer_weight` re-merges its votes at once. A node that never
     had a legacy write gets its key and signer row on the first one."""
-    writer = legacy_writer(node)
-    if writer.path.exists():
-        await writer.register()
+    if node.legacy.path.exists():
+        await node.legacy.register()
 
 
 # -- request bodies -----------------------------------------------------------------------------
@@ -552,7 +514,7 @@ class FilesFollow(_Follow[feed.FileFeedRow]):
 
 def routes(node: Node) -> list[BaseRoute]:
     """The MetaMesh routes of one node (the token, or a trusted network: docs/compat.md)."""
-    writer = legacy_writer(node)
+    writer = LegacyWriter(node)
     roots = Roots.of(node.settings.watch_roots)
 
     async def list_meta(request: Request) -> Response:

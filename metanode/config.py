@@ -99,6 +99,11 @@ class Settings:
     plugin_timeout_s: float = setting(600.0, "A plugin run taking longer fails.")
     plugin_max_attempts: int = setting(3, "Attempts of a failing run before it stays failed.")
     plugin_retry_s: float = setting(5.0, "First retry delay of a failed run (then 4×, 16×…).")
+    owner_weight: int = setting(
+        100,
+        "Signer weight of the box owner, the key in `keys/owner.key` that signs what a person "
+        "fixes on the web page; above every plugin's default, so the owner's word wins.",
+    )
     legacy_writer_weight: int = setting(
         1,
         "Signer weight of the legacy writer, the node's own key that signs MetaMesh `/meta` "

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, datadir, truth
+from metanode import cache, claims, datadir, keys, truth
 from metanode import rid as rids
 from metanode.applier import cache_needs_build
 from metanode.clock import now_ms
@@ -44,6 +44,22 @@ def ensure_token(path: Path) -> tuple[str, bool]:
     with os.fdopen(fd, "w") as out:
         out.write(token + "\n")
     return token, True
+
+
+OWNER_NAME = "owner"  # the box owner's signer: what a person fixes on the web page
+
+
+def own_key_path(settings: Settings, name: str) -> Path:
+    """The key file of a signer the node holds itself (`owner`, `legacy-writer`)."""
+    return settings.keys_dir / f"{name}.key"
+
+
+def ensure_owner(settings: Settings) -> tuple[str, bool]:
+    """The box owner's key (`keys/owner.key`, mode 0600), created at `init`: (uid, created now).
+    `metanode serve` registers it as signer `owner` with `owner_weight`."""
+    path = own_key_path(settings, OWNER_NAME)
+    created = not path.exists()
+    return keys.uid_of_key(keys.load_or_create(path)), created
 
 
 def open_store(settings: Settings) -> None:

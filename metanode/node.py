@@ -20,7 +20,19 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from metanode import cache, claims, datadir, feed, maintenance, merge, plugins, sse, truth, watcher
+from metanode import (
+    cache,
+    claims,
+    datadir,
+    feed,
+    maintenance,
+    merge,
+    plugins,
+    signer,
+    sse,
+    truth,
+    watcher,
+)
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.applier import STALL_S, Applier
@@ -42,6 +54,8 @@ from metanode.metrics import Metrics
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+OWNER_NAME = maintenance.OWNER_NAME
+LEGACY_NAME = "legacy-writer"  # signs MetaMesh `/meta` writes (compat.py)
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,13 @@ class Node:
         )
         self.metrics = Metrics(self._gauges)
         self.subscribers = 0
+        self.owner = self._own_signer(OWNER_NAME, settings.owner_weight)
+        self.legacy = self._own_signer(LEGACY_NAME, settings.legacy_writer_weight)
+
+    def _own_signer(self, name: str, weight: int) -> signer.OwnSigner:
+        """A signer whose key file is `keys/<name>.key`, registered as `name`."""
+        path = maintenance.own_key_path(self.settings, name)
+        return signer.OwnSigner(path, name, weight, self, self.ingest_wire, self.clock)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -78,6 +99,7 @@ class Node:
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)
         self.file_hub = feed.Hub(self.cache, lambda: self.applier.state, table=feed.FILE_FEED)
         self.applier.start()
+        await self.owner.register()  # its key is made at `init`, or here on a first start
         self._pruner = asyncio.create_task(self._retention(), name="retention")
         self.plugin_host: plugins.Host | None = None
         if self.settings.plugins_enabled:
@@ -330,6 +352,12 @@ class Node:
         row = await self.truth.add_signer(uid, name, weight, may_link)
         self.applier.wake()
         return row
+
+    async def owner_says(self, drafts: Sequence[signer.Draft]) -> IngestAnswer:
+        """Sign `drafts` (cid, key, value or None to revert) with the box owner's key and ingest
+        them as one batch: what a person fixes on the web page, outranking the plugins."""
+        answer: IngestAnswer = await self.owner.say(drafts)
+        return answer
 
     def newest_ts(self, uid: str) -> int:
         """The newest ts of any claim stored from `uid` (0: none)."""
