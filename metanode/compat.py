@@ -45,7 +45,7 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from metanode import cid as cids
-from metanode import claims, feed, merge, sse
+from metanode import claims, feed, merge, signer, sse
 from metanode import rid as rids
 from metanode.bodies import parse_json, read_body
 from metanode.errors import (
@@ -63,7 +63,6 @@ from metanode.errors import (
 )
 from metanode.node import Node
 
-IGNORED_FIELDS = frozenset({"__fields__"})  # meta-core drops it from writes silently, so do we
 MAX_PROPERTY_BODY = 1024 * 1024  # meta-core reads a property body into a 1 MiB buffer
 
 
@@ -104,17 +103,69 @@ def record_rid(node: Node, text: str) -> str:
 # -- the legacy writer --------------------------------------------------------------------------
 
 
+# What a MetaMesh writer sends but the node derives itself, from the watcher's local files and the
+# group's members: never a claim, so a PATCH carrying them (meta-sort's, or a read-modify-write
+# of `GET /meta/{hash}`) writes the rest and names these in `ignored`. `__fields__` is meta-core's
+# own field index.
+BOX_LOCAL_FIELDS = frozenset(
+    {*claims.LOCAL_KEYS, "sizeByte", "paths", "cids", "hashId", "__fields__"}
+)
+
+
+def is_box_local(field: str) -> bool:
+    return field in BOX_LOCAL_FIELDS or field.startswith("paths/")
+
+
+def link_spelling(field: str) -> str:
+    """`cids/<cid>` with the member in canonical spelling (any accepted spelling is read), so a
+    MetaMesh writer's base58 or upper-case member links instead of failing the whole write."""
+    if not field.startswith(claims.LINK_PREFIX):
+        return field
+    member = field[len(claims.LINK_PREFIX) :]
+    try:
+        return claims.LINK_PREFIX + cids.normalise(member)
+    except InvalidCid:
+        return field  # check_key names the member's fault
+
+
+@dataclass(frozen=True)
+class Fields:
+    """A legacy write's fields sorted out: what becomes claims, and what the node ignores."""
+
+    claims: dict[str, str]
+    ignored: list[str]
+
+    @classmethod
+    def of(cls, fields: dict[str, str], node: Node) -> Fields:
+        """Check every field first (nothing is written if one fails): a deprecated per-algorithm
+        CID shape is refused, box-local fields are set aside, the rest must be valid claims."""
+        for field in fields:
+            if is_deprecated(field):
+                raise DeprecatedField(
+                    f"field {field!r} is a removed per-algorithm CID shape; write the bare-CID "
+                    'key-set instead: "cids/<cid>": "true"',
+                    field=field,
+                )
+        kept = {link_spelling(k): v for k, v in fields.items() if not is_box_local(k)}
+        for field, value in kept.items():
+            claims.check_key(field)
+            claims.check_value(value, node.limits)
+        return cls(kept, sorted(k for k in fields if is_box_local(k)))
+
+
 @dataclass(frozen=True)
 class Written:
     status: int  # 200, or 202 when the cache did not apply the claims in time
     rid: str  # the record the CID is in afterwards (a `cids/` field may have merged it)
-    updated: int  # fields written (`__fields__` is dropped)
+    updated: int  # claims written (votes and retractions)
+    ignored: tuple[str, ...] = ()  # box-local fields the node derives itself
 
 
 class LegacyWriter:
     """Signs `/meta` writes with the node's own legacy-writer key (`Node.legacy`), one request
     at a time: a later write always wins over an earlier one of this signer, whichever CID of
-    the group each named."""
+    the group each named. Each write holds the signer's lock over what it reads (the target,
+    the signer's live votes, a set's current value) and what it signs."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
@@ -134,42 +185,72 @@ class LegacyWriter:
             return canonical, rid
         return self.node.grouped_spelling(text)
 
+    def _existing(self, text: str) -> tuple[str, str]:
+        """(target CID, rid) of a record that must exist: deleting or adding to nothing is 404."""
+        cid, rid = self._target(text)
+        if rid is None:
+            raise UnknownCid(f"no record holds {cid}")
+        return cid, rid
+
+    async def _ingest(self, cid: str, drafts: list[signer.Draft], ignored: list[str]) -> Written:
+        answer = await self.signer.sign_and_ingest(drafts)
+        after = self.node.group_of(cid)
+        assert after is not None  # the claims were stored, so their CID is grouped
+        return Written(answer.status, self.node.survivor(after), len(drafts), tuple(ignored))
+
     async def write(self, text: str, fields: dict[str, str]) -> Written:
         """Sign `fields` as claims about the CID `{hash}` names and ingest them.
 
         "" is a retraction: a tombstone on that CID and on every other CID of the group where
         this signer still has a live vote on the key.
         """
-        for field in fields:
-            if is_deprecated(field):
-                raise DeprecatedField(
-                    f"field {field!r} is a removed per-algorithm CID shape; write the bare-CID "
-                    'key-set instead: "cids/<cid>": "true"',
-                    field=field,
-                )
-        fields = {k: v for k, v in fields.items() if k not in IGNORED_FIELDS}
-        for field, value in fields.items():
-            claims.check_key(field)
-            claims.check_value(value, self.node.limits)
+        sorted_out = Fields.of(fields, self.node)
         async with self.signer.lock:
             await self.signer.register()
             cid, rid = self._target(text)
-            if not fields:
+            if not sorted_out.claims:
                 if rid is None:
                     raise UnknownCid(f"no record holds {cid}")
-                return Written(200, self.node.survivor(rid), 0)
-            drafts = [(cid, field, value or None) for field, value in fields.items()]
-            retracted = [field for field, value in fields.items() if not value]
+                return Written(200, self.node.survivor(rid), 0, tuple(sorted_out.ignored))
+            written = sorted_out.claims.items()
+            drafts: list[signer.Draft] = [(cid, k, v or None) for k, v in written]
+            retracted = [field for field, value in written if not value]
             if rid is not None and retracted:
                 drafts += [
                     (c.cid, c.key, None)
                     for c in self.node.live_claims(rid, retracted, self.signer.uid)
                     if c.cid != cid
                 ]
-            answer = await self.signer.sign_and_ingest(drafts)
-        after = self.node.group_of(cid)
-        assert after is not None  # the claims were stored, so their CID is grouped
-        return Written(answer.status, self.node.survivor(after), len(fields))
+            done = await self._ingest(cid, drafts, sorted_out.ignored)
+        return Written(done.status, done.rid, len(sorted_out.claims), done.ignored)
+
+    async def retract_all(self, text: str) -> Written:
+        """`DELETE /meta/{hash}`: tombstone every live vote of this signer on the record (its
+        values and its links; a retracted link splits nothing). Other signers' claims stay:
+        claims are never deleted, so the record keeps what the watcher and plugins say."""
+        async with self.signer.lock:
+            await self.signer.register()
+            cid, rid = self._existing(text)
+            live = self.node.live_claims(rid, None, self.signer.uid)
+            if not live:
+                return Written(200, self.node.survivor(rid), 0)
+            return await self._ingest(cid, [(c.cid, c.key, None) for c in live], [])
+
+    async def add_to_set(self, text: str, key: str, value: str) -> tuple[Written, bool]:
+        """`POST /meta/{hash}/_add/{key}`: meta-core's pipe-delimited set. The merged value is
+        split on `|`; a member already there adds nothing (`added` false), else this signer
+        votes the set with the member appended."""
+        claims.check_key(key)
+        async with self.signer.lock:
+            await self.signer.register()
+            cid, rid = self._existing(text)
+            current = self.node.record_value(rid, key) or ""
+            members = current.split("|") if current else []
+            if value in members:
+                return Written(200, self.node.survivor(rid), 0), False
+            joined = "|".join([*members, value])
+            claims.check_value(joined, self.node.limits)
+            return await self._ingest(cid, [(cid, key, joined)], []), True
 
 
 async def start(node: Node) -> None:
@@ -531,7 +612,18 @@ def routes(node: Node) -> list[BaseRoute]:
             fields = patch_fields(body, node.settings.max_batch_claims)
             done = await writer.write(text, fields)
             return JSONResponse(
-                {"success": True, "hashId": done.rid, "updated": done.updated},
+                {
+                    "success": True,
+                    "hashId": done.rid,
+                    "updated": done.updated,
+                    "ignored": list(done.ignored),
+                },
+                status_code=done.status,
+            )
+        if request.method == "DELETE":
+            done = await writer.retract_all(text)
+            return JSONResponse(
+                {"success": True, "hashId": done.rid, "deleted": done.updated},
                 status_code=done.status,
             )
         rid = record_rid(node, text)
@@ -552,11 +644,30 @@ def routes(node: Node) -> list[BaseRoute]:
             return JSONResponse(
                 {"success": True, "hashId": done.rid, "property": key}, status_code=done.status
             )
+        if request.method == "DELETE":  # meta-core's property delete: this signer's retraction
+            done = await writer.write(text, {key: ""})
+            return JSONResponse(
+                {"success": True, "hashId": done.rid, "property": key}, status_code=done.status
+            )
         rid = record_rid(node, text)
         stored = node.record_value(rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
         return PlainTextResponse(stored)
+
+    async def add_to_set(request: Request) -> Response:
+        text, key = request.path_params["hash"], request.path_params["key"]
+        if not key:
+            raise InvalidRequest("a key is required: /meta/{hash}/_add/{key}")
+        body = await read_body(request, MAX_PROPERTY_BODY, node.settings.body_timeout_s)
+        value = property_value(body) if body else ""
+        if not value:
+            raise InvalidRequest('a value is required: {"value": "…"} or the value as text')
+        done, added = await writer.add_to_set(text, key, value)
+        return JSONResponse(
+            {"success": True, "hashId": done.rid, "property": key, "added": added},
+            status_code=done.status,
+        )
 
     def follow(request: Request, kind: type[_Follow[Any]]) -> Response:
         node.require_ready()
@@ -636,8 +747,9 @@ def routes(node: Node) -> list[BaseRoute]:
 
     return [
         Route("/meta", list_meta),
-        Route("/meta/{hash}", meta_record, methods=["GET", "PATCH"]),
-        Route("/meta/{hash}/{key:path}", meta_property, methods=["GET", "PUT"]),
+        Route("/meta/{hash}", meta_record, methods=["GET", "PATCH", "DELETE"]),
+        Route("/meta/{hash}/_add/{key:path}", add_to_set, methods=["POST"]),
+        Route("/meta/{hash}/{key:path}", meta_property, methods=["GET", "PUT", "DELETE"]),
         Route("/api/events/meta", events_meta),
         Route("/api/events/files", events_files),
         Route("/api/file/{cid}/info", file_info),

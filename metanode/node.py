@@ -477,8 +477,8 @@ class Node:
         """The active rid `rid` is now part of (itself if active)."""
         return self.truth.survivor(rid)
 
-    def live_claims(self, rid: str, keys: list[str], uid: str) -> list[claims.Claim]:
-        """`uid`'s live claims on `keys` over every CID of group `rid`."""
+    def live_claims(self, rid: str, keys: list[str] | None, uid: str) -> list[claims.Claim]:
+        """`uid`'s live claims on `keys` (None: every key) over every CID of group `rid`."""
         return self.truth.group_claims(rid, keys=keys, uid=uid)
 
     def hash_ids(self, after: str | None, limit: int) -> dict[str, Any]:

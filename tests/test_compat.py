@@ -151,7 +151,7 @@ async def test_patch_to_an_unknown_cid_creates_it_signed_by_the_legacy_writer(
     response = await client.patch(f"/meta/{CID_A}", json={"title": "T", "year": "1999"})
     assert response.status_code == 200, response.text
     rid = await rid_of(client, CID_A)
-    assert response.json() == {"success": True, "hashId": rid, "updated": 2}
+    assert response.json() == {"success": True, "hashId": rid, "updated": 2, "ignored": []}
     uid = legacy_uid(node)
     key_file = node.settings.keys_dir / "legacy-writer.key"
     assert key_file.stat().st_mode & 0o777 == 0o600
@@ -236,7 +236,7 @@ async def test_a_rid_names_the_canonical_cid_and_a_cid_names_itself(
     )
     rid = await rid_of(client, CID_A)
     response = await client.patch(f"/meta/{rid}", json={"genre": "SF"})
-    assert response.json() == {"success": True, "hashId": rid, "updated": 1}
+    assert response.json() == {"success": True, "hashId": rid, "updated": 1, "ignored": []}
     await client.put(f"/meta/{CID_A}/note", json={"value": "n"})
     await post(client, alice.claim(CID_B, "title", "B"))
     alias = cids.alias(CID_B)
@@ -262,7 +262,7 @@ async def test_an_empty_value_retracts_the_legacy_vote_on_every_cid_of_the_group
     await client.patch(f"/meta/{rid}", json={"other": "x"})  # names SHA_A
     assert (await client.get(f"/meta/{rid}/note")).text == "first"
     response = await client.patch(f"/meta/{rid}", json={"note": ""})
-    assert response.json() == {"success": True, "hashId": rid, "updated": 1}
+    assert response.json() == {"success": True, "hashId": rid, "updated": 1, "ignored": []}
     envelope(await client.get(f"/meta/{rid}/note"), 404, "not_found")
     live = {
         (c["cid"], c["key"])
@@ -285,17 +285,14 @@ async def test_deprecated_fields_are_refused_and_nothing_is_written(
     envelope(await client.get(f"/meta/{CID_A}"), 404, "unknown_cid")  # nothing was written
 
 
-async def test_other_reserved_and_invalid_fields_get_the_normal_validation_errors(
+async def test_invalid_fields_get_the_normal_validation_errors_and_nothing_is_written(
     client: httpx.AsyncClient,
 ) -> None:
     for fields, slug in (
-        ({"filePath": "/x"}, "reserved_key"),
-        ({"cids": "x"}, "reserved_key"),
-        ({"hashId": "x"}, "reserved_key"),
-        ({"paths": "x"}, "reserved_key"),
         ({"a//b": "x"}, "invalid_key"),
         ({"cids/not-a-cid": "true"}, "invalid_member_cid"),
         ({"big": "x" * 65_537}, "invalid_value"),
+        ({"title": "kept out", "filePath": "/x", "": "empty key"}, "invalid_key"),
     ):
         envelope(await client.patch(f"/meta/{CID_A}", json=fields), 400, slug)
     for body, slug in (
@@ -305,10 +302,144 @@ async def test_other_reserved_and_invalid_fields_get_the_normal_validation_error
     ):
         envelope(await client.patch(f"/meta/{CID_A}", content=body), 400, slug)
     envelope(await client.get(f"/meta/{CID_A}"), 404, "unknown_cid")
-    response = await client.patch(f"/meta/{CID_A}", json={"__fields__": "x", "title": "t"})
-    assert response.json()["updated"] == 1  # meta-core drops `__fields__` silently; so do we
-    assert "__fields__" not in (await client.get(f"/meta/{CID_A}")).json()["metadata"]
     envelope(await client.patch(f"/meta/{CID_B}", json={}), 404, "unknown_cid")
+    envelope(await client.patch(f"/meta/{CID_B}", json={"filePath": "/x"}), 404, "unknown_cid")
+
+
+# A meta-sort write, as its `buildRecordFields` makes one (meta-sort-core MetadataUtils.ts): the
+# file's own facts, the box-local ones among them, and a `cids/<cid>` key-set of sibling hashes.
+META_SORT_PATCH = {
+    "filePath": "/files/watch/films/Film (2010).mkv",
+    "fileSize": "110",
+    "sizeByte": "110",
+    "mtimeNano": "1764500000000000000",
+    "paths/0": "/files/watch/films/Film (2010).mkv",
+    "__fields__": "title,year",
+    "fileName": "Film (2010).mkv",
+    "title": "Film",
+    "year": "2010",
+    "fileType": "video",
+}
+
+
+async def test_a_meta_sort_patch_links_ignores_box_local_fields_and_claims_the_rest(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    body = {**META_SORT_PATCH, f"cids/{SHA_A.upper()}": "true"}  # upper-case base32 is read
+    response = await client.patch(f"/meta/{CID_A}", json=body)
+    assert response.status_code == 200, response.text
+    rid = await rid_of(client, CID_A)
+    assert response.json() == {
+        "success": True,
+        "hashId": rid,
+        "updated": 5,  # fileName, title, year, fileType and the link
+        "ignored": ["__fields__", "filePath", "fileSize", "mtimeNano", "paths/0", "sizeByte"],
+    }
+    uid = legacy_uid(node)
+    mine = sorted((c["cid"], c["key"], c["value"]) for c in await listed_claims(client, CID_A))
+    assert mine == sorted(
+        [
+            (CID_A, f"cids/{SHA_A}", "true"),  # a link vote, the member in canonical spelling
+            (CID_A, "fileName", "Film (2010).mkv"),
+            (CID_A, "fileType", "video"),
+            (CID_A, "title", "Film"),
+            (CID_A, "year", "2010"),
+        ]
+    )
+    assert {c["uid"] for c in await listed_claims(client, CID_A)} == {uid}
+    assert await rid_of(client, SHA_A) == rid  # the sibling hash is in the record now
+    record = (await client.get(f"/meta/{SHA_A}")).json()
+    assert record == {
+        "hashId": rid,
+        "metadata": {
+            f"cids/{CID_A}": "true",
+            f"cids/{SHA_A}": "true",
+            "fileName": "Film (2010).mkv",
+            "fileType": "video",
+            "title": "Film",
+            "year": "2010",
+        },
+    }
+
+
+async def test_a_read_modify_write_of_a_record_with_a_local_file_works(
+    node: Node, client: httpx.AsyncClient, media: Path
+) -> None:
+    """meta-sort reads `GET /meta/{hash}`, changes a field and PATCHes the whole record back:
+    the synthesised keys (`cids/…`, `filePath`, `fileSize`, `mtimeNano`) ride along."""
+    film, _ = write(media / "films" / "film.mkv", b"film bytes " * 10)
+    await node.scan([str(media)])
+    record = (await client.get(f"/meta/{film}")).json()["metadata"]
+    assert {"filePath", "fileSize", "mtimeNano", f"cids/{film}"} <= set(record)
+    record["title"] = "Edited"
+    response = await client.patch(f"/meta/{film}", json=record)
+    assert response.status_code == 200, response.text
+    assert response.json()["ignored"] == ["filePath", "fileSize", "mtimeNano"]
+    after = (await client.get(f"/meta/{film}")).json()["metadata"]
+    assert after == {**record, "title": "Edited"}
+    assert after["filePath"].endswith("films/film.mkv")  # still the watcher's, not a claim
+
+
+async def test_delete_meta_retracts_the_legacy_writers_claims_only(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    alice = Signer()
+    await register(client, alice)
+    await post(client, alice.claim(CID_A, "title", "Alice's"))
+    await client.patch(f"/meta/{CID_A}", json={"title": "Legacy", "genre": "SF", "note": "n"})
+    rid = await rid_of(client, CID_A)
+    response = await client.delete(f"/meta/{CID_A}")
+    assert response.status_code == 200, response.text
+    assert response.json() == {"success": True, "hashId": rid, "deleted": 3}
+    assert (await client.get(f"/meta/{rid}")).json()["metadata"] == {
+        f"cids/{CID_A}": "true",
+        "title": "Alice's",  # another signer's claim stays: claims are never deleted
+    }
+    assert {c["uid"] for c in await listed_claims(client, CID_A)} == {alice.uid}
+    assert (await client.delete(f"/meta/{rid}")).json() == {
+        "success": True,
+        "hashId": rid,
+        "deleted": 0,
+    }
+    envelope(await client.delete(f"/meta/{CID_B}"), 404, "unknown_cid")
+    envelope(await client.delete("/meta/not-a-cid"), 400, "invalid_cid")
+
+
+async def test_delete_property_retracts_the_legacy_value_of_that_key(
+    client: httpx.AsyncClient,
+) -> None:
+    await client.patch(f"/meta/{CID_A}", json={"title": "T", "tmdb/poster": "/p.jpg"})
+    rid = await rid_of(client, CID_A)
+    response = await client.delete(f"/meta/{CID_A}/tmdb/poster")
+    assert response.status_code == 200, response.text
+    assert response.json() == {"success": True, "hashId": rid, "property": "tmdb/poster"}
+    envelope(await client.get(f"/meta/{CID_A}/tmdb/poster"), 404, "not_found")
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "T"
+
+
+async def test_add_to_set_appends_a_member_once(client: httpx.AsyncClient) -> None:
+    envelope(await client.post(f"/meta/{CID_A}/_add/tags", content=b"a"), 404, "unknown_cid")
+    await client.patch(f"/meta/{CID_A}", json={"title": "T"})
+    rid = await rid_of(client, CID_A)
+    for body, added, value in (
+        ({"content": b"drama"}, True, "drama"),
+        ({"json": {"value": "sf"}}, True, "drama|sf"),
+        ({"content": b"drama"}, False, "drama|sf"),
+    ):
+        response = await client.post(f"/meta/{CID_A}/_add/tags", **body)  # type: ignore[arg-type]
+        assert response.status_code == 200, response.text
+        assert response.json() == {
+            "success": True,
+            "hashId": rid,
+            "property": "tags",
+            "added": added,
+        }
+        assert (await client.get(f"/meta/{CID_A}/tags")).text == value
+    for empty in (b"", b'{"value": ""}'):
+        envelope(
+            await client.post(f"/meta/{CID_A}/_add/tags", content=empty), 400, "invalid_request"
+        )
+    assert (await client.get(f"/meta/{CID_A}/_add/tags")).status_code == 404  # a key, not a set
 
 
 async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncClient) -> None:
@@ -319,7 +450,12 @@ async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncC
     rid_a, rid_b = await rid_of(client, CID_A), await rid_of(client, CID_B)
     assert rid_a < rid_b
     response = await client.patch(f"/meta/{CID_B}", json={f"cids/{CID_A}": "true"})
-    assert response.json() == {"success": True, "hashId": rid_a, "updated": 1}  # older survives
+    assert response.json() == {  # the older rid survives
+        "success": True,
+        "hashId": rid_a,
+        "updated": 1,
+        "ignored": [],
+    }
     assert (await client.get(f"/meta/{CID_B}")).json() == {
         "hashId": rid_a,
         "metadata": {
@@ -356,6 +492,9 @@ COMPAT_ROUTES = (
     ("PATCH", f"/meta/{CID_A}"),
     ("GET", f"/meta/{CID_A}/title"),
     ("PUT", f"/meta/{CID_A}/title"),
+    ("DELETE", f"/meta/{CID_A}"),
+    ("DELETE", f"/meta/{CID_A}/title"),
+    ("POST", f"/meta/{CID_A}/_add/tags"),
     ("GET", "/api/events/meta"),
     ("GET", "/api/events/files"),
     ("GET", f"/api/file/{CID_A}/info"),
@@ -376,8 +515,56 @@ async def test_every_compat_route_needs_the_token_outside_the_trusted_networks(
         with_token = {"Authorization": f"Bearer {node.token}"}
         assert (await stranger.get("/meta", headers=with_token)).status_code == 200
         envelope(
-            await stranger.delete(f"/meta/{CID_A}", headers=with_token), 405, "method_not_allowed"
+            await stranger.put(f"/meta/{CID_A}", headers=with_token), 405, "method_not_allowed"
         )
+
+
+def route_table() -> list[tuple[str, str, str]]:
+    """(method, path template, metanode column) of each row of docs/compat.md's route table."""
+    text = (Path(__file__).parents[1] / "docs" / "compat.md").read_text()
+    rows = []
+    for line in text.split("## Routes", 1)[1].split("\n## ", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip("|").split(" | ")]
+        if len(cells) == 4 and cells[0].startswith("`") and " " in cells[0]:
+            method, path = cells[0].strip("`").split(" ", 1)
+            rows.append((method, path, cells[2]))
+    return rows
+
+
+def served_routes(node: Node) -> set[tuple[str, str]]:
+    """(method, path template) of every route the compatibility layer serves, HEAD aside."""
+    served = set()
+    for route in compat.routes(node):
+        for method in getattr(route, "methods", None) or {"GET"}:
+            if method != "HEAD":
+                served.add((method, route.path.replace(":path}", "}")))  # type: ignore[attr-defined]
+    return served
+
+
+async def test_the_route_table_is_what_the_node_serves(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    rows = route_table()
+    assert len(rows) > 20
+    compat_rows = {
+        (method, path)
+        for method, path, said in rows
+        if not said.startswith(("not served", "native"))
+    }
+    assert compat_rows == served_routes(node)
+    rid = rids.Minter().mint()
+    for method, path, said in rows:
+        concrete = path.replace("{hash}", CID_A).replace("{hashId}", rid)
+        response = await client.request(method, concrete)
+        if said.startswith("not served"):
+            status = int(said.split("(", 1)[1][:3])
+            slug = {404: "not_found", 405: "method_not_allowed"}[status]
+            envelope(response, status, slug)
+        elif said.startswith("native"):
+            assert response.status_code not in (404, 405) or response.json()["error"] not in (
+                "not_found",
+                "method_not_allowed",
+            ), (method, path)
 
 
 async def test_api_services_lists_this_node_only(client: httpx.AsyncClient) -> None:
