@@ -38,6 +38,7 @@ from tests.helpers.feed import (
     Stream,
     assert_agrees,
     cid_n,
+    gap_frame,
     close_open_streams,
     new_cid_claims,
     reached,
@@ -336,9 +337,9 @@ def test_unusable_cursors_get_gap_then_snapshot_then_live(server: Server) -> Non
             if how == "header"
             else Stream(server, [("since", text)])
         )
-        assert stream.next() == Frame("gap", None, {"requested": text, "reason": reason})
+        assert stream.next() == gap_frame(text, reason, cursor(ep, 8))
         replica = Replica()
-        replica.apply(Frame("gap", None, {"requested": text, "reason": reason}))
+        replica.apply(gap_frame(text, reason, cursor(ep, 8)))
         stream.until(lambda r: bool(r.synced), replica)
         assert replica.synced == [cursor(ep, 8)]
         assert replica.state == records(server) and len(replica.state) == 8
@@ -692,7 +693,7 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
         "retention to keep the newest 1,000 events",
         lambda: cache_value(server, "SELECT min(seq) FROM feed") == 2_001,
     )
-    too_old = Frame("gap", None, {"requested": cursor(ep, 1_999), "reason": "too_old"})
+    too_old = gap_frame(cursor(ep, 1_999), "too_old", cursor(ep, 3_000))
     assert first_frame(server, cursor(ep, 1_999)) == too_old
     server.stop(grace=10.0)
 
@@ -746,7 +747,7 @@ def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
     assert new_epoch > old_epoch
     stream = Stream(server, last_event_id=old)
     gap = stream.next()
-    assert gap == Frame("gap", None, {"requested": old, "reason": "unknown_epoch"})
+    assert gap == gap_frame(old, "unknown_epoch", cursor(new_epoch, 0))
     replica = Replica()
     replica.apply(gap)
     stream.until(lambda r: bool(r.synced), replica)
