@@ -40,9 +40,9 @@ from tests.helpers.feed import (
     FrameParser,
     Replica,
     assert_agrees,
-    gap_frame,
     cid_n,
     frames_of,
+    gap_frame,
     new_cid_claims,
     reached,
 )

@@ -38,8 +38,8 @@ from tests.helpers.feed import (
     Stream,
     assert_agrees,
     cid_n,
-    gap_frame,
     close_open_streams,
+    gap_frame,
     new_cid_claims,
     reached,
 )
