@@ -177,6 +177,7 @@ class Replica:
                 self._snapshot[where] = data["value"]
                 return
             assert self._snapshot is None, f"live event {frame.id} inside a snapshot"
+            assert frame.id is not None, f"a live event without an id: {frame}"
             epoch_text, seq_text = frame.id.rsplit("-", 1)
             epoch, seq = int(epoch_text), int(seq_text)
             if self.epoch is None:
