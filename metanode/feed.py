@@ -296,7 +296,6 @@ class Snapshot:
         self._reading = reading
         self._events = events
         self._end = end
-        self.state = reading.state
         self.epoch, self.head = reading.state.epoch, head
         self._held: list[Event] = list(start or [])
         self._numbered = 0  # events numbered so far, sent or left out
