@@ -430,9 +430,13 @@ def range_refused(response: FileResponse, request: Request, size: int) -> Respon
 
 # The reasons of the one resume rule (`sse.resume_gap`, `feed.Hub.after`) as MetaMesh consumers
 # know them (docs/compat.md): the rule is /api/events', only a name differs.
-GAP_REASONS = {sse.UNKNOWN_EPOCH: "unknown_epoch", sse.FUTURE: "future", sse.TOO_OLD: "retention"}
+GAP_REASONS = {
+    sse.UNKNOWN_EPOCH: "unknown_epoch",
+    sse.FUTURE: "future",
+    sse.TOO_OLD: "retention",
+    sse.STATE_CHANGED: "state_changed",
+}
 R = TypeVar("R", bound=feed.Sequenced)
-Event = tuple[str, dict[str, str]]  # (kind, data) of one frame
 
 
 def _meta_data(rid: str, key: str, at: int) -> dict[str, str]:
@@ -475,10 +479,11 @@ class _Follow(Generic[R]):
     Like `feed.Subscription`, by the same resume rule: resume after a retained cursor; otherwise
     (another epoch, pruned, in the future, or `0-0`) one `gap` event and then the full current
     state, read in one read transaction with the seq it reflects (`feed.Reading`); then the live
-    tail, with `: keep-alive` after silences. The last event of a full state carries the id of
-    that seq, so a client resuming from it loses and repeats nothing; the state's other events
-    carry no id (a client cut off halfway resumes from its old cursor and gets the whole state
-    again). Chunks of whole frames: a page of events per chunk.
+    tail, with `: keep-alive` after silences. The gap and the state's events carry ids inside
+    that state (`feed.Snapshot`), so a client cut off in it, whether it adopted the gap's
+    `resumeFrom` or tracks ids, gets the rest of it (or, if the state changed meanwhile, a gap
+    and the whole state again); the last event carries the state's seq, which resumes with the
+    events after it. Chunks of whole frames: a page of events per chunk.
     """
 
     def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
@@ -495,35 +500,36 @@ class _Follow(Generic[R]):
     def _form(self) -> feed.Form[R]:
         raise NotImplementedError
 
-    def _state(self, rows: list[Any], now: int) -> list[Event]:
+    def _state(self, rows: list[Any], now: int) -> list[feed.Event]:
         """The full state's events of one page of the snapshot's rows."""
         raise NotImplementedError
 
-    def _state_start(self, now: int) -> list[Event]:
+    def _state_start(self, now: int) -> list[feed.Event]:
         return []
 
     def stream(self) -> AsyncGenerator[bytes, None]:
         return self.node.counted(self._stream())
 
     async def _stream(self) -> AsyncGenerator[bytes, None]:
-        redo: tuple[str, str] | None = None  # (requested cursor, why): gap + state due
+        # a full state due: (the cursor it is for, why that cannot be continued, if known)
+        redo: tuple[sse.Cursor, str | None] | None = None
         if self.cursor is not None:
             reason = self.feed.hub.resume(self.cursor)
-            if reason is None:
+            if reason is None and self.cursor.state is None:
                 self.position = self.cursor.seq
             else:
-                redo = (self.cursor.text, reason)
+                redo = (self.cursor, reason)
         quiet_since = time.monotonic()
         while True:
             if redo is not None:
                 # closed right here if the client goes: it holds a read transaction
-                async with contextlib.aclosing(self._gap_and_state(*redo)) as chunks:
+                async with contextlib.aclosing(self._full_state(*redo)) as chunks:
                     async for chunk in chunks:
                         yield chunk
                 redo, quiet_since = None, time.monotonic()
             got = self.feed.hub.after(self.epoch, self.position)
             if isinstance(got, str):  # pruned while lagging, or the cache was rebuilt
-                redo = (sse.event_id(self.epoch, self.position), got)
+                redo = (sse.Cursor.at(self.epoch, self.position), got)
             elif got is not None:
                 self.position = got.last
                 yield got.chunk(self.form)
@@ -534,28 +540,24 @@ class _Follow(Generic[R]):
             else:
                 await self.feed.wait(self.position, self.epoch, left)
 
-    async def _gap_and_state(self, requested: str, reason: str) -> AsyncGenerator[bytes, None]:
-        """`gap` and the full state, a page of the snapshot per chunk; each page's last event is
-        held back until the next page shows whether it is the last of all (it carries the id)."""
-        reading = await self.feed.snapshot()
+    async def _full_state(
+        self, cursor: sse.Cursor, reason: str | None
+    ) -> AsyncGenerator[bytes, None]:
+        """The `gap` (if one is due: `feed.Snapshot.gap`) and the full state, a page of the
+        snapshot per chunk, numbered so that a client cut off in it resumes inside it."""
+        now = self.node.clock()
+        snapshot = await self.feed.full_state(
+            lambda rows: self._state(rows, now), self._state_start(now)
+        )
         try:
-            epoch, head = reading.state.epoch, self.feed.hub.table.head(reading.state)
-            now, marker = self.node.clock(), sse.event_id(epoch, head)
-            chunk = sse.event(
-                "gap", {"reason": GAP_REASONS[reason], "requested": requested, "resumeFrom": marker}
-            ).encode()
-            held = self._state_start(now)  # the last event so far: it may be the last of all
-            while rows := await reading.rows():
-                held += self._state(rows, now)
-                chunk += b"".join(sse.event(*item).encode() for item in held[:-1])
-                held = held[-1:]
-                if chunk:
-                    yield chunk
+            chunk = snapshot.gap(cursor, reason, GAP_REASONS)
+            while (page := await snapshot.page()) is not None:
+                if chunk + page:
+                    yield chunk + page
                 chunk = b""
-            yield chunk + b"".join(sse.event(*item, event_id=marker).encode() for item in held)
         finally:
-            await reading.close()
-        self.epoch, self.position = epoch, head
+            await snapshot.close()
+        self.epoch, self.position = snapshot.epoch, snapshot.head
 
 
 class MetaFollow(_Follow[feed.FeedRow]):
@@ -568,7 +570,7 @@ class MetaFollow(_Follow[feed.FeedRow]):
     def _form(self) -> feed.Form[feed.FeedRow]:
         return meta_frame
 
-    def _state(self, rows: list[Any], now: int) -> list[Event]:
+    def _state(self, rows: list[Any], now: int) -> list[feed.Event]:
         return [("set", _meta_data(rid, key, now)) for rid, key, _ in rows]
 
 
@@ -582,10 +584,10 @@ class FilesFollow(_Follow[feed.FileFeedRow]):
     def _form(self) -> FileFrames:
         return FileFrames(Roots.of(self.node.settings.watch_roots))
 
-    def _state_start(self, now: int) -> list[Event]:
+    def _state_start(self, now: int) -> list[feed.Event]:
         return [("reset", {"path": "", "timestamp": str(now)})]
 
-    def _state(self, rows: list[Any], now: int) -> list[Event]:
+    def _state(self, rows: list[Any], now: int) -> list[feed.Event]:
         frames = self._form()
         return [("add", frames.data(path, midhash, size, now)) for path, midhash, size in rows]
 

@@ -143,7 +143,7 @@ class InvalidRequest(RequestError):
 
 
 class InvalidCursor(RequestError):
-    """A feed cursor (`Last-Event-ID`, `?since=`) that is not `<epoch>-<seq>`."""
+    """A feed cursor (`Last-Event-ID`, `?since=`) that is not `<epoch>-<seq>` (or `…-<seq>.<n>`)."""
 
     slug = "invalid_cursor"
 

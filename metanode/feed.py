@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, overload
 
@@ -250,29 +250,116 @@ class Hub(Generic[R]):
                 total -= self._pages.pop(index).size
 
 
-class Snapshot:
-    """Every current record as `set` frames, a page at a time, then the feed position they
-    correspond to (`state`): one `cache.Reading`."""
+Event = tuple[str, dict[str, Any]]  # (kind, data) of one frame
+StateEvents = Callable[[list[Any]], list[Event]]  # a page of a reading's rows as state events
 
-    def __init__(self, reading: Reading, where: sse.Filter) -> None:
-        self._filter = where
+
+def record_events(where: sse.Filter) -> StateEvents:
+    """`GET /api/events`' full state: a `set` with the value for every key that passes `where`."""
+
+    def events(rows: list[Any]) -> list[Event]:
+        return [
+            ("set", {"rid": rid, "key": key, "value": value})
+            for rid, key, value in rows
+            if where.matches(rid, key)
+        ]
+
+    return events
+
+
+def synced(position: str) -> Event:
+    """`GET /api/events`' `synced`: the end of a replay or a full state, the position reached."""
+    return "synced", {"id": position}
+
+
+class Snapshot:
+    """A full state, one `cache.Reading` framed a page at a time, for every stream: the events
+    of `start`, then those of each page of rows, then `end`'s event, if any.
+
+    The state reflects seq `head`, so its events are numbered: the n-th carries the id
+    `<epoch>-<head>.<n>` (`sse.state_id`), a cursor that resumes right after it while the
+    state is still the one at `head` (`sse.resume_gap`). The end of the state (`end`'s event,
+    else the last event) carries `<epoch>-<head>` (`end_id`), which resumes with the events
+    after the state. Each page's last event is held back until the next page shows whether it
+    is the last of all. A client resuming inside this state gets only what it does not have
+    yet (`gap`).
+    """
+
+    def __init__(
+        self,
+        reading: Reading,
+        head: int,
+        events: StateEvents,
+        start: list[Event] | None = None,
+        end: Callable[[str], Event] | None = None,
+    ) -> None:
         self._reading = reading
-        self.state = reading.state
+        self._events = events
+        self._end = end
+        self.epoch, self.head = reading.state.epoch, head
+        self._held: list[Event] = list(start or [])
+        self._numbered = 0  # events numbered so far, sent or left out
+        self._skip = 0
+        self._done = False
 
     @classmethod
     async def open(cls, store: cache.CacheStore, where: sse.Filter) -> Snapshot:
-        return cls(await store.records_reading(where.rids, PAGE), where)
+        """The records' state as `GET /api/events` sends it."""
+        reading = await store.records_reading(where.rids, PAGE)
+        return cls(reading, reading.state.feed_seq, record_events(where), end=synced)
+
+    @property
+    def start_id(self) -> str:
+        """The cursor of this state's start: resuming from it sends the state whole."""
+        return sse.state_id(self.epoch, self.head, 0)
+
+    @property
+    def end_id(self) -> str:
+        """The cursor of this state's end: resuming from it continues with the events after."""
+        return sse.event_id(self.epoch, self.head)
+
+    def gap(
+        self,
+        cursor: sse.Cursor | None,
+        reason: str | None,
+        names: Mapping[str, str] | None = None,
+    ) -> bytes:
+        """The `gap` frame that goes before this state (`sse.gap`, `reason` as `names` calls it),
+        or nothing. `reason`: the client's `cursor` could not be continued. Without one, a
+        cursor from inside a full state continues here if it is this very state (its first
+        `cursor.state` events are then left out), else it gets a gap too; no cursor at all
+        (`?snapshot=1`) gets the state without one."""
+        if reason is None and cursor is not None:
+            reason = sse.resume_gap(cursor, self.epoch, self.head, None)
+            if reason is None:
+                self._skip = cursor.state or 0
+        if reason is None or cursor is None:
+            return b""
+        name = reason if names is None else names[reason]
+        return sse.gap(cursor.text, name, self.start_id).encode()
 
     async def page(self) -> bytes | None:
-        """The next page's frames (possibly empty, if the filter passed none); None at the end."""
-        rows = await self._reading.rows()
-        if not rows:
+        """The next page's frames (possibly empty); None once the last page was given."""
+        if self._done:
             return None
-        return b"".join(
-            sse.event("set", {"rid": rid, "key": key, "value": value}).encode()
-            for rid, key, value in rows
-            if self._filter.matches(rid, key)
-        )
+        rows = await self._reading.rows()
+        self._held += self._events(rows)
+        self._done = not rows
+        ready = self._held if self._done else self._held[:-1]
+        self._held = self._held[len(ready) :]
+        final = len(ready) - 1 if self._done and self._end is None else -1
+        frames = [self._frame(*item, last=i == final) for i, item in enumerate(ready)]
+        if self._done and self._end is not None:
+            frames.append(sse.event(*self._end(self.end_id), self.end_id).encode())
+        return b"".join(frames)
+
+    def _frame(self, kind: str, data: dict[str, Any], last: bool) -> bytes:
+        """One state event with its id, or nothing if the client has it already."""
+        self._numbered += 1
+        if self._numbered <= self._skip:
+            return b""
+        name = self.end_id if last else sse.state_id(self.epoch, self.head, self._numbered)
+        return sse.event(kind, data, name).encode()
 
     async def close(self) -> None:
         await self._reading.close()
@@ -288,6 +375,11 @@ class Feed(Generic[R]):
     wait: WaitFeed
     snapshot: Callable[[], Awaitable[Reading]]
     keep_alive_s: float
+
+    async def full_state(self, events: StateEvents, start: list[Event] | None = None) -> Snapshot:
+        """The full state of what the events describe, `events` framing its rows."""
+        reading = await self.snapshot()
+        return Snapshot(reading, self.hub.table.head(reading.state), events, start)
 
 
 class Subscription:
@@ -339,24 +431,22 @@ class Subscription:
 
     async def _begin(self) -> bytes:
         cursor = self._cursor
-        if cursor is not None:
-            reason = self._hub.resume(cursor)
-            if reason is None:
-                self.position, self._replaying = cursor.seq, True
-                return b""
-            return await self._gap(cursor.text, reason)
-        if self._want_snapshot:
-            self._snapshot = await Snapshot.open(self._store, self._filter)
-        return b""
+        if cursor is None:
+            return await self._full_state(None, None) if self._want_snapshot else b""
+        reason = self._hub.resume(cursor)
+        if reason is None and cursor.state is None:
+            self.position, self._replaying = cursor.seq, True
+            return b""
+        return await self._full_state(cursor, reason)
 
-    async def _gap(self, requested: str | None, reason: str) -> bytes:
-        """The `gap` frame; the snapshot that must follow it is opened here."""
+    async def _full_state(self, cursor: sse.Cursor | None, reason: str | None) -> bytes:
+        """Open the full state that comes next; the `gap` frame before it, if one is due."""
         self._replaying = False  # the snapshot ends in its own `synced`
-        self._snapshot = await Snapshot.open(self._store, self._filter)
-        return sse.event("gap", {"requested": requested, "reason": reason}).encode()
+        self._snapshot = snapshot = await Snapshot.open(self._store, self._filter)
+        return snapshot.gap(cursor, reason)
 
     def _synced(self) -> bytes:
-        return sse.event("synced", {"id": sse.event_id(self.epoch, self.position)}).encode()
+        return sse.event(*synced(sse.event_id(self.epoch, self.position))).encode()
 
     async def _next(self) -> bytes:
         """The next chunk to send; empty when there was nothing for this client (yet)."""
@@ -364,7 +454,7 @@ class Subscription:
             return await self._snapshot_page(self._snapshot)
         got = self._hub.after(self.epoch, self.position)
         if isinstance(got, str):  # pruned while lagging, or the cache was rebuilt
-            return await self._gap(sse.event_id(self.epoch, self.position), got)
+            return await self._full_state(sse.Cursor.at(self.epoch, self.position), got)
         if got is not None:
             self.position = got.last
             return got.frames(self._filter)
@@ -383,5 +473,5 @@ class Subscription:
             return chunk
         self._snapshot = None  # before the await: a cancelled close is not closed twice
         await snapshot.close()
-        self.epoch, self.position = snapshot.state.epoch, snapshot.state.feed_seq
-        return self._synced()
+        self.epoch, self.position = snapshot.epoch, snapshot.head
+        return b""  # its `synced` ended the last page

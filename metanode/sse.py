@@ -19,7 +19,7 @@ from metanode.errors import InvalidCursor
 
 SEP = "\n"
 KEEP_ALIVE = "keep-alive"
-_CURSOR = re.compile(r"([0-9]{1,19})-([0-9]{1,19})")
+_CURSOR = re.compile(r"([0-9]{1,19})-([0-9]{1,19})(?:\.([0-9]{1,19}))?")
 
 
 def event(kind: str, data: dict[str, Any], event_id: str | None = None) -> ServerSentEvent:
@@ -45,41 +45,71 @@ def event_id(epoch: int, seq: int) -> str:
     return f"{epoch}-{seq}"
 
 
+def state_id(epoch: int, seq: int, seen: int) -> str:
+    """A position inside the full state of seq `seq`: its first `seen` events were received."""
+    return f"{epoch}-{seq}.{seen}"
+
+
 @dataclass(frozen=True)
 class Cursor:
-    """A resume point: the id of the last event a client saw."""
+    """A resume point: the id of the last event a client saw. `state` is set for an id from
+    inside a full state (`state_id`): how many of that state's events the client has."""
 
     epoch: int
     seq: int
     text: str
+    state: int | None = None
+
+    @classmethod
+    def at(cls, epoch: int, seq: int) -> Cursor:
+        """The cursor of a stream's own position (what a `gap` it meets there names)."""
+        return cls(epoch, seq, event_id(epoch, seq))
 
 
 def parse_cursor(text: str | None) -> Cursor | None:
-    """`<epoch>-<seq>` from `Last-Event-ID` or `?since=`; None if absent, else `invalid_cursor`."""
+    """`<epoch>-<seq>` or `<epoch>-<seq>.<seen>` from `Last-Event-ID` or `?since=`; None if
+    absent, else `invalid_cursor`."""
     if text is None or text == "":
         return None
     match = _CURSOR.fullmatch(text.strip())
     if match is None:
-        raise InvalidCursor(f"cursor {text!r} is not <epoch>-<seq>")
-    return Cursor(int(match.group(1)), int(match.group(2)), text.strip())
+        raise InvalidCursor(f"cursor {text!r} is not <epoch>-<seq> or <epoch>-<seq>.<n>")
+    seen = None if match.group(3) is None else int(match.group(3))
+    return Cursor(int(match.group(1)), int(match.group(2)), text.strip(), seen)
 
 
 UNKNOWN_EPOCH = "unknown_epoch"  # another epoch: a rebuilt cache, another node's, `0-0`
 FUTURE = "future"  # beyond the newest event
 TOO_OLD = "too_old"  # the next event was pruned (retention)
+STATE_CHANGED = "state_changed"  # a cursor inside a full state that has changed since
 
 
 def resume_gap(cursor: Cursor, epoch: int, head: int, oldest: int | None) -> str | None:
-    """SPEC §5's resume rule, for every stream: why the events after `cursor` cannot be
-    replayed from a table of epoch `epoch` whose newest seq is `head` and oldest stored one
-    `oldest` (None: empty, so nothing up to `head` is left), or None if every one is stored."""
+    """SPEC §5's resume rule, for every stream: why the client cannot continue from `cursor`
+    on a table of epoch `epoch` whose newest seq is `head` and oldest stored one `oldest`
+    (None: empty, so nothing up to `head` is left), or None if it can. An ordinary cursor
+    continues with the events after it, if every one is stored. A cursor inside a full state
+    continues with the rest of that state, if it is still the state at `head`: a state is
+    numbered by the seq it reflects, so the same seq means the same events in the same order
+    (unchanged since, whatever the log's retention)."""
     if cursor.epoch != epoch:
         return UNKNOWN_EPOCH
     if cursor.seq > head:
         return FUTURE
+    if cursor.state is not None:
+        return None if cursor.seq == head else STATE_CHANGED
     if cursor.seq < (head + 1 if oldest is None else oldest) - 1:
         return TOO_OLD
     return None
+
+
+def gap(requested: str | None, reason: str, resume_from: str) -> ServerSentEvent:
+    """The `gap` event, for every stream: where the client asked to resume, why it cannot, and
+    `resumeFrom`, the start of the full state that follows. It is also the event's id, so a
+    client resumes inside that state (from its start, or from the last state event it saw)
+    whether it adopts `resumeFrom` or tracks ids: never after a state it did not get whole."""
+    data = {"reason": reason, "requested": requested, "resumeFrom": resume_from}
+    return event("gap", data, resume_from)
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,8 @@ def test_client_commands_find_a_node_on_another_port_from_the_settings(
         try:
             out = Lines(follow.stdout)
             lines = [out.next(30.0) for _ in range(3)]
-            assert any(line.startswith("- set ") and '"Found"' in line for line in lines), lines
+            sets = [line for line in lines if line.split(" ")[1:2] == ["set"]]
+            assert any('"Found"' in line for line in sets), lines
         finally:
             follow.kill()
 

@@ -915,10 +915,14 @@ async def test_the_files_stream_gives_a_gap_and_the_full_state_for_a_pruned_curs
         gap, reset, add = await take(node, compat.FilesFollow, cursor, 3)
         assert (gap.event, gap.id, data(gap)) == (
             "gap",
-            None,
-            {"reason": reason, "requested": cursor, "resumeFrom": head},
+            f"{head}.0",
+            {"reason": reason, "requested": cursor, "resumeFrom": f"{head}.0"},
         )
-        assert (reset.event, reset.id, list(data(reset))) == ("reset", None, ["path", "timestamp"])
+        assert (reset.event, reset.id, list(data(reset))) == (
+            "reset",
+            f"{head}.1",
+            ["path", "timestamp"],
+        )
         assert (add.event, add.id, data(add)["path"]) == ("add", head, "elsewhere/b")
     kept = await take(node, compat.FilesFollow, f"{epoch}-2", 1)  # everything after it is kept
     assert [(e.event, e.id) for e in kept] == [("delete", head)]
@@ -931,9 +935,13 @@ async def test_the_meta_stream_resumes_and_replays(node: Node, client: httpx.Asy
     rid = await rid_of(client, CID_A)
     epoch = node.applier.state.epoch
     gap, first, last = await take(node, compat.MetaFollow, "0-0", 3)
-    assert data(gap) == {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{epoch}-2"}
+    start = f"{epoch}-2.0"
+    assert (gap.id, data(gap)) == (
+        start,
+        {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": start},
+    )
     assert [(e.event, e.id, data(e)["key"]) for e in (first, last)] == [
-        ("set", None, f"file:{rid}/cids/{CID_A}"),
+        ("set", f"{epoch}-2.1", f"file:{rid}/cids/{CID_A}"),
         ("set", f"{epoch}-2", f"file:{rid}/title"),
     ]
     (replayed,) = await take(node, compat.MetaFollow, f"{epoch}-1", 1)
@@ -1114,10 +1122,11 @@ async def test_meta_stream_replay_agrees_with_the_table_whatever_the_cursor(
     marker = sse.event_id(state.epoch, head)
     assert (gap.event, gap.id, json.loads(str(gap.data))) == (
         "gap",
-        None,
-        {"reason": reason, "requested": cursor, "resumeFrom": marker},
+        f"{marker}.0",
+        {"reason": reason, "requested": cursor, "resumeFrom": f"{marker}.0"},
     )
-    assert [e.id for e in rest] == [None] * (len(full) - 1) + [marker]
+    numbered = [sse.state_id(state.epoch, head, n) for n in range(1, len(full))]
+    assert [e.id for e in rest] == [*numbered, marker]
     shown = [
         (
             e.event,
@@ -1187,8 +1196,8 @@ def test_events_meta_full_replay_live_tail_resume_and_keep_alive(
     gap, *state = replay.events(6)
     assert (gap.event, gap.id, gap.data) == (
         "gap",
-        None,
-        {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5"},
+        f"{ep}-5.0",
+        {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5.0"},
     )
     keys = sorted(
         [
@@ -1200,7 +1209,7 @@ def test_events_meta_full_replay_live_tail_resume_and_keep_alive(
         ]
     )
     assert [(f.event, f.data["key"]) for f in state] == [("set", f"file:{r}/{k}") for r, k in keys]
-    assert [f.id for f in state] == [None] * 4 + [f"{ep}-5"]
+    assert [f.id for f in state] == [f"{ep}-5.{n}" for n in range(1, 5)] + [f"{ep}-5"]
     assert all(list(f.data) == ["key", "ts"] and f.data["ts"].isdigit() for f in state)
 
     with http(server) as client:
@@ -1273,10 +1282,10 @@ def test_events_files_from_the_watcher_and_full_replay(
     gap, reset, add = replay.events(3)
     assert (gap.event, gap.id, gap.data) == (
         "gap",
-        None,
-        {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5"},
+        f"{ep}-5.0",
+        {"reason": "unknown_epoch", "requested": "0-0", "resumeFrom": f"{ep}-5.0"},
     )
-    assert (reset.event, reset.id, reset.data["path"]) == ("reset", None, "")
+    assert (reset.event, reset.id, reset.data["path"]) == ("reset", f"{ep}-5.1", "")
     assert (add.event, add.id) == ("add", f"{ep}-5")
     assert {k: v for k, v in add.data.items() if k != "timestamp"} == {
         "midhash256": gamma,

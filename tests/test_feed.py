@@ -42,6 +42,7 @@ from tests.helpers.feed import (
     assert_agrees,
     cid_n,
     frames_of,
+    gap_frame,
     new_cid_claims,
     reached,
 )
@@ -445,7 +446,7 @@ async def test_live_only_without_a_cursor(fd: Feed) -> None:
 
 async def test_snapshot_then_synced_then_live(fd: Feed) -> None:
     empty = fd.reader(snapshot=True)
-    assert await empty.take(1) == [Frame("synced", None, {"id": fd.cursor(0)})]
+    assert await empty.take(1) == [Frame("synced", fd.cursor(0), {"id": fd.cursor(0)})]
     await fd.post(new_cid_claims(fd.signer, "a", 3))
     replica = Replica()
     reader = fd.reader(snapshot=True)
@@ -501,7 +502,7 @@ async def test_unusable_cursors_get_gap_snapshot_synced_live(
     replica = Replica()
     reader = fd.reader(cursor)
     first = await reader.next()
-    assert first == Frame("gap", None, {"requested": cursor, "reason": reason})
+    assert first == gap_frame(cursor, reason, fd.cursor(6))
     replica.apply(first)
     await reader.until(lambda r: bool(r.synced), replica)
     assert replica.synced == [fd.cursor(6)] and replica.state == fd.records()
@@ -521,8 +522,8 @@ async def test_retention_too_old_cursor_and_lagging_subscriber(fd: Feed) -> None
     deleted = await fd.node.cache.writer.run(cache.prune_feed_txn, 1_000, 0)
     assert deleted == 2_000
     # cursors: 2,000 still has every later event (2,001…); 1,999 lost one
-    assert (await fd.reader(fd.cursor(1_999)).next()) == Frame(
-        "gap", None, {"requested": fd.cursor(1_999), "reason": "too_old"}
+    assert (await fd.reader(fd.cursor(1_999)).next()) == gap_frame(
+        fd.cursor(1_999), "too_old", fd.cursor(3_000)
     )
     replay = Replica(fd.cursor(2_000), gaps_allowed=False)
     await fd.reader(fd.cursor(2_000)).until(lambda r: bool(r.synced), replay)
@@ -789,11 +790,11 @@ async def test_rebuild_while_a_subscriber_waits_gives_gap_unknown_epoch(fd: Feed
     fd.node.applier.wake()
     replica = Replica(old)
     first = await reader.next()
-    assert first == Frame("gap", None, {"requested": old, "reason": "unknown_epoch"})
-    replica.apply(first)
-    await reader.until(lambda r: bool(r.synced), replica)
     # the subscriber may notice the rebuilt cache before the applier publishes it
     rebuilt = cache.read_state(fd.node.cache.conn).epoch
+    assert first == gap_frame(old, "unknown_epoch", sse.event_id(rebuilt, 0))
+    replica.apply(first)
+    await reader.until(lambda r: bool(r.synced), replica)
     assert replica.synced == [sse.event_id(rebuilt, 0)]
     assert replica.epoch == rebuilt and old.split("-")[0] != str(rebuilt)
     assert replica.state == fd.records() and len(replica.state) == 6

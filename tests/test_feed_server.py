@@ -39,6 +39,7 @@ from tests.helpers.feed import (
     assert_agrees,
     cid_n,
     close_open_streams,
+    gap_frame,
     new_cid_claims,
     reached,
 )
@@ -336,9 +337,9 @@ def test_unusable_cursors_get_gap_then_snapshot_then_live(server: Server) -> Non
             if how == "header"
             else Stream(server, [("since", text)])
         )
-        assert stream.next() == Frame("gap", None, {"requested": text, "reason": reason})
+        assert stream.next() == gap_frame(text, reason, cursor(ep, 8))
         replica = Replica()
-        replica.apply(Frame("gap", None, {"requested": text, "reason": reason}))
+        replica.apply(gap_frame(text, reason, cursor(ep, 8)))
         stream.until(lambda r: bool(r.synced), replica)
         assert replica.synced == [cursor(ep, 8)]
         assert replica.state == records(server) and len(replica.state) == 8
@@ -692,7 +693,7 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
         "retention to keep the newest 1,000 events",
         lambda: cache_value(server, "SELECT min(seq) FROM feed") == 2_001,
     )
-    too_old = Frame("gap", None, {"requested": cursor(ep, 1_999), "reason": "too_old"})
+    too_old = gap_frame(cursor(ep, 1_999), "too_old", cursor(ep, 3_000))
     assert first_frame(server, cursor(ep, 1_999)) == too_old
     server.stop(grace=10.0)
 
@@ -714,10 +715,9 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
         "retention by age to empty the feed",
         lambda: cache_value(server, "SELECT count(*) FROM feed") == 0,
     )
-    assert first_frame(server, cursor(ep, 3_001)).data == {
-        "requested": cursor(ep, 3_001),
-        "reason": "too_old",
-    }
+    assert first_frame(server, cursor(ep, 3_001)) == gap_frame(
+        cursor(ep, 3_001), "too_old", cursor(ep, 3_002)
+    )
     at_head = Stream(server, last_event_id=cursor(ep, 3_002))
     assert at_head.next() == Frame("synced", None, {"id": cursor(ep, 3_002)})
     post_all(server, new_cid_claims(signer, "keep", 1, start=1_501))
@@ -746,7 +746,7 @@ def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
     assert new_epoch > old_epoch
     stream = Stream(server, last_event_id=old)
     gap = stream.next()
-    assert gap == Frame("gap", None, {"requested": old, "reason": "unknown_epoch"})
+    assert gap == gap_frame(old, "unknown_epoch", cursor(new_epoch, 0))
     replica = Replica()
     replica.apply(gap)
     stream.until(lambda r: bool(r.synced), replica)
@@ -851,8 +851,11 @@ def test_events_cli_prints_the_feed(launch: Launch) -> None:
     try:
         lines = [parse_line(snapshot.line()) for _ in range(7)]
         assert {(d["rid"], d["key"]): d["value"] for _, _, d in lines[:6]} == want
-        assert all(ident == "-" and kind == "set" for ident, kind, _ in lines[:6])
-        assert lines[6] == ("-", "synced", {"id": cursor(ep, 6)})
+        # each snapshot row's id is a position inside the snapshot; `synced` its end
+        assert [(ident, kind) for ident, kind, _ in lines[:6]] == [
+            (f"{cursor(ep, 6)}.{n}", "set") for n in range(1, 7)
+        ]
+        assert lines[6] == (cursor(ep, 6), "synced", {"id": cursor(ep, 6)})
         idle_for_keep_alives(server, cursor(ep, 6))  # which the CLI must not print
         post_all(server, fast_claims(signer, [(cid_n("cli", 0), "title", "new ☃", NOW_MS + 1)]))
         rid = records_rid(server, cid_n("cli", 0))

@@ -686,9 +686,10 @@ class Feed:
         return events
 
     def through_id(self) -> list[dict[str, Any]]:
-        """Events up to the first that carries an id (the end of a compat full state)."""
+        """Events up to the first whose id is a feed position, not one inside a full state
+        (`<epoch>-<seq>.<n>`): the end of a compat full state."""
         events = [self.next()]
-        while "id" not in events[-1]:
+        while "." in events[-1].get("id", "."):
             events.append(self.next())
         return events
 
@@ -713,13 +714,15 @@ def test_feed_events_conform(server: Server) -> None:
         snapshot = Feed(client, {"snapshot": "1"})
         first = snapshot.until("synced")
         assert {e["event"] for e in first} == {"set", "synced"} and len(first) == 5
-        assert all("id" not in e for e in first)
+        end = first[-1]["id"]  # the snapshot's rows carry ids inside it, `synced` its end
+        assert [e["id"] for e in first] == [f"{end}.{n}" for n in range(1, 5)] + [end]
 
         gapped = Feed(client, last_event_id="0-0")
         second = gapped.until("synced")
         assert second[0] == {
             "event": "gap",
-            "data": {"requested": "0-0", "reason": "unknown_epoch"},
+            "id": f"{end}.0",
+            "data": {"requested": "0-0", "reason": "unknown_epoch", "resumeFrom": f"{end}.0"},
         }
         assert second[1:] == first
         gapped.close()
@@ -855,6 +858,7 @@ def test_compat_feed_events_conform(tmp_path: Path) -> None:
             )
             state = files.through_id()
             assert [e["event"] for e in state] == ["gap", "reset", "add"]
+            assert state[0]["id"] == state[0]["data"]["resumeFrom"] == f"{state[-1]['id']}.0"
             assert state[-1]["data"]["path"] == "a.mkv"
             (media / "a.mkv").rename(media / "b.mkv")
             moved = files.next()

@@ -91,8 +91,9 @@ class Replica:
     """What a feed consumer rebuilds, checking SPEC §5's ordering rules frame by frame.
 
     Live events must carry ids of the current epoch, strictly increasing (and with `dense`,
-    consecutive); a `gap` must be followed by id-less `set`s (the snapshot) and a `synced` whose id
-    is where the live tail resumes; `synced` after a replay names the position reached.
+    consecutive); a `gap` (its id its `resumeFrom`, the snapshot's start) must be followed by
+    `set`s with ids inside the snapshot (`<epoch>-<seq>.<n>`, n counting from 1) and a `synced`
+    whose id is where the live tail resumes; `synced` after a replay names the position reached.
     """
 
     def __init__(
@@ -134,13 +135,17 @@ class Replica:
         elif frame.event == "gap":
             assert self.gaps_allowed, f"unexpected gap {frame.data}"
             assert self._snapshot is None, f"gap inside a snapshot: {frame.data}"
-            assert frame.id is None and set(frame.data) == {"requested", "reason"}, frame
+            assert set(frame.data) == {"requested", "reason", "resumeFrom"}, frame
+            assert frame.id == frame.data["resumeFrom"] and is_state_id(frame.id, 0), frame
             if frame.data["reason"] == "too_old" and self.last_id is not None:
                 assert frame.data["requested"] == self.last_id, f"{frame} at {self.last_id}"
-            self.gaps.append(frame.data)
+            self.gaps.append({k: frame.data[k] for k in ("requested", "reason")})
             self._snapshot = {}
         elif frame.event == "synced":
-            assert frame.id is None and set(frame.data) == {"id"}, frame
+            assert set(frame.data) == {"id"}, frame
+            # the end of a snapshot (of ?snapshot=1 too) carries its position as its id too
+            ends_snapshot = self._snapshot is not None or self.epoch is None
+            assert frame.id == (frame.data["id"] if ends_snapshot else None), frame
             epoch_text, seq_text = frame.data["id"].rsplit("-", 1)
             epoch, seq = int(epoch_text), int(seq_text)
             self.synced.append(frame.data["id"])
@@ -162,15 +167,17 @@ class Replica:
             expected = {"rid", "key", "value"} if frame.event == "set" else {"rid", "key"}
             assert set(data) == expected, frame
             where = (data["rid"], data["key"])
-            if frame.id is None:  # a snapshot row
+            if is_state_id(frame.id):  # a snapshot row
                 assert frame.event == "set", f"del inside a snapshot: {frame}"
                 if self._snapshot is None:  # the snapshot of ?snapshot=1 (no gap before it)
-                    assert self.epoch is None and not self.seqs, f"id-less event live: {frame}"
+                    assert self.epoch is None and not self.seqs, f"snapshot row live: {frame}"
                     self._snapshot = {}
+                assert is_state_id(frame.id, len(self._snapshot) + 1), f"{frame} out of order"
                 assert where not in self._snapshot, f"{where} twice in one snapshot"
                 self._snapshot[where] = data["value"]
                 return
             assert self._snapshot is None, f"live event {frame.id} inside a snapshot"
+            assert frame.id is not None, f"a live event without an id: {frame}"
             epoch_text, seq_text = frame.id.rsplit("-", 1)
             epoch, seq = int(epoch_text), int(seq_text)
             if self.epoch is None:
@@ -190,6 +197,20 @@ class Replica:
                 self.state.pop(where, None)
         else:
             raise AssertionError(f"unknown event {frame}")
+
+
+def gap_frame(requested: str | None, reason: str, at: str) -> Frame:
+    """The `gap` before the full state at cursor `at` (`<epoch>-<seq>`): its id and `resumeFrom`
+    are that state's start."""
+    start = f"{at}.0"
+    return Frame("gap", start, {"requested": requested, "reason": reason, "resumeFrom": start})
+
+
+def is_state_id(text: str | None, seen: int | None = None) -> bool:
+    """Whether `text` is an id from inside a full state (`<epoch>-<seq>.<n>`), n `seen` if given."""
+    if text is None or "." not in text:
+        return False
+    return seen is None or text.rsplit(".", 1)[1] == str(seen)
 
 
 def reached(seq: int) -> Callable[[Replica], bool]:
