@@ -70,3 +70,8 @@ def fast_claims(
         sig = signer.key.sign(claims_mod.signing_bytes(uid, cid, key, value, ts)).signature
         out.append(claims_mod.Claim(uid, cid, key, value, ts, sig).wire())
     return out
+
+
+def without_owner(signers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A `GET /api/signers` list less the box owner, whom every node registers at start."""
+    return [s for s in signers if s["name"] != "owner"]
