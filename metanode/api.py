@@ -133,6 +133,8 @@ FAMILIES: tuple[tuple[str, Access], ...] = (
     ("/file/", Access.TRUSTED),
     ("/urls", Access.TRUSTED),
     ("/api/services", Access.TRUSTED),
+    ("/webdav", Access.TRUSTED),
+    ("/webdav/", Access.TRUSTED),
 )
 
 

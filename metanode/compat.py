@@ -28,7 +28,6 @@ import stat
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from sse_starlette import EventSourceResponse
@@ -41,13 +40,14 @@ from starlette.responses import (
     Response,
 )
 from starlette.responses import RangeNotSatisfiable as Unsatisfiable
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import Receive, Scope, Send
 
 from metanode import cid as cids
-from metanode import claims, feed, merge, signer, sse
+from metanode import claims, feed, merge, signer, sse, webdav
 from metanode import rid as rids
 from metanode.bodies import parse_json, read_body
+from metanode.config import Settings
 from metanode.errors import (
     CacheNotReady,
     DeprecatedField,
@@ -62,6 +62,7 @@ from metanode.errors import (
     UnknownCid,
 )
 from metanode.node import Node
+from metanode.webdav import Roots
 
 MAX_PROPERTY_BODY = 1024 * 1024  # meta-core reads a property body into a 1 MiB buffer
 
@@ -299,26 +300,6 @@ def property_value(body: bytes) -> str:
 
 
 # -- local files --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Roots:
-    """Paths as MetaMesh consumers see them: relative to the watch root, no leading `/`.
-
-    With several roots, relative to their common parent, so two roots' files never collide.
-    A path outside every root (scanned by hand) just loses its leading `/`.
-    """
-
-    prefix: str
-
-    @classmethod
-    def of(cls, roots: tuple[str, ...]) -> Roots:
-        resolved = [str(Path(r).resolve()) for r in roots] or ["/"]
-        base = resolved[0] if len(resolved) == 1 else os.path.commonpath(resolved)
-        return cls(base.rstrip("/") + "/")
-
-    def relative(self, path: str) -> str:
-        return path[len(self.prefix) :] if path.startswith(self.prefix) else path.lstrip("/")
 
 
 @dataclass(frozen=True)
@@ -592,6 +573,15 @@ class FilesFollow(_Follow[feed.FileFeedRow]):
         return [("add", frames.data(path, midhash, size, now)) for path, midhash, size in rows]
 
 
+def internal_url(settings: Settings) -> str:
+    """The node's URL for a client beside it: by the host name when it listens on every
+    address (in Docker, the container's name, which its siblings resolve, as meta-core's
+    `webdavUrlInternal` did), else by the address it listens on."""
+    if settings.host in ("0.0.0.0", "::", ""):
+        return f"http://{socket.gethostname()}:{settings.port}"
+    return settings.client_url
+
+
 # -- routes -------------------------------------------------------------------------------------
 
 
@@ -632,6 +622,8 @@ def routes(node: Node) -> list[BaseRoute]:
         record = node.record_rows(rid)
         if not record:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
+        if "filePath" in record:  # as the WebDAV path, like the file events' `path`
+            record = {**record, "filePath": roots.relative(record["filePath"])}
         return JSONResponse({"hashId": rid, "metadata": dict(sorted(record.items()))})
 
     async def meta_property(request: Request) -> Response:
@@ -655,7 +647,7 @@ def routes(node: Node) -> list[BaseRoute]:
         stored = node.record_value(rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
-        return PlainTextResponse(stored)
+        return PlainTextResponse(roots.relative(stored) if key == "filePath" else stored)
 
     async def add_to_set(request: Request) -> Response:
         text, key = request.path_params["hash"], request.path_params["key"]
@@ -718,6 +710,9 @@ def routes(node: Node) -> list[BaseRoute]:
         return refused or response
 
     async def urls(request: Request) -> Response:
+        """Where this node answers. `webdavUrl`: the WebDAV root by the URL this request
+        reached (what a client on the box's network uses); `webdavUrlInternal`: by the node's
+        own name and port (what another container or process beside it uses)."""
         base = str(request.base_url).rstrip("/")
         return JSONResponse(
             {
@@ -725,8 +720,8 @@ def routes(node: Node) -> list[BaseRoute]:
                 "baseUrl": base,
                 "apiUrl": base,
                 "redisUrl": "",
-                "webdavUrl": "",
-                "webdavUrlInternal": "",
+                "webdavUrl": base + webdav.MOUNT,
+                "webdavUrlInternal": internal_url(node.settings) + webdav.MOUNT,
             }
         )
 
@@ -758,4 +753,5 @@ def routes(node: Node) -> list[BaseRoute]:
         Route("/file/{cid}", file_bytes),
         Route("/urls", urls),
         Route("/api/services", services),
+        Mount(webdav.MOUNT, app=webdav.App(node.settings)),  # WebDAV, outside the OpenAPI doc
     ]

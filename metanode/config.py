@@ -120,6 +120,16 @@ class Settings:
         "Reverse proxies (CIDRs, comma-separated in the environment) whose `X-Forwarded-For` "
         "and `X-Forwarded-Proto` are believed; from anyone else the headers are ignored.",
     )
+    webdav_plugin_writes: bool = setting(
+        False,
+        "Let WebDAV clients write plugin outputs under `/webdav/plugin/` (PUT, MKCOL, DELETE, "
+        "MOVE, COPY), into `webdav_plugin_dir`; the watch roots stay read-only.",
+    )
+    webdav_plugin_dir: str = setting(
+        "",
+        "Folder of the plugin outputs written over WebDAV (empty: `plugin` in the data "
+        "directory); it may not be inside a watch root nor hold one.",
+    )
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     log_access: bool = setting(
         False, "Log one line per HTTP request (costs about a fifth of the read rate)."
@@ -130,6 +140,20 @@ class Settings:
             raise InvalidRequest(f"setting port: {self.port} is not a TCP port (1 to 65535)")
         networks("trusted_networks", self.trusted_networks)
         networks("trusted_proxies", self.trusted_proxies)
+        if self.webdav_plugin_writes:
+            self._check_plugin_outputs()
+
+    def _check_plugin_outputs(self) -> None:
+        """Writes over WebDAV must never reach the media: refuse an outputs folder that is a
+        watch root, lies inside one or holds one."""
+        outputs = os.path.realpath(self.plugin_outputs)
+        for root in self.watch_roots:
+            real = os.path.realpath(root)
+            if os.path.commonpath([outputs, real]) in (outputs, real):
+                raise InvalidRequest(
+                    f"setting webdav_plugin_dir: {str(self.plugin_outputs)!r} overlaps the "
+                    f"watch root {root!r}; WebDAV writes may not reach the media"
+                )
 
     @property
     def trusted(self) -> tuple[Network, ...]:
@@ -147,6 +171,11 @@ class Settings:
         bind address (`0.0.0.0`, `::`) is asked on loopback."""
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    @property
+    def plugin_outputs(self) -> Path:
+        """Where WebDAV writes under `/webdav/plugin/` go (`webdav_plugin_dir`)."""
+        return Path(self.webdav_plugin_dir) if self.webdav_plugin_dir else self.data_dir / "plugin"
 
     @property
     def truth_path(self) -> Path:

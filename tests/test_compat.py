@@ -28,6 +28,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sse_starlette import ServerSentEvent
+from starlette.routing import Mount
 
 from metanode import cache, compat, db, keys, merge, sse, watcher
 from metanode import cid as cids
@@ -473,7 +474,9 @@ async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncC
 # -- /urls, the perimeter -------------------------------------------------------------------------
 
 
-async def test_urls_has_no_redis_and_no_webdav(client: httpx.AsyncClient) -> None:
+async def test_urls_has_no_redis_and_names_the_webdav_root(
+    node: Node, client: httpx.AsyncClient
+) -> None:
     response = await client.get("/urls")
     assert response.status_code == 200
     assert response.json() == {
@@ -481,8 +484,8 @@ async def test_urls_has_no_redis_and_no_webdav(client: httpx.AsyncClient) -> Non
         "baseUrl": "http://node",
         "apiUrl": "http://node",
         "redisUrl": "",
-        "webdavUrl": "",
-        "webdavUrlInternal": "",
+        "webdavUrl": "http://node/webdav",
+        "webdavUrlInternal": f"{node.settings.client_url}/webdav",
     }
 
 
@@ -535,6 +538,9 @@ def served_routes(node: Node) -> set[tuple[str, str]]:
     """(method, path template) of every route the compatibility layer serves, HEAD aside."""
     served = set()
     for route in compat.routes(node):
+        if isinstance(route, Mount):  # WebDAV: its reads, on any path below the mount
+            served |= {("PROPFIND", f"{route.path}/{{path}}"), ("GET", f"{route.path}/{{path}}")}
+            continue
         for method in getattr(route, "methods", None) or {"GET"}:
             if method != "HEAD":
                 served.add((method, route.path.replace(":path}", "}")))  # type: ignore[attr-defined]
@@ -613,7 +619,7 @@ async def test_file_info_is_always_200(node: Node, client: httpx.AsyncClient, me
         "exists": True,
         "contentType": "video/mp4",
         "size": 110,
-        "filePath": "films/film.mp4",
+        "filePath": "media/films/film.mp4",  # the WebDAV path: the root's collection, then below
     }
     assert (await client.get(f"/api/file/{film}/info")).json() == expected
 
@@ -1267,15 +1273,15 @@ def test_events_files_from_the_watcher_and_full_replay(
         assert list(json.loads(frame_json(stream, frame))) == sorted([*expected, "timestamp"])
 
     alpha, a = write(media / "a.bin", b"alpha")
-    expect("add", 1, alpha, "a.bin", 5)
+    expect("add", 1, alpha, "media/a.bin", 5)
     alpha2, _ = write(a, b"alpha, longer")
-    expect("change", 2, alpha2, "a.bin", 13)
+    expect("change", 2, alpha2, "media/a.bin", 13)
     os.rename(a, media / "b.bin")
-    expect("rename", 3, alpha2, "b.bin", 13, old_path="a.bin")
+    expect("rename", 3, alpha2, "media/b.bin", 13, old_path="media/a.bin")
     gamma, _ = write(media / "sub" / "c.bin", b"gamma")
-    expect("add", 4, gamma, "sub/c.bin", 5)
+    expect("add", 4, gamma, "media/sub/c.bin", 5)
     (media / "b.bin").unlink()
-    expect("delete", 5, alpha2, "b.bin", 13)
+    expect("delete", 5, alpha2, "media/b.bin", 13)
     stream.close()
 
     replay = open_stream(server, "/api/events/files", last_event_id="0-0")
@@ -1289,15 +1295,15 @@ def test_events_files_from_the_watcher_and_full_replay(
     assert (add.event, add.id) == ("add", f"{ep}-5")
     assert {k: v for k, v in add.data.items() if k != "timestamp"} == {
         "midhash256": gamma,
-        "path": "sub/c.bin",
+        "path": "media/sub/c.bin",
         "size": "5",
     }
     replay.close()
 
     resumed = open_stream(server, "/api/events/files", last_event_id=f"{ep}-3")
     assert [(f.event, f.id, f.data["path"]) for f in resumed.events(2)] == [
-        ("add", f"{ep}-4", "sub/c.bin"),
-        ("delete", f"{ep}-5", "b.bin"),
+        ("add", f"{ep}-4", "media/sub/c.bin"),
+        ("delete", f"{ep}-5", "media/b.bin"),
     ]
     resumed.close()
 

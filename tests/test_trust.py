@@ -103,6 +103,30 @@ def test_compat_routes_are_open_to_trusted_networks_only(server: Server) -> None
         assert untrusted.get(f"{server.url}/meta/{cid}/title", headers=server.headers).text == "T"
 
 
+def test_webdav_is_open_to_trusted_networks_only(server: Server) -> None:
+    """`/webdav` is a compat route: meta-fuse and meta-sort read bytes there without a token."""
+    hashed_cid(server)
+    requests = [
+        ("PROPFIND", "/webdav/", {"Depth": "1"}, 207),
+        ("HEAD", "/webdav/media/film.mkv", {}, 200),
+        ("GET", "/webdav/media/film.mkv", {"Range": "bytes=0-9"}, 206),
+        ("GET", "/webdav", {}, 307),  # to /webdav/
+    ]
+    with client_from(TRUSTED) as trusted, client_from(UNTRUSTED) as untrusted:
+        for method, path, headers, status in requests:
+            url = f"{server.url}{path}"
+            refused = untrusted.request(method, url, headers=headers)
+            assert refused.status_code == 401, (method, path)
+            if method != "HEAD":
+                assert refused.json()["error"] == "unauthorized"
+            given = untrusted.request(method, url, headers={**headers, **server.headers})
+            assert given.status_code == status, (method, path)
+            answer = trusted.request(method, url, headers=headers)
+            assert answer.status_code == status, (method, path)
+        part = trusted.get(f"{server.url}/webdav/media/film.mkv", headers={"Range": "bytes=0-9"})
+        assert part.content == CONTENT[:10]
+
+
 def test_native_routes_need_the_token_from_everywhere(server: Server) -> None:
     with client_from(TRUSTED) as trusted, client_from(UNTRUSTED) as untrusted:
         for client in (trusted, untrusted):
@@ -186,3 +210,7 @@ def test_every_documented_route_is_in_the_family_its_document_says(value: str) -
             else:
                 expected = Access.TOKEN
             assert access_of(path) is expected, (template, path)
+    # WebDAV is outside the document (docs/compat.md "WebDAV") and a compat route all the same
+    for path in ("/webdav", "/webdav/", f"/webdav/{value}", f"/webdav/media/{value}"):
+        assert access_of(path) is Access.TRUSTED, path
+    assert access_of(f"/webdav{value}") is Access.TOKEN  # not the family: no prefix match

@@ -1,0 +1,245 @@
+"""WebDAV over the watch roots at `/webdav/` (docs/compat.md "WebDAV"), for the MetaMesh
+consumers that read bytes that way (meta-fuse's driver, meta-sort's midhash over a Range read).
+
+A real WebDAV server, WsgiDAV, mounted in the Starlette app through a2wsgi (its WSGI runs on
+a2wsgi's thread pool, off the event loop). What is ours is the layout and its guards:
+
+* **the layout** (`Roots`): every watch root is a top-level collection named by its folder's
+  basename, so `/webdav/<name>/<path below the root>`; a name already taken (two roots called
+  `media`, or `plugin`, reserved for plugin outputs) gets `-2`, `-3`… in the order of
+  `watch_roots`. The compat routes give `filePath` and the file events' `path` in this same
+  layout (`Roots.relative`), so a record's `filePath` appended to `webdavUrl` is its file;
+* **read-only**: every root is served by a read-only provider, so PUT, DELETE, MKCOL, MOVE,
+  COPY, PROPPATCH are answered 403 by WsgiDAV;
+* **no way out of a root**: unless `watch_follow_symlinks` is on (then links are followed
+  anywhere, as the watcher follows them), a path whose real path leaves its root, or whose
+  last component is a symbolic link, is 403 and links are left out of listings (WsgiDAV's own
+  checks); and the bytes are read from a descriptor opened with `O_NOFOLLOW` and checked again
+  below the root, so a link swapped in after the check cannot lead out either;
+* **plugin outputs** (`webdav_plugin_writes`, off by default): `/webdav/plugin/` is then a
+  writable folder, `webdav_plugin_dir` (default `<data_dir>/plugin`), which may not overlap a
+  watch root: writes never reach the media.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, cast
+
+from a2wsgi import WSGIMiddleware
+from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
+from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError
+from wsgidav.dav_provider import DAVCollection, DAVProvider
+from wsgidav.error_printer import ErrorPrinter
+from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
+from wsgidav.request_resolver import RequestResolver
+from wsgidav.wsgidav_app import WsgiDAVApp
+
+from metanode.config import Settings
+
+MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
+PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
+WORKERS = 8  # a2wsgi threads: WebDAV requests served at once (a read streams from one)
+
+
+@dataclass(frozen=True)
+class Roots:
+    """The WebDAV layout of the watch roots: (collection name, real path) in settings order.
+
+    Paths as MetaMesh consumers see them come from here: `relative` gives a local path as the
+    path below `/webdav/` that serves it, which is what the compat routes call `filePath`.
+    """
+
+    collections: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, roots: Sequence[str]) -> Roots:
+        """Each root named by its basename (`root` for `/`), made unique with `-2`, `-3`…"""
+        taken = {PLUGIN}
+        collections = []
+        for root in roots:
+            real = os.path.realpath(root)
+            base = os.path.basename(real) or "root"
+            name, n = base, 1
+            while name in taken:
+                n += 1
+                name = f"{base}-{n}"
+            taken.add(name)
+            collections.append((name, real))
+        return cls(tuple(collections))
+
+    def relative(self, path: str) -> str:
+        """`<name>/<path below the root>` of the deepest root holding `path`; a path outside
+        every root (from `metanode scan` of another folder) just loses its leading `/` (no
+        WebDAV path serves it)."""
+        best: tuple[str, str] | None = None  # (name, prefix), the longest prefix first found
+        for name, real in self.collections:
+            prefix = real.rstrip("/") + "/"
+            if path.startswith(prefix) and (best is None or len(prefix) > len(best[1])):
+                best = (name, prefix)
+        if best is None:
+            return path.lstrip("/")
+        return f"{best[0]}/{path[len(best[1]) :]}"
+
+
+class CheckedFile(FileResource):  # type: ignore[misc]
+    """A file of a root whose bytes are read from a descriptor opened without following a last
+    symbolic link and checked to lie below the root, unless links are followed: what WsgiDAV
+    checked by path cannot be swapped for a link between its check and the read."""
+
+    def __init__(self, path: str, environ: dict[str, Any], file_path: str, root: str) -> None:
+        super().__init__(path, environ, file_path)
+        self.root = root
+
+    def get_content(self) -> IO[bytes]:
+        if self.provider.fs_opts["follow_symlinks"]:
+            return open(self._file_path, "rb")  # WsgiDAV closes it
+        fd = os.open(self._file_path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+            if not real.startswith(self.root.rstrip("/") + "/"):
+                raise DAVError(HTTP_FORBIDDEN, "the file is no longer below its root")
+        except BaseException:
+            os.close(fd)
+            raise
+        return os.fdopen(fd, "rb")
+
+
+class Top(DAVCollection):  # type: ignore[misc]
+    """`/webdav/` itself: a read-only collection of the roots' collections (and `plugin`)."""
+
+    def __init__(self, environ: dict[str, Any], names: list[str]) -> None:
+        super().__init__("/", environ)
+        self.names = names
+
+    def get_member_names(self) -> list[str]:
+        return self.names
+
+    def get_member(self, name: str) -> Any:
+        return self.provider.get_resource_inst(f"/{name}", self.environ)
+
+
+class Layout(DAVProvider):  # type: ignore[misc]
+    """The read-only provider of `/webdav/`: `Top`, then each root's files through a read-only
+    `FilesystemProvider` of that root (its path checks), named by `Roots`."""
+
+    def __init__(self, roots: Roots, follow_symlinks: bool, plugin_dir: str | None) -> None:
+        super().__init__()
+        self.readonly = True
+        self.fs_opts = {"follow_symlinks": follow_symlinks}
+        self.reals = dict(roots.collections)
+        self.roots: dict[str, FilesystemProvider] = {}
+        self.plugin_dir = plugin_dir
+        self.names = [name for name, _ in roots.collections] + ([PLUGIN] if plugin_dir else [])
+
+    def is_readonly(self) -> bool:
+        return True
+
+    def _root(self, name: str) -> FilesystemProvider | None:
+        """The provider of root `name`, made once the folder exists (the watcher makes it)."""
+        if name not in self.roots and os.path.isdir(self.reals.get(name, "")):
+            self.roots[name] = FilesystemProvider(
+                self.reals[name], readonly=True, fs_opts=self.fs_opts
+            )
+        return self.roots.get(name)
+
+    def get_resource_inst(self, path: str, environ: dict[str, Any]) -> Any:
+        """The resource at `path` (below `/webdav`), None if there is none (404)."""
+        name, _, below = path.strip("/").partition("/")
+        if not name:
+            return Top(environ, self.names)
+        if name == PLUGIN and self.plugin_dir:  # listed here, served by its own provider
+            return FolderResource(path, environ, self.plugin_dir)
+        fs = self._root(name)
+        if fs is None:
+            return None
+        file_path = fs._loc_to_file_path(f"/{below}", environ)  # 403 outside the root
+        if not os.path.lexists(file_path):
+            return None
+        if not self.fs_opts["follow_symlinks"] and os.path.islink(file_path):
+            raise DAVError(HTTP_FORBIDDEN, "symbolic links are not followed")
+        if os.path.isdir(file_path):
+            return FolderResource(path, environ, file_path)
+        if not os.path.isfile(file_path):
+            return None  # a dangling link, a socket…
+        return CheckedFile(path, environ, file_path, fs.root_folder_path_real)
+
+
+def plugin_dir(settings: Settings) -> Path | None:
+    """Where plugin outputs are written, made if missing; None when plugin writes are off."""
+    if not settings.webdav_plugin_writes:
+        return None
+    settings.plugin_outputs.mkdir(parents=True, exist_ok=True)
+    return settings.plugin_outputs
+
+
+def dav(mount: str, provider: DAVProvider) -> WSGIApp:
+    """A WsgiDAV app serving `provider` at `mount`: no authentication of its own (the perimeter
+    decides, as for every compat route), no directory browser (GET of a folder is 403: list it
+    with PROPFIND), locks in memory (clients that write lock first), no dead properties."""
+    app: WSGIApp = WsgiDAVApp(
+        {
+            "mount_path": mount,
+            "provider_mapping": {"/": provider},
+            "middleware_stack": [ErrorPrinter, RequestResolver],
+            "lock_storage": True,
+            "property_manager": None,
+            "verbose": 0,
+            "logging": {"enable": False},
+            "suppress_version_info": True,
+            "http_authenticator": {"domain_controller": None},
+            "simple_dc": {"user_mapping": {"*": True}},
+            "dir_browser": {"enable": False},
+        }
+    )
+    return app
+
+
+def server(settings: Settings) -> ASGIApp:
+    """The WebDAV server of a node's settings, as an ASGI app.
+
+    Two WsgiDAV apps behind one WSGI dispatcher: the read-only layout, and the plugin outputs'
+    writable folder at `plugin/` when enabled. Not two shares of one app: WsgiDAV then picks the
+    provider of a MOVE's or COPY's destination before removing the mount path, so every move
+    inside `plugin/` would be refused (502).
+    """
+    outputs = plugin_dir(settings)
+    roots = Roots.of(settings.watch_roots)
+    layout = dav(
+        MOUNT, Layout(roots, settings.watch_follow_symlinks, str(outputs) if outputs else None)
+    )
+    writable = None
+    if outputs is not None:
+        writable = dav(
+            f"{MOUNT}/{PLUGIN}",
+            FilesystemProvider(str(outputs), readonly=False, fs_opts={"follow_symlinks": False}),
+        )
+
+    def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ["PATH_INFO"]
+        if writable is not None and (path == f"/{PLUGIN}" or path.startswith(f"/{PLUGIN}/")):
+            environ["SCRIPT_NAME"] += f"/{PLUGIN}"
+            environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
+            return writable(environ, start_response)
+        return layout(environ, start_response)
+
+    return cast(ASGIApp, WSGIMiddleware(dispatch, workers=WORKERS))
+
+
+class App:
+    """The WebDAV server as the ASGI app mounted at `MOUNT`, built on its first request: by
+    then the node has started, so the plugin outputs' folder is made after the data directory
+    (and made private with it)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.served: ASGIApp | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.served is None:
+            self.served = server(self.settings)
+        await self.served(scope, receive, send)

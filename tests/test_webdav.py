@@ -1,0 +1,304 @@
+"""WebDAV at `/webdav/` (metanode/webdav.py, docs/compat.md "WebDAV") against a real
+`metanode serve`, spoken to as meta-fuse and meta-sort speak to meta-core's: PROPFIND to list,
+HEAD for the size and mtime, Range GETs for the bytes, the midhash recomputed over Range reads
+(meta-sort's check), and the record's `filePath` appended to `/urls`' `webdavUrl`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from email.utils import parsedate_to_datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+import defusedxml.ElementTree as SafeET
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metanode import cid as cids
+from metanode import compat, config
+from metanode.errors import InvalidRequest
+from metanode.webdav import PLUGIN, Roots
+from tests.helpers.server import Server
+
+WAIT_S = 60.0
+DAV = "{DAV:}"
+# Over 1 MiB, so the midhash samples the middle of the file, not all of it.
+CONTENT = bytes(range(256)) * (5 * 4096) + b"tail"
+WRITES = ("PUT", "DELETE", "MKCOL", "PROPPATCH", "LOCK")
+
+
+@pytest.fixture
+def launch(tmp_path: Path) -> Iterator[Callable[..., Server]]:
+    """Start a server on `tmp_path/data` (watching `tmp_path/media`) with extra settings."""
+    started: list[Server] = []
+
+    def start(**env: str) -> Server:
+        server = Server(tmp_path / "data", env={"METANODE_WATCH_SETTLE_S": "0.2", **env})
+        started.append(server.start())
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+        server.print_log()
+
+
+def drop(path: Path, data: bytes = CONTENT) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def hashed(server: Server, path: Path) -> str:
+    """The midhash of `path` once the watcher has it in the records (polled, no timer race)."""
+    cid = cids.midhash_bytes(path.read_bytes())
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if httpx.get(f"{server.url}/api/file/{cid}/info", timeout=10).json()["exists"]:
+            return cid
+        time.sleep(0.1)
+    raise AssertionError(f"the watcher did not hash {path} in {WAIT_S} s")
+
+
+def propfind(url: str, depth: str) -> dict[str, dict[str, Any]]:
+    """PROPFIND `url`: {unquoted href: {"collection": bool, "length": int | None, "modified"}}."""
+    response = httpx.request("PROPFIND", url, headers={"Depth": depth}, timeout=30)
+    assert response.status_code == 207, response.text
+    found = {}
+    for item in SafeET.fromstring(response.content).iter(f"{DAV}response"):
+        prop = item.find(f"{DAV}propstat/{DAV}prop")
+        assert prop is not None
+        length = prop.findtext(f"{DAV}getcontentlength")
+        found[unquote(item.findtext(f"{DAV}href") or "")] = {
+            "collection": prop.find(f"{DAV}resourcetype/{DAV}collection") is not None,
+            "length": None if length is None else int(length),
+            "modified": prop.findtext(f"{DAV}getlastmodified"),
+        }
+    return found
+
+
+def test_propfind_lists_the_root_and_a_folder(launch: Callable[..., Server]) -> None:
+    server = launch()
+    film = drop(server.media / "films" / "one film.mkv")
+    top = f"{server.url}/webdav/"
+    assert propfind(top, "0") == {
+        "/webdav/": {"collection": True, "length": None, "modified": None}
+    }
+    assert propfind(top, "1").keys() == {"/webdav/", "/webdav/media/"}
+    assert PLUGIN not in str(propfind(top, "1"))  # plugin writes are off by default
+    listed = propfind(f"{top}media/films/", "1")
+    assert listed.keys() == {"/webdav/media/films/", "/webdav/media/films/one film.mkv"}
+    entry = listed["/webdav/media/films/one film.mkv"]
+    assert (entry["collection"], entry["length"]) == (False, len(CONTENT))
+    assert parsedate_to_datetime(entry["modified"]).timestamp() == int(film.stat().st_mtime)
+    missing = httpx.request("PROPFIND", f"{top}media/nothing", headers={"Depth": "0"})
+    assert missing.status_code == 404
+
+
+def test_head_and_range_reads(launch: Callable[..., Server]) -> None:
+    server = launch()
+    film = drop(server.media / "films" / "film.mkv")
+    url = f"{server.url}/webdav/media/films/film.mkv"
+    head = httpx.head(url, timeout=30)
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["Content-Length"]) == len(CONTENT)
+    modified = parsedate_to_datetime(head.headers["Last-Modified"])
+    assert modified.timestamp() == int(film.stat().st_mtime)
+    assert head.headers["Accept-Ranges"] == "bytes"
+    size = len(CONTENT)
+    for wanted, start, end in (
+        ("bytes=0-0", 0, 0),
+        ("bytes=1000-1999", 1000, 1999),
+        (f"bytes={size - 4}-", size - 4, size - 1),
+        ("bytes=-7", size - 7, size - 1),
+        (f"bytes=5-{size * 2}", 5, size - 1),  # clipped to the file
+    ):
+        part = httpx.get(url, headers={"Range": wanted}, timeout=30)
+        assert part.status_code == 206, (wanted, part.status_code)
+        assert part.headers["Content-Range"] == f"bytes {start}-{end}/{size}", wanted
+        assert part.content == CONTENT[start : end + 1], wanted
+    whole = httpx.get(url, timeout=30)
+    assert (whole.status_code, whole.content) == (200, CONTENT)
+
+
+def test_file_path_is_the_webdav_path_and_the_midhash_over_range_reads_is_the_cid(
+    launch: Callable[..., Server],
+) -> None:
+    """meta-sort's check: HEAD for the size, a Range read of the midhash sample, the CID; and
+    the compat record's `filePath` after `webdavUrl` is the file. The native record keeps the
+    absolute path (docs/api.md)."""
+    server = launch()
+    film = drop(server.media / "films" / "a film (1999).mkv")
+    cid = hashed(server, film)
+    urls = httpx.get(f"{server.url}/urls", timeout=10).json()
+    record = httpx.get(f"{server.url}/meta/{cid}", timeout=10).json()["metadata"]
+    assert record["filePath"] == "media/films/a film (1999).mkv"
+    assert httpx.get(f"{server.url}/meta/{cid}/filePath").text == record["filePath"]
+    info = httpx.get(f"{server.url}/api/file/{cid}/info", timeout=10).json()
+    assert info["filePath"] == record["filePath"]  # the file events' `path` too (same Roots)
+    native = httpx.get(f"{server.url}/api/meta/{cid}", timeout=10).json()
+    assert native["filePath"] == native["metadata"]["filePath"] == str(film.resolve())
+
+    url = f"{urls['webdavUrl']}/{record['filePath']}"
+    size = int(httpx.head(url, timeout=30).headers["Content-Length"])
+    start = cids.midhash_offset(size)
+    end = min(size, start + cids.MIDHASH_SAMPLE) - 1
+    sample = httpx.get(url, headers={"Range": f"bytes={start}-{end}"}, timeout=30)
+    assert sample.status_code == 206 and len(sample.content) == end - start + 1
+    assert cids.midhash_cid(cids.midhash_digest(size, sample.content)) == cid
+    assert httpx.get(url, timeout=30).content == film.read_bytes()
+
+
+def test_writes_are_refused(launch: Callable[..., Server]) -> None:
+    server = launch()
+    film = drop(server.media / "film.mkv")
+    before = sorted(p.name for p in server.media.iterdir())
+    for target in ("film.mkv", "new.mkv", "folder/"):
+        url = f"{server.url}/webdav/media/{target}"
+        for method in WRITES:
+            answer = httpx.request(method, url, content=b"overwritten", timeout=30)
+            assert answer.status_code == 405, (method, target, answer.status_code)
+        for method in ("MOVE", "COPY"):
+            moved = {"Destination": f"{server.url}/webdav/media/moved.mkv"}
+            answer = httpx.request(method, url, headers=moved, timeout=30)
+            assert answer.status_code == 405, (method, target)
+    options = httpx.request("OPTIONS", f"{server.url}/webdav/media/film.mkv", timeout=30)
+    assert options.headers["Allow"] == "OPTIONS, HEAD, GET, PROPFIND"
+    assert sorted(p.name for p in server.media.iterdir()) == before
+    assert film.read_bytes() == CONTENT
+
+
+def test_urls_name_the_webdav_root(launch: Callable[..., Server]) -> None:
+    server = launch()
+    urls = httpx.get(f"{server.url}/urls", timeout=10).json()
+    assert urls["webdavUrl"] == f"{server.url}/webdav"  # the URL the request reached
+    assert urls["webdavUrlInternal"] == f"http://127.0.0.1:{server.port}/webdav"  # bound there
+    assert httpx.request("PROPFIND", urls["webdavUrl"] + "/", headers={"Depth": "0"}).is_success
+
+
+def test_the_internal_url_is_the_host_name_when_listening_everywhere() -> None:
+    for host in ("0.0.0.0", "::"):
+        settings = config.Settings(host=host, port=9123)
+        assert compat.internal_url(settings) == f"http://{socket.gethostname()}:9123"
+    assert compat.internal_url(config.Settings(host="10.1.2.3")) == "http://10.1.2.3:9000"
+
+
+def escapes(tmp_path: Path, media: Path) -> list[str]:
+    """Links from the root to a file and a folder outside it; the paths that use them."""
+    outside = drop(tmp_path / "outside" / "secret.txt", b"not for the network")
+    media.mkdir(parents=True, exist_ok=True)
+    (media / "secret.txt").symlink_to(outside)
+    (media / "out").symlink_to(outside.parent, target_is_directory=True)
+    return ["secret.txt", "out/secret.txt"]
+
+
+def test_symlinks_do_not_escape_a_root(tmp_path: Path, launch: Callable[..., Server]) -> None:
+    server = launch()
+    paths = escapes(tmp_path, server.media)
+    drop(server.media / "inside.mkv")
+    (server.media / "alias.mkv").symlink_to(server.media / "inside.mkv")  # a link, even inside
+    for path in [*paths, "alias.mkv"]:
+        for method in ("GET", "HEAD", "PROPFIND"):
+            answer = httpx.request(method, f"{server.url}/webdav/media/{path}", timeout=30)
+            assert answer.status_code == 403, (method, path, answer.status_code)
+            assert b"not for the network" not in answer.content
+    listed = propfind(f"{server.url}/webdav/media/", "1")
+    assert listed.keys() == {"/webdav/media/", "/webdav/media/inside.mkv"}  # links left out
+
+
+def test_symlinks_are_followed_when_the_watcher_follows_them(
+    tmp_path: Path, launch: Callable[..., Server]
+) -> None:
+    server = launch(METANODE_WATCH_FOLLOW_SYMLINKS="true")
+    for path in escapes(tmp_path, server.media):
+        answer = httpx.get(f"{server.url}/webdav/media/{path}", timeout=30)
+        assert (answer.status_code, answer.content) == (200, b"not for the network"), path
+
+
+def test_several_roots_are_top_level_collections(
+    tmp_path: Path, launch: Callable[..., Server]
+) -> None:
+    """Two roots named `media` and one named `plugin`: `media`, `media-2`, `plugin-2`; each
+    record's `filePath` is its file's WebDAV path."""
+    roots = [tmp_path / "media", tmp_path / "b" / "media", tmp_path / "plugin"]
+    server = launch(METANODE_WATCH_ROOTS=":".join(map(str, roots)))
+    films = [
+        drop(root / "film.mkv", CONTENT + bytes(n)) for n, root in enumerate(roots)
+    ]  # sizes differ
+    top = propfind(f"{server.url}/webdav/", "1")
+    assert top.keys() == {"/webdav/", "/webdav/media/", "/webdav/media-2/", "/webdav/plugin-2/"}
+    for film, name in zip(films, ("media", "media-2", "plugin-2"), strict=True):
+        cid = hashed(server, film)
+        path = httpx.get(f"{server.url}/meta/{cid}/filePath", timeout=10).text
+        assert path == f"{name}/film.mkv"
+        assert httpx.get(f"{server.url}/webdav/{path}", timeout=30).content == film.read_bytes()
+
+
+def test_plugin_outputs_are_writable_when_enabled(launch: Callable[..., Server]) -> None:
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    drop(server.media / "film.mkv")
+    base = f"{server.url}/webdav/{PLUGIN}"
+    assert httpx.request("MKCOL", f"{base}/tmdb/", timeout=30).status_code == 201
+    put = httpx.put(f"{base}/tmdb/poster.jpg", content=b"jpeg bytes", timeout=30)
+    assert put.status_code in (201, 204), put.text
+    stored = server.data_dir / "plugin" / "tmdb" / "poster.jpg"
+    assert stored.read_bytes() == b"jpeg bytes"
+    assert httpx.get(f"{base}/tmdb/poster.jpg", timeout=30).content == b"jpeg bytes"
+    assert "/webdav/plugin/" in propfind(f"{server.url}/webdav/", "1")
+    moved = {"Destination": f"{base}/tmdb/cover.jpg"}
+    assert httpx.request("MOVE", f"{base}/tmdb/poster.jpg", headers=moved).status_code == 201
+    assert httpx.delete(f"{base}/tmdb/cover.jpg", timeout=30).status_code == 204
+    assert list(stored.parent.iterdir()) == []
+    # the media stay read-only, and a write cannot be moved into them
+    assert httpx.put(f"{server.url}/webdav/media/x.mkv", content=b"x").status_code == 405
+    httpx.put(f"{base}/tmdb/a.jpg", content=b"a", timeout=30)
+    into = {"Destination": f"{server.url}/webdav/media/a.jpg"}
+    assert httpx.request("MOVE", f"{base}/tmdb/a.jpg", headers=into).status_code >= 400
+    assert sorted(p.name for p in server.media.iterdir()) == ["film.mkv"]
+
+
+def test_plugin_outputs_are_refused_when_disabled(launch: Callable[..., Server]) -> None:
+    server = launch()
+    base = f"{server.url}/webdav/{PLUGIN}"
+    assert httpx.request("MKCOL", f"{base}/", timeout=30).status_code == 405
+    assert httpx.request("MKCOL", f"{base}/tmdb/", timeout=30).status_code == 405
+    assert httpx.put(f"{base}/tmdb/poster.jpg", content=b"jpeg", timeout=30).status_code == 405
+    assert not (server.data_dir / "plugin").exists()
+
+
+def test_plugin_outputs_may_not_overlap_a_watch_root(tmp_path: Path) -> None:
+    media = tmp_path / "media"
+    for outputs in (media, media / "plugin", tmp_path):
+        with pytest.raises(InvalidRequest, match="webdav_plugin_dir"):
+            config.Settings(
+                watch_roots=(str(media),),
+                webdav_plugin_writes=True,
+                webdav_plugin_dir=str(outputs),
+            )
+    config.Settings(watch_roots=(str(media),), webdav_plugin_dir=str(media))  # writes off: unused
+
+
+NAMES = st.sampled_from(["media", "plugin", "tv", "media-2", "films"])
+
+
+@given(st.lists(st.tuples(st.sampled_from(["/srv", "/srv/x", "/mnt"]), NAMES), max_size=6))
+def test_the_layout_names_every_root_once(roots: list[tuple[str, str]]) -> None:
+    """Whatever the roots: one distinct name each, never `plugin`; a file of a root maps to
+    `<its name>/<path below the root>` (the deepest root holding it)."""
+    paths = [f"/nonexistent-webdav-test{parent}/{name}" for parent, name in roots]
+    layout = Roots.of(paths)
+    names = [name for name, _ in layout.collections]
+    assert len(set(names)) == len(names) == len(paths) and PLUGIN not in names
+    for (name, real), path in zip(layout.collections, paths, strict=True):
+        assert real == os.path.realpath(path) and name.startswith(os.path.basename(path))
+        deepest = max((r for _, r in layout.collections if f"{real}/".startswith(f"{r}/")), key=len)
+        owner = next(n for n, r in layout.collections if r == deepest)
+        assert layout.relative(f"{real}/a/b.mkv") == f"{owner}/a/b.mkv"
+    assert layout.relative("/elsewhere/c.mkv") == "elsewhere/c.mkv"
