@@ -120,8 +120,9 @@ class Access(enum.Enum):
 
 
 # The route families, by exact path or by prefix (ending in "/", but "/" itself is only the
-# start page); the first match decides, and a path matching none needs the token. The MetaMesh routes (docs/compat.md) are TRUSTED: their
-# consumers send no token and relied on the box's network, as they did with meta-core.
+# start page); the first match decides, and a path matching none needs the token. The MetaMesh
+# routes (docs/compat.md) are TRUSTED: their consumers send no token and relied on the box's
+# network, as they did with meta-core. The web page's (docs/ui.md) are PAGE.
 FAMILIES: tuple[tuple[str, Access], ...] = (
     ("/api/meta/", Access.PUBLIC),
     ("/health", Access.PUBLIC),
@@ -134,9 +135,7 @@ FAMILIES: tuple[tuple[str, Access], ...] = (
     ("/file/", Access.TRUSTED),
     ("/urls", Access.TRUSTED),
     ("/api/services", Access.TRUSTED),
-    *((page, Access.PAGE) for page in ("/", "/signin", "/signout", "/records/", "/live")),
-    *((page, Access.PAGE) for page in ("/files", "/plugins", "/signers", "/signers/", "/status")),
-    *((page, Access.PAGE) for page in ("/docs", "/docs/", "/static/")),
+    *((page, Access.PAGE) for page in ui.PAGES),
 )
 
 

@@ -49,6 +49,22 @@ from metanode.errors import (
 )
 from metanode.node import Node
 
+# The page routes, as `api.FAMILIES` lists them (a prefix ends in "/"; "/" is the start page).
+PAGES = (
+    "/",
+    "/signin",
+    "/signout",
+    "/records/",
+    "/live",
+    "/files",
+    "/plugins",
+    "/signers",
+    "/signers/",
+    "/status",
+    "/docs",
+    "/docs/",
+    "/static/",
+)
 COOKIE = "metanode_session"
 CSRF_HEADER = "x-csrf-token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
