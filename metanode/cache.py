@@ -1011,11 +1011,13 @@ def duplicates(conn: sqlite3.Connection, limit: int) -> list[tuple[str, list[str
 
 
 def diff(live: sqlite3.Connection, fresh: sqlite3.Connection) -> list[str]:
-    """Human-readable differences between two caches' records and cid index (for `check`)."""
+    """Human-readable differences between two caches' records, cid index and library index
+    (for `check`)."""
     out = []
     for table, sql in (
         ("records", "SELECT rid, key, value FROM records"),
         ("cid_index", "SELECT cid, rid FROM cid_index"),
+        ("library", "SELECT rid, title, name, year, type, files FROM library"),
     ):
         a, b = set(live.execute(sql).fetchall()), set(fresh.execute(sql).fetchall())
         out += [f"{table}: only in live cache: {row}" for row in sorted(a - b)]

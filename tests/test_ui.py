@@ -21,6 +21,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect, sync_playwright
 
+from metanode import cache, db
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server
 
@@ -66,13 +67,15 @@ def chromium() -> str:
     return CHROMIUM
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def playwright() -> Iterator[Playwright]:
+    """Module-scoped: Playwright's sync API keeps an event loop running in this thread while
+    it is open, which the async tests of later modules must not find."""
     with sync_playwright() as p:
         yield p
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(playwright: Playwright, chromium: str) -> Iterator[Browser]:
     # --no-sandbox: the suite runs as root, where Chromium's sandbox refuses to start
     b = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
@@ -458,3 +461,26 @@ def test_every_page_names_its_controls_and_fits_a_phone(
             if into:
                 target.screenshot(path=str(Path(into) / f"{name}-{width}.png"), full_page=True)
     signed_out.close()
+
+
+def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path) -> None:
+    """Cache schema 5 adds the library index and fills it from the records already cached, so
+    an upgraded node lists and finds them without a rebuild."""
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:4])
+        conn.executescript(
+            "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Old Lamp'),"
+            "('01M8T1AD8YE3198EENNAK7KT12', 'year', '1961'),"
+            "('01M8T1AD8YE3198EENNAK7KT12', 'filePath', '/m/old.lamp.mkv');"
+            "INSERT INTO cid_index VALUES ('bafkqaaa', '01M8T1AD8YE3198EENNAK7KT12');"
+            "INSERT INTO local_file VALUES ('/m/old.lamp.mkv', 'bafkqaaa', 1, 1, 1);"
+        )
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 5
+        (row,) = cache.library_page(conn, "lamp", "", None, cache.NEWEST, 50)
+        assert row == cache.LibraryRow(
+            "01M8T1AD8YE3198EENNAK7KT12", "Old Lamp", "old.lamp.mkv", "1961", "", 1
+        )
+        assert cache.library_page(conn, "zebra", "", None, cache.NEWEST, 50) == []
+    finally:
+        conn.close()
