@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metanode import compat, logs, merge, sse
+from metanode import compat, logs, merge, sse, ui
 from metanode.bodies import ascii_number, read_json, refuse_unknown
 from metanode.claims import utf8_size
 from metanode.errors import (
@@ -115,12 +115,14 @@ class Access(enum.Enum):
 
     PUBLIC = "public"  # anyone
     TRUSTED = "trusted"  # the token, or a client address in `trusted_networks`
-    TOKEN = "token"  # the token only
+    TOKEN = "token"  # the token (or the web page's session cookie, ui.py)
+    PAGE = "page"  # the web page: it asks for its session itself (a sign-in form, not a 401)
 
 
-# The route families, by exact path or by prefix (ending in "/"); the first match decides, and
-# a path matching none needs the token. The MetaMesh routes (docs/compat.md) are TRUSTED: their
-# consumers send no token and relied on the box's network, as they did with meta-core.
+# The route families, by exact path or by prefix (ending in "/", but "/" itself is only the
+# start page); the first match decides, and a path matching none needs the token. The MetaMesh
+# routes (docs/compat.md) are TRUSTED: their consumers send no token and relied on the box's
+# network, as they did with meta-core. The web page's (docs/ui.md) are PAGE.
 FAMILIES: tuple[tuple[str, Access], ...] = (
     ("/api/meta/", Access.PUBLIC),
     ("/health", Access.PUBLIC),
@@ -135,13 +137,14 @@ FAMILIES: tuple[tuple[str, Access], ...] = (
     ("/api/services", Access.TRUSTED),
     ("/webdav", Access.TRUSTED),
     ("/webdav/", Access.TRUSTED),
+    *((page, Access.PAGE) for page in ui.PAGES),
 )
 
 
 def access_of(path: str) -> Access:
     """The access rule of `path`'s route family."""
     for family, access in FAMILIES:
-        if path == family or (family.endswith("/") and path.startswith(family)):
+        if path == family or (family != "/" and family.endswith("/") and path.startswith(family)):
             return access
     return Access.TOKEN
 
@@ -162,9 +165,10 @@ def client_address(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Addres
 class Perimeter:
     """The one place that decides who may use a route: `FAMILIES` (SPEC §4, docs/api.md)."""
 
-    def __init__(self, app: ASGIApp, node: Node) -> None:
+    def __init__(self, app: ASGIApp, node: Node, sessions: ui.Sessions) -> None:
         self.app = app
         self.node = node
+        self.sessions = sessions
         self.trusted = node.settings.trusted
 
     def _from_trusted_network(self, scope: Scope) -> bool:
@@ -173,20 +177,22 @@ class Perimeter:
 
     def _allowed(self, scope: Scope) -> bool:
         access = access_of(scope["path"])
-        if access is Access.PUBLIC:
+        if access in (Access.PUBLIC, Access.PAGE):
             return True
         if access is Access.TRUSTED and self._from_trusted_network(scope):
             return True
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        expected = f"Bearer {self.node.token}".encode()
-        return hmac.compare_digest(given, expected)
+        given = dict(scope["headers"]).get(b"authorization")
+        if given is not None:
+            return hmac.compare_digest(given, f"Bearer {self.node.token}".encode())
+        return ui.cookie_allows(self.sessions, scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and not self._allowed(scope):
             response = error_response(
                 Unauthorized(
                     "this route needs `Authorization: Bearer <token>` (the token is in the data "
-                    "directory's api-token file)"
+                    "directory's api-token file), or the web page's session cookie (with its "
+                    "`X-CSRF-Token` for a write)"
                 )
             )
             await response(scope, receive, send)
@@ -345,6 +351,7 @@ def create_app(node: Node) -> Starlette:
         return JSONResponse(node.health())
 
     spec = openapi_document()
+    sessions = ui.Sessions(node)
 
     async def openapi(request: Request) -> Response:
         return Response(spec, media_type="application/json")
@@ -389,12 +396,13 @@ def create_app(node: Node) -> Starlette:
         Route("/metrics", metrics),
         Route("/openapi.json", openapi),
         *compat.routes(node),  # the MetaMesh routes (docs/compat.md)
+        *ui.routes(node, sessions),  # the web page (docs/ui.md)
     ]
     middleware = [
         Middleware(Observe, node=node),
         Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"]),
         Middleware(CatchAll),
-        Middleware(Perimeter, node=node),
+        Middleware(Perimeter, node=node, sessions=sessions),
     ]
     return Starlette(
         routes=routes,

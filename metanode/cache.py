@@ -11,6 +11,7 @@ is repaired by applying again from the stored seq: behind, never wrong (SPEC §3
 from __future__ import annotations
 
 import json
+import re
 import sqlite3
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -136,7 +137,49 @@ def _v4(conn: sqlite3.Connection) -> None:
     conn.execute("ALTER TABLE local_file ADD COLUMN ino INTEGER NOT NULL DEFAULT 0")
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4)
+# The library index of the web page (ui.py): one row per record with what its list shows, and a
+# full-text index of its title and file name (SQLite FTS5, external content: the triggers keep
+# it in step with `library` in the same statement). Written by `refresh` and `drop`, so in the
+# very transaction that writes the record's rows; a rebuild fills it, and `_v5` fills it from
+# the records an older cache already holds.
+SCHEMA_V5 = """
+CREATE TABLE library (
+    id INTEGER PRIMARY KEY,
+    rid TEXT NOT NULL UNIQUE,
+    title TEXT NOT NULL,
+    name TEXT NOT NULL,
+    year TEXT NOT NULL,
+    type TEXT NOT NULL,
+    files INTEGER NOT NULL CHECK (files >= 0)
+);
+CREATE INDEX library_type ON library (type, rid);
+CREATE INDEX library_files ON library (files, rid);
+CREATE VIRTUAL TABLE library_fts USING fts5(
+    title, name, content='library', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
+);
+CREATE TRIGGER library_added AFTER INSERT ON library BEGIN
+    INSERT INTO library_fts (rowid, title, name) VALUES (new.id, new.title, new.name);
+END;
+CREATE TRIGGER library_removed AFTER DELETE ON library BEGIN
+    INSERT INTO library_fts (library_fts, rowid, title, name)
+    VALUES ('delete', old.id, old.title, old.name);
+END;
+CREATE TRIGGER library_changed AFTER UPDATE ON library BEGIN
+    INSERT INTO library_fts (library_fts, rowid, title, name)
+    VALUES ('delete', old.id, old.title, old.name);
+    INSERT INTO library_fts (rowid, title, name) VALUES (new.id, new.title, new.name);
+END;
+"""
+
+
+def _v5(conn: sqlite3.Connection) -> None:
+    executescript_in_txn(conn, SCHEMA_V5)
+    rids = [r[0] for r in conn.execute("SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
+    for chunk in _chunks(rids):
+        index_library(conn, chunk)
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5)
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -294,6 +337,7 @@ def refresh(
         "ON CONFLICT (rid, key) DO UPDATE SET value = excluded.value",
         [(e.rid, e.key, e.value) for e in events if e.op == "set"],
     )
+    index_library(cache, list(scopes))
     return events
 
 
@@ -322,7 +366,60 @@ def drop(cache: sqlite3.Connection, rid: str) -> list[Event]:
     old = record_rows(cache, rid)
     cache.execute("DELETE FROM records WHERE rid = ?", (rid,))
     cache.execute("DELETE FROM cid_index WHERE rid = ?", (rid,))
+    cache.execute("DELETE FROM library WHERE rid = ?", (rid,))
     return [Event(rid, "del", key, None) for key in sorted(old)]
+
+
+# -- the library index (the web page's list and search) -----------------------------------------
+
+TYPE_KEYS = ("videoType", "fileType")  # a record's type in the library: the first it has
+
+
+class LibraryRow(NamedTuple):
+    """One record as the library lists it: `title` is empty when no title is known (the page
+    shows `name`, the file name, instead)."""
+
+    rid: str
+    title: str
+    name: str
+    year: str
+    type: str
+    files: int
+
+
+def library_row(rid: str, record: Mapping[str, str], files: int) -> LibraryRow:
+    """What the library shows of a merged record with `files` local copies."""
+    kind = next((record[key] for key in TYPE_KEYS if key in record), "")
+    path = record.get("filePath", "")
+    return LibraryRow(
+        rid, record.get("title", ""), path.rsplit("/", 1)[-1], record.get("year", ""), kind, files
+    )
+
+
+def index_library(cache: sqlite3.Connection, rids: Sequence[str]) -> None:
+    """Bring the library rows (and through its triggers the full-text index) of `rids` in step
+    with their records: a record with no rows left loses its row; unchanged rows are not
+    rewritten, so the index is touched only for what changed."""
+    wanted = json_array(rids)
+    records = records_rows(cache, rids)
+    counts = dict(
+        cache.execute(
+            "SELECT i.rid, count(*) FROM cid_index i JOIN local_file f ON f.midhash = i.cid "
+            "WHERE i.rid IN (SELECT value FROM json_each(?)) GROUP BY i.rid",
+            (wanted,),
+        ).fetchall()
+    )
+    cache.executemany(
+        "DELETE FROM library WHERE rid = ?", [(rid,) for rid in rids if rid not in records]
+    )
+    cache.executemany(
+        "INSERT INTO library (rid, title, name, year, type, files) VALUES (?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (rid) DO UPDATE SET title = excluded.title, name = excluded.name, "
+        "year = excluded.year, type = excluded.type, files = excluded.files "
+        "WHERE (title, name, year, type, files) IS NOT "
+        "(excluded.title, excluded.name, excluded.year, excluded.type, excluded.files)",
+        [library_row(rid, record, counts.get(rid, 0)) for rid, record in records.items()],
+    )
 
 
 # -- the applier's transaction ------------------------------------------------------------------
@@ -394,6 +491,7 @@ def build_txn(cache: sqlite3.Connection, source: TruthSource, clock: Clock = now
     cache.execute("DELETE FROM records")
     cache.execute("DELETE FROM cid_index")
     cache.execute("DELETE FROM feed")
+    cache.execute("DELETE FROM library")
     whole = Scope(whole=True)
     with source.snapshot() as view:
         seq = view.max_seq()
@@ -830,12 +928,96 @@ def hash_ids(conn: sqlite3.Connection, after: str, limit: int) -> list[str]:
     ]
 
 
+_LIBRARY_COLUMNS = "l.rid, l.title, l.name, l.year, l.type, l.files"
+NEWEST = "~"  # above every rid: the `before` of the first page
+
+
+def fts_query(text: str) -> str:
+    """The FTS5 query of what a person typed: every word, as a prefix, all of them required.
+    Words are quoted, so no input is FTS5 syntax (an operator or a stray quote cannot fail)."""
+    return " ".join(f'"{word}"*' for word in re.findall(r"\w+", text))
+
+
+def library_query(match: str, kind: str, files: int | None) -> str:
+    """The statement of one library page: newest (highest rid) first below `?` (the `before`
+    rid), through an index whatever the filter. With words, the full-text index picks the rows
+    (`library_fts MATCH`), the primary key joins them, and they are sorted (as many as match);
+    else the rid, type or files index reads just one page."""
+    where = ["l.rid < :before"]
+    source = "library l"
+    if match:
+        # CROSS JOIN: SQLite keeps the tables in this order, so the index of the words leads
+        # and a type filter checks only the rows it found, never every row of that type.
+        source = "library_fts f CROSS JOIN library l ON l.id = f.rowid"
+        where.append("library_fts MATCH :match")
+    if kind:
+        where.append("l.type = :kind")
+    if files is not None:
+        where.append("l.files = :files")
+    return (
+        f"SELECT {_LIBRARY_COLUMNS} FROM {source} WHERE {' AND '.join(where)} "
+        "ORDER BY l.rid DESC LIMIT :limit"
+    )
+
+
+def library_page(
+    conn: sqlite3.Connection,
+    text: str,
+    kind: str,
+    files: int | None,
+    before: str,
+    limit: int,
+) -> list[LibraryRow]:
+    """A page of the library (see `library_query`); words that make no query match nothing."""
+    match = fts_query(text)
+    if text.strip() and not match:
+        return []
+    params = {"before": before, "match": match, "kind": kind, "files": files, "limit": limit}
+    return [LibraryRow(*row) for row in conn.execute(library_query(match, kind, files), params)]
+
+
+def library_plan(conn: sqlite3.Connection, text: str, kind: str, files: int | None) -> list[str]:
+    """`EXPLAIN QUERY PLAN` of `library_page`'s statement (the benchmark shows it is index
+    lookups, never a table scan)."""
+    match = fts_query(text)
+    params = {"before": NEWEST, "match": match, "kind": kind, "files": files, "limit": 50}
+    sql = "EXPLAIN QUERY PLAN " + library_query(match, kind, files)
+    return [str(row[3]) for row in conn.execute(sql, params)]
+
+
+def library_types(conn: sqlite3.Connection) -> list[str]:
+    """Every distinct non-empty type, one index lookup per type (a skip scan of
+    `library_type`, not a read of every row)."""
+    return [
+        r[0]
+        for r in conn.execute(
+            "WITH RECURSIVE t(v) AS (SELECT min(type) FROM library WHERE type > '' "
+            "UNION ALL SELECT (SELECT min(type) FROM library WHERE type > t.v) FROM t "
+            "WHERE t.v IS NOT NULL) SELECT v FROM t WHERE v IS NOT NULL"
+        )
+    ]
+
+
+def duplicates(conn: sqlite3.Connection, limit: int) -> list[tuple[str, list[str]]]:
+    """Contents held at several paths: (midhash, its paths), at most `limit` contents."""
+    found: dict[str, list[str]] = {}
+    for midhash, path in conn.execute(
+        "SELECT midhash, path FROM local_file WHERE midhash IN (SELECT midhash FROM local_file "
+        "GROUP BY midhash HAVING count(*) > 1 LIMIT ?) ORDER BY midhash, path",
+        (limit,),
+    ):
+        found.setdefault(midhash, []).append(path)
+    return list(found.items())
+
+
 def diff(live: sqlite3.Connection, fresh: sqlite3.Connection) -> list[str]:
-    """Human-readable differences between two caches' records and cid index (for `check`)."""
+    """Human-readable differences between two caches' records, cid index and library index
+    (for `check`)."""
     out = []
     for table, sql in (
         ("records", "SELECT rid, key, value FROM records"),
         ("cid_index", "SELECT cid, rid FROM cid_index"),
+        ("library", "SELECT rid, title, name, year, type, files FROM library"),
     ):
         a, b = set(live.execute(sql).fetchall()), set(fresh.execute(sql).fetchall())
         out += [f"{table}: only in live cache: {row}" for row in sorted(a - b)]
@@ -1033,6 +1215,24 @@ class CacheStore(Store):
     @mapped
     def all_local_files(self) -> list[merge.LocalFile]:
         return all_local_files(self.conn)
+
+    @mapped
+    def library_page(
+        self, text: str, kind: str, files: int | None, before: str, limit: int
+    ) -> list[LibraryRow]:
+        return library_page(self.conn, text, kind, files, before, limit)
+
+    @mapped
+    def library_plan(self, text: str, kind: str, files: int | None) -> list[str]:
+        return library_plan(self.conn, text, kind, files)
+
+    @mapped
+    def library_types(self) -> list[str]:
+        return library_types(self.conn)
+
+    @mapped
+    def duplicates(self, limit: int) -> list[tuple[str, list[str]]]:
+        return duplicates(self.conn, limit)
 
     @mapped
     def record_count(self) -> int:

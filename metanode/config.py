@@ -104,6 +104,11 @@ class Settings:
         "Signer weight of the box owner, the key in `keys/owner.key` that signs what a person "
         "fixes on the web page; above every plugin's default, so the owner's word wins.",
     )
+    ui_session_hours: float = setting(
+        12.0,
+        "How long a web page sign-in lasts (the signed session cookie expires after this; "
+        "signing out ends it at once).",
+    )
     legacy_writer_weight: int = setting(
         1,
         "Signer weight of the legacy writer, the node's own key that signs MetaMesh `/meta` "
@@ -188,6 +193,11 @@ class Settings:
     @property
     def token_path(self) -> Path:
         return self.data_dir / "api-token"
+
+    @property
+    def session_secret_path(self) -> Path:
+        """The key the web page's session cookies are signed with (mode 0600, made at start)."""
+        return self.data_dir / "session-secret"
 
     @property
     def keys_dir(self) -> Path:

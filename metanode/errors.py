@@ -235,6 +235,14 @@ class Unauthorized(MetanodeError):
     slug = "unauthorized"
 
 
+class CsrfRefused(MetanodeError):
+    """A state-changing request made with the web page's session cookie, without the
+    session's CSRF token or from another site's page (docs/api.md, "The session cookie")."""
+
+    status = 403
+    slug = "csrf_refused"
+
+
 # -- the node cannot answer now -----------------------------------------------------------------
 
 

@@ -49,6 +49,19 @@ class Signer:
     blocked: bool = False
 
 
+def counted_votes(votes: Iterable[Claim], signers: Mapping[str, Signer]) -> dict[str, Claim]:
+    """Rules 1 and 2 of `merge_key`: uid → the one vote of that signer that counts on a key
+    (the provenance the web page shows is these votes, by value)."""
+    per_signer: dict[str, Claim] = {}
+    for vote in votes:
+        signer = signers.get(vote.uid, Signer())
+        if vote.value is None or signer.blocked or signer.weight <= 0:
+            continue
+        held = per_signer.get(vote.uid)
+        per_signer[vote.uid] = vote if held is None else _newest(held, vote)
+    return per_signer
+
+
 def merge_key(votes: Iterable[Claim], signers: Mapping[str, Signer]) -> str | None:
     """The merged value of one key from every claim on it across a group's CIDs (None: no value).
 
@@ -60,13 +73,7 @@ def merge_key(votes: Iterable[Claim], signers: Mapping[str, Signer]) -> str | No
 
     (Rule 4 of SPEC §2.5, a viewer's own vote, is `seen_by`.)
     """
-    per_signer: dict[str, Claim] = {}
-    for vote in votes:
-        signer = signers.get(vote.uid, Signer())
-        if vote.value is None or signer.blocked or signer.weight <= 0:
-            continue
-        held = per_signer.get(vote.uid)
-        per_signer[vote.uid] = vote if held is None else _newest(held, vote)
+    per_signer = counted_votes(votes, signers)
     if not per_signer:
         return None
     score: dict[str, int] = {}

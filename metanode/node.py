@@ -75,6 +75,7 @@ class Node:
         self.policy = truth.Policy(settings.accept_unknown_signers)
         self.minter = rids.Minter(clock)
         self.token = ""
+        self.session_secret = ""  # signs the web page's session cookies (ui.py)
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=os.cpu_count() or 2, thread_name_prefix="verify"
         )
@@ -93,6 +94,7 @@ class Node:
     async def start(self) -> None:
         datadir.secure(self.settings.data_dir)  # the stores migrate their schemas as they open
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
+        self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
         self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
         self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
         self.applier = Applier(self.cache, self.truth, self.settings.apply_poll_s)
@@ -481,6 +483,10 @@ class Node:
         """`uid`'s live claims on `keys` (None: every key) over every CID of group `rid`."""
         return self.truth.group_claims(rid, keys=keys, uid=uid)
 
+    def votes(self, rid: str) -> list[claims.Claim]:
+        """Every live claim on group `rid`, over all its CIDs (the web page's provenance)."""
+        return self.truth.group_claims(rid)
+
     def hash_ids(self, after: str | None, limit: int) -> dict[str, Any]:
         self.require_ready()
         start = rids.parse(after) if after else ""
@@ -491,6 +497,26 @@ class Node:
         """GET /api/files: local files in path order, with their midhash and rid."""
         page = self.cache.files(prefix, after or "", limit)
         return {"files": page, "next": page[-1]["path"] if len(page) == limit else None}
+
+    # the web page's reads (ui.py)
+
+    def library(
+        self, text: str, kind: str, files: int | None, before: str | None, limit: int
+    ) -> list[cache.LibraryRow]:
+        """A page of the library, newest first: every record, or those matching words of
+        their title or file name (the cache's full-text index), of one type, or with `files`
+        local copies; below rid `before` (None: from the newest)."""
+        self.require_ready()
+        start = rids.parse(before) if before else cache.NEWEST
+        return self.cache.library_page(text, kind, files, start, limit)
+
+    def library_types(self) -> list[str]:
+        """The record types the library holds (its type filter)."""
+        return self.cache.library_types()
+
+    def duplicates(self, limit: int) -> list[tuple[str, list[str]]]:
+        """Contents held at several local paths: (midhash, the paths)."""
+        return self.cache.duplicates(limit)
 
     def _gauges(self) -> dict[str, Any]:
         """The scrape-time numbers of /metrics."""

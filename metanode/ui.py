@@ -1,0 +1,516 @@
+"""The web page: the library, each record's provenance, fixing a value, the live feed, files,
+plugins, signers, health and the API docs, served by the node itself (docs/ui.md).
+
+Server-rendered Jinja2 templates (`metanode/templates/`) with a little plain JavaScript
+(`metanode/static/`): no build step, nothing fetched from the internet (a home box may be
+offline; Swagger UI comes from the `swagger-ui-bundle` package). An edge like `api.py`: it calls
+`Node` methods only.
+
+Sign-in trades the API token for a session: a random id kept in this process (so signing out,
+or a restart, ends it for every copy of the cookie), sent as a cookie signed with the data
+directory's `session-secret` and expiring after `ui_session_hours`, HttpOnly and
+SameSite=Strict. The token itself never reaches the browser's storage. Every state-changing
+request made with the cookie must carry the session's CSRF token (a form field, or the
+`X-CSRF-Token` header for the page's own JSON calls) and, if the browser says where it comes
+from, an `Origin` of this very host.
+"""
+
+from __future__ import annotations
+
+import hmac
+import importlib.resources
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from http.cookies import SimpleCookie
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import jinja2
+import swagger_ui_bundle
+from itsdangerous import BadSignature, TimestampSigner
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
+
+from metanode import cid as cids
+from metanode import merge
+from metanode.bodies import read_body
+from metanode.claims import LINK_PREFIX, LOCAL_KEYS, Claim
+from metanode.errors import (
+    CsrfRefused,
+    InvalidRequest,
+    Merged,
+    MetanodeError,
+    UnknownCid,
+)
+from metanode.node import Node
+
+# The page routes, as `api.FAMILIES` lists them (a prefix ends in "/"; "/" is the start page).
+PAGES = (
+    "/",
+    "/signin",
+    "/signout",
+    "/records/",
+    "/live",
+    "/files",
+    "/plugins",
+    "/signers",
+    "/signers/",
+    "/status",
+    "/docs",
+    "/docs/",
+    "/static/",
+)
+COOKIE = "metanode_session"
+CSRF_HEADER = "x-csrf-token"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+PAGE = 50  # records a library page lists
+FILES_PAGE = 200  # files the Files page lists at once
+MAX_FORM_BYTES = 64 * 1024
+FORM_TYPE = "application/x-www-form-urlencoded"
+
+
+# -- sessions -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Session:
+    """One signed-in browser: its id, its CSRF token, when it ends (monotonic seconds)."""
+
+    sid: str
+    csrf: str
+    expires: float
+
+
+@dataclass
+class Sessions:
+    """The live sessions of this process. A cookie is honoured only while its id is listed
+    here, so ending a session (sign-out) stops every copy of its cookie at once."""
+
+    node: Node
+    live: dict[str, Session] = field(default_factory=dict)
+    clock: Callable[[], float] = time.monotonic
+
+    @property
+    def ttl_s(self) -> float:
+        return self.node.settings.ui_session_hours * 3600
+
+    def _signer(self) -> TimestampSigner:
+        # the secret is made at start (`Node.start`), after this object was built
+        return TimestampSigner(self.node.session_secret, salt="metanode-ui-session")
+
+    def create(self) -> tuple[str, Session]:
+        """A new session and its cookie value (the signed id); expired sessions are dropped."""
+        now = self.clock()
+        for sid in [sid for sid, s in self.live.items() if s.expires <= now]:
+            del self.live[sid]
+        session = Session(secrets.token_urlsafe(24), secrets.token_urlsafe(24), now + self.ttl_s)
+        self.live[session.sid] = session
+        return self._signer().sign(session.sid).decode("ascii"), session
+
+    def find(self, cookie: str | None) -> Session | None:
+        """The live session a cookie value names, or None (unsigned, expired or ended)."""
+        if not cookie or not self.node.session_secret:
+            return None
+        try:
+            sid = self._signer().unsign(cookie, max_age=int(self.ttl_s)).decode("ascii")
+        except (BadSignature, UnicodeDecodeError):
+            return None
+        session = self.live.get(sid)
+        if session is None or session.expires <= self.clock():
+            return None
+        return session
+
+    def of_scope(self, scope: Scope) -> Session | None:
+        """The session of a request's cookie header."""
+        header = dict(scope["headers"]).get(b"cookie", b"").decode("latin-1")
+        cookie = SimpleCookie()
+        try:
+            cookie.load(header)
+        except Exception:  # a malformed cookie header is no session, never an error
+            return None
+        morsel = cookie.get(COOKIE)
+        return self.find(morsel.value if morsel else None)
+
+    def end(self, session: Session) -> None:
+        self.live.pop(session.sid, None)
+
+
+def same_origin(scope: Scope) -> bool:
+    """Whether the request's `Origin` (if the browser sent one) is this host: a page of
+    another site may make a browser send a form here, never with this host's origin."""
+    headers: dict[bytes, bytes] = dict(scope["headers"])
+    origin = headers.get(b"origin")
+    if origin is None:
+        return True
+    host = headers.get(b"host", b"").decode("latin-1")
+    return urlsplit(origin.decode("latin-1")).netloc == host
+
+
+def csrf_ok(session: Session, given: str | None, scope: Scope) -> bool:
+    """The check of every state-changing request made with the session cookie."""
+    return (
+        given is not None
+        and hmac.compare_digest(given.encode(), session.csrf.encode())
+        and same_origin(scope)
+    )
+
+
+def cookie_allows(sessions: Sessions, scope: Scope) -> bool:
+    """Whether the session cookie authorises this API request (`api.Perimeter`): reads with
+    the cookie alone, writes only with the session's CSRF token in `X-CSRF-Token`."""
+    session = sessions.of_scope(scope)
+    if session is None:
+        return False
+    if scope["method"] in SAFE_METHODS:
+        return True
+    given = dict(scope["headers"]).get(CSRF_HEADER.encode())
+    return csrf_ok(session, None if given is None else given.decode("latin-1"), scope)
+
+
+# -- provenance ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Voice:
+    """A signer as the page names it."""
+
+    name: str
+    weight: int
+    uid: str
+
+
+@dataclass(frozen=True)
+class Value:
+    """One value of a key and the signers whose counting vote it is."""
+
+    value: str
+    voices: list[Voice]
+
+    @property
+    def weight(self) -> int:
+        return sum(v.weight for v in self.voices)
+
+
+@dataclass(frozen=True)
+class Field:
+    """A key of a record: its merged value, the values that compete, and whether it is a
+    fact of the disk or the group (not signed, not editable)."""
+
+    key: str
+    value: str | None
+    winner: Value | None
+    competing: list[Value]
+    computed: bool
+    owner_votes: bool  # the owner has a live vote on it (Revert)
+
+
+def provenance(
+    record: Mapping[str, str],
+    votes: Sequence[Claim],
+    signers: Sequence[Mapping[str, Any]],
+    owner_uid: str,
+) -> list[Field]:
+    """Every key of a record with who said what (`merge.counted_votes`, the merge's own rules
+    1 and 2), the winning value first; link keys left out (the CIDs are listed apart)."""
+    by_uid = {s["uid"]: s for s in signers}
+    weights = {
+        uid: merge.Signer(s["weight"], s["status"] == "blocked") for uid, s in by_uid.items()
+    }
+    by_key: dict[str, list[Claim]] = {}
+    for vote in votes:
+        if not vote.is_link:
+            by_key.setdefault(vote.key, []).append(vote)
+    fields = []
+    for key in sorted(set(record) | set(by_key)):
+        if key.startswith(LINK_PREFIX):
+            continue
+        values: dict[str, list[Voice]] = {}
+        for uid, vote in sorted(merge.counted_votes(by_key.get(key, []), weights).items()):
+            signer = by_uid.get(uid, {"name": "", "weight": merge.DEFAULT_WEIGHT})
+            assert vote.value is not None
+            values.setdefault(vote.value, []).append(Voice(signer["name"], signer["weight"], uid))
+        ranked = [Value(value, voices) for value, voices in values.items()]
+        winner = next((v for v in ranked if v.value == record.get(key)), None)
+        fields.append(
+            Field(
+                key,
+                record.get(key),
+                winner,
+                sorted((v for v in ranked if v is not winner), key=lambda v: -v.weight),
+                key in LOCAL_KEYS,
+                any(v.uid == owner_uid and v.value is not None for v in by_key.get(key, [])),
+            )
+        )
+    return fields
+
+
+# -- pages --------------------------------------------------------------------------------------
+
+TEMPLATES = jinja2.Environment(
+    loader=jinja2.PackageLoader("metanode", "templates"),
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,
+)
+NAV = (
+    ("/", "Library"),
+    ("/live", "Live"),
+    ("/files", "Files"),
+    ("/plugins", "Plugins"),
+    ("/signers", "Signers"),
+    ("/status", "Health"),
+    ("/docs", "API docs"),
+)
+
+
+def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
+    """A page: the template with the navigation, the session's CSRF token and the path."""
+    session: Session | None = request.scope.get("metanode.session")
+    html = TEMPLATES.get_template(template).render(
+        nav=NAV,
+        path=request.url.path,
+        session=session,
+        csrf=session.csrf if session else "",
+        **context,
+    )
+    return HTMLResponse(html, status_code=status, headers={"Cache-Control": "no-store"})
+
+
+def error_page(request: Request, exc: MetanodeError) -> HTMLResponse:
+    """A typed error as a page saying what went wrong (never a stack trace)."""
+    return render(request, "error.html", exc.status, error=exc)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Pages:
+    """The page routes of one node; each page needs a session, else it shows the sign-in."""
+
+    def __init__(self, node: Node, sessions: Sessions) -> None:
+        self.node = node
+        self.sessions = sessions
+
+    def page(self, handler: Handler) -> Handler:
+        """`handler` behind the session: no session → the sign-in form (401); a typed error →
+        its page; a state-changing request without the CSRF token → 403."""
+
+        async def guarded(request: Request) -> Response:
+            session = self.sessions.of_scope(request.scope)
+            request.scope["metanode.session"] = session
+            if session is None:
+                return self.sign_in_form(request, status=401)
+            try:
+                if request.method not in SAFE_METHODS:
+                    form = await self.form(request)
+                    if not csrf_ok(session, form.get("csrf"), request.scope):
+                        raise CsrfRefused("the form lacks this session's CSRF token; reload it")
+                    request.scope["metanode.form"] = form
+                return await handler(request)
+            except MetanodeError as exc:
+                return error_page(request, exc)
+
+        return guarded
+
+    async def form(self, request: Request) -> dict[str, str]:
+        """The posted form (URL-encoded: what a page's forms send), size-limited and read
+        with the API's deadline; the first value of each field."""
+        if request.headers.get("content-type", "").split(";")[0].strip() != FORM_TYPE:
+            raise InvalidRequest(f"a form must be sent as {FORM_TYPE}")
+        body = await read_body(request, MAX_FORM_BYTES, self.node.settings.body_timeout_s)
+        try:
+            fields = parse_qs(body.decode("utf-8"), max_num_fields=16, errors="strict")
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise InvalidRequest("the form is not valid UTF-8 URL-encoded fields") from exc
+        return {name: values[0] for name, values in fields.items()}
+
+    # -- sign-in ---------------------------------------------------------------------------------
+
+    def sign_in_form(self, request: Request, status: int = 200, error: str = "") -> Response:
+        return render(request, "signin.html", status, error=error)
+
+    async def sign_in(self, request: Request) -> Response:
+        """POST /signin: the API token for a session cookie; a wrong token is an inline error."""
+        request.scope["metanode.session"] = None
+        if not same_origin(request.scope):
+            return self.sign_in_form(request, 403, "sign in from this node's own page")
+        try:
+            form = await self.form(request)
+        except MetanodeError as exc:
+            return self.sign_in_form(request, exc.status, exc.message)
+        given = form.get("token", "").strip()
+        if not given or not hmac.compare_digest(given.encode(), self.node.token.encode()):
+            return self.sign_in_form(request, 401, "That is not this node's API token.")
+        value, _session = self.sessions.create()
+        response = RedirectResponse("/", status_code=303)
+        response.set_cookie(
+            COOKIE,
+            value,
+            max_age=int(self.sessions.ttl_s),
+            httponly=True,
+            samesite="strict",
+            path="/",
+        )
+        return response
+
+    async def sign_out(self, request: Request) -> Response:
+        """POST /signout: the session ends here, for every copy of its cookie."""
+        session: Session = request.scope["metanode.session"]
+        self.sessions.end(session)
+        response = RedirectResponse("/", status_code=303)
+        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        return response
+
+    # -- the library -----------------------------------------------------------------------------
+
+    async def library(self, request: Request) -> Response:
+        q = request.query_params
+        text, kind, before = q.get("q", ""), q.get("type", ""), q.get("before") or None
+        rows = self.node.library(text, kind, None, before, PAGE + 1)
+        more = len(rows) > PAGE
+        return render(
+            request,
+            "library.html",
+            rows=rows[:PAGE],
+            text=text,
+            kind=kind,
+            types=self.node.library_types(),
+            older=rows[PAGE - 1].rid if more else None,
+        )
+
+    # -- one record ------------------------------------------------------------------------------
+
+    def _rid_of(self, text: str) -> str:
+        """The active rid a rid or any CID names; 404 `unknown_cid`/`unknown_rid`, `merged`
+        for a merged-away rid (the page then goes to the survivor)."""
+        try:
+            return self.node.active_rid(text)
+        except MetanodeError as exc:
+            if isinstance(exc, Merged):
+                raise
+            try:
+                return self.node.resolve_cid(text)[1]
+            except MetanodeError:
+                raise UnknownCid(f"no record is named or holds {text!r}") from exc
+
+    async def record(self, request: Request) -> Response:
+        text = request.path_params["id"]
+        try:
+            rid = self._rid_of(text)
+        except Merged as exc:
+            return RedirectResponse(f"/records/{exc.extra['survivor']}", status_code=303)
+        document = self.node.metadata(rid)
+        record = document["metadata"]
+        fields = provenance(record, self.node.votes(rid), self.node.signers(), self.node.owner.uid)
+        return render(
+            request,
+            "record.html",
+            rid=rid,
+            doc=document,
+            title=record.get("title") or record.get("filePath", rid).rsplit("/", 1)[-1],
+            fields=fields,
+            notice=request.query_params.get("saved", ""),
+        )
+
+    async def edit(self, request: Request) -> Response:
+        """POST /records/{rid}/edit: the owner's word on one key (`save`), or its tombstone
+        on every CID the owner voted through (`revert`), then the record page again."""
+        form: dict[str, str] = request.scope["metanode.form"]
+        rid = self._rid_of(request.path_params["id"])
+        key, value, action = (form.get(name, "") for name in ("key", "value", "action"))
+        key = key.strip()
+        if not key or key.startswith(LINK_PREFIX) or key in LOCAL_KEYS:
+            raise InvalidRequest(f"{key!r} cannot be set here")
+        owner = await self.node.owner.register()
+        if action == "revert":
+            voted = {c.cid for c in self.node.live_claims(rid, [key], owner)}
+            await self.node.owner_says([(cid, key, None) for cid in sorted(voted)])
+        elif action == "save":
+            canonical = cids.by_rank(self.node.group_cids(rid))[0]
+            await self.node.owner_says([(canonical, key, value)])
+        else:
+            raise InvalidRequest("the action must be save or revert")
+        return RedirectResponse(f"/records/{rid}?saved={key}", status_code=303)
+
+    # -- the other pages ---------------------------------------------------------------------------
+
+    async def live(self, request: Request) -> Response:
+        return render(request, "live.html")
+
+    async def files(self, request: Request) -> Response:
+        q = request.query_params
+        prefix = q.get("prefix", "")
+        page = self.node.files(prefix, q.get("after") or None, FILES_PAGE)
+        folders: dict[str, list[dict[str, Any]]] = {}
+        for file in page["files"]:
+            folders.setdefault(file["path"].rsplit("/", 1)[0], []).append(file)
+        return render(
+            request,
+            "files.html",
+            roots=self.node.settings.watch_roots if self.node.settings.watch_enabled else [],
+            folders=folders,
+            prefix=prefix,
+            next=page["next"],
+            duplicates=self.node.duplicates(PAGE),
+            gone=self.node.library("", "", 0, None, PAGE),
+        )
+
+    async def plugins(self, request: Request) -> Response:
+        return render(request, "plugins.html", plugins=self.node.plugins())
+
+    async def signers(self, request: Request) -> Response:
+        return render(request, "signers.html", signers=self.node.signers())
+
+    def set_signer(self, status: str) -> Handler:
+        """POST /signers/{uid}/block (`blocked`) or /unblock (`active`)."""
+
+        async def handler(request: Request) -> Response:
+            await self.node.set_signer_status(request.path_params["uid"], status)
+            return RedirectResponse("/signers", status_code=303)
+
+        return handler
+
+    async def health(self, request: Request) -> Response:
+        return render(request, "health.html", health=self.node.health())
+
+    async def docs(self, request: Request) -> Response:
+        return render(request, "docs.html")
+
+    # -- the routes ------------------------------------------------------------------------------
+
+    async def root(self, request: Request) -> Response:
+        """`/`: the library once signed in, else the sign-in form."""
+        if self.sessions.of_scope(request.scope) is None:
+            request.scope["metanode.session"] = None
+            return self.sign_in_form(request)
+        return await self.page(self.library)(request)
+
+    def routes(self) -> list[BaseRoute]:
+        page = self.page
+        static = importlib.resources.files("metanode") / "static"
+        return [
+            Route("/", self.root),
+            Route("/signin", self.sign_in, methods=["POST"]),
+            Route("/signout", page(self.sign_out), methods=["POST"]),
+            Route("/records/{id}", page(self.record)),
+            Route("/records/{id}/edit", page(self.edit), methods=["POST"]),
+            Route("/live", page(self.live)),
+            Route("/files", page(self.files)),
+            Route("/plugins", page(self.plugins)),
+            Route("/signers", page(self.signers)),
+            Route("/signers/{uid}/block", page(self.set_signer("blocked")), methods=["POST"]),
+            Route("/signers/{uid}/unblock", page(self.set_signer("active")), methods=["POST"]),
+            Route("/status", page(self.health)),
+            Route("/docs", self.docs),
+            Mount("/static", StaticFiles(directory=str(static)), name="static"),
+            Mount("/docs/assets", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path)),
+        ]
+
+
+def routes(node: Node, sessions: Sessions) -> list[BaseRoute]:
+    """The page routes (`api.create_app` adds them beside the API's)."""
+    return Pages(node, sessions).routes()

@@ -1,0 +1,486 @@
+"""The web page (docs/ui.md) in a real headless Chromium (Debian's `chromium`, driven by
+Playwright) against a real `metanode serve` with the built-in plugins and a watched folder.
+
+Elements are found by role and accessible name, as a person using a screen reader would. With
+`METANODE_UI_SCREENSHOTS=<dir>` the screenshot test also writes its PNGs there (docs/ui/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect, sync_playwright
+
+from metanode import cache, db
+from tests.helpers.claims import Signer
+from tests.helpers.server import Server
+
+T = TypeVar("T")
+CHROMIUM = "/usr/bin/chromium"
+WAIT_MS = 60_000  # Playwright's bound for anything to appear: generous, both cores may be busy
+# Matroska's EBML magic with DocType "matroska", so fileinfo sniffs a video.
+MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B61")
+DESKTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+expect.set_options(timeout=WAIT_MS)
+
+
+def poll(fetch: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
+    """Call `fetch` until it returns something; fail after `timeout` s (a bound, not a metric)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = fetch()
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        time.sleep(0.1)
+
+
+# -- the browser --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Debian's chromium, installed with apt if missing (never `playwright install`: nothing
+    is downloaded but packages); the tests skip, saying why, only where it cannot be."""
+    if not Path(CHROMIUM).exists():
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for command in (
+            ["apt-get", "update", "-qq"],
+            ["apt-get", "install", "-y", "-qq", "chromium"],
+        ):
+            try:
+                subprocess.run(command, env=env, capture_output=True, timeout=900, check=True)
+            except (OSError, subprocess.SubprocessError) as exc:
+                pytest.skip(f"Debian's chromium is not installed and apt-get cannot: {exc}")
+    return CHROMIUM
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    """Module-scoped: Playwright's sync API keeps an event loop running in this thread while
+    it is open, which the async tests of later modules must not find."""
+    with sync_playwright() as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright, chromium: str) -> Iterator[Browser]:
+    # --no-sandbox: the suite runs as root, where Chromium's sandbox refuses to start
+    b = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One real server with the built-in plugins on, shared by the module (each test drops
+    files of its own)."""
+    root = tmp_path_factory.mktemp("ui-server")
+    server = Server(
+        root / "data", env={"METANODE_PLUGINS_ENABLED": "true", "METANODE_WATCH_SETTLE_S": "0.3"}
+    ).start()
+    server.media.mkdir(exist_ok=True)
+    yield server
+    server.stop()
+    server.print_log()
+
+
+@pytest.fixture
+def context(browser: Browser) -> Iterator[BrowserContext]:
+    ctx = browser.new_context(viewport=DESKTOP)
+    ctx.set_default_timeout(WAIT_MS)
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def page(context: BrowserContext, srv: Server) -> Page:
+    """A signed-in page on the library."""
+    p = context.new_page()
+    sign_in(p, srv, srv.token)
+    expect(p.get_by_role("heading", name="Library")).to_be_visible()
+    return p
+
+
+def sign_in(page: Page, srv: Server, token: str) -> None:
+    page.goto(srv.url + "/")
+    page.get_by_label("API token").fill(token)
+    page.get_by_role("button", name="Sign in").click()
+
+
+# -- the library's files ------------------------------------------------------------------------
+
+
+def drop(srv: Server, name: str) -> Path:
+    """A video file in the watched folder, renamed in whole; its content is unique."""
+    final = srv.media / name
+    part = final.with_name(final.name + ".part")  # the watcher ignores *.part
+    part.write_bytes(MKV_HEAD + os.urandom(4096) + name.encode())
+    part.rename(final)
+    return final
+
+
+def midhash_of(srv: Server, path: Path) -> str:
+    """The midhash the watcher gave `path` (from GET /api/files), once it has."""
+
+    def fetch() -> str | None:
+        files = httpx.get(f"{srv.url}/api/files", headers=srv.headers, timeout=10).json()
+        return next((f["midhash"] for f in files["files"] if f["path"] == str(path)), None)
+
+    return poll(fetch, f"the watcher to list {path}")
+
+
+def titled(srv: Server, path: Path, title: str) -> str:
+    """`path`'s midhash once its record has `title` (the filename plugin's)."""
+    midhash = midhash_of(srv, path)
+
+    def fetch() -> str | None:
+        doc = srv.meta(midhash)
+        return midhash if doc is not None and doc["metadata"].get("title") == title else None
+
+    return poll(fetch, f"{path.name} to get the title {title!r}")
+
+
+def register(srv: Server, signer: Signer, name: str, weight: int) -> None:
+    response = httpx.post(
+        f"{srv.url}/api/signers",
+        headers=srv.headers,
+        json={"uid": signer.uid, "name": name, "weight": weight},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+
+
+def post(srv: Server, *claims: dict[str, Any]) -> None:
+    response = httpx.post(
+        f"{srv.url}/api/claims", headers=srv.headers, json={"claims": list(claims)}, timeout=130
+    )
+    assert response.status_code == 200, response.text
+
+
+def field(page: Page, key: str) -> Any:
+    """The row of `key` on a record page."""
+    return page.get_by_role("row").filter(has=page.get_by_role("rowheader", name=key, exact=True))
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+def test_sign_in_refuses_a_wrong_token_and_gives_a_strict_httponly_cookie(
+    context: BrowserContext, srv: Server
+) -> None:
+    page = context.new_page()
+    response = page.goto(srv.url + "/")
+    assert response is not None and "text/html" in response.headers["content-type"]
+    sign_in(page, srv, "not-the-token")
+    expect(page.get_by_role("alert")).to_contain_text("not this node's API token")
+    assert context.cookies() == []
+    sign_in(page, srv, srv.token)
+    expect(page.get_by_role("heading", name="Library")).to_be_visible()
+    (cookie,) = context.cookies()
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert srv.token not in cookie["value"]
+    assert cookie["expires"] > time.time()  # it expires
+    assert page.evaluate("document.cookie") == ""  # the page's scripts cannot read it
+
+
+def test_the_library_lists_a_dropped_file_by_title_and_search_finds_it(
+    page: Page, srv: Server
+) -> None:
+    titled(srv, drop(srv, "Zanzibar.Express.2011.mkv"), "Zanzibar Express")
+    page.reload()
+    expect(page.get_by_role("link", name="Zanzibar Express")).to_be_visible()
+    row = page.get_by_role("row").filter(has=page.get_by_role("link", name="Zanzibar Express"))
+    expect(row).to_contain_text("2011")
+    expect(row).to_contain_text("movie")
+
+    page.get_by_label("Search").fill("zanzibar")
+    page.get_by_role("button", name="Find").click()
+    expect(page.get_by_role("link", name="Zanzibar Express")).to_be_visible()
+
+    page.get_by_label("Search").fill("quokka")
+    page.get_by_role("button", name="Find").click()
+    expect(page.get_by_text("No record matches.")).to_be_visible()
+    expect(page.get_by_role("link", name="Zanzibar Express")).to_have_count(0)
+
+    page.get_by_label("Search").fill("")
+    page.get_by_label("Type").select_option("movie")
+    page.get_by_role("button", name="Find").click()
+    expect(page.get_by_role("link", name="Zanzibar Express")).to_be_visible()
+
+
+def test_the_record_page_shows_who_said_what_for_a_key_two_signers_set(
+    page: Page, srv: Server
+) -> None:
+    midhash = titled(srv, drop(srv, "Quiet.Harbour.1987.mkv"), "Quiet Harbour")
+    critic = Signer()
+    register(srv, critic, "critic", 7)
+    post(srv, critic.claim(midhash, "title", "The Quiet Harbour", now_ms()))
+    page.goto(f"{srv.url}/records/{midhash}")
+    expect(page.get_by_role("heading", name="The Quiet Harbour")).to_be_visible()
+    title = field(page, "title")
+    expect(title.locator(".value")).to_have_text("The Quiet Harbour")
+    expect(title).to_contain_text("critic (7)")
+    expect(title.locator(".competing")).to_contain_text("Quiet Harbour")
+    expect(title.locator(".competing")).to_contain_text("plugin:filename (1)")
+    expect(page.get_by_text(midhash, exact=True).first).to_be_visible()
+    doc = srv.meta(midhash)
+    assert doc is not None
+    expect(page.get_by_role("listitem").filter(has_text=doc["paths"][0])).to_be_visible()
+    expect(page.get_by_role("link", name="/api/meta/…/claims")).to_have_attribute(
+        "href", f"/api/meta/{doc['canonical_cid']}/claims"
+    )
+
+
+def test_a_title_fixed_on_the_page_stays_through_reload_and_rename_and_reverts(
+    page: Page, srv: Server
+) -> None:
+    path = drop(srv, "Glass.Orchard.2003.mkv")
+    midhash = titled(srv, path, "Glass Orchard")
+    page.goto(f"{srv.url}/records/{midhash}")
+    page.get_by_role("button", name="Edit title").click()
+    page.get_by_label("title", exact=True).fill("The Glass Orchard (director's cut)")
+    page.get_by_role("button", name="Save").click()
+    title = field(page, "title")
+    expect(title.locator(".value")).to_have_text("The Glass Orchard (director's cut)")
+    expect(title).to_contain_text("owner (100)")
+    meta = srv.meta(midhash)
+    assert meta is not None and meta["metadata"]["title"] == "The Glass Orchard (director's cut)"
+
+    page.reload()
+    expect(field(page, "title").locator(".value")).to_have_text(
+        "The Glass Orchard (director's cut)"
+    )
+
+    renamed = path.rename(path.with_name("glass-orchard.mkv"))
+    poll(
+        lambda: True if (srv.meta(midhash) or {}).get("filePath") == str(renamed) else None,
+        "the rename to reach the record",
+    )
+    page.reload()
+    title = field(page, "title")
+    expect(page.get_by_role("listitem").filter(has_text=str(renamed))).to_be_visible()
+    expect(title.locator(".value")).to_have_text("The Glass Orchard (director's cut)")
+    expect(title.locator(".competing")).to_contain_text("Glass Orchard")
+    expect(title.locator(".competing")).to_contain_text("plugin:filename")
+
+    page.get_by_role("button", name="Revert title").click()
+    title = field(page, "title")
+    expect(title.locator(".value")).to_have_text("Glass Orchard")
+    expect(title).to_contain_text("plugin:filename (1)")
+    expect(page.get_by_role("button", name="Revert title")).to_have_count(0)
+
+
+def test_a_new_key_added_on_the_page_is_the_owners(page: Page, srv: Server) -> None:
+    midhash = titled(srv, drop(srv, "Amber.Fields.1999.mkv"), "Amber Fields")
+    page.goto(f"{srv.url}/records/{midhash}")
+    page.get_by_label("New key").fill("shelf")
+    page.get_by_label("Value", exact=True).fill("B-12")
+    page.get_by_role("button", name="Add").click()
+    expect(field(page, "shelf").locator(".value")).to_have_text("B-12")
+    expect(field(page, "shelf")).to_contain_text("owner (100)")
+
+
+def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
+    midhash = titled(srv, drop(srv, "Northern.Lanterns.2015.mkv"), "Northern Lanterns")
+    poster = Signer()
+    register(srv, poster, "poster", 1)
+    page.get_by_role("link", name="Live").click()
+    expect(page.get_by_role("status")).to_have_text("connected")
+    claim = poster.claim(midhash, "mood", "wistful", now_ms())
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "claim", "post", "--url", srv.url, json.dumps(claim)],
+        env={**os.environ, "METANODE_TOKEN": srv.token},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    event = (
+        page.get_by_role("list", name="Changes")
+        .get_by_role("listitem")
+        .filter(has_text="mood = wistful")
+    )
+    expect(event).to_contain_text("Northern Lanterns")
+    expect(event.get_by_role("link", name="Northern Lanterns")).to_be_visible()
+
+
+def test_state_changes_without_the_sessions_csrf_token_are_refused(
+    page: Page, context: BrowserContext, srv: Server
+) -> None:
+    victim = Signer()
+    register(srv, victim, "victim", 3)
+    url = f"{srv.url}/signers/{victim.uid}/block"
+
+    def status() -> str:
+        signers = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
+        return next(s["status"] for s in signers["signers"] if s["uid"] == victim.uid)
+
+    # another site's page (localhost is another site than 127.0.0.1) posts a form here
+    evil = context.new_page()
+    evil.goto(f"http://localhost:{srv.port}/")
+    evil.set_content(
+        f'<form method="post" action="{url}"><input name="x" value="1">'
+        '<button type="submit">Go</button></form>'
+    )
+    with evil.expect_navigation():
+        evil.get_by_role("button", name="Go").click()
+    assert status() == "active"
+
+    # this very site's page, with the cookie but without the token
+    answers = page.evaluate(
+        """async ([url]) => {
+            const form = await fetch(url, {method: "POST", body: new URLSearchParams({x: "1"})});
+            const api = await fetch("/api/signers", {method: "POST",
+                headers: {"Content-Type": "application/json"}, body: "{}"});
+            return [form.status, api.status];
+        }""",
+        [url],
+    )
+    assert answers == [403, 401]
+    assert status() == "active"
+
+    # the page's own form carries the token: that one works (so the refusals above were real)
+    page.get_by_role("link", name="Signers").click()
+    page.get_by_role("button", name="Block victim").click()
+    expect(page.get_by_role("button", name="Unblock victim")).to_be_visible()
+    assert status() == "blocked"
+    page.get_by_role("button", name="Unblock victim").click()
+    expect(page.get_by_role("button", name="Block victim")).to_be_visible()
+    assert status() == "active"
+
+
+def test_the_cookie_authorises_the_pages_own_api_calls_with_the_csrf_header(
+    page: Page, srv: Server
+) -> None:
+    signer = Signer()
+    answers = page.evaluate(
+        """async ([uid]) => {
+            const csrf = document.getElementById("main").dataset.csrf;
+            const read = await fetch("/api/signers");
+            const write = await fetch("/api/signers", {method: "POST", headers: {
+                "Content-Type": "application/json", "X-CSRF-Token": csrf},
+                body: JSON.stringify({uid, name: "from-the-page", weight: 2})});
+            return [read.status, write.status];
+        }""",
+        [signer.uid],
+    )
+    assert answers == [200, 200]
+    listed = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
+    assert any(s["name"] == "from-the-page" for s in listed["signers"])
+
+
+def test_signing_out_ends_the_session_for_every_copy_of_the_cookie(
+    page: Page, context: BrowserContext, srv: Server
+) -> None:
+    (cookie,) = context.cookies()
+    copied = {cookie["name"]: cookie["value"]}
+    assert httpx.get(f"{srv.url}/api/signers", cookies=copied, timeout=10).status_code == 200
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_label("API token")).to_be_visible()
+    assert context.cookies() == []
+    assert httpx.get(f"{srv.url}/api/signers", cookies=copied, timeout=10).status_code == 401
+    again = httpx.get(f"{srv.url}/files", cookies=copied, timeout=10)
+    assert again.status_code == 401 and "API token" in again.text
+
+
+def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
+    for missing in ("bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "not-a-cid"):
+        response = page.goto(f"{srv.url}/records/{missing}")
+        assert response is not None and response.status == 404
+        expect(page.get_by_role("heading", name="Not found")).to_be_visible()
+        expect(page.get_by_role("alert")).to_contain_text("no record")
+
+
+def test_api_docs_render_from_the_package(page: Page, srv: Server) -> None:
+    outside: list[str] = []
+    page.on(
+        "request",
+        lambda r: outside.append(r.url) if not r.url.startswith(srv.url) else None,
+    )
+    page.goto(f"{srv.url}/docs")
+    expect(page.get_by_text("/api/claims").first).to_be_visible()
+    assert outside == []
+
+
+PAGES = {
+    "library": "/",
+    "live": "/live",
+    "files": "/files",
+    "plugins": "/plugins",
+    "signers": "/signers",
+    "health": "/status",
+}
+
+NAMELESS_CONTROLS = """() => [...document.querySelectorAll("a, button, input, select, textarea")]
+    .filter((e) => e.type !== "hidden" && e.offsetParent !== null)
+    .filter((e) => {
+        const labelled = e.labels && e.labels.length > 0;
+        const named = (e.getAttribute("aria-label") || e.textContent || "").trim() !== "";
+        return !labelled && !named;
+    })
+    .map((e) => e.outerHTML)"""
+
+
+def test_every_page_names_its_controls_and_fits_a_phone(
+    page: Page, context: BrowserContext, srv: Server
+) -> None:
+    """Every page at desktop and phone width: no control without an accessible name, nothing
+    wider than a phone's screen; with METANODE_UI_SCREENSHOTS, a PNG of each."""
+    midhash = titled(srv, drop(srv, "Paper.Moons.2020.mkv"), "Paper Moons")
+    shutil.copy(srv.media / "Paper.Moons.2020.mkv", srv.media / "paper-moons-copy.mkv")
+    pages = {**PAGES, "record": f"/records/{midhash}", "sign-in": "/", "not-found": "/records/x"}
+    into = os.environ.get("METANODE_UI_SCREENSHOTS")
+    signed_out = context.browser.new_context() if context.browser else None
+    assert signed_out is not None
+    for name, path in pages.items():
+        target = signed_out.new_page() if name == "sign-in" else page
+        for width, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+            target.set_viewport_size(viewport)
+            target.goto(srv.url + path)
+            target.wait_for_load_state("networkidle")
+            assert target.evaluate(NAMELESS_CONTROLS) == [], name
+            overflow = target.evaluate("document.documentElement.scrollWidth - innerWidth")
+            assert overflow <= 0, f"{name} is {overflow} px wider than a {width} screen"
+            if into:
+                target.screenshot(path=str(Path(into) / f"{name}-{width}.png"), full_page=True)
+    signed_out.close()
+
+
+def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path) -> None:
+    """Cache schema 5 adds the library index and fills it from the records already cached, so
+    an upgraded node lists and finds them without a rebuild."""
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:4])
+        conn.executescript(
+            "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Old Lamp'),"
+            "('01M8T1AD8YE3198EENNAK7KT12', 'year', '1961'),"
+            "('01M8T1AD8YE3198EENNAK7KT12', 'filePath', '/m/old.lamp.mkv');"
+            "INSERT INTO cid_index VALUES ('bafkqaaa', '01M8T1AD8YE3198EENNAK7KT12');"
+            "INSERT INTO local_file VALUES ('/m/old.lamp.mkv', 'bafkqaaa', 1, 1, 1);"
+        )
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 5
+        (row,) = cache.library_page(conn, "lamp", "", None, cache.NEWEST, 50)
+        assert row == cache.LibraryRow(
+            "01M8T1AD8YE3198EENNAK7KT12", "Old Lamp", "old.lamp.mkv", "1961", "", 1
+        )
+        assert cache.library_page(conn, "zebra", "", None, cache.NEWEST, 50) == []
+    finally:
+        conn.close()
