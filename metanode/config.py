@@ -88,6 +88,11 @@ class Settings:
         600.0, "Full rescan period, for network mounts and missed events (0: never)."
     )
     watch_hash_workers: int = setting(2, "Files hashed at once, off the event loop.")
+    watch_min_size: int = setting(
+        1,
+        "Smallest file fingerprinted, in bytes: smaller files are not content (every empty "
+        "file has the same midhash) and get no record.",
+    )
     plugins_enabled: bool = setting(True, "Run plugins inside `metanode serve`.")
     plugins_disabled: tuple[str, ...] = setting(
         (), "Names of installed plugins not to run (comma-separated in the environment)."
@@ -103,6 +108,11 @@ class Settings:
         100,
         "Signer weight of the box owner, the key in `keys/owner.key` that signs what a person "
         "fixes on the web page; above every plugin's default, so the owner's word wins.",
+    )
+    owner_carry_over: bool = setting(
+        True,
+        "When a watched file's content changes at the same path (a tag edit, a remux, an "
+        "upgrade) and the old content is gone, re-sign the owner's claims about the new content.",
     )
     legacy_writer_weight: int = setting(
         1,
