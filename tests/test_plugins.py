@@ -232,13 +232,16 @@ def test_parse_weights() -> None:
 
 def test_discover_finds_the_builtins_through_entry_points() -> None:
     found = plugins.discover()
-    assert [p.name for p in found] == ["fileinfo", "filename", "fullhash"]
+    assert [p.name for p in found] == ["fileinfo", "filename", "fullhash", "mediainfo", "nfo"]
     assert all(isinstance(p, Plugin) and p.version for p in found)
     assert {p.name: p.may_link for p in found} == {
         "fileinfo": False,
         "filename": False,
         "fullhash": True,
+        "mediainfo": False,
+        "nfo": False,
     }
+    assert {p.name for p in found if p.path_dependent} == {"fileinfo", "filename", "nfo"}
 
 
 def test_plugin_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ import mutagen
 
 from metanode.plugins import LocalFile, Plugin, RecordLookup, Register, Skip
 
-__all__ = ["MediaInfo", "audio_tags", "probe", "stream_facts"]
+__all__ = ["MediaInfo", "audio_tags", "ffprobe_argv", "probe", "stream_facts"]
 
 AUDIO = frozenset({"mp3", "flac", "m4a", "aac", "ogg", "oga", "opus", "wav", "wma", "aiff", "ape"})
 VIDEO = frozenset(
@@ -42,12 +42,9 @@ class ProbeFailed(Exception):
     """ffprobe is missing, timed out or refused the file."""
 
 
-def probe(path: str, ffprobe: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
-    """ffprobe's JSON description of the file's format and streams (headers only)."""
-    tool = shutil.which(ffprobe)
-    if tool is None:
-        raise ProbeFailed(f"{ffprobe} not found (install Debian's ffmpeg)")
-    command = [
+def ffprobe_argv(tool: str, path: str) -> list[str]:
+    """The ffprobe command line (the benchmark measures what this very command reads)."""
+    return [
         tool,
         "-v",
         "error",
@@ -58,11 +55,21 @@ def probe(path: str, ffprobe: str, timeout_s: float = TIMEOUT_S) -> dict[str, An
         "json",
         "-show_format",
         "-show_streams",
-        "--",
         path,
     ]
+
+
+def probe(path: str, ffprobe: str, timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+    """ffprobe's JSON description of the file's format and streams (headers only)."""
+    tool = shutil.which(ffprobe)
+    if tool is None:
+        raise ProbeFailed(f"{ffprobe} not found (install Debian's ffmpeg)")
+    if not os.path.isabs(path):
+        path = os.path.abspath(path)  # never read as an option
     try:
-        done = subprocess.run(command, capture_output=True, timeout=timeout_s, check=False)
+        done = subprocess.run(
+            ffprobe_argv(tool, path), capture_output=True, timeout=timeout_s, check=False
+        )
     except subprocess.TimeoutExpired:
         raise ProbeFailed(f"ffprobe took longer than {timeout_s} s") from None
     if done.returncode != 0:
