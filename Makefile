@@ -9,7 +9,7 @@ TEST_STAMP := $(VENV)/.test-installed
 
 .PHONY: test serve lint bench clean
 
-PLUGINS := plugins/fullhash plugins/fileinfo plugins/filename
+PLUGINS := plugins/fullhash plugins/fileinfo plugins/filename plugins/mediainfo plugins/nfo
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)

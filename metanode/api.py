@@ -342,6 +342,11 @@ def create_app(node: Node) -> Starlette:
 
     async def files(request: Request) -> Response:
         q = request.query_params
+        missing = q.get("missing", "0")
+        if missing not in ("0", "1", "true", "false"):
+            raise InvalidRequest("missing must be 1, true, 0 or false")
+        if missing in ("1", "true"):
+            return JSONResponse(node.missing_files(q.get("after"), _limit(request)))
         return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
 
     async def list_plugins(request: Request) -> Response:

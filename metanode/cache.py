@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import aiosqlite
 
 from metanode import merge
+from metanode.cid import MIDHASH_PREFIX
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
 from metanode.db import (
@@ -735,6 +736,7 @@ class PluginRun:
     version: str
     midhash: str
     attempts: int
+    updated_at: int = 0  # as picked: a run re-queued meanwhile is not marked finished
 
 
 def enqueue_runs_txn(
@@ -767,7 +769,7 @@ def due_runs(
     return [
         PluginRun(*row)
         for row in conn.execute(
-            "SELECT plugin, version, midhash, attempts FROM plugin_runs "
+            "SELECT plugin, version, midhash, attempts, updated_at FROM plugin_runs "
             "WHERE status = 'pending' AND next_at <= ? AND (plugin, version) IN "
             "(SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') "
             "FROM json_each(?)) "
@@ -796,11 +798,88 @@ def finish_run_txn(
     error: str | None,
     now_ms: int,
 ) -> None:
+    """Record a run's outcome, unless it was re-queued while it ran (`requeue_runs_txn`): then
+    it stays pending and runs again on what is there now."""
     cache.execute(
         "UPDATE plugin_runs SET status = ?, attempts = ?, next_at = ?, error = ?, updated_at = ? "
-        "WHERE plugin = ? AND version = ? AND midhash = ?",
-        (status, attempts, next_at, error, now_ms, run.plugin, run.version, run.midhash),
+        "WHERE plugin = ? AND version = ? AND midhash = ? AND updated_at = ?",
+        (
+            status,
+            attempts,
+            next_at,
+            error,
+            max(now_ms, run.updated_at + 1),
+            run.plugin,
+            run.version,
+            run.midhash,
+            run.updated_at,
+        ),
     )
+
+
+def requeue_runs_txn(
+    cache: sqlite3.Connection,
+    versions: Sequence[tuple[str, str]],
+    midhashes: Sequence[str],
+    now_ms: int,
+) -> None:
+    """Make the runs of these (plugin, version)s on these midhashes pending and due now, done
+    or not (their paths changed); `updated_at` moves on, so a run in progress is not marked
+    finished by its outcome."""
+    for plugin, version in versions:
+        cache.execute(
+            "INSERT INTO plugin_runs (plugin, version, midhash, status, updated_at) "
+            "SELECT ?, ?, value, 'pending', ? FROM json_each(?) WHERE true "
+            "ON CONFLICT (plugin, version, midhash) DO UPDATE SET status = 'pending', "
+            "attempts = 0, next_at = 0, error = NULL, "
+            "updated_at = max(excluded.updated_at, plugin_runs.updated_at + 1)",
+            (plugin, version, now_ms, json.dumps(sorted(set(midhashes)))),
+        )
+
+
+def midhashes_near(conn: sqlite3.Connection, folders: Iterable[str]) -> list[str]:
+    """The midhashes of the local files in these folders and in their direct sub-folders (a
+    range on the primary key per folder, as `local_stats`)."""
+    found: set[str] = set()
+    for folder in folders:
+        stem = folder.rstrip("/")
+        found.update(
+            midhash
+            for (midhash,) in conn.execute(
+                "SELECT midhash FROM local_file WHERE path >= ? AND path < ? "
+                "AND length(substr(path, ?)) - length(replace(substr(path, ?), '/', '')) <= 1",
+                (stem + "/", stem + "0", len(stem) + 2, len(stem) + 2),
+            )
+        )
+    return sorted(found)
+
+
+def midhashes_at(conn: sqlite3.Connection, paths: Iterable[str]) -> dict[str, str]:
+    """path → midhash of the local_file rows at these paths or below them (folders)."""
+    out: dict[str, str] = {}
+    for path in paths:
+        stem = path.rstrip("/")
+        out.update(
+            conn.execute(
+                "SELECT path, midhash FROM local_file WHERE path = ? OR (path >= ? AND path < ?)",
+                (path, stem + "/", stem + "0"),
+            ).fetchall()
+        )
+    return out
+
+
+def missing(conn: sqlite3.Connection, after: str, limit: int) -> list[dict[str, Any]]:
+    """A page of records that hold a midhash but no local file any more (`GET /api/files
+    ?missing=1`), in midhash order: a range of `cid_index`'s key, the rest by its indexes."""
+    rows = conn.execute(
+        "SELECT i.cid, i.rid, (SELECT value FROM records r WHERE r.rid = i.rid "
+        "AND r.key = 'fileName') FROM cid_index i "
+        "WHERE i.cid > ? AND i.cid >= ? AND i.cid < ? AND NOT EXISTS ("
+        "SELECT 1 FROM cid_index j JOIN local_file f ON f.midhash = j.cid WHERE j.rid = i.rid) "
+        "ORDER BY i.cid LIMIT ?",
+        (after, MIDHASH_PREFIX, MIDHASH_PREFIX[:-1] + "f", limit),
+    )
+    return [{"midhash": m, "rid": r, "fileName": name} for m, r, name in rows]
 
 
 def drop_run_txn(cache: sqlite3.Connection, plugin: str, version: str, midhash: str) -> None:
@@ -813,9 +892,12 @@ def drop_run_txn(cache: sqlite3.Connection, plugin: str, version: str, midhash: 
 def run_counts(conn: sqlite3.Connection) -> dict[tuple[str, str], dict[str, int]]:
     counts: dict[tuple[str, str], dict[str, int]] = {}
     for plugin, version, status, n in conn.execute(
-        "SELECT plugin, version, status, count(*) FROM plugin_runs GROUP BY plugin, version, status"
+        "SELECT plugin, version, CASE WHEN status = 'done' AND error IS NOT NULL "
+        "THEN 'skipped' ELSE status END AS shown, count(*) FROM plugin_runs "
+        "GROUP BY plugin, version, shown"
     ):
-        counts.setdefault((plugin, version), {"done": 0, "pending": 0, "failed": 0})[status] = n
+        empty = {"done": 0, "pending": 0, "failed": 0, "skipped": 0}
+        counts.setdefault((plugin, version), empty)[status] = n
     return counts
 
 
@@ -1142,6 +1224,24 @@ class CacheStore(Store):
 
     async def drop_run(self, run: PluginRun) -> None:
         await self.writer.run(drop_run_txn, run.plugin, run.version, run.midhash)
+
+    async def requeue_runs(
+        self, versions: Sequence[tuple[str, str]], midhashes: Sequence[str]
+    ) -> None:
+        if versions and midhashes:
+            await self.writer.run(requeue_runs_txn, versions, midhashes, self._clock())
+
+    @mapped
+    def midhashes_near(self, folders: Sequence[str]) -> list[str]:
+        return midhashes_near(self.conn, folders)
+
+    @mapped
+    def midhashes_at(self, paths: Sequence[str]) -> dict[str, str]:
+        return midhashes_at(self.conn, paths)
+
+    @mapped
+    def missing(self, after: str, limit: int) -> list[dict[str, Any]]:
+        return missing(self.conn, after, limit)
 
     @mapped
     def due_runs(self, versions: Sequence[tuple[str, str]], limit: int) -> list[PluginRun]:

@@ -88,6 +88,11 @@ class Settings:
         600.0, "Full rescan period, for network mounts and missed events (0: never)."
     )
     watch_hash_workers: int = setting(2, "Files hashed at once, off the event loop.")
+    watch_min_size: int = setting(
+        1,
+        "Smallest file fingerprinted, in bytes: smaller files are not content (every empty "
+        "file has the same midhash) and get no record.",
+    )
     plugins_enabled: bool = setting(True, "Run plugins inside `metanode serve`.")
     plugins_disabled: tuple[str, ...] = setting(
         (), "Names of installed plugins not to run (comma-separated in the environment)."
@@ -108,6 +113,11 @@ class Settings:
         12.0,
         "How long a web page sign-in lasts (the signed session cookie expires after this; "
         "signing out ends it at once).",
+    )
+    owner_carry_over: bool = setting(
+        True,
+        "When a watched file's content changes at the same path (a tag edit, a remux, an "
+        "upgrade) and the old content is gone, re-sign the owner's claims about the new content.",
     )
     legacy_writer_weight: int = setting(
         1,

@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from metanode import (
@@ -115,7 +116,7 @@ class Node:
         s = self.settings
         return watcher.Watcher(
             roots,
-            watcher.Rules(s.watch_ignore, s.watch_follow_symlinks),
+            watcher.Rules(s.watch_ignore, s.watch_follow_symlinks, s.watch_min_size),
             s.watch_settle_s,
             s.watch_rescan_s,
             s.watch_hash_workers,
@@ -125,10 +126,49 @@ class Node:
         )
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
-        """The watcher's results reach the cache, then the plugins."""
+        """The watcher's results reach the cache, then the plugins, then the owner's word
+        follows content replaced at its path."""
+        before = self.cache.midhashes_at([f.path for f in files] + list(removals))
         await self.applier.apply_local(files, removals)
         if self.plugin_host is not None:
             await self.plugin_host.files_changed(sorted({f.midhash for f in files}))
+            await self.plugin_host.paths_changed(
+                sorted({f.midhash for f in files} | set(before.values())),
+                sorted({f.path for f in files} | set(before)),
+            )
+        if self.settings.owner_carry_over:
+            for file in files:
+                old = before.get(file.path)
+                if old is not None and old != file.midhash:
+                    await self._carry_owner_word(file.path, old, file.midhash)
+
+    async def _carry_owner_word(self, path: str, old: str, new: str) -> None:
+        """Content replaced at `path` (a tag edit, a remux, an upgrade): re-sign the owner's
+        live claims about the old content about the new one, if the old content is gone from
+        the disk. Only the owner's claims (plugins recompute theirs), only along one path."""
+        if self.cache.file_of(old) is not None:
+            return  # another copy of the old content is still here: it keeps its record
+        rid = self.truth.group_of(old)
+        if rid is None:
+            return
+        async with self.owner.lock:
+            said = self.truth.group_claims(rid, uid=self.owner.uid)
+            drafts = sorted({(new, c.key, c.value) for c in said if c.value is not None})
+            if not drafts:
+                return
+            try:
+                await self.owner.sign_and_ingest(drafts)
+            except MetanodeError as exc:
+                log.warning("cannot carry the owner's claims to %s: %s", path, exc.message)
+                return
+        log.info(
+            "carried the owner's %d claim(s) (%s) from %s to %s at %s",
+            len(drafts),
+            ", ".join(key for _, key, _ in drafts),
+            old,
+            new,
+            path,
+        )
 
     async def _start_plugins(self) -> plugins.Host:
         """Discover plugins, register each as a signer with its own key, start the host."""
@@ -140,7 +180,13 @@ class Node:
                 continue
             key = plugins.plugin_key(s.keys_dir, plugin.name)
             runner = plugins.Runner(
-                plugin, key, self.record_of, self.ingest_wire, s.plugin_timeout_s, self.clock
+                plugin,
+                key,
+                self.record_of,
+                self.ingest_wire,
+                s.plugin_timeout_s,
+                self.clock,
+                self.said_by,
             )
             await self.truth.add_signer(
                 runner.uid,
@@ -156,9 +202,18 @@ class Node:
             s.plugin_max_attempts,
             s.plugin_retry_s,
             self.clock,
+            [str(Path(root).resolve()) for root in s.watch_roots],
         )
         self._plugins_task = asyncio.create_task(host.run(), name="plugins")
         return host
+
+    def said_by(self, uid: str, cid: str) -> dict[str, str | None]:
+        """key → value (None: retracted) of `uid`'s stored claims about exactly `cid`: what a
+        plugin's new run replaces."""
+        rid = self.truth.group_of(cid)
+        if rid is None:
+            return {}
+        return {c.key: c.value for c in self.truth.group_claims(rid, uid=uid) if c.cid == cid}
 
     def record_of(self, cid: str) -> dict[str, str] | None:
         """A plugin's read of the merged metadata of any CID (never a rid), from its threads."""
@@ -517,6 +572,12 @@ class Node:
     def duplicates(self, limit: int) -> list[tuple[str, list[str]]]:
         """Contents held at several local paths: (midhash, the paths)."""
         return self.cache.duplicates(limit)
+
+    def missing_files(self, after: str | None, limit: int) -> dict[str, Any]:
+        """GET /api/files?missing=1: records that hold a midhash but no local file any more."""
+        self.require_ready()
+        page = self.cache.missing(after or "", limit)
+        return {"files": page, "next": page[-1]["midhash"] if len(page) == limit else None}
 
     def _gauges(self) -> dict[str, Any]:
         """The scrape-time numbers of /metrics."""

@@ -15,10 +15,18 @@ and declare it in your package's `pyproject.toml`:
     myplugin = "my_package:Plugin"
 
 The host calls `process` on a worker thread for each local file (its midhash CID, path, size,
-mtime) with `record(cid)`, a read of the current merged metadata of any CID, and `register`, the
-callback that takes claim drafts `(cid, key, value)`. It signs the drafts with the plugin's own key
-(created in `data/keys/` on first run, registered as a signer) and ingests them exactly as
-`POST /api/claims` would. A plugin never sees a rid.
+mtime, watch root and path relative to it) with `record(cid)`, a read of the current merged
+metadata of any CID, and `register`, the callback that takes claim drafts `(cid, key, value)`. It
+signs the drafts with the plugin's own key (created in `data/keys/` on first run, registered as a
+signer) and ingests them exactly as `POST /api/claims` would. A plugin never sees a rid.
+
+A run states everything the plugin says about its file: what an earlier run claimed about
+`file.cid` and this run no longer yields is retracted (a tombstone), and unchanged claims are not
+signed again. A plugin that reads the path (`path_dependent`) runs again when the paths of its
+content change (a rename, a move); one that reads sidecar files (`sidecars`, extensions such as
+`nfo` or `srt`) runs again on the files of a folder whenever such a file appears, changes or goes
+in that folder or the one above it. `raise Skip(reason)` ends a run that cannot do its work (a
+missing tool): what it registered is kept, nothing is retracted, and the reason is recorded.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -49,9 +58,32 @@ class LocalFile:
     """What a plugin is told about the file it looks at."""
 
     cid: str  # the file's midhash256 CID: the subject of its claims
-    path: str
+    path: str  # absolute
     size: int
     mtime_ns: int
+    root: str = ""  # the watch root the path is below ("" if none)
+    relative: str = ""  # the path relative to `root`: folders inform a release name
+
+    @property
+    def in_root(self) -> str:
+        """The path relative to its watch root, or its last component outside any root."""
+        return self.relative or os.path.basename(self.path)
+
+
+def local_file(file: tuple[str, str, int, int], roots: Sequence[str]) -> LocalFile:
+    """A plugin's view of a `local_file` row (midhash, path, size, mtime_ns), placed in the
+    longest watch root holding it."""
+    cid, path, size, mtime_ns = file
+    for root in sorted(roots, key=len, reverse=True):
+        stem = root.rstrip("/") + "/"
+        if path.startswith(stem):
+            return LocalFile(cid, path, size, mtime_ns, root, path[len(stem) :])
+    return LocalFile(cid, path, size, mtime_ns)
+
+
+class Skip(Exception):
+    """Raised by `process` when it cannot do its work (a tool is missing, a sidecar refused):
+    the run is done, its drafts so far are kept, nothing is retracted, the reason is recorded."""
 
 
 Register = Callable[[str, str, str | None], None]  # register(cid, key, value)
@@ -64,12 +96,18 @@ class Plugin:
     Bump `version` whenever what the plugin claims changes: every file is then processed again.
     `may_link` lets its `cids/…` claims link groups (merges are permanent; grant it only to
     plugins that compute hashes of the same bytes). `weight` is its default signer weight.
+    `path_dependent`: what it claims follows from the path, so a rename or move runs it again.
+    `sidecars`: lower-case extensions (no dot) of files beside the file that it reads; one of
+    them appearing, changing or going runs it again on the files of that folder (and of its
+    sub-folders: a `tvshow.nfo` above `Season 01/`).
     """
 
     name: ClassVar[str]
     version: ClassVar[str]
     may_link: ClassVar[bool] = False
     weight: ClassVar[int] = 1
+    path_dependent: ClassVar[bool] = False  # runs again when its content's paths change
+    sidecars: ClassVar[frozenset[str]] = frozenset()  # extensions whose arrival re-runs it
 
     def process(self, file: LocalFile, record: RecordLookup, register: Register) -> None:
         raise NotImplementedError
@@ -131,10 +169,28 @@ def run_in_thread(fn: Callable[[], T]) -> Awaitable[T]:
 @dataclass(frozen=True)
 class Outcome:
     status: str  # "done" | "failed"
-    error: str | None = None
+    error: str | None = None  # why it failed, or why a done run was skipped
 
 
 Ingest = Callable[[list[Any]], Awaitable[object]]
+Said = Callable[[str, str], dict[str, str | None]]  # said(uid, cid): its claims on cid, by key
+Draft = tuple[str, str, str | None]
+
+
+def replacing(
+    drafts: Sequence[Draft], subject: str, said: dict[str, str | None], whole: bool
+) -> list[Draft]:
+    """The drafts worth signing: not those equal to what was said already and, for a `whole`
+    run, a tombstone for each key said about `subject` that the run no longer yields."""
+    out = [d for d in drafts if d[0] != subject or d[1] not in said or said[d[1]] != d[2]]
+    if whole:
+        yielded = {key for cid, key, _ in drafts if cid == subject}
+        out += [
+            (subject, key, None)
+            for key, value in sorted(said.items())
+            if value is not None and key not in yielded and not key.startswith("cids/")
+        ]
+    return out
 
 
 class Runner:
@@ -148,6 +204,7 @@ class Runner:
         ingest: Ingest,
         timeout_s: float,
         clock: Clock = now_ms,
+        said: Said = lambda uid, cid: {},
     ) -> None:
         self.plugin = plugin
         self.key = key
@@ -156,33 +213,43 @@ class Runner:
         self._ingest = ingest
         self._timeout_s = timeout_s
         self._clock = clock
+        self._said = said
+        self._last_ts = 0
 
-    def _collect(
-        self, file: LocalFile, closed: threading.Event
-    ) -> list[tuple[str, str, str | None]]:
-        drafts: list[tuple[str, str, str | None]] = []
+    def _collect(self, file: LocalFile, closed: threading.Event) -> tuple[list[Draft], str | None]:
+        """(the drafts registered, the reason if the plugin skipped)."""
+        drafts: list[Draft] = []
 
         def register(cid: str, key: str, value: str | None) -> None:
             if closed.is_set():
                 raise RuntimeError("this run is over (it timed out)")
             drafts.append((cid, key, value))
 
-        self.plugin.process(file, self._record, register)
-        return drafts
+        try:
+            self.plugin.process(file, self._record, register)
+        except Skip as skip:
+            return drafts, f"skipped: {skip}"
+        return drafts, None
+
+    def _stamp(self) -> int:
+        """A timestamp newer than this runner's last: a re-run's claims replace the earlier."""
+        self._last_ts = max(self._clock(), self._last_ts + 1)
+        return self._last_ts
 
     async def run(self, file: LocalFile) -> Outcome:
         """One run: a raise, a timeout or a rejected draft fails this run only."""
         closed = threading.Event()
         try:
             async with asyncio.timeout(self._timeout_s):  # wait_for may swallow a cancel (3.11)
-                drafts = await run_in_thread(lambda: self._collect(file, closed))
+                drafts, skipped = await run_in_thread(lambda: self._collect(file, closed))
         except TimeoutError:
             closed.set()
             return Outcome("failed", f"timed out after {self._timeout_s} s")
         except Exception as exc:
             return Outcome("failed", f"{type(exc).__name__}: {exc}")
+        drafts = replacing(drafts, file.cid, self._said(self.uid, file.cid), skipped is None)
         if drafts:
-            now = self._clock()
+            now = self._stamp()
             wire = [
                 claims.sign(self.key, cid, key, value, now).wire() for cid, key, value in drafts
             ]
@@ -193,7 +260,7 @@ class Runner:
             except MetanodeError as exc:
                 detail = exc.extra.get("items", exc.message)
                 return Outcome("failed", f"{exc.slug}: {detail}")
-        return Outcome("done")
+        return Outcome("done", skipped)
 
 
 def backoff_s(attempts: int, base_s: float) -> float:
@@ -212,6 +279,13 @@ def parse_weights(pairs: Sequence[str]) -> dict[str, int]:
     return weights
 
 
+def sidecar_folders(sidecars: frozenset[str], paths: Sequence[str]) -> list[str]:
+    """The folders of the paths that have one of these extensions."""
+    return sorted(
+        {os.path.dirname(p) for p in paths if os.path.splitext(p)[1][1:].lower() in sidecars}
+    )
+
+
 class Host:
     """Schedules plugin runs: one per (plugin, version, midhash), kept in cache.db.
 
@@ -227,8 +301,10 @@ class Host:
         max_attempts: int,
         retry_s: float,
         clock: Clock = now_ms,
+        roots: Sequence[str] = (),
     ) -> None:
         self.runners = {runner.plugin.name: runner for runner in runners}
+        self._roots = list(roots)
         self._store = store
         self._slots = asyncio.Semaphore(max(1, workers))
         self._max_attempts = max_attempts
@@ -242,6 +318,24 @@ class Host:
         if self._versions and midhashes:
             await self._store.enqueue_runs(self._versions, list(midhashes))
             self._wake.set()
+
+    async def paths_changed(self, midhashes: Sequence[str], paths: Sequence[str]) -> None:
+        """The paths of these midhashes changed (a rename, a move, a copy gone), and files
+        appeared, changed or went at `paths`: run the plugins that read paths again on those
+        midhashes, and those that read sidecars again on the files near a sidecar that moved."""
+        by_path = [
+            (r.plugin.name, r.plugin.version)
+            for r in self.runners.values()
+            if r.plugin.path_dependent
+        ]
+        if by_path and midhashes:
+            await self._store.requeue_runs(by_path, list(midhashes))
+        for runner in self.runners.values():
+            folders = sidecar_folders(runner.plugin.sidecars, paths)
+            if folders:
+                near = self._store.midhashes_near(folders)
+                await self._store.requeue_runs([(runner.plugin.name, runner.plugin.version)], near)
+        self._wake.set()
 
     async def run(self) -> None:
         await self._store.enqueue_runs(self._versions, None)
@@ -273,7 +367,7 @@ class Host:
             if file is None:  # no local copy left: forget the run; a new copy queues it again
                 await self._store.drop_run(run)
                 return
-            outcome = await self.runners[run.plugin].run(LocalFile(*file))
+            outcome = await self.runners[run.plugin].run(local_file(file, self._roots))
             attempts = run.attempts + 1
             status = outcome.status
             next_at = 0
@@ -283,7 +377,8 @@ class Host:
                     self._clock() + int(1000 * backoff_s(attempts, self._retry_s)),
                 )
             if outcome.error:
-                log.warning("plugin %s on %s: %s", run.plugin, file[1], outcome.error)
+                level = logging.INFO if status == "done" else logging.WARNING
+                log.log(level, "plugin %s on %s: %s", run.plugin, file[1], outcome.error)
             await self._store.finish_run(run, status, attempts, next_at, outcome.error)
 
     def describe(self) -> list[dict[str, Any]]:
@@ -296,7 +391,7 @@ class Host:
                 "uid": r.uid,
                 "may_link": r.plugin.may_link,
                 "runs": counts.get(
-                    (name, r.plugin.version), {"done": 0, "pending": 0, "failed": 0}
+                    (name, r.plugin.version), {"done": 0, "pending": 0, "failed": 0, "skipped": 0}
                 ),
             }
             for name, r in sorted(self.runners.items())

@@ -55,10 +55,17 @@ class Rules:
     a name glob (case-insensitively): so a file inside an ignored folder is ignored however it
     arrives, by a walk or by inotify. Globs with a `/` match the path relative to the root.
     Names that are not valid UTF-8 are ignored too (with a warning): the database stores text.
+    Files smaller than `min_size` bytes are not content (every empty file has one midhash): a
+    walk skips them and a file that shrinks below it counts as gone.
     """
 
     globs: tuple[str, ...] = ()
     follow_symlinks: bool = False
+    min_size: int = 1
+
+    def kept(self, current: Stat | None) -> Stat | None:
+        """The stat of a file worth a record: None for nothing there or too small a file."""
+        return current if current is not None and current[0] >= self.min_size else None
 
     @cached_property
     def _name_match(self) -> Callable[[str], re.Match[str] | None]:
@@ -128,7 +135,7 @@ def walk(root: str, rules: Rules, start: str | None = None) -> Iterator[tuple[st
                 if (info.st_dev, info.st_ino) not in seen:
                     seen.add((info.st_dev, info.st_ino))
                     stack.append(entry.path)
-            elif stat.S_ISREG(info.st_mode):
+            elif stat.S_ISREG(info.st_mode) and info.st_size >= rules.min_size:
                 yield entry.path, (info.st_size, info.st_mtime_ns)
 
 
@@ -366,7 +373,7 @@ class Watcher:
                 root = self._root_of(path) or path
                 touched.update(await asyncio.to_thread(self._files_below, path, root))
                 continue
-            current = stat_of(path, self.rules.follow_symlinks)
+            current = self.rules.kept(stat_of(path, self.rules.follow_symlinks))
             if current is None:
                 removed.append(path)
                 self.pending.pop(path, None)
@@ -405,7 +412,7 @@ class Watcher:
             for path, (expected, since) in list(self.pending.items()):
                 if now - since < self.settle_s:
                     continue
-                current = stat_of(path, self.rules.follow_symlinks)
+                current = self.rules.kept(stat_of(path, self.rules.follow_symlinks))
                 if current is None:
                     del self.pending[path]
                 elif current != expected:

@@ -67,13 +67,30 @@ CASES: list[tuple[str, bytes, dict[str, str], dict[str, str]]] = [
         "The.Matrix.1999.1080p.BluRay.x264-GROUP.mkv",
         MKV,
         {"fileType": "video", "extension": "mkv", "mimeType": "video/x-matroska"},
-        {"title": "The Matrix", "year": "1999", "movieYear": "1999", "videoType": "movie"},
+        {
+            "title": "The Matrix",
+            "year": "1999",
+            "movieYear": "1999",
+            "videoType": "movie",
+            "resolution": "1080p",
+            "source": "Blu-ray",
+            "videoCodec": "H.264",
+            "releaseGroup": "GROUP",
+        },
     ),
     (
         "Breaking.Bad.S01E02.720p.HDTV.x264.mkv",
         MKV,
         {"fileType": "video", "extension": "mkv", "mimeType": "video/x-matroska"},
-        {"title": "Breaking Bad", "season": "1", "episode": "2", "videoType": "episode"},
+        {
+            "title": "Breaking Bad",
+            "season": "1",
+            "episode": "2",
+            "videoType": "episode",
+            "resolution": "720p",
+            "source": "HDTV",
+            "videoCodec": "H.264",
+        },
     ),
     (
         "Doctor.Who.2005.S01E01.Rose.mp4",
@@ -85,38 +102,66 @@ CASES: list[tuple[str, bytes, dict[str, str], dict[str, str]]] = [
             "season": "1",
             "episode": "1",
             "videoType": "episode",
+            "episodeTitle": "Rose",
         },
     ),  # an episode's year is no movieYear
     (
         "[SubsPlease] Frieren - 05 (1080p) [ABCD1234].mkv",
         MKV,
         {"fileType": "video", "extension": "mkv", "mimeType": "video/x-matroska"},
-        {"title": "Frieren", "episode": "5", "videoType": "episode"},
-    ),  # absolute numbering
+        {
+            "title": "Frieren",
+            "episode": "5",
+            "videoType": "episode",
+            "resolution": "1080p",
+            "releaseGroup": "SubsPlease",
+        },
+    ),  # absolute numbering, a fansub group
     (
         "Big.Buck.Bunny.2008.720p.webm",
         WEBM,
         {"fileType": "video", "extension": "webm", "mimeType": "video/webm"},
-        {"title": "Big Buck Bunny", "year": "2008", "movieYear": "2008", "videoType": "movie"},
+        {
+            "title": "Big Buck Bunny",
+            "year": "2008",
+            "movieYear": "2008",
+            "videoType": "movie",
+            "resolution": "720p",
+        },
     ),
     # subtitles: the extension decides; parsed for title/season/episode, never a videoType
     (
         "The.Matrix.1999.1080p.BluRay.x264-GROUP.en.srt",
         SRT,
         {"fileType": "subtitle", "extension": "srt", "mimeType": "application/x-subrip"},
-        {"title": "The Matrix", "year": "1999"},
+        {
+            "title": "The Matrix",
+            "year": "1999",
+            "resolution": "1080p",
+            "source": "Blu-ray",
+            "videoCodec": "H.264",
+            "releaseGroup": "GROUP",
+            "subtitleLanguage": '["en"]',
+        },
     ),
     (
         "Breaking.Bad.S01E02.720p.HDTV.x264.srt",
         SRT,
         {"fileType": "subtitle", "extension": "srt", "mimeType": "application/x-subrip"},
-        {"title": "Breaking Bad", "season": "1", "episode": "2"},
+        {
+            "title": "Breaking Bad",
+            "season": "1",
+            "episode": "2",
+            "resolution": "720p",
+            "source": "HDTV",
+            "videoCodec": "H.264",
+        },
     ),
     (
         "[SubsPlease] Frieren - 05 (1080p) [ABCD1234].ass",
         ASS,
         {"fileType": "subtitle", "extension": "ass", "mimeType": "text/x-ssa"},
-        {"title": "Frieren", "episode": "5"},
+        {"title": "Frieren", "episode": "5", "resolution": "1080p", "releaseGroup": "SubsPlease"},
     ),
     (
         "Heat.1995.srt",
@@ -227,15 +272,23 @@ def test_describe(
 def test_parse(
     tmp_path: Path, name: str, data: bytes, info: dict[str, str], parsed: dict[str, str]
 ) -> None:
-    assert parse(write(tmp_path, name, data)) == parsed
+    assert parse(name) == parsed  # the path relative to its watch root: here, a name
 
 
-def test_parse_looks_at_the_last_path_component_only() -> None:
-    assert parse("/files/watch/Some.Show.S09E09/The.Matrix.1999.mkv") == {
-        "title": "The Matrix",
-        "year": "1999",
-        "movieYear": "1999",
+def test_parse_reads_the_folders_of_the_root_relative_path() -> None:
+    assert parse("Inception (2010)/movie.mkv") == {
+        "title": "Inception",
+        "year": "2010",
+        "movieYear": "2010",
         "videoType": "movie",
+    }
+    assert parse("Breaking Bad/Season 01/Breaking.Bad.S01E02.Cats.in.the.Bag.720p.mkv") == {
+        "title": "Breaking Bad",
+        "season": "1",
+        "episode": "2",
+        "episodeTitle": "Cats in the Bag",
+        "videoType": "episode",
+        "resolution": "720p",
     }
 
 
@@ -245,13 +298,27 @@ def test_parse_looks_at_the_last_path_component_only() -> None:
         # The documented rule: season and episode only when each is a single integer.
         (
             "Show.Name.S02E03E04.1080p.WEB-DL.mkv",
-            {"title": "Show Name", "season": "2", "videoType": "episode"},
+            {
+                "title": "Show Name",
+                "season": "2",
+                "videoType": "episode",
+                "resolution": "1080p",
+                "source": "Web",
+            },
         ),
         (
             "Show.Name.S01E01-E03.720p.mkv",
-            {"title": "Show Name", "season": "1", "videoType": "episode"},
+            {"title": "Show Name", "season": "1", "videoType": "episode", "resolution": "720p"},
         ),
-        ("Show.Name.S01-S02.Complete.1080p.mkv", {"title": "Show Name", "videoType": "episode"}),
+        (
+            "Show.Name.S01-S02.Complete.1080p.mkv",
+            {
+                "title": "Show Name",
+                "videoType": "episode",
+                "resolution": "1080p",
+                "other": '["Complete"]',
+            },
+        ),
     ],
 )
 def test_multi_episode_names_claim_no_list(name: str, expected: dict[str, str]) -> None:
@@ -378,6 +445,6 @@ def test_plugins_register_what_they_describe(tmp_path: Path) -> None:
     path = write(tmp_path, "Breaking.Bad.S01E02.720p.HDTV.x264.mkv", MKV)
     midhash = cids.midhash_bytes(MKV)
     file = LocalFile(midhash, path, len(MKV), 0)
-    for plugin, expected in ((FileInfo(), describe(path)), (FileName(), parse(path))):
+    for plugin, expected in ((FileInfo(), describe(path)), (FileName(), parse(file.in_root))):
         assert collect(plugin, file) == [(midhash, k, v) for k, v in expected.items()]
         assert plugin.may_link is False

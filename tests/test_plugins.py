@@ -232,13 +232,16 @@ def test_parse_weights() -> None:
 
 def test_discover_finds_the_builtins_through_entry_points() -> None:
     found = plugins.discover()
-    assert [p.name for p in found] == ["fileinfo", "filename", "fullhash"]
+    assert [p.name for p in found] == ["fileinfo", "filename", "fullhash", "mediainfo", "nfo"]
     assert all(isinstance(p, Plugin) and p.version for p in found)
     assert {p.name: p.may_link for p in found} == {
         "fileinfo": False,
         "filename": False,
         "fullhash": True,
+        "mediainfo": False,
+        "nfo": False,
     }
+    assert {p.name for p in found if p.path_dependent} == {"fileinfo", "filename", "nfo"}
 
 
 def test_plugin_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:
@@ -291,7 +294,15 @@ async def test_plugin_sees_the_local_file_and_metadata_never_a_rid(harness: Harn
 
     [file] = watcher.calls
     info = os.stat(path)
-    assert file == LocalFile(cid=midhash, path=path, size=len(data), mtime_ns=info.st_mtime_ns)
+    assert file == LocalFile(
+        cid=midhash,
+        path=path,
+        size=len(data),
+        mtime_ns=info.st_mtime_ns,
+        root=os.path.dirname(path),
+        relative="seen.bin",
+    )
+    assert file.in_root == "seen.bin"
     rid = node.files("", None, 10)["files"][0]["rid"]
     assert RID.fullmatch(rid)
     seen, unknown = looked
@@ -326,8 +337,8 @@ async def test_a_raising_plugin_fails_its_run_only_retries_with_backoff_then_fai
     gaps = [b - a for a, b in zip(bad.called_at_ms, bad.called_at_ms[1:], strict=False)]
     assert gaps[0] >= 1000 * plugins.backoff_s(1, 0.1)
     assert gaps[1] >= 1000 * plugins.backoff_s(2, 0.1)
-    assert counts(node, "bad") == {"done": 0, "pending": 0, "failed": 1}
-    assert counts(node, "good") == {"done": 1, "pending": 0, "failed": 0}
+    assert counts(node, "bad") == {"done": 0, "pending": 0, "failed": 1, "skipped": 0}
+    assert counts(node, "good") == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
     assert metadata(node, midhash)["good"] == "yes"
 
 
@@ -382,7 +393,7 @@ async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
     assert len(v1.calls) == 1 and len(v2.calls) == 1
     [described] = node.plugins()
     assert described["version"] == "2"
-    assert described["runs"] == {"done": 1, "pending": 0, "failed": 0}
+    assert described["runs"] == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
     # Same name, same key file: the same signer, whose newer claim replaced the old one.
     claims_listed = node.meta_claims(midhash, key="ver", uid=None)["claims"]
     assert [c["value"] for c in claims_listed] == ["two"]
@@ -410,7 +421,7 @@ async def test_a_restart_resumes_pending_runs_and_skips_done_ones(harness: Harne
     await until(finished(node, slow2, midhash), "slow resumed and done")
     assert len(slow2.calls) == 1
     assert quick2.calls == []  # done before the restart: not redone
-    assert counts(node, "quick") == {"done": 1, "pending": 0, "failed": 0}
+    assert counts(node, "quick") == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
     assert metadata(node, midhash)["quick"] == "yes"
     assert metadata(node, midhash)["slow"] == "resumed"
 
@@ -465,14 +476,14 @@ async def test_get_api_plugins(harness: Harness) -> None:
             "version": "7",
             "uid": uids["plugin:bad"],
             "may_link": True,
-            "runs": {"done": 0, "pending": 0, "failed": 1},
+            "runs": {"done": 0, "pending": 0, "failed": 1, "skipped": 0},
         },
         {
             "name": "good",
             "version": "1",
             "uid": uids["plugin:good"],
             "may_link": False,
-            "runs": {"done": 1, "pending": 0, "failed": 0},
+            "runs": {"done": 1, "pending": 0, "failed": 0, "skipped": 0},
         },
     ]
 

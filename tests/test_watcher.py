@@ -122,8 +122,8 @@ def test_walk_lists_kept_regular_files_with_their_stat(tmp_path: Path) -> None:
         write(root / "a.mkv", b"a"),
         write(root / "sub" / "b.mkv", b"bb"),
         write(root / "sub" / "deeper" / "c.mkv", b"ccc"),
-        write(root / "empty", b""),
     ]
+    empty = write(root / "empty", b"")  # no content: kept only with min_size 0
     for name in (
         ".hidden",
         ".dot/x.mkv",
@@ -139,6 +139,9 @@ def test_walk_lists_kept_regular_files_with_their_stat(tmp_path: Path) -> None:
     (root / "empty-folder").mkdir()
     listed = dict(walk(str(root), Rules()))
     assert listed == {str(p): stat_pair(p) for p in kept}
+    assert dict(walk(str(root), Rules(min_size=0))) == {
+        str(p): stat_pair(p) for p in [*kept, empty]
+    }
 
 
 def test_walk_applies_configured_globs(tmp_path: Path) -> None:

@@ -177,6 +177,7 @@ def describe(path: str) -> dict[str, str]:
 class FileInfo(Plugin):
     name = "fileinfo"
     version = "1"
+    path_dependent = True  # `fileName` and `extension` follow a rename or a move
 
     def process(self, file: LocalFile, record: RecordLookup, register: Register) -> None:
         for key, value in describe(file.path).items():
