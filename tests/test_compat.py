@@ -560,6 +560,8 @@ async def test_the_route_table_is_what_the_node_serves(
     assert compat_rows == served_routes(node)
     rid = rids.Minter().mint()
     for method, path, said in rows:
+        if not said.startswith(("not served", "native")):
+            continue  # served: the tests of each route (a stream would never end here)
         concrete = path.replace("{hash}", CID_A).replace("{hashId}", rid)
         response = await client.request(method, concrete)
         if said.startswith("not served"):
