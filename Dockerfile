@@ -6,11 +6,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     METANODE_DATA_DIR=/data \
     METANODE_WATCH_ROOTS=/files/watch
 
+# ffprobe gives the mediainfo plugin its stream facts (without it the plugin records a skip)
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ffmpeg \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY metanode ./metanode
 COPY plugins ./plugins
-RUN pip install --no-cache-dir . ./plugins/fullhash ./plugins/fileinfo ./plugins/filename
+RUN pip install --no-cache-dir . ./plugins/fullhash ./plugins/fileinfo ./plugins/filename \
+    ./plugins/mediainfo ./plugins/nfo
 
 RUN useradd --system --uid 1000 --user-group --home-dir /data metanode \
     && mkdir -p /data /files/watch \

@@ -264,8 +264,16 @@ async def test_stop_with_an_apply_queued_uses_no_closed_connection(
         real_close()
 
     monkeypatch.setattr(node.cache.writer, "close", close_spy)
+    applier_stopping = threading.Event()
+    real_stop = node.applier.stop
+
+    async def stop_spy() -> None:
+        applier_stopping.set()  # node.stop asks the applier to finish, the apply still queued
+        await real_stop()
+
+    monkeypatch.setattr(node.applier, "stop", stop_spy)
     gate = threading.Event()
-    node.cache.writer.submit(lambda conn: gate.wait(10))  # hold the cache writer
+    node.cache.writer.submit(lambda conn: gate.wait(120))  # hold the cache writer
     stopping: asyncio.Task[None] | None = None
     try:
         signer = Signer()
@@ -275,7 +283,10 @@ async def test_stop_with_an_apply_queued_uses_no_closed_connection(
         node.applier.wake()
         await wait_until(queued, "the applier never queued an apply")
         stopping = asyncio.create_task(node.stop())
-        await wait_until(closing, "node.stop never closed the cache writer")
+        await wait_until(applier_stopping, "node.stop never stopped the applier", 60)
+        assert not closing.is_set()  # the queued apply still holds the cache open
+        gate.set()  # the apply runs now, during the stop
+        await wait_until(closing, "node.stop never closed the cache writer", 60)
     finally:
         gate.set()
         await (stopping if stopping is not None else node.stop())

@@ -233,7 +233,7 @@ def test_connections_beyond_max_connections_get_503_too_busy(edge_server: Server
         ("DELETE", "/api/claims", "POST"),
         ("PUT", "/api/signers", "GET, HEAD, POST"),
         ("POST", "/api/meta/bafkqaaa", "GET, HEAD"),
-        ("DELETE", "/meta/x/title", "GET, HEAD, PUT"),
+        ("PATCH", "/meta/x/title", "DELETE, GET, HEAD, PUT"),
     ],
 )
 async def test_405_names_the_allowed_methods(

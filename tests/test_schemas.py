@@ -814,7 +814,11 @@ async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient, tmp_
         await client.patch(f"/meta/{midhash}", json={"cid_sha256": "x"}), 400, "deprecated_field"
     )
     assert deprecated["field"] == "cid_sha256"
-    error_of(await client.patch(f"/meta/{midhash}", json={"filePath": "/x"}), 400, "reserved_key")
+    ignored = conforms(
+        await client.patch(f"/meta/{midhash}", json={"filePath": "/x"}), compat("metaWritten"), 200
+    )
+    assert (ignored["updated"], ignored["ignored"]) == (0, ["filePath"])
+    error_of(await client.patch(f"/meta/{midhash}", json={"a//b": "x"}), 400, "invalid_key")
     error_of(await client.patch(f"/meta/{midhash}", json={"n": 1}), 400, "invalid_request")
     error_of(await client.patch(f"/meta/{midhash}", content=b"{"), 400, "invalid_json")
     error_of(await client.patch(f"/meta/{unknown}", json={}), 404, "unknown_cid")

@@ -282,7 +282,7 @@ def test_a_cache_build_that_runs_out_of_space_is_retried_until_it_fits(
         problems = health(srv)["problems"]
         assert health(srv)["cache_ready"] is False
         assert any("cache.db" in p for p in problems) and not any("truth.db" in p for p in problems)
-        subprocess.run(["mount", "-o", "remount,size=64m", tmpfs], check=True)
+        subprocess.run(["mount", "-o", "remount,size=256m", tmpfs], check=True)
         wait_for("the build finishes by itself", lambda: health(srv)["status"] == "ok")
         for claim in batch(signer, "big", 5_000)[::500]:
             document = srv.meta(claim["cid"])

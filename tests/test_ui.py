@@ -268,7 +268,8 @@ def test_a_title_fixed_on_the_page_stays_through_reload_and_rename_and_reverts(
         "The Glass Orchard (director's cut)"
     )
 
-    renamed = path.rename(path.with_name("glass-orchard.mkv"))
+    # a new name the filename plugin reads the same title from (it runs again on a rename)
+    renamed = path.rename(path.with_name("Glass Orchard (2003) 1080p.mkv"))
     poll(
         lambda: True if (srv.meta(midhash) or {}).get("filePath") == str(renamed) else None,
         "the rename to reach the record",
