@@ -595,6 +595,8 @@ class Node:
             "feed_subscribers": self.subscribers,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": self.cache.local_file_count(),
+            "ingest_groups": self.truth.writer.groups,
+            "ingest_grouped": self.truth.writer.grouped,
             "plugin_runs": runs,
         }
 

@@ -604,6 +604,9 @@ def _register_unknown(conn: sqlite3.Connection, uid: str, now_ms: int) -> None:
     conn.execute("INSERT OR IGNORE INTO signers (uid, added_at) VALUES (?, ?)", (uid, now_ms))
 
 
+INGEST_GROUP = "ingest"  # the writer's group of `ingest_txn` jobs: they share a transaction
+
+
 @dataclass(frozen=True)
 class IngestResult:
     verdicts: list[Verdict]
@@ -889,13 +892,21 @@ class TruthStore(Store):
     async def ingest(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
     ) -> IngestResult:
-        """Store a validated batch (`ingest_txn`); `now` is the time it was validated at."""
-        return await self.writer.run(ingest_txn, batch, minter, policy, now)
+        """Store a validated batch (`ingest_txn`); `now` is the time it was validated at.
+
+        Group commit: batches queued together share one transaction (`INGEST_GROUP`), each
+        under its own savepoint, and each is answered once that transaction has committed."""
+        return await self.writer.run_grouped(
+            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now
+        )
 
     def ingest_sync(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
     ) -> IngestResult:
-        return self.writer.run_sync(ingest_txn, batch, minter, policy, now)
+        future = self.writer.submit_grouped(
+            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now
+        )
+        return future.result()
 
     async def ensure_groups(self, cids: Sequence[str], minter: Minter) -> None:
         await self.writer.run(ensure_groups_txn, cids, minter, self._clock())
