@@ -372,7 +372,7 @@ class Node:
         now = self.clock()
         batch = await self._validate(items, now)
         result = await self.truth.ingest(batch, self.minter, self.policy, now)
-        self.applier.wake()
+        self.applier.hand(result.written)
         applied = await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}
         for verdict in ("accepted", "duplicate", "stale"):

@@ -250,3 +250,38 @@ def hammer(srv: Server, signer: Signer) -> list[dict[str, Any]]:
     assert not refused, refused
     with lock:
         return list(acknowledged)
+
+
+async def test_the_apply_reads_back_nothing_an_ingest_of_new_records_wrote(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """New records: the ingest hands the applier its outbox rows and the groups it minted, so
+    the cache's apply reads neither the outbox nor a claim nor a group back from truth.db
+    (every statement on the apply's truth connection is traced); after a restart the outbox is
+    read again (`test_crash.py`)."""
+    signer = Signer()
+    await register(client, signer)
+    statements: list[str] = []
+    node.truth.apply_connection().set_trace_callback(statements.append)
+    try:
+        response = await post(client, *(claim_for(signer, f"new {n}") for n in range(5)))
+    finally:
+        node.truth.apply_connection().set_trace_callback(None)
+    assert response.status_code == 200 and response.json()["applied"], response.text
+    applies = snapshots(statements)  # an apply woken earlier, with nothing to do, reads the
+    # outbox and finds it empty; the apply of the five claims reads the signers only
+    assert any("signers" in " ".join(block) for block in applies), applies
+    for block in applies:
+        assert not any("claims" in s or "cid_group" in s for s in block), block
+        assert not ("signers" in " ".join(block) and any("changes" in s for s in block)), block
+
+
+def snapshots(statements: list[str]) -> list[list[str]]:
+    """Traced statements cut into read transactions (BEGIN … COMMIT)."""
+    blocks: list[list[str]] = []
+    for statement in statements:
+        if statement == "BEGIN":
+            blocks.append([])
+        elif statement != "COMMIT" and blocks:
+            blocks[-1].append(statement)
+    return blocks
