@@ -15,8 +15,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from metanode import cache, merge, truth
+from metanode.view import Written
 
 log = logging.getLogger(__name__)
+HELD_MAX = 10_000  # ingests' `Written` kept for the next apply at most
 STALL_S = 60.0  # /health reports degraded when the applier or the watcher stalls this long
 
 
@@ -44,6 +46,7 @@ class Applier:
         self.ready = False
         self.degraded = False
         self.progressed = time.monotonic()  # when applied_seq last moved, or nothing was due
+        self._written: list[Written] = []  # handed by ingests, not yet applied
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
@@ -56,6 +59,15 @@ class Applier:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def hand(self, written: Written) -> None:
+        """What an ingest transaction wrote, so the next apply need not read it back from the
+        truth; then wake. (A restart has none of it and reads the outbox, as ever.)"""
+        if len(self._written) >= HELD_MAX:  # applies keep failing: read back when they work
+            self._written.clear()
+        if written.changes:
+            self._written.append(written)
+        self.wake()
 
     async def _until(self, done: Callable[[], bool], timeout: float) -> bool:
         """Wait until `done()` holds after a publish; False if `timeout` passed first.
@@ -125,7 +137,9 @@ class Applier:
             return
 
     async def _apply(self) -> None:
-        await self._publish(await self._store.apply(self._source))
+        state = await self._store.apply(self._source, tuple(self._written))
+        self._written = [w for w in self._written if w.last > state.applied_seq]
+        await self._publish(state)
 
     async def _build_if_needed(self) -> None:
         if cache_needs_build(self.state, self._source):

@@ -46,7 +46,7 @@ from metanode.plan import (
     resolve,
 )
 from metanode.plan import touched as touched_by
-from metanode.view import Change, TruthSource, TruthView
+from metanode.view import Change, TruthSource, TruthView, Written, overlay
 
 SCHEMA_V1 = """
 CREATE TABLE records (
@@ -446,15 +446,23 @@ def _plan(view: TruthView, changes: Sequence[Change]) -> Plan:
     return resolve(work, claimed, groups, survivors)
 
 
-def apply_txn(cache: sqlite3.Connection, source: TruthSource, clock: Clock = now_ms) -> State:
+def apply_txn(
+    cache: sqlite3.Connection,
+    source: TruthSource,
+    clock: Clock = now_ms,
+    written: Sequence[Written] = (),
+) -> State:
     """Apply every outbox change after the stored seq, in one cache transaction.
 
     The truth is read in one snapshot, so the changes and the state they are recomputed from
     agree. Merged-away records are dropped first (all their `del`s), then survivors and other
-    touched records are refreshed, so the losing rid never reappears.
+    touched records are refreshed, so the losing rid never reappears. `written` (what the
+    ingest transactions handed over) answers what it can (`view.overlay`: the outbox rows and
+    the groups they minted are not read back); then only its rows are applied.
     """
     state = read_state(cache)
-    with source.snapshot() as view:
+    with source.snapshot() as truth_view:
+        view = overlay(truth_view, written, state.applied_seq)
         changes = view.changes_after(state.applied_seq)
         if not changes:
             return state
@@ -1180,12 +1188,13 @@ class CacheStore(Store):
 
     # -- the apply path -------------------------------------------------------------------------
 
-    async def apply(self, source: TruthSource) -> State:
-        """Apply the truth's outbox after the stored seq (`apply_txn`)."""
-        return await self.writer.run(apply_txn, source, self._clock)
+    async def apply(self, source: TruthSource, written: Sequence[Written] = ()) -> State:
+        """Apply the truth's outbox after the stored seq (`apply_txn`), told what the ingest
+        transactions wrote (`written`) so as not to read it back."""
+        return await self.writer.run(apply_txn, source, self._clock, written)
 
-    def apply_sync(self, source: TruthSource) -> State:
-        return self.writer.run_sync(apply_txn, source, self._clock)
+    def apply_sync(self, source: TruthSource, written: Sequence[Written] = ()) -> State:
+        return self.writer.run_sync(apply_txn, source, self._clock, written)
 
     async def build(self, source: TruthSource) -> State:
         """Recompute every record under a new epoch (`build_txn`)."""

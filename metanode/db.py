@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, ParamSpec, Self, TypeVar
 
@@ -305,6 +306,39 @@ def _split_sql(script: str) -> list[str]:
 
 
 _STOP = object()
+GROUP_MAX = 2_000  # units (claims) one group transaction holds at most
+GROUP_DEADLINE_S = 0.005  # ...and the longest a writer spends gathering one
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One queued transaction; jobs of one `group` queued together share a transaction."""
+
+    future: concurrent.futures.Future[Any]
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    group: str | None = None
+    units: int = 1
+
+
+def _savepoints(conn: sqlite3.Connection, jobs: Sequence[_Job]) -> list[tuple[bool, Any]]:
+    """Each job under its own savepoint: (True, result) or, rolled back, (False, exception).
+    A storage failure is raised: SQLite may have rolled back the whole transaction."""
+    outcomes: list[tuple[bool, Any]] = []
+    for job in jobs:
+        conn.execute("SAVEPOINT job")
+        try:
+            result = job.fn(conn, *job.args)
+        except Exception as exc:
+            if storage_error(exc) is not None or not conn.in_transaction:
+                raise
+            conn.execute("ROLLBACK TO job")
+            conn.execute("RELEASE job")
+            outcomes.append((False, exc))
+            continue
+        conn.execute("RELEASE job")
+        outcomes.append((True, result))
+    return outcomes
 
 
 class Writer:
@@ -312,6 +346,12 @@ class Writer:
 
     `run(fn, *args)` (async) and `run_sync(fn, *args)` (from other threads) queue `fn(conn, *args)`
     and return its result once it has committed. Jobs run one at a time, in order.
+
+    Group commit: jobs submitted with the same `group` name that are queued one behind the other
+    run in ONE transaction (`_gather`, `_run_group`), each under its own savepoint, so concurrent
+    requests share one fsync'd COMMIT; each still gets its result only after that COMMIT, and a
+    job that fails is rolled back alone. `groups` counts the group transactions, `grouped` the
+    jobs they held (/metrics).
 
     `failure` is the last `StorageError` a job met, until a probe (every `PROBE_S`, between
     jobs, on this thread) finds writes working again: so `/health` recovers by itself once the
@@ -324,28 +364,78 @@ class Writer:
         self.failure: StorageError | None = None
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._held: Any = None  # a job `_gather` took but left for the next turn
+        self.groups = 0  # group transactions committed or tried
+        self.grouped = 0  # ...and the jobs they held
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"{name}-writer", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         while True:
-            job = self._next_job()
+            job = self._held if self._held is not None else self._next_job()
+            self._held = None
             if job is None:
                 self._probe()
                 continue
             if job is _STOP:
                 break
-            future, fn, args = job
-            if not future.set_running_or_notify_cancel():
+            if job.group is not None:
+                self._run_group(self._gather(job))
+                continue
+            if not job.future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(run_txn(self.conn, fn, *args))
+                job.future.set_result(run_txn(self.conn, job.fn, *job.args))
             except BaseException as exc:
-                if isinstance(exc, StorageError):
-                    self._failed(exc)
-                future.set_exception(exc)
+                self._fail(job.future, exc)
         self.conn.close()
+
+    def _fail(self, future: concurrent.futures.Future[Any], exc: BaseException) -> None:
+        if isinstance(exc, StorageError):
+            self._failed(exc)
+        future.set_exception(exc)
+
+    def _gather(self, first: _Job) -> list[_Job]:
+        """`first` and the jobs of its group queued right behind it: what one transaction
+        commits. Only what is already waiting, never a wait for more (a lone request pays no
+        latency for the grouping), bounded by `GROUP_MAX` units (claims) and `GROUP_DEADLINE_S`;
+        the first job of another kind is held back for the next turn, so order is kept."""
+        jobs, units = [first], first.units
+        deadline = time.monotonic() + GROUP_DEADLINE_S
+        while units < GROUP_MAX and time.monotonic() < deadline:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is _STOP or job.group != first.group:
+                self._held = job
+                break
+            jobs.append(job)
+            units += job.units
+        return jobs
+
+    def _run_group(self, jobs: list[_Job]) -> None:
+        """Run the jobs of a group in one transaction, each under a savepoint of its own: a job
+        that raises is rolled back alone and fails alone; the others commit together, and each
+        future is answered only after the COMMIT. A storage failure (a full disk) or a failed
+        COMMIT fails every job: nothing of the group is durable."""
+        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        self.groups += 1
+        self.grouped += len(live)
+        try:
+            outcomes = run_txn(self.conn, _savepoints, live)
+        except BaseException as exc:
+            for job in live:
+                self._fail(job.future, exc)
+            return
+        for job, (ok, value) in zip(live, outcomes, strict=True):
+            if ok:
+                job.future.set_result(value)
+            else:
+                job.future.set_exception(value)
 
     def _next_job(self) -> Any:
         """The next queued job; None when a probe is due first (only while writes fail: even
@@ -385,11 +475,22 @@ class Writer:
         log.warning("writes to %s work again", self.path)
         self.failure = None
 
+    def queued(self) -> int:
+        """How many jobs wait (an approximate figure, for tests and gauges)."""
+        return self._jobs.qsize() + (self._held is not None)
+
     def submit(self, fn: Txn[T], *args: Any) -> concurrent.futures.Future[T]:
+        return self.submit_grouped(None, 1, fn, *args)
+
+    def submit_grouped(
+        self, group: str | None, units: int, fn: Txn[T], *args: Any
+    ) -> concurrent.futures.Future[T]:
+        """Queue `fn(conn, *args)`; with a `group`, it may share a transaction with the jobs of
+        that group queued next to it (`units`: its share of `GROUP_MAX`)."""
         if self._closed:
             raise ShuttingDown("the node is shutting down; nothing was written")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put((future, fn, args))
+        self._jobs.put(_Job(future, fn, args, group, units))
         return future
 
     async def run(self, fn: Txn[T], *args: Any) -> T:
@@ -399,6 +500,12 @@ class Writer:
         all): a job is never abandoned half-way.
         """
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn, *args)))
+
+    async def run_grouped(self, group: str | None, units: int, fn: Txn[T], *args: Any) -> T:
+        """`run`, sharing a transaction with the jobs of `group` queued beside it
+        (`submit_grouped`)."""
+        future = self.submit_grouped(group, units, fn, *args)
+        return await asyncio.shield(asyncio.wrap_future(future))
 
     def run_sync(self, fn: Txn[T], *args: Any) -> T:
         return self.submit(fn, *args).result()

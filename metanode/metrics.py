@@ -65,6 +65,8 @@ class _Gauges(Collector):
             ("feed_subscribers", "Open change-feed connections"),
             ("watcher_queue", "Files waiting to settle before hashing"),
             ("watcher_files", "Local files known to the watcher"),
+            ("ingest_groups", "Truth transactions that committed ingest batches (group commit)"),
+            ("ingest_grouped", "Ingest batches those transactions held"),
         ):
             yield GaugeMetricFamily(f"metanode_{name}", help_text, value=state[name])
         runs = GaugeMetricFamily(

@@ -372,7 +372,7 @@ class Node:
         now = self.clock()
         batch = await self._validate(items, now)
         result = await self.truth.ingest(batch, self.minter, self.policy, now)
-        self.applier.wake()
+        self.applier.hand(result.written)
         applied = await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}
         for verdict in ("accepted", "duplicate", "stale"):
@@ -595,6 +595,8 @@ class Node:
             "feed_subscribers": self.subscribers,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": self.cache.local_file_count(),
+            "ingest_groups": self.truth.writer.groups,
+            "ingest_grouped": self.truth.writer.grouped,
             "plugin_runs": runs,
         }
 

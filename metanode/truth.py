@@ -48,7 +48,7 @@ from metanode.merge import Verdict
 from metanode.rid import Minter
 from metanode.rid import decode as decode_rid
 from metanode.rid import parse as parse_rid
-from metanode.view import Change, TruthView
+from metanode.view import Change, Fresh, TruthView, Written
 
 # Schema v1 as existing truth.db files hold it. The outbox kind 'local' in its CHECK is never
 # written (the watcher's changes go straight to the cache, `cache.local_txn`); a CHECK cannot be
@@ -503,6 +503,8 @@ class _Groups:
         self._new_rids: list[tuple[str, int]] = []
         self._joins: list[tuple[str, str]] = []
         self.outbox: list[ChangeRow] = []
+        self.written: list[ChangeRow] = []  # every outbox row flushed, in seq order
+        self.minted: list[str] = []
 
     def _remember(self, cid: str, rid: str) -> None:
         self._rid[cid] = rid
@@ -526,6 +528,7 @@ class _Groups:
             self._floor_seen = True
         rid = self._minter.mint()
         self._new_rids.append((rid, self._now_ms))
+        self.minted.append(rid)
         return rid
 
     def join(self, cid: str, rid: str) -> None:
@@ -578,7 +581,22 @@ class _Groups:
         self._conn.executemany("INSERT INTO rids (rid, minted_at) VALUES (?, ?)", self._new_rids)
         self._conn.executemany("INSERT INTO cid_group (cid, rid) VALUES (?, ?)", self._joins)
         _write_changes(self._conn, self.outbox)
+        self.written += self.outbox
         self._new_rids, self._joins, self.outbox = [], [], []
+
+    def fresh(self, live: Iterable[Claim]) -> dict[str, Fresh]:
+        """The groups minted by this transaction and still standing, each with its CIDs (all
+        joined here) and, among `live`, the claims on them: what the cache's apply is handed
+        instead of reading them back (`view.Written`)."""
+        standing = [rid for rid in self.minted if rid in self._members]
+        claims: dict[str, list[Claim]] = {}
+        for claim in live:
+            rid = self._rid.get(claim.cid)
+            if rid is not None:
+                claims.setdefault(rid, []).append(claim)
+        return {
+            rid: Fresh(tuple(self._members[rid]), tuple(claims.get(rid, ()))) for rid in standing
+        }
 
 
 def ensure_group(conn: sqlite3.Connection, cid: str, minter: Minter, now_ms: int) -> str:
@@ -604,10 +622,14 @@ def _register_unknown(conn: sqlite3.Connection, uid: str, now_ms: int) -> None:
     conn.execute("INSERT OR IGNORE INTO signers (uid, added_at) VALUES (?, ?)", (uid, now_ms))
 
 
+INGEST_GROUP = "ingest"  # the writer's group of `ingest_txn` jobs: they share a transaction
+
+
 @dataclass(frozen=True)
 class IngestResult:
     verdicts: list[Verdict]
     seq: int  # the outbox seq the cache must reach for these claims to be visible
+    written: Written = Written(())  # what the transaction wrote, for the cache's apply
 
 
 def _named_cids(batch: Iterable[Claim]) -> set[str]:
@@ -632,6 +654,7 @@ def ingest_txn(
     outbox rows and claims are written set-wise (`_Groups`, `_store`) once the batch is resolved.
     """
     known = check_policy(conn, batch, policy)
+    before = max_seq(conn)
     stored = stored_claims(conn, ((c.uid, c.cid, c.key) for c in batch))
     groups = _Groups(conn, now_ms, _named_cids(batch), minter)
     verdicts: list[Verdict] = []
@@ -655,7 +678,16 @@ def ingest_txn(
         groups.outbox.append(_change(now_ms, "claim", cid=claim.cid, key=claim.key, uid=claim.uid))
     groups.flush()
     _store(conn, accepted)
-    return IngestResult(verdicts, max_seq(conn))
+    seq = max_seq(conn)
+    return IngestResult(verdicts, seq, _written(groups, before, seq, stored.values()))
+
+
+def _written(groups: _Groups, before: int, seq: int, stored: Iterable[Claim]) -> Written:
+    """What an ingest transaction wrote: its outbox rows (seqs `before + 1` … `seq`, as
+    AUTOINCREMENT gave them under the write lock) and the groups it minted."""
+    assert seq - before == len(groups.written), "outbox seqs are consecutive in a transaction"
+    changes = tuple(Change(before + i, *row[:6]) for i, row in enumerate(groups.written, start=1))
+    return Written(changes, groups.fresh(c for c in stored if c.value is not None))
 
 
 def ensure_groups_txn(
@@ -889,13 +921,21 @@ class TruthStore(Store):
     async def ingest(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
     ) -> IngestResult:
-        """Store a validated batch (`ingest_txn`); `now` is the time it was validated at."""
-        return await self.writer.run(ingest_txn, batch, minter, policy, now)
+        """Store a validated batch (`ingest_txn`); `now` is the time it was validated at.
+
+        Group commit: batches queued together share one transaction (`INGEST_GROUP`), each
+        under its own savepoint, and each is answered once that transaction has committed."""
+        return await self.writer.run_grouped(
+            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now
+        )
 
     def ingest_sync(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
     ) -> IngestResult:
-        return self.writer.run_sync(ingest_txn, batch, minter, policy, now)
+        future = self.writer.submit_grouped(
+            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now
+        )
+        return future.result()
 
     async def ensure_groups(self, cids: Sequence[str], minter: Minter) -> None:
         await self.writer.run(ensure_groups_txn, cids, minter, self._clock())
@@ -1010,6 +1050,11 @@ class TruthStore(Store):
         copy's `PRAGMA integrity_check` verdict ("ok" when it is sound)."""
         with storage_errors(copy):
             return copy_database(self.path, copy)
+
+    def apply_connection(self) -> sqlite3.Connection:
+        """The connection `snapshot()` reads on (for tests that trace what the apply reads)."""
+        assert self._source is not None, "the store is not open"
+        return self._source
 
     @contextmanager
     def snapshot(self) -> Iterator[TruthView]:

@@ -7,8 +7,9 @@ backend (PostgreSQL) implements these same reads; nothing here names SQLite.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from metanode import merge
@@ -75,3 +76,123 @@ class TruthSource(Protocol):
     """Where a view comes from: `snapshot()` opens one read snapshot, closed on leaving."""
 
     def snapshot(self) -> AbstractContextManager[TruthView]: ...
+
+
+@dataclass(frozen=True)
+class Fresh:
+    """A group a truth transaction minted: every CID it holds and its live claims, all written
+    by that transaction (a CID no group held had no claims: claims reference `cid_group`)."""
+
+    cids: tuple[str, ...]
+    claims: tuple[Claim, ...]
+
+
+@dataclass(frozen=True)
+class Written:
+    """What one ingest transaction wrote, handed to the cache's apply so it need not read back
+    what was just written: its outbox rows (seqs consecutive) and the groups it minted."""
+
+    changes: tuple[Change, ...]
+    fresh: Mapping[str, Fresh] = field(default_factory=dict)
+
+    @property
+    def last(self) -> int:
+        return self.changes[-1].seq if self.changes else 0
+
+
+def _mentions(change: Change) -> set[str]:
+    return {name for name in (change.rid, change.cid, change.survivor) if name is not None}
+
+
+def _still_fresh(written: Sequence[Written]) -> dict[str, Fresh]:
+    """The groups minted by one of `written` that no later one touched (a claim on one of its
+    CIDs, a CID joined, a merge): their memory is the truth as of the last of `written`."""
+    fresh: dict[str, Fresh] = {}
+    for part in written:
+        touched = set().union(*map(_mentions, part.changes)) if part.changes else set()
+        fresh = {
+            rid: group
+            for rid, group in fresh.items()
+            if rid not in touched and touched.isdisjoint(group.cids)
+        }
+        fresh.update(part.fresh)
+    return fresh
+
+
+def covering(written: Sequence[Written], after: int) -> list[Written]:
+    """The run of `written` that holds every outbox row from `after + 1` on, seqs consecutive
+    (empty if there is none: a change someone else wrote, a restart, a gap)."""
+    run: list[Written] = []
+    expected = after + 1
+    for part in sorted((w for w in written if w.last > after), key=lambda w: w.last):
+        if not part.changes or part.changes[0].seq != expected:
+            break
+        run.append(part)
+        expected = part.last + 1
+    return run
+
+
+class Overlay:
+    """A `TruthView` that answers from what the ingest transactions wrote (`written`, a
+    `covering` run) and reads from the truth only the rest: the outbox rows are theirs, and
+    the groups they minted (`_still_fresh`) are known whole. The apply then applies those rows
+    only; a row written later is applied by the next apply."""
+
+    def __init__(self, view: TruthView, written: Sequence[Written]) -> None:
+        self._view = view
+        self._changes = [change for part in written for change in part.changes]
+        self._fresh = _still_fresh(written)
+        self._rid_of = {cid: rid for rid, group in self._fresh.items() for cid in group.cids}
+
+    def max_seq(self) -> int:
+        return self._view.max_seq()
+
+    def changes_after(self, seq: int) -> list[Change]:
+        return [change for change in self._changes if change.seq > seq]
+
+    def groups_of(self, cids: Iterable[str]) -> dict[str, str]:
+        wanted = set(cids)
+        known = {cid: self._rid_of[cid] for cid in wanted if cid in self._rid_of}
+        rest = wanted.difference(known)
+        return {**known, **(self._view.groups_of(rest) if rest else {})}
+
+    def _split(self, rids: Iterable[str]) -> tuple[list[str], list[str]]:
+        wanted = set(rids)
+        return [r for r in wanted if r in self._fresh], [r for r in wanted if r not in self._fresh]
+
+    def groups_cids(self, rids: Iterable[str]) -> dict[str, list[str]]:
+        fresh, rest = self._split(rids)
+        found = {rid: list(self._fresh[rid].cids) for rid in fresh}
+        return {**found, **(self._view.groups_cids(rest) if rest else {})}
+
+    def survivors(self, rids: Iterable[str]) -> dict[str, str]:
+        fresh, rest = self._split(rids)
+        return {**{rid: rid for rid in fresh}, **(self._view.survivors(rest) if rest else {})}
+
+    def groups_claims(
+        self, rids: Iterable[str], keys: Iterable[str] | None = None
+    ) -> dict[str, list[Claim]]:
+        fresh, rest = self._split(rids)
+        wanted = None if keys is None else set(keys)
+        found: dict[str, list[Claim]] = {}
+        for rid in fresh:
+            claims = [c for c in self._fresh[rid].claims if wanted is None or c.key in wanted]
+            if claims:
+                found[rid] = claims
+        return {**found, **(self._view.groups_claims(rest, wanted) if rest else {})}
+
+    def merge_signers(self) -> dict[str, merge.Signer]:
+        return self._view.merge_signers()
+
+    def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
+        return self._view.signer_cid_keys(uid)
+
+    def active_rids(self) -> list[str]:
+        return self._view.active_rids()
+
+
+def overlay(view: TruthView, written: Sequence[Written], after: int) -> TruthView:
+    """`view` answered where it can from `written` (an `Overlay`), when `written` holds every
+    outbox row after `after`; else `view` itself, which reads everything back."""
+    run = covering(written, after)
+    return Overlay(view, run) if run else view

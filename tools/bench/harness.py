@@ -407,3 +407,50 @@ async def post_batches(
     if failures:
         raise RuntimeError(f"{len(failures)} batch(es) failed; first: {failures[0]}")
     return elapsed
+
+
+# The Lua `done` of every wrk script: one `BENCH` line that `run_wrk` reads.
+WRK_DONE = """
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("BENCH %d %d %d %d %d %d %d %d %d\\n", summary.requests,
+    summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
+    latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+
+@dataclass(frozen=True)
+class Run:
+    rate: float  # requests per second
+    p50_ms: float
+    p99_ms: float
+    requests: int
+
+
+def run_wrk(url: str, script: Path, duration: float, connections: int, threads: int) -> Run:
+    seconds = max(1, round(duration))
+    proc = subprocess.run(
+        [
+            "wrk",
+            f"-t{threads}",
+            f"-c{connections}",
+            f"-d{seconds}s",
+            "--timeout",
+            "10s",
+            "-s",
+            str(script),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 60,
+        check=True,
+    )
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")), None)
+    if line is None:
+        raise RuntimeError(f"wrk printed no result:\n{proc.stdout}\n{proc.stderr}")
+    requests, duration_us, *errors, p50_us, p99_us = (int(x) for x in line.split()[1:])
+    if any(errors):
+        raise RuntimeError(f"wrk saw errors (connect, read, write, non-2xx, timeout) = {errors}")
+    return Run(requests / (duration_us / 1e6), p50_us / 1e3, p99_us / 1e3, requests)

@@ -33,12 +33,10 @@ import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,21 +58,8 @@ math.randomseed(%d)
 request = function()
   return wrk.format("GET", "/api/meta/" .. cids[math.random(#cids)])
 end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("BENCH %%d %%d %%d %%d %%d %%d %%d %%d %%d\\n", summary.requests,
-    summary.duration, e.connect, e.read, e.write, e.status, e.timeout,
-    latency:percentile(50), latency:percentile(99)))
-end
-"""
-
-
-@dataclass(frozen=True)
-class Run:
-    rate: float  # requests per second
-    p50_ms: float
-    p99_ms: float
-    requests: int
+""" + harness.WRK_DONE.replace("%", "%%")
+Run = harness.Run
 
 
 def populate(server: harness.ServerProc, data_dir: Path, records: int, keys: int) -> list[str]:
@@ -101,32 +86,7 @@ def write_lua(path: Path, known: list[str]) -> None:
     path.write_text(LUA % (table, random.randrange(1 << 30)), encoding="utf-8")
 
 
-def run_wrk(url: str, script: Path, duration: float, connections: int, threads: int) -> Run:
-    seconds = max(1, round(duration))
-    proc = subprocess.run(
-        [
-            "wrk",
-            f"-t{threads}",
-            f"-c{connections}",
-            f"-d{seconds}s",
-            "--timeout",
-            "10s",
-            "-s",
-            str(script),
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=seconds + 60,
-        check=True,
-    )
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH ")), None)
-    if line is None:
-        raise RuntimeError(f"wrk printed no result:\n{proc.stdout}\n{proc.stderr}")
-    requests, duration_us, *errors, p50_us, p99_us = (int(x) for x in line.split()[1:])
-    if any(errors):
-        raise RuntimeError(f"wrk saw errors (connect, read, write, non-2xx, timeout) = {errors}")
-    return Run(requests / (duration_us / 1e6), p50_us / 1e3, p99_us / 1e3, requests)
+run_wrk = harness.run_wrk
 
 
 async def _httpx_load(url: str, paths: list[str], connections: int) -> Run:

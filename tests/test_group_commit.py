@@ -1,0 +1,287 @@
+"""Group commit (issue 18): concurrent requests' batches share one truth transaction, and still
+no request is answered before its own claims are durable and applied; a batch that fails in the
+transaction fails alone; a SIGKILL inside a group or between its COMMIT and the answers leaves
+the truth all-or-nothing per group."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from metanode import cid as cids
+from metanode.node import Node
+from tests.helpers.claims import NOW_MS, Signer, post, register
+from tests.helpers.server import Server, metanode_check, wait_caught_up
+
+DEADLINE_S = 60.0
+
+
+def claim_for(signer: Signer, tag: str) -> dict[str, Any]:
+    return signer.claim(cids.midhash_bytes(tag.encode()), "title", f"title {tag}")
+
+
+def readonly(path: Path) -> sqlite3.Connection:
+    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+
+
+def stored_values(truth_db: Path) -> set[str]:
+    conn = readonly(truth_db)
+    try:
+        return {row[0] for row in conn.execute("SELECT value FROM claims WHERE key = 'title'")}
+    finally:
+        conn.close()
+
+
+async def test_concurrent_posters_read_their_writes_and_every_claim_is_stored(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    signer = Signer()
+    await register(client, signer)
+
+    async def poster(worker: int) -> list[dict[str, Any]]:
+        sent = []
+        for n in range(8):
+            claim = claim_for(signer, f"poster {worker}-{n}")
+            response = await post(client, claim)
+            assert response.status_code == 200, response.text
+            assert response.json()["accepted"] == 1
+            doc = await client.get(f"/api/meta/{claim['cid']}")  # read-your-writes, at once
+            assert doc.status_code == 200, doc.text
+            assert doc.json()["metadata"]["title"] == claim["value"]
+            sent.append(claim)
+        return sent
+
+    sent = [c for part in await asyncio.gather(*(poster(w) for w in range(16))) for c in part]
+    assert {c["value"] for c in sent} <= stored_values(node.settings.truth_path)
+    for claim in sent:
+        rid = node.cache.lookup(claim["cid"])
+        assert rid is not None and node.cache.record_value(rid, "title") == claim["value"]
+
+
+async def wait_queued(node: Node, jobs: int) -> None:
+    """Until `jobs` transactions wait in the truth writer's queue (a condition, not a sleep)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while node.truth.writer.queued() < jobs:
+        assert time.monotonic() < deadline, f"{node.truth.writer.queued()} of {jobs} queued"
+        await asyncio.sleep(0.01)
+
+
+async def test_queued_batches_commit_as_one_group_and_a_failing_one_fails_alone(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    signer, stranger = Signer(), Signer()  # the stranger is not registered: 403 in the txn
+    await register(client, signer)
+    gate = threading.Event()
+    held = node.truth.writer.submit(lambda conn: gate.wait(DEADLINE_S))  # the writer is busy
+    good = [claim_for(signer, f"grouped {n}") for n in range(6)]
+    bad = claim_for(stranger, "refused")
+    posts = [asyncio.create_task(post(client, c)) for c in [*good[:3], bad, *good[3:]]]
+    before = node.truth.writer.groups
+    try:
+        await wait_queued(node, len(posts))
+    finally:
+        gate.set()
+    answers = await asyncio.gather(*posts)
+    assert held.result() is True
+    assert node.truth.writer.groups == before + 1, "the seven batches shared one transaction"
+    statuses = [a.status_code for a in answers]
+    assert statuses == [200, 200, 200, 403, 200, 200, 200], [a.text for a in answers]
+    assert answers[3].json()["error"] == "invalid_batch"
+    stored = stored_values(node.settings.truth_path)
+    assert {c["value"] for c in good} <= stored and bad["value"] not in stored
+    for claim in good:
+        doc = await client.get(f"/api/meta/{claim['cid']}")
+        assert doc.json()["metadata"]["title"] == claim["value"]
+    assert (await client.get(f"/api/meta/{bad['cid']}")).status_code == 404
+
+
+# A process that queues three ingest batches behind a held writer, so the three are one group,
+# and dies by SIGKILL at `WHERE`: inside the group's transaction after the first batch
+# ("between"), or after its COMMIT, before any batch is answered ("answer").
+CRASHER = textwrap.dedent(
+    """
+    import os, signal, sys, threading
+    from pathlib import Path
+    import nacl.signing
+    from metanode import claims, rid, truth
+    from metanode import cid as cids
+
+    path, where, now = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    key = nacl.signing.SigningKey.generate()
+    uid = claims.uid_of(bytes(key.verify_key))
+
+    def die(*_: object) -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def batch(tag: str) -> list[claims.Claim]:
+        return [claims.sign(key, cids.midhash_bytes(f"{tag} {i}".encode()), "title",
+                            f"{where} {tag} {i}", now) for i in range(5)]
+
+    store = truth.TruthStore(path).open()
+    store.add_signer_sync(uid, "crasher", 1, False)
+    gate = threading.Event()
+    store.writer.submit(lambda conn: gate.wait(60))
+    group = truth.INGEST_GROUP
+    minter, policy = rid.Minter(), truth.Policy()
+    first = store.writer.submit_grouped(group, 5, truth.ingest_txn, batch("a"), minter, policy, now)
+    if where == "between":
+        store.writer.submit_grouped(group, 1, lambda conn: die())
+    last = store.writer.submit_grouped(group, 5, truth.ingest_txn, batch("b"), minter, policy, now)
+    if where == "answer":
+        first.add_done_callback(die)  # runs on the writer thread right after the COMMIT
+    gate.set()
+    last.result(timeout=60)
+    print("not killed")
+    """
+)
+
+
+def crash_in_a_group(truth_db: Path, where: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", CRASHER, str(truth_db), where, str(NOW_MS)],
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+        check=False,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+
+
+def test_sigkill_between_two_batches_of_one_group_commits_none_of_it(tmp_path: Path) -> None:
+    truth_db = tmp_path / "truth.db"
+    crash_in_a_group(truth_db, "between")
+    assert not [v for v in stored_values(truth_db) if v.startswith("between")]
+    conn = readonly(truth_db)
+    try:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("SELECT count(*) FROM changes WHERE kind = 'claim'").fetchone()[0] == 0
+    finally:
+        conn.close()
+
+
+def test_sigkill_between_a_groups_commit_and_its_answers_keeps_all_of_it(tmp_path: Path) -> None:
+    truth_db = tmp_path / "truth.db"
+    crash_in_a_group(truth_db, "answer")
+    stored = stored_values(truth_db)
+    assert {f"answer {tag} {i}" for tag in "ab" for i in range(5)} <= stored
+
+
+def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
+    tmp_path: Path,
+) -> None:
+    """Sixteen posters of one claim each, so the server groups them; SIGKILL once enough are
+    acknowledged. Every acknowledged claim is in the truth and, after a restart, in the cache;
+    the server then checks clean (`metanode check`)."""
+    data = tmp_path / "data"
+    env = {"METANODE_WATCH_ROOTS": str(tmp_path / "media")}
+    first = Server(data, env=env).start()
+    signer = Signer()
+    try:
+        response = httpx.post(
+            f"{first.url}/api/signers",
+            headers=first.headers,
+            json={"uid": signer.uid, "name": "load"},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+        acknowledged = hammer(first, signer)
+    finally:
+        if first.proc is not None:
+            first.stop(signal.SIGKILL)
+    assert {c["value"] for c in acknowledged} <= stored_values(data / "truth.db")
+    second = Server(data, env=env).start()
+    try:
+        assert wait_caught_up(second.url)["status"] == "ok"
+        with httpx.Client(base_url=second.url, timeout=10) as http:
+            for claim in acknowledged:
+                doc = http.get(f"/api/meta/{claim['cid']}")
+                assert doc.status_code == 200, doc.text
+                assert doc.json()["metadata"]["title"] == claim["value"]
+    finally:
+        second.stop()
+    metanode_check(data)
+
+
+def hammer(srv: Server, signer: Signer) -> list[dict[str, Any]]:
+    """Post single claims from 16 threads until 200 are acknowledged, then SIGKILL the server;
+    the acknowledged claims."""
+    acknowledged: list[dict[str, Any]] = []
+    refused: list[str] = []
+    lock, enough, stop = threading.Lock(), threading.Event(), threading.Event()
+
+    def poster(worker: int) -> None:
+        with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=30) as http:
+            for n in range(10_000):
+                if stop.is_set():
+                    return
+                claim = claim_for(signer, f"load {worker}-{n}")
+                try:
+                    response = http.post("/api/claims", json={"claims": [claim]})
+                except httpx.TransportError:
+                    return
+                with lock:
+                    if response.status_code in (200, 202):
+                        acknowledged.append(claim)
+                    else:
+                        refused.append(f"{response.status_code} {response.text}")
+                    if len(acknowledged) >= 200:
+                        enough.set()
+
+    threads = [threading.Thread(target=poster, args=(w,)) for w in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        assert enough.wait(timeout=DEADLINE_S), f"never 200 acknowledged; refused: {refused}"
+        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=DEADLINE_S)
+    assert not refused, refused
+    with lock:
+        return list(acknowledged)
+
+
+async def test_the_apply_reads_back_nothing_an_ingest_of_new_records_wrote(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """New records: the ingest hands the applier its outbox rows and the groups it minted, so
+    the cache's apply reads neither the outbox nor a claim nor a group back from truth.db
+    (every statement on the apply's truth connection is traced); after a restart the outbox is
+    read again (`test_crash.py`)."""
+    signer = Signer()
+    await register(client, signer)
+    statements: list[str] = []
+    node.truth.apply_connection().set_trace_callback(statements.append)
+    try:
+        response = await post(client, *(claim_for(signer, f"new {n}") for n in range(5)))
+    finally:
+        node.truth.apply_connection().set_trace_callback(None)
+    assert response.status_code == 200 and response.json()["applied"], response.text
+    applies = snapshots(statements)  # an apply woken earlier, with nothing to do, reads the
+    # outbox and finds it empty; the apply of the five claims reads the signers only
+    assert any("signers" in " ".join(block) for block in applies), applies
+    for block in applies:
+        assert not any("claims" in s or "cid_group" in s for s in block), block
+        assert not ("signers" in " ".join(block) and any("changes" in s for s in block)), block
+
+
+def snapshots(statements: list[str]) -> list[list[str]]:
+    """Traced statements cut into read transactions (BEGIN … COMMIT)."""
+    blocks: list[list[str]] = []
+    for statement in statements:
+        if statement == "BEGIN":
+            blocks.append([])
+        elif statement != "COMMIT" and blocks:
+            blocks[-1].append(statement)
+    return blocks
