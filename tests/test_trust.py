@@ -70,6 +70,8 @@ def compat_routes(cid: str) -> list[tuple[str, str, bytes | None]]:
         ("GET", f"/meta/{cid}", None),
         ("PATCH", f"/meta/{cid}", b'{"title": "T"}'),
         ("PUT", f"/meta/{cid}/year", b'{"value": "1999"}'),
+        ("POST", f"/meta/{cid}/_add/tags", b'{"value": "drama"}'),
+        ("DELETE", f"/meta/{cid}/year", None),
         ("GET", f"/meta/{cid}/title", None),
         ("GET", f"/api/file/{cid}/info", None),
         ("GET", f"/file/{cid}", None),
