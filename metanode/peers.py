@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -263,7 +264,10 @@ class Peers:
         if old is not None:
             asyncio.get_running_loop().create_task(old.close())
         follower = Follower(row, self.host, self.config, first_sync)
-        follower.task = asyncio.create_task(follower.run(), name=f"peer:{row.name}")
+        # a context of its own: not the request id of the request that added the peer
+        follower.task = asyncio.create_task(
+            follower.run(), name=f"peer:{row.name}", context=contextvars.Context()
+        )
         self.followers[row.name] = follower
 
     async def forget(self, name: str) -> None:
