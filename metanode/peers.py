@@ -77,8 +77,9 @@ class SyncReport:
     have: int = 0  # claims this box holds that the peer does not
     bytes_sent: int = 0
     bytes_received: int = 0
+    seconds: float = 0.0
 
-    def as_json(self) -> dict[str, int]:
+    def as_json(self) -> dict[str, float]:
         return dict(vars(self))
 
 
@@ -92,6 +93,7 @@ class Follower:
         self.config = config
         self.first_sync = first_sync
         self.last_error = ""
+        self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
         self.http = httpx.AsyncClient(
             base_url=row.url.rstrip("/"),
@@ -185,6 +187,7 @@ class Follower:
         first sync) the last fetch also moves the cursor to where the peer's log stood when
         reconciliation began: every claim stored before that point was in the sets compared."""
         report = SyncReport()
+        started = time.perf_counter()
         session = reconcile.Session(await self.host.own_items())
         message = session.start()
         head: str | None = None
@@ -211,6 +214,8 @@ class Follower:
         for name in ("rounds", "fingerprints_sent", "fingerprints_received", "ids_received"):
             setattr(report, name, getattr(session, name))
         report.have = len(session.have)
+        report.seconds = round(time.perf_counter() - started, 3)
+        self.last_sync = report
         return report
 
     async def _fetch(self, ids: Sequence[bytes], cursor: str | None, report: SyncReport) -> int:
@@ -291,6 +296,7 @@ class Peers:
             "cursor": row.cursor,
             "lag_s": round(follower.lag_s(), 3) if follower else None,
             "last_error": follower.last_error if follower else "",
+            "last_sync": follower.last_sync.as_json() if follower and follower.last_sync else None,
             "accepted": row.accepted,
             "duplicate": row.duplicate,
             "stale": row.stale,
