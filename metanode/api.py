@@ -16,6 +16,7 @@ import json
 import logging
 import secrets
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -39,6 +40,7 @@ from metanode.errors import (
     MetanodeError,
     MethodNotAllowed,
     NotFoundError,
+    PeerTokenScope,
     RequestTimeout,
     Unauthorized,
     UnavailableError,
@@ -52,6 +54,8 @@ access = logging.getLogger("metanode.access")
 _request_ids = (f"{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
 MAX_PAGE = 1000
 SIGNER_MEMBERS = ("uid", "name", "weight", "may_link")  # schemas/signer-request.schema.json
+PEER_MEMBERS = ("url", "token", "weight", "name")  # schemas/peer-request.schema.json
+RECONCILE_BYTES = 16 * 1024 * 1024  # a reconciliation round names at most 100,000 ranges
 
 
 class ErrorResponse(JSONResponse):
@@ -117,6 +121,7 @@ class Access(enum.Enum):
     TRUSTED = "trusted"  # the token, or a client address in `trusted_networks`
     TOKEN = "token"  # the token (or the web page's session cookie, ui.py)
     PAGE = "page"  # the web page: it asks for its session itself (a sign-in form, not a 401)
+    PEER = "peer"  # the token, or a peer token (docs/peers.md)
 
 
 # The route families, by exact path or by prefix (ending in "/", but "/" itself is only the
@@ -127,6 +132,8 @@ FAMILIES: tuple[tuple[str, Access], ...] = (
     ("/api/meta/", Access.PUBLIC),
     ("/health", Access.PUBLIC),
     ("/openapi.json", Access.PUBLIC),
+    ("/api/claims/log", Access.PEER),
+    ("/api/claims/reconcile", Access.PEER),
     ("/meta", Access.TRUSTED),
     ("/meta/", Access.TRUSTED),
     ("/api/events/meta", Access.TRUSTED),
@@ -175,29 +182,45 @@ class Perimeter:
         address = client_address(scope)
         return address is not None and any(address in network for network in self.trusted)
 
-    def _allowed(self, scope: Scope) -> bool:
+    def _refusal(self, scope: Scope) -> MetanodeError | None:
+        """Why this request may not use its route, or None."""
         access = access_of(scope["path"])
         if access in (Access.PUBLIC, Access.PAGE):
-            return True
+            return None
         if access is Access.TRUSTED and self._from_trusted_network(scope):
-            return True
+            return None
         given = dict(scope["headers"]).get(b"authorization")
-        if given is not None:
-            return hmac.compare_digest(given, f"Bearer {self.node.token}".encode())
-        return ui.cookie_allows(self.sessions, scope)
+        if given is None:
+            return None if ui.cookie_allows(self.sessions, scope) else UNAUTHORIZED
+        if hmac.compare_digest(given, f"Bearer {self.node.token}".encode()):
+            return None
+        if self._peer_token(given) is None:
+            return UNAUTHORIZED
+        if access is Access.PEER:
+            return None
+        return PeerTokenScope(
+            "a peer token may read the claim log, reconcile and read /api/meta/* only; this "
+            "route needs the API token"
+        )
+
+    def _peer_token(self, given: bytes) -> str | None:
+        """The name of the peer token in an `Authorization: Bearer …` header, or None."""
+        scheme, _, token = given.decode("latin-1").partition(" ")
+        return self.node.peer_token_name(token) if scheme == "Bearer" and token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not self._allowed(scope):
-            response = error_response(
-                Unauthorized(
-                    "this route needs `Authorization: Bearer <token>` (the token is in the data "
-                    "directory's api-token file), or the web page's session cookie (with its "
-                    "`X-CSRF-Token` for a write)"
-                )
-            )
-            await response(scope, receive, send)
+        refusal = self._refusal(scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+UNAUTHORIZED = Unauthorized(
+    "this route needs `Authorization: Bearer <token>` (the token is in the data "
+    "directory's api-token file), or the web page's session cookie (with its "
+    "`X-CSRF-Token` for a write)"
+)
 
 
 class Observe:
@@ -273,19 +296,43 @@ def _signer_body(body: Any) -> tuple[str, str, int, bool]:
     if not isinstance(body, dict) or not isinstance(body.get("uid"), str):
         raise InvalidRequest('the body must be {"uid": "z6Mk…", "name", "weight", "may_link"}')
     refuse_unknown(body, SIGNER_MEMBERS)
-    name, weight = body.get("name", ""), body.get("weight", merge.DEFAULT_WEIGHT)
+    name = body.get("name", "")
     may_link = body.get("may_link", False)
     if not isinstance(name, str) or utf8_size(name) is None:
         raise InvalidRequest("name must be a string of valid Unicode")
+    weight = _weight(body, merge.DEFAULT_WEIGHT)
+    if not isinstance(may_link, bool):
+        raise InvalidRequest("may_link must be true or false")
+    return body["uid"], name, weight, may_link
+
+
+def _weight(body: dict[str, Any], default: int) -> int:
+    weight = body.get("weight", default)
     if (
         not isinstance(weight, int)
         or isinstance(weight, bool)
         or not 0 <= weight <= merge.MAX_WEIGHT
     ):
         raise InvalidRequest(f"weight must be an integer from 0 to {merge.MAX_WEIGHT}")
-    if not isinstance(may_link, bool):
-        raise InvalidRequest("may_link must be true or false")
-    return body["uid"], name, weight, may_link
+    return weight
+
+
+def _peer_body(body: Any) -> tuple[str, str, int, str]:
+    """(url, token, weight, name) from a POST /api/peers body, or a clear error; the name
+    defaults to the URL's host and port."""
+    if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+        raise InvalidRequest('the body must be {"url": "http://…", "token", "weight", "name"}')
+    refuse_unknown(body, PEER_MEMBERS)
+    url, token = body["url"], body.get("token")
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or not url.isascii():
+        raise InvalidRequest(f"url must be an http:// or https:// address, not {url!r}")
+    if not isinstance(token, str) or not token.isascii() or not token.isprintable() or not token:
+        raise InvalidRequest("token must be the peer's token (printable ASCII)")
+    name = body.get("name") or parsed.netloc
+    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
+        raise InvalidRequest("name must be 1 to 64 printable characters")
+    return url, token, _weight(body, 0), name
 
 
 def create_app(node: Node) -> Starlette:
@@ -315,6 +362,27 @@ def create_app(node: Node) -> Starlette:
         body = await read_json(request, node.settings.max_batch_bytes, node.settings.body_timeout_s)
         answer = await node.ingest(body)
         return JSONResponse(answer.body, status_code=answer.status)
+
+    async def claims_log(request: Request) -> Response:
+        q = request.query_params
+        return JSONResponse(node.claims_log(q.get("after"), _limit(request), q.get("signer")))
+
+    async def reconcile(request: Request) -> Response:
+        body = await read_json(request, RECONCILE_BYTES, node.settings.body_timeout_s)
+        return JSONResponse(await node.reconcile_answer(body))
+
+    async def list_peers(request: Request) -> Response:
+        if request.method == "POST":
+            body = await read_json(request, 64 * 1024, node.settings.body_timeout_s)
+            return JSONResponse(await node.add_peer(*_peer_body(body)))
+        return JSONResponse({"peers": node.list_peers()})
+
+    async def remove_peer(request: Request) -> Response:
+        await node.remove_peer(request.path_params["name"])
+        return JSONResponse({"removed": request.path_params["name"]})
+
+    async def sync_peer(request: Request) -> Response:
+        return JSONResponse(await node.sync_peer(request.path_params["name"]))
 
     async def signers(request: Request) -> Response:
         if request.method == "POST":
@@ -391,6 +459,11 @@ def create_app(node: Node) -> Starlette:
         Route("/api/metadata/{rid}/claims", metadata_claims),
         Route("/api/hash-ids", hash_ids),
         Route("/api/claims", post_claims, methods=["POST"]),
+        Route("/api/claims/log", claims_log),
+        Route("/api/claims/reconcile", reconcile, methods=["POST"]),
+        Route("/api/peers", list_peers, methods=["GET", "POST"]),
+        Route("/api/peers/{name}", remove_peer, methods=["DELETE"]),
+        Route("/api/peers/{name}/sync", sync_peer, methods=["POST"]),
         Route("/api/signers", signers, methods=["GET", "POST"]),
         Route("/api/signers/{uid}/block", block, methods=["POST"]),
         Route("/api/signers/{uid}/unblock", unblock, methods=["POST"]),

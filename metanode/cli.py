@@ -13,6 +13,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from functools import wraps
 from pathlib import Path
@@ -439,6 +440,131 @@ def get(
     params = {"as": viewer} if viewer else {}
     with connect(config_file, data_dir, url) as node_client:
         _print_response(node_client.request("GET", f"/api/meta/{cid_value}", params=params))
+
+
+# -- peers (docs/peers.md) ----------------------------------------------------------------------
+
+
+@main.group("peers")
+def peers_group() -> None:
+    """Follow other boxes' claims, and give them tokens to follow this one."""
+
+
+@peers_group.command("add")
+@client_options
+@click.option(
+    "--api-token",
+    "token",
+    envvar="METANODE_TOKEN",
+    default=None,
+    help="This node's API token (default: METANODE_TOKEN, else the data directory's).",
+)
+@click.argument("peer_url")
+@click.option(
+    "--token", "peer_token", required=True, help="The peer token the other box made for this one."
+)
+@click.option(
+    "--weight",
+    type=click.IntRange(0, merge.MAX_WEIGHT),
+    default=0,
+    show_default=True,
+    help="Weight of the signers first seen through this peer (0: listed, not counted).",
+)
+@click.option("--name", default=None, help="A name for the peer (default: its host:port).")
+@reports_errors
+def peers_add(
+    url: str | None,
+    token: str | None,
+    peer_url: str,
+    peer_token: str,
+    weight: int,
+    name: str | None,
+    config_file: str | None,
+    data_dir: str | None,
+) -> None:
+    """Follow the box at PEER_URL: reconcile first if this box holds claims, then pull."""
+    body: dict[str, Any] = {"url": peer_url, "token": peer_token, "weight": weight}
+    if name is not None:
+        body["name"] = name
+    with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
+        _print_response(node_client.request("POST", "/api/peers", json=body))
+
+
+@peers_group.command("list")
+@client_options
+@token_option
+@reports_errors
+def peers_list(
+    url: str | None, token: str | None, config_file: str | None, data_dir: str | None
+) -> None:
+    """Print each peer (cursor, lag, last error, counts) as one JSON line."""
+    with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
+        response = node_client.request("GET", "/api/peers")
+        if response.status_code >= 400:
+            _print_response(response)
+        for row in response.json()["peers"]:
+            click.echo(json.dumps(row))
+
+
+def _peer_command(name: str, method: str, path: str, doc: str) -> None:
+    @peers_group.command(name, help=doc)
+    @client_options
+    @token_option
+    @click.argument("peer_name")
+    @reports_errors
+    def command(
+        url: str | None,
+        token: str | None,
+        peer_name: str,
+        config_file: str | None,
+        data_dir: str | None,
+    ) -> None:
+        quoted = urllib.parse.quote(peer_name, safe="")
+        with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
+            _print_response(node_client.request(method, path.format(quoted)))
+
+
+_peer_command("remove", "DELETE", "/api/peers/{}", "Stop following PEER_NAME (its claims stay).")
+_peer_command(
+    "sync",
+    "POST",
+    "/api/peers/{}/sync",
+    "Reconcile with PEER_NAME now and fetch the claims this box lacks (after trusting a "
+    "signer whose claims were refused, say).",
+)
+
+
+@peers_group.group("token")
+def peers_token() -> None:
+    """Read-only tokens for other boxes (work on the data directory, server running or not)."""
+
+
+@peers_token.command("create")
+@click.option("--name", required=True, help="Whom the token is for.")
+@settings_options
+@reports_errors
+def peers_token_create(name: str, config_file: str | None, data_dir: str | None) -> None:
+    """Make a peer token and print it (once: only its hash is kept)."""
+    click.echo(maintenance.create_peer_token(load_settings(config_file, data_dir=data_dir), name))
+
+
+@peers_token.command("list")
+@settings_options
+@reports_errors
+def peers_token_list(config_file: str | None, data_dir: str | None) -> None:
+    """Print each peer token's name and creation time as one JSON line."""
+    for row in maintenance.peer_tokens(load_settings(config_file, data_dir=data_dir)):
+        click.echo(json.dumps({"name": row.name, "created_at": row.created_at}))
+
+
+@peers_token.command("revoke")
+@click.argument("name")
+@settings_options
+@reports_errors
+def peers_token_revoke(name: str, config_file: str | None, data_dir: str | None) -> None:
+    """Revoke the peer token NAME; it is refused from its next request."""
+    maintenance.revoke_peer_token(load_settings(config_file, data_dir=data_dir), name)
+    click.echo(json.dumps({"revoked": name}))
 
 
 @main.command("rebuild-cache")

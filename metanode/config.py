@@ -145,6 +145,17 @@ class Settings:
         "Folder of the plugin outputs written over WebDAV (empty: `plugin` in the data "
         "directory); it may not be inside a watch root nor hold one.",
     )
+    peer_poll_s: float = setting(
+        1.0,
+        "Seconds a peer follower waits, once caught up, before asking the peer's claim log "
+        "again: how soon a claim made on a peer is here (docs/peers.md).",
+    )
+    peer_page_claims: int = setting(1_000, "Claims asked for per page of a peer's claim log.")
+    peer_retry_s: float = setting(
+        1.0, "First wait after a failed pull from a peer (then doubled each failure)."
+    )
+    peer_max_backoff_s: float = setting(60.0, "Longest wait between failed pulls from a peer.")
+    peer_timeout_s: float = setting(30.0, "Seconds a request to a peer may take.")
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     log_access: bool = setting(
         False, "Log one line per HTTP request (costs about a fifth of the read rate)."

@@ -243,6 +243,30 @@ class CsrfRefused(MetanodeError):
     slug = "csrf_refused"
 
 
+class PeerTokenScope(MetanodeError):
+    """A peer token (`metanode peers token create`) used on a route outside its read-only
+    scope: the claim log, reconciliation and `/api/meta/*` (docs/peers.md)."""
+
+    status = 403
+    slug = "peer_token_scope"
+
+
+# -- peers (docs/peers.md) ----------------------------------------------------------------------
+
+
+class UnknownPeer(NotFoundError):
+    slug = "unknown_peer"
+
+
+class PeerFailed(MetanodeError):
+    """A peer could not be pulled from: no answer, a refusal, or an answer that is not a
+    metanode's claim log. Shown as the peer's last error; the follower retries with backoff."""
+
+    status = 502
+    slug = "peer_failed"
+    retryable = True
+
+
 # -- the node cannot answer now -----------------------------------------------------------------
 
 

@@ -57,3 +57,6 @@ def configure(level: str, json_lines: bool | None = None) -> None:
     for name in ("uvicorn", "uvicorn.error"):
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
+    # httpx logs every request at info: a peer follower polling each second would fill the log
+    # (its failures are logged by metanode.peers)
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))

@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import contextlib
 import functools
+import hashlib
 import itertools
 import os
 import secrets
@@ -29,7 +30,7 @@ from metanode import rid as rids
 from metanode.applier import cache_needs_build
 from metanode.clock import now_ms
 from metanode.config import Settings
-from metanode.errors import BadSignature, InvalidBatch, InvalidRequest
+from metanode.errors import BadSignature, InvalidBatch, InvalidRequest, UnknownPeer
 
 # -- the store and the token ------------------------------------------------------------------
 
@@ -100,6 +101,32 @@ def signers(settings: Settings) -> list[truth.SignerRow]:
     """`metanode signers list`: every registered signer, by uid."""
     with truth_store(settings) as store:
         return store.signers()
+
+
+# -- peer tokens (docs/peers.md) ----------------------------------------------------------------
+
+
+def create_peer_token(settings: Settings, name: str) -> str:
+    """`metanode peers token create`: a new read-only token for a peer, printed once; only its
+    SHA-256 is kept (the running node sees it at once: it looks tokens up in the truth)."""
+    if not 1 <= len(name) <= 64 or not name.isprintable():
+        raise InvalidRequest("a peer token's name is 1 to 64 printable characters")
+    token = secrets.token_urlsafe(32)
+    with truth_store(settings) as store:
+        store.add_peer_token_sync(name, hashlib.sha256(token.encode()).hexdigest())
+    return token
+
+
+def peer_tokens(settings: Settings) -> list[truth.PeerTokenRow]:
+    with truth_store(settings) as store:
+        return store.peer_tokens()
+
+
+def revoke_peer_token(settings: Settings, name: str) -> None:
+    """`metanode peers token revoke`: the token stops working at its next request."""
+    with truth_store(settings) as store:
+        if not store.revoke_peer_token_sync(name):
+            raise UnknownPeer(f"no peer token is named {name!r}")
 
 
 # -- the cache: rebuild, check ------------------------------------------------------------------

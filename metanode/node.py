@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import logging
 import os
 import time
@@ -28,7 +29,9 @@ from metanode import (
     feed,
     maintenance,
     merge,
+    peers,
     plugins,
+    reconcile,
     signer,
     sse,
     truth,
@@ -49,6 +52,7 @@ from metanode.errors import (
     MetanodeError,
     TooLarge,
     UnknownCid,
+    UnknownPeer,
     UnknownRid,
 )
 from metanode.metrics import Metrics
@@ -107,6 +111,10 @@ class Node:
         self.plugin_host: plugins.Host | None = None
         if self.settings.plugins_enabled:
             self.plugin_host = await self._start_plugins()
+        self.responder = peers.Responder(self.truth.log_head, self.truth.claim_ids)
+        self.peers = peers.Peers(self, self._pull_config())
+        for row in self.truth.peers():
+            self.peers.follow(row)
         self.watcher: watcher.Watcher | None = None
         if self.settings.watch_enabled:
             self.watcher = self._make_watcher(self.settings.watch_roots)
@@ -234,7 +242,8 @@ class Node:
         return summary
 
     async def stop(self) -> None:
-        """Stop watching, finish queued writes, stop the applier, close everything."""
+        """Stop pulling and watching, finish queued writes, stop the applier, close everything."""
+        await self.peers.stop()
         if self.watcher is not None:
             self.watcher.stop()
             await asyncio.gather(self._watching, return_exceptions=True)
@@ -330,6 +339,15 @@ class Node:
 
     async def _validate(self, items: list[object], now: int) -> list[claims.Claim]:
         """Validate every claim, signatures on the thread pool; all errors or all claims."""
+        valid, errors = await self._verify(items, now)
+        if errors:
+            raise InvalidBatch(errors)
+        return valid
+
+    async def _verify(
+        self, items: list[object], now: int
+    ) -> tuple[list[claims.Claim], list[dict[str, Any]]]:
+        """(the valid claims, an error item per invalid one), signatures on the thread pool."""
         loop = asyncio.get_running_loop()
         step = max(1, -(-len(items) // (os.cpu_count() or 2)))
         parts = await asyncio.gather(
@@ -346,9 +364,7 @@ class Node:
             )
         )
         errors = [error for _, part_errors in parts for error in part_errors]
-        if errors:
-            raise InvalidBatch(errors)
-        return [claim for part, _ in parts for claim in part]
+        return [claim for part, _ in parts for claim in part], errors
 
     async def ingest(self, payload: object) -> IngestAnswer:
         """POST /api/claims: validate all, commit all in one transaction, wait for the cache."""
@@ -379,6 +395,103 @@ class Node:
             body[verdict] = result.verdicts.count(verdict)
         body["applied"] = applied
         return IngestAnswer(200 if applied else 202, body)
+
+    # -- peers (docs/peers.md) ------------------------------------------------------------------
+
+    def _pull_config(self) -> peers.PullConfig:
+        s = self.settings
+        return peers.PullConfig(
+            s.peer_page_claims,
+            s.peer_poll_s,
+            s.peer_retry_s,
+            s.peer_max_backoff_s,
+            s.peer_timeout_s,
+        )
+
+    def claims_log(self, after: str | None, limit: int, uid: str | None) -> dict[str, Any]:
+        """GET /api/claims/log: the stored claims in the order this box stored them."""
+        if uid is not None:
+            claims.public_key(uid)
+        page = self.truth.claims_log(after, limit, uid)
+        return {"claims": [c.wire() for c in page.claims], "next": page.next, "more": page.more}
+
+    def peer_token_name(self, token: str) -> str | None:
+        """The name of the peer token `token` is, or None (kept hashed in the truth)."""
+        return self.truth.peer_token_named(hashlib.sha256(token.encode()).hexdigest())
+
+    async def reconcile_answer(self, payload: object) -> dict[str, Any]:
+        """POST /api/claims/reconcile: a round of reconciliation (`{"ranges"}`), or the claims
+        of some identities (`{"fetch"}`)."""
+        if (
+            not isinstance(payload, dict)
+            or len(payload) != 1
+            or not ({"ranges", "fetch"} & set(payload))
+        ):
+            raise InvalidRequest('the body must be {"ranges": [...]} or {"fetch": [ids…]}')
+        if "fetch" in payload:
+            wanted = payload["fetch"]
+            if not isinstance(wanted, list) or len(wanted) > peers.FETCH_CHUNK:
+                raise InvalidRequest(f"fetch must be an array of at most {peers.FETCH_CHUNK} ids")
+            ids = [reconcile.decode_id(i, truth.ID_BYTES) for i in wanted]
+            found = await asyncio.to_thread(self.truth.claims_by_ids, ids)
+            return {"claims": [c.wire() for c in found]}
+        message = reconcile.decode_fingerprints(payload["ranges"])
+        head, items = await self.responder.items()
+        return {"ranges": reconcile.encode(reconcile.respond(items, message)), "head": head}
+
+    async def own_items(self) -> reconcile.Items:
+        """This box's claim identities (a peer's reconciliation, the initiator's side)."""
+        _, items = await self.responder.items()
+        return items
+
+    def claim_count(self) -> int:
+        return self.truth.claim_count()
+
+    def peer(self, name: str) -> truth.PeerRow | None:
+        return self.truth.peer(name)
+
+    async def apply_peer_page(
+        self, name: str, items: list[object], cursor: str | None
+    ) -> peers.PageCounts:
+        """A page pulled from peer `name`: every claim verified as POST /api/claims verifies
+        it; the valid ones stored with the cursor in one transaction; the rest counted."""
+        row = self.truth.peer(name)
+        if row is None:
+            raise UnknownPeer(f"no peer is named {name!r}")
+        now = self.clock()
+        valid, errors = await self._verify(items, now)
+        page = truth.PeerCursor(name, cursor, len(errors))
+        result, refused = await self.truth.ingest_peer(valid, page, row.weight, self.minter, now)
+        self.applier.wake()
+        await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
+        for item in errors:
+            self.metrics.rejected.labels(item["error"]).inc()
+        return peers.PageCounts(
+            result.verdicts.count("accepted"),
+            result.verdicts.count("duplicate"),
+            result.verdicts.count("stale"),
+            len(errors) + len(refused),
+        )
+
+    async def add_peer(self, url: str, token: str, weight: int, name: str) -> dict[str, Any]:
+        """Follow a peer: the first sync reconciles if this box already holds claims."""
+        row = await self.truth.add_peer(name, url, token, weight)
+        first_sync = row.cursor == "" and self.truth.claim_count() > 0
+        self.peers.follow(row, first_sync)
+        return self.peers.status(row)
+
+    async def remove_peer(self, name: str) -> None:
+        await self.peers.forget(name)
+        if not await self.truth.remove_peer(name):
+            raise UnknownPeer(f"no peer is named {name!r}")
+
+    def list_peers(self) -> list[dict[str, Any]]:
+        return [self.peers.status(row) for row in self.truth.peers()]
+
+    async def sync_peer(self, name: str) -> dict[str, Any]:
+        """`metanode peers sync NAME`: reconcile with the peer now and fetch what is missing."""
+        report = await self.peers.follower(name).sync()
+        return report.as_json()
 
     # -- signers --------------------------------------------------------------------------------
 

@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from metanode import merge
 from metanode.claims import Claim
@@ -39,6 +39,8 @@ from metanode.db import (
 from metanode.errors import (
     BlockedSigner,
     InvalidBatch,
+    InvalidCursor,
+    InvalidRequest,
     LinkNotPermitted,
     SignerPolicyError,
     UnknownSigner,
@@ -49,6 +51,8 @@ from metanode.rid import Minter
 from metanode.rid import decode as decode_rid
 from metanode.rid import parse as parse_rid
 from metanode.view import Change, Fresh, TruthView, Written
+
+T = TypeVar("T")
 
 # Schema v1 as existing truth.db files hold it. The outbox kind 'local' in its CHECK is never
 # written (the watcher's changes go straight to the cache, `cache.local_txn`); a CHECK cannot be
@@ -130,7 +134,52 @@ def _v1(conn: sqlite3.Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V1)
 
 
-MIGRATIONS: Sequence[Migration] = (_v1,)
+# Schema v2: peers (docs/peers.md). `claims.log_seq` orders the claim log: every stored claim
+# gets the next seq when it is stored or replaces an older one, so a superseded claim drops out
+# of the log and its replacement shows at the end. Seqs only grow (claims are never deleted, so
+# max(log_seq) is the newest ever given) and live in the truth: a cache rebuild or a restart
+# keeps them. `box.log_id` names this truth's log, so a cursor of another box is recognised.
+SCHEMA_V2 = """
+ALTER TABLE claims ADD COLUMN log_seq INTEGER;
+UPDATE claims SET log_seq = o.n FROM (SELECT uid, cid, key,
+    row_number() OVER (ORDER BY ts, uid, cid, key) AS n FROM claims) AS o
+    WHERE o.uid = claims.uid AND o.cid = claims.cid AND o.key = claims.key;
+CREATE UNIQUE INDEX claims_log ON claims (log_seq);
+
+CREATE TABLE box (
+    name TEXT PRIMARY KEY NOT NULL,
+    value TEXT NOT NULL
+) WITHOUT ROWID;
+INSERT INTO box (name, value) VALUES ('log_id', lower(hex(randomblob(8))));
+
+ALTER TABLE signers ADD COLUMN learned_from TEXT;
+
+CREATE TABLE peer_tokens (
+    name TEXT PRIMARY KEY NOT NULL,
+    hash TEXT NOT NULL UNIQUE CHECK (length(hash) = 64),
+    created_at INTEGER NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE peers (
+    name TEXT PRIMARY KEY NOT NULL CHECK (length(name) BETWEEN 1 AND 64),
+    url TEXT NOT NULL,
+    token TEXT NOT NULL,
+    weight INTEGER NOT NULL DEFAULT 0 CHECK (weight >= 0),
+    cursor TEXT NOT NULL DEFAULT '',
+    accepted INTEGER NOT NULL DEFAULT 0,
+    duplicate INTEGER NOT NULL DEFAULT 0,
+    stale INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0,
+    added_at INTEGER NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+def _v2(conn: sqlite3.Connection) -> None:
+    executescript_in_txn(conn, SCHEMA_V2)
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2)
 
 
 # -- reads --------------------------------------------------------------------------------------
@@ -355,9 +404,10 @@ class SignerRow:
     status: str
     may_link: bool
     added_at: int
+    learned_from: str | None = None  # the peer it was first seen through (docs/peers.md)
 
     def as_json(self) -> dict[str, Any]:
-        return {
+        body = {
             "uid": self.uid,
             "name": self.name,
             "weight": self.weight,
@@ -365,13 +415,16 @@ class SignerRow:
             "may_link": self.may_link,
             "added_at": self.added_at,
         }
+        if self.learned_from is not None:
+            body["learned_from"] = self.learned_from
+        return body
 
 
-_SIGNER_COLUMNS = "uid, name, weight, status, may_link, added_at"
+_SIGNER_COLUMNS = "uid, name, weight, status, may_link, added_at, learned_from"
 
 
 def _signer(row: Sequence[Any]) -> SignerRow:
-    return SignerRow(row[0], row[1], row[2], row[3], bool(row[4]), row[5])
+    return SignerRow(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6])
 
 
 def signer(conn: sqlite3.Connection, uid: str) -> SignerRow | None:
@@ -400,6 +453,126 @@ def changes_after(conn: sqlite3.Connection, seq: int) -> list[Change]:
             (seq,),
         )
     ]
+
+
+# -- the claim log and peers (docs/peers.md) ---------------------------------------------------
+
+
+def max_log_seq(conn: sqlite3.Connection) -> int:
+    """The newest claim-log seq ever given (0: none): claims are never deleted and a replacement
+    always takes a higher seq, so the largest stored one is the newest given."""
+    return int(conn.execute("SELECT coalesce(max(log_seq), 0) FROM claims").fetchone()[0])
+
+
+def log_id(conn: sqlite3.Connection) -> str:
+    """The random name of this truth's claim log, part of every cursor it gives."""
+    return str(conn.execute("SELECT value FROM box WHERE name = 'log_id'").fetchone()[0])
+
+
+def log_cursor(name: str, seq: int) -> str:
+    return f"{name}.{seq}"
+
+
+def parse_log_cursor(conn: sqlite3.Connection, cursor: str | None) -> int:
+    """The seq a cursor of this log names (None: the start); 400 `invalid_cursor` for one that is
+    malformed, of another box's log, or beyond this log's end."""
+    if cursor is None or cursor == "":
+        return 0
+    name, _, number = cursor.partition(".")
+    if not (number.isascii() and number.isdigit() and len(number) <= 18):
+        raise InvalidCursor(f"{cursor!r} is not a claim-log cursor (<log id>.<seq>)")
+    if name != log_id(conn):
+        raise InvalidCursor(f"{cursor!r} is a cursor of another box's claim log")
+    seq = int(number)
+    if seq > max_log_seq(conn):
+        raise InvalidCursor(f"{cursor!r} is beyond the end of this claim log")
+    return seq
+
+
+@dataclass(frozen=True)
+class LogPage:
+    claims: list[Claim]
+    next: str
+    more: bool
+
+
+def claims_log(conn: sqlite3.Connection, after: int, limit: int, uid: str | None) -> LogPage:
+    """A page of the claim log after seq `after`, in the order the claims were stored."""
+    sql = f"SELECT {_CLAIM_COLUMNS}, log_seq FROM claims WHERE log_seq > ?"
+    params: list[Any] = [after]
+    if uid is not None:
+        sql += " AND uid = ?"
+        params.append(uid)
+    rows = conn.execute(sql + " ORDER BY log_seq LIMIT ?", (*params, limit + 1)).fetchall()
+    page = rows[:limit]
+    last = page[-1][6] if page else after
+    return LogPage([_claim(r) for r in page], log_cursor(log_id(conn), last), len(rows) > limit)
+
+
+ID_BYTES = 16  # a claim's identity in set reconciliation: the first bytes of its signature
+
+
+def claim_ids(conn: sqlite3.Connection) -> tuple[str, list[bytes]]:
+    """(the log's cursor at its end, every stored claim's identity), in one snapshot."""
+    with snapshot(conn):
+        head = log_cursor(log_id(conn), max_log_seq(conn))
+        ids = [bytes(r[0]) for r in conn.execute(f"SELECT substr(sig, 1, {ID_BYTES}) FROM claims")]
+    return head, ids
+
+
+def claims_by_ids(conn: sqlite3.Connection, ids: Iterable[bytes]) -> list[Claim]:
+    """The stored claims with these identities (one scan: reconciliation fetches few)."""
+    rows = conn.execute(
+        f"SELECT {_CLAIM_COLUMNS} FROM claims WHERE hex(substr(sig, 1, {ID_BYTES})) IN "
+        "(SELECT value FROM json_each(?)) ORDER BY log_seq",
+        (json_array(i.hex().upper() for i in ids),),
+    )
+    return [_claim(r) for r in rows]
+
+
+@dataclass(frozen=True)
+class PeerRow:
+    name: str
+    url: str
+    token: str
+    weight: int
+    cursor: str
+    accepted: int
+    duplicate: int
+    stale: int
+    rejected: int
+    added_at: int
+
+
+_PEER_COLUMNS = "name, url, token, weight, cursor, accepted, duplicate, stale, rejected, added_at"
+
+
+def peers(conn: sqlite3.Connection) -> list[PeerRow]:
+    return [PeerRow(*r) for r in conn.execute(f"SELECT {_PEER_COLUMNS} FROM peers ORDER BY name")]
+
+
+def peer(conn: sqlite3.Connection, name: str) -> PeerRow | None:
+    row = conn.execute(f"SELECT {_PEER_COLUMNS} FROM peers WHERE name = ?", (name,)).fetchone()
+    return PeerRow(*row) if row else None
+
+
+@dataclass(frozen=True)
+class PeerTokenRow:
+    name: str
+    created_at: int
+
+
+def peer_tokens(conn: sqlite3.Connection) -> list[PeerTokenRow]:
+    return [
+        PeerTokenRow(*r)
+        for r in conn.execute("SELECT name, created_at FROM peer_tokens ORDER BY name")
+    ]
+
+
+def peer_token_named(conn: sqlite3.Connection, digest: str) -> str | None:
+    """The name of the peer token whose SHA-256 is `digest`, or None."""
+    row = conn.execute("SELECT name FROM peer_tokens WHERE hash = ?", (digest,)).fetchone()
+    return row[0] if row else None
 
 
 # -- signer policy ------------------------------------------------------------------------------
@@ -608,13 +781,15 @@ def ensure_group(conn: sqlite3.Connection, cid: str, minter: Minter, now_ms: int
     return rid
 
 
-def _store(conn: sqlite3.Connection, accepted: Iterable[Claim]) -> None:
-    """Upsert accepted claims in order (of two on one (uid, cid, key) the later is kept)."""
+def _store(conn: sqlite3.Connection, accepted: Sequence[Claim]) -> None:
+    """Upsert accepted claims in order (of two on one (uid, cid, key) the later is kept), each
+    at the next claim-log seq: a replaced claim leaves the log, its replacement joins the end."""
+    first = max_log_seq(conn) + 1
     conn.executemany(
-        "INSERT INTO claims (uid, cid, key, value, ts, sig) VALUES (?, ?, ?, ?, ?, ?) "
+        "INSERT INTO claims (uid, cid, key, value, ts, sig, log_seq) VALUES (?, ?, ?, ?, ?, ?, ?) "
         "ON CONFLICT (uid, cid, key) DO UPDATE SET value = excluded.value, ts = excluded.ts, "
-        "sig = excluded.sig",
-        [(c.uid, c.cid, c.key, c.value, c.ts, c.sig) for c in accepted],
+        "sig = excluded.sig, log_seq = excluded.log_seq",
+        [(c.uid, c.cid, c.key, c.value, c.ts, c.sig, n) for n, c in enumerate(accepted, first)],
     )
 
 
@@ -645,6 +820,7 @@ def ingest_txn(
     minter: Minter,
     policy: Policy,
     now_ms: int,
+    peer_cursor: PeerCursor | None = None,
 ) -> IngestResult:
     """Store a validated batch atomically: policy first, then newest-wins per (uid, cid, key).
 
@@ -652,6 +828,8 @@ def ingest_txn(
     then `duplicate`, exactly as two batches would: each is resolved against the stored claims
     read in one query up front, updated in memory by every claim accepted before it. Groups,
     outbox rows and claims are written set-wise (`_Groups`, `_store`) once the batch is resolved.
+    `peer_cursor`: the batch is a page pulled from a peer; its cursor and counts are stored in
+    this same transaction, so a crash never skips or re-applies a page (docs/peers.md).
     """
     known = check_policy(conn, batch, policy)
     before = max_seq(conn)
@@ -678,6 +856,8 @@ def ingest_txn(
         groups.outbox.append(_change(now_ms, "claim", cid=claim.cid, key=claim.key, uid=claim.uid))
     groups.flush()
     _store(conn, accepted)
+    if peer_cursor is not None:
+        advance_peer(conn, peer_cursor, verdicts)
     seq = max_seq(conn)
     return IngestResult(verdicts, seq, _written(groups, before, seq, stored.values()))
 
@@ -731,6 +911,94 @@ def set_signer_status_txn(
     after = signer(conn, uid)
     assert after is not None
     return after
+
+
+# -- peers (docs/peers.md) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerCursor:
+    """What a page pulled from peer `name` moves: its cursor (None: a reconciliation fetch,
+    which leaves it) and the claims of the page refused before the ingest (`rejected`)."""
+
+    name: str
+    cursor: str | None
+    rejected: int
+
+
+def advance_peer(conn: sqlite3.Connection, page: PeerCursor, verdicts: Sequence[Verdict]) -> None:
+    """Count a page's verdicts on its peer and store its cursor (inside the page's ingest)."""
+    conn.execute(
+        "UPDATE peers SET cursor = coalesce(?, cursor), accepted = accepted + ?, "
+        "duplicate = duplicate + ?, stale = stale + ?, rejected = rejected + ? WHERE name = ?",
+        (
+            page.cursor,
+            verdicts.count("accepted"),
+            verdicts.count("duplicate"),
+            verdicts.count("stale"),
+            page.rejected,
+            page.name,
+        ),
+    )
+
+
+def peer_ingest_txn(
+    conn: sqlite3.Connection,
+    batch: Sequence[Claim],
+    page: PeerCursor,
+    weight: int,
+    minter: Minter,
+    now_ms: int,
+) -> tuple[IngestResult, list[Claim]]:
+    """Ingest a verified page from a peer: a signer first seen here is registered as learned
+    from the peer (its weight, may not link); a claim its signer may not make (blocked, a link
+    without `may_link`) is refused and counted, the rest stored with the cursor, in one
+    transaction. Returns the ingest's result and the claims refused."""
+    conn.executemany(
+        "INSERT OR IGNORE INTO signers (uid, name, weight, may_link, added_at, learned_from) "
+        "VALUES (?, ?, ?, 0, ?, ?)",
+        [(uid, f"peer:{page.name}", weight, now_ms, page.name) for uid in {c.uid for c in batch}],
+    )
+    rows = {uid: signer(conn, uid) for uid in {c.uid for c in batch}}
+    kept: list[Claim] = []
+    refused: list[Claim] = []
+    for claim in batch:
+        (kept if policy_error(rows[claim.uid], claim, Policy()) is None else refused).append(claim)
+    counted = PeerCursor(page.name, page.cursor, page.rejected + len(refused))
+    return ingest_txn(conn, kept, minter, Policy(), now_ms, peer_cursor=counted), refused
+
+
+def add_peer_txn(
+    conn: sqlite3.Connection, name: str, url: str, token: str, weight: int, now_ms: int
+) -> PeerRow:
+    """Follow a peer (or update its address, token and weight; its cursor stays)."""
+    conn.execute(
+        "INSERT INTO peers (name, url, token, weight, added_at) VALUES (?, ?, ?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET url = excluded.url, token = excluded.token, "
+        "weight = excluded.weight",
+        (name, url, token, weight, now_ms),
+    )
+    row = peer(conn, name)
+    assert row is not None
+    return row
+
+
+def remove_peer_txn(conn: sqlite3.Connection, name: str) -> bool:
+    """Stop following a peer (the claims it brought stay); whether there was one."""
+    return conn.execute("DELETE FROM peers WHERE name = ?", (name,)).rowcount > 0
+
+
+def add_peer_token_txn(conn: sqlite3.Connection, name: str, digest: str, now_ms: int) -> None:
+    """Store a new peer token's SHA-256 under `name` (a name is given once)."""
+    if conn.execute("SELECT 1 FROM peer_tokens WHERE name = ?", (name,)).fetchone():
+        raise InvalidRequest(f"a peer token named {name!r} exists; revoke it first")
+    conn.execute(
+        "INSERT INTO peer_tokens (name, hash, created_at) VALUES (?, ?, ?)", (name, digest, now_ms)
+    )
+
+
+def revoke_peer_token_txn(conn: sqlite3.Connection, name: str) -> bool:
+    return conn.execute("DELETE FROM peer_tokens WHERE name = ?", (name,)).rowcount > 0
 
 
 # -- migration: adopting rids minted elsewhere (tools/claims-migrate) ---------------------------
@@ -952,6 +1220,24 @@ class TruthStore(Store):
     def set_signer_status_sync(self, uid: str, status: str) -> SignerRow:
         return self.writer.run_sync(set_signer_status_txn, uid, status, self._clock())
 
+    async def ingest_peer(
+        self, batch: Sequence[Claim], page: PeerCursor, weight: int, minter: Minter, now: int
+    ) -> tuple[IngestResult, list[Claim]]:
+        """A verified page from a peer with its cursor, in one transaction (`peer_ingest_txn`)."""
+        return await self.writer.run(peer_ingest_txn, batch, page, weight, minter, now)
+
+    async def add_peer(self, name: str, url: str, token: str, weight: int) -> PeerRow:
+        return await self.writer.run(add_peer_txn, name, url, token, weight, self._clock())
+
+    async def remove_peer(self, name: str) -> bool:
+        return await self.writer.run(remove_peer_txn, name)
+
+    def add_peer_token_sync(self, name: str, digest: str) -> None:
+        self.writer.run_sync(add_peer_token_txn, name, digest, self._clock())
+
+    def revoke_peer_token_sync(self, name: str) -> bool:
+        return self.writer.run_sync(revoke_peer_token_txn, name)
+
     async def prune_changes(self, applied_seq: int) -> int:
         return await self.writer.run(prune_changes_txn, applied_seq)
 
@@ -1029,6 +1315,51 @@ class TruthStore(Store):
         with snapshot(self.conn):
             votes = group_claims(self.conn, survivor(self.conn, rid), uid=uid)
             return votes, merge_signers(self.conn)
+
+    @mapped
+    def claims_log(self, after: str | None, limit: int, uid: str | None) -> LogPage:
+        """A page of the claim log after cursor `after` (None: from the start), one snapshot."""
+        with snapshot(self.conn):
+            return claims_log(self.conn, parse_log_cursor(self.conn, after), limit, uid)
+
+    @mapped
+    def log_head(self) -> str:
+        """The claim log's cursor at its end."""
+        with snapshot(self.conn):
+            return log_cursor(log_id(self.conn), max_log_seq(self.conn))
+
+    def _own_read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` on a read connection of its own: for the long reads run off the event loop."""
+        with storage_errors(self.path):
+            conn = connect(self.path, readonly=True)
+            try:
+                return fn(conn)
+            finally:
+                conn.close()
+
+    def claim_ids(self) -> tuple[str, list[bytes]]:
+        """(the log's end cursor, every claim's identity): reconciliation's items (a thread)."""
+        return self._own_read(claim_ids)
+
+    def claims_by_ids(self, ids: Sequence[bytes]) -> list[Claim]:
+        """The stored claims with these identities (a scan: call it from a thread)."""
+        return self._own_read(lambda conn: claims_by_ids(conn, ids))
+
+    @mapped
+    def peers(self) -> list[PeerRow]:
+        return peers(self.conn)
+
+    @mapped
+    def peer(self, name: str) -> PeerRow | None:
+        return peer(self.conn, name)
+
+    @mapped
+    def peer_tokens(self) -> list[PeerTokenRow]:
+        return peer_tokens(self.conn)
+
+    @mapped
+    def peer_token_named(self, digest: str) -> str | None:
+        return peer_token_named(self.conn, digest)
 
     @mapped
     def claim_count(self, uid: str | None = None) -> int:

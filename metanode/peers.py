@@ -1,0 +1,332 @@
+"""Following peers: one task per peer pulls its claim log, and the reconciliation that lets two
+boxes sharing most claims find the rest cheaply (docs/peers.md).
+
+A `Follower` pulls pages of `GET /api/claims/log` after its cursor and hands each to the
+node (`Host.apply_peer_page`), which verifies every claim exactly as `POST /api/claims` does and
+stores the valid ones together with the page's cursor in one truth transaction; so the cursor
+in the truth always names exactly the claims stored, whatever crashes when. Caught up, it polls
+every `peer_poll_s`; on an error it waits, doubling from `peer_retry_s` up to
+`peer_max_backoff_s`. Each follower is its own task with its own connection: a peer that is
+slow, down or hostile only ever delays itself.
+
+`Responder` answers `POST /api/claims/reconcile` for the peers of this box: the sorted identities
+of every stored claim (`reconcile.Items`), built off the loop and kept until the log moves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import httpx
+
+from metanode import reconcile
+from metanode.errors import MetanodeError, PeerFailed, UnknownPeer
+from metanode.truth import ID_BYTES, PeerRow
+
+log = logging.getLogger(__name__)
+FETCH_CHUNK = 1000  # identities asked for per reconciliation fetch (a POST /api/claims batch)
+
+
+@dataclass(frozen=True)
+class PullConfig:
+    page: int  # claims per log page
+    poll_s: float
+    retry_s: float
+    max_backoff_s: float
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class PageCounts:
+    accepted: int
+    duplicate: int
+    stale: int
+    rejected: int
+
+
+class Host(Protocol):
+    """What a follower needs of the node."""
+
+    def peer(self, name: str) -> PeerRow | None: ...
+
+    async def apply_peer_page(
+        self, name: str, items: list[object], cursor: str | None
+    ) -> PageCounts: ...
+
+    async def own_items(self) -> reconcile.Items: ...
+
+    def claim_count(self) -> int: ...
+
+
+@dataclass
+class SyncReport:
+    """What one reconciliation with a peer did and sent (`metanode peers sync`)."""
+
+    rounds: int = 0
+    fingerprints_sent: int = 0
+    fingerprints_received: int = 0
+    ids_received: int = 0
+    fetched: int = 0  # claims asked for and received
+    have: int = 0  # claims this box holds that the peer does not
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+    def as_json(self) -> dict[str, float]:
+        return dict(vars(self))
+
+
+class Follower:
+    """One peer's pull loop, and its status (`peers list`)."""
+
+    def __init__(self, row: PeerRow, host: Host, config: PullConfig, first_sync: bool) -> None:
+        self.name = row.name
+        self.cursor = row.cursor
+        self.host = host
+        self.config = config
+        self.first_sync = first_sync
+        self.last_error = ""
+        self.last_sync: SyncReport | None = None
+        self.behind_since: float | None = time.monotonic()  # None: caught up
+        self.http = httpx.AsyncClient(
+            base_url=row.url.rstrip("/"),
+            headers={"Authorization": f"Bearer {row.token}"},
+            timeout=config.timeout_s,
+        )
+        self._wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+    def lag_s(self) -> float:
+        """Seconds since this follower last had every claim the peer had shown it (0: now)."""
+        return 0.0 if self.behind_since is None else time.monotonic() - self.behind_since
+
+    async def run(self) -> None:
+        """Reconcile first if asked, then pull pages for ever; errors back off, never end it."""
+        if self.first_sync:
+            await self._first_sync()
+        delay = self.config.retry_s
+        while True:
+            try:
+                more = await self.pull_once()
+            except UnknownPeer:
+                return  # removed meanwhile
+            except MetanodeError as exc:
+                self._failed(exc)
+                await self._pause(delay)
+                delay = min(delay * 2, self.config.max_backoff_s)
+                continue
+            delay = self.config.retry_s
+            if not more:
+                await self._pause(self.config.poll_s)
+
+    async def _first_sync(self) -> None:
+        """`peers add` on a box that already holds claims: reconcile, then follow the log from
+        where the peer's log stood when reconciliation began. If the peer cannot reconcile, the
+        log from the start does the same work (slower)."""
+        try:
+            await self.sync(set_cursor=True)
+        except MetanodeError as exc:
+            self._failed(exc)
+            log.warning("peer %s: reconciliation failed; pulling its log from the start", self.name)
+
+    def _failed(self, exc: MetanodeError) -> None:
+        self.last_error = f"{exc.slug}: {exc.message}"
+        log.warning("peer %s: %s", self.name, self.last_error)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep `seconds`, or less if `poke` is called (a sync, a changed peer)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        self._wake.clear()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
+        """(the peer's JSON answer, bytes sent, bytes received); `PeerFailed` for no answer, a
+        refusal, or something that is not JSON."""
+        try:
+            response = await self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
+        sent = len(response.request.content)
+        try:
+            body = response.json()
+        except ValueError:
+            raise PeerFailed(f"{path} answered {response.status_code}, not JSON") from None
+        if response.status_code != 200:
+            slug = body.get("error") if isinstance(body, dict) else None
+            raise PeerFailed(f"{path} answered {response.status_code} {slug}")
+        return body, sent, len(response.content)
+
+    async def pull_once(self) -> bool:
+        """Pull and store one page after the cursor; whether the peer said there is more."""
+        params = {"limit": str(self.config.page)}
+        if self.cursor:
+            params["after"] = self.cursor
+        body, _, _ = await self._call("GET", "/api/claims/log", params=params)
+        items, cursor, more = _log_page(body)
+        await self.host.apply_peer_page(self.name, items, cursor)
+        self.cursor = cursor
+        self.last_error = ""
+        if more:
+            self.behind_since = self.behind_since or time.monotonic()
+        else:
+            self.behind_since = None
+        return more
+
+    async def sync(self, set_cursor: bool = False) -> SyncReport:
+        """Reconcile with the peer and fetch the claims this box lacks. With `set_cursor` (the
+        first sync) the last fetch also moves the cursor to where the peer's log stood when
+        reconciliation began: every claim stored before that point was in the sets compared."""
+        report = SyncReport()
+        started = time.perf_counter()
+        session = reconcile.Session(await self.host.own_items())
+        message = session.start()
+        head: str | None = None
+        while message:
+            body, sent, got = await self._call(
+                "POST", "/api/claims/reconcile", json={"ranges": reconcile.encode(message)}
+            )
+            report.bytes_sent += sent
+            report.bytes_received += got
+            if not isinstance(body, dict) or not isinstance(body.get("head"), str):
+                raise PeerFailed("the reconciliation answer has no head cursor")
+            head = head or body["head"]
+            try:
+                message = session.step(reconcile.decode_reply(body.get("ranges"), ID_BYTES))
+            except MetanodeError as exc:
+                raise PeerFailed(f"the reconciliation answer is malformed: {exc.message}") from None
+        needed = sorted(session.need)
+        chunks = [needed[n : n + FETCH_CHUNK] for n in range(0, len(needed), FETCH_CHUNK)] or [[]]
+        for number, chunk in enumerate(chunks, 1):
+            cursor = head if set_cursor and number == len(chunks) else None
+            report.fetched += await self._fetch(chunk, cursor, report)
+        if set_cursor and head is not None:
+            self.cursor = head
+        for name in ("rounds", "fingerprints_sent", "fingerprints_received", "ids_received"):
+            setattr(report, name, getattr(session, name))
+        report.have = len(session.have)
+        report.seconds = round(time.perf_counter() - started, 3)
+        self.last_sync = report
+        return report
+
+    async def _fetch(self, ids: Sequence[bytes], cursor: str | None, report: SyncReport) -> int:
+        """Ask the peer for the claims with these identities and store them (with `cursor`)."""
+        items: list[object] = []
+        if ids:
+            body, sent, got = await self._call(
+                "POST",
+                "/api/claims/reconcile",
+                json={"fetch": [reconcile.encode_id(i) for i in ids]},
+            )
+            report.bytes_sent += sent
+            report.bytes_received += got
+            if not isinstance(body, dict) or not isinstance(body.get("claims"), list):
+                raise PeerFailed("the fetch answer has no claims array")
+            items = body["claims"]
+        if items or cursor is not None:
+            await self.host.apply_peer_page(self.name, items, cursor)
+        return len(items)
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            await asyncio.gather(self.task, return_exceptions=True)
+        await self.http.aclose()
+
+
+def _log_page(body: object) -> tuple[list[object], str, bool]:
+    """(claims, next, more) of a claim-log page, or `PeerFailed`."""
+    if (
+        not isinstance(body, dict)
+        or not isinstance(body.get("claims"), list)
+        or not isinstance(body.get("next"), str)
+        or not isinstance(body.get("more"), bool)
+    ):
+        raise PeerFailed('the log page is not {"claims": [...], "next": cursor, "more": bool}')
+    return body["claims"], body["next"], body["more"]
+
+
+class Peers:
+    """Every follower of a running node, by peer name."""
+
+    def __init__(self, host: Host, config: PullConfig) -> None:
+        self.host = host
+        self.config = config
+        self.followers: dict[str, Follower] = {}
+
+    def follow(self, row: PeerRow, first_sync: bool = False) -> None:
+        """Start following `row` (a running follower of that name is replaced)."""
+        old = self.followers.pop(row.name, None)
+        if old is not None:
+            asyncio.get_running_loop().create_task(old.close())
+        follower = Follower(row, self.host, self.config, first_sync)
+        # a context of its own: not the request id of the request that added the peer
+        follower.task = asyncio.create_task(
+            follower.run(), name=f"peer:{row.name}", context=contextvars.Context()
+        )
+        self.followers[row.name] = follower
+
+    async def forget(self, name: str) -> None:
+        follower = self.followers.pop(name, None)
+        if follower is not None:
+            await follower.close()
+
+    def follower(self, name: str) -> Follower:
+        found = self.followers.get(name)
+        if found is None:
+            raise UnknownPeer(f"no peer is named {name!r}")
+        return found
+
+    def status(self, row: PeerRow) -> dict[str, Any]:
+        """`row` as `GET /api/peers` lists it (the token left out)."""
+        follower = self.followers.get(row.name)
+        return {
+            "name": row.name,
+            "url": row.url,
+            "weight": row.weight,
+            "cursor": row.cursor,
+            "lag_s": round(follower.lag_s(), 3) if follower else None,
+            "last_error": follower.last_error if follower else "",
+            "last_sync": follower.last_sync.as_json() if follower and follower.last_sync else None,
+            "accepted": row.accepted,
+            "duplicate": row.duplicate,
+            "stale": row.stale,
+            "rejected": row.rejected,
+            "added_at": row.added_at,
+        }
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(f.close() for f in self.followers.values()))
+        self.followers.clear()
+
+
+class Responder:
+    """This box's side of reconciliation: its claims' identities, rebuilt when the log moves."""
+
+    def __init__(
+        self, head: Callable[[], str], read: Callable[[], tuple[str, list[bytes]]]
+    ) -> None:
+        self._head = head  # the log's end cursor (a cheap read)
+        self._read = read  # (end cursor, every identity): a long read, run on a thread
+        self._items: tuple[str, reconcile.Items] | None = None
+        self._lock = asyncio.Lock()
+
+    async def items(self) -> tuple[str, reconcile.Items]:
+        """(the log's end cursor, the identities as of it), built at most once per log state."""
+        async with self._lock:
+            if self._items is None or self._items[0] != self._head():
+                self._items = await asyncio.to_thread(self._build)
+            return self._items
+
+    def _build(self) -> tuple[str, reconcile.Items]:
+        head, ids = self._read()
+        return head, reconcile.Items(ids)

@@ -1,0 +1,435 @@
+"""Peers exchange signed claims (issue 19, docs/peers.md): the claim log, peer tokens, following
+a peer between two real `metanode serve` processes, a hostile peer, a crash mid-sync, and the
+set reconciliation (pure, against a naive set difference; and between two real servers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from metanode import cid as cids
+from metanode import maintenance, reconcile
+from metanode.node import Node
+from tests.helpers.claims import NOW_MS, Signer, fast_claims
+from tests.helpers.server import Server, free_port, metanode_check, wait_caught_up
+
+ENV = {
+    "METANODE_PEER_POLL_S": "0.2",
+    "METANODE_PEER_RETRY_S": "0.2",
+    "METANODE_PEER_MAX_BACKOFF_S": "1",
+    "METANODE_WATCH_ENABLED": "false",
+}
+DEADLINE_S = 60.0
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def cid(tag: str) -> str:
+    return cids.midhash_bytes(f"peers {tag}".encode())
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = DEADLINE_S) -> Any:
+    """Poll `condition` until it is truthy (and return it), or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def cli(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def peer_token(server: Server, name: str) -> str:
+    """`metanode peers token create` on the server's data directory (it is running)."""
+    return cli("peers", "token", "create", "--name", name, "--data-dir", str(server.data_dir))
+
+
+def add_peer(follower: Server, followed: Server, token: str, name: str = "a") -> dict[str, Any]:
+    """`metanode peers add` against the running follower."""
+    out = cli(
+        "peers", "add", followed.url, "--token", token.strip(), "--name", name,
+        "--url", follower.url, "--data-dir", str(follower.data_dir),
+    )  # fmt: skip
+    added: dict[str, Any] = json.loads(out)
+    return added
+
+
+def peer_status(server: Server, name: str = "a") -> dict[str, Any]:
+    out = cli("peers", "list", "--url", server.url, "--data-dir", str(server.data_dir))
+    rows = {row["name"]: row for row in map(json.loads, out.splitlines())}
+    return rows[name]
+
+
+def register(server: Server, signer: Signer, weight: int = 1, may_link: bool = False) -> None:
+    body = {"uid": signer.uid, "name": "t", "weight": weight, "may_link": may_link}
+    response = httpx.post(f"{server.url}/api/signers", json=body, headers=server.headers)
+    assert response.status_code == 200, response.text
+
+
+def post(server: Server, claims: list[dict[str, Any]]) -> dict[str, Any]:
+    for start in range(0, len(claims), 1000):
+        response = httpx.post(
+            f"{server.url}/api/claims",
+            json={"claims": claims[start : start + 1000]},
+            headers=server.headers,
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def log_of(url: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    """Every claim of a box's claim log, page by page."""
+    out: list[dict[str, Any]] = []
+    params: dict[str, str] = {"limit": "1000"}
+    while True:
+        response = httpx.get(f"{url}/api/claims/log", params=params, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        page = response.json()
+        out.extend(page["claims"])
+        if not page["more"]:
+            return out
+        params["after"] = page["next"]
+
+
+def claim_set(server: Server, but: frozenset[str] | set[str] = frozenset()) -> set[str]:
+    """The signatures of a box's stored claims, less those of signers in `but`."""
+    return {c["sig"] for c in log_of(server.url, server.headers) if c["uid"] not in but}
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Server, Server]]:
+    """Two real servers, A and B, on loopback."""
+    servers = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        servers.append(Server(tmp_path / name / "data", env=dict(ENV)).start())
+    yield servers[0], servers[1]
+    for srv in servers:
+        srv.stop()
+        srv.print_log()
+
+
+# -- following a peer ---------------------------------------------------------------------------
+
+
+def test_b_follows_a_and_ends_with_a_s_documents_live_and_through_tombstones(
+    pair: tuple[Server, Server],
+) -> None:
+    a, b = pair
+    s1, s2, s3, stranger = Signer(), Signer(), Signer(), Signer()
+    for srv in (a, b):  # B trusts these three as A does
+        register(srv, s1, weight=2, may_link=True)
+        register(srv, s2)
+        register(srv, s3, may_link=True)
+    register(a, stranger, may_link=True)  # only A knows this one
+    c = [cid(f"c{i}") for i in range(8)]
+    post(a, [s1.claim(c[i], "title", f"one {i}") for i in range(8)])
+    post(a, [s2.claim(c[i], "title", f"two {i}") for i in range(0, 8, 2)])
+    post(a, [s3.claim(c[i], "year", str(1990 + i)) for i in range(8)])
+    post(a, [s1.claim(c[0], f"cids/{c[1]}", "true"), s3.claim(c[2], f"cids/{c[3]}", "true")])
+    post(a, [s2.claim(c[4], "title", None, ts=NOW_MS + 1)])  # a tombstone replaces a vote
+    s = [cid(f"stranger{i}") for i in range(2)]
+    post(a, [stranger.claim(s[0], "title", "theirs"), stranger.claim(s[0], f"cids/{s[1]}", "true")])
+
+    add_peer(b, a, peer_token(a, "b"))
+    theirs = {stranger.uid}
+    wait_for(lambda: claim_set(b, theirs) == claim_set(a, theirs), "B to hold A's claims")
+    wait_caught_up(b.url)
+    for x in c:
+        assert b.meta(x) == a.meta(x), x
+    assert b.meta(c[0])["cids"] == a.meta(c[1])["cids"]  # the link merged B's groups too
+
+    # the stranger: learnt from the peer at its weight (0), listed, not counted, may not link
+    learned = {s["uid"]: s for s in httpx.get(f"{b.url}/api/signers", headers=b.headers).json()[
+        "signers"
+    ]}[stranger.uid]  # fmt: skip
+    assert (learned["learned_from"], learned["weight"], learned["may_link"]) == ("a", 0, False)
+    listing = httpx.get(f"{b.url}/api/meta/{s[0]}/claims").json()
+    assert [cl["value"] for cl in listing["claims"]] == ["theirs"]
+    assert "title" not in b.meta(s[0])["metadata"]
+    assert b.meta(s[1]) is None  # its link was refused
+    status = peer_status(b)
+    assert (status["accepted"], status["rejected"], status["duplicate"]) == (
+        len(claim_set(a)) - 1,
+        1,
+        0,
+    )
+
+    # live: a later claim on A reaches B; a tombstone on A retracts it on B
+    post(a, [s2.claim(c[5], "genre", "noir")])
+    wait_for(lambda: b.meta(c[5])["metadata"].get("genre") == "noir", "the new claim on B")
+    post(a, [s2.claim(c[5], "genre", None, ts=NOW_MS + 1)])
+    wait_for(lambda: "genre" not in b.meta(c[5])["metadata"], "the tombstone on B")
+    wait_caught_up(b.url)
+    assert b.meta(c[5]) == a.meta(c[5])
+    assert peer_status(b)["last_error"] == ""
+
+
+def test_a_follower_killed_mid_sync_ends_with_exactly_the_peer_s_claims(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a = Server(tmp_path / "a" / "data", env=dict(ENV)).start()
+    b = Server(tmp_path / "b" / "data", env={**ENV, "METANODE_PEER_PAGE_CLAIMS": "10"}).start()
+    try:
+        signer = Signer()
+        register(a, signer)
+        register(b, signer)
+        total = 3000
+        post(
+            a, fast_claims(signer, [(cid(f"k{i}"), "title", f"t{i}", NOW_MS) for i in range(total)])
+        )
+        add_peer(b, a, peer_token(a, "b"))
+        wait_for(lambda: peer_status(b)["accepted"] > 0, "the first pages on B", timeout=120)
+        b.stop(9)  # SIGKILL, mid-sync
+        b.start()
+        at_restart = peer_status(b)["accepted"]
+        assert at_restart > 0, at_restart
+        want = claim_set(a)
+        wait_for(lambda: claim_set(b) == want, "B to hold exactly A's claims", timeout=120)
+        status = peer_status(b)
+        # every claim was applied once: the counts moved in the pages' transactions
+        assert (status["accepted"], status["duplicate"], status["rejected"]) == (total, 0, 0)
+        wait_caught_up(b.url)
+    finally:
+        b.stop()
+        a.stop()
+    metanode_check(b.data_dir)
+
+
+class FakePeer:
+    """A tiny Starlette app on uvicorn in a thread: a claim log serving one fixed page."""
+
+    def __init__(self, page: list[dict[str, Any]]) -> None:
+        self.page = page
+        self.asked: list[str | None] = []
+
+        async def log(request: Request) -> JSONResponse:
+            after = request.query_params.get("after")
+            self.asked.append(after)
+            if after is None:
+                return JSONResponse({"claims": self.page, "next": "fake.3", "more": False})
+            return JSONResponse({"claims": [], "next": after, "more": False})
+
+        app = Starlette(routes=[Route("/api/claims/log", log)])
+        self.port = free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> FakePeer:
+        self.thread.start()
+        wait_for(lambda: self.server.started, "the fake peer to start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def test_a_forged_and_a_replayed_claim_from_a_peer_are_counted_and_only_the_valid_lands(
+    server: Server,
+) -> None:
+    b = server
+    signer = Signer()
+    register(b, signer)
+    here, forged_cid, valid_cid = cid("here"), cid("forged"), cid("valid")
+    post(b, [signer.claim(here, "title", "newer", ts=NOW_MS + 10)])
+    forged = {**signer.claim(forged_cid, "title", "x"), "value": "forged"}
+    replayed = signer.claim(here, "title", "older", ts=NOW_MS)
+    valid = signer.claim(valid_cid, "title", "valid")
+    with FakePeer([forged, replayed, valid]) as fake:
+        response = httpx.post(
+            f"{b.url}/api/peers",
+            json={"url": fake.url, "token": "whatever", "name": "a"},
+            headers=b.headers,
+        )
+        assert response.status_code == 200, response.text
+        status = wait_for(
+            lambda: (
+                (row := peer_status(b))["accepted"] + row["rejected"] + row["stale"] == 3 and row
+            ),
+            "the fake page on B",
+        )
+        assert (status["accepted"], status["rejected"], status["stale"]) == (1, 1, 1)
+        assert status["cursor"] == "fake.3"
+    wait_caught_up(b.url)
+    assert b.meta(forged_cid) is None
+    assert b.meta(here)["metadata"]["title"] == "newer"
+    assert b.meta(valid_cid)["metadata"]["title"] == "valid"
+
+
+# -- the claim log and peer tokens (in process) -------------------------------------------------
+
+
+async def test_the_claim_log_orders_stored_claims_and_refuses_foreign_cursors(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    one, two = Signer(), Signer()
+    for signer in (one, two):
+        await node.add_signer(signer.uid, "t", 1, False)
+    first = [one.claim(cid("l1"), "title", "a"), two.claim(cid("l2"), "title", "b")]
+    newer = one.claim(cid("l1"), "title", "c", ts=NOW_MS + 1)
+    for batch in (first, [newer]):
+        assert (await client.post("/api/claims", json={"claims": batch})).status_code == 200
+    page = (await client.get("/api/claims/log")).json()
+    assert [c["value"] for c in page["claims"]] == ["b", "c"]  # "a" was superseded
+    assert page["more"] is False
+    small = (await client.get("/api/claims/log", params={"limit": 1})).json()
+    assert (len(small["claims"]), small["more"]) == (1, True)
+    rest = (await client.get("/api/claims/log", params={"after": small["next"]})).json()
+    assert [c["value"] for c in rest["claims"]] == ["c"]
+    mine = (await client.get("/api/claims/log", params={"signer": two.uid})).json()
+    assert [c["value"] for c in mine["claims"]] == ["b"]
+    end = (await client.get("/api/claims/log", params={"after": page["next"]})).json()
+    assert (end["claims"], end["next"]) == ([], page["next"])
+    log_id, _, seq = page["next"].partition(".")
+    for bad in ("garbage", f"{log_id}.x", f"0000000000000000.{seq}", f"{log_id}.{int(seq) + 5}"):
+        response = await client.get("/api/claims/log", params={"after": bad})
+        assert (response.status_code, response.json()["error"]) == (400, "invalid_cursor"), bad
+
+
+async def test_peer_tokens_read_the_log_and_reconcile_and_nothing_else(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    token = maintenance.create_peer_token(node.settings, "friend")
+    peer = {"Authorization": f"Bearer {token}"}
+    assert (await client.get("/api/claims/log", headers=peer)).status_code == 200
+    opening = reconcile.encode(reconcile.Session(reconcile.Items([])).start())
+    answer = await client.post("/api/claims/reconcile", json={"ranges": opening}, headers=peer)
+    assert answer.status_code == 200, answer.text
+    assert (await client.get(f"/api/meta/{cid('none')}", headers=peer)).status_code == 404
+    for method, path in (
+        ("POST", "/api/claims"),
+        ("GET", "/api/signers"),
+        ("GET", "/api/peers"),
+        ("GET", "/api/hash-ids"),
+        ("GET", "/metrics"),
+    ):
+        response = await client.request(method, path, headers=peer, json={"claims": []})
+        assert (response.status_code, response.json()["error"]) == (403, "peer_token_scope"), path
+    wrong = {"Authorization": "Bearer not-a-token"}
+    assert (await client.get("/api/claims/log", headers=wrong)).status_code == 401
+    assert [row.name for row in maintenance.peer_tokens(node.settings)] == ["friend"]
+    maintenance.revoke_peer_token(node.settings, "friend")
+    assert (await client.get("/api/claims/log", headers=peer)).status_code == 401
+
+
+# -- reconciliation -----------------------------------------------------------------------------
+
+
+def _over_json(items: reconcile.Items) -> Callable[[list[reconcile.Fingerprint]], Any]:
+    """A responder holding `items`, reached through the JSON wire form both ways."""
+
+    def answer(message: list[reconcile.Fingerprint]) -> list[reconcile.Entry]:
+        asked = reconcile.decode_fingerprints(json.loads(json.dumps(reconcile.encode(message))))
+        reply = reconcile.respond(items, asked)
+        return reconcile.decode_reply(json.loads(json.dumps(reconcile.encode(reply))), 16)
+
+    return answer
+
+
+ids16 = st.binary(min_size=16, max_size=16)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shared=st.sets(ids16, max_size=300),
+    mine=st.sets(ids16, max_size=40),
+    theirs=st.sets(ids16, max_size=40),
+    leaf=st.integers(1, 20),
+    branches=st.integers(2, 20),
+)
+def test_reconciliation_finds_exactly_the_naive_set_difference(
+    shared: set[bytes], mine: set[bytes], theirs: set[bytes], leaf: int, branches: int
+) -> None:
+    local, remote = shared | mine, shared | theirs
+    responder = reconcile.Items(remote)
+    session = reconcile.run(
+        reconcile.Items(local), lambda m: reconcile.respond(responder, m, leaf, branches)
+    )
+    assert session.need == remote - local
+    assert session.have == local - remote
+
+
+@settings(max_examples=50, deadline=None)
+@given(shared=st.sets(ids16, max_size=200), theirs=st.sets(ids16, max_size=20))
+def test_reconciliation_over_the_wire_form_agrees(shared: set[bytes], theirs: set[bytes]) -> None:
+    session = reconcile.run(reconcile.Items(shared), _over_json(reconcile.Items(shared | theirs)))
+    assert (session.need, session.have) == (theirs - shared, set())
+
+
+def test_reconciling_100000_shared_and_100_differing_sends_only_what_differs() -> None:
+    rng = __import__("random").Random(19)
+    shared = [rng.randbytes(16) for _ in range(100_000)]
+    only_mine = {rng.randbytes(16) for _ in range(50)}
+    only_theirs = {rng.randbytes(16) for _ in range(50)}
+    session = reconcile.run(
+        reconcile.Items([*shared, *only_mine]),
+        _over_json(reconcile.Items([*shared, *only_theirs])),
+    )
+    assert (session.need, session.have) == (only_theirs, only_mine)
+    # each of the 100 differences opens at most one leaf of at most LEAF ids per round it is
+    # in, and at most BRANCHES fingerprints per differing range: nothing near 100,000
+    assert session.ids_received <= 100 * reconcile.LEAF
+    assert session.fingerprints_received <= session.rounds * 100 * reconcile.BRANCHES
+    assert session.fingerprints_sent <= session.fingerprints_received + 1
+
+
+def test_peers_add_on_a_box_sharing_most_claims_fetches_only_the_difference(
+    pair: tuple[Server, Server],
+) -> None:
+    a, b = pair
+    signer = Signer()
+    for srv in (a, b):
+        register(srv, signer)
+    shared = fast_claims(signer, [(cid(f"s{i}"), "title", f"s{i}", NOW_MS) for i in range(2000)])
+    only_a = fast_claims(signer, [(cid(f"a{i}"), "title", "a", NOW_MS) for i in range(20)])
+    only_b = fast_claims(signer, [(cid(f"b{i}"), "title", "b", NOW_MS) for i in range(20)])
+    post(a, shared + only_a)
+    post(b, shared + only_b)
+    add_peer(b, a, peer_token(a, "b"))
+    want = {c["sig"] for c in shared + only_a + only_b}
+    wait_for(lambda: claim_set(b) == want, "B to hold the union")
+    status = wait_for(lambda: (row := peer_status(b))["cursor"] and row, "the cursor at A's head")
+    # only the 20 claims B lacked travelled: the log was followed from A's head onwards
+    assert (status["accepted"], status["duplicate"], status["stale"]) == (20, 0, 0)
+    report = httpx.post(f"{b.url}/api/peers/a/sync", headers=b.headers, timeout=60).json()
+    assert (report["fetched"], report["have"]) == (0, 20)
+    assert report["ids_received"] <= 20 * reconcile.LEAF
