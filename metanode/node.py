@@ -462,7 +462,7 @@ class Node:
         valid, errors = await self._verify(items, now)
         page = truth.PeerCursor(name, cursor, len(errors))
         result, refused = await self.truth.ingest_peer(valid, page, row.weight, self.minter, now)
-        self.applier.wake()
+        self.applier.hand(result.written)  # like any ingest: the apply need not read it back
         await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         for item in errors:
             self.metrics.rejected.labels(item["error"]).inc()

@@ -10,7 +10,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -20,25 +20,13 @@ from mutagen.flac import FLAC
 from metanode import claims, keys
 from metanode.watcher import midhash_file
 from tests.helpers.server import Server
+from tests.helpers.wait import poll
 
-T = TypeVar("T")
-DEADLINE_S = 90.0  # a bound on a hang, not a measurement: both cores may be busy
 BOMB = b"""<?xml version="1.0"?>
 <!DOCTYPE lolz [<!ENTITY lol "lol"><!ENTITY lol2 "&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;">
 <!ENTITY lol3 "&lol2;&lol2;&lol2;&lol2;&lol2;&lol2;&lol2;&lol2;">]>
 <movie><title>&lol3;</title><uniqueid type="imdb">tt0000001</uniqueid></movie>
 """
-
-
-def poll(fetch: Callable[[], T | None], what: str) -> T:
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        found = fetch()
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

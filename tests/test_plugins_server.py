@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import random
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import blake3
 import httpx
@@ -20,27 +19,15 @@ from metanode import keys
 from metanode import rid as rids
 from metanode.client import Client, ClientError, Event, parse_frames
 from tests.helpers.server import Server
+from tests.helpers.wait import poll
 
 MIB = 1 << 20
-T = TypeVar("T")
 # Matroska's EBML magic with DocType "matroska", so fileinfo sniffs a video.
 MKV_HEAD = bytes.fromhex(
     "1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B6142878104428581 02".replace(
         " ", ""
     )
 )
-
-
-def poll(fetch: Callable[[], T | None], what: str, timeout: float = 45.0) -> T:
-    """Call `fetch` until it returns something; fail after `timeout` s (a bound, not a metric)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = fetch()
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")

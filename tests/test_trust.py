@@ -201,12 +201,15 @@ def test_a_malformed_cidr_refuses_to_start(tmp_path: Path, name: str, value: str
 @given(st.from_regex(r"[a-zA-Z0-9._~%-]{1,20}", fullmatch=True))
 def test_every_documented_route_is_in_the_family_its_document_says(value: str) -> None:
     """The perimeter's table agrees with the OpenAPI document for every route, whatever a path
-    parameter holds: the compat tag is TRUSTED, `security: []` PUBLIC, the rest TOKEN."""
+    parameter holds: the compat tag is TRUSTED, `security: []` PUBLIC, a peer token among its
+    security PEER, the rest TOKEN."""
     for template, item in OPENAPI["paths"].items():
         path = re.sub(r"\{[^}]+\}", value, template)
         for operation in item.values():
             if operation.get("security") == []:
                 expected = Access.PUBLIC
+            elif {"peerToken": []} in operation.get("security", []):
+                expected = Access.PEER
             elif "compat" in operation.get("tags", []):
                 expected = Access.TRUSTED
             else:

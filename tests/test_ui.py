@@ -13,9 +13,9 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -24,8 +24,8 @@ from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expec
 from metanode import cache, db
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server
+from tests.helpers.wait import poll
 
-T = TypeVar("T")
 CHROMIUM = "/usr/bin/chromium"
 WAIT_MS = 60_000  # Playwright's bound for anything to appear: generous, both cores may be busy
 # Matroska's EBML magic with DocType "matroska", so fileinfo sniffs a video.
@@ -33,18 +33,6 @@ MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 expect.set_options(timeout=WAIT_MS)
-
-
-def poll(fetch: Callable[[], T | None], what: str, timeout: float = 60.0) -> T:
-    """Call `fetch` until it returns something; fail after `timeout` s (a bound, not a metric)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = fetch()
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for: {what}")
-        time.sleep(0.1)
 
 
 # -- the browser --------------------------------------------------------------------------------
