@@ -473,6 +473,14 @@ class Node:
         asked, group = self._find(text, self.cache.group_by_cid)
         return cache.document(group, asked, self._seen_by(group, viewer))
 
+    def meta_bytes(self, text: str) -> bytes:
+        """GET /api/meta/{cid} without a viewer, as JSON bytes: the document the cache
+        rendered when it wrote the record (one primary-key read), with the asked CID spliced
+        in; the same bytes `meta` renders to."""
+        self.require_ready()
+        asked, rest = self._find(text, self.cache.rendered)
+        return cache.splice(asked, rest)
+
     def active_rid(self, text: str) -> str:
         """The rid `text` names, if active; 404 `merged` (with the survivor) or `unknown_rid`."""
         rid = rids.parse(text)
