@@ -517,6 +517,10 @@ def render_documents(
     )
 
 
+def data_version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA data_version").fetchone()[0])
+
+
 def rendered(conn: sqlite3.Connection, cid: str) -> bytes | None:
     """The stored document rest of CID `cid` (this exact spelling), or None."""
     row = conn.execute("SELECT body FROM documents WHERE cid = ?", (cid,)).fetchone()
@@ -1379,6 +1383,12 @@ class CacheStore(Store):
     @mapped
     def group_by_cid(self, cid: str) -> Group | None:
         return group_by_cid(self.conn, cid)
+
+    @mapped
+    def data_version(self) -> int:
+        """SQLite's `PRAGMA data_version` of the loop connection: it moves whenever another
+        connection (another process's writer) commits (`applier.Follower`)."""
+        return data_version(self.conn)
 
     @mapped
     def rendered(self, cid: str) -> bytes | None:

@@ -36,7 +36,7 @@ from metanode import (
 )
 from metanode import cid as cids
 from metanode import rid as rids
-from metanode.applier import STALL_S, Applier
+from metanode.applier import STALL_S, Applier, Follower
 from metanode.bodies import refuse_unknown
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
@@ -68,9 +68,13 @@ class IngestAnswer:
 class Node:
     """One metanode: its data directory, databases, applier and operations."""
 
-    def __init__(self, settings: Settings, clock: Clock = now_ms) -> None:
-        """`clock` stamps everything the node writes (claims' "now", rids, rows, feed events)."""
+    def __init__(self, settings: Settings, clock: Clock = now_ms, follower: bool = False) -> None:
+        """`clock` stamps everything the node writes (claims' "now", rids, rows, feed events).
+        `follower`: a reader worker of `serve --workers N` (workers.py): it serves reads and
+        feeds from the stores and follows the cache the owner worker applies; it runs no
+        applier, retention, plugins or watcher, and is handed no writes."""
         self.settings = settings
+        self.follower = follower
         self.clock = clock
         self.limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
         self.policy = truth.Policy(settings.accept_unknown_signers)
@@ -98,16 +102,20 @@ class Node:
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
         self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
         self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
-        self.applier = Applier(self.cache, self.truth, self.settings.apply_poll_s)
+        role = Follower if self.follower else Applier
+        self.applier = role(self.cache, self.truth, self.settings.apply_poll_s)
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)
         self.file_hub = feed.Hub(self.cache, lambda: self.applier.state, table=feed.FILE_FEED)
         self.applier.start()
+        self._pruner: asyncio.Task[None] | None = None
+        self.plugin_host: plugins.Host | None = None
+        self.watcher: watcher.Watcher | None = None
+        if self.follower:
+            return
         await self.owner.register()  # its key is made at `init`, or here on a first start
         self._pruner = asyncio.create_task(self._retention(), name="retention")
-        self.plugin_host: plugins.Host | None = None
         if self.settings.plugins_enabled:
             self.plugin_host = await self._start_plugins()
-        self.watcher: watcher.Watcher | None = None
         if self.settings.watch_enabled:
             self.watcher = self._make_watcher(self.settings.watch_roots)
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
@@ -241,8 +249,9 @@ class Node:
         if self.plugin_host is not None:
             self._plugins_task.cancel()
             await asyncio.gather(self._plugins_task, return_exceptions=True)
-        self._pruner.cancel()
-        await asyncio.gather(self._pruner, return_exceptions=True)
+        if self._pruner is not None:
+            self._pruner.cancel()
+            await asyncio.gather(self._pruner, return_exceptions=True)
         await asyncio.to_thread(self.truth.stop_writes)
         await self.applier.stop()
         await asyncio.to_thread(self.cache.close)  # drains the jobs reading truth snapshots
