@@ -52,6 +52,7 @@ from metanode.errors import (
     UnknownRid,
 )
 from metanode.metrics import Metrics
+from metanode.verifier import Verifier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -81,9 +82,11 @@ class Node:
         self.minter = rids.Minter(clock)
         self.token = ""
         self.session_secret = ""  # signs the web page's session cookies (ui.py)
+        jobs = os.cpu_count() or 2
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=os.cpu_count() or 2, thread_name_prefix="verify"
+            max_workers=jobs, thread_name_prefix="verify"
         )
+        self.verifier = Verifier(self._verify_pool, jobs, self.limits)
         self.metrics = Metrics(self._gauges)
         self.subscribers = 0
         self.owner = self._own_signer(OWNER_NAME, settings.owner_weight)
@@ -338,26 +341,12 @@ class Node:
         return items
 
     async def _validate(self, items: list[object], now: int) -> list[claims.Claim]:
-        """Validate every claim, signatures on the thread pool; all errors or all claims."""
-        loop = asyncio.get_running_loop()
-        step = max(1, -(-len(items) // (os.cpu_count() or 2)))
-        parts = await asyncio.gather(
-            *(
-                loop.run_in_executor(
-                    self._verify_pool,
-                    claims.validate_items,
-                    items[i : i + step],
-                    i,
-                    now,
-                    self.limits,
-                )
-                for i in range(0, len(items), step)
-            )
-        )
-        errors = [error for _, part_errors in parts for error in part_errors]
+        """Validate every claim off the loop (`verifier.Verifier`: concurrent requests' claims
+        share the pool's jobs); all errors or all claims."""
+        valid, errors = await self.verifier.validate(items, now)
         if errors:
             raise InvalidBatch(errors)
-        return [claim for part, _ in parts for claim in part]
+        return valid
 
     async def ingest(self, payload: object) -> IngestAnswer:
         """POST /api/claims: validate all, commit all in one transaction, wait for the cache."""
