@@ -26,6 +26,7 @@ supervisor ends the node as it ends a single-process one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import logging
@@ -35,10 +36,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import httpx
+import httptools
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metanode.api import create_app, error_response
@@ -127,67 +128,139 @@ class FromReader:
         await self.app(scope, receive, send)
 
 
+class _Answer:
+    """httptools callbacks collecting one response: its status, headers and body pieces."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.pieces: list[bytes] = []
+        self.head_done = False
+        self.sent = False  # the answer's start went to the client
+        self.done = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
 class Forward:
-    """A reader's way to the owner: the request, body streamed, over the owner's Unix socket;
-    the answer streamed back as it comes. No owner (it is restarting): 503 `unavailable`."""
+    """A reader's way to the owner: the request, its body streamed, over a pool of keep-alive
+    connections to the owner's Unix socket; the answer streamed back as it comes (httptools
+    parses it). Plain asyncio streams, not an HTTP client library: httpx's async client cost
+    ≈ 1 ms a request here (docs/benchmarks.md, "Every core"). No owner answering (it is
+    restarting): 503 `unavailable`."""
 
     def __init__(self, path: Path) -> None:
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request otherwise
-        self.client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=str(path)),
-            base_url="http://owner",
-            timeout=httpx.Timeout(None, connect=5.0),
-        )
+        self.path = path
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        """(reader, writer, whether it was pooled): a pooled one the owner has not closed."""
+        while self.idle:
+            reader, writer = self.idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer, True
+            writer.close()
+        reader, writer = await asyncio.open_unix_connection(str(self.path))
+        return reader, writer, False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request = self.client.build_request(
-            scope["method"],
-            scope["raw_path"].decode("latin-1")
-            + ("?" + scope["query_string"].decode("latin-1") if scope["query_string"] else ""),
-            headers=self._headers(scope),
-            content=self._body(receive) if _has_body(scope) else None,
-        )
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.TransportError:
-            refusal = UnavailableError("the owner worker is not answering (restarting?); retry")
-            await error_response(refusal)(scope, receive, send)
+        head, body = self._head(scope), _has_body(scope)
+        for attempt in range(2):
+            answer, writer, pooled = _Answer(), None, False
+            try:
+                reader, writer, pooled = await self._connection()
+                writer.write(head)
+                if body:
+                    await self._send_body(receive, writer, scope)
+                await writer.drain()
+                parser = httptools.HttpResponseParser(answer)
+                await self._relay(reader, parser, answer, scope, send)
+            except (OSError, EOFError, httptools.HttpParserError):
+                if writer is not None:
+                    writer.close()
+                if answer.sent:
+                    raise  # the answer has begun: only closing the client's connection is left
+                if attempt == 0 and pooled and not body:
+                    continue  # a keep-alive connection the owner closed as it was reused
+                refusal = UnavailableError("the owner worker is not answering (restarting?); retry")
+                await error_response(refusal)(scope, receive, send)
+                return
+            if answer.done and scope["method"] != "HEAD" and parser.should_keep_alive():
+                self.idle.append((reader, writer))
+            else:
+                writer.close()
             return
-        try:
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": [
-                        (k, v) for k, v in response.headers.raw if k.lower() not in SERVERS_OWN
-                    ],
-                }
-            )
-            async for chunk in response.aiter_raw():
+
+    async def _relay(
+        self,
+        reader: asyncio.StreamReader,
+        parser: httptools.HttpResponseParser,
+        answer: _Answer,
+        scope: Scope,
+        send: Send,
+    ) -> None:
+        """Read the owner's answer and send it on as it comes."""
+        while not answer.done:
+            data = await reader.read(65_536)
+            if not data:
+                raise EOFError("the owner closed the connection")
+            parser.feed_data(data)
+            if answer.head_done and not answer.sent:
+                headers = [(k, v) for k, v in answer.headers if k not in SERVERS_OWN]
+                status = parser.get_status_code()
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                answer.sent = True
+                if scope["method"] == "HEAD":
+                    break
+            if answer.pieces:
+                chunk, answer.pieces = b"".join(answer.pieces), []
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            await response.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     @staticmethod
-    def _headers(scope: Scope) -> list[tuple[bytes, bytes]]:
-        headers = [
-            (k, v) for k, v in scope["headers"] if k not in HOP_BY_HOP and k != CLIENT_HEADER
+    def _head(scope: Scope) -> bytes:
+        target = scope["raw_path"] + (
+            b"?" + scope["query_string"] if scope["query_string"] else b""
+        )
+        lines = [scope["method"].encode("latin-1") + b" " + target + b" HTTP/1.1"]
+        lines += [
+            k + b": " + v for k, v in scope["headers"] if k not in HOP_BY_HOP and k != CLIENT_HEADER
         ]
         client = scope.get("client")
         if client:
-            headers.append((CLIENT_HEADER, f"{client[0]}:{client[1]}".encode("latin-1")))
-        return headers
+            lines.append(CLIENT_HEADER + f": {client[0]}:{client[1]}".encode("latin-1"))
+        if b"transfer-encoding" in dict(scope["headers"]):
+            lines.append(b"transfer-encoding: chunked")
+        return b"\r\n".join(lines) + b"\r\n\r\n"
 
     @staticmethod
-    async def _body(receive: Receive) -> AsyncIterator[bytes]:
+    async def _send_body(receive: Receive, writer: asyncio.StreamWriter, scope: Scope) -> None:
+        """The request body as it arrives: as is under its `Content-Length`, else chunked."""
+        chunked = b"content-length" not in dict(scope["headers"])
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return
-            yield message.get("body", b"")
+                raise ConnectionError("the client left")
+            piece = message.get("body", b"")
+            if chunked and piece:
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            elif piece:
+                writer.write(piece)
+            await writer.drain()
             if not message.get("more_body", False):
-                return
+                break
+        if chunked:
+            writer.write(b"0\r\n\r\n")
 
 
 def _has_body(scope: Scope) -> bool:

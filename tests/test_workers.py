@@ -4,6 +4,7 @@ clean shutdown (workers.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -107,6 +108,16 @@ def test_writes_through_either_worker_are_read_at_once_from_both(server: Server)
     assert viewer.json()["metadata"]["title"] == "via the reader"
     claims = reader.get(f"/api/meta/{A}/claims").json()["claims"]
     assert [c["value"] for c in claims] == ["via the reader"]
+    chunked = reader.post(  # a body of unknown length goes over chunked, as it came
+        "/api/claims",
+        content=iter([b'{"claims": [', json.dumps(signer.claim(C, "title", "c")).encode(), b"]}"]),
+        headers={"Content-Type": "application/json"},
+    )
+    assert (chunked.status_code, chunked.json()["accepted"]) == (200, 1), chunked.text
+    assert title_of(owner, C) == "c"
+    head = reader.head("/health")  # handed over: the head only, the connection still usable
+    assert (head.status_code, head.content) == (200, b"")
+    assert reader.get("/health").json()["cache_ready"] is True
     bad = reader.post("/api/claims", json={"claims": [{"cid": A}]})
     assert (bad.status_code, bad.json()["error"]) == (400, "invalid_batch")
     refused = httpx.post(f"{server.url}/api/claims", json={"claims": []}, timeout=30)

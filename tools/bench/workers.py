@@ -135,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"over {args.duration:g} s",
                     flush=True,
                 )
+    if not args.rounds:
+        return 0
     ratios = [
         many.run.rate / one.run.rate for one, many in zip(runs[1], runs[args.workers], strict=True)
     ]
