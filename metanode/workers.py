@@ -55,6 +55,9 @@ CLIENT_HEADER = b"x-metanode-client"  # the client address a reader saw, for the
 WORKER_HEADER = b"x-metanode-worker"  # which worker answered (tests, debugging)
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer"}
 SERVERS_OWN = {*HOP_BY_HOP, b"date", b"server"}  # the reader's uvicorn sends its own
+# Not passed on to the owner: `Expect: 100-continue` was answered by the reader's uvicorn (the
+# owner's interim 100 would end the answer being parsed), and a client's own X-Metanode-Client.
+NOT_PASSED_ON = {*HOP_BY_HOP, b"expect", CLIENT_HEADER}
 RESTART_S = 0.5  # a worker that died is restarted after this
 STOP_S = 15.0  # what stopping may take before the supervisor kills a worker
 PR_SET_PDEATHSIG = 1
@@ -233,9 +236,7 @@ class Forward:
             b"?" + scope["query_string"] if scope["query_string"] else b""
         )
         lines = [scope["method"].encode("latin-1") + b" " + target + b" HTTP/1.1"]
-        lines += [
-            k + b": " + v for k, v in scope["headers"] if k not in HOP_BY_HOP and k != CLIENT_HEADER
-        ]
+        lines += [k + b": " + v for k, v in scope["headers"] if k not in NOT_PASSED_ON]
         client = scope.get("client")
         if client:
             lines.append(CLIENT_HEADER + f": {client[0]}:{client[1]}".encode("latin-1"))

@@ -115,6 +115,12 @@ def test_writes_through_either_worker_are_read_at_once_from_both(server: Server)
     )
     assert (chunked.status_code, chunked.json()["accepted"]) == (200, 1), chunked.text
     assert title_of(owner, C) == "c"
+    expecting = reader.post(  # the reader answers the 100-continue; the owner never sees it
+        "/api/claims",
+        json={"claims": [signer.claim(C, "year", "1999")]},
+        headers={"Expect": "100-continue"},
+    )
+    assert expecting.status_code == 200, expecting.text
     head = reader.head("/health")  # handed over: the head only, the connection still usable
     assert (head.status_code, head.content) == (200, b"")
     assert reader.get("/health").json()["cache_ready"] is True
