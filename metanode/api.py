@@ -53,6 +53,7 @@ access = logging.getLogger("metanode.access")
 # Request ids: a random per-process prefix and a counter, unique without a uuid per request.
 _request_ids = (f"{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
 MAX_PAGE = 1000
+JSON = "application/json"
 SIGNER_MEMBERS = ("uid", "name", "weight", "may_link")  # schemas/signer-request.schema.json
 PEER_MEMBERS = ("url", "token", "weight", "name")  # schemas/peer-request.schema.json
 RECONCILE_BYTES = 16 * 1024 * 1024  # a reconciliation round names at most 100,000 ranges
@@ -75,43 +76,6 @@ def error_response(exc: MetanodeError, headers: Mapping[str, str] | None = None)
     if isinstance(exc, RequestTimeout):
         extra["Connection"] = "close"
     return ErrorResponse(exc.envelope(), status_code=exc.status, headers=extra)
-
-
-class CatchAll:
-    """Whatever a handler let escape that is not a `MetanodeError`: logged with its traceback,
-    answered 500 `internal_error` in the envelope, and the connection kept open.
-
-    Not Starlette's `Exception` handler: that one re-raises after answering, and uvicorn then
-    closes the connection, resetting the client's next request on it. If the answer had already
-    begun (a stream), nothing can be answered any more: the error goes on up to close it.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        started = False
-
-        async def watch(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watch)
-        except Exception:
-            if started:
-                raise
-            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
-            response = error_response(
-                InternalError(
-                    f"unexpected error; it is logged under request id {logs.request_id.get()}"
-                )
-            )
-            await response(scope, receive, send)
 
 
 class Access(enum.Enum):
@@ -172,8 +136,7 @@ def client_address(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Addres
 class Perimeter:
     """The one place that decides who may use a route: `FAMILIES` (SPEC §4, docs/api.md)."""
 
-    def __init__(self, app: ASGIApp, node: Node, sessions: ui.Sessions) -> None:
-        self.app = app
+    def __init__(self, node: Node, sessions: ui.Sessions) -> None:
         self.node = node
         self.sessions = sessions
         self.trusted = node.settings.trusted
@@ -182,14 +145,14 @@ class Perimeter:
         address = client_address(scope)
         return address is not None and any(address in network for network in self.trusted)
 
-    def _refusal(self, scope: Scope) -> MetanodeError | None:
+    def refusal(self, scope: Scope, headers: Mapping[bytes, bytes]) -> MetanodeError | None:
         """Why this request may not use its route, or None."""
         access = access_of(scope["path"])
         if access in (Access.PUBLIC, Access.PAGE):
             return None
         if access is Access.TRUSTED and self._from_trusted_network(scope):
             return None
-        given = dict(scope["headers"]).get(b"authorization")
+        given = headers.get(b"authorization")
         if given is None:
             return None if ui.cookie_allows(self.sessions, scope) else UNAUTHORIZED
         if hmac.compare_digest(given, f"Bearer {self.node.token}".encode()):
@@ -208,40 +171,59 @@ class Perimeter:
         scheme, _, token = given.decode("latin-1").partition(" ")
         return self.node.peer_token_name(token) if scheme == "Bearer" and token else None
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refusal = self._refusal(scope) if scope["type"] == "http" else None
-        if refusal is not None:
-            await error_response(refusal)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
 
 UNAUTHORIZED = Unauthorized(
-    "this route needs `Authorization: Bearer <token>` (the token is in the data "
-    "directory's api-token file), or the web page's session cookie (with its "
-    "`X-CSRF-Token` for a write)"
+    "this route needs `Authorization: Bearer <token>` (the token is in the data directory's "
+    "api-token file), or the web page's session cookie (with its `X-CSRF-Token` for a write)"
 )
 
 
-class Observe:
-    """Outermost: a request id for every log line of the request (`X-Request-ID`, echoed back),
-    one access log line, and the latency histogram by route template."""
+class Edge:
+    """The node's one middleware layer, pure ASGI (each layer is another call and another
+    `send` wrapper per request; four of them cost a measurable share of a read, benchmarks.md):
 
-    def __init__(self, app: ASGIApp, node: Node) -> None:
+    * a request id for every log line of the request (`X-Request-ID`, echoed back), one access
+      log line, and the latency histogram by route template;
+    * CORS (`*`, GET) for requests that carry an `Origin`: those go through Starlette's
+      `CORSMiddleware` (preflights included); the others skip it;
+    * the perimeter (`Perimeter`): a route family's access rule, 401 (or a peer token's 403)
+      in the envelope;
+    * the catch-all: whatever a handler let escape that is not a `MetanodeError` is logged with
+      its traceback and answered 500 `internal_error` in the envelope, the connection kept.
+      Not Starlette's `Exception` handler: that one re-raises after answering, and uvicorn then
+      closes the connection, resetting the client's next request on it. If the answer had
+      already begun (a stream), nothing can be answered any more: the error goes on up.
+    """
+
+    def __init__(self, app: ASGIApp, node: Node, sessions: ui.Sessions) -> None:
         self.app = app
         self.node = node
+        self.perimeter = Perimeter(node, sessions)
+        self.cors = CORSMiddleware(self._guarded, allow_origins=["*"], allow_methods=["GET"])
+        self.histogram = node.metrics.request_seconds
+        self.timers: dict[tuple[str, str, int], Any] = {}  # labelled histogram children
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app behind the perimeter."""
+        refusal = self.perimeter.refusal(scope, dict(scope["headers"]))
+        if refusal is None:
+            await self.app(scope, receive, send)
+        else:
+            await error_response(refusal)(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
         rid = given if 0 < len(given) <= 64 and given.isprintable() else next(_request_ids)
         token = logs.request_id.set(rid)
         started = time.perf_counter()
-        status = 500
+        status = 0  # none sent yet
+        origin = b"origin" in headers
 
-        async def send_with_id(message: Message) -> None:
+        async def observed(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -252,30 +234,56 @@ class Observe:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            if origin:
+                await self.cors(scope, receive, observed)
+            elif (refusal := self.perimeter.refusal(scope, headers)) is None:
+                await self.app(scope, receive, observed)
+            else:
+                await error_response(refusal)(scope, receive, observed)
+        except Exception:
+            if status:
+                raise
+            log.exception("unexpected error answering %s %s", scope["method"], scope["path"])
+            await self._internal(origin)(scope, receive, observed)
         finally:
-            elapsed = time.perf_counter() - started
-            route = getattr(scope.get("route"), "path", "unmatched")
-            self.node.metrics.request_seconds.labels(route, scope["method"], str(status)).observe(
-                elapsed
-            )
-            if self.node.settings.log_access:
-                access.info(
-                    "%s %s %d %.1f ms",
-                    scope["method"],
-                    scope["path"],
-                    status,
-                    elapsed * 1000,
-                    extra={
-                        "fields": {
-                            "method": scope["method"],
-                            "path": scope["path"],
-                            "status": status,
-                            "ms": round(elapsed * 1000, 1),
-                        }
-                    },
-                )
+            self._observe(scope, status or 500, time.perf_counter() - started)
             logs.request_id.reset(token)
+
+    @staticmethod
+    def _internal(origin: bool) -> Response:
+        """The 500 envelope (with the CORS header a cross-origin caller needs to read it)."""
+        return error_response(
+            InternalError(
+                f"unexpected error; it is logged under request id {logs.request_id.get()}"
+            ),
+            {"Access-Control-Allow-Origin": "*"} if origin else None,
+        )
+
+    def _observe(self, scope: Scope, status: int, elapsed: float) -> None:
+        """The latency histogram (its labelled child looked up once per route, method and
+        status) and, if configured, the access line."""
+        route = getattr(scope.get("route"), "path", "unmatched")
+        labels = (route, scope["method"], status)
+        timer = self.timers.get(labels)
+        if timer is None:
+            timer = self.timers[labels] = self.histogram.labels(route, scope["method"], str(status))
+        timer.observe(elapsed)
+        if self.node.settings.log_access:
+            access.info(
+                "%s %s %d %.1f ms",
+                scope["method"],
+                scope["path"],
+                status,
+                elapsed * 1000,
+                extra={
+                    "fields": {
+                        "method": scope["method"],
+                        "path": scope["path"],
+                        "status": status,
+                        "ms": round(elapsed * 1000, 1),
+                    }
+                },
+            )
 
 
 def openapi_document() -> bytes:
@@ -339,7 +347,10 @@ def create_app(node: Node) -> Starlette:
     """The ASGI app of one node; starting it starts the node, stopping it stops the node."""
 
     async def meta(request: Request) -> Response:
-        return JSONResponse(node.meta(request.path_params["cid"], request.query_params.get("as")))
+        viewer = request.query_params.get("as") if request.scope["query_string"] else None
+        if viewer is None:  # the stored rendering (cache.render_documents)
+            return Response(node.meta_bytes(request.path_params["cid"]), media_type=JSON)
+        return JSONResponse(node.meta(request.path_params["cid"], viewer))
 
     async def meta_claims(request: Request) -> Response:
         q = request.query_params
@@ -476,12 +487,7 @@ def create_app(node: Node) -> Starlette:
         *compat.routes(node),  # the MetaMesh routes (docs/compat.md)
         *ui.routes(node, sessions),  # the web page (docs/ui.md)
     ]
-    middleware = [
-        Middleware(Observe, node=node),
-        Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"]),
-        Middleware(CatchAll),
-        Middleware(Perimeter, node=node, sessions=sessions),
-    ]
+    middleware = [Middleware(Edge, node=node, sessions=sessions)]
     return Starlette(
         routes=routes,
         middleware=middleware,

@@ -182,3 +182,35 @@ class Applier:
                 self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+
+
+FOLLOW_POLL_S = 0.02  # how often a follower looks for another process's commits
+
+
+class Follower(Applier):
+    """An applier that applies nothing: in a reader worker of `metanode serve --workers N`
+    (workers.py), it watches the cache that the owner worker's applier writes and publishes
+    each state it sees, so this process's feed hubs and waiters move as the owner's do.
+
+    It polls `PRAGMA data_version` (`CacheStore.data_version`, a counter of other connections'
+    commits: about a microsecond, on the loop) every `FOLLOW_POLL_S` and reads the state only
+    when it moved. Nothing is handed to it (the owner's ingests hand their writes to the
+    owner's applier).
+    """
+
+    async def _run(self) -> None:
+        seen = -1
+        while not self._stopping:
+            try:
+                version = self._store.data_version()
+                if version != seen:
+                    seen = version
+                    state = self._store.state()
+                    self.ready = state.epoch != 0
+                    await self._publish(state)
+                self.degraded = False
+            except Exception:
+                if not self.degraded:
+                    log.exception("following the cache failed; retrying")
+                self.degraded = True
+            await asyncio.sleep(FOLLOW_POLL_S)

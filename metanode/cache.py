@@ -177,10 +177,32 @@ def _v5(conn: sqlite3.Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V5)
     rids = [r[0] for r in conn.execute("SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
     for chunk in _chunks(rids):
-        index_library(conn, chunk)
+        records = records_rows(conn, chunk)
+        index_library(conn, chunk, records, group_parts(conn, chunk)[1])
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5)
+# The rendered `GET /api/meta/{cid}` documents: per CID of the index, the JSON bytes of its
+# record's document without the leading `cid` member (the CID asked, which the read splices in:
+# `splice`), so the read is one primary-key lookup and a write of stored bytes. Written by
+# `render_documents` beside the library index, in the transaction that writes the record's
+# rows, its CIDs or its local files; `_v6` renders the records an older cache holds.
+SCHEMA_V6 = """
+CREATE TABLE documents (
+    cid TEXT PRIMARY KEY NOT NULL,
+    body BLOB NOT NULL
+) WITHOUT ROWID;
+"""
+
+
+def _v6(conn: sqlite3.Connection) -> None:
+    executescript_in_txn(conn, SCHEMA_V6)
+    rids = [r[0] for r in conn.execute("SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
+    for chunk in _chunks(rids):
+        members, paths = group_parts(conn, chunk)
+        render_documents(conn, members, records_rows(conn, chunk), paths)
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6)
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -338,7 +360,7 @@ def refresh(
         "ON CONFLICT (rid, key) DO UPDATE SET value = excluded.value",
         [(e.rid, e.key, e.value) for e in events if e.op == "set"],
     )
-    index_library(cache, list(scopes))
+    index_records(cache, list(scopes))
     return events
 
 
@@ -365,6 +387,9 @@ def refresh_all(
 def drop(cache: sqlite3.Connection, rid: str) -> list[Event]:
     """Remove a merged-away record: a `del` for each of its keys."""
     old = record_rows(cache, rid)
+    cache.execute(
+        "DELETE FROM documents WHERE cid IN (SELECT cid FROM cid_index WHERE rid = ?)", (rid,)
+    )
     cache.execute("DELETE FROM records WHERE rid = ?", (rid,))
     cache.execute("DELETE FROM cid_index WHERE rid = ?", (rid,))
     cache.execute("DELETE FROM library WHERE rid = ?", (rid,))
@@ -397,19 +422,16 @@ def library_row(rid: str, record: Mapping[str, str], files: int) -> LibraryRow:
     )
 
 
-def index_library(cache: sqlite3.Connection, rids: Sequence[str]) -> None:
+def index_library(
+    cache: sqlite3.Connection,
+    rids: Sequence[str],
+    records: Mapping[str, Mapping[str, str]],
+    paths: Mapping[str, Sequence[str]],
+) -> None:
     """Bring the library rows (and through its triggers the full-text index) of `rids` in step
-    with their records: a record with no rows left loses its row; unchanged rows are not
-    rewritten, so the index is touched only for what changed."""
-    wanted = json_array(rids)
-    records = records_rows(cache, rids)
-    counts = dict(
-        cache.execute(
-            "SELECT i.rid, count(*) FROM cid_index i JOIN local_file f ON f.midhash = i.cid "
-            "WHERE i.rid IN (SELECT value FROM json_each(?)) GROUP BY i.rid",
-            (wanted,),
-        ).fetchall()
-    )
+    with their `records` and local `paths` (as `records_rows` and `group_parts` read them): a
+    record with no rows left loses its row; unchanged rows are not rewritten, so the index is
+    touched only for what changed."""
     cache.executemany(
         "DELETE FROM library WHERE rid = ?", [(rid,) for rid in rids if rid not in records]
     )
@@ -419,8 +441,90 @@ def index_library(cache: sqlite3.Connection, rids: Sequence[str]) -> None:
         "year = excluded.year, type = excluded.type, files = excluded.files "
         "WHERE (title, name, year, type, files) IS NOT "
         "(excluded.title, excluded.name, excluded.year, excluded.type, excluded.files)",
-        [library_row(rid, record, counts.get(rid, 0)) for rid, record in records.items()],
+        [library_row(rid, record, len(paths.get(rid, ()))) for rid, record in records.items()],
     )
+
+
+def group_parts(
+    cache: sqlite3.Connection, rids: Sequence[str]
+) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """(rid → its CIDs, rid → its local file paths) of `rids`, in one statement."""
+    members: dict[str, list[str]] = {}
+    paths: dict[str, list[str]] = {}
+    for rid, cid, path in cache.execute(
+        "SELECT i.rid, i.cid, f.path FROM cid_index i LEFT JOIN local_file f "
+        "ON f.midhash = i.cid WHERE i.rid IN (SELECT value FROM json_each(?))",
+        (json_array(rids),),
+    ):
+        cids = members.setdefault(rid, [])
+        if cid not in cids:  # once per CID, however many files it has
+            cids.append(cid)
+        if path is not None:
+            paths.setdefault(rid, []).append(path)
+    return members, paths
+
+
+def index_records(cache: sqlite3.Connection, rids: Sequence[str]) -> None:
+    """The library row and the rendered documents of each of `rids`, from its rows, CIDs and
+    local files as written so far in this transaction."""
+    records = records_rows(cache, rids)
+    members, paths = group_parts(cache, rids)
+    index_library(cache, rids, records, paths)
+    render_documents(cache, members, records, paths)
+
+
+# -- the rendered documents (GET /api/meta/{cid}) ------------------------------------------------
+
+
+def render(value: object) -> bytes:
+    """`value`'s JSON bytes exactly as Starlette's `JSONResponse` renders them."""
+    return json.dumps(
+        value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
+    ).encode("utf-8")
+
+
+def render_rest(cids: Iterable[str], record: Mapping[str, str], paths: Iterable[str]) -> bytes:
+    """A record's `GET /api/meta` document without its leading `cid` member: `{"canonical_cid":
+    …}` (the same for every CID of the group, so stored once per CID and spliced)."""
+    body = merge.document("", cids, record, paths)
+    del body["cid"]
+    return render(body)
+
+
+def splice(asked: str, rest: bytes) -> bytes:
+    """The stored `rest` of a document as asked for by CID `asked`: `cid` first, as
+    `merge.document` orders it."""
+    return b'{"cid":' + render(asked) + b"," + rest[1:]
+
+
+def render_documents(
+    cache: sqlite3.Connection,
+    members: Mapping[str, Sequence[str]],
+    records: Mapping[str, Mapping[str, str]],
+    paths: Mapping[str, Sequence[str]],
+) -> None:
+    """Store the rendered document of each group of `members` (rid → CIDs) under each of its
+    CIDs. A CID leaves `documents` with its index row (`drop`); an unchanged body is not
+    rewritten."""
+    rows = []
+    for rid, cids in members.items():
+        rest = render_rest(cids, records.get(rid, {}), paths.get(rid, ()))
+        rows += [(cid, rest) for cid in cids]
+    cache.executemany(
+        "INSERT INTO documents (cid, body) VALUES (?, ?) "
+        "ON CONFLICT (cid) DO UPDATE SET body = excluded.body WHERE body IS NOT excluded.body",
+        rows,
+    )
+
+
+def data_version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA data_version").fetchone()[0])
+
+
+def rendered(conn: sqlite3.Connection, cid: str) -> bytes | None:
+    """The stored document rest of CID `cid` (this exact spelling), or None."""
+    row = conn.execute("SELECT body FROM documents WHERE cid = ?", (cid,)).fetchone()
+    return None if row is None else bytes(row[0])
 
 
 # -- the applier's transaction ------------------------------------------------------------------
@@ -501,6 +605,7 @@ def build_txn(cache: sqlite3.Connection, source: TruthSource, clock: Clock = now
     cache.execute("DELETE FROM cid_index")
     cache.execute("DELETE FROM feed")
     cache.execute("DELETE FROM library")
+    cache.execute("DELETE FROM documents")
     whole = Scope(whole=True)
     with source.snapshot() as view:
         seq = view.max_seq()
@@ -1108,6 +1213,7 @@ def diff(live: sqlite3.Connection, fresh: sqlite3.Connection) -> list[str]:
         ("records", "SELECT rid, key, value FROM records"),
         ("cid_index", "SELECT cid, rid FROM cid_index"),
         ("library", "SELECT rid, title, name, year, type, files FROM library"),
+        ("documents", "SELECT cid, body FROM documents"),
     ):
         a, b = set(live.execute(sql).fetchall()), set(fresh.execute(sql).fetchall())
         out += [f"{table}: only in live cache: {row}" for row in sorted(a - b)]
@@ -1277,6 +1383,16 @@ class CacheStore(Store):
     @mapped
     def group_by_cid(self, cid: str) -> Group | None:
         return group_by_cid(self.conn, cid)
+
+    @mapped
+    def data_version(self) -> int:
+        """SQLite's `PRAGMA data_version` of the loop connection: it moves whenever another
+        connection (another process's writer) commits (`applier.Follower`)."""
+        return data_version(self.conn)
+
+    @mapped
+    def rendered(self, cid: str) -> bytes | None:
+        return rendered(self.conn, cid)
 
     @mapped
     def group_by_rid(self, rid: str) -> Group | None:

@@ -265,33 +265,90 @@ def watching(settings: config.Settings) -> str:
 @settings_options
 @click.option("--host", default=None, help="Bind address (default 127.0.0.1).")
 @click.option("--port", type=click.IntRange(1, 65_535), default=None, help="Port (default 9000).")
+@click.option(
+    "--workers",
+    type=click.IntRange(0, 256),
+    default=None,
+    help="Serving processes (default: the workers setting; 0 = the number of cores; 1 = one).",
+)
+@click.option("--worker", default=None, hidden=True, help="role:index:fd (set by the supervisor)")
 @reports_errors
 def serve(
-    config_file: str | None, data_dir: str | None, host: str | None, port: int | None
+    config_file: str | None,
+    data_dir: str | None,
+    host: str | None,
+    port: int | None,
+    workers: int | None,
+    worker: str | None,
 ) -> None:
     """Run the node: HTTP API, applier (and, later, the watcher), until SIGINT/SIGTERM."""
-    from metanode import server
-    from metanode.api import create_app
-
-    settings = load_settings(config_file, data_dir=data_dir, host=host, port=port)
+    settings = load_settings(config_file, data_dir=data_dir, host=host, port=port, workers=workers)
     logs.configure(settings.log_level)  # before the data directory: tightening it is logged
+    if worker is not None:
+        serve_worker(settings, worker)
+        return
     datadir.Lock(settings.data_dir).acquire()  # held until the process exits
     maintenance.open_store(settings)
     datadir.check_writable((settings.truth_path, settings.cache_path))
     token, created = maintenance.ensure_token(settings.token_path)
     url = f"http://{settings.host}:{settings.port}"
-    click.echo(f"metanode serving {url}  (data: {settings.data_dir.resolve()})")
+    count = settings.worker_count
+    click.echo(f"metanode serving {url}  (data: {settings.data_dir.resolve()}, workers: {count})")
     click.echo(watching(settings))
     if created:
         click.echo(f"API token, shown once (kept in {settings.token_path}): {token}")
     else:
         click.echo(f"API token: in {settings.token_path}")
+    if count > 1:
+        supervise(settings, count, config_file)
+        return
+    from metanode import server
+    from metanode.api import create_app
+
     app = create_app(node.Node(settings))
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
-    # that was installed before it: make that handler a clean exit (status 0), not a kill.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    stop_cleanly()
     with contextlib.suppress(KeyboardInterrupt):
         server.run(app, settings)
+
+
+def stop_cleanly() -> None:
+    """uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the handler
+    that was installed before it: make that handler a clean exit (status 0), not a kill."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+
+
+def supervise(settings: config.Settings, count: int, config_file: str | None) -> None:
+    """`serve --workers N`: bind once, run the workers (workers.py) until SIGTERM/SIGINT."""
+    from metanode import workers
+
+    try:
+        sock = workers.listen(settings)
+    except OSError as exc:
+        click.echo(f"error: cannot listen on {settings.host}:{settings.port}: {exc}", err=True)
+        raise SystemExit(3) from exc  # as a single process that could not start
+    base = ["--data-dir", str(settings.data_dir), "--host", settings.host]
+    base += ["--port", str(settings.port), *(["--config", config_file] if config_file else [])]
+    workers.Supervisor(count, sock, workers.worker_command(base)).run()
+
+
+def serve_worker(settings: config.Settings, spec: str) -> None:
+    """One worker of `serve --workers N`, on the listening socket its supervisor handed it."""
+    import socket
+
+    from metanode import server, workers
+
+    role, index, fd = spec.split(":")
+    sockets = [socket.socket(fileno=int(fd))]
+    if role == workers.OWNER:
+        sockets.append(workers.owner_socket(settings))
+    app = workers.worker_app(settings, role, int(index))
+    stop_cleanly()
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(app, settings, sockets)
+    finally:
+        if role == workers.OWNER:
+            workers.socket_path(settings).unlink(missing_ok=True)
 
 
 @main.group()

@@ -31,6 +31,12 @@ def setting(default: Any, help: str) -> Any:
 class Settings:
     host: str = setting("127.0.0.1", "Address the HTTP server binds.")
     port: int = setting(9000, "TCP port of the HTTP server.")
+    workers: int = setting(
+        0,
+        "Processes `metanode serve` serves with: 0, the number of cores; 1, one process (the "
+        "simple mode). One owns the writers and the applier, the others serve reads and hand "
+        'everything else to it (docs/architecture.md, "Workers").',
+    )
     max_header_bytes: int = setting(
         65_536,
         "Longest request head (request line and headers), in bytes; a longer one is "
@@ -164,6 +170,8 @@ class Settings:
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65_535:
             raise InvalidRequest(f"setting port: {self.port} is not a TCP port (1 to 65535)")
+        if not 0 <= self.workers <= 256:
+            raise InvalidRequest(f"setting workers: {self.workers} is not from 0 to 256")
         networks("trusted_networks", self.trusted_networks)
         networks("trusted_proxies", self.trusted_proxies)
         if self.webdav_plugin_writes:
@@ -202,6 +210,11 @@ class Settings:
     def plugin_outputs(self) -> Path:
         """Where WebDAV writes under `/webdav/plugin/` go (`webdav_plugin_dir`)."""
         return Path(self.webdav_plugin_dir) if self.webdav_plugin_dir else self.data_dir / "plugin"
+
+    @property
+    def worker_count(self) -> int:
+        """`workers`, 0 read as the number of cores."""
+        return self.workers or os.cpu_count() or 1
 
     @property
     def truth_path(self) -> Path:

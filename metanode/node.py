@@ -39,7 +39,7 @@ from metanode import (
 )
 from metanode import cid as cids
 from metanode import rid as rids
-from metanode.applier import STALL_S, Applier
+from metanode.applier import STALL_S, Applier, Follower
 from metanode.bodies import refuse_unknown
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
@@ -56,6 +56,7 @@ from metanode.errors import (
     UnknownRid,
 )
 from metanode.metrics import Metrics
+from metanode.verifier import Verifier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,18 +73,24 @@ class IngestAnswer:
 class Node:
     """One metanode: its data directory, databases, applier and operations."""
 
-    def __init__(self, settings: Settings, clock: Clock = now_ms) -> None:
-        """`clock` stamps everything the node writes (claims' "now", rids, rows, feed events)."""
+    def __init__(self, settings: Settings, clock: Clock = now_ms, follower: bool = False) -> None:
+        """`clock` stamps everything the node writes (claims' "now", rids, rows, feed events).
+        `follower`: a reader worker of `serve --workers N` (workers.py): it serves reads and
+        feeds from the stores and follows the cache the owner worker applies; it runs no
+        applier, retention, plugins or watcher, and is handed no writes."""
         self.settings = settings
+        self.follower = follower
         self.clock = clock
         self.limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
         self.policy = truth.Policy(settings.accept_unknown_signers)
         self.minter = rids.Minter(clock)
         self.token = ""
         self.session_secret = ""  # signs the web page's session cookies (ui.py)
+        jobs = os.cpu_count() or 2
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=os.cpu_count() or 2, thread_name_prefix="verify"
+            max_workers=jobs, thread_name_prefix="verify"
         )
+        self.verifier = Verifier(self._verify_pool, jobs, self.limits)
         self.metrics = Metrics(self._gauges)
         self.subscribers = 0
         self.owner = self._own_signer(OWNER_NAME, settings.owner_weight)
@@ -102,20 +109,24 @@ class Node:
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
         self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
         self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
-        self.applier = Applier(self.cache, self.truth, self.settings.apply_poll_s)
+        role = Follower if self.follower else Applier
+        self.applier = role(self.cache, self.truth, self.settings.apply_poll_s)
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)
         self.file_hub = feed.Hub(self.cache, lambda: self.applier.state, table=feed.FILE_FEED)
         self.applier.start()
+        self._pruner: asyncio.Task[None] | None = None
+        self.plugin_host: plugins.Host | None = None
+        self.watcher: watcher.Watcher | None = None
+        self.responder = peers.Responder(self.truth.log_head, self.truth.claim_ids)
+        self.peers = peers.Peers(self, self._pull_config())  # followers pull nothing
+        if self.follower:
+            return
         await self.owner.register()  # its key is made at `init`, or here on a first start
         self._pruner = asyncio.create_task(self._retention(), name="retention")
-        self.plugin_host: plugins.Host | None = None
         if self.settings.plugins_enabled:
             self.plugin_host = await self._start_plugins()
-        self.responder = peers.Responder(self.truth.log_head, self.truth.claim_ids)
-        self.peers = peers.Peers(self, self._pull_config())
         for row in self.truth.peers():
             self.peers.follow(row)
-        self.watcher: watcher.Watcher | None = None
         if self.settings.watch_enabled:
             self.watcher = self._make_watcher(self.settings.watch_roots)
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
@@ -250,8 +261,9 @@ class Node:
         if self.plugin_host is not None:
             self._plugins_task.cancel()
             await asyncio.gather(self._plugins_task, return_exceptions=True)
-        self._pruner.cancel()
-        await asyncio.gather(self._pruner, return_exceptions=True)
+        if self._pruner is not None:
+            self._pruner.cancel()
+            await asyncio.gather(self._pruner, return_exceptions=True)
         await asyncio.to_thread(self.truth.stop_writes)
         await self.applier.stop()
         await asyncio.to_thread(self.cache.close)  # drains the jobs reading truth snapshots
@@ -338,33 +350,12 @@ class Node:
         return items
 
     async def _validate(self, items: list[object], now: int) -> list[claims.Claim]:
-        """Validate every claim, signatures on the thread pool; all errors or all claims."""
-        valid, errors = await self._verify(items, now)
+        """Validate every claim off the loop (`verifier.Verifier`: concurrent requests' claims
+        share the pool's jobs); all errors or all claims."""
+        valid, errors = await self.verifier.validate(items, now)
         if errors:
             raise InvalidBatch(errors)
         return valid
-
-    async def _verify(
-        self, items: list[object], now: int
-    ) -> tuple[list[claims.Claim], list[dict[str, Any]]]:
-        """(the valid claims, an error item per invalid one), signatures on the thread pool."""
-        loop = asyncio.get_running_loop()
-        step = max(1, -(-len(items) // (os.cpu_count() or 2)))
-        parts = await asyncio.gather(
-            *(
-                loop.run_in_executor(
-                    self._verify_pool,
-                    claims.validate_items,
-                    items[i : i + step],
-                    i,
-                    now,
-                    self.limits,
-                )
-                for i in range(0, len(items), step)
-            )
-        )
-        errors = [error for _, part_errors in parts for error in part_errors]
-        return [claim for part, _ in parts for claim in part], errors
 
     async def ingest(self, payload: object) -> IngestAnswer:
         """POST /api/claims: validate all, commit all in one transaction, wait for the cache."""
@@ -459,7 +450,7 @@ class Node:
         if row is None:
             raise UnknownPeer(f"no peer is named {name!r}")
         now = self.clock()
-        valid, errors = await self._verify(items, now)
+        valid, errors = await self.verifier.validate(items, now)
         page = truth.PeerCursor(name, cursor, len(errors))
         result, refused = await self.truth.ingest_peer(valid, page, row.weight, self.minter, now)
         self.applier.hand(result.written)  # like any ingest: the apply need not read it back
@@ -585,6 +576,14 @@ class Node:
         self.require_ready()
         asked, group = self._find(text, self.cache.group_by_cid)
         return cache.document(group, asked, self._seen_by(group, viewer))
+
+    def meta_bytes(self, text: str) -> bytes:
+        """GET /api/meta/{cid} without a viewer, as JSON bytes: the document the cache
+        rendered when it wrote the record (one primary-key read), with the asked CID spliced
+        in; the same bytes `meta` renders to."""
+        self.require_ready()
+        asked, rest = self._find(text, self.cache.rendered)
+        return cache.splice(asked, rest)
 
     def active_rid(self, text: str) -> str:
         """The rid `text` names, if active; 404 `merged` (with the survivor) or `unknown_rid`."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any, ClassVar
 
 import uvicorn
@@ -172,8 +173,9 @@ def protocol_for(settings: Settings) -> type[BoundedHttpTools]:
     return Protocol
 
 
-def run(app: ASGIApp, settings: Settings) -> None:
-    """Serve `app` until SIGINT/SIGTERM; exit like `uvicorn.run` if the server never started."""
+def run(app: ASGIApp, settings: Settings, sockets: list[socket.socket] | None = None) -> None:
+    """Serve `app` until SIGINT/SIGTERM (on `sockets` if given: a worker's, workers.py); exit
+    like `uvicorn.run` if the server never started."""
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -189,6 +191,6 @@ def run(app: ASGIApp, settings: Settings) -> None:
         forwarded_allow_ips=[str(network) for network in settings.proxies],
     )
     server = uvicorn.Server(config)
-    server.run()
+    server.run(sockets=sockets)
     if not server.started:
         raise SystemExit(STARTUP_FAILURE)

@@ -32,7 +32,9 @@ from metanode.db import (
     connect,
     copy_database,
     executescript_in_txn,
+    make_incremental,
     mapped,
+    reclaim,
     snapshot,
     storage_errors,
 )
@@ -615,10 +617,16 @@ def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Polic
 # -- writes -------------------------------------------------------------------------------------
 
 
+RESERVE_PAGES = 1024  # free pages kept for the next writes (4 MiB) when the outbox is pruned
+
+
 def prune_changes_txn(conn: sqlite3.Connection, applied_seq: int) -> int:
-    """Drop the outbox rows the cache has applied (the cache is all that reads them); returns
-    how many. The seq counter stays, so seqs are never reused."""
-    return conn.execute("DELETE FROM changes WHERE seq <= ?", (applied_seq,)).rowcount
+    """Drop the outbox rows the cache has applied (the cache is all that reads them), and give
+    their space back (`db.reclaim`), so truth.db holds the claims and little else; returns how
+    many rows. The seq counter stays, so seqs are never reused."""
+    pruned = conn.execute("DELETE FROM changes WHERE seq <= ?", (applied_seq,)).rowcount
+    reclaim(conn, RESERVE_PAGES)
+    return pruned
 
 
 ChangeRow = tuple[str, str | None, str | None, str | None, str | None, str | None, int]
@@ -1171,6 +1179,12 @@ class TruthStore(Store):
         super().__init__(path, clock)
         self._source: sqlite3.Connection | None = None
         self._source_lock = threading.Lock()
+
+    def migrate(self) -> None:
+        """The schema, then incremental vacuum (`db.make_incremental`: a VACUUM once, outside
+        any transaction, so not a numbered migration), so pruning the outbox shrinks the file."""
+        super().migrate()
+        make_incremental(self.path)
 
     def open(self) -> Self:
         """Migrate, start the writer, open the loop's read connection and the apply's."""

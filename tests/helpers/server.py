@@ -35,6 +35,7 @@ class Server:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    workers: int = 1  # `serve --workers`: 1 is the simple mode most tests mean
 
     @property
     def url(self) -> str:
@@ -83,6 +84,8 @@ class Server:
                         str(self.data_dir),
                         "--port",
                         str(self.port),
+                        "--workers",
+                        str(self.workers),
                     ],
                     env={**self.base_env(), **self.env},
                     cwd=self.data_dir.parent,

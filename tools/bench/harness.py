@@ -9,6 +9,7 @@ its `with` block ends, whatever happened inside it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -154,12 +155,13 @@ def metanode_argv(data_dir: Path, port: int) -> list[str]:
 
 @contextmanager
 def metanode_server(data_dir: Path, **env: str) -> Iterator[ServerProc]:
-    """A real `metanode serve` (uvicorn) on a fresh port, ready once its cache is ready."""
+    """A real `metanode serve` (uvicorn) on a fresh port, ready once its cache is ready; one
+    process unless `env` sets `METANODE_WORKERS` (tools/bench/workers.py)."""
     port = free_port()
     server = ServerProc(
         metanode_argv(data_dir, port),
         port,
-        clean_env(**env),
+        clean_env(**{"METANODE_WORKERS": "1", **env}),
         cwd=data_dir.parent,
         log_path=data_dir.parent / f"serve-{port}.log",
     )
@@ -302,6 +304,27 @@ def profile_summary(path: Path, top: int = 25) -> str:
     out += ["inclusive (function and everything it calls):", *ranked(inclusive, top)]
     out += ["self (the innermost Python frame; C calls count to their caller):", *ranked(leaf, top)]
     return "\n".join(out)
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and its descendants (a supervisor and its workers), from /proc's children lists."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError):
+                todo += [int(child) for child in task.read_text().split()]
+    return out
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds so far of `pid` and its descendants' threads (exited ones not counted)."""
+    total = 0.0
+    for each in process_tree(pid):
+        with contextlib.suppress(OSError):
+            total += sum(task_cpu(each).values())
+    return total
 
 
 def task_cpu(pid: int) -> dict[int, float]:

@@ -169,8 +169,8 @@ async def _breakdown(
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    from metanode import cache, logs
-    from metanode.api import Observe, create_app
+    from metanode import cache, logs, ui
+    from metanode.api import Edge, create_app
     from metanode.node import Node
 
     devnull = open(os.devnull, "w")  # noqa: SIM115  # closed in the finally below
@@ -207,13 +207,14 @@ async def _breakdown(
         bare_meta = Starlette(routes=[Route("/api/meta/{cid}", meta_only)])
         bare_observe = Starlette(
             routes=[Route("/api/meta/{cid}", bare_app.meta)],
-            middleware=[Middleware(Observe, node=node)],
+            middleware=[Middleware(Edge, node=node, sessions=ui.Sessions(node))],
         )
         bare_cors = Starlette(
             routes=[Route("/api/meta/{cid}", bare_app.meta)],
             middleware=[Middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["GET"])],
         )
         sync_parts: list[tuple[str, Callable[[str], object]]] = [
+            ("node.meta_bytes(cid) (the stored rendering, spliced)", node.meta_bytes),
             ("node.meta(cid)", node.meta),
             ("  node.resolve_cid (normalise, alias, lookup)", node.resolve_cid),
             ("    cid.alias alone (computed even on a hit)", cids.alias),
@@ -227,7 +228,7 @@ async def _breakdown(
             ("bare app, route body = JSONResponse(node.meta(cid)) (ASGI)", bare_meta),
             ("bare app + CORSMiddleware (ASGI)", bare_cors),
             (
-                f"bare app + metanode's Observe (access log at {log_level}, histogram) (ASGI)",
+                f"bare app + metanode's Edge (access log at {log_level}, histogram) (ASGI)",
                 bare_observe,
             ),
         ]

@@ -1,0 +1,390 @@
+"""`metanode serve --workers N`: N processes serve one port, so reads use every core.
+
+One Python process serves one core's worth of requests; SQLite readers in separate processes do
+not block each other (WAL), so more processes read more. Writes stay single: exactly one worker,
+the **owner**, holds the writer threads, the applier, retention, the plugins and the watcher,
+as `--workers 1` does. The others, **readers**, run a follower `Node` (`Node(follower=True)`:
+the same stores, read connections only, an `applier.Follower` that publishes the states the
+owner's applier commits) and answer the reads themselves (`READS`); every other request
+(writes, the web page, WebDAV, file bytes, `/health`, `/metrics`, anything with a cookie) is
+handed to the owner whole over a Unix socket in the data directory (`Forward`), and its answer
+streamed back. So a write answered by any worker was answered by the owner after its cache
+commit, and the next read, in any worker, sees it (read-your-writes); the feed is the same on
+every worker (each reads cache.db's feed tables, woken by its follower).
+
+Handing writes over, not taking SQLite's write lock in turn: the group commit (db.Writer)
+coalesces only what one process queues, and the applier must be one (it owns `applied_seq`);
+a write is a few hundred microseconds of work against ≈ 100 µs for the extra hop
+(docs/benchmarks.md, "Every core").
+
+The **supervisor** (`supervise`, the `serve` process itself) holds the data directory's lock,
+binds the listening socket once and hands it to each worker (`pass_fds`: the kernel spreads
+the connections among the processes that accept on it), restarts a worker that died, and on
+SIGTERM/SIGINT stops them all. Workers die with it (`PR_SET_PDEATHSIG`), so a SIGKILL of the
+supervisor ends the node as it ends a single-process one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import httptools
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from metanode.api import create_app, error_response
+from metanode.config import Settings
+from metanode.errors import UnavailableError
+from metanode.node import Node
+
+log = logging.getLogger(__name__)
+OWNER = "owner"
+READER = "reader"
+SOCKET_NAME = "owner.sock"  # in the data directory (mode 0700): the owner's private door
+CLIENT_HEADER = b"x-metanode-client"  # the client address a reader saw, for the owner's perimeter
+WORKER_HEADER = b"x-metanode-worker"  # which worker answered (tests, debugging)
+HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer"}
+SERVERS_OWN = {*HOP_BY_HOP, b"date", b"server"}  # the reader's uvicorn sends its own
+# Not passed on to the owner: `Expect: 100-continue` was answered by the reader's uvicorn (the
+# owner's interim 100 would end the answer being parsed), and a client's own X-Metanode-Client.
+NOT_PASSED_ON = {*HOP_BY_HOP, b"expect", CLIENT_HEADER}
+RESTART_S = 0.5  # a worker that died is restarted after this
+STOP_S = 15.0  # what stopping may take before the supervisor kills a worker
+PR_SET_PDEATHSIG = 1
+
+# The reads a reader answers itself (GET/HEAD, by exact path or by a prefix ending in "/");
+# everything else goes to the owner.
+READS = (
+    "/api/meta/",
+    "/api/metadata/",
+    "/api/hash-ids",
+    "/api/files",
+    "/api/events",
+    "/api/events/",
+    "/api/signers",
+    "/openapi.json",
+    "/meta",
+    "/meta/",
+)
+
+
+def socket_path(settings: Settings) -> Path:
+    return settings.data_dir / SOCKET_NAME
+
+
+def answers_itself(scope: Scope) -> bool:
+    """Whether a reader answers this request itself: a GET or HEAD of a read route, without a
+    cookie (the web page's sessions live in the owner)."""
+    if scope["method"] not in ("GET", "HEAD"):
+        return False
+    if any(name == b"cookie" for name, _ in scope["headers"]):
+        return False
+    path: str = scope["path"]
+    return any(path == read or (read.endswith("/") and path.startswith(read)) for read in READS)
+
+
+class Tagged:
+    """Names the worker in each answer's `X-Metanode-Worker`."""
+
+    def __init__(self, app: ASGIApp, name: str) -> None:
+        self.app = app
+        self.name = name.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def tagged(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (WORKER_HEADER, self.name)]
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+class FromReader:
+    """The owner's side of the Unix socket: a request a reader handed over keeps the client
+    address the reader saw (`X-Metanode-Client`), so the perimeter decides on it. Only on the
+    Unix socket (whose scope has no port), never on the TCP one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server = scope.get("server")
+        if scope["type"] == "http" and server is not None and server[1] is None:
+            headers = [(k, v) for k, v in scope["headers"] if k != CLIENT_HEADER]
+            given = dict(scope["headers"]).get(CLIENT_HEADER, b"").decode("latin-1")
+            host, _, port = given.rpartition(":")
+            scope = {**scope, "headers": headers, "client": (host, int(port)) if host else None}
+        await self.app(scope, receive, send)
+
+
+class _Answer:
+    """httptools callbacks collecting one response: its status, headers and body pieces."""
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.pieces: list[bytes] = []
+        self.head_done = False
+        self.sent = False  # the answer's start went to the client
+        self.done = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+
+
+class Forward:
+    """A reader's way to the owner: the request, its body streamed, over a pool of keep-alive
+    connections to the owner's Unix socket; the answer streamed back as it comes (httptools
+    parses it). Plain asyncio streams, not an HTTP client library: httpx's async client cost
+    ≈ 1 ms a request here (docs/benchmarks.md, "Every core"). No owner answering (it is
+    restarting): 503 `unavailable`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bool]:
+        """(reader, writer, whether it was pooled): a pooled one the owner has not closed."""
+        while self.idle:
+            reader, writer = self.idle.pop()
+            if not reader.at_eof() and not writer.is_closing():
+                return reader, writer, True
+            writer.close()
+        reader, writer = await asyncio.open_unix_connection(str(self.path))
+        return reader, writer, False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        head, body = self._head(scope), _has_body(scope)
+        for attempt in range(2):
+            answer, writer, pooled = _Answer(), None, False
+            try:
+                reader, writer, pooled = await self._connection()
+                writer.write(head)
+                if body:
+                    await self._send_body(receive, writer, scope)
+                await writer.drain()
+                parser = httptools.HttpResponseParser(answer)
+                await self._relay(reader, parser, answer, scope, send)
+            except (OSError, EOFError, httptools.HttpParserError):
+                if writer is not None:
+                    writer.close()
+                if answer.sent:
+                    raise  # the answer has begun: only closing the client's connection is left
+                if attempt == 0 and pooled and not body:
+                    continue  # a keep-alive connection the owner closed as it was reused
+                refusal = UnavailableError("the owner worker is not answering (restarting?); retry")
+                await error_response(refusal)(scope, receive, send)
+                return
+            if answer.done and scope["method"] != "HEAD" and parser.should_keep_alive():
+                self.idle.append((reader, writer))
+            else:
+                writer.close()
+            return
+
+    async def _relay(
+        self,
+        reader: asyncio.StreamReader,
+        parser: httptools.HttpResponseParser,
+        answer: _Answer,
+        scope: Scope,
+        send: Send,
+    ) -> None:
+        """Read the owner's answer and send it on as it comes."""
+        while not answer.done:
+            data = await reader.read(65_536)
+            if not data:
+                raise EOFError("the owner closed the connection")
+            parser.feed_data(data)
+            if answer.head_done and not answer.sent:
+                headers = [(k, v) for k, v in answer.headers if k not in SERVERS_OWN]
+                status = parser.get_status_code()
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                answer.sent = True
+                if scope["method"] == "HEAD":
+                    break
+            if answer.pieces:
+                chunk, answer.pieces = b"".join(answer.pieces), []
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    def _head(scope: Scope) -> bytes:
+        target = scope["raw_path"] + (
+            b"?" + scope["query_string"] if scope["query_string"] else b""
+        )
+        lines = [scope["method"].encode("latin-1") + b" " + target + b" HTTP/1.1"]
+        lines += [k + b": " + v for k, v in scope["headers"] if k not in NOT_PASSED_ON]
+        client = scope.get("client")
+        if client:
+            lines.append(CLIENT_HEADER + f": {client[0]}:{client[1]}".encode("latin-1"))
+        if b"transfer-encoding" in dict(scope["headers"]):
+            lines.append(b"transfer-encoding: chunked")
+        return b"\r\n".join(lines) + b"\r\n\r\n"
+
+    @staticmethod
+    async def _send_body(receive: Receive, writer: asyncio.StreamWriter, scope: Scope) -> None:
+        """The request body as it arrives: as is under its `Content-Length`, else chunked."""
+        chunked = b"content-length" not in dict(scope["headers"])
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ConnectionError("the client left")
+            piece = message.get("body", b"")
+            if chunked and piece:
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            elif piece:
+                writer.write(piece)
+            await writer.drain()
+            if not message.get("more_body", False):
+                break
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+
+
+def _has_body(scope: Scope) -> bool:
+    headers = dict(scope["headers"])
+    return b"content-length" in headers or b"transfer-encoding" in headers
+
+
+class Reader:
+    """A reader worker's app: the reads by its follower node's app, the rest to the owner."""
+
+    def __init__(self, local: ASGIApp, owner: Forward) -> None:
+        self.local = local
+        self.owner = owner
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and not answers_itself(scope):
+            await self.owner(scope, receive, send)
+        else:
+            await self.local(scope, receive, send)  # and the lifespan: the follower node's
+
+
+def worker_app(settings: Settings, role: str, index: int) -> ASGIApp:
+    """The ASGI app of worker `index` in `role`."""
+    if role == OWNER:
+        return Tagged(FromReader(create_app(Node(settings))), OWNER)
+    local = create_app(Node(settings, follower=True))
+    return Tagged(Reader(local, Forward(socket_path(settings))), f"{READER}-{index}")
+
+
+def owner_socket(settings: Settings) -> socket.socket:
+    """The owner's Unix socket, a stale one from a killed owner replaced."""
+    path = socket_path(settings)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, 0o600)
+    return sock
+
+
+# -- the supervisor -------------------------------------------------------------------------------
+
+
+def listen(settings: Settings) -> socket.socket:
+    """The one listening socket every worker accepts on."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.create_server((settings.host, settings.port), family=family, backlog=2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the supervisor dies, however it dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class Supervisor:
+    """Runs the workers (`argv(role, index, fd)` is a worker's command line) until a stop
+    signal; restarts any that exits meanwhile."""
+
+    def __init__(
+        self, workers: int, sock: socket.socket, argv: Callable[[str, int, int], Sequence[str]]
+    ) -> None:
+        self.roles = [(OWNER if i == 0 else READER, i) for i in range(workers)]
+        self.sock = sock
+        self.argv = argv
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.stopping = False
+
+    def _spawn(self, role: str, index: int) -> None:
+        fd = self.sock.fileno()
+        self.procs[index] = subprocess.Popen(
+            self.argv(role, index, fd), pass_fds=(fd,), preexec_fn=_die_with_parent
+        )
+        log.info("worker %d (%s) started: pid %d", index, role, self.procs[index].pid)
+
+    def _stop(self, signum: int, frame: object) -> None:
+        self.stopping = True
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        for role, index in self.roles:
+            self._spawn(role, index)
+        while not self.stopping:
+            for role, index in self.roles:
+                code = self.procs[index].poll()
+                if code is not None and not self.stopping:
+                    log.warning("worker %d (%s) exited (%s); restarting", index, role, code)
+                    time.sleep(RESTART_S)
+                    self._spawn(role, index)
+            time.sleep(0.1)
+        self._stop_all()
+
+    def _stop_all(self) -> None:
+        """SIGTERM to every worker (readers first: they hand requests to the owner), then wait;
+        SIGKILL what is still running after `STOP_S`."""
+        order = sorted(self.procs, reverse=True)
+        for index in order:
+            with contextlib.suppress(ProcessLookupError):
+                self.procs[index].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_S
+        for index in order:
+            try:
+                self.procs[index].wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker %d did not stop in %.0f s: killed", index, STOP_S)
+                self.procs[index].kill()
+                self.procs[index].wait()
+
+
+def worker_command(base: Sequence[str]) -> Callable[[str, int, int], list[str]]:
+    """A worker's command line: `metanode serve` with the supervisor's own options (`base`)."""
+
+    def argv(role: str, index: int, fd: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "metanode",
+            "serve",
+            *base,
+            "--worker",
+            f"{role}:{index}:{fd}",
+        ]
+
+    return argv

@@ -1,0 +1,112 @@
+"""The rendered documents (cache schema 6): `GET /api/meta/{cid}` answers the bytes the cache
+stored when it wrote the record, and they are the bytes its document renders to, for every CID
+of a group, through joins, merges, local files and their removal; `?as=` still answers the
+viewer's own view; `check` compares them; the migration renders an older cache's records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from metanode import cache, db, merge
+from metanode import cid as cids
+from metanode.maintenance import check
+from metanode.node import Node
+from tests.helpers.claims import Signer, post, register
+
+A, B, C = (cids.midhash_bytes(f"rendered {n}".encode()) for n in "ABC")
+
+
+@pytest.fixture
+async def linker(client: httpx.AsyncClient) -> Signer:
+    signer = Signer()
+    await register(client, signer, may_link=True, name="linker")
+    return signer
+
+
+async def assert_served_as_rendered(client: httpx.AsyncClient, node: Node) -> None:
+    """Every CID the cache indexes (and its alias spelling, where it has one) is answered the
+    stored document with the asked CID spliced in: exactly the bytes of `node.meta`'s document."""
+    every = [r[0] for r in node.cache.conn.execute("SELECT cid FROM cid_index")]
+    assert every
+    for cid in every:
+        for spelling in filter(None, (cid, cids.alias(cid))):
+            response = await client.get(f"/api/meta/{spelling}")
+            assert response.status_code == 200, response.text
+            assert response.headers["content-type"] == "application/json"
+            assert response.content == cache.render(node.meta(spelling))
+            assert response.json()["cid"] == cids.normalise(spelling)
+
+
+async def test_every_cid_is_answered_its_rendered_document_through_joins_merges_and_files(
+    client: httpx.AsyncClient, node: Node, linker: Signer
+) -> None:
+    await post(client, linker.claim(A, "title", "Ünïcode “quoted” \\ title"))
+    await post(client, linker.claim(B, "title", "b"), linker.claim(C, "year", "1999"))
+    await assert_served_as_rendered(client, node)
+    await post(client, linker.claim(A, f"cids/{B}", "true"))  # B's group joins A's
+    await assert_served_as_rendered(client, node)
+    await node.ensure_groups([C])
+    await node.apply_local([merge.LocalFile("/media/c.mkv", C, 7, 1, 1)], [])
+    doc = (await client.get(f"/api/meta/{C}")).json()
+    assert doc["paths"] == ["/media/c.mkv"] and doc["filePath"] == "/media/c.mkv"
+    await post(client, linker.claim(C, f"cids/{A}", "true"))  # merges the two groups
+    await assert_served_as_rendered(client, node)
+    await node.apply_local([], ["/media/c.mkv"])
+    assert (await client.get(f"/api/meta/{A}")).json()["paths"] == []
+    await assert_served_as_rendered(client, node)
+    unknown = cids.midhash_bytes(b"never claimed")
+    response = await client.get(f"/api/meta/{unknown}")
+    assert (response.status_code, response.json()["error"]) == (404, "unknown_cid")
+
+
+async def test_a_viewer_is_answered_its_own_view_not_the_stored_one(
+    client: httpx.AsyncClient, node: Node
+) -> None:
+    light, heavy = Signer(), Signer()
+    await register(client, light)
+    await register(client, heavy, weight=3)
+    await post(client, light.claim(A, "title", "light's"), heavy.claim(A, "title", "heavy's"))
+    assert (await client.get(f"/api/meta/{A}")).json()["metadata"]["title"] == "heavy's"
+    seen = await client.get(f"/api/meta/{A}", params={"as": light.uid})
+    assert seen.json()["metadata"]["title"] == "light's"
+    assert seen.json() == node.meta(A, light.uid)
+
+
+async def test_check_finds_a_tampered_document(
+    client: httpx.AsyncClient, node: Node, linker: Signer, tmp_path: Path
+) -> None:
+    await post(client, linker.claim(A, "title", "truth"))
+    assert check(node.settings, tmp_path / "fresh.db").clean
+    await node.cache.writer.run(
+        lambda conn: conn.execute("UPDATE documents SET body = CAST('{}' AS BLOB)")
+    )
+    report = check(node.settings, tmp_path / "scratch.db")
+    assert not report.clean
+    assert any(line.startswith("documents: ") for line in report.differences)
+
+
+def test_an_older_cache_gets_its_documents_from_the_migration(tmp_path: Path) -> None:
+    """Cache schema 6 renders the records an older cache holds, so an upgraded node answers
+    them without a rebuild."""
+    rid = "01M8T1AD8YE3198EENNAK7KT12"
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:5])
+        conn.executescript(
+            f"INSERT INTO records VALUES ('{rid}', 'title', 'Old Lamp'),"
+            f"('{rid}', 'filePath', '/m/old.lamp.mkv');"
+            f"INSERT INTO cid_index VALUES ('{A}', '{rid}'), ('{B}', '{rid}');"
+            f"INSERT INTO local_file VALUES ('/m/old.lamp.mkv', '{A}', 1, 1, 1);"
+        )
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 6
+        group = cache.group_by_cid(conn, B)
+        assert group is not None
+        for cid in (A, B):
+            rest = cache.rendered(conn, cid)
+            assert rest is not None
+            assert cache.splice(cid, rest) == cache.render(cache.document(group, cid))
+    finally:
+        conn.close()
