@@ -21,6 +21,7 @@ from metanode import cid as cids
 from metanode import claims as claims_mod
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer
+from tests.helpers.load import kill_under_load
 from tests.helpers.server import Server, metanode_check, wait_caught_up
 from tests.helpers.settings import settings_for
 
@@ -73,52 +74,18 @@ def test_sigkill_mid_ingest_loses_no_acknowledged_claim(tmp_path: Path, launch: 
     signer = Signer()
     register(first, signer)
 
-    acknowledged: list[list[dict[str, Any]]] = []
-    in_doubt: list[list[dict[str, Any]]] = []  # sent, but no answer came back
-    refused: list[str] = []
-    lock = threading.Lock()
-    enough = threading.Event()
-    stop = threading.Event()
+    def make_batch(worker: int, n: int) -> list[dict[str, Any]]:
+        return [
+            signer.claim(
+                cids.midhash_bytes(f"crash-{worker}-{n}-{i}".encode()),
+                "title",
+                f"title {worker}-{n}-{i}",
+            )
+            for i in range(50)
+        ]
 
-    def poster(worker: int) -> None:
-        with httpx.Client(base_url=first.url, headers=first.headers, timeout=30) as http:
-            n = 0
-            while not stop.is_set():
-                batch = [
-                    signer.claim(
-                        cids.midhash_bytes(f"crash-{worker}-{n}-{i}".encode()),
-                        "title",
-                        f"title {worker}-{n}-{i}",
-                    )
-                    for i in range(50)
-                ]
-                n += 1
-                try:
-                    response = http.post("/api/claims", json={"claims": batch})
-                except httpx.TransportError:
-                    with lock:
-                        in_doubt.append(batch)
-                    return
-                with lock:
-                    if response.status_code in (200, 202):
-                        acknowledged.append(batch)
-                    else:
-                        refused.append(f"{response.status_code} {response.text}")
-                    if len(acknowledged) >= 10:
-                        enough.set()
-
-    threads = [threading.Thread(target=poster, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    try:
-        assert enough.wait(timeout=30), f"10 batches were never acknowledged; refused: {refused}"
-        assert first.stop(signal.SIGKILL) == -signal.SIGKILL
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads)
-    assert not refused, refused
+    killed = kill_under_load(first, make_batch, posters=4, enough=10, deadline_s=30)
+    acknowledged, in_doubt = killed.acknowledged, killed.in_doubt
 
     # A batch that got no answer is atomic: all of it was committed, or none of it.
     stored = stored_claims(data / "truth.db", signer.uid)

@@ -21,6 +21,7 @@ import httpx
 from metanode import cid as cids
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
+from tests.helpers.load import kill_under_load
 from tests.helpers.server import Server, metanode_check, wait_caught_up
 
 DEADLINE_S = 60.0
@@ -215,41 +216,14 @@ def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
 def hammer(srv: Server, signer: Signer) -> list[dict[str, Any]]:
     """Post single claims from 16 threads until 200 are acknowledged, then SIGKILL the server;
     the acknowledged claims."""
-    acknowledged: list[dict[str, Any]] = []
-    refused: list[str] = []
-    lock, enough, stop = threading.Lock(), threading.Event(), threading.Event()
-
-    def poster(worker: int) -> None:
-        with httpx.Client(base_url=srv.url, headers=srv.headers, timeout=30) as http:
-            for n in range(10_000):
-                if stop.is_set():
-                    return
-                claim = claim_for(signer, f"load {worker}-{n}")
-                try:
-                    response = http.post("/api/claims", json={"claims": [claim]})
-                except httpx.TransportError:
-                    return
-                with lock:
-                    if response.status_code in (200, 202):
-                        acknowledged.append(claim)
-                    else:
-                        refused.append(f"{response.status_code} {response.text}")
-                    if len(acknowledged) >= 200:
-                        enough.set()
-
-    threads = [threading.Thread(target=poster, args=(w,)) for w in range(16)]
-    for t in threads:
-        t.start()
-    try:
-        assert enough.wait(timeout=DEADLINE_S), f"never 200 acknowledged; refused: {refused}"
-        assert srv.stop(signal.SIGKILL) == -signal.SIGKILL
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(timeout=DEADLINE_S)
-    assert not refused, refused
-    with lock:
-        return list(acknowledged)
+    killed = kill_under_load(
+        srv,
+        lambda worker, n: [claim_for(signer, f"load {worker}-{n}")],
+        posters=16,
+        enough=200,
+        deadline_s=DEADLINE_S,
+    )
+    return [claim for batch in killed.acknowledged for claim in batch]
 
 
 async def test_the_apply_reads_back_nothing_an_ingest_of_new_records_wrote(
