@@ -19,7 +19,7 @@ from mutagen.flac import FLAC
 
 from metanode import claims, keys
 from metanode.watcher import midhash_file
-from tests.helpers.server import Server
+from tests.helpers.server import PLUGINS_ON, Server, plugins_server
 from tests.helpers.wait import poll
 
 BOMB = b"""<?xml version="1.0"?>
@@ -49,17 +49,9 @@ def ffmpeg() -> str:
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory, ffmpeg: str) -> Iterator[Server]:
-    root = tmp_path_factory.mktemp("media-server")
-    server = Server(
-        root / "data",
-        env={
-            "METANODE_PLUGINS_ENABLED": "true",
-            "METANODE_WATCH_SETTLE_S": "0.3",
-            "METANODE_PLUGIN_WORKERS": "2",
-        },
-    ).start()
-    yield server
-    server.stop()
+    data = tmp_path_factory.mktemp("media-server") / "data"
+    with plugins_server(data, METANODE_PLUGIN_WORKERS="2") as server:
+        yield server
 
 
 def make_video(
@@ -378,11 +370,7 @@ def test_without_ffprobe_mediainfo_is_skipped_with_a_reason_and_blocks_nothing(
 ) -> None:
     server = Server(
         tmp_path / "data",
-        env={
-            "METANODE_PLUGINS_ENABLED": "true",
-            "METANODE_WATCH_SETTLE_S": "0.3",
-            "MEDIAINFO_FFPROBE": str(tmp_path / "no-such-ffprobe"),
-        },
+        env={**PLUGINS_ON, "MEDIAINFO_FFPROBE": str(tmp_path / "no-such-ffprobe")},
     ).start()
     try:
 

@@ -18,7 +18,7 @@ from metanode import cid as cids
 from metanode import keys
 from metanode import rid as rids
 from metanode.client import Client, ClientError, Event, parse_frames
-from tests.helpers.server import Server
+from tests.helpers.server import Server, plugins_server
 from tests.helpers.wait import poll
 
 MIB = 1 << 20
@@ -34,12 +34,8 @@ MKV_HEAD = bytes.fromhex(
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One real server with the built-in plugins on, shared by this module's tests (each test
     drops its own files)."""
-    root = tmp_path_factory.mktemp("plugins-server")
-    server = Server(
-        root / "data", env={"METANODE_PLUGINS_ENABLED": "true", "METANODE_WATCH_SETTLE_S": "0.3"}
-    ).start()
-    yield server
-    server.stop()
+    with plugins_server(tmp_path_factory.mktemp("plugins-server") / "data") as server:
+        yield server
 
 
 def media(srv: Server) -> Path:

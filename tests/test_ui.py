@@ -23,7 +23,7 @@ from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expec
 
 from metanode import cache, db
 from tests.helpers.claims import Signer
-from tests.helpers.server import Server
+from tests.helpers.server import Server, plugins_server
 from tests.helpers.wait import poll
 
 CHROMIUM = "/usr/bin/chromium"
@@ -75,13 +75,8 @@ def browser(playwright: Playwright, chromium: str) -> Iterator[Browser]:
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One real server with the built-in plugins on, shared by the module (each test drops
     files of its own)."""
-    root = tmp_path_factory.mktemp("ui-server")
-    server = Server(
-        root / "data", env={"METANODE_PLUGINS_ENABLED": "true", "METANODE_WATCH_SETTLE_S": "0.3"}
-    ).start()
-    server.media.mkdir(exist_ok=True)
-    yield server
-    server.stop()
+    with plugins_server(tmp_path_factory.mktemp("ui-server") / "data") as server:
+        yield server
     server.print_log()
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -165,3 +167,19 @@ def metanode_check(data_dir: Path) -> str:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "clean" in done.stdout, done.stdout
     return done.stdout
+
+
+# The environment of a server that runs the built-in plugins on what its watcher sees, settling
+# files quickly (the plugin and page tests drop files and wait for the plugins' claims).
+PLUGINS_ON = {"METANODE_PLUGINS_ENABLED": "true", "METANODE_WATCH_SETTLE_S": "0.3"}
+
+
+@contextlib.contextmanager
+def plugins_server(data_dir: Path, **env: str) -> Iterator[Server]:
+    """A started server with `PLUGINS_ON` (and `env`) and its media folder made; stopped after."""
+    server = Server(data_dir, env={**PLUGINS_ON, **env}).start()
+    server.media.mkdir(exist_ok=True)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -18,16 +18,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import nacl.signing
 
 from metanode import claims
+
+T = TypeVar("T")
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 120.0
@@ -477,3 +479,26 @@ def run_wrk(url: str, script: Path, duration: float, connections: int, threads: 
     if any(errors):
         raise RuntimeError(f"wrk saw errors (connect, read, write, non-2xx, timeout) = {errors}")
     return Run(requests / (duration_us / 1e6), p50_us / 1e3, p99_us / 1e3, requests)
+
+
+async def max_stall_ms(work: Awaitable[T]) -> tuple[T, float]:
+    """`work`'s result, and the longest the loop went without running a 1 ms ticker meanwhile."""
+    worst = 0.0
+    done = False
+
+    async def tick() -> None:
+        nonlocal worst
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            worst, last = max(worst, now - last), now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    try:
+        result = await work
+    finally:
+        done = True
+        await ticker
+    return result, worst * 1e3

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+import harness
 import nacl.signing
 
 from metanode import cache, claims, config, db, maintenance, rid, truth
@@ -120,29 +121,6 @@ def build(data_dir: Path, records: int) -> list[str]:
 # -- measuring ----------------------------------------------------------------------------------
 
 
-async def max_stall_ms(work: Awaitable[T]) -> tuple[T, float]:
-    """`work`'s result, and the longest the loop went without running a 1 ms ticker meanwhile."""
-    worst = 0.0
-    done = False
-
-    async def tick() -> None:
-        nonlocal worst
-        last = time.perf_counter()
-        while not done:
-            await asyncio.sleep(0.001)
-            now = time.perf_counter()
-            worst, last = max(worst, now - last), now
-
-    ticker = asyncio.create_task(tick())
-    await asyncio.sleep(0)
-    try:
-        result = await work
-    finally:
-        done = True
-        await ticker
-    return result, worst * 1e3
-
-
 async def snapshot_aiosqlite(store: cache.CacheStore) -> int:
     reading = await store.records_reading((), PAGE)
     try:
@@ -177,7 +155,7 @@ async def count_pages(page: Callable[[], Awaitable[list[Any]]]) -> int:
 async def timed(work: Callable[[], Awaitable[int]], expect: int) -> tuple[float, float]:
     """(ms, worst loop stall in ms) of one run of `work`, which must return `expect`."""
     started = time.perf_counter()
-    got, stall = await max_stall_ms(work())
+    got, stall = await harness.max_stall_ms(work())
     elapsed = (time.perf_counter() - started) * 1e3
     if got != expect:
         raise RuntimeError(f"read {got} rows, expected {expect}")

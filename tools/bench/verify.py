@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import harness
 import nacl.signing
 
 from metanode import cid as cids
@@ -104,30 +105,19 @@ async def run_way(way: Way, wire: list[object], batch: int, clients: int) -> tup
     batches = [wire[i : i + batch] for i in range(0, len(wire), batch)]
     queue = iter(batches)
     now = now_ms()
-    stall = 0.0
-    done = False
-
-    async def ticker() -> None:
-        nonlocal stall
-        last = time.perf_counter()
-        while not done:
-            await asyncio.sleep(0.001)
-            current = time.perf_counter()
-            stall = max(stall, current - last)
-            last = current
 
     async def client() -> None:
         for items in queue:
             valid = await way(items, now)
             assert len(valid) == len(items)
 
-    tick = asyncio.create_task(ticker())
-    start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
-    elapsed = time.perf_counter() - start
-    done = True
-    await tick
-    return len(wire) / elapsed, stall * 1e3
+    async def all_clients() -> float:
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        return time.perf_counter() - start
+
+    elapsed, stall_ms = await harness.max_stall_ms(all_clients())
+    return len(wire) / elapsed, stall_ms
 
 
 def baseline(wire: list[object]) -> float:
