@@ -750,20 +750,6 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
         click.echo(f"unreadable: {path}", err=True)
 
 
-def _progress_bar() -> Any:
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-    return Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeRemainingColumn(),
-        transient=True,
-        console=Console(stderr=True),
-    )
-
-
 @main.command()
 @click.argument("target", type=click.Path(file_okay=False))
 @settings_options
@@ -794,7 +780,7 @@ def export_command(
     """Write every stored claim, retractions included, as JSON lines of wire claims."""
     settings = load_settings(config_file, data_dir=data_dir)
     total, rows = maintenance.export_claims(settings, uid)
-    with click.open_file(out, "wb") as sink, _progress_bar() as bar:
+    with click.open_file(out, "wb") as sink, logs.progress_bar() as bar:
         task = bar.add_task("claims", total=total)
         for row in rows:
             sink.write(jsonl.encode(row))
@@ -836,7 +822,7 @@ def import_command(
     settings = load_settings(config_file, data_dir=data_dir)
     with _rereadable(source, settings.data_dir.resolve().parent) as f:
         try:
-            with _progress_bar() as bar:
+            with logs.progress_bar() as bar:
                 task = bar.add_task("verifying", total=None)
                 check = maintenance.validate_import(
                     jsonl.read(f), settings, register_signers, lambda n: bar.advance(task, n)
@@ -845,7 +831,7 @@ def import_command(
             _list_failures(exc)
             raise
         f.seek(0)
-        with _progress_bar() as bar:
+        with logs.progress_bar() as bar:
             task = bar.add_task("importing", total=check.claims)
             counts = maintenance.import_claims(
                 settings, jsonl.read(f), check, register_signers, lambda n: bar.advance(task, n)

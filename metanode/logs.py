@@ -10,6 +10,7 @@ import contextvars
 import logging
 import sys
 import time
+from typing import Any
 
 from metanode import jsonl
 
@@ -60,3 +61,20 @@ def configure(level: str, json_lines: bool | None = None) -> None:
     # httpx logs every request at info: a peer follower polling each second would fill the log
     # (its failures are logged by metanode.peers)
     logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
+
+
+def progress_bar() -> Any:
+    """A transient rich progress bar on stderr (description, bar, done of total, time left): the
+    one look of every long command's progress (export, import, the MetaMesh migration tool).
+    rich is imported here, lazily, so a command that shows no bar never pays for it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        console=Console(stderr=True),
+    )

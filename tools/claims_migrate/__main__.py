@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from metanode import config, maintenance
+from metanode import config, logs, maintenance
 from metanode.clock import now_ms
 from metanode.config import Settings
 from metanode.errors import MetanodeError
@@ -80,17 +80,7 @@ class Bar:
 
     def __enter__(self) -> Bar:
         if self.enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
-
-            self._bar = Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeRemainingColumn(),
-                transient=True,
-                console=Console(stderr=True),
-            )
+            self._bar = logs.progress_bar()
             self._bar.start()
             self._tasks["keys"] = self._bar.add_task("reading redis keys", total=self._keys)
         return self
