@@ -329,12 +329,14 @@ class Node:
         """The stream, counted in `subscribers` while it is open; closed with this wrapper, so
         a client that leaves releases what the stream holds at once, not at garbage collection."""
         self.subscribers += 1
+        self.metrics.subscribers.inc()
         try:
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
                     yield chunk
         finally:
             self.subscribers -= 1
+            self.metrics.subscribers.dec()
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -704,7 +706,6 @@ class Node:
             "groups": statuses.get("active", 0),
             "merges": statuses.get("merged", 0),
             "apply_lag": self.health()["apply_lag"],
-            "feed_subscribers": self.subscribers,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": self.cache.local_file_count(),
             "ingest_groups": self.truth.writer.groups,
