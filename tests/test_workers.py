@@ -203,7 +203,7 @@ def test_one_scrape_counts_the_requests_answered_by_every_worker(server: Server)
         owner = clients["owner"]
         wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 1, "the reader's feed")
     wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 0, "the feed closed")
-    assert scrape(owner, "metanode_worker_restarts_total", worker="reader-1") == 0
+    assert restarts_of(owner) == 0
 
 
 def test_a_killed_worker_is_replaced_and_nothing_acknowledged_is_lost(server: Server) -> None:
@@ -230,6 +230,10 @@ def test_shutdown_stops_every_worker_cleanly(server: Server) -> None:
     assert "Finished server process" in server.log_text()
 
 
+def restarts_of(owner: httpx.Client) -> float | None:
+    return scrape(owner, "metanode_worker_restarts_total", worker="reader-1")
+
+
 def restarted(server: Server, killed: int) -> int:
     """The pid of the reader started after `killed` died (waits for it)."""
     wait_for(lambda: role_pids(server).get("reader") not in (None, killed), "a new reader")
@@ -246,13 +250,7 @@ def test_a_worker_that_keeps_dying_is_restarted_after_growing_delays(server: Ser
         wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 1, "the reader's feed")
         for restarts in range(1, 5):
             os.kill(reader, signal.SIGKILL)
-            wait_for(
-                lambda: (
-                    scrape(owner, "metanode_worker_restarts_total", worker="reader-1")  # noqa: B023
-                    == restarts
-                ),
-                f"restart {restarts} counted",
-            )
+            wait_for(lambda: restarts_of(owner) == restarts, f"restart {restarts} counted")  # noqa: B023
             assert owner.get("/api/meta/" + A).headers["x-metanode-worker"] == "owner"
             reader = restarted(server, reader)
     delays = [
