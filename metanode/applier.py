@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,13 +34,51 @@ def cache_needs_build(state: cache.State, source: truth.TruthStore) -> bool:
     return state.applied_seq < newest and (oldest is None or oldest > state.applied_seq + 1)
 
 
-class Applier:
-    """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq."""
+class HotDocuments:
+    """The `hot_documents` setting: the most recently read `GET /api/meta` documents (the
+    stored bytes `load` returns, by exact CID spelling) kept in this process's memory, so a
+    read of a hot one skips its cache.db lookup. Emptied whole whenever the cache commits:
+    by the applier in the step that publishes a committed state (before any waiter wakes, so
+    the answer to a write is never followed by an old document), and, in a reader worker, also
+    at a read that finds `version` (cache.db's `PRAGMA data_version`) moved, since the owner's
+    commit can reach this process's reads before its `Follower` polls. Emptied whole rather than
+    by CID: a follower does not know which CIDs the owner's commit touched, and a hot document
+    is read back at its next miss."""
 
-    def __init__(self, store: cache.CacheStore, source: truth.TruthStore, poll_s: float) -> None:
+    def __init__(
+        self, load: Callable[[str], bytes | None], size: int, version: Callable[[], int] | None
+    ) -> None:
+        self._cached = functools.lru_cache(maxsize=size)(load)
+        self._version = version
+        self._seen: int | None = None
+
+    def __call__(self, cid: str) -> bytes | None:
+        if self._version is not None:
+            seen = self._version()
+            if seen != self._seen:
+                self._seen = seen
+                self.clear()
+        return self._cached(cid)
+
+    def clear(self) -> None:
+        self._cached.cache_clear()
+
+
+class Applier:
+    """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq;
+    empties the hot documents (if any) at each publish."""
+
+    def __init__(
+        self,
+        store: cache.CacheStore,
+        source: truth.TruthStore,
+        poll_s: float,
+        documents: HotDocuments | None = None,
+    ) -> None:
         self._store = store
         self._source = source
         self._poll_s = poll_s
+        self._documents = documents
         self._wake = asyncio.Event()
         self._published = asyncio.Event()  # set (and replaced) at every publish
         self.state = store.state()
@@ -159,6 +198,8 @@ class Applier:
             self.state.file_feed_seq,
         ):
             self.state = state
+        if self._documents is not None:
+            self._documents.clear()
         self.progressed = time.monotonic()
         published, self._published = self._published, asyncio.Event()
         published.set()

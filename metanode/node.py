@@ -39,7 +39,7 @@ from metanode import (
 )
 from metanode import cid as cids
 from metanode import rid as rids
-from metanode.applier import STALL_S, Applier, Follower
+from metanode.applier import STALL_S, Applier, Follower, HotDocuments
 from metanode.bodies import refuse_unknown
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
@@ -109,8 +109,10 @@ class Node:
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
         self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
         self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
+        documents = self._hot_documents(self.settings.hot_documents)
+        self._rendered = self.cache.rendered if documents is None else documents
         role = Follower if self.follower else Applier
-        self.applier = role(self.cache, self.truth, self.settings.apply_poll_s)
+        self.applier = role(self.cache, self.truth, self.settings.apply_poll_s, documents)
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)
         self.file_hub = feed.Hub(self.cache, lambda: self.applier.state, table=feed.FILE_FEED)
         self.applier.start()
@@ -130,6 +132,15 @@ class Node:
         if self.settings.watch_enabled:
             self.watcher = self._make_watcher(self.settings.watch_roots)
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
+
+    def _hot_documents(self, size: int) -> HotDocuments | None:
+        """The in-memory documents of `hot_documents` (None: off); a reader worker's also look
+        at cache.db's data version, which the owner's commits move."""
+        if not size:
+            return None
+        return HotDocuments(
+            self.cache.rendered, size, self.cache.data_version if self.follower else None
+        )
 
     def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
         s = self.settings
@@ -582,9 +593,9 @@ class Node:
     def meta_bytes(self, text: str) -> bytes:
         """GET /api/meta/{cid} without a viewer, as JSON bytes: the document the cache
         rendered when it wrote the record (one primary-key read), with the asked CID spliced
-        in; the same bytes `meta` renders to."""
+        in; the same bytes `meta` renders to. From memory if it is hot (`hot_documents`)."""
         self.require_ready()
-        asked, rest = self._find(text, self.cache.rendered)
+        asked, rest = self._find(text, self._rendered)
         return cache.splice(asked, rest)
 
     def active_rid(self, text: str) -> str:

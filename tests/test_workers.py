@@ -135,6 +135,30 @@ def test_writes_through_either_worker_are_read_at_once_from_both(server: Server)
     assert (refused.status_code, refused.json()["error"]) == (401, "unauthorized")
 
 
+def test_hot_documents_in_a_reader_never_answer_an_old_one_after_a_write(tmp_path: Path) -> None:
+    """With `hot_documents` on, a reader keeps what it read in memory; the owner's commit
+    empties it before the reader's next read (the reader's follower polls only every 20 ms,
+    far slower than the next request), so a write answered is read back at once."""
+    srv = Server(tmp_path / "data", workers=2, env={"METANODE_HOT_DOCUMENTS": "64"}).start()
+    try:
+        clients = one_per_worker(srv)
+        owner, reader = clients["owner"], clients["reader-1"]
+        signer = Signer()
+        register(owner, signer)
+        for n in range(20):
+            title = f"title {n}"
+            posted = owner.post(
+                "/api/claims", json={"claims": [signer.claim(A, "title", title, NOW_MS + n)]}
+            )
+            assert posted.status_code == 200, posted.text
+            assert title_of(reader, A) == title_of(reader, A) == title  # the second is from memory
+    finally:
+        while OPENED:
+            OPENED.pop().close()
+        srv.stop()
+        srv.print_log()
+
+
 def events(client: httpx.Client, count: int) -> list[tuple[str | None, dict[str, Any]]]:
     """The first `count` events of `/api/events` on this client's worker, from the start of
     the feed."""
