@@ -36,32 +36,41 @@ def cache_needs_build(state: cache.State, source: truth.TruthStore) -> bool:
 
 class HotDocuments:
     """The `hot_documents` setting: the most recently read `GET /api/meta` documents (the
-    stored bytes `load` returns, by exact CID spelling) kept in this process's memory, so a
-    read of a hot one skips its cache.db lookup. Emptied whole whenever the cache commits:
-    by the applier in the step that publishes a committed state (before any waiter wakes, so
-    the answer to a write is never followed by an old document), and, in a reader worker, also
-    at a read that finds `version` (cache.db's `PRAGMA data_version`) moved, since the owner's
-    commit can reach this process's reads before its `Follower` polls. Emptied whole rather than
-    by CID: a follower does not know which CIDs the owner's commit touched, and a hot document
-    is read back at its next miss."""
+    stored bytes `load` returns, or None, by exact CID spelling) kept in this process's memory,
+    so a read of a hot one skips its cache.db lookup.
+
+    Emptied whole whenever cache.db changed, which `version` (its `PRAGMA data_version` on the
+    loop connection) tells: moved by every commit of another connection, the cache writer's
+    included. The applier asks in the step that publishes a state (`published`), before any
+    waiter wakes, so the answer to a write is never followed by an old document; a publish
+    with nothing committed (the applier's idle poll) keeps them. A reader worker asks at every
+    read too (`every_read`): the owner's commit reaches this process's reads before its
+    `Follower` polls. Emptied whole rather than by CID: a follower does not know which CIDs
+    the owner's commit touched, and a hot document is read back at its next miss."""
 
     def __init__(
-        self, load: Callable[[str], bytes | None], size: int, version: Callable[[], int] | None
+        self,
+        load: Callable[[str], bytes | None],
+        size: int,
+        version: Callable[[], int],
+        every_read: bool,
     ) -> None:
         self._cached = functools.lru_cache(maxsize=size)(load)
         self._version = version
+        self._every_read = every_read
         self._seen: int | None = None
 
     def __call__(self, cid: str) -> bytes | None:
-        if self._version is not None:
-            seen = self._version()
-            if seen != self._seen:
-                self._seen = seen
-                self.clear()
+        if self._every_read:
+            self.published()
         return self._cached(cid)
 
-    def clear(self) -> None:
-        self._cached.cache_clear()
+    def published(self) -> None:
+        """Empty them if cache.db changed since they were last checked."""
+        seen = self._version()
+        if seen != self._seen:
+            self._seen = seen
+            self._cached.cache_clear()
 
 
 class Applier:
@@ -199,7 +208,7 @@ class Applier:
         ):
             self.state = state
         if self._documents is not None:
-            self._documents.clear()
+            self._documents.published()
         self.progressed = time.monotonic()
         published, self._published = self._published, asyncio.Event()
         published.set()

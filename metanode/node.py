@@ -134,13 +134,11 @@ class Node:
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
 
     def _hot_documents(self, size: int) -> HotDocuments | None:
-        """The in-memory documents of `hot_documents` (None: off); a reader worker's also look
-        at cache.db's data version, which the owner's commits move."""
+        """The in-memory documents of `hot_documents` (None: off); a reader worker's look at
+        cache.db's data version at every read, since the owner's commits move it."""
         if not size:
             return None
-        return HotDocuments(
-            self.cache.rendered, size, self.cache.data_version if self.follower else None
-        )
+        return HotDocuments(self.cache.rendered, size, self.cache.data_version, self.follower)
 
     def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
         s = self.settings
