@@ -20,9 +20,11 @@ cache.db bytes on disk and the server's VmRSS / VmHWM (/proc/<pid>/status) after
 and the read rate at the large size ÷ at the small one (the mean latency's inverse; issue 18's
 goal >= 0.95), with the p50 ratio's inverse beside it.
 
-Both sizes are measured once per lookup mix (`--mix`) and per `hot_documents` setting
-(`--hot-documents`, a list: each value gets a fresh pair of servers, both sizes with that
-setting): `uniform` asks every record alike; `zipf` asks the record of rank k (a random
+Both sizes are measured once per lookup mix (`--mix`), with each `hot_documents` setting of
+`--hot-documents` (a list; each setting's servers get their own copy of the two data
+directories, so all of them run at once and the one client alternates among them all, request
+by request; the on ÷ off read rate at each size is printed too): `uniform` asks every record
+alike; `zipf` asks the record of rank k (a random
 ranking) with probability ∝ 1 / k^s (`--zipf-s`, default 1.0), the skew of real lookups,
 where a few records are most of the reads.
 
@@ -212,41 +214,53 @@ class Row:
     hot: int
     small: Latencies
     large: Latencies
-    rss: dict[str, tuple[float, float]]
+    small_rss: tuple[float, float]  # VmRSS, VmHWM in MiB
+    large_rss: tuple[float, float]
+
+
+def copy_for(data_dir: Path, hot: int) -> Path:
+    """A copy of a built data directory for the servers of another `hot_documents` setting
+    (one directory, one node); made once, reused with the built one."""
+    copy = data_dir.parent.with_name(f"{data_dir.parent.name}-hot{hot}") / "data"
+    built = (data_dir / "truth.db").stat().st_mtime
+    if not copy.exists() or (copy / "truth.db").stat().st_mtime != built:
+        shutil.rmtree(copy.parent, ignore_errors=True)
+        shutil.copytree(data_dir, copy)
+    return copy
 
 
 def run(
-    small_dir: Path,
-    small_cids: list[str],
-    large_dir: Path,
-    large_cids: list[str],
+    dirs: dict[str, tuple[Path, list[str]]],
     mix: str,
-    hot: int,
+    hots: list[int],
     args: argparse.Namespace,
     start: float,
-) -> Row:
-    """Both sizes with `hot_documents` = `hot`, served at once, asked alternately in `mix`."""
-    env = {"METANODE_HOT_DOCUMENTS": str(hot)}
-    log(f"{mix}, hot_documents {hot}: starting both servers …", start)
-    with (
-        harness.metanode_server(small_dir, **env) as small_srv,
-        harness.metanode_server(large_dir, **env) as large_srv,
-    ):
-        log(f"servers up; {args.warmup} + {args.requests:,} lookups per size, alternating …", start)
-        sides = [
-            Latencies("small", small_srv, drawing(small_cids, mix, args.zipf_s), []),
-            Latencies("large", large_srv, drawing(large_cids, mix, args.zipf_s), []),
-        ]
-        try:
-            measure(sides, args.requests, args.warmup)
-        finally:
-            for side in sides:
-                side.close()
+) -> list[Row]:
+    """Both sizes (`dirs`: name → data dir, CIDs) for every `hot_documents` setting in `hots`,
+    all served at once and asked alternately, request by request, in `mix`."""
+    log(f"{mix}: starting {len(dirs) * len(hots)} servers (hot_documents {hots}) …", start)
+    with contextlib.ExitStack() as stack:
+        sides: dict[tuple[int, str], Latencies] = {}
+        for n, hot in enumerate(hots):
+            for name, (data_dir, known) in dirs.items():
+                served = data_dir if n == 0 else copy_for(data_dir, hot)
+                env = {"METANODE_HOT_DOCUMENTS": str(hot)}
+                server = stack.enter_context(harness.metanode_server(served, **env))
+                draw = drawing(known, mix, args.zipf_s)
+                sides[hot, name] = Latencies(f"{name}, hot {hot}", server, draw, [])
+                stack.callback(sides[hot, name].close)
+        log(f"servers up; {args.warmup} + {args.requests:,} lookups each, alternating …", start)
+        measure(list(sides.values()), args.requests, args.warmup)
         rss = {
-            side.name: (side.server.rss_mib("VmRSS"), side.server.rss_mib("VmHWM"))
-            for side in sides
+            key: (side.server.rss_mib("VmRSS"), side.server.rss_mib("VmHWM"))
+            for key, side in sides.items()
         }
-    return Row(mix, hot, sides[0], sides[1], rss)
+    return [
+        Row(
+            mix, hot, sides[hot, "small"], sides[hot, "large"], rss[hot, "small"], rss[hot, "large"]
+        )
+        for hot in hots
+    ]
 
 
 @contextlib.contextmanager
@@ -306,11 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         small_dir, small_cids = prepared(root, f"small-{args.small}", args.small, args, start)
         large_dir, large_cids = prepared(root, f"large-{args.claims}", args.claims, args, start)
         sizes = {d: harness.dir_size(d, DB_FILES) for d in (small_dir, large_dir)}
-        rows = [
-            run(small_dir, small_cids, large_dir, large_cids, mix, hot, args, start)
-            for mix in args.mix.split(",")
-            for hot in (int(h) for h in args.hot_documents.split(","))
-        ]
+        dirs = {"small": (small_dir, small_cids), "large": (large_dir, large_cids)}
+        hots = [int(h) for h in args.hot_documents.split(",")]
+        rows = [row for mix in args.mix.split(",") for row in run(dirs, mix, hots, args, start)]
         log("done", start)
 
     print(
@@ -318,13 +330,16 @@ def main(argv: list[str] | None = None) -> int:
         f"{'mean ms':>8s} {'db MiB':>8s} {'RSS MiB':>8s} {'HWM MiB':>8s}"
     )
     for row in rows:
-        for side, n, d in ((row.small, args.small, small_dir), (row.large, args.claims, large_dir)):
+        for side, n, d, rss in (
+            (row.small, args.small, small_dir, row.small_rss),
+            (row.large, args.claims, large_dir, row.large_rss),
+        ):
             p50, p99, top = summary(side)
             label = f"{n:,} claims ({len(small_cids if side is row.small else large_cids):,} rec)"
             print(
                 f"{row.mix:>8s} {row.hot:6d} {label:>30s} {p50:8.3f} {p99:8.3f} {top:8.2f} "
                 f"{statistics.fmean(side.samples) * 1e3:8.3f} {sizes[d] / 2**20:8.1f} "
-                f"{row.rss[side.name][0]:8.1f} {row.rss[side.name][1]:8.1f}"
+                f"{rss[0]:8.1f} {rss[1]:8.1f}"
             )
     for row in rows:
         ratio = summary(row.large)[1] / summary(row.small)[1]
@@ -335,8 +350,18 @@ def main(argv: list[str] | None = None) -> int:
             f"{rate:.2f} (goal >= {RATE_GOAL}: {'met' if rate >= RATE_GOAL else 'NOT met'}; "
             f"1 / p50 ratio {1 / p50_ratio:.2f}); p99 ratio {ratio:.2f} (goal <= {GOAL}: "
             f"{'met' if ratio <= GOAL else 'NOT met'})  [{args.requests:,} sequential lookups "
-            "per size, http.client keep-alive]"
+            "per server, http.client keep-alive]"
         )
+    base = {row.mix: row for row in rows if row.hot == hots[0]}
+    for row in rows:
+        if row.hot != hots[0]:
+            for size in ("small", "large"):
+                off, on = getattr(base[row.mix], size), getattr(row, size)
+                print(
+                    f"{row.mix}, {size}: read rate with hot_documents {row.hot} ÷ {hots[0]} = "
+                    f"{statistics.fmean(off.samples) / statistics.fmean(on.samples):.3f} "
+                    f"(p50 {summary(off)[0] / summary(on)[0]:.3f})"
+                )
     print(f"total time {time.monotonic() - start:.0f} s")
     return 0
 
