@@ -17,8 +17,10 @@ CIDs, alternating between the two servers request by request (in a random order 
 machine noise lands on both alike. `--warmup` untimed pairs first. Every answer must be 200.
 Reported: p50/p99/max per size, the ratio p99(large) / p99(small) (goal <= 1.5), truth.db +
 cache.db bytes on disk and the server's VmRSS / VmHWM (/proc/<pid>/status) after the lookups;
-and the read rate at the large size ÷ at the small one (the mean latency's inverse; issue 18's
-goal >= 0.95), with the p50 ratio's inverse beside it.
+and the read rate at the large size ÷ at the small one (the p50 latency ratio's inverse; issue
+18's goal >= 0.95), with the mean latency's beside it. The p50, because the mean moves with a
+few stalls of a shared machine: the same data served twice (`--claims 10000 --small 10000`)
+gave a p50 "ratio" of 0.98–1.01 but a mean one of 0.85.
 
 Both sizes are measured once per lookup mix (`--mix`), with each `hot_documents` setting of
 `--hot-documents` (a list; each setting's servers get their own copy of the two data
@@ -344,11 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         ratio = summary(row.large)[1] / summary(row.small)[1]
         p50_ratio = summary(row.large)[0] / summary(row.small)[0]
-        rate = statistics.fmean(row.small.samples) / statistics.fmean(row.large.samples)
+        rate = 1 / p50_ratio
+        mean = statistics.fmean(row.small.samples) / statistics.fmean(row.large.samples)
         print(
             f"{row.mix}, hot_documents {row.hot}: read rate {args.claims:,} ÷ {args.small:,} = "
             f"{rate:.2f} (goal >= {RATE_GOAL}: {'met' if rate >= RATE_GOAL else 'NOT met'}; "
-            f"1 / p50 ratio {1 / p50_ratio:.2f}); p99 ratio {ratio:.2f} (goal <= {GOAL}: "
+            f"by the mean {mean:.2f}); p99 ratio {ratio:.2f} (goal <= {GOAL}: "
             f"{'met' if ratio <= GOAL else 'NOT met'})  [{args.requests:,} sequential lookups "
             "per server, http.client keep-alive]"
         )
@@ -357,10 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         if row.hot != hots[0]:
             for size in ("small", "large"):
                 off, on = getattr(base[row.mix], size), getattr(row, size)
+                mean = statistics.fmean(off.samples) / statistics.fmean(on.samples)
                 print(
                     f"{row.mix}, {size}: read rate with hot_documents {row.hot} ÷ {hots[0]} = "
-                    f"{statistics.fmean(off.samples) / statistics.fmean(on.samples):.3f} "
-                    f"(p50 {summary(off)[0] / summary(on)[0]:.3f})"
+                    f"{summary(off)[0] / summary(on)[0]:.3f} (by the mean {mean:.3f})"
                 )
     print(f"total time {time.monotonic() - start:.0f} s")
     return 0
