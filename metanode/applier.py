@@ -35,9 +35,10 @@ def cache_needs_build(state: cache.State, source: truth.TruthStore) -> bool:
 
 
 class HotDocuments:
-    """The `hot_documents` setting: the most recently read `GET /api/meta` documents (the
-    stored bytes `load` returns, or None, by exact CID spelling) kept in this process's memory,
-    so a read of a hot one skips its cache.db lookup.
+    """The `hot_documents` setting: the most recently answered `GET /api/meta` documents (the
+    bytes `load` answers, by the CID text as asked) kept in this process's memory, so a read of
+    a hot one skips the CID's parse, its cache.db lookup and the splice. What `load` raises (an
+    unknown or invalid CID) is not kept: junk CIDs cannot push the hot ones out.
 
     Emptied whole whenever cache.db changed, which `version` (its `PRAGMA data_version` on the
     loop connection) tells: moved by every commit of another connection, the cache writer's
@@ -50,7 +51,7 @@ class HotDocuments:
 
     def __init__(
         self,
-        load: Callable[[str], bytes | None],
+        load: Callable[[str], bytes],
         size: int,
         version: Callable[[], int],
         every_read: bool,
@@ -60,7 +61,7 @@ class HotDocuments:
         self._every_read = every_read
         self._seen: int | None = None
 
-    def __call__(self, cid: str) -> bytes | None:
+    def __call__(self, cid: str) -> bytes:
         if self._every_read:
             self.published()
         return self._cached(cid)

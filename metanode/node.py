@@ -110,7 +110,7 @@ class Node:
         self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
         self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
         documents = self._hot_documents(self.settings.hot_documents)
-        self._rendered = self.cache.rendered if documents is None else documents
+        self._answer_meta = self._render_meta if documents is None else documents
         role = Follower if self.follower else Applier
         self.applier = role(self.cache, self.truth, self.settings.apply_poll_s, documents)
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)
@@ -138,7 +138,7 @@ class Node:
         cache.db's data version at every read, since the owner's commits move it."""
         if not size:
             return None
-        return HotDocuments(self.cache.rendered, size, self.cache.data_version, self.follower)
+        return HotDocuments(self._render_meta, size, self.cache.data_version, self.follower)
 
     def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
         s = self.settings
@@ -593,7 +593,10 @@ class Node:
         rendered when it wrote the record (one primary-key read), with the asked CID spliced
         in; the same bytes `meta` renders to. From memory if it is hot (`hot_documents`)."""
         self.require_ready()
-        asked, rest = self._find(text, self._rendered)
+        return self._answer_meta(text)
+
+    def _render_meta(self, text: str) -> bytes:
+        asked, rest = self._find(text, self.cache.rendered)
         return cache.splice(asked, rest)
 
     def active_rid(self, text: str) -> str:
