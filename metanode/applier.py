@@ -76,7 +76,7 @@ class HotDocuments:
 
 class Applier:
     """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq;
-    empties the hot documents (if any) at each publish."""
+    at each publish, empties the hot documents (if any) if cache.db changed."""
 
     def __init__(
         self,
