@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -33,13 +34,61 @@ def cache_needs_build(state: cache.State, source: truth.TruthStore) -> bool:
     return state.applied_seq < newest and (oldest is None or oldest > state.applied_seq + 1)
 
 
-class Applier:
-    """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq."""
+class HotDocuments:
+    """The `hot_documents` setting: the most recently answered `GET /api/meta` documents (the
+    bytes `load` answers, by the CID text as asked) kept in this process's memory, so a read of
+    a hot one skips the CID's parse, its cache.db lookup and the splice. What `load` raises (an
+    unknown or invalid CID) is not kept: junk CIDs cannot push the hot ones out.
 
-    def __init__(self, store: cache.CacheStore, source: truth.TruthStore, poll_s: float) -> None:
+    Emptied whole whenever cache.db changed, which `version` (its `PRAGMA data_version` on the
+    loop connection) tells: moved by every commit of another connection, the cache writer's
+    included. The applier asks in the step that publishes a state (`published`), before any
+    waiter wakes, so the answer to a write is never followed by an old document; a publish
+    with nothing committed (the applier's idle poll) keeps them. A reader worker asks at every
+    read too (`every_read`): the owner's commit reaches this process's reads before its
+    `Follower` polls. Emptied whole rather than by CID: a follower does not know which CIDs
+    the owner's commit touched, and a hot document is read back at its next miss."""
+
+    def __init__(
+        self,
+        load: Callable[[str], bytes],
+        size: int,
+        version: Callable[[], int],
+        every_read: bool,
+    ) -> None:
+        self._cached = functools.lru_cache(maxsize=size)(load)
+        self._version = version
+        self._every_read = every_read
+        self._seen: int | None = None
+
+    def __call__(self, cid: str) -> bytes:
+        if self._every_read:
+            self.published()
+        return self._cached(cid)
+
+    def published(self) -> None:
+        """Empty them if cache.db changed since they were last checked."""
+        seen = self._version()
+        if seen != self._seen:
+            self._seen = seen
+            self._cached.cache_clear()
+
+
+class Applier:
+    """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq;
+    at each publish, empties the hot documents (if any) if cache.db changed."""
+
+    def __init__(
+        self,
+        store: cache.CacheStore,
+        source: truth.TruthStore,
+        poll_s: float,
+        documents: HotDocuments | None = None,
+    ) -> None:
         self._store = store
         self._source = source
         self._poll_s = poll_s
+        self._documents = documents
         self._wake = asyncio.Event()
         self._published = asyncio.Event()  # set (and replaced) at every publish
         self.state = store.state()
@@ -159,6 +208,8 @@ class Applier:
             self.state.file_feed_seq,
         ):
             self.state = state
+        if self._documents is not None:
+            self._documents.published()
         self.progressed = time.monotonic()
         published, self._published = self._published, asyncio.Event()
         published.set()

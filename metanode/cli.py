@@ -328,7 +328,8 @@ def supervise(settings: config.Settings, count: int, config_file: str | None) ->
         raise SystemExit(3) from exc  # as a single process that could not start
     base = ["--data-dir", str(settings.data_dir), "--host", settings.host]
     base += ["--port", str(settings.port), *(["--config", config_file] if config_file else [])]
-    workers.Supervisor(count, sock, workers.worker_command(base)).run()
+    metrics, status = workers.metrics_path(settings), workers.status_path(settings)
+    workers.Supervisor(count, sock, workers.worker_command(base), metrics, status).run()
 
 
 def serve_worker(settings: config.Settings, spec: str) -> None:

@@ -69,6 +69,12 @@ class Settings:
     apply_poll_s: float = setting(
         1.0, "How often the applier looks for truth changes made by other processes (the CLI)."
     )
+    hot_documents: int = setting(
+        0,
+        "GET /api/meta documents (without ?as=) each serving process keeps in memory, the "
+        "most recently read; 0: none, every read is one cache.db lookup. Emptied whenever the "
+        'cache commits (docs/benchmarks.md, "Hot documents").',
+    )
     feed_keep_alive_s: float = setting(
         15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment."
     )
@@ -172,6 +178,8 @@ class Settings:
             raise InvalidRequest(f"setting port: {self.port} is not a TCP port (1 to 65535)")
         if not 0 <= self.workers <= 256:
             raise InvalidRequest(f"setting workers: {self.workers} is not from 0 to 256")
+        if self.hot_documents < 0:
+            raise InvalidRequest(f"setting hot_documents: {self.hot_documents} is below 0")
         networks("trusted_networks", self.trusted_networks)
         networks("trusted_proxies", self.trusted_proxies)
         if self.webdav_plugin_writes:

@@ -4,46 +4,72 @@ Counters and histograms are updated where things happen; sizes (records, groups,
 lag, watcher and plugin state) are read when Prometheus scrapes, so they are never stale and cost
 nothing between scrapes. Each node has its own registry, so several nodes in one process (tests)
 never share numbers.
+
+Under `serve --workers N` every worker is its own process with its own instruments, yet a scrape
+(answered by the owner, workers.py) must count the whole node. prometheus-client's multiprocess
+mode does that: the supervisor gives every worker `PROMETHEUS_MULTIPROC_DIR` (a private folder of
+the data directory, emptied when `serve` starts); each process's counters and histograms live in
+its own memory-mapped files there and a scrape sums them all (`MultiProcessCollector`). Chosen
+over the owner asking each reader at scrape time: a reader that died or was restarted keeps its
+counts (a counter never goes backwards), no reader needs a door of its own, and a scrape never
+waits on a busy reader. The open-feed gauge is summed over the live processes only (`livesum`:
+the supervisor drops a dead worker's file, `mark_process_dead`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client as it is imported
 
 
 class Metrics:
     """The node's instruments; `snapshot` supplies the scrape-time gauges."""
 
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # what a scrape renders
+        shared = os.environ.get(MULTIPROCESS_ENV)
+        # In multiprocess mode the instruments' values are in the shared files, which the
+        # collector renders: registered here too, each would be rendered twice.
+        own = None if shared else self.registry
         self.claims = Counter(
-            "metanode_claims", "Claims ingested, by verdict", ["verdict"], registry=self.registry
+            "metanode_claims", "Claims ingested, by verdict", ["verdict"], registry=own
         )
         self.rejected = Counter(
-            "metanode_claims_rejected",
-            "Claims rejected, by error slug",
-            ["slug"],
-            registry=self.registry,
+            "metanode_claims_rejected", "Claims rejected, by error slug", ["slug"], registry=own
         )
         self.ingest_seconds = Histogram(
             "metanode_ingest_seconds",
             "POST /api/claims batches: validation to cache applied",
-            registry=self.registry,
+            registry=own,
         )
         self.request_seconds = Histogram(
             "metanode_request_seconds",
             "HTTP requests by route template, method and status",
             ["route", "method", "status"],
-            registry=self.registry,
+            registry=own,
         )
+        self.subscribers = Gauge(
+            "metanode_feed_subscribers",
+            "Open change-feed connections",
+            registry=own,
+            multiprocess_mode="livesum",
+        )
+        if shared:
+            MultiProcessCollector(self.registry, shared)  # type: ignore[no-untyped-call]
         self.registry.register(_Gauges(snapshot))
+
+    def register(self, collector: Collector) -> None:
+        """More scrape-time numbers (the supervisor's worker restarts, workers.py)."""
+        self.registry.register(collector)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -62,7 +88,6 @@ class _Gauges(Collector):
             ("groups", "Active rids in the truth"),
             ("merges", "Rids merged into an older one, ever"),
             ("apply_lag", "Truth outbox seq minus the cache's applied seq"),
-            ("feed_subscribers", "Open change-feed connections"),
             ("watcher_queue", "Files waiting to settle before hashing"),
             ("watcher_files", "Local files known to the watcher"),
             ("ingest_groups", "Truth transactions that committed ingest batches (group commit)"),

@@ -39,7 +39,7 @@ from metanode import (
 )
 from metanode import cid as cids
 from metanode import rid as rids
-from metanode.applier import STALL_S, Applier, Follower
+from metanode.applier import STALL_S, Applier, Follower, HotDocuments
 from metanode.bodies import refuse_unknown
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
@@ -109,8 +109,10 @@ class Node:
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
         self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
         self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
+        documents = self._hot_documents(self.settings.hot_documents)
+        self._answer_meta = self._render_meta if documents is None else documents
         role = Follower if self.follower else Applier
-        self.applier = role(self.cache, self.truth, self.settings.apply_poll_s)
+        self.applier = role(self.cache, self.truth, self.settings.apply_poll_s, documents)
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)
         self.file_hub = feed.Hub(self.cache, lambda: self.applier.state, table=feed.FILE_FEED)
         self.applier.start()
@@ -130,6 +132,13 @@ class Node:
         if self.settings.watch_enabled:
             self.watcher = self._make_watcher(self.settings.watch_roots)
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
+
+    def _hot_documents(self, size: int) -> HotDocuments | None:
+        """The in-memory documents of `hot_documents` (None: off); a reader worker's look at
+        cache.db's data version at every read, since the owner's commits move it."""
+        if not size:
+            return None
+        return HotDocuments(self._render_meta, size, self.cache.data_version, self.follower)
 
     def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
         s = self.settings
@@ -329,12 +338,14 @@ class Node:
         """The stream, counted in `subscribers` while it is open; closed with this wrapper, so
         a client that leaves releases what the stream holds at once, not at garbage collection."""
         self.subscribers += 1
+        self.metrics.subscribers.inc()
         try:
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
                     yield chunk
         finally:
             self.subscribers -= 1
+            self.metrics.subscribers.dec()
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -580,8 +591,11 @@ class Node:
     def meta_bytes(self, text: str) -> bytes:
         """GET /api/meta/{cid} without a viewer, as JSON bytes: the document the cache
         rendered when it wrote the record (one primary-key read), with the asked CID spliced
-        in; the same bytes `meta` renders to."""
+        in; the same bytes `meta` renders to. From memory if it is hot (`hot_documents`)."""
         self.require_ready()
+        return self._answer_meta(text)
+
+    def _render_meta(self, text: str) -> bytes:
         asked, rest = self._find(text, self.cache.rendered)
         return cache.splice(asked, rest)
 
@@ -704,7 +718,6 @@ class Node:
             "groups": statuses.get("active", 0),
             "merges": statuses.get("merged", 0),
             "apply_lag": self.health()["apply_lag"],
-            "feed_subscribers": self.subscribers,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": self.cache.local_file_count(),
             "ingest_groups": self.truth.writer.groups,

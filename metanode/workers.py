@@ -21,7 +21,11 @@ The **supervisor** (`supervise`, the `serve` process itself) holds the data dire
 binds the listening socket once and hands it to each worker (`pass_fds`: the kernel spreads
 the connections among the processes that accept on it), restarts a worker that died, and on
 SIGTERM/SIGINT stops them all. Workers die with it (`PR_SET_PDEATHSIG`), so a SIGKILL of the
-supervisor ends the node as it ends a single-process one.
+supervisor ends the node as it ends a single-process one. A worker that keeps dying is
+restarted after growing delays (`Backoff`), each restart logged with the exit status and the
+delay and counted in the owner's /metrics (`Restarts`, from `workers.json` the supervisor
+writes). The workers' metrics are summed across processes (metrics.py, multiprocess mode, in
+the data directory's `metrics/`).
 """
 
 from __future__ import annotations
@@ -29,28 +33,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httptools
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import mark_process_dead
+from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metanode.api import create_app, error_response
 from metanode.config import Settings
 from metanode.errors import UnavailableError
+from metanode.metrics import MULTIPROCESS_ENV
 from metanode.node import Node
 
 log = logging.getLogger(__name__)
 OWNER = "owner"
 READER = "reader"
 SOCKET_NAME = "owner.sock"  # in the data directory (mode 0700): the owner's private door
+METRICS_NAME = "metrics"  # in the data directory: every worker's metric files (metrics.py)
+STATUS_NAME = "workers.json"  # in the data directory: the supervisor's restart counts
 CLIENT_HEADER = b"x-metanode-client"  # the client address a reader saw, for the owner's perimeter
 WORKER_HEADER = b"x-metanode-worker"  # which worker answered (tests, debugging)
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"te", b"trailer"}
@@ -58,7 +70,9 @@ SERVERS_OWN = {*HOP_BY_HOP, b"date", b"server"}  # the reader's uvicorn sends it
 # Not passed on to the owner: `Expect: 100-continue` was answered by the reader's uvicorn (the
 # owner's interim 100 would end the answer being parsed), and a client's own X-Metanode-Client.
 NOT_PASSED_ON = {*HOP_BY_HOP, b"expect", CLIENT_HEADER}
-RESTART_S = 0.5  # a worker that died is restarted after this
+# A worker that died is restarted after FIRST_S, doubling for each death in a row up to CAP_S;
+# one that ran STEADY_S or more before dying starts the count again.
+FIRST_S, CAP_S, STEADY_S = 0.5, 30.0, 60.0
 STOP_S = 15.0  # what stopping may take before the supervisor kills a worker
 PR_SET_PDEATHSIG = 1
 
@@ -80,6 +94,19 @@ READS = (
 
 def socket_path(settings: Settings) -> Path:
     return settings.data_dir / SOCKET_NAME
+
+
+def metrics_path(settings: Settings) -> Path:
+    return settings.data_dir / METRICS_NAME
+
+
+def status_path(settings: Settings) -> Path:
+    return settings.data_dir / STATUS_NAME
+
+
+def worker_name(role: str, index: int) -> str:
+    """A worker's name in `X-Metanode-Worker`, the logs and /metrics."""
+    return OWNER if role == OWNER else f"{READER}-{index}"
 
 
 def answers_itself(scope: Scope) -> bool:
@@ -285,10 +312,42 @@ class Reader:
 
 def worker_app(settings: Settings, role: str, index: int) -> ASGIApp:
     """The ASGI app of worker `index` in `role`."""
+    name = worker_name(role, index)
     if role == OWNER:
-        return Tagged(FromReader(create_app(Node(settings))), OWNER)
+        node = Node(settings)
+        node.metrics.register(Restarts(status_path(settings)))
+        return Tagged(FromReader(create_app(node)), name)
     local = create_app(Node(settings, follower=True))
-    return Tagged(Reader(local, Forward(socket_path(settings))), f"{READER}-{index}")
+    return Tagged(Reader(local, Forward(socket_path(settings))), name)
+
+
+class Restarts(Collector):
+    """The supervisor's restarts of each worker, read from its status file at scrape time (the
+    supervisor serves nothing; the owner answers /metrics)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        try:
+            status: dict[str, dict[str, float]] = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            status = {}
+        restarts = CounterMetricFamily(
+            "metanode_worker_restarts",
+            "Workers the supervisor restarted since serve started, by worker",
+            labels=["worker"],
+        )
+        delay = GaugeMetricFamily(
+            "metanode_worker_restart_delay_seconds",
+            "The delay before each worker's latest restart (it grows while a worker keeps dying)",
+            labels=["worker"],
+        )
+        for name, worker in sorted(status.items()):
+            restarts.add_metric([name], worker["restarts"])
+            delay.add_metric([name], worker["delay_s"])
+        yield restarts
+        yield delay
 
 
 def owner_socket(settings: Settings) -> socket.socket:
@@ -314,28 +373,67 @@ def listen(settings: Settings) -> socket.socket:
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL when the supervisor dies, however it dies."""
+    """In the child before exec: SIGKILL when the supervisor dies, however it dies; files it
+    creates (its metric files) private like the rest of the data directory."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.umask(0o077)
+
+
+class Backoff:
+    """The delays before restarting one worker: FIRST_S, doubling for each death in a row up to
+    CAP_S, so a worker that fails at once does not spin; back to FIRST_S once it ran STEADY_S."""
+
+    def __init__(self) -> None:
+        self.deaths = 0  # in a row, each after less than STEADY_S
+
+    def after(self, ran_s: float) -> float:
+        """The delay before restarting a worker that died after running `ran_s` seconds."""
+        if ran_s >= STEADY_S:
+            self.deaths = 0
+        delay = min(CAP_S, FIRST_S * (1 << min(self.deaths, 16)))
+        self.deaths += 1
+        return delay
+
+
+def exit_text(code: int) -> str:
+    """A child's exit as a person reads it: `status 3`, or `SIGKILL`."""
+    return signal.Signals(-code).name if code < 0 else f"status {code}"
 
 
 class Supervisor:
     """Runs the workers (`argv(role, index, fd)` is a worker's command line) until a stop
-    signal; restarts any that exits meanwhile."""
+    signal; restarts any that exits meanwhile, after its `Backoff` delay. `metrics` is the
+    workers' metric folder (emptied at start), `status` the file its restart counts go to."""
 
     def __init__(
-        self, workers: int, sock: socket.socket, argv: Callable[[str, int, int], Sequence[str]]
+        self,
+        workers: int,
+        sock: socket.socket,
+        argv: Callable[[str, int, int], Sequence[str]],
+        metrics: Path,
+        status: Path,
     ) -> None:
         self.roles = [(OWNER if i == 0 else READER, i) for i in range(workers)]
         self.sock = sock
         self.argv = argv
+        self.metrics = metrics
+        self.status = status
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.started: dict[int, float] = {}  # monotonic start of each worker
+        self.due: dict[int, float] = {}  # monotonic time a dead worker is restarted at
+        self.backoffs = {index: Backoff() for _, index in self.roles}
+        self.restarts = {index: (0, 0.0) for _, index in self.roles}  # (count, latest delay)
         self.stopping = False
 
     def _spawn(self, role: str, index: int) -> None:
         fd = self.sock.fileno()
         self.procs[index] = subprocess.Popen(
-            self.argv(role, index, fd), pass_fds=(fd,), preexec_fn=_die_with_parent
+            self.argv(role, index, fd),
+            pass_fds=(fd,),
+            preexec_fn=_die_with_parent,
+            env={**os.environ, MULTIPROCESS_ENV: str(self.metrics)},
         )
+        self.started[index] = time.monotonic()
         log.info("worker %d (%s) started: pid %d", index, role, self.procs[index].pid)
 
     def _stop(self, signum: int, frame: object) -> None:
@@ -344,17 +442,55 @@ class Supervisor:
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
+        shutil.rmtree(self.metrics, ignore_errors=True)  # counts start at zero, as with one
+        self.metrics.mkdir(mode=0o700)
+        self._write_status()
         for role, index in self.roles:
             self._spawn(role, index)
         while not self.stopping:
             for role, index in self.roles:
-                code = self.procs[index].poll()
-                if code is not None and not self.stopping:
-                    log.warning("worker %d (%s) exited (%s); restarting", index, role, code)
-                    time.sleep(RESTART_S)
-                    self._spawn(role, index)
+                self._tend(role, index, time.monotonic())
             time.sleep(0.1)
         self._stop_all()
+
+    def _tend(self, role: str, index: int, now: float) -> None:
+        """Note a worker that exited and when to restart it; restart it once that is due."""
+        due = self.due.get(index)
+        if due is not None:
+            if now >= due and not self.stopping:
+                del self.due[index]
+                self._spawn(role, index)
+            return
+        proc = self.procs[index]
+        code = proc.poll()
+        if code is None or self.stopping:
+            return
+        # Its open-feed count ends with it.
+        mark_process_dead(proc.pid, str(self.metrics))  # type: ignore[no-untyped-call]
+        delay = self.backoffs[index].after(now - self.started[index])
+        self.due[index] = now + delay
+        self.restarts[index] = (self.restarts[index][0] + 1, delay)
+        self._write_status()
+        log.warning(
+            "worker %d (%s, pid %d) exited (%s) after %.1f s; restarting in %.1f s",
+            index,
+            role,
+            proc.pid,
+            exit_text(code),
+            now - self.started[index],
+            delay,
+        )
+
+    def _write_status(self) -> None:
+        """The restart counts for the owner's /metrics (`Restarts`), replaced whole."""
+        status = {}
+        for role, index in self.roles:
+            count, delay = self.restarts[index]
+            status[worker_name(role, index)] = {"restarts": count, "delay_s": delay}
+        partial = self.status.with_suffix(".tmp")
+        partial.touch(mode=0o600)  # private like the rest of the data directory
+        partial.write_text(json.dumps(status))
+        partial.replace(self.status)
 
     def _stop_all(self) -> None:
         """SIGTERM to every worker (readers first: they hand requests to the owner), then wait;

@@ -27,9 +27,10 @@ def close_streams() -> Iterator[None]:
 
 
 @pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[Node]:
-    """A started node on a fresh data directory (no HTTP server)."""
-    n = Node(settings_for(tmp_path / "data"))
+async def node(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Node]:
+    """A started node on a fresh data directory (no HTTP server); settings overridden by an
+    indirect parameter (`@pytest.mark.parametrize("node", [{...}], indirect=True)`)."""
+    n = Node(settings_for(tmp_path / "data", **getattr(request, "param", {})))
     await n.start()
     await n.applier.wait_for(0, 10)
     yield n

@@ -1,6 +1,7 @@
 """The rendered documents (cache schema 6): `GET /api/meta/{cid}` answers the bytes the cache
 stored when it wrote the record, and they are the bytes its document renders to, for every CID
-of a group, through joins, merges, local files and their removal; `?as=` still answers the
+of a group, through joins, merges, local files and their removal, also when the hot ones are
+kept in memory (`hot_documents`: never an old one after a write); `?as=` still answers the
 viewer's own view; `check` compares them; the migration renders an older cache's records."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from metanode import cache, db, merge
 from metanode import cid as cids
 from metanode.maintenance import check
 from metanode.node import Node
-from tests.helpers.claims import Signer, post, register
+from tests.helpers.claims import NOW_MS, Signer, post, register
 
 A, B, C = (cids.midhash_bytes(f"rendered {n}".encode()) for n in "ABC")
 
@@ -40,6 +41,9 @@ async def assert_served_as_rendered(client: httpx.AsyncClient, node: Node) -> No
             assert response.json()["cid"] == cids.normalise(spelling)
 
 
+@pytest.mark.parametrize(
+    "node", [{}, {"hot_documents": 64}], ids=["from cache.db", "hot in memory"], indirect=True
+)
 async def test_every_cid_is_answered_its_rendered_document_through_joins_merges_and_files(
     client: httpx.AsyncClient, node: Node, linker: Signer
 ) -> None:
@@ -57,6 +61,9 @@ async def test_every_cid_is_answered_its_rendered_document_through_joins_merges_
     await node.apply_local([], ["/media/c.mkv"])
     assert (await client.get(f"/api/meta/{A}")).json()["paths"] == []
     await assert_served_as_rendered(client, node)
+    for n in range(3):  # each read after a write is the new document, never the one read before
+        await post(client, linker.claim(B, "title", f"b{n}", NOW_MS + 1 + n))
+        assert (await client.get(f"/api/meta/{B}")).json()["metadata"]["title"] == f"b{n}"
     unknown = cids.midhash_bytes(b"never claimed")
     response = await client.get(f"/api/meta/{unknown}")
     assert (response.status_code, response.json()["error"]) == (404, "unknown_cid")

@@ -1,6 +1,7 @@
 """`metanode serve --workers 2` on a real server: reads and writes through both workers,
-read-your-writes across them, the same feed from either, a SIGKILLed worker replaced, and a
-clean shutdown (workers.py)."""
+read-your-writes across them, the same feed from either, one /metrics for all of them, a
+SIGKILLed worker replaced, one that keeps dying restarted after growing delays, and a clean
+shutdown (workers.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from metanode import cid as cids
+from metanode import workers
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.feed import FrameParser
 from tests.helpers.server import Server
@@ -130,6 +135,30 @@ def test_writes_through_either_worker_are_read_at_once_from_both(server: Server)
     assert (refused.status_code, refused.json()["error"]) == (401, "unauthorized")
 
 
+def test_hot_documents_in_a_reader_never_answer_an_old_one_after_a_write(tmp_path: Path) -> None:
+    """With `hot_documents` on, a reader keeps what it read in memory; the owner's commit
+    empties it before the reader's next read (the reader's follower polls only every 20 ms,
+    far slower than the next request), so a write answered is read back at once."""
+    srv = Server(tmp_path / "data", workers=2, env={"METANODE_HOT_DOCUMENTS": "64"}).start()
+    try:
+        clients = one_per_worker(srv)
+        owner, reader = clients["owner"], clients["reader-1"]
+        signer = Signer()
+        register(owner, signer)
+        for n in range(20):
+            title = f"title {n}"
+            posted = owner.post(
+                "/api/claims", json={"claims": [signer.claim(A, "title", title, NOW_MS + n)]}
+            )
+            assert posted.status_code == 200, posted.text
+            assert title_of(reader, A) == title_of(reader, A) == title  # the second is from memory
+    finally:
+        while OPENED:
+            OPENED.pop().close()
+        srv.stop()
+        srv.print_log()
+
+
 def events(client: httpx.Client, count: int) -> list[tuple[str | None, dict[str, Any]]]:
     """The first `count` events of `/api/events` on this client's worker, from the start of
     the feed."""
@@ -174,6 +203,33 @@ def serves(server: Server, claim: dict[str, Any]) -> bool:
         return False
 
 
+def scrape(client: httpx.Client, name: str, **labels: str) -> float | None:
+    """One sample of /metrics (through whichever worker `client` is on), None if absent."""
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
+def test_one_scrape_counts_the_requests_answered_by_every_worker(server: Server) -> None:
+    clients = one_per_worker(server)
+    for name, count in (("owner", 3), ("reader-1", 5)):
+        for _ in range(count):
+            response = clients[name].get("/api/signers")
+            assert (response.status_code, response.headers["x-metanode-worker"]) == (200, name)
+    labels = {"route": "/api/signers", "method": "GET", "status": "200"}
+    for client in clients.values():  # the reader hands /metrics to the owner: the same sums
+        assert scrape(client, "metanode_request_seconds_count", **labels) == 3 + 5 + 1  # start
+    with clients["reader-1"].stream("GET", "/api/events"):  # a feed held open on the reader
+        owner = clients["owner"]
+        wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 1, "the reader's feed")
+    wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 0, "the feed closed")
+    assert restarts_of(owner) == 0
+
+
 def test_a_killed_worker_is_replaced_and_nothing_acknowledged_is_lost(server: Server) -> None:
     signer = Signer()
     first = pinned(server)
@@ -196,3 +252,51 @@ def test_shutdown_stops_every_worker_cleanly(server: Server) -> None:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     assert not (server.data_dir / "owner.sock").exists()
     assert "Finished server process" in server.log_text()
+
+
+def restarts_of(owner: httpx.Client) -> float | None:
+    return scrape(owner, "metanode_worker_restarts_total", worker="reader-1")
+
+
+def restarted(server: Server, killed: int) -> int:
+    """The pid of the reader started after `killed` died (waits for it)."""
+    wait_for(lambda: role_pids(server).get("reader") not in (None, killed), "a new reader")
+    return role_pids(server)["reader"]
+
+
+def test_a_worker_that_keeps_dying_is_restarted_after_growing_delays(server: Server) -> None:
+    """The reader is killed as soon as each new one appears: each restart waits twice as long
+    as the one before (read from the supervisor's log and /metrics, never timed), and the
+    owner serves throughout."""
+    clients = one_per_worker(server)
+    owner, reader = clients["owner"], role_pids(server)["reader"]
+    with clients["reader-1"].stream("GET", "/api/events"):  # a feed on the reader that dies
+        wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 1, "the reader's feed")
+        for restarts in range(1, 5):
+            os.kill(reader, signal.SIGKILL)
+            wait_for(lambda: restarts_of(owner) == restarts, f"restart {restarts} counted")  # noqa: B023
+            assert owner.get("/api/meta/" + A).headers["x-metanode-worker"] == "owner"
+            reader = restarted(server, reader)
+    delays = [
+        line.split("restarting in ")[1].split(" s")[0]
+        for line in server.log_text().splitlines()
+        if "(reader, pid" in line and "restarting in" in line
+    ]
+    assert delays == ["0.5", "1.0", "2.0", "4.0"], delays
+    assert "exited (SIGKILL)" in server.log_text()
+    delay = scrape(owner, "metanode_worker_restart_delay_seconds", worker="reader-1")
+    assert delay == 4.0
+    assert scrape(owner, "metanode_feed_subscribers") == 0  # the dead readers' feeds are gone
+    assert sorted(one_per_worker(server)) == ["owner", "reader-1"]  # and it serves again
+
+
+@given(st.lists(st.floats(0, 2 * workers.STEADY_S), max_size=40))
+def test_restart_delays_double_to_the_cap_and_start_again_after_a_steady_run(
+    runs: list[float],
+) -> None:
+    backoff, expected = workers.Backoff(), workers.FIRST_S
+    for ran_s in runs:
+        if ran_s >= workers.STEADY_S:
+            expected = workers.FIRST_S
+        assert backoff.after(ran_s) == expected
+        expected = min(workers.CAP_S, expected * 2)

@@ -2,7 +2,12 @@
 cost ingest.
 
 Run: `.venv/bin/python tools/bench/feed.py [--rate 1000] [--duration 5] [--subscribers 1,10,100]
-[--throughput-claims 30000] [--rounds 5] [--stalled 10] [--stream events|meta]`.
+[--throughput-claims 30000] [--rounds 5] [--stalled 10] [--stream events|meta] [--workers N]`.
+
+`--workers N` (default 1) runs every server as `metanode serve --workers N`: the subscribers'
+connections land on whichever worker the kernel gives them (readers serve the feed from their
+follower, workers.py), the POSTs too (a reader hands them to the owner); server CPU is then the
+supervisor's and all its workers'.
 
 Every measurement uses a fresh data directory in a temporary directory and a real
 `metanode serve` (uvicorn) on a free loopback port, started through `harness.metanode_server`
@@ -359,12 +364,14 @@ async def post_paced(
 
 @contextmanager
 def prepared_server(
-    tmp: Path, name: str, key: nacl.signing.SigningKey, work: Workload
+    tmp: Path, name: str, key: nacl.signing.SigningKey, work: Workload, workers: int
 ) -> Iterator[tuple[harness.ServerProc, Path]]:
-    """A fresh server with the signer registered and the records created (untimed)."""
+    """A fresh server of `workers` processes with the signer registered and the records
+    created (untimed)."""
     data_dir = tmp / name / "data"
     data_dir.parent.mkdir(parents=True)
-    with harness.metanode_server(data_dir, **SERVER_ENV) as server:
+    env = {**SERVER_ENV, "METANODE_WORKERS": str(workers)}
+    with harness.metanode_server(data_dir, **env) as server:
         harness.register_signer(server, data_dir, key)
         harness.post_all(server, data_dir, work.setup)
         yield server, data_dir
@@ -400,12 +407,16 @@ def measure_latency(
     path: str,
     subscribers: int,
     interval: float,
+    workers: int,
 ) -> Latency:
     total = sum(work.sizes)
-    with prepared_server(tmp, f"latency-{subscribers}", key, work) as (srv, data_dir):
+    with prepared_server(tmp, f"latency-{subscribers}", key, work, workers) as (srv, data_dir):
         readers = Subscribers(srv, data_dir, path, subscribers, total, timed=True)
         headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
-        with harness.CpuMeter(srv.pid) as meter, harness.CpuMeter(readers.pid) as reading:
+        with (
+            harness.CpuMeter(srv.pid, tree=True) as meter,
+            harness.CpuMeter(readers.pid) as reading,
+        ):
             sent, acked, wall = asyncio.run(
                 post_paced(srv.url, headers, work.bodies, work.sizes, interval)
             )
@@ -438,12 +449,13 @@ def measure_throughput(
     path: str,
     name: str,
     subscribers: int,
-    stalled: int = 0,
+    stalled: int,
+    workers: int,
     profile: Path | None = None,
 ) -> Throughput:
     total = sum(work.sizes)
     with (
-        prepared_server(tmp, name, key, work) as (srv, data_dir),
+        prepared_server(tmp, name, key, work, workers) as (srv, data_dir),
         stalled_subscribers(srv.port, harness.token(data_dir), path, stalled),
     ):
         readers = (
@@ -454,7 +466,7 @@ def measure_throughput(
         headers = {**harness.auth(data_dir), "Content-Type": "application/json"}
         with (
             harness.py_spy(srv.pid, profile),
-            harness.CpuMeter(srv.pid) as meter,
+            harness.CpuMeter(srv.pid, tree=True) as meter,
             harness.CpuMeter(readers.pid if readers else os.getpid()) as reading,
         ):
             elapsed = asyncio.run(
@@ -493,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument(
+        "--workers", type=int, default=1, help="serve --workers N for every server (default 1)"
+    )
+    parser.add_argument(
         "--stream",
         choices=sorted(STREAMS),
         default="events",
@@ -507,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     flat = sign_updates(key, args.records, args.throughput_claims, 500, ts)
     print(
         f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; "
-        f"load average {os.getloadavg()[0]:.2f}; subscribers on {path}"
+        f"load average {os.getloadavg()[0]:.2f}; subscribers on {path}; "
+        f"serve --workers {args.workers}"
     )
     with tempfile.TemporaryDirectory(prefix="metanode-bench-feed-") as tmp_name:
         tmp = Path(tmp_name)
@@ -523,7 +539,9 @@ def main(argv: list[str] | None = None) -> int:
         print("|---:|---:|---:|---:|---:|---:|---:|---|")
         for count in [] if args.skip_latency else [int(c) for c in args.subscribers.split(",")]:
             print(
-                measure_latency(tmp, key, paced, path, count, args.batch / args.rate).row(),
+                measure_latency(
+                    tmp, key, paced, path, count, args.batch / args.rate, args.workers
+                ).row(),
                 flush=True,
             )
 
@@ -549,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                     path,
                     f"tp-{round_no}-{kind}",
                     *kinds[kind],
+                    args.workers,
                     profile=args.py_spy if kind == "reading" and last else None,
                 )
                 for kind in order

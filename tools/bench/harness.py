@@ -345,20 +345,31 @@ def task_cpu(pid: int) -> dict[int, float]:
 
 @dataclass
 class CpuMeter:
-    """CPU seconds a process's threads spent during a `with` block, and the block's wall time."""
+    """CPU seconds a process's threads spent during a `with` block, and the block's wall time;
+    with `tree`, its descendants' threads too (`serve --workers N`: the supervisor's workers)."""
 
     pid: int
     wall: float = 0.0
     by_tid: dict[int, float] = field(default_factory=dict)
+    tree: bool = False
+
+    def _tasks(self) -> dict[int, float]:
+        if not self.tree:
+            return task_cpu(self.pid)
+        out: dict[int, float] = {}
+        for each in process_tree(self.pid):
+            with contextlib.suppress(OSError):
+                out.update(task_cpu(each))
+        return out
 
     def __enter__(self) -> CpuMeter:
-        self._before = task_cpu(self.pid)
+        self._before = self._tasks()
         self._start = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.wall = time.perf_counter() - self._start
-        after = task_cpu(self.pid)
+        after = self._tasks()
         self.by_tid = {tid: t - self._before.get(tid, 0.0) for tid, t in after.items()}
 
     @property
