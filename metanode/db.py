@@ -29,7 +29,7 @@ import shutil
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -363,23 +363,67 @@ class _Job:
     units: int = 1
 
 
-def _savepoints(conn: sqlite3.Connection, jobs: Sequence[_Job]) -> list[tuple[bool, Any]]:
+Outcome = tuple[bool, Any]  # (True, a job's result) or (False, the exception it failed with)
+# Runs many queued jobs of one transaction function as one call: `combine(conn, [job args…])`
+# gives each job's `Outcome`, in order, as if each had run in turn under its own savepoint.
+Combiner = Callable[[sqlite3.Connection, Sequence[tuple[Any, ...]]], list[Outcome]]
+
+
+def _savepoints(conn: sqlite3.Connection, jobs: Sequence[_Job]) -> list[Outcome]:
     """Each job under its own savepoint: (True, result) or, rolled back, (False, exception).
     A storage failure is raised: SQLite may have rolled back the whole transaction."""
-    outcomes: list[tuple[bool, Any]] = []
+    outcomes: list[Outcome] = []
     for job in jobs:
-        conn.execute("SAVEPOINT job")
-        try:
-            result = job.fn(conn, *job.args)
-        except Exception as exc:
-            if storage_error(exc) is not None or not conn.in_transaction:
-                raise
-            conn.execute("ROLLBACK TO job")
-            conn.execute("RELEASE job")
-            outcomes.append((False, exc))
-            continue
+        ok, value = _under_savepoint(conn, job.fn, *job.args)
+        outcomes.append((ok, value))
+    return outcomes
+
+
+def _under_savepoint(conn: sqlite3.Connection, fn: Callable[..., T], *args: Any) -> Outcome:
+    """`fn(conn, *args)` under a savepoint: (True, result), or rolled back, (False, exception);
+    a storage failure is raised (SQLite may have rolled back the whole transaction)."""
+    conn.execute("SAVEPOINT job")
+    try:
+        result = fn(conn, *args)
+    except Exception as exc:
+        if storage_error(exc) is not None or not conn.in_transaction:
+            raise
+        conn.execute("ROLLBACK TO job")
         conn.execute("RELEASE job")
-        outcomes.append((True, result))
+        return False, exc
+    conn.execute("RELEASE job")
+    return True, result
+
+
+def _runs(jobs: Sequence[_Job]) -> Iterator[list[_Job]]:
+    """The jobs in maximal runs of one transaction function, in order."""
+    run: list[_Job] = []
+    for job in jobs:
+        if run and job.fn is not run[0].fn:
+            yield run
+            run = []
+        run.append(job)
+    if run:
+        yield run
+
+
+def _group_txn(
+    conn: sqlite3.Connection, jobs: Sequence[_Job], combiners: Mapping[Callable[..., Any], Combiner]
+) -> list[Outcome]:
+    """A group's jobs in one transaction: each run of one function that has a combiner as one
+    combined call under one savepoint (one pass of statements for many requests instead of
+    one per request); if that call raises, it is rolled back and its jobs run one by one under
+    their own savepoints, so a failing job still fails alone. Other jobs: `_savepoints`."""
+    outcomes: list[Outcome] = []
+    for run in _runs(jobs):
+        combine = combiners.get(run[0].fn) if len(run) > 1 else None
+        together = (
+            None if combine is None else _under_savepoint(conn, combine, [j.args for j in run])
+        )
+        if together is not None and together[0]:
+            outcomes += together[1]
+        else:
+            outcomes += _savepoints(conn, run)
     return outcomes
 
 
@@ -392,16 +436,20 @@ class Writer:
     Group commit: jobs submitted with the same `group` name that are queued one behind the other
     run in ONE transaction (`_gather`, `_run_group`), each under its own savepoint, so concurrent
     requests share one fsync'd COMMIT; each still gets its result only after that COMMIT, and a
-    job that fails is rolled back alone. `groups` counts the group transactions, `grouped` the
-    jobs they held (/metrics).
+    job that fails is rolled back alone. A transaction function with a `Combiner` (`combiners`)
+    runs a run of its queued jobs as one call (`_group_txn`). `groups` counts the group
+    transactions, `grouped` the jobs they held (/metrics).
 
     `failure` is the last `StorageError` a job met, until a probe (every `PROBE_S`, between
     jobs, on this thread) finds writes working again: so `/health` recovers by itself once the
     disk has space, without waiting for a client's write to succeed first.
     """
 
-    def __init__(self, path: Path, name: str) -> None:
+    def __init__(
+        self, path: Path, name: str, combiners: Mapping[Callable[..., Any], Combiner] | None = None
+    ) -> None:
         self.path = path
+        self.combiners = dict(combiners or {})  # transaction function → its `Combiner`
         self.conn = connect(path)
         self.failure: StorageError | None = None
         self._next_probe = 0.0
@@ -468,7 +516,7 @@ class Writer:
         self.groups += 1
         self.grouped += len(live)
         try:
-            outcomes = run_txn(self.conn, _savepoints, live)
+            outcomes = run_txn(self.conn, _group_txn, live, self.combiners)
         except BaseException as exc:
             for job in live:
                 self._fail(job.future, exc)
@@ -568,6 +616,7 @@ class Store:
 
     name: ClassVar[str]  # the writer thread's name
     migrations: ClassVar[Sequence[Migration]]
+    combiners: ClassVar[Mapping[Callable[..., Any], Combiner]] = {}  # its writer's (`Writer`)
 
     def __init__(self, path: Path, clock: Clock = now_ms) -> None:
         self.path = path
@@ -582,7 +631,7 @@ class Store:
     def open(self) -> Self:
         """Migrate, start the writer thread, open the loop's read connection."""
         self.migrate()
-        self._writer = Writer(self.path, self.name)
+        self._writer = Writer(self.path, self.name, self.combiners)
         self._reader = connect(self.path, readonly=True)
         return self
 
