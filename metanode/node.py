@@ -377,8 +377,13 @@ class Node:
     async def ingest_wire(self, items: list[object]) -> IngestAnswer:
         """A batch of wire claims through validation, the truth and the cache (plugins too)."""
         now = self.clock()
-        batch = await self._validate(items, now)
-        result = await self.truth.ingest(batch, self.minter, self.policy, now)
+        self.truth.announce_ingest()  # the group committing meanwhile waits for this batch
+        try:
+            batch = await self._validate(items, now)
+        except BaseException:
+            self.truth.withdraw_ingest()
+            raise
+        result = await self.truth.ingest(batch, self.minter, self.policy, now, announced=True)
         self.applier.hand(result.written)
         applied = await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}

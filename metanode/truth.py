@@ -1249,15 +1249,29 @@ class TruthStore(Store):
     # -- writes ---------------------------------------------------------------------------------
 
     async def ingest(
-        self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
+        self,
+        batch: Sequence[Claim],
+        minter: Minter,
+        policy: Policy,
+        now: int,
+        announced: bool = False,
     ) -> IngestResult:
         """Store a validated batch (`ingest_txn`); `now` is the time it was validated at.
 
-        Group commit: batches queued together share one transaction (`INGEST_GROUP`), each
-        under its own savepoint, and each is answered once that transaction has committed."""
+        Group commit: batches queued together share one transaction (`INGEST_GROUP`), in one
+        pass (`ingest_many_txn`), and each is answered once that transaction has committed.
+        `announced`: `announce_ingest` told the writer it was coming."""
         return await self.writer.run_grouped(
-            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now
+            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now, announced=announced
         )
+
+    def announce_ingest(self) -> None:
+        """A batch is being validated: a group gathered meanwhile waits for it (`Writer.announce`);
+        then `ingest(..., announced=True)` or `withdraw_ingest()`."""
+        self.writer.announce()
+
+    def withdraw_ingest(self) -> None:
+        self.writer.withdraw()
 
     def ingest_sync(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int

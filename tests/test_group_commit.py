@@ -391,3 +391,74 @@ def test_a_combiner_that_raises_falls_back_to_one_savepoint_a_job(tmp_path: Path
         writer.close()
     with sqlite3.connect(path) as conn:
         assert sorted(v for (v,) in conn.execute("SELECT v FROM t")) == [1, 2, 4]
+
+
+def until(condition: Any, what: str) -> None:
+    """Poll `condition()` until it holds (a generous deadline, never a bare sleep)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def counting_writer(path: Path) -> db.Writer:
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE t (v INTEGER)")
+    return db.Writer(path, "test")
+
+
+def insert_value(conn: sqlite3.Connection, value: int) -> int:
+    conn.execute("INSERT INTO t (v) VALUES (?)", (value,))
+    return value
+
+
+def test_a_group_waits_for_a_job_announced_as_on_its_way(tmp_path: Path, monkeypatch: Any) -> None:
+    """A request being validated is announced; the group the writer is gathering waits for it
+    (here without a time bound) instead of committing without it: one transaction for both."""
+    monkeypatch.setattr(db, "GROUP_DEADLINE_S", 3600.0)
+    monkeypatch.setattr(db, "GROUP_WAIT_S", 3600.0)
+    writer = counting_writer(tmp_path / "t.db")
+    try:
+        writer.announce()
+        writer.announce()
+        first = writer.submit_grouped("g", 1, insert_value, 1, announced=True)
+        until(lambda: writer.queued() == 0, "the writer took the first job")
+        assert not first.done(), "the group waits for the announced job"
+        second = writer.submit_grouped("g", 1, insert_value, 2, announced=True)
+        assert (first.result(DEADLINE_S), second.result(DEADLINE_S)) == (1, 2)
+        assert (writer.groups, writer.grouped) == (1, 2)
+    finally:
+        writer.close()
+
+
+def test_a_withdrawn_announcement_lets_the_group_commit_without_it(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """An announced request that fails validation withdraws: the waiting group commits at once."""
+    monkeypatch.setattr(db, "GROUP_DEADLINE_S", 3600.0)
+    monkeypatch.setattr(db, "GROUP_WAIT_S", 3600.0)
+    writer = counting_writer(tmp_path / "t.db")
+    try:
+        writer.announce()
+        writer.announce()
+        first = writer.submit_grouped("g", 1, insert_value, 1, announced=True)
+        until(lambda: writer.queued() == 0, "the writer took the first job")
+        writer.withdraw()
+        assert first.result(DEADLINE_S) == 1
+        assert (writer.groups, writer.grouped) == (1, 1)
+    finally:
+        writer.close()
+
+
+async def test_a_rejected_batch_withdraws_its_announcement(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """Every ingest announces its batch; one refused in validation (a bad signature) withdraws
+    it, so no later group waits for a batch that will never come."""
+    signer = Signer()
+    await register(client, signer)
+    bad = {**claim_for(signer, "tampered"), "value": "not what was signed"}
+    assert (await post(client, bad)).status_code == 400
+    good = await post(client, claim_for(signer, "after"))
+    assert good.status_code == 200, good.text
+    assert node.truth.writer.announced == 0
