@@ -602,10 +602,18 @@ def policy_error(row: SignerRow | None, claim: Claim, policy: Policy) -> SignerP
     return None
 
 
-def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Policy) -> set[str]:
+def check_policy(
+    conn: sqlite3.Connection,
+    batch: Sequence[Claim],
+    policy: Policy,
+    rows: dict[str, SignerRow | None] | None = None,
+) -> set[str]:
     """Raise `InvalidBatch` (403) listing every claim whose signer may not make it; else the
-    batch's signers that are registered already."""
-    rows = {uid: signer(conn, uid) for uid in {c.uid for c in batch}}
+    batch's signers that are registered already. `rows`: signer rows read already (uid → row
+    or None), kept current with those read here (a group reads each signer once)."""
+    rows = {} if rows is None else rows
+    for uid in {c.uid for c in batch} - rows.keys():
+        rows[uid] = signer(conn, uid)
     items = []
     for index, claim in enumerate(batch):
         error = policy_error(rows[claim.uid], claim, policy)
@@ -613,7 +621,7 @@ def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Polic
             items.append({"index": index, "error": error.slug, "message": error.message})
     if items:
         raise InvalidBatch(items, status=403)
-    return {uid for uid, row in rows.items() if row is not None}
+    return {c.uid for c in batch if rows[c.uid] is not None}
 
 
 # -- writes -------------------------------------------------------------------------------------
@@ -856,9 +864,10 @@ def ingest_many_txn(conn: sqlite3.Connection, jobs: Sequence[tuple[Any, ...]]) -
     outcomes: list[Outcome] = []
     allowed: list[Sequence[Claim]] = []
     known: set[str] = set()
+    rows: dict[str, SignerRow | None] = {}
     for batch, _minter, policy, _now in jobs:
         try:
-            known |= check_policy(conn, batch, policy)
+            known |= check_policy(conn, batch, policy, rows)
         except InvalidBatch as exc:
             outcomes.append((False, exc))
             continue
