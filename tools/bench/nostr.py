@@ -186,22 +186,22 @@ def main(argv: list[str] | None = None) -> int:
         ratios, count = [], 0
         for round_ in range(args.rounds):
             order = ("metanode", "nostr") if round_ % 2 == 0 or not count else ("nostr", "metanode")
-            results: dict[str, tuple[float, float]] = {}
+            results: dict[str, tuple[float, float, int]] = {}
             for side in order:
                 if side == "metanode":
                     count, rate, cpu = metanode_round(args.seconds, args.clients)
-                    results[side] = (rate, cpu)
+                    results[side] = (rate, cpu, count)
                 else:  # as many events as metanode's last round accepted claims
                     rate, cpu, client_cpu = relay_round(python, count, args.clients)
-                    results[side] = (rate, cpu)
+                    results[side] = (rate, cpu, count)
             ratio = results["metanode"][0] / results["nostr"][0]
             ratios.append(ratio)
             print(
                 f"round {round_ + 1} ({' then '.join(order)}): metanode "
-                f"{results['metanode'][0]:,.0f} claims/s (server CPU "
-                f"{results['metanode'][1]:.2f} s), nostr-relay {results['nostr'][0]:,.0f} "
-                f"events/s (server CPU {results['nostr'][1]:.2f} s, poster {client_cpu:.2f} s) "
-                f"for {count:,} each: ratio {ratio:.2f}",
+                f"{results['metanode'][0]:,.0f} claims/s ({results['metanode'][2]:,}, server "
+                f"CPU {results['metanode'][1]:.2f} s), nostr-relay {results['nostr'][0]:,.0f} "
+                f"events/s ({results['nostr'][2]:,}, server CPU {results['nostr'][1]:.2f} s, "
+                f"poster {client_cpu:.2f} s): ratio {ratio:.2f}",
                 flush=True,
             )
     median = statistics.median(ratios)
