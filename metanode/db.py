@@ -374,11 +374,7 @@ Combiner = Callable[[sqlite3.Connection, Sequence[tuple[Any, ...]]], list[Outcom
 def _savepoints(conn: sqlite3.Connection, jobs: Sequence[_Job]) -> list[Outcome]:
     """Each job under its own savepoint: (True, result) or, rolled back, (False, exception).
     A storage failure is raised: SQLite may have rolled back the whole transaction."""
-    outcomes: list[Outcome] = []
-    for job in jobs:
-        ok, value = _under_savepoint(conn, job.fn, *job.args)
-        outcomes.append((ok, value))
-    return outcomes
+    return [_under_savepoint(conn, job.fn, *job.args) for job in jobs]
 
 
 def _under_savepoint(conn: sqlite3.Connection, fn: Callable[..., T], *args: Any) -> Outcome:
@@ -591,7 +587,7 @@ class Writer:
 
     def announce(self) -> None:
         """A grouped job is on its way (a request being validated): a group being gathered
-        meanwhile waits for it, up to `GROUP_DEADLINE_S`, instead of committing without it.
+        meanwhile waits for it, up to `GROUP_WAIT_S`, instead of committing without it.
         Then either `submit_grouped(..., announced=True)` or `withdraw()`. Called on one thread
         (the event loop's) only."""
         self._announced += 1
