@@ -50,8 +50,10 @@ from metanode.node import Node
 
 log = logging.getLogger(__name__)
 access = logging.getLogger("metanode.access")
-# Request ids: a random per-process prefix and a counter, unique without a uuid per request.
-_request_ids = (f"{secrets.token_hex(4)}{n:08x}" for n in itertools.count())
+# Request ids: a random per-process prefix and a counter, unique without a uuid per request
+# (the prefix drawn once: in the generator's expression it cost a getrandom call a request).
+_REQUEST_PREFIX = secrets.token_hex(4)
+_request_ids = (f"{_REQUEST_PREFIX}{n:08x}" for n in itertools.count())
 MAX_PAGE = 1000
 JSON = "application/json"
 SIGNER_MEMBERS = ("uid", "name", "weight", "may_link")  # schemas/signer-request.schema.json

@@ -431,17 +431,26 @@ def index_library(
     """Bring the library rows (and through its triggers the full-text index) of `rids` in step
     with their `records` and local `paths` (as `records_rows` and `group_parts` read them): a
     record with no rows left loses its row; unchanged rows are not rewritten, so the index is
-    touched only for what changed."""
+    touched only for what changed.
+
+    The upsert is ONE statement over all the rows (`json_each`), not `executemany`: FTS5 writes
+    its pending terms out as a new segment at the end of every statement that touches it, so
+    one statement a row wrote a segment (and merged segments) a record; one statement writes
+    one for the batch (benchmarks.md, "Issue 18")."""
     cache.executemany(
         "DELETE FROM library WHERE rid = ?", [(rid,) for rid in rids if rid not in records]
     )
-    cache.executemany(
-        "INSERT INTO library (rid, title, name, year, type, files) VALUES (?, ?, ?, ?, ?, ?) "
+    rows = [library_row(rid, record, len(paths.get(rid, ()))) for rid, record in records.items()]
+    cache.execute(
+        "INSERT INTO library (rid, title, name, year, type, files) "
+        "SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), "
+        "json_extract(value, '$[2]'), json_extract(value, '$[3]'), json_extract(value, '$[4]'), "
+        "json_extract(value, '$[5]') FROM json_each(?) WHERE true "
         "ON CONFLICT (rid) DO UPDATE SET title = excluded.title, name = excluded.name, "
         "year = excluded.year, type = excluded.type, files = excluded.files "
         "WHERE (title, name, year, type, files) IS NOT "
         "(excluded.title, excluded.name, excluded.year, excluded.type, excluded.files)",
-        [library_row(rid, record, len(paths.get(rid, ()))) for rid, record in records.items()],
+        (json_array(rows),),
     )
 
 

@@ -17,17 +17,19 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 from metanode import merge
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
 from metanode.db import (
+    Combiner,
     Migration,
+    Outcome,
     Store,
     connect,
     copy_database,
@@ -600,10 +602,18 @@ def policy_error(row: SignerRow | None, claim: Claim, policy: Policy) -> SignerP
     return None
 
 
-def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Policy) -> set[str]:
+def check_policy(
+    conn: sqlite3.Connection,
+    batch: Sequence[Claim],
+    policy: Policy,
+    rows: dict[str, SignerRow | None] | None = None,
+) -> set[str]:
     """Raise `InvalidBatch` (403) listing every claim whose signer may not make it; else the
-    batch's signers that are registered already."""
-    rows = {uid: signer(conn, uid) for uid in {c.uid for c in batch}}
+    batch's signers that are registered already. `rows`: signer rows read already (uid → row
+    or None), kept current with those read here (a group reads each signer once)."""
+    rows = {} if rows is None else rows
+    for uid in {c.uid for c in batch} - rows.keys():
+        rows[uid] = signer(conn, uid)
     items = []
     for index, claim in enumerate(batch):
         error = policy_error(rows[claim.uid], claim, policy)
@@ -611,7 +621,7 @@ def check_policy(conn: sqlite3.Connection, batch: Sequence[Claim], policy: Polic
             items.append({"index": index, "error": error.slug, "message": error.message})
     if items:
         raise InvalidBatch(items, status=403)
-    return {uid for uid, row in rows.items() if row is not None}
+    return {c.uid for c in batch if rows[c.uid] is not None}
 
 
 # -- writes -------------------------------------------------------------------------------------
@@ -833,19 +843,60 @@ def ingest_txn(
     """Store a validated batch atomically: policy first, then newest-wins per (uid, cid, key).
 
     Claims are applied in batch order, so a batch holding the same claim twice gets `accepted`
-    then `duplicate`, exactly as two batches would: each is resolved against the stored claims
-    read in one query up front, updated in memory by every claim accepted before it. Groups,
-    outbox rows and claims are written set-wise (`_Groups`, `_store`) once the batch is resolved.
+    then `duplicate`, exactly as two batches would (`_store_batches`).
     `peer_cursor`: the batch is a page pulled from a peer; its cursor and counts are stored in
     this same transaction, so a crash never skips or re-applies a page (docs/peers.md).
     """
     known = check_policy(conn, batch, policy)
+    result = _store_batches(conn, [batch], known, minter, now_ms)[0]
+    if peer_cursor is not None:
+        advance_peer(conn, peer_cursor, result.verdicts)
+    return result
+
+
+def ingest_many_txn(conn: sqlite3.Connection, jobs: Sequence[tuple[Any, ...]]) -> list[Outcome]:
+    """Group commit's combiner of queued `ingest_txn(batch, minter, policy, now)` jobs
+    (`db.Writer`): every batch its signers' policy allows, resolved in ONE pass (one read of
+    the stored claims and of the groups, one write of each table) instead of a round of
+    statements per request; the verdicts are those of running them one after the other. A batch
+    the policy refuses fails alone. Each batch's seq is the group's last (they commit together);
+    the first carries what the whole group wrote, for the cache (`Applier.hand`)."""
+    outcomes: list[Outcome] = []
+    allowed: list[Sequence[Claim]] = []
+    known: set[str] = set()
+    rows: dict[str, SignerRow | None] = {}
+    for batch, _minter, policy, _now in jobs:
+        try:
+            known |= check_policy(conn, batch, policy, rows)
+        except InvalidBatch as exc:
+            outcomes.append((False, exc))
+            continue
+        outcomes.append((True, None))
+        allowed.append(batch)
+    minter, now_ms = jobs[0][1], max(job[3] for job in jobs)
+    results = iter(_store_batches(conn, allowed, known, minter, now_ms) if allowed else ())
+    return [(True, next(results)) if ok else (ok, value) for ok, value in outcomes]
+
+
+def _store_batches(
+    conn: sqlite3.Connection,
+    batches: Sequence[Sequence[Claim]],
+    known: set[str],
+    minter: Minter,
+    now_ms: int,
+) -> list[IngestResult]:
+    """Store policy-checked batches in order, as one: each claim is resolved against the stored
+    claims read in one query up front, updated in memory by every claim accepted before it;
+    groups, outbox rows and claims are written set-wise (`_Groups`, `_store`) once all are
+    resolved. `known`: the registered signers among theirs. One result a batch; the first holds
+    what all of them wrote."""
+    every = [claim for batch in batches for claim in batch]
     before = max_seq(conn)
-    stored = stored_claims(conn, ((c.uid, c.cid, c.key) for c in batch))
-    groups = _Groups(conn, now_ms, _named_cids(batch), minter)
+    stored = stored_claims(conn, ((c.uid, c.cid, c.key) for c in every))
+    groups = _Groups(conn, now_ms, _named_cids(every), minter)
     verdicts: list[Verdict] = []
     accepted: list[Claim] = []
-    for claim in batch:
+    for claim in every:
         ident = (claim.uid, claim.cid, claim.key)
         verdict = merge.resolve(stored.get(ident), claim)
         verdicts.append(verdict)
@@ -864,10 +915,14 @@ def ingest_txn(
         groups.outbox.append(_change(now_ms, "claim", cid=claim.cid, key=claim.key, uid=claim.uid))
     groups.flush()
     _store(conn, accepted)
-    if peer_cursor is not None:
-        advance_peer(conn, peer_cursor, verdicts)
     seq = max_seq(conn)
-    return IngestResult(verdicts, seq, _written(groups, before, seq, stored.values()))
+    written = _written(groups, before, seq, stored.values())
+    results, start = [], 0
+    for batch in batches:
+        results.append(IngestResult(verdicts[start : start + len(batch)], seq, written))
+        start += len(batch)
+        written = Written(())
+    return results
 
 
 def _written(groups: _Groups, before: int, seq: int, stored: Iterable[Claim]) -> Written:
@@ -1174,6 +1229,8 @@ class TruthStore(Store):
 
     name = "truth"
     migrations = MIGRATIONS
+    # group commit: one pass of statements for a group's batches (`ingest_many_txn`)
+    combiners: ClassVar[Mapping[Callable[..., Any], Combiner]] = {ingest_txn: ingest_many_txn}
 
     def __init__(self, path: Path, clock: Clock = now_ms) -> None:
         super().__init__(path, clock)
@@ -1201,15 +1258,29 @@ class TruthStore(Store):
     # -- writes ---------------------------------------------------------------------------------
 
     async def ingest(
-        self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
+        self,
+        batch: Sequence[Claim],
+        minter: Minter,
+        policy: Policy,
+        now: int,
+        announced: bool = False,
     ) -> IngestResult:
         """Store a validated batch (`ingest_txn`); `now` is the time it was validated at.
 
-        Group commit: batches queued together share one transaction (`INGEST_GROUP`), each
-        under its own savepoint, and each is answered once that transaction has committed."""
+        Group commit: batches queued together share one transaction (`INGEST_GROUP`), in one
+        pass (`ingest_many_txn`), and each is answered once that transaction has committed.
+        `announced`: `announce_ingest` told the writer it was coming."""
         return await self.writer.run_grouped(
-            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now
+            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now, announced=announced
         )
+
+    def announce_ingest(self) -> None:
+        """A batch is being validated: a group gathered meanwhile waits for it (`Writer.announce`);
+        then `ingest(..., announced=True)` or `withdraw_ingest()`."""
+        self.writer.announce()
+
+    def withdraw_ingest(self) -> None:
+        self.writer.withdraw()
 
     def ingest_sync(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int

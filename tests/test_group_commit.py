@@ -10,15 +10,22 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from metanode import cid as cids
+from metanode import claims, db, truth
+from metanode import rid as rids
+from metanode.errors import MetanodeError
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.load import kill_under_load
@@ -259,3 +266,199 @@ def snapshots(statements: list[str]) -> list[list[str]]:
         elif statement != "COMMIT" and blocks:
             blocks[-1].append(statement)
     return blocks
+
+
+# -- the combiner: a group's batches in one pass (truth.ingest_many_txn) -----------------------
+
+POOL_SIGNERS = [Signer(), Signer(), Signer()]  # the last is never registered: its batches fail
+POOL_CIDS = [cids.midhash_bytes(f"pool {n}".encode()) for n in range(4)]
+
+
+def pool_claim(signer: int, cid: int, key: int, value: int, ts: int) -> claims.Claim:
+    """A valid claim from a small pool, so batches collide: same (uid, cid, key), older and
+    newer timestamps, retractions (value None) and links between the pool's CIDs."""
+    keys = ["title", "year", f"cids/{POOL_CIDS[(cid + 1) % len(POOL_CIDS)]}"]
+    wire = POOL_SIGNERS[signer].claim(
+        POOL_CIDS[cid], keys[key], [None, "a", "b"][value], NOW_MS - ts
+    )
+    return claims.validate(wire, NOW_MS)
+
+
+batches_strategy = st.lists(
+    st.lists(
+        st.builds(
+            pool_claim,
+            st.integers(0, 2),
+            st.integers(0, 3),
+            st.integers(0, 2),
+            st.integers(0, 2),
+            st.integers(0, 2),
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    min_size=2,
+    max_size=6,
+)
+
+
+def truth_state(store: truth.TruthStore) -> tuple[Any, ...]:
+    """What a truth holds, rid spellings aside: its claims, its groups as sets of CIDs, and
+    its outbox with each rid replaced by the group of CIDs it names."""
+    conn = store.writer.conn
+    stored = sorted(conn.execute("SELECT uid, cid, key, value, ts, log_seq FROM claims"))
+    members: dict[str, frozenset[str]] = {}
+    for rid, cid in conn.execute("SELECT rid, cid FROM cid_group"):
+        members[rid] = members.get(rid, frozenset()) | {cid}
+    outbox = [
+        (kind, members.get(rid) if rid else None, cid, key, uid)
+        for kind, rid, cid, key, uid in conn.execute(
+            "SELECT kind, rid, cid, key, uid FROM changes ORDER BY seq"
+        )
+    ]
+    return stored, sorted(map(sorted, members.values())), outbox
+
+
+def ingest_all(path: Path, batches: list[list[claims.Claim]], together: bool) -> tuple[Any, ...]:
+    """Ingest `batches` into a fresh truth at `path`: queued as one group behind a held writer
+    (`together`: the combiner), or one transaction each; (each batch's verdicts or error
+    slug, the truth's state)."""
+    with truth.TruthStore(path, lambda: NOW_MS) as store:
+        for signer in POOL_SIGNERS[:2]:
+            store.add_signer_sync(signer.uid, "pool", 1, True)
+        minter, policy = rids.Minter(), truth.Policy()
+        gate = threading.Event()
+        if together:
+            store.writer.submit(lambda conn: gate.wait(DEADLINE_S))
+        futures = []
+        for batch in batches:
+            args = (truth.INGEST_GROUP, len(batch), truth.ingest_txn, batch, minter, policy)
+            futures.append(store.writer.submit_grouped(*args, NOW_MS))
+            if not together:
+                futures[-1].exception(timeout=DEADLINE_S)  # each its own transaction
+        groups = store.writer.groups
+        gate.set()
+        answers = []
+        for future in futures:
+            error = future.exception(timeout=DEADLINE_S)
+            answers.append(error.slug if isinstance(error, MetanodeError) else future.result())
+        if together:
+            assert store.writer.groups == groups + 1, "the batches shared one transaction"
+        verdicts = [a if isinstance(a, str) else a.verdicts for a in answers]
+        return verdicts, truth_state(store)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches_strategy)
+def test_a_groups_batches_in_one_pass_store_what_one_transaction_each_would(
+    batches: list[list[claims.Claim]],
+) -> None:
+    """Property: the combined pass gives every batch the verdicts (or the policy error) and
+    leaves the truth (claims, claim-log order, groups, outbox) exactly as running the batches
+    one after the other does."""
+    with tempfile.TemporaryDirectory() as tmp:
+        alone = ingest_all(Path(tmp) / "alone.db", batches, together=False)
+        together = ingest_all(Path(tmp) / "together.db", batches, together=True)
+    assert together == alone
+
+
+def test_a_combiner_that_raises_falls_back_to_one_savepoint_a_job(tmp_path: Path) -> None:
+    """If the combined call fails (a bug, a constraint), its jobs run one by one under their
+    own savepoints: the job that fails alone fails alone, the others commit, in one group."""
+
+    def insert(conn: sqlite3.Connection, value: int) -> int:
+        conn.execute("INSERT INTO t (v) VALUES (?)", (value,))  # a CHECK refuses negatives
+        return value
+
+    def combine(conn: sqlite3.Connection, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+        for (value,) in jobs:
+            insert(conn, value)
+        return [(True, value) for (value,) in jobs]
+
+    path = tmp_path / "t.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE t (v INTEGER CHECK (v >= 0))")
+    writer = db.Writer(path, "test", {insert: combine})
+    try:
+        gate = threading.Event()
+        writer.submit(lambda conn: gate.wait(DEADLINE_S))
+        futures = [writer.submit_grouped("g", 1, insert, v) for v in (1, 2, -3, 4)]
+        gate.set()
+        assert [f.exception(timeout=DEADLINE_S) is None for f in futures] == [1, 1, 0, 1]
+        assert isinstance(futures[2].exception(), sqlite3.IntegrityError)
+        assert writer.groups == 1
+    finally:
+        writer.close()
+    with sqlite3.connect(path) as conn:
+        assert sorted(v for (v,) in conn.execute("SELECT v FROM t")) == [1, 2, 4]
+
+
+def until(condition: Any, what: str) -> None:
+    """Poll `condition()` until it holds (a generous deadline, never a bare sleep)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def counting_writer(path: Path) -> db.Writer:
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE t (v INTEGER)")
+    return db.Writer(path, "test")
+
+
+def insert_value(conn: sqlite3.Connection, value: int) -> int:
+    conn.execute("INSERT INTO t (v) VALUES (?)", (value,))
+    return value
+
+
+def test_a_group_waits_for_a_job_announced_as_on_its_way(tmp_path: Path, monkeypatch: Any) -> None:
+    """A request being validated is announced; the group the writer is gathering waits for it
+    (here without a time bound) instead of committing without it: one transaction for both."""
+    monkeypatch.setattr(db, "GROUP_DEADLINE_S", 3600.0)
+    monkeypatch.setattr(db, "GROUP_WAIT_S", 3600.0)
+    writer = counting_writer(tmp_path / "t.db")
+    try:
+        writer.announce()
+        writer.announce()
+        first = writer.submit_grouped("g", 1, insert_value, 1, announced=True)
+        until(lambda: writer.queued() == 0, "the writer took the first job")
+        assert not first.done(), "the group waits for the announced job"
+        second = writer.submit_grouped("g", 1, insert_value, 2, announced=True)
+        assert (first.result(DEADLINE_S), second.result(DEADLINE_S)) == (1, 2)
+        assert (writer.groups, writer.grouped) == (1, 2)
+    finally:
+        writer.close()
+
+
+def test_a_withdrawn_announcement_lets_the_group_commit_without_it(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """An announced request that fails validation withdraws: the waiting group commits at once."""
+    monkeypatch.setattr(db, "GROUP_DEADLINE_S", 3600.0)
+    monkeypatch.setattr(db, "GROUP_WAIT_S", 3600.0)
+    writer = counting_writer(tmp_path / "t.db")
+    try:
+        writer.announce()
+        writer.announce()
+        first = writer.submit_grouped("g", 1, insert_value, 1, announced=True)
+        until(lambda: writer.queued() == 0, "the writer took the first job")
+        writer.withdraw()
+        assert first.result(DEADLINE_S) == 1
+        assert (writer.groups, writer.grouped) == (1, 1)
+    finally:
+        writer.close()
+
+
+async def test_a_rejected_batch_withdraws_its_announcement(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """Every ingest announces its batch; one refused in validation (a bad signature) withdraws
+    it, so no later group waits for a batch that will never come."""
+    signer = Signer()
+    await register(client, signer)
+    bad = {**claim_for(signer, "tampered"), "value": "not what was signed"}
+    assert (await post(client, bad)).status_code == 400
+    good = await post(client, claim_for(signer, "after"))
+    assert good.status_code == 200, good.text
+    assert node.truth.writer.announced == 0

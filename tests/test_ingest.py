@@ -242,3 +242,25 @@ async def test_lookup_spellings_and_alias(client: httpx.AsyncClient, alice: Sign
     for spelling in (CID.decode(raw_spelling).encode("base58btc"), raw_spelling.upper()):
         response = await client.get(f"/api/meta/{spelling}")
         assert response.status_code == 200 and response.json()["cid"] == raw_spelling
+
+
+async def test_a_batch_of_new_records_adds_one_full_text_segment(
+    client: httpx.AsyncClient, node: Node, alice: Signer
+) -> None:
+    """The library's FTS5 index is written by one statement an apply, so a batch of new records
+    adds one index segment, not one per record (each statement flushes FTS5's pending terms as
+    a segment); every record is still found by its title."""
+    await register(client, alice)
+
+    def segments() -> int:
+        return int(node.cache.conn.execute("SELECT count(*) FROM library_fts_idx").fetchone()[0])
+
+    before = segments()
+    titles = [f"segment{n} movie" for n in range(40)]
+    batch = [alice.claim(cids.midhash_bytes(t.encode()), "title", t) for t in titles]
+    response = await post(client, *batch)
+    assert response.status_code == 200 and response.json()["accepted"] == 40, response.text
+    assert segments() == before + 1
+    for title in titles[::13]:
+        found = node.library(title.split()[0], "", None, None, 10)
+        assert [row.title for row in found] == [title]
