@@ -107,8 +107,8 @@ class Node:
         datadir.secure(self.settings.data_dir)  # the stores migrate their schemas as they open
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
-        self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
-        self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
+        self.truth = truth.TruthStore.configured(self.settings, self.clock).open()
+        self.cache = cache.CacheStore.configured(self.settings, self.clock).open()
         role = Follower if self.follower else Applier
         self.applier = role(self.cache, self.truth, self.settings.apply_poll_s)
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)

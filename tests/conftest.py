@@ -12,8 +12,24 @@ import pytest
 from metanode.api import create_app
 from metanode.node import Node
 from tests.helpers.feed import close_open_streams
+from tests.helpers.postgres import BACKENDS, Cluster, start_cluster
 from tests.helpers.server import Server
 from tests.helpers.settings import settings_for
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "both_backends: run each test that uses the `backend` fixture (or `storage`, `node`, "
+        "`client`) on SQLite and on PostgreSQL",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`both_backends` tests run once per backend (ids `sqlite`, `postgresql`)."""
+    marked = metafunc.definition.get_closest_marker("both_backends") is not None
+    if marked and "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", BACKENDS, indirect=True)
 
 
 @pytest.fixture(autouse=True)
@@ -23,13 +39,46 @@ def close_streams() -> Iterator[None]:
     close_open_streams()
 
 
+# -- storage ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Cluster]:
+    """A throw-away PostgreSQL cluster for the session (tests/helpers/postgres.py); the tests
+    that need it skip, saying why, where it cannot be had."""
+    cluster, why = start_cluster()
+    if cluster is None:
+        pytest.skip(why)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def backend(request: pytest.FixtureRequest) -> str:
+    """The store backend of this test: `sqlite`, or each of `BACKENDS` in a `both_backends`
+    module."""
+    return str(getattr(request, "param", "sqlite"))
+
+
+@pytest.fixture
+def storage(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The `storage` setting of this test's node: `sqlite`, or a fresh PostgreSQL database."""
+    if backend == "sqlite":
+        yield "sqlite"
+        return
+    cluster: Cluster = request.getfixturevalue("postgres")
+    dsn = cluster.database()
+    yield dsn
+    cluster.drop(dsn)
+
+
 # -- nodes --------------------------------------------------------------------------------------
 
 
 @pytest.fixture
-async def node(tmp_path: Path) -> AsyncIterator[Node]:
-    """A started node on a fresh data directory (no HTTP server)."""
-    n = Node(settings_for(tmp_path / "data"))
+async def node(tmp_path: Path, storage: str) -> AsyncIterator[Node]:
+    """A started node on a fresh data directory (no HTTP server), its stores on `storage`."""
+    n = Node(settings_for(tmp_path / "data", storage=storage))
     await n.start()
     await n.applier.wait_for(0, 10)
     yield n

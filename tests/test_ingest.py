@@ -12,16 +12,22 @@ import pytest
 from metanode import cid as cids
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register, verdicts, without_owner
+from tests.helpers.postgres import every_row
+
+pytestmark = pytest.mark.both_backends
 
 CID_A = cids.midhash_bytes(b"content a")
 CID_B = cids.midhash_bytes(b"content b")
 
 
 async def db_bytes(node: Node) -> dict[str, bytes]:
-    """Every byte of both databases and their WALs, once the cache has caught up."""
+    """Every byte of both databases and their WALs (on PostgreSQL, every row of every table),
+    once the cache has caught up."""
     assert await node.applier.wait_for(node.truth.max_seq(), 10)
     for writer in (node.truth.writer, node.cache.writer):
         await writer.run(lambda conn: None)  # drain queued jobs
+    if node.settings.postgresql:
+        return {name: repr(rows).encode() for name, rows in every_row(node).items()}
     out = {}
     for path in (node.settings.truth_path, node.settings.cache_path):
         for suffix in ("", "-wal"):

@@ -1,0 +1,369 @@
+"""PostgreSQL plumbing: the stores' statements run here unchanged (docs/scale-out.md).
+
+`truth.py` and `cache.py` hold ONE copy of their statements, written for SQLite and called on
+a connection. For a PostgreSQL target (`Target`: a DSN and the schema the store lives in) they
+get a `Connection` instead: the sqlite3 subset they use (`execute`, `executemany`,
+`in_transaction`, `close`), over a psycopg 3 connection in autocommit mode, so that every
+transaction is explicit as it is on SQLite. Each statement text is translated once (`translate`,
+cached): `?` and `:name` placeholders become psycopg's, and the few SQLite-only fragments the
+stores use become their PostgreSQL equivalents (`REWRITES`, one line each). The transaction
+statements keep their SQLite meaning:
+* `BEGIN IMMEDIATE` (a write transaction, `db.run_txn`) is `BEGIN` (READ COMMITTED) followed by
+  `pg_advisory_xact_lock(<the store's key>)`: writers serialise on one lock per store, across
+  processes, exactly as SQLite's write lock makes them; the lock ends with the transaction.
+  READ COMMITTED, not REPEATABLE READ: each statement then sees every transaction committed
+  before it, including the one that held the lock just before (a REPEATABLE READ snapshot
+  would be taken at the lock statement, before the lock was granted);
+* `BEGIN` on a read connection (`db.snapshot`) is a `REPEATABLE READ, READ ONLY` transaction:
+  one snapshot for every statement inside, as SQLite's read transaction gives.
+
+A connection whose server went away reconnects at its next statement outside a transaction, so
+a writer thread recovers by itself once the server is back (its probe is such a statement).
+Failures are typed by SQLSTATE (`storage_error`): an unreachable server or a connection lost is
+`StorageUnavailable` (retryable, 503), never a 500.
+
+psycopg is an optional dependency (`pip install metanode[postgresql]`): it is imported on first
+use, so `import metanode` and the SQLite default never need it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import threading
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from metanode.config import POSTGRESQL_SCHEMES
+from metanode.errors import (
+    InvalidRequest,
+    StorageError,
+    StorageFull,
+    StorageIOError,
+    StorageLocked,
+    StorageReadOnly,
+    StorageUnavailable,
+)
+
+CONNECT_TIMEOUT_S = 10
+POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
+
+
+def is_dsn(storage: str) -> bool:
+    return storage.startswith(POSTGRESQL_SCHEMES)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A store's PostgreSQL home: the database (`dsn`) and the schema of its tables."""
+
+    dsn: str
+    schema: str
+
+    @property
+    def lock_key(self) -> int:
+        """The advisory lock its write transactions take: one per store (schema), the same
+        number in every process."""
+        return zlib.crc32(f"metanode.{self.schema}".encode())
+
+    @property
+    def name(self) -> str:
+        """What messages call it (as a SQLite store's file name)."""
+        return f"the PostgreSQL schema {self.schema}"
+
+    def __str__(self) -> str:
+        """The DSN without its password, and the schema: for messages and logs."""
+        parts = urlsplit(self.dsn)
+        host = parts.netloc.rsplit("@", 1)[-1]
+        user = parts.username
+        netloc = f"{user}@{host}" if user else host
+        return f"{urlunsplit(parts._replace(netloc=netloc))} (schema {self.schema})"
+
+
+def driver() -> ModuleType:
+    """psycopg, imported on first use; a clear error where it is not installed."""
+    try:
+        import psycopg
+    except ImportError:
+        raise InvalidRequest(
+            "setting storage: PostgreSQL needs psycopg; install metanode[postgresql]"
+        ) from None
+    return psycopg
+
+
+# -- statements -----------------------------------------------------------------------------
+
+
+# SQLite-only fragments of the stores' statements and what PostgreSQL says instead, applied to
+# a statement's text in this order (`translate`).
+REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
+    # A list parameter: `json_each(?)` of an array of scalars gives their text; of an array of
+    # arrays (read with `json_extract(value, '$[i]')`), the JSON elements.
+    (re.compile(r"json_extract\(value, '\$\[(\d+)\]'\)"), r"(value->>\1)"),
+    (re.compile(r"(\(value->>\d+\).*)json_each\(\?\)", re.S), r"\1json_elements(?)"),
+    (re.compile(r"json_each\(\?\)"), "json_array_elements_text(CAST(? AS json))"),
+    (re.compile(r"json_elements\(\?\)"), "json_array_elements(CAST(? AS json))"),
+    # AUTOINCREMENT's counter: PostgreSQL's `sequences` table, kept by a trigger (truth.py).
+    (
+        re.compile(r"SELECT seq FROM sqlite_sequence WHERE name = '(\w+)'"),
+        r"SELECT seq FROM sequences WHERE name = '\1'",
+    ),
+    (re.compile(r"PRAGMA user_version=(\d+)"), r"UPDATE schema_version SET version = \1"),
+    (re.compile(r"PRAGMA user_version"), "SELECT version FROM schema_version"),
+    # Moves whenever any transaction commits (`applier.Follower` polls it, as SQLite's counter
+    # of other connections' commits): the next transaction id not yet started.
+    (
+        re.compile(r"PRAGMA data_version"),
+        "SELECT CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint)",
+    ),
+    # The web page's full-text search (cache.library_query): `library.search`, a tsvector kept
+    # by a trigger, matched by the same query text (`fts_match` reads FTS5's `"word"*` list).
+    (re.compile(r"library_fts f CROSS JOIN library l ON l\.id = f\.rowid"), "library l"),
+    (re.compile(r"library_fts MATCH :match"), "l.search @@ fts_match(:match)"),
+    (re.compile(r"^EXPLAIN QUERY PLAN "), "EXPLAIN "),
+)
+_NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+@functools.lru_cache(maxsize=1024)
+def translate(sql: str, params: bool) -> str:
+    """A store's statement as PostgreSQL takes it (cached: the stores' texts are few). With
+    `params`, `%` is escaped and the placeholders become psycopg's."""
+    for pattern, replacement in REWRITES:
+        sql = pattern.sub(replacement, sql)
+    if params:
+        sql = _NAMED.sub(r"%(\1)s", sql.replace("%", "%%")).replace("?", "%s")
+    return sql
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+_SQLSTATE: tuple[tuple[str, type[StorageError]], ...] = (
+    ("53100", StorageFull),  # disk_full
+    ("53", StorageFull),  # insufficient resources (memory, connections)
+    ("08", StorageUnavailable),  # connection exception
+    ("57P", StorageUnavailable),  # admin shutdown, crash shutdown, cannot connect now
+    ("40", StorageLocked),  # serialization failure, deadlock
+    ("55P03", StorageLocked),  # lock not available
+    ("25006", StorageReadOnly),  # read-only transaction (a standby)
+    ("58", StorageIOError),  # system error (I/O)
+    ("XX001", StorageIOError),  # data corrupted
+)
+
+
+def is_driver_error(exc: BaseException) -> bool:
+    """Whether `exc` comes from psycopg or its pool (without importing either)."""
+    return type(exc).__module__.startswith(("psycopg", "psycopg_pool"))
+
+
+def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
+    """The typed error of a PostgreSQL failure, or None for one that is no storage failure (a
+    constraint, a syntax error: a bug, not an outage). A failure with no SQLSTATE (the server
+    refused the connection, the pool waited in vain) is the server being unavailable."""
+    if not is_driver_error(exc):
+        return None
+    state = getattr(exc, "sqlstate", None) or ""
+    kind = next((k for prefix, k in _SQLSTATE if state.startswith(prefix)), None)
+    if kind is None and not state and _operational(exc):
+        kind = StorageUnavailable
+    if kind is None:
+        return None
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return kind(f"the database failed: {f'{where}: ' if where else ''}{text}")
+
+
+def _operational(exc: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"OperationalError", "InterfaceError", "PoolTimeout", "PoolClosed"})
+
+
+# -- connections ----------------------------------------------------------------------------
+
+
+class Cursor:
+    """The sqlite3 cursor subset the stores read results through."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    @property
+    def rowcount(self) -> int:
+        return int(self._raw.rowcount)
+
+    def fetchone(self) -> Any:
+        return self._raw.fetchone() if self._raw.description is not None else None
+
+    def fetchall(self) -> list[Any]:
+        return list(self._raw.fetchall()) if self._raw.description is not None else []
+
+    def fetchmany(self, size: int) -> list[Any]:
+        return list(self._raw.fetchmany(size))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.fetchall())
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+def _connect_raw(target: Target) -> Any:
+    """A psycopg connection in autocommit mode with the store's schema first on the path."""
+    psycopg = driver()
+    return psycopg.connect(
+        target.dsn,
+        autocommit=True,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        options=f"-c search_path={target.schema} -c client_encoding=UTF8",
+    )
+
+
+class Connection:
+    """A store connection on PostgreSQL with the sqlite3 surface the statements use.
+
+    `readonly`: its `BEGIN` opens a REPEATABLE READ, READ ONLY snapshot and it is never written
+    through. `release`: what `close()` does with the psycopg connection (a pooled one goes back
+    to its pool)."""
+
+    def __init__(self, target: Target, readonly: bool, raw: Any = None, release: Any = None):
+        self.target = target
+        self.readonly = readonly
+        self._raw = raw if raw is not None else _connect_raw(target)
+        self._release = release
+
+    @property
+    def in_transaction(self) -> bool:
+        return int(self._raw.info.transaction_status) != 0  # psycopg.pq.TransactionStatus.IDLE
+
+    def _live(self) -> Any:
+        """The psycopg connection; a new one first if the server dropped this one (only ever
+        outside a transaction, so nothing of a transaction is silently lost)."""
+        if self._raw.closed or self._raw.broken:
+            self._raw = _connect_raw(self.target)
+        return self._raw
+
+    def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> Cursor:
+        raw = self._raw if self.in_transaction else self._live()
+        if sql == "BEGIN IMMEDIATE":
+            raw.execute("BEGIN")
+            return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
+        if sql == "BEGIN" and self.readonly:
+            return Cursor(raw.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+        return Cursor(raw.execute(translate(sql, bool(params)), params or None))
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor:
+        cursor = self._raw.cursor()
+        cursor.executemany(translate(sql, True), list(rows))
+        return Cursor(cursor)
+
+    def close(self) -> None:
+        if self._release is not None:
+            self._release(self._raw)
+        else:
+            self._raw.close()
+
+
+class Pool:
+    """Read connections of a store's own (the long reads off the loop, plugin threads), from a
+    psycopg_pool: opened once, lent and given back, instead of a connection per call."""
+
+    def __init__(self, target: Target) -> None:
+        driver()
+        from psycopg_pool import ConnectionPool
+
+        self.target = target
+        self._lock = threading.Lock()
+        self._pool = ConnectionPool(
+            target.dsn,
+            min_size=0,
+            max_size=POOL_MAX,
+            kwargs={
+                "autocommit": True,
+                "connect_timeout": CONNECT_TIMEOUT_S,
+                "options": f"-c search_path={target.schema} -c client_encoding=UTF8",
+            },
+            open=True,
+            timeout=CONNECT_TIMEOUT_S,
+            name=f"metanode-{target.schema}",
+        )
+
+    def connection(self) -> Connection:
+        """A read-only connection of the pool; `close()` gives it back."""
+        return Connection(self.target, True, self._pool.getconn(), self._pool.putconn)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+def ensure_schema(target: Target) -> None:
+    """The store's schema and its `schema_version` row (version 0), made once: what the
+    migrations (`db.migrate`, reading and writing the version through `REWRITES`) start from.
+    Under the store's advisory lock, so processes starting at once do not race."""
+    conn = Connection(target, False)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        raw = conn._raw
+        raw.execute(f'CREATE SCHEMA IF NOT EXISTS "{target.schema}"'.encode())
+        raw.execute(b"CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        raw.execute(
+            b"INSERT INTO schema_version (version) SELECT 0 "
+            b"WHERE NOT EXISTS (SELECT 1 FROM schema_version)"
+        )
+        raw.execute(b"COMMIT")
+    finally:
+        conn.close()
+
+
+_TEXT_COLUMN = re.compile(r"^(    \w+ TEXT)\b", re.M)
+
+
+def executescript(conn: Connection, script: str) -> None:
+    """A multi-statement DDL script (function bodies and all) in the current transaction: sent
+    as one text with no parameters, which PostgreSQL runs statement by statement. Every TEXT
+    column is made `COLLATE "C"`: text then compares and sorts by code point as SQLite's
+    BINARY does, whatever the database's locale (the path ranges of `cache.local_stats` and the
+    rid order depend on it)."""
+    conn.execute(_TEXT_COLUMN.sub(r'\1 COLLATE "C"', script))
+
+
+# -- long reads off the loop (feed snapshots) -------------------------------------------------
+
+
+class AsyncReader:
+    """A read-only asyncio psycopg connection with the aiosqlite subset `cache.Reading` uses:
+    `execute_fetchall`, `execute` (a server-side cursor, paged with `fetchmany`), `close`."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._cursors = 0
+
+    @classmethod
+    async def open(cls, target: Target) -> AsyncReader:
+        psycopg = driver()
+        raw = await psycopg.AsyncConnection.connect(
+            target.dsn,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            options=f"-c search_path={target.schema} -c client_encoding=UTF8",
+        )
+        return cls(raw)
+
+    async def execute_fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        if sql == "BEGIN":
+            sql = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+        cursor = await self._raw.execute(translate(sql, bool(params)), params or None)
+        return list(await cursor.fetchall()) if cursor.description is not None else []
+
+    async def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """A named (server-side) cursor: its rows come a page at a time, never all at once."""
+        self._cursors += 1
+        cursor = self._raw.cursor(name=f"reading{self._cursors}")
+        await cursor.execute(translate(sql, bool(params)), params or None)
+        return cursor
+
+    async def close(self) -> None:
+        await self._raw.close()
