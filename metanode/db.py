@@ -701,7 +701,9 @@ class Store:
             self._pool.close()
 
     def __enter__(self) -> Self:
-        return self.open()
+        """Open it, unless it is open already (`maintenance.truth_store` hands out an opened
+        store for a `with` block: opening it twice would leak the first connections)."""
+        return self if self._writer is not None else self.open()
 
     def __exit__(self, *exc: object) -> None:
         self.close()

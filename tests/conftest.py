@@ -12,7 +12,7 @@ import pytest
 from metanode.api import create_app
 from metanode.node import Node
 from tests.helpers.feed import close_open_streams
-from tests.helpers.postgres import BACKENDS, Cluster, start_cluster
+from tests.helpers.postgres import BACKENDS, Cluster, Storages, start_cluster
 from tests.helpers.server import Server
 from tests.helpers.settings import settings_for
 
@@ -61,15 +61,16 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def storage(backend: str, request: pytest.FixtureRequest) -> Iterator[str]:
+def storages(backend: str, request: pytest.FixtureRequest) -> Storages:
+    """Fresh `storage` settings of this test's backend, as many as it asks for."""
+    return Storages(request.getfixturevalue("postgres") if backend == "postgresql" else None)
+
+
+@pytest.fixture
+def storage(storages: Storages) -> Iterator[str]:
     """The `storage` setting of this test's node: `sqlite`, or a fresh PostgreSQL database."""
-    if backend == "sqlite":
-        yield "sqlite"
-        return
-    cluster: Cluster = request.getfixturevalue("postgres")
-    dsn = cluster.database()
-    yield dsn
-    cluster.drop(dsn)
+    with storages() as setting:
+        yield setting
 
 
 # -- nodes --------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from metanode import cid as cids
+from metanode import db
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.load import kill_under_load
@@ -38,11 +40,16 @@ def readonly(path: Path) -> sqlite3.Connection:
 def stored_values(truth_db: Path) -> set[str]:
     conn = readonly(truth_db)
     try:
-        return {row[0] for row in conn.execute("SELECT value FROM claims WHERE key = 'title'")}
+        return titles(conn)
     finally:
         conn.close()
 
 
+def titles(conn: db.Connection) -> set[str]:
+    return {row[0] for row in conn.execute("SELECT value FROM claims WHERE key = 'title'")}
+
+
+@pytest.mark.both_backends
 async def test_concurrent_posters_read_their_writes_and_every_claim_is_stored(
     node: Node, client: httpx.AsyncClient
 ) -> None:
@@ -63,7 +70,7 @@ async def test_concurrent_posters_read_their_writes_and_every_claim_is_stored(
         return sent
 
     sent = [c for part in await asyncio.gather(*(poster(w) for w in range(16))) for c in part]
-    assert {c["value"] for c in sent} <= stored_values(node.settings.truth_path)
+    assert {c["value"] for c in sent} <= titles(node.truth.conn)
     for claim in sent:
         rid = node.cache.lookup(claim["cid"])
         assert rid is not None and node.cache.record_value(rid, "title") == claim["value"]
@@ -77,6 +84,7 @@ async def wait_queued(node: Node, jobs: int) -> None:
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.both_backends
 async def test_queued_batches_commit_as_one_group_and_a_failing_one_fails_alone(
     node: Node, client: httpx.AsyncClient
 ) -> None:
@@ -98,7 +106,7 @@ async def test_queued_batches_commit_as_one_group_and_a_failing_one_fails_alone(
     statuses = [a.status_code for a in answers]
     assert statuses == [200, 200, 200, 403, 200, 200, 200], [a.text for a in answers]
     assert answers[3].json()["error"] == "invalid_batch"
-    stored = stored_values(node.settings.truth_path)
+    stored = titles(node.truth.conn)
     assert {c["value"] for c in good} <= stored and bad["value"] not in stored
     for claim in good:
         doc = await client.get(f"/api/meta/{claim['cid']}")

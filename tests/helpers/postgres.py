@@ -11,12 +11,13 @@ the tests' two shared cores are better spent elsewhere. Each test gets a databas
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,26 @@ def start_cluster() -> tuple[Cluster | None, str]:
 
 
 BACKENDS: Sequence[str] = ("sqlite", "postgresql")
+
+
+class Storages:
+    """Fresh `storage` settings for a test that needs several stores, or one per hypothesis
+    example (the `storages` fixture): `with storages() as storage:` gives `sqlite`, or a new
+    PostgreSQL database dropped at the end of the block."""
+
+    def __init__(self, cluster: Cluster | None) -> None:
+        self._cluster = cluster
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[str]:
+        if self._cluster is None:
+            yield "sqlite"
+            return
+        dsn = self._cluster.database()
+        try:
+            yield dsn
+        finally:
+            self._cluster.drop(dsn)
 
 
 def every_row(node: Any) -> dict[str, list[Any]]:
