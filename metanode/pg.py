@@ -222,6 +222,9 @@ def _connect_raw(target: Target) -> Any:
     )
 
 
+_IN_TRANSACTION = (1, 2, 3)  # psycopg.pq.TransactionStatus ACTIVE, INTRANS, INERROR
+
+
 class Connection:
     """A store connection on PostgreSQL with the sqlite3 surface the statements use.
 
@@ -237,7 +240,9 @@ class Connection:
 
     @property
     def in_transaction(self) -> bool:
-        return int(self._raw.info.transaction_status) != 0  # psycopg.pq.TransactionStatus.IDLE
+        """Whether a transaction is open (psycopg's ACTIVE, INTRANS, INERROR); a connection the
+        server dropped (UNKNOWN) has none left to roll back, and reconnects at its next use."""
+        return int(self._raw.info.transaction_status) in _IN_TRANSACTION
 
     def _live(self) -> Any:
         """The psycopg connection; a new one first if the server dropped this one (only ever
@@ -288,6 +293,7 @@ class Pool:
             },
             open=True,
             timeout=CONNECT_TIMEOUT_S,
+            check=ConnectionPool.check_connection,  # a connection the server dropped: a new one
             name=f"metanode-{target.schema}",
         )
 
