@@ -40,6 +40,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from metanode.config import POSTGRESQL_SCHEMES
 from metanode.errors import (
+    DataDirLocked,
     InvalidRequest,
     StorageError,
     StorageFull,
@@ -75,13 +76,17 @@ class Target:
         """What messages call it (as a SQLite store's file name)."""
         return f"the PostgreSQL schema {self.schema}"
 
-    def __str__(self) -> str:
-        """The DSN without its password, and the schema: for messages and logs."""
+    @property
+    def dsn_shown(self) -> str:
+        """The DSN without its password: for messages and logs."""
         parts = urlsplit(self.dsn)
         host = parts.netloc.rsplit("@", 1)[-1]
         user = parts.username
         netloc = f"{user}@{host}" if user else host
-        return f"{urlunsplit(parts._replace(netloc=netloc))} (schema {self.schema})"
+        return urlunsplit(parts._replace(netloc=netloc))
+
+    def __str__(self) -> str:
+        return f"{self.dsn_shown} (schema {self.schema})"
 
 
 def driver() -> ModuleType:
@@ -114,12 +119,11 @@ REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
     ),
     (re.compile(r"PRAGMA user_version=(\d+)"), r"UPDATE schema_version SET version = \1"),
     (re.compile(r"PRAGMA user_version"), "SELECT version FROM schema_version"),
-    # Moves whenever any transaction commits (`applier.Follower` polls it, as SQLite's counter
-    # of other connections' commits): the next transaction id not yet started.
-    (
-        re.compile(r"PRAGMA data_version"),
-        "SELECT CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint)",
-    ),
+    # Changes whenever any transaction commits (`applier.Follower` polls it, as SQLite's counter
+    # of other connections' commits): the current snapshot (xmin:xmax:running xids) differs
+    # after every commit, since a committed xid never runs again and xmax only grows. Its
+    # xmax alone would move when a transaction starts writing, not when it commits.
+    (re.compile(r"PRAGMA data_version"), "SELECT hashtext(CAST(pg_current_snapshot() AS text))"),
     # The web page's full-text search (cache.library_query): `library.search`, a tsvector kept
     # by a trigger, matched by the same query text (`fts_match` reads FTS5's `"word"*` list).
     (re.compile(r"library_fts f CROSS JOIN library l ON l\.id = f\.rowid"), "library l"),
@@ -303,6 +307,25 @@ class Pool:
 
     def close(self) -> None:
         self._pool.close()
+
+
+NODE_LOCK = zlib.crc32(b"metanode.node")  # the session lock of the one node on a database
+
+
+def hold_node_lock(target: Target) -> Connection:
+    """A connection holding the database's node lock (a session advisory lock, released when
+    the connection closes or its process dies), or `DataDirLocked` if another node holds it:
+    one `metanode serve` per database, as the data directory's `flock` allows one per
+    directory (replicas taking over the applier build on this lock: docs/scale-out.md)."""
+    conn = Connection(target, False)
+    taken = conn.execute("SELECT pg_try_advisory_lock(?)", (NODE_LOCK,)).fetchone()[0]
+    if not taken:
+        conn.close()
+        raise DataDirLocked(
+            f"another metanode serves the PostgreSQL database {target.dsn_shown}; "
+            "one node per database for now (docs/scale-out.md)"
+        )
+    return conn
 
 
 def ensure_schema(target: Target) -> None:

@@ -26,7 +26,7 @@ from metanode import cache, claims, config, db, pg, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
-from metanode.errors import InvalidRequest, StorageUnavailable
+from metanode.errors import DataDirLocked, InvalidRequest, StorageUnavailable
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.postgres import Cluster, start_cluster
@@ -310,3 +310,56 @@ def test_init_check_rebuild_and_backup_on_postgresql(tmp_path: Path, dsn: str) -
     backup = metanode("backup", str(tmp_path / "bk"), "--data-dir", data, storage=dsn)
     assert backup.returncode != 0 and "pg_dump" in backup.stderr, backup.stderr
     assert not (tmp_path / "bk").exists()
+
+
+async def test_one_node_per_database(tmp_path: Path, dsn: str) -> None:
+    """A second node on the same database is refused while the first runs (two appliers
+    would both write the cache), and starts once the first has stopped."""
+    first = Node(settings_for(tmp_path / "one", storage=dsn))
+    await first.start()
+    try:
+        with pytest.raises(DataDirLocked, match="another metanode serves"):
+            await Node(settings_for(tmp_path / "two", storage=dsn)).start()
+    finally:
+        await first.stop()
+    second = Node(settings_for(tmp_path / "two", storage=dsn))
+    await second.start()
+    await second.stop()
+
+
+def test_data_version_moves_when_another_connection_commits(dsn: str) -> None:
+    """`applier.Follower` reads the cache state again only when this moves: it must move at
+    the commit, not only when the writing transaction began."""
+    target = pg.Target(dsn, "cache")
+    with cache.CacheStore(target) as store:
+        writer = pg.Connection(target, False)
+        try:
+            writer.execute("BEGIN IMMEDIATE")
+            writer.execute("INSERT INTO state (name, value) VALUES ('probe', 1)")
+            during = store.data_version()
+            writer.execute("COMMIT")
+            assert store.data_version() != during
+        finally:
+            writer.close()
+
+
+@pytest.mark.both_backends
+def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) -> None:
+    """The page's search (SQLite FTS5 there, a tsvector here): every word as a prefix, all
+    required, accents ignored, with the type filter, newest rid first."""
+    rows = {
+        "01A": {"title": "Amélie", "videoType": "movie", "filePath": "/m/amelie.mkv"},
+        "01B": {"title": "The Lamp Post", "videoType": "book"},
+        "01C": {"title": "Lampedusa", "videoType": "movie"},
+        "01D": {"filePath": "/m/zebra crossing.mp3"},
+    }
+    with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+
+        def found(text: str, kind: str = "") -> list[str]:
+            return [row.rid for row in store.library_page(text, kind, None, cache.NEWEST, 50)]
+
+        assert found("amelie") == ["01A"] and found("AMÉL") == ["01A"]
+        assert found("lamp") == ["01C", "01B"] and found("lamp", "book") == ["01B"]
+        assert found("lamp post") == ["01B"] and found("zebra cross") == ["01D"]
+        assert found("nothing") == [] and found("  ") == ["01D", "01C", "01B", "01A"]
