@@ -52,6 +52,7 @@ from metanode.errors import (
 
 CONNECT_TIMEOUT_S = 10
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
+STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
 
 
 def is_dsn(storage: str) -> bool:
@@ -78,12 +79,13 @@ class Target:
 
     @property
     def dsn_shown(self) -> str:
-        """The DSN without its password: for messages and logs."""
+        """The DSN without its password and its parameters (which may hold one): for messages
+        and logs."""
         parts = urlsplit(self.dsn)
         host = parts.netloc.rsplit("@", 1)[-1]
         user = parts.username
         netloc = f"{user}@{host}" if user else host
-        return urlunsplit(parts._replace(netloc=netloc))
+        return urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
 
     def __str__(self) -> str:
         return f"{self.dsn_shown} (schema {self.schema})"
@@ -136,7 +138,8 @@ _NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 @functools.lru_cache(maxsize=1024)
 def translate(sql: str, params: bool) -> str:
     """A store's statement as PostgreSQL takes it (cached: the stores' texts are few). With
-    `params`, `%` is escaped and the placeholders become psycopg's."""
+    `params`, `%` is escaped and the placeholders become psycopg's: every `?` and `:name` is a
+    placeholder (the stores' statements hold neither inside a string literal)."""
     for pattern, replacement in REWRITES:
         sql = pattern.sub(replacement, sql)
     if params:
@@ -209,7 +212,8 @@ class Cursor:
         return list(self._raw.fetchmany(size))
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.fetchall())
+        """The rows; a server-side cursor's a page (`STREAM_ROWS`) at a time."""
+        return iter(self._raw) if self._raw.description is not None else iter(())
 
     def close(self) -> None:
         self._raw.close()
@@ -233,14 +237,26 @@ class Connection:
     """A store connection on PostgreSQL with the sqlite3 surface the statements use.
 
     `readonly`: its `BEGIN` opens a REPEATABLE READ, READ ONLY snapshot and it is never written
-    through. `release`: what `close()` does with the psycopg connection (a pooled one goes back
-    to its pool)."""
+    through. `stream` (a read connection of its own, `Store.reading`: export, `check`, the
+    reconciliation's reads): a query inside its snapshot runs on a server-side cursor, so a
+    result of millions of rows comes a page at a time instead of whole into memory, as SQLite
+    steps a statement. `release`: what `close()` does with the psycopg connection (a pooled one
+    goes back to its pool)."""
 
-    def __init__(self, target: Target, readonly: bool, raw: Any = None, release: Any = None):
+    def __init__(
+        self,
+        target: Target,
+        readonly: bool,
+        raw: Any = None,
+        release: Any = None,
+        stream: bool = False,
+    ) -> None:
         self.target = target
         self.readonly = readonly
         self._raw = raw if raw is not None else _connect_raw(target)
         self._release = release
+        self._stream = stream and readonly
+        self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
 
     @property
     def in_transaction(self) -> bool:
@@ -262,7 +278,28 @@ class Connection:
             return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
         if sql == "BEGIN" and self.readonly:
             return Cursor(raw.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
-        return Cursor(raw.execute(translate(sql, bool(params)), params or None))
+        text = translate(sql, bool(params))
+        if self._stream and self.in_transaction and text.startswith(("SELECT", "WITH")):
+            return Cursor(self._server_cursor(raw, text, params))
+        try:
+            return Cursor(raw.execute(text, params or None))
+        finally:
+            if sql in ("COMMIT", "ROLLBACK"):
+                self._close_cursors()
+
+    def _server_cursor(self, raw: Any, text: str, params: Any) -> Any:
+        cursor = raw.cursor(name=f"stream{len(self._cursors)}")
+        self._cursors.append(cursor)
+        cursor.itersize = STREAM_ROWS
+        cursor.execute(text, params or None)
+        return cursor
+
+    def _close_cursors(self) -> None:
+        """Forget the snapshot's server-side cursors (the transaction's end closed them on the
+        server already: psycopg sends nothing)."""
+        for cursor in self._cursors:
+            cursor.close()
+        self._cursors = []
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor:
         cursor = self._raw.cursor()
@@ -270,6 +307,7 @@ class Connection:
         return Cursor(cursor)
 
     def close(self) -> None:
+        self._close_cursors()
         if self._release is not None:
             self._release(self._raw)
         else:
@@ -302,8 +340,8 @@ class Pool:
         )
 
     def connection(self) -> Connection:
-        """A read-only connection of the pool; `close()` gives it back."""
-        return Connection(self.target, True, self._pool.getconn(), self._pool.putconn)
+        """A read-only, streaming connection of the pool; `close()` gives it back."""
+        return Connection(self.target, True, self._pool.getconn(), self._pool.putconn, True)
 
     def close(self) -> None:
         self._pool.close()

@@ -363,3 +363,37 @@ def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) 
         assert found("lamp") == ["01C", "01B"] and found("lamp", "book") == ["01B"]
         assert found("lamp post") == ["01B"] and found("zebra cross") == ["01D"]
         assert found("nothing") == [] and found("  ") == ["01D", "01C", "01B", "01A"]
+
+
+def test_messages_never_show_the_password() -> None:
+    target = pg.Target("postgresql://me:s3cret@db.example:5432/meta?password=s3cret", "truth")
+    shown = f"{target} {target.name} {target.dsn_shown}"
+    assert "s3cret" not in shown and "me@db.example:5432/meta" in shown
+
+
+def test_an_export_streams_the_claims_a_page_at_a_time(dsn: str) -> None:
+    """`TruthStore.claims` (export, `check`) reads on a server-side cursor: the exporting
+    session fetches pages (`FETCH`) rather than holding the whole result in memory."""
+    signer = Signer()
+    target = pg.Target(dsn, "truth")
+    with truth.TruthStore(target) as store:
+        store.add_signer_sync(signer.uid, "s", 1, False)
+        batch = [
+            claims.sign(signer.key, cids.midhash_bytes(b"%d" % n), "title", str(n), NOW_MS)
+            for n in range(pg.STREAM_ROWS + 10)
+        ]
+        store.ingest_sync(batch, rids.Minter(), truth.Policy(), NOW_MS)
+        exported = store.claims()
+        first = next(exported)
+        observer = pg.Connection(target, True)
+        try:
+            queries = [
+                row[0]
+                for row in observer.execute(
+                    "SELECT query FROM pg_stat_activity WHERE state = 'idle in transaction'"
+                )
+            ]
+        finally:
+            observer.close()
+        assert any(q.startswith("FETCH") for q in queries), queries
+        assert sum(1 for _ in exported) + 1 == len(batch) and first.uid == signer.uid
