@@ -28,6 +28,7 @@ use, so `import metanode` and the SQLite default never need it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
@@ -52,6 +53,7 @@ from metanode.errors import (
 
 CONNECT_TIMEOUT_S = 10
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
+LOCK_TIMEOUT_MS = 30_000  # a lock held longer fails `storage_locked`, as SQLite's busy timeout
 STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
 
 
@@ -219,6 +221,15 @@ class Cursor:
         self._raw.close()
 
 
+def _options(target: Target) -> str:
+    """Every connection's settings: the store's schema first on the path, UTF-8, and the
+    longest wait for a lock (a writer's advisory lock held by a stuck process fails as
+    SQLite's busy timeout does, instead of waiting for ever)."""
+    return (
+        f"-c search_path={target.schema} -c client_encoding=UTF8 -c lock_timeout={LOCK_TIMEOUT_MS}"
+    )
+
+
 def _connect_raw(target: Target) -> Any:
     """A psycopg connection in autocommit mode with the store's schema first on the path."""
     psycopg = driver()
@@ -226,7 +237,7 @@ def _connect_raw(target: Target) -> Any:
         target.dsn,
         autocommit=True,
         connect_timeout=CONNECT_TIMEOUT_S,
-        options=f"-c search_path={target.schema} -c client_encoding=UTF8",
+        options=_options(target),
     )
 
 
@@ -274,8 +285,7 @@ class Connection:
     def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> Cursor:
         raw = self._raw if self.in_transaction else self._live()
         if sql == "BEGIN IMMEDIATE":
-            raw.execute("BEGIN")
-            return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
+            return self._begin_writing(raw)
         if sql == "BEGIN" and self.readonly:
             return Cursor(raw.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
         text = translate(sql, bool(params))
@@ -286,6 +296,18 @@ class Connection:
         finally:
             if sql in ("COMMIT", "ROLLBACK"):
                 self._close_cursors()
+
+    def _begin_writing(self, raw: Any) -> Cursor:
+        """`BEGIN` and the store's advisory lock, as one statement is on SQLite: if the lock
+        is not had (`lock_timeout`, a lost connection) no transaction is left open."""
+        raw.execute("BEGIN")
+        try:
+            return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
+        except BaseException:
+            if self.in_transaction:
+                with contextlib.suppress(Exception):  # the lock's failure is the one to report
+                    raw.execute("ROLLBACK")
+            raise
 
     def _server_cursor(self, raw: Any, text: str, params: Any) -> Any:
         cursor = raw.cursor(name=f"stream{len(self._cursors)}")
@@ -331,7 +353,7 @@ class Pool:
             kwargs={
                 "autocommit": True,
                 "connect_timeout": CONNECT_TIMEOUT_S,
-                "options": f"-c search_path={target.schema} -c client_encoding=UTF8",
+                "options": _options(target),
             },
             open=True,
             timeout=CONNECT_TIMEOUT_S,
@@ -415,7 +437,7 @@ class AsyncReader:
             target.dsn,
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_S,
-            options=f"-c search_path={target.schema} -c client_encoding=UTF8",
+            options=_options(target),
         )
         return cls(raw)
 

@@ -26,7 +26,7 @@ from metanode import cache, claims, config, db, pg, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
-from metanode.errors import DataDirLocked, InvalidRequest, StorageUnavailable
+from metanode.errors import DataDirLocked, InvalidRequest, StorageLocked, StorageUnavailable
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.postgres import Cluster, start_cluster
@@ -397,3 +397,26 @@ def test_an_export_streams_the_claims_a_page_at_a_time(dsn: str) -> None:
             observer.close()
         assert any(q.startswith("FETCH") for q in queries), queries
         assert sum(1 for _ in exported) + 1 == len(batch) and first.uid == signer.uid
+
+
+def test_a_lock_held_past_the_timeout_is_storage_locked(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer waiting for the store's advisory lock longer than `lock_timeout` fails as
+    SQLite's busy timeout does (`storage_locked`, retryable), and writes once it is free."""
+    monkeypatch.setattr(pg, "LOCK_TIMEOUT_MS", 300)
+    target = pg.Target(dsn, "truth")
+    signer = Signer()
+    with truth.TruthStore(target) as store:
+        holder = pg.Connection(target, False)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            with pytest.raises(StorageLocked):
+                store.add_signer_sync(signer.uid, "s", 1, False)
+        finally:
+            holder.close()
+        deadline = time.monotonic() + DEADLINE_S
+        while store.failure is not None:  # the writer's probe finds writes work again
+            assert time.monotonic() < deadline, store.failure
+            time.sleep(0.05)
+        assert store.add_signer_sync(signer.uid, "s", 1, False).uid == signer.uid
