@@ -29,7 +29,9 @@ from metanode.api import create_app
 from metanode.errors import DataDirLocked, InvalidRequest, StorageLocked, StorageUnavailable
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
+from tests.helpers.feed import Replica, Stream
 from tests.helpers.postgres import Cluster, start_cluster
+from tests.helpers.server import free_port, plugins_server, wait_caught_up
 from tests.helpers.settings import settings_for
 
 DEADLINE_S = 60.0
@@ -242,8 +244,6 @@ async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
 
 
 def test_an_unreachable_server_is_a_typed_storage_error(tmp_path: Path) -> None:
-    from tests.helpers.server import free_port
-
     target = pg.Target(f"postgresql://postgres@127.0.0.1:{free_port()}/none", "truth")
     with pytest.raises(StorageUnavailable, match="the database failed"):
         truth.TruthStore(target).open()
@@ -420,3 +420,27 @@ def test_a_lock_held_past_the_timeout_is_storage_locked(
             assert time.monotonic() < deadline, store.failure
             time.sleep(0.05)
         assert store.add_signer_sync(signer.uid, "s", 1, False).uid == signer.uid
+
+
+def test_a_server_on_postgresql_watches_runs_plugins_and_feeds(tmp_path: Path, dsn: str) -> None:
+    """`metanode serve` on PostgreSQL with the watcher and the built-in plugins: a dropped file
+    gets its record with the plugins' keys, a feed subscriber sees each key as it is set, and
+    a rename moves `filePath`."""
+    env = {"METANODE_STORAGE": dsn, "METANODE_WATCH_ENABLED": "true"}
+    with plugins_server(tmp_path / "data", **env) as server:
+        stream = Stream(server)
+        dropped = server.media / "Inception.2010.1080p.BluRay.x264-GRP.mkv"
+        dropped.write_bytes(b"x" * 5000)
+        replica = stream.until(
+            lambda r: {"title", "filePath"} <= {key for _, key in r.state},
+            Replica(gaps_allowed=False),
+        )
+        titles = {value for (_, key), value in replica.state.items() if key == "title"}
+        assert titles == {"Inception"}
+        dropped.rename(server.media / "renamed.mkv")
+        renamed = str(server.media / "renamed.mkv")
+        stream.until(lambda r: renamed in r.state.values(), replica)
+        files = httpx.get(f"{server.url}/api/files", headers=server.headers, timeout=10).json()
+        assert [f["path"] for f in files["files"]] == [renamed]
+        health = wait_caught_up(server.url)
+        assert health["status"] == "ok", health
