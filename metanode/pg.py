@@ -154,7 +154,7 @@ def translate(sql: str, params: bool) -> str:
 
 _SQLSTATE: tuple[tuple[str, type[StorageError]], ...] = (
     ("53100", StorageFull),  # disk_full
-    ("53", StorageFull),  # insufficient resources (memory, connections)
+    ("53", StorageUnavailable),  # insufficient resources: too many connections, out of memory
     ("08", StorageUnavailable),  # connection exception
     ("57P", StorageUnavailable),  # admin shutdown, crash shutdown, cannot connect now
     ("40", StorageLocked),  # serialization failure, deadlock

@@ -444,3 +444,18 @@ def test_a_server_on_postgresql_watches_runs_plugins_and_feeds(tmp_path: Path, d
         assert [f["path"] for f in files["files"]] == [renamed]
         health = wait_caught_up(server.url)
         assert health["status"] == "ok", health
+
+
+def test_sqlstates_map_to_the_typed_storage_errors() -> None:
+    import psycopg
+
+    def typed(sqlstate: str) -> str | None:
+        found = pg.storage_error(psycopg.errors.lookup(sqlstate)("x"))
+        return None if found is None else found.slug
+
+    assert typed("53100") == "storage_full"
+    assert typed("53300") == typed("08006") == typed("57P01") == "storage_unavailable"
+    assert typed("40001") == typed("40P01") == typed("55P03") == "storage_locked"
+    assert typed("25006") == "storage_read_only" and typed("58030") == "storage_io_error"
+    assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
+    assert pg.storage_error(ValueError("x")) is None
