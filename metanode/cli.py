@@ -289,7 +289,7 @@ def serve(
         return
     datadir.Lock(settings.data_dir).acquire()  # held until the process exits
     maintenance.open_store(settings)
-    datadir.check_writable((settings.truth_path, settings.cache_path))
+    maintenance.check_writable(settings)
     token, created = maintenance.ensure_token(settings.token_path)
     url = f"http://{settings.host}:{settings.port}"
     count = settings.worker_count

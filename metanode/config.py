@@ -20,6 +20,7 @@ from typing import Any
 from metanode.errors import InvalidRequest
 
 ENV_PREFIX = "METANODE_"
+POSTGRESQL_SCHEMES = ("postgresql://", "postgres://")
 DEFAULT_CONFIG_FILE = "metanode.toml"
 
 
@@ -56,6 +57,13 @@ class Settings:
         "once; a request beyond it is answered 503 `too_busy`.",
     )
     data_dir: Path = setting(Path("./data"), "Directory of truth.db, cache.db, the token, keys/.")
+    storage: str = setting(
+        "sqlite",
+        "Where the truth and the cache live: `sqlite` (truth.db and cache.db in the data "
+        "directory) or a PostgreSQL DSN `postgresql://user:password@host:port/database` (schemas "
+        "`truth` and `cache` of that database; needs `pip install metanode[postgresql]`; "
+        "docs/scale-out.md). The data directory keeps the keys, the token and the lock either way.",
+    )
     accept_unknown_signers: bool = setting(
         False, "Accept claims from signers that are not registered (they are registered on use)."
     )
@@ -182,6 +190,11 @@ class Settings:
             raise InvalidRequest(f"setting hot_documents: {self.hot_documents} is below 0")
         networks("trusted_networks", self.trusted_networks)
         networks("trusted_proxies", self.trusted_proxies)
+        if self.storage != "sqlite" and not self.postgresql:
+            raise InvalidRequest(
+                "setting storage: must be `sqlite` or a PostgreSQL DSN "
+                "(postgresql://user@host:port/database)"
+            )
         if self.webdav_plugin_writes:
             self._check_plugin_outputs()
 
@@ -223,6 +236,11 @@ class Settings:
     def worker_count(self) -> int:
         """`workers`, 0 read as the number of cores."""
         return self.workers or os.cpu_count() or 1
+
+    @property
+    def postgresql(self) -> bool:
+        """Whether the stores live on PostgreSQL (`storage` is a DSN)."""
+        return self.storage.startswith(POSTGRESQL_SCHEMES)
 
     @property
     def truth_path(self) -> Path:

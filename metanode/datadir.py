@@ -104,7 +104,7 @@ class Lock:
         self._fd = -1
 
 
-def check_writable(paths: Iterable[Path]) -> None:
+def check_writable(paths: Iterable[db.Target]) -> None:
     """Raise the `StorageError` a write to any of these databases would meet now: `serve`
     refuses to start on a full disk or a read-only mount rather than start and fail writes."""
     for path in paths:

@@ -1,4 +1,11 @@
-"""SQLite plumbing: connections, one writer thread per database, and schema migrations.
+"""Store plumbing: connections, one writer thread per database, and schema migrations.
+
+A store's database is a `Target`: a SQLite file (a `Path`, the embedded default) or a schema of
+a PostgreSQL database (a `pg.Target`, the `storage` setting). Everything here takes either: a
+PostgreSQL connection (`pg.Connection`) speaks the sqlite3 subset the statements use, so the
+stores hold one copy of their statements, the writer thread, group commit and the migrations
+work unchanged on both (docs/scale-out.md). SQLite-only upkeep (WAL, incremental vacuum,
+the backup API) is a no-op or refused on PostgreSQL.
 
 Three paths, each where the benchmark puts it (docs/architecture.md, "Which path is which"):
 * writes: a writer thread rather than aiosqlite. A write transaction in metanode is one
@@ -33,11 +40,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, ParamSpec, Self, TypeVar
+from typing import Any, ClassVar, ParamSpec, Protocol, Self, TypeVar
 
 import aiosqlite
 
+from metanode import pg
 from metanode.clock import Clock, now_ms
+from metanode.config import Settings
 from metanode.errors import (
     ShuttingDown,
     StorageError,
@@ -52,6 +61,38 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 P = ParamSpec("P")
 Txn = Callable[..., T]
+Target = Path | pg.Target  # where a store's database is: a SQLite file or a PostgreSQL schema
+
+
+class Cursor(Protocol):
+    """What the statements read results through: a `sqlite3.Cursor` or a `pg.Cursor`."""
+
+    @property
+    def rowcount(self) -> int: ...
+
+    def fetchone(self) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+    def fetchmany(self, size: int, /) -> list[Any]: ...
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def close(self) -> None: ...
+
+
+class Connection(Protocol):
+    """What the statements run on: a `sqlite3.Connection` or a `pg.Connection`."""
+
+    @property
+    def in_transaction(self) -> bool: ...
+
+    def execute(self, sql: str, parameters: Any = ..., /) -> Cursor: ...
+
+    def executemany(self, sql: str, parameters: Any, /) -> Any: ...
+
+    def close(self) -> None: ...
+
 
 BUSY_TIMEOUT_MS = 30_000
 PRAGMAS = (
@@ -75,8 +116,11 @@ _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
 
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
     """The typed error for a storage failure (by SQLite's error name, extended names included,
-    or by errno), or None when `exc` is something else (a constraint, a bug) that must not be
-    mistaken for a full disk. `where` names the file when the error itself does not."""
+    by PostgreSQL's SQLSTATE, or by errno), or None when `exc` is something else (a constraint,
+    a bug) that must not be mistaken for a full disk. `where` names the file when the error
+    itself does not."""
+    if pg.is_driver_error(exc):
+        return pg.storage_error(exc, where)
     if not isinstance(exc, sqlite3.Error):
         return file_error(exc, where)
     name = getattr(exc, "sqlite_errorname", "") or ""
@@ -95,7 +139,7 @@ def mapped(method: Callable[P, T]) -> Callable[P, T]:
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return method(*args, **kwargs)
-        except (sqlite3.Error, OSError) as exc:
+        except Exception as exc:  # only storage failures are typed; the rest is raised as is
             typed = storage_error(exc)
             if typed is None:
                 raise
@@ -110,15 +154,24 @@ def storage_errors(where: object = None) -> Iterator[None]:
     the file `where` if the error does not; let anything else through unchanged."""
     try:
         yield
-    except (sqlite3.Error, OSError) as exc:
+    except Exception as exc:
         typed = storage_error(exc, where)
         if typed is None:
             raise
         raise typed from exc
 
 
-def connect(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
-    """A connection with the pragmas every metanode connection needs.
+def connect(target: Target, *, readonly: bool = False, stream: bool = False) -> Connection:
+    """A connection to the store's database: SQLite's (`connect_file`) or PostgreSQL's
+    (`stream`: its snapshots' queries on server-side cursors, `pg.Connection`)."""
+    if isinstance(target, pg.Target):
+        with storage_errors(target):
+            return pg.Connection(target, readonly, stream=stream)
+    return connect_file(target, readonly=readonly)
+
+
+def connect_file(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+    """A SQLite connection with the pragmas every metanode connection needs.
 
     Autocommit mode (`isolation_level=None`): transactions are always explicit, so nothing begins
     one behind our back. `synchronous=FULL`: an acknowledged claim survives power loss. A new
@@ -147,15 +200,20 @@ def _read_only(path: Path) -> str:
     return f"{path.resolve().as_uri()}?mode=ro"
 
 
-async def connect_reader(path: Path) -> aiosqlite.Connection:
+async def connect_reader(target: Target) -> aiosqlite.Connection | pg.AsyncReader:
     """A read-only aiosqlite connection with `connect`'s pragmas, for a long read off the loop.
 
     Each call runs on the connection's own thread, in the order made. A caller cancelled while
     awaiting one gets the cancellation at once, and the call still runs to its end on that
     thread; whatever the caller queues next (a cursor's or the connection's `close()`) runs after
     it, so nothing ever closes the connection under a running call. A `close()` is queued before
-    its first await, so even a cancelled `close()` closes.
+    its first await, so even a cancelled `close()` closes. On PostgreSQL, an asyncio psycopg
+    connection with the same subset (`pg.AsyncReader`).
     """
+    if isinstance(target, pg.Target):
+        with storage_errors(target):
+            return await pg.AsyncReader.open(target)
+    path = target
     with storage_errors(path):
         conn = await aiosqlite.connect(_read_only(path), uri=True, isolation_level=None)
         try:
@@ -171,7 +229,7 @@ def copy_database(source: Path, copy: Path) -> str:
     """An online copy of the database at `source` into the (existing, empty) file `copy`:
     consistent while others write, via SQLite's backup API. Returns the copy's
     `PRAGMA integrity_check` verdict ("ok" when it is sound)."""
-    origin = connect(source, readonly=True)
+    origin = connect_file(source, readonly=True)
     dest = sqlite3.connect(copy)
     try:
         origin.backup(dest)
@@ -181,7 +239,7 @@ def copy_database(source: Path, copy: Path) -> str:
         origin.close()
 
 
-def run_txn(conn: sqlite3.Connection, fn: Txn[T], *args: Any) -> T:
+def run_txn(conn: Connection, fn: Txn[T], *args: Any) -> T:
     """Run `fn(conn, *args)` as one `BEGIN IMMEDIATE` transaction: all of it commits or none.
 
     A failing statement or COMMIT rolls back whatever SQLite has not rolled back itself (after
@@ -199,22 +257,29 @@ def run_txn(conn: sqlite3.Connection, fn: Txn[T], *args: Any) -> T:
     return result
 
 
-def _rollback(conn: sqlite3.Connection) -> None:
+def _rollback(conn: Connection) -> None:
     if not conn.in_transaction:
         return
     try:
         conn.execute("ROLLBACK")
-    except sqlite3.Error:  # the original error is the one to report
+    except Exception:  # the original error is the one to report
         log.exception("ROLLBACK failed after a failed transaction")
 
 
-def probe(conn: sqlite3.Connection, path: Path) -> None:
-    """Raise the `StorageError` a write to the database at `path` would meet now, if any.
+def probe(conn: Connection, target: Target) -> None:
+    """Raise the `StorageError` a write to the database at `target` would meet now, if any.
 
     Two checks: the file system has `PROBE_FREE_BYTES` free (a tiny write can still fit in the
-    space a failed one left in the WAL, so it alone would report a full disk as healthy), and a
-    real write transaction commits (it rewrites `user_version` unchanged: one page).
+    space a failed one left in the WAL, so it alone would report a full disk as healthy; not
+    for PostgreSQL, whose disk is the server's), and a real write transaction commits (it
+    rewrites `user_version` unchanged: one page).
     """
+    if isinstance(target, Path):
+        _check_free(target)
+    run_txn(conn, _rewrite_user_version)
+
+
+def _check_free(path: Path) -> None:
     with storage_errors(path.parent):
         free = shutil.disk_usage(path.parent).free
     if free < PROBE_FREE_BYTES:
@@ -222,16 +287,15 @@ def probe(conn: sqlite3.Connection, path: Path) -> None:
             f"the data directory failed: {path.parent} has {free} bytes free; "
             f"writes need at least {PROBE_FREE_BYTES}"
         )
-    run_txn(conn, _rewrite_user_version)
 
 
-def _rewrite_user_version(conn: sqlite3.Connection) -> None:
+def _rewrite_user_version(conn: Connection) -> None:
     version = int(conn.execute("PRAGMA user_version").fetchone()[0])
     conn.execute(f"PRAGMA user_version={version}")
 
 
 @contextmanager
-def snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+def snapshot(conn: Connection) -> Iterator[Connection]:
     """A read transaction: every query inside sees the same committed state."""
     conn.execute("BEGIN")
     try:
@@ -240,16 +304,16 @@ def snapshot(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
         conn.execute("COMMIT")
 
 
-Migration = Callable[[sqlite3.Connection], None]
+Migration = Callable[[Any], None]  # takes the store's connection (`Connection`)
 
 
-def migrate(conn: sqlite3.Connection, migrations: Sequence[Migration]) -> int:
+def migrate(conn: Connection, migrations: Sequence[Migration]) -> int:
     """Apply the migrations after `PRAGMA user_version`, each with its version bump, in one txn.
 
     Forward only: a database newer than this code is refused rather than guessed at.
     """
 
-    def txn(conn: sqlite3.Connection) -> int:
+    def txn(conn: Connection) -> int:
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
         if version > len(migrations):
             raise RuntimeError(
@@ -264,10 +328,13 @@ def migrate(conn: sqlite3.Connection, migrations: Sequence[Migration]) -> int:
     return run_txn(conn, txn)
 
 
-def migrate_file(path: Path, migrations: Sequence[Migration]) -> int:
-    """Create the database at `path` or bring its schema up to date (`migrate`) on a connection
-    of its own."""
-    conn = connect(path)
+def migrate_file(target: Target, migrations: Sequence[Migration]) -> int:
+    """Create the database at `target` or bring its schema up to date (`migrate`) on a
+    connection of its own (on PostgreSQL, the schema and its version row first)."""
+    if isinstance(target, pg.Target):
+        with storage_errors(target):
+            pg.ensure_schema(target)
+    conn = connect(target)
     try:
         return migrate(conn, migrations)
     finally:
@@ -285,7 +352,7 @@ def make_incremental(path: Path) -> bool:
     free space in proportion to its size). If that fails (a full disk, a reader holding it), it
     is logged and the database goes on as it was: its freed pages are still reused, only never
     returned; the next start tries again."""
-    conn = connect(path)
+    conn = connect_file(path)
     try:
         if int(conn.execute("PRAGMA auto_vacuum").fetchone()[0]) == INCREMENTAL:
             return True
@@ -300,10 +367,13 @@ def make_incremental(path: Path) -> bool:
         conn.close()
 
 
-def reclaim(conn: sqlite3.Connection, reserve_pages: int) -> int:
+def reclaim(conn: Connection, reserve_pages: int) -> int:
     """Give the free pages beyond `reserve_pages` back to the file system (in the current write
     transaction; a no-op unless the database is in incremental mode); returns how many. The
-    reserve absorbs the next writes without growing the file again at once."""
+    reserve absorbs the next writes without growing the file again at once. On PostgreSQL
+    nothing: autovacuum makes the space of deleted rows reusable."""
+    if not isinstance(conn, sqlite3.Connection):
+        return 0
     free = int(conn.execute("PRAGMA freelist_count").fetchone()[0])
     # One page per execution: the pragma frees a page per step, and Python's sqlite3 steps a
     # statement without result columns only once (≈ 6 µs a page).
@@ -316,21 +386,25 @@ def reclaim(conn: sqlite3.Connection, reserve_pages: int) -> int:
     return max(0, free - reserve_pages)
 
 
-def check_writable(path: Path) -> None:
-    """Raise the `StorageError` a write to the database at `path` would meet now, if any."""
-    conn = connect(path)
+def check_writable(target: Target) -> None:
+    """Raise the `StorageError` a write to the database at `target` would meet now, if any."""
+    conn = connect(target)
     try:
-        probe(conn, path)
+        probe(conn, target)
     finally:
         conn.close()
 
 
-def executescript_in_txn(conn: sqlite3.Connection, script: str) -> None:
+def executescript_in_txn(conn: Connection, script: str) -> None:
     """Run a multi-statement schema script inside the current transaction.
 
     `sqlite3.executescript` would COMMIT first; splitting on `;` is safe for our own DDL, which
-    keeps statements and triggers free of string literals holding semicolons.
+    keeps statements and triggers free of string literals holding semicolons. PostgreSQL takes
+    the script whole (`pg.executescript`).
     """
+    if isinstance(conn, pg.Connection):
+        pg.executescript(conn, script)
+        return
     for statement in _split_sql(script):
         conn.execute(statement)
 
@@ -368,16 +442,16 @@ class _Job:
 Outcome = tuple[bool, Any]  # (True, a job's result) or (False, the exception it failed with)
 # Runs many queued jobs of one transaction function as one call: `combine(conn, [job args…])`
 # gives each job's `Outcome`, in order, as if each had run in turn under its own savepoint.
-Combiner = Callable[[sqlite3.Connection, Sequence[tuple[Any, ...]]], list[Outcome]]
+Combiner = Callable[[Connection, Sequence[tuple[Any, ...]]], list[Outcome]]
 
 
-def _savepoints(conn: sqlite3.Connection, jobs: Sequence[_Job]) -> list[Outcome]:
+def _savepoints(conn: Connection, jobs: Sequence[_Job]) -> list[Outcome]:
     """Each job under its own savepoint: (True, result) or, rolled back, (False, exception).
     A storage failure is raised: SQLite may have rolled back the whole transaction."""
     return [_under_savepoint(conn, job.fn, *job.args) for job in jobs]
 
 
-def _under_savepoint(conn: sqlite3.Connection, fn: Callable[..., T], *args: Any) -> Outcome:
+def _under_savepoint(conn: Connection, fn: Callable[..., T], *args: Any) -> Outcome:
     """`fn(conn, *args)` under a savepoint: (True, result), or rolled back, (False, exception);
     a storage failure is raised (SQLite may have rolled back the whole transaction)."""
     conn.execute("SAVEPOINT job")
@@ -406,7 +480,7 @@ def _runs(jobs: Sequence[_Job]) -> Iterator[list[_Job]]:
 
 
 def _group_txn(
-    conn: sqlite3.Connection, jobs: Sequence[_Job], combiners: Mapping[Callable[..., Any], Combiner]
+    conn: Connection, jobs: Sequence[_Job], combiners: Mapping[Callable[..., Any], Combiner]
 ) -> list[Outcome]:
     """A group's jobs in one transaction: each run of one function that has a combiner as one
     combined call under one savepoint (one pass of statements for many requests instead of
@@ -444,11 +518,14 @@ class Writer:
     """
 
     def __init__(
-        self, path: Path, name: str, combiners: Mapping[Callable[..., Any], Combiner] | None = None
+        self,
+        target: Target,
+        name: str,
+        combiners: Mapping[Callable[..., Any], Combiner] | None = None,
     ) -> None:
-        self.path = path
+        self.path = target
         self.combiners = dict(combiners or {})  # transaction function → its `Combiner`
-        self.conn = connect(path)
+        self.conn = connect(target)
         self.failure: StorageError | None = None
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -645,30 +722,58 @@ class Writer:
 
 
 class Store:
-    """What the two stores (`truth.TruthStore`, `cache.CacheStore`) share: one database file,
-    its schema (`migrations`), its one writer thread and the event loop's read connection;
+    """What the two stores (`truth.TruthStore`, `cache.CacheStore`) share: one database (a
+    SQLite file or a PostgreSQL schema: `path`, a `Target`), its schema (`migrations`, or
+    `pg_migrations` on PostgreSQL), its one writer thread and the event loop's read connection;
     `open()` and `close()`, or a `with` block. Each store adds the statements of its database."""
 
-    name: ClassVar[str]  # the writer thread's name
+    name: ClassVar[str]  # the writer thread's name, and the PostgreSQL schema's
     migrations: ClassVar[Sequence[Migration]]
     combiners: ClassVar[Mapping[Callable[..., Any], Combiner]] = {}  # its writer's (`Writer`)
+    pg_migrations: ClassVar[Sequence[Migration]]
 
-    def __init__(self, path: Path, clock: Clock = now_ms) -> None:
+    def __init__(self, path: Target, clock: Clock = now_ms) -> None:
         self.path = path
         self._clock = clock
         self._writer: Writer | None = None
-        self._reader: sqlite3.Connection | None = None
+        self._reader: Connection | None = None
+        self._pool: pg.Pool | None = None
+
+    @classmethod
+    def configured(cls, settings: Settings, clock: Clock = now_ms) -> Self:
+        """The store where `settings` keep it (`storage`, `data_dir`: `target`), not opened."""
+        return cls(target(settings.data_dir, settings.storage, cls.name), clock)
 
     def migrate(self) -> None:
         """Create the database or bring its schema up to date (forward only)."""
-        migrate_file(self.path, self.migrations)
+        pg_target = isinstance(self.path, pg.Target)
+        migrate_file(self.path, self.pg_migrations if pg_target else self.migrations)
 
     def open(self) -> Self:
-        """Migrate, start the writer thread, open the loop's read connection."""
+        """Migrate, start the writer thread, open the loop's read connection (and on
+        PostgreSQL the pool of `reading()`)."""
         self.migrate()
         self._writer = Writer(self.path, self.name, self.combiners)
         self._reader = connect(self.path, readonly=True)
+        if isinstance(self.path, pg.Target):
+            with storage_errors(self.path):
+                self._pool = pg.Pool(self.path)
         return self
+
+    @contextmanager
+    def reading(self) -> Iterator[Connection]:
+        """A read-only connection of its own, for one read off the event loop (a thread, the
+        CLI): a new SQLite connection, or one lent by the pool (a new one when not open)."""
+        with storage_errors(self.path):
+            conn = (
+                self._pool.connection()
+                if self._pool
+                else connect(self.path, readonly=True, stream=True)
+            )
+        try:
+            yield conn
+        finally:
+            conn.close()
 
     def stop_writes(self) -> None:
         """Finish the queued transactions and stop the writer; later writes raise ShuttingDown."""
@@ -676,13 +781,17 @@ class Store:
             self._writer.close()
 
     def close(self) -> None:
-        """Stop writing, then close the read connection."""
+        """Stop writing, then close the read connections."""
         self.stop_writes()
         if self._reader is not None:
             self._reader.close()
+        if self._pool is not None:
+            self._pool.close()
 
     def __enter__(self) -> Self:
-        return self.open()
+        """Open it, unless it is open already (`maintenance.truth_store` hands out an opened
+        store for a `with` block: opening it twice would leak the first connections)."""
+        return self if self._writer is not None else self.open()
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -698,7 +807,13 @@ class Store:
         return self._writer
 
     @property
-    def conn(self) -> sqlite3.Connection:
+    def conn(self) -> Connection:
         """The event loop's read connection (for the store's module and the tests only)."""
         assert self._reader is not None, "the store is not open"
         return self._reader
+
+
+def target(data_dir: Path, storage: str, name: str) -> Target:
+    """Where store `name` keeps its database: `<data_dir>/<name>.db` (`storage` "sqlite"), or
+    the PostgreSQL schema `name` of the database `storage` names."""
+    return pg.Target(storage, name) if pg.is_dsn(storage) else data_dir / f"{name}.db"

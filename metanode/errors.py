@@ -334,6 +334,14 @@ class StorageIOError(StorageError):
     slug = "storage_io_error"
 
 
+class StorageUnavailable(StorageError):
+    """The database server (PostgreSQL, `storage`) cannot be reached or dropped the connection;
+    the node reconnects by itself once it answers again."""
+
+    slug = "storage_unavailable"
+    retry_after = 1
+
+
 class StorageLocked(StorageError):
     """Another connection held the database lock for longer than the busy timeout."""
 

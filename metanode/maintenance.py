@@ -65,10 +65,17 @@ def ensure_owner(settings: Settings) -> tuple[str, bool]:
 
 def open_store(settings: Settings) -> None:
     """Create the data directory (or make an existing one private) and bring both schemas up
-    to date."""
+    to date (on PostgreSQL, `storage`: the schemas `truth` and `cache` of its database)."""
     datadir.secure(settings.data_dir)
-    truth.TruthStore(settings.truth_path).migrate()
-    cache.CacheStore(settings.cache_path).migrate()
+    truth.TruthStore.configured(settings).migrate()
+    cache.CacheStore.configured(settings).migrate()
+
+
+def check_writable(settings: Settings) -> None:
+    """Raise the `StorageError` a write to either store would meet now (`serve` refuses to
+    start on a full disk, a read-only mount or an unreachable PostgreSQL)."""
+    stores = (truth.TruthStore.configured(settings), cache.CacheStore.configured(settings))
+    datadir.check_writable(store.path for store in stores)
 
 
 # -- the signer registry ------------------------------------------------------------------------
@@ -78,7 +85,7 @@ def truth_store(settings: Settings) -> truth.TruthStore:
     """The data directory's truth store, opened (its schema brought up to date); a `with` block
     closes it."""
     open_store(settings)
-    return truth.TruthStore(settings.truth_path).open()
+    return truth.TruthStore.configured(settings).open()
 
 
 def add_signer(
@@ -134,7 +141,7 @@ def revoke_peer_token(settings: Settings, name: str) -> None:
 
 def rebuild_cache(settings: Settings) -> cache.State:
     """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files."""
-    with truth_store(settings) as source, cache.CacheStore(settings.cache_path) as store:
+    with truth_store(settings) as source, cache.CacheStore.configured(settings) as store:
         return store.build_sync(source)
 
 
@@ -153,7 +160,7 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
     """`metanode check`: the live cache against a fresh rebuild, and every stored signature."""
     with (
         truth_store(settings) as source,
-        cache.CacheStore(settings.cache_path) as live,
+        cache.CacheStore.configured(settings) as live,
         cache.CacheStore(scratch) as fresh,
     ):
         files, applied = live.all_local_files(), live.state().applied_seq
@@ -177,13 +184,19 @@ def copy_truth(settings: Settings, target: Path) -> str:
     """An online copy of truth.db at `target` (SQLite's backup, integrity-checked: the verdict,
     "ok" when sound), leaving the source as it is: no migration, no change of mode. The
     migration tool's dry run works on such a copy."""
-    return truth.TruthStore(settings.truth_path).backup_to(target)
+    return truth.TruthStore.configured(settings).backup_to(target)
 
 
 def backup(settings: Settings, target: Path) -> Path:
     """`metanode backup DIR`: an online copy of truth.db (consistent while the node writes),
     checked, plus the node's keys. The cache is not backed up: it is rebuilt from the truth.
-    Private like the data directory: a new TARGET is 0700, the copy 0600 (the keys keep theirs)."""
+    Private like the data directory: a new TARGET is 0700, the copy 0600 (the keys keep theirs).
+    Not on PostgreSQL: `pg_dump` copies it (docs/scale-out.md)."""
+    if settings.postgresql:
+        raise InvalidRequest(
+            "backup copies a SQLite truth.db; this node's truth is on PostgreSQL (storage): "
+            "back it up with pg_dump (docs/scale-out.md)"
+        )
     open_store(settings)
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -204,7 +217,7 @@ def export_claims(settings: Settings, uid: str | None) -> tuple[int, Iterator[di
     """Every stored claim (tombstones too) as wire dicts, optionally of one signer: (count, it)."""
     with truth_store(settings) as store:
         total = store.claim_count(uid)
-    return total, (claim.wire() for claim in truth.TruthStore(settings.truth_path).claims(uid))
+    return total, (claim.wire() for claim in truth.TruthStore.configured(settings).claims(uid))
 
 
 IMPORT_BATCH = 1000
@@ -262,7 +275,7 @@ def _verified_chunks(
 def _signer_rows(settings: Settings) -> Iterator[Callable[[str], truth.SignerRow | None]]:
     """Signer rows as the truth holds them now, cached. There are none without a truth.db: an
     import into a new data directory creates nothing until every claim has passed."""
-    if not settings.truth_path.exists():
+    if not settings.postgresql and not settings.truth_path.exists():
         yield lambda uid: None
         return
     with truth_store(settings) as store:
@@ -381,7 +394,7 @@ def cache_catcher(
     CLI's writes, when no server runs), the cache store open for as many calls as the block
     makes: a long import calls it after every chunk, so no one transaction holds a whole file's
     changes."""
-    with cache.CacheStore(settings.cache_path) as store:
+    with cache.CacheStore.configured(settings) as store:
 
         def catch_up() -> cache.State:
             if cache_needs_build(store.state(), source):

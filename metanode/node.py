@@ -111,8 +111,11 @@ class Node:
         datadir.secure(self.settings.data_dir)  # the stores migrate their schemas as they open
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
-        self.truth = truth.TruthStore(self.settings.truth_path, self.clock).open()
-        self.cache = cache.CacheStore(self.settings.cache_path, self.clock).open()
+        store = truth.TruthStore.configured(self.settings, self.clock)
+        if not self.follower:  # the owner worker, or the one process: the node of its data
+            store.claim_node()
+        self.truth = store.open()
+        self.cache = cache.CacheStore.configured(self.settings, self.clock).open()
         documents = self._hot_documents(self.settings.hot_documents)
         self._answer_meta = self._render_meta if documents is None else documents
         role = Follower if self.follower else Applier

@@ -15,7 +15,6 @@ deleted (so never reused).
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -23,14 +22,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
-from metanode import merge
+from metanode import merge, pg
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
 from metanode.db import (
     Combiner,
+    Connection,
     Migration,
     Outcome,
     Store,
+    Target,
     connect,
     copy_database,
     executescript_in_txn,
@@ -134,7 +135,7 @@ BEGIN SELECT RAISE(ABORT, 'rids are never deleted, so never reused'); END;
 """
 
 
-def _v1(conn: sqlite3.Connection) -> None:
+def _v1(conn: Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V1)
 
 
@@ -179,30 +180,179 @@ CREATE TABLE peers (
 """
 
 
-def _v2(conn: sqlite3.Connection) -> None:
+def _v2(conn: Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V2)
 
 
 MIGRATIONS: Sequence[Migration] = (_v1, _v2)
 
+# The same schema on PostgreSQL (docs/scale-out.md): the tables and columns of SQLite's v2, each
+# with PostgreSQL's types (BIGINT for ms timestamps and counters, BYTEA for signatures); the
+# triggers as PL/pgSQL functions (a trigger's WHEN may not hold a subquery there). AUTOINCREMENT
+# is `sequences` (what `max_seq` reads, through `pg.REWRITES`) kept by the `changes_seq`
+# trigger inside the inserting transaction: a rolled-back insert gives its seq back, as on
+# SQLite, so the outbox seqs of a transaction are consecutive (`_written`). `hex()` is SQLite's.
+# tests/test_pg.py checks both schemas have the same tables and columns.
+PG_SCHEMA_V1 = """
+CREATE TABLE signers (
+    uid TEXT PRIMARY KEY NOT NULL,
+    name TEXT NOT NULL DEFAULT '',
+    weight BIGINT NOT NULL DEFAULT 1 CHECK (weight >= 0),
+    status TEXT NOT NULL DEFAULT 'active' CHECK (status IN ('active', 'blocked')),
+    may_link INTEGER NOT NULL DEFAULT 0 CHECK (may_link IN (0, 1)),
+    added_at BIGINT NOT NULL,
+    learned_from TEXT
+);
+
+CREATE TABLE rids (
+    rid TEXT PRIMARY KEY NOT NULL CHECK (length(rid) = 26),
+    status TEXT NOT NULL DEFAULT 'active' CHECK (status IN ('active', 'merged')),
+    merged_into TEXT REFERENCES rids (rid),
+    minted_at BIGINT NOT NULL,
+    merged_at BIGINT,
+    CHECK ((status = 'active' AND merged_into IS NULL AND merged_at IS NULL)
+        OR (status = 'merged' AND merged_into IS NOT NULL AND merged_into < rid
+            AND merged_at IS NOT NULL))
+);
+
+CREATE TABLE cid_group (
+    cid TEXT PRIMARY KEY NOT NULL,
+    rid TEXT NOT NULL REFERENCES rids (rid)
+);
+CREATE INDEX cid_group_rid ON cid_group (rid);
+
+CREATE TABLE claims (
+    uid TEXT NOT NULL REFERENCES signers (uid),
+    cid TEXT NOT NULL REFERENCES cid_group (cid),
+    key TEXT NOT NULL,
+    value TEXT,
+    ts BIGINT NOT NULL,
+    sig BYTEA NOT NULL CHECK (length(sig) = 64),
+    log_seq BIGINT,
+    PRIMARY KEY (uid, cid, key)
+);
+CREATE INDEX claims_cid_key ON claims (cid, key);
+CREATE UNIQUE INDEX claims_log ON claims (log_seq);
+
+CREATE TABLE changes (
+    seq BIGINT PRIMARY KEY,
+    kind TEXT NOT NULL CHECK (kind IN ('claim', 'group', 'merge', 'signer', 'local')),
+    rid TEXT,
+    cid TEXT,
+    key TEXT,
+    uid TEXT,
+    survivor TEXT,
+    at BIGINT NOT NULL
+);
+
+CREATE TABLE sequences (
+    name TEXT PRIMARY KEY NOT NULL,
+    seq BIGINT NOT NULL
+);
+INSERT INTO sequences (name, seq) VALUES ('changes', 0);
+
+CREATE TABLE box (
+    name TEXT PRIMARY KEY NOT NULL,
+    value TEXT NOT NULL
+);
+INSERT INTO box (name, value)
+    VALUES ('log_id', substr(md5(random()::text || clock_timestamp()::text), 1, 16));
+
+CREATE TABLE peer_tokens (
+    name TEXT PRIMARY KEY NOT NULL,
+    hash TEXT NOT NULL UNIQUE CHECK (length(hash) = 64),
+    created_at BIGINT NOT NULL
+);
+
+CREATE TABLE peers (
+    name TEXT PRIMARY KEY NOT NULL CHECK (length(name) BETWEEN 1 AND 64),
+    url TEXT NOT NULL,
+    token TEXT NOT NULL,
+    weight BIGINT NOT NULL DEFAULT 0 CHECK (weight >= 0),
+    cursor TEXT NOT NULL DEFAULT '',
+    accepted BIGINT NOT NULL DEFAULT 0,
+    duplicate BIGINT NOT NULL DEFAULT 0,
+    stale BIGINT NOT NULL DEFAULT 0,
+    rejected BIGINT NOT NULL DEFAULT 0,
+    added_at BIGINT NOT NULL
+);
+
+CREATE FUNCTION hex(b BYTEA) RETURNS TEXT LANGUAGE sql IMMUTABLE AS
+$$ SELECT upper(encode(b, 'hex')) $$;
+
+CREATE FUNCTION changes_seq() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.seq IS NULL THEN
+        UPDATE sequences SET seq = seq + 1 WHERE name = 'changes' RETURNING seq INTO NEW.seq;
+    ELSE
+        UPDATE sequences SET seq = greatest(seq, NEW.seq) WHERE name = 'changes';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER changes_seq BEFORE INSERT ON changes
+    FOR EACH ROW EXECUTE FUNCTION changes_seq();
+
+CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION '%', TG_ARGV[0] USING ERRCODE = 'integrity_constraint_violation';
+END $$;
+
+CREATE FUNCTION cid_group_active() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF (SELECT status FROM rids WHERE rid = NEW.rid) IS DISTINCT FROM 'active' THEN
+        RAISE EXCEPTION 'cid_group must point at an active rid'
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER cid_group_active BEFORE INSERT OR UPDATE OF rid ON cid_group
+    FOR EACH ROW EXECUTE FUNCTION cid_group_active();
+CREATE TRIGGER cid_group_no_delete BEFORE DELETE ON cid_group
+    FOR EACH ROW EXECUTE FUNCTION refuse('a cid never leaves every group');
+
+CREATE FUNCTION rids_status() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.status = 'merged' AND EXISTS (SELECT 1 FROM cid_group WHERE rid = NEW.rid) THEN
+        RAISE EXCEPTION 'a merged rid must hold no cid'
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    IF OLD.status = 'merged' AND NEW.status = 'active' THEN
+        RAISE EXCEPTION 'a merged rid never becomes active again'
+            USING ERRCODE = 'integrity_constraint_violation';
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER rids_status BEFORE UPDATE OF status ON rids
+    FOR EACH ROW EXECUTE FUNCTION rids_status();
+CREATE TRIGGER rids_no_delete BEFORE DELETE ON rids
+    FOR EACH ROW EXECUTE FUNCTION refuse('rids are never deleted, so never reused');
+"""
+
+
+def _pg_v1(conn: Connection) -> None:
+    executescript_in_txn(conn, PG_SCHEMA_V1)
+
+
+PG_MIGRATIONS: Sequence[Migration] = (_pg_v1,)
+
 
 # -- reads --------------------------------------------------------------------------------------
 
 
-def max_seq(conn: sqlite3.Connection) -> int:
+def max_seq(conn: Connection) -> int:
     """The newest outbox seq ever written: AUTOINCREMENT keeps it in `sqlite_sequence` after
     the rows themselves are pruned."""
     row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
     return int(row[0]) if row else 0
 
 
-def min_seq(conn: sqlite3.Connection) -> int | None:
+def min_seq(conn: Connection) -> int | None:
     """The oldest outbox seq still stored, or None if every row was pruned."""
     value: int | None = conn.execute("SELECT min(seq) FROM changes").fetchone()[0]
     return value
 
 
-def max_rid(conn: sqlite3.Connection) -> str | None:
+def max_rid(conn: Connection) -> str | None:
     row = conn.execute("SELECT max(rid) FROM rids").fetchone()
     return row[0] if row else None
 
@@ -213,12 +363,12 @@ def json_array(values: Iterable[object]) -> str:
     return json.dumps(list(values), ensure_ascii=False)
 
 
-def group_of(conn: sqlite3.Connection, cid: str) -> str | None:
+def group_of(conn: Connection, cid: str) -> str | None:
     row = conn.execute("SELECT rid FROM cid_group WHERE cid = ?", (cid,)).fetchone()
     return row[0] if row else None
 
 
-def groups_of(conn: sqlite3.Connection, cids: Iterable[str]) -> dict[str, str]:
+def groups_of(conn: Connection, cids: Iterable[str]) -> dict[str, str]:
     """cid → rid of every grouped CID among `cids` (one query; an ungrouped CID is absent)."""
     return dict(
         conn.execute(
@@ -228,11 +378,11 @@ def groups_of(conn: sqlite3.Connection, cids: Iterable[str]) -> dict[str, str]:
     )
 
 
-def group_cids(conn: sqlite3.Connection, rid: str) -> list[str]:
+def group_cids(conn: Connection, rid: str) -> list[str]:
     return [r[0] for r in conn.execute("SELECT cid FROM cid_group WHERE rid = ?", (rid,))]
 
 
-def groups_cids(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, list[str]]:
+def groups_cids(conn: Connection, rids: Iterable[str]) -> dict[str, list[str]]:
     """rid → its CIDs, for many groups in one query (a rid holding none is absent)."""
     found: dict[str, list[str]] = {}
     for rid, cid in conn.execute(
@@ -243,7 +393,7 @@ def groups_cids(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, list
     return found
 
 
-def active_rids(conn: sqlite3.Connection) -> list[str]:
+def active_rids(conn: Connection) -> list[str]:
     return [r[0] for r in conn.execute("SELECT rid FROM rids WHERE status = 'active' ORDER BY rid")]
 
 
@@ -254,17 +404,17 @@ class RidInfo:
     merged_into: str | None
 
 
-def rid_info(conn: sqlite3.Connection, rid: str) -> RidInfo | None:
+def rid_info(conn: Connection, rid: str) -> RidInfo | None:
     row = conn.execute("SELECT rid, status, merged_into FROM rids WHERE rid = ?", (rid,)).fetchone()
     return RidInfo(*row) if row else None
 
 
-def newest_ts(conn: sqlite3.Connection, uid: str) -> int:
+def newest_ts(conn: Connection, uid: str) -> int:
     """The newest ts of any claim stored from `uid` (0: none), so its next claim can be newer."""
     return int(conn.execute("SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()[0] or 0)
 
 
-def survivor(conn: sqlite3.Connection, rid: str) -> str:
+def survivor(conn: Connection, rid: str) -> str:
     """The active rid that `rid` is now part of (itself if active)."""
     info = rid_info(conn, rid)
     while info is not None and info.merged_into is not None:
@@ -272,7 +422,7 @@ def survivor(conn: sqlite3.Connection, rid: str) -> str:
     return info.rid if info else rid
 
 
-def survivors(conn: sqlite3.Connection, rids: Iterable[str]) -> dict[str, str]:
+def survivors(conn: Connection, rids: Iterable[str]) -> dict[str, str]:
     """`survivor` of each of `rids`, one query per step of the longest chain instead of one per
     rid and step (merges keep chains one step long, so usually two queries in all)."""
     found: dict[str, str] = {}
@@ -303,7 +453,7 @@ def _claim(row: Sequence[Any]) -> Claim:
     return Claim(row[0], row[1], row[2], row[3], row[4], bytes(row[5]))
 
 
-def stored_claim(conn: sqlite3.Connection, uid: str, cid: str, key: str) -> Claim | None:
+def stored_claim(conn: Connection, uid: str, cid: str, key: str) -> Claim | None:
     row = conn.execute(
         f"SELECT {_CLAIM_COLUMNS} FROM claims WHERE uid = ? AND cid = ? AND key = ?",
         (uid, cid, key),
@@ -314,7 +464,7 @@ def stored_claim(conn: sqlite3.Connection, uid: str, cid: str, key: str) -> Clai
 ClaimId = tuple[str, str, str]  # (uid, cid, key): what one stored claim is kept per
 
 
-def stored_claims(conn: sqlite3.Connection, ids: Iterable[ClaimId]) -> dict[ClaimId, Claim]:
+def stored_claims(conn: Connection, ids: Iterable[ClaimId]) -> dict[ClaimId, Claim]:
     """`stored_claim` of many (uid, cid, key) in one query; those with no stored claim are
     absent."""
     rows = conn.execute(
@@ -327,7 +477,7 @@ def stored_claims(conn: sqlite3.Connection, ids: Iterable[ClaimId]) -> dict[Clai
 
 
 def group_claims(
-    conn: sqlite3.Connection,
+    conn: Connection,
     rid: str,
     keys: Iterable[str] | None = None,
     uid: str | None = None,
@@ -353,7 +503,7 @@ def group_claims(
 
 
 def groups_claims(
-    conn: sqlite3.Connection, rids: Iterable[str], keys: Iterable[str] | None = None
+    conn: Connection, rids: Iterable[str], keys: Iterable[str] | None = None
 ) -> dict[str, list[Claim]]:
     """rid → the live stored claims on every CID of each group, optionally only some keys:
     `group_claims` of many groups in one query (in no particular order)."""
@@ -372,7 +522,7 @@ def groups_claims(
     return found
 
 
-def all_claims(conn: sqlite3.Connection, uid: str | None = None) -> Iterable[Claim]:
+def all_claims(conn: Connection, uid: str | None = None) -> Iterable[Claim]:
     sql = f"SELECT {_CLAIM_COLUMNS} FROM claims"
     params: tuple[str, ...] = ()
     if uid is not None:
@@ -380,14 +530,14 @@ def all_claims(conn: sqlite3.Connection, uid: str | None = None) -> Iterable[Cla
     return (_claim(row) for row in conn.execute(sql + " ORDER BY uid, cid, key", params))
 
 
-def claim_count(conn: sqlite3.Connection, uid: str | None = None) -> int:
+def claim_count(conn: Connection, uid: str | None = None) -> int:
     """How many claims are stored (tombstones too), optionally of one signer: an export's total."""
     if uid is None:
         return int(conn.execute("SELECT count(*) FROM claims").fetchone()[0])
     return int(conn.execute("SELECT count(*) FROM claims WHERE uid = ?", (uid,)).fetchone()[0])
 
 
-def rid_status_counts(conn: sqlite3.Connection) -> dict[str, int]:
+def rid_status_counts(conn: Connection) -> dict[str, int]:
     """How many rids are in each lifecycle status (`active`, `merged`): the /metrics gauges."""
     return {
         status: int(n)
@@ -395,7 +545,7 @@ def rid_status_counts(conn: sqlite3.Connection) -> dict[str, int]:
     }
 
 
-def signer_cid_keys(conn: sqlite3.Connection, uid: str) -> list[tuple[str, str]]:
+def signer_cid_keys(conn: Connection, uid: str) -> list[tuple[str, str]]:
     """Every (cid, key) a signer has a claim on: what blocking or re-weighting it can change."""
     return [(r[0], r[1]) for r in conn.execute("SELECT cid, key FROM claims WHERE uid = ?", (uid,))]
 
@@ -431,16 +581,16 @@ def _signer(row: Sequence[Any]) -> SignerRow:
     return SignerRow(row[0], row[1], row[2], row[3], bool(row[4]), row[5], row[6])
 
 
-def signer(conn: sqlite3.Connection, uid: str) -> SignerRow | None:
+def signer(conn: Connection, uid: str) -> SignerRow | None:
     row = conn.execute(f"SELECT {_SIGNER_COLUMNS} FROM signers WHERE uid = ?", (uid,)).fetchone()
     return _signer(row) if row else None
 
 
-def signers(conn: sqlite3.Connection) -> list[SignerRow]:
+def signers(conn: Connection) -> list[SignerRow]:
     return [_signer(r) for r in conn.execute(f"SELECT {_SIGNER_COLUMNS} FROM signers ORDER BY uid")]
 
 
-def merge_signers(conn: sqlite3.Connection) -> dict[str, merge.Signer]:
+def merge_signers(conn: Connection) -> dict[str, merge.Signer]:
     """Weights and blocks of every signer, as the merge rules take them."""
     return {
         uid: merge.Signer(weight=weight, blocked=status == "blocked")
@@ -448,7 +598,7 @@ def merge_signers(conn: sqlite3.Connection) -> dict[str, merge.Signer]:
     }
 
 
-def changes_after(conn: sqlite3.Connection, seq: int) -> list[Change]:
+def changes_after(conn: Connection, seq: int) -> list[Change]:
     return [
         Change._make(row)
         for row in conn.execute(
@@ -462,13 +612,13 @@ def changes_after(conn: sqlite3.Connection, seq: int) -> list[Change]:
 # -- the claim log and peers (docs/peers.md) ---------------------------------------------------
 
 
-def max_log_seq(conn: sqlite3.Connection) -> int:
+def max_log_seq(conn: Connection) -> int:
     """The newest claim-log seq ever given (0: none): claims are never deleted and a replacement
     always takes a higher seq, so the largest stored one is the newest given."""
     return int(conn.execute("SELECT coalesce(max(log_seq), 0) FROM claims").fetchone()[0])
 
 
-def log_id(conn: sqlite3.Connection) -> str:
+def log_id(conn: Connection) -> str:
     """The random name of this truth's claim log, part of every cursor it gives."""
     return str(conn.execute("SELECT value FROM box WHERE name = 'log_id'").fetchone()[0])
 
@@ -477,7 +627,7 @@ def log_cursor(name: str, seq: int) -> str:
     return f"{name}.{seq}"
 
 
-def parse_log_cursor(conn: sqlite3.Connection, cursor: str | None) -> int:
+def parse_log_cursor(conn: Connection, cursor: str | None) -> int:
     """The seq a cursor of this log names (None: the start); 400 `invalid_cursor` for one that is
     malformed, of another box's log, or beyond this log's end."""
     if cursor is None or cursor == "":
@@ -500,7 +650,7 @@ class LogPage:
     more: bool
 
 
-def claims_log(conn: sqlite3.Connection, after: int, limit: int, uid: str | None) -> LogPage:
+def claims_log(conn: Connection, after: int, limit: int, uid: str | None) -> LogPage:
     """A page of the claim log after seq `after`, in the order the claims were stored."""
     sql = f"SELECT {_CLAIM_COLUMNS}, log_seq FROM claims WHERE log_seq > ?"
     params: list[Any] = [after]
@@ -516,7 +666,7 @@ def claims_log(conn: sqlite3.Connection, after: int, limit: int, uid: str | None
 ID_BYTES = 16  # a claim's identity in set reconciliation: the first bytes of its signature
 
 
-def claim_ids(conn: sqlite3.Connection) -> tuple[str, list[bytes]]:
+def claim_ids(conn: Connection) -> tuple[str, list[bytes]]:
     """(the log's cursor at its end, every stored claim's identity), in one snapshot."""
     with snapshot(conn):
         head = log_cursor(log_id(conn), max_log_seq(conn))
@@ -524,7 +674,7 @@ def claim_ids(conn: sqlite3.Connection) -> tuple[str, list[bytes]]:
     return head, ids
 
 
-def claims_by_ids(conn: sqlite3.Connection, ids: Iterable[bytes]) -> list[Claim]:
+def claims_by_ids(conn: Connection, ids: Iterable[bytes]) -> list[Claim]:
     """The stored claims with these identities (one scan: reconciliation fetches few)."""
     rows = conn.execute(
         f"SELECT {_CLAIM_COLUMNS} FROM claims WHERE hex(substr(sig, 1, {ID_BYTES})) IN "
@@ -551,11 +701,11 @@ class PeerRow:
 _PEER_COLUMNS = "name, url, token, weight, cursor, accepted, duplicate, stale, rejected, added_at"
 
 
-def peers(conn: sqlite3.Connection) -> list[PeerRow]:
+def peers(conn: Connection) -> list[PeerRow]:
     return [PeerRow(*r) for r in conn.execute(f"SELECT {_PEER_COLUMNS} FROM peers ORDER BY name")]
 
 
-def peer(conn: sqlite3.Connection, name: str) -> PeerRow | None:
+def peer(conn: Connection, name: str) -> PeerRow | None:
     row = conn.execute(f"SELECT {_PEER_COLUMNS} FROM peers WHERE name = ?", (name,)).fetchone()
     return PeerRow(*row) if row else None
 
@@ -566,14 +716,14 @@ class PeerTokenRow:
     created_at: int
 
 
-def peer_tokens(conn: sqlite3.Connection) -> list[PeerTokenRow]:
+def peer_tokens(conn: Connection) -> list[PeerTokenRow]:
     return [
         PeerTokenRow(*r)
         for r in conn.execute("SELECT name, created_at FROM peer_tokens ORDER BY name")
     ]
 
 
-def peer_token_named(conn: sqlite3.Connection, digest: str) -> str | None:
+def peer_token_named(conn: Connection, digest: str) -> str | None:
     """The name of the peer token whose SHA-256 is `digest`, or None."""
     row = conn.execute("SELECT name FROM peer_tokens WHERE hash = ?", (digest,)).fetchone()
     return row[0] if row else None
@@ -603,7 +753,7 @@ def policy_error(row: SignerRow | None, claim: Claim, policy: Policy) -> SignerP
 
 
 def check_policy(
-    conn: sqlite3.Connection,
+    conn: Connection,
     batch: Sequence[Claim],
     policy: Policy,
     rows: dict[str, SignerRow | None] | None = None,
@@ -630,7 +780,7 @@ def check_policy(
 RESERVE_PAGES = 1024  # free pages kept for the next writes (4 MiB) when the outbox is pruned
 
 
-def prune_changes_txn(conn: sqlite3.Connection, applied_seq: int) -> int:
+def prune_changes_txn(conn: Connection, applied_seq: int) -> int:
     """Drop the outbox rows the cache has applied (the cache is all that reads them), and give
     their space back (`db.reclaim`), so truth.db holds the claims and little else; returns how
     many rows. The seq counter stays, so seqs are never reused."""
@@ -656,7 +806,7 @@ def _change(
     return (kind, rid, cid, key, uid, survivor, now_ms)
 
 
-def _write_changes(conn: sqlite3.Connection, rows: Iterable[ChangeRow]) -> None:
+def _write_changes(conn: Connection, rows: Iterable[ChangeRow]) -> None:
     """Append outbox rows; their seqs follow the order of `rows`."""
     conn.executemany(
         "INSERT INTO changes (kind, rid, cid, key, uid, survivor, at) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -678,7 +828,7 @@ class _Groups:
 
     def __init__(
         self,
-        conn: sqlite3.Connection,
+        conn: Connection,
         now_ms: int,
         cids: Iterable[str],
         minter: Minter | None = None,
@@ -790,7 +940,7 @@ class _Groups:
         }
 
 
-def ensure_group(conn: sqlite3.Connection, cid: str, minter: Minter, now_ms: int) -> str:
+def ensure_group(conn: Connection, cid: str, minter: Minter, now_ms: int) -> str:
     """`_Groups.ensure` of one CID, written at once (for callers that group CIDs one by one in
     their own transaction, such as the migration tool)."""
     groups = _Groups(conn, now_ms, [cid], minter)
@@ -799,7 +949,7 @@ def ensure_group(conn: sqlite3.Connection, cid: str, minter: Minter, now_ms: int
     return rid
 
 
-def _store(conn: sqlite3.Connection, accepted: Sequence[Claim]) -> None:
+def _store(conn: Connection, accepted: Sequence[Claim]) -> None:
     """Upsert accepted claims in order (of two on one (uid, cid, key) the later is kept), each
     at the next claim-log seq: a replaced claim leaves the log, its replacement joins the end."""
     first = max_log_seq(conn) + 1
@@ -811,8 +961,10 @@ def _store(conn: sqlite3.Connection, accepted: Sequence[Claim]) -> None:
     )
 
 
-def _register_unknown(conn: sqlite3.Connection, uid: str, now_ms: int) -> None:
-    conn.execute("INSERT OR IGNORE INTO signers (uid, added_at) VALUES (?, ?)", (uid, now_ms))
+def _register_unknown(conn: Connection, uid: str, now_ms: int) -> None:
+    conn.execute(
+        "INSERT INTO signers (uid, added_at) VALUES (?, ?) ON CONFLICT DO NOTHING", (uid, now_ms)
+    )
 
 
 INGEST_GROUP = "ingest"  # the writer's group of `ingest_txn` jobs: they share a transaction
@@ -833,7 +985,7 @@ def _named_cids(batch: Iterable[Claim]) -> set[str]:
 
 
 def ingest_txn(
-    conn: sqlite3.Connection,
+    conn: Connection,
     batch: Sequence[Claim],
     minter: Minter,
     policy: Policy,
@@ -854,7 +1006,7 @@ def ingest_txn(
     return result
 
 
-def ingest_many_txn(conn: sqlite3.Connection, jobs: Sequence[tuple[Any, ...]]) -> list[Outcome]:
+def ingest_many_txn(conn: Connection, jobs: Sequence[tuple[Any, ...]]) -> list[Outcome]:
     """Group commit's combiner of queued `ingest_txn(batch, minter, policy, now)` jobs
     (`db.Writer`): every batch its signers' policy allows, resolved in ONE pass (one read of
     the stored claims and of the groups, one write of each table) instead of a round of
@@ -879,7 +1031,7 @@ def ingest_many_txn(conn: sqlite3.Connection, jobs: Sequence[tuple[Any, ...]]) -
 
 
 def _store_batches(
-    conn: sqlite3.Connection,
+    conn: Connection,
     batches: Sequence[Sequence[Claim]],
     known: set[str],
     minter: Minter,
@@ -933,9 +1085,7 @@ def _written(groups: _Groups, before: int, seq: int, stored: Iterable[Claim]) ->
     return Written(changes, groups.fresh(c for c in stored if c.value is not None))
 
 
-def ensure_groups_txn(
-    conn: sqlite3.Connection, cids: Sequence[str], minter: Minter, now_ms: int
-) -> None:
+def ensure_groups_txn(conn: Connection, cids: Sequence[str], minter: Minter, now_ms: int) -> None:
     """Give every CID a group (the watcher's midhashes): minted if new, in one transaction."""
     groups = _Groups(conn, now_ms, cids, minter)
     for cid in cids:
@@ -944,7 +1094,7 @@ def ensure_groups_txn(
 
 
 def add_signer_txn(
-    conn: sqlite3.Connection, uid: str, name: str, weight: int, may_link: bool, now_ms: int
+    conn: Connection, uid: str, name: str, weight: int, may_link: bool, now_ms: int
 ) -> SignerRow:
     """Register a signer, or update its name, weight and link permission."""
     before = signer(conn, uid)
@@ -961,9 +1111,7 @@ def add_signer_txn(
     return after
 
 
-def set_signer_status_txn(
-    conn: sqlite3.Connection, uid: str, status: str, now_ms: int
-) -> SignerRow:
+def set_signer_status_txn(conn: Connection, uid: str, status: str, now_ms: int) -> SignerRow:
     """Block or unblock a signer; every record it voted on is recomputed by the applier."""
     before = signer(conn, uid)
     if before is None:
@@ -989,7 +1137,7 @@ class PeerCursor:
     rejected: int
 
 
-def advance_peer(conn: sqlite3.Connection, page: PeerCursor, verdicts: Sequence[Verdict]) -> None:
+def advance_peer(conn: Connection, page: PeerCursor, verdicts: Sequence[Verdict]) -> None:
     """Count a page's verdicts on its peer and store its cursor (inside the page's ingest)."""
     conn.execute(
         "UPDATE peers SET cursor = coalesce(?, cursor), accepted = accepted + ?, "
@@ -1006,7 +1154,7 @@ def advance_peer(conn: sqlite3.Connection, page: PeerCursor, verdicts: Sequence[
 
 
 def peer_ingest_txn(
-    conn: sqlite3.Connection,
+    conn: Connection,
     batch: Sequence[Claim],
     page: PeerCursor,
     weight: int,
@@ -1018,8 +1166,8 @@ def peer_ingest_txn(
     without `may_link`) is refused and counted, the rest stored with the cursor, in one
     transaction. Returns the ingest's result and the claims refused."""
     conn.executemany(
-        "INSERT OR IGNORE INTO signers (uid, name, weight, may_link, added_at, learned_from) "
-        "VALUES (?, ?, ?, 0, ?, ?)",
+        "INSERT INTO signers (uid, name, weight, may_link, added_at, learned_from) "
+        "VALUES (?, ?, ?, 0, ?, ?) ON CONFLICT DO NOTHING",
         [(uid, f"peer:{page.name}", weight, now_ms, page.name) for uid in {c.uid for c in batch}],
     )
     rows = {uid: signer(conn, uid) for uid in {c.uid for c in batch}}
@@ -1032,7 +1180,7 @@ def peer_ingest_txn(
 
 
 def add_peer_txn(
-    conn: sqlite3.Connection, name: str, url: str, token: str, weight: int, now_ms: int
+    conn: Connection, name: str, url: str, token: str, weight: int, now_ms: int
 ) -> PeerRow:
     """Follow a peer (or update its address, token and weight; its cursor stays)."""
     conn.execute(
@@ -1046,12 +1194,12 @@ def add_peer_txn(
     return row
 
 
-def remove_peer_txn(conn: sqlite3.Connection, name: str) -> bool:
+def remove_peer_txn(conn: Connection, name: str) -> bool:
     """Stop following a peer (the claims it brought stay); whether there was one."""
     return conn.execute("DELETE FROM peers WHERE name = ?", (name,)).rowcount > 0
 
 
-def add_peer_token_txn(conn: sqlite3.Connection, name: str, digest: str, now_ms: int) -> None:
+def add_peer_token_txn(conn: Connection, name: str, digest: str, now_ms: int) -> None:
     """Store a new peer token's SHA-256 under `name` (a name is given once)."""
     if conn.execute("SELECT 1 FROM peer_tokens WHERE name = ?", (name,)).fetchone():
         raise InvalidRequest(f"a peer token named {name!r} exists; revoke it first")
@@ -1060,7 +1208,7 @@ def add_peer_token_txn(conn: sqlite3.Connection, name: str, digest: str, now_ms:
     )
 
 
-def revoke_peer_token_txn(conn: sqlite3.Connection, name: str) -> bool:
+def revoke_peer_token_txn(conn: Connection, name: str) -> bool:
     return conn.execute("DELETE FROM peer_tokens WHERE name = ?", (name,)).rowcount > 0
 
 
@@ -1077,9 +1225,7 @@ class Adopted:
     merged: tuple[str, ...]  # rids merged away because they already held one of the CIDs
 
 
-def adopt_group_txn(
-    conn: sqlite3.Connection, rid: str, cids: Sequence[str], now_ms: int
-) -> Adopted:
+def adopt_group_txn(conn: Connection, rid: str, cids: Sequence[str], now_ms: int) -> Adopted:
     """Make `cids` one group named by an existing rid, minted by another store (a migrated
     MetaMesh record keeps its UUIDv7), instead of minting a fresh one.
 
@@ -1138,9 +1284,7 @@ class Grouped:
     how: str  # "kept" (the old rid), "reused" (found through its CIDs), "minted"
 
 
-def _adopt_record(
-    conn: sqlite3.Connection, record: Grouping, minter: Minter, now_ms: int
-) -> Grouped:
+def _adopt_record(conn: Connection, record: Grouping, minter: Minter, now_ms: int) -> Grouped:
     """Put a record's CIDs in one group: under its old rid, else under the rid that already holds
     one of them (a re-run), else under a freshly minted one."""
     if record.rid is not None:
@@ -1154,7 +1298,7 @@ def _adopt_record(
 
 
 def migrate_batch_txn(
-    conn: sqlite3.Connection,
+    conn: Connection,
     records: Sequence[Grouping],
     batch: Sequence[Claim],
     minter: Minter,
@@ -1174,7 +1318,7 @@ class _View:
     storage failure as its typed `StorageError` itself: the snapshot's `with` block also holds
     the cache's writes, whose failures are the cache's, not the truth's."""
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: Connection) -> None:
         self._conn = conn
 
     @mapped
@@ -1231,17 +1375,28 @@ class TruthStore(Store):
     migrations = MIGRATIONS
     # group commit: one pass of statements for a group's batches (`ingest_many_txn`)
     combiners: ClassVar[Mapping[Callable[..., Any], Combiner]] = {ingest_txn: ingest_many_txn}
+    pg_migrations = PG_MIGRATIONS
 
-    def __init__(self, path: Path, clock: Clock = now_ms) -> None:
+    def __init__(self, path: Target, clock: Clock = now_ms) -> None:
         super().__init__(path, clock)
-        self._source: sqlite3.Connection | None = None
+        self._source: Connection | None = None
         self._source_lock = threading.Lock()
+        self._node_lock: Connection | None = None
+
+    def claim_node(self) -> None:
+        """Be the one node writing this truth: on PostgreSQL, hold the database's node lock
+        (`pg.hold_node_lock`; `DataDirLocked` if another node has it) until `close()`. On
+        SQLite nothing: the data directory's `flock` (datadir.Lock) is that lock."""
+        if isinstance(self.path, pg.Target) and self._node_lock is None:
+            with storage_errors(self.path):
+                self._node_lock = pg.hold_node_lock(self.path)
 
     def migrate(self) -> None:
         """The schema, then incremental vacuum (`db.make_incremental`: a VACUUM once, outside
         any transaction, so not a numbered migration), so pruning the outbox shrinks the file."""
         super().migrate()
-        make_incremental(self.path)
+        if isinstance(self.path, Path):
+            make_incremental(self.path)
 
     def open(self) -> Self:
         """Migrate, start the writer, open the loop's read connection and the apply's."""
@@ -1254,6 +1409,8 @@ class TruthStore(Store):
         super().close()
         if self._source is not None:
             self._source.close()
+        if self._node_lock is not None:
+            self._node_lock.close()
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -1413,14 +1570,10 @@ class TruthStore(Store):
         with snapshot(self.conn):
             return log_cursor(log_id(self.conn), max_log_seq(self.conn))
 
-    def _own_read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _own_read(self, fn: Callable[[Connection], T]) -> T:
         """`fn` on a read connection of its own: for the long reads run off the event loop."""
-        with storage_errors(self.path):
-            conn = connect(self.path, readonly=True)
-            try:
-                return fn(conn)
-            finally:
-                conn.close()
+        with self.reading() as conn, storage_errors(self.path):
+            return fn(conn)
 
     def claim_ids(self) -> tuple[str, list[bytes]]:
         """(the log's end cursor, every claim's identity): reconciliation's items (a thread)."""
@@ -1453,21 +1606,22 @@ class TruthStore(Store):
     def claims(self, uid: str | None = None) -> Iterator[Claim]:
         """Every stored claim (tombstones too), optionally of one signer, by (uid, cid, key):
         read in one snapshot on a connection of its own, closed when the iterator ends."""
-        with storage_errors(self.path):
-            conn = connect(self.path, readonly=True)
-        try:
-            with storage_errors(self.path), snapshot(conn):
-                yield from all_claims(conn, uid)
-        finally:
-            conn.close()
+        with self.reading() as conn, storage_errors(self.path), snapshot(conn):
+            yield from all_claims(conn, uid)
 
     def backup_to(self, copy: Path) -> str:
         """An online, consistent copy of truth.db into the (existing, empty) file `copy`; the
-        copy's `PRAGMA integrity_check` verdict ("ok" when it is sound)."""
+        copy's `PRAGMA integrity_check` verdict ("ok" when it is sound). Refused on
+        PostgreSQL, whose own tool makes the consistent copy (`pg_dump`, docs/scale-out.md)."""
+        if not isinstance(self.path, Path):
+            raise InvalidRequest(
+                f"backup copies a SQLite truth.db; the truth is on PostgreSQL ({self.path}): "
+                "back it up with pg_dump (docs/scale-out.md)"
+            )
         with storage_errors(copy):
             return copy_database(self.path, copy)
 
-    def apply_connection(self) -> sqlite3.Connection:
+    def apply_connection(self) -> Connection:
         """The connection `snapshot()` reads on (for tests that trace what the apply reads)."""
         assert self._source is not None, "the store is not open"
         return self._source

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,6 +31,7 @@ from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.load import kill_under_load
 from tests.helpers.server import Server, metanode_check, wait_caught_up
+from tests.helpers.settings import reading
 
 DEADLINE_S = 60.0
 
@@ -38,18 +40,11 @@ def claim_for(signer: Signer, tag: str) -> dict[str, Any]:
     return signer.claim(cids.midhash_bytes(tag.encode()), "title", f"title {tag}")
 
 
-def readonly(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+def titles(conn: db.Connection) -> set[str]:
+    return {row[0] for row in conn.execute("SELECT value FROM claims WHERE key = 'title'")}
 
 
-def stored_values(truth_db: Path) -> set[str]:
-    conn = readonly(truth_db)
-    try:
-        return {row[0] for row in conn.execute("SELECT value FROM claims WHERE key = 'title'")}
-    finally:
-        conn.close()
-
-
+@pytest.mark.both_backends
 async def test_concurrent_posters_read_their_writes_and_every_claim_is_stored(
     node: Node, client: httpx.AsyncClient
 ) -> None:
@@ -70,7 +65,7 @@ async def test_concurrent_posters_read_their_writes_and_every_claim_is_stored(
         return sent
 
     sent = [c for part in await asyncio.gather(*(poster(w) for w in range(16))) for c in part]
-    assert {c["value"] for c in sent} <= stored_values(node.settings.truth_path)
+    assert {c["value"] for c in sent} <= titles(node.truth.conn)
     for claim in sent:
         rid = node.cache.lookup(claim["cid"])
         assert rid is not None and node.cache.record_value(rid, "title") == claim["value"]
@@ -84,6 +79,7 @@ async def wait_queued(node: Node, jobs: int) -> None:
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.both_backends
 async def test_queued_batches_commit_as_one_group_and_a_failing_one_fails_alone(
     node: Node, client: httpx.AsyncClient
 ) -> None:
@@ -105,7 +101,7 @@ async def test_queued_batches_commit_as_one_group_and_a_failing_one_fails_alone(
     statuses = [a.status_code for a in answers]
     assert statuses == [200, 200, 200, 403, 200, 200, 200], [a.text for a in answers]
     assert answers[3].json()["error"] == "invalid_batch"
-    stored = stored_values(node.settings.truth_path)
+    stored = titles(node.truth.conn)
     assert {c["value"] for c in good} <= stored and bad["value"] not in stored
     for claim in good:
         doc = await client.get(f"/api/meta/{claim['cid']}")
@@ -121,10 +117,11 @@ CRASHER = textwrap.dedent(
     import os, signal, sys, threading
     from pathlib import Path
     import nacl.signing
-    from metanode import claims, rid, truth
+    from metanode import claims, db, rid, truth
     from metanode import cid as cids
 
-    path, where, now = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    (storage, where), now = sys.argv[1:3], int(sys.argv[3])
+    path = db.target(Path(sys.argv[4]), storage, "truth")
     key = nacl.signing.SigningKey.generate()
     uid = claims.uid_of(bytes(key.verify_key))
 
@@ -154,9 +151,10 @@ CRASHER = textwrap.dedent(
 )
 
 
-def crash_in_a_group(truth_db: Path, where: str) -> None:
+def crash_in_a_group(data_dir: Path, storage: str, where: str) -> None:
+    """Run `CRASHER` on the truth of `data_dir` (its stores on `storage`)."""
     done = subprocess.run(
-        [sys.executable, "-c", CRASHER, str(truth_db), where, str(NOW_MS)],
+        [sys.executable, "-c", CRASHER, storage, where, str(NOW_MS), str(data_dir)],
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,
@@ -165,33 +163,37 @@ def crash_in_a_group(truth_db: Path, where: str) -> None:
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
 
 
-def test_sigkill_between_two_batches_of_one_group_commits_none_of_it(tmp_path: Path) -> None:
-    truth_db = tmp_path / "truth.db"
-    crash_in_a_group(truth_db, "between")
-    assert not [v for v in stored_values(truth_db) if v.startswith("between")]
-    conn = readonly(truth_db)
-    try:
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+@pytest.mark.both_backends
+def test_sigkill_between_two_batches_of_one_group_commits_none_of_it(
+    tmp_path: Path, storage: str
+) -> None:
+    crash_in_a_group(tmp_path, storage, "between")
+    with reading(tmp_path, "truth", storage) as conn:
+        assert not [v for v in titles(conn) if v.startswith("between")]
         assert conn.execute("SELECT count(*) FROM changes WHERE kind = 'claim'").fetchone()[0] == 0
-    finally:
-        conn.close()
+        if storage == "sqlite":
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
-def test_sigkill_between_a_groups_commit_and_its_answers_keeps_all_of_it(tmp_path: Path) -> None:
-    truth_db = tmp_path / "truth.db"
-    crash_in_a_group(truth_db, "answer")
-    stored = stored_values(truth_db)
+@pytest.mark.both_backends
+def test_sigkill_between_a_groups_commit_and_its_answers_keeps_all_of_it(
+    tmp_path: Path, storage: str
+) -> None:
+    crash_in_a_group(tmp_path, storage, "answer")
+    with reading(tmp_path, "truth", storage) as conn:
+        stored = titles(conn)
     assert {f"answer {tag} {i}" for tag in "ab" for i in range(5)} <= stored
 
 
+@pytest.mark.both_backends
 def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
-    tmp_path: Path,
+    tmp_path: Path, storage: str
 ) -> None:
     """Sixteen posters of one claim each, so the server groups them; SIGKILL once enough are
     acknowledged. Every acknowledged claim is in the truth and, after a restart, in the cache;
     the server then checks clean (`metanode check`)."""
     data = tmp_path / "data"
-    env = {"METANODE_WATCH_ROOTS": str(tmp_path / "media")}
+    env = {"METANODE_WATCH_ROOTS": str(tmp_path / "media"), "METANODE_STORAGE": storage}
     first = Server(data, env=env).start()
     signer = Signer()
     try:
@@ -206,7 +208,8 @@ def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
     finally:
         if first.proc is not None:
             first.stop(signal.SIGKILL)
-    assert {c["value"] for c in acknowledged} <= stored_values(data / "truth.db")
+    with reading(data, "truth", storage) as conn:
+        assert {c["value"] for c in acknowledged} <= titles(conn)
     second = Server(data, env=env).start()
     try:
         assert wait_caught_up(second.url)["status"] == "ok"
@@ -217,7 +220,7 @@ def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
                 assert doc.json()["metadata"]["title"] == claim["value"]
     finally:
         second.stop()
-    metanode_check(data)
+    metanode_check(data, storage)
 
 
 def hammer(srv: Server, signer: Signer) -> list[dict[str, Any]]:

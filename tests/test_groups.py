@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from metanode import cache, truth
@@ -19,7 +19,10 @@ from metanode.maintenance import check, open_store
 from metanode.node import Node
 from metanode.view import Written
 from tests.helpers.claims import NOW_MS, Signer, post, register, verdicts
+from tests.helpers.postgres import Storages
 from tests.helpers.settings import settings_for
+
+pytestmark = pytest.mark.both_backends
 
 A, B, C, D = (cids.midhash_bytes(f"group {n}".encode()) for n in "ABCD")
 
@@ -250,14 +253,14 @@ BATCHES = st.lists(CLAIMS, min_size=1, max_size=16).map(
 class Store:
     """A truth and a cache on disk, written and applied as the node's writers do."""
 
-    def __init__(self, data_dir: Path, hand_over: bool) -> None:
+    def __init__(self, data_dir: Path, hand_over: bool, storage: str) -> None:
         """`hand_over`: the applies are handed what the ingests wrote (`view.Written`), as the
         node's applier is; else they read it all back from the truth."""
         self.hand_over, self.written = hand_over, list[Written]()
-        settings = settings_for(data_dir)
+        settings = settings_for(data_dir, storage=storage)
         open_store(settings)
-        self.source = truth.TruthStore(settings.truth_path, lambda: NOW_MS).open()
-        self.store = cache.CacheStore(settings.cache_path).open()
+        self.source = truth.TruthStore.configured(settings, lambda: NOW_MS).open()
+        self.store = cache.CacheStore.configured(settings).open()
         self.truth, self.cache = self.source.conn, self.store.conn  # to read the files
         self.minter = rids.Minter()
         for uid in UIDS:
@@ -324,18 +327,24 @@ def _link(a: int, b: int) -> Claim:
     return Claim(UIDS[0], POOL[a], f"cids/{POOL[b]}", "true", NOW_MS, bytes(64))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],  # `storages`: made per example
+)
 @given(batches=st.lists(BATCHES, min_size=1, max_size=3))
 @example(batches=[[_title(n) for n in range(4)], [_link(1, 0), _link(3, 2)]])  # two survivors
 @example(batches=[[_title(n) for n in range(3)], [_link(2, 1), _link(1, 0), _link(2, 3)]])
-def test_batches_agree_with_one_claim_at_a_time(batches: list[list[Claim]]) -> None:
+def test_batches_agree_with_one_claim_at_a_time(
+    batches: list[list[Claim]], storages: Storages
+) -> None:
     """`ingest_txn` resolves a batch against stored claims read once and kept current in
     memory, groups it in memory and writes set-wise; `apply_txn` recomputes records with one
     read per table, answering from what the ingest handed it (`view.Overlay`) what it can.
     Both must do exactly what one claim per transaction, read back from the truth, does."""
-    with tempfile.TemporaryDirectory() as tmp:
-        batched = Store(Path(tmp) / "batched", hand_over=True)
-        single = Store(Path(tmp) / "single", hand_over=False)
+    with tempfile.TemporaryDirectory() as tmp, storages() as first, storages() as second:
+        batched = Store(Path(tmp) / "batched", hand_over=True, storage=first)
+        single = Store(Path(tmp) / "single", hand_over=False, storage=second)
         try:
             for batch in batches:
                 before, mark = batched.records(), cache.read_state(batched.cache)

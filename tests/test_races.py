@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sqlite3
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +24,9 @@ from metanode.maintenance import check as node_check
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.server import Server, metanode_check, wait_caught_up
+from tests.helpers.settings import reading
+
+pytestmark = pytest.mark.both_backends
 
 POOL = [cids.midhash_bytes(f"x{i}".encode()) for i in range(40)]
 
@@ -116,7 +118,7 @@ def sig_order(wire: dict[str, Any]) -> tuple[int, bytes]:
     return (-wire["ts"], raw)
 
 
-def verify_outcome(outcome: Outcome, conn: sqlite3.Connection) -> None:
+def verify_outcome(outcome: Outcome, conn: db.Connection) -> None:
     """Check the truth against everything that was posted (SPEC §2.3, §2.4)."""
     claims_sent = [c for batch, _, _ in outcome.posted for c in batch]
     for batch, status, body in outcome.posted:
@@ -198,21 +200,19 @@ def verify_outcome(outcome: Outcome, conn: sqlite3.Connection) -> None:
 # -- against a real server ----------------------------------------------------------------------
 
 
-def readonly(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
-
-
 @pytest.fixture
-def isolated_server(tmp_path: Path) -> Iterator[Server]:
-    """A real server whose watcher watches an empty folder of its own (not ./media of the cwd)."""
-    srv = Server(tmp_path / "data", env={"METANODE_WATCH_ROOTS": str(tmp_path / "media")})
+def isolated_server(tmp_path: Path, storage: str) -> Iterator[Server]:
+    """A real server whose watcher watches an empty folder of its own (not ./media of the cwd),
+    its stores on this test's backend."""
+    env = {"METANODE_WATCH_ROOTS": str(tmp_path / "media"), "METANODE_STORAGE": storage}
+    srv = Server(tmp_path / "data", env=env)
     try:
         yield srv.start()
     finally:
         srv.stop()
 
 
-def test_concurrent_clients_on_a_real_server(isolated_server: Server) -> None:
+def test_concurrent_clients_on_a_real_server(isolated_server: Server, storage: str) -> None:
     server = isolated_server
     signers = [Signer(), Signer()]
     for n, signer in enumerate(signers):
@@ -249,33 +249,25 @@ def test_concurrent_clients_on_a_real_server(isolated_server: Server) -> None:
     assert not failures, failures
     assert len(outcome.posted) == 8 * 15
 
-    conn = readonly(server.data_dir / "truth.db")
-    try:
+    with reading(server.data_dir, "truth", storage) as conn:
         verify_outcome(outcome, conn)
-    finally:
-        conn.close()
 
     health = wait_caught_up(server.url)
     assert health["status"] == "ok", health
-    cache = readonly(server.data_dir / "cache.db")
-    truth_conn = readonly(server.data_dir / "truth.db")
-    try:
+    with (
+        reading(server.data_dir, "cache", storage) as cache,
+        reading(server.data_dir, "truth", storage) as truth_conn,
+    ):
         applied = dict(cache.execute("SELECT name, value FROM state"))["applied_seq"]
         assert applied == truth.max_seq(truth_conn)
         assert dict(cache.execute("SELECT cid, rid FROM cid_index")) == dict(
             truth_conn.execute("SELECT cid, rid FROM cid_group")
         )
-    finally:
-        cache.close()
-        truth_conn.close()
-    metanode_check(server.data_dir)
+    metanode_check(server.data_dir, storage)
 
     # And what the API serves agrees with the groups: each CID's document lists its group.
-    conn = readonly(server.data_dir / "truth.db")
-    try:
+    with reading(server.data_dir, "truth", storage) as conn:
         groups = dict(conn.execute("SELECT cid, rid FROM cid_group"))
-    finally:
-        conn.close()
     with httpx.Client(base_url=server.url, timeout=10) as http:
         for cid in POOL[:10]:
             if cid not in groups:

@@ -20,6 +20,9 @@ from tests.helpers.claims import NOW_MS, Signer, post, register
 A, B, C = (cids.midhash_bytes(f"rendered {n}".encode()) for n in "ABC")
 
 
+pytestmark = pytest.mark.both_backends
+
+
 @pytest.fixture
 async def linker(client: httpx.AsyncClient) -> Signer:
     signer = Signer()
@@ -88,7 +91,7 @@ async def test_check_finds_a_tampered_document(
     await post(client, linker.claim(A, "title", "truth"))
     assert check(node.settings, tmp_path / "fresh.db").clean
     await node.cache.writer.run(
-        lambda conn: conn.execute("UPDATE documents SET body = CAST('{}' AS BLOB)")
+        lambda conn: conn.execute("UPDATE documents SET body = ?", (b"{}",))
     )
     report = check(node.settings, tmp_path / "scratch.db")
     assert not report.clean

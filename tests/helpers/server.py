@@ -52,6 +52,11 @@ class Server:
         return {"Authorization": f"Bearer {self.token}"}
 
     @property
+    def storage(self) -> str:
+        """Where its stores are (`METANODE_STORAGE`): `sqlite` unless `env` says otherwise."""
+        return self.env.get("METANODE_STORAGE", "sqlite")
+
+    @property
     def media(self) -> Path:
         return self.data_dir.parent / "media"
 
@@ -156,13 +161,15 @@ def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
     raise AssertionError(f"the cache did not catch up within {timeout} s: {health}")
 
 
-def metanode_check(data_dir: Path) -> str:
-    """Run `metanode check` on a data directory; it must exit 0 and say clean."""
+def metanode_check(data_dir: Path, storage: str = "sqlite") -> str:
+    """Run `metanode check` on a data directory (its stores on `storage`); it must exit 0 and
+    say clean."""
     done = subprocess.run(
         [sys.executable, "-m", "metanode", "check", "--data-dir", str(data_dir)],
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "METANODE_STORAGE": storage},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "clean" in done.stdout, done.stdout

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from metanode import config
+from metanode import cache, config, db, truth
 
 
 def settings_for(data_dir: Path, **overrides: Any) -> config.Settings:
@@ -20,3 +22,13 @@ def settings_for(data_dir: Path, **overrides: Any) -> config.Settings:
         "apply_wait_s": 120.0,
     }
     return config.load(env={}, overrides={**defaults, **overrides})
+
+
+@contextlib.contextmanager
+def reading(data_dir: Path, name: str, storage: str = "sqlite") -> Iterator[db.Connection]:
+    """A read-only connection to store `name` (`truth`, `cache`) of a data directory whose
+    stores are on `storage`: what a test reads a server's databases through, on either
+    backend."""
+    kind = truth.TruthStore if name == "truth" else cache.CacheStore
+    with kind.configured(settings_for(data_dir, storage=storage)).reading() as conn:
+        yield conn

@@ -163,10 +163,12 @@ async def timed(work: Callable[[], Awaitable[int]], expect: int) -> tuple[float,
 
 
 async def snapshots(store: cache.CacheStore, rows: int, rounds: int) -> None:
+    path = store.path
+    assert isinstance(path, Path), "the read paths are SQLite's"
     variants: dict[str, Callable[[], Awaitable[int]]] = {
-        "off_loop (old)": lambda: snapshot_old(store.path),
+        "off_loop (old)": lambda: snapshot_old(path),
         "aiosqlite": lambda: snapshot_aiosqlite(store),
-        "on the loop": lambda: snapshot_on_loop(store.path),
+        "on the loop": lambda: snapshot_on_loop(path),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     stalls: dict[str, list[float]] = {name: [] for name in variants}

@@ -1,0 +1,470 @@
+"""PostgreSQL plumbing: the stores' statements run here unchanged (docs/scale-out.md).
+
+`truth.py` and `cache.py` hold ONE copy of their statements, written for SQLite and called on
+a connection. For a PostgreSQL target (`Target`: a DSN and the schema the store lives in) they
+get a `Connection` instead: the sqlite3 subset they use (`execute`, `executemany`,
+`in_transaction`, `close`), over a psycopg 3 connection in autocommit mode, so that every
+transaction is explicit as it is on SQLite. Each statement text is translated once (`translate`,
+cached): `?` and `:name` placeholders become psycopg's, and the few SQLite-only fragments the
+stores use become their PostgreSQL equivalents (`REWRITES`, one line each). The transaction
+statements keep their SQLite meaning:
+* `BEGIN IMMEDIATE` (a write transaction, `db.run_txn`) is `BEGIN` (READ COMMITTED) followed by
+  `pg_advisory_xact_lock(<the store's key>)`: writers serialise on one lock per store, across
+  processes, exactly as SQLite's write lock makes them; the lock ends with the transaction.
+  READ COMMITTED, not REPEATABLE READ: each statement then sees every transaction committed
+  before it, including the one that held the lock just before (a REPEATABLE READ snapshot
+  would be taken at the lock statement, before the lock was granted);
+* `BEGIN` on a read connection (`db.snapshot`) is a `REPEATABLE READ, READ ONLY` transaction:
+  one snapshot for every statement inside, as SQLite's read transaction gives.
+
+A connection whose server went away reconnects at its next statement outside a transaction, so
+a writer thread recovers by itself once the server is back (its probe is such a statement).
+Failures are typed by SQLSTATE (`storage_error`): an unreachable server or a connection lost is
+`StorageUnavailable` (retryable, 503), never a 500.
+
+psycopg is an optional dependency (`pip install metanode[postgresql]`): it is imported on first
+use, so `import metanode` and the SQLite default never need it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import threading
+import time
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from metanode.config import POSTGRESQL_SCHEMES
+from metanode.errors import (
+    DataDirLocked,
+    InvalidRequest,
+    StorageError,
+    StorageFull,
+    StorageIOError,
+    StorageLocked,
+    StorageReadOnly,
+    StorageUnavailable,
+)
+
+CONNECT_TIMEOUT_S = 10
+POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
+LOCK_TIMEOUT_MS = 30_000  # a lock held longer fails `storage_locked`, as SQLite's busy timeout
+RECONNECT_S = 1.0  # after a failed reconnection, the next is tried no sooner than this
+STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
+
+
+def is_dsn(storage: str) -> bool:
+    return storage.startswith(POSTGRESQL_SCHEMES)
+
+
+@dataclass(frozen=True)
+class Target:
+    """A store's PostgreSQL home: the database (`dsn`) and the schema of its tables."""
+
+    dsn: str
+    schema: str
+
+    @property
+    def lock_key(self) -> int:
+        """The advisory lock its write transactions take: one per store (schema), the same
+        number in every process."""
+        return zlib.crc32(f"metanode.{self.schema}".encode())
+
+    @property
+    def name(self) -> str:
+        """What messages call it (as a SQLite store's file name)."""
+        return f"the PostgreSQL schema {self.schema}"
+
+    @property
+    def dsn_shown(self) -> str:
+        """The DSN without its password and its parameters (which may hold one): for messages
+        and logs."""
+        parts = urlsplit(self.dsn)
+        host = parts.netloc.rsplit("@", 1)[-1]
+        user = parts.username
+        netloc = f"{user}@{host}" if user else host
+        return urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
+
+    def __str__(self) -> str:
+        return f"{self.dsn_shown} (schema {self.schema})"
+
+
+def driver() -> ModuleType:
+    """psycopg, imported on first use; a clear error where it is not installed."""
+    try:
+        import psycopg
+    except ImportError:
+        raise InvalidRequest(
+            "setting storage: PostgreSQL needs psycopg; install metanode[postgresql]"
+        ) from None
+    return psycopg
+
+
+# -- statements -----------------------------------------------------------------------------
+
+
+# SQLite-only fragments of the stores' statements and what PostgreSQL says instead, applied to
+# a statement's text in this order (`translate`).
+REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
+    # A list parameter: `json_each(?)` of an array of scalars gives their text; of an array of
+    # arrays (read with `json_extract(value, '$[i]')`), the JSON elements.
+    (re.compile(r"json_extract\(value, '\$\[(\d+)\]'\)"), r"(value->>\1)"),
+    (re.compile(r"(\(value->>\d+\).*)json_each\(\?\)", re.S), r"\1json_elements(?)"),
+    (re.compile(r"json_each\(\?\)"), "json_array_elements_text(CAST(? AS json))"),
+    (re.compile(r"json_elements\(\?\)"), "json_array_elements(CAST(? AS json))"),
+    # AUTOINCREMENT's counter: PostgreSQL's `sequences` table, kept by a trigger (truth.py).
+    (
+        re.compile(r"SELECT seq FROM sqlite_sequence WHERE name = '(\w+)'"),
+        r"SELECT seq FROM sequences WHERE name = '\1'",
+    ),
+    (re.compile(r"PRAGMA user_version=(\d+)"), r"UPDATE schema_version SET version = \1"),
+    (re.compile(r"PRAGMA user_version"), "SELECT version FROM schema_version"),
+    # Changes whenever any transaction commits (`applier.Follower` polls it, as SQLite's counter
+    # of other connections' commits): the current snapshot (xmin:xmax:running xids) differs
+    # after every commit, since a committed xid never runs again and xmax only grows. Its
+    # xmax alone would move when a transaction starts writing, not when it commits.
+    (re.compile(r"PRAGMA data_version"), "SELECT hashtext(CAST(pg_current_snapshot() AS text))"),
+    # The web page's full-text search (cache.library_query): `library.search`, a tsvector kept
+    # by a trigger, matched by the same query text (`fts_match` reads FTS5's `"word"*` list).
+    (re.compile(r"library_fts f CROSS JOIN library l ON l\.id = f\.rowid"), "library l"),
+    (re.compile(r"library_fts MATCH :match"), "l.search @@ fts_match(:match)"),
+    (re.compile(r"^EXPLAIN QUERY PLAN "), "EXPLAIN "),
+)
+_NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
+
+
+@functools.lru_cache(maxsize=1024)
+def translate(sql: str, params: bool) -> str:
+    """A store's statement as PostgreSQL takes it (cached: the stores' texts are few). With
+    `params`, `%` is escaped and the placeholders become psycopg's: every `?` and `:name` is a
+    placeholder (the stores' statements hold neither inside a string literal)."""
+    for pattern, replacement in REWRITES:
+        sql = pattern.sub(replacement, sql)
+    if params:
+        sql = _NAMED.sub(r"%(\1)s", sql.replace("%", "%%")).replace("?", "%s")
+    return sql
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+_SQLSTATE: tuple[tuple[str, type[StorageError]], ...] = (
+    ("53100", StorageFull),  # disk_full
+    ("53", StorageUnavailable),  # insufficient resources: too many connections, out of memory
+    ("08", StorageUnavailable),  # connection exception
+    ("57P", StorageUnavailable),  # admin shutdown, crash shutdown, cannot connect now
+    ("40", StorageLocked),  # serialization failure, deadlock
+    ("55P03", StorageLocked),  # lock not available
+    ("25006", StorageReadOnly),  # read-only transaction (a standby)
+    ("58", StorageIOError),  # system error (I/O)
+    ("XX001", StorageIOError),  # data corrupted
+)
+
+
+def is_driver_error(exc: BaseException) -> bool:
+    """Whether `exc` comes from psycopg or its pool (without importing either)."""
+    return type(exc).__module__.startswith(("psycopg", "psycopg_pool"))
+
+
+def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
+    """The typed error of a PostgreSQL failure, or None for one that is no storage failure (a
+    constraint, a syntax error: a bug, not an outage). A failure with no SQLSTATE (the server
+    refused the connection, the pool waited in vain) is the server being unavailable."""
+    if not is_driver_error(exc):
+        return None
+    state = getattr(exc, "sqlstate", None) or ""
+    kind = next((k for prefix, k in _SQLSTATE if state.startswith(prefix)), None)
+    if kind is None and not state and _operational(exc):
+        kind = StorageUnavailable
+    if kind is None:
+        return None
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return kind(f"the database failed: {f'{where}: ' if where else ''}{text}")
+
+
+def _operational(exc: BaseException) -> bool:
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"OperationalError", "InterfaceError", "PoolTimeout", "PoolClosed"})
+
+
+# -- connections ----------------------------------------------------------------------------
+
+
+class Cursor:
+    """The sqlite3 cursor subset the stores read results through."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+
+    @property
+    def rowcount(self) -> int:
+        return int(self._raw.rowcount)
+
+    def fetchone(self) -> Any:
+        return self._raw.fetchone() if self._raw.description is not None else None
+
+    def fetchall(self) -> list[Any]:
+        return list(self._raw.fetchall()) if self._raw.description is not None else []
+
+    def fetchmany(self, size: int) -> list[Any]:
+        return list(self._raw.fetchmany(size))
+
+    def __iter__(self) -> Iterator[Any]:
+        """The rows; a server-side cursor's a page (`STREAM_ROWS`) at a time."""
+        return iter(self._raw) if self._raw.description is not None else iter(())
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+def _options(target: Target) -> str:
+    """Every connection's settings: the store's schema first on the path, UTF-8, and the
+    longest wait for a lock (a writer's advisory lock held by a stuck process fails as
+    SQLite's busy timeout does, instead of waiting for ever)."""
+    return (
+        f"-c search_path={target.schema} -c client_encoding=UTF8 -c lock_timeout={LOCK_TIMEOUT_MS}"
+    )
+
+
+def _connect_raw(target: Target) -> Any:
+    """A psycopg connection in autocommit mode with the store's schema first on the path."""
+    psycopg = driver()
+    return psycopg.connect(
+        target.dsn,
+        autocommit=True,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        options=_options(target),
+    )
+
+
+_IN_TRANSACTION = (1, 2, 3)  # psycopg.pq.TransactionStatus ACTIVE, INTRANS, INERROR
+
+
+class Connection:
+    """A store connection on PostgreSQL with the sqlite3 surface the statements use.
+
+    `readonly`: its `BEGIN` opens a REPEATABLE READ, READ ONLY snapshot and it is never written
+    through. `stream` (a read connection of its own, `Store.reading`: export, `check`, the
+    reconciliation's reads): a query inside its snapshot runs on a server-side cursor, so a
+    result of millions of rows comes a page at a time instead of whole into memory, as SQLite
+    steps a statement. `release`: what `close()` does with the psycopg connection (a pooled one
+    goes back to its pool)."""
+
+    def __init__(
+        self,
+        target: Target,
+        readonly: bool,
+        raw: Any = None,
+        release: Any = None,
+        stream: bool = False,
+    ) -> None:
+        self.target = target
+        self.readonly = readonly
+        self._raw = raw if raw is not None else _connect_raw(target)
+        self._release = release
+        self._stream = stream and readonly
+        self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
+        self._retry_at = 0.0  # no reconnection before this (`time.monotonic`), after a failed one
+
+    @property
+    def in_transaction(self) -> bool:
+        """Whether a transaction is open (psycopg's ACTIVE, INTRANS, INERROR); a connection the
+        server dropped (UNKNOWN) has none left to roll back, and reconnects at its next use."""
+        return int(self._raw.info.transaction_status) in _IN_TRANSACTION
+
+    def _live(self) -> Any:
+        """The psycopg connection; a new one first if the server dropped this one (only ever
+        outside a transaction, so nothing of a transaction is silently lost). After a failed
+        attempt the next waits `RECONNECT_S`: meanwhile a statement fails at once, so the
+        event loop's reads do not each wait for a server that is not there."""
+        if not (self._raw.closed or self._raw.broken):
+            return self._raw
+        if time.monotonic() < self._retry_at:
+            raise StorageUnavailable(f"the database failed: {self.target}: not reachable")
+        try:
+            self._raw = _connect_raw(self.target)
+        except Exception:
+            self._retry_at = time.monotonic() + RECONNECT_S
+            raise
+        return self._raw
+
+    def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> Cursor:
+        raw = self._raw if self.in_transaction else self._live()
+        if sql == "BEGIN IMMEDIATE":
+            return self._begin_writing(raw)
+        if sql == "BEGIN" and self.readonly:
+            return Cursor(raw.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+        text = translate(sql, bool(params))
+        if self._stream and self.in_transaction and text.startswith(("SELECT", "WITH")):
+            return Cursor(self._server_cursor(raw, text, params))
+        try:
+            return Cursor(raw.execute(text, params or None))
+        finally:
+            if sql in ("COMMIT", "ROLLBACK"):
+                self._close_cursors()
+
+    def _begin_writing(self, raw: Any) -> Cursor:
+        """`BEGIN` and the store's advisory lock, as one statement is on SQLite: if the lock
+        is not had (`lock_timeout`, a lost connection) no transaction is left open."""
+        raw.execute("BEGIN")
+        try:
+            return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
+        except BaseException:
+            if self.in_transaction:
+                with contextlib.suppress(Exception):  # the lock's failure is the one to report
+                    raw.execute("ROLLBACK")
+            raise
+
+    def _server_cursor(self, raw: Any, text: str, params: Any) -> Any:
+        cursor = raw.cursor(name=f"stream{len(self._cursors)}")
+        self._cursors.append(cursor)
+        cursor.itersize = STREAM_ROWS
+        cursor.execute(text, params or None)
+        return cursor
+
+    def _close_cursors(self) -> None:
+        """Forget the snapshot's server-side cursors (the transaction's end closed them on the
+        server already: psycopg sends nothing)."""
+        for cursor in self._cursors:
+            cursor.close()
+        self._cursors = []
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor:
+        cursor = self._raw.cursor()
+        cursor.executemany(translate(sql, True), list(rows))
+        return Cursor(cursor)
+
+    def close(self) -> None:
+        self._close_cursors()
+        if self._release is not None:
+            self._release(self._raw)
+        else:
+            self._raw.close()
+
+
+class Pool:
+    """Read connections of a store's own (the long reads off the loop, plugin threads), from a
+    psycopg_pool: opened once, lent and given back, instead of a connection per call."""
+
+    def __init__(self, target: Target) -> None:
+        driver()
+        from psycopg_pool import ConnectionPool
+
+        self.target = target
+        self._lock = threading.Lock()
+        self._pool = ConnectionPool(
+            target.dsn,
+            min_size=0,
+            max_size=POOL_MAX,
+            kwargs={
+                "autocommit": True,
+                "connect_timeout": CONNECT_TIMEOUT_S,
+                "options": _options(target),
+            },
+            open=True,
+            timeout=CONNECT_TIMEOUT_S,
+            check=ConnectionPool.check_connection,  # a connection the server dropped: a new one
+            name=f"metanode-{target.schema}",
+        )
+
+    def connection(self) -> Connection:
+        """A read-only, streaming connection of the pool; `close()` gives it back."""
+        return Connection(self.target, True, self._pool.getconn(), self._pool.putconn, True)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+NODE_LOCK = zlib.crc32(b"metanode.node")  # the session lock of the one node on a database
+
+
+def hold_node_lock(target: Target) -> Connection:
+    """A connection holding the database's node lock (a session advisory lock, released when
+    the connection closes or its process dies), or `DataDirLocked` if another node holds it:
+    one `metanode serve` per database, as the data directory's `flock` allows one per
+    directory (replicas taking over the applier build on this lock: docs/scale-out.md)."""
+    conn = Connection(target, False)
+    taken = conn.execute("SELECT pg_try_advisory_lock(?)", (NODE_LOCK,)).fetchone()[0]
+    if not taken:
+        conn.close()
+        raise DataDirLocked(
+            f"another metanode serves the PostgreSQL database {target.dsn_shown}; "
+            "one node per database for now (docs/scale-out.md)"
+        )
+    return conn
+
+
+def ensure_schema(target: Target) -> None:
+    """The store's schema and its `schema_version` row (version 0), made once: what the
+    migrations (`db.migrate`, reading and writing the version through `REWRITES`) start from.
+    Under the store's advisory lock, so processes starting at once do not race."""
+    conn = Connection(target, False)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        raw = conn._raw
+        raw.execute(f'CREATE SCHEMA IF NOT EXISTS "{target.schema}"'.encode())
+        raw.execute(b"CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+        raw.execute(
+            b"INSERT INTO schema_version (version) SELECT 0 "
+            b"WHERE NOT EXISTS (SELECT 1 FROM schema_version)"
+        )
+        raw.execute(b"COMMIT")
+    finally:
+        conn.close()
+
+
+_TEXT_COLUMN = re.compile(r"^(    \w+ TEXT)\b", re.M)
+
+
+def executescript(conn: Connection, script: str) -> None:
+    """A multi-statement DDL script (function bodies and all) in the current transaction: sent
+    as one text with no parameters, which PostgreSQL runs statement by statement. Every TEXT
+    column is made `COLLATE "C"`: text then compares and sorts by code point as SQLite's
+    BINARY does, whatever the database's locale (the path ranges of `cache.local_stats` and the
+    rid order depend on it)."""
+    conn.execute(_TEXT_COLUMN.sub(r'\1 COLLATE "C"', script))
+
+
+# -- long reads off the loop (feed snapshots) -------------------------------------------------
+
+
+class AsyncReader:
+    """A read-only asyncio psycopg connection with the aiosqlite subset `cache.Reading` uses:
+    `execute_fetchall`, `execute` (a server-side cursor, paged with `fetchmany`), `close`."""
+
+    def __init__(self, raw: Any) -> None:
+        self._raw = raw
+        self._cursors = 0
+
+    @classmethod
+    async def open(cls, target: Target) -> AsyncReader:
+        psycopg = driver()
+        raw = await psycopg.AsyncConnection.connect(
+            target.dsn,
+            autocommit=True,
+            connect_timeout=CONNECT_TIMEOUT_S,
+            options=_options(target),
+        )
+        return cls(raw)
+
+    async def execute_fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+        if sql == "BEGIN":
+            sql = "BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"
+        cursor = await self._raw.execute(translate(sql, bool(params)), params or None)
+        return list(await cursor.fetchall()) if cursor.description is not None else []
+
+    async def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """A named (server-side) cursor: its rows come a page at a time, never all at once."""
+        self._cursors += 1
+        cursor = self._raw.cursor(name=f"reading{self._cursors}")
+        await cursor.execute(translate(sql, bool(params)), params or None)
+        return cursor
+
+    async def close(self) -> None:
+        await self._raw.close()
