@@ -367,3 +367,45 @@ class AsyncReader:
 
     async def close(self) -> None:
         await self._raw.close()
+
+
+# -- the one applier of several replicas ------------------------------------------------------
+
+
+class SessionLock:
+    """A session-level advisory lock on a connection of its own: held for as long as that
+    session lives, so a replica that dies (SIGKILL, a lost machine) frees it with its session,
+    and another replica's next `acquire` gets it (docs/scale-out.md, "Replicas").
+
+    Used from one thread at a time (the applier's `asyncio.to_thread` calls)."""
+
+    def __init__(self, target: Target, name: str) -> None:
+        self.target = target
+        self.key = zlib.crc32(f"metanode.{target.schema}.{name}".encode())
+        self._raw: Any = None
+
+    def acquire(self) -> bool:
+        """Whether this session holds the lock now (taken now or before); never waits for it.
+        A lost session is reconnected first: whatever it held went with it."""
+        if self._raw is None or self._raw.closed or self._raw.broken:
+            self._raw = _connect_raw(self.target)
+        row = self._raw.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
+        return bool(row[0])
+
+    def held(self) -> bool:
+        """Whether the session that took the lock is still alive (a round trip), so the lock
+        is still ours; a session lost meanwhile means another replica may hold it."""
+        if self._raw is None or self._raw.closed or self._raw.broken:
+            return False
+        try:
+            self._raw.execute("SELECT 1")
+        except Exception as exc:
+            if storage_error(exc) is None:
+                raise
+            return False
+        return True
+
+    def close(self) -> None:
+        """End the session, and so free the lock."""
+        if self._raw is not None:
+            self._raw.close()
