@@ -165,11 +165,12 @@ def storage_errors(where: object = None) -> Iterator[None]:
         raise typed from exc
 
 
-def connect(target: Target, *, readonly: bool = False) -> Connection:
-    """A connection to the store's database: SQLite's (`connect_file`) or PostgreSQL's."""
+def connect(target: Target, *, readonly: bool = False, stream: bool = False) -> Connection:
+    """A connection to the store's database: SQLite's (`connect_file`) or PostgreSQL's
+    (`stream`: its snapshots' queries on server-side cursors, `pg.Connection`)."""
     if isinstance(target, pg.Target):
         with storage_errors(target):
-            return pg.Connection(target, readonly)
+            return pg.Connection(target, readonly, stream=stream)
     return connect_file(target, readonly=readonly)
 
 
@@ -681,7 +682,11 @@ class Store:
         """A read-only connection of its own, for one read off the event loop (a thread, the
         CLI): a new SQLite connection, or one lent by the pool (a new one when not open)."""
         with storage_errors(self.path):
-            conn = self._pool.connection() if self._pool else connect(self.path, readonly=True)
+            conn = (
+                self._pool.connection()
+                if self._pool
+                else connect(self.path, readonly=True, stream=True)
+            )
         try:
             yield conn
         finally:

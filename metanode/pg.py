@@ -28,6 +28,7 @@ use, so `import metanode` and the SQLite default never need it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
@@ -40,6 +41,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from metanode.config import POSTGRESQL_SCHEMES
 from metanode.errors import (
+    DataDirLocked,
     InvalidRequest,
     StorageError,
     StorageFull,
@@ -51,6 +53,8 @@ from metanode.errors import (
 
 CONNECT_TIMEOUT_S = 10
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
+LOCK_TIMEOUT_MS = 30_000  # a lock held longer fails `storage_locked`, as SQLite's busy timeout
+STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
 
 
 def is_dsn(storage: str) -> bool:
@@ -75,13 +79,18 @@ class Target:
         """What messages call it (as a SQLite store's file name)."""
         return f"the PostgreSQL schema {self.schema}"
 
-    def __str__(self) -> str:
-        """The DSN without its password, and the schema: for messages and logs."""
+    @property
+    def dsn_shown(self) -> str:
+        """The DSN without its password and its parameters (which may hold one): for messages
+        and logs."""
         parts = urlsplit(self.dsn)
         host = parts.netloc.rsplit("@", 1)[-1]
         user = parts.username
         netloc = f"{user}@{host}" if user else host
-        return f"{urlunsplit(parts._replace(netloc=netloc))} (schema {self.schema})"
+        return urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
+
+    def __str__(self) -> str:
+        return f"{self.dsn_shown} (schema {self.schema})"
 
 
 def driver() -> ModuleType:
@@ -114,12 +123,11 @@ REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
     ),
     (re.compile(r"PRAGMA user_version=(\d+)"), r"UPDATE schema_version SET version = \1"),
     (re.compile(r"PRAGMA user_version"), "SELECT version FROM schema_version"),
-    # Moves whenever any transaction commits (`applier.Follower` polls it, as SQLite's counter
-    # of other connections' commits): the next transaction id not yet started.
-    (
-        re.compile(r"PRAGMA data_version"),
-        "SELECT CAST(CAST(pg_snapshot_xmax(pg_current_snapshot()) AS text) AS bigint)",
-    ),
+    # Changes whenever any transaction commits (`applier.Follower` polls it, as SQLite's counter
+    # of other connections' commits): the current snapshot (xmin:xmax:running xids) differs
+    # after every commit, since a committed xid never runs again and xmax only grows. Its
+    # xmax alone would move when a transaction starts writing, not when it commits.
+    (re.compile(r"PRAGMA data_version"), "SELECT hashtext(CAST(pg_current_snapshot() AS text))"),
     # The web page's full-text search (cache.library_query): `library.search`, a tsvector kept
     # by a trigger, matched by the same query text (`fts_match` reads FTS5's `"word"*` list).
     (re.compile(r"library_fts f CROSS JOIN library l ON l\.id = f\.rowid"), "library l"),
@@ -132,7 +140,8 @@ _NAMED = re.compile(r"(?<![:\w]):([A-Za-z_]\w*)")
 @functools.lru_cache(maxsize=1024)
 def translate(sql: str, params: bool) -> str:
     """A store's statement as PostgreSQL takes it (cached: the stores' texts are few). With
-    `params`, `%` is escaped and the placeholders become psycopg's."""
+    `params`, `%` is escaped and the placeholders become psycopg's: every `?` and `:name` is a
+    placeholder (the stores' statements hold neither inside a string literal)."""
     for pattern, replacement in REWRITES:
         sql = pattern.sub(replacement, sql)
     if params:
@@ -145,7 +154,7 @@ def translate(sql: str, params: bool) -> str:
 
 _SQLSTATE: tuple[tuple[str, type[StorageError]], ...] = (
     ("53100", StorageFull),  # disk_full
-    ("53", StorageFull),  # insufficient resources (memory, connections)
+    ("53", StorageUnavailable),  # insufficient resources: too many connections, out of memory
     ("08", StorageUnavailable),  # connection exception
     ("57P", StorageUnavailable),  # admin shutdown, crash shutdown, cannot connect now
     ("40", StorageLocked),  # serialization failure, deadlock
@@ -205,10 +214,20 @@ class Cursor:
         return list(self._raw.fetchmany(size))
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self.fetchall())
+        """The rows; a server-side cursor's a page (`STREAM_ROWS`) at a time."""
+        return iter(self._raw) if self._raw.description is not None else iter(())
 
     def close(self) -> None:
         self._raw.close()
+
+
+def _options(target: Target) -> str:
+    """Every connection's settings: the store's schema first on the path, UTF-8, and the
+    longest wait for a lock (a writer's advisory lock held by a stuck process fails as
+    SQLite's busy timeout does, instead of waiting for ever)."""
+    return (
+        f"-c search_path={target.schema} -c client_encoding=UTF8 -c lock_timeout={LOCK_TIMEOUT_MS}"
+    )
 
 
 def _connect_raw(target: Target) -> Any:
@@ -218,26 +237,43 @@ def _connect_raw(target: Target) -> Any:
         target.dsn,
         autocommit=True,
         connect_timeout=CONNECT_TIMEOUT_S,
-        options=f"-c search_path={target.schema} -c client_encoding=UTF8",
+        options=_options(target),
     )
+
+
+_IN_TRANSACTION = (1, 2, 3)  # psycopg.pq.TransactionStatus ACTIVE, INTRANS, INERROR
 
 
 class Connection:
     """A store connection on PostgreSQL with the sqlite3 surface the statements use.
 
     `readonly`: its `BEGIN` opens a REPEATABLE READ, READ ONLY snapshot and it is never written
-    through. `release`: what `close()` does with the psycopg connection (a pooled one goes back
-    to its pool)."""
+    through. `stream` (a read connection of its own, `Store.reading`: export, `check`, the
+    reconciliation's reads): a query inside its snapshot runs on a server-side cursor, so a
+    result of millions of rows comes a page at a time instead of whole into memory, as SQLite
+    steps a statement. `release`: what `close()` does with the psycopg connection (a pooled one
+    goes back to its pool)."""
 
-    def __init__(self, target: Target, readonly: bool, raw: Any = None, release: Any = None):
+    def __init__(
+        self,
+        target: Target,
+        readonly: bool,
+        raw: Any = None,
+        release: Any = None,
+        stream: bool = False,
+    ) -> None:
         self.target = target
         self.readonly = readonly
         self._raw = raw if raw is not None else _connect_raw(target)
         self._release = release
+        self._stream = stream and readonly
+        self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
 
     @property
     def in_transaction(self) -> bool:
-        return int(self._raw.info.transaction_status) != 0  # psycopg.pq.TransactionStatus.IDLE
+        """Whether a transaction is open (psycopg's ACTIVE, INTRANS, INERROR); a connection the
+        server dropped (UNKNOWN) has none left to roll back, and reconnects at its next use."""
+        return int(self._raw.info.transaction_status) in _IN_TRANSACTION
 
     def _live(self) -> Any:
         """The psycopg connection; a new one first if the server dropped this one (only ever
@@ -249,11 +285,43 @@ class Connection:
     def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> Cursor:
         raw = self._raw if self.in_transaction else self._live()
         if sql == "BEGIN IMMEDIATE":
-            raw.execute("BEGIN")
-            return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
+            return self._begin_writing(raw)
         if sql == "BEGIN" and self.readonly:
             return Cursor(raw.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
-        return Cursor(raw.execute(translate(sql, bool(params)), params or None))
+        text = translate(sql, bool(params))
+        if self._stream and self.in_transaction and text.startswith(("SELECT", "WITH")):
+            return Cursor(self._server_cursor(raw, text, params))
+        try:
+            return Cursor(raw.execute(text, params or None))
+        finally:
+            if sql in ("COMMIT", "ROLLBACK"):
+                self._close_cursors()
+
+    def _begin_writing(self, raw: Any) -> Cursor:
+        """`BEGIN` and the store's advisory lock, as one statement is on SQLite: if the lock
+        is not had (`lock_timeout`, a lost connection) no transaction is left open."""
+        raw.execute("BEGIN")
+        try:
+            return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
+        except BaseException:
+            if self.in_transaction:
+                with contextlib.suppress(Exception):  # the lock's failure is the one to report
+                    raw.execute("ROLLBACK")
+            raise
+
+    def _server_cursor(self, raw: Any, text: str, params: Any) -> Any:
+        cursor = raw.cursor(name=f"stream{len(self._cursors)}")
+        self._cursors.append(cursor)
+        cursor.itersize = STREAM_ROWS
+        cursor.execute(text, params or None)
+        return cursor
+
+    def _close_cursors(self) -> None:
+        """Forget the snapshot's server-side cursors (the transaction's end closed them on the
+        server already: psycopg sends nothing)."""
+        for cursor in self._cursors:
+            cursor.close()
+        self._cursors = []
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor:
         cursor = self._raw.cursor()
@@ -261,6 +329,7 @@ class Connection:
         return Cursor(cursor)
 
     def close(self) -> None:
+        self._close_cursors()
         if self._release is not None:
             self._release(self._raw)
         else:
@@ -284,19 +353,39 @@ class Pool:
             kwargs={
                 "autocommit": True,
                 "connect_timeout": CONNECT_TIMEOUT_S,
-                "options": f"-c search_path={target.schema} -c client_encoding=UTF8",
+                "options": _options(target),
             },
             open=True,
             timeout=CONNECT_TIMEOUT_S,
+            check=ConnectionPool.check_connection,  # a connection the server dropped: a new one
             name=f"metanode-{target.schema}",
         )
 
     def connection(self) -> Connection:
-        """A read-only connection of the pool; `close()` gives it back."""
-        return Connection(self.target, True, self._pool.getconn(), self._pool.putconn)
+        """A read-only, streaming connection of the pool; `close()` gives it back."""
+        return Connection(self.target, True, self._pool.getconn(), self._pool.putconn, True)
 
     def close(self) -> None:
         self._pool.close()
+
+
+NODE_LOCK = zlib.crc32(b"metanode.node")  # the session lock of the one node on a database
+
+
+def hold_node_lock(target: Target) -> Connection:
+    """A connection holding the database's node lock (a session advisory lock, released when
+    the connection closes or its process dies), or `DataDirLocked` if another node holds it:
+    one `metanode serve` per database, as the data directory's `flock` allows one per
+    directory (replicas taking over the applier build on this lock: docs/scale-out.md)."""
+    conn = Connection(target, False)
+    taken = conn.execute("SELECT pg_try_advisory_lock(?)", (NODE_LOCK,)).fetchone()[0]
+    if not taken:
+        conn.close()
+        raise DataDirLocked(
+            f"another metanode serves the PostgreSQL database {target.dsn_shown}; "
+            "one node per database for now (docs/scale-out.md)"
+        )
+    return conn
 
 
 def ensure_schema(target: Target) -> None:
@@ -348,7 +437,7 @@ class AsyncReader:
             target.dsn,
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_S,
-            options=f"-c search_path={target.schema} -c client_encoding=UTF8",
+            options=_options(target),
         )
         return cls(raw)
 

@@ -99,9 +99,10 @@ async def client(node: Node) -> AsyncIterator[httpx.AsyncClient]:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    """A running real server on a fresh data directory; stopped (SIGTERM) afterwards."""
-    srv = Server(tmp_path / "data").start()
+def server(tmp_path: Path, storage: str) -> Iterator[Server]:
+    """A running real server on a fresh data directory, its stores on `storage`; stopped
+    (SIGTERM) afterwards."""
+    srv = Server(tmp_path / "data", env={"METANODE_STORAGE": storage}).start()
     yield srv
     srv.stop()
     srv.print_log()

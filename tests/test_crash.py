@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,26 +15,30 @@ from typing import Any
 import httpx
 import pytest
 
-from metanode import cache, truth
+from metanode import cache, db, truth
 from metanode import cid as cids
 from metanode import claims as claims_mod
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.load import kill_under_load
 from tests.helpers.server import Server, metanode_check, wait_caught_up
-from tests.helpers.settings import settings_for
+from tests.helpers.settings import reading, settings_for
 
 Launch = Callable[..., Server]
 
 
 @pytest.fixture
-def launch() -> Iterator[Launch]:
-    """Start servers on demand; whatever is still running at the end is stopped."""
+def launch(storage: str) -> Iterator[Launch]:
+    """Start servers on demand, their stores on `storage`; whatever is still running at the
+    end is stopped."""
     started: list[Server] = []
 
     def start(data_dir: Path, env: dict[str, str] | None = None) -> Server:
         # The watcher gets an empty folder of its own, not ./media of the working directory.
-        isolated = {"METANODE_WATCH_ROOTS": str(data_dir.parent / "media")}
+        isolated = {
+            "METANODE_WATCH_ROOTS": str(data_dir.parent / "media"),
+            "METANODE_STORAGE": storage,
+        }
         srv = Server(data_dir, env={**isolated, **(env or {})})
         started.append(srv)
         return srv.start()
@@ -44,10 +47,6 @@ def launch() -> Iterator[Launch]:
     for srv in started:
         if srv.proc is not None:
             srv.stop(signal.SIGKILL)
-
-
-def readonly(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
 
 
 def register(srv: Server, signer: Signer) -> None:
@@ -60,15 +59,14 @@ def register(srv: Server, signer: Signer) -> None:
     assert response.status_code == 200, response.text
 
 
-def stored_claims(truth_db: Path, uid: str) -> set[tuple[str, str, str | None]]:
-    conn = readonly(truth_db)
-    try:
-        return set(conn.execute("SELECT cid, key, value FROM claims WHERE uid = ?", (uid,)))
-    finally:
-        conn.close()
+def stored_claims(conn: db.Connection, uid: str) -> set[tuple[str, str, str | None]]:
+    return set(conn.execute("SELECT cid, key, value FROM claims WHERE uid = ?", (uid,)))
 
 
-def test_sigkill_mid_ingest_loses_no_acknowledged_claim(tmp_path: Path, launch: Launch) -> None:
+@pytest.mark.both_backends
+def test_sigkill_mid_ingest_loses_no_acknowledged_claim(
+    tmp_path: Path, launch: Launch, storage: str
+) -> None:
     data = tmp_path / "data"
     first = launch(data)
     signer = Signer()
@@ -88,7 +86,8 @@ def test_sigkill_mid_ingest_loses_no_acknowledged_claim(tmp_path: Path, launch: 
     acknowledged, in_doubt = killed.acknowledged, killed.in_doubt
 
     # A batch that got no answer is atomic: all of it was committed, or none of it.
-    stored = stored_claims(data / "truth.db", signer.uid)
+    with reading(data, "truth", storage) as conn:
+        stored = stored_claims(conn, signer.uid)
     for batch in in_doubt:
         present = [(c["cid"], c["key"], c["value"]) in stored for c in batch]
         assert all(present) or not any(present), f"{sum(present)} of {len(batch)} claims stored"
@@ -105,19 +104,20 @@ def test_sigkill_mid_ingest_loses_no_acknowledged_claim(tmp_path: Path, launch: 
                 doc = http.get(f"/api/meta/{claim['cid']}")
                 assert doc.status_code == 200, doc.text
                 assert doc.json()["metadata"]["title"] == claim["value"]
-    metanode_check(data)
+    metanode_check(data, storage)
 
 
 CID = cids.midhash_bytes(b"crash window")
 
 
 @contextlib.contextmanager
-def cache_write_lock(cache_db: Path) -> Iterator[None]:
-    """Hold cache.db's write lock from a connection of our own (`BEGIN IMMEDIATE`): the server
-    still commits to truth.db, but its applier cannot commit to the cache until we let go. Its
-    `BEGIN IMMEDIATE` waits out the busy timeout (`db.BUSY_TIMEOUT_MS`), fails `storage_locked`
-    and is retried, and never gets through while the block runs."""
-    conn = sqlite3.connect(cache_db, timeout=60, isolation_level=None)
+def cache_write_lock(data_dir: Path, storage: str) -> Iterator[None]:
+    """Hold the cache's write lock from a connection of our own (`BEGIN IMMEDIATE`: SQLite's
+    lock of cache.db, or the cache's advisory lock on PostgreSQL): the server still commits
+    to the truth, but its applier cannot commit to the cache until we let go. Its `BEGIN
+    IMMEDIATE` waits out the busy timeout (`db.BUSY_TIMEOUT_MS`, PostgreSQL's `lock_timeout`),
+    fails `storage_locked` and is retried, and never gets through while the block runs."""
+    conn = db.connect(db.target(data_dir, storage, "cache"))
     try:
         conn.execute("BEGIN IMMEDIATE")
         yield
@@ -125,7 +125,10 @@ def cache_write_lock(cache_db: Path) -> Iterator[None]:
         conn.close()  # rolls back: we wrote nothing
 
 
-def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Launch) -> None:
+@pytest.mark.both_backends
+def test_crash_between_truth_commit_and_cache_apply(
+    tmp_path: Path, launch: Launch, storage: str
+) -> None:
     data = tmp_path / "data"
     # The cache is locked, so every POST waits `apply_wait_s` and answers 202 `applied: false`.
     first = launch(data, {"METANODE_APPLY_WAIT_S": "0.2", "METANODE_WATCH_ENABLED": "false"})
@@ -143,7 +146,7 @@ def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Laun
     ]
     batches[0][0] = claim = signer.claim(CID, "title", "Survivor")
 
-    with cache_write_lock(data / "cache.db"):
+    with cache_write_lock(data, storage):
         with httpx.Client(base_url=first.url, headers=first.headers, timeout=30) as http:
             for batch in batches:
                 response = http.post("/api/claims", json={"claims": batch})
@@ -154,9 +157,11 @@ def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Laun
         assert lagging["apply_lag"] > 0, lagging
         assert first.stop(signal.SIGKILL) == -signal.SIGKILL  # while the apply still waits
 
-    truth_conn, cache_conn = readonly(data / "truth.db"), readonly(data / "cache.db")
-    try:
-        stored = stored_claims(data / "truth.db", signer.uid)
+    with (
+        reading(data, "truth", storage) as truth_conn,
+        reading(data, "cache", storage) as cache_conn,
+    ):
+        stored = stored_claims(truth_conn, signer.uid)
         assert all((c["cid"], c["key"], c["value"]) in stored for b in batches for c in b)
         truth_seq = truth_conn.execute("SELECT max(seq) FROM changes").fetchone()[0]
         state = dict(cache_conn.execute("SELECT name, value FROM state"))
@@ -170,9 +175,6 @@ def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Laun
                     ).fetchone()
                     is None
                 )
-    finally:
-        truth_conn.close()
-        cache_conn.close()
 
     healthy = launch(data)
     health = wait_caught_up(healthy.url)
@@ -187,7 +189,7 @@ def test_crash_between_truth_commit_and_cache_apply(tmp_path: Path, launch: Laun
                 assert doc.json()["metadata"]["title"] == c["value"]
         listed = http.get(f"/api/meta/{CID}/claims").json()
     assert listed["claims"] == [claim]
-    metanode_check(data)
+    metanode_check(data, storage)
 
 
 async def test_stop_with_an_apply_queued_uses_no_closed_connection(
@@ -203,7 +205,7 @@ async def test_stop_with_an_apply_queued_uses_no_closed_connection(
     failures: list[BaseException] = []
     real_apply = cache.apply_txn
 
-    def apply_spy(conn: sqlite3.Connection, source: sqlite3.Connection, *rest: Any) -> Any:
+    def apply_spy(conn: db.Connection, source: Any, *rest: Any) -> Any:
         # Records a failure instead of raising it: nobody awaits this job any more (the applier
         # task is cancelled), and an unretrieved exception would only be logged at some later
         # garbage collection, possibly on another thread.

@@ -16,7 +16,6 @@ import json
 import os
 import queue
 import random
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -28,7 +27,7 @@ from typing import IO, Any
 import httpx
 import pytest
 
-from metanode import sse
+from metanode import db, sse
 from tests.helpers.claims import NOW_MS, Signer, fast_claims
 from tests.helpers.feed import (
     WAIT_S,
@@ -44,6 +43,9 @@ from tests.helpers.feed import (
     reached,
 )
 from tests.helpers.server import Server
+from tests.helpers.settings import reading
+
+pytestmark = pytest.mark.both_backends
 
 STALL_S = 10.0  # the bound on a wait where events flow all the time: a silence this long is a wedge
 
@@ -84,11 +86,8 @@ def epoch(server: Server) -> int:
 
 def head(server: Server) -> str:
     """The id of the newest event, from the cache's state (a stream would mean a hang-up)."""
-    conn = open_cache(server)
-    try:
+    with open_cache(server) as conn:
         state = dict(conn.execute("SELECT name, value FROM state").fetchall())
-    finally:
-        conn.close()
     return cursor(state["epoch"], state["feed_seq"])
 
 
@@ -96,28 +95,23 @@ def cursor(ep: int, seq: int) -> str:
     return sse.event_id(ep, seq)
 
 
-def open_cache(server: Server) -> sqlite3.Connection:
-    path = (server.data_dir / "cache.db").resolve()
-    return sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)
+@contextlib.contextmanager
+def open_cache(server: Server) -> Iterator[db.Connection]:
+    with reading(server.data_dir, "cache", server.storage) as conn:
+        yield conn
 
 
 def records(
     server: Server, where: Callable[[str, str], bool] | None = None
 ) -> dict[tuple[str, str], str]:
-    conn = open_cache(server)
-    try:
+    with open_cache(server) as conn:
         rows = conn.execute("SELECT rid, key, value FROM records").fetchall()
-    finally:
-        conn.close()
     return {(r, k): v for r, k, v in rows if where is None or where(r, k)}
 
 
 def cache_value(server: Server, sql: str) -> Any:
-    conn = open_cache(server)
-    try:
+    with open_cache(server) as conn:
         return conn.execute(sql).fetchone()[0]
-    finally:
-        conn.close()
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float = WAIT_S) -> None:
@@ -132,13 +126,14 @@ Launch = Callable[..., Server]
 
 
 @pytest.fixture
-def launch(tmp_path: Path) -> Iterator[Launch]:
-    """Start servers on `tmp_path/data` (env as given); any still running at the end are
-    killed."""
+def launch(tmp_path: Path, storage: str) -> Iterator[Launch]:
+    """Start servers on `tmp_path/data` (env as given), the stores on `storage`; any still
+    running at the end are killed."""
     started: list[Server] = []
 
     def start(env: dict[str, str] | None = None) -> Server:
-        srv = Server(tmp_path / "data", env=env or {}).start()
+        srv = Server(tmp_path / "data", env={"METANODE_STORAGE": storage, **(env or {})})
+        srv.start()
         started.append(srv)
         return srv
 
@@ -202,11 +197,8 @@ def test_live_delivery_headers_and_exact_bytes(server: Server) -> None:
 
 
 def records_rid(server: Server, cid: str) -> str:
-    conn = open_cache(server)
-    try:
+    with open_cache(server) as conn:
         row = conn.execute("SELECT rid FROM cid_index WHERE cid = ?", (cid,)).fetchone()
-    finally:
-        conn.close()
     assert row is not None, f"{cid} is in no record"
     return str(row[0])
 
@@ -482,13 +474,10 @@ def test_filters_on_replay_snapshot_and_live(server: Server) -> None:
             ],
         ),
     )
-    conn = open_cache(server)
-    try:
+    with open_cache(server) as conn:
         changed = conn.execute(
             "SELECT seq, rid, key FROM feed WHERE seq > ? ORDER BY seq", (mark,)
         ).fetchall()
-    finally:
-        conn.close()
     for where, stream, replica in followers:
         expected = [seq for seq, rid, key in changed if where(rid, key)]
         start = len(replica.seqs)
@@ -739,6 +728,7 @@ def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
         capture_output=True,
         text=True,
         timeout=60,
+        env={**os.environ, "METANODE_STORAGE": server.storage},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     server = launch()

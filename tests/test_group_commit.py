@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -25,24 +24,13 @@ from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.load import kill_under_load
 from tests.helpers.server import Server, metanode_check, wait_caught_up
+from tests.helpers.settings import reading
 
 DEADLINE_S = 60.0
 
 
 def claim_for(signer: Signer, tag: str) -> dict[str, Any]:
     return signer.claim(cids.midhash_bytes(tag.encode()), "title", f"title {tag}")
-
-
-def readonly(path: Path) -> sqlite3.Connection:
-    return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
-
-
-def stored_values(truth_db: Path) -> set[str]:
-    conn = readonly(truth_db)
-    try:
-        return titles(conn)
-    finally:
-        conn.close()
 
 
 def titles(conn: db.Connection) -> set[str]:
@@ -122,10 +110,11 @@ CRASHER = textwrap.dedent(
     import os, signal, sys, threading
     from pathlib import Path
     import nacl.signing
-    from metanode import claims, rid, truth
+    from metanode import claims, db, rid, truth
     from metanode import cid as cids
 
-    path, where, now = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    (storage, where), now = sys.argv[1:3], int(sys.argv[3])
+    path = db.target(Path(sys.argv[4]), storage, "truth")
     key = nacl.signing.SigningKey.generate()
     uid = claims.uid_of(bytes(key.verify_key))
 
@@ -155,9 +144,10 @@ CRASHER = textwrap.dedent(
 )
 
 
-def crash_in_a_group(truth_db: Path, where: str) -> None:
+def crash_in_a_group(data_dir: Path, storage: str, where: str) -> None:
+    """Run `CRASHER` on the truth of `data_dir` (its stores on `storage`)."""
     done = subprocess.run(
-        [sys.executable, "-c", CRASHER, str(truth_db), where, str(NOW_MS)],
+        [sys.executable, "-c", CRASHER, storage, where, str(NOW_MS), str(data_dir)],
         capture_output=True,
         text=True,
         timeout=DEADLINE_S,
@@ -166,33 +156,37 @@ def crash_in_a_group(truth_db: Path, where: str) -> None:
     assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
 
 
-def test_sigkill_between_two_batches_of_one_group_commits_none_of_it(tmp_path: Path) -> None:
-    truth_db = tmp_path / "truth.db"
-    crash_in_a_group(truth_db, "between")
-    assert not [v for v in stored_values(truth_db) if v.startswith("between")]
-    conn = readonly(truth_db)
-    try:
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+@pytest.mark.both_backends
+def test_sigkill_between_two_batches_of_one_group_commits_none_of_it(
+    tmp_path: Path, storage: str
+) -> None:
+    crash_in_a_group(tmp_path, storage, "between")
+    with reading(tmp_path, "truth", storage) as conn:
+        assert not [v for v in titles(conn) if v.startswith("between")]
         assert conn.execute("SELECT count(*) FROM changes WHERE kind = 'claim'").fetchone()[0] == 0
-    finally:
-        conn.close()
+        if storage == "sqlite":
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
-def test_sigkill_between_a_groups_commit_and_its_answers_keeps_all_of_it(tmp_path: Path) -> None:
-    truth_db = tmp_path / "truth.db"
-    crash_in_a_group(truth_db, "answer")
-    stored = stored_values(truth_db)
+@pytest.mark.both_backends
+def test_sigkill_between_a_groups_commit_and_its_answers_keeps_all_of_it(
+    tmp_path: Path, storage: str
+) -> None:
+    crash_in_a_group(tmp_path, storage, "answer")
+    with reading(tmp_path, "truth", storage) as conn:
+        stored = titles(conn)
     assert {f"answer {tag} {i}" for tag in "ab" for i in range(5)} <= stored
 
 
+@pytest.mark.both_backends
 def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
-    tmp_path: Path,
+    tmp_path: Path, storage: str
 ) -> None:
     """Sixteen posters of one claim each, so the server groups them; SIGKILL once enough are
     acknowledged. Every acknowledged claim is in the truth and, after a restart, in the cache;
     the server then checks clean (`metanode check`)."""
     data = tmp_path / "data"
-    env = {"METANODE_WATCH_ROOTS": str(tmp_path / "media")}
+    env = {"METANODE_WATCH_ROOTS": str(tmp_path / "media"), "METANODE_STORAGE": storage}
     first = Server(data, env=env).start()
     signer = Signer()
     try:
@@ -207,7 +201,8 @@ def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
     finally:
         if first.proc is not None:
             first.stop(signal.SIGKILL)
-    assert {c["value"] for c in acknowledged} <= stored_values(data / "truth.db")
+    with reading(data, "truth", storage) as conn:
+        assert {c["value"] for c in acknowledged} <= titles(conn)
     second = Server(data, env=env).start()
     try:
         assert wait_caught_up(second.url)["status"] == "ok"
@@ -218,7 +213,7 @@ def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
                 assert doc.json()["metadata"]["title"] == claim["value"]
     finally:
         second.stop()
-    metanode_check(data)
+    metanode_check(data, storage)
 
 
 def hammer(srv: Server, signer: Signer) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sqlite3
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from metanode import cid as cids
 from metanode import db, keys, logs, truth
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
+from tests.helpers.postgres import Storages
 from tests.helpers.server import Server, metanode_check
 from tests.helpers.settings import settings_for
 
@@ -105,9 +107,14 @@ async def test_health_degrades_when_the_watcher_stalls(tmp_path: Path) -> None:
         await node.stop()
 
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, storage: str = "sqlite") -> subprocess.CompletedProcess[str]:
+    """`metanode ARGS` (the stores on `storage`); it must succeed."""
     done = subprocess.run(
-        [sys.executable, "-m", "metanode", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "metanode", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "METANODE_STORAGE": storage},
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
@@ -169,8 +176,9 @@ async def documents(node: Node) -> dict[str, dict[str, Any]]:
     return {c: node.meta(c) for c in every}
 
 
+@pytest.mark.both_backends
 async def test_export_then_import_gives_identical_documents(
-    client: httpx.AsyncClient, node: Node, tmp_path: Path
+    client: httpx.AsyncClient, node: Node, tmp_path: Path, storage: str, storages: Storages
 ) -> None:
     alice, bob = Signer(), Signer()
     await register(client, alice, may_link=True)
@@ -187,14 +195,21 @@ async def test_export_then_import_gives_identical_documents(
     await post(client, alice.claim(c, "title", None, ts=NOW_MS))  # a tombstone travels too
     export = tmp_path / "claims.jsonl"
     data = str(node.settings.data_dir)
-    cli("export", "--out", str(export), "--data-dir", data)
+    cli("export", "--out", str(export), "--data-dir", data, storage=storage)
     lines = [json.loads(line) for line in export.read_text().splitlines()]
     assert len(lines) == 5 and any(line["value"] is None for line in lines)
     second = tmp_path / "second"
-    done = cli("import", str(export), "--register-signers", "--data-dir", str(second))
-    assert "5 accepted" in done.stdout
-    assert "5 duplicate" in cli("import", str(export), "--data-dir", str(second)).stdout
-    other = Node(settings_for(second))
+    with storages() as there:
+        args = ("import", str(export), "--data-dir", str(second))
+        done = cli(*args, "--register-signers", storage=there)
+        assert "5 accepted" in done.stdout
+        assert "5 duplicate" in cli(*args, storage=there).stdout
+        other = Node(settings_for(second, storage=there))
+        await compare_documents(node, other)
+
+
+async def compare_documents(node: Node, other: Node) -> None:
+    """The two nodes serve the same documents, under each box's own rids."""
     await other.start()
     try:
         await other.applier.wait_for(0, 10)

@@ -27,9 +27,12 @@ A, B, C = (cids.midhash_bytes(f"workers {n}".encode()) for n in "ABC")
 OPENED: list[httpx.Client] = []  # closed after each test
 
 
+pytestmark = pytest.mark.both_backends
+
+
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    srv = Server(tmp_path / "data", workers=2).start()
+def server(tmp_path: Path, storage: str) -> Iterator[Server]:
+    srv = Server(tmp_path / "data", workers=2, env={"METANODE_STORAGE": storage}).start()
     yield srv
     while OPENED:
         OPENED.pop().close()

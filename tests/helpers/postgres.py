@@ -93,13 +93,21 @@ class Cluster:
         (self.data / "pg_hba.conf").write_text(
             "local all all trust\nhost all all 127.0.0.1/32 trust\n"
         )
+        self.resume()
+        return self
+
+    def resume(self) -> None:
+        """Run the server (again, after `pause`) on the same port and files."""
         options = (
             f"-c listen_addresses=127.0.0.1 -c port={self.port} "
             f"-c unix_socket_directories={self.root} -c fsync=off -c max_connections=300"
         )
         log = str(self.root / "server.log")
         self._run("pg_ctl", "-D", str(self.data), "-l", log, "-o", options, "-w", "start")
-        return self
+
+    def pause(self) -> None:
+        """Stop the server at once, as a crash or an outage would (its files stay)."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
 
     def sql(self, *statements: str) -> None:
         """Run statements on the `postgres` database, each in autocommit (CREATE DATABASE)."""
@@ -119,8 +127,9 @@ class Cluster:
         self.sql(f"DROP DATABASE IF EXISTS {dsn.rsplit('/', 1)[1]} WITH (FORCE)")
 
     def stop(self) -> None:
+        """Stop the server and remove its files."""
         try:
-            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+            self.pause()
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 

@@ -52,6 +52,11 @@ class Server:
         return {"Authorization": f"Bearer {self.token}"}
 
     @property
+    def storage(self) -> str:
+        """Where its stores are (`METANODE_STORAGE`): `sqlite` unless `env` says otherwise."""
+        return self.env.get("METANODE_STORAGE", "sqlite")
+
+    @property
     def media(self) -> Path:
         return self.data_dir.parent / "media"
 

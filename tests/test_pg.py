@@ -1,0 +1,461 @@
+"""The PostgreSQL backend's own behaviour (docs/scale-out.md): the one schema on both backends,
+the statement translation, writers serialised across connections by the advisory lock, an
+outage answered as a retryable 503 and recovered from, the `storage` setting, the CLI.
+
+The store suites themselves run on both backends where they live (`both_backends`: test_ingest,
+test_groups, test_races, test_group_commit, test_rendered, test_feed_server, test_workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from metanode import cache, claims, config, db, pg, truth
+from metanode import cid as cids
+from metanode import rid as rids
+from metanode.api import create_app
+from metanode.errors import DataDirLocked, InvalidRequest, StorageLocked, StorageUnavailable
+from metanode.node import Node
+from tests.helpers.claims import NOW_MS, Signer, post, register
+from tests.helpers.feed import Replica, Stream
+from tests.helpers.postgres import Cluster, start_cluster
+from tests.helpers.server import free_port, plugins_server, wait_caught_up
+from tests.helpers.settings import settings_for
+
+DEADLINE_S = 60.0
+
+# What only one dialect has: SQLite's AUTOINCREMENT counter and FTS5 tables; PostgreSQL's
+# AUTOINCREMENT (`sequences`), its version row (SQLite's `PRAGMA user_version`) and the
+# library's tsvector column (SQLite's `library_fts`).
+SQLITE_ONLY = {"sqlite_sequence", "library_fts"}
+PG_ONLY = {"sequences", "schema_version"}
+PG_ONLY_COLUMNS = {("library", "search")}
+
+
+@pytest.fixture
+def dsn(postgres: Cluster) -> Iterator[str]:
+    dsn = postgres.database()
+    yield dsn
+    postgres.drop(dsn)
+
+
+def sqlite_columns(path: Path) -> dict[str, list[str]]:
+    conn = db.connect_file(path, readonly=True)
+    try:
+        names = [
+            r[0]
+            for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            if not r[0].startswith(tuple(SQLITE_ONLY))
+        ]
+        return {n: [c[1] for c in conn.execute(f"PRAGMA table_info({n})")] for n in names}
+    finally:
+        conn.close()
+
+
+def pg_columns(target: pg.Target) -> dict[str, list[str]]:
+    conn = pg.Connection(target, True)
+    try:
+        rows = conn.execute(
+            "SELECT table_name, column_name FROM information_schema.columns "
+            "WHERE table_schema = ? ORDER BY table_name, ordinal_position",
+            (target.schema,),
+        ).fetchall()
+    finally:
+        conn.close()
+    found: dict[str, list[str]] = {}
+    for table, column in rows:
+        if table not in PG_ONLY and (table, column) not in PG_ONLY_COLUMNS:
+            found.setdefault(table, []).append(column)
+    return found
+
+
+def test_both_backends_have_the_same_tables_and_columns(tmp_path: Path, dsn: str) -> None:
+    """One schema, two dialects' DDL: a migration added to one and not the other fails here."""
+    for kind in (truth.TruthStore, cache.CacheStore):
+        on_sqlite, on_pg = kind(tmp_path / f"{kind.name}.db"), kind(pg.Target(dsn, kind.name))
+        on_sqlite.migrate()
+        on_pg.migrate()
+        assert isinstance(on_sqlite.path, Path) and isinstance(on_pg.path, pg.Target)
+        assert sqlite_columns(on_sqlite.path) == pg_columns(on_pg.path), kind.name
+
+
+def test_the_schema_is_versioned_and_a_newer_one_is_refused(dsn: str) -> None:
+    target = pg.Target(dsn, "truth")
+    truth.TruthStore(target).migrate()
+    truth.TruthStore(target).migrate()  # again: nothing to do
+    conn = pg.Connection(target, False)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == len(truth.PG_MIGRATIONS)
+        conn.execute("UPDATE schema_version SET version = 99")
+    finally:
+        conn.close()
+    with pytest.raises(RuntimeError, match="newer than this metanode"):
+        truth.TruthStore(target).open()
+
+
+# -- statements -----------------------------------------------------------------------------
+
+
+def test_placeholders_and_rewrites() -> None:
+    assert pg.translate("SELECT a FROM t WHERE b = ? AND c LIKE 'x%'", True) == (
+        "SELECT a FROM t WHERE b = %s AND c LIKE 'x%%'"
+    )
+    assert pg.translate("SELECT 1 FROM t WHERE a < :before AND b::text = :kind", True) == (
+        "SELECT 1 FROM t WHERE a < %(before)s AND b::text = %(kind)s"
+    )
+    scalars = pg.translate("SELECT rid FROM g WHERE cid IN (SELECT value FROM json_each(?))", True)
+    assert scalars.endswith("json_array_elements_text(CAST(%s AS json)))")
+    tuples = pg.translate(
+        "SELECT 1 FROM c WHERE (a, b) IN (SELECT json_extract(value, '$[0]'), "
+        "json_extract(value, '$[1]') FROM json_each(?))",
+        True,
+    )
+    assert tuples.endswith(
+        "(SELECT (value->>0), (value->>1) FROM json_array_elements(CAST(%s AS json)))"
+    )
+    assert pg.translate("PRAGMA user_version=3", False) == "UPDATE schema_version SET version = 3"
+    assert pg.translate("SELECT 100 % 7", False) == "SELECT 100 % 7"  # no parameters: as is
+
+
+@given(st.lists(st.sampled_from(["SELECT ", "x ", "= ? ", "'%' ", ", ", "::int ", ":name "])))
+def test_every_placeholder_becomes_one_of_psycopgs(parts: list[str]) -> None:
+    sql = "".join(parts)
+    out = pg.translate(sql, True)
+    assert out.count("%s") == sql.count("?")
+    assert out.count("%(name)s") == sql.count(":name")
+    assert out.replace("%s", "").replace("%(name)s", "").count("%") == 2 * sql.count("%")
+
+
+# -- writers serialise across connections -------------------------------------------------------
+
+
+def test_writers_on_two_connections_keep_one_rid_per_cid(dsn: str) -> None:
+    """Two truth stores on one database (two writer connections, as two processes have) ingest
+    claims on the same new CIDs at once: the advisory lock serialises their transactions as
+    SQLite's write lock does, so every CID gets one rid, no transaction fails on another's
+    mint, and the outbox seqs are dense."""
+    target = pg.Target(dsn, "truth")
+    signer = Signer()
+    pool = [cids.midhash_bytes(f"race {n}".encode()) for n in range(60)]
+    stores = [truth.TruthStore(target).open() for _ in range(2)]
+    failures: list[BaseException] = []
+    try:
+        stores[0].add_signer_sync(signer.uid, "racer", 1, False)
+        start = threading.Barrier(len(stores))
+
+        def write(store: truth.TruthStore, offset: int) -> None:
+            try:
+                start.wait(DEADLINE_S)
+                minter = rids.Minter()
+                for n in range(0, len(pool), 5):
+                    batch = [
+                        claims.sign(signer.key, cid, "title", f"{offset} {n}", NOW_MS)
+                        for cid in pool[n : n + 5]
+                    ]
+                    store.ingest_sync(batch, minter, truth.Policy(), NOW_MS)
+            except BaseException as exc:
+                failures.append(exc)
+
+        threads = [threading.Thread(target=write, args=(s, i)) for i, s in enumerate(stores)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(DEADLINE_S)
+        assert not failures, failures
+        conn = stores[0].conn
+        groups = conn.execute("SELECT cid, rid FROM cid_group").fetchall()
+        assert sorted(cid for cid, _ in groups) == sorted(pool)
+        assert len({rid for _, rid in groups}) == len(pool)  # one rid per CID, none minted twice
+        assert conn.execute("SELECT count(*) FROM rids").fetchone()[0] == len(pool)
+        seqs = [row[0] for row in conn.execute("SELECT seq FROM changes ORDER BY seq")]
+        assert seqs == list(range(1, len(seqs) + 1)) and stores[1].max_seq() == len(seqs)
+    finally:
+        for store in stores:
+            store.close()
+
+
+# -- an outage --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def own_cluster() -> Iterator[Cluster]:
+    """A cluster of this test's own, to stop and start again."""
+    cluster, why = start_cluster()
+    if cluster is None:
+        pytest.skip(why)
+    yield cluster
+    cluster.stop()
+
+
+async def post_until_ok(client: httpx.AsyncClient, claim: dict[str, object]) -> httpx.Response:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        response = await post(client, claim)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            return response
+        assert response.status_code == 503, response.text
+        await asyncio.sleep(0.2)
+
+
+async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
+    tmp_path: Path, own_cluster: Cluster
+) -> None:
+    node = Node(settings_for(tmp_path / "data", storage=own_cluster.database()))
+    await node.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(node))
+        headers = {"Authorization": f"Bearer {node.token}"}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://node", headers=headers
+        ) as client:
+            signer = Signer()
+            await register(client, signer)
+            before = signer.claim(cids.midhash_bytes(b"outage 1"), "title", "before")
+            assert (await post(client, before)).status_code == 200
+            own_cluster.pause()
+            during = signer.claim(cids.midhash_bytes(b"outage 2"), "title", "during")
+            for response in (
+                await post(client, during),
+                await client.get(f"/api/meta/{before['cid']}"),
+            ):
+                assert response.status_code == 503, response.text
+                body = response.json()
+                assert body["error"] == "storage_unavailable" and body["retryable"] is True
+                assert set(body) == {"error", "message", "retryable"}
+            own_cluster.resume()
+            after = await post_until_ok(client, during)
+            assert after.status_code == 200, after.text
+            doc = await client.get(f"/api/meta/{during['cid']}")
+            assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "during"
+    finally:
+        await node.stop()
+
+
+def test_an_unreachable_server_is_a_typed_storage_error(tmp_path: Path) -> None:
+    target = pg.Target(f"postgresql://postgres@127.0.0.1:{free_port()}/none", "truth")
+    with pytest.raises(StorageUnavailable, match="the database failed"):
+        truth.TruthStore(target).open()
+
+
+# -- the setting and the command line -----------------------------------------------------------
+
+
+def test_storage_is_sqlite_or_a_postgresql_dsn(tmp_path: Path) -> None:
+    assert not config.load(env={}).postgresql
+    assert config.load(env={"METANODE_STORAGE": "postgresql://u@h/db"}).postgresql
+    with pytest.raises(InvalidRequest, match="setting storage"):
+        config.load(env={"METANODE_STORAGE": "mysql://u@h/db"})
+    done = metanode("serve", "--data-dir", str(tmp_path), storage="sqlite3")
+    assert done.returncode != 0 and "setting storage" in done.stderr, done.stderr
+
+
+def test_without_psycopg_sqlite_works_and_postgresql_says_what_to_install(
+    tmp_path: Path,
+) -> None:
+    blocked = "import sys; sys.modules['psycopg'] = None; sys.modules['psycopg_pool'] = None; "
+    run = blocked + "from metanode.cli import main; main()"
+    sqlite = metanode("init", "--data-dir", str(tmp_path / "a"), prefix=run)
+    assert sqlite.returncode == 0, sqlite.stderr
+    dsn = "postgresql://postgres@127.0.0.1:1/none"
+    refused = metanode("init", "--data-dir", str(tmp_path / "b"), storage=dsn, prefix=run)
+    assert refused.returncode != 0
+    assert "install metanode[postgresql]" in refused.stderr, refused.stderr
+
+
+def metanode(
+    *args: str, storage: str = "sqlite", prefix: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`metanode ARGS` with `storage`; `prefix`: Python run instead of `-m metanode`."""
+    command = (
+        [sys.executable, "-c", prefix, *args] if prefix else [sys.executable, "-m", "metanode"]
+    )
+    return subprocess.run(
+        command if prefix else [*command, *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "METANODE_STORAGE": storage},
+    )
+
+
+def test_init_check_rebuild_and_backup_on_postgresql(tmp_path: Path, dsn: str) -> None:
+    data = str(tmp_path / "data")
+    assert metanode("init", "--data-dir", data, storage=dsn).returncode == 0
+    assert not (tmp_path / "data" / "truth.db").exists()  # the keys and the token, no database
+    assert (tmp_path / "data" / "keys" / "owner.key").exists()
+    conn = pg.Connection(pg.Target(dsn, "cache"), True)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == len(cache.PG_MIGRATIONS)
+    finally:
+        conn.close()
+    signer = Signer()
+    added = metanode("signers", "add", signer.uid, "--name", "s", "--data-dir", data, storage=dsn)
+    assert added.returncode == 0, added.stderr
+    rebuilt = metanode("rebuild-cache", "--data-dir", data, storage=dsn)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    checked = metanode("check", "--data-dir", data, storage=dsn)
+    assert checked.returncode == 0 and "clean" in checked.stdout, checked.stdout + checked.stderr
+    backup = metanode("backup", str(tmp_path / "bk"), "--data-dir", data, storage=dsn)
+    assert backup.returncode != 0 and "pg_dump" in backup.stderr, backup.stderr
+    assert not (tmp_path / "bk").exists()
+
+
+async def test_one_node_per_database(tmp_path: Path, dsn: str) -> None:
+    """A second node on the same database is refused while the first runs (two appliers
+    would both write the cache), and starts once the first has stopped."""
+    first = Node(settings_for(tmp_path / "one", storage=dsn))
+    await first.start()
+    try:
+        with pytest.raises(DataDirLocked, match="another metanode serves"):
+            await Node(settings_for(tmp_path / "two", storage=dsn)).start()
+    finally:
+        await first.stop()
+    second = Node(settings_for(tmp_path / "two", storage=dsn))
+    await second.start()
+    await second.stop()
+
+
+def test_data_version_moves_when_another_connection_commits(dsn: str) -> None:
+    """`applier.Follower` reads the cache state again only when this moves: it must move at
+    the commit, not only when the writing transaction began."""
+    target = pg.Target(dsn, "cache")
+    with cache.CacheStore(target) as store:
+        writer = pg.Connection(target, False)
+        try:
+            writer.execute("BEGIN IMMEDIATE")
+            writer.execute("INSERT INTO state (name, value) VALUES ('probe', 1)")
+            during = store.data_version()
+            writer.execute("COMMIT")
+            assert store.data_version() != during
+        finally:
+            writer.close()
+
+
+@pytest.mark.both_backends
+def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) -> None:
+    """The page's search (SQLite FTS5 there, a tsvector here): every word as a prefix, all
+    required, accents ignored, with the type filter, newest rid first."""
+    rows = {
+        "01A": {"title": "Amélie", "videoType": "movie", "filePath": "/m/amelie.mkv"},
+        "01B": {"title": "The Lamp Post", "videoType": "book"},
+        "01C": {"title": "Lampedusa", "videoType": "movie"},
+        "01D": {"filePath": "/m/zebra crossing.mp3"},
+    }
+    with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+
+        def found(text: str, kind: str = "") -> list[str]:
+            return [row.rid for row in store.library_page(text, kind, None, cache.NEWEST, 50)]
+
+        assert found("amelie") == ["01A"] and found("AMÉL") == ["01A"]
+        assert found("lamp") == ["01C", "01B"] and found("lamp", "book") == ["01B"]
+        assert found("lamp post") == ["01B"] and found("zebra cross") == ["01D"]
+        assert found("nothing") == [] and found("  ") == ["01D", "01C", "01B", "01A"]
+
+
+def test_messages_never_show_the_password() -> None:
+    target = pg.Target("postgresql://me:s3cret@db.example:5432/meta?password=s3cret", "truth")
+    shown = f"{target} {target.name} {target.dsn_shown}"
+    assert "s3cret" not in shown and "me@db.example:5432/meta" in shown
+
+
+def test_an_export_streams_the_claims_a_page_at_a_time(dsn: str) -> None:
+    """`TruthStore.claims` (export, `check`) reads on a server-side cursor: the exporting
+    session fetches pages (`FETCH`) rather than holding the whole result in memory."""
+    signer = Signer()
+    target = pg.Target(dsn, "truth")
+    with truth.TruthStore(target) as store:
+        store.add_signer_sync(signer.uid, "s", 1, False)
+        batch = [
+            claims.sign(signer.key, cids.midhash_bytes(b"%d" % n), "title", str(n), NOW_MS)
+            for n in range(pg.STREAM_ROWS + 10)
+        ]
+        store.ingest_sync(batch, rids.Minter(), truth.Policy(), NOW_MS)
+        exported = store.claims()
+        first = next(exported)
+        observer = pg.Connection(target, True)
+        try:
+            queries = [
+                row[0]
+                for row in observer.execute(
+                    "SELECT query FROM pg_stat_activity WHERE state = 'idle in transaction'"
+                )
+            ]
+        finally:
+            observer.close()
+        assert any(q.startswith("FETCH") for q in queries), queries
+        assert sum(1 for _ in exported) + 1 == len(batch) and first.uid == signer.uid
+
+
+def test_a_lock_held_past_the_timeout_is_storage_locked(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer waiting for the store's advisory lock longer than `lock_timeout` fails as
+    SQLite's busy timeout does (`storage_locked`, retryable), and writes once it is free."""
+    monkeypatch.setattr(pg, "LOCK_TIMEOUT_MS", 300)
+    target = pg.Target(dsn, "truth")
+    signer = Signer()
+    with truth.TruthStore(target) as store:
+        holder = pg.Connection(target, False)
+        try:
+            holder.execute("BEGIN IMMEDIATE")
+            with pytest.raises(StorageLocked):
+                store.add_signer_sync(signer.uid, "s", 1, False)
+        finally:
+            holder.close()
+        deadline = time.monotonic() + DEADLINE_S
+        while store.failure is not None:  # the writer's probe finds writes work again
+            assert time.monotonic() < deadline, store.failure
+            time.sleep(0.05)
+        assert store.add_signer_sync(signer.uid, "s", 1, False).uid == signer.uid
+
+
+def test_a_server_on_postgresql_watches_runs_plugins_and_feeds(tmp_path: Path, dsn: str) -> None:
+    """`metanode serve` on PostgreSQL with the watcher and the built-in plugins: a dropped file
+    gets its record with the plugins' keys, a feed subscriber sees each key as it is set, and
+    a rename moves `filePath`."""
+    env = {"METANODE_STORAGE": dsn, "METANODE_WATCH_ENABLED": "true"}
+    with plugins_server(tmp_path / "data", **env) as server:
+        stream = Stream(server)
+        dropped = server.media / "Inception.2010.1080p.BluRay.x264-GRP.mkv"
+        dropped.write_bytes(b"x" * 5000)
+        replica = stream.until(
+            lambda r: {"title", "filePath"} <= {key for _, key in r.state},
+            Replica(gaps_allowed=False),
+        )
+        titles = {value for (_, key), value in replica.state.items() if key == "title"}
+        assert titles == {"Inception"}
+        dropped.rename(server.media / "renamed.mkv")
+        renamed = str(server.media / "renamed.mkv")
+        stream.until(lambda r: renamed in r.state.values(), replica)
+        files = httpx.get(f"{server.url}/api/files", headers=server.headers, timeout=10).json()
+        assert [f["path"] for f in files["files"]] == [renamed]
+        health = wait_caught_up(server.url)
+        assert health["status"] == "ok", health
+
+
+def test_sqlstates_map_to_the_typed_storage_errors() -> None:
+    import psycopg
+
+    def typed(sqlstate: str) -> str | None:
+        found = pg.storage_error(psycopg.errors.lookup(sqlstate)("x"))
+        return None if found is None else found.slug
+
+    assert typed("53100") == "storage_full"
+    assert typed("53300") == typed("08006") == typed("57P01") == "storage_unavailable"
+    assert typed("40001") == typed("40P01") == typed("55P03") == "storage_locked"
+    assert typed("25006") == "storage_read_only" and typed("58030") == "storage_io_error"
+    assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
+    assert pg.storage_error(ValueError("x")) is None
