@@ -107,10 +107,7 @@ class Node:
         datadir.secure(self.settings.data_dir)  # the stores migrate their schemas as they open
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
-        store = truth.TruthStore.configured(self.settings, self.clock)
-        if not self.follower:  # the owner worker, or the one process: the node of its data
-            store.claim_node()
-        self.truth = store.open()
+        self.truth = truth.TruthStore.configured(self.settings, self.clock).open()
         self.cache = cache.CacheStore.configured(self.settings, self.clock).open()
         self.applier = self._make_applier()
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)

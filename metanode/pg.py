@@ -41,7 +41,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 from metanode.config import POSTGRESQL_SCHEMES
 from metanode.errors import (
-    DataDirLocked,
     InvalidRequest,
     StorageError,
     StorageFull,
@@ -367,25 +366,6 @@ class Pool:
 
     def close(self) -> None:
         self._pool.close()
-
-
-NODE_LOCK = zlib.crc32(b"metanode.node")  # the session lock of the one node on a database
-
-
-def hold_node_lock(target: Target) -> Connection:
-    """A connection holding the database's node lock (a session advisory lock, released when
-    the connection closes or its process dies), or `DataDirLocked` if another node holds it:
-    one `metanode serve` per database, as the data directory's `flock` allows one per
-    directory (replicas taking over the applier build on this lock: docs/scale-out.md)."""
-    conn = Connection(target, False)
-    taken = conn.execute("SELECT pg_try_advisory_lock(?)", (NODE_LOCK,)).fetchone()[0]
-    if not taken:
-        conn.close()
-        raise DataDirLocked(
-            f"another metanode serves the PostgreSQL database {target.dsn_shown}; "
-            "one node per database for now (docs/scale-out.md)"
-        )
-    return conn
 
 
 def ensure_schema(target: Target) -> None:
