@@ -30,14 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
+import shutil
+import subprocess
 import threading
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from metanode.config import POSTGRESQL_SCHEMES
 from metanode.errors import (
@@ -48,6 +52,7 @@ from metanode.errors import (
     StorageLocked,
     StorageReadOnly,
     StorageUnavailable,
+    ToolMissing,
 )
 
 CONNECT_TIMEOUT_S = 10
@@ -119,6 +124,10 @@ REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"SELECT seq FROM sqlite_sequence WHERE name = '(\w+)'"),
         r"SELECT seq FROM sequences WHERE name = '\1'",
+    ),
+    (
+        re.compile(r"UPDATE sqlite_sequence SET seq = \? WHERE name = '(\w+)'"),
+        r"UPDATE sequences SET seq = ? WHERE name = '\1'",
     ),
     (re.compile(r"PRAGMA user_version=(\d+)"), r"UPDATE schema_version SET version = \1"),
     (re.compile(r"PRAGMA user_version"), "SELECT version FROM schema_version"),
@@ -202,6 +211,10 @@ class Cursor:
     @property
     def rowcount(self) -> int:
         return int(self._raw.rowcount)
+
+    @property
+    def description(self) -> Any:
+        return self._raw.description
 
     def fetchone(self) -> Any:
         return self._raw.fetchone() if self._raw.description is not None else None
@@ -478,3 +491,34 @@ class SessionLock:
         """End the session, and so free the lock."""
         if self._raw is not None:
             self._raw.close()
+
+
+# -- backup ---------------------------------------------------------------------------------
+
+
+PG_DUMP = "pg_dump"
+
+
+def dump(target: Target, file: Path) -> None:
+    """`pg_dump --format=custom` of the whole database of `target` (both stores' schemas)
+    into `file` (`metanode backup`; restored with `pg_restore`, docs/scale-out.md). The
+    password goes to pg_dump in its environment (`PGPASSWORD`), never on its command line,
+    where any user's `ps` would show it."""
+    tool = shutil.which(PG_DUMP)
+    if tool is None:
+        raise ToolMissing(
+            f"backup on PostgreSQL runs `{PG_DUMP} --format=custom`, which is not installed "
+            "(Debian: apt-get install postgresql-client)"
+        )
+    parts = urlsplit(target.dsn)
+    env = dict(os.environ)
+    if parts.password is not None:
+        env["PGPASSWORD"] = unquote(parts.password)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    user = f"{parts.username}@" if parts.username else ""
+    dsn = urlunsplit(parts._replace(netloc=f"{user}{host}"))
+    command = [tool, "--format=custom", "--no-owner", "--no-privileges", "--file", str(file)]
+    done = subprocess.run([*command, "--dbname", dsn], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise StorageUnavailable(f"the database failed: {PG_DUMP} of {target.dsn_shown}: {why}")
