@@ -97,10 +97,6 @@ class Connection(Protocol):
     def close(self) -> None: ...
 
 
-def is_sqlite(target: Target) -> bool:
-    return isinstance(target, Path)
-
-
 BUSY_TIMEOUT_MS = 30_000
 PRAGMAS = (
     f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}",

@@ -35,6 +35,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,7 @@ from metanode.errors import (
 CONNECT_TIMEOUT_S = 10
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
 LOCK_TIMEOUT_MS = 30_000  # a lock held longer fails `storage_locked`, as SQLite's busy timeout
+RECONNECT_S = 1.0  # after a failed reconnection, the next is tried no sooner than this
 STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
 
 
@@ -280,6 +282,7 @@ class Connection:
         self._release = release
         self._stream = stream and readonly
         self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
+        self._retry_at = 0.0  # no reconnection before this (`time.monotonic`), after a failed one
 
     @property
     def in_transaction(self) -> bool:
@@ -289,9 +292,18 @@ class Connection:
 
     def _live(self) -> Any:
         """The psycopg connection; a new one first if the server dropped this one (only ever
-        outside a transaction, so nothing of a transaction is silently lost)."""
-        if self._raw.closed or self._raw.broken:
+        outside a transaction, so nothing of a transaction is silently lost). After a failed
+        attempt the next waits `RECONNECT_S`: meanwhile a statement fails at once, so the
+        event loop's reads do not each wait for a server that is not there."""
+        if not (self._raw.closed or self._raw.broken):
+            return self._raw
+        if time.monotonic() < self._retry_at:
+            raise StorageUnavailable(f"the database failed: {self.target}: not reachable")
+        try:
             self._raw = _connect_raw(self.target)
+        except Exception:
+            self._retry_at = time.monotonic() + RECONNECT_S
+            raise
         return self._raw
 
     def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> Cursor:

@@ -230,6 +230,7 @@ async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
             for response in (
                 await post(client, during),
                 await client.get(f"/api/meta/{before['cid']}"),
+                await client.get("/health"),
             ):
                 assert response.status_code == 503, response.text
                 body = response.json()
@@ -240,6 +241,10 @@ async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
             assert after.status_code == 200, after.text
             doc = await client.get(f"/api/meta/{during['cid']}")
             assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "during"
+            deadline = time.monotonic() + DEADLINE_S
+            while (health := (await client.get("/health")).json())["status"] != "ok":
+                assert time.monotonic() < deadline, health  # the writers' probes clear it
+                await asyncio.sleep(0.1)
     finally:
         await node.stop()
 

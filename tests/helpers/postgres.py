@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.helpers.apt import install
 from tests.helpers.server import free_port
 
 PACKAGE = "postgresql"
@@ -35,30 +36,12 @@ def _bin_dir() -> Path | None:
     return found[0].parent if found else None
 
 
-def _install() -> str:
-    """apt-get install the package; the reason it failed, or ''."""
-    if shutil.which("apt-get") is None:
-        return "PostgreSQL is not installed and there is no apt-get to install it"
-    if os.geteuid() != 0:
-        return "PostgreSQL is not installed and installing it needs root"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-qq", PACKAGE]
-    for steps in ([install], [["apt-get", "update", "-qq"], install]):
-        try:
-            runs = (subprocess.run(s, env=env, capture_output=True, timeout=900) for s in steps)
-            if all(run.returncode == 0 for run in runs):
-                return ""
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-    return f"apt-get install {PACKAGE} failed"
-
-
 def server_binaries() -> tuple[Path | None, str]:
     """(the directory of initdb and pg_ctl, why there is none)."""
     found = _bin_dir()
     if found is not None:
         return found, ""
-    why = _install()
+    why = install(PACKAGE)
     found = _bin_dir()
     return found, "" if found else (why or "no /usr/lib/postgresql/*/bin after installing")
 
