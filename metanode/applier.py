@@ -292,18 +292,21 @@ class Replica(Follower):
     async def _watch_truth(self) -> None:
         """Wake the apply when the truth's outbox moved past what was applied (other replicas'
         ingests), and warn if the lock's session was lost (a cut connection)."""
-        checked = time.monotonic()
+        checked, failing = time.monotonic(), False
         while not self._stopping:
             try:
-                if self._source.max_seq() > self.state.applied_seq:
+                if await asyncio.to_thread(self._source.max_seq_apart) > self.state.applied_seq:
                     self.wake()
                 if time.monotonic() - checked >= LEAD_TRY_S:
                     checked = time.monotonic()
                     if not await asyncio.to_thread(self._lock.held):
                         log.warning("the applier lock's session was lost; taking it again")
                         await asyncio.to_thread(self._lock.acquire)
-            except Exception as exc:
-                log.warning("polling the truth failed (%s); will retry", exc)
+                failing = False
+            except Exception as exc:  # the server is away: the apply reports it (`degraded`)
+                if not failing:
+                    log.warning("polling the truth failed (%s); will retry", exc)
+                failing = True
             await asyncio.sleep(FOLLOW_POLL_S)
 
     async def stop(self) -> None:

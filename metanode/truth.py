@@ -1447,6 +1447,13 @@ class TruthStore(Store):
     def max_seq(self) -> int:
         return max_seq(self.conn)
 
+    def max_seq_apart(self) -> int:
+        """`max_seq` on a connection of its own (`reading`), for a thread: the applier's poll
+        every 20 ms (`applier.Replica`), which must not hold up the event loop's connection
+        or keep it in its reconnection wait while the server is away."""
+        with self.reading() as conn, storage_errors(self.path):
+            return max_seq(conn)
+
     @mapped
     def min_seq(self) -> int | None:
         return min_seq(self.conn)
