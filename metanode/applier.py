@@ -275,7 +275,10 @@ class Replica(Follower):
         self.leading = True
         log.info("this replica holds the applier lock: it applies and runs the node's services")
         self._watching = asyncio.create_task(self._watch_truth(), name="applier-poll")
-        await self._lead()
+        try:
+            await self._lead()
+        except Exception:  # a service that would not start must not stop the applying too
+            log.exception("starting the node's services failed; applying without them")
         await Applier._run(self)
 
     async def _took_lead(self) -> bool:
