@@ -234,7 +234,7 @@ class Replica(Follower):
 
     Each replica tries a session-level advisory lock (`CacheStore.applier_lock`, a connection
     of its own) every `LEAD_TRY_S`, following meanwhile as a `Follower` does (on PostgreSQL,
-    `data_version` is the next transaction id, which moves whenever anything commits). The one
+    `data_version` is a hash of the current snapshot, which moves at every commit). The one
     that gets it builds the cache if need be, starts the node's single services (`lead`:
     retention, peer pulls, plugins, the watcher) and applies, as `Applier` does; besides its
     own ingests' wake-ups it polls the truth's newest outbox seq every `FOLLOW_POLL_S`, which

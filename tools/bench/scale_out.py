@@ -161,6 +161,15 @@ def scenario(
     return Outcome(name, rate, run)
 
 
+def database_mib(dsn: str) -> float:
+    """The database's size on disk (`pg_database_size`: tables, indexes, TOAST), in MiB."""
+    import psycopg
+
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
+    return float(row[0]) / 2**20 if row else float("nan")
+
+
 def lookups(cluster: Cluster, work: Path, args: argparse.Namespace) -> None:
     """Part 3: p99 of one sequential client at `--large` claims ÷ at `--small`, on PostgreSQL."""
     start = time.monotonic()
@@ -172,6 +181,7 @@ def lookups(cluster: Cluster, work: Path, args: argparse.Namespace) -> None:
         scale.log(f"bulk-loading {n:,} claims into PostgreSQL ({label}) …", start)
         known = scale.build(data, n, args.keys_per_record, 5_000, os.cpu_count() or 2, start, dsn)
         built.append((dsn, data, known, n))
+        scale.log(f"  database size: {database_mib(dsn):,.0f} MiB", start)
     with (
         harness.metanode_server(built[0][1], **QUIET, METANODE_STORAGE=built[0][0]) as small,
         harness.metanode_server(built[1][1], **QUIET, METANODE_STORAGE=built[1][0]) as large,
