@@ -213,8 +213,6 @@ MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6)
 # of the same prefixes, so `library_page` is one statement on both (`pg.REWRITES`).
 # tests/test_pg.py checks both schemas have the same tables and columns.
 PG_SCHEMA_V1 = """
-CREATE EXTENSION IF NOT EXISTS unaccent SCHEMA cache;
-
 CREATE TABLE records (
     rid TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -311,7 +309,14 @@ CREATE TABLE documents (
 
 
 def _pg_v1(conn: Connection) -> None:
-    executescript_in_txn(conn, PG_SCHEMA_V1)
+    """The schema, its functions calling `unaccent` where the extension is: made here (in this
+    schema) unless the database has it already, perhaps in another schema."""
+    conn.execute("CREATE EXTENSION IF NOT EXISTS unaccent")
+    (where,) = conn.execute(
+        "SELECT CAST(CAST(extnamespace AS regnamespace) AS text) FROM pg_extension "
+        "WHERE extname = 'unaccent'"
+    ).fetchone()
+    executescript_in_txn(conn, PG_SCHEMA_V1.replace("unaccent(", f"{where}.unaccent("))
 
 
 PG_MIGRATIONS: Sequence[Migration] = (_pg_v1,)

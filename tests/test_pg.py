@@ -467,3 +467,17 @@ def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     assert typed("25006") == "storage_read_only" and typed("58030") == "storage_io_error"
     assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
     assert pg.storage_error(ValueError("x")) is None
+
+
+def test_the_cache_uses_unaccent_where_the_database_has_it(dsn: str) -> None:
+    """A database whose administrator installed `unaccent` elsewhere (`public`) already: the
+    cache's search calls it there."""
+    conn = pg.Connection(pg.Target(dsn, "public"), False)
+    try:
+        conn.execute("CREATE EXTENSION unaccent SCHEMA public")
+    finally:
+        conn.close()
+    with cache.CacheStore(pg.Target(dsn, "cache")) as store:
+        rows = {"01A": {"title": "Amélie"}}
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+        assert [r.rid for r in store.library_page("amelie", "", None, cache.NEWEST, 9)] == ["01A"]
