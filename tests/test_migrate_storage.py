@@ -154,3 +154,18 @@ def test_backup_on_postgresql_is_a_pg_dump_that_restores(
             again.stop()
     finally:
         postgres.drop(restored)
+
+
+def test_backup_without_pg_dump_is_refused_naming_it(tmp_path: Path, dsn: str) -> None:
+    data = tmp_path / "data"
+    assert metanode("init", data_dir=data, storage=dsn).returncode == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "backup", str(tmp_path / "bk"), "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "METANODE_STORAGE": dsn, "PATH": str(tmp_path / "empty")},
+    )
+    assert done.returncode != 0
+    assert "error: tool_missing: backup on PostgreSQL runs `pg_dump" in done.stderr, done.stderr
+    assert not list((tmp_path / "bk").glob("truth-*")), "a half backup was left behind"
