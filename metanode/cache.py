@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import aiosqlite
 
-from metanode import merge
+from metanode import merge, pg
 from metanode.cid import MIDHASH_PREFIX
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
@@ -28,12 +28,14 @@ from metanode.db import (
     Store,
     Target,
     connect_reader,
+    copy_table,
     executescript_in_txn,
+    holds_rows,
     mapped,
     snapshot,
     storage_errors,
 )
-from metanode.pg import AsyncReader
+from metanode.pg import AsyncReader, SessionLock
 from metanode.plan import (
     Event,
     FileEvent,
@@ -701,6 +703,25 @@ def apply_txn(
     last = _append_feed(cache, state, events, clock())
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
     return State(state.epoch, changes[-1].seq, last, state.file_feed_seq)
+
+
+# What `metanode migrate-storage` copies of a cache: the facts about the disk and the plugins'
+# progress, which no rebuild from the truth gives back. The rest is rebuilt (`build_txn`).
+COPIED_TABLES: tuple[tuple[str, str], ...] = (
+    ("local_file", "path"),
+    ("plugin_runs", "plugin, version, midhash"),
+)
+
+
+def copy_local_txn(dest: Connection, source: Connection) -> dict[str, int]:
+    """Copy the local files and plugin runs of `source` into the empty cache `dest`, and its
+    feed epoch: the build that follows starts a later one, so no feed cursor of the old box
+    is taken for one of the new (`build_txn`: `max(now, epoch + 1)`); rows per table."""
+    with snapshot(source):
+        counts = {table: copy_table(dest, source, table, order) for table, order in COPIED_TABLES}
+        epoch = read_state(source).epoch
+    _set_state(dest, epoch=epoch)
+    return counts
 
 
 def prune_feed_txn(cache: Connection, keep_events: int, older_than_ms: int) -> int:
@@ -1508,6 +1529,22 @@ class CacheStore(Store):
     @mapped
     def group_by_cid(self, cid: str) -> Group | None:
         return group_by_cid(self.conn, cid)
+
+    @mapped
+    def holding(self) -> list[str]:
+        """Which of the tables a migration copies hold rows (its target must hold none)."""
+        return holds_rows(self.conn, [t for t, _ in COPIED_TABLES])
+
+    def copy_local_from(self, source: CacheStore) -> dict[str, int]:
+        """`copy_local_txn` of `source` into this (empty) cache, on this store's writer."""
+        with source.reading() as conn:
+            return self.writer.run_sync(copy_local_txn, conn)
+
+    def applier_lock(self) -> SessionLock | None:
+        """On PostgreSQL, the session lock that makes one replica of all those sharing this
+        cache its applier (`applier.Replica`); None on SQLite, where the data directory's
+        lock already makes the node the only one."""
+        return SessionLock(self.path, "applier") if isinstance(self.path, pg.Target) else None
 
     @mapped
     def data_version(self) -> int:

@@ -30,19 +30,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
+import shutil
+import subprocess
 import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from metanode.config import POSTGRESQL_SCHEMES
 from metanode.errors import (
-    DataDirLocked,
     InvalidRequest,
     StorageError,
     StorageFull,
@@ -50,6 +53,7 @@ from metanode.errors import (
     StorageLocked,
     StorageReadOnly,
     StorageUnavailable,
+    ToolMissing,
 )
 
 CONNECT_TIMEOUT_S = 10
@@ -122,6 +126,10 @@ REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"SELECT seq FROM sqlite_sequence WHERE name = '(\w+)'"),
         r"SELECT seq FROM sequences WHERE name = '\1'",
+    ),
+    (
+        re.compile(r"UPDATE sqlite_sequence SET seq = \? WHERE name = '(\w+)'"),
+        r"UPDATE sequences SET seq = ? WHERE name = '\1'",
     ),
     (re.compile(r"PRAGMA user_version=(\d+)"), r"UPDATE schema_version SET version = \1"),
     (re.compile(r"PRAGMA user_version"), "SELECT version FROM schema_version"),
@@ -205,6 +213,10 @@ class Cursor:
     @property
     def rowcount(self) -> int:
         return int(self._raw.rowcount)
+
+    @property
+    def description(self) -> Any:
+        return self._raw.description
 
     def fetchone(self) -> Any:
         return self._raw.fetchone() if self._raw.description is not None else None
@@ -381,25 +393,6 @@ class Pool:
         self._pool.close()
 
 
-NODE_LOCK = zlib.crc32(b"metanode.node")  # the session lock of the one node on a database
-
-
-def hold_node_lock(target: Target) -> Connection:
-    """A connection holding the database's node lock (a session advisory lock, released when
-    the connection closes or its process dies), or `DataDirLocked` if another node holds it:
-    one `metanode serve` per database, as the data directory's `flock` allows one per
-    directory (replicas taking over the applier build on this lock: docs/scale-out.md)."""
-    conn = Connection(target, False)
-    taken = conn.execute("SELECT pg_try_advisory_lock(?)", (NODE_LOCK,)).fetchone()[0]
-    if not taken:
-        conn.close()
-        raise DataDirLocked(
-            f"another metanode serves the PostgreSQL database {target.dsn_shown}; "
-            "one node per database for now (docs/scale-out.md)"
-        )
-    return conn
-
-
 def ensure_schema(target: Target) -> None:
     """The store's schema and its `schema_version` row (version 0), made once: what the
     migrations (`db.migrate`, reading and writing the version through `REWRITES`) start from.
@@ -468,3 +461,76 @@ class AsyncReader:
 
     async def close(self) -> None:
         await self._raw.close()
+
+
+# -- the one applier of several replicas ------------------------------------------------------
+
+
+class SessionLock:
+    """A session-level advisory lock on a connection of its own: held for as long as that
+    session lives, so a replica that dies (SIGKILL, a lost machine) frees it with its session,
+    and another replica's next `acquire` gets it (docs/scale-out.md, "Replicas").
+
+    Used from one thread at a time (the applier's `asyncio.to_thread` calls)."""
+
+    def __init__(self, target: Target, name: str) -> None:
+        self.target = target
+        self.key = zlib.crc32(f"metanode.{target.schema}.{name}".encode())
+        self._raw: Any = None
+
+    def acquire(self) -> bool:
+        """Whether this session holds the lock now (taken now or before); never waits for it.
+        A lost session is reconnected first: whatever it held went with it."""
+        if self._raw is None or self._raw.closed or self._raw.broken:
+            self._raw = _connect_raw(self.target)
+        row = self._raw.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
+        return bool(row[0])
+
+    def held(self) -> bool:
+        """Whether the session that took the lock is still alive (a round trip), so the lock
+        is still ours; a session lost meanwhile means another replica may hold it."""
+        if self._raw is None or self._raw.closed or self._raw.broken:
+            return False
+        try:
+            self._raw.execute("SELECT 1")
+        except Exception as exc:
+            if storage_error(exc) is None:
+                raise
+            return False
+        return True
+
+    def close(self) -> None:
+        """End the session, and so free the lock."""
+        if self._raw is not None:
+            self._raw.close()
+
+
+# -- backup ---------------------------------------------------------------------------------
+
+
+PG_DUMP = "pg_dump"
+
+
+def dump(target: Target, file: Path) -> None:
+    """`pg_dump --format=custom` of the whole database of `target` (both stores' schemas)
+    into `file` (`metanode backup`; restored with `pg_restore`, docs/scale-out.md). The
+    password goes to pg_dump in its environment (`PGPASSWORD`), never on its command line,
+    where any user's `ps` would show it."""
+    tool = shutil.which(PG_DUMP)
+    if tool is None:
+        raise ToolMissing(
+            f"backup on PostgreSQL runs `{PG_DUMP} --format=custom`, which is not installed "
+            "(Debian: apt-get install postgresql-client)"
+        )
+    parts = urlsplit(target.dsn)
+    env = dict(os.environ)
+    if parts.password is not None:
+        env["PGPASSWORD"] = unquote(parts.password)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    user = f"{parts.username}@" if parts.username else ""
+    dsn = urlunsplit(parts._replace(netloc=f"{user}{host}"))
+    command = [tool, "--format=custom", "--no-owner", "--no-privileges", "--file", str(file)]
+    done = subprocess.run([*command, "--dbname", dsn], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise StorageUnavailable(f"the database failed: {PG_DUMP} of {target.dsn_shown}: {why}")

@@ -53,6 +53,7 @@ class Cluster:
     bin_dir: Path
     root: Path
     port: int = field(default_factory=free_port)
+    fsync: bool = False  # on for benchmarks that compare durable commits (tools/bench/scale_out.py)
     _numbers: itertools.count[int] = field(default_factory=itertools.count)
 
     @property
@@ -83,7 +84,8 @@ class Cluster:
         """Run the server (again, after `pause`) on the same port and files."""
         options = (
             f"-c listen_addresses=127.0.0.1 -c port={self.port} "
-            f"-c unix_socket_directories={self.root} -c fsync=off -c max_connections=300"
+            f"-c unix_socket_directories={self.root} -c fsync={'on' if self.fsync else 'off'} "
+            "-c max_connections=300"
         )
         log = str(self.root / "server.log")
         self._run("pg_ctl", "-D", str(self.data), "-l", log, "-o", options, "-w", "start")
@@ -117,8 +119,8 @@ class Cluster:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_cluster() -> tuple[Cluster | None, str]:
-    """A started cluster, or (None, why not)."""
+def start_cluster(fsync: bool = False) -> tuple[Cluster | None, str]:
+    """A started cluster (`fsync` as asked), or (None, why not)."""
     try:
         import psycopg  # noqa: F401
     except ImportError:
@@ -127,7 +129,7 @@ def start_cluster() -> tuple[Cluster | None, str]:
     if bin_dir is None:
         return None, why
     root = Path(tempfile.mkdtemp(prefix="metanode-pg-"))
-    return Cluster(bin_dir, root).start(), ""
+    return Cluster(bin_dir, root, fsync=fsync).start(), ""
 
 
 BACKENDS: Sequence[str] = ("sqlite", "postgresql")

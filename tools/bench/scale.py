@@ -87,10 +87,17 @@ def log(message: str, start: float) -> None:
 
 
 def build(
-    data_dir: Path, n_claims: int, per: int, chunk: int, workers: int, start: float
+    data_dir: Path,
+    n_claims: int,
+    per: int,
+    chunk: int,
+    workers: int,
+    start: float,
+    storage: str = "sqlite",
 ) -> list[str]:
-    """Build truth.db and cache.db with `n_claims` signed claims; returns the records' CIDs."""
-    settings = config.load(env={}, overrides={"data_dir": data_dir})
+    """Build the truth and the cache (truth.db and cache.db, or on `storage`: a PostgreSQL
+    database, tools/bench/scale_out.py) with `n_claims` signed claims; the records' CIDs."""
+    settings = config.load(env={}, overrides={"data_dir": data_dir, "storage": storage})
     maintenance.open_store(settings)
     key = nacl.signing.SigningKey.generate()
     uid = claims.uid_of(bytes(key.verify_key))
@@ -103,7 +110,7 @@ def build(
     ]
     known: list[str] = []
     sample: list[claims.Claim] = []
-    with truth.TruthStore(settings.truth_path, lambda: ts) as store:
+    with truth.TruthStore.configured(settings, lambda: ts) as store:
         store.add_signer_sync(uid, "bench", 1, False)
         minter, policy = rid.Minter(), truth.Policy()
         done, step = 0, max(1, len(jobs) // 10)
