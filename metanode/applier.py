@@ -199,8 +199,13 @@ class Follower(Applier):
     """
 
     async def _run(self) -> None:
+        await self._follow(_never)
+
+    async def _follow(self, leave: Callable[[], Awaitable[bool]]) -> None:
+        """Publish each cache state another process commits, until stopped or `leave()` (asked
+        every turn) says to stop following."""
         seen = -1
-        while not self._stopping:
+        while not self._stopping and not await leave():
             try:
                 version = self._store.data_version()
                 if version != seen:
@@ -214,3 +219,98 @@ class Follower(Applier):
                     log.exception("following the cache failed; retrying")
                 self.degraded = True
             await asyncio.sleep(FOLLOW_POLL_S)
+
+
+async def _never() -> bool:
+    return False
+
+
+LEAD_TRY_S = 0.5  # how often a following replica tries the applier lock, and the leader checks it
+
+
+class Replica(Follower):
+    """The applier of one replica of several `metanode serve` sharing a PostgreSQL database
+    (docs/scale-out.md, "Replicas"): exactly one of them applies at a time.
+
+    Each replica tries a session-level advisory lock (`CacheStore.applier_lock`, a connection
+    of its own) every `LEAD_TRY_S`, following meanwhile as a `Follower` does (on PostgreSQL,
+    `data_version` is the next transaction id, which moves whenever anything commits). The one
+    that gets it builds the cache if need be, starts the node's single services (`lead`:
+    retention, peer pulls, plugins, the watcher) and applies, as `Applier` does; besides its
+    own ingests' wake-ups it polls the truth's newest outbox seq every `FOLLOW_POLL_S`, which
+    is how the claims other replicas commit wake it. When its process dies, its session ends
+    and the lock frees; the next replica to try it takes over from the cache state stored.
+
+    Two appliers at once (a leader whose lock session was cut while it lives on) would cost
+    only work: each apply reads `applied_seq` inside its cache transaction, and the cache's
+    write transactions serialise on their own lock, so the second applies nothing twice.
+    """
+
+    def __init__(
+        self,
+        store: cache.CacheStore,
+        source: truth.TruthStore,
+        poll_s: float,
+        lead: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(store, source, poll_s)
+        lock = store.applier_lock()
+        assert lock is not None, "replicas share a PostgreSQL cache"
+        self._lock = lock
+        self._lead = lead
+        self.leading = False
+        self._tried = 0.0
+        self._watching: asyncio.Task[None] | None = None
+
+    def hand(self, written: Written) -> None:
+        """Kept only by the leader: a follower's ingests are applied by another process (which
+        reads them back from the outbox)."""
+        if self.leading:
+            super().hand(written)
+
+    async def _run(self) -> None:
+        await self._follow(self._took_lead)
+        if self._stopping:
+            return
+        self.leading = True
+        log.info("this replica holds the applier lock: it applies and runs the node's services")
+        self._watching = asyncio.create_task(self._watch_truth(), name="applier-poll")
+        await self._lead()
+        await Applier._run(self)
+
+    async def _took_lead(self) -> bool:
+        """Try the lock, at most every `LEAD_TRY_S`; whether this replica holds it now."""
+        if time.monotonic() - self._tried < LEAD_TRY_S:
+            return False
+        self._tried = time.monotonic()
+        try:
+            return await asyncio.to_thread(self._lock.acquire)
+        except Exception as exc:  # the server is away: keep following, try again later
+            log.warning("trying the applier lock failed (%s); will retry", exc)
+            return False
+
+    async def _watch_truth(self) -> None:
+        """Wake the apply when the truth's outbox moved past what was applied (other replicas'
+        ingests), and warn if the lock's session was lost (a cut connection)."""
+        checked = time.monotonic()
+        while not self._stopping:
+            try:
+                if self._source.max_seq() > self.state.applied_seq:
+                    self.wake()
+                if time.monotonic() - checked >= LEAD_TRY_S:
+                    checked = time.monotonic()
+                    if not await asyncio.to_thread(self._lock.held):
+                        log.warning("the applier lock's session was lost; taking it again")
+                        await asyncio.to_thread(self._lock.acquire)
+            except Exception as exc:
+                log.warning("polling the truth failed (%s); will retry", exc)
+            await asyncio.sleep(FOLLOW_POLL_S)
+
+    async def stop(self) -> None:
+        """Stop applying (or following), then end the lock's session: the lock frees for the
+        next replica only after the last apply committed."""
+        await super().stop()
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+        await asyncio.to_thread(self._lock.close)

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import aiosqlite
 
-from metanode import merge
+from metanode import merge, pg
 from metanode.cid import MIDHASH_PREFIX
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
@@ -33,7 +33,7 @@ from metanode.db import (
     snapshot,
     storage_errors,
 )
-from metanode.pg import AsyncReader
+from metanode.pg import AsyncReader, SessionLock
 from metanode.plan import (
     Event,
     FileEvent,
@@ -1494,6 +1494,12 @@ class CacheStore(Store):
     @mapped
     def group_by_cid(self, cid: str) -> Group | None:
         return group_by_cid(self.conn, cid)
+
+    def applier_lock(self) -> SessionLock | None:
+        """On PostgreSQL, the session lock that makes one replica of all those sharing this
+        cache its applier (`applier.Replica`); None on SQLite, where the data directory's
+        lock already makes the node the only one."""
+        return SessionLock(self.path, "applier") if isinstance(self.path, pg.Target) else None
 
     @mapped
     def data_version(self) -> int:

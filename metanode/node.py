@@ -39,7 +39,7 @@ from metanode import (
 )
 from metanode import cid as cids
 from metanode import rid as rids
-from metanode.applier import STALL_S, Applier, Follower
+from metanode.applier import STALL_S, Applier, Follower, Replica
 from metanode.bodies import refuse_unknown
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
@@ -107,24 +107,39 @@ class Node:
         datadir.secure(self.settings.data_dir)  # the stores migrate their schemas as they open
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
-        store = truth.TruthStore.configured(self.settings, self.clock)
-        if not self.follower:  # the owner worker, or the one process: the node of its data
-            store.claim_node()
-        self.truth = store.open()
+        self.truth = truth.TruthStore.configured(self.settings, self.clock).open()
         self.cache = cache.CacheStore.configured(self.settings, self.clock).open()
-        role = Follower if self.follower else Applier
-        self.applier = role(self.cache, self.truth, self.settings.apply_poll_s)
+        self.applier = self._make_applier()
         self.feed_hub = feed.Hub(self.cache, lambda: self.applier.state)
         self.file_hub = feed.Hub(self.cache, lambda: self.applier.state, table=feed.FILE_FEED)
-        self.applier.start()
         self._pruner: asyncio.Task[None] | None = None
         self.plugin_host: plugins.Host | None = None
         self.watcher: watcher.Watcher | None = None
         self.responder = peers.Responder(self.truth.log_head, self.truth.claim_ids)
         self.peers = peers.Peers(self, self._pull_config())  # followers pull nothing
+        self.applier.start()
         if self.follower:
             return
         await self.owner.register()  # its key is made at `init`, or here on a first start
+        if not isinstance(self.applier, Replica):
+            await self._lead()
+
+    def _make_applier(self) -> Applier:
+        """A reader worker follows its owner worker; a node on PostgreSQL is one replica of
+        perhaps several, applying only while it holds the applier lock (`Replica`, which calls
+        `_lead` when it takes it); a node on SQLite is the only one and applies."""
+        poll_s = self.settings.apply_poll_s
+        if self.follower:
+            return Follower(self.cache, self.truth, poll_s)
+        if self.settings.postgresql:
+            return Replica(self.cache, self.truth, poll_s, self._lead)
+        return Applier(self.cache, self.truth, poll_s)
+
+    async def _lead(self) -> None:
+        """Start what exactly one process of a node runs (retention, plugins, peer pulls, the
+        watcher): at start on SQLite; on PostgreSQL in the replica that holds the applier lock,
+        when it takes it (docs/scale-out.md), so no two replicas sign the same plugin claims,
+        pull the same peers or watch the same folders."""
         self._pruner = asyncio.create_task(self._retention(), name="retention")
         if self.settings.plugins_enabled:
             self.plugin_host = await self._start_plugins()
@@ -718,6 +733,14 @@ class Node:
     def plugins(self) -> list[dict[str, Any]]:
         return [] if self.plugin_host is None else self.plugin_host.describe()
 
+    @property
+    def applies(self) -> bool:
+        """Whether this process applies truth changes to the cache: a node on SQLite (not a
+        reader worker), or the replica holding the applier lock on PostgreSQL."""
+        if isinstance(self.applier, Replica):
+            return self.applier.leading
+        return not isinstance(self.applier, Follower)
+
     def health(self) -> dict[str, Any]:
         truth_seq = self.truth.max_seq()
         state = self.applier.state
@@ -743,6 +766,7 @@ class Node:
             "apply_lag": lag,
             "epoch": state.epoch,
             "cache_ready": self.applier.ready,
+            "applier": self.applies,
         }
         if self.watcher is not None:
             if self._watching.done() or time.monotonic() - self.watcher.heartbeat > STALL_S:

@@ -41,7 +41,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 from metanode.config import POSTGRESQL_SCHEMES
 from metanode.errors import (
-    DataDirLocked,
     InvalidRequest,
     StorageError,
     StorageFull,
@@ -369,25 +368,6 @@ class Pool:
         self._pool.close()
 
 
-NODE_LOCK = zlib.crc32(b"metanode.node")  # the session lock of the one node on a database
-
-
-def hold_node_lock(target: Target) -> Connection:
-    """A connection holding the database's node lock (a session advisory lock, released when
-    the connection closes or its process dies), or `DataDirLocked` if another node holds it:
-    one `metanode serve` per database, as the data directory's `flock` allows one per
-    directory (replicas taking over the applier build on this lock: docs/scale-out.md)."""
-    conn = Connection(target, False)
-    taken = conn.execute("SELECT pg_try_advisory_lock(?)", (NODE_LOCK,)).fetchone()[0]
-    if not taken:
-        conn.close()
-        raise DataDirLocked(
-            f"another metanode serves the PostgreSQL database {target.dsn_shown}; "
-            "one node per database for now (docs/scale-out.md)"
-        )
-    return conn
-
-
 def ensure_schema(target: Target) -> None:
     """The store's schema and its `schema_version` row (version 0), made once: what the
     migrations (`db.migrate`, reading and writing the version through `REWRITES`) start from.
@@ -456,3 +436,45 @@ class AsyncReader:
 
     async def close(self) -> None:
         await self._raw.close()
+
+
+# -- the one applier of several replicas ------------------------------------------------------
+
+
+class SessionLock:
+    """A session-level advisory lock on a connection of its own: held for as long as that
+    session lives, so a replica that dies (SIGKILL, a lost machine) frees it with its session,
+    and another replica's next `acquire` gets it (docs/scale-out.md, "Replicas").
+
+    Used from one thread at a time (the applier's `asyncio.to_thread` calls)."""
+
+    def __init__(self, target: Target, name: str) -> None:
+        self.target = target
+        self.key = zlib.crc32(f"metanode.{target.schema}.{name}".encode())
+        self._raw: Any = None
+
+    def acquire(self) -> bool:
+        """Whether this session holds the lock now (taken now or before); never waits for it.
+        A lost session is reconnected first: whatever it held went with it."""
+        if self._raw is None or self._raw.closed or self._raw.broken:
+            self._raw = _connect_raw(self.target)
+        row = self._raw.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
+        return bool(row[0])
+
+    def held(self) -> bool:
+        """Whether the session that took the lock is still alive (a round trip), so the lock
+        is still ours; a session lost meanwhile means another replica may hold it."""
+        if self._raw is None or self._raw.closed or self._raw.broken:
+            return False
+        try:
+            self._raw.execute("SELECT 1")
+        except Exception as exc:
+            if storage_error(exc) is None:
+                raise
+            return False
+        return True
+
+    def close(self) -> None:
+        """End the session, and so free the lock."""
+        if self._raw is not None:
+            self._raw.close()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from metanode import merge, pg
+from metanode import merge
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
 from metanode.db import (
@@ -1324,15 +1324,6 @@ class TruthStore(Store):
         super().__init__(path, clock)
         self._source: Connection | None = None
         self._source_lock = threading.Lock()
-        self._node_lock: Connection | None = None
-
-    def claim_node(self) -> None:
-        """Be the one node writing this truth: on PostgreSQL, hold the database's node lock
-        (`pg.hold_node_lock`; `DataDirLocked` if another node has it) until `close()`. On
-        SQLite nothing: the data directory's `flock` (datadir.Lock) is that lock."""
-        if isinstance(self.path, pg.Target) and self._node_lock is None:
-            with storage_errors(self.path):
-                self._node_lock = pg.hold_node_lock(self.path)
 
     def migrate(self) -> None:
         """The schema, then incremental vacuum (`db.make_incremental`: a VACUUM once, outside
@@ -1352,8 +1343,6 @@ class TruthStore(Store):
         super().close()
         if self._source is not None:
             self._source.close()
-        if self._node_lock is not None:
-            self._node_lock.close()
 
     # -- writes ---------------------------------------------------------------------------------
 

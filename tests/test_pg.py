@@ -26,13 +26,14 @@ from metanode import cache, claims, config, db, pg, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
-from metanode.errors import DataDirLocked, InvalidRequest, StorageLocked, StorageUnavailable
+from metanode.errors import InvalidRequest, StorageLocked, StorageUnavailable
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.feed import Replica, Stream
 from tests.helpers.postgres import Cluster, start_cluster
 from tests.helpers.server import free_port, plugins_server, wait_caught_up
 from tests.helpers.settings import settings_for
+from tests.helpers.wait import until
 
 DEADLINE_S = 60.0
 
@@ -312,19 +313,22 @@ def test_init_check_rebuild_and_backup_on_postgresql(tmp_path: Path, dsn: str) -
     assert not (tmp_path / "bk").exists()
 
 
-async def test_one_node_per_database(tmp_path: Path, dsn: str) -> None:
-    """A second node on the same database is refused while the first runs (two appliers
-    would both write the cache), and starts once the first has stopped."""
+async def test_two_nodes_on_one_database_apply_in_turn(tmp_path: Path, dsn: str) -> None:
+    """Replicas (docs/scale-out.md): a second node on the same database starts and follows;
+    only the first applies (the session lock) until it stops, then the second takes over."""
     first = Node(settings_for(tmp_path / "one", storage=dsn))
     await first.start()
+    second = Node(settings_for(tmp_path / "two", storage=dsn))
     try:
-        with pytest.raises(DataDirLocked, match="another metanode serves"):
-            await Node(settings_for(tmp_path / "two", storage=dsn)).start()
+        assert await first.applier.wait_for(0, 60) and first.applies
+        await second.start()
+        assert await second.applier.wait_for(0, 60) and not second.applies
     finally:
         await first.stop()
-    second = Node(settings_for(tmp_path / "two", storage=dsn))
-    await second.start()
-    await second.stop()
+    try:
+        await until(lambda: second.applies, "the second node to take the applier lock")
+    finally:
+        await second.stop()
 
 
 def test_data_version_moves_when_another_connection_commits(dsn: str) -> None:

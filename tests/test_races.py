@@ -23,6 +23,8 @@ from metanode.claims import LINK_PREFIX, decode_sig
 from metanode.maintenance import check as node_check
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer
+from tests.helpers.postgres import Cluster
+from tests.helpers.replicas import replicas
 from tests.helpers.server import Server, metanode_check, wait_caught_up
 from tests.helpers.settings import reading
 
@@ -212,13 +214,14 @@ def isolated_server(tmp_path: Path, storage: str) -> Iterator[Server]:
         srv.stop()
 
 
-def test_concurrent_clients_on_a_real_server(isolated_server: Server, storage: str) -> None:
-    server = isolated_server
+def race_on(servers: list[Server]) -> None:
+    """8 clients race overlapping batches, client i posting to server i mod len(servers) (all
+    on one truth); the truth must come out as if the batches were applied one by one."""
     signers = [Signer(), Signer()]
     for n, signer in enumerate(signers):
         response = httpx.post(
-            f"{server.url}/api/signers",
-            headers=server.headers,
+            f"{servers[0].url}/api/signers",
+            headers=servers[0].headers,
             timeout=10,
             json={"uid": signer.uid, "name": f"s{n}", "may_link": True},
         )
@@ -229,7 +232,7 @@ def test_concurrent_clients_on_a_real_server(isolated_server: Server, storage: s
     start = threading.Barrier(len(work))
     failures: list[BaseException] = []
 
-    def client(batches: list[list[dict[str, Any]]]) -> None:
+    def client(batches: list[list[dict[str, Any]]], server: Server) -> None:
         try:
             with httpx.Client(base_url=server.url, headers=server.headers, timeout=30) as http:
                 start.wait(timeout=10)
@@ -240,7 +243,10 @@ def test_concurrent_clients_on_a_real_server(isolated_server: Server, storage: s
         except BaseException as exc:
             failures.append(exc)
 
-    threads = [threading.Thread(target=client, args=(b,)) for b in work]
+    threads = [
+        threading.Thread(target=client, args=(b, servers[n % len(servers)]))
+        for n, b in enumerate(work)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -248,10 +254,14 @@ def test_concurrent_clients_on_a_real_server(isolated_server: Server, storage: s
     assert not any(t.is_alive() for t in threads), "a client hung"
     assert not failures, failures
     assert len(outcome.posted) == 8 * 15
-
-    with reading(server.data_dir, "truth", storage) as conn:
+    first = servers[0]
+    with reading(first.data_dir, "truth", first.env.get("METANODE_STORAGE", "sqlite")) as conn:
         verify_outcome(outcome, conn)
 
+
+def test_concurrent_clients_on_a_real_server(isolated_server: Server, storage: str) -> None:
+    server = isolated_server
+    race_on([server])
     health = wait_caught_up(server.url)
     assert health["status"] == "ok", health
     with (
@@ -304,3 +314,24 @@ async def test_concurrent_posts_in_process(
     assert report.claims_checked == len(
         {(c["uid"], c["cid"], c["key"]) for batch, _, _ in outcome.posted for c in batch}
     )
+
+
+def test_concurrent_clients_on_two_replicas(tmp_path: Path, postgres: Cluster) -> None:
+    """The 8-writer race with the writers split over two `serve` processes on one PostgreSQL
+    database: still one rid per CID, and both replicas serve the same groups."""
+    dsn = postgres.database()
+    try:
+        with replicas(tmp_path, dsn, 2) as pair:
+            race_on(pair)
+            health = [wait_caught_up(server.url) for server in pair]
+            assert {h["applied_seq"] for h in health} == {health[0]["truth_seq"]}
+            with reading(pair[0].data_dir, "truth", dsn) as conn:
+                groups = dict(conn.execute("SELECT cid, rid FROM cid_group"))
+            for cid in POOL[:10]:
+                if cid in groups:
+                    assert pair[0].meta(cid) == pair[1].meta(cid)
+            for server in pair:
+                server.stop()
+            metanode_check(pair[0].data_dir, dsn)
+    finally:
+        postgres.drop(dsn)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -20,3 +21,12 @@ def poll(fetch: Callable[[], T | None], what: str, timeout: float = DEADLINE_S) 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for: {what}")
         time.sleep(0.1)
+
+
+async def until(done: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
+    """`poll` for a test on the event loop: await until `done()`, letting the loop run."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for: {what}")
+        await asyncio.sleep(0.05)
