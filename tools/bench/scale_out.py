@@ -57,6 +57,8 @@ import scale
 
 from metanode.clock import now_ms
 
+log = scale.log
+
 T = TypeVar("T")
 GOAL = scale.GOAL
 LOCK_NAME = "lock"  # metanode/datadir.py's lock file: never copied to a replica (it names a pid)
@@ -83,10 +85,6 @@ class Load:
     warmup: bytes
     hundreds: list[bytes]  # batches of 100 claims
     singles: list[bytes]  # batches of 1 claim
-
-
-def log(message: str, start: float) -> None:
-    scale.log(message, start)
 
 
 def signed_load(hundreds: int, singles: int) -> Load:
