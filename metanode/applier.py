@@ -234,7 +234,7 @@ class Replica(Follower):
 
     Each replica tries a session-level advisory lock (`CacheStore.applier_lock`, a connection
     of its own) every `LEAD_TRY_S`, following meanwhile as a `Follower` does (on PostgreSQL,
-    `data_version` is the next transaction id, which moves whenever anything commits). The one
+    `data_version` is a hash of the current snapshot, which moves at every commit). The one
     that gets it builds the cache if need be, starts the node's single services (`lead`:
     retention, peer pulls, plugins, the watcher) and applies, as `Applier` does; besides its
     own ingests' wake-ups it polls the truth's newest outbox seq every `FOLLOW_POLL_S`, which
@@ -275,7 +275,10 @@ class Replica(Follower):
         self.leading = True
         log.info("this replica holds the applier lock: it applies and runs the node's services")
         self._watching = asyncio.create_task(self._watch_truth(), name="applier-poll")
-        await self._lead()
+        try:
+            await self._lead()
+        except Exception:  # a service that would not start must not stop the applying too
+            log.exception("starting the node's services failed; applying without them")
         await Applier._run(self)
 
     async def _took_lead(self) -> bool:
@@ -292,18 +295,21 @@ class Replica(Follower):
     async def _watch_truth(self) -> None:
         """Wake the apply when the truth's outbox moved past what was applied (other replicas'
         ingests), and warn if the lock's session was lost (a cut connection)."""
-        checked = time.monotonic()
+        checked, failing = time.monotonic(), False
         while not self._stopping:
             try:
-                if self._source.max_seq() > self.state.applied_seq:
+                if await asyncio.to_thread(self._source.max_seq_apart) > self.state.applied_seq:
                     self.wake()
                 if time.monotonic() - checked >= LEAD_TRY_S:
                     checked = time.monotonic()
                     if not await asyncio.to_thread(self._lock.held):
                         log.warning("the applier lock's session was lost; taking it again")
                         await asyncio.to_thread(self._lock.acquire)
-            except Exception as exc:
-                log.warning("polling the truth failed (%s); will retry", exc)
+                failing = False
+            except Exception as exc:  # the server is away: the apply reports it (`degraded`)
+                if not failing:
+                    log.warning("polling the truth failed (%s); will retry", exc)
+                failing = True
             await asyncio.sleep(FOLLOW_POLL_S)
 
     async def stop(self) -> None:

@@ -28,7 +28,9 @@ from metanode.db import (
     Store,
     Target,
     connect_reader,
+    copy_table,
     executescript_in_txn,
+    holds_rows,
     mapped,
     snapshot,
     storage_errors,
@@ -211,8 +213,6 @@ MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6)
 # of the same prefixes, so `library_page` is one statement on both (`pg.REWRITES`).
 # tests/test_pg.py checks both schemas have the same tables and columns.
 PG_SCHEMA_V1 = """
-CREATE EXTENSION IF NOT EXISTS unaccent SCHEMA cache;
-
 CREATE TABLE records (
     rid TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -309,7 +309,14 @@ CREATE TABLE documents (
 
 
 def _pg_v1(conn: Connection) -> None:
-    executescript_in_txn(conn, PG_SCHEMA_V1)
+    """The schema, its functions calling `unaccent` where the extension is: made here (in this
+    schema) unless the database has it already, perhaps in another schema."""
+    conn.execute("CREATE EXTENSION IF NOT EXISTS unaccent")
+    (where,) = conn.execute(
+        "SELECT CAST(CAST(extnamespace AS regnamespace) AS text) FROM pg_extension "
+        "WHERE extname = 'unaccent'"
+    ).fetchone()
+    executescript_in_txn(conn, PG_SCHEMA_V1.replace("unaccent(", f"{where}.unaccent("))
 
 
 PG_MIGRATIONS: Sequence[Migration] = (_pg_v1,)
@@ -687,6 +694,25 @@ def apply_txn(
     last = _append_feed(cache, state, events, clock())
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
     return State(state.epoch, changes[-1].seq, last, state.file_feed_seq)
+
+
+# What `metanode migrate-storage` copies of a cache: the facts about the disk and the plugins'
+# progress, which no rebuild from the truth gives back. The rest is rebuilt (`build_txn`).
+COPIED_TABLES: tuple[tuple[str, str], ...] = (
+    ("local_file", "path"),
+    ("plugin_runs", "plugin, version, midhash"),
+)
+
+
+def copy_local_txn(dest: Connection, source: Connection) -> dict[str, int]:
+    """Copy the local files and plugin runs of `source` into the empty cache `dest`, and its
+    feed epoch: the build that follows starts a later one, so no feed cursor of the old box
+    is taken for one of the new (`build_txn`: `max(now, epoch + 1)`); rows per table."""
+    with snapshot(source):
+        counts = {table: copy_table(dest, source, table, order) for table, order in COPIED_TABLES}
+        epoch = read_state(source).epoch
+    _set_state(dest, epoch=epoch)
+    return counts
 
 
 def prune_feed_txn(cache: Connection, keep_events: int, older_than_ms: int) -> int:
@@ -1494,6 +1520,16 @@ class CacheStore(Store):
     @mapped
     def group_by_cid(self, cid: str) -> Group | None:
         return group_by_cid(self.conn, cid)
+
+    @mapped
+    def holding(self) -> list[str]:
+        """Which of the tables a migration copies hold rows (its target must hold none)."""
+        return holds_rows(self.conn, [t for t, _ in COPIED_TABLES])
+
+    def copy_local_from(self, source: CacheStore) -> dict[str, int]:
+        """`copy_local_txn` of `source` into this (empty) cache, on this store's writer."""
+        with source.reading() as conn:
+            return self.writer.run_sync(copy_local_txn, conn)
 
     def applier_lock(self) -> SessionLock | None:
         """On PostgreSQL, the session lock that makes one replica of all those sharing this

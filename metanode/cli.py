@@ -644,6 +644,11 @@ def check(config_file: str | None, data_dir: str | None) -> None:
     settings = load_settings(config_file, data_dir=data_dir)
     with tempfile.TemporaryDirectory() as scratch:
         report = maintenance.check(settings, Path(scratch) / "cache.db")
+    _report_check(report)
+
+
+def _report_check(report: maintenance.CheckReport) -> None:
+    """Print `check`'s differences and verdict; exit 1 unless clean."""
     for line in report.differences + [f"bad signature: {b}" for b in report.bad_signatures]:
         click.echo(line)
     click.echo(
@@ -651,6 +656,25 @@ def check(config_file: str | None, data_dir: str | None) -> None:
     )
     if not report.clean:
         sys.exit(1)
+
+
+@main.command("migrate-storage")
+@click.option("--to", "dsn", required=True, help="The empty PostgreSQL database: postgresql://…")
+@settings_options
+@reports_errors
+def migrate_storage(dsn: str, config_file: str | None, data_dir: str | None) -> None:
+    """Copy this SQLite box into an empty PostgreSQL database, then check the copy.
+
+    Claims, groups and rids, signers, peers, local files and the feed epoch are copied; the
+    cache is rebuilt there. Run it with the node stopped (it takes the data directory's lock);
+    then set `storage` to the DSN (docs/scale-out.md).
+    """
+    settings = load_settings(config_file, data_dir=data_dir)
+    with datadir.Lock(settings.data_dir), tempfile.TemporaryDirectory() as scratch:
+        report = maintenance.migrate_storage(settings, dsn, Path(scratch) / "cache.db")
+    for table, rows in report.copied.items():
+        click.echo(f"copied {table}: {rows} rows")
+    _report_check(report.check)
 
 
 @main.command()

@@ -70,6 +70,9 @@ class Cursor(Protocol):
     @property
     def rowcount(self) -> int: ...
 
+    @property
+    def description(self) -> Any: ...
+
     def fetchone(self) -> Any: ...
 
     def fetchall(self) -> list[Any]: ...
@@ -92,10 +95,6 @@ class Connection(Protocol):
     def executemany(self, sql: str, parameters: Any, /) -> Any: ...
 
     def close(self) -> None: ...
-
-
-def is_sqlite(target: Target) -> bool:
-    return isinstance(target, Path)
 
 
 BUSY_TIMEOUT_MS = 30_000
@@ -241,6 +240,28 @@ def copy_database(source: Path, copy: Path) -> str:
     finally:
         dest.close()
         origin.close()
+
+
+COPY_PAGE = 2_000  # rows a `copy_table` reads and inserts at a time
+
+
+def copy_table(dest: Connection, source: Connection, table: str, order: str) -> int:
+    """Copy every row of `table` from a SQLite store into the same table of `dest` (in the
+    current transaction; `migrate-storage`), a page at a time in `order`, by column name, so a
+    column PostgreSQL keeps besides (a trigger's tsvector) fills itself; how many rows."""
+    cursor = source.execute(f"SELECT * FROM {table} ORDER BY {order}")
+    columns = [d[0] for d in cursor.description]
+    insert = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+    copied = 0
+    while rows := cursor.fetchmany(COPY_PAGE):
+        dest.executemany(insert, rows)
+        copied += len(rows)
+    return copied
+
+
+def holds_rows(conn: Connection, tables: Sequence[str]) -> list[str]:
+    """Which of `tables` hold at least one row."""
+    return [t for t in tables if conn.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone()]
 
 
 def run_txn(conn: Connection, fn: Txn[T], *args: Any) -> T:

@@ -382,6 +382,22 @@ class DataDirLocked(MetanodeError):
     retryable = True
 
 
+class TargetNotEmpty(MetanodeError):
+    """`metanode migrate-storage` was pointed at a database that already holds a node's data:
+    nothing is copied over it (docs/scale-out.md)."""
+
+    status = 409
+    slug = "target_not_empty"
+
+
+class ToolMissing(MetanodeError):
+    """A command needs a program that is not installed (`metanode backup` on PostgreSQL runs
+    `pg_dump`); the message names it and the package that has it."""
+
+    status = 409
+    slug = "tool_missing"
+
+
 class InternalError(MetanodeError):
     """What escaped every handler: a bug, logged with its traceback under the request id."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -30,7 +31,13 @@ from metanode import rid as rids
 from metanode.applier import cache_needs_build
 from metanode.clock import now_ms
 from metanode.config import Settings
-from metanode.errors import BadSignature, InvalidBatch, InvalidRequest, UnknownPeer
+from metanode.errors import (
+    BadSignature,
+    InvalidBatch,
+    InvalidRequest,
+    TargetNotEmpty,
+    UnknownPeer,
+)
 
 # -- the store and the token ------------------------------------------------------------------
 
@@ -180,6 +187,46 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
         return CheckReport(differences, bad, count)
 
 
+@dataclass(frozen=True)
+class MigrationReport:
+    """What `migrate-storage` copied (rows per table, truth and cache) and `check`'s verdict
+    on the target."""
+
+    copied: dict[str, int]
+    check: CheckReport
+
+
+def migrate_storage(settings: Settings, dsn: str, scratch: Path) -> MigrationReport:
+    """`metanode migrate-storage --to DSN`: copy this SQLite box into the PostgreSQL database
+    `dsn` (docs/scale-out.md): the whole truth (claims, groups and rids merged ones included,
+    signers with weights and statuses, the outbox, the box's log id, peers and peer tokens),
+    the local files and plugin runs and the feed epoch of the cache; build the target's cache
+    from the copied truth (under a later epoch); then `check` the target. A target already
+    holding a node's data is refused (`TargetNotEmpty`) before anything is written to it."""
+    if settings.postgresql:
+        raise InvalidRequest("migrate-storage copies a SQLite box; this one is on PostgreSQL")
+    target = dataclasses.replace(settings, storage=dsn)
+    if not target.postgresql:
+        raise InvalidRequest("migrate-storage --to: must be a postgresql:// DSN")
+    open_store(target)
+    with (
+        truth_store(settings) as source,
+        truth.TruthStore.configured(target) as dest,
+        cache.CacheStore.configured(settings) as old,
+        cache.CacheStore.configured(target) as new,
+    ):
+        held = [f"truth.{t}" for t in dest.holding()] + [f"cache.{t}" for t in new.holding()]
+        if held:
+            raise TargetNotEmpty(
+                f"the target database already holds data ({', '.join(held)}); "
+                "migrate into an empty database"
+            )
+        copied = {f"truth.{t}": n for t, n in dest.copy_from(source).items()}
+        copied |= {f"cache.{t}": n for t, n in new.copy_local_from(old).items()}
+        new.build_sync(dest)
+    return MigrationReport(copied, check(target, scratch))
+
+
 def copy_truth(settings: Settings, target: Path) -> str:
     """An online copy of truth.db at `target` (SQLite's backup, integrity-checked: the verdict,
     "ok" when sound), leaving the source as it is: no migration, no change of mode. The
@@ -188,26 +235,34 @@ def copy_truth(settings: Settings, target: Path) -> str:
 
 
 def backup(settings: Settings, target: Path) -> Path:
-    """`metanode backup DIR`: an online copy of truth.db (consistent while the node writes),
-    checked, plus the node's keys. The cache is not backed up: it is rebuilt from the truth.
-    Private like the data directory: a new TARGET is 0700, the copy 0600 (the keys keep theirs).
-    Not on PostgreSQL: `pg_dump` copies it (docs/scale-out.md)."""
-    if settings.postgresql:
-        raise InvalidRequest(
-            "backup copies a SQLite truth.db; this node's truth is on PostgreSQL (storage): "
-            "back it up with pg_dump (docs/scale-out.md)"
-        )
+    """`metanode backup DIR`: an online copy of the truth (consistent while the node writes)
+    plus the node's keys. On SQLite a checked copy of truth.db (the cache is not backed up: it
+    is rebuilt from the truth); on PostgreSQL a `pg_dump` of the database in its custom format
+    (`pg_restore` puts it back: docs/scale-out.md). Private like the data directory: a new
+    TARGET is 0700, the copy 0600 (the keys keep theirs)."""
     open_store(settings)
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    copy = target / f"truth-{stamp}.db"
+    suffix = "pgdump" if settings.postgresql else "db"
+    copy = target / f"truth-{stamp}.{suffix}"
     os.close(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, datadir.FILE_MODE))
-    verdict = copy_truth(settings, copy)
-    if verdict != "ok":
-        raise RuntimeError(f"the backup {copy} failed its integrity check: {verdict}")
+    try:
+        _copy_truth_into(settings, copy)
+    except BaseException:
+        copy.unlink()
+        raise
     if settings.keys_dir.is_dir():
         shutil.copytree(settings.keys_dir, target / f"keys-{stamp}")
     return copy
+
+
+def _copy_truth_into(settings: Settings, copy: Path) -> None:
+    if settings.postgresql:
+        truth.TruthStore.configured(settings).dump_to(copy)
+        return
+    verdict = copy_truth(settings, copy)
+    if verdict != "ok":
+        raise RuntimeError(f"the backup {copy} failed its integrity check: {verdict}")
 
 
 # -- export and import --------------------------------------------------------------------------

@@ -30,14 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
+import shutil
+import subprocess
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from metanode.config import POSTGRESQL_SCHEMES
 from metanode.errors import (
@@ -48,11 +53,13 @@ from metanode.errors import (
     StorageLocked,
     StorageReadOnly,
     StorageUnavailable,
+    ToolMissing,
 )
 
 CONNECT_TIMEOUT_S = 10
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
 LOCK_TIMEOUT_MS = 30_000  # a lock held longer fails `storage_locked`, as SQLite's busy timeout
+RECONNECT_S = 1.0  # after a failed reconnection, the next is tried no sooner than this
 STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
 
 
@@ -119,6 +126,10 @@ REWRITES: tuple[tuple[re.Pattern[str], str], ...] = (
     (
         re.compile(r"SELECT seq FROM sqlite_sequence WHERE name = '(\w+)'"),
         r"SELECT seq FROM sequences WHERE name = '\1'",
+    ),
+    (
+        re.compile(r"UPDATE sqlite_sequence SET seq = \? WHERE name = '(\w+)'"),
+        r"UPDATE sequences SET seq = ? WHERE name = '\1'",
     ),
     (re.compile(r"PRAGMA user_version=(\d+)"), r"UPDATE schema_version SET version = \1"),
     (re.compile(r"PRAGMA user_version"), "SELECT version FROM schema_version"),
@@ -203,6 +214,10 @@ class Cursor:
     def rowcount(self) -> int:
         return int(self._raw.rowcount)
 
+    @property
+    def description(self) -> Any:
+        return self._raw.description
+
     def fetchone(self) -> Any:
         return self._raw.fetchone() if self._raw.description is not None else None
 
@@ -267,6 +282,7 @@ class Connection:
         self._release = release
         self._stream = stream and readonly
         self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
+        self._retry_at = 0.0  # no reconnection before this (`time.monotonic`), after a failed one
 
     @property
     def in_transaction(self) -> bool:
@@ -276,9 +292,18 @@ class Connection:
 
     def _live(self) -> Any:
         """The psycopg connection; a new one first if the server dropped this one (only ever
-        outside a transaction, so nothing of a transaction is silently lost)."""
-        if self._raw.closed or self._raw.broken:
+        outside a transaction, so nothing of a transaction is silently lost). After a failed
+        attempt the next waits `RECONNECT_S`: meanwhile a statement fails at once, so the
+        event loop's reads do not each wait for a server that is not there."""
+        if not (self._raw.closed or self._raw.broken):
+            return self._raw
+        if time.monotonic() < self._retry_at:
+            raise StorageUnavailable(f"the database failed: {self.target}: not reachable")
+        try:
             self._raw = _connect_raw(self.target)
+        except Exception:
+            self._retry_at = time.monotonic() + RECONNECT_S
+            raise
         return self._raw
 
     def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> Cursor:
@@ -478,3 +503,34 @@ class SessionLock:
         """End the session, and so free the lock."""
         if self._raw is not None:
             self._raw.close()
+
+
+# -- backup ---------------------------------------------------------------------------------
+
+
+PG_DUMP = "pg_dump"
+
+
+def dump(target: Target, file: Path) -> None:
+    """`pg_dump --format=custom` of the whole database of `target` (both stores' schemas)
+    into `file` (`metanode backup`; restored with `pg_restore`, docs/scale-out.md). The
+    password goes to pg_dump in its environment (`PGPASSWORD`), never on its command line,
+    where any user's `ps` would show it."""
+    tool = shutil.which(PG_DUMP)
+    if tool is None:
+        raise ToolMissing(
+            f"backup on PostgreSQL runs `{PG_DUMP} --format=custom`, which is not installed "
+            "(Debian: apt-get install postgresql-client)"
+        )
+    parts = urlsplit(target.dsn)
+    env = dict(os.environ)
+    if parts.password is not None:
+        env["PGPASSWORD"] = unquote(parts.password)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    user = f"{parts.username}@" if parts.username else ""
+    dsn = urlunsplit(parts._replace(netloc=f"{user}{host}"))
+    command = [tool, "--format=custom", "--no-owner", "--no-privileges", "--file", str(file)]
+    done = subprocess.run([*command, "--dbname", dsn], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        raise StorageUnavailable(f"the database failed: {PG_DUMP} of {target.dsn_shown}: {why}")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from metanode import merge
+from metanode import merge, pg
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
 from metanode.db import (
@@ -32,7 +32,9 @@ from metanode.db import (
     Target,
     connect,
     copy_database,
+    copy_table,
     executescript_in_txn,
+    holds_rows,
     make_incremental,
     mapped,
     reclaim,
@@ -342,6 +344,37 @@ def max_seq(conn: Connection) -> int:
     the rows themselves are pruned."""
     row = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'changes'").fetchone()
     return int(row[0]) if row else 0
+
+
+# -- migrate-storage ----------------------------------------------------------------------------
+
+# The truth's tables as `metanode migrate-storage` copies them: parents before the rows that
+# name them (the foreign keys; a merged rid names an older survivor, so rids go in rid order).
+COPIED_TABLES: tuple[tuple[str, str], ...] = (
+    ("signers", "uid"),
+    ("rids", "rid"),
+    ("cid_group", "cid"),
+    ("claims", "uid, cid, key"),
+    ("changes", "seq"),
+    ("box", "name"),
+    ("peer_tokens", "name"),
+    ("peers", "name"),
+)
+SEEDED = ("box",)  # rows the schema makes itself (the log id): the copy's replace them
+
+
+def copy_txn(dest: Connection, source: Connection) -> dict[str, int]:
+    """Copy a whole truth (one snapshot of `source`) into the empty truth `dest`: every table
+    (`COPIED_TABLES`), the box's log id (so peers' cursors stay valid), and the outbox counter,
+    which is ahead of the rows left after pruning; rows copied per table."""
+    with snapshot(source):
+        for table in SEEDED:
+            dest.execute(f"DELETE FROM {table}")
+        counts = {table: copy_table(dest, source, table, order) for table, order in COPIED_TABLES}
+        dest.execute(
+            "UPDATE sqlite_sequence SET seq = ? WHERE name = 'changes'", (max_seq(source),)
+        )
+    return counts
 
 
 def min_seq(conn: Connection) -> int | None:
@@ -1414,6 +1447,13 @@ class TruthStore(Store):
     def max_seq(self) -> int:
         return max_seq(self.conn)
 
+    def max_seq_apart(self) -> int:
+        """`max_seq` on a connection of its own (`reading`), for a thread: the applier's poll
+        every 20 ms (`applier.Replica`), which must not hold up the event loop's connection
+        or keep it in its reconnection wait while the server is away."""
+        with self.reading() as conn, storage_errors(self.path):
+            return max_seq(conn)
+
     @mapped
     def min_seq(self) -> int | None:
         return min_seq(self.conn)
@@ -1526,6 +1566,22 @@ class TruthStore(Store):
         read in one snapshot on a connection of its own, closed when the iterator ends."""
         with self.reading() as conn, storage_errors(self.path), snapshot(conn):
             yield from all_claims(conn, uid)
+
+    @mapped
+    def holding(self) -> list[str]:
+        """The tables holding a node's data (not the rows the schema seeds): a migration's
+        target must hold none."""
+        return holds_rows(self.conn, [t for t, _ in COPIED_TABLES if t not in SEEDED])
+
+    def copy_from(self, source: TruthStore) -> dict[str, int]:
+        """`copy_txn` of `source` into this (empty) truth, on this store's writer."""
+        with source.reading() as conn:
+            return self.writer.run_sync(copy_txn, conn)
+
+    def dump_to(self, file: Path) -> None:
+        """On PostgreSQL, `pg.dump` of the database (both stores) into `file`."""
+        assert isinstance(self.path, pg.Target), "a SQLite truth is copied (`backup_to`)"
+        pg.dump(self.path, file)
 
     def backup_to(self, copy: Path) -> str:
         """An online, consistent copy of truth.db into the (existing, empty) file `copy`; the

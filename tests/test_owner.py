@@ -9,12 +9,15 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from metanode import cid as cids
 from metanode import keys
 from metanode.node import Node
 from tests.helpers.server import Server
 from tests.helpers.settings import settings_for
+
+pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
 
 CID_A = cids.midhash_bytes(b"owner a")
 

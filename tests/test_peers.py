@@ -30,6 +30,8 @@ from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, fast_claims
 from tests.helpers.server import Server, free_port, metanode_check, wait_caught_up
 
+pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
+
 ENV = {
     "METANODE_PEER_POLL_S": "0.2",
     "METANODE_PEER_RETRY_S": "0.2",

@@ -29,6 +29,8 @@ from metanode.node import Node
 from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
 from tests.helpers.settings import settings_for
 
+pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
+
 RID = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")  # a rid: 26 Crockford base32 characters, upper case
 Action = Callable[[LocalFile, RecordLookup, Register], None]
 

@@ -39,6 +39,8 @@ def stat_pair(path: Path) -> Stat:
 
 # -- Rules.ignored ------------------------------------------------------------------------------
 
+pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
+
 ROOT = "/srv/media"
 
 
