@@ -293,6 +293,9 @@ def lookup_phase(
 def running_cluster(root: Path, shared_buffers: str, keep: bool) -> Iterator[pgcluster.Cluster]:
     """The benchmark's cluster in `root`/pg (made there or reused), durable; stopped at the end,
     its files kept if `keep`."""
+    root.chmod(
+        root.stat().st_mode | 0o111
+    )  # the server's user must reach root/pg (a mkdtemp is 0700)
     (root / "pg").mkdir(exist_ok=True)
     cluster, why = pgcluster.start_cluster(
         root / "pg",
