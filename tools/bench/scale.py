@@ -95,8 +95,8 @@ def build(
     start: float,
     storage: str = "sqlite",
 ) -> list[str]:
-    """Build the truth and the cache (truth.db and cache.db, or on `storage`: a PostgreSQL
-    database, tools/bench/scale_out.py) with `n_claims` signed claims; the records' CIDs."""
+    """Build both stores (truth.db and cache.db, or on PostgreSQL the database `storage`) with
+    `n_claims` signed claims; returns the records' CIDs."""
     settings = config.load(env={}, overrides={"data_dir": data_dir, "storage": storage})
     maintenance.open_store(settings)
     key = nacl.signing.SigningKey.generate()
@@ -124,19 +124,27 @@ def build(
                 sample.append(batch[0])
                 done += len(batch)
                 if (i + 1) % step == 0 or i + 1 == len(jobs):
-                    log(f"  {done:,} claims signed and written to truth.db", start)
+                    log(f"  {done:,} claims signed and written to the truth", start)
     for claim in sample[:: max(1, len(sample) // 100)]:
         claims.verify(claim)  # raises BadSignature: the stored bytes are really signed
-    log("  building cache.db (maintenance.rebuild_cache) …", start)
+    log("  building the cache (maintenance.rebuild_cache) …", start)
     state = maintenance.rebuild_cache(settings)
     log(f"  cache built: epoch {state.epoch}, applied seq {state.applied_seq:,}", start)
     return known
 
 
 def prepared(
-    root: Path, name: str, n_claims: int, args: argparse.Namespace, start: float
+    root: Path,
+    name: str,
+    n_claims: int,
+    args: argparse.Namespace,
+    start: float,
+    storage: str = "sqlite",
+    empty: Callable[[], None] | None = None,
 ) -> tuple[Path, list[str]]:
-    """A built data directory for `n_claims` (reused from `root` if built before)."""
+    """A built data directory for `n_claims` (reused from `root` if built before); its stores
+    in `storage`, which `empty()` (if given) empties before a build (tools/bench/scale_out.py:
+    a PostgreSQL database made anew)."""
     data_dir = root / name / "data"
     marker = root / name / MARKER
     if marker.exists():
@@ -147,12 +155,16 @@ def prepared(
     if data_dir.parent.exists():
         shutil.rmtree(data_dir.parent)
     data_dir.mkdir(parents=True)
+    if empty is not None:
+        empty()
     log(
         f"building {n_claims:,} claims ({n_claims // args.keys_per_record:,} records × "
         f"{args.keys_per_record}) in {data_dir} …",
         start,
     )
-    known = build(data_dir, n_claims, args.keys_per_record, args.chunk, args.workers, start)
+    known = build(
+        data_dir, n_claims, args.keys_per_record, args.chunk, args.workers, start, storage
+    )
     marker.write_text(json.dumps({"claims": n_claims, "per": args.keys_per_record, "cids": known}))
     return data_dir, known
 

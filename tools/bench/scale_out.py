@@ -1,261 +1,357 @@
-"""Scale-out benchmark: ingest and GET /api/meta on PostgreSQL with 1 and 2 replicas, against
-the SQLite default, in one run; and the lookup p99 at a large claim count ÷ at a small one.
+"""Scale-out benchmark (issue 20): the node on PostgreSQL against the SQLite default, same run.
 
-Run: `.venv/bin/python tools/bench/scale_out.py [--batches 300] [--batch 100] [--clients 8]
-[--duration 5] [--large 1000000] [--small 10000]`.
+Run: `.venv/bin/python tools/bench/scale_out.py [--rounds 3] [--seconds 5] [--replicas 1 2]
+[--claims 1000000] [--small 10000] [--work-dir DIR]`.
 
-The PostgreSQL server is the tests' throw-away cluster (tests/helpers/postgres.py: Debian's
-`postgresql`, `initdb` and `pg_ctl` on a loopback port), here with `fsync=on`, so its commits
-are as durable as SQLite's `synchronous=FULL`; each scenario gets a database of its own.
+A PostgreSQL cluster of our own (tools/bench/pgcluster.py, Debian's `postgresql`) with its
+durable defaults (`fsync` and `synchronous_commit` on: SQLite runs `synchronous=FULL`) and
+`shared_buffers` of `--shared-buffers`, on loopback, in `--work-dir` (kept and reused) or a
+temporary directory.
 
-1. Ingest: the same `--batches` pre-serialised bodies of `--batch` signed claims (each about a
-   fresh CID, one signer) posted by `--clients` concurrent keep-alive clients
-   (`harness.post_batches`; every answer must be 200 with every claim accepted), to: one SQLite
-   server; one PostgreSQL replica; two replicas of one database (the clients split between
-   them; every answer is read-your-writes on the replica that took it). Claims/s and the ratio
-   to SQLite.
-2. Reads, on the same data right after: `wrk` (`-c{--clients}` a server, `--duration` s, a Lua
-   script asking for random ingested CIDs; two wrk processes at once for two replicas) on
-   `GET /api/meta/{cid}`. Req/s, p99 (wrk's), the ratio to SQLite.
-3. Lookups by size: `--small` and `--large` claims bulk-loaded into two PostgreSQL databases
-   through the store (`scale.build`: `TruthStore.ingest_sync` in 5,000-claim transactions,
-   then `maintenance.rebuild_cache`), served by one replica each, asked alternately by one
-   sequential client (`scale.measure`); p50/p99 per size and p99(large) / p99(small).
+1. Ingest and reads, `--rounds` rounds; each round runs every side on fresh stores, in an order
+   rotated round by round so machine noise lands on all alike: `sqlite` (one `metanode serve`,
+   the default storage), and `pg×N` for each N of `--replicas` (N `metanode serve` on one new
+   database; replica n>0 a copy of the first one's data directory (keys, API token), as
+   docs/scale-out.md lays them out). On each: one signer registered, `--records` records of 10
+   claims posted untimed (the read set, as tools/bench/read.py does), one warm-up batch; then
+   * ingest, batches of 100 and then of 1, 8 connections (`--clients`) in all, split evenly
+     over the replicas: wrk (one per replica, at once, `--seconds`) posting pre-signed bodies
+     of claims about fresh CIDs (tools/bench/ingest.py's `wrk_ingest`); every answer 200 with
+     every claim accepted (each is acknowledged only once stored and readable);
+   * `GET /api/meta/{cid}` of random known records, 8 connections split the same way (wrk,
+     tools/bench/read.py's script, `--seconds`), every answer 200.
+   Printed: the median rate of each side, and the ratios pg×1 ÷ sqlite, pg×N ÷ pg×1 (medians
+   of the per-round ratios).
+2. Lookups at scale: stores of `--small` and `--claims` claims on both backends, built as
+   tools/bench/scale.py builds them (`TruthStore.ingest_sync` in transactions of `--chunk`
+   claims, then `maintenance.rebuild_cache`; reused from `--work-dir`); four servers at once,
+   one sequential keep-alive client alternating between them request by request (scale.py's
+   `measure`). Printed: p50/p99/max of each, the ratio p99(large) ÷ p99(small) per backend
+   (goal ≤ 1.5), bytes on disk (truth.db + cache.db; the PostgreSQL database's size).
 
-Servers run with their default settings but `METANODE_WATCH_ENABLED=false`; the machine's load
-(`uptime`) is printed first and last: the ratios are of one run on one machine.
+`--phases` picks `ingest` and/or `lookup`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import concurrent.futures
 import contextlib
 import os
-import subprocess
+import secrets
+import shutil
+import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import harness
+import ingest
 import nacl.signing
+import pgcluster
 import read
 import scale
 
-from metanode import cid as cids
-from metanode import claims
 from metanode.clock import now_ms
 
-sys.path.insert(0, str(harness.REPO))
-from tests.helpers.postgres import Cluster, start_cluster  # the tests' throw-away cluster
+log = scale.log
 
-QUIET = {"METANODE_WATCH_ENABLED": "false", "METANODE_LOG_LEVEL": "warning"}
+T = TypeVar("T")
+GOAL = scale.GOAL
+LOCK_NAME = "lock"  # metanode/datadir.py's lock file: never copied to a replica (it names a pid)
+
+
+@dataclass
+class Side:
+    """One way of running the node: SQLite, or `replicas` servers on one PostgreSQL database."""
+
+    name: str
+    replicas: int  # 0: SQLite
+    rates: dict[str, list[float]] = field(default_factory=dict)
+
+    def record(self, metric: str, rate: float) -> None:
+        self.rates.setdefault(metric, []).append(rate)
 
 
 @dataclass(frozen=True)
-class Outcome:
-    name: str
-    ingest_rate: float  # claims per second
-    read: harness.Run  # summed over the replicas (rate), the worst p99
+class Load:
+    """What every side of a round posts: the same pre-signed bodies (each side's stores are
+    new, so the same claims are new to each)."""
+
+    key: nacl.signing.SigningKey
+    warmup: bytes
+    hundreds: list[bytes]  # batches of 100 claims
+    singles: list[bytes]  # batches of 1 claim
 
 
-def uptime() -> str:
-    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-
-
-def signed_bodies(
-    batches: int, size: int
-) -> tuple[nacl.signing.SigningKey, list[bytes], list[str]]:
-    """`batches` bodies of `size` claims, each claim about a fresh CID; their CIDs."""
+def signed_load(hundreds: int, singles: int) -> Load:
     key = nacl.signing.SigningKey.generate()
     ts = now_ms()
-    known = [cids.midhash_bytes(os.urandom(32)) for _ in range(batches * size)]
-    signed = [claims.sign(key, cid, "title", f"title {i}", ts) for i, cid in enumerate(known)]
-    bodies = [harness.claims_body(signed[i : i + size]) for i in range(0, len(signed), size)]
-    return key, bodies, known
+    batch = ingest.make_claims(key, hundreds, ts, "hundred")
+    one = ingest.make_claims(key, singles, ts, "single")
+    return Load(
+        key,
+        harness.claims_body(ingest.make_claims(key, 100, ts, "warm-up")),
+        [harness.claims_body(batch[i : i + 100]) for i in range(0, len(batch), 100)],
+        [harness.claims_body([c]) for c in one],
+    )
 
 
 @contextlib.contextmanager
-def replicas(root: Path, storage: str, count: int) -> Iterator[list[harness.ServerProc]]:
-    """`count` servers on `storage`: the first makes its data directory; the others copy its
-    keys and token (docs/scale-out.md, "Replicas")."""
+def serving(root: Path, replicas: int, dsn: str) -> Iterator[list[harness.ServerProc]]:
+    """`replicas` servers on the database `dsn` (or one on SQLite if `replicas` is 0), each with
+    a data directory in `root`; the first starts alone and the others copy its keys."""
+    env = {"METANODE_STORAGE": dsn} if replicas else {}
     with contextlib.ExitStack() as stack:
         first = root / "r0" / "data"
-        first.mkdir(parents=True)
-        servers = [
-            stack.enter_context(harness.metanode_server(first, **QUIET, METANODE_STORAGE=storage))
-        ]
-        for n in range(1, count):
-            data = root / f"r{n}" / "data"
-            data.mkdir(parents=True)
-            for name in ("api-token", "session-secret"):
-                (data / name).write_bytes((first / name).read_bytes())
-            subprocess.run(["cp", "-a", str(first / "keys"), str(data / "keys")], check=True)
-            servers.append(
-                stack.enter_context(
-                    harness.metanode_server(data, **QUIET, METANODE_STORAGE=storage)
-                )
-            )
+        first.parent.mkdir(parents=True)
+        servers = [stack.enter_context(harness.metanode_server(first, **env))]
+        for n in range(1, replicas):
+            data_dir = root / f"r{n}" / "data"
+            ignore = shutil.ignore_patterns(LOCK_NAME, "*.sock")
+            shutil.copytree(first, data_dir, ignore=ignore)
+            servers.append(stack.enter_context(harness.metanode_server(data_dir, **env)))
         yield servers
 
 
-async def ingest(
-    servers: Sequence[harness.ServerProc],
-    root: Path,
-    bodies: Sequence[bytes],
-    size: int,
-    clients: int,
+def data_dir_of(server: harness.ServerProc) -> Path:
+    """The data directory a `harness.metanode_server` serves (its `--data-dir` argument)."""
+    return Path(server.argv[server.argv.index("--data-dir") + 1])
+
+
+def split(items: Sequence[T], parts: int) -> list[list[T]]:
+    """`items` dealt into `parts` lists of (nearly) equal length."""
+    return [list(items[n::parts]) for n in range(parts)]
+
+
+def at_once(jobs: Sequence[Callable[[], T]]) -> list[T]:
+    """Run the jobs (each a wrk process) in threads at the same time; their results in order."""
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(lambda job: job(), jobs))
+
+
+def ingest_rate(
+    servers: list[harness.ServerProc], bodies: list[bytes], per: int, clients: int, seconds: float
 ) -> float:
-    """Post every body, split evenly over the servers; claims per second overall."""
-    headers = harness.auth(root / "r0" / "data")
-    shares = [bodies[n :: len(servers)] for n in range(len(servers))]
-    begin = time.perf_counter()
-    await asyncio.gather(
-        *(
-            harness.post_batches(
-                s.url, headers, share, [size] * len(share), clients // len(servers)
-            )
-            for s, share in zip(servers, shares, strict=True)
+    """Claims a second posted with wrk to all servers at once, `clients` connections in all."""
+    shares = split(bodies, len(servers))
+    connections = max(1, clients // len(servers))
+
+    def job(server: harness.ServerProc, share: list[bytes]) -> Callable[[], tuple[int, float]]:
+        data_dir = data_dir_of(server)
+        return lambda: ingest.wrk_ingest(server, data_dir, share, connections, seconds)
+
+    done = at_once([job(s, share) for s, share in zip(servers, shares, strict=True)])
+    return sum(sent for sent, _ in done) * per / max(took for _, took in done)
+
+
+def read_rate(
+    servers: list[harness.ServerProc], known: list[str], clients: int, seconds: float
+) -> float:
+    """GET /api/meta of random known records a second, `clients` connections in all."""
+    connections = max(1, clients // len(servers))
+
+    def job(server: harness.ServerProc) -> Callable[[], harness.Run]:
+        script = data_dir_of(server).parent / "read.lua"
+        read.write_lua(script, known)
+        return lambda: harness.run_wrk(server.url, script, seconds, connections, 1)
+
+    return sum(run.rate for run in at_once([job(s) for s in servers]))
+
+
+def run_side(
+    side: Side, root: Path, dsn: str, load: Load, args: argparse.Namespace, start: float
+) -> None:
+    """One side's round on fresh stores: the read set, ingest 100 and 1, then reads."""
+    with serving(root, side.replicas, dsn) as servers:
+        first = servers[0]
+        first_dir = data_dir_of(first)
+        harness.register_signer(first, first_dir, load.key)
+        known = read.populate(first, first_dir, args.records, len(harness.RECORD_KEYS))
+        for server in servers:  # the second time a duplicate: warms that replica all the same
+            harness.post_all(server, first_dir, [load.warmup])
+        side.record(
+            "ingest 100", ingest_rate(servers, load.hundreds, 100, args.clients, args.seconds)
         )
-    )
-    return len(bodies) * size / (time.perf_counter() - begin)
-
-
-def reads(
-    servers: Sequence[harness.ServerProc], script: Path, duration: float, clients: int
-) -> harness.Run:
-    """wrk on every server at once (`clients` connections split among them); summed req/s."""
-    share = max(1, clients // len(servers))
-    with concurrent.futures.ThreadPoolExecutor(len(servers)) as pool:
-        runs = list(pool.map(lambda s: harness.run_wrk(s.url, script, duration, share, 1), servers))
-    return harness.Run(
-        sum(r.rate for r in runs),
-        max(r.p50_ms for r in runs),
-        max(r.p99_ms for r in runs),
-        sum(r.requests for r in runs),
+        side.record("ingest 1", ingest_rate(servers, load.singles, 1, args.clients, args.seconds))
+        side.record("GET /api/meta", read_rate(servers, known, args.clients, args.seconds))
+    log(
+        f"  {side.name}: "
+        + ", ".join(f"{metric} {rates[-1]:,.0f}/s" for metric, rates in side.rates.items()),
+        start,
     )
 
 
-def scenario(
-    name: str,
-    storage: str,
-    count: int,
-    work: Path,
-    args: argparse.Namespace,
-    load: tuple[nacl.signing.SigningKey, list[bytes], list[str]],
-) -> Outcome:
-    key, bodies, known = load
-    root = work / name
-    with replicas(root, storage, count) as servers:
-        harness.register_signer(servers[0], root / "r0" / "data", key)
-        rate = asyncio.run(ingest(servers, root, bodies, args.batch, args.clients))
-        script = root / "read.lua"
-        read.write_lua(script, known[:: max(1, len(known) // 5_000)])
-        reads(servers, script, 1, args.clients)  # warm-up
-        run = reads(servers, script, args.duration, args.clients)
-    print(f"  {name}: done", flush=True)
-    return Outcome(name, rate, run)
+def ratio(top: Side, bottom: Side, metric: str) -> float:
+    """Median of the per-round ratios of `metric`."""
+    pairs = zip(top.rates[metric], bottom.rates[metric], strict=True)
+    return statistics.median(a / b for a, b in pairs)
 
 
-def database_mib(dsn: str) -> float:
-    """The database's size on disk (`pg_database_size`: tables, indexes, TOAST), in MiB."""
-    import psycopg
-
-    with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
-    return float(row[0]) / 2**20 if row else float("nan")
-
-
-def lookups(cluster: Cluster, work: Path, args: argparse.Namespace) -> None:
-    """Part 3: p99 of one sequential client at `--large` claims ÷ at `--small`, on PostgreSQL."""
-    start = time.monotonic()
-    built: list[tuple[str, Path, list[str], int]] = []
-    for label, n in (("small", args.small), ("large", args.large)):
-        dsn = cluster.database()
-        data = work / f"lookup-{label}" / "data"
-        data.mkdir(parents=True)
-        scale.log(f"bulk-loading {n:,} claims into PostgreSQL ({label}) …", start)
-        known = scale.build(data, n, args.keys_per_record, 5_000, os.cpu_count() or 2, start, dsn)
-        built.append((dsn, data, known, n))
-        scale.log(f"  database size: {database_mib(dsn):,.0f} MiB", start)
-    with (
-        harness.metanode_server(built[0][1], **QUIET, METANODE_STORAGE=built[0][0]) as small,
-        harness.metanode_server(built[1][1], **QUIET, METANODE_STORAGE=built[1][0]) as large,
-    ):
-        sides = [
-            scale.Latencies("small", small, scale.drawing(built[0][2], "uniform", 0.0), []),
-            scale.Latencies("large", large, scale.drawing(built[1][2], "uniform", 0.0), []),
+def ingest_phase(
+    cluster: pgcluster.Cluster, root: Path, args: argparse.Namespace, start: float
+) -> None:
+    sides = [Side("sqlite", 0), *(Side(f"pg×{n}", n) for n in args.replicas)]
+    log(f"signing {args.hundreds:,} + {args.singles:,} claims …", start)
+    load = signed_load(args.hundreds, args.singles)
+    for round_ in range(args.rounds):
+        log(f"round {round_ + 1} of {args.rounds}", start)
+        for side in sides[round_ % len(sides) :] + sides[: round_ % len(sides)]:
+            where = root / f"round-{round_}-{side.replicas}"
+            dsn = cluster.database(f"ingest_{secrets.token_hex(4)}") if side.replicas else "sqlite"
+            try:
+                run_side(side, where, dsn, load, args, start)
+            finally:
+                shutil.rmtree(where, ignore_errors=True)
+                if side.replicas:
+                    cluster.drop(dsn)
+    print(f"\n{'side':>8s} {'ingest 100/s':>14s} {'ingest 1/s':>12s} {'GET meta/s':>12s}")
+    for side in sides:
+        cells = [
+            statistics.median(side.rates[m]) for m in ("ingest 100", "ingest 1", "GET /api/meta")
         ]
+        print(f"{side.name:>8s} " + " ".join(f"{c:>12,.0f}" for c in cells))
+    base, pg1 = sides[0], sides[1] if len(sides) > 1 else None
+    for metric in ("ingest 100", "ingest 1", "GET /api/meta"):
+        parts = [f"{metric}:"]
+        for side in sides[1:]:
+            parts.append(f"{side.name} ÷ sqlite {ratio(side, base, metric):.2f}")
+            if pg1 is not None and side is not pg1:
+                parts.append(f"{side.name} ÷ {pg1.name} {ratio(side, pg1, metric):.2f}")
+        print("  ".join(parts))
+    print(
+        f"[{args.rounds} rounds of {args.seconds:.0f} s per measurement; wrk, {args.clients} "
+        f"connections in all; per-side rates are medians, ratios medians of per-round ratios]"
+    )
+
+
+def lookup_store(
+    cluster: pgcluster.Cluster,
+    root: Path,
+    n: int,
+    backend: str,
+    args: argparse.Namespace,
+    start: float,
+) -> tuple[Path, list[str], str, int]:
+    """A built store of `n` claims on `backend`: (data dir, known CIDs, storage, bytes on disk)."""
+    name = f"{backend}-{n}"
+    if backend == "sqlite":
+        data_dir, known = scale.prepared(root, name, n, args, start)
+        return data_dir, known, "sqlite", harness.dir_size(data_dir, scale.DB_FILES)
+    dsn = cluster.dsn(f"lookup_{n}")
+
+    def empty() -> None:
+        cluster.drop(dsn)
+        cluster.database(f"lookup_{n}")
+
+    data_dir, known = scale.prepared(root, name, n, args, start, dsn, empty)
+    return data_dir, known, dsn, cluster.database_bytes(dsn)
+
+
+def lookup_phase(
+    cluster: pgcluster.Cluster, root: Path, args: argparse.Namespace, start: float
+) -> None:
+    built = {
+        (backend, n): lookup_store(cluster, root, n, backend, args, start)
+        for backend in ("sqlite", "postgresql")
+        for n in (args.small, args.claims)
+    }
+    log("starting four servers …", start)
+    with contextlib.ExitStack() as stack:
+        sides = []
+        for (backend, n), (data_dir, known, storage, _) in built.items():
+            env = {} if storage == "sqlite" else {"METANODE_STORAGE": storage}
+            server = stack.enter_context(harness.metanode_server(data_dir, **env))
+            draw = scale.drawing(known, "uniform", 0.0)
+            sides.append(scale.Latencies(f"{backend} {n:,}", server, draw, []))
+        log(f"{args.warmup} + {args.requests:,} lookups per store, alternating …", start)
         try:
-            scale.measure(sides, args.lookups, args.lookups // 10)
+            scale.measure(sides, args.requests, args.warmup)
         finally:
             for side in sides:
                 side.close()
-    for side, (_, _, known, n) in zip(sides, built, strict=True):
-        p50, p99, top = scale.summary(side)
-        print(
-            f"  {n:>10,} claims ({len(known):,} records): "
-            f"p50 {p50:.3f} ms, p99 {p99:.3f} ms, max {top:.2f} ms"
-        )
-    ratio = scale.summary(sides[1])[1] / scale.summary(sides[0])[1]
+        rss = [side.server.rss_mib("VmHWM") for side in sides]
     print(
-        f"  p99({args.large:,}) / p99({args.small:,}) = {ratio:.2f} (goal <= {scale.GOAL}): "
-        f"{'met' if ratio <= scale.GOAL else 'NOT met'}; {args.lookups:,} lookups a size; "
-        f"{time.monotonic() - start:.0f} s"
+        f"\n{'store':>24s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s} "
+        f"{'disk MiB':>9s} {'HWM MiB':>8s}"
     )
+    for side, (_, _, _, size), hwm in zip(sides, built.values(), rss, strict=True):
+        p50, p99, top = scale.summary(side)
+        print(f"{side.name:>24s} {p50:8.3f} {p99:8.3f} {top:8.2f} {size / 2**20:9.1f} {hwm:8.1f}")
+    for small, large in (sides[0:2], sides[2:4]):
+        p99 = scale.summary(large)[1] / scale.summary(small)[1]
+        p50 = scale.summary(large)[0] / scale.summary(small)[0]
+        print(
+            f"{large.name.split()[0]}: p99({args.claims:,}) ÷ p99({args.small:,}) = {p99:.2f} "
+            f"(goal ≤ {GOAL}: {'met' if p99 <= GOAL else 'NOT met'}); p50 ratio {p50:.2f}"
+        )
+
+
+@contextlib.contextmanager
+def running_cluster(root: Path, shared_buffers: str, keep: bool) -> Iterator[pgcluster.Cluster]:
+    """The benchmark's cluster in `root`/pg (made there or reused), durable; stopped at the end,
+    its files kept if `keep`."""
+    root.chmod(
+        root.stat().st_mode | 0o111
+    )  # the server's user must reach root/pg (a mkdtemp is 0700)
+    (root / "pg").mkdir(exist_ok=True)
+    cluster, why = pgcluster.start_cluster(
+        root / "pg",
+        harness.free_port(),
+        durable=True,
+        options=(f"shared_buffers={shared_buffers}",),
+    )
+    if cluster is None:
+        raise SystemExit(f"no PostgreSQL: {why}")
+    try:
+        yield cluster
+    finally:
+        if keep:
+            cluster.pause()
+        else:
+            cluster.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--batches", type=int, default=300, help="ingest batches (default 300)")
-    parser.add_argument("--batch", type=int, default=100, help="claims a batch (default 100)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default 8)")
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds of wrk a scenario")
-    parser.add_argument("--small", type=int, default=10_000)
-    parser.add_argument("--large", type=int, default=1_000_000)
+    parser.add_argument(
+        "--phases", nargs="+", choices=("ingest", "lookup"), default=["ingest", "lookup"]
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=5.0, help="each wrk measurement")
+    parser.add_argument("--clients", type=int, default=8, help="connections in all (default 8)")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1], help="PostgreSQL sides")
+    parser.add_argument("--records", type=int, default=2_000, help="records of the read set")
+    parser.add_argument("--hundreds", type=int, default=60_000, help="claims for batches of 100")
+    parser.add_argument("--singles", type=int, default=15_000, help="claims for batches of 1")
+    parser.add_argument("--claims", type=int, default=1_000_000, help="the large lookup store")
+    parser.add_argument("--small", type=int, default=10_000, help="the small lookup store")
     parser.add_argument("--keys-per-record", type=int, default=10)
-    parser.add_argument("--lookups", type=int, default=3_000, help="timed lookups a size")
-    parser.add_argument("--skip-lookups", action="store_true", help="parts 1 and 2 only")
+    parser.add_argument("--chunk", type=int, default=5_000, help="claims per truth transaction")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="signers")
+    parser.add_argument("--requests", type=int, default=5_000, help="timed lookups per store")
+    parser.add_argument("--warmup", type=int, default=500, help="untimed lookups per store")
+    parser.add_argument("--shared-buffers", default="1GB", help="PostgreSQL's shared_buffers")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep and reuse data here")
     args = parser.parse_args(argv)
-    print(f"load before: {uptime()}", flush=True)
-    cluster, why = start_cluster(fsync=True)
-    if cluster is None:
-        print(f"no PostgreSQL: {why}")
-        return 2
-    try:
-        with tempfile.TemporaryDirectory(prefix="metanode-scale-out-") as tmp:
-            work = Path(tmp)
-            load = signed_bodies(args.batches, args.batch)
-            print(
-                f"ingest: {args.batches} × {args.batch} claims, {args.clients} clients; "
-                f"reads: wrk {args.duration:g} s",
-                flush=True,
-            )
-            outcomes = [
-                scenario("sqlite", "sqlite", 1, work, args, load),
-                scenario("pg-1", cluster.database(), 1, work, args, load),
-                scenario("pg-2", cluster.database(), 2, work, args, load),
-            ]
-            base = outcomes[0]
-            for o in outcomes:
-                ingest_ratio, read_ratio = (
-                    o.ingest_rate / base.ingest_rate,
-                    o.read.rate / base.read.rate,
-                )
-                print(
-                    f"{o.name:>8s}: ingest {o.ingest_rate:8,.0f} claims/s ({ingest_ratio:.2f}× "
-                    f"SQLite); GET /api/meta {o.read.rate:8,.0f} req/s ({read_ratio:.2f}×), "
-                    f"p99 {o.read.p99_ms:.2f} ms"
-                )
-            if not args.skip_lookups:
-                lookups(cluster, work, args)
-    finally:
-        cluster.stop()
-    print(f"load after: {uptime()}")
+    if args.rounds < 1 or any(n < 1 for n in args.replicas) or not 1 <= args.keys_per_record <= 10:
+        parser.error("need --rounds >= 1, --replicas >= 1, 1 <= --keys-per-record <= 10")
+    if not args.keys_per_record <= args.small <= args.claims:
+        parser.error("need --keys-per-record <= --small <= --claims")
+
+    start = time.monotonic()
+    with (
+        scale.work_root(args.work_dir) as root,
+        running_cluster(root, args.shared_buffers, args.work_dir is not None) as cluster,
+    ):
+        if "ingest" in args.phases:
+            ingest_phase(cluster, root, args, start)
+        if "lookup" in args.phases:
+            lookup_phase(cluster, root, args, start)
+    print(f"total time {time.monotonic() - start:.0f} s; load average {os.getloadavg()}")
     return 0
 
 
