@@ -21,6 +21,7 @@ from metanode import claims, keys
 from metanode.watcher import midhash_file
 from tests.helpers.server import PLUGINS_ON, Server, plugins_server
 from tests.helpers.wait import poll
+from tools.bench.pgcluster import install
 
 BOMB = b"""<?xml version="1.0"?>
 <!DOCTYPE lolz [<!ENTITY lol "lol"><!ENTITY lol2 "&lol;&lol;&lol;&lol;&lol;&lol;&lol;&lol;">
@@ -33,14 +34,9 @@ BOMB = b"""<?xml version="1.0"?>
 def ffmpeg() -> str:
     """Debian's ffmpeg, installed with apt-get if missing; the tests skip only if that fails."""
     if shutil.which("ffmpeg") is None or shutil.which("ffprobe") is None:
-        for command in (
-            ["apt-get", "update", "-qq"],
-            ["apt-get", "install", "-y", "-qq", "ffmpeg"],
-        ):
-            try:
-                subprocess.run(command, check=True, capture_output=True, timeout=900)
-            except (OSError, subprocess.SubprocessError) as exc:
-                pytest.skip(f"ffmpeg is not installed and apt-get could not install it: {exc}")
+        why = install("ffmpeg")
+        if why:
+            pytest.skip(why)
     tool = shutil.which("ffmpeg")
     if tool is None:
         pytest.skip("ffmpeg is not on PATH even after apt-get install ffmpeg")

@@ -35,6 +35,7 @@ from metanode.clock import now_ms  # noqa: E402
 from metanode.node import Node  # noqa: E402
 from tests.helpers.server import Server, free_port  # noqa: E402
 from tests.helpers.settings import settings_for  # noqa: E402
+from tools.bench.pgcluster import install  # noqa: E402
 from tools.claims_migrate import plan  # noqa: E402
 from tools.claims_migrate.__main__ import Options, main, migrate  # noqa: E402
 from tools.claims_migrate.report import Report  # noqa: E402
@@ -54,21 +55,9 @@ def _redis_server() -> tuple[str | None, str]:
     ):
         if candidate and os.access(candidate, os.X_OK):
             return candidate, ""
-    if shutil.which("apt-get") is None:
-        return None, "redis-server is not installed and there is no apt-get to install it"
-    if os.geteuid() != 0:
-        return None, "redis-server is not installed and installing it needs root"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-qq", "redis-server"]
-    for steps in ([install], [["apt-get", "update", "-qq"], install]):
-        try:
-            if all(
-                subprocess.run(step, env=env, capture_output=True, timeout=600).returncode == 0
-                for step in steps
-            ):
-                break
-        except (OSError, subprocess.TimeoutExpired):
-            continue
+    why = install("redis-server")
+    if why:
+        return None, why
     found = shutil.which("redis-server") or (
         "/usr/bin/redis-server" if os.access("/usr/bin/redis-server", os.X_OK) else None
     )

@@ -25,6 +25,7 @@ from metanode import cache, db
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server, plugins_server
 from tests.helpers.wait import poll
+from tools.bench.pgcluster import install
 
 CHROMIUM = "/usr/bin/chromium"
 WAIT_MS = 60_000  # Playwright's bound for anything to appear: generous, both cores may be busy
@@ -43,15 +44,9 @@ def chromium() -> str:
     """Debian's chromium, installed with apt if missing (never `playwright install`: nothing
     is downloaded but packages); the tests skip, saying why, only where it cannot be."""
     if not Path(CHROMIUM).exists():
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for command in (
-            ["apt-get", "update", "-qq"],
-            ["apt-get", "install", "-y", "-qq", "chromium"],
-        ):
-            try:
-                subprocess.run(command, env=env, capture_output=True, timeout=900, check=True)
-            except (OSError, subprocess.SubprocessError) as exc:
-                pytest.skip(f"Debian's chromium is not installed and apt-get cannot: {exc}")
+        why = install("chromium")
+        if why:
+            pytest.skip(f"Debian's chromium: {why}")
     return CHROMIUM
 
 

@@ -33,22 +33,24 @@ def _bin_dir() -> Path | None:
     return found[0].parent if found else None
 
 
-def _install() -> str:
-    """apt-get install the package; the reason it failed, or ''."""
+def install(package: str) -> str:
+    """`apt-get install` a Debian package (an `apt-get update` first only if the plain install
+    fails); the reason it could not be installed, or ''. PostgreSQL's here; the tests install
+    theirs (ffmpeg, chromium, redis-server) through it too, so there is one copy of it."""
     if shutil.which("apt-get") is None:
-        return "PostgreSQL is not installed and there is no apt-get to install it"
+        return f"{package} is not installed and there is no apt-get to install it"
     if os.geteuid() != 0:
-        return "PostgreSQL is not installed and installing it needs root"
+        return f"{package} is not installed and installing it needs root"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-qq", PACKAGE]
-    for steps in ([install], [["apt-get", "update", "-qq"], install]):
+    command = ["apt-get", "install", "-y", "-qq", package]
+    for steps in ([command], [["apt-get", "update", "-qq"], command]):
         try:
             runs = (subprocess.run(s, env=env, capture_output=True, timeout=900) for s in steps)
             if all(run.returncode == 0 for run in runs):
                 return ""
         except (OSError, subprocess.TimeoutExpired):
             continue
-    return f"apt-get install {PACKAGE} failed"
+    return f"apt-get install {package} failed"
 
 
 def server_binaries() -> tuple[Path | None, str]:
@@ -56,7 +58,7 @@ def server_binaries() -> tuple[Path | None, str]:
     found = _bin_dir()
     if found is not None:
         return found, ""
-    why = _install()
+    why = install(PACKAGE)
     found = _bin_dir()
     return found, "" if found else (why or "no /usr/lib/postgresql/*/bin after installing")
 
