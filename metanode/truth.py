@@ -1522,8 +1522,7 @@ class TruthStore(Store):
         """`max_seq` on a connection of its own (`reading`), for a thread: the applier's poll
         every 20 ms (`applier.Replica`), which must not hold up the event loop's connection
         or keep it in its reconnection wait while the server is away."""
-        with self.reading() as conn, storage_errors(self.path):
-            return max_seq(conn)
+        return self._own_read(max_seq)
 
     @mapped
     def min_seq(self) -> int | None:

@@ -49,16 +49,6 @@ def launch(storage: str) -> Iterator[Launch]:
             srv.stop(signal.SIGKILL)
 
 
-def register(srv: Server, signer: Signer) -> None:
-    response = httpx.post(
-        f"{srv.url}/api/signers",
-        headers=srv.headers,
-        timeout=10,
-        json={"uid": signer.uid, "name": "crash"},
-    )
-    assert response.status_code == 200, response.text
-
-
 def stored_claims(conn: db.Connection, uid: str) -> set[tuple[str, str, str | None]]:
     return set(conn.execute("SELECT cid, key, value FROM claims WHERE uid = ?", (uid,)))
 
@@ -70,7 +60,7 @@ def test_sigkill_mid_ingest_loses_no_acknowledged_claim(
     data = tmp_path / "data"
     first = launch(data)
     signer = Signer()
-    register(first, signer)
+    first.register(signer.uid, "crash")
 
     def make_batch(worker: int, n: int) -> list[dict[str, Any]]:
         return [
@@ -133,7 +123,7 @@ def test_crash_between_truth_commit_and_cache_apply(
     # The cache is locked, so every POST waits `apply_wait_s` and answers 202 `applied: false`.
     first = launch(data, {"METANODE_APPLY_WAIT_S": "0.2", "METANODE_WATCH_ENABLED": "false"})
     signer = Signer()
-    register(first, signer)
+    first.register(signer.uid, "crash")
     before = wait_caught_up(first.url)
     batches = [
         [

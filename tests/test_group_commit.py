@@ -14,7 +14,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -197,13 +197,7 @@ def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
     first = Server(data, env=env).start()
     signer = Signer()
     try:
-        response = httpx.post(
-            f"{first.url}/api/signers",
-            headers=first.headers,
-            json={"uid": signer.uid, "name": "load"},
-            timeout=10,
-        )
-        assert response.status_code == 200, response.text
+        first.register(signer.uid, "load")
         acknowledged = hammer(first, signer)
     finally:
         if first.proc is not None:
@@ -415,9 +409,10 @@ def insert_value(conn: sqlite3.Connection, value: int) -> int:
     return value
 
 
-def test_a_group_waits_for_a_job_announced_as_on_its_way(tmp_path: Path, monkeypatch: Any) -> None:
-    """A request being validated is announced; the group the writer is gathering waits for it
-    (here without a time bound) instead of committing without it: one transaction for both."""
+@pytest.fixture
+def awaited(tmp_path: Path, monkeypatch: Any) -> Iterator[tuple[db.Writer, Any]]:
+    """A writer with two jobs announced, the first submitted and taken, its group gathering
+    (with no time bound) for the second: (the writer, the first job's future)."""
     monkeypatch.setattr(db, "GROUP_DEADLINE_S", 3600.0)
     monkeypatch.setattr(db, "GROUP_WAIT_S", 3600.0)
     writer = counting_writer(tmp_path / "t.db")
@@ -426,31 +421,31 @@ def test_a_group_waits_for_a_job_announced_as_on_its_way(tmp_path: Path, monkeyp
         writer.announce()
         first = writer.submit_grouped("g", 1, insert_value, 1, announced=True)
         until(lambda: writer.queued() == 0, "the writer took the first job")
-        assert not first.done(), "the group waits for the announced job"
-        second = writer.submit_grouped("g", 1, insert_value, 2, announced=True)
-        assert (first.result(DEADLINE_S), second.result(DEADLINE_S)) == (1, 2)
-        assert (writer.groups, writer.grouped) == (1, 2)
+        yield writer, first
     finally:
         writer.close()
+
+
+def test_a_group_waits_for_a_job_announced_as_on_its_way(
+    awaited: tuple[db.Writer, Any],
+) -> None:
+    """A request being validated is announced; the group the writer is gathering waits for it
+    instead of committing without it: one transaction for both."""
+    writer, first = awaited
+    assert not first.done(), "the group waits for the announced job"
+    second = writer.submit_grouped("g", 1, insert_value, 2, announced=True)
+    assert (first.result(DEADLINE_S), second.result(DEADLINE_S)) == (1, 2)
+    assert (writer.groups, writer.grouped) == (1, 2)
 
 
 def test_a_withdrawn_announcement_lets_the_group_commit_without_it(
-    tmp_path: Path, monkeypatch: Any
+    awaited: tuple[db.Writer, Any],
 ) -> None:
     """An announced request that fails validation withdraws: the waiting group commits at once."""
-    monkeypatch.setattr(db, "GROUP_DEADLINE_S", 3600.0)
-    monkeypatch.setattr(db, "GROUP_WAIT_S", 3600.0)
-    writer = counting_writer(tmp_path / "t.db")
-    try:
-        writer.announce()
-        writer.announce()
-        first = writer.submit_grouped("g", 1, insert_value, 1, announced=True)
-        until(lambda: writer.queued() == 0, "the writer took the first job")
-        writer.withdraw()
-        assert first.result(DEADLINE_S) == 1
-        assert (writer.groups, writer.grouped) == (1, 1)
-    finally:
-        writer.close()
+    writer, first = awaited
+    writer.withdraw()
+    assert first.result(DEADLINE_S) == 1
+    assert (writer.groups, writer.grouped) == (1, 1)
 
 
 async def test_a_rejected_batch_withdraws_its_announcement(

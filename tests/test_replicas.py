@@ -49,16 +49,6 @@ def post(server: Server, claims: list[dict[str, Any]]) -> dict[str, Any]:
     return body
 
 
-def register(server: Server, signer: Signer) -> None:
-    response = httpx.post(
-        f"{server.url}/api/signers",
-        headers=server.headers,
-        json={"uid": signer.uid, "name": "replicas"},
-        timeout=10,
-    )
-    assert response.status_code == 200, response.text
-
-
 def title_of(server: Server, cid: str) -> str | None:
     doc = server.meta(cid)
     return None if doc is None else doc["metadata"].get("title")
@@ -68,7 +58,7 @@ def test_claims_posted_to_either_replica_read_back_from_the_other(pair: list[Ser
     leader = applier_of(pair)
     follower = next(s for s in pair if s is not leader)
     signer = Signer()
-    register(follower, signer)  # a signer registered through one replica signs on any
+    follower.register(signer.uid, "replicas")  # registered through one replica, signs on any
     for n, (to, back) in enumerate([(leader, follower), (follower, leader)] * 3):
         cid = cids.midhash_bytes(f"replicas {n}".encode())
         post(to, [signer.claim(cid, "title", f"title {n}")])
@@ -83,7 +73,7 @@ def test_claims_posted_to_either_replica_read_back_from_the_other(pair: list[Ser
 
 def test_two_replicas_feeds_give_the_same_events_with_the_same_ids(pair: list[Server]) -> None:
     signer = Signer()
-    register(pair[0], signer)
+    pair[0].register(signer.uid, "replicas")
     streams = [Stream(server, [("snapshot", "1")]) for server in pair]
     heads = [streamed.events(1)[0] for streamed in streams]  # the empty state's `synced`
     assert heads[0] == heads[1] and heads[0].event == "synced", heads
@@ -102,7 +92,7 @@ def test_sigkill_of_the_applier_under_load_loses_nothing_and_the_other_takes_ove
     leader = applier_of(pair)
     other = next(s for s in pair if s is not leader)
     signer = Signer()
-    register(leader, signer)
+    leader.register(signer.uid, "replicas")
     stream = Stream(other, [("snapshot", "1")])
     assert stream.events(1)[0].event == "synced"
 

@@ -131,6 +131,16 @@ class Server:
         body: dict[str, Any] = response.json()
         return body
 
+    def register(self, uid: str, name: str, **fields: Any) -> None:
+        """POST /api/signers: register `uid` (weight, may_link … as `fields`); it must work."""
+        response = httpx.post(
+            f"{self.url}/api/signers",
+            headers=self.headers,
+            json={"uid": uid, "name": name, **fields},
+            timeout=10,
+        )
+        assert response.status_code == 200, response.text
+
     def stop(self, sig: int = 15, grace: float = 30.0) -> int:
         """Send `sig`; SIGKILL if it has not exited within `grace` seconds (a wedged node)."""
         assert self.proc is not None
