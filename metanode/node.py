@@ -578,10 +578,19 @@ class Node:
     def _match(text: str, lookup: Callable[[str], T | None]) -> tuple[str, str, T | None]:
         """(asked CID in canonical spelling, the spelling `lookup` found something under, what
         it found), trying the alias spelling on a miss (SPEC §1.1); (asked, asked, None) if
-        neither spelling finds anything. The one home of the alias-spelling retry."""
+        neither spelling finds anything. The one home of the alias-spelling retry.
+
+        `text` itself is looked up first, before any parse: the stores hold canonical
+        spellings only (a claim's CID and link member must be canonical, the watcher and the
+        migration tool store canonical ones), so a hit is already the canonical spelling. A
+        read of a known CID then skips the parse, whose cache a large library overflows
+        (docs/benchmarks.md, "Reads at 1M claims")."""
+        found = lookup(text) if text.startswith("b") else None
+        if found is not None:
+            return text, text, found
         asked = cids.normalise(text)
         for candidate in cids.spellings(asked):
-            found = lookup(candidate)
+            found = None if candidate == text else lookup(candidate)  # `text` missed above
             if found is not None:
                 return asked, candidate, found
         return asked, asked, None

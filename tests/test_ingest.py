@@ -250,6 +250,26 @@ async def test_lookup_spellings_and_alias(client: httpx.AsyncClient, alice: Sign
         assert response.status_code == 200 and response.json()["cid"] == raw_spelling
 
 
+async def test_a_read_of_a_stored_cid_parses_nothing(
+    client: httpx.AsyncClient, node: Node, alice: Signer
+) -> None:
+    """A stored CID is canonical, so reading it needs no parse (whose cache a large library
+    overflows): the lookup comes first. An unknown or non-canonical spelling is still parsed,
+    and a junk one still refused."""
+    await register(client, alice)
+    stored = cids.midhash_bytes(b"parse-free")
+    await post(client, alice.claim(stored, "title", "t"))
+    cids._parse.cache_clear()
+    assert (await client.get(f"/api/meta/{stored}")).json()["metadata"]["title"] == "t"
+    assert node.resolve_cid(stored)[0] == stored
+    assert cids._parse.cache_info().misses == 0
+    unknown = cids.midhash_bytes(b"never stored")
+    response = await client.get(f"/api/meta/{unknown}")
+    assert response.json()["error"] == "unknown_cid" and cids._parse.cache_info().misses == 1
+    junk = await client.get(f"/api/meta/{stored[:-1]}!")
+    assert (junk.status_code, junk.json()["error"]) == (400, "invalid_cid")
+
+
 async def test_a_batch_of_new_records_adds_one_full_text_segment(
     client: httpx.AsyncClient, node: Node, alice: Signer, backend: str
 ) -> None:
