@@ -1,3 +1,4 @@
 from metanode.cli import main
 
-main()
+if __name__ == "__main__":  # not when a `spawn` worker process imports it
+    main()

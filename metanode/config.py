@@ -83,6 +83,13 @@ class Settings:
         "most recently read; 0: none, every read is one cache.db lookup. Emptied whenever the "
         'cache commits (docs/benchmarks.md, "Hot documents").',
     )
+    verify_processes: int = setting(
+        2,
+        "Worker processes beside the server that validate large POST /api/claims batches "
+        "(64 claims or more), started at the first one; 0: none, every batch is validated on "
+        "the server's threads. In a process of its own, validation does not hold the GIL the "
+        'writers need (docs/benchmarks.md, "Verify in processes").',
+    )
     feed_keep_alive_s: float = setting(
         15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment."
     )
@@ -188,6 +195,10 @@ class Settings:
             raise InvalidRequest(f"setting workers: {self.workers} is not from 0 to 256")
         if self.hot_documents < 0:
             raise InvalidRequest(f"setting hot_documents: {self.hot_documents} is below 0")
+        if not 0 <= self.verify_processes <= 256:
+            raise InvalidRequest(
+                f"setting verify_processes: {self.verify_processes} is not from 0 to 256"
+            )
         networks("trusted_networks", self.trusted_networks)
         networks("trusted_proxies", self.trusted_proxies)
         if self.storage != "sqlite" and not self.postgresql:

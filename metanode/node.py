@@ -56,7 +56,7 @@ from metanode.errors import (
     UnknownRid,
 )
 from metanode.metrics import Metrics
-from metanode.verifier import Verifier
+from metanode.verifier import Processes, Verifier
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -94,7 +94,9 @@ class Node:
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=jobs, thread_name_prefix="verify"
         )
-        self.verifier = Verifier(self._verify_pool, jobs, self.limits)
+        count = settings.verify_processes
+        self._verify_processes = Processes(count) if count and not follower else None
+        self.verifier = Verifier(self._verify_pool, jobs, self.limits, self._verify_processes)
         self.metrics = Metrics(self._gauges)
         self.subscribers = 0
         self.owner = self._own_signer(OWNER_NAME, settings.owner_weight)
@@ -302,6 +304,8 @@ class Node:
         await asyncio.to_thread(self.cache.close)  # drains the jobs reading truth snapshots
         self.truth.close()
         self._verify_pool.shutdown()
+        if self._verify_processes is not None:
+            self._verify_processes.shutdown()
 
     async def _retention(self) -> None:
         """From start and then periodically: enforce feed retention, and drop the outbox rows

@@ -11,6 +11,7 @@ import pytest
 
 from metanode import cid as cids
 from metanode.node import Node
+from metanode.verifier import BULK_CLAIMS
 from tests.helpers.claims import NOW_MS, Signer, post, register, verdicts, without_owner
 from tests.helpers.postgres import every_row
 
@@ -148,6 +149,32 @@ async def test_invalid_claim_rejects_whole_batch_and_writes_nothing(
     assert [(i["index"], i["error"]) for i in body["items"]] == [(1, slug)]
     assert await db_bytes(node) == before
     assert (await client.get(f"/api/meta/{CID_A}")).status_code == 404
+
+
+async def test_a_large_batch_is_validated_in_worker_processes(
+    client: httpx.AsyncClient, node: Node, alice: Signer
+) -> None:
+    """A batch of `BULK_CLAIMS` or more is validated in the `verify_processes` (real `spawn`
+    processes): a bad claim in it still rejects the whole batch, at its index, writing nothing;
+    the good batch is then accepted whole and readable."""
+    await register(client, alice)
+    before = await db_bytes(node)
+    batch = [
+        alice.claim(cids.midhash_bytes(f"bulk {n}".encode()), "title", f"bulk {n}")
+        for n in range(BULK_CLAIMS + 36)
+    ]
+    bad = BULK_CLAIMS + 13
+    tampered = {**batch[bad], "value": "tampered"}
+    response = await post(client, *batch[:bad], tampered, *batch[bad + 1 :])
+    assert response.status_code == 400, response.text
+    assert [(i["index"], i["error"]) for i in response.json()["items"]] == [(bad, "bad_signature")]
+    assert await db_bytes(node) == before
+    assert node.verifier.processes is not None and node.verifier.processes.pool()._processes
+    response = await post(client, *batch)
+    assert (response.status_code, response.json()["accepted"]) == (200, len(batch))
+    assert (await client.get(f"/api/meta/{batch[bad]['cid']}")).json()["metadata"]["title"] == (
+        f"bulk {bad}"
+    )
 
 
 async def test_unknown_and_blocked_signers_are_403(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 from typing import Any
 
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from metanode import cid as cids
 from metanode import claims
-from metanode.verifier import Verifier
+from metanode.verifier import BULK_CLAIMS, Processes, Verifier
 from tests.helpers.claims import NOW_MS, Signer
 
 SIGNER = Signer()
@@ -37,3 +38,50 @@ def test_each_request_gets_its_own_results(requests: list[list[object]], jobs: i
         results = asyncio.run(run())
     for items, (valid, errors) in zip(requests, results, strict=True):
         assert (valid, errors) == claims.validate_items(items, 0, NOW_MS)
+
+
+def test_a_large_batch_is_validated_in_worker_processes_with_its_errors_at_its_indexes() -> None:
+    """A batch of `BULK_CLAIMS` or more is split among real `spawn` worker processes; what
+    comes back is exactly what validating it in this process gives: every valid claim, and
+    each error at its index in the batch."""
+    batch: list[object] = [GOOD[n % len(GOOD)] for n in range(BULK_CLAIMS + 9)]
+    for index, bad in zip((3, BULK_CLAIMS // 2 + 1, BULK_CLAIMS + 8), BAD, strict=True):
+        batch[index] = bad
+    processes = Processes(2)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            verifier = Verifier(pool, 1, claims.Limits(), processes)
+            result = asyncio.run(verifier.validate(batch, NOW_MS))
+        workers = processes.pool()._processes  # what ran it: the processes of the pool
+        assert workers and all(p.pid != os.getpid() for p in workers.values())
+    finally:
+        processes.shutdown()
+    assert result == claims.validate_items(batch, 0, NOW_MS)
+    assert [e["index"] for e in result[1]] == [3, BULK_CLAIMS // 2 + 1, BULK_CLAIMS + 8]
+
+
+def test_a_dead_worker_process_costs_no_batch() -> None:
+    """A worker process killed (the OOM killer, an operator) breaks its pool: the batch it
+    held is validated on the threads instead, and the next large batch gets new processes."""
+    batch: list[object] = [GOOD[n % len(GOOD)] for n in range(BULK_CLAIMS)]
+    expected = claims.validate_items(batch, 0, NOW_MS)
+    processes = Processes(1)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            verifier = Verifier(pool, 1, claims.Limits(), processes)
+
+            async def run() -> list[Any]:
+                first = await verifier.validate(batch, NOW_MS)
+                dead = processes.pool()
+                for worker in list(dead._processes.values()):
+                    worker.kill()
+                    worker.join()
+                second = await verifier.validate(batch, NOW_MS)  # the broken pool: threads
+                third = await verifier.validate(batch, NOW_MS)  # a new pool
+                assert processes.pool() is not dead
+                return [first, second, third]
+
+            results = asyncio.run(run())
+    finally:
+        processes.shutdown()
+    assert results == [expected] * 3

@@ -157,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         help="post with wrk for SECONDS instead of httpx (as many bodies as it gets through)",
     )
     parser.add_argument(
+        "--verify-processes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the server's verify_processes setting (default: the node's default)",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="afterwards, time each ingest stage in-process on one thread",
@@ -176,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="metanode-bench-") as tmp:
         data_dir = Path(tmp) / "data"
-        with harness.metanode_server(data_dir) as server:
+        env = {}
+        if args.verify_processes is not None:
+            env["METANODE_VERIFY_PROCESSES"] = str(args.verify_processes)
+        with harness.metanode_server(data_dir, **env) as server:
             harness.register_signer(server, data_dir, key)
             harness.post_all(server, data_dir, [harness.claims_body(warmup)])
             raw_before = raw_verify_rate(key, signed)
