@@ -436,6 +436,7 @@ def test_a_server_on_postgresql_watches_runs_plugins_and_feeds(tmp_path: Path, d
     a rename moves `filePath`."""
     env = {"METANODE_STORAGE": dsn, "METANODE_WATCH_ENABLED": "true"}
     with plugins_server(tmp_path / "data", **env) as server:
+        wait_caught_up(server.url, timeout=60)  # /health answers while the replica builds
         stream = Stream(server)
         dropped = server.media / "Inception.2010.1080p.BluRay.x264-GRP.mkv"
         dropped.write_bytes(b"x" * 5000)
