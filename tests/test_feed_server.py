@@ -57,14 +57,6 @@ def http(server: Server, timeout: float = WAIT_S) -> httpx.Client:
     return httpx.Client(base_url=server.url, headers=server.headers, timeout=timeout)
 
 
-def register(server: Server, signer: Signer, may_link: bool = False) -> None:
-    with http(server) as client:
-        response = client.post(
-            "/api/signers", json={"uid": signer.uid, "name": "feed", "may_link": may_link}
-        )
-    assert response.status_code == 200, response.text
-
-
 def post(client: httpx.Client, batch: list[dict[str, Any]]) -> None:
     response = client.post("/api/claims", json={"claims": batch})
     assert response.status_code == 200, response.text
@@ -163,7 +155,7 @@ def bulk() -> tuple[Signer, list[dict[str, Any]]]:
 
 def test_live_delivery_headers_and_exact_bytes(server: Server) -> None:
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     post_all(server, new_cid_claims(signer, "before", 2))  # events 1–4: not for a live stream
     ep = epoch(server)
     stream = Stream(server)
@@ -210,7 +202,7 @@ def test_resume_after_random_disconnects_loses_and_repeats_nothing(server: Serve
     """10,000 events ingested while a client drops the connection at random byte offsets and
     resumes with `Last-Event-ID` = the last id it received."""
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     n = 2_500
     phases = [
         new_cid_claims(signer, "r", n),  # 5,000 events
@@ -272,7 +264,7 @@ def test_disconnects_while_events_flow_disturb_neither_ingest_nor_other_subscrib
     anyio cancels a disconnected stream repeatedly): other streams died with 'cannot wait on
     un-acquired lock', or the lock stayed held and ingest, every stream and SIGTERM hung."""
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     ep = epoch(server)
     stayers = [Stream(server, last_event_id=cursor(ep, 0), timeout=STALL_S) for _ in range(5)]
     posted: list[int] = []
@@ -312,7 +304,7 @@ def test_disconnects_while_events_flow_disturb_neither_ingest_nor_other_subscrib
 
 def test_unusable_cursors_get_gap_then_snapshot_then_live(server: Server) -> None:
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     post_all(server, new_cid_claims(signer, "g", 4))  # events 1–8
     ep = epoch(server)
     cases = [
@@ -365,7 +357,7 @@ def test_unusable_cursors_get_gap_then_snapshot_then_live(server: Server) -> Non
 
 def test_merge_arrives_as_del_for_the_loser_and_set_for_the_survivor(server: Server) -> None:
     linker = Signer()
-    register(server, linker, may_link=True)
+    server.register(linker.uid, "feed", may_link=True)
     a, b = cid_n("merge", 1), cid_n("merge", 2)
     post_all(server, fast_claims(linker, [(a, "title", "old group", NOW_MS)]))
     post_all(
@@ -406,7 +398,7 @@ def test_merge_arrives_as_del_for_the_loser_and_set_for_the_survivor(server: Ser
 
 def test_filters_on_replay_snapshot_and_live(server: Server) -> None:
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     post_all(
         server,
         fast_claims(
@@ -502,7 +494,7 @@ def test_a_stalled_subscriber_blocks_nothing_and_loses_nothing(
     )
     server = launch(env)
     signer, batch = bulk
-    register(server, signer)
+    server.register(signer.uid, "feed")
     total = 2 * len(batch)
     ep = epoch(server)
     stalled = Stream(server, last_event_id=cursor(ep, 0), rcvbuf=4096)
@@ -641,7 +633,7 @@ def subscriber_wave(server: Server, signer: Signer, wave: int) -> None:
 
 def test_many_subscribers_and_disconnects_free_resources(server: Server) -> None:
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     post_all(server, new_cid_claims(signer, "many", 1_000))  # 2,000 events, 1,000 records
     idle_cache_files = cache_files(server)
     for wave in range(3):
@@ -675,7 +667,7 @@ def first_frame(server: Server, last_event_id: str) -> Frame:
 def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -> None:
     server = launch({"METANODE_FEED_RETENTION_EVENTS": "1000", "METANODE_FEED_PRUNE_S": "0.2"})
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     post_all(server, new_cid_claims(signer, "keep", 1_500))  # events 1–3,000
     ep = epoch(server)
     wait_until(
@@ -717,7 +709,7 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
 def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
     server = launch()
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     post_all(server, new_cid_claims(signer, "rebuild", 5))  # events 1–10
     old_epoch = epoch(server)
     old = cursor(old_epoch, 10)
@@ -757,7 +749,7 @@ def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
 def test_keep_alive_comments_when_idle(launch: Launch) -> None:
     server = launch({"METANODE_FEED_KEEP_ALIVE_S": "0.3"})
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     ep = epoch(server)
     stream = Stream(server, last_event_id=cursor(ep, 0))
     assert stream.next().event == "synced"
@@ -833,7 +825,7 @@ def idle_for_keep_alives(server: Server, at: str, count: int = 2) -> None:
 def test_events_cli_prints_the_feed(launch: Launch) -> None:
     server = launch({"METANODE_FEED_KEEP_ALIVE_S": "0.3"})  # keep-alives are not printed
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     post_all(server, new_cid_claims(signer, "cli", 3))  # events 1–6
     ep = epoch(server)
     want = records(server)
@@ -872,7 +864,7 @@ def test_events_cli_prints_values_with_unicode_line_separators(launch: Launch) -
     U+2028, sent raw by the server, came out truncated into invalid JSON."""
     server = launch()
     signer = Signer()
-    register(server, signer)
+    server.register(signer.uid, "feed")
     value = "one\u2028two\u2029three\x85four"
     post_all(server, fast_claims(signer, [(cid_n("u2028", 0), "title", value, NOW_MS)]))
     ep = epoch(server)

@@ -92,12 +92,6 @@ def peer_status(server: Server, name: str = "a") -> dict[str, Any]:
     return rows[name]
 
 
-def register(server: Server, signer: Signer, weight: int = 1, may_link: bool = False) -> None:
-    body = {"uid": signer.uid, "name": "t", "weight": weight, "may_link": may_link}
-    response = httpx.post(f"{server.url}/api/signers", json=body, headers=server.headers)
-    assert response.status_code == 200, response.text
-
-
 def post(server: Server, claims: list[dict[str, Any]]) -> dict[str, Any]:
     for start in range(0, len(claims), 1000):
         response = httpx.post(
@@ -152,10 +146,10 @@ def test_b_follows_a_and_ends_with_a_s_documents_live_and_through_tombstones(
     a, b = pair
     s1, s2, s3, stranger = Signer(), Signer(), Signer(), Signer()
     for srv in (a, b):  # B trusts these three as A does
-        register(srv, s1, weight=2, may_link=True)
-        register(srv, s2)
-        register(srv, s3, may_link=True)
-    register(a, stranger, may_link=True)  # only A knows this one
+        srv.register(s1.uid, "t", weight=2, may_link=True)
+        srv.register(s2.uid, "t")
+        srv.register(s3.uid, "t", may_link=True)
+    a.register(stranger.uid, "t", may_link=True)  # only A knows this one
     c = [cid(f"c{i}") for i in range(8)]
     post(a, [s1.claim(c[i], "title", f"one {i}") for i in range(8)])
     post(a, [s2.claim(c[i], "title", f"two {i}") for i in range(0, 8, 2)])
@@ -206,8 +200,8 @@ def test_a_follower_killed_mid_sync_ends_with_exactly_the_peer_s_claims(tmp_path
     b = Server(tmp_path / "b" / "data", env={**ENV, "METANODE_PEER_PAGE_CLAIMS": "10"}).start()
     try:
         signer = Signer()
-        register(a, signer)
-        register(b, signer)
+        a.register(signer.uid, "t")
+        b.register(signer.uid, "t")
         total = 3000
         post(
             a, fast_claims(signer, [(cid(f"k{i}"), "title", f"t{i}", NOW_MS) for i in range(total)])
@@ -270,7 +264,7 @@ def test_a_forged_and_a_replayed_claim_from_a_peer_are_counted_and_only_the_vali
 ) -> None:
     b = server
     signer = Signer()
-    register(b, signer)
+    b.register(signer.uid, "t")
     here, forged_cid, valid_cid = cid("here"), cid("forged"), cid("valid")
     post(b, [signer.claim(here, "title", "newer", ts=NOW_MS + 10)])
     forged = {**signer.claim(forged_cid, "title", "x"), "value": "forged"}
@@ -420,7 +414,7 @@ def test_peers_add_on_a_box_sharing_most_claims_fetches_only_the_difference(
     a, b = pair
     signer = Signer()
     for srv in (a, b):
-        register(srv, signer)
+        srv.register(signer.uid, "t")
     shared = fast_claims(signer, [(cid(f"s{i}"), "title", f"s{i}", NOW_MS) for i in range(2000)])
     only_a = fast_claims(signer, [(cid(f"a{i}"), "title", "a", NOW_MS) for i in range(20)])
     only_b = fast_claims(signer, [(cid(f"b{i}"), "title", "b", NOW_MS) for i in range(20)])

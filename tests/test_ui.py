@@ -131,16 +131,6 @@ def titled(srv: Server, path: Path, title: str) -> str:
     return poll(fetch, f"{path.name} to get the title {title!r}")
 
 
-def register(srv: Server, signer: Signer, name: str, weight: int) -> None:
-    response = httpx.post(
-        f"{srv.url}/api/signers",
-        headers=srv.headers,
-        json={"uid": signer.uid, "name": name, "weight": weight},
-        timeout=30,
-    )
-    assert response.status_code == 200, response.text
-
-
 def post(srv: Server, *claims: dict[str, Any]) -> None:
     response = httpx.post(
         f"{srv.url}/api/claims", headers=srv.headers, json={"claims": list(claims)}, timeout=130
@@ -208,7 +198,7 @@ def test_the_record_page_shows_who_said_what_for_a_key_two_signers_set(
 ) -> None:
     midhash = titled(srv, drop(srv, "Quiet.Harbour.1987.mkv"), "Quiet Harbour")
     critic = Signer()
-    register(srv, critic, "critic", 7)
+    srv.register(critic.uid, "critic", weight=7)
     post(srv, critic.claim(midhash, "title", "The Quiet Harbour", now_ms()))
     page.goto(f"{srv.url}/records/{midhash}")
     expect(page.get_by_role("heading", name="The Quiet Harbour")).to_be_visible()
@@ -279,7 +269,7 @@ def test_a_new_key_added_on_the_page_is_the_owners(page: Page, srv: Server) -> N
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
     midhash = titled(srv, drop(srv, "Northern.Lanterns.2015.mkv"), "Northern Lanterns")
     poster = Signer()
-    register(srv, poster, "poster", 1)
+    srv.register(poster.uid, "poster", weight=1)
     page.get_by_role("link", name="Live").click()
     expect(page.get_by_role("status")).to_have_text("connected")
     claim = poster.claim(midhash, "mood", "wistful", now_ms())
@@ -304,7 +294,7 @@ def test_state_changes_without_the_sessions_csrf_token_are_refused(
     page: Page, context: BrowserContext, srv: Server
 ) -> None:
     victim = Signer()
-    register(srv, victim, "victim", 3)
+    srv.register(victim.uid, "victim", weight=3)
     url = f"{srv.url}/signers/{victim.uid}/block"
 
     def status() -> str:
