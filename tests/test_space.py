@@ -146,3 +146,26 @@ async def test_a_v2_truth_db_keeps_every_claim_and_its_log_order_in_v3(tmp_path:
         await node.stop()
     report = maintenance.check(old, tmp_path / "scratch.db")
     assert report.clean and report.claims_checked == 4, report
+
+
+def test_a_v2_claim_without_a_log_seq_joins_the_end_of_the_log(tmp_path: Path) -> None:
+    path = tmp_path / "truth.db"
+    db.migrate_file(path, truth.MIGRATIONS[:2])
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("INSERT INTO signers (uid, added_at) VALUES ('u', 0)")
+    conn.execute("INSERT INTO rids (rid, minted_at) VALUES (?, 0)", ("0" * 26,))
+    conn.execute("INSERT INTO cid_group (cid, rid) VALUES ('c', ?)", ("0" * 26,))
+    rows = [("k1", 7), ("k2", None), ("k3", 3)]
+    conn.executemany(
+        "INSERT INTO claims (uid, cid, key, value, ts, sig, log_seq) "
+        "VALUES ('u', 'c', ?, 'v', 1, zeroblob(64), ?)",
+        rows,
+    )
+    conn.close()
+    db.migrate_file(path, truth.MIGRATIONS)
+    conn = sqlite3.connect(path)
+    try:
+        log = conn.execute("SELECT key, log_seq FROM claims ORDER BY log_seq").fetchall()
+    finally:
+        conn.close()
+    assert log == [("k3", 3), ("k1", 7), ("k2", 8)]
