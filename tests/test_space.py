@@ -1,14 +1,21 @@
 """truth.db gives the space of its pruned outbox back (incremental vacuum): a new truth.db is
 made incremental, an older one is switched at its first open with its data intact, and pruning
-the outbox shrinks the file to the claims and a small reserve."""
+the outbox shrinks the file to the claims and a small reserve. Schema v3 keys the claims by
+their log seq (denser, appended rather than scattered): a v2 truth.db keeps every claim and its
+log order through the migration."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
 
-from metanode import db, truth
-from tests.helpers.claims import NOW_MS
+from metanode import cid as cids
+from metanode import db, maintenance, truth
+from metanode.claims import Claim
+from metanode.config import Settings
+from metanode.node import Node
+from tests.helpers.claims import NOW_MS, Signer
+from tests.helpers.settings import settings_for
 
 ROWS = 40_000  # ≈ 20 MiB of outbox rows: well over the reserve
 
@@ -56,3 +63,109 @@ async def test_pruning_the_outbox_gives_its_pages_back(tmp_path: Path) -> None:
         assert pragma(path, "page_count") <= empty + truth.RESERVE_PAGES + 8
         assert store.max_seq() == ROWS  # the counter stays: seqs are never reused
     assert path.stat().st_size <= (empty + truth.RESERVE_PAGES + 8) * 4096
+
+
+X, Y = (cids.midhash_bytes(f"schema v3 {n}".encode()) for n in "XY")
+
+
+async def fill_v3(node: Node, one: Signer, two: Signer) -> None:
+    """Two signers' claims on two CIDs, a link vote joining them, and a replaced claim."""
+    await node.add_signer(one.uid, "one", 1, False)
+    await node.add_signer(two.uid, "two", 2, True)
+    batches = [
+        [one.claim(X, "title", "a"), two.claim(Y, "title", "b")],
+        [two.claim(X, f"cids/{Y}", "true"), one.claim(Y, "year", "1999")],
+        [one.claim(X, "title", "c", ts=NOW_MS + 1)],  # replaces "a": to the end of the log
+    ]
+    for batch in batches:
+        assert (await node.ingest({"claims": batch})).status == 200
+
+
+def to_v2(source: Path, dest: Path) -> None:
+    """Copy the truth at `source` into a new truth at `dest` built to schema v2 (what an older
+    metanode made): every row, the log seqs, the log id and the outbox counter."""
+    db.migrate_file(dest, truth.MIGRATIONS[:2])
+    into, out_of = db.connect(dest), db.connect(source)
+    try:
+        db.run_txn(into, truth.copy_txn, out_of)
+    finally:
+        into.close()
+        out_of.close()
+
+
+def claims_indexes(path: Path) -> set[str]:
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", ("claims",)
+        )
+        return {r[0] for r in rows}
+    finally:
+        conn.close()
+
+
+async def started(settings: Settings) -> Node:
+    """A started node whose cache is built (reads need it)."""
+    node = Node(settings)
+    await node.start()
+    assert await node.applier.wait_for(0, 60)
+    return node
+
+
+def log_of(node: Node) -> dict[str, object]:
+    return node.claims_log(None, 100, None)
+
+
+async def test_a_v2_truth_db_keeps_every_claim_and_its_log_order_in_v3(tmp_path: Path) -> None:
+    one, two = Signer(), Signer()
+    made = await started(settings_for(tmp_path / "made"))
+    await fill_v3(made, one, two)
+    claims: set[Claim] = set(made.truth.claims())
+    log, document = log_of(made), made.meta(X)
+    await made.stop()
+    old = settings_for(tmp_path / "old")
+    old.data_dir.mkdir(mode=0o700)
+    to_v2(made.settings.truth_path, old.truth_path)
+    assert pragma(old.truth_path, "user_version") == 2
+    assert "claims_cid_key" in claims_indexes(old.truth_path)
+
+    node = await started(old)  # no cache.db: built from the migrated truth at start
+    try:
+        assert pragma(old.truth_path, "user_version") == len(truth.MIGRATIONS) == 3
+        assert claims_indexes(old.truth_path) == {"claims_claim", "claims_signer"}
+        assert set(node.truth.claims()) == claims and len(claims) == 4
+        assert log_of(node) == log  # the same claims, seqs and cursor (the log id is kept)
+        assert [c["value"] for c in log["claims"]][-1] == "c"  # type: ignore[index]
+        assert node.meta(X) == document
+        newer = two.claim(Y, "title", "d", ts=NOW_MS + 1)
+        assert (await node.ingest({"claims": [newer]})).status == 200
+        after = node.claims_log(log["next"], 100, None)  # type: ignore[arg-type]
+        assert [c["value"] for c in after["claims"]] == ["d"]
+        assert len(log_of(node)["claims"]) == 4  # type: ignore[arg-type]
+    finally:
+        await node.stop()
+    report = maintenance.check(old, tmp_path / "scratch.db")
+    assert report.clean and report.claims_checked == 4, report
+
+
+def test_a_v2_claim_without_a_log_seq_joins_the_end_of_the_log(tmp_path: Path) -> None:
+    path = tmp_path / "truth.db"
+    db.migrate_file(path, truth.MIGRATIONS[:2])
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("INSERT INTO signers (uid, added_at) VALUES ('u', 0)")
+    conn.execute("INSERT INTO rids (rid, minted_at) VALUES (?, 0)", ("0" * 26,))
+    conn.execute("INSERT INTO cid_group (cid, rid) VALUES ('c', ?)", ("0" * 26,))
+    rows = [("k1", 7), ("k2", None), ("k3", 3)]
+    conn.executemany(
+        "INSERT INTO claims (uid, cid, key, value, ts, sig, log_seq) "
+        "VALUES ('u', 'c', ?, 'v', 1, zeroblob(64), ?)",
+        rows,
+    )
+    conn.close()
+    db.migrate_file(path, truth.MIGRATIONS)
+    conn = sqlite3.connect(path)
+    try:
+        log = conn.execute("SELECT key, log_seq FROM claims ORDER BY log_seq").fetchall()
+    finally:
+        conn.close()
+    assert log == [("k3", 3), ("k1", 7), ("k2", 8)]
