@@ -192,8 +192,8 @@ def _v2(conn: Connection) -> None:
 # A rowid table keyed by `log_seq` appends each new (or replacing) claim at the end of its
 # B-tree; `claims_claim` (cid, key, uid) finds a claim by what it is about (and serves every
 # read by CID), `claims_signer` (uid, log_seq) a signer's claims. Measured on the claims table
-# alone (/work/notes/layout_experiment.py, 50,000 claims in batches of 100, WAL,
-# synchronous=FULL): 540 → 440 B a claim, insert 49.8 → 27.7 µs a claim. Rows are copied in log
+# alone (tools/bench/claims_layout.py, 50,000 claims in batches of 100, WAL, synchronous=FULL):
+# 536 → 430 B a claim, insert 45.3 → 22.3 µs a claim. Rows are copied in log
 # order; one without a seq (none should be: v2 numbered them all) joins the end of the log. The
 # columns keep their order, so the schema still matches PostgreSQL's (tests/test_pg.py).
 SCHEMA_V3 = """
