@@ -11,7 +11,7 @@ A batch of `BULK_CLAIMS` or more goes to worker processes instead (`Processes`, 
 `verify_processes` setting), split among them. Half of a claim's validation is Python (field
 checks, the RFC 8785 signing bytes, the CID decode) that holds the GIL; on threads it contends
 with the writer threads, which then wait for the GIL between their SQLite steps. Measured in
-the server: batch-100 ingest +19 % (docs/benchmarks.md, "Verify in processes"). A one-claim
+the server: batch-100 ingest +10–12 % (docs/benchmarks.md, "Verify in processes"). A one-claim
 request stays on the threads: there the pickling and the pipe cost more than they save.
 """
 
@@ -78,15 +78,18 @@ class Processes:
             self._pool = concurrent.futures.ProcessPoolExecutor(self.count, mp_context=context)
         return self._pool
 
-    def broken(self) -> None:
-        """A worker died (killed, out of memory): the pool is unusable; the next use starts a
-        new one."""
-        log.warning("a claim validation process died; starting new ones")
-        self.shutdown()
+    def broken(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:
+        """A worker of `pool` died (killed, out of memory): it is unusable (every job it held
+        failed); the next use starts a new one. Only if `pool` is still the current one: of
+        several batches that met the same broken pool, only the first replaces it."""
+        if pool is self._pool:
+            log.warning("a claim validation process died; starting new ones")
+            self.shutdown()
 
     def shutdown(self) -> None:
+        """Let the pool go: its processes end once the jobs they hold are done."""
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=False)
             self._pool = None
 
 
@@ -111,23 +114,24 @@ class Verifier:
     async def validate(self, items: Sequence[object], now: int) -> Result:
         """(the valid claims, an error item per invalid one, at its index in `items`)."""
         if self.processes is not None and len(items) >= BULK_CLAIMS:
+            pool = self.processes.pool()
             try:
-                return await self._in_processes(self.processes, items, now)
+                return await self._in_processes(pool, self.processes.count, items, now)
             except BrokenProcessPool:
-                self.processes.broken()  # this batch goes to the threads
+                self.processes.broken(pool)  # this batch goes to the threads
         runs = [_Run(run, first, now) for run, first in _spread(items, self.jobs)]
         self._pending += runs
         self._dispatch()
         return _joined([await run.done for run in runs])
 
     async def _in_processes(
-        self, processes: Processes, items: Sequence[object], now: int
+        self, pool: concurrent.futures.Executor, count: int, items: Sequence[object], now: int
     ) -> Result:
-        """`items` split among the worker processes, one run each."""
-        loop, pool = asyncio.get_running_loop(), processes.pool()
+        """`items` split among the `count` worker processes of `pool`, one run each."""
+        loop = asyncio.get_running_loop()
         jobs = [
             loop.run_in_executor(pool, validate_runs, [(run, first, now)], self.limits)
-            for run, first in _spread(items, processes.count)
+            for run, first in _spread(items, count)
         ]
         return _joined([part for results in await asyncio.gather(*jobs) for part in results])
 

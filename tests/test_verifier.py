@@ -61,8 +61,8 @@ def test_a_large_batch_is_validated_in_worker_processes_with_its_errors_at_its_i
 
 
 def test_a_dead_worker_process_costs_no_batch() -> None:
-    """A worker process killed (the OOM killer, an operator) breaks its pool: the batch it
-    held is validated on the threads instead, and the next large batch gets new processes."""
+    """A worker process killed (the OOM killer, an operator) breaks its pool: the batches that
+    meet it are validated on the threads instead, and the next large batch gets new processes."""
     batch: list[object] = [GOOD[n % len(GOOD)] for n in range(BULK_CLAIMS)]
     expected = claims.validate_items(batch, 0, NOW_MS)
     processes = Processes(1)
@@ -76,12 +76,15 @@ def test_a_dead_worker_process_costs_no_batch() -> None:
                 for worker in list(dead._processes.values()):
                     worker.kill()
                     worker.join()
-                second = await verifier.validate(batch, NOW_MS)  # the broken pool: threads
+                # two batches meet the broken pool at once: both go to the threads
+                second, again = await asyncio.gather(
+                    verifier.validate(batch, NOW_MS), verifier.validate(batch, NOW_MS)
+                )
                 third = await verifier.validate(batch, NOW_MS)  # a new pool
                 assert processes.pool() is not dead
-                return [first, second, third]
+                return [first, second, again, third]
 
             results = asyncio.run(run())
     finally:
         processes.shutdown()
-    assert results == [expected] * 3
+    assert results == [expected] * 4
