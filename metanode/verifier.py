@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import functools
 import logging
 import multiprocessing
+import os
+import signal
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -31,6 +34,24 @@ from metanode import claims
 
 log = logging.getLogger(__name__)
 BULK_CLAIMS = 64  # a batch this large is validated in the worker processes, if there are any
+PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the one that started it dies, however it dies
+    (Linux's `PR_SET_PDEATHSIG`): a server killed with SIGKILL leaves no process behind. (A
+    process pool's workers would otherwise wait forever: each holds its job queue's write end
+    itself, so it never reads end-of-file.)"""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _worker_started(parent: int) -> None:
+    """A validation process's first step: die with the server; end now if it already died
+    before the `prctl` (the process was then handed to init)."""
+    die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)
+
 
 Result = tuple[list[claims.Claim], list[dict[str, Any]]]
 
@@ -66,7 +87,9 @@ def _joined(parts: Sequence[Result]) -> Result:
 class Processes:
     """The worker processes large batches are validated in: a process pool, started at its
     first use (a node that never gets a large batch never starts one) with `spawn` (the server
-    has threads, which `fork` would copy mid-flight), and made anew after a worker died."""
+    has threads, which `fork` would copy mid-flight), made anew after a worker died, and dying
+    with the server (`die_with_parent`; the pool starts its processes from the thread that
+    submits, the event loop's, which lives as long as the server)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -75,7 +98,9 @@ class Processes:
     def pool(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             context = multiprocessing.get_context("spawn")
-            self._pool = concurrent.futures.ProcessPoolExecutor(self.count, mp_context=context)
+            self._pool = concurrent.futures.ProcessPoolExecutor(
+                self.count, context, _worker_started, (os.getpid(),)
+            )
         return self._pool
 
     def broken(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -56,6 +55,7 @@ from metanode.config import Settings
 from metanode.errors import UnavailableError
 from metanode.metrics import MULTIPROCESS_ENV
 from metanode.node import Node
+from metanode.verifier import die_with_parent
 
 log = logging.getLogger(__name__)
 OWNER = "owner"
@@ -74,7 +74,6 @@ NOT_PASSED_ON = {*HOP_BY_HOP, b"expect", CLIENT_HEADER}
 # one that ran STEADY_S or more before dying starts the count again.
 FIRST_S, CAP_S, STEADY_S = 0.5, 30.0, 60.0
 STOP_S = 15.0  # what stopping may take before the supervisor kills a worker
-PR_SET_PDEATHSIG = 1
 
 # The reads a reader answers itself (GET/HEAD, by exact path or by a prefix ending in "/");
 # everything else goes to the owner.
@@ -375,7 +374,7 @@ def listen(settings: Settings) -> socket.socket:
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the supervisor dies, however it dies; files it
     creates (its metric files) private like the rest of the data directory."""
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    die_with_parent()
     os.umask(0o077)
 
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+from pathlib import Path
 from typing import Any
 
+import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +17,8 @@ from metanode import cid as cids
 from metanode import claims
 from metanode.verifier import BULK_CLAIMS, Processes, Verifier
 from tests.helpers.claims import NOW_MS, Signer
+from tests.helpers.server import Server
+from tests.helpers.wait import poll
 
 SIGNER = Signer()
 GOOD = [SIGNER.claim(cids.midhash_bytes(bytes([n])), "title", f"t{n}") for n in range(8)]
@@ -88,3 +92,51 @@ def test_a_dead_worker_process_costs_no_batch() -> None:
     finally:
         processes.shutdown()
     assert results == [expected] * 4
+
+
+def test_the_validation_processes_die_with_a_sigkilled_server(tmp_path: Path) -> None:
+    """A real `metanode serve` validates a large batch in its worker processes; SIGKILL of the
+    server takes them with it (each holds its own job queue's write end, so without
+    `die_with_parent` they would wait forever, orphaned)."""
+    server = Server(tmp_path / "data").start()
+    try:
+        server.register(SIGNER.uid, "bulk")
+        batch = [
+            SIGNER.claim(cids.midhash_bytes(f"die {n}".encode()), "title", f"die {n}")
+            for n in range(BULK_CLAIMS)
+        ]
+        response = httpx.post(
+            f"{server.url}/api/claims", json={"claims": batch}, headers=server.headers, timeout=60
+        )
+        assert response.status_code == 200, response.text
+        assert server.proc is not None
+        spawned = [pid for pid in children(server.proc.pid) if "spawn_main" in cmdline(pid)]
+        assert len(spawned) == 2, [cmdline(pid) for pid in children(server.proc.pid)]
+        server.proc.kill()
+        server.proc.wait(30)
+        poll(lambda: not [pid for pid in spawned if alive(pid)] or None, "the processes end")
+    finally:
+        server.stop()
+
+
+def children(pid: int) -> list[int]:
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except FileNotFoundError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie does not: it has ended, its parent not reaped it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
