@@ -91,7 +91,7 @@ async def test_check_finds_a_tampered_document(
     await post(client, linker.claim(A, "title", "truth"))
     assert check(node.settings, tmp_path / "fresh.db").clean
     await node.cache.writer.run(
-        lambda conn: conn.execute("UPDATE documents SET body = ?", (b"{}",))
+        lambda conn: conn.execute("UPDATE cid_index SET body = ?", (b"{}",))
     )
     report = check(node.settings, tmp_path / "scratch.db")
     assert not report.clean
@@ -99,7 +99,7 @@ async def test_check_finds_a_tampered_document(
 
 
 def test_an_older_cache_gets_its_documents_from_the_migration(tmp_path: Path) -> None:
-    """Cache schema 6 renders the records an older cache holds, so an upgraded node answers
+    """Cache schema 7 renders the records a cache from before v6 holds, so an upgraded node answers
     them without a rebuild."""
     rid = "01M8T1AD8YE3198EENNAK7KT12"
     conn = db.connect(tmp_path / "cache.db")
@@ -111,12 +111,34 @@ def test_an_older_cache_gets_its_documents_from_the_migration(tmp_path: Path) ->
             f"INSERT INTO cid_index VALUES ('{A}', '{rid}'), ('{B}', '{rid}');"
             f"INSERT INTO local_file VALUES ('/m/old.lamp.mkv', '{A}', 1, 1, 1);"
         )
-        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 6
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 7
         group = cache.group_by_cid(conn, B)
         assert group is not None
         for cid in (A, B):
             rest = cache.rendered(conn, cid)
             assert rest is not None
             assert cache.splice(cid, rest) == cache.render(cache.document(group, cid))
+    finally:
+        conn.close()
+
+
+def test_the_v7_migration_moves_each_stored_document_into_its_index_row(tmp_path: Path) -> None:
+    """A v6 cache's rendered bodies are carried over as they are (not rendered again), each in
+    its CID's `cid_index` row, and the `documents` table is gone."""
+    rid = "01M8T1AD8YE3198EENNAK7KT12"
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:6])
+        conn.executescript(
+            f"INSERT INTO records VALUES ('{rid}', 'title', 'Kept');"
+            f"INSERT INTO cid_index VALUES ('{A}', '{rid}'), ('{B}', '{rid}');"
+            f"INSERT INTO documents VALUES ('{A}', X'7B2261227D'), ('{B}', X'7B2262227D');"
+        )
+        assert db.migrate(conn, cache.MIGRATIONS) == 7
+        assert cache.rendered(conn, A) == b'{"a"}'
+        assert cache.rendered(conn, B) == b'{"b"}'
+        assert cache.lookup(conn, B) == rid
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+        assert "documents" not in tables
     finally:
         conn.close()

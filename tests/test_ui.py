@@ -445,7 +445,7 @@ def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path
             "INSERT INTO cid_index VALUES ('bafkqaaa', '01M8T1AD8YE3198EENNAK7KT12');"
             "INSERT INTO local_file VALUES ('/m/old.lamp.mkv', 'bafkqaaa', 1, 1, 1);"
         )
-        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 6
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 7
         (row,) = cache.library_page(conn, "lamp", "", None, cache.NEWEST, 50)
         assert row == cache.LibraryRow(
             "01M8T1AD8YE3198EENNAK7KT12", "Old Lamp", "old.lamp.mkv", "1961", "", 1
