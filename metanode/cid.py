@@ -298,8 +298,10 @@ def sort_key(text: str) -> tuple[int, str]:
 
 
 def by_rank(cids: Iterable[str]) -> list[str]:
-    """CIDs best first."""
-    return sorted(cids, key=sort_key)
+    """CIDs best first. A group of one (most records) is not ranked: ranking parses each CID,
+    ≈ 19 µs of the cache writer's time a new record."""
+    listed = list(cids)
+    return listed if len(listed) < 2 else sorted(listed, key=sort_key)
 
 
 def canonical_cid(cids: Iterable[str]) -> str | None:
