@@ -199,6 +199,17 @@ def dav(mount: str, provider: DAVProvider) -> WSGIApp:
     return app
 
 
+def undated(start_response: StartResponse) -> StartResponse:
+    """`start_response` without WsgiDAV's `Date` header: uvicorn dates every answer, and `Date`
+    is a singleton field (RFC 9110 §5.3), so two of them made an invalid answer."""
+
+    def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        kept = [(name, value) for name, value in headers if name.lower() != "date"]
+        return start_response(status, kept, exc_info)
+
+    return cast(StartResponse, start)
+
+
 def server(settings: Settings) -> ASGIApp:
     """The WebDAV server of a node's settings, as an ASGI app.
 
@@ -221,11 +232,12 @@ def server(settings: Settings) -> ASGIApp:
 
     def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         path = environ["PATH_INFO"]
+        dated = undated(start_response)
         if writable is not None and (path == f"/{PLUGIN}" or path.startswith(f"/{PLUGIN}/")):
             environ["SCRIPT_NAME"] += f"/{PLUGIN}"
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
-            return writable(environ, start_response)
-        return layout(environ, start_response)
+            return writable(environ, dated)
+        return layout(environ, dated)
 
     return cast(ASGIApp, WSGIMiddleware(dispatch, workers=WORKERS))
 

@@ -128,6 +128,23 @@ def test_head_and_range_reads(launch: Callable[..., Server]) -> None:
     assert (whole.status_code, whole.content) == (200, CONTENT)
 
 
+def test_every_answer_has_one_date_header(launch: Callable[..., Server]) -> None:
+    """WsgiDAV dates its answers and so does uvicorn; a second `Date` is invalid (RFC 9110
+    §5.3: a singleton field), so only the server's is kept."""
+    server = launch()
+    drop(server.media / "films" / "film.mkv")
+    top = f"{server.url}/webdav/"
+    for method, path, headers in (
+        ("HEAD", "media/films/film.mkv", {}),
+        ("GET", "media/films/film.mkv", {"Range": "bytes=0-9"}),
+        ("PROPFIND", "media/", {"Depth": "1"}),
+        ("GET", "media/nothing", {}),
+        ("PUT", "media/new.mkv", {}),
+    ):
+        answer = httpx.request(method, top + path, headers=headers, timeout=30)
+        assert len(answer.headers.get_list("date")) == 1, (method, path, answer.headers)
+
+
 def test_file_path_is_the_webdav_path_and_the_midhash_over_range_reads_is_the_cid(
     launch: Callable[..., Server],
 ) -> None:
