@@ -2,7 +2,8 @@
 made incremental, an older one is switched at its first open with its data intact, and pruning
 the outbox shrinks the file to the claims and a small reserve. Schema v3 keys the claims by
 their log seq (denser, appended rather than scattered): a v2 truth.db keeps every claim and its
-log order through the migration."""
+log order through the migration, and v2 or v3 keeps them in v4 (signers and CIDs by integer
+id)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sqlite3
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -105,4 +104,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
