@@ -220,7 +220,97 @@ def _v3(conn: Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V3)
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3)
+# Schema v4: signers and CIDs by integer id (issue 18). A uid is 48 characters and a CID about
+# 62, and v3 stored the CID text four times a claim (the claims row, `claims_claim`, `cid_group`
+# and `cid_group_rid`) and the uid three times (the row, `claims_claim`, `claims_signer`);
+# measured at 20,000 one-claim records, VACUUMed: 644 B a claim, of which `claims` 216.5,
+# `claims_claim` 128.4, `cid_group` 95.6, `cid_group_rid` 95.6, `claims_signer` 59.8. Now each
+# text is stored once with an integer id (`signers.id`, `cid_group.id`: rowids) and a claim row
+# (`claim_rows`) names them by id; `claims_claim` is (cid_id, key, signer). New CIDs take growing
+# ids, so a new claim appends to `claims_claim` too: only `cid_group`'s UNIQUE (cid) index is in
+# hash order. The view `claims` shows a claim as before (uid, cid, key, value, ts, sig, log_seq),
+# so reads and everything outside truth.py keep text uids and CIDs. Measured: see
+# docs/benchmarks.md "Signers and CIDs by integer id (schema v4)".
+# The store's connections have `PRAGMA foreign_keys=ON`, which a migration's transaction cannot
+# turn off, so the tables are rebuilt in an order no foreign key breaks (SQLite's "other kinds
+# of table schema changes"): new tables beside the old, rows copied, the old claims (the only
+# child of the old signers and cid_group) dropped first, then the new tables renamed into place
+# (a rename rewrites the foreign keys naming them). `rids_merged_is_empty` reads cid_group, so
+# it is dropped before and made again after; cid_group's own triggers go with the old table.
+SCHEMA_V4 = """
+DROP TRIGGER rids_merged_is_empty;
+
+CREATE TABLE signers_v4 (
+    id INTEGER PRIMARY KEY,
+    uid TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL DEFAULT '',
+    weight INTEGER NOT NULL DEFAULT 1 CHECK (weight >= 0),
+    status TEXT NOT NULL DEFAULT 'active' CHECK (status IN ('active', 'blocked')),
+    may_link INTEGER NOT NULL DEFAULT 0 CHECK (may_link IN (0, 1)),
+    added_at INTEGER NOT NULL,
+    learned_from TEXT
+);
+INSERT INTO signers_v4 (uid, name, weight, status, may_link, added_at, learned_from)
+    SELECT uid, name, weight, status, may_link, added_at, learned_from FROM signers
+    ORDER BY added_at, uid;
+
+CREATE TABLE cid_group_v4 (
+    id INTEGER PRIMARY KEY,
+    cid TEXT NOT NULL UNIQUE,
+    rid TEXT NOT NULL REFERENCES rids (rid)
+);
+INSERT INTO cid_group_v4 (cid, rid) SELECT cid, rid FROM cid_group ORDER BY rid, cid;
+
+CREATE TABLE claim_rows (
+    log_seq INTEGER PRIMARY KEY,
+    signer INTEGER NOT NULL REFERENCES signers_v4 (id),
+    cid_id INTEGER NOT NULL REFERENCES cid_group_v4 (id),
+    key TEXT NOT NULL,
+    value TEXT,
+    ts INTEGER NOT NULL,
+    sig BLOB NOT NULL CHECK (length(sig) = 64)
+);
+INSERT INTO claim_rows (log_seq, signer, cid_id, key, value, ts, sig)
+    SELECT c.log_seq, s.id, g.id, c.key, c.value, c.ts, c.sig FROM claims c
+    JOIN signers_v4 s ON s.uid = c.uid JOIN cid_group_v4 g ON g.cid = c.cid
+    ORDER BY c.log_seq;
+
+DROP TABLE claims;
+DROP TABLE cid_group;
+DROP TABLE signers;
+ALTER TABLE signers_v4 RENAME TO signers;
+ALTER TABLE cid_group_v4 RENAME TO cid_group;
+CREATE INDEX cid_group_rid ON cid_group (rid);
+CREATE UNIQUE INDEX claims_claim ON claim_rows (cid_id, key, signer);
+CREATE INDEX claims_signer ON claim_rows (signer, log_seq);
+
+CREATE VIEW claims AS
+    SELECT s.uid AS uid, g.cid AS cid, c.key AS key, c.value AS value, c.ts AS ts,
+        c.sig AS sig, c.log_seq AS log_seq
+    FROM claim_rows c JOIN signers s ON s.id = c.signer JOIN cid_group g ON g.id = c.cid_id;
+
+CREATE TRIGGER cid_group_insert_active BEFORE INSERT ON cid_group
+WHEN (SELECT status FROM rids WHERE rid = NEW.rid) IS NOT 'active'
+BEGIN SELECT RAISE(ABORT, 'cid_group must point at an active rid'); END;
+
+CREATE TRIGGER cid_group_update_active BEFORE UPDATE OF rid ON cid_group
+WHEN (SELECT status FROM rids WHERE rid = NEW.rid) IS NOT 'active'
+BEGIN SELECT RAISE(ABORT, 'cid_group must point at an active rid'); END;
+
+CREATE TRIGGER cid_group_no_delete BEFORE DELETE ON cid_group
+BEGIN SELECT RAISE(ABORT, 'a cid never leaves every group'); END;
+
+CREATE TRIGGER rids_merged_is_empty BEFORE UPDATE OF status ON rids
+WHEN NEW.status = 'merged' AND EXISTS (SELECT 1 FROM cid_group WHERE rid = NEW.rid)
+BEGIN SELECT RAISE(ABORT, 'a merged rid must hold no cid'); END;
+"""
+
+
+def _v4(conn: Connection) -> None:
+    executescript_in_txn(conn, SCHEMA_V4)
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4)
 
 # The same schema on PostgreSQL (docs/scale-out.md): the tables and columns of SQLite's v3, each
 # with PostgreSQL's types (BIGINT for ms timestamps and counters, BYTEA for signatures); the
@@ -369,7 +459,89 @@ def _pg_v1(conn: Connection) -> None:
     executescript_in_txn(conn, PG_SCHEMA_V1)
 
 
-PG_MIGRATIONS: Sequence[Migration] = (_pg_v1,)
+# Schema v4 of SQLite on PostgreSQL (its second version): the same tables, columns, indexes and
+# view (`SCHEMA_V4`'s comment says why). The ids are given as SQLite gives a rowid, one above
+# the largest (`next_id`, under the store's write lock, so no two writers race for one); an id
+# given explicitly (`migrate-storage` copies them) is kept. The copy numbers the rows itself.
+# cid_group's triggers go with the old table and are made again; `rids_status` reads cid_group
+# by name when it runs, so it reads the new one. A claim without a log seq (none: every
+# statement that stores one gives it) would fail the copy, which then changes nothing.
+PG_SCHEMA_V2 = """
+CREATE TABLE signers_v4 (
+    id BIGINT PRIMARY KEY,
+    uid TEXT NOT NULL UNIQUE,
+    name TEXT NOT NULL DEFAULT '',
+    weight BIGINT NOT NULL DEFAULT 1 CHECK (weight >= 0),
+    status TEXT NOT NULL DEFAULT 'active' CHECK (status IN ('active', 'blocked')),
+    may_link INTEGER NOT NULL DEFAULT 0 CHECK (may_link IN (0, 1)),
+    added_at BIGINT NOT NULL,
+    learned_from TEXT
+);
+INSERT INTO signers_v4 (id, uid, name, weight, status, may_link, added_at, learned_from)
+    SELECT row_number() OVER (ORDER BY added_at, uid), uid, name, weight, status, may_link,
+        added_at, learned_from FROM signers;
+
+CREATE TABLE cid_group_v4 (
+    id BIGINT PRIMARY KEY,
+    cid TEXT NOT NULL UNIQUE,
+    rid TEXT NOT NULL REFERENCES rids (rid)
+);
+INSERT INTO cid_group_v4 (id, cid, rid)
+    SELECT row_number() OVER (ORDER BY rid, cid), cid, rid FROM cid_group;
+
+CREATE TABLE claim_rows (
+    log_seq BIGINT PRIMARY KEY,
+    signer BIGINT NOT NULL REFERENCES signers_v4 (id),
+    cid_id BIGINT NOT NULL REFERENCES cid_group_v4 (id),
+    key TEXT NOT NULL,
+    value TEXT,
+    ts BIGINT NOT NULL,
+    sig BYTEA NOT NULL CHECK (length(sig) = 64)
+);
+INSERT INTO claim_rows (log_seq, signer, cid_id, key, value, ts, sig)
+    SELECT c.log_seq, s.id, g.id, c.key, c.value, c.ts, c.sig FROM claims c
+    JOIN signers_v4 s ON s.uid = c.uid JOIN cid_group_v4 g ON g.cid = c.cid
+    ORDER BY c.log_seq;
+
+DROP TABLE claims;
+DROP TABLE cid_group;
+DROP TABLE signers;
+ALTER TABLE signers_v4 RENAME TO signers;
+ALTER TABLE cid_group_v4 RENAME TO cid_group;
+CREATE INDEX cid_group_rid ON cid_group (rid);
+CREATE UNIQUE INDEX claims_claim ON claim_rows (cid_id, key, signer);
+CREATE INDEX claims_signer ON claim_rows (signer, log_seq);
+
+CREATE VIEW claims AS
+    SELECT s.uid AS uid, g.cid AS cid, c.key AS key, c.value AS value, c.ts AS ts,
+        c.sig AS sig, c.log_seq AS log_seq
+    FROM claim_rows c JOIN signers s ON s.id = c.signer JOIN cid_group g ON g.id = c.cid_id;
+
+CREATE FUNCTION next_id() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.id IS NULL THEN
+        EXECUTE format('SELECT coalesce(max(id), 0) + 1 FROM %I.%I',
+            TG_TABLE_SCHEMA, TG_TABLE_NAME) INTO NEW.id;
+    END IF;
+    RETURN NEW;
+END $$;
+CREATE TRIGGER signers_id BEFORE INSERT ON signers
+    FOR EACH ROW EXECUTE FUNCTION next_id();
+CREATE TRIGGER cid_group_id BEFORE INSERT ON cid_group
+    FOR EACH ROW EXECUTE FUNCTION next_id();
+
+CREATE TRIGGER cid_group_active BEFORE INSERT OR UPDATE OF rid ON cid_group
+    FOR EACH ROW EXECUTE FUNCTION cid_group_active();
+CREATE TRIGGER cid_group_no_delete BEFORE DELETE ON cid_group
+    FOR EACH ROW EXECUTE FUNCTION refuse('a cid never leaves every group');
+"""
+
+
+def _pg_v2(conn: Connection) -> None:
+    executescript_in_txn(conn, PG_SCHEMA_V2)
+
+
+PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2)
 
 
 # -- reads --------------------------------------------------------------------------------------
@@ -387,10 +559,10 @@ def max_seq(conn: Connection) -> int:
 # The truth's tables as `metanode migrate-storage` copies them: parents before the rows that
 # name them (the foreign keys; a merged rid names an older survivor, so rids go in rid order).
 COPIED_TABLES: tuple[tuple[str, str], ...] = (
-    ("signers", "uid"),
+    ("signers", "id"),
     ("rids", "rid"),
-    ("cid_group", "cid"),
-    ("claims", "log_seq"),
+    ("cid_group", "id"),
+    ("claim_rows", "log_seq"),
     ("changes", "seq"),
     ("box", "name"),
     ("peer_tokens", "name"),
@@ -514,6 +686,12 @@ def survivors(conn: Connection, rids: Iterable[str]) -> dict[str, str]:
 
 
 _CLAIM_COLUMNS = "uid, cid, key, value, ts, sig"
+# A group's claims from the tables themselves (not the `claims` view): `g` its CIDs, `c` their
+# claims, `s` the signers, so the group's rid leads through `cid_group_rid`.
+_GROUP_CLAIMS = (
+    "SELECT g.rid, s.uid, g.cid, c.key, c.value, c.ts, c.sig "
+    "FROM cid_group g JOIN claim_rows c ON c.cid_id = g.id JOIN signers s ON s.id = c.signer"
+)
 
 
 def _claim(row: Sequence[Any]) -> Claim:
@@ -551,22 +729,21 @@ def group_claims(
     live_only: bool = True,
 ) -> list[Claim]:
     """Stored claims on every CID of a group, optionally only some keys or one signer."""
-    sql = (
-        f"SELECT {_CLAIM_COLUMNS} FROM claims WHERE cid IN "
-        "(SELECT cid FROM cid_group WHERE rid = ?)"
-    )
+    sql = _GROUP_CLAIMS + " WHERE g.rid = ?"
     params: list[Any] = [rid]
     if live_only:
-        sql += " AND value IS NOT NULL"
+        sql += " AND c.value IS NOT NULL"
     if uid is not None:
-        sql += " AND uid = ?"
+        # `+ 0`: not through `claims_signer`, which the planner (no statistics) would pick to
+        # read every claim of the signer; the group's few claims are read by its rid instead.
+        sql += " AND c.signer + 0 = (SELECT id FROM signers WHERE uid = ?)"
         params.append(uid)
     if keys is not None:
         wanted = sorted(set(keys))
-        sql += f" AND key IN ({','.join('?' * len(wanted))})"
+        sql += f" AND c.key IN ({','.join('?' * len(wanted))})"
         params.extend(wanted)
-    sql += " ORDER BY cid, key, uid"
-    return [_claim(row) for row in conn.execute(sql, params)]
+    sql += " ORDER BY g.cid, c.key, s.uid"
+    return [_claim(row[1:]) for row in conn.execute(sql, params)]
 
 
 def groups_claims(
@@ -574,10 +751,8 @@ def groups_claims(
 ) -> dict[str, list[Claim]]:
     """rid → the live stored claims on every CID of each group, optionally only some keys:
     `group_claims` of many groups in one query (in no particular order)."""
-    sql = (
-        "SELECT g.rid, c.uid, c.cid, c.key, c.value, c.ts, c.sig "
-        "FROM cid_group g JOIN claims c ON c.cid = g.cid "
-        "WHERE g.rid IN (SELECT value FROM json_each(?)) AND c.value IS NOT NULL"
+    sql = _GROUP_CLAIMS + (
+        " WHERE g.rid IN (SELECT value FROM json_each(?)) AND c.value IS NOT NULL"
     )
     params = [json_array(set(rids))]
     if keys is not None:
@@ -602,7 +777,7 @@ def all_claims(conn: Connection, uid: str | None = None) -> Iterable[Claim]:
 def claim_count(conn: Connection, uid: str | None = None) -> int:
     """How many claims are stored (tombstones too), optionally of one signer: an export's total."""
     if uid is None:
-        return int(conn.execute("SELECT count(*) FROM claims").fetchone()[0])
+        return int(conn.execute("SELECT count(*) FROM claim_rows").fetchone()[0])
     return int(conn.execute("SELECT count(*) FROM claims WHERE uid = ?", (uid,)).fetchone()[0])
 
 
@@ -684,7 +859,7 @@ def changes_after(conn: Connection, seq: int) -> list[Change]:
 def max_log_seq(conn: Connection) -> int:
     """The newest claim-log seq ever given (0: none): claims are never deleted and a replacement
     always takes a higher seq, so the largest stored one is the newest given."""
-    return int(conn.execute("SELECT coalesce(max(log_seq), 0) FROM claims").fetchone()[0])
+    return int(conn.execute("SELECT coalesce(max(log_seq), 0) FROM claim_rows").fetchone()[0])
 
 
 def log_id(conn: Connection) -> str:
@@ -739,7 +914,9 @@ def claim_ids(conn: Connection) -> tuple[str, list[bytes]]:
     """(the log's cursor at its end, every stored claim's identity), in one snapshot."""
     with snapshot(conn):
         head = log_cursor(log_id(conn), max_log_seq(conn))
-        ids = [bytes(r[0]) for r in conn.execute(f"SELECT substr(sig, 1, {ID_BYTES}) FROM claims")]
+        ids = [
+            bytes(r[0]) for r in conn.execute(f"SELECT substr(sig, 1, {ID_BYTES}) FROM claim_rows")
+        ]
     return head, ids
 
 
@@ -1020,12 +1197,15 @@ def ensure_group(conn: Connection, cid: str, minter: Minter, now_ms: int) -> str
 
 def _store(conn: Connection, accepted: Sequence[Claim]) -> None:
     """Upsert accepted claims in order (of two on one (uid, cid, key) the later is kept), each
-    at the next claim-log seq: a replaced claim leaves the log, its replacement joins the end."""
+    at the next claim-log seq: a replaced claim leaves the log, its replacement joins the end.
+    The signer and the CID are named by id (schema v4), looked up by their unique text."""
     first = max_log_seq(conn) + 1
     conn.executemany(
-        "INSERT INTO claims (uid, cid, key, value, ts, sig, log_seq) VALUES (?, ?, ?, ?, ?, ?, ?) "
-        "ON CONFLICT (cid, key, uid) DO UPDATE SET value = excluded.value, ts = excluded.ts, "
-        "sig = excluded.sig, log_seq = excluded.log_seq",
+        "INSERT INTO claim_rows (signer, cid_id, key, value, ts, sig, log_seq) VALUES "
+        "((SELECT id FROM signers WHERE uid = ?), (SELECT id FROM cid_group WHERE cid = ?), "
+        "?, ?, ?, ?, ?) "
+        "ON CONFLICT (cid_id, key, signer) DO UPDATE SET value = excluded.value, "
+        "ts = excluded.ts, sig = excluded.sig, log_seq = excluded.log_seq",
         [(c.uid, c.cid, c.key, c.value, c.ts, c.sig, n) for n, c in enumerate(accepted, first)],
     )
 

@@ -99,7 +99,7 @@ def test_a_migrated_sqlite_box_serves_identical_documents(tmp_path: Path, dsn: s
 
     done = metanode("migrate-storage", "--to", dsn, data_dir=data)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "copied truth.claims: 5 rows" in done.stdout and "clean" in done.stdout, done.stdout
+    assert "copied truth.claim_rows: 5 rows" in done.stdout and "clean" in done.stdout, done.stdout
     assert "copied cache.local_file: 2 rows" in done.stdout, done.stdout
 
     moved = Server(data, env={"METANODE_STORAGE": dsn}).start()

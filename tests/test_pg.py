@@ -57,7 +57,7 @@ def sqlite_columns(path: Path) -> dict[str, list[str]]:
     try:
         names = [
             r[0]
-            for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+            for r in conn.execute("SELECT name FROM sqlite_master WHERE type IN ('table', 'view')")
             if not r[0].startswith(tuple(SQLITE_ONLY))
         ]
         return {n: [c[1] for c in conn.execute(f"PRAGMA table_info({n})")] for n in names}
@@ -137,6 +137,89 @@ def test_every_placeholder_becomes_one_of_psycopgs(parts: list[str]) -> None:
     assert out.count("%s") == sql.count("?")
     assert out.count("%(name)s") == sql.count(":name")
     assert out.replace("%s", "").replace("%(name)s", "").count("%") == 2 * sql.count("%")
+
+
+# -- schema v2 (SQLite's v4: signers and CIDs by integer id) -----------------------------------
+
+V1_TABLES = ("signers", "rids", "cid_group", "claims", "changes", "sequences", "box")
+
+
+def columns_of(conn: db.Connection, table: str) -> list[str]:
+    rows = conn.execute(
+        "SELECT column_name FROM information_schema.columns WHERE table_schema = "
+        "current_schema() AND table_name = ? ORDER BY ordinal_position",
+        (table,),
+    )
+    return [r[0] for r in rows]
+
+
+def copy_to_v1(source: pg.Target, dest: pg.Target) -> None:
+    """Copy the truth at `source` into a new truth at `dest` of schema v1 (what an older
+    metanode made), by the columns both have: v2's `claims` is a view of v1's shape."""
+    db.migrate_file(dest, truth.PG_MIGRATIONS[:1])
+    into, out_of = db.connect(dest), db.connect(source)
+
+    def copy(conn: db.Connection) -> None:
+        conn.execute("DELETE FROM box")
+        conn.execute("DELETE FROM sequences")
+        for table in V1_TABLES:
+            mine = columns_of(conn, table)
+            names = [c for c in columns_of(out_of, table) if c in mine]
+            rows = out_of.execute(f"SELECT {', '.join(names)} FROM {table}").fetchall()
+            marks = ", ".join("?" * len(names))
+            conn.executemany(f"INSERT INTO {table} ({', '.join(names)}) VALUES ({marks})", rows)
+
+    try:
+        db.run_txn(into, copy)
+    finally:
+        into.close()
+        out_of.close()
+
+
+def test_a_v1_truth_keeps_every_claim_and_its_log_order_in_v2(dsn: str) -> None:
+    """Two signers' claims, a link vote, a tombstone and a replaced claim on a v1 truth migrate
+    to v2 (ids for signers and CIDs) with the same claims, log and groups; new signers and CIDs
+    then get the next ids."""
+    one, two, three = Signer(), Signer(), Signer()
+    x, y, z = (cids.midhash_bytes(f"pg v2 {n}".encode()) for n in "xyz")
+    later = NOW_MS + 1
+    batches = [
+        [
+            claims.sign(one.key, x, "title", "a", NOW_MS),
+            claims.sign(two.key, y, "title", "b", NOW_MS),
+        ],
+        [
+            claims.sign(two.key, x, f"cids/{y}", "true", NOW_MS),
+            claims.sign(one.key, y, "year", "1999", NOW_MS),
+        ],
+        [
+            claims.sign(one.key, y, "year", None, later),
+            claims.sign(one.key, x, "title", "c", later),
+        ],
+    ]
+    made, old = pg.Target(dsn, "made"), pg.Target(dsn, "old")
+    minter = rids.Minter()
+    with truth.TruthStore(made).open() as store:
+        store.add_signer_sync(one.uid, "one", 1, False)
+        store.add_signer_sync(two.uid, "two", 2, True)
+        for batch in batches:
+            store.ingest_sync(batch, minter, truth.Policy(), NOW_MS)
+        stored, log = list(store.claims()), store.claims_log(None, 100, None)
+        groups = {cid: store.group_of(cid) for cid in (x, y)}
+    copy_to_v1(made, old)
+    with truth.TruthStore(old).open() as store:
+        assert store.conn.execute("PRAGMA user_version").fetchone()[0] == 2
+        assert list(store.claims()) == stored and len(stored) == 4
+        assert store.claims_log(None, 100, None) == log
+        assert {cid: store.group_of(cid) for cid in (x, y)} == groups
+        new = claims.sign(three.key, z, "title", "d", NOW_MS)
+        store.ingest_sync([new], minter, truth.Policy(accept_unknown_signers=True), NOW_MS)
+        assert list(store.claims())[-1] == new
+        ids = store.conn.execute(
+            "SELECT s.id, g.id FROM claim_rows c JOIN signers s ON s.id = c.signer "
+            "JOIN cid_group g ON g.id = c.cid_id ORDER BY c.log_seq DESC LIMIT 1"
+        ).fetchone()
+        assert ids == (3, 3)  # one above the two signers' and the two CIDs' ids
 
 
 # -- writers serialise across connections -------------------------------------------------------

@@ -2,12 +2,15 @@
 made incremental, an older one is switched at its first open with its data intact, and pruning
 the outbox shrinks the file to the claims and a small reserve. Schema v3 keys the claims by
 their log seq (denser, appended rather than scattered): a v2 truth.db keeps every claim and its
-log order through the migration."""
+log order through the migration, and v2 or v3 keeps them in v4 (signers and CIDs by integer
+id)."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+
+import pytest
 
 from metanode import cid as cids
 from metanode import db, maintenance, truth
@@ -69,37 +72,64 @@ X, Y = (cids.midhash_bytes(f"schema v3 {n}".encode()) for n in "XY")
 
 
 async def fill_v3(node: Node, one: Signer, two: Signer) -> None:
-    """Two signers' claims on two CIDs, a link vote joining them, and a replaced claim."""
+    """Two signers' claims on two CIDs, a link vote joining them, a tombstone and a replaced
+    claim."""
     await node.add_signer(one.uid, "one", 1, False)
     await node.add_signer(two.uid, "two", 2, True)
     batches = [
         [one.claim(X, "title", "a"), two.claim(Y, "title", "b")],
         [two.claim(X, f"cids/{Y}", "true"), one.claim(Y, "year", "1999")],
+        [one.claim(Y, "year", None, ts=NOW_MS + 1)],  # a tombstone replaces "1999"
         [one.claim(X, "title", "c", ts=NOW_MS + 1)],  # replaces "a": to the end of the log
     ]
     for batch in batches:
         assert (await node.ingest({"claims": batch})).status == 200
 
 
-def to_v2(source: Path, dest: Path) -> None:
-    """Copy the truth at `source` into a new truth at `dest` built to schema v2 (what an older
-    metanode made): every row, the log seqs, the log id and the outbox counter."""
-    db.migrate_file(dest, truth.MIGRATIONS[:2])
-    into, out_of = db.connect(dest), db.connect(source)
+OLD_TABLES = ("signers", "rids", "cid_group", "claims", "changes", "box", "peer_tokens", "peers")
+
+
+def to_version(source: Path, dest: Path, version: int) -> None:
+    """Copy the truth at `source` into a new truth at `dest` built to an older schema `version`
+    (what an older metanode made): every row by the columns both have (v4's `claims` is a view
+    of the old shape), the log seqs, the log id and the outbox counter."""
+    db.migrate_file(dest, truth.MIGRATIONS[:version])
+    into = sqlite3.connect(dest, isolation_level=None)
     try:
-        db.run_txn(into, truth.copy_txn, out_of)
+        into.execute("ATTACH DATABASE ? AS source", (str(source),))
+        into.execute("BEGIN")
+        into.execute("DELETE FROM box")
+        for table in OLD_TABLES:
+            mine = {r[1] for r in into.execute(f"PRAGMA main.table_info({table})")}
+            theirs = [r[1] for r in into.execute(f"PRAGMA source.table_info({table})")]
+            columns = ", ".join(c for c in theirs if c in mine)
+            into.execute(
+                f"INSERT INTO main.{table} ({columns}) SELECT {columns} FROM source.{table}"
+            )
+        into.execute(
+            "UPDATE main.sqlite_sequence SET seq = "
+            "(SELECT seq FROM source.sqlite_sequence WHERE name = 'changes') WHERE name = 'changes'"
+        )
+        into.execute("COMMIT")
     finally:
         into.close()
-        out_of.close()
 
 
-def claims_indexes(path: Path) -> set[str]:
+def claims_indexes(path: Path, table: str = "claims") -> set[str]:
     conn = sqlite3.connect(path)
     try:
         rows = conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", ("claims",)
+            "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = ?", (table,)
         )
         return {r[0] for r in rows}
+    finally:
+        conn.close()
+
+
+def column_types(path: Path, table: str) -> dict[str, str]:
+    conn = sqlite3.connect(path)
+    try:
+        return {r[1]: r[2] for r in conn.execute(f"PRAGMA table_info({table})")}
     finally:
         conn.close()
 
@@ -116,7 +146,27 @@ def log_of(node: Node) -> dict[str, object]:
     return node.claims_log(None, 100, None)
 
 
-async def test_a_v2_truth_db_keeps_every_claim_and_its_log_order_in_v3(tmp_path: Path) -> None:
+V4_CLAIM_ROWS = {
+    "log_seq": "INTEGER",
+    "signer": "INTEGER",
+    "cid_id": "INTEGER",
+    "key": "TEXT",
+    "value": "TEXT",
+    "ts": "INTEGER",
+    "sig": "BLOB",
+}
+V4_CID_GROUP = {"id": "INTEGER", "cid": "TEXT", "rid": "TEXT"}
+# What each older schema keyed the claims by: v2 by (uid, cid, key) and (cid, key), v3 by log seq.
+OLD_INDEXES = {2: "claims_cid_key", 3: "claims_claim"}
+
+
+@pytest.mark.parametrize("version", sorted(OLD_INDEXES))
+async def test_an_older_truth_db_keeps_every_claim_and_its_log_order(
+    tmp_path: Path, version: int
+) -> None:
+    """A v2 or v3 truth.db made by a real node (two signers, a link vote, a tombstone, a replaced
+    claim) migrates to v4: every claim, the log order and cursor, the documents, `check` clean,
+    and the claims name their signer and CID by integer id."""
     one, two = Signer(), Signer()
     made = await started(settings_for(tmp_path / "made"))
     await fill_v3(made, one, two)
@@ -125,14 +175,17 @@ async def test_a_v2_truth_db_keeps_every_claim_and_its_log_order_in_v3(tmp_path:
     await made.stop()
     old = settings_for(tmp_path / "old")
     old.data_dir.mkdir(mode=0o700)
-    to_v2(made.settings.truth_path, old.truth_path)
-    assert pragma(old.truth_path, "user_version") == 2
-    assert "claims_cid_key" in claims_indexes(old.truth_path)
+    to_version(made.settings.truth_path, old.truth_path, version)
+    assert pragma(old.truth_path, "user_version") == version
+    assert OLD_INDEXES[version] in claims_indexes(old.truth_path)
 
     node = await started(old)  # no cache.db: built from the migrated truth at start
     try:
-        assert pragma(old.truth_path, "user_version") == len(truth.MIGRATIONS) == 3
-        assert claims_indexes(old.truth_path) == {"claims_claim", "claims_signer"}
+        assert pragma(old.truth_path, "user_version") == len(truth.MIGRATIONS) == 4
+        assert claims_indexes(old.truth_path, "claim_rows") == {"claims_claim", "claims_signer"}
+        assert column_types(old.truth_path, "claim_rows") == V4_CLAIM_ROWS
+        assert column_types(old.truth_path, "signers")["id"] == "INTEGER"
+        assert column_types(old.truth_path, "cid_group") == V4_CID_GROUP
         assert set(node.truth.claims()) == claims and len(claims) == 4
         assert log_of(node) == log  # the same claims, seqs and cursor (the log id is kept)
         assert [c["value"] for c in log["claims"]][-1] == "c"  # type: ignore[index]
