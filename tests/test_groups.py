@@ -287,14 +287,17 @@ class Store:
             rid: f"rid {n}"
             for n, (rid,) in enumerate(self.truth.execute("SELECT rid FROM rids ORDER BY rid"))
         }
-        tables = [(self.truth, t) for t in ("claims", "cid_group", "rids", "changes", "signers")]
-        tables += [(self.cache, t) for t in ("records", "cid_index")]
+        tables = [
+            (self.truth, t, "*") for t in ("claims", "cid_group", "rids", "changes", "signers")
+        ]
+        # Not the cache index's row ids (the order of insertion) or bodies (they spell the rid).
+        tables += [(self.cache, "records", "*"), (self.cache, "cid_index", "cid, rid")]
         return {
             table: sorted(
                 tuple(names.get(v, v) for v in row)
-                for row in conn.execute(f"SELECT * FROM {table}")
+                for row in conn.execute(f"SELECT {columns} FROM {table}")
             )
-            for conn, table in tables
+            for conn, table, columns in tables
         }
 
     def records(self) -> dict[tuple[str, str], str]:
