@@ -237,7 +237,30 @@ def _v3(conn: Connection) -> None:
 # child of the old signers and cid_group) dropped first, then the new tables renamed into place
 # (a rename rewrites the foreign keys naming them). `rids_merged_is_empty` reads cid_group, so
 # it is dropped before and made again after; cid_group's own triggers go with the old table.
-SCHEMA_V4 = """
+# The part of v4 both backends share (SQLite `SCHEMA_V4`, PostgreSQL `PG_SCHEMA_V2`): copy the
+# claims under their ids, swap the new tables in, index them, and the `claims` view.
+_V4_RESHAPE = """
+INSERT INTO claim_rows (log_seq, signer, cid_id, key, value, ts, sig)
+    SELECT c.log_seq, s.id, g.id, c.key, c.value, c.ts, c.sig FROM claims c
+    JOIN signers_v4 s ON s.uid = c.uid JOIN cid_group_v4 g ON g.cid = c.cid
+    ORDER BY c.log_seq;
+
+DROP TABLE claims;
+DROP TABLE cid_group;
+DROP TABLE signers;
+ALTER TABLE signers_v4 RENAME TO signers;
+ALTER TABLE cid_group_v4 RENAME TO cid_group;
+CREATE INDEX cid_group_rid ON cid_group (rid);
+CREATE UNIQUE INDEX claims_claim ON claim_rows (cid_id, key, signer);
+CREATE INDEX claims_signer ON claim_rows (signer, log_seq);
+
+CREATE VIEW claims AS
+    SELECT s.uid AS uid, g.cid AS cid, c.key AS key, c.value AS value, c.ts AS ts,
+        c.sig AS sig, c.log_seq AS log_seq
+    FROM claim_rows c JOIN signers s ON s.id = c.signer JOIN cid_group g ON g.id = c.cid_id;
+"""
+SCHEMA_V4 = (
+    """
 DROP TRIGGER rids_merged_is_empty;
 
 CREATE TABLE signers_v4 (
@@ -270,24 +293,9 @@ CREATE TABLE claim_rows (
     ts INTEGER NOT NULL,
     sig BLOB NOT NULL CHECK (length(sig) = 64)
 );
-INSERT INTO claim_rows (log_seq, signer, cid_id, key, value, ts, sig)
-    SELECT c.log_seq, s.id, g.id, c.key, c.value, c.ts, c.sig FROM claims c
-    JOIN signers_v4 s ON s.uid = c.uid JOIN cid_group_v4 g ON g.cid = c.cid
-    ORDER BY c.log_seq;
-
-DROP TABLE claims;
-DROP TABLE cid_group;
-DROP TABLE signers;
-ALTER TABLE signers_v4 RENAME TO signers;
-ALTER TABLE cid_group_v4 RENAME TO cid_group;
-CREATE INDEX cid_group_rid ON cid_group (rid);
-CREATE UNIQUE INDEX claims_claim ON claim_rows (cid_id, key, signer);
-CREATE INDEX claims_signer ON claim_rows (signer, log_seq);
-
-CREATE VIEW claims AS
-    SELECT s.uid AS uid, g.cid AS cid, c.key AS key, c.value AS value, c.ts AS ts,
-        c.sig AS sig, c.log_seq AS log_seq
-    FROM claim_rows c JOIN signers s ON s.id = c.signer JOIN cid_group g ON g.id = c.cid_id;
+"""
+    + _V4_RESHAPE
+    + """
 
 CREATE TRIGGER cid_group_insert_active BEFORE INSERT ON cid_group
 WHEN (SELECT status FROM rids WHERE rid = NEW.rid) IS NOT 'active'
@@ -304,6 +312,7 @@ CREATE TRIGGER rids_merged_is_empty BEFORE UPDATE OF status ON rids
 WHEN NEW.status = 'merged' AND EXISTS (SELECT 1 FROM cid_group WHERE rid = NEW.rid)
 BEGIN SELECT RAISE(ABORT, 'a merged rid must hold no cid'); END;
 """
+)
 
 
 def _v4(conn: Connection) -> None:
@@ -466,7 +475,8 @@ def _pg_v1(conn: Connection) -> None:
 # cid_group's triggers go with the old table and are made again; `rids_status` reads cid_group
 # by name when it runs, so it reads the new one. A claim without a log seq (none: every
 # statement that stores one gives it) would fail the copy, which then changes nothing.
-PG_SCHEMA_V2 = """
+PG_SCHEMA_V2 = (
+    """
 CREATE TABLE signers_v4 (
     id BIGINT PRIMARY KEY,
     uid TEXT NOT NULL UNIQUE,
@@ -498,24 +508,9 @@ CREATE TABLE claim_rows (
     ts BIGINT NOT NULL,
     sig BYTEA NOT NULL CHECK (length(sig) = 64)
 );
-INSERT INTO claim_rows (log_seq, signer, cid_id, key, value, ts, sig)
-    SELECT c.log_seq, s.id, g.id, c.key, c.value, c.ts, c.sig FROM claims c
-    JOIN signers_v4 s ON s.uid = c.uid JOIN cid_group_v4 g ON g.cid = c.cid
-    ORDER BY c.log_seq;
-
-DROP TABLE claims;
-DROP TABLE cid_group;
-DROP TABLE signers;
-ALTER TABLE signers_v4 RENAME TO signers;
-ALTER TABLE cid_group_v4 RENAME TO cid_group;
-CREATE INDEX cid_group_rid ON cid_group (rid);
-CREATE UNIQUE INDEX claims_claim ON claim_rows (cid_id, key, signer);
-CREATE INDEX claims_signer ON claim_rows (signer, log_seq);
-
-CREATE VIEW claims AS
-    SELECT s.uid AS uid, g.cid AS cid, c.key AS key, c.value AS value, c.ts AS ts,
-        c.sig AS sig, c.log_seq AS log_seq
-    FROM claim_rows c JOIN signers s ON s.id = c.signer JOIN cid_group g ON g.id = c.cid_id;
+"""
+    + _V4_RESHAPE
+    + """
 
 CREATE FUNCTION next_id() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -535,6 +530,7 @@ CREATE TRIGGER cid_group_active BEFORE INSERT OR UPDATE OF rid ON cid_group
 CREATE TRIGGER cid_group_no_delete BEFORE DELETE ON cid_group
     FOR EACH ROW EXECUTE FUNCTION refuse('a cid never leaves every group');
 """
+)
 
 
 def _pg_v2(conn: Connection) -> None:
