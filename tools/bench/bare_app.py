@@ -3,7 +3,9 @@
 Run: `.venv/bin/python tools/bench/bare_app.py --port P [--log-level info]`.
 
 `GET /api/meta/{cid}` answers a small constant dict (the path parameter is parsed by the router,
-as metanode's route does, and ignored). No middleware, no database, no access log of its own.
+as metanode's route does, and ignored). `POST /api/claims` (the ingest floor of `floor.py`)
+reads and parses the JSON body and answers a constant dict of the shape metanode answers. No
+middleware, no database, no access log of its own.
 `main` mirrors what `metanode serve` does around its app (metanode/cli.py): the same process-wide
 logging set-up (`metanode.logs.configure(log_level)`: one stderr handler, JSON lines), then
 `uvicorn.run(app, host, port, log_level, timeout_graceful_shutdown=10, access_log=False,
@@ -27,13 +29,21 @@ from starlette.routing import Route
 from metanode import logs
 
 BODY = {"cid": "bare", "metadata": {"title": "constant"}}
+POSTED = {"results": [{"status": "accepted"}], "accepted": 1, "duplicate": 0, "stale": 0}
 
 
 async def meta(request: Request) -> Response:
     return JSONResponse(BODY)
 
 
-app = Starlette(routes=[Route("/api/meta/{cid}", meta)])
+async def post_claims(request: Request) -> Response:
+    await request.json()
+    return JSONResponse(POSTED)
+
+
+app = Starlette(
+    routes=[Route("/api/meta/{cid}", meta), Route("/api/claims", post_claims, methods=["POST"])]
+)
 
 
 def main(argv: list[str] | None = None) -> int:
