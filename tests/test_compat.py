@@ -40,6 +40,8 @@ from tests.helpers.feed import Frame, Stream
 from tests.helpers.server import Server
 from tests.helpers.settings import settings_for
 
+pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
+
 CID_A = cids.midhash_bytes(b"compat a")
 CID_B = cids.midhash_bytes(b"compat b")
 SHA_A = cids.encode(cids.RAW, cids.SHA2_256, hashlib.sha256(b"compat a").digest())  # rank 30
@@ -971,10 +973,12 @@ async def until_seq(stream: Any, seq: str) -> list[ServerSentEvent]:
 
 
 async def test_many_meta_subscribers_share_one_read_per_page(
-    node: Node, client: httpx.AsyncClient
+    node: Node, client: httpx.AsyncClient, backend: str
 ) -> None:
     """40 MetaMesh meta-stream subscribers and 10 of /api/events at the head: one batch of new
-    events costs one read of the feed table, not one per subscriber (one shared feed.Hub)."""
+    events costs one read of the feed table, not one per subscriber (one shared feed.Hub). The
+    reads are counted through SQLite's trace callback; on PostgreSQL only the delivery is
+    checked."""
     alice = Signer()
     await register(client, alice)
     await post(client, alice.claim(CID_A, "title", "T"))  # events 1-2
@@ -982,7 +986,9 @@ async def test_many_meta_subscribers_share_one_read_per_page(
     # the cache was built), so what follows counts only the reads the new events cost
     await take(node, compat.MetaFollow, sse.event_id(node.applier.state.epoch, 1), 1)
     statements: list[str] = []
-    node.cache.conn.set_trace_callback(statements.append)
+    traced = backend == "sqlite"
+    if traced:
+        node.cache.conn.set_trace_callback(statements.append)
     meta = [compat.MetaFollow(node, None).stream() for _ in range(40)]
     native = [node.subscribe(None, False, sse.Filter()) for _ in range(10)]
     try:
@@ -1004,11 +1010,12 @@ async def test_many_meta_subscribers_share_one_read_per_page(
             ]
         assert {e.event for e in got} == {"set"}
     finally:
-        node.cache.conn.set_trace_callback(None)
+        if traced:
+            node.cache.conn.set_trace_callback(None)
         for stream in [*meta, *native]:
             await stream.aclose()
     feed_reads = [s for s in statements if "FROM feed WHERE seq >" in s]
-    assert 1 <= len(feed_reads) <= 2, feed_reads  # 2 if the applier published twice
+    assert not traced or 1 <= len(feed_reads) <= 2, feed_reads  # 2: the applier published twice
 
 
 @pytest.fixture
