@@ -51,17 +51,15 @@ from metanode.clock import now_ms
 GOALS = {"batch 1, lockstep": 0.1, "batch 1, every core": 0.1, "batch 100, every core": 0.5}
 CLIENTS = 8  # the goals' clients; one group commit holds up to one request of each
 # wrk posting the bodies of a file in turn, round and round (the bare app stores nothing)
-CYCLE_LUA = """
-local bodies = {}
-for line in io.lines("%s") do bodies[#bodies + 1] = line end
-local n = 0
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-request = function()
+CYCLE_LUA = (
+    ingest.BODIES_LUA
+    + """request = function()
   n = n %% #bodies + 1
   return wrk.format(nil, "/api/claims", nil, bodies[n])
 end
-""" + harness.WRK_DONE.replace("%", "%%")
+"""
+    + harness.WRK_DONE.replace("%", "%%")
+)
 
 
 @dataclass(frozen=True)

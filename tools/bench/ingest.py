@@ -45,18 +45,25 @@ from metanode.clock import now_ms
 
 GOAL = 0.5  # batches of 100 or more
 GOAL_SINGLE = 0.1  # one claim a request
-POST_LUA = """
+# wrk's script: the bodies of a file (`%s`, its path), posted to /api/claims as JSON
+BODIES_LUA = """
 local bodies = {}
 for line in io.lines("%s") do bodies[#bodies + 1] = line end
 local n = 0
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer %s"
+"""
+# ...each once, in order, with the token (`%s`)
+POST_LUA = (
+    BODIES_LUA
+    + """wrk.headers["Authorization"] = "Bearer %s"
 request = function()
   n = n + 1
   return wrk.format(nil, "/api/claims", nil, bodies[n] or bodies[#bodies])
 end
-""" + harness.WRK_DONE.replace("%", "%%")
+"""
+    + harness.WRK_DONE.replace("%", "%%")
+)
 
 
 def group_sizes(server: harness.ServerProc, data_dir: Path) -> tuple[float, float]:
