@@ -7,7 +7,8 @@ clients >= 0.1, batches of 100 with 8 clients >= 0.5. This script measures, in o
 claim costs in each stage of the write path when that stage runs alone, and from those costs
 the best ratio the machine could reach if nothing else cost anything: no GIL, no thread hand-off,
 no client, every core busy all the time. A goal above that ceiling cannot be met by tuning how
-the stages overlap; only by making a stage itself cheaper (or by more cores).
+the stages overlap; only by making a stage itself cheaper, or by changing the shape the ceiling
+assumes (docs/benchmarks.md, "What the ingest goals ask of this machine").
 
 Measured, same run, same claims (each about its own fresh CID, one registered signer):
 
