@@ -95,18 +95,18 @@ def writer_costs(
             source.add_signer_sync(claims.uid_of(bytes(key.verify_key)), "floor", 1, False)
             store.build_sync(source)
             minter, policy = rid.Minter(), truth.Policy()
-            spent = [0.0, 0.0, 0.0, 0.0]  # truth cpu, truth wall, cache cpu, cache wall
+            truth_cpu = truth_wall = cache_cpu = cache_wall = 0.0
             for start in range(0, len(signed), group):
                 cpu, wall = time.process_time(), time.perf_counter()
                 result = source.ingest_sync(signed[start : start + group], minter, policy, now)
                 mid_cpu, mid_wall = time.process_time(), time.perf_counter()
                 store.apply_sync(source, (result.written,))
-                spent[0] += mid_cpu - cpu
-                spent[1] += mid_wall - wall
-                spent[2] += time.process_time() - mid_cpu
-                spent[3] += time.perf_counter() - mid_wall
+                truth_cpu += mid_cpu - cpu
+                truth_wall += mid_wall - wall
+                cache_cpu += time.process_time() - mid_cpu
+                cache_wall += time.perf_counter() - mid_wall
     n = len(signed)
-    return Stage(spent[0] / n, spent[1] / n), Stage(spent[2] / n, spent[3] / n)
+    return Stage(truth_cpu / n, truth_wall / n), Stage(cache_cpu / n, cache_wall / n)
 
 
 def bodies_of(key: nacl.signing.SigningKey, batch: int, seconds: float, now: int) -> list[bytes]:
