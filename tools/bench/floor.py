@@ -37,16 +37,13 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import harness
 import ingest
 import nacl.signing
 
-from metanode import cache, claims, config, maintenance, rid, truth
 from metanode.clock import now_ms
 
 GOALS = {"batch 1, lockstep": 0.1, "batch 1, every core": 0.1, "batch 100, every core": 0.5}
@@ -61,52 +58,6 @@ end
 """
     + harness.WRK_DONE.replace("%", "%%")
 )
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage's cost a claim: CPU seconds and wall seconds."""
-
-    cpu: float
-    wall: float
-
-
-def validate_cost(wires: Sequence[dict[str, object]], now: int) -> float:
-    """CPU seconds to validate one wire claim, on this thread."""
-    start = time.thread_time()
-    for wire in wires:
-        claims.validate(wire, now)
-    return (time.thread_time() - start) / len(wires)
-
-
-def writer_costs(
-    signed: Sequence[claims.Claim], key: nacl.signing.SigningKey, group: int, now: int
-) -> tuple[Stage, Stage]:
-    """(truth, cache) cost a claim when groups of `group` claims are committed and applied one
-    after the other on a fresh data directory. The writer threads run each transaction while
-    this thread waits, so the process's CPU time is theirs."""
-    with tempfile.TemporaryDirectory(prefix="metanode-floor-") as tmp:
-        settings = config.load(env={}, overrides={"data_dir": Path(tmp)})
-        maintenance.open_store(settings)
-        with (
-            truth.TruthStore(settings.truth_path, lambda: now) as source,
-            cache.CacheStore(settings.cache_path, lambda: now) as store,
-        ):
-            source.add_signer_sync(claims.uid_of(bytes(key.verify_key)), "floor", 1, False)
-            store.build_sync(source)
-            minter, policy = rid.Minter(), truth.Policy()
-            truth_cpu = truth_wall = cache_cpu = cache_wall = 0.0
-            for start in range(0, len(signed), group):
-                cpu, wall = time.process_time(), time.perf_counter()
-                result = source.ingest_sync(signed[start : start + group], minter, policy, now)
-                mid_cpu, mid_wall = time.process_time(), time.perf_counter()
-                store.apply_sync(source, (result.written,))
-                truth_cpu += mid_cpu - cpu
-                truth_wall += mid_wall - wall
-                cache_cpu += time.process_time() - mid_cpu
-                cache_wall += time.perf_counter() - mid_wall
-    n = len(signed)
-    return Stage(truth_cpu / n, truth_wall / n), Stage(cache_cpu / n, cache_wall / n)
 
 
 def bodies_of(key: nacl.signing.SigningKey, batch: int, seconds: float, now: int) -> list[bytes]:
@@ -170,9 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"signing {args.claims:,} claims …", flush=True)
     signed = ingest.make_claims(key, args.claims, now, "floor")
     raw = max(ingest.raw_verify_rate(key, signed) for _ in range(2))
-    validate = validate_cost([c.wire() for c in ingest.make_claims(key, 2000, now, "v")], now)
-    truth8, cache8 = writer_costs(signed, key, CLIENTS, now)
-    truth200, cache200 = writer_costs(signed, key, 200, now)
+    validate = ingest.validate_cost(
+        [c.wire() for c in ingest.make_claims(key, 2000, now, "v")], now
+    )
+    truth8, cache8 = ingest.writer_costs(signed, key, CLIENTS, now)
+    truth200, cache200 = ingest.writer_costs(signed, key, 200, now)
     print("measuring the server's event loop under wrk …", flush=True)
     single, hundreds = bodies_of(key, 1, args.seconds, now), bodies_of(key, 100, args.seconds, now)
     loop1, rate1 = loop_cost(key, single, 1, args.seconds, now)
