@@ -23,6 +23,7 @@ from metanode import cid as cids
 from metanode.errors import (
     BadSignature,
     ClaimError,
+    InvalidBatch,
     InvalidClaim,
     InvalidKey,
     InvalidMemberCid,
@@ -265,3 +266,12 @@ def validate_items(
         except ClaimError as exc:
             errors.append({"index": index, "error": exc.slug, "message": exc.message, **exc.extra})
     return valid, errors
+
+
+def validate_batch(items: Sequence[object], now_ms: int, limits: Limits = Limits()) -> list[Claim]:
+    """A whole batch validated: every claim, or `InvalidBatch` naming each invalid one at its
+    index (a batch is all or nothing)."""
+    valid, errors = validate_items(items, 0, now_ms, limits)
+    if errors:
+        raise InvalidBatch(errors)
+    return valid

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
 import os
@@ -447,10 +448,13 @@ def _split_sql(script: str) -> list[str]:
 
 
 _STOP = object()
-_NUDGE = object()  # wakes a gathering writer to look at `_announced` again
 GROUP_MAX = 2_000  # units (claims) one group transaction holds at most
 GROUP_DEADLINE_S = 0.005  # ...and the longest a writer spends gathering one
-GROUP_WAIT_S = 0.001  # ...of which at most this waiting for announced jobs (`Writer.announce`)
+
+
+# A grouped job's work that needs no transaction (`Writer.submit_grouped`): `prepare(*args)`
+# gives the arguments its transaction function is then called with.
+Prepare = Callable[..., tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -462,6 +466,7 @@ class _Job:
     args: tuple[Any, ...]
     group: str | None = None
     units: int = 1
+    prepare: Prepare | None = None
 
 
 Outcome = tuple[bool, Any]  # (True, a job's result) or (False, the exception it failed with)
@@ -534,7 +539,8 @@ class Writer:
     run in ONE transaction (`_gather`, `_run_group`), each under its own savepoint, so concurrent
     requests share one fsync'd COMMIT; each still gets its result only after that COMMIT, and a
     job that fails is rolled back alone. A transaction function with a `Combiner` (`combiners`)
-    runs a run of its queued jobs as one call (`_group_txn`). `groups` counts the group
+    runs a run of its queued jobs as one call (`_group_txn`). A grouped job's `prepare` runs
+    on this thread before the group's `BEGIN` (`_ready`). `groups` counts the group
     transactions, `grouped` the jobs they held (/metrics).
 
     `failure` is the last `StorageError` a job met, until a probe (every `PROBE_S`, between
@@ -555,7 +561,6 @@ class Writer:
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: Any = None  # a job `_gather` took but left for the next turn
-        self._announced = 0  # grouped jobs on their way (`announce`): `_gather` waits for them
         self.groups = 0  # group transactions committed or tried
         self.grouped = 0  # ...and the jobs they held
         self._closed = False
@@ -571,8 +576,6 @@ class Writer:
                 continue
             if job is _STOP:
                 break
-            if job is _NUDGE:
-                continue
             if job.group is not None:
                 self._run_group(self._gather(job))
                 continue
@@ -590,53 +593,60 @@ class Writer:
         future.set_exception(exc)
 
     def _gather(self, first: _Job) -> list[_Job]:
-        """`first` and the jobs of its group queued right behind it: what one transaction
-        commits, bounded by `GROUP_MAX` units (claims) and `GROUP_DEADLINE_S`; the first job of
-        another kind is held back for the next turn, so order is kept. What is queued, and for
-        at most `GROUP_WAIT_S` the jobs announced as on their way (`announce`: requests being
-        validated), never a wait for jobs nobody announced: a lone request pays no latency for
-        the grouping. Waiting for the announced ones takes one-claim requests from ≈ 2.5 to
-        ≈ 7 a transaction with 8 clients, and the fixed cost of a transaction (its COMMIT, the
-        cache's apply) with them (docs/benchmarks.md, "Issue 18")."""
-        jobs, units = [first], first.units
-        started = time.monotonic()
-        deadline, patience = started + GROUP_DEADLINE_S, started + GROUP_WAIT_S
-        while units < GROUP_MAX and (now := time.monotonic()) < deadline:
-            wait = patience - now
+        """`first` and the jobs of its group queued right behind it, each made ready (`_ready`):
+        what one transaction commits, bounded by `GROUP_MAX` units (claims) and
+        `GROUP_DEADLINE_S`; the first job of another kind is held back for the next turn, so
+        order is kept. Only what is queued, never a wait for more: a lone request pays no
+        latency for the grouping. Jobs queued while the earlier ones are prepared join too, so
+        with 8 one-claim clients a transaction holds ≈ 4 of them (docs/benchmarks.md, "Issue
+        18"), sharing its fixed cost (the COMMIT, the cache's apply)."""
+        jobs: list[_Job] = []
+        units, job = 0, first
+        deadline = time.monotonic() + GROUP_DEADLINE_S
+        while True:
+            ready = self._ready(job)
+            if ready is not None:
+                jobs.append(ready)
+                units += ready.units
+            if units >= GROUP_MAX or time.monotonic() >= deadline:
+                return jobs
             try:
-                job = (
-                    self._jobs.get(timeout=wait)
-                    if self._announced > 0 and wait > 0
-                    else self._jobs.get_nowait()
-                )
+                job = self._jobs.get_nowait()
             except queue.Empty:
-                break
-            if job is _NUDGE:
-                continue
+                return jobs
             if job is _STOP or job.group != first.group:
                 self._held = job
-                break
-            jobs.append(job)
-            units += job.units
-        return jobs
+                return jobs
+
+    def _ready(self, job: _Job) -> _Job | None:
+        """`job` as its transaction runs it, with the arguments its `prepare` gave; None if it
+        was cancelled, or if `prepare` raised (its future then fails with that, alone)."""
+        if not job.future.set_running_or_notify_cancel():
+            return None
+        if job.prepare is None:
+            return job
+        try:
+            return dataclasses.replace(job, args=job.prepare(*job.args), prepare=None)
+        except BaseException as exc:
+            job.future.set_exception(exc)
+            return None
 
     def _run_group(self, jobs: list[_Job]) -> None:
-        """Run the jobs of a group in one transaction, each under a savepoint of its own: a job
-        that raises is rolled back alone and fails alone; the others commit together, and each
-        future is answered only after the COMMIT. A storage failure (a full disk) or a failed
-        COMMIT fails every job: nothing of the group is durable."""
-        live = [job for job in jobs if job.future.set_running_or_notify_cancel()]
-        if not live:
+        """Run the ready jobs of a group in one transaction, each under a savepoint of its own:
+        a job that raises is rolled back alone and fails alone; the others commit together, and
+        each future is answered only after the COMMIT. A storage failure (a full disk) or a
+        failed COMMIT fails every job: nothing of the group is durable."""
+        if not jobs:
             return
         self.groups += 1
-        self.grouped += len(live)
+        self.grouped += len(jobs)
         try:
-            outcomes = run_txn(self.conn, _group_txn, live, self.combiners)
+            outcomes = run_txn(self.conn, _group_txn, jobs, self.combiners)
         except BaseException as exc:
-            for job in live:
+            for job in jobs:
                 self._fail(job.future, exc)
             return
-        for job, (ok, value) in zip(live, outcomes, strict=True):
+        for job, (ok, value) in zip(jobs, outcomes, strict=True):
             if ok:
                 job.future.set_result(value)
             else:
@@ -687,35 +697,18 @@ class Writer:
     def submit(self, fn: Txn[T], *args: Any) -> concurrent.futures.Future[T]:
         return self.submit_grouped(None, 1, fn, *args)
 
-    def announce(self) -> None:
-        """A grouped job is on its way (a request being validated): a group being gathered
-        meanwhile waits for it, up to `GROUP_WAIT_S`, instead of committing without it.
-        Then either `submit_grouped(..., announced=True)` or `withdraw()`. Called on one thread
-        (the event loop's) only."""
-        self._announced += 1
-
-    @property
-    def announced(self) -> int:
-        """How many announced jobs are still on their way (tests, gauges)."""
-        return self._announced
-
-    def withdraw(self) -> None:
-        """An announced job will not come (its request failed): stop waiting for it."""
-        self._announced -= 1
-        self._jobs.put(_NUDGE)
-
     def submit_grouped(
-        self, group: str | None, units: int, fn: Txn[T], *args: Any, announced: bool = False
+        self, group: str | None, units: int, fn: Txn[T], *args: Any, prepare: Prepare | None = None
     ) -> concurrent.futures.Future[T]:
         """Queue `fn(conn, *args)`; with a `group`, it may share a transaction with the jobs of
-        that group queued next to it (`units`: its share of `GROUP_MAX`). `announced`: the
-        job `announce` told of."""
-        if announced:
-            self._announced -= 1
+        that group queued next to it (`units`: its share of `GROUP_MAX`). `prepare`: work on
+        `args` that needs no transaction (a batch's validation), done on this writer's thread
+        as the group is gathered, before its `BEGIN`: no hop to another thread and back, and
+        no lock held meanwhile; what it raises fails this job alone."""
         if self._closed:
             raise ShuttingDown("the node is shutting down; nothing was written")
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
-        self._jobs.put(_Job(future, fn, args, group, units))
+        self._jobs.put(_Job(future, fn, args, group, units, prepare))
         return future
 
     async def run(self, fn: Txn[T], *args: Any) -> T:
@@ -727,11 +720,11 @@ class Writer:
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn, *args)))
 
     async def run_grouped(
-        self, group: str | None, units: int, fn: Txn[T], *args: Any, announced: bool = False
+        self, group: str | None, units: int, fn: Txn[T], *args: Any, prepare: Prepare | None = None
     ) -> T:
         """`run`, sharing a transaction with the jobs of `group` queued beside it
         (`submit_grouped`)."""
-        future = self.submit_grouped(group, units, fn, *args, announced=announced)
+        future = self.submit_grouped(group, units, fn, *args, prepare=prepare)
         return await asyncio.shield(asyncio.wrap_future(future))
 
     def run_sync(self, fn: Txn[T], *args: Any) -> T:

@@ -14,6 +14,7 @@ deleted (so never reused).
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
 from metanode import merge, pg
-from metanode.claims import Claim
+from metanode.claims import Claim, Limits, validate_batch
 from metanode.clock import Clock, now_ms
 from metanode.db import (
     Combiner,
@@ -1251,6 +1252,13 @@ def ingest_txn(
     return result
 
 
+def _validated(
+    limits: Limits, items: Sequence[object], minter: Minter, policy: Policy, now: int
+) -> tuple[Sequence[Claim], Minter, Policy, int]:
+    """`TruthStore.ingest_wire`'s `prepare`: `ingest_txn`'s arguments with the batch validated."""
+    return validate_batch(items, now, limits), minter, policy, now
+
+
 def ingest_many_txn(conn: Connection, jobs: Sequence[tuple[Any, ...]]) -> list[Outcome]:
     """Group commit's combiner of queued `ingest_txn(batch, minter, policy, now)` jobs
     (`db.Writer`): every batch its signers' policy allows, resolved in ONE pass (one read of
@@ -1654,24 +1662,31 @@ class TruthStore(Store):
         minter: Minter,
         policy: Policy,
         now: int,
-        announced: bool = False,
     ) -> IngestResult:
         """Store a validated batch (`ingest_txn`); `now` is the time it was validated at.
 
         Group commit: batches queued together share one transaction (`INGEST_GROUP`), in one
-        pass (`ingest_many_txn`), and each is answered once that transaction has committed.
-        `announced`: `announce_ingest` told the writer it was coming."""
+        pass (`ingest_many_txn`), and each is answered once that transaction has committed."""
         return await self.writer.run_grouped(
-            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now, announced=announced
+            INGEST_GROUP, len(batch), ingest_txn, batch, minter, policy, now
         )
 
-    def announce_ingest(self) -> None:
-        """A batch is being validated: a group gathered meanwhile waits for it (`Writer.announce`);
-        then `ingest(..., announced=True)` or `withdraw_ingest()`."""
-        self.writer.announce()
-
-    def withdraw_ingest(self) -> None:
-        self.writer.withdraw()
+    async def ingest_wire(
+        self,
+        items: Sequence[object],
+        limits: Limits,
+        minter: Minter,
+        policy: Policy,
+        now: int,
+    ) -> IngestResult:
+        """`ingest` of a small batch of wire claims, validated on the writer's thread as its
+        group is gathered (`claims.validate_batch` as the job's `prepare`), so the request
+        takes one hop to a thread and back, not two (docs/benchmarks.md, "Issue 18"). Invalid,
+        it fails alone with `InvalidBatch`, having held no lock."""
+        prepare = functools.partial(_validated, limits)
+        return await self.writer.run_grouped(
+            INGEST_GROUP, len(items), ingest_txn, items, minter, policy, now, prepare=prepare
+        )
 
     def ingest_sync(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int

@@ -14,7 +14,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,30 +83,38 @@ async def wait_queued(node: Node, jobs: int) -> None:
 async def test_queued_batches_commit_as_one_group_and_a_failing_one_fails_alone(
     node: Node, client: httpx.AsyncClient
 ) -> None:
+    """Small batches go to the truth writer as they are (validated there, as their group is
+    gathered, `TruthStore.ingest_wire`): one whose signature fails and one whose signer may not
+    write (403, decided in the transaction) each fail alone; the rest share one transaction."""
     signer, stranger = Signer(), Signer()  # the stranger is not registered: 403 in the txn
     await register(client, signer)
     gate = threading.Event()
     held = node.truth.writer.submit(lambda conn: gate.wait(DEADLINE_S))  # the writer is busy
     good = [claim_for(signer, f"grouped {n}") for n in range(6)]
     bad = claim_for(stranger, "refused")
-    posts = [asyncio.create_task(post(client, c)) for c in [*good[:3], bad, *good[3:]]]
+    tampered = {**claim_for(signer, "tampered"), "value": "not what was signed"}
+    sent = [*good[:3], bad, tampered, *good[3:]]
+    posts = [asyncio.create_task(post(client, c)) for c in sent]
     before = node.truth.writer.groups
     try:
-        await wait_queued(node, len(posts))
+        await wait_queued(node, len(posts))  # the tampered one too: not validated yet
     finally:
         gate.set()
     answers = await asyncio.gather(*posts)
     assert held.result() is True
-    assert node.truth.writer.groups == before + 1, "the seven batches shared one transaction"
+    assert node.truth.writer.groups == before + 1, "the batches shared one transaction"
     statuses = [a.status_code for a in answers]
-    assert statuses == [200, 200, 200, 403, 200, 200, 200], [a.text for a in answers]
-    assert answers[3].json()["error"] == "invalid_batch"
+    assert statuses == [200, 200, 200, 403, 400, 200, 200, 200], [a.text for a in answers]
+    assert answers[3].json()["error"] == answers[4].json()["error"] == "invalid_batch"
+    assert [i["error"] for i in answers[4].json()["items"]] == ["bad_signature"]
     stored = titles(node.truth.conn)
-    assert {c["value"] for c in good} <= stored and bad["value"] not in stored
+    assert {c["value"] for c in good} <= stored
+    assert not {bad["value"], tampered["value"]} & stored
     for claim in good:
         doc = await client.get(f"/api/meta/{claim['cid']}")
         assert doc.json()["metadata"]["title"] == claim["value"]
     assert (await client.get(f"/api/meta/{bad['cid']}")).status_code == 404
+    assert (await client.get(f"/api/meta/{tampered['cid']}")).status_code == 404
 
 
 # A process that queues three ingest batches behind a held writer, so the three are one group,
@@ -409,54 +417,53 @@ def insert_value(conn: sqlite3.Connection, value: int) -> int:
     return value
 
 
-@pytest.fixture
-def awaited(tmp_path: Path, monkeypatch: Any) -> Iterator[tuple[db.Writer, Any]]:
-    """A writer with two jobs announced, the first submitted and taken, its group gathering
-    (with no time bound) for the second: (the writer, the first job's future)."""
-    monkeypatch.setattr(db, "GROUP_DEADLINE_S", 3600.0)
-    monkeypatch.setattr(db, "GROUP_WAIT_S", 3600.0)
+def held_group(writer: db.Writer, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """`jobs` ((prepare, value) each) queued behind a held writer, so they are one group;
+    their futures, once the group has run."""
+    gate = threading.Event()
+    writer.submit(lambda conn: gate.wait(DEADLINE_S))
+    futures = [writer.submit_grouped("g", 1, insert_value, v, prepare=p) for p, v in jobs]
+    gate.set()
+    for future in futures:
+        future.exception(timeout=DEADLINE_S)
+    return futures
+
+
+def test_a_jobs_prepare_runs_on_the_writer_thread_before_its_group_begins(tmp_path: Path) -> None:
+    """`prepare` runs where the transaction will (the writer's thread), before the group's
+    BEGIN (no lock held), and the transaction function gets the arguments it returned."""
     writer = counting_writer(tmp_path / "t.db")
+    seen: list[tuple[str, bool]] = []
+
+    def doubled(value: int) -> tuple[int]:
+        seen.append((threading.current_thread().name, writer.conn.in_transaction))
+        return (value * 2,)
+
     try:
-        writer.announce()
-        writer.announce()
-        first = writer.submit_grouped("g", 1, insert_value, 1, announced=True)
-        until(lambda: writer.queued() == 0, "the writer took the first job")
-        yield writer, first
+        futures = held_group(writer, [(doubled, 1), (None, 5), (doubled, 3)])
+        assert [f.result() for f in futures] == [2, 5, 6]
+        assert seen == [("test-writer", False)] * 2
+        assert (writer.groups, writer.grouped) == (1, 3)
     finally:
         writer.close()
+    with sqlite3.connect(tmp_path / "t.db") as conn:
+        assert sorted(v for (v,) in conn.execute("SELECT v FROM t")) == [2, 5, 6]
 
 
-def test_a_group_waits_for_a_job_announced_as_on_its_way(
-    awaited: tuple[db.Writer, Any],
-) -> None:
-    """A request being validated is announced; the group the writer is gathering waits for it
-    instead of committing without it: one transaction for both."""
-    writer, first = awaited
-    assert not first.done(), "the group waits for the announced job"
-    second = writer.submit_grouped("g", 1, insert_value, 2, announced=True)
-    assert (first.result(DEADLINE_S), second.result(DEADLINE_S)) == (1, 2)
-    assert (writer.groups, writer.grouped) == (1, 2)
+def test_a_job_whose_prepare_raises_fails_alone(tmp_path: Path) -> None:
+    """A job refused in its `prepare` (a batch that does not validate) fails with what it
+    raised and never reaches the transaction; the rest of its group commits together."""
 
+    def refused(value: int) -> tuple[int]:
+        raise ValueError(f"{value} refused")
 
-def test_a_withdrawn_announcement_lets_the_group_commit_without_it(
-    awaited: tuple[db.Writer, Any],
-) -> None:
-    """An announced request that fails validation withdraws: the waiting group commits at once."""
-    writer, first = awaited
-    writer.withdraw()
-    assert first.result(DEADLINE_S) == 1
-    assert (writer.groups, writer.grouped) == (1, 1)
-
-
-async def test_a_rejected_batch_withdraws_its_announcement(
-    node: Node, client: httpx.AsyncClient
-) -> None:
-    """Every ingest announces its batch; one refused in validation (a bad signature) withdraws
-    it, so no later group waits for a batch that will never come."""
-    signer = Signer()
-    await register(client, signer)
-    bad = {**claim_for(signer, "tampered"), "value": "not what was signed"}
-    assert (await post(client, bad)).status_code == 400
-    good = await post(client, claim_for(signer, "after"))
-    assert good.status_code == 200, good.text
-    assert node.truth.writer.announced == 0
+    writer = counting_writer(tmp_path / "t.db")
+    try:
+        futures = held_group(writer, [(None, 1), (refused, 2), (None, 3)])
+        assert str(futures[1].exception()) == "2 refused"
+        assert (futures[0].result(), futures[2].result()) == (1, 3)
+        assert (writer.groups, writer.grouped) == (1, 2)
+    finally:
+        writer.close()
+    with sqlite3.connect(tmp_path / "t.db") as conn:
+        assert sorted(v for (v,) in conn.execute("SELECT v FROM t")) == [1, 3]
