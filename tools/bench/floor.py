@@ -25,8 +25,9 @@ Measured, same run, same claims (each about its own fresh CID, one registered si
 Ceilings (ratios to raw verify):
 
 * batch 1, lockstep: 8 clients each wait for their answer, so one cycle is the HTTP work of 8
-  requests on the one event loop, one validation, then the group's truth and cache transactions
-  one after the other (the cache applies what the truth committed): 8 / that time;
+  requests on the one event loop, their 8 validations on the truth writer's thread (where a
+  small batch is validated, as its group is gathered), then the group's truth and cache
+  transactions one after the other (the cache applies what the truth committed): 8 / that time;
 * batch 1, every core: the CPU a request costs in all stages, spread perfectly over every core;
 * batch 100, every core: the same for a claim of a batch of 100.
 """
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             f"metanode's event loop {loop * us:.1f} (at {rate:,.0f} claims/s)"
         )
 
-    cycle = CLIENTS * bare1 + validate + CLIENTS * (truth8.wall + cache8.wall)
+    cycle = CLIENTS * (bare1 + validate + truth8.wall + cache8.wall)
     per_request = bare1 + validate + truth8.cpu + cache8.cpu
     per_claim = bare100 + validate + truth200.cpu + cache200.cpu
     ceilings = {
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:22s} {ceiling:6.3f}  goal >= {goal}: {verdict}")
     print(
         f"\nbatch 1 lockstep cycle for {CLIENTS} requests: {cycle * 1e3:.2f} ms "
-        f"(HTTP {CLIENTS * bare1 * 1e3:.2f}, one validation {validate * 1e3:.2f}, "
+        f"(HTTP {CLIENTS * bare1 * 1e3:.2f}, validation {CLIENTS * validate * 1e3:.2f}, "
         f"truth {CLIENTS * truth8.wall * 1e3:.2f}, cache {CLIENTS * cache8.wall * 1e3:.2f})"
     )
     print(
