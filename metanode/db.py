@@ -598,8 +598,9 @@ class Writer:
         `GROUP_DEADLINE_S`; the first job of another kind is held back for the next turn, so
         order is kept. Only what is queued, never a wait for more: a lone request pays no
         latency for the grouping. Jobs queued while the earlier ones are prepared join too, so
-        with 8 one-claim clients a transaction holds ≈ 4 of them (docs/benchmarks.md, "Issue
-        18"), sharing its fixed cost (the COMMIT, the cache's apply)."""
+        with 8 one-claim clients a transaction holds ≈ 7 of them (docs/benchmarks.md, "Small
+        batches validated on the truth writer"), sharing its fixed cost (the COMMIT, the
+        cache's apply)."""
         jobs: list[_Job] = []
         units, job = 0, first
         deadline = time.monotonic() + GROUP_DEADLINE_S
