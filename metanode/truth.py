@@ -1682,8 +1682,8 @@ class TruthStore(Store):
         """`ingest` of a small batch of wire claims, validated on the writer's thread as its
         group is gathered (`claims.validate_batch` as the job's `prepare`), so the request
         takes one hop to a thread and back, not two (docs/benchmarks.md, "Small batches
-        validated on the truth writer"). Invalid,
-        it fails alone with `InvalidBatch`, having held no lock."""
+        validated on the truth writer"). Invalid, it fails alone with `InvalidBatch`, having
+        held no lock."""
         prepare = functools.partial(_validated, limits)
         return await self.writer.run_grouped(
             INGEST_GROUP, len(items), ingest_txn, items, minter, policy, now, prepare=prepare
