@@ -11,8 +11,13 @@ A batch of `BULK_CLAIMS` or more goes to worker processes instead (`Processes`, 
 `verify_processes` setting), split among them. Half of a claim's validation is Python (field
 checks, the RFC 8785 signing bytes, the CID decode) that holds the GIL; on threads it contends
 with the writer threads, which then wait for the GIL between their SQLite steps. Measured in
-the server: batch-100 ingest +10–12 % (docs/benchmarks.md, "Verify in processes"). A one-claim
-request stays on the threads: there the pickling and the pipe cost more than they save.
+the server: batch-100 ingest +10–12 % (docs/benchmarks.md, "Verify in processes"). Smaller
+batches stay on the threads: there the pickling and the pipe cost more than they save.
+
+`POST /api/claims` batches of at most `node.WRITER_VALIDATES` (8) claims do not come here at
+all: the truth writer validates them as it gathers their group (`TruthStore.ingest_wire`),
+saving the hop here and back (docs/benchmarks.md, "Small batches validated on the truth
+writer"). The `Verifier` takes the larger batches and the pages pulled from peers.
 """
 
 from __future__ import annotations
