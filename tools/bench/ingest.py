@@ -163,10 +163,11 @@ def breakdown(
 ) -> dict[str, float]:
     """µs per claim of each stage of ingest, run in-process on one thread on a fresh data dir.
 
-    The stages a node runs for every batch: validate every claim (what the verify thread pool
-    does), `truth.ingest_txn` (`TruthStore.ingest_sync`, on the truth writer thread) and
-    `cache.apply_txn` (`CacheStore.apply_sync`, handed what the truth wrote, on the cache writer
-    thread), each as its own transaction, as the server commits them (`writer_costs`)."""
+    The stages a node runs for every batch: validate every claim (on the verify threads, or for
+    a batch of at most 8 on the truth writer's thread), `truth.ingest_txn`
+    (`TruthStore.ingest_sync`, on the truth writer thread) and `cache.apply_txn`
+    (`CacheStore.apply_sync`, handed what the truth wrote, on the cache writer thread), each as
+    its own transaction, as the server commits them (`writer_costs`)."""
     truth_cost, cache_cost = writer_costs(signed, key, batch, ts)
     return {
         "validate": validate_cost([c.wire() for c in signed], ts) * 1e6,
