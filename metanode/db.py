@@ -165,12 +165,16 @@ def storage_errors(where: object = None) -> Iterator[None]:
         raise typed from exc
 
 
-def connect(target: Target, *, readonly: bool = False, stream: bool = False) -> Connection:
+def connect(
+    target: Target, *, readonly: bool = False, stream: bool = False, on_loop: bool = False
+) -> Connection:
     """A connection to the store's database: SQLite's (`connect_file`) or PostgreSQL's
-    (`stream`: its snapshots' queries on server-side cursors, `pg.Connection`)."""
+    (`stream`: its snapshots' queries on server-side cursors; `on_loop`: the event loop's,
+    whose statements a server that stops answering cannot hold for ever; `pg.Connection`). A
+    SQLite file answers from this machine's disk: `on_loop` changes nothing there."""
     if isinstance(target, pg.Target):
         with storage_errors(target):
-            return pg.Connection(target, readonly, stream=stream)
+            return pg.Connection(target, readonly, stream=stream, on_loop=on_loop)
     return connect_file(target, readonly=readonly)
 
 
@@ -773,7 +777,7 @@ class Store:
         PostgreSQL the pool of `reading()`)."""
         self.migrate()
         self._writer = Writer(self.path, self.name, self.combiners)
-        self._reader = connect(self.path, readonly=True)
+        self._reader = connect(self.path, readonly=True, on_loop=True)
         if isinstance(self.path, pg.Target):
             with storage_errors(self.path):
                 self._pool = pg.Pool(self.path)

@@ -33,11 +33,13 @@ import functools
 import os
 import re
 import shutil
+import socket
 import subprocess
 import threading
 import time
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -60,6 +62,8 @@ CONNECT_TIMEOUT_S = 10
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
 LOCK_TIMEOUT_MS = 30_000  # a lock held longer fails `storage_locked`, as SQLite's busy timeout
 RECONNECT_S = 1.0  # after a failed reconnection, the next is tried no sooner than this
+LOOP_STATEMENT_S = 5.0  # the event loop's statement cut off after this (`Watchdog`)
+RECONNECT_WAIT_S = 0.25  # what the loop waits for its new connection at most (`_reconnected`)
 STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
 
 
@@ -258,6 +262,54 @@ def _connect_raw(target: Target) -> Any:
 _IN_TRANSACTION = (1, 2, 3)  # psycopg.pq.TransactionStatus ACTIVE, INTRANS, INERROR
 
 
+def _cut(fd: int) -> None:
+    """Shut down the socket `fd` (both ways): a statement waiting on it fails at once, as on a
+    connection the server dropped. Through a duplicate, so the fd stays its owner's to close."""
+    # OSError: already shut down, or not connected any more
+    with socket.socket(fileno=os.dup(fd)) as duplicate, contextlib.suppress(OSError):
+        duplicate.shutdown(socket.SHUT_RDWR)
+
+
+class Watchdog:
+    """Cuts off a statement of a connection whose caller must never wait for ever: the event
+    loop's. A server that stops answering without closing the connection (a frozen host, a
+    stopped process, a network that drops packets) holds a statement's reply for ever, and
+    the loop with it: every request of the node. The TCP keepalive does not help when the
+    peer's kernel still answers it.
+
+    A thread of its own looks every `limit / 4` seconds whether the statement in progress
+    started longer than `limit` ago and, if so, shuts the connection's socket down
+    (`_cut`): the statement fails as a dropped connection does (`StorageUnavailable`), and
+    the connection reconnects (`Connection`). `start` and `stop` are two assignments under a
+    lock no one else holds for long: no thread is woken per statement."""
+
+    def __init__(self, limit: float) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._since: float | None = None  # when the statement in progress started
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="metanode-pg-watchdog", daemon=True).start()
+
+    def start(self, fd: int) -> None:
+        with self._lock:
+            self._fd, self._since = fd, time.monotonic()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._since = None
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(self.limit / 4):
+            with self._lock:
+                if self._since is not None and time.monotonic() - self._since > self.limit:
+                    _cut(self._fd)
+                    self._since = None
+
+
 class Connection:
     """A store connection on PostgreSQL with the sqlite3 surface the statements use.
 
@@ -266,7 +318,10 @@ class Connection:
     reconciliation's reads): a query inside its snapshot runs on a server-side cursor, so a
     result of millions of rows comes a page at a time instead of whole into memory, as SQLite
     steps a statement. `release`: what `close()` does with the psycopg connection (a pooled one
-    goes back to its pool)."""
+    goes back to its pool). `on_loop` (the event loop's read connection, `db.Store`): a
+    statement is cut off after `LOOP_STATEMENT_S` (`Watchdog`), and a dropped connection is
+    made again on a thread of its own, never on the loop (`_reconnected`): a server that does
+    not answer stalls the node's requests for at most that long once, not for ever."""
 
     def __init__(
         self,
@@ -275,6 +330,7 @@ class Connection:
         raw: Any = None,
         release: Any = None,
         stream: bool = False,
+        on_loop: bool = False,
     ) -> None:
         self.target = target
         self.readonly = readonly
@@ -283,6 +339,9 @@ class Connection:
         self._stream = stream and readonly
         self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
         self._retry_at = 0.0  # no reconnection before this (`time.monotonic`), after a failed one
+        self._watchdog = Watchdog(LOOP_STATEMENT_S) if on_loop else None
+        self._pending: Future[Any] | None = None  # a reconnection under way on its thread
+        self._closed = False
 
     @property
     def in_transaction(self) -> bool:
@@ -297,14 +356,55 @@ class Connection:
         event loop's reads do not each wait for a server that is not there."""
         if not (self._raw.closed or self._raw.broken):
             return self._raw
+        if self._watchdog is not None:
+            return self._reconnected()
         if time.monotonic() < self._retry_at:
-            raise StorageUnavailable(f"the database failed: {self.target}: not reachable")
+            raise self._unreachable()
         try:
             self._raw = _connect_raw(self.target)
         except Exception:
             self._retry_at = time.monotonic() + RECONNECT_S
             raise
         return self._raw
+
+    def _unreachable(self) -> StorageUnavailable:
+        return StorageUnavailable(f"the database failed: {self.target}: not reachable")
+
+    def _reconnected(self) -> Any:
+        """The loop's connection made again on a thread of its own (`_connect_into`). The read
+        that starts an attempt waits for it at most `RECONNECT_WAIT_S` (a server that answers
+        connects in milliseconds: the read goes on as if nothing happened); while an attempt
+        runs on (one may take `CONNECT_TIMEOUT_S`) and for `RECONNECT_S` after one failed,
+        reads fail `storage_unavailable` at once instead of waiting on the loop."""
+        if self._pending is None and time.monotonic() >= self._retry_at:
+            self._pending = Future()
+            threading.Thread(
+                target=self._connect_into, args=(self._pending,), name="metanode-pg-reconnect"
+            ).start()
+            with contextlib.suppress(TimeoutError):
+                self._pending.exception(timeout=RECONNECT_WAIT_S)
+        pending = self._pending
+        if pending is not None and pending.done():
+            self._pending = None
+            if pending.exception() is None:
+                self._raw.close()
+                self._raw = pending.result()
+                return self._raw
+            self._retry_at = time.monotonic() + RECONNECT_S
+        raise self._unreachable()
+
+    def _connect_into(self, pending: Future[Any]) -> None:
+        """Make a new psycopg connection into `pending` (on its own thread). Published first,
+        then closed if this connection was closed meanwhile: `close()` sets `_closed` first,
+        then closes what `pending` holds, so one of the two closes it, whatever the order."""
+        try:
+            raw = _connect_raw(self.target)
+        except BaseException as exc:
+            pending.set_exception(exc)
+            return
+        pending.set_result(raw)
+        if self._closed:
+            raw.close()
 
     def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> Cursor:
         raw = self._raw if self.in_transaction else self._live()
@@ -316,10 +416,20 @@ class Connection:
         if self._stream and self.in_transaction and text.startswith(("SELECT", "WITH")):
             return Cursor(self._server_cursor(raw, text, params))
         try:
-            return Cursor(raw.execute(text, params or None))
+            return Cursor(self._watched(raw, text, params))
         finally:
             if sql in ("COMMIT", "ROLLBACK"):
                 self._close_cursors()
+
+    def _watched(self, raw: Any, text: str, params: Any) -> Any:
+        """`raw.execute`, under the watchdog if this connection has one."""
+        if self._watchdog is None:
+            return raw.execute(text, params or None)
+        self._watchdog.start(raw.fileno())
+        try:
+            return raw.execute(text, params or None)
+        finally:
+            self._watchdog.stop()
 
     def _begin_writing(self, raw: Any) -> Cursor:
         """`BEGIN` and the store's advisory lock, as one statement is on SQLite: if the lock
@@ -353,7 +463,12 @@ class Connection:
         return Cursor(cursor)
 
     def close(self) -> None:
+        self._closed = True
         self._close_cursors()
+        if self._watchdog is not None:
+            self._watchdog.close()
+        if self._pending is not None and self._pending.done() and not self._pending.exception():
+            self._pending.result().close()
         if self._release is not None:
             self._release(self._raw)
         else:

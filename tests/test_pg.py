@@ -293,6 +293,16 @@ async def post_until_ok(client: httpx.AsyncClient, claim: dict[str, object]) -> 
         await asyncio.sleep(0.2)
 
 
+async def get_until_ok(client: httpx.AsyncClient, path: str) -> httpx.Response:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        response = await client.get(path)
+        if response.status_code == 200 or time.monotonic() > deadline:
+            return response
+        assert response.status_code == 503, response.text
+        await asyncio.sleep(0.2)
+
+
 async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
     tmp_path: Path, own_cluster: Cluster
 ) -> None:
@@ -328,6 +338,53 @@ async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
             while (health := (await client.get("/health")).json())["status"] != "ok":
                 assert time.monotonic() < deadline, health  # the writers' probes clear it
                 await asyncio.sleep(0.1)
+    finally:
+        await node.stop()
+
+
+def reconnecting() -> bool:
+    """Whether a loop connection is being made again on its own thread (`pg.Connection`)."""
+    return any(t.name == "metanode-pg-reconnect" and t.is_alive() for t in threading.enumerate())
+
+
+async def test_a_server_that_stops_answering_never_holds_the_event_loop(
+    tmp_path: Path, own_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen server (SIGSTOP: connections open, nothing answered) used to hold a read on the
+    event loop for ever, and every request of the node with it; reconnecting then waited up to
+    the connect timeout on the loop. Now the loop's statement is cut off (`pg.Watchdog`; a
+    shorter limit here) and answered 503, and the next read fails at once while the new
+    connection is made on a thread of its own. If either regressed, the safety timer thaws the
+    server after DEADLINE_S and the 503 asserted below does not come: the test fails, it does
+    not hang."""
+    monkeypatch.setattr(pg, "LOOP_STATEMENT_S", 0.5)
+    node = Node(settings_for(tmp_path / "data", storage=own_cluster.database()))
+    await node.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(node))
+        headers = {"Authorization": f"Bearer {node.token}"}
+        async with httpx.AsyncClient(
+            transport=transport, base_url="http://node", headers=headers
+        ) as client:
+            signer = Signer()
+            await register(client, signer)
+            claim = signer.claim(cids.midhash_bytes(b"frozen"), "title", "before")
+            assert (await post(client, claim)).status_code == 200
+            own_cluster.freeze()
+            safety = threading.Timer(DEADLINE_S, own_cluster.thaw)
+            safety.start()
+            try:
+                cut = await client.get(f"/api/meta/{claim['cid']}")
+                assert cut.status_code == 503 and cut.json()["error"] == "storage_unavailable"
+                again = await client.get(f"/api/meta/{claim['cid']}")
+                assert again.status_code == 503 and "not reachable" in again.json()["message"]
+                assert reconnecting()  # the new connection waits for the server, off the loop
+                assert (await client.get("/openapi.json")).status_code == 200
+            finally:
+                safety.cancel()
+                own_cluster.thaw()
+            doc = await get_until_ok(client, f"/api/meta/{claim['cid']}")
+            assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "before"
     finally:
         await node.stop()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,6 +119,33 @@ class Cluster:
     def pause(self) -> None:
         """Stop the server at once, as a crash or an outage would (its files stay)."""
         self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def _processes(self) -> list[int]:
+        """The server's processes: the postmaster (its pid file's first line) and its
+        children (by their parent, from /proc)."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # it ended meanwhile
+                continue
+            if int(fields[1]) == postmaster:
+                children.append(int(stat.parent.name))
+        return [postmaster, *children]
+
+    def freeze(self) -> None:
+        """Stop every server process where it stands (SIGSTOP), connections left open: a
+        server that no longer answers, as a frozen host or a network that drops packets
+        looks to its clients. New connections are still accepted by the kernel, and then
+        wait. `thaw()` lets it run on."""
+        for pid in self._processes():
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Let a frozen server run on (SIGCONT); harmless on one that is not frozen."""
+        for pid in self._processes():
+            os.kill(pid, signal.SIGCONT)
 
     def sql(self, *statements: str) -> list[tuple[object, ...]]:
         """Run statements on the `postgres` database, each in autocommit (CREATE DATABASE); the
