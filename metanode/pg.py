@@ -378,8 +378,11 @@ class Connection:
         reads fail `storage_unavailable` at once instead of waiting on the loop."""
         if self._pending is None and time.monotonic() >= self._retry_at:
             self._pending = Future()
-            threading.Thread(
-                target=self._connect_into, args=(self._pending,), name="metanode-pg-reconnect"
+            threading.Thread(  # a daemon: an attempt hung on a frozen server never holds an exit
+                target=self._connect_into,
+                args=(self._pending,),
+                name="metanode-pg-reconnect",
+                daemon=True,
             ).start()
             with contextlib.suppress(TimeoutError):
                 self._pending.exception(timeout=RECONNECT_WAIT_S)
