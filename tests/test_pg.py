@@ -14,7 +14,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -283,30 +284,24 @@ def own_cluster() -> Iterator[Cluster]:
     cluster.stop()
 
 
-async def post_until_ok(client: httpx.AsyncClient, claim: dict[str, object]) -> httpx.Response:
+async def until_ok(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
+    """`send()` again until it answers 200 (or DEADLINE_S passed); meanwhile only 503s."""
     deadline = time.monotonic() + DEADLINE_S
     while True:
-        response = await post(client, claim)
+        response = await send()
         if response.status_code == 200 or time.monotonic() > deadline:
             return response
         assert response.status_code == 503, response.text
         await asyncio.sleep(0.2)
 
 
-async def get_until_ok(client: httpx.AsyncClient, path: str) -> httpx.Response:
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        response = await client.get(path)
-        if response.status_code == 200 or time.monotonic() > deadline:
-            return response
-        assert response.status_code == 503, response.text
-        await asyncio.sleep(0.2)
-
-
-async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
-    tmp_path: Path, own_cluster: Cluster
-) -> None:
-    node = Node(settings_for(tmp_path / "data", storage=own_cluster.database()))
+@asynccontextmanager
+async def client_of(
+    tmp_path: Path, cluster: Cluster
+) -> AsyncIterator[tuple[httpx.AsyncClient, Signer]]:
+    """A started node on a database of `cluster`, a client with its token, and a registered
+    signer; the node stopped afterwards."""
+    node = Node(settings_for(tmp_path / "data", storage=cluster.database()))
     await node.start()
     try:
         transport = httpx.ASGITransport(app=create_app(node))
@@ -316,30 +311,37 @@ async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
         ) as client:
             signer = Signer()
             await register(client, signer)
-            before = signer.claim(cids.midhash_bytes(b"outage 1"), "title", "before")
-            assert (await post(client, before)).status_code == 200
-            own_cluster.pause()
-            during = signer.claim(cids.midhash_bytes(b"outage 2"), "title", "during")
-            for response in (
-                await post(client, during),
-                await client.get(f"/api/meta/{before['cid']}"),
-                await client.get("/health"),
-            ):
-                assert response.status_code == 503, response.text
-                body = response.json()
-                assert body["error"] == "storage_unavailable" and body["retryable"] is True
-                assert set(body) == {"error", "message", "retryable"}
-            own_cluster.resume()
-            after = await post_until_ok(client, during)
-            assert after.status_code == 200, after.text
-            doc = await client.get(f"/api/meta/{during['cid']}")
-            assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "during"
-            deadline = time.monotonic() + DEADLINE_S
-            while (health := (await client.get("/health")).json())["status"] != "ok":
-                assert time.monotonic() < deadline, health  # the writers' probes clear it
-                await asyncio.sleep(0.1)
+            yield client, signer
     finally:
         await node.stop()
+
+
+async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
+    tmp_path: Path, own_cluster: Cluster
+) -> None:
+    async with client_of(tmp_path, own_cluster) as (client, signer):
+        before = signer.claim(cids.midhash_bytes(b"outage 1"), "title", "before")
+        assert (await post(client, before)).status_code == 200
+        own_cluster.pause()
+        during = signer.claim(cids.midhash_bytes(b"outage 2"), "title", "during")
+        for response in (
+            await post(client, during),
+            await client.get(f"/api/meta/{before['cid']}"),
+            await client.get("/health"),
+        ):
+            assert response.status_code == 503, response.text
+            body = response.json()
+            assert body["error"] == "storage_unavailable" and body["retryable"] is True
+            assert set(body) == {"error", "message", "retryable"}
+        own_cluster.resume()
+        after = await until_ok(lambda: post(client, during))
+        assert after.status_code == 200, after.text
+        doc = await client.get(f"/api/meta/{during['cid']}")
+        assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "during"
+        deadline = time.monotonic() + DEADLINE_S
+        while (health := (await client.get("/health")).json())["status"] != "ok":
+            assert time.monotonic() < deadline, health  # the writers' probes clear it
+            await asyncio.sleep(0.1)
 
 
 def reconnecting() -> bool:
@@ -358,35 +360,24 @@ async def test_a_server_that_stops_answering_never_holds_the_event_loop(
     server after DEADLINE_S and the 503 asserted below does not come: the test fails, it does
     not hang."""
     monkeypatch.setattr(pg, "LOOP_STATEMENT_S", 0.5)
-    node = Node(settings_for(tmp_path / "data", storage=own_cluster.database()))
-    await node.start()
-    try:
-        transport = httpx.ASGITransport(app=create_app(node))
-        headers = {"Authorization": f"Bearer {node.token}"}
-        async with httpx.AsyncClient(
-            transport=transport, base_url="http://node", headers=headers
-        ) as client:
-            signer = Signer()
-            await register(client, signer)
-            claim = signer.claim(cids.midhash_bytes(b"frozen"), "title", "before")
-            assert (await post(client, claim)).status_code == 200
-            own_cluster.freeze()
-            safety = threading.Timer(DEADLINE_S, own_cluster.thaw)
-            safety.start()
-            try:
-                cut = await client.get(f"/api/meta/{claim['cid']}")
-                assert cut.status_code == 503 and cut.json()["error"] == "storage_unavailable"
-                again = await client.get(f"/api/meta/{claim['cid']}")
-                assert again.status_code == 503 and "not reachable" in again.json()["message"]
-                assert reconnecting()  # the new connection waits for the server, off the loop
-                assert (await client.get("/openapi.json")).status_code == 200
-            finally:
-                safety.cancel()
-                own_cluster.thaw()
-            doc = await get_until_ok(client, f"/api/meta/{claim['cid']}")
-            assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "before"
-    finally:
-        await node.stop()
+    async with client_of(tmp_path, own_cluster) as (client, signer):
+        claim = signer.claim(cids.midhash_bytes(b"frozen"), "title", "before")
+        assert (await post(client, claim)).status_code == 200
+        own_cluster.freeze()
+        safety = threading.Timer(DEADLINE_S, own_cluster.thaw)
+        safety.start()
+        try:
+            cut = await client.get(f"/api/meta/{claim['cid']}")
+            assert cut.status_code == 503 and cut.json()["error"] == "storage_unavailable"
+            again = await client.get(f"/api/meta/{claim['cid']}")
+            assert again.status_code == 503 and "not reachable" in again.json()["message"]
+            assert reconnecting()  # the new connection waits for the server, off the loop
+            assert (await client.get("/openapi.json")).status_code == 200
+        finally:
+            safety.cancel()
+            own_cluster.thaw()
+        doc = await until_ok(lambda: client.get(f"/api/meta/{claim['cid']}"))
+        assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "before"
 
 
 def test_an_unreachable_server_is_a_typed_storage_error(tmp_path: Path) -> None:
