@@ -410,3 +410,29 @@ class MidhashError(MetanodeError):
 
     slug = "midhash_failed"
     retryable = True
+
+
+# -- an error handed from one process of a node to another (`handoff`) --------------------------
+
+Portable = tuple[str, int, str, dict[str, Any], int]  # class name, status, message, extra, total
+
+
+def portable(exc: MetanodeError) -> Portable:
+    """`exc` as plain values, for another process of this node to raise again (`rebuilt`). By
+    class name, not slug: two classes share a slug (`unknown_signer` is a 403 and a 404)."""
+    return type(exc).__name__, exc.status, exc.message, exc.extra, getattr(exc, "total", 0)
+
+
+def rebuilt(error: Portable) -> MetanodeError:
+    """The error `portable` described, as an instance of its own class, so it renders, counts
+    (`metanode_rejected_total` by slug) and sets `Retry-After` as it would where it was raised.
+    Both processes run the same build; a class this module lacks (a bug) is an `InternalError`."""
+    name, status, message, extra, total = error
+    kind = globals().get(name)
+    if not (isinstance(kind, type) and issubclass(kind, MetanodeError)):
+        return InternalError(f"{name}: {message}")
+    if issubclass(kind, InvalidBatch):
+        return kind(extra["items"], status, total)
+    exc = kind.__new__(kind)
+    MetanodeError.__init__(exc, message, **extra)
+    return exc

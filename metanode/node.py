@@ -27,6 +27,7 @@ from metanode import (
     claims,
     datadir,
     feed,
+    handoff,
     maintenance,
     merge,
     peers,
@@ -78,13 +79,24 @@ class IngestAnswer:
 class Node:
     """One metanode: its data directory, databases, applier and operations."""
 
-    def __init__(self, settings: Settings, clock: Clock = now_ms, follower: bool = False) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Clock = now_ms,
+        follower: bool = False,
+        handoff_path: Path | None = None,
+    ) -> None:
         """`clock` stamps everything the node writes (claims' "now", rids, rows, feed events).
         `follower`: a reader worker of `serve --workers N` (workers.py): it serves reads and
         feeds from the stores and follows the cache the owner worker applies; it runs no
-        applier, retention, plugins or watcher, and is handed no writes."""
+        applier, retention, plugins or watcher. `handoff_path`: the owner worker's socket for
+        the claims of `POST /api/claims` (handoff.py): a follower hands them over there, an
+        owner listens on it."""
         self.settings = settings
         self.follower = follower
+        self._handoff_path = handoff_path
+        self._handoff: handoff.Client | None = None
+        self._handoff_server: handoff.Server | None = None
         self.clock = clock
         self.limits = claims.Limits(settings.max_value_bytes, settings.max_skew_ms)
         self.policy = truth.Policy(settings.accept_unknown_signers)
@@ -128,7 +140,12 @@ class Node:
         self.peers = peers.Peers(self, self._pull_config())  # followers pull nothing
         self.applier.start()
         if self.follower:
+            if self._handoff_path is not None:
+                self._handoff = handoff.Client(self._handoff_path)
             return
+        if self._handoff_path is not None:
+            self._handoff_server = handoff.Server(self._handoff_path, self._ingest_handed)
+            await self._handoff_server.start()
         await self.owner.register()  # its key is made at `init`, or here on a first start
         if not isinstance(self.applier, Replica):
             await self._lead()
@@ -289,7 +306,12 @@ class Node:
         return summary
 
     async def stop(self) -> None:
-        """Stop pulling and watching, finish queued writes, stop the applier, close everything."""
+        """Stop taking handed-over claims, pulling and watching, finish queued writes, stop the
+        applier, close everything."""
+        if self._handoff_server is not None:
+            await self._handoff_server.stop()
+        if self._handoff is not None:
+            self._handoff.close()
         await self.peers.stop()
         if self.watcher is not None:
             self.watcher.stop()
@@ -415,7 +437,10 @@ class Node:
         return answer
 
     async def ingest_wire(self, items: list[object]) -> IngestAnswer:
-        """A batch of wire claims through validation, the truth and the cache (plugins too)."""
+        """A batch of wire claims through validation, the truth and the cache (plugins too); a
+        reader worker's handed to the owner worker, which does that (handoff.py)."""
+        if self._handoff is not None:
+            return IngestAnswer(*await self._handoff.ingest(items))
         now = self.clock()
         if len(items) <= WRITER_VALIDATES:
             result = await self.truth.ingest_wire(
@@ -431,6 +456,12 @@ class Node:
             body[verdict] = result.verdicts.count(verdict)
         body["applied"] = applied
         return IngestAnswer(200 if applied else 202, body)
+
+    async def _ingest_handed(self, items: list[object]) -> tuple[int, dict[str, Any]]:
+        """Wire claims a reader worker handed over (handoff.py): taken as this worker's own
+        requests' are; counted in the reader's metrics, where the request was answered."""
+        answer = await self.ingest_wire(items)
+        return answer.status, answer.body
 
     # -- peers (docs/peers.md) ------------------------------------------------------------------
 

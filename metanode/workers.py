@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 OWNER = "owner"
 READER = "reader"
 SOCKET_NAME = "owner.sock"  # in the data directory (mode 0700): the owner's private door
+HANDOFF_NAME = "handoff.sock"  # ...and its door for claims a reader validated (handoff.py)
 METRICS_NAME = "metrics"  # in the data directory: every worker's metric files (metrics.py)
 STATUS_NAME = "workers.json"  # in the data directory: the supervisor's restart counts
 CLIENT_HEADER = b"x-metanode-client"  # the client address a reader saw, for the owner's perimeter
@@ -89,10 +90,15 @@ READS = (
     "/meta",
     "/meta/",
 )
+CLAIMS = "/api/claims"  # the one write a reader answers itself, up to handing the claims over
 
 
 def socket_path(settings: Settings) -> Path:
     return settings.data_dir / SOCKET_NAME
+
+
+def handoff_path(settings: Settings) -> Path:
+    return settings.data_dir / HANDOFF_NAME
 
 
 def metrics_path(settings: Settings) -> Path:
@@ -109,13 +115,16 @@ def worker_name(role: str, index: int) -> str:
 
 
 def answers_itself(scope: Scope) -> bool:
-    """Whether a reader answers this request itself: a GET or HEAD of a read route, without a
+    """Whether a reader answers this request itself: a GET or HEAD of a read route, or a
+    `POST /api/claims` (validated here, the claims handed to the owner: handoff.py), without a
     cookie (the web page's sessions live in the owner)."""
-    if scope["method"] not in ("GET", "HEAD"):
-        return False
     if any(name == b"cookie" for name, _ in scope["headers"]):
         return False
     path: str = scope["path"]
+    if scope["method"] == "POST":
+        return path == CLAIMS
+    if scope["method"] not in ("GET", "HEAD"):
+        return False
     return any(path == read or (read.endswith("/") and path.startswith(read)) for read in READS)
 
 
@@ -313,10 +322,10 @@ def worker_app(settings: Settings, role: str, index: int) -> ASGIApp:
     """The ASGI app of worker `index` in `role`."""
     name = worker_name(role, index)
     if role == OWNER:
-        node = Node(settings)
+        node = Node(settings, handoff_path=handoff_path(settings))
         node.metrics.register(Restarts(status_path(settings)))
         return Tagged(FromReader(create_app(node)), name)
-    local = create_app(Node(settings, follower=True))
+    local = create_app(Node(settings, follower=True, handoff_path=handoff_path(settings)))
     return Tagged(Reader(local, Forward(socket_path(settings))), name)
 
 

@@ -233,6 +233,7 @@ def one_round(
         env = {}
         if args.verify_processes is not None:
             env["METANODE_VERIFY_PROCESSES"] = str(args.verify_processes)
+        env["METANODE_WORKERS"] = str(args.workers)
         with harness.metanode_server(data_dir, **env) as server:
             harness.register_signer(server, data_dir, key)
             harness.post_all(server, data_dir, [harness.claims_body(warmup)])
@@ -244,7 +245,7 @@ def one_round(
             )
             own = os.times()
             posted = len(signed)
-            with harness.py_spy(server.pid, args.py_spy), harness.CpuMeter(server.pid) as cpu:
+            with harness.py_spy(server.pid, args.py_spy), harness.CpuMeter(server.pid, tree=args.workers > 1) as cpu:
                 if args.wrk is not None:
                     sent, elapsed = wrk_ingest(server, data_dir, bodies, args.clients, args.wrk)
                     posted = sum(sizes[:sent])
@@ -286,6 +287,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         metavar="N",
         help="the server's verify_processes setting (default: the node's default)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the server's serving processes (`serve --workers N`; default 1)",
     )
     parser.add_argument(
         "--breakdown",
