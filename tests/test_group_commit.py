@@ -194,15 +194,17 @@ def test_sigkill_between_a_groups_commit_and_its_answers_keeps_all_of_it(
 
 
 @pytest.mark.both_backends
+@pytest.mark.parametrize("workers", [1, 2])
 def test_sigkill_under_grouped_load_on_a_server_loses_no_acknowledged_claim(
-    tmp_path: Path, storage: str
+    tmp_path: Path, storage: str, workers: int
 ) -> None:
     """Sixteen posters of one claim each, so the server groups them; SIGKILL once enough are
     acknowledged. Every acknowledged claim is in the truth and, after a restart, in the cache;
-    the server then checks clean (`metanode check`)."""
+    the server then checks clean (`metanode check`). With 2 workers, the posters' connections
+    land on both, and the reader's claims reach the owner's groups by the hand-off."""
     data = tmp_path / "data"
     env = {"METANODE_WATCH_ROOTS": str(tmp_path / "media"), "METANODE_STORAGE": storage}
-    first = Server(data, env=env).start()
+    first = Server(data, env=env, workers=workers).start()
     signer = Signer()
     try:
         first.register(signer.uid, "load")

@@ -189,6 +189,65 @@ def test_the_feed_is_the_same_on_every_worker(server: Server) -> None:
     assert titles == {f"title of {c}" for c in (A, B, C)}
 
 
+def test_a_reader_answers_claims_itself_as_the_owner_would(server: Server) -> None:
+    """A reader takes `POST /api/claims` up to the write and hands the owner the claims
+    (handoff.py): its answers, refusals included, are the owner's to the byte, and /metrics
+    counts each claim once, in the worker that answered it."""
+    clients = one_per_worker(server)
+    owner, reader = clients["owner"], clients["reader-1"]
+    signer, stranger = Signer(), Signer()
+    register(owner, signer)
+    tampered = {**signer.claim(B, "title", "t"), "value": "not what was signed"}
+    for n, claim in enumerate(
+        (signer.claim(A, "title", "t"), stranger.claim(A, "title", "t"), tampered)
+    ):
+        answers = [
+            client.post("/api/claims", json={"claims": [claim]}) for client in (reader, owner)
+        ]
+        assert [a.headers["x-metanode-worker"] for a in answers] == ["reader-1", "owner"]
+        (first, second) = answers
+        if n == 0:  # the second post of one claim is a duplicate, wherever it lands
+            assert (first.status_code, first.json()["accepted"]) == (200, 1), first.text
+            assert second.json()["duplicate"] == 1 and title_of(reader, A) == "t"
+        else:
+            assert first.status_code == second.status_code and first.json() == second.json()
+    errors = [a.json()["items"][0]["error"] for a in answers]
+    assert errors == ["bad_signature", "bad_signature"]
+    assert scrape(owner, "metanode_claims_total", verdict="accepted") == 1
+    assert scrape(owner, "metanode_claims_total", verdict="duplicate") == 1
+    for slug in ("unknown_signer", "bad_signature"):
+        assert scrape(owner, "metanode_claims_rejected_total", slug=slug) == 2
+
+
+def test_an_owner_killed_under_a_readers_writes_never_leaves_a_false_ok(server: Server) -> None:
+    """Posting through the reader while the owner is SIGKILLed: each answer is a 200 for
+    claims that are stored, or a 503 the client may retry; after the restart every
+    acknowledged claim is read back."""
+    reader = one_per_worker(server)["reader-1"]
+    signer = Signer()
+    register(reader, signer)
+    acknowledged, refused, n = [], [], 0
+    killed, deadline = False, time.monotonic() + DEADLINE_S
+    while len(acknowledged) < 40 or not killed:
+        if len(acknowledged) == 20 and not killed:
+            os.kill(role_pids(server)["owner"], signal.SIGKILL)
+            killed = True
+        claim = signer.claim(cids.midhash_bytes(f"kill {n}".encode()), "title", f"kill {n}")
+        n += 1
+        response = reader.post("/api/claims", json={"claims": [claim]})
+        if response.status_code == 200:
+            acknowledged.append(claim)
+        else:
+            assert response.status_code == 503, response.text
+            assert response.json()["error"] == "unavailable", response.text
+            refused.append(claim)
+            time.sleep(0.05)  # while the supervisor restarts the owner
+        assert time.monotonic() < deadline, "the owner never came back"
+    assert refused, "no request met the killed owner"
+    for claim in acknowledged:
+        assert title_of(reader, claim["cid"]) == claim["value"]
+
+
 def wait_for(check: Callable[[], bool], what: str) -> None:
     deadline = time.monotonic() + DEADLINE_S
     while not check():
@@ -254,6 +313,7 @@ def test_shutdown_stops_every_worker_cleanly(server: Server) -> None:
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
     assert not (server.data_dir / "owner.sock").exists()
+    assert not (server.data_dir / "handoff.sock").exists()
     assert "Finished server process" in server.log_text()
 
 
