@@ -5,17 +5,20 @@ not block each other (WAL), so more processes read more. Writes stay single: exa
 the **owner**, holds the writer threads, the applier, retention, the plugins and the watcher,
 as `--workers 1` does. The others, **readers**, run a follower `Node` (`Node(follower=True)`:
 the same stores, read connections only, an `applier.Follower` that publishes the states the
-owner's applier commits) and answer the reads themselves (`READS`); every other request
-(writes, the web page, WebDAV, file bytes, `/health`, `/metrics`, anything with a cookie) is
-handed to the owner whole over a Unix socket in the data directory (`Forward`), and its answer
-streamed back. So a write answered by any worker was answered by the owner after its cache
-commit, and the next read, in any worker, sees it (read-your-writes); the feed is the same on
-every worker (each reads cache.db's feed tables, woken by its follower).
+owner's applier commits) and answer the reads themselves (`READS`). `POST /api/claims` they
+take up to the write (body, perimeter, JSON) and hand the owner its wire claims as values
+(handoff.py, over `handoff.sock`), so the owner does not parse and route every write a second
+time. Every other request (the other writes, the web page, WebDAV, file bytes, `/health`,
+`/metrics`, anything with a cookie) is handed to the owner whole over a Unix socket in the
+data directory (`Forward`), and its answer streamed back. So a write answered by any worker
+was answered by the owner after its cache commit, and the next read, in any worker, sees it
+(read-your-writes); the feed is the same on every worker (each reads cache.db's feed tables,
+woken by its follower).
 
 Handing writes over, not taking SQLite's write lock in turn: the group commit (db.Writer)
 coalesces only what one process queues, and the applier must be one (it owns `applied_seq`);
 a write is a few hundred microseconds of work against ≈ 100 µs for the extra hop
-(docs/benchmarks.md, "Every core").
+(docs/benchmarks.md, "Every core" and "Writes handed to the owner as values").
 
 The **supervisor** (`supervise`, the `serve` process itself) holds the data directory's lock,
 binds the listening socket once and hands it to each worker (`pass_fds`: the kernel spreads

@@ -116,19 +116,24 @@ def test_writes_through_either_worker_are_read_at_once_from_both(server: Server)
     assert viewer.json()["metadata"]["title"] == "via the reader"
     claims = reader.get(f"/api/meta/{A}/claims").json()["claims"]
     assert [c["value"] for c in claims] == ["via the reader"]
-    chunked = reader.post(  # a body of unknown length goes over chunked, as it came
-        "/api/claims",
-        content=iter([b'{"claims": [', json.dumps(signer.claim(C, "title", "c")).encode(), b"]}"]),
+    second, third = Signer(), Signer()
+    body = {"uid": second.uid, "name": "chunked", "weight": 1, "may_link": False}
+    chunked = reader.post(  # a handed-over body of unknown length goes over chunked, as it came
+        "/api/signers",
+        content=iter([json.dumps(body)[:10].encode(), json.dumps(body)[10:].encode()]),
         headers={"Content-Type": "application/json"},
     )
-    assert (chunked.status_code, chunked.json()["accepted"]) == (200, 1), chunked.text
-    assert title_of(owner, C) == "c"
+    assert (chunked.status_code, chunked.json()["name"]) == (200, "chunked"), chunked.text
     expecting = reader.post(  # the reader answers the 100-continue; the owner never sees it
-        "/api/claims",
-        json={"claims": [signer.claim(C, "year", "1999")]},
+        "/api/signers",
+        json={**body, "uid": third.uid, "name": "expecting"},
         headers={"Expect": "100-continue"},
     )
     assert expecting.status_code == 200, expecting.text
+    for each in (second, third):  # both registered, so their claims are taken
+        claim = each.claim(C, "title", "c")
+        assert reader.post("/api/claims", json={"claims": [claim]}).json()["accepted"] == 1
+    assert title_of(owner, C) == "c"
     head = reader.head("/health")  # handed over: the head only, the connection still usable
     assert (head.status_code, head.content) == (200, b"")
     assert reader.get("/health").json()["cache_ready"] is True
