@@ -245,7 +245,10 @@ def one_round(
             )
             own = os.times()
             posted = len(signed)
-            with harness.py_spy(server.pid, args.py_spy), harness.CpuMeter(server.pid, tree=args.workers > 1) as cpu:
+            with (
+                harness.py_spy(server.pid, args.py_spy),
+                harness.CpuMeter(server.pid, tree=args.workers > 1) as cpu,
+            ):
                 if args.wrk is not None:
                     sent, elapsed = wrk_ingest(server, data_dir, bodies, args.clients, args.wrk)
                     posted = sum(sizes[:sent])
