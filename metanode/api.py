@@ -419,7 +419,7 @@ def create_app(node: Node) -> Starlette:
         )
 
     async def metrics(request: Request) -> Response:
-        return Response(node.metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await node.metrics_text(), media_type=CONTENT_TYPE)
 
     async def files(request: Request) -> Response:
         q = request.query_params

@@ -1,9 +1,9 @@
 """Prometheus metrics of one node (GET /metrics).
 
 Counters and histograms are updated where things happen; sizes (records, groups, merges, apply
-lag, watcher and plugin state) are read when Prometheus scrapes, so they are never stale and cost
-nothing between scrapes. Each node has its own registry, so several nodes in one process (tests)
-never share numbers.
+lag, watcher and plugin state) are read when Prometheus scrapes, so they are never stale and
+cost nothing between scrapes (those that count rows on a thread: `Node.metrics_text`). Each
+node has its own registry, so several nodes in one process (tests) never share numbers.
 
 Under `serve --workers N` every worker is its own process with its own instruments, yet a scrape
 (answered by the owner, workers.py) must count the whole node. prometheus-client's multiprocess
@@ -19,7 +19,7 @@ the supervisor drops a dead worker's file, `mark_process_dead`).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -32,9 +32,9 @@ MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client as it
 
 
 class Metrics:
-    """The node's instruments; `snapshot` supplies the scrape-time gauges."""
+    """The node's instruments, and the scrape-time gauges `render` is given."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self) -> None:
         self.registry = CollectorRegistry()  # what a scrape renders
         shared = os.environ.get(MULTIPROCESS_ENV)
         # In multiprocess mode the instruments' values are in the shared files, which the
@@ -65,24 +65,27 @@ class Metrics:
         )
         if shared:
             MultiProcessCollector(self.registry, shared)  # type: ignore[no-untyped-call]
-        self.registry.register(_Gauges(snapshot))
+        self._gauges = _Gauges()
+        self.registry.register(self._gauges)
 
     def register(self, collector: Collector) -> None:
         """More scrape-time numbers (the supervisor's worker restarts, workers.py)."""
         self.registry.register(collector)
 
-    def render(self) -> bytes:
+    def render(self, gauges: dict[str, Any]) -> bytes:
+        """The scrape: every instrument, and `gauges` (`Node.metrics_text` reads them)."""
+        self._gauges.state = gauges
         return generate_latest(self.registry)
 
 
 class _Gauges(Collector):
-    """Gauges computed at scrape time from the node's state."""
+    """Gauges computed at scrape time from the node's state: those of the scrape being
+    rendered (`Metrics.render`, synchronous, so one scrape's never mix with another's)."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
-        self._snapshot = snapshot
+    state: dict[str, Any]  # set by `render` before each scrape
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        state = self._snapshot()
+        state = self.state
         for name, help_text in (
             ("records", "Records (active groups) in the cache"),
             ("groups", "Active rids in the truth"),
