@@ -431,7 +431,7 @@ def create_app(node: Node) -> Starlette:
         return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
 
     async def list_plugins(request: Request) -> Response:
-        return JSONResponse({"plugins": node.plugins()})
+        return JSONResponse({"plugins": await node.plugins()})
 
     async def health(request: Request) -> Response:
         return JSONResponse(node.health())

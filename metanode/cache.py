@@ -1563,9 +1563,11 @@ class CacheStore(Store):
     def file_of(self, midhash: str) -> tuple[str, str, int, int] | None:
         return file_of(self.conn, midhash)
 
-    @mapped
     def run_counts(self) -> dict[tuple[str, str], dict[str, int]]:
-        return run_counts(self.conn)
+        """On a connection of its own, for a thread: a scan of every plugin run (one a file and
+        plugin), so `GET /api/plugins` and the plugins page run it off the event loop."""
+        with self.reading() as conn, storage_errors(self.path):
+            return run_counts(conn)
 
     # -- reads ----------------------------------------------------------------------------------
 

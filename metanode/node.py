@@ -809,8 +809,8 @@ class Node:
             "plugin_runs": runs,
         }
 
-    def plugins(self) -> list[dict[str, Any]]:
-        return [] if self.plugin_host is None else self.plugin_host.describe()
+    async def plugins(self) -> list[dict[str, Any]]:
+        return [] if self.plugin_host is None else await self.plugin_host.describe()
 
     @property
     def applies(self) -> bool:

@@ -381,9 +381,10 @@ class Host:
                 log.log(level, "plugin %s on %s: %s", run.plugin, file[1], outcome.error)
             await self._store.finish_run(run, status, attempts, next_at, outcome.error)
 
-    def describe(self) -> list[dict[str, Any]]:
-        """GET /api/plugins: each plugin with its uid, version and run counts."""
-        counts = self._store.run_counts()
+    async def describe(self) -> list[dict[str, Any]]:
+        """GET /api/plugins: each plugin with its uid, version and run counts (a scan of the
+        runs, on a thread)."""
+        counts = await asyncio.to_thread(self._store.run_counts)
         return [
             {
                 "name": name,

@@ -460,7 +460,7 @@ class Pages:
         )
 
     async def plugins(self, request: Request) -> Response:
-        return render(request, "plugins.html", plugins=self.node.plugins())
+        return render(request, "plugins.html", plugins=await self.node.plugins())
 
     async def signers(self, request: Request) -> Response:
         return render(request, "signers.html", signers=self.node.signers())

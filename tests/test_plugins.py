@@ -127,12 +127,13 @@ def metadata(node: Node, cid: str) -> dict[str, str]:
     return found
 
 
-def counts(node: Node, name: str) -> dict[str, int]:
-    for entry in node.plugins():
+async def counts(node: Node, name: str) -> dict[str, int]:
+    described = await node.plugins()
+    for entry in described:
         if entry["name"] == name:
             found: dict[str, int] = entry["runs"]
             return found
-    raise AssertionError(f"no plugin {name} in {node.plugins()}")
+    raise AssertionError(f"no plugin {name} in {described}")
 
 
 @dataclass
@@ -265,7 +266,7 @@ async def test_drafts_are_claims_signed_by_the_plugins_own_key(harness: Harness)
     key_file = node.settings.keys_dir / "tagger.key"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     uid = keys.uid_of_key(keys.load(key_file))
-    [described] = node.plugins()
+    [described] = await node.plugins()
     assert described["uid"] == uid and described["name"] == "tagger"
     [signer] = [s for s in node.signers() if s["uid"] == uid]
     assert signer["name"] == "plugin:tagger"
@@ -339,8 +340,8 @@ async def test_a_raising_plugin_fails_its_run_only_retries_with_backoff_then_fai
     gaps = [b - a for a, b in zip(bad.called_at_ms, bad.called_at_ms[1:], strict=False)]
     assert gaps[0] >= 1000 * plugins.backoff_s(1, 0.1)
     assert gaps[1] >= 1000 * plugins.backoff_s(2, 0.1)
-    assert counts(node, "bad") == {"done": 0, "pending": 0, "failed": 1, "skipped": 0}
-    assert counts(node, "good") == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
+    assert await counts(node, "bad") == {"done": 0, "pending": 0, "failed": 1, "skipped": 0}
+    assert await counts(node, "good") == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
     assert metadata(node, midhash)["good"] == "yes"
 
 
@@ -377,7 +378,7 @@ async def test_a_hanging_plugin_times_out_and_other_runs_continue(harness: Harne
         if thread.name == "plugin":
             thread.join(10)
     assert "late" not in metadata(node, first)
-    assert counts(node, "hang")["failed"] >= 1
+    assert (await counts(node, "hang"))["failed"] >= 1
 
 
 async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
@@ -393,7 +394,13 @@ async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
     await until(finished(node, v2, midhash), "v2 done")
     await until(lambda: metadata(node, midhash).get("ver") == "two", "v2's value merged")
     assert len(v1.calls) == 1 and len(v2.calls) == 1
-    [described] = node.plugins()
+    on_loop: list[str] = []  # the run counts scan every run: never on the loop's connection
+    node.cache.conn.set_trace_callback(on_loop.append)
+    try:
+        [described] = await node.plugins()
+    finally:
+        node.cache.conn.set_trace_callback(None)
+    assert not [sql for sql in on_loop if "plugin_runs" in sql], on_loop
     assert described["version"] == "2"
     assert described["runs"] == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
     # Same name, same key file: the same signer, whose newer claim replaced the old one.
@@ -423,7 +430,7 @@ async def test_a_restart_resumes_pending_runs_and_skips_done_ones(harness: Harne
     await until(finished(node, slow2, midhash), "slow resumed and done")
     assert len(slow2.calls) == 1
     assert quick2.calls == []  # done before the restart: not redone
-    assert counts(node, "quick") == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
+    assert await counts(node, "quick") == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
     assert metadata(node, midhash)["quick"] == "yes"
     assert metadata(node, midhash)["slow"] == "resumed"
 
@@ -496,7 +503,7 @@ async def test_disabled_plugins_and_weights(harness: Harness) -> None:
     off = probe("off", claim("off", "yes"))
     node = await harness.start([on, off], plugins_disabled=("off",), plugin_weights=("on=7",))
     await until(finished(node, on, midhash), "on done")
-    assert [p["name"] for p in node.plugins()] == ["on"]
+    assert [p["name"] for p in await node.plugins()] == ["on"]
     signers = {s["name"]: s for s in node.signers()}
     assert signers["plugin:on"]["weight"] == 7  # the setting beats the class default (2)
     assert "plugin:off" not in signers
