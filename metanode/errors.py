@@ -425,8 +425,9 @@ def portable(exc: MetanodeError) -> Portable:
 
 def rebuilt(error: Portable) -> MetanodeError:
     """The error `portable` described, as an instance of its own class, so it renders, counts
-    (`metanode_rejected_total` by slug) and sets `Retry-After` as it would where it was raised.
-    Both processes run the same build; a class this module lacks (a bug) is an `InternalError`."""
+    (`metanode_claims_rejected_total` by slug) and sets `Retry-After` as it would where it was
+    raised. Both processes run the same build; a class this module lacks (a bug) is an
+    `InternalError`."""
     name, status, message, extra, total = error
     kind = globals().get(name)
     if not (isinstance(kind, type) and issubclass(kind, MetanodeError)):
