@@ -1565,8 +1565,9 @@ class CacheStore(Store):
 
     def run_counts(self) -> dict[tuple[str, str], dict[str, int]]:
         """On a connection of its own, for a thread: a scan of every plugin run (one a file and
-        plugin), so `GET /api/plugins` and the plugins page run it off the event loop."""
-        with self.reading() as conn, storage_errors(self.path):
+        plugin), so `GET /api/plugins` and the plugins page run it off the event loop; not
+        on a lent connection (`scrape_counts`)."""
+        with self.reading(lent=False) as conn, storage_errors(self.path):
             return run_counts(conn)
 
     # -- reads ----------------------------------------------------------------------------------
@@ -1673,8 +1674,9 @@ class CacheStore(Store):
     def scrape_counts(self) -> ScrapeCounts:
         """The /metrics gauges that count rows, on a connection of its own, for a thread: scans
         (0.15 s for the records at 1M), so a scrape runs them off the event loop
-        (`Node.metrics_text`)."""
-        with self.reading() as conn, storage_errors(self.path):
+        (`Node.metrics_text`); never on a connection the pool lends, which a feed snapshot may
+        hold for as long as its subscriber is slow (`reading`)."""
+        with self.reading(lent=False) as conn, storage_errors(self.path):
             return ScrapeCounts(record_count(conn), local_file_count(conn), run_counts(conn))
 
     @mapped

@@ -784,13 +784,16 @@ class Store:
         return self
 
     @contextmanager
-    def reading(self) -> Iterator[Connection]:
+    def reading(self, lent: bool = True) -> Iterator[Connection]:
         """A read-only connection of its own, for one read off the event loop (a thread, the
-        CLI): a new SQLite connection, or one lent by the pool (a new one when not open)."""
+        CLI): a new SQLite connection, or one lent by the pool (a new one when not open).
+        `lent=False`: on PostgreSQL too a new connection, opened for this read alone, for a read
+        that must never wait for the pool, whose connections feed snapshots hold for as long as
+        their subscribers are slow (the /metrics counts)."""
         with storage_errors(self.path):
             conn = (
                 self._pool.connection()
-                if self._pool
+                if self._pool and lent
                 else connect(self.path, readonly=True, stream=True)
             )
         try:

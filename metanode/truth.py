@@ -1797,7 +1797,7 @@ class TruthStore(Store):
     def rid_status_counts(self) -> dict[str, int]:
         """On a connection of its own, for a thread: a scan of every rid (0.23 s at 1M), so
         /metrics runs it off the event loop (`Node.metrics_text`)."""
-        return self._own_read(rid_status_counts)
+        return self._own_read(rid_status_counts, lent=False)
 
     @mapped
     def listing(
@@ -1827,9 +1827,10 @@ class TruthStore(Store):
         with snapshot(self.conn):
             return log_cursor(log_id(self.conn), max_log_seq(self.conn))
 
-    def _own_read(self, fn: Callable[[Connection], T]) -> T:
-        """`fn` on a read connection of its own: for the long reads run off the event loop."""
-        with self.reading() as conn, storage_errors(self.path):
+    def _own_read(self, fn: Callable[[Connection], T], lent: bool = True) -> T:
+        """`fn` on a read connection of its own: for the long reads run off the event loop
+        (`lent`: `reading`'s)."""
+        with self.reading(lent) as conn, storage_errors(self.path):
             return fn(conn)
 
     def claim_ids(self) -> tuple[str, list[bytes]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -17,7 +18,7 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from metanode import db, keys, logs, truth
+from metanode import db, keys, logs, pg, truth
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.postgres import Storages
@@ -79,6 +80,22 @@ async def test_a_scrape_counts_rows_off_the_event_loops_connections(
             conn.set_trace_callback(None)
     assert (metric(text, "metanode_records"), metric(text, "metanode_groups")) == (1, 1)
     assert on_loop and not [sql for sql in on_loop if "count(" in sql.lower()], on_loop
+
+
+@pytest.mark.both_backends
+async def test_a_scrape_answers_while_every_lent_read_connection_is_held(
+    client: httpx.AsyncClient, node: Node, storage: str
+) -> None:
+    """Feed snapshots hold the stores' lent read connections (PostgreSQL's pool, `POOL_MAX`
+    each) for as long as their subscribers are slow; a scrape reads on connections of its own,
+    so it never waits for them (it did: 10 s, then a 503, and the feed's clean-up behind it)."""
+    with contextlib.ExitStack() as held:
+        for store in (node.truth, node.cache):
+            for _ in range(1 if storage == "sqlite" else pg.POOL_MAX):
+                held.enter_context(store.reading())
+        response = await asyncio.wait_for(client.get("/metrics"), timeout=pg.CONNECT_TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    assert metric(response.text, "metanode_records") == 0
 
 
 @pytest.mark.parametrize("log_access", [False, True])
