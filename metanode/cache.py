@@ -1674,8 +1674,7 @@ class CacheStore(Store):
     def scrape_counts(self) -> ScrapeCounts:
         """The /metrics gauges that count rows, on a connection of its own, for a thread: scans
         (0.15 s for the records at 1M), so a scrape runs them off the event loop
-        (`Node.metrics_text`); never on a connection the pool lends, which a feed snapshot may
-        hold for as long as its subscriber is slow (`reading`)."""
+        (`Node.metrics_text`); never on a connection the pool lends (`reading(lent=False)`)."""
         with self.reading(lent=False) as conn, storage_errors(self.path):
             return ScrapeCounts(record_count(conn), local_file_count(conn), run_counts(conn))
 

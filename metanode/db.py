@@ -787,9 +787,10 @@ class Store:
     def reading(self, lent: bool = True) -> Iterator[Connection]:
         """A read-only connection of its own, for one read off the event loop (a thread, the
         CLI): a new SQLite connection, or one lent by the pool (a new one when not open).
-        `lent=False`: on PostgreSQL too a new connection, opened for this read alone, for a read
-        that must never wait for the pool, whose connections feed snapshots hold for as long as
-        their subscribers are slow (the /metrics counts)."""
+        `lent=False`: on PostgreSQL too a new connection, opened for this read alone and closed
+        after, for a periodic read that must never wait for the pool (its 8 connections may be
+        taken by long reads: exports, reconciliation, plugin threads) nor leave one more
+        connection open in it (the /metrics counts)."""
         with storage_errors(self.path):
             conn = (
                 self._pool.connection()

@@ -86,9 +86,9 @@ async def test_a_scrape_counts_rows_off_the_event_loops_connections(
 async def test_a_scrape_answers_while_every_lent_read_connection_is_held(
     client: httpx.AsyncClient, node: Node, storage: str
 ) -> None:
-    """Feed snapshots hold the stores' lent read connections (PostgreSQL's pool, `POOL_MAX`
-    each) for as long as their subscribers are slow; a scrape reads on connections of its own,
-    so it never waits for them (it did: 10 s, then a 503, and the feed's clean-up behind it)."""
+    """Long reads (exports, reconciliation, plugin threads) may take every lent read
+    connection of a store (PostgreSQL's pool, `POOL_MAX` each); a scrape reads on connections
+    of its own, so it never waits for them (it did: 10 s, then a 503)."""
     with contextlib.ExitStack() as held:
         for store in (node.truth, node.cache):
             for _ in range(1 if storage == "sqlite" else pg.POOL_MAX):
