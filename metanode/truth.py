@@ -1634,6 +1634,8 @@ class TruthStore(Store):
         super().__init__(path, clock)
         self._source: Connection | None = None
         self._source_lock = threading.Lock()
+        self._poll: Connection | None = None  # `max_seq_apart`'s, opened at its first call
+        self._poll_lock = threading.Lock()
 
     def migrate(self) -> None:
         """The schema, then incremental vacuum (`db.make_incremental`: a VACUUM once, outside
@@ -1653,6 +1655,10 @@ class TruthStore(Store):
         super().close()
         if self._source is not None:
             self._source.close()
+        with self._poll_lock:
+            if self._poll is not None:
+                self._poll.close()
+                self._poll = None
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -1747,10 +1753,16 @@ class TruthStore(Store):
         return max_seq(self.conn)
 
     def max_seq_apart(self) -> int:
-        """`max_seq` on a connection of its own (`reading`), for a thread: the applier's poll
-        every 20 ms (`applier.Replica`), which must not hold up the event loop's connection
-        or keep it in its reconnection wait while the server is away."""
-        return self._own_read(max_seq)
+        """`max_seq` on a connection of its own, for a thread: the applier's poll every 20 ms
+        (`applier.Replica`), which must not hold up the event loop's connection or keep it in
+        its reconnection wait while the server is away. Kept open for the poll alone, not lent
+        by the pool (`reading`): with the pool's connections taken by long reads (exports,
+        reconciliation) the poll waited 10 s for one and failed, and every replica stopped
+        seeing the others' writes meanwhile."""
+        with self._poll_lock, storage_errors(self.path):
+            if self._poll is None:
+                self._poll = connect(self.path, readonly=True)
+            return max_seq(self._poll)
 
     @mapped
     def min_seq(self) -> int | None:

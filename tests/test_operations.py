@@ -83,19 +83,22 @@ async def test_a_scrape_counts_rows_off_the_event_loops_connections(
 
 
 @pytest.mark.both_backends
-async def test_a_scrape_answers_while_every_lent_read_connection_is_held(
+async def test_a_scrape_and_the_replicas_poll_answer_while_every_lent_connection_is_held(
     client: httpx.AsyncClient, node: Node, storage: str
 ) -> None:
     """Long reads (exports, reconciliation, plugin threads) may take every lent read
-    connection of a store (PostgreSQL's pool, `POOL_MAX` each); a scrape reads on connections
-    of its own, so it never waits for them (it did: 10 s, then a 503)."""
+    connection of a store (PostgreSQL's pool, `POOL_MAX` each); a scrape and the applier's
+    poll of the truth (`applier.Replica`) read on connections of their own, so they never wait
+    for them (they did: 10 s, then a 503 and a failed poll)."""
     with contextlib.ExitStack() as held:
         for store in (node.truth, node.cache):
             for _ in range(1 if storage == "sqlite" else pg.POOL_MAX):
                 held.enter_context(store.reading())
-        response = await asyncio.wait_for(client.get("/metrics"), timeout=pg.CONNECT_TIMEOUT_S)
+        response = await client.get("/metrics")
+        polled = await asyncio.to_thread(node.truth.max_seq_apart)
     assert response.status_code == 200, response.text
     assert metric(response.text, "metanode_records") == 0
+    assert polled == node.truth.max_seq()
 
 
 @pytest.mark.parametrize("log_access", [False, True])
