@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from metanode import errors, handoff
 from metanode.errors import InvalidBatch, MetanodeError, UnavailableError
+from tests.helpers.wait import until
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
@@ -132,8 +133,7 @@ async def test_an_owner_that_dies_mid_request_is_a_503_never_an_ok(path: Path) -
     await owner.server.start()
     client = handoff.Client(path)
     pending = asyncio.create_task(client.ingest([1]))
-    while not owner.seen:
-        await asyncio.sleep(0.01)
+    await until(lambda: bool(owner.seen), "the owner to take the request")
     for task in list(owner.server._connections):
         task.cancel()  # what a SIGKILL does to its side: the socket closes unanswered
     with pytest.raises(UnavailableError, match="may or may not be stored"):
@@ -152,10 +152,10 @@ async def test_stopping_finishes_the_request_being_answered_then_refuses(path: P
     assert (await idle.ingest([0]))[0] == 200  # a connection left idle in its pool
     owner.release.clear()
     pending = asyncio.create_task(client.ingest([1]))
-    while len(owner.seen) < 2:
-        await asyncio.sleep(0.01)
+    await until(lambda: len(owner.seen) == 2, "the owner to take the second request")
     stopping = asyncio.create_task(owner.server.stop())
-    await asyncio.sleep(0.05)
+    server = owner.server
+    await until(lambda: server._connections == server._busy, "stop to end the idle connection")
     assert not pending.done() and not stopping.done()  # stop waits for the commit
     owner.release.set()
     assert (await pending)[0] == 200
