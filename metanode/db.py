@@ -49,6 +49,7 @@ from metanode import pg
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
 from metanode.errors import (
+    NotCommitted,
     ShuttingDown,
     StorageError,
     StorageFull,
@@ -269,22 +270,67 @@ def holds_rows(conn: Connection, tables: Sequence[str]) -> list[str]:
     return [t for t in tables if conn.execute(f"SELECT 1 FROM {t} LIMIT 1").fetchone()]
 
 
-def run_txn(conn: Connection, fn: Txn[T], *args: Any) -> T:
+class Gate:
+    """Whether one transaction committed, for work begun on its results before its COMMIT
+    (`Writer.before_commit`): settled once by the writer, right after the COMMIT returns or
+    fails; waited on by that work before it makes anything of those results durable itself."""
+
+    def __init__(self) -> None:
+        self._settled = threading.Event()
+        self._committed = False
+
+    def settle(self, committed: bool) -> None:
+        self._committed = committed
+        self._settled.set()
+
+    def wait(self) -> None:
+        """Return once the transaction has committed; raise `NotCommitted` if it did not."""
+        self._settled.wait()
+        if not self._committed:
+            raise NotCommitted("the transaction this work began on did not commit")
+
+
+# Called with a transaction's result between its last statement and its COMMIT: work that can
+# begin on that result already, in another thread; the `Gate` it returns (None: no such work)
+# is settled with the COMMIT's outcome.
+BeforeCommit = Callable[[Any], Gate | None]
+
+
+def run_txn(
+    conn: Connection, fn: Txn[T], *args: Any, before_commit: BeforeCommit | None = None
+) -> T:
     """Run `fn(conn, *args)` as one `BEGIN IMMEDIATE` transaction: all of it commits or none.
 
     A failing statement or COMMIT rolls back whatever SQLite has not rolled back itself (after
     SQLITE_FULL or an I/O error it may have; a failed COMMIT may leave the transaction open), so
-    the connection is always usable for the next transaction.
+    the connection is always usable for the next transaction. `before_commit`: see
+    `BeforeCommit`; what it raises is logged and changes nothing here.
     """
+    gate: Gate | None = None
     with storage_errors():
         conn.execute("BEGIN IMMEDIATE")
         try:
             result = fn(conn, *args)
+            gate = _before_commit(before_commit, result)
             conn.execute("COMMIT")
         except BaseException:
             _rollback(conn)
+            if gate is not None:
+                gate.settle(False)
             raise
+    if gate is not None:
+        gate.settle(True)
     return result
+
+
+def _before_commit(hook: BeforeCommit | None, result: Any) -> Gate | None:
+    if hook is None:
+        return None
+    try:
+        return hook(result)
+    except Exception:  # work that could not begin early begins after the COMMIT instead
+        log.exception("work ahead of a COMMIT could not begin")
+        return None
 
 
 def _rollback(conn: Connection) -> None:
@@ -544,8 +590,9 @@ class Writer:
     requests share one fsync'd COMMIT; each still gets its result only after that COMMIT, and a
     job that fails is rolled back alone. A transaction function with a `Combiner` (`combiners`)
     runs a run of its queued jobs as one call (`_group_txn`). A grouped job's `prepare` runs
-    on this thread before the group's `BEGIN` (`_ready`). `groups` counts the group
-    transactions, `grouped` the jobs they held (/metrics).
+    on this thread before the group's `BEGIN` (`_ready`). `before_commit` (if set) gets a
+    group's outcomes before its COMMIT, to begin work on them meanwhile (`BeforeCommit`).
+    `groups` counts the group transactions, `grouped` the jobs they held (/metrics).
 
     `failure` is the last `StorageError` a job met, until a probe (every `PROBE_S`, between
     jobs, on this thread) finds writes working again: so `/health` recovers by itself once the
@@ -560,6 +607,7 @@ class Writer:
     ) -> None:
         self.path = target
         self.combiners = dict(combiners or {})  # transaction function → its `Combiner`
+        self.before_commit: BeforeCommit | None = None  # a group's, given its outcomes
         self.conn = connect(target)
         self.failure: StorageError | None = None
         self._next_probe = 0.0
@@ -646,7 +694,9 @@ class Writer:
         self.groups += 1
         self.grouped += len(jobs)
         try:
-            outcomes = run_txn(self.conn, _group_txn, jobs, self.combiners)
+            outcomes = run_txn(
+                self.conn, _group_txn, jobs, self.combiners, before_commit=self.before_commit
+            )
         except BaseException as exc:
             for job in jobs:
                 self._fail(job.future, exc)

@@ -437,3 +437,12 @@ def rebuilt(error: Portable) -> MetanodeError:
     exc = kind.__new__(kind)
     MetanodeError.__init__(exc, message, **extra)
     return exc
+
+
+# -- a signal between two of a node's threads, never an answer ------------------------------------
+
+
+class NotCommitted(Exception):
+    """The transaction whose results other work began on before its COMMIT (`db.Gate`) did not
+    commit: that work is rolled back. Caught inside the node (the cache's apply ahead of the
+    truth's COMMIT, `Applier.apply_ahead`); no client ever sees it."""

@@ -6,6 +6,7 @@ the truth all-or-nothing per group."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import signal
 import sqlite3
 import subprocess
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 from metanode import cid as cids
 from metanode import claims, db, truth
 from metanode import rid as rids
-from metanode.errors import MetanodeError
+from metanode.errors import MetanodeError, NotCommitted
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.load import kill_under_load
@@ -469,3 +470,93 @@ def test_a_job_whose_prepare_raises_fails_alone(tmp_path: Path) -> None:
         writer.close()
     with sqlite3.connect(tmp_path / "t.db") as conn:
         assert sorted(v for (v,) in conn.execute("SELECT v FROM t")) == [1, 3]
+
+
+# -- work begun before a COMMIT (db.Writer.before_commit, the cache's apply ahead) -------------
+
+
+def ahead_of_commit(writer: db.Writer) -> tuple[list[Any], list[concurrent.futures.Future[Any]]]:
+    """Set `writer`'s `before_commit` to begin work on each group's outcomes in another
+    thread: what the hook saw (its thread, whether the transaction was still open, the rows
+    another connection could read then), and the futures of that work, which waits on the
+    gate and then reads the rows again."""
+    seen: list[Any] = []
+    work: list[concurrent.futures.Future[Any]] = []
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def stored() -> list[int]:
+        with sqlite3.connect(writer.path) as conn:
+            return sorted(v for (v,) in conn.execute("SELECT v FROM t"))
+
+    def after(gate: db.Gate) -> list[int]:
+        gate.wait()
+        return stored()
+
+    def hook(outcomes: Sequence[db.Outcome]) -> db.Gate:
+        seen.append((threading.current_thread().name, writer.conn.in_transaction, stored()))
+        gate = db.Gate()
+        work.append(pool.submit(after, gate))
+        return gate
+
+    writer.before_commit = hook
+    return seen, work
+
+
+def test_work_begun_before_a_commit_reads_only_once_it_has_committed(tmp_path: Path) -> None:
+    """The hook gets a group's outcomes on the writer's thread with its transaction still
+    open (nothing of it readable elsewhere yet); `Gate.wait` returns only after the COMMIT,
+    when another connection reads all of the group."""
+    writer = counting_writer(tmp_path / "t.db")
+    try:
+        seen, work = ahead_of_commit(writer)
+        held_group(writer, [(None, 1), (None, 2)])
+        assert seen == [("test-writer", True, [])]
+        assert work[0].result(DEADLINE_S) == [1, 2]
+    finally:
+        writer.close()
+
+
+def test_work_begun_before_a_commit_that_fails_is_told_so(tmp_path: Path) -> None:
+    """A COMMIT that fails after the hook ran (here a deferred foreign key, checked only at
+    COMMIT) fails the group's jobs, and the work begun on it gets `NotCommitted` from its
+    gate, never a return: it must not make durable what the truth does not hold."""
+    path = tmp_path / "t.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE parent (id INTEGER PRIMARY KEY)")
+        conn.execute(
+            "CREATE TABLE t (v INTEGER REFERENCES parent (id) DEFERRABLE INITIALLY DEFERRED)"
+        )
+    writer = db.Writer(path, "test")
+    try:
+        writer.conn.execute("PRAGMA foreign_keys = ON")  # before any job: the writer is idle
+        seen, work = ahead_of_commit(writer)
+        future = writer.submit_grouped("g", 1, insert_value, 7)  # no parent 7: COMMIT fails
+        assert isinstance(future.exception(DEADLINE_S), sqlite3.IntegrityError)
+        assert isinstance(work[0].exception(DEADLINE_S), NotCommitted)
+        assert seen == [("test-writer", True, [])]
+        assert writer.submit(lambda conn: conn.in_transaction).result(DEADLINE_S)  # usable
+    finally:
+        writer.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT count(*) FROM t").fetchone() == (0,)
+
+
+def test_a_before_commit_hook_that_raises_changes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Work that cannot begin early begins after the COMMIT instead: the hook's exception is
+    logged, and the group commits and answers as if there were no hook."""
+    writer = counting_writer(tmp_path / "t.db")
+
+    def hook(outcomes: Sequence[db.Outcome]) -> db.Gate:
+        raise RuntimeError("no room ahead")
+
+    try:
+        writer.before_commit = hook
+        futures = held_group(writer, [(None, 1), (None, 2)])
+        assert [f.result() for f in futures] == [1, 2]
+    finally:
+        writer.close()
+    assert "work ahead of a COMMIT could not begin" in caplog.text
+    with sqlite3.connect(tmp_path / "t.db") as conn:
+        assert sorted(v for (v,) in conn.execute("SELECT v FROM t")) == [1, 2]
