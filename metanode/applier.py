@@ -9,6 +9,7 @@ through `TruthStore.snapshot`), and publishes each committed cache state; reques
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -16,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from metanode import cache, merge, truth
+from metanode.errors import NotCommitted
 from metanode.view import Written
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,9 @@ class Applier:
         self.degraded = False
         self.progressed = time.monotonic()  # when applied_seq last moved, or nothing was due
         self._written: list[Written] = []  # handed by ingests, not yet applied
+        self._ahead_upto = 0  # the newest outbox seq an apply ahead was queued for
+        self.applied_ahead = 0  # groups of ingests applied ahead of their COMMIT (/metrics)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
 
@@ -104,18 +109,49 @@ class Applier:
         return self.state.applied_seq
 
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._task = asyncio.create_task(self._run(), name="applier")
 
     def wake(self) -> None:
         self._wake.set()
 
-    def hand(self, written: Written) -> None:
+    def hand(self, result: truth.IngestResult) -> None:
         """What an ingest transaction wrote, so the next apply need not read it back from the
-        truth; then wake. (A restart has none of it and reads the outbox, as ever.)"""
+        truth; then wake. (A restart has none of it and reads the outbox, as ever.) Nothing,
+        if an apply ahead of its COMMIT took it already (`apply_ahead`)."""
+        if result.seq <= self._ahead_upto:
+            return
         if len(self._written) >= HELD_MAX:  # applies keep failing: read back when they work
             self._written.clear()
-        if written.changes:
-            self._written.append(written)
+        if result.written.changes:
+            self._written.append(result.written)
+        self.wake()
+
+    def apply_ahead(self, written: Sequence[Written], committed: Callable[[], None]) -> None:
+        """On the truth writer's thread, before the COMMIT of a group of ingests (what they
+        wrote: `TruthStore.on_written`): queue the cache's apply of it at once
+        (`CacheStore.apply_ahead`), so it runs while that COMMIT's fsync does and commits right
+        after it, with no turn of the event loop between the two transactions; its state is
+        published as it commits (`_applied_ahead`). Not before the cache is ready (its build
+        comes first), nor once stopping; a failure is left to the next apply, which reads the
+        outbox back (docs/architecture.md, "The apply path")."""
+        if not self.ready or self._stopping or self._loop is None:
+            return
+        loop = self._loop
+        future = self._store.apply_ahead(self._source, written, committed)
+        self._ahead_upto = max(self._ahead_upto, max(w.last for w in written))
+        future.add_done_callback(lambda done: loop.call_soon_threadsafe(self._applied_ahead, done))
+
+    def _applied_ahead(self, done: concurrent.futures.Future[cache.State]) -> None:
+        exc = done.exception()
+        if exc is None:
+            state = done.result()
+            self._written = [w for w in self._written if w.last > state.applied_seq]
+            self.applied_ahead += 1
+            self._publish(state)
+            return
+        if not isinstance(exc, NotCommitted):
+            log.warning("applying a group ahead of its COMMIT failed (%s); reading it back", exc)
         self.wake()
 
     async def _until(self, done: Callable[[], bool], timeout: float) -> bool:
@@ -188,16 +224,16 @@ class Applier:
     async def _apply(self) -> None:
         state = await self._store.apply(self._source, tuple(self._written))
         self._written = [w for w in self._written if w.last > state.applied_seq]
-        await self._publish(state)
+        self._publish(state)
 
     async def _build_if_needed(self) -> None:
         if cache_needs_build(self.state, self._source):
             log.info("building the cache from the truth (outbox seq %d)", self._source.max_seq())
             self.state = await self._store.build(self._source)
         self.ready = True
-        await self._publish(self.state)
+        self._publish(self.state)
 
-    async def _publish(self, state: cache.State) -> None:
+    def _publish(self, state: cache.State) -> None:
         """Make a committed cache state visible; never step back (two transactions' answers may
         arrive out of order)."""
         mark = (state.epoch, state.feed_seq, state.applied_seq, state.file_feed_seq)
@@ -216,7 +252,7 @@ class Applier:
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
         """The watcher's results: local_file rows and local keys, in one cache transaction."""
-        await self._publish(await self._store.apply_local(self._source, files, removals))
+        self._publish(await self._store.apply_local(self._source, files, removals))
 
     async def stop(self) -> None:
         """Let the loop finish the apply it is in (its job reads a truth snapshot) and end.
@@ -252,6 +288,11 @@ class Follower(Applier):
     async def _run(self) -> None:
         await self._follow(_never)
 
+    def apply_ahead(self, written: Sequence[Written], committed: Callable[[], None]) -> None:
+        """Nothing: a follower applies nothing; nor does a PostgreSQL replica apply ahead of
+        the truth's COMMIT, where other replicas' transactions commit beside its own (it
+        applies after the COMMIT, as `Applier._apply` does)."""
+
     async def _follow(self, leave: Callable[[], Awaitable[bool]]) -> None:
         """Publish each cache state another process commits, until stopped or `leave()` (asked
         every turn) says to stop following."""
@@ -263,7 +304,7 @@ class Follower(Applier):
                     seen = version
                     state = self._store.state()
                     self.ready = state.epoch != 0
-                    await self._publish(state)
+                    self._publish(state)
                 self.degraded = False
             except Exception:
                 if not self.degraded:
@@ -314,11 +355,11 @@ class Replica(Follower):
         self._tried = 0.0
         self._watching: asyncio.Task[None] | None = None
 
-    def hand(self, written: Written) -> None:
+    def hand(self, result: truth.IngestResult) -> None:
         """Kept only by the leader: a follower's ingests are applied by another process (which
         reads them back from the outbox)."""
         if self.leading:
-            super().hand(written)
+            super().hand(result)
 
     async def _run(self) -> None:
         await self._follow(self._took_lead)

@@ -10,9 +10,10 @@ is repaired by applying again from the stored seq: behind, never wrong (SPEC §3
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -48,7 +49,7 @@ from metanode.plan import (
     resolve,
 )
 from metanode.plan import touched as touched_by
-from metanode.view import Change, TruthSource, TruthView, Written, overlay
+from metanode.view import Ahead, Change, TruthSource, TruthView, Written, overlay
 
 SCHEMA_V1 = """
 CREATE TABLE records (
@@ -745,6 +746,23 @@ def apply_txn(
     last = _append_feed(cache, state, events, clock())
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
     return State(state.epoch, changes[-1].seq, last, state.file_feed_seq)
+
+
+def apply_ahead_txn(
+    cache: Connection,
+    source: TruthSource,
+    clock: Clock,
+    written: Sequence[Written],
+    committed: Callable[[], None],
+) -> State:
+    """`apply_txn` of what an ingest transaction wrote, begun before that transaction's COMMIT
+    returned (`Applier.apply_ahead`): the truth is read only once `committed()` has returned
+    (`view.Ahead`), and this transaction commits only after it too, so the cache never holds
+    what the truth may not; if that COMMIT failed, `committed()` raises and all of this rolls
+    back."""
+    state = apply_txn(cache, Ahead(source, committed), clock, written)
+    committed()
+    return state
 
 
 # What `metanode migrate-storage` copies of a cache: the facts about the disk and the plugins'
@@ -1498,6 +1516,13 @@ class CacheStore(Store):
 
     def apply_sync(self, source: TruthSource, written: Sequence[Written] = ()) -> State:
         return self.writer.run_sync(apply_txn, source, self._clock, written)
+
+    def apply_ahead(
+        self, source: TruthSource, written: Sequence[Written], committed: Callable[[], None]
+    ) -> concurrent.futures.Future[State]:
+        """Queue the apply of what an ingest transaction wrote, before its COMMIT has returned
+        (`apply_ahead_txn`), from any thread; its future holds the state it committed."""
+        return self.writer.submit(apply_ahead_txn, source, self._clock, written, committed)
 
     async def build(self, source: TruthSource) -> State:
         """Recompute every record under a new epoch (`build_txn`)."""

@@ -95,6 +95,7 @@ class _Gauges(Collector):
             ("watcher_files", "Local files known to the watcher"),
             ("ingest_groups", "Truth transactions that committed ingest batches (group commit)"),
             ("ingest_grouped", "Ingest batches those transactions held"),
+            ("applied_ahead", "Of those, the ones the cache applied during their COMMIT"),
         ):
             yield GaugeMetricFamily(f"metanode_{name}", help_text, value=state[name])
         runs = GaugeMetricFamily(

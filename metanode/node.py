@@ -139,6 +139,7 @@ class Node:
         self.responder = peers.Responder(self.truth.log_head, self.truth.claim_ids)
         self.peers = peers.Peers(self, self._pull_config())  # followers pull nothing
         self.applier.start()
+        self.truth.on_written(self.applier.apply_ahead)
         if self.follower:
             if self._handoff_path is not None:
                 self._handoff = handoff.Client(self._handoff_path)
@@ -449,7 +450,7 @@ class Node:
         else:
             batch = await self._validate(items, now)
             result = await self.truth.ingest(batch, self.minter, self.policy, now)
-        self.applier.hand(result.written)
+        self.applier.hand(result)
         applied = await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}
         for verdict in ("accepted", "duplicate", "stale"):
@@ -529,7 +530,7 @@ class Node:
         valid, errors = await self.verifier.validate(items, now)
         page = truth.PeerCursor(name, cursor, len(errors))
         result, refused = await self.truth.ingest_peer(valid, page, row.weight, self.minter, now)
-        self.applier.hand(result.written)  # like any ingest: the apply need not read it back
+        self.applier.hand(result)  # like any ingest: the apply need not read it back
         await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         for item in errors:
             self.metrics.rejected.labels(item["error"]).inc()
@@ -806,6 +807,7 @@ class Node:
             "watcher_files": counts.local_files,
             "ingest_groups": self.truth.writer.groups,
             "ingest_grouped": self.truth.writer.grouped,
+            "applied_ahead": self.applier.applied_ahead,
             "plugin_runs": runs,
         }
 

@@ -29,6 +29,7 @@ from metanode.clock import Clock, now_ms
 from metanode.db import (
     Combiner,
     Connection,
+    Gate,
     Migration,
     Outcome,
     Store,
@@ -1338,6 +1339,26 @@ def _written(groups: _Groups, before: int, seq: int, stored: Iterable[Claim]) ->
     return Written(changes, groups.fresh(c for c in stored if c.value is not None))
 
 
+# Told a group commit's writes before its COMMIT: (what its ingests wrote, a call that returns
+# once the COMMIT has returned and raises `NotCommitted` if it failed); on the writer's thread.
+Ahead = Callable[[Sequence[Written], Callable[[], None]], None]
+
+
+def written_ahead(ahead: Ahead, outcomes: Sequence[Outcome]) -> Gate | None:
+    """`TruthStore.on_written`'s hook: the `Written` of a group's ingests, if any, to `ahead`,
+    with the `Gate` the writer settles at the COMMIT."""
+    written = [
+        value.written
+        for ok, value in outcomes
+        if ok and isinstance(value, IngestResult) and value.written.changes
+    ]
+    if not written:
+        return None
+    gate = Gate()
+    ahead(written, gate.wait)
+    return gate
+
+
 def ensure_groups_txn(conn: Connection, cids: Sequence[str], minter: Minter, now_ms: int) -> None:
     """Give every CID a group (the watcher's midhashes): minted if new, in one transaction."""
     groups = _Groups(conn, now_ms, cids, minter)
@@ -1661,6 +1682,12 @@ class TruthStore(Store):
                 self._poll = None
 
     # -- writes ---------------------------------------------------------------------------------
+
+    def on_written(self, ahead: Ahead) -> None:
+        """Tell `ahead` what each group of ingest transactions wrote, on the writer's thread,
+        between the group's last statement and its COMMIT (`written_ahead`), so the cache's
+        apply of it can begin while that COMMIT runs (`Applier.apply_ahead`)."""
+        self.writer.before_commit = functools.partial(written_ahead, ahead)
 
     async def ingest(
         self,

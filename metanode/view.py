@@ -7,8 +7,8 @@ backend (PostgreSQL) implements these same reads; nothing here names SQLite.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -196,3 +196,72 @@ def overlay(view: TruthView, written: Sequence[Written], after: int) -> TruthVie
     outbox row after `after`; else `view` itself, which reads everything back."""
     run = covering(written, after)
     return Overlay(view, run) if run else view
+
+
+class Ahead:
+    """The truth as an apply begun before the truth's COMMIT of the changes it applies reads it
+    (`Applier.apply_ahead`): `committed()` returns once that COMMIT has returned (it raises if
+    the COMMIT failed). An `Overlay` answers most of such an apply from what the transaction
+    wrote; a read it passes on to the truth waits for `committed()` first and then opens the
+    snapshot, so it sees those changes. Every signer's weight may be read before: the
+    transaction adds none but unknown signers, registered with the weight and status an absent
+    signer has (`merge.Signer()`), and no other transaction can commit before it."""
+
+    def __init__(self, source: TruthSource, committed: Callable[[], None]) -> None:
+        self._source = source
+        self._committed = committed
+
+    @contextmanager
+    def snapshot(self) -> Iterator[TruthView]:
+        with ExitStack() as stack:
+            yield _AheadView(self._source, self._committed, stack)
+
+
+class _AheadView:
+    """`Ahead`'s view: the snapshot opened at the first read that needs the committed truth."""
+
+    def __init__(
+        self, source: TruthSource, committed: Callable[[], None], stack: ExitStack
+    ) -> None:
+        self._source = source
+        self._committed = committed
+        self._stack = stack
+        self._view: TruthView | None = None
+
+    def _opened(self) -> TruthView:
+        if self._view is None:
+            self._committed()
+            self._view = self._stack.enter_context(self._source.snapshot())
+        return self._view
+
+    def merge_signers(self) -> dict[str, merge.Signer]:
+        if self._view is not None:
+            return self._view.merge_signers()
+        with self._source.snapshot() as before:  # a snapshot of its own, ended at once
+            return before.merge_signers()
+
+    def max_seq(self) -> int:
+        return self._opened().max_seq()
+
+    def changes_after(self, seq: int) -> list[Change]:
+        return self._opened().changes_after(seq)
+
+    def groups_of(self, cids: Iterable[str]) -> dict[str, str]:
+        return self._opened().groups_of(cids)
+
+    def groups_cids(self, rids: Iterable[str]) -> dict[str, list[str]]:
+        return self._opened().groups_cids(rids)
+
+    def survivors(self, rids: Iterable[str]) -> dict[str, str]:
+        return self._opened().survivors(rids)
+
+    def groups_claims(
+        self, rids: Iterable[str], keys: Iterable[str] | None = None
+    ) -> dict[str, list[Claim]]:
+        return self._opened().groups_claims(rids, keys)
+
+    def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
+        return self._opened().signer_cid_keys(uid)
+
+    def active_rids(self) -> list[str]:
+        return self._opened().active_rids()

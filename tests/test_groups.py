@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import tempfile
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from metanode import cache, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.claims import Claim
+from metanode.errors import NotCommitted
 from metanode.maintenance import check, open_store
 from metanode.node import Node
 from metanode.view import Written
@@ -250,13 +254,22 @@ BATCHES = st.lists(CLAIMS, min_size=1, max_size=16).map(
 )  # the same claim twice in a batch, often
 
 
+APPLIES = ("ahead", "handed", "read back")
+HOLD_S = 60.0  # the longest a truth COMMIT is held for an apply ahead of it
+
+
 class Store:
     """A truth and a cache on disk, written and applied as the node's writers do."""
 
-    def __init__(self, data_dir: Path, hand_over: bool, storage: str) -> None:
-        """`hand_over`: the applies are handed what the ingests wrote (`view.Written`), as the
-        node's applier is; else they read it all back from the truth."""
-        self.hand_over, self.written = hand_over, list[Written]()
+    def __init__(self, data_dir: Path, apply: str, storage: str) -> None:
+        """`apply`: "ahead", each ingest's apply begins before its COMMIT, as the node's
+        applier's does, and that COMMIT is held until the apply reaches a read that must wait
+        for it, or its own end (the latest an apply can read too early); "handed", the applies
+        are handed what the ingests wrote (`view.Written`) after their COMMIT; "read back",
+        they read it all back from the truth."""
+        assert apply in APPLIES
+        self.mode, self.written = apply, list[Written]()
+        self.ahead: concurrent.futures.Future[cache.State] | None = None
         settings = settings_for(data_dir, storage=storage)
         open_store(settings)
         self.source = truth.TruthStore.configured(settings, lambda: NOW_MS).open()
@@ -266,6 +279,18 @@ class Store:
         for uid in UIDS:
             self.source.add_signer_sync(uid, "t", 1, True)
         self.store.build_sync(self.source)
+        if apply == "ahead":
+            self.source.on_written(self._apply_ahead)
+
+    def _apply_ahead(self, written: Sequence[Written], committed: Callable[[], None]) -> None:
+        reached = threading.Event()
+
+        def held() -> None:
+            reached.set()
+            committed()
+
+        self.ahead = self.store.apply_ahead(self.source, written, held)
+        reached.wait(HOLD_S)
 
     def close(self) -> None:
         self.store.close()
@@ -277,7 +302,10 @@ class Store:
         return list(result.verdicts)
 
     def apply(self) -> cache.State:
-        written, self.written = self.written if self.hand_over else [], []
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:  # nothing ahead if the batch wrote nothing
+            return ahead.result(HOLD_S)
+        written, self.written = self.written if self.mode == "handed" else [], []
         return self.store.apply_sync(self.source, written)
 
     def dump(self) -> dict[str, list[tuple[Any, ...]]]:
@@ -335,19 +363,22 @@ def _link(a: int, b: int) -> Claim:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],  # `storages`: made per example
 )
+@pytest.mark.parametrize("apply", ["handed", "ahead"])
 @given(batches=st.lists(BATCHES, min_size=1, max_size=3))
 @example(batches=[[_title(n) for n in range(4)], [_link(1, 0), _link(3, 2)]])  # two survivors
 @example(batches=[[_title(n) for n in range(3)], [_link(2, 1), _link(1, 0), _link(2, 3)]])
 def test_batches_agree_with_one_claim_at_a_time(
-    batches: list[list[Claim]], storages: Storages
+    apply: str, batches: list[list[Claim]], storages: Storages
 ) -> None:
     """`ingest_txn` resolves a batch against stored claims read once and kept current in
     memory, groups it in memory and writes set-wise; `apply_txn` recomputes records with one
-    read per table, answering from what the ingest handed it (`view.Overlay`) what it can.
-    Both must do exactly what one claim per transaction, read back from the truth, does."""
+    read per table, answering from what the ingest handed it (`view.Overlay`) what it can,
+    after the ingest's COMMIT or begun before it (`apply_ahead_txn`, reading the truth only
+    once it has committed). Both must do exactly what one claim per transaction, read back
+    from the truth, does."""
     with tempfile.TemporaryDirectory() as tmp, storages() as first, storages() as second:
-        batched = Store(Path(tmp) / "batched", hand_over=True, storage=first)
-        single = Store(Path(tmp) / "single", hand_over=False, storage=second)
+        batched = Store(Path(tmp) / "batched", apply, storage=first)
+        single = Store(Path(tmp) / "single", "read back", storage=second)
         try:
             for batch in batches:
                 before, mark = batched.records(), cache.read_state(batched.cache)
@@ -374,3 +405,28 @@ def test_batches_agree_with_one_claim_at_a_time(
         finally:
             batched.close()
             single.close()
+
+
+def test_an_apply_ahead_of_a_commit_that_failed_leaves_the_cache_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """If the truth's COMMIT fails, the apply begun ahead of it learns so at its first read
+    of the truth (`committed()` raises `NotCommitted`) and rolls back: the cache holds nothing
+    of it, its state is unchanged, and the next apply (reading the outbox back) applies all
+    of what the truth does hold."""
+    store = Store(tmp_path / "data", "handed", storage="sqlite")
+    try:
+        before, state = store.records(), cache.read_state(store.cache)
+        store.ingest([_title(n) for n in range(3)] + [_link(1, 0)])
+
+        def failed() -> None:
+            raise NotCommitted("the truth's COMMIT failed")
+
+        ahead = store.store.apply_ahead(store.source, store.written, failed)
+        assert isinstance(ahead.exception(HOLD_S), NotCommitted)
+        assert (store.records(), cache.read_state(store.cache)) == (before, state)
+        store.mode = "read back"
+        assert store.apply().applied_seq == store.source.max_seq()
+        assert sorted(v for (_, k), v in store.records().items() if k == "title") == ["0", "2"]
+    finally:
+        store.close()
