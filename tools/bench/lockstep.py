@@ -1,0 +1,94 @@
+"""The write path of one-claim requests in lockstep, in one process, without HTTP.
+
+Run: `.venv/bin/python tools/bench/lockstep.py [--claims 8000] [--clients 8] [--rounds 3]`.
+
+`ingest.py --batch 1 --clients 8` measures the whole server, whose rate moves by up to 1.6×
+between rounds on this VM (wrk, uvicorn and the node share two cores). This measures what
+stands behind the event loop's HTTP: a started `Node` on a fresh data directory (uvloop, as
+`metanode serve` runs), `--clients` coroutines each calling `Node.ingest_wire` with one wire
+claim at a time and waiting for its answer (durable and applied: read-your-writes), as the
+goal's clients do, so one group commit holds one claim of each. Reported per round: claims/s,
+the lockstep cycle (a group's wall time), the batches a truth transaction held, how many of
+those transactions the cache applied while their COMMIT ran (`metanode_applied_ahead`), and
+claims/s ÷ one core's raw PyNaCl verify measured in the same round, before and after it (the
+mean of the two: this machine's speed drifts within a run). With `--rounds` > 1, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import ingest
+import nacl.signing
+import uvloop  # uvicorn[standard]'s loop, which `metanode serve` runs on
+
+from metanode import claims, config
+from metanode.clock import now_ms
+from metanode.node import Node
+
+
+async def one_round(n: int, clients: int) -> dict[str, float]:
+    """One round on a fresh node: the figures the module docstring lists."""
+    key = nacl.signing.SigningKey.generate()
+    signed = ingest.make_claims(key, n, now_ms(), "lockstep")
+    wires = iter([c.wire() for c in signed])
+    with tempfile.TemporaryDirectory(prefix="metanode-lockstep-") as tmp:
+        settings = config.load(
+            env={},
+            overrides={
+                "data_dir": Path(tmp) / "data",
+                "watch_enabled": False,
+                "plugins_enabled": False,
+                "apply_wait_s": 120.0,  # a busy core delays an answer, never turns it into a 202
+            },
+        )
+        node = Node(settings)
+        await node.start()
+        try:
+            await node.add_signer(str(claims.uid_of(bytes(key.verify_key))), "bench", 1, False)
+            before = ingest.raw_verify_rate(key, signed[:3000])
+            groups = node.truth.writer.groups
+
+            async def client() -> None:
+                for wire in wires:
+                    await node.ingest_wire([wire])
+
+            start = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(clients)))
+            wall = time.perf_counter() - start
+            raw = (before + ingest.raw_verify_rate(key, signed[:3000])) / 2
+            transactions = node.truth.writer.groups - groups
+            return {
+                "claims/s": n / wall,
+                "cycle ms": wall / transactions * 1000,
+                "batches a transaction": n / transactions,
+                "applied ahead": node.applier.applied_ahead / transactions,
+                "ratio": n / wall / raw,
+            }
+        finally:
+            await node.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--claims", type=int, default=8000, help="claims a round (default 8000)")
+    parser.add_argument("--clients", type=int, default=8, help="coroutines (default 8)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, medians (default 3)")
+    args = parser.parse_args()
+    rounds = []
+    for number in range(1, args.rounds + 1):
+        figures = uvloop.run(one_round(args.claims, args.clients))
+        rounds.append(figures)
+        print(f"round {number}: " + ", ".join(f"{k} {v:,.3f}" for k, v in figures.items()))
+    medians = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
+    print("median: " + ", ".join(f"{k} {v:,.3f}" for k, v in medians.items()))
+    print(f"ratio {medians['ratio']:.3f} of one core's raw verify (issue 18's batch-1 goal: 0.1)")
+
+
+if __name__ == "__main__":
+    main()
