@@ -296,8 +296,8 @@ class Store:
         self.store.close()
         self.source.close()
 
-    def ingest(self, batch: list[Claim]) -> list[str]:
-        result = self.source.ingest_sync(batch, self.minter, truth.Policy(), NOW_MS)
+    def ingest(self, batch: list[Claim], policy: truth.Policy | None = None) -> list[str]:
+        result = self.source.ingest_sync(batch, self.minter, policy or truth.Policy(), NOW_MS)
         self.written.append(result.written)
         return list(result.verdicts)
 
@@ -430,3 +430,29 @@ def test_an_apply_ahead_of_a_commit_that_failed_leaves_the_cache_as_it_was(
         assert sorted(v for (_, k), v in store.records().items() if k == "title") == ["0", "2"]
     finally:
         store.close()
+
+
+def test_an_unknown_signers_claims_applied_ahead_agree_with_reading_them_back(
+    tmp_path: Path,
+) -> None:
+    """An apply ahead of the COMMIT reads the signers before it (`view.Ahead`): right only if
+    an ingest registers an unknown signer exactly as the merge takes a signer it has never
+    heard of (`merge.Signer()`). A registered and an unknown signer vote on one key."""
+    accept = truth.Policy(accept_unknown_signers=True)
+    stranger = "z6MkTestSignerUnknown"
+    batch = [
+        Claim(UIDS[0], POOL[0], "title", "registered", NOW_MS, bytes(64)),
+        Claim(stranger, POOL[0], "title", "stranger", NOW_MS + 1, bytes(64)),
+        Claim(stranger, POOL[1], "year", "1999", NOW_MS, bytes(64)),
+    ]
+    ahead = Store(tmp_path / "ahead", "ahead", storage="sqlite")
+    back = Store(tmp_path / "back", "read back", storage="sqlite")
+    try:
+        for store in (ahead, back):
+            assert store.ingest(batch, accept) == ["accepted"] * 3
+            store.apply()
+        assert ahead.dump() == back.dump()
+        assert ahead.truth.execute("SELECT count(*) FROM signers").fetchone() == (3,)
+    finally:
+        ahead.close()
+        back.close()
