@@ -22,10 +22,14 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from starlette.applications import Starlette
 
+from metanode import cid as cids
+from metanode.api import Edge, create_app
 from metanode.bodies import parse_json
 from metanode.errors import InvalidJson
-from tests.helpers.claims import Signer, without_owner
+from metanode.node import Node
+from tests.helpers.claims import Signer, register, without_owner
 from tests.helpers.server import Server
 
 OPENAPI = json.loads((Path(__file__).parents[1] / "schemas" / "openapi.json").read_text("utf-8"))
@@ -338,3 +342,57 @@ def test_event_streams_are_described_as_sse_frames() -> None:
         for part in name.split("/")[1:]:
             schema = schema[part]  # the frame schema resolves
         assert schema["type"] == "object", path
+
+
+def _edge_of(app: Starlette) -> Edge:
+    """The app's `Edge` (its middleware stack is built at the first request)."""
+    layer: Any = app.middleware_stack
+    while not isinstance(layer, Edge):
+        layer = layer.app
+    return layer
+
+
+async def test_post_claims_called_by_the_edge_answers_as_the_router_would(node: Node) -> None:
+    """`Edge` calls `POST /api/claims` itself, past Starlette's router and exception
+    middleware: every answer (refusals included) is the one the routed app gives, and the
+    router is never reached on that route while it is direct."""
+    app = create_app(node)
+    signer, stranger = Signer(), Signer()
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://node",
+        headers={"Authorization": f"Bearer {node.token}"},
+    ) as client:
+        await register(client, signer)
+        router = app.router.middleware_stack
+        reached: list[str] = []
+
+        async def counting(scope: Any, receive: Any, send: Any) -> None:
+            reached.append(scope["path"])
+            await router(scope, receive, send)
+
+        app.router.middleware_stack = counting
+
+        async def answers(tag: str) -> list[tuple[int, Any, str]]:
+            good = signer.claim(cids.midhash_bytes(tag.encode()), "title", "t")
+            bodies = [
+                b"{",
+                b"[]",
+                json.dumps({"claims": [good], "atomic": True}).encode(),
+                json.dumps({"claims": [{**good, "sig": "A" * 86}]}).encode(),
+                json.dumps({"claims": [stranger.claim(good["cid"], "title", "t")]}).encode(),
+                b" " * (node.settings.max_batch_bytes + 1),
+                json.dumps({"claims": [good]}).encode(),
+            ]
+            seen = []
+            for body in bodies:
+                r = await client.post("/api/claims", content=body)
+                seen.append((r.status_code, r.json(), r.headers["content-type"]))
+            return seen
+
+        direct = await answers("direct")
+        assert reached == []
+        _edge_of(app).direct = {}
+        assert await answers("routed") == direct
+        assert reached == ["/api/claims"] * 7
+    assert [status for status, _, _ in direct] == [400, 400, 400, 400, 403, 413, 200]
