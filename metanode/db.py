@@ -525,10 +525,29 @@ Outcome = tuple[bool, Any]  # (True, a job's result) or (False, the exception it
 Combiner = Callable[[Connection, Sequence[tuple[Any, ...]]], list[Outcome]]
 
 
-def _savepoints(conn: Connection, jobs: Sequence[_Job]) -> list[Outcome]:
+def _savepoints(conn: Connection, jobs: Sequence[_Job], first: bool) -> list[Outcome]:
     """Each job under its own savepoint: (True, result) or, rolled back, (False, exception).
-    A storage failure is raised: SQLite may have rolled back the whole transaction."""
-    return [_under_savepoint(conn, job.fn, *job.args) for job in jobs]
+    A storage failure is raised: SQLite may have rolled back the whole transaction. `first`:
+    nothing precedes these jobs in the transaction (`_attempt`)."""
+    return [_attempt(conn, first and not n, job.fn, *job.args) for n, job in enumerate(jobs)]
+
+
+def _attempt(conn: Connection, first: bool, fn: Callable[..., T], *args: Any) -> Outcome:
+    """`_under_savepoint`, but the transaction's `first` work takes none: nothing precedes it,
+    so rolling the whole transaction back and beginning it again undoes exactly it. A savepoint
+    is not free: SQLite copies every page the work changes into its sub-journal, which cost a
+    one-claim group of 8 about a fifth of its truth transaction (docs/benchmarks.md, "Session
+    14"), and on PostgreSQL it is two more round trips."""
+    if not first:
+        return _under_savepoint(conn, fn, *args)
+    try:
+        return True, fn(conn, *args)
+    except Exception as exc:
+        if storage_error(exc) is not None or not conn.in_transaction:
+            raise
+        conn.execute("ROLLBACK")
+        conn.execute("BEGIN IMMEDIATE")
+        return False, exc
 
 
 def _under_savepoint(conn: Connection, fn: Callable[..., T], *args: Any) -> Outcome:
@@ -565,17 +584,20 @@ def _group_txn(
     """A group's jobs in one transaction: each run of one function that has a combiner as one
     combined call under one savepoint (one pass of statements for many requests instead of
     one per request); if that call raises, it is rolled back and its jobs run one by one under
-    their own savepoints, so a failing job still fails alone. Other jobs: `_savepoints`."""
+    their own savepoints, so a failing job still fails alone. Other jobs: `_savepoints`. What
+    runs first in the transaction needs no savepoint (`_attempt`): a group of one-claim
+    requests usually takes none at all."""
     outcomes: list[Outcome] = []
     for run in _runs(jobs):
+        first = not outcomes
         combine = combiners.get(run[0].fn) if len(run) > 1 else None
         together = (
-            None if combine is None else _under_savepoint(conn, combine, [j.args for j in run])
+            None if combine is None else _attempt(conn, first, combine, [j.args for j in run])
         )
         if together is not None and together[0]:
             outcomes += together[1]
         else:
-            outcomes += _savepoints(conn, run)
+            outcomes += _savepoints(conn, run, first)
     return outcomes
 
 
@@ -586,12 +608,13 @@ class Writer:
     and return its result once it has committed. Jobs run one at a time, in order.
 
     Group commit: jobs submitted with the same `group` name that are queued one behind the other
-    run in ONE transaction (`_gather`, `_run_group`), each under its own savepoint, so concurrent
-    requests share one fsync'd COMMIT; each still gets its result only after that COMMIT, and a
-    job that fails is rolled back alone. A transaction function with a `Combiner` (`combiners`)
-    runs a run of its queued jobs as one call (`_group_txn`). A grouped job's `prepare` runs
-    on this thread before the group's `BEGIN` (`_ready`). `before_commit` (if set) gets a
-    group's outcomes before its COMMIT, to begin work on them meanwhile (`BeforeCommit`).
+    run in ONE transaction (`_gather`, `_run_group`), each as if under its own savepoint, so
+    concurrent requests share one fsync'd COMMIT; each still gets its result only after that
+    COMMIT, and a job that fails is rolled back alone. A transaction function with a `Combiner`
+    (`combiners`) runs a run of its queued jobs as one call (`_group_txn`). A grouped job's
+    `prepare` runs on this thread before the group's `BEGIN` (`_ready`). `before_commit` (if
+    set) gets a group's outcomes before its COMMIT, to begin work on them meanwhile
+    (`BeforeCommit`).
     `groups` counts the group transactions, `grouped` the jobs they held (/metrics).
 
     `failure` is the last `StorageError` a job met, until a probe (every `PROBE_S`, between
@@ -685,10 +708,10 @@ class Writer:
             return None
 
     def _run_group(self, jobs: list[_Job]) -> None:
-        """Run the ready jobs of a group in one transaction, each under a savepoint of its own:
-        a job that raises is rolled back alone and fails alone; the others commit together, and
-        each future is answered only after the COMMIT. A storage failure (a full disk) or a
-        failed COMMIT fails every job: nothing of the group is durable."""
+        """Run the ready jobs of a group in one transaction, each as if under a savepoint of its
+        own (`_group_txn`): a job that raises is rolled back alone and fails alone; the others
+        commit together, and each future is answered only after the COMMIT. A storage failure
+        (a full disk) or a failed COMMIT fails every job: nothing of the group is durable."""
         if not jobs:
             return
         self.groups += 1

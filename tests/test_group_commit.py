@@ -401,6 +401,78 @@ def test_a_combiner_that_raises_falls_back_to_one_savepoint_a_job(tmp_path: Path
         assert sorted(v for (v,) in conn.execute("SELECT v FROM t")) == [1, 2, 4]
 
 
+def insert_twice(conn: db.Connection, value: int) -> int:
+    """Insert `value + 100`, then `value`: a negative one is refused after the first insert, so
+    a job that fails has written something that must be undone."""
+    conn.execute("INSERT INTO t (v) VALUES (?)", (abs(value) + 100,))
+    conn.execute("INSERT INTO t (v) VALUES (?)", (value,))  # the CHECK refuses negatives
+    return value
+
+
+def combine_twice(conn: db.Connection, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
+    return [(True, insert_twice(conn, value)) for (value,) in jobs]
+
+
+def checked_writer(path: Path) -> tuple[db.Writer, list[str]]:
+    """A writer of a table that refuses negatives, combining `insert_twice` jobs, and the
+    statements its connection runs."""
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE t (v INTEGER CHECK (v >= 0))")
+    writer = db.Writer(path, "test", {insert_twice: combine_twice})
+    statements: list[str] = []
+    writer.run_sync(lambda conn: conn.set_trace_callback(statements.append))
+    return writer, statements
+
+
+def run_group(writer: db.Writer, jobs: Sequence[tuple[Any, int]]) -> list[bool]:
+    """`jobs` ((function, value) each) queued behind a held writer, so they are one group:
+    whether each committed."""
+    gate = threading.Event()
+    writer.submit(lambda conn: gate.wait(DEADLINE_S))
+    futures = [writer.submit_grouped("g", 1, fn, value) for fn, value in jobs]
+    gate.set()
+    return [f.exception(timeout=DEADLINE_S) is None for f in futures]
+
+
+def stored_values(path: Path) -> list[int]:
+    with sqlite3.connect(path) as conn:
+        return sorted(v for (v,) in conn.execute("SELECT v FROM t"))
+
+
+def test_a_groups_first_work_takes_no_savepoint_and_later_runs_do(tmp_path: Path) -> None:
+    """What runs first in a group's transaction needs no savepoint (a rollback of the whole
+    transaction undoes exactly it); a later run of another function takes one."""
+    path = tmp_path / "t.db"
+    writer, statements = checked_writer(path)
+    try:
+        assert run_group(writer, [(insert_twice, 1), (insert_twice, 2)]) == [True, True]
+        assert not [s for s in statements if "SAVEPOINT" in s], statements
+        statements.clear()
+        assert run_group(writer, [(insert_twice, 3), (insert_value, 4)]) == [True, True]
+        assert [s for s in statements if "SAVEPOINT" in s] == ["SAVEPOINT job"], statements
+    finally:
+        writer.close()
+    assert stored_values(path) == [1, 2, 3, 4, 101, 102, 103]
+
+
+@pytest.mark.parametrize("combined", [True, False], ids=["combined", "alone"])
+def test_a_groups_first_job_that_fails_is_undone_alone(tmp_path: Path, combined: bool) -> None:
+    """The first job fails after writing a row: the transaction is rolled back and begun
+    again, so that row is gone, and the jobs after it still commit in the same group; run
+    combined, the combined call fails first and each job runs again alone."""
+    path = tmp_path / "t.db"
+    writer, _ = checked_writer(path)
+    try:
+        jobs = [(insert_twice, -1), (insert_twice if combined else insert_value, 2)]
+        assert run_group(writer, jobs) == [False, True]
+        assert writer.groups == 1
+        assert run_group(writer, [(insert_twice, -5)]) == [False]
+        assert run_group(writer, [(insert_value, 6)]) == [True], "the writer still writes"
+    finally:
+        writer.close()
+    assert stored_values(path) == ([2, 6, 102] if combined else [2, 6])
+
+
 def until(condition: Any, what: str) -> None:
     """Poll `condition()` until it holds (a generous deadline, never a bare sleep)."""
     deadline = time.monotonic() + DEADLINE_S
