@@ -504,17 +504,14 @@ def refresh(
     write what changed and index their CIDs; the events in the order of `scopes`.
 
     Set-based: each table is read once for all of them and the rows are written with
-    `executemany`, instead of a round of statements per record.
+    `executemany`, instead of a round of statements per record. What was read to recompute
+    them is what their library rows and documents are made of (`_after`, `_parts`): nothing
+    just written is read back.
     """
     inputs = _read_inputs(cache, view, scopes)
     events = [
         event for rid, scope in scopes.items() for event in recompute(rid, scope, inputs, signers)
     ]
-    cache.executemany(
-        "INSERT INTO cid_index (cid, rid) VALUES (?, ?) ON CONFLICT (cid) "
-        "DO UPDATE SET rid = excluded.rid",
-        [(cid, rid) for rid, cids in inputs.members.items() for cid in cids],
-    )
     cache.executemany(
         "DELETE FROM records WHERE rid = ? AND key = ?",
         [(e.rid, e.key) for e in events if e.op == "del"],
@@ -524,8 +521,51 @@ def refresh(
         "ON CONFLICT (rid, key) DO UPDATE SET value = excluded.value",
         [(e.rid, e.key, e.value) for e in events if e.op == "set"],
     )
-    index_records(cache, list(scopes))
+    records = _after(inputs.old, scopes, events)
+    regrouped, members, paths = _parts(cache, scopes, inputs)
+    index_documents(cache, {rid: members[rid] for rid in regrouped}, records, paths)
+    render_documents(
+        cache, {rid: cids for rid, cids in members.items() if rid not in regrouped}, records, paths
+    )
+    index_library(cache, list(scopes), records, paths)
     return events
+
+
+def _after(
+    old: Mapping[str, Mapping[str, str]], rids: Iterable[str], events: Sequence[Event]
+) -> dict[str, dict[str, str]]:
+    """The rows of each of `rids` once `events` are written: its rows before (`Inputs.old`,
+    all of its keys) with the events applied; a record left with none is absent, as
+    `records_rows` reads it."""
+    rows = {rid: dict(old.get(rid, {})) for rid in rids}
+    for event in events:
+        if event.op == "set":
+            rows[event.rid][event.key] = event.value  # type: ignore[assignment]  # set: a value
+        else:
+            rows[event.rid].pop(event.key, None)
+    return {rid: found for rid, found in rows.items() if found}
+
+
+def _parts(
+    cache: Connection, scopes: Mapping[str, Scope], inputs: Inputs
+) -> tuple[set[str], dict[str, list[str]], dict[str, list[str]]]:
+    """(the regrouped records, rid → its CIDs, rid → its local paths) of the scoped records. A
+    regrouped record's are those its group keys were recomputed from (`Inputs.members`,
+    `Inputs.files`): its index rows are exactly its members once this apply has written them,
+    since a CID leaves a group only when the whole group merges away (`drop`). The others'
+    are read from the index, which this apply does not change for them (`group_parts`)."""
+    regrouped = {rid for rid, scope in scopes.items() if scope.regroups}
+    members = {rid: inputs.members.get(rid, []) for rid in regrouped}
+    paths = {
+        rid: [f.path for cid in cids for f in inputs.files.get(cid, ())]
+        for rid, cids in members.items()
+    }
+    rest = [rid for rid in scopes if rid not in regrouped]
+    if rest:  # none when every record is new or regrouped, as for new content
+        others, their_paths = group_parts(cache, rest)
+        members.update(others)
+        paths.update(their_paths)
+    return regrouped, members, paths
 
 
 CHUNK = 500  # records per `refresh`: bounds what a rebuild or a long backlog holds in memory
@@ -635,15 +675,6 @@ def group_parts(
     return members, paths
 
 
-def index_records(cache: Connection, rids: Sequence[str]) -> None:
-    """The library row and the rendered documents of each of `rids`, from its rows, CIDs and
-    local files as written so far in this transaction."""
-    records = records_rows(cache, rids)
-    members, paths = group_parts(cache, rids)
-    index_library(cache, rids, records, paths)
-    render_documents(cache, members, records, paths)
-
-
 # -- the rendered documents (GET /api/meta/{cid}) ------------------------------------------------
 
 
@@ -668,6 +699,17 @@ def splice(asked: str, rest: bytes) -> bytes:
     return b'{"cid":' + render(asked) + b"," + rest[1:]
 
 
+def _rendered(
+    members: Mapping[str, Sequence[str]],
+    records: Mapping[str, Mapping[str, str]],
+    paths: Mapping[str, Sequence[str]],
+) -> Iterator[tuple[str, str, bytes]]:
+    """(cid, rid, document rest) for each CID of each group of `members` (rid → CIDs)."""
+    for rid, cids in members.items():
+        rest = render_rest(cids, records.get(rid, {}), paths.get(rid, ()))
+        yield from ((cid, rid, rest) for cid in cids)
+
+
 def render_documents(
     cache: Connection,
     members: Mapping[str, Sequence[str]],
@@ -677,12 +719,26 @@ def render_documents(
     """Store the rendered document of each group of `members` (rid → CIDs) under each of its
     CIDs, in its `cid_index` row (so a CID's document leaves with it, `drop`); an unchanged body
     is not rewritten."""
-    rows = []
-    for rid, cids in members.items():
-        rest = render_rest(cids, records.get(rid, {}), paths.get(rid, ()))
-        rows += [(rest, cid, rest) for cid in cids]
     cache.executemany(
-        "UPDATE cid_index SET body = ? WHERE cid = ? AND body IS DISTINCT FROM ?", rows
+        "UPDATE cid_index SET body = ? WHERE cid = ? AND body IS DISTINCT FROM ?",
+        [(rest, cid, rest) for cid, _, rest in _rendered(members, records, paths)],
+    )
+
+
+def index_documents(
+    cache: Connection,
+    members: Mapping[str, Sequence[str]],
+    records: Mapping[str, Mapping[str, str]],
+    paths: Mapping[str, Sequence[str]],
+) -> None:
+    """`render_documents` for groups whose CIDs may be new to the index or come from another
+    group: each CID's index row (its rid, its document) written in one upsert, rather than
+    indexed by one statement and rendered by another; an unchanged row is not rewritten."""
+    cache.executemany(
+        "INSERT INTO cid_index (cid, rid, body) VALUES (?, ?, ?) ON CONFLICT (cid) "
+        "DO UPDATE SET rid = excluded.rid, body = excluded.body "
+        "WHERE (cid_index.rid, cid_index.body) IS DISTINCT FROM (excluded.rid, excluded.body)",
+        list(_rendered(members, records, paths)),
     )
 
 

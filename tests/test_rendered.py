@@ -61,6 +61,9 @@ async def test_every_cid_is_answered_its_rendered_document_through_joins_merges_
     assert doc["paths"] == ["/media/c.mkv"] and doc["filePath"] == "/media/c.mkv"
     await post(client, linker.claim(C, f"cids/{A}", "true"))  # merges the two groups
     await assert_served_as_rendered(client, node)
+    await post(client, linker.claim(B, "year", "2001"))  # a claimed key only: not regrouped
+    assert (await client.get(f"/api/meta/{A}")).json()["paths"] == ["/media/c.mkv"]
+    await assert_served_as_rendered(client, node)
     await node.apply_local([], ["/media/c.mkv"])
     assert (await client.get(f"/api/meta/{A}")).json()["paths"] == []
     await assert_served_as_rendered(client, node)
