@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 from metanode import (
     cache,
@@ -433,8 +433,8 @@ class Node:
             self.metrics.rejected.labels(exc.slug).inc()
             raise
         self.metrics.ingest_seconds.observe(time.perf_counter() - started)
-        for verdict in ("accepted", "duplicate", "stale"):
-            self.metrics.claims.labels(verdict).inc(answer.body[verdict])
+        for verdict, counter in self.metrics.verdicts.items():
+            counter.inc(answer.body[verdict])
         return answer
 
     async def ingest_wire(self, items: list[object]) -> IngestAnswer:
@@ -453,7 +453,7 @@ class Node:
         self.applier.hand(result)
         applied = await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}
-        for verdict in ("accepted", "duplicate", "stale"):
+        for verdict in get_args(merge.Verdict):
             body[verdict] = result.verdicts.count(verdict)
         body["applied"] = applied
         return IngestAnswer(200 if applied else 202, body)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metanode.api import Access, access_of
+from metanode.api import FAMILIES, Access, access_of
 from tests.helpers.server import Server
 
 CONTENT = b"trusted networks " * 4096
@@ -219,3 +219,21 @@ def test_every_documented_route_is_in_the_family_its_document_says(value: str) -
     for path in ("/webdav", "/webdav/", f"/webdav/{value}", f"/webdav/media/{value}"):
         assert access_of(path) is Access.TRUSTED, path
     assert access_of(f"/webdav{value}") is Access.TOKEN  # not the family: no prefix match
+
+
+def first_family(path: str) -> Access:
+    """`access_of` by its definition: the first family of the table that matches."""
+    for family, access in FAMILIES:
+        if path == family or (family != "/" and family.endswith("/") and path.startswith(family)):
+            return access
+    return Access.TOKEN
+
+
+@given(
+    st.sampled_from([family for family, _ in FAMILIES] + ["", "/api/claims", "/api/"]),
+    st.sampled_from(["", "/", "x", "/x", "s/", "%2F"]),
+)
+def test_the_indexed_families_answer_as_the_table_read_in_order(family: str, tail: str) -> None:
+    """`access_of` looks paths up in an index of `FAMILIES`; it answers as the table does,
+    read family by family, for every family, its neighbours and what a path adds to one."""
+    assert access_of(family + tail) is first_family(family + tail), family + tail
