@@ -523,7 +523,7 @@ def refresh(
     )
     records = _after(inputs.old, scopes, events)
     regrouped, members, paths = _parts(cache, scopes, inputs)
-    index_documents(cache, {rid: members[rid] for rid in regrouped}, records, paths)
+    render_documents(cache, {r: members[r] for r in regrouped}, records, paths, index=True)
     render_documents(
         cache, {rid: cids for rid, cids in members.items() if rid not in regrouped}, records, paths
     )
@@ -715,30 +715,26 @@ def render_documents(
     members: Mapping[str, Sequence[str]],
     records: Mapping[str, Mapping[str, str]],
     paths: Mapping[str, Sequence[str]],
+    *,
+    index: bool = False,
 ) -> None:
     """Store the rendered document of each group of `members` (rid → CIDs) under each of its
-    CIDs, in its `cid_index` row (so a CID's document leaves with it, `drop`); an unchanged body
-    is not rewritten."""
+    CIDs, in its `cid_index` row (so a CID's document leaves with it, `drop`); an unchanged row
+    is not rewritten. `index`: the groups' CIDs may be new to the index or come from another
+    group, so each CID's row (its rid, its document) is written in one upsert, rather than
+    indexed by one statement and rendered by another."""
+    rendered = _rendered(members, records, paths)
+    if index:
+        cache.executemany(
+            "INSERT INTO cid_index (cid, rid, body) VALUES (?, ?, ?) ON CONFLICT (cid) "
+            "DO UPDATE SET rid = excluded.rid, body = excluded.body WHERE "
+            "(cid_index.rid, cid_index.body) IS DISTINCT FROM (excluded.rid, excluded.body)",
+            list(rendered),
+        )
+        return
     cache.executemany(
         "UPDATE cid_index SET body = ? WHERE cid = ? AND body IS DISTINCT FROM ?",
-        [(rest, cid, rest) for cid, _, rest in _rendered(members, records, paths)],
-    )
-
-
-def index_documents(
-    cache: Connection,
-    members: Mapping[str, Sequence[str]],
-    records: Mapping[str, Mapping[str, str]],
-    paths: Mapping[str, Sequence[str]],
-) -> None:
-    """`render_documents` for groups whose CIDs may be new to the index or come from another
-    group: each CID's index row (its rid, its document) written in one upsert, rather than
-    indexed by one statement and rendered by another; an unchanged row is not rewritten."""
-    cache.executemany(
-        "INSERT INTO cid_index (cid, rid, body) VALUES (?, ?, ?) ON CONFLICT (cid) "
-        "DO UPDATE SET rid = excluded.rid, body = excluded.body "
-        "WHERE (cid_index.rid, cid_index.body) IS DISTINCT FROM (excluded.rid, excluded.body)",
-        list(_rendered(members, records, paths)),
+        [(rest, cid, rest) for cid, _, rest in rendered],
     )
 
 

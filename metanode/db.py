@@ -526,43 +526,37 @@ Combiner = Callable[[Connection, Sequence[tuple[Any, ...]]], list[Outcome]]
 
 
 def _savepoints(conn: Connection, jobs: Sequence[_Job], first: bool) -> list[Outcome]:
-    """Each job under its own savepoint: (True, result) or, rolled back, (False, exception).
-    A storage failure is raised: SQLite may have rolled back the whole transaction. `first`:
-    nothing precedes these jobs in the transaction (`_attempt`)."""
+    """Each job as if under its own savepoint (`_attempt`); `first`: nothing precedes these
+    jobs in the transaction."""
     return [_attempt(conn, first and not n, job.fn, *job.args) for n, job in enumerate(jobs)]
 
 
+# How `_attempt` undoes a job that failed: the whole transaction when it was the first work (and
+# begins it again), else back to the job's savepoint.
+_UNDO = {True: ("ROLLBACK", "BEGIN IMMEDIATE"), False: ("ROLLBACK TO job", "RELEASE job")}
+
+
 def _attempt(conn: Connection, first: bool, fn: Callable[..., T], *args: Any) -> Outcome:
-    """`_under_savepoint`, but the transaction's `first` work takes none: nothing precedes it,
-    so rolling the whole transaction back and beginning it again undoes exactly it. A savepoint
-    is not free: SQLite copies every page the work changes into its sub-journal, which cost a
-    one-claim group of 8 about a fifth of its truth transaction (docs/benchmarks.md, "Session
-    14"), and on PostgreSQL it is two more round trips."""
-    if not first:
-        return _under_savepoint(conn, fn, *args)
-    try:
-        return True, fn(conn, *args)
-    except Exception as exc:
-        if storage_error(exc) is not None or not conn.in_transaction:
-            raise
-        conn.execute("ROLLBACK")
-        conn.execute("BEGIN IMMEDIATE")
-        return False, exc
-
-
-def _under_savepoint(conn: Connection, fn: Callable[..., T], *args: Any) -> Outcome:
     """`fn(conn, *args)` under a savepoint: (True, result), or rolled back, (False, exception);
-    a storage failure is raised (SQLite may have rolled back the whole transaction)."""
-    conn.execute("SAVEPOINT job")
+    a storage failure is raised (SQLite may have rolled back the whole transaction).
+
+    The transaction's `first` work takes no savepoint: nothing precedes it, so rolling the
+    whole transaction back and beginning it again undoes exactly it. A savepoint is not free:
+    SQLite copies every page the work changes into its sub-journal, which cost a one-claim group
+    of 8 about a fifth of its truth transaction (docs/benchmarks.md, "Session 14"), and on
+    PostgreSQL it is two more round trips."""
+    if not first:
+        conn.execute("SAVEPOINT job")
     try:
         result = fn(conn, *args)
     except Exception as exc:
         if storage_error(exc) is not None or not conn.in_transaction:
             raise
-        conn.execute("ROLLBACK TO job")
-        conn.execute("RELEASE job")
+        for statement in _UNDO[first]:
+            conn.execute(statement)
         return False, exc
-    conn.execute("RELEASE job")
+    if not first:
+        conn.execute("RELEASE job")
     return True, result
 
 
