@@ -522,11 +522,9 @@ def refresh(
         [(e.rid, e.key, e.value) for e in events if e.op == "set"],
     )
     records = _after(inputs.old, scopes, events)
-    regrouped, members, paths = _parts(cache, scopes, inputs)
-    render_documents(cache, {r: members[r] for r in regrouped}, records, paths, index=True)
-    render_documents(
-        cache, {rid: cids for rid, cids in members.items() if rid not in regrouped}, records, paths
-    )
+    regrouped, others, paths = _parts(cache, scopes, inputs)
+    render_documents(cache, regrouped, records, paths, index=True)
+    render_documents(cache, others, records, paths)
     index_library(cache, list(scopes), records, paths)
     return events
 
@@ -548,24 +546,23 @@ def _after(
 
 def _parts(
     cache: Connection, scopes: Mapping[str, Scope], inputs: Inputs
-) -> tuple[set[str], dict[str, list[str]], dict[str, list[str]]]:
-    """(the regrouped records, rid → its CIDs, rid → its local paths) of the scoped records. A
-    regrouped record's are those its group keys were recomputed from (`Inputs.members`,
-    `Inputs.files`): its index rows are exactly its members once this apply has written them,
-    since a CID leaves a group only when the whole group merges away (`drop`). The others'
-    are read from the index, which this apply does not change for them (`group_parts`)."""
-    regrouped = {rid for rid, scope in scopes.items() if scope.regroups}
-    members = {rid: inputs.members.get(rid, []) for rid in regrouped}
+) -> tuple[dict[str, list[str]], dict[str, list[str]], dict[str, list[str]]]:
+    """(regrouped record → its CIDs, other record → its CIDs, record → its local paths) of the
+    scoped records. A regrouped record's are those its group keys were recomputed from
+    (`Inputs.members`, `Inputs.files`): its index rows are exactly its members once this apply
+    has written them, since a CID leaves a group only when the whole group merges away
+    (`drop`). The others' are read from the index, which this apply does not change for them
+    (`group_parts`)."""
+    regrouped = {rid: inputs.members.get(rid, []) for rid, s in scopes.items() if s.regroups}
     paths = {
         rid: [f.path for cid in cids for f in inputs.files.get(cid, ())]
-        for rid, cids in members.items()
+        for rid, cids in regrouped.items()
     }
     rest = [rid for rid in scopes if rid not in regrouped]
-    if rest:  # none when every record is new or regrouped, as for new content
-        others, their_paths = group_parts(cache, rest)
-        members.update(others)
-        paths.update(their_paths)
-    return regrouped, members, paths
+    if not rest:  # every record new or regrouped, as for new content
+        return regrouped, {}, paths
+    others, their_paths = group_parts(cache, rest)
+    return regrouped, others, {**paths, **their_paths}
 
 
 CHUNK = 500  # records per `refresh`: bounds what a rebuild or a long backlog holds in memory
