@@ -100,8 +100,12 @@ def signing_bytes(uid: str, cid: str, key: str, value: str | None, ts: int) -> b
 # -- uids ---------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=1024)
 def uid_of(public_key: bytes) -> str:
-    """`z` + base58btc(0xed 0x01 || key): the did:key spelling of an Ed25519 public key."""
+    """`z` + base58btc(0xed 0x01 || key): the did:key spelling of an Ed25519 public key.
+
+    Cached: `sign` needs it for every claim it signs, a signer signs many, and base58 through
+    `multibase` costs ≈ 160 µs, eight times the Ed25519 signature (tools/bench/core.py)."""
     return str(multibase.encode(ED25519_PUB + bytes(public_key), "base58btc"))
 
 

@@ -130,6 +130,18 @@ def test_base_claim_is_valid() -> None:
 # -- vectors -------------------------------------------------------------------------------------
 
 
+@settings(max_examples=50)
+@given(st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=6), st.data())
+def test_each_signer_signs_as_its_own_uid(seeds: list[bytes], data: st.DataObject) -> None:
+    """`uid_of` is cached (`sign` needs it for every claim): claims signed by many keys in any
+    order still each carry their own key's uid and verify."""
+    signers = [nacl.signing.SigningKey(seed) for seed in seeds]
+    for n in data.draw(st.lists(st.integers(0, len(signers) - 1), min_size=1, max_size=12)):
+        signed = claims.sign(signers[n], cids.midhash_bytes(seeds[n]), "title", "x", 1)
+        assert signed.uid == uid_for(signers[n])
+        claims.verify(signed)
+
+
 @pytest.mark.parametrize("signer", VECTORS["signers"], ids=lambda s: s["uid"][:12])
 def test_signer_vector(signer: dict[str, str]) -> None:
     key = nacl.signing.SigningKey(bytes.fromhex(signer["seed_hex"]))
