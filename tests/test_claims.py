@@ -127,9 +127,6 @@ def test_base_claim_is_valid() -> None:
     assert claim.sig == base64.urlsafe_b64decode(wire()["sig"] + "==")
 
 
-# -- vectors -------------------------------------------------------------------------------------
-
-
 @settings(max_examples=50)
 @given(st.lists(st.binary(min_size=32, max_size=32), min_size=1, max_size=6), st.data())
 def test_each_signer_signs_as_its_own_uid(seeds: list[bytes], data: st.DataObject) -> None:
@@ -140,6 +137,9 @@ def test_each_signer_signs_as_its_own_uid(seeds: list[bytes], data: st.DataObjec
         signed = claims.sign(signers[n], cids.midhash_bytes(seeds[n]), "title", "x", 1)
         assert signed.uid == uid_for(signers[n])
         claims.verify(signed)
+
+
+# -- vectors -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("signer", VECTORS["signers"], ids=lambda s: s["uid"][:12])
