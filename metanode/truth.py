@@ -64,8 +64,8 @@ from metanode.view import Change, Fresh, TruthView, Written
 T = TypeVar("T")
 
 # Schema v1 as existing truth.db files hold it. The outbox kind 'local' in its CHECK is never
-# written (the watcher's changes go straight to the cache, `cache.local_txn`); a CHECK cannot be
-# dropped from an existing table, so it stays, unused.
+# written (the watcher's changes go straight to the cache, `cache.local_txn`); it stays allowed
+# (v5 too), so no row an older node wrote is refused.
 SCHEMA_V1 = """
 CREATE TABLE signers (
     uid TEXT PRIMARY KEY NOT NULL,
@@ -321,7 +321,42 @@ def _v4(conn: Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V4)
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4)
+# Schema v5: the outbox's CHECK on `kind` as a chain of `=` (issue 18). SQLite evaluates an
+# `IN` list of more than two constants by building it into an ephemeral index once a statement
+# run, and `executemany` runs the INSERT once a row: 2 µs of each outbox row, two rows a new
+# claim (measured: 4.3 → 2.4 µs a row; the truth's transaction at batch 100 51.8 → 46.3 µs a
+# claim, docs/benchmarks.md "Session 20"). A CHECK cannot be changed in place, so the table is
+# rebuilt: cheap, as the outbox holds only what the cache has not applied yet. The AUTOINCREMENT
+# counter must survive it, or an outbox pruned empty would give its seqs again: the copy's own
+# counter (its highest row, below the old counter once rows were pruned) is replaced by the old
+# one before DROP TABLE would delete that, and RENAME carries it back to `changes`. PostgreSQL
+# compares an `IN` list value by value: its schema keeps it.
+SCHEMA_V5 = """
+CREATE TABLE changes_v5 (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL CHECK (kind = 'claim' OR kind = 'group' OR kind = 'merge'
+        OR kind = 'signer' OR kind = 'local'),
+    rid TEXT,
+    cid TEXT,
+    key TEXT,
+    uid TEXT,
+    survivor TEXT,
+    at INTEGER NOT NULL
+);
+INSERT INTO changes_v5 (seq, kind, rid, cid, key, uid, survivor, at)
+    SELECT seq, kind, rid, cid, key, uid, survivor, at FROM changes ORDER BY seq;
+DELETE FROM sqlite_sequence WHERE name = 'changes_v5';
+UPDATE sqlite_sequence SET name = 'changes_v5' WHERE name = 'changes';
+DROP TABLE changes;
+ALTER TABLE changes_v5 RENAME TO changes;
+"""
+
+
+def _v5(conn: Connection) -> None:
+    executescript_in_txn(conn, SCHEMA_V5)
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5)
 
 # The same schema on PostgreSQL (docs/scale-out.md): the tables and columns of SQLite's v3, each
 # with PostgreSQL's types (BIGINT for ms timestamps and counters, BYTEA for signatures); the
@@ -1050,12 +1085,14 @@ def _change(
     return (kind, rid, cid, key, uid, survivor, now_ms)
 
 
+OUTBOX_INSERT = (
+    "INSERT INTO changes (kind, rid, cid, key, uid, survivor, at) VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+
+
 def _write_changes(conn: Connection, rows: Iterable[ChangeRow]) -> None:
     """Append outbox rows; their seqs follow the order of `rows`."""
-    conn.executemany(
-        "INSERT INTO changes (kind, rid, cid, key, uid, survivor, at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        rows,
-    )
+    conn.executemany(OUTBOX_INSERT, rows)
 
 
 class _Groups:

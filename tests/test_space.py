@@ -3,7 +3,7 @@ made incremental, an older one is switched at its first open with its data intac
 the outbox shrinks the file to the claims and a small reserve. Schema v3 keys the claims by
 their log seq (denser, appended rather than scattered): a v2 truth.db keeps every claim and its
 log order through the migration, and v2 or v3 keeps them in v4 (signers and CIDs by integer
-id)."""
+id); v5 rebuilds the outbox with its rows and its seq counter."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ async def test_an_older_truth_db_keeps_every_claim_and_its_log_order(
 
     node = await started(old)  # no cache.db: built from the migrated truth at start
     try:
-        assert pragma(old.truth_path, "user_version") == len(truth.MIGRATIONS) == 4
+        assert pragma(old.truth_path, "user_version") == len(truth.MIGRATIONS) == 5
         assert claims_indexes(old.truth_path, "claim_rows") == {"claims_claim", "claims_signer"}
         assert column_types(old.truth_path, "claim_rows") == V4_CLAIM_ROWS
         assert column_types(old.truth_path, "signers")["id"] == "INTEGER"
@@ -222,3 +222,44 @@ def test_a_v2_claim_without_a_log_seq_joins_the_end_of_the_log(tmp_path: Path) -
     finally:
         conn.close()
     assert log == [("k3", 3), ("k1", 7), ("k2", 8)]
+
+
+def builds_a_list(conn: sqlite3.Connection) -> bool:
+    """Whether the outbox INSERT's program builds an ephemeral table (an `IN` list) each run."""
+    program = conn.execute("EXPLAIN " + truth.OUTBOX_INSERT, ("claim",) + (None,) * 5 + (0,))
+    return any(row[1] == "OpenEphemeral" for row in program)
+
+
+@pytest.mark.parametrize("left", [2, 0])
+def test_v5_keeps_the_outbox_and_its_counter_and_checks_kinds_without_a_list(
+    tmp_path: Path, left: int
+) -> None:
+    """A v4 truth whose outbox was pruned (to 2 rows, or to none) migrates to v5 with the rows
+    left and the AUTOINCREMENT counter: the next row takes the seq after the highest ever given,
+    never a pruned one again. The CHECK still refuses an unknown kind, and the outbox INSERT no
+    longer builds its `IN` list into a table every run (2 µs a row, benchmarks.md)."""
+    path = tmp_path / "truth.db"
+    db.migrate_file(path, truth.MIGRATIONS[:4])
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        assert builds_a_list(conn)
+        conn.executemany(
+            truth.OUTBOX_INSERT, [("claim", None, f"c{n}", "title", "u", None, n) for n in range(5)]
+        )
+        conn.execute("DELETE FROM changes WHERE seq <= ?", (5 - left,))
+    finally:
+        conn.close()
+    db.migrate_file(path, truth.MIGRATIONS)
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        assert pragma(path, "user_version") == 5
+        assert not builds_a_list(conn)
+        rows = conn.execute("SELECT seq, kind, cid, at FROM changes ORDER BY seq").fetchall()
+        assert rows == [(n + 1, "claim", f"c{n}", n) for n in range(5 - left, 5)]
+        assert truth.max_seq(conn) == 5
+        conn.execute(truth.OUTBOX_INSERT, ("group", "r", "c5", None, None, None, 5))
+        assert truth.max_seq(conn) == 6
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+            conn.execute(truth.OUTBOX_INSERT, ("bogus", None, None, None, None, None, 6))
+    finally:
+        conn.close()
