@@ -494,21 +494,19 @@ def _read_inputs(cache: Connection, view: TruthView, scopes: Mapping[str, Scope]
     return Inputs(records_rows(cache, scopes), members, files, _votes(view, scopes))
 
 
-def refresh(
-    cache: Connection,
-    view: TruthView,
-    scopes: Mapping[str, Scope],
-    signers: dict[str, merge.Signer],
-) -> list[Event]:
+def refresh(cache: Connection, view: TruthView, scopes: Mapping[str, Scope]) -> list[Event]:
     """Recompute the scoped keys of some records (at most `CHUNK`) from the truth (`view`),
     write what changed and index their CIDs; the events in the order of `scopes`.
 
     Set-based: each table is read once for all of them and the rows are written with
     `executemany`, instead of a round of statements per record. What was read to recompute
     them is what their library rows and documents are made of (`_after`, `_parts`): nothing
-    just written is read back.
+    just written is read back. Of the signers, only those whose votes are merged are read
+    (`TruthView.merge_signers`).
     """
     inputs = _read_inputs(cache, view, scopes)
+    uids = {claim.uid for votes in inputs.votes.values() for claim in votes}
+    signers = view.merge_signers(uids) if uids else {}
     events = [
         event for rid, scope in scopes.items() for event in recompute(rid, scope, inputs, signers)
     ]
@@ -572,16 +570,11 @@ def _chunks(rids: Sequence[str]) -> Iterator[Sequence[str]]:
     return (rids[start : start + CHUNK] for start in range(0, len(rids), CHUNK))
 
 
-def refresh_all(
-    cache: Connection,
-    view: TruthView,
-    scopes: Mapping[str, Scope],
-    signers: dict[str, merge.Signer],
-) -> list[Event]:
+def refresh_all(cache: Connection, view: TruthView, scopes: Mapping[str, Scope]) -> list[Event]:
     """`refresh` every record of `scopes`, in rid order, a chunk at a time."""
     events: list[Event] = []
     for chunk in _chunks(sorted(scopes)):
-        events += refresh(cache, view, {rid: scopes[rid] for rid in chunk}, signers)
+        events += refresh(cache, view, {rid: scopes[rid] for rid in chunk})
     return events
 
 
@@ -789,9 +782,8 @@ def apply_txn(
         if not changes:
             return state
         work = _plan(view, changes)
-        signers = view.merge_signers()
         events = [event for loser in work.losers for event in drop(cache, loser)]
-        events += refresh_all(cache, view, work.scopes, signers)
+        events += refresh_all(cache, view, work.scopes)
     last = _append_feed(cache, state, events, clock())
     _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
     return State(state.epoch, changes[-1].seq, last, state.file_feed_seq)
@@ -862,9 +854,8 @@ def build_txn(cache: Connection, source: TruthSource, clock: Clock = now_ms) -> 
     whole = Scope(whole=True)
     with source.snapshot() as view:
         seq = view.max_seq()
-        signers = view.merge_signers()
         for chunk in _chunks(view.active_rids()):
-            refresh(cache, view, dict.fromkeys(chunk, whole), signers)
+            refresh(cache, view, dict.fromkeys(chunk, whole))
     state = State(
         epoch=max(clock(), old.epoch + 1),
         applied_seq=seq,
@@ -926,7 +917,7 @@ def local_txn(
     state = read_state(cache)
     with source.snapshot() as view:
         rids = set(view.groups_of(touched).values())
-        events = refresh_all(cache, view, {rid: Scope(group=True) for rid in rids}, {})
+        events = refresh_all(cache, view, {rid: Scope(group=True) for rid in rids})
     at = clock()
     last = _append_feed(cache, state, events, at)
     _set_state(cache, feed_seq=last)

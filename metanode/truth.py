@@ -867,11 +867,18 @@ def signers(conn: Connection) -> list[SignerRow]:
     return [_signer(r) for r in conn.execute(f"SELECT {_SIGNER_COLUMNS} FROM signers ORDER BY uid")]
 
 
-def merge_signers(conn: Connection) -> dict[str, merge.Signer]:
-    """Weights and blocks of every signer, as the merge rules take them."""
+def merge_signers(conn: Connection, uids: Iterable[str]) -> dict[str, merge.Signer]:
+    """Weights and blocks of `uids` (those the truth knows), as the merge rules take them.
+
+    Only the signers asked for: every apply needs those of the votes it merges, and reading
+    all of them cost 1.2 µs a known signer an apply (1.2 ms at 1,000, a peer's signers
+    included; docs/benchmarks.md "Session 20")."""
     return {
         uid: merge.Signer(weight=weight, blocked=status == "blocked")
-        for uid, weight, status in conn.execute("SELECT uid, weight, status FROM signers")
+        for uid, weight, status in conn.execute(
+            "SELECT uid, weight, status FROM signers WHERE uid IN (SELECT value FROM json_each(?))",
+            (json_array(set(uids)),),
+        )
     }
 
 
@@ -1659,8 +1666,8 @@ class _View:
         return groups_claims(self._conn, rids, keys)
 
     @mapped
-    def merge_signers(self) -> dict[str, merge.Signer]:
-        return merge_signers(self._conn)
+    def merge_signers(self, uids: Iterable[str]) -> dict[str, merge.Signer]:
+        return merge_signers(self._conn, uids)
 
     @mapped
     def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
@@ -1885,11 +1892,11 @@ class TruthStore(Store):
 
     @mapped
     def votes_of(self, rid: str, uid: str) -> tuple[list[Claim], dict[str, merge.Signer]]:
-        """(`uid`'s live claims on the group `rid` is part of now, every signer's weight and
-        block), in one snapshot: what `merge.seen_by` needs for `?as=`."""
+        """(`uid`'s live claims on the group `rid` is part of now, its weight and block), in
+        one snapshot: what `merge.seen_by` needs for `?as=`."""
         with snapshot(self.conn):
             votes = group_claims(self.conn, survivor(self.conn, rid), uid=uid)
-            return votes, merge_signers(self.conn)
+            return votes, merge_signers(self.conn, [uid])
 
     @mapped
     def claims_log(self, after: str | None, limit: int, uid: str | None) -> LogPage:

@@ -59,8 +59,9 @@ class TruthView(Protocol):
         """rid → the live claims on its CIDs, optionally only on `keys`."""
         ...
 
-    def merge_signers(self) -> dict[str, merge.Signer]:
-        """Every signer's weight and block, as the merge rules take them."""
+    def merge_signers(self, uids: Iterable[str]) -> dict[str, merge.Signer]:
+        """The weight and block of each of `uids` the truth knows, as the merge rules take
+        them (one absent is weighed as `merge.Signer()`)."""
         ...
 
     def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
@@ -181,8 +182,8 @@ class Overlay:
                 found[rid] = claims
         return {**found, **(self._view.groups_claims(rest, wanted) if rest else {})}
 
-    def merge_signers(self) -> dict[str, merge.Signer]:
-        return self._view.merge_signers()
+    def merge_signers(self, uids: Iterable[str]) -> dict[str, merge.Signer]:
+        return self._view.merge_signers(uids)
 
     def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
         return self._view.signer_cid_keys(uid)
@@ -234,11 +235,11 @@ class _AheadView:
             self._view = self._stack.enter_context(self._source.snapshot())
         return self._view
 
-    def merge_signers(self) -> dict[str, merge.Signer]:
+    def merge_signers(self, uids: Iterable[str]) -> dict[str, merge.Signer]:
         if self._view is not None:
-            return self._view.merge_signers()
+            return self._view.merge_signers(uids)
         with self._source.snapshot() as before:  # a snapshot of its own, ended at once
-            return before.merge_signers()
+            return before.merge_signers(uids)
 
     def max_seq(self) -> int:
         return self._opened().max_seq()

@@ -129,11 +129,16 @@ def validate_cost(wires: Sequence[dict[str, object]], now: int) -> float:
 
 
 def writer_costs(
-    signed: Sequence[claims.Claim], key: nacl.signing.SigningKey, group: int, now: int
+    signed: Sequence[claims.Claim],
+    key: nacl.signing.SigningKey,
+    group: int,
+    now: int,
+    others: Sequence[str] = (),
 ) -> tuple[Stage, Stage]:
     """(truth, cache) cost a claim when groups of `group` claims are committed and applied one
-    after the other on a fresh data directory. The writer threads run each transaction while
-    this thread waits, so the process's CPU time is theirs."""
+    after the other on a fresh data directory, the uids `others` registered beside `key`'s
+    (signers that vote on nothing here). The writer threads run each transaction while this
+    thread waits, so the process's CPU time is theirs."""
     with tempfile.TemporaryDirectory(prefix="metanode-bench-") as tmp:
         settings = config.load(env={}, overrides={"data_dir": Path(tmp)})
         maintenance.open_store(settings)
@@ -142,6 +147,8 @@ def writer_costs(
             cache.CacheStore(settings.cache_path, lambda: now) as store,
         ):
             source.add_signer_sync(claims.uid_of(bytes(key.verify_key)), "bench", 1, False)
+            for n, uid in enumerate(others):
+                source.add_signer_sync(uid, f"other {n}", 1, False)
             store.build_sync(source)
             minter, policy = rid.Minter(), truth.Policy()
             truth_cpu = truth_wall = cache_cpu = cache_wall = 0.0
