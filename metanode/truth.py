@@ -63,10 +63,27 @@ from metanode.view import Change, Fresh, TruthView, Written
 
 T = TypeVar("T")
 
+
+def _outbox(name: str, kind_check: str) -> str:
+    """The outbox table's statement: v1's, and v5's with another CHECK on `kind` (the text of
+    v1 is what existing files hold, so this must not change)."""
+    return f"""CREATE TABLE {name} (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL CHECK ({kind_check}),
+    rid TEXT,
+    cid TEXT,
+    key TEXT,
+    uid TEXT,
+    survivor TEXT,
+    at INTEGER NOT NULL
+);"""
+
+
 # Schema v1 as existing truth.db files hold it. The outbox kind 'local' in its CHECK is never
 # written (the watcher's changes go straight to the cache, `cache.local_txn`); it stays allowed
 # (v5 too), so no row an older node wrote is refused.
-SCHEMA_V1 = """
+SCHEMA_V1 = (
+    """
 CREATE TABLE signers (
     uid TEXT PRIMARY KEY NOT NULL,
     name TEXT NOT NULL DEFAULT '',
@@ -104,16 +121,9 @@ CREATE TABLE claims (
 ) WITHOUT ROWID;
 CREATE INDEX claims_cid_key ON claims (cid, key);
 
-CREATE TABLE changes (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    kind TEXT NOT NULL CHECK (kind IN ('claim', 'group', 'merge', 'signer', 'local')),
-    rid TEXT,
-    cid TEXT,
-    key TEXT,
-    uid TEXT,
-    survivor TEXT,
-    at INTEGER NOT NULL
-);
+"""
+    + _outbox("changes", "kind IN ('claim', 'group', 'merge', 'signer', 'local')")
+    + """
 
 CREATE TRIGGER cid_group_insert_active BEFORE INSERT ON cid_group
 WHEN (SELECT status FROM rids WHERE rid = NEW.rid) IS NOT 'active'
@@ -137,6 +147,7 @@ BEGIN SELECT RAISE(ABORT, 'a merged rid never becomes active again'); END;
 CREATE TRIGGER rids_no_delete BEFORE DELETE ON rids
 BEGIN SELECT RAISE(ABORT, 'rids are never deleted, so never reused'); END;
 """
+)
 
 
 def _v1(conn: Connection) -> None:
@@ -331,18 +342,12 @@ def _v4(conn: Connection) -> None:
 # counter (its highest row, below the old counter once rows were pruned) is replaced by the old
 # one before DROP TABLE would delete that, and RENAME carries it back to `changes`. PostgreSQL
 # compares an `IN` list value by value: its schema keeps it.
-SCHEMA_V5 = """
-CREATE TABLE changes_v5 (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    kind TEXT NOT NULL CHECK (kind = 'claim' OR kind = 'group' OR kind = 'merge'
-        OR kind = 'signer' OR kind = 'local'),
-    rid TEXT,
-    cid TEXT,
-    key TEXT,
-    uid TEXT,
-    survivor TEXT,
-    at INTEGER NOT NULL
-);
+SCHEMA_V5 = (
+    _outbox(
+        "changes_v5",
+        "kind = 'claim' OR kind = 'group' OR kind = 'merge' OR kind = 'signer' OR kind = 'local'",
+    )
+    + """
 INSERT INTO changes_v5 (seq, kind, rid, cid, key, uid, survivor, at)
     SELECT seq, kind, rid, cid, key, uid, survivor, at FROM changes ORDER BY seq;
 DELETE FROM sqlite_sequence WHERE name = 'changes_v5';
@@ -350,6 +355,7 @@ UPDATE sqlite_sequence SET name = 'changes_v5' WHERE name = 'changes';
 DROP TABLE changes;
 ALTER TABLE changes_v5 RENAME TO changes;
 """
+)
 
 
 def _v5(conn: Connection) -> None:
