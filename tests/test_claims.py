@@ -245,6 +245,29 @@ def test_invalid_uid(uid: Any) -> None:
         claims.public_key(uid)
 
 
+BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+@given(
+    st.one_of(
+        st.binary(min_size=32, max_size=32).map(claims.uid_of),
+        st.text(BASE58, min_size=40, max_size=52).map(lambda tail: "z" + tail),
+    ),
+    st.integers(min_value=0, max_value=47),
+    st.sampled_from(BASE58),
+)
+def test_a_uid_is_accepted_only_in_its_one_spelling(uid: str, at: int, char: str) -> None:
+    """`public_key` accepts a string only if it is the did:key spelling of the key it decodes
+    to (checked by decoding, without encoding back): so a uid with any one character changed,
+    added or removed names another key or none."""
+    for text in (uid, uid[: at + 1] + char + uid[at + 1 :], uid[: at + 1] + uid[at + 2 :]):
+        try:
+            key = claims.public_key(text)
+        except InvalidUid:
+            continue
+        assert claims.uid_of(bytes(key)) == text
+
+
 @pytest.mark.parametrize("field", ["uid", "cid", "key", "value", "ts", "sig"])
 def test_a_missing_field_is_invalid_claim(field: str) -> None:
     # notably "value": a retraction says null; leaving it out is a mistake, not a tombstone
