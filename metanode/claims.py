@@ -120,11 +120,12 @@ def public_key(uid: object) -> nacl.signing.VerifyKey:
 def _public_key(uid: str) -> nacl.signing.VerifyKey:
     """Decode a `z…` uid. Cached: base58 decoding is slow (≈ 34 µs).
 
-    No encode-back to check the spelling is canonical (`uid_of`, ≈ 160 µs, three verifies, on
-    every signer past the caches, as with a peer's thousands): 34 bytes that begin 0xed 0x01
-    have exactly one base58 spelling. A string decodes to a number and one zero byte per leading
-    `1`; the first byte being 0xed, there is no leading `1`, and a number has one spelling
-    without leading zero digits (tests/test_claims.py checks it on arbitrary strings)."""
+    No encode-back to check the spelling is canonical (`uid_of`: ≈ 160 µs, three signature
+    checks' worth, for every signer past the caches, as with a peer's thousands): 34 bytes
+    that begin 0xed 0x01 have exactly one base58 spelling. A string decodes to a number and one
+    zero byte per leading `1`; the first byte being 0xed, there is no leading `1`, and a number
+    has one spelling without leading zero digits (tests/test_claims.py checks it on arbitrary
+    strings)."""
     try:
         raw = bytes(multibase.decode(uid))
     except Exception:
