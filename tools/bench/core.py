@@ -104,14 +104,13 @@ def bench_verify(n: int, signers_n: int = SIGNERS) -> tuple[float, float, float]
         for pk, msg, sig in raw:
             nacl.signing.VerifyKey(pk).verify(msg, sig)
 
-    # Rounds interleave the three passes so that machine noise hits the sides of each ratio alike.
-    cold = base = warm = float("inf")
-
     def uncached() -> None:
         if signers_n == n:
             claims._public_key.cache_clear()
             claims.uid_of.cache_clear()
 
+    # Rounds interleave the three passes so that machine noise hits the sides of each ratio alike.
+    cold = base = warm = float("inf")
     for _ in range(REPEATS):
         cids._parse.cache_clear()
         uncached()
