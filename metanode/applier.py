@@ -178,6 +178,12 @@ class Applier:
         """Wait until the cache has applied outbox `seq`; False if `timeout` passed first."""
         return await self._until(lambda: self.ready and self.applied_seq >= seq, timeout)
 
+    async def wait_replanned(self, seq: int, timeout: float) -> bool:
+        """`wait_for`, and until no signer's replan is under way (`cache.replan_step`)."""
+        return await self._until(
+            lambda: self.ready and self.applied_seq >= seq and not self.state.replans, timeout
+        )
+
     async def wait_feed(self, position: int, epoch: int, timeout: float) -> bool:
         """Wait until the feed has an event after `position` (or a new epoch); False on timeout."""
         return await self._until(
@@ -222,9 +228,13 @@ class Applier:
             return
 
     async def _apply(self) -> None:
+        """Apply what is due and take a replan step; while a replan is under way, come straight
+        back for the next step (the writes queued meanwhile are applied between two steps)."""
         state = await self._store.apply(self._source, tuple(self._written))
         self._written = [w for w in self._written if w.last > state.applied_seq]
         self._publish(state)
+        if state.replans:
+            self.wake()
 
     async def _build_if_needed(self) -> None:
         if cache_needs_build(self.state, self._source):
@@ -236,13 +246,7 @@ class Applier:
     def _publish(self, state: cache.State) -> None:
         """Make a committed cache state visible; never step back (two transactions' answers may
         arrive out of order)."""
-        mark = (state.epoch, state.feed_seq, state.applied_seq, state.file_feed_seq)
-        if mark > (
-            self.state.epoch,
-            self.state.feed_seq,
-            self.state.applied_seq,
-            self.state.file_feed_seq,
-        ):
+        if state.mark > self.state.mark:
             self.state = state
         if self._documents is not None:
             self._documents.published()

@@ -14,7 +14,7 @@ import concurrent.futures
 import json
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import aiosqlite
@@ -44,12 +44,13 @@ from metanode.plan import (
     Plan,
     Row,
     Scope,
+    Touched,
     file_events,
     recompute,
     resolve,
 )
 from metanode.plan import touched as touched_by
-from metanode.view import Ahead, Change, TruthSource, TruthView, Written, overlay
+from metanode.view import Ahead, TruthSource, TruthView, Written, overlay
 
 SCHEMA_V1 = """
 CREATE TABLE records (
@@ -380,9 +381,19 @@ class State:
     applied_seq: int
     feed_seq: int
     file_feed_seq: int  # the head of `file_feed` (MetaMesh's file events), on its own counter
+    replans: int = 0  # signers whose records are still being replanned (`replan_step`)
+    replanned: int = 0  # replan steps ever committed: moves the `mark` of a step that feeds nothing
+
+    @property
+    def mark(self) -> tuple[int, ...]:
+        """What orders two committed states: every counter only grows from one commit to the
+        next, so the later commit's mark is the greater (`Applier._publish`)."""
+        return (self.epoch, self.feed_seq, self.applied_seq, self.file_feed_seq, self.replanned)
 
 
 STATE = "SELECT name, value FROM state"
+REPLAN = "replan:"  # state row `replan:<uid>`: the claim-log seq the signer's replan has reached
+REPLANNED = "replanned"
 
 
 def read_state(conn: Connection) -> State:
@@ -397,6 +408,8 @@ def state_of(rows: Iterable[Any]) -> State:
         values.get("applied_seq", 0),
         values.get("feed_seq", 0),
         values.get(FILE_FEED_SEQ, 0),
+        sum(1 for name in values if name.startswith(REPLAN)),
+        values.get(REPLANNED, 0),
     )
 
 
@@ -751,14 +764,48 @@ def _append_feed(cache: Connection, state: State, events: Sequence[Event], at: i
     return state.feed_seq + len(events)
 
 
-def _plan(view: TruthView, changes: Sequence[Change]) -> Plan:
-    """The records `changes` touch, with every CID resolved to its group and every rid to its
-    survivor by one set-based read each (not one lookup per change)."""
-    work = touched_by(changes)
-    claimed = [*work.claimed, *(pair for uid in work.signers for pair in view.signer_cid_keys(uid))]
+def _plan(view: TruthView, work: Touched, replanned: Sequence[tuple[str, str]]) -> Plan:
+    """The records `work` and a replan step's (cid, key) pairs touch, with every CID resolved
+    to its group and every rid to its survivor by one set-based read each (not one lookup per
+    change)."""
+    claimed = [*work.claimed, *replanned]
     groups = view.groups_of(cid for cid, _ in claimed)
     survivors = view.survivors(work.regrouped + work.survived)
     return resolve(work, claimed, groups, survivors)
+
+
+# Claims of a blocked or re-weighed signer re-merged a transaction (`replan_step`): a replan of
+# a signer with 1M records took ≈ 47 s in ONE transaction, every write waiting behind it. With
+# steps of this many, a write waits ≈ 13 ms (p50) during a replan and the replan takes ≈ 1.2×
+# as long; 100 halve the wait and cost 1.6×, 1,000 quadruple it (docs/benchmarks.md, "A
+# signer's replan, a step at a time").
+REPLAN_CHUNK = 250
+
+
+def replan_signers(cache: Connection, uids: Iterable[str]) -> None:
+    """Start (or start over) the replan of each signer of `uids`, whose weight or status just
+    changed: every record it has a claim on is recomputed, `REPLAN_CHUNK` claims a step. Over,
+    if one was under way: the records it reached were weighed before this change."""
+    _set_state(cache, **{REPLAN + uid: 0 for uid in uids})
+
+
+def replan_step(cache: Connection, view: TruthView, limit: int) -> list[tuple[str, str]] | None:
+    """One step of the first replan under way: the (cid, key) of the signer's next `limit`
+    claims, its progress stored (the row removed once they are all met); None if no replan is
+    under way. In the transaction that recomputes them, so a restart goes on where the last
+    committed step stopped."""
+    row = cache.execute(
+        "SELECT name, value FROM state WHERE name LIKE ? ORDER BY name LIMIT 1", (REPLAN + "%",)
+    ).fetchone()
+    if row is None:
+        return None
+    name, after = row
+    found = view.signer_claims(name[len(REPLAN) :], after, limit)
+    if len(found) < limit:
+        cache.execute("DELETE FROM state WHERE name = ?", (name,))
+    else:
+        _set_state(cache, **{name: found[-1][0]})
+    return [(cid, key) for _, cid, key in found]
 
 
 def apply_txn(
@@ -766,27 +813,42 @@ def apply_txn(
     source: TruthSource,
     clock: Clock = now_ms,
     written: Sequence[Written] = (),
+    replan: bool = False,
 ) -> State:
-    """Apply every outbox change after the stored seq, in one cache transaction.
+    """Apply every outbox change after the stored seq and, if `replan`, one step of a signer's
+    replan (`replan_step`), in one cache transaction.
 
     The truth is read in one snapshot, so the changes and the state they are recomputed from
     agree. Merged-away records are dropped first (all their `del`s), then survivors and other
     touched records are refreshed, so the losing rid never reappears. `written` (what the
     ingest transactions handed over) answers what it can (`view.overlay`: the outbox rows and
-    the groups they minted are not read back); then only its rows are applied.
+    the groups they minted are not read back); then only its rows are applied. A signer's
+    change only starts its replan (`replan_signers`); the applier's own applies take the steps
+    (`replan`), one a transaction, so writes are applied between them; an apply ahead of an
+    ingest's COMMIT takes none, so no write waits for one.
     """
     state = read_state(cache)
     with source.snapshot() as truth_view:
         view = overlay(truth_view, written, state.applied_seq)
         changes = view.changes_after(state.applied_seq)
-        if not changes:
+        work = touched_by(changes)
+        if work.signers:
+            replan_signers(cache, work.signers)
+        step = replan_step(cache, view, REPLAN_CHUNK) if replan else None
+        if not changes and step is None:
             return state
-        work = _plan(view, changes)
-        events = [event for loser in work.losers for event in drop(cache, loser)]
-        events += refresh_all(cache, view, work.scopes)
+        plan = _plan(view, work, step or ())
+        events = [event for loser in plan.losers for event in drop(cache, loser)]
+        events += refresh_all(cache, view, plan.scopes)
     last = _append_feed(cache, state, events, clock())
-    _set_state(cache, applied_seq=changes[-1].seq, feed_seq=last)
-    return State(state.epoch, changes[-1].seq, last, state.file_feed_seq)
+    applied = changes[-1].seq if changes else state.applied_seq
+    stepped = {REPLANNED: state.replanned + 1} if step is not None else {}
+    _set_state(cache, applied_seq=applied, feed_seq=last, **stepped)
+    return (
+        read_state(cache)
+        if work.signers or stepped
+        else replace(state, applied_seq=applied, feed_seq=last)
+    )
 
 
 def apply_ahead_txn(
@@ -844,9 +906,11 @@ def build_txn(cache: Connection, source: TruthSource, clock: Clock = now_ms) -> 
 
     Local files are kept: they are facts about the disk, not derived from the truth. The feed
     starts again empty under the new epoch, so old cursors get `gap` and a snapshot. Records are
-    recomputed a chunk at a time and their events dropped, so memory stays bounded.
+    recomputed a chunk at a time and their events dropped, so memory stays bounded. A replan
+    under way ends: every record is recomputed.
     """
     old = read_state(cache)
+    cache.execute("DELETE FROM state WHERE name LIKE ?", (REPLAN + "%",))
     cache.execute("DELETE FROM records")
     cache.execute("DELETE FROM cid_index")
     cache.execute("DELETE FROM feed")
@@ -861,6 +925,7 @@ def build_txn(cache: Connection, source: TruthSource, clock: Clock = now_ms) -> 
         applied_seq=seq,
         feed_seq=0,
         file_feed_seq=old.file_feed_seq,
+        replanned=old.replanned,
     )
     _set_state(cache, epoch=state.epoch, applied_seq=state.applied_seq, feed_seq=0)
     return state
@@ -922,7 +987,7 @@ def local_txn(
     last = _append_feed(cache, state, events, at)
     _set_state(cache, feed_seq=last)
     files = _append_file_feed(cache, state.file_feed_seq, file_events(removed, written), at)
-    return State(state.epoch, state.applied_seq, last, files)
+    return replace(state, feed_seq=last, file_feed_seq=files)
 
 
 def local_stats(conn: Connection, under: Iterable[str]) -> dict[str, tuple[int, int]]:
@@ -1550,12 +1615,12 @@ class CacheStore(Store):
     # -- the apply path -------------------------------------------------------------------------
 
     async def apply(self, source: TruthSource, written: Sequence[Written] = ()) -> State:
-        """Apply the truth's outbox after the stored seq (`apply_txn`), told what the ingest
-        transactions wrote (`written`) so as not to read it back."""
-        return await self.writer.run(apply_txn, source, self._clock, written)
+        """Apply the truth's outbox after the stored seq and take a replan step (`apply_txn`),
+        told what the ingest transactions wrote (`written`) so as not to read it back."""
+        return await self.writer.run(apply_txn, source, self._clock, written, True)
 
     def apply_sync(self, source: TruthSource, written: Sequence[Written] = ()) -> State:
-        return self.writer.run_sync(apply_txn, source, self._clock, written)
+        return self.writer.run_sync(apply_txn, source, self._clock, written, True)
 
     def apply_ahead(
         self, source: TruthSource, written: Sequence[Written], committed: Callable[[], None]

@@ -170,11 +170,13 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
         cache.CacheStore.configured(settings) as live,
         cache.CacheStore(scratch) as fresh,
     ):
-        files, applied = live.all_local_files(), live.state().applied_seq
+        files, state = live.all_local_files(), live.state()
         differences = []
         truth_seq = source.max_seq()
-        if applied != truth_seq:
-            differences.append(f"cache applied seq {applied} != truth seq {truth_seq}")
+        if state.applied_seq != truth_seq:
+            differences.append(f"cache applied seq {state.applied_seq} != truth seq {truth_seq}")
+        if replans := state.replans:
+            differences.append(f"{replans} signer replan(s) under way: the server finishes them")
         fresh.build_sync(source, files)
         differences += live.diff(fresh)
         bad, count = [], 0
@@ -454,7 +456,10 @@ def cache_catcher(
         def catch_up() -> cache.State:
             if cache_needs_build(store.state(), source):
                 return store.build_sync(source)
-            return store.apply_sync(source)
+            state = store.apply_sync(source)
+            while state.replans:  # no server to take the steps later: all of them now
+                state = store.apply_sync(source)
+            return state
 
         yield catch_up
 

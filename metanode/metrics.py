@@ -96,6 +96,7 @@ class _Gauges(Collector):
             ("groups", "Active rids in the truth"),
             ("merges", "Rids merged into an older one, ever"),
             ("apply_lag", "Truth outbox seq minus the cache's applied seq"),
+            ("replans", "Signers whose records are still being recomputed (block, weight)"),
             ("watcher_queue", "Files waiting to settle before hashing"),
             ("watcher_files", "Local files known to the watcher"),
             ("ingest_groups", "Truth transactions that committed ingest batches (group commit)"),

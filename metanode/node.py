@@ -564,9 +564,11 @@ class Node:
     # -- signers --------------------------------------------------------------------------------
 
     async def _settled(self) -> None:
-        """Wait (bounded) until the cache reflects the truth: read-your-writes for signer edits."""
+        """Wait (bounded) until the cache reflects the truth, the signers' replans done:
+        read-your-writes for signer edits. A replan longer than `apply_wait_s` goes on after
+        the answer, a step at a time (`cache.replan_step`), the node taking writes meanwhile."""
         self.applier.wake()
-        await self.applier.wait_for(self.truth.max_seq(), self.settings.apply_wait_s)
+        await self.applier.wait_replanned(self.truth.max_seq(), self.settings.apply_wait_s)
 
     async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> dict[str, Any]:
         claims.public_key(uid)
@@ -803,6 +805,7 @@ class Node:
             "groups": statuses.get("active", 0),
             "merges": statuses.get("merged", 0),
             "apply_lag": self.health()["apply_lag"],
+            "replans": self.applier.state.replans,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": counts.local_files,
             "ingest_groups": self.truth.writer.groups,
@@ -847,6 +850,7 @@ class Node:
             "apply_lag": lag,
             "epoch": state.epoch,
             "cache_ready": self.applier.ready,
+            "replans": state.replans,
             "applier": self.applies,
         }
         if self.watcher is not None:

@@ -828,9 +828,19 @@ def rid_status_counts(conn: Connection) -> dict[str, int]:
     }
 
 
-def signer_cid_keys(conn: Connection, uid: str) -> list[tuple[str, str]]:
-    """Every (cid, key) a signer has a claim on: what blocking or re-weighting it can change."""
-    return [(r[0], r[1]) for r in conn.execute("SELECT cid, key FROM claims WHERE uid = ?", (uid,))]
+def signer_claims(conn: Connection, uid: str, after: int, limit: int) -> list[tuple[int, str, str]]:
+    """(log seq, cid, key) of the first `limit` claims of a signer after claim-log seq
+    `after`, in log order (through `claims_signer`): what blocking or re-weighing it can change,
+    a chunk at a time. A claim replaced since moved to the log's end, so a walk from 0 meets
+    every claim the signer holds when it ends."""
+    return [
+        (int(r[0]), r[1], r[2])
+        for r in conn.execute(
+            "SELECT log_seq, cid, key FROM claims WHERE uid = ? AND log_seq > ? "
+            "ORDER BY log_seq LIMIT ?",
+            (uid, after, limit),
+        )
+    ]
 
 
 @dataclass(frozen=True)
@@ -1676,8 +1686,8 @@ class _View:
         return merge_signers(self._conn, uids)
 
     @mapped
-    def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
-        return signer_cid_keys(self._conn, uid)
+    def signer_claims(self, uid: str, after: int, limit: int) -> list[tuple[int, str, str]]:
+        return signer_claims(self._conn, uid, after, limit)
 
     @mapped
     def active_rids(self) -> list[str]:

@@ -64,8 +64,8 @@ class TruthView(Protocol):
         them (one absent is weighed as `merge.Signer()`)."""
         ...
 
-    def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
-        """Every (cid, key) `uid` has a claim on."""
+    def signer_claims(self, uid: str, after: int, limit: int) -> list[tuple[int, str, str]]:
+        """(log seq, cid, key) of `uid`'s first `limit` claims after claim-log seq `after`."""
         ...
 
     def active_rids(self) -> list[str]:
@@ -185,8 +185,8 @@ class Overlay:
     def merge_signers(self, uids: Iterable[str]) -> dict[str, merge.Signer]:
         return self._view.merge_signers(uids)
 
-    def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
-        return self._view.signer_cid_keys(uid)
+    def signer_claims(self, uid: str, after: int, limit: int) -> list[tuple[int, str, str]]:
+        return self._view.signer_claims(uid, after, limit)
 
     def active_rids(self) -> list[str]:
         return self._view.active_rids()
@@ -261,8 +261,8 @@ class _AheadView:
     ) -> dict[str, list[Claim]]:
         return self._opened().groups_claims(rids, keys)
 
-    def signer_cid_keys(self, uid: str) -> list[tuple[str, str]]:
-        return self._opened().signer_cid_keys(uid)
+    def signer_claims(self, uid: str, after: int, limit: int) -> list[tuple[int, str, str]]:
+        return self._opened().signer_claims(uid, after, limit)
 
     def active_rids(self) -> list[str]:
         return self._opened().active_rids()

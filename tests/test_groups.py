@@ -184,6 +184,25 @@ async def test_weights_ties_viewer_and_blocking(
     assert_cache_is_fresh(node, tmp_path)
 
 
+async def test_a_block_through_the_api_answers_once_its_replan_is_done(
+    client: httpx.AsyncClient, node: Node, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A signer's records are replanned a step of `REPLAN_CHUNK` claims a transaction, and
+    the block's answer waits for the last step (bounded by `apply_wait_s`): read-your-writes
+    for the one who blocked, as when it was one transaction."""
+    monkeypatch.setattr(cache, "REPLAN_CHUNK", 2)
+    spammer = Signer()
+    await register(client, spammer)
+    for n in range(5):
+        await post(client, spammer.claim(POOL[n], "title", f"spam {n}"))
+    assert (await client.post(f"/api/signers/{spammer.uid}/block")).status_code == 200
+    for n in range(5):
+        assert "title" not in (await client.get(f"/api/meta/{POOL[n]}")).json()["metadata"]
+    assert (await client.get("/health")).json()["replans"] == 0
+    assert node.applier.state.replanned == 3  # 2 + 2 + 1 claims
+    assert_cache_is_fresh(node, tmp_path)
+
+
 async def test_an_apply_weighs_votes_with_the_signers_asked_for_only(
     client: httpx.AsyncClient, node: Node
 ) -> None:
@@ -475,3 +494,102 @@ def test_an_unknown_signers_claims_applied_ahead_agree_with_reading_them_back(
     finally:
         ahead.close()
         back.close()
+
+
+# -- a signer's replan, a step a transaction -----------------------------------------------------
+
+
+def titled(store: Store) -> int:
+    """How many records hold a title."""
+    return sum(1 for _, key in store.records() if key == "title")
+
+
+def fresh_diff(store: Store, at: Path) -> list[str]:
+    """How `store`'s cache differs from one rebuilt from its truth."""
+    with cache.CacheStore(at) as fresh:
+        fresh.build_sync(store.source)
+        return store.store.diff(fresh)
+
+
+def test_a_blocked_signers_records_are_replanned_a_step_a_transaction_writes_between(
+    storages: Storages, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Blocking a signer recomputes every record it has a claim on, `REPLAN_CHUNK` of its
+    claims a cache transaction (in one, a signer of 1M records held every write ≈ 47 s): each
+    apply takes one step, an apply of a write between two steps is applied at once, and the
+    last step leaves the cache as a rebuild would."""
+    monkeypatch.setattr(cache, "REPLAN_CHUNK", 3)
+    with storages() as storage:
+        store = Store(tmp_path / "data", "handed", storage=storage)
+        try:
+            store.ingest([_title(n) for n in range(8)])
+            assert store.apply().replans == 0 and titled(store) == 8
+            store.source.set_signer_status_sync(UIDS[0], "blocked")
+            state = store.apply()
+            assert (state.replans, titled(store), state.applied_seq) == (
+                1,
+                5,
+                store.source.max_seq(),
+            )
+            store.ingest([Claim(UIDS[1], POOL[0], "year", "1999", NOW_MS, bytes(64))])
+            state = store.apply()
+            assert (state.replans, titled(store)) == (1, 2)
+            assert state.applied_seq == store.source.max_seq()
+            assert "1999" in store.records().values()
+            assert store.apply().replans == 0 and titled(store) == 0
+            assert store.apply() == cache.read_state(store.cache)  # nothing left to step
+            assert fresh_diff(store, tmp_path / "fresh.db") == []
+        finally:
+            store.close()
+
+
+def test_a_signer_changed_again_during_its_replan_is_replanned_from_the_start(
+    storages: Storages, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The records a replan reached were weighed before the next change: unblocked after one
+    step, every record is recomputed again, those of the first step too."""
+    monkeypatch.setattr(cache, "REPLAN_CHUNK", 3)
+    with storages() as storage:
+        store = Store(tmp_path / "data", "handed", storage=storage)
+        try:
+            store.ingest([_title(n) for n in range(8)])
+            store.apply()
+            store.source.set_signer_status_sync(UIDS[0], "blocked")
+            assert store.apply().replans == 1 and titled(store) == 5
+            store.source.set_signer_status_sync(UIDS[0], "active")
+            while store.apply().replans:
+                pass
+            assert titled(store) == 8
+            assert fresh_diff(store, tmp_path / "fresh.db") == []
+        finally:
+            store.close()
+
+
+def test_a_replan_goes_on_after_a_restart_where_its_last_step_committed(
+    storages: Storages, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A replan's progress is in the cache's state, written in its step's transaction: stores
+    closed after one step and opened again (no rebuild) take the remaining steps."""
+    monkeypatch.setattr(cache, "REPLAN_CHUNK", 3)
+    with storages() as storage:
+        store = Store(tmp_path / "data", "handed", storage=storage)
+        try:
+            store.ingest([_title(n) for n in range(8)])
+            store.apply()
+            store.source.set_signer_status_sync(UIDS[0], "blocked")
+            assert store.apply().replans == 1
+        finally:
+            store.close()
+        settings = settings_for(tmp_path / "data", storage=storage)
+        with (
+            truth.TruthStore.configured(settings, lambda: NOW_MS) as source,
+            cache.CacheStore.configured(settings) as reopened,
+        ):
+            assert reopened.state().replans == 1
+            steps = [reopened.apply_sync(source).replans for _ in range(2)]
+            assert steps == [1, 0]
+            titles = reopened.conn.execute("SELECT count(*) FROM records WHERE key = 'title'")
+            assert titles.fetchone()[0] == 0
+            with cache.CacheStore(tmp_path / "fresh.db") as fresh:
+                fresh.build_sync(source)
+                assert reopened.diff(fresh) == []
