@@ -681,11 +681,15 @@ def group_parts(
 # -- the rendered documents (GET /api/meta/{cid}) ------------------------------------------------
 
 
+# Starlette's `JSONResponse` options, in one encoder made once: `json.dumps` with options builds
+# an encoder every call (3.3 µs a document against 2.5; 0.93 against 0.22 for the asked CID
+# that `splice` renders on every GET).
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
 def render(value: object) -> bytes:
     """`value`'s JSON bytes exactly as Starlette's `JSONResponse` renders them."""
-    return json.dumps(
-        value, ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":")
-    ).encode("utf-8")
+    return _JSON.encode(value).encode("utf-8")
 
 
 def render_rest(cids: Iterable[str], record: Mapping[str, str], paths: Iterable[str]) -> bytes:

@@ -10,6 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from starlette.responses import JSONResponse
 
 from metanode import cache, db, merge
 from metanode import cid as cids
@@ -145,3 +148,18 @@ def test_the_v7_migration_moves_each_stored_document_into_its_index_row(tmp_path
         assert "documents" not in tables
     finally:
         conn.close()
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(JSON_VALUES)
+def test_a_document_renders_to_the_bytes_starlette_answers(value: object) -> None:
+    """`cache.render` (one encoder made once) gives exactly `JSONResponse`'s body: the stored
+    documents are answered as they are, so they must be what the route used to render, text
+    with any character, quotes and control characters included."""
+    assert cache.render(value) == JSONResponse(value).body
