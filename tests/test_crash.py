@@ -19,7 +19,7 @@ from metanode import cache, db, truth
 from metanode import cid as cids
 from metanode import claims as claims_mod
 from metanode.node import Node
-from tests.helpers.claims import NOW_MS, Signer
+from tests.helpers.claims import NOW_MS, Signer, fast_claims
 from tests.helpers.load import kill_under_load
 from tests.helpers.server import Server, metanode_check, wait_caught_up
 from tests.helpers.settings import reading, settings_for
@@ -179,6 +179,54 @@ def test_crash_between_truth_commit_and_cache_apply(
                 assert doc.json()["metadata"]["title"] == c["value"]
         listed = http.get(f"/api/meta/{CID}/claims").json()
     assert listed["claims"] == [claim]
+    metanode_check(data, storage)
+
+
+def health_until(server: Server, done: Callable[[dict[str, Any]], bool], timeout: float) -> None:
+    """Poll `server`'s /health until `done(body)`, or fail saying what it last said."""
+    deadline, body = time.monotonic() + timeout, {}
+    while time.monotonic() < deadline:
+        body = httpx.get(f"{server.url}/health", timeout=5).json()
+        if done(body):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"/health never got there within {timeout} s: {body}")
+
+
+@pytest.mark.both_backends
+def test_sigkill_mid_replan_goes_on_after_the_restart(
+    tmp_path: Path, launch: Launch, storage: str
+) -> None:
+    """A signer's replan keeps its progress in the cache's state, a step a transaction: a
+    server killed while one is under way finishes it after its restart, from the last step
+    that committed, and the cache is then what a rebuild gives (`metanode check`)."""
+    data = tmp_path / "data"
+    first = launch(data, {"METANODE_APPLY_WAIT_S": "0.2", "METANODE_WATCH_ENABLED": "false"})
+    spammer = Signer()
+    first.register(spammer.uid, "spammer")
+    records = 80 * cache.REPLAN_CHUNK  # 80 steps: the replan outlasts the polls below
+    cid_of = [cids.midhash_bytes(f"replan {n}".encode()) for n in range(records)]
+    wires = fast_claims(spammer, [(cid, "title", "spam", NOW_MS) for cid in cid_of])
+    with httpx.Client(base_url=first.url, headers=first.headers, timeout=60) as http:
+        for start in range(0, records, 500):
+            posted = http.post("/api/claims", json={"claims": wires[start : start + 500]})
+            assert posted.status_code == 200, posted.text
+        blocked = http.post(f"/api/signers/{spammer.uid}/block")  # answered after 0.2 s
+        assert blocked.status_code == 200, blocked.text
+    health_until(first, lambda body: body["replans"] == 1, 60)
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    with reading(data, "cache", storage) as conn:
+        state = dict(conn.execute("SELECT name, value FROM state"))
+        titled = conn.execute("SELECT count(*) FROM records WHERE key = 'title'").fetchone()[0]
+    assert state[f"replan:{spammer.uid}"] > 0, state  # killed mid-replan, a step committed
+    assert 0 < titled < records
+
+    second = launch(data, {"METANODE_WATCH_ENABLED": "false"})
+    health_until(second, lambda body: body["replans"] == 0 and body["apply_lag"] == 0, 120)
+    with httpx.Client(base_url=second.url, timeout=10) as http:
+        for cid in (cid_of[0], cid_of[-1]):
+            assert "title" not in http.get(f"/api/meta/{cid}").json()["metadata"]
+    second.stop()
     metanode_check(data, storage)
 
 
