@@ -84,11 +84,12 @@ class Settings:
         'cache commits (docs/benchmarks.md, "Hot documents").',
     )
     verify_processes: int = setting(
-        2,
+        1,
         "Worker processes beside the server that validate large POST /api/claims batches "
         "(64 claims or more), started at the first one; 0: none, every batch is validated on "
         "the server's threads. In a process of its own, validation does not hold the GIL the "
-        'writers need (docs/benchmarks.md, "Verify in processes").',
+        "writers need; one validates more claims a second than the writers commit, and a "
+        'second takes a core from them (docs/benchmarks.md, "One verify process, not two").',
     )
     feed_keep_alive_s: float = setting(
         15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment."

@@ -151,12 +151,16 @@ async def test_invalid_claim_rejects_whole_batch_and_writes_nothing(
     assert (await client.get(f"/api/meta/{CID_A}")).status_code == 404
 
 
+@pytest.mark.parametrize(
+    "node", [{"verify_processes": 1}, {"verify_processes": 2}], indirect=True, ids=["1", "2"]
+)
 async def test_a_large_batch_is_validated_in_worker_processes(
     client: httpx.AsyncClient, node: Node, alice: Signer
 ) -> None:
     """A batch of `BULK_CLAIMS` or more is validated in the `verify_processes` (real `spawn`
-    processes): a bad claim in it still rejects the whole batch, at its index, writing nothing;
-    the good batch is then accepted whole and readable."""
+    processes; with 2, split between them): a bad claim in it still rejects the whole batch,
+    at its index in the batch, writing nothing; the good batch is then accepted whole and
+    readable."""
     await register(client, alice)
     before = await db_bytes(node)
     batch = [
