@@ -97,8 +97,8 @@ def test_a_dead_worker_process_costs_no_batch() -> None:
 def test_the_validation_processes_die_with_a_sigkilled_server(tmp_path: Path) -> None:
     """A real `metanode serve` validates a large batch in its worker processes; SIGKILL of the
     server takes them with it (each holds its own job queue's write end, so without
-    `die_with_parent` they would wait forever, orphaned)."""
-    server = Server(tmp_path / "data").start()
+    `die_with_parent` they would wait forever, orphaned). Two of them, so each must go."""
+    server = Server(tmp_path / "data", env={"METANODE_VERIFY_PROCESSES": "2"}).start()
     try:
         server.register(SIGNER.uid, "bulk")
         batch = [
