@@ -35,10 +35,14 @@ def resolve(stored: Claim | None, incoming: Claim) -> Verdict:
 
 
 def _newest(a: Claim, b: Claim) -> Claim:
-    """The vote that counts when one signer voted on a key through several CIDs of a group."""
+    """The vote that counts when one signer voted on a key through several CIDs of a group:
+    the newer, then the smaller signature (SPEC §2.5 rule 2). Two verified votes on two CIDs
+    never share a signature (Ed25519 signs the CID), but stored rows are not re-verified and
+    a test's claims carry made-up ones: then the smaller CID decides, so the merge never
+    depends on the order the votes are read in."""
     if a.ts != b.ts:
         return a if a.ts > b.ts else b
-    return a if a.sig <= b.sig else b
+    return min(a, b, key=lambda vote: (vote.sig, vote.cid))
 
 
 @dataclass(frozen=True, slots=True)

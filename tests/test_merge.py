@@ -204,6 +204,17 @@ def test_one_signer_same_ts_on_two_cids_takes_smaller_signature() -> None:
     assert merge_key([one, two, vote(KB, loser_value, TS)], {}) == "x"
 
 
+def test_one_signer_same_ts_and_signature_on_two_cids_takes_the_smaller_cid() -> None:
+    """Verified votes never share a signature across CIDs, but stored rows are not re-verified
+    (and test claims carry made-up ones): the merge still does not depend on the order it
+    reads them in (found by `test_groups.py::test_batches_agree_with_one_claim_at_a_time`)."""
+    sig = bytes([2]) * 64
+    low, high = sorted([MIDHASH_1, SHA])
+    on_low = Claim(A, low, "year", "y", TS, sig)
+    on_high = Claim(A, high, "year", "x", TS, sig)
+    assert merge_key([on_low, on_high], {}) == merge_key([on_high, on_low], {}) == "y"
+
+
 def test_tombstone_drops_the_signer_vote() -> None:
     # Stored rows: A's tombstone (it replaced A's "x"), B's "y".
     assert merge_key([vote(KA, None, TS + 1), vote(KB, "y", TS)], {A: Signer(weight=9)}) == "y"
