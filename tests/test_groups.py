@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -314,6 +314,7 @@ class Store:
         self.store = cache.CacheStore.configured(settings).open()
         self.truth, self.cache = self.source.conn, self.store.conn  # to read the files
         self.minter = rids.Minter()
+        self.closed = False
         for uid in UIDS:
             self.source.add_signer_sync(uid, "t", 1, True)
         self.store.build_sync(self.source)
@@ -331,8 +332,11 @@ class Store:
         reached.wait(HOLD_S)
 
     def close(self) -> None:
-        self.store.close()
-        self.source.close()
+        """Close both stores (once: a test may close them before its fixture does)."""
+        if not self.closed:
+            self.closed = True
+            self.store.close()
+            self.source.close()
 
     def ingest(self, batch: list[Claim], policy: truth.Policy | None = None) -> list[str]:
         result = self.source.ingest_sync(batch, self.minter, policy or truth.Policy(), NOW_MS)
@@ -513,85 +517,77 @@ def fresh_diff(store: Store, at: Path) -> list[str]:
         return store.store.diff(fresh)
 
 
-def test_a_blocked_signers_records_are_replanned_a_step_a_transaction_writes_between(
+@pytest.fixture
+def titled_8(
     storages: Storages, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """Blocking a signer recomputes every record it has a claim on, `REPLAN_CHUNK` of its
-    claims a cache transaction (in one, a signer of 1M records held every write ≈ 47 s): each
-    apply takes one step, an apply of a write between two steps is applied at once, and the
-    last step leaves the cache as a rebuild would."""
+) -> Iterator[tuple[Store, str]]:
+    """(a store holding 8 one-title records of `UIDS[0]`, applied; its `storage`), replans
+    going 3 claims a step."""
     monkeypatch.setattr(cache, "REPLAN_CHUNK", 3)
     with storages() as storage:
         store = Store(tmp_path / "data", "handed", storage=storage)
         try:
             store.ingest([_title(n) for n in range(8)])
             assert store.apply().replans == 0 and titled(store) == 8
-            store.source.set_signer_status_sync(UIDS[0], "blocked")
-            state = store.apply()
-            assert (state.replans, titled(store), state.applied_seq) == (
-                1,
-                5,
-                store.source.max_seq(),
-            )
-            store.ingest([Claim(UIDS[1], POOL[0], "year", "1999", NOW_MS, bytes(64))])
-            state = store.apply()
-            assert (state.replans, titled(store)) == (1, 2)
-            assert state.applied_seq == store.source.max_seq()
-            assert "1999" in store.records().values()
-            assert store.apply().replans == 0 and titled(store) == 0
-            assert store.apply() == cache.read_state(store.cache)  # nothing left to step
-            assert fresh_diff(store, tmp_path / "fresh.db") == []
+            yield store, storage
         finally:
             store.close()
+
+
+def test_a_blocked_signers_records_are_replanned_a_step_a_transaction_writes_between(
+    titled_8: tuple[Store, str], tmp_path: Path
+) -> None:
+    """Blocking a signer recomputes every record it has a claim on, `REPLAN_CHUNK` of its
+    claims a cache transaction (in one, a signer of 1M records held every write ≈ 47 s): each
+    apply takes one step, an apply of a write between two steps is applied at once, and the
+    last step leaves the cache as a rebuild would."""
+    store, _ = titled_8
+    store.source.set_signer_status_sync(UIDS[0], "blocked")
+    state = store.apply()
+    assert (state.replans, titled(store), state.applied_seq) == (1, 5, store.source.max_seq())
+    store.ingest([Claim(UIDS[1], POOL[0], "year", "1999", NOW_MS, bytes(64))])
+    state = store.apply()
+    assert (state.replans, titled(store)) == (1, 2)
+    assert state.applied_seq == store.source.max_seq()
+    assert "1999" in store.records().values()
+    assert store.apply().replans == 0 and titled(store) == 0
+    assert store.apply() == cache.read_state(store.cache)  # nothing left to step
+    assert fresh_diff(store, tmp_path / "fresh.db") == []
 
 
 def test_a_signer_changed_again_during_its_replan_is_replanned_from_the_start(
-    storages: Storages, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    titled_8: tuple[Store, str], tmp_path: Path
 ) -> None:
     """The records a replan reached were weighed before the next change: unblocked after one
     step, every record is recomputed again, those of the first step too."""
-    monkeypatch.setattr(cache, "REPLAN_CHUNK", 3)
-    with storages() as storage:
-        store = Store(tmp_path / "data", "handed", storage=storage)
-        try:
-            store.ingest([_title(n) for n in range(8)])
-            store.apply()
-            store.source.set_signer_status_sync(UIDS[0], "blocked")
-            assert store.apply().replans == 1 and titled(store) == 5
-            store.source.set_signer_status_sync(UIDS[0], "active")
-            while store.apply().replans:
-                pass
-            assert titled(store) == 8
-            assert fresh_diff(store, tmp_path / "fresh.db") == []
-        finally:
-            store.close()
+    store, _ = titled_8
+    store.source.set_signer_status_sync(UIDS[0], "blocked")
+    assert store.apply().replans == 1 and titled(store) == 5
+    store.source.set_signer_status_sync(UIDS[0], "active")
+    while store.apply().replans:
+        pass
+    assert titled(store) == 8
+    assert fresh_diff(store, tmp_path / "fresh.db") == []
 
 
 def test_a_replan_goes_on_after_a_restart_where_its_last_step_committed(
-    storages: Storages, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    titled_8: tuple[Store, str], tmp_path: Path
 ) -> None:
     """A replan's progress is in the cache's state, written in its step's transaction: stores
     closed after one step and opened again (no rebuild) take the remaining steps."""
-    monkeypatch.setattr(cache, "REPLAN_CHUNK", 3)
-    with storages() as storage:
-        store = Store(tmp_path / "data", "handed", storage=storage)
-        try:
-            store.ingest([_title(n) for n in range(8)])
-            store.apply()
-            store.source.set_signer_status_sync(UIDS[0], "blocked")
-            assert store.apply().replans == 1
-        finally:
-            store.close()
-        settings = settings_for(tmp_path / "data", storage=storage)
-        with (
-            truth.TruthStore.configured(settings, lambda: NOW_MS) as source,
-            cache.CacheStore.configured(settings) as reopened,
-        ):
-            assert reopened.state().replans == 1
-            steps = [reopened.apply_sync(source).replans for _ in range(2)]
-            assert steps == [1, 0]
-            titles = reopened.conn.execute("SELECT count(*) FROM records WHERE key = 'title'")
-            assert titles.fetchone()[0] == 0
-            with cache.CacheStore(tmp_path / "fresh.db") as fresh:
-                fresh.build_sync(source)
-                assert reopened.diff(fresh) == []
+    store, storage = titled_8
+    store.source.set_signer_status_sync(UIDS[0], "blocked")
+    assert store.apply().replans == 1
+    store.close()
+    settings = settings_for(tmp_path / "data", storage=storage)
+    with (
+        truth.TruthStore.configured(settings, lambda: NOW_MS) as source,
+        cache.CacheStore.configured(settings) as reopened,
+    ):
+        assert reopened.state().replans == 1
+        assert [reopened.apply_sync(source).replans for _ in range(2)] == [1, 0]
+        titles = reopened.conn.execute("SELECT count(*) FROM records WHERE key = 'title'")
+        assert titles.fetchone()[0] == 0
+        with cache.CacheStore(tmp_path / "fresh.db") as fresh:
+            fresh.build_sync(source)
+            assert reopened.diff(fresh) == []
