@@ -57,15 +57,18 @@ def replanned(client: httpx.Client) -> bool:
 def block_and_wait(
     client: httpx.Client, uid: str, done: threading.Event, took: list[float]
 ) -> None:
-    """Block `uid`, then wait until no replan is under way; set `done`, the time in `took`."""
+    """Block `uid`, then wait until no replan is under way; the time in `took`. `done` is set
+    however it ends, so the writer stops posting (`took` stays empty if the block failed)."""
     start = time.perf_counter()
-    answer = client.post(f"/api/signers/{uid}/block", timeout=600)
-    if answer.status_code != 200:
-        raise RuntimeError(f"block answered {answer.status_code}: {answer.text}")
-    while not replanned(client):
-        time.sleep(0.01)  # a benchmark's poll, not a test's wait
-    took.append(time.perf_counter() - start)
-    done.set()
+    try:
+        answer = client.post(f"/api/signers/{uid}/block", timeout=600)
+        if answer.status_code != 200:
+            raise RuntimeError(f"block answered {answer.status_code}: {answer.text}")
+        while not replanned(client):
+            time.sleep(0.01)  # a benchmark's poll, not a test's wait
+        took.append(time.perf_counter() - start)
+    finally:
+        done.set()
 
 
 def summary(latencies: list[float]) -> str:
@@ -109,6 +112,8 @@ def run(records: int, seconds: float) -> None:
                 thread.start()
                 during = post_for(client, bodies, done)
                 thread.join()
+    if not took:
+        raise RuntimeError("the block did not complete (its thread's error is above)")
     print(f"{records:,} records of the blocked signer, replanned in {took[0]:.2f} s")
     print(f"before the block: {summary(before)}")
     print(f"during the replan: {summary(during)}")
