@@ -228,13 +228,11 @@ class Applier:
             return
 
     async def _apply(self) -> None:
-        """Apply what is due and take a replan step; while a replan is under way, come straight
-        back for the next step (the writes queued meanwhile are applied between two steps)."""
+        """Apply what is due and take a replan step (`_publish` brings the loop straight back
+        while one is under way; the writes queued meanwhile are applied between two steps)."""
         state = await self._store.apply(self._source, tuple(self._written))
         self._written = [w for w in self._written if w.last > state.applied_seq]
         self._publish(state)
-        if state.replans:
-            self.wake()
 
     async def _build_if_needed(self) -> None:
         if cache_needs_build(self.state, self._source):
@@ -248,6 +246,8 @@ class Applier:
         arrive out of order)."""
         if state.mark > self.state.mark:
             self.state = state
+        if state.replans:  # whichever apply started it (an apply ahead too): take the steps
+            self.wake()
         if self._documents is not None:
             self._documents.published()
         self.progressed = time.monotonic()
