@@ -176,7 +176,11 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
         if state.applied_seq != truth_seq:
             differences.append(f"cache applied seq {state.applied_seq} != truth seq {truth_seq}")
         if replans := state.replans:
-            differences.append(f"{replans} signer replan(s) under way: the server finishes them")
+            differences.append(
+                f"the records of {replans} blocked or re-weighed signer(s) are still being "
+                "recomputed (the differences below include them): run `metanode serve` until "
+                "/health shows replans 0, then check again"
+            )
         fresh.build_sync(source, files)
         differences += live.diff(fresh)
         bad, count = [], 0

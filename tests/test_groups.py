@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from metanode import cache, merge, truth
 from metanode import cid as cids
+from metanode import claims as claims_mod
 from metanode import rid as rids
 from metanode.claims import Claim
 from metanode.errors import NotCommitted
@@ -568,6 +569,29 @@ def test_a_signer_changed_again_during_its_replan_is_replanned_from_the_start(
         pass
     assert titled(store) == 8
     assert fresh_diff(store, tmp_path / "fresh.db") == []
+
+
+def test_check_reports_a_replan_under_way(
+    storages: Storages, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`metanode check` on a cache whose replan is under way says so first, and is not clean
+    (real signed claims: `check` verifies every stored signature)."""
+    monkeypatch.setattr(cache, "REPLAN_CHUNK", 3)
+    signer = Signer()
+    signed = [claims_mod.validate(signer.claim(POOL[n], "title", str(n)), NOW_MS) for n in range(4)]
+    with storages() as storage:
+        store = Store(tmp_path / "data", "handed", storage=storage)
+        try:
+            store.source.add_signer_sync(signer.uid, "real", 1, False)
+            store.ingest(signed)
+            store.apply()
+            store.source.set_signer_status_sync(signer.uid, "blocked")
+            assert store.apply().replans == 1
+        finally:
+            store.close()
+        report = check(settings_for(tmp_path / "data", storage=storage), tmp_path / "scratch.db")
+    assert not report.clean
+    assert report.differences[0].startswith("the records of 1 blocked or re-weighed signer(s)")
 
 
 def test_a_replan_goes_on_after_a_restart_where_its_last_step_committed(
