@@ -8,7 +8,8 @@ to have validated into one job per free worker, dispatched at once (never waitin
 and a large batch is split across the free workers so it uses every core.
 
 A batch of `BULK_CLAIMS` or more goes to worker processes instead (`Processes`, the
-`verify_processes` setting), split among them. Half of a claim's validation is Python (field
+`verify_processes` setting), split among them, each spoken to from the event loop over a socket
+pair (`_Process`). Half of a claim's validation is Python (field
 checks, the RFC 8785 signing bytes, the CID decode) that holds the GIL; on threads it contends
 with the writer threads, which then wait for the GIL between their SQLite steps. Measured in
 the server: batch-100 ingest +10–12 % (docs/benchmarks.md, "Verify in processes"). Smaller
@@ -23,15 +24,19 @@ writer"). The `Verifier` takes the larger batches and the pages pulled from peer
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import ctypes
+import dataclasses
 import functools
 import logging
+import marshal
 import multiprocessing
+import multiprocessing.process
 import os
 import signal
+import socket
 from collections.abc import Sequence
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +49,8 @@ PR_SET_PDEATHSIG = 1  # prctl(2)
 
 def die_with_parent() -> None:
     """Have the kernel SIGKILL this process when the one that started it dies, however it dies
-    (Linux's `PR_SET_PDEATHSIG`): a server killed with SIGKILL leaves no process behind. (A
-    process pool's workers would otherwise wait forever: each holds its job queue's write end
-    itself, so it never reads end-of-file.)"""
+    (Linux's `PR_SET_PDEATHSIG`): a server killed with SIGKILL leaves no process behind, not
+    even one in the middle of a large batch, which would read its end-of-file only after."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
@@ -64,8 +68,8 @@ Result = tuple[list[claims.Claim], list[dict[str, Any]]]
 def validate_runs(
     runs: Sequence[tuple[Sequence[object], int, int]], limits: claims.Limits
 ) -> list[Result]:
-    """`claims.validate_items` of each (items, first index, now) run: one job of many requests'
-    claims (module-level, so a process pool can run it too)."""
+    """`claims.validate_items` of each (items, first index, now) run: one thread job of many
+    requests' claims."""
     return [claims.validate_items(items, first, now, limits) for items, first, now in runs]
 
 
@@ -89,38 +93,141 @@ def _joined(parts: Sequence[Result]) -> Result:
     return [c for valid, _ in parts for c in valid], [e for _, errs in parts for e in errs]
 
 
+class ProcessDied(RuntimeError):
+    """A validation process ended (killed, out of memory) with jobs of this server in it: the
+    batches it held are validated on the threads instead (`Verifier.validate`). Never leaves
+    this module."""
+
+
+FRAME_HEAD = 8  # bytes of a frame's length, big-endian, before its `marshal` payload
+
+
+def _frame(value: Any) -> bytes:
+    payload = marshal.dumps(value)
+    return len(payload).to_bytes(FRAME_HEAD, "big") + payload
+
+
+def _serve(sock: socket.socket, parent: int) -> None:
+    """A validation process's whole life: jobs (wire claims, the first's index, now, the
+    `Limits` fields) in, each answered in order with (valid claims as field tuples, error
+    items); it ends at end-of-file, when the server closes its end or dies."""
+    _worker_started(parent)
+    with sock, sock.makefile("rb") as stream:
+        while len(head := stream.read(FRAME_HEAD)) == FRAME_HEAD:
+            items, first, now, limits = marshal.loads(stream.read(int.from_bytes(head, "big")))
+            valid, errors = claims.validate_items(items, first, now, claims.Limits(*limits))
+            sock.sendall(_frame(([dataclasses.astuple(c) for c in valid], errors)))
+
+
+class _Process:
+    """One validation process and the socket pair to it, spoken over from the event loop:
+    `ask` queues a job without blocking (the stream's buffer takes it), and `_answers` takes
+    the answers, which come back in the order asked, off the socket as they arrive.
+
+    Why not a `ProcessPoolExecutor`: its management thread and queue-feeder thread wake and
+    pickle in the server's process for every job, taking the GIL from the writer threads; at
+    batch 100 they cost the server ≈ 6-9 µs of its ≈ 120 µs a claim, this ≈ 3
+    (docs/benchmarks.md, "Session 22: the verify process spoken to from the loop")."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=_serve, args=(theirs, os.getpid()), daemon=True
+        )
+        self.process.start()
+        theirs.close()
+        self.alive = True
+        self._waiting: collections.deque[asyncio.Future[Result]] = collections.deque()
+        self._sock = ours
+        self._writer: asyncio.StreamWriter | None = None
+        self._reading: asyncio.Task[None] | None = None  # held: the loop keeps only weak refs
+        self._opened = asyncio.ensure_future(self._open())
+
+    async def _open(self) -> None:
+        reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
+        self._reading = asyncio.ensure_future(self._answers(reader))
+
+    async def ask(
+        self, items: Sequence[object], first: int, now: int, limits: claims.Limits
+    ) -> Result:
+        await self._opened
+        if not self.alive or self._writer is None:
+            raise ProcessDied("a claim validation process died")
+        answer: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        self._waiting.append(answer)
+        self._writer.write(_frame((list(items), first, now, dataclasses.astuple(limits))))
+        return await answer
+
+    async def _answers(self, reader: asyncio.StreamReader) -> None:
+        """Each answer to the oldest job waiting; at end-of-file every job waiting fails."""
+        try:
+            while True:
+                head = await reader.readexactly(FRAME_HEAD)
+                valid, errors = marshal.loads(await reader.readexactly(int.from_bytes(head, "big")))
+                answer = self._waiting.popleft()
+                if not answer.done():  # its request was cancelled
+                    answer.set_result(([claims.Claim(*fields) for fields in valid], errors))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            self._ended()
+
+    def _ended(self) -> None:
+        if self.alive:
+            self.alive = False
+            log.warning("a claim validation process died; starting a new one")
+        while self._waiting:
+            answer = self._waiting.popleft()
+            if not answer.done():
+                answer.set_exception(ProcessDied("a claim validation process died"))
+
+    def close(self) -> None:
+        """Let the process go: it ends at the end-of-file, once the jobs it holds are done."""
+        self.alive = False
+        if self._writer is not None:
+            self._writer.close()
+        else:
+            self._opened.cancel()
+            self._sock.close()
+
+
 class Processes:
-    """The worker processes large batches are validated in: a process pool, started at its
-    first use (a node that never gets a large batch never starts one) with `spawn` (the server
-    has threads, which `fork` would copy mid-flight), made anew after a worker died, and dying
-    with the server (`die_with_parent`; the pool starts its processes from the thread that
-    submits, the event loop's, which lives as long as the server)."""
+    """The processes large batches are validated in, each batch split among them: started at
+    their first use (a node that never gets a large batch never starts one) with `spawn` (the
+    server has threads, which `fork` would copy mid-flight), one started anew in place of one
+    that died, and each dying with the server (`die_with_parent`)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._processes: list[_Process] = []
 
-    def pool(self) -> concurrent.futures.ProcessPoolExecutor:
-        if self._pool is None:
-            context = multiprocessing.get_context("spawn")
-            self._pool = concurrent.futures.ProcessPoolExecutor(
-                self.count, context, _worker_started, (os.getpid(),)
-            )
-        return self._pool
+    def running(self) -> list[multiprocessing.process.BaseProcess]:
+        """The processes started and not known to have died (what `ps` would show)."""
+        return [p.process for p in self._processes if p.alive]
 
-    def broken(self, pool: concurrent.futures.ProcessPoolExecutor) -> None:
-        """A worker of `pool` died (killed, out of memory): it is unusable (every job it held
-        failed); the next use starts a new one. Only if `pool` is still the current one: of
-        several batches that met the same broken pool, only the first replaces it."""
-        if pool is self._pool:
-            log.warning("a claim validation process died; starting new ones")
-            self.shutdown()
+    async def validate(self, items: Sequence[object], now: int, limits: claims.Limits) -> Result:
+        """`items` split among the processes, one run each; `ProcessDied` if one died with
+        its run (every process that died is replaced at the next batch)."""
+        self._processes = [p for p in self._processes if p.alive]
+        while len(self._processes) < self.count:
+            self._processes.append(_Process())
+        runs = _spread(items, self.count)
+        parts = await asyncio.gather(
+            *(
+                p.ask(run, first, now, limits)
+                for p, (run, first) in zip(self._processes, runs, strict=False)
+            ),
+            return_exceptions=True,
+        )
+        for part in parts:
+            if isinstance(part, BaseException):
+                raise part
+        return _joined(parts)  # type: ignore[arg-type]  # no exception is left in `parts`
 
     def shutdown(self) -> None:
-        """Let the pool go: its processes end once the jobs they hold are done."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
+        for process in self._processes:
+            process.close()
+        self._processes = []
 
 
 class Verifier:
@@ -144,26 +251,14 @@ class Verifier:
     async def validate(self, items: Sequence[object], now: int) -> Result:
         """(the valid claims, an error item per invalid one, at its index in `items`)."""
         if self.processes is not None and len(items) >= BULK_CLAIMS:
-            pool = self.processes.pool()
             try:
-                return await self._in_processes(pool, self.processes.count, items, now)
-            except BrokenProcessPool:
-                self.processes.broken(pool)  # this batch goes to the threads
+                return await self.processes.validate(items, now, self.limits)
+            except ProcessDied:
+                pass  # this batch goes to the threads
         runs = [_Run(run, first, now) for run, first in _spread(items, self.jobs)]
         self._pending += runs
         self._dispatch()
         return _joined([await run.done for run in runs])
-
-    async def _in_processes(
-        self, pool: concurrent.futures.Executor, count: int, items: Sequence[object], now: int
-    ) -> Result:
-        """`items` split among the `count` worker processes of `pool`, one run each."""
-        loop = asyncio.get_running_loop()
-        jobs = [
-            loop.run_in_executor(pool, validate_runs, [(run, first, now)], self.limits)
-            for run, first in _spread(items, count)
-        ]
-        return _joined([part for results in await asyncio.gather(*jobs) for part in results])
 
     def _dispatch(self) -> None:
         """Start a job on each free worker with an equal share of what is waiting."""

@@ -173,7 +173,7 @@ async def test_a_large_batch_is_validated_in_worker_processes(
     assert response.status_code == 400, response.text
     assert [(i["index"], i["error"]) for i in response.json()["items"]] == [(bad, "bad_signature")]
     assert await db_bytes(node) == before
-    assert node.verifier.processes is not None and node.verifier.processes.pool()._processes
+    assert node.verifier.processes is not None and node.verifier.processes.running()
     response = await post(client, *batch)
     assert (response.status_code, response.json()["accepted"]) == (200, len(batch))
     assert (await client.get(f"/api/meta/{batch[bad]['cid']}")).json()["metadata"]["title"] == (

@@ -52,16 +52,52 @@ def test_a_large_batch_is_validated_in_worker_processes_with_its_errors_at_its_i
     for index, bad in zip((3, BULK_CLAIMS // 2 + 1, BULK_CLAIMS + 8), BAD, strict=True):
         batch[index] = bad
     processes = Processes(2)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            verifier = Verifier(pool, 1, claims.Limits(), processes)
-            result = asyncio.run(verifier.validate(batch, NOW_MS))
-        workers = processes.pool()._processes  # what ran it: the processes of the pool
-        assert workers and all(p.pid != os.getpid() for p in workers.values())
-    finally:
-        processes.shutdown()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        verifier = Verifier(pool, 1, claims.Limits(), processes)
+
+        async def run() -> tuple[Any, list[int | None]]:
+            try:
+                result = await verifier.validate(batch, NOW_MS)
+                return result, [p.pid for p in processes.running()]  # what ran it
+            finally:
+                processes.shutdown()
+
+        result, workers = asyncio.run(run())
+    assert len(workers) == 2 and os.getpid() not in workers
     assert result == claims.validate_items(batch, 0, NOW_MS)
     assert [e["index"] for e in result[1]] == [3, BULK_CLAIMS // 2 + 1, BULK_CLAIMS + 8]
+
+
+def test_queued_large_batches_each_get_their_own_answer_when_one_is_cancelled() -> None:
+    """Batches queued in one process at once are answered in the order sent; a request that
+    went away (its batch still in the process) is skipped, not handed to the next one, and
+    the others each get exactly their own claims and errors."""
+    batches: list[list[object]] = []
+    for k in range(5):
+        batch: list[object] = [GOOD[(n + k) % len(GOOD)] for n in range(BULK_CLAIMS + k)]
+        batch[3 * k] = BAD[k % len(BAD)]
+        batches.append(batch)
+    processes = Processes(1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        verifier = Verifier(pool, 1, claims.Limits(), processes)
+
+        async def run() -> list[Any]:
+            try:
+                tasks = [asyncio.ensure_future(verifier.validate(b, NOW_MS)) for b in batches]
+                while sum(len(p._waiting) for p in processes._processes) < len(batches):
+                    await asyncio.sleep(0)  # until all five are in the process
+                started = processes.running()
+                tasks[1].cancel()
+                results = await asyncio.gather(*tasks, return_exceptions=True)
+                assert processes.running() == started  # answered there, not on the threads
+                return results
+            finally:
+                processes.shutdown()
+
+        results = asyncio.run(run())
+    assert isinstance(results[1], asyncio.CancelledError)
+    for k in (0, 2, 3, 4):
+        assert results[k] == claims.validate_items(batches[k], 0, NOW_MS)
 
 
 def test_a_dead_worker_process_costs_no_batch() -> None:
@@ -70,27 +106,27 @@ def test_a_dead_worker_process_costs_no_batch() -> None:
     batch: list[object] = [GOOD[n % len(GOOD)] for n in range(BULK_CLAIMS)]
     expected = claims.validate_items(batch, 0, NOW_MS)
     processes = Processes(1)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            verifier = Verifier(pool, 1, claims.Limits(), processes)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        verifier = Verifier(pool, 1, claims.Limits(), processes)
 
-            async def run() -> list[Any]:
+        async def run() -> list[Any]:
+            try:
                 first = await verifier.validate(batch, NOW_MS)
-                dead = processes.pool()
-                for worker in list(dead._processes.values()):
+                dead = processes.running()
+                for worker in dead:
                     worker.kill()
                     worker.join()
-                # two batches meet the broken pool at once: both go to the threads
+                # two batches meet the dead process at once: both go to the threads
                 second, again = await asyncio.gather(
                     verifier.validate(batch, NOW_MS), verifier.validate(batch, NOW_MS)
                 )
-                third = await verifier.validate(batch, NOW_MS)  # a new pool
-                assert processes.pool() is not dead
+                third = await verifier.validate(batch, NOW_MS)  # a new process
+                assert processes.running() and not set(processes.running()) & set(dead)
                 return [first, second, again, third]
+            finally:
+                processes.shutdown()
 
-            results = asyncio.run(run())
-    finally:
-        processes.shutdown()
+        results = asyncio.run(run())
     assert results == [expected] * 4
 
 

@@ -13,12 +13,18 @@ requests would, through `claims.validate_items` handed off in one of these ways:
   process per core (the wire claims pickled there, the `Claim`s pickled back);
 * `process pool, one job` — the whole batch one job on that pool;
 * `threads, coalesced` / `process pool, coalesced` — `verifier.Verifier` on either pool: what
-  concurrent requests wait to have validated is shared out over the free workers at once.
+  concurrent requests wait to have validated is shared out over the free workers at once;
+* `verify processes` — what the server does (`verifier.Processes`, one process a core): a batch
+  of `BULK_CLAIMS` or more split among processes spoken to from the loop over socket pairs,
+  smaller ones on the threads, coalesced.
 
 The baseline, same run: `validate_items` over every claim in a plain loop on one core (no hand-
 off, no loop). Reported: claims/s of each way ÷ the baseline, and how long the event loop went
-without running at worst (a 1 ms ticker), since the loop must stay free. Rounds alternate the
-ways; medians.
+without running at worst (a 1 ms ticker), since the loop must stay free, and the CPU this
+process spent a claim (the loop and its threads: what a hand-off costs the server's process,
+whose one GIL the writer threads need; a process's own work is not in it). Each way validates
+one batch untimed first (processes start at their first batch). Rounds alternate the ways;
+medians.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import nacl.signing
 from metanode import cid as cids
 from metanode import claims
 from metanode.clock import now_ms
-from metanode.verifier import Verifier
+from metanode.verifier import BULK_CLAIMS, Processes, Verifier
 
 Way = Callable[[list[object], int], Coroutine[Any, Any, list[claims.Claim]]]
 CORES = os.cpu_count() or 2
@@ -91,6 +97,7 @@ def ways(
         return validate
 
     return {
+        "verify processes": Spoken(threads),
         "threads, coalesced": coalesced(threads),
         "process pool, coalesced": coalesced(processes),
         "threads, chunked": chunked(threads),
@@ -100,8 +107,41 @@ def ways(
     }
 
 
-async def run_way(way: Way, wire: list[object], batch: int, clients: int) -> tuple[float, float]:
-    """(claims/s, the loop's longest stall in ms) of `clients` coroutines validating `wire`."""
+class Spoken:
+    """`Verifier` with `Processes`, as the server validates; its processes made on the running
+    loop at the first call and let go by `close`, since each round runs its own loop."""
+
+    def __init__(self, threads: concurrent.futures.Executor) -> None:
+        self.threads = threads
+        self.processes = Processes(CORES)
+        self.verifier: Verifier | None = None
+
+    async def __call__(self, items: list[object], now: int) -> list[claims.Claim]:
+        if self.verifier is None:
+            self.verifier = Verifier(self.threads, CORES, claims.Limits(), self.processes)
+        valid, _ = await self.verifier.validate(items, now)
+        return valid
+
+    def close(self) -> None:
+        self.processes.shutdown()
+
+
+async def run_way(
+    way: Way, wire: list[object], batch: int, clients: int
+) -> tuple[float, float, float]:
+    """(claims/s, the loop's longest stall in ms, this process's CPU µs a claim) of `clients`
+    coroutines validating `wire`, after one untimed batch."""
+    await way(wire[:BULK_CLAIMS], now_ms())
+    try:
+        return await timed_way(way, wire, batch, clients)
+    finally:
+        if isinstance(way, Spoken):
+            way.close()
+
+
+async def timed_way(
+    way: Way, wire: list[object], batch: int, clients: int
+) -> tuple[float, float, float]:
     batches = [wire[i : i + batch] for i in range(0, len(wire), batch)]
     queue = iter(batches)
     now = now_ms()
@@ -116,8 +156,9 @@ async def run_way(way: Way, wire: list[object], batch: int, clients: int) -> tup
         await asyncio.gather(*(client() for _ in range(clients)))
         return time.perf_counter() - start
 
+    cpu = time.process_time()
     elapsed, stall_ms = await harness.max_stall_ms(all_clients())
-    return len(wire) / elapsed, stall_ms
+    return len(wire) / elapsed, stall_ms, (time.process_time() - cpu) / len(wire) * 1e6
 
 
 def baseline(wire: list[object]) -> float:
@@ -143,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     processes = concurrent.futures.ProcessPoolExecutor(max_workers=CORES)
     warm(threads)
     warm(processes)
-    results: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     bases: list[float] = []
     try:
         for _ in range(args.rounds):
@@ -159,11 +200,10 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(bases)
     print(f"baseline: validate_items in a plain loop, one core: {base:,.0f} claims/s")
     for (name, batch), runs in results.items():
-        rate = statistics.median(r for r, _ in runs)
-        stall = statistics.median(s for _, s in runs)
+        rate, stall, cpu = (statistics.median(run[i] for run in runs) for i in range(3))
         print(
-            f"batch {batch:3d}, {args.clients} clients, {name:22s}: {rate:8,.0f} claims/s  "
-            f"ratio {rate / base:.2f}  loop stall {stall:.1f} ms"
+            f"batch {batch:3d}, {args.clients} clients, {name:23s}: {rate:8,.0f} claims/s  "
+            f"ratio {rate / base:.2f}  loop stall {stall:.1f} ms  here {cpu:5.1f} µs a claim"
         )
     return 0
 
