@@ -17,7 +17,6 @@ from typing import Any
 import nacl.exceptions
 import nacl.signing
 import rfc8785
-from multiformats import multibase
 
 from metanode import cid as cids
 from metanode.errors import (
@@ -100,13 +99,30 @@ def signing_bytes(uid: str, cid: str, key: str, value: str | None, ts: int) -> b
 # -- uids ---------------------------------------------------------------------------------------
 
 
+# base58btc (the did:key spelling of a uid), written out for the one shape a uid has: `multibase`
+# (the `bases` package, generic and type-checked at every call) took ≈ 160 µs to encode a key
+# and ≈ 31 µs to decode one, against ≈ 7 and ≈ 4 µs here (benchmarks.md, "Session 23"); every
+# claim of a signer past the key caches (a peer's thousands) paid the decode before its 55 µs
+# verify. tests/test_claims.py checks both against `multibase` on arbitrary keys and strings.
+_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+_BASE58_DIGITS = {char: digit for digit, char in enumerate(_BASE58)}
+_KEY_BITS = 256
+_UID_LENGTH = 48  # "z" + 47 digits: every number 0xed01 · 2^256 + key has 47 base58 digits
+_MULTIKEY_PREFIX = int.from_bytes(ED25519_PUB, "big")
+
+
 @lru_cache(maxsize=1024)
 def uid_of(public_key: bytes) -> str:
     """`z` + base58btc(0xed 0x01 || key): the did:key spelling of an Ed25519 public key.
 
-    Cached: `sign` needs it for every claim it signs, a signer signs many, and base58 through
-    `multibase` costs ≈ 160 µs, eight times the Ed25519 signature (tools/bench/core.py)."""
-    return str(multibase.encode(ED25519_PUB + bytes(public_key), "base58btc"))
+    Cached: `sign` needs it for every claim it signs, and a signer signs many. The multikey
+    begins with 0xed, so it has no leading zero byte (no leading `1` digit) to spell."""
+    number = int.from_bytes(ED25519_PUB + bytes(public_key), "big")
+    digits = []
+    while number:
+        number, digit = divmod(number, 58)
+        digits.append(_BASE58[digit])
+    return "z" + "".join(reversed(digits))
 
 
 def public_key(uid: object) -> nacl.signing.VerifyKey:
@@ -118,21 +134,25 @@ def public_key(uid: object) -> nacl.signing.VerifyKey:
 
 @lru_cache(maxsize=4096)
 def _public_key(uid: str) -> nacl.signing.VerifyKey:
-    """Decode a `z…` uid. Cached: base58 decoding is slow (≈ 34 µs).
+    """Decode a `z…` uid. Cached: a signer sends many claims.
 
-    No encode-back to check the spelling is canonical (`uid_of`: ≈ 160 µs, three signature
-    checks' worth, for every signer past the caches, as with a peer's thousands): 34 bytes
-    that begin 0xed 0x01 have exactly one base58 spelling. A string decodes to a number and one
-    zero byte per leading `1`; the first byte being 0xed, there is no leading `1`, and a number
-    has one spelling without leading zero digits (tests/test_claims.py checks it on arbitrary
-    strings)."""
-    try:
-        raw = bytes(multibase.decode(uid))
-    except Exception:
-        raise InvalidUid(f"not base58btc: {uid!r}") from None
-    if len(raw) != 34 or raw[:2] != ED25519_PUB:
+    No encode-back to check the spelling is canonical: 34 bytes that begin 0xed 0x01 have
+    exactly one base58 spelling. A string decodes to a number and one zero byte per leading
+    `1`; the first byte being 0xed, there is no leading `1`, and a number has one spelling
+    without leading zero digits (tests/test_claims.py checks it on arbitrary strings). Every
+    such number has 47 digits, so the length is checked first (a long string costs no long
+    multiplication), and a leading `1` leaves 46, a number below 0xed01 · 2^256: refused."""
+    if len(uid) != _UID_LENGTH:
         raise InvalidUid(f"not an ed25519-pub multikey: {uid!r}")
-    return nacl.signing.VerifyKey(raw[2:])
+    number = 0
+    try:
+        for char in uid[1:]:
+            number = number * 58 + _BASE58_DIGITS[char]
+    except KeyError:
+        raise InvalidUid(f"not base58btc: {uid!r}") from None
+    if number >> _KEY_BITS != _MULTIKEY_PREFIX:
+        raise InvalidUid(f"not an ed25519-pub multikey: {uid!r}")
+    return nacl.signing.VerifyKey((number & ((1 << _KEY_BITS) - 1)).to_bytes(32, "big"))
 
 
 # -- signatures ---------------------------------------------------------------------------------

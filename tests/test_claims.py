@@ -268,6 +268,48 @@ def test_a_uid_is_accepted_only_in_its_one_spelling(uid: str, at: int, char: str
         assert claims.uid_of(bytes(key)) == text
 
 
+@given(st.binary(min_size=32, max_size=32))
+def test_a_uid_is_the_multibase_spelling_of_its_key(key: bytes) -> None:
+    """`uid_of` and `public_key` (base58 written out, not through `multibase`) agree with
+    `multibase` both ways."""
+    uid = claims.uid_of(key)
+    assert uid == multibase.encode(claims.ED25519_PUB + key, "base58btc")
+    assert bytes(claims.public_key(uid)) == key
+
+
+def multibase_key(text: str) -> bytes | None:
+    """The key `multibase` decodes `text` to, or None where it is no ed25519-pub multikey."""
+    try:
+        raw = bytes(multibase.decode(text))
+    except Exception:
+        return None
+    return raw[2:] if len(raw) == 34 and raw[:2] == claims.ED25519_PUB else None
+
+
+@given(
+    st.one_of(
+        st.binary(min_size=32, max_size=32).map(claims.uid_of),
+        st.text(BASE58 + "0OIl+/ é", min_size=0, max_size=52).map(lambda tail: "z" + tail),
+        st.text(BASE58, min_size=1, max_size=47).map(lambda tail: "z1" + tail),
+    ),
+    st.integers(min_value=0, max_value=47),
+    st.sampled_from(BASE58 + "0"),
+)
+def test_public_key_accepts_exactly_what_multibase_decodes_to_a_key(
+    uid: str, at: int, char: str
+) -> None:
+    """A string and its one-character edits: `public_key` gives the key `multibase` decodes it
+    to, and refuses it where `multibase` gives no ed25519-pub multikey (a leading `1`, a
+    wrong length, a character outside the alphabet)."""
+    for text in (uid, uid[: at + 1] + char + uid[at + 1 :], uid[: at + 1] + uid[at + 2 :]):
+        expected = multibase_key(text)
+        try:
+            found: bytes | None = bytes(claims.public_key(text))
+        except InvalidUid:
+            found = None
+        assert found == expected
+
+
 @pytest.mark.parametrize("field", ["uid", "cid", "key", "value", "ts", "sig"])
 def test_a_missing_field_is_invalid_claim(field: str) -> None:
     # notably "value": a retraction says null; leaving it out is a mistake, not a tombstone
