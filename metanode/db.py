@@ -500,6 +500,16 @@ def _split_sql(script: str) -> list[str]:
 _STOP = object()
 GROUP_MAX = 2_000  # units (claims) one group transaction holds at most
 GROUP_DEADLINE_S = 0.005  # ...and the longest a writer spends gathering one
+# Under `serve --workers N` the requests a reader hands over reach the owner's truth writer
+# just after the owner's own, and made a group of their own: two transactions where one would
+# do, ≈ 4 one-claim batches a transaction with 8 clients instead of 8. So there a group of
+# small batches smaller than the largest of the last `RECENT_S` waits up to `STRAGGLER_S` for
+# the next (`Writer._straggler`, `Store.expect_stragglers`); one process does not wait: its
+# late batch commits beside the group's apply, and waiting for it measured slower there
+# (docs/benchmarks.md, "Session 23").
+STRAGGLER_S = 0.001
+RECENT_S = 1.0
+STRAGGLER_UNITS = 64  # claims: a group holding more waits for nobody
 
 
 # A grouped job's work that needs no transaction (`Writer.submit_grouped`): `prepare(*args)`
@@ -630,6 +640,8 @@ class Writer:
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: Any = None  # a job `_gather` took but left for the next turn
+        self._largest = (0, 0.0)  # the largest group of late, and when it was last that large
+        self.straggler_s = 0.0  # how long a group smaller than of late waits for the next job
         self.groups = 0  # group transactions committed or tried
         self.grouped = 0  # ...and the jobs they held
         self._closed = False
@@ -683,10 +695,34 @@ class Writer:
             try:
                 job = self._jobs.get_nowait()
             except queue.Empty:
-                return jobs
+                job = self._straggler(len(jobs), units, deadline)
+                if job is None:
+                    self._gathered(len(jobs))
+                    return jobs
             if job is _STOP or job.group != first.group:
                 self._held = job
                 return jobs
+
+    def _straggler(self, gathered: int, units: int, deadline: float) -> Any:
+        """The next job, if the group of small batches being gathered is smaller than the
+        largest of the last `RECENT_S` (so more are on their way): waited for up to
+        `straggler_s` (0 unless `Store.expect_stragglers`), never past `deadline`. None
+        otherwise: a lone request, or a stream of lone ones, never waits."""
+        largest, _ = self._largest
+        wait = min(self.straggler_s, deadline - time.monotonic())
+        if gathered >= largest or units >= STRAGGLER_UNITS or wait <= 0:
+            return None
+        try:
+            return self._jobs.get(timeout=wait)
+        except queue.Empty:
+            return None
+
+    def _gathered(self, size: int) -> None:
+        """Remember a group's size: the largest of late is expected again for `RECENT_S`."""
+        now = time.monotonic()
+        largest, since = self._largest
+        if size >= largest or now - since > RECENT_S:
+            self._largest = (size, now)
 
     def _ready(self, job: _Job) -> _Job | None:
         """`job` as its transaction runs it, with the arguments its `prepare` gave; None if it
@@ -849,6 +885,12 @@ class Store:
             with storage_errors(self.path):
                 self._pool = pg.Pool(self.path)
         return self
+
+    def expect_stragglers(self) -> None:
+        """Let a group of small batches wait for the next one (`STRAGGLER_S`) while it is
+        smaller than the groups of late: for the owner of `serve --workers N`, whose readers'
+        batches arrive just after its own."""
+        self.writer.straggler_s = STRAGGLER_S
 
     @contextmanager
     def reading(self, lent: bool = True) -> Iterator[Connection]:

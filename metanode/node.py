@@ -147,6 +147,7 @@ class Node:
         if self._handoff_path is not None:
             self._handoff_server = handoff.Server(self._handoff_path, self._ingest_handed)
             await self._handoff_server.start()
+            self.truth.expect_stragglers()  # the readers' batches come just after its own
         await self.owner.register()  # its key is made at `init`, or here on a first start
         if not isinstance(self.applier, Replica):
             await self._lead()

@@ -504,6 +504,33 @@ def held_group(writer: db.Writer, jobs: Sequence[tuple[Any, ...]]) -> list[Any]:
     return futures
 
 
+def test_a_group_smaller_than_of_late_waits_for_the_next_small_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `serve --workers 2` a reader's requests reach the writer just after the owner's
+    own: there a group of small batches smaller than the largest of the last `RECENT_S` waits
+    for the next batch (`straggler_s`, here longer than the test), so they share one
+    transaction. A lone batch with no larger group of late, and a group of `STRAGGLER_UNITS`
+    claims or more, wait for nobody (here they would hang until the deadline)."""
+    monkeypatch.setattr(db, "GROUP_DEADLINE_S", DEADLINE_S)
+    writer = counting_writer(tmp_path / "t.db")
+    writer.straggler_s = DEADLINE_S  # as `Store.expect_stragglers` sets it, longer
+    try:
+        alone = writer.submit_grouped("g", 1, insert_value, 1)
+        assert alone.result(timeout=DEADLINE_S / 2) == 1
+        held_group(writer, [(None, 2), (None, 3), (None, 4)])  # the largest group of late: 3
+        groups = writer.groups
+        first = writer.submit_grouped("g", 1, insert_value, 5)
+        until(lambda: writer.queued() == 0, "the writer took the first batch")
+        second = writer.submit_grouped("g", 1, insert_value, 6)
+        assert [first.result(DEADLINE_S), second.result(DEADLINE_S)] == [5, 6]
+        assert writer.groups == groups + 1, "the two shared one transaction"
+        large = writer.submit_grouped("g", db.STRAGGLER_UNITS, insert_value, 7)
+        assert large.result(timeout=DEADLINE_S / 2) == 7
+    finally:
+        writer.close()
+
+
 def test_a_jobs_prepare_runs_on_the_writer_thread_before_its_group_begins(tmp_path: Path) -> None:
     """`prepare` runs where the transaction will (the writer's thread), before the group's
     BEGIN (no lock held), and the transaction function gets the arguments it returned."""
