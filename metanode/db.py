@@ -709,13 +709,9 @@ class Writer:
         `straggler_s` (0 unless `Store.expect_stragglers`), never past `deadline`. None
         otherwise: a lone request, or a stream of lone ones, never waits."""
         largest, _ = self._largest
-        wait = min(self.straggler_s, deadline - time.monotonic())
-        if gathered >= largest or units >= STRAGGLER_UNITS or wait <= 0:
+        if gathered >= largest or units >= STRAGGLER_UNITS:
             return None
-        try:
-            return self._jobs.get(timeout=wait)
-        except queue.Empty:
-            return None
+        return self._within(min(self.straggler_s, deadline - time.monotonic()))
 
     def _gathered(self, size: int) -> None:
         """Remember a group's size: the largest of late is expected again for `RECENT_S`."""
@@ -765,11 +761,14 @@ class Writer:
         under a steady stream of jobs, so a failure is never left standing after they work)."""
         if self.failure is None:
             return self._jobs.get()
-        wait = self._next_probe - time.monotonic()
-        if wait <= 0:
+        return self._within(self._next_probe - time.monotonic())
+
+    def _within(self, seconds: float) -> Any:
+        """The next queued job, waited for up to `seconds`; None if none came in time."""
+        if seconds <= 0:
             return None
         try:
-            return self._jobs.get(timeout=wait)
+            return self._jobs.get(timeout=seconds)
         except queue.Empty:
             return None
 
