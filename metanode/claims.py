@@ -100,7 +100,7 @@ def signing_bytes(uid: str, cid: str, key: str, value: str | None, ts: int) -> b
 
 
 # base58btc (the did:key spelling of a uid), written out for the one shape a uid has: `multibase`
-# (the `bases` package, generic and type-checked at every call) took ≈ 160 µs to encode a key
+# (the `bases` package, generic and type-checked at every call) took ≈ 230 µs to encode a key
 # and ≈ 31 µs to decode one, against ≈ 7 and ≈ 4 µs here (benchmarks.md, "Session 23"); every
 # claim of a signer past the key caches (a peer's thousands) paid the decode before its 55 µs
 # verify. tests/test_claims.py checks both against `multibase` on arbitrary keys and strings.
