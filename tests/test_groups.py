@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -473,6 +474,53 @@ def test_an_apply_ahead_of_a_commit_that_failed_leaves_the_cache_as_it_was(
         # 0 and 1 joined: one signer's titles with one ts and one signature, the smaller CID's
         joined = "0" if POOL[0] < POOL[1] else "1"
         assert sorted(v for (_, k), v in store.records().items() if k == "title") == [joined, "2"]
+    finally:
+        store.close()
+
+
+class CountedSource:
+    """A `view.TruthSource` that counts the snapshots opened through it (the truth reads)."""
+
+    def __init__(self, source: truth.TruthStore) -> None:
+        self.source = source
+        self.snapshots = 0
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[Any]:
+        self.snapshots += 1
+        with self.source.snapshot() as view:
+            yield view
+
+
+def test_an_apply_ahead_applies_through_its_own_writes_at_most(tmp_path: Path) -> None:
+    """An apply ahead that finds a gap before its writes reads them back from the truth, but
+    only through its own last seq, though later transactions have committed; one whose writes
+    an earlier apply took already does nothing, reading nothing. (Taking the later
+    transactions' changes made their applies ahead find the same, and read back in turn: a
+    burst of writes read back to its end.) The next apply ahead then answers from what its
+    ingest wrote, and the cache ends as a rebuild makes it."""
+    store = Store(tmp_path / "data", "handed", storage="sqlite")
+    try:
+        store.ingest([_title(0)])
+        store.store.apply_sync(store.source)  # read back: the cache is at the first's last
+        for n in (1, 2, 3):
+            store.ingest([_title(n)])
+        _, second, third, fourth = store.written
+        counted = CountedSource(store.source)
+
+        gap = store.store.apply_ahead(counted, [third], lambda: None).result(HOLD_S)
+        assert gap.applied_seq == third.last < fourth.last
+        assert counted.snapshots >= 1  # the second's changes were read back
+
+        counted.snapshots = 0
+        stale = store.store.apply_ahead(counted, [second], lambda: None).result(HOLD_S)
+        assert (stale.applied_seq, counted.snapshots) == (third.last, 0)
+
+        last = store.store.apply_ahead(store.source, [fourth], lambda: None).result(HOLD_S)
+        assert last.applied_seq == fourth.last == store.source.max_seq()
+        with cache.CacheStore(tmp_path / "fresh.db") as fresh:
+            fresh.build_sync(store.source)
+            assert store.store.diff(fresh) == []
     finally:
         store.close()
 
