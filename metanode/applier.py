@@ -27,10 +27,12 @@ STALL_S = 60.0  # /health reports degraded when the applier or the watcher stall
 
 def cache_needs_build(state: cache.State, source: truth.TruthStore) -> bool:
     """Whether only a rebuild can bring the cache in step with the truth: it was never built; it
-    is ahead of the truth (the truth was restored from a backup); or it is behind the oldest
-    outbox row still stored (an old copy of cache.db, after the rows it needs were pruned)."""
+    may have lost commits to a restart of the machine (`cache.CacheStore`'s relaxed commits);
+    it is ahead of the truth (the truth was restored from a backup); or it is behind the
+    oldest outbox row still stored (an old copy of cache.db, after the rows it needs were
+    pruned)."""
     newest = source.max_seq()
-    if state.epoch == 0 or state.applied_seq > newest:
+    if state.epoch == 0 or state.lost or state.applied_seq > newest:
         return True
     oldest = source.min_seq()
     return state.applied_seq < newest and (oldest is None or oldest > state.applied_seq + 1)
@@ -236,6 +238,11 @@ class Applier:
 
     async def _build_if_needed(self) -> None:
         if cache_needs_build(self.state, self._source):
+            if self.state.lost:
+                log.warning(
+                    "the machine restarted while metanode ran: the cache's last commits may "
+                    "be lost, so it is rebuilt (a new feed epoch)"
+                )
             log.info("building the cache from the truth (outbox seq %d)", self._source.max_seq())
             self.state = await self._store.build(self._source)
         self.ready = True

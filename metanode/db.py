@@ -183,7 +183,8 @@ def connect_file(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
     """A SQLite connection with the pragmas every metanode connection needs.
 
     Autocommit mode (`isolation_level=None`): transactions are always explicit, so nothing begins
-    one behind our back. `synchronous=FULL`: an acknowledged claim survives power loss. A new
+    one behind our back. `synchronous=FULL`: an acknowledged claim survives power loss (the
+    cache's writer may relax it: `cache.CacheStore`, its `Writer`'s `pragmas`). A new
     database file is created 0600 first: SQLite gives its `-wal` and `-shm` the same mode.
     """
     with storage_errors(path):
@@ -631,11 +632,14 @@ class Writer:
         target: Target,
         name: str,
         combiners: Mapping[Callable[..., Any], Combiner] | None = None,
+        pragmas: Sequence[str] = (),
     ) -> None:
         self.path = target
         self.combiners = dict(combiners or {})  # transaction function → its `Combiner`
         self.before_commit: BeforeCommit | None = None  # a group's, given its outcomes
         self.conn = connect(target)
+        for pragma in pragmas:  # before the thread: some may not change inside a transaction
+            self.conn.execute(pragma)
         self.failure: StorageError | None = None
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -865,9 +869,10 @@ class Store:
         self._pool: pg.Pool | None = None
 
     @classmethod
-    def configured(cls, settings: Settings, clock: Clock = now_ms) -> Self:
-        """The store where `settings` keep it (`storage`, `data_dir`: `target`), not opened."""
-        return cls(target(settings.data_dir, settings.storage, cls.name), clock)
+    def configured(cls, settings: Settings, clock: Clock = now_ms, **options: Any) -> Self:
+        """The store where `settings` keep it (`storage`, `data_dir`: `target`), not opened;
+        `options` are the store's own (`cache.CacheStore`'s `relaxed`)."""
+        return cls(target(settings.data_dir, settings.storage, cls.name), clock, **options)
 
     def migrate(self) -> None:
         """Create the database or bring its schema up to date (forward only)."""
@@ -878,12 +883,17 @@ class Store:
         """Migrate, start the writer thread, open the loop's read connection (and on
         PostgreSQL the pool of `reading()`)."""
         self.migrate()
-        self._writer = Writer(self.path, self.name, self.combiners)
+        self._writer = Writer(self.path, self.name, self.combiners, self._writer_pragmas())
         self._reader = connect(self.path, readonly=True, on_loop=True)
         if isinstance(self.path, pg.Target):
             with storage_errors(self.path):
                 self._pool = pg.Pool(self.path)
         return self
+
+    def _writer_pragmas(self) -> Sequence[str]:
+        """Pragmas of the writer's connection beyond `PRAGMAS` (`CacheStore`'s relaxed
+        commits), run on it before its first transaction."""
+        return ()
 
     def expect_stragglers(self) -> None:
         """Let a group of small batches wait for the next one (`STRAGGLER_S`) while it is
@@ -946,6 +956,20 @@ class Store:
         """The event loop's read connection (for the store's module and the tests only)."""
         assert self._reader is not None, "the store is not open"
         return self._reader
+
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> int | None:
+    """This boot of the machine as a number from 1 to 2^60 (Linux's random boot id; None where
+    there is none): what tells a restart of metanode from a restart of the machine, which may
+    have lost what the operating system had not yet written to the disk."""
+    try:
+        text = BOOT_ID.read_text(encoding="ascii").replace("-", "").strip()
+        return int(text[:15], 16) + 1
+    except (OSError, ValueError):
+        return None
 
 
 def target(data_dir: Path, storage: str, name: str) -> Target:

@@ -127,7 +127,8 @@ class Node:
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
         self.truth = truth.TruthStore.configured(self.settings, self.clock).open()
-        self.cache = cache.CacheStore.configured(self.settings, self.clock).open()
+        relaxed = not self.follower and not self.settings.cache_fsync  # the cache writer's
+        self.cache = cache.CacheStore.configured(self.settings, self.clock, relaxed=relaxed).open()
         documents = self._hot_documents(self.settings.hot_documents)
         self._answer_meta = self._render_meta if documents is None else documents
         self.applier = self._make_applier(documents)

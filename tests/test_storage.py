@@ -30,6 +30,7 @@ from metanode import db, errors, jsonl
 from metanode.node import Node
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server, free_port, metanode_check
+from tests.helpers.settings import settings_for
 
 TMPFS_BYTES = 8 << 20
 DEADLINE_S = 60.0
@@ -472,3 +473,28 @@ def test_the_data_directory_and_backups_are_private_and_loose_ones_are_tightened
         os.umask(old)
         if srv.proc is not None:
             srv.stop()
+
+
+@pytest.mark.parametrize(("fsync", "follower"), [(False, False), (True, False), (False, True)])
+async def test_only_the_cache_writer_of_the_writing_process_commits_without_an_fsync(
+    tmp_path: Path, fsync: bool, follower: bool
+) -> None:
+    """`cache_fsync` off: the cache's writer commits with `synchronous=NORMAL` (1) where boots
+    can be told apart (`db.boot_id`), and only in the process that writes (not a reader
+    worker, which never commits there); the truth's writer always with `FULL` (2)."""
+    settings = settings_for(tmp_path / "data", cache_fsync=fsync)
+    if follower:
+        owner = Node(settings)  # a reader worker needs the owner's schema and build
+        await owner.start()
+        await owner.stop()
+    node = Node(settings, follower=follower)
+    await node.start()
+    try:
+        relaxed = not fsync and not follower and db.boot_id() is not None
+        levels = [
+            s.writer.conn.execute("PRAGMA synchronous").fetchone()[0]
+            for s in (node.truth, node.cache)
+        ]
+        assert levels == [2, 1 if relaxed else 2]
+    finally:
+        await node.stop()
