@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import json
+import logging
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -41,6 +42,7 @@ from metanode.db import (
     snapshot,
     storage_errors,
 )
+from metanode.errors import StorageError
 from metanode.pg import AsyncReader, SessionLock
 from metanode.plan import (
     Event,
@@ -56,6 +58,8 @@ from metanode.plan import (
 )
 from metanode.plan import touched as touched_by
 from metanode.view import Ahead, TruthSource, TruthView, Written, overlay
+
+log = logging.getLogger(__name__)
 
 SCHEMA_V1 = """
 CREATE TABLE records (
@@ -1682,9 +1686,13 @@ class CacheStore(Store):
         """`Store.close`, then, if relaxed, the fsync'd mark of a clean close (`settle_txn`):
         only once the writer has stopped, so no commit without an fsync follows it."""
         super().close()
-        if self._boot is not None:
+        if self._boot is None:
+            return
+        try:
             with contextlib.closing(connect(self.path)) as conn:
                 run_txn(conn, settle_txn)
+        except StorageError as exc:  # the mark stays: a restart of the machine rebuilds
+            log.warning("could not mark cache.db closed cleanly (%s)", exc.message)
 
     # -- the apply path -------------------------------------------------------------------------
 
