@@ -45,7 +45,7 @@ Form = Callable[[int, R], bytes]  # a stream format: one row of an epoch as its 
 
 def change_frame(epoch: int, row: FeedRow) -> bytes:
     """A feed row as `GET /api/events` sends it (`set` with the value, `del` without)."""
-    return sse.change(epoch, row.seq, row.rid, row.op, row.key, row.value).encode()
+    return sse.change(epoch, row.seq, row.rid, row.op, row.key, row.value)
 
 
 @dataclass(frozen=True)

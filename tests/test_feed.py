@@ -27,6 +27,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from sse_starlette import ServerSentEvent
 
 from metanode import cache, feed, sse
@@ -41,7 +43,6 @@ from tests.helpers.feed import (
     Replica,
     assert_agrees,
     cid_n,
-    frames_of,
     gap_frame,
     new_cid_claims,
     reached,
@@ -115,8 +116,32 @@ def records(conn: sqlite3.Connection, where: Any = None) -> dict[tuple[str, str]
         (sse.keep_alive(), b": keep-alive\n\n"),
     ],
 )
-def test_encoding_is_byte_exact(built: ServerSentEvent, expected: bytes) -> None:
-    assert built.encode() == expected
+def test_encoding_is_byte_exact(built: ServerSentEvent | bytes, expected: bytes) -> None:
+    assert (built if isinstance(built, bytes) else built.encode()) == expected
+
+
+@given(
+    epoch=st.integers(0, 2**63 - 1),
+    seq=st.integers(0, 2**63 - 1),
+    rid=st.text(),
+    op=st.sampled_from(["set", "del"]),
+    key=st.text(),
+    value=st.text(),
+)
+def test_a_change_is_framed_as_sse_starlette_frames_its_event(
+    epoch: int, seq: int, rid: str, op: str, key: str, value: str
+) -> None:
+    """`sse.change` writes the frame out; it must be byte for byte what `ServerSentEvent`
+    makes of the same event, whatever the text (line ends, NUL, lone surrogates excepted:
+    neither can encode those)."""
+    data = {"rid": rid, "key": key, **({"value": value} if op == "set" else {})}
+    try:
+        expected = sse.event(op, data, sse.event_id(epoch, seq)).encode()
+    except UnicodeEncodeError:
+        with pytest.raises(UnicodeEncodeError):
+            sse.change(epoch, seq, rid, op, key, value)
+        return
+    assert sse.change(epoch, seq, rid, op, key, value) == expected
 
 
 @pytest.mark.parametrize(
@@ -134,11 +159,11 @@ def test_encoding_is_byte_exact(built: ServerSentEvent, expected: bytes) -> None
     ],
 )
 def test_any_value_is_one_data_line_and_round_trips(value: str) -> None:
-    encoded = sse.change(3, 4, RID, "set", "k", value).encode()
+    encoded = sse.change(3, 4, RID, "set", "k", value)
     lines = encoded.split(b"\n")
     assert lines[-2:] == [b"", b""] and b"\r" not in encoded
     assert [line.split(b":", 1)[0] for line in lines[:-2]] == [b"id", b"event", b"data"]
-    assert frames_of(sse.change(3, 4, RID, "set", "k", value)) == [
+    assert FrameParser().feed(encoded) == [
         Frame("set", "3-4", {"rid": RID, "key": "k", "value": value})
     ]
 
@@ -811,7 +836,7 @@ def table_frames(fd: Feed, after: int, upto: int) -> bytes:
         (after, upto),
     ).fetchall()
     assert [row[0] for row in rows] == list(range(after + 1, upto + 1)), "not dense"
-    return b"".join(sse.change(fd.epoch, *row).encode() for row in rows)
+    return b"".join(sse.change(fd.epoch, *row) for row in rows)
 
 
 @pytest.mark.parametrize("seed", range(4))

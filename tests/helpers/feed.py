@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-from sse_starlette import ServerSentEvent
-
 from metanode import cid as cids
 from metanode import sse
 from tests.helpers.claims import NOW_MS, Signer, fast_claims
@@ -80,11 +78,6 @@ class FrameParser:
                 assert name not in self._fields, f"field {name!r} twice in one frame: {line!r}"
                 self._fields[name] = value[1:] if value.startswith(" ") else value
         return frames
-
-
-def frames_of(*events: ServerSentEvent) -> list[Frame]:
-    parser = FrameParser()
-    return [frame for e in events for frame in parser.feed(e.encode())]
 
 
 class Replica:
