@@ -41,13 +41,13 @@ def change(epoch: int, seq: int, rid: str, op: str, key: str, value: str | None)
 
     The bytes `event(op, data, event_id(epoch, seq)).encode()` gives, written out: every
     event of the feed is framed once, for all its subscribers, and the `ServerSentEvent` and
-    its `encode` were half of the 5.4 µs that took (2.3 µs now; benchmarks.md, "Session 24").
+    its `encode` were half of the 5.4 µs that took (≈ 2.5 µs now; benchmarks.md, "Session 24").
     Its data is one line of compact JSON, which escapes every line end, so there is nothing to
     split (tests/test_feed.py compares the two on arbitrary rows)."""
     data: dict[str, Any] = {"rid": rid, "key": key}
     if op == "set":
         data["value"] = value
-    return f"id: {epoch}-{seq}\nevent: {op}\ndata: {_JSON.encode(data)}\n\n".encode()
+    return f"id: {event_id(epoch, seq)}\nevent: {op}\ndata: {_JSON.encode(data)}\n\n".encode()
 
 
 def event_id(epoch: int, seq: int) -> str:
