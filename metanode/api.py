@@ -23,12 +23,13 @@ from typing import Any
 
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
+from starlette.datastructures import QueryParams
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metanode import compat, logs, merge, sse, ui
@@ -210,17 +211,19 @@ class Edge:
       Not Starlette's `Exception` handler: that one re-raises after answering, and uvicorn then
       closes the connection, resetting the client's next request on it. If the answer had
       already begun (a stream), nothing can be answered any more: the error goes on up;
-    * `direct` routes (`POST /api/claims`, the busiest write): called here, past Starlette's
-      exception middleware, router and endpoint wrappers (≈ 25 µs of the event loop's ≈ 150
-      a one-claim request, benchmarks.md "Session 13"); a `MetanodeError` they raise is
-      answered here by `error_response`, the app's one error handler's function.
+    * `direct` routes (`Direct`: `POST /api/claims`, the busiest write, and `GET
+      /api/meta/{cid}`, the busiest read): called here, past Starlette's exception
+      middleware, router and endpoint wrappers (≈ 25 µs of the event loop's ≈ 150 a one-claim
+      request, benchmarks.md "Session 13"; ≈ 15 % of a read's, "Session 25"); a
+      `MetanodeError` they raise is answered here by `error_response`, the app's one error
+      handler's function.
     """
 
     def __init__(
         self, app: ASGIApp, node: Node, sessions: ui.Sessions, direct: Sequence[Route] = ()
     ) -> None:
         self.app = app
-        self.direct = {(m, r.path): _direct(r) for r in direct for m in r.methods or ()}
+        self.direct = Direct(direct)
         self.node = node
         self.perimeter = Perimeter(node, sessions)
         self.cors = CORSMiddleware(self._guarded, allow_origins=["*"], allow_methods=["GET"])
@@ -261,7 +264,7 @@ class Edge:
             if origin:
                 await self.cors(scope, receive, observed)
             elif (refusal := self.perimeter.refusal(scope, headers)) is None:
-                app = self.direct.get((scope["method"], scope["path"]), self.app)
+                app = self.direct.app(scope) or self.app
                 await app(scope, receive, observed)
             else:
                 await error_response(refusal)(scope, receive, observed)
@@ -311,9 +314,43 @@ class Edge:
             )
 
 
+class Direct:
+    """The routes `Edge` calls itself, past Starlette's exception middleware, router and
+    endpoint wrappers: the busiest ones, each a plain ASGI app. A route's path is either exact
+    (`/api/claims`: one dict lookup) or ends in one parameter (`/api/meta/{cid}`: a prefix test,
+    then the route's own `matches`, so the parameter and the methods are the router's). The
+    scope names the route (for the latency histogram), and a `MetanodeError` is answered in the
+    envelope, by `error_response`, the app's one error handler's function."""
+
+    def __init__(self, routes: Sequence[Route]) -> None:
+        self._exact: dict[tuple[str, str], ASGIApp] = {}
+        self._prefixed: list[tuple[str, Route, ASGIApp]] = []
+        for route in routes:
+            app = _direct(route)
+            prefix, brace, _ = route.path.partition("{")
+            if brace:
+                self._prefixed.append((prefix, route, app))
+            else:
+                self._exact.update({(method, route.path): app for method in route.methods or ()})
+
+    def app(self, scope: Scope) -> ASGIApp | None:
+        """The app of the direct route `scope` asks for, its path parameters set; else None."""
+        exact = self._exact.get((scope["method"], scope["path"]))
+        if exact is not None:
+            return exact
+        path = scope["path"]
+        for prefix, route, app in self._prefixed:
+            if path.startswith(prefix):
+                match, child = route.matches(scope)
+                if match is Match.FULL:
+                    scope.update(child)
+                    return app
+        return None
+
+
 def _direct(route: Route) -> ASGIApp:
-    """`route`'s app as `Edge` calls it, past the router: the scope names the route (for the
-    latency histogram), and a `MetanodeError` is answered in the envelope."""
+    """`route`'s app as `Edge` calls it: the scope names the route, a `MetanodeError` is
+    answered in the envelope."""
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         scope["route"] = route
@@ -323,6 +360,25 @@ def _direct(route: Route) -> ASGIApp:
             await error_response(exc)(scope, receive, send)
 
     return app
+
+
+class GetMeta:
+    """`GET /api/meta/{cid}`, a plain ASGI app, so that `Edge` may call it directly: the
+    stored rendering (`cache.render_documents`), or with `?as=<uid>` the record as that
+    signer sees it."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        cid = scope["path_params"]["cid"]
+        query = scope["query_string"]
+        viewer = QueryParams(query).get("as") if query else None
+        if viewer is None:
+            response: Response = Response(self.node.meta_bytes(cid), media_type=JSON)
+        else:
+            response = JSONResponse(self.node.meta(cid, viewer))
+        await response(scope, receive, send)
 
 
 class PostClaims:
@@ -398,12 +454,6 @@ def _peer_body(body: Any) -> tuple[str, str, int, str]:
 
 def create_app(node: Node) -> Starlette:
     """The ASGI app of one node; starting it starts the node, stopping it stops the node."""
-
-    async def meta(request: Request) -> Response:
-        viewer = request.query_params.get("as") if request.scope["query_string"] else None
-        if viewer is None:  # the stored rendering (cache.render_documents)
-            return Response(node.meta_bytes(request.path_params["cid"]), media_type=JSON)
-        return JSONResponse(node.meta(request.path_params["cid"], viewer))
 
     async def meta_claims(request: Request) -> Response:
         q = request.query_params
@@ -512,8 +562,9 @@ def create_app(node: Node) -> Starlette:
             await node.stop()
 
     post_claims = Route("/api/claims", PostClaims(node), methods=["POST"])
+    get_meta = Route("/api/meta/{cid}", GetMeta(node), methods=["GET"])
     routes = [
-        Route("/api/meta/{cid}", meta),
+        get_meta,
         Route("/api/meta/{cid}/claims", meta_claims),
         Route("/api/metadata/{rid}", metadata),
         Route("/api/metadata/{rid}/claims", metadata_claims),
@@ -536,7 +587,7 @@ def create_app(node: Node) -> Starlette:
         *compat.routes(node),  # the MetaMesh routes (docs/compat.md)
         *ui.routes(node, sessions),  # the web page (docs/ui.md)
     ]
-    middleware = [Middleware(Edge, node=node, sessions=sessions, direct=[post_claims])]
+    middleware = [Middleware(Edge, node=node, sessions=sessions, direct=[post_claims, get_meta])]
     return Starlette(
         routes=routes,
         middleware=middleware,

@@ -14,7 +14,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from starlette.applications import Starlette
 
 from metanode import cid as cids
-from metanode.api import Edge, create_app
+from metanode.api import Direct, Edge, create_app
 from metanode.bodies import parse_json
 from metanode.errors import InvalidJson
 from metanode.node import Node
@@ -352,6 +352,31 @@ def _edge_of(app: Starlette) -> Edge:
     return layer
 
 
+Answer = tuple[int, Any, str]
+
+
+async def _direct_then_routed(
+    app: Starlette, ask: Callable[[str], Awaitable[list[Answer]]]
+) -> tuple[list[Answer], list[str]]:
+    """The answers `ask(tag)` collects with `Edge` calling its direct routes, then with none
+    (so the router answers every request): they must be equal. Returned with the paths the
+    router was asked for while the direct routes were on."""
+    router = app.router.middleware_stack
+    reached: list[str] = []
+
+    async def counting(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+        await router(scope, receive, send)
+
+    app.router.middleware_stack = counting
+    direct = await ask("direct")
+    routed_while_direct = list(reached)
+    _edge_of(app).direct = Direct(())
+    assert await ask("routed") == direct
+    assert len(reached) - len(routed_while_direct) == len(direct)  # all routed now
+    return direct, routed_while_direct
+
+
 async def test_post_claims_called_by_the_edge_answers_as_the_router_would(node: Node) -> None:
     """`Edge` calls `POST /api/claims` itself, past Starlette's router and exception
     middleware: every answer (refusals included) is the one the routed app gives, and the
@@ -364,16 +389,8 @@ async def test_post_claims_called_by_the_edge_answers_as_the_router_would(node: 
         headers={"Authorization": f"Bearer {node.token}"},
     ) as client:
         await register(client, signer)
-        router = app.router.middleware_stack
-        reached: list[str] = []
 
-        async def counting(scope: Any, receive: Any, send: Any) -> None:
-            reached.append(scope["path"])
-            await router(scope, receive, send)
-
-        app.router.middleware_stack = counting
-
-        async def answers(tag: str) -> list[tuple[int, Any, str]]:
+        async def answers(tag: str) -> list[Answer]:
             good = signer.claim(cids.midhash_bytes(tag.encode()), "title", "t")
             bodies = [
                 b"{",
@@ -390,9 +407,50 @@ async def test_post_claims_called_by_the_edge_answers_as_the_router_would(node: 
                 seen.append((r.status_code, r.json(), r.headers["content-type"]))
             return seen
 
-        direct = await answers("direct")
-        assert reached == []
-        _edge_of(app).direct = {}
-        assert await answers("routed") == direct
-        assert reached == ["/api/claims"] * 7
+        direct, routed = await _direct_then_routed(app, answers)
+    assert routed == []
     assert [status for status, _, _ in direct] == [400, 400, 400, 400, 403, 413, 200]
+
+
+async def test_get_meta_called_by_the_edge_answers_as_the_router_would(node: Node) -> None:
+    """`Edge` calls `GET /api/meta/{cid}` itself too (a route ending in a parameter): a
+    document, with `?as=` or without, an unknown, an invalid and an empty CID, HEAD, and
+    what is not that route (another method, a longer path) answer as the router does."""
+    app = create_app(node)
+    signer = Signer()
+    known = cids.midhash_bytes(b"direct meta")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://node",
+        headers={"Authorization": f"Bearer {node.token}"},
+    ) as client:
+        await register(client, signer)
+        posted = await client.post(
+            "/api/claims", json={"claims": [signer.claim(known, "title", "t")]}
+        )
+        assert posted.status_code == 200, posted.text
+        requests = [
+            ("GET", f"/api/meta/{known}"),
+            ("GET", f"/api/meta/{known}?as={signer.uid}"),
+            ("GET", f"/api/meta/{known}?as=nobody"),
+            ("GET", f"/api/meta/{known}?other=1"),
+            ("GET", f"/api/meta/{cids.midhash_bytes(b'never claimed')}"),
+            ("GET", "/api/meta/not-a-cid"),
+            ("HEAD", f"/api/meta/{known}"),
+            ("POST", f"/api/meta/{known}"),
+            ("GET", f"/api/meta/{known}/claims"),
+        ]
+
+        async def answers(tag: str) -> list[Answer]:
+            seen = []
+            for method, path in requests:
+                r = await client.request(method, path)
+                body = r.json() if r.content else None
+                if isinstance(body, dict) and "request_id" in body:
+                    body = {k: v for k, v in body.items() if k != "request_id"}
+                seen.append((r.status_code, body, r.headers.get("content-type", "")))
+            return seen
+
+        direct, routed = await _direct_then_routed(app, answers)
+    assert routed == [f"/api/meta/{known}", f"/api/meta/{known}/claims"]  # POST; a longer path
+    assert [status for status, _, _ in direct] == [200, 200, 400, 200, 404, 400, 200, 405, 200]

@@ -275,6 +275,13 @@ def main(argv: list[str] | None = None) -> int:
         "with py-spy; raw output to OUT",
     )
     parser.add_argument(
+        "--hot-documents",
+        type=int,
+        default=config.Settings().hot_documents,
+        metavar="N",
+        help="metanode's hot_documents setting (default: its default)",
+    )
+    parser.add_argument(
         "--breakdown",
         action="store_true",
         help="afterwards, time the parts of a request in-process (no network)",
@@ -307,7 +314,11 @@ def main(argv: list[str] | None = None) -> int:
             cwd=Path(tmp),
             log_path=Path(tmp) / f"bare-{bare_port}.log",
         )
-        with harness.metanode_server(data_dir, METANODE_LOG_LEVEL=args.log_level) as node:
+        with harness.metanode_server(
+            data_dir,
+            METANODE_LOG_LEVEL=args.log_level,
+            METANODE_HOT_DOCUMENTS=str(args.hot_documents),
+        ) as node:
             print(f"populating {args.records:,} records × {args.keys} claims …", flush=True)
             known = populate(node, data_dir, args.records, args.keys)
             doc = httpx.get(f"{node.url}/api/meta/{known[0]}", timeout=10)
