@@ -87,10 +87,11 @@ class Settings:
         "is ever lost either way.",
     )
     hot_documents: int = setting(
-        0,
+        10_000,
         "GET /api/meta documents (without ?as=) each serving process keeps in memory, the "
-        "most recently read; 0: none, every read is one cache.db lookup. Emptied whenever the "
-        'cache commits (docs/benchmarks.md, "Hot documents").',
+        "most recently read (about a kilobyte each); 0: none, every read is one cache.db "
+        "lookup. Emptied whenever the cache commits. Not used on PostgreSQL, whose every read "
+        'asks the server (docs/benchmarks.md, "Hot documents", "Session 25").',
     )
     verify_processes: int = setting(
         1,

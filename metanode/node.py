@@ -179,13 +179,12 @@ class Node:
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
 
     def _hot_documents(self, size: int) -> HotDocuments | None:
-        """The in-memory documents of `hot_documents` (None: off); a reader worker and a
-        PostgreSQL replica look at the cache's data version at every read, since another
-        process's commits move it."""
-        if not size:
+        """The in-memory documents of `hot_documents` (None: off); a reader worker looks at
+        the cache's data version at every read, since the owner's commits move it. None on
+        PostgreSQL: there that look would be a round trip to the server, as the read is."""
+        if not size or self.settings.postgresql:
             return None
-        every_read = self.follower or self.settings.postgresql
-        return HotDocuments(self._render_meta, size, self.cache.data_version, every_read)
+        return HotDocuments(self._render_meta, size, self.cache.data_version, self.follower)
 
     def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
         s = self.settings

@@ -48,7 +48,10 @@ async def assert_served_as_rendered(client: httpx.AsyncClient, node: Node) -> No
 
 
 @pytest.mark.parametrize(
-    "node", [{}, {"hot_documents": 64}], ids=["from cache.db", "hot in memory"], indirect=True
+    "node",
+    [{"hot_documents": 0}, {"hot_documents": 64}],
+    ids=["from cache.db", "hot in memory"],
+    indirect=True,
 )
 async def test_every_cid_is_answered_its_rendered_document_through_joins_merges_and_files(
     client: httpx.AsyncClient, node: Node, linker: Signer

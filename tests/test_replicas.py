@@ -65,6 +65,13 @@ def test_claims_posted_to_either_replica_read_back_from_the_other(pair: list[Ser
         # No wait: the answer came after the shared cache held it, and both read that cache.
         assert title_of(back, cid) == f"title {n}"
         assert back.meta(cid) == to.meta(cid)
+    # A document a replica has answered is answered anew once the other one changed it: no
+    # replica keeps documents in memory on PostgreSQL (`hot_documents`, on by default).
+    cid = cids.midhash_bytes(b"replicas 0")
+    for n, (to, back) in enumerate([(leader, follower), (follower, leader)], start=1):
+        assert title_of(back, cid) is not None
+        post(to, [signer.claim(cid, "title", f"retitled {n}", NOW_MS + n)])
+        assert title_of(back, cid) == f"retitled {n}"
     assert applier_of(pair) is leader  # taking claims never moved the lock
     for server in pair:
         health = wait_caught_up(server.url)
