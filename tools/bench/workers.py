@@ -33,7 +33,7 @@ import nacl.signing
 import read
 
 from metanode import cid as cids
-from metanode import claims
+from metanode import claims, config
 from metanode.clock import now_ms
 
 GOAL = 1.6
@@ -54,7 +54,10 @@ def children_cpu() -> float:
 def measure(data_dir: Path, workers: int, script: Path, args: argparse.Namespace) -> Measured:
     """One fresh server of `workers` processes on `data_dir`: warm-up, then the timed wrk run."""
     with harness.metanode_server(
-        data_dir, METANODE_WORKERS=str(workers), METANODE_LOG_LEVEL="warning"
+        data_dir,
+        METANODE_WORKERS=str(workers),
+        METANODE_LOG_LEVEL="warning",
+        METANODE_HOT_DOCUMENTS=str(args.hot_documents),
     ) as server:
         harness.run_wrk(server.url, script, 1, args.connections, args.threads)
         server_before, wrk_before = harness.tree_cpu(server.pid), children_cpu()
@@ -108,6 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="wrk threads")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="against --workers 1")
+    parser.add_argument(
+        "--hot-documents",
+        type=int,
+        default=config.Settings().hot_documents,
+        metavar="N",
+        help="the servers' hot_documents setting (default: its default)",
+    )
     parser.add_argument(
         "--writes", type=int, default=0, help="then time this many writes via each worker"
     )
