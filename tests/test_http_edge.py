@@ -355,6 +355,15 @@ def _edge_of(app: Starlette) -> Edge:
 Answer = tuple[int, Any, str]
 
 
+def _token_client(app: Starlette, node: Node) -> httpx.AsyncClient:
+    """A client of `app` in process, with the node's API token."""
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app),
+        base_url="http://node",
+        headers={"Authorization": f"Bearer {node.token}"},
+    )
+
+
 async def _direct_then_routed(
     app: Starlette, ask: Callable[[str], Awaitable[list[Answer]]]
 ) -> tuple[list[Answer], list[str]]:
@@ -383,11 +392,7 @@ async def test_post_claims_called_by_the_edge_answers_as_the_router_would(node: 
     router is never reached on that route while it is direct."""
     app = create_app(node)
     signer, stranger = Signer(), Signer()
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://node",
-        headers={"Authorization": f"Bearer {node.token}"},
-    ) as client:
+    async with _token_client(app, node) as client:
         await register(client, signer)
 
         async def answers(tag: str) -> list[Answer]:
@@ -414,16 +419,12 @@ async def test_post_claims_called_by_the_edge_answers_as_the_router_would(node: 
 
 async def test_get_meta_called_by_the_edge_answers_as_the_router_would(node: Node) -> None:
     """`Edge` calls `GET /api/meta/{cid}` itself too (a route ending in a parameter): a
-    document, with `?as=` or without, an unknown, an invalid and an empty CID, HEAD, and
+    document, with `?as=` or without, an unknown and an invalid CID, HEAD, and
     what is not that route (another method, a longer path) answer as the router does."""
     app = create_app(node)
     signer = Signer()
     known = cids.midhash_bytes(b"direct meta")
-    async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app),
-        base_url="http://node",
-        headers={"Authorization": f"Bearer {node.token}"},
-    ) as client:
+    async with _token_client(app, node) as client:
         await register(client, signer)
         posted = await client.post(
             "/api/claims", json={"claims": [signer.claim(known, "title", "t")]}

@@ -8,6 +8,7 @@ its `with` block ends, whatever happened inside it.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 import httpx
 import nacl.signing
 
-from metanode import claims
+from metanode import claims, config
 
 T = TypeVar("T")
 
@@ -513,3 +514,14 @@ async def max_stall_ms(work: Awaitable[T]) -> tuple[T, float]:
         done = True
         await ticker
     return result, worst * 1e3
+
+
+def add_hot_documents(parser: argparse.ArgumentParser) -> None:
+    """`--hot-documents N`: the servers' `hot_documents` setting (default: its default)."""
+    parser.add_argument(
+        "--hot-documents",
+        type=int,
+        default=config.Settings().hot_documents,
+        metavar="N",
+        help="the servers' hot_documents setting (default: its default)",
+    )

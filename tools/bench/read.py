@@ -274,13 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         help="after the rounds, one extra (unreported) metanode run sampled "
         "with py-spy; raw output to OUT",
     )
-    parser.add_argument(
-        "--hot-documents",
-        type=int,
-        default=config.Settings().hot_documents,
-        metavar="N",
-        help="metanode's hot_documents setting (default: its default)",
-    )
+    harness.add_hot_documents(parser)
     parser.add_argument(
         "--breakdown",
         action="store_true",

@@ -33,7 +33,7 @@ import nacl.signing
 import read
 
 from metanode import cid as cids
-from metanode import claims, config
+from metanode import claims
 from metanode.clock import now_ms
 
 GOAL = 1.6
@@ -111,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="wrk threads")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="against --workers 1")
-    parser.add_argument(
-        "--hot-documents",
-        type=int,
-        default=config.Settings().hot_documents,
-        metavar="N",
-        help="the servers' hot_documents setting (default: its default)",
-    )
+    harness.add_hot_documents(parser)
     parser.add_argument(
         "--writes", type=int, default=0, help="then time this many writes via each worker"
     )
