@@ -13,8 +13,12 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import mmap
+import os
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 
 from metanode import cache, merge, truth
 from metanode.errors import NotCommitted
@@ -38,6 +42,35 @@ def cache_needs_build(state: cache.State, source: truth.TruthStore) -> bool:
     return state.applied_seq < newest and (oldest is None or oldest > state.applied_seq + 1)
 
 
+COUNT = struct.Struct("<Q")
+PUBLISHED_NAME = "published"  # in the data directory, under `serve --workers N`: `PublishedCount`
+
+
+class PublishedCount:
+    """A counter in a small file every worker of `serve --workers N` maps into memory: the
+    owner bumps it as it publishes a cache state in which cache.db changed, before any waiter
+    wakes (`HotDocuments.published`), and a reader's hot documents compare it at every read
+    instead of asking SQLite (`PRAGMA data_version` is a read transaction of its own, the WAL
+    lock's two `fcntl` with it: most of what a hit saves; benchmarks.md, "Session 25"). Only
+    ever counts up, from what the file holds, so a restarted owner never brings it back to a
+    value a reader saw before its documents went old. Whoever opens it first creates it."""
+
+    def __init__(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size < COUNT.size:
+                os.ftruncate(fd, COUNT.size)
+            self._map = mmap.mmap(fd, COUNT.size)
+        finally:
+            os.close(fd)
+
+    def read(self) -> int:
+        return int(COUNT.unpack_from(self._map)[0])
+
+    def bump(self) -> None:
+        COUNT.pack_into(self._map, 0, self.read() + 1)
+
+
 class HotDocuments:
     """The `hot_documents` setting: the most recently answered `GET /api/meta` documents (the
     bytes `load` answers, by the CID text as asked) kept in this process's memory, so a read of
@@ -59,10 +92,12 @@ class HotDocuments:
         size: int,
         version: Callable[[], int],
         every_read: bool,
+        changed: Callable[[], None] | None = None,
     ) -> None:
         self._cached = functools.lru_cache(maxsize=size)(load)
         self._version = version
         self._every_read = every_read
+        self._changed = changed
         self._seen: int | None = None
 
     def __call__(self, cid: str) -> bytes:
@@ -71,11 +106,14 @@ class HotDocuments:
         return self._cached(cid)
 
     def published(self) -> None:
-        """Empty them if cache.db changed since they were last checked."""
+        """Empty them if cache.db changed since they were last checked (and then call
+        `changed`: the owner's bump of the readers' `PublishedCount`)."""
         seen = self._version()
         if seen != self._seen:
             self._seen = seen
             self._cached.cache_clear()
+            if self._changed is not None:
+                self._changed()
 
 
 class Applier:

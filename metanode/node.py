@@ -40,7 +40,15 @@ from metanode import (
 )
 from metanode import cid as cids
 from metanode import rid as rids
-from metanode.applier import STALL_S, Applier, Follower, HotDocuments, Replica
+from metanode.applier import (
+    PUBLISHED_NAME,
+    STALL_S,
+    Applier,
+    Follower,
+    HotDocuments,
+    PublishedCount,
+    Replica,
+)
 from metanode.bodies import refuse_unknown
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
@@ -179,12 +187,19 @@ class Node:
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
 
     def _hot_documents(self, size: int) -> HotDocuments | None:
-        """The in-memory documents of `hot_documents` (None: off); a reader worker looks at
-        the cache's data version at every read, since the owner's commits move it. None on
-        PostgreSQL: there that look would be a round trip to the server, as the read is."""
+        """The in-memory documents of `hot_documents` (None: off). Under `serve --workers N`
+        a reader looks at the owner's `PublishedCount` at every read, since the owner's
+        commits make its documents old, and the owner bumps it. None on PostgreSQL: there
+        the look would be a round trip to the server, as the read is."""
         if not size or self.settings.postgresql:
             return None
-        return HotDocuments(self._render_meta, size, self.cache.data_version, self.follower)
+        render, version = self._render_meta, self.cache.data_version
+        if self._handoff_path is None:  # one process
+            return HotDocuments(render, size, version, every_read=False)
+        count = PublishedCount(self.settings.data_dir / PUBLISHED_NAME)
+        if self.follower:
+            return HotDocuments(render, size, count.read, every_read=True)
+        return HotDocuments(render, size, version, every_read=False, changed=count.bump)
 
     def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
         s = self.settings

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 
 from metanode import cache, db, merge
 from metanode import cid as cids
+from metanode.applier import PUBLISHED_NAME, PublishedCount
 from metanode.maintenance import check
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
@@ -166,3 +167,21 @@ def test_a_document_renders_to_the_bytes_starlette_answers(value: object) -> Non
     documents are answered as they are, so they must be what the route used to render, text
     with any character, quotes and control characters included."""
     assert cache.render(value) == JSONResponse(value).body
+
+
+def test_the_published_count_is_shared_and_only_counts_up(tmp_path: Path) -> None:
+    """`PublishedCount`: what the owner's bump writes, a reader's map of the same file reads
+    at once; a count opened again (a restarted owner) goes on from what the file holds, so a
+    reader never sees a value again that it saw before its documents went old."""
+    path = tmp_path / PUBLISHED_NAME
+    owner, reader = PublishedCount(path), PublishedCount(path)
+    assert reader.read() == 0
+    seen = []
+    for _ in range(3):
+        owner.bump()
+        seen.append(reader.read())
+    restarted = PublishedCount(path)
+    restarted.bump()
+    seen.append(reader.read())
+    assert seen == [1, 2, 3, 4]
+    assert path.stat().st_mode & 0o777 == 0o600

@@ -145,8 +145,9 @@ def test_writes_through_either_worker_are_read_at_once_from_both(server: Server)
 
 def test_hot_documents_in_a_reader_never_answer_an_old_one_after_a_write(tmp_path: Path) -> None:
     """With `hot_documents` on, a reader keeps what it read in memory; the owner's commit
-    empties it before the reader's next read (the reader's follower polls only every 20 ms,
-    far slower than the next request), so a write answered is read back at once."""
+    empties it before the reader's next read (the owner bumps the `PublishedCount` the
+    reader looks at; its follower polls only every 20 ms, far slower than the next request),
+    so a write answered, by the owner or handed over by the reader, is read back at once."""
     srv = Server(tmp_path / "data", workers=2, env={"METANODE_HOT_DOCUMENTS": "64"}).start()
     try:
         clients = one_per_worker(srv)
@@ -155,7 +156,7 @@ def test_hot_documents_in_a_reader_never_answer_an_old_one_after_a_write(tmp_pat
         register(owner, signer)
         for n in range(20):
             title = f"title {n}"
-            posted = owner.post(
+            posted = (owner if n % 2 else reader).post(
                 "/api/claims", json={"claims": [signer.claim(A, "title", title, NOW_MS + n)]}
             )
             assert posted.status_code == 200, posted.text
