@@ -82,9 +82,10 @@ class HotDocuments:
     included. The applier asks in the step that publishes a state (`published`), before any
     waiter wakes, so the answer to a write is never followed by an old document; a publish
     with nothing committed (the applier's idle poll) keeps them. A reader worker asks at every
-    read too (`every_read`): the owner's commit reaches this process's reads before its
-    `Follower` polls. Emptied whole rather than by CID: a follower does not know which CIDs
-    the owner's commit touched, and a hot document is read back at its next miss."""
+    read too (`every_read`), its `version` the owner's `PublishedCount`: the owner's commit
+    reaches this process's reads before its `Follower` polls. Emptied whole rather than by
+    CID: a follower does not know which CIDs the owner's commit touched, and a hot document is
+    read back at its next miss."""
 
     def __init__(
         self,
