@@ -9,6 +9,7 @@ methods, body objects with unknown members are refused, and bodies are UTF-8 JSO
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import select
 import socket
@@ -29,6 +30,7 @@ from metanode.api import Direct, Edge, create_app
 from metanode.bodies import parse_json
 from metanode.errors import InvalidJson
 from metanode.node import Node
+from metanode.server import frozen_after_start
 from tests.helpers.claims import Signer, register, without_owner
 from tests.helpers.server import Server
 
@@ -455,3 +457,37 @@ async def test_get_meta_called_by_the_edge_answers_as_the_router_would(node: Nod
         direct, routed = await _direct_then_routed(app, answers)
     assert routed == [f"/api/meta/{known}", f"/api/meta/{known}/claims"]  # POST; a longer path
     assert [status for status, _, _ in direct] == [200, 200, 400, 200, 404, 400, 200, 405, 200]
+
+
+async def test_what_the_start_made_is_frozen_once_it_reports_started() -> None:
+    """`server.frozen_after_start`: the objects there are when the lifespan reports the start
+    complete leave the collector's reach (`gc.freeze`), not before; requests pass through
+    with their own `send`."""
+    before = gc.get_freeze_count()
+    seen: list[int] = []
+    sent: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            sent.append(send)
+            return
+        assert (await receive())["type"] == "lifespan.startup"
+        seen.append(gc.get_freeze_count())
+        await send({"type": "lifespan.startup.complete"})
+        seen.append(gc.get_freeze_count())
+
+    async def receive() -> dict[str, str]:
+        return {"type": "lifespan.startup"}
+
+    async def send(message: Any) -> None:
+        sent.append(message["type"])
+
+    wrapped = frozen_after_start(app)
+    try:
+        await wrapped({"type": "lifespan"}, receive, send)
+        assert seen[0] == before < seen[1]
+        assert sent == ["lifespan.startup.complete"]
+        await wrapped({"type": "http"}, receive, send)
+        assert sent[-1] is send
+    finally:
+        gc.unfreeze()
