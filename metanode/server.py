@@ -28,7 +28,7 @@ import socket
 from typing import Any, ClassVar
 
 import uvicorn
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from metanode.api import error_response
@@ -174,35 +174,26 @@ def protocol_for(settings: Settings) -> type[BoundedHttpTools]:
     return Protocol
 
 
-def frozen_after_start(app: ASGIApp) -> ASGIApp:
-    """`app`, with what its start made moved out of the garbage collector's reach
-    (`gc.freeze`) once the lifespan reports it started: the modules, routes and stores live
-    as long as the process, and a full collection walked all of them again, ≈ 80,000 objects,
-    28–48 ms with every request waiting, about twice a minute under read load; after the
-    freeze ≈ 1 ms (docs/benchmarks.md, "Session 25"). Garbage is collected first, so nothing
-    that is garbage now is kept."""
+class FrozenAfterStart(uvicorn.Server):
+    """uvicorn's server, with what its start made moved out of the garbage collector's reach
+    (`gc.freeze`) once it started (the lifespan's startup, the sockets): the modules, routes
+    and stores live as long as the process, and a full collection walked all of them again,
+    ≈ 80,000 objects, 28–48 ms with every request waiting, about twice a minute under read
+    load; after the freeze ≈ 1 ms (docs/benchmarks.md, "Session 25"). Garbage is collected
+    first, so nothing that is garbage now is kept; no request pays for it."""
 
-    async def started(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "lifespan":
-            await app(scope, receive, send)
-            return
-
-        async def sent(message: Message) -> None:
-            if message["type"] == "lifespan.startup.complete":
-                gc.collect()
-                gc.freeze()
-            await send(message)
-
-        await app(scope, receive, sent)
-
-    return started
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            gc.collect()
+            gc.freeze()
 
 
 def run(app: ASGIApp, settings: Settings, sockets: list[socket.socket] | None = None) -> None:
     """Serve `app` until SIGINT/SIGTERM (on `sockets` if given: a worker's, workers.py); exit
     like `uvicorn.run` if the server never started."""
     config = uvicorn.Config(
-        frozen_after_start(app),
+        app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
@@ -215,7 +206,7 @@ def run(app: ASGIApp, settings: Settings, sockets: list[socket.socket] | None = 
         proxy_headers=bool(settings.trusted_proxies),
         forwarded_allow_ips=[str(network) for network in settings.proxies],
     )
-    server = uvicorn.Server(config)
+    server = FrozenAfterStart(config)
     server.run(sockets=sockets)
     if not server.started:
         raise SystemExit(STARTUP_FAILURE)

@@ -47,7 +47,8 @@ def change(epoch: int, seq: int, rid: str, op: str, key: str, value: str | None)
     data: dict[str, Any] = {"rid": rid, "key": key}
     if op == "set":
         data["value"] = value
-    return f"id: {event_id(epoch, seq)}\nevent: {op}\ndata: {_JSON.encode(data)}\n\n".encode()
+    lines = (f"id: {event_id(epoch, seq)}", f"event: {op}", f"data: {_JSON.encode(data)}", "", "")
+    return SEP.join(lines).encode()
 
 
 def event_id(epoch: int, seq: int) -> str:

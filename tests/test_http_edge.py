@@ -8,6 +8,7 @@ methods, body objects with unknown members are refused, and bodies are UTF-8 JSO
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import json
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from hypothesis import given
 from hypothesis import strategies as st
 from starlette.applications import Starlette
@@ -30,7 +32,7 @@ from metanode.api import Direct, Edge, create_app
 from metanode.bodies import parse_json
 from metanode.errors import InvalidJson
 from metanode.node import Node
-from metanode.server import frozen_after_start
+from metanode.server import FrozenAfterStart
 from tests.helpers.claims import Signer, register, without_owner
 from tests.helpers.server import Server
 
@@ -459,35 +461,27 @@ async def test_get_meta_called_by_the_edge_answers_as_the_router_would(node: Nod
     assert [status for status, _, _ in direct] == [200, 200, 400, 200, 404, 400, 200, 405, 200]
 
 
-async def test_what_the_start_made_is_frozen_once_it_reports_started() -> None:
-    """`server.frozen_after_start`: the objects there are when the lifespan reports the start
-    complete leave the collector's reach (`gc.freeze`), not before; requests pass through
-    with their own `send`."""
+async def test_what_the_start_made_is_frozen_once_the_server_started() -> None:
+    """`server.FrozenAfterStart`: the objects there are once uvicorn has started (lifespan
+    and sockets) leave the collector's reach (`gc.freeze`), not before."""
     before = gc.get_freeze_count()
-    seen: list[int] = []
-    sent: list[Any] = []
+    during: list[int] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http":
-            sent.append(send)
-            return
-        assert (await receive())["type"] == "lifespan.startup"
-        seen.append(gc.get_freeze_count())
-        await send({"type": "lifespan.startup.complete"})
-        seen.append(gc.get_freeze_count())
+        assert scope["type"] == "lifespan"
+        while (await receive())["type"] != "lifespan.shutdown":
+            during.append(gc.get_freeze_count())  # the start, not yet frozen
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
 
-    async def receive() -> dict[str, str]:
-        return {"type": "lifespan.startup"}
-
-    async def send(message: Any) -> None:
-        sent.append(message["type"])
-
-    wrapped = frozen_after_start(app)
+    server = FrozenAfterStart(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None))
+    serving = asyncio.create_task(server.serve())
     try:
-        await wrapped({"type": "lifespan"}, receive, send)
-        assert seen[0] == before < seen[1]
-        assert sent == ["lifespan.startup.complete"]
-        await wrapped({"type": "http"}, receive, send)
-        assert sent[-1] is send
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.01)  # polls the condition, bounded by the test's timeout
+        assert server.started
+        assert during == [before] and gc.get_freeze_count() > before
     finally:
+        server.should_exit = True
+        await serving
         gc.unfreeze()
