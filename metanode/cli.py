@@ -452,10 +452,28 @@ def connect(
     return client.Client(url or settings.client_url, token=token, timeout=60)
 
 
-def _print_response(response: httpx.Response) -> None:
+def _print_response(node_client: client.Client, response: httpx.Response) -> None:
+    """A good answer's JSON on stdout; the node's refusal as every error of the CLI comes out
+    (`_refused`), not its envelope on stdout, where a script would take it for the answer."""
+    try:
+        node_client.answer(response)
+    except client.ClientError as exc:
+        _refused(exc)
     click.echo(response.text)
-    if response.status_code >= 400:
-        sys.exit(1)
+
+
+def _refused(exc: client.ClientError) -> NoReturn:
+    """The node's refusal: `error: <slug>: <message>` on stderr, then each rejected claim of a
+    batch (`invalid_batch`) on a line of its own, by its index; exit 2."""
+    items = exc.body.get("items")
+    lines = [f"error: {exc.slug}: {exc.body.get('message')}"]
+    lines += [
+        f"  claim {item.get('index')}: {item.get('error')}: {item.get('message')}"
+        for item in (items if isinstance(items, list) else [])
+        if isinstance(item, dict)
+    ]
+    click.echo("\n".join(lines), err=True)
+    sys.exit(2)
 
 
 @claim.command("post")
@@ -479,7 +497,9 @@ def claim_post(
     if not items:
         raise InvalidRequest("no claims to post")
     with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
-        _print_response(node_client.request("POST", "/api/claims", json={"claims": items}))
+        _print_response(
+            node_client, node_client.request("POST", "/api/claims", json={"claims": items})
+        )
 
 
 @main.command()
@@ -497,7 +517,9 @@ def get(
     """Print the merged document of CID_VALUE from a running node."""
     params = {"as": viewer} if viewer else {}
     with connect(config_file, data_dir, url) as node_client:
-        _print_response(node_client.request("GET", f"/api/meta/{cid_value}", params=params))
+        _print_response(
+            node_client, node_client.request("GET", f"/api/meta/{cid_value}", params=params)
+        )
 
 
 # -- peers (docs/peers.md) ----------------------------------------------------------------------
@@ -545,7 +567,7 @@ def peers_add(
     if name is not None:
         body["name"] = name
     with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
-        _print_response(node_client.request("POST", "/api/peers", json=body))
+        _print_response(node_client, node_client.request("POST", "/api/peers", json=body))
 
 
 @peers_group.command("list")
@@ -557,10 +579,11 @@ def peers_list(
 ) -> None:
     """Print each peer (cursor, lag, last error, counts) as one JSON line."""
     with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
-        response = node_client.request("GET", "/api/peers")
-        if response.status_code >= 400:
-            _print_response(response)
-        for row in response.json()["peers"]:
+        try:
+            peers = node_client.answer(node_client.request("GET", "/api/peers"))["peers"]
+        except client.ClientError as exc:
+            _refused(exc)
+        for row in peers:
             click.echo(json.dumps(row))
 
 
@@ -579,7 +602,7 @@ def _peer_command(name: str, method: str, path: str, doc: str) -> None:
     ) -> None:
         quoted = urllib.parse.quote(peer_name, safe="")
         with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
-            _print_response(node_client.request(method, path.format(quoted)))
+            _print_response(node_client, node_client.request(method, path.format(quoted)))
 
 
 _peer_command("remove", "DELETE", "/api/peers/{}", "Stop following PEER_NAME (its claims stay).")
@@ -714,8 +737,7 @@ def events(
             click.echo(f"{event.id or '-'} {event.kind} {data}")
             sys.stdout.flush()  # a line as it happens, also into a pipe (`| grep`, a script)
     except client.ClientError as exc:
-        click.echo(f"error: {exc.slug}: {exc.body.get('message')}", err=True)
-        sys.exit(1)
+        _refused(exc)
     except KeyboardInterrupt:
         pass
     finally:

@@ -146,7 +146,7 @@ class Client:
             raise self._not_metanode(response)
         return response
 
-    def _json(self, response: httpx.Response) -> Any:
+    def answer(self, response: httpx.Response) -> Any:
         """The body of a good answer; a refusal raises `ClientError` with its envelope."""
         try:
             body = response.json()
@@ -167,7 +167,7 @@ class Client:
 
     def post(self, batch: list[dict[str, Any]]) -> dict[str, Any]:
         """POST /api/claims; returns the verdicts, raises `ClientError` on a rejected batch."""
-        result: dict[str, Any] = self._json(
+        result: dict[str, Any] = self.answer(
             self.request("POST", "/api/claims", json={"claims": batch})
         )
         return result
@@ -178,19 +178,19 @@ class Client:
         response = self.request("GET", f"/api/meta/{cid}", params=params)
         if response.status_code == 404 and response.json().get("error") == "unknown_cid":
             return None
-        result: dict[str, Any] = self._json(response)
+        result: dict[str, Any] = self.answer(response)
         return result
 
     def meta_by_rid(self, rid: str) -> dict[str, Any]:
         """The document of a record named in a feed event."""
-        result: dict[str, Any] = self._json(self.request("GET", f"/api/metadata/{rid}"))
+        result: dict[str, Any] = self.answer(self.request("GET", f"/api/metadata/{rid}"))
         return result
 
     def _check_stream(self, response: httpx.Response) -> None:
         """Raise unless this is the node's event stream: its refusal, or `NotMetanode`."""
         if response.status_code != 200:
             response.read()
-            self._json(response)
+            self.answer(response)
         if not response.headers.get("content-type", "").startswith("text/event-stream"):
             raise self._not_metanode(response)
 

@@ -179,23 +179,34 @@ def connect(
     return connect_file(target, readonly=readonly)
 
 
-def connect_file(path: Path, *, readonly: bool = False) -> sqlite3.Connection:
+def connect_file(
+    path: Path, *, readonly: bool = False, new_pragmas: Sequence[str] = ()
+) -> sqlite3.Connection:
     """A SQLite connection with the pragmas every metanode connection needs.
 
     Autocommit mode (`isolation_level=None`): transactions are always explicit, so nothing begins
     one behind our back. `synchronous=FULL`: an acknowledged claim survives power loss (the
     cache's writer may relax it: `cache.CacheStore`, its `Writer`'s `pragmas`). A new
     database file is created 0600 first: SQLite gives its `-wal` and `-shm` the same mode.
+    `new_pragmas` run only when this call creates the database, before anything writes its
+    header (the switch to WAL does): what only an empty file takes, such as `auto_vacuum`.
     """
     with storage_errors(path):
+        new = False
         if readonly:
             conn = sqlite3.connect(
                 _read_only(path), uri=True, isolation_level=None, check_same_thread=False
             )
         else:
-            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                new = os.fstat(fd).st_size == 0
+            finally:
+                os.close(fd)
             conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         try:
+            for pragma in new_pragmas if new else ():
+                conn.execute(pragma)
             if not readonly:
                 conn.execute("PRAGMA journal_mode=WAL")
             for pragma in PRAGMAS:
@@ -425,11 +436,11 @@ def make_incremental(path: Path) -> bool:
     """Put the database at `path` in `auto_vacuum=INCREMENTAL` mode, so that freed pages can be
     given back to the file system (`reclaim`); whether it is in that mode now.
 
-    An existing database switches only through a `VACUUM`, once: it rewrites the file (time and
-    free space in proportion to its size). If that fails (a full disk, a reader holding it), it
-    is logged and the database goes on as it was: its freed pages are still reused, only never
-    returned; the next start tries again."""
-    conn = connect_file(path)
+    A database this call creates is made so at once. An existing one switches only through a
+    `VACUUM`, once: it rewrites the file (time and free space in proportion to its size). If
+    that fails (a full disk, a reader holding it), it is logged and the database goes on as it
+    was: its freed pages are still reused, only never returned; the next start tries again."""
+    conn = connect_file(path, new_pragmas=(f"PRAGMA auto_vacuum={INCREMENTAL}",))
     try:
         if int(conn.execute("PRAGMA auto_vacuum").fetchone()[0]) == INCREMENTAL:
             return True

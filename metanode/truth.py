@@ -1719,11 +1719,12 @@ class TruthStore(Store):
         self._poll_lock = threading.Lock()
 
     def migrate(self) -> None:
-        """The schema, then incremental vacuum (`db.make_incremental`: a VACUUM once, outside
-        any transaction, so not a numbered migration), so pruning the outbox shrinks the file."""
-        super().migrate()
+        """Incremental vacuum, so pruning the outbox shrinks the file (`db.make_incremental`:
+        set as a new file is made, else a VACUUM once, outside any transaction, so not a
+        numbered migration), then the schema."""
         if isinstance(self.path, Path):
             make_incremental(self.path)
+        super().migrate()
 
     def open(self) -> Self:
         """Migrate, start the writer, open the loop's read connection and the apply's."""

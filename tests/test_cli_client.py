@@ -46,8 +46,7 @@ def test_client_commands_find_a_node_on_another_port_from_the_settings(
     from the local data directory (METANODE_DATA_DIR), and never has to be exported."""
     assert server.port != 9000
     env = {"METANODE_PORT": str(server.port), "METANODE_DATA_DIR": str(server.data_dir)}
-    missing = metanode("get", MIDHASH, env=env)
-    assert missing.returncode == 1 and '"unknown_cid"' in missing.stdout
+    assert metanode("get", MIDHASH, env=env).stderr.startswith("error: unknown_cid: ")
 
     alice = Signer()
     httpx.post(
@@ -83,6 +82,32 @@ def test_client_commands_find_a_node_on_another_port_from_the_settings(
             assert any('"Found"' in line for line in sets), lines
         finally:
             follow.kill()
+
+
+def test_a_refusal_of_the_node_is_an_error_line_not_an_answer(server: Server) -> None:
+    """What the node refuses comes out as every error of the command line does (stderr, the
+    slug, exit 2), a rejected batch with one line per claim: never the error envelope on stdout,
+    where a script reads the answer."""
+    env = {"METANODE_PORT": str(server.port), "METANODE_DATA_DIR": str(server.data_dir)}
+    for cid, slug in ((MIDHASH, "unknown_cid"), ("not-a-cid", "invalid_cid")):
+        refused = metanode("get", cid, env=env)
+        assert (refused.returncode, refused.stdout) == (2, "")
+        assert refused.stderr.startswith(f"error: {slug}: ") and refused.stderr.count("\n") == 1
+    alice = Signer()
+    httpx.post(
+        f"{server.url}/api/signers",
+        headers=server.headers,
+        timeout=10,
+        json={"uid": alice.uid, "name": "alice of the refusals"},
+    ).raise_for_status()
+    good = alice.claim(MIDHASH, "title", "Found")
+    refused = metanode("claim", "post", env=env, stdin=json.dumps([good, {**good, "value": "X"}]))
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.splitlines() == [
+        "error: invalid_batch: 1 claim(s) rejected; nothing was written",
+        "  claim 1: bad_signature: signature does not verify against uid",
+    ]
+    assert httpx.get(f"{server.url}/api/meta/{MIDHASH}", timeout=10).status_code == 404
 
 
 def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ id); v5 rebuilds the outbox with its rows and its seq counter."""
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from pathlib import Path
 
@@ -40,19 +41,37 @@ def fill_outbox(conn: sqlite3.Connection) -> None:
     )
 
 
-def test_an_older_truth_db_is_switched_at_open_with_its_rows_intact(tmp_path: Path) -> None:
+def vacuums(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "incremental vacuum" in r.getMessage()]
+
+
+def test_an_older_truth_db_is_switched_at_open_with_its_rows_intact(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "truth.db"
     db.migrate_file(path, truth.MIGRATIONS)  # as an older metanode made it: no auto_vacuum
     assert pragma(path, "auto_vacuum") == 0
     conn = db.connect(path)
     db.run_txn(conn, fill_outbox)
     conn.close()
-    with truth.TruthStore(path).open() as store:
+    with caplog.at_level(logging.INFO, logger=db.log.name), truth.TruthStore(path).open() as store:
         assert store.max_seq() == ROWS
     assert pragma(path, "auto_vacuum") == db.INCREMENTAL
-    with truth.TruthStore(tmp_path / "new.db").open():
+    assert vacuums(caplog) == [f"switching {path} to incremental vacuum (one VACUUM)"]
+
+
+def test_a_new_truth_db_is_made_incremental_without_a_vacuum(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The mode is set as the file is made, before the WAL switch writes its header: a first
+    start neither rewrites the file nor says it does."""
+    with (
+        caplog.at_level(logging.INFO, logger=db.log.name),
+        truth.TruthStore(tmp_path / "new.db").open(),
+    ):
         pass
     assert pragma(tmp_path / "new.db", "auto_vacuum") == db.INCREMENTAL
+    assert vacuums(caplog) == []
 
 
 async def test_pruning_the_outbox_gives_its_pages_back(tmp_path: Path) -> None:
