@@ -411,10 +411,25 @@ def test_every_page_names_its_controls_and_fits_a_phone(
     page: Page, context: BrowserContext, srv: Server
 ) -> None:
     """Every page at desktop and phone width: no control without an accessible name, nothing
-    wider than a phone's screen; with METANODE_UI_SCREENSHOTS, a PNG of each."""
+    wider than the screen, long unbroken names and values too (a release's file name, a title
+    of one 300-letter word, a key as long); with METANODE_UI_SCREENSHOTS, a PNG of each."""
     midhash = titled(srv, drop(srv, "Paper.Moons.2020.mkv"), "Paper Moons")
     shutil.copy(srv.media / "Paper.Moons.2020.mkv", srv.media / "paper-moons-copy.mkv")
-    pages = {**PAGES, "record": f"/records/{midhash}", "sign-in": "/", "not-found": "/records/x"}
+    long_name = "The.Extraordinarily.Long.Named.Film.2021.2160p.UHD.BluRay.REMUX.HDR.HEVC-GRP.mkv"
+    long_one = midhash_of(srv, drop(srv, long_name))
+    writer = Signer()
+    srv.register(writer.uid, "writer", weight=5)
+    word = "Supercalifragilistic" * 15
+    post(srv, writer.claim(long_one, "title", word, now_ms()), writer.claim(long_one, word, "x"))
+    pages = {
+        **PAGES,
+        "record": f"/records/{midhash}",
+        "long-record": f"/records/{long_one}",
+        "long-library": "/?q=" + word[:30],
+        "sign-in": "/",
+        "not-found": "/records/x",
+        "long-not-found": "/records/" + word,
+    }
     into = os.environ.get("METANODE_UI_SCREENSHOTS")
     signed_out = context.browser.new_context() if context.browser else None
     assert signed_out is not None
