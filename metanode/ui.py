@@ -42,6 +42,7 @@ from metanode.bodies import read_body
 from metanode.claims import LINK_PREFIX, LOCAL_KEYS, Claim
 from metanode.errors import (
     CsrfRefused,
+    InvalidBatch,
     InvalidRequest,
     Merged,
     MetanodeError,
@@ -84,6 +85,9 @@ class Session:
     sid: str
     csrf: str
     expires: float
+    # what the next record page says once ("notice" or "error", the text): kept here, never
+    # in the URL, where anyone could word a message for the page to show
+    flash: tuple[str, str] | None = None
 
 
 @dataclass
@@ -280,6 +284,23 @@ def render(request: Request, template: str, status: int = 200, **context: Any) -
     return HTMLResponse(html, status_code=status, headers={"Cache-Control": "no-store"})
 
 
+def _unsettable(key: str) -> str:
+    """Why the page does not set `key`."""
+    if not key:
+        return "A key needs a name."
+    if key in LOCAL_KEYS:
+        return f"{key!r} cannot be set here: it comes from the disk."
+    return f"{key!r} cannot be set here: links between CIDs are signed votes, not fields."
+
+
+def _why(exc: MetanodeError) -> str:
+    """A refusal in words: a rejected batch's own reasons (a blocked owner, say), not only
+    that it was rejected."""
+    if isinstance(exc, InvalidBatch):
+        return " ".join(f"{item['message']}." for item in exc.items)
+    return f"{exc.message}."
+
+
 def error_page(request: Request, exc: MetanodeError) -> HTMLResponse:
     """A typed error as a page saying what went wrong (never a stack trace)."""
     return render(request, "error.html", exc.status, error=exc)
@@ -413,8 +434,23 @@ class Pages:
             doc=document,
             title=record.get("title") or record.get("filePath", rid).rsplit("/", 1)[-1],
             fields=fields,
-            notice=request.query_params.get("saved", ""),
+            flash=self._flashed(request),
         )
+
+    @staticmethod
+    def _flashed(request: Request) -> tuple[str, str] | None:
+        """What the session's last edit left to say, said once."""
+        session: Session = request.scope["metanode.session"]
+        flash, session.flash = session.flash, None
+        return flash
+
+    @staticmethod
+    def _back(request: Request, rid: str, kind: str, text: str) -> Response:
+        """The record page again, saying `text` once (`Session.flash`): an edit's outcome, or
+        why it was refused, where the edit was made (what was typed is the field's to show)."""
+        session: Session = request.scope["metanode.session"]
+        session.flash = (kind, text)
+        return RedirectResponse(f"/records/{rid}", status_code=303)
 
     async def edit(self, request: Request) -> Response:
         """POST /records/{rid}/edit: the owner's word on one key (`save`), or its tombstone
@@ -423,18 +459,27 @@ class Pages:
         rid = self._rid_of(request.path_params["id"])
         key, value, action = (form.get(name, "") for name in ("key", "value", "action"))
         key = key.strip()
+        if action not in ("save", "revert"):
+            raise InvalidRequest("the action must be save or revert")
         if not key or key.startswith(LINK_PREFIX) or key in LOCAL_KEYS:
-            raise InvalidRequest(f"{key!r} cannot be set here")
+            return self._back(request, rid, "error", _unsettable(key))
+        try:
+            said = await self._say(rid, key, value if action == "save" else None)
+        except MetanodeError as exc:
+            return self._back(request, rid, "error", f"{key!r} was not changed: {_why(exc)}")
+        return self._back(request, rid, "notice", said)
+
+    async def _say(self, rid: str, key: str, value: str | None) -> str:
+        """The owner's word on `key` (`value`), or its tombstone on every CID the owner voted
+        through (None); what the page then says."""
         owner = await self.node.owner.register()
-        if action == "revert":
+        if value is None:
             voted = {c.cid for c in self.node.live_claims(rid, [key], owner)}
             await self.node.owner_says([(cid, key, None) for cid in sorted(voted)])
-        elif action == "save":
-            canonical = cids.by_rank(self.node.group_cids(rid))[0]
-            await self.node.owner_says([(canonical, key, value)])
-        else:
-            raise InvalidRequest("the action must be save or revert")
-        return RedirectResponse(f"/records/{rid}?saved={key}", status_code=303)
+            return f"Reverted {key}: the owner's word on it is withdrawn."
+        canonical = cids.by_rank(self.node.group_cids(rid))[0]
+        await self.node.owner_says([(canonical, key, value)])
+        return f"Saved {key}." if value else f"Saved {key} as an empty value."
 
     # -- the other pages ---------------------------------------------------------------------------
 
