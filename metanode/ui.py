@@ -155,6 +155,14 @@ def same_origin(scope: Scope) -> bool:
     return urlsplit(origin.decode("latin-1")).netloc == host
 
 
+def local_path(then: str) -> str:
+    """`then` if it is a path of this node (`/…`, not `//host` nor `/\\host`, which browsers
+    take for another site), else the library: where signing in may go on to."""
+    if not then.startswith("/") or then.startswith(("//", "/\\")) or not then.isprintable():
+        return "/"
+    return "/" if urlsplit(then).path in ("/signin", "/signout") else then
+
+
 def csrf_ok(session: Session, given: str | None, scope: Scope) -> bool:
     """The check of every state-changing request made with the session cookie."""
     return (
@@ -351,8 +359,15 @@ class Pages:
 
     # -- sign-in ---------------------------------------------------------------------------------
 
-    def sign_in_form(self, request: Request, status: int = 200, error: str = "") -> Response:
-        return render(request, "signin.html", status, error=error)
+    def sign_in_form(
+        self, request: Request, status: int = 200, error: str = "", then: str | None = None
+    ) -> Response:
+        """The sign-in form, which goes on to `then` (default: the page asked for, if it was a
+        page to look at; else the library)."""
+        if then is None:
+            asked = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            then = asked if request.method in SAFE_METHODS else "/"
+        return render(request, "signin.html", status, error=error, then=then)
 
     async def sign_in(self, request: Request) -> Response:
         """POST /signin: the API token for a session cookie; a wrong token is an inline error."""
@@ -362,12 +377,13 @@ class Pages:
         try:
             form = await self.form(request)
         except MetanodeError as exc:
-            return self.sign_in_form(request, exc.status, exc.message)
+            return self.sign_in_form(request, exc.status, exc.message, "/")
+        then = local_path(form.get("then", ""))
         given = form.get("token", "").strip()
         if not given or not hmac.compare_digest(given.encode(), self.node.token.encode()):
-            return self.sign_in_form(request, 401, "That is not this node's API token.")
+            return self.sign_in_form(request, 401, "That is not this node's API token.", then)
         value, _session = self.sessions.create()
-        response = RedirectResponse("/", status_code=303)
+        response = RedirectResponse(then, status_code=303)
         response.set_cookie(
             COOKIE,
             value,

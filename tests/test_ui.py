@@ -16,12 +16,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect, sync_playwright
 
-from metanode import cache, db
+from metanode import cache, db, ui
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server, plugins_server
 from tests.helpers.wait import poll
@@ -166,6 +169,35 @@ def test_sign_in_refuses_a_wrong_token_and_gives_a_strict_httponly_cookie(
     assert srv.token not in cookie["value"]
     assert cookie["expires"] > time.time()  # it expires
     assert page.evaluate("document.cookie") == ""  # the page's scripts cannot read it
+
+
+def test_signing_in_goes_on_to_the_page_asked_for(context: BrowserContext, srv: Server) -> None:
+    midhash = titled(srv, drop(srv, "Slate.Harbour.2007.mkv"), "Slate Harbour")
+    page = context.new_page()
+    response = page.goto(f"{srv.url}/records/{midhash}?from=link")
+    assert response is not None and response.status == 401
+    page.get_by_label("API token").fill("not the token")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("alert")).to_have_text("That is not this node's API token.")
+    page.get_by_label("API token").fill(srv.token)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("heading", name="Slate Harbour")).to_be_visible()
+    assert page.url == f"{srv.url}/records/{midhash}?from=link"
+
+
+@example("//evil.example/x")
+@example("/\\evil.example/x")
+@example("https://evil.example/")
+@example("/records/x?q=1#top")
+@example("/signout")
+@given(st.text())
+def test_signing_in_goes_on_only_to_a_page_of_this_node(then: str) -> None:
+    went = ui.local_path(then)
+    assert went in (then, "/")
+    for seen in (went, went.replace("\\", "/")):  # browsers take a backslash for a slash
+        parts = urlsplit(seen)
+        assert seen.startswith("/") and not parts.scheme and not parts.netloc
+    assert urlsplit(went).path not in ("/signin", "/signout")
 
 
 def test_the_library_lists_a_dropped_file_by_title_and_search_finds_it(
@@ -334,6 +366,38 @@ def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> N
     )
     expect(event).to_contain_text("Northern Lanterns")
     expect(event.get_by_role("link", name="Northern Lanterns")).to_be_visible()
+
+
+def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
+    browser: Browser, tmp_path: Path
+) -> None:
+    """Sessions live in the node's memory: after a restart the open Live and Plugins pages say
+    the session is gone (not "reconnecting…" for ever, nor a poll failing unseen), and
+    signing in again goes back to the page; while the node is down nothing throws."""
+    with plugins_server(tmp_path / "data") as server:
+        ctx = browser.new_context(viewport=DESKTOP)
+        ctx.set_default_timeout(WAIT_MS)
+        live, plugins = ctx.new_page(), ctx.new_page()
+        thrown: list[str] = []
+        for p in (live, plugins):
+            p.on("pageerror", lambda exc: thrown.append(str(exc)))
+        sign_in(live, server, server.token)
+        live.goto(server.url + "/live")
+        expect(live.get_by_role("status")).to_have_text("connected")
+        plugins.goto(server.url + "/plugins")
+        server.stop()
+        expect(plugins.get_by_role("status")).to_have_text("The node does not answer; retrying…")
+        server.start()
+        gone = "Signed out (the node restarted, or the session ended). Sign in again"
+        expect(live.get_by_role("status")).to_have_text(gone)
+        expect(plugins.get_by_role("status")).to_have_text(gone)
+        live.get_by_role("link", name="Sign in again").click()
+        live.get_by_label("API token").fill(server.token)
+        live.get_by_role("button", name="Sign in").click()
+        expect(live.get_by_role("heading", name="Live")).to_be_visible()
+        expect(live.get_by_role("status")).to_have_text("connected")
+        assert thrown == []
+        ctx.close()
 
 
 def test_state_changes_without_the_sessions_csrf_token_are_refused(

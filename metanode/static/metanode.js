@@ -35,13 +35,28 @@ async function titleOf(rid) {
   return titles.get(rid);
 }
 
+// The session is gone (signed out elsewhere, or the node restarted: sessions live in its
+// memory): say so where the page shows its state, with the way back. Reloading shows the
+// sign-in form, which goes on to this very page.
+function signedOut(status) {
+  const again = document.createElement("a");
+  again.href = location.pathname + location.search;
+  again.textContent = "Sign in again";
+  status.replaceChildren("Signed out (the node restarted, or the session ended). ", again);
+}
+
 function startLive() {
   const list = document.getElementById("events");
   const status = document.getElementById("live-status");
   if (!list) return;
   const source = new EventSource("/api/events");
   source.onopen = () => { status.textContent = "connected"; };
-  source.onerror = () => { status.textContent = "reconnecting…"; };
+  // EventSource retries by itself while the node does not answer; it gives up (CLOSED) only
+  // when the node answers with a refusal, which here means the session is gone.
+  source.onerror = () => {
+    if (source.readyState === EventSource.CLOSED) signedOut(status);
+    else status.textContent = "reconnecting…";
+  };
   const show = async (event) => {
     const data = JSON.parse(event.data);
     if (data.key === "title" && data.value) titles.set(data.rid, Promise.resolve(data.value));
@@ -60,13 +75,28 @@ function startLive() {
   source.addEventListener("gap", () => { status.textContent = "caught up from a snapshot"; });
 }
 
-// Plugins: refresh the counts and progress bars every two seconds while runs are pending.
+// Plugins: refresh the counts and progress bars every two seconds; say when the node does not
+// answer, and stop once the session is gone.
 function startPlugins() {
   const table = document.getElementById("plugins");
+  const status = document.getElementById("plugins-status");
   if (!table) return;
+  let timer = null;
   const tick = async () => {
-    const r = await fetch("/api/plugins", { credentials: "same-origin" });
+    let r;
+    try {
+      r = await fetch("/api/plugins", { credentials: "same-origin" });
+    } catch {
+      status.textContent = "The node does not answer; retrying…";
+      return;
+    }
+    if (r.status === 401) {
+      clearInterval(timer);
+      signedOut(status);
+      return;
+    }
     if (!r.ok) return;
+    status.textContent = "";
     for (const p of (await r.json()).plugins) {
       const row = table.querySelector(`tr[data-plugin="${CSS.escape(p.name)}"]`);
       if (!row) continue;
@@ -79,7 +109,7 @@ function startPlugins() {
       bar.value = done + failed || (pending ? 0 : 1);
     }
   };
-  setInterval(tick, 2000);
+  timer = setInterval(tick, 2000);
 }
 
 document.addEventListener("DOMContentLoaded", () => { startLive(); startPlugins(); });
