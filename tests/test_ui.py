@@ -495,6 +495,12 @@ def test_api_docs_render_from_the_package(page: Page, srv: Server) -> None:
     )
     page.goto(f"{srv.url}/docs")
     expect(page.get_by_text("/api/claims").first).to_be_visible()
+    # "Try it out" asks this very node (the document names no fixed address)
+    page.locator(".opblock-summary", has_text="/health").first.click()
+    page.get_by_role("button", name="Try it out").click()
+    with page.expect_response(lambda r: r.url.endswith("/health")) as answered:
+        page.get_by_role("button", name="Execute").click()
+    assert answered.value.url == f"{srv.url}/health" and answered.value.status == 200
     assert outside == []
 
 
