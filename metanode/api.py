@@ -550,7 +550,10 @@ def create_app(node: Node) -> Starlette:
                 MethodNotAllowed(f"{request.method} is not allowed here; allowed: {allow}"),
                 {"Allow": allow},
             )
-        return error_response(NotFoundError(f"no route {request.url.path}"))
+        missing = NotFoundError(f"no route {request.url.path}")
+        if ui.wants_page(request):
+            return ui.error_page(request, missing)
+        return error_response(missing)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

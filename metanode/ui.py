@@ -309,6 +309,17 @@ def _why(exc: MetanodeError) -> str:
     return f"{exc.message}."
 
 
+def wants_page(request: Request) -> bool:
+    """Whether a browser asks to see this as a page (a GET that accepts HTML, outside the
+    API), so a mistyped address is a page saying so rather than the API's JSON envelope."""
+    accepts = request.headers.get("accept", "")
+    return (
+        request.method in SAFE_METHODS
+        and "text/html" in accepts
+        and not request.url.path.startswith("/api/")
+    )
+
+
 def error_page(request: Request, exc: MetanodeError) -> HTMLResponse:
     """A typed error as a page saying what went wrong (never a stack trace)."""
     return render(request, "error.html", exc.status, error=exc)

@@ -485,6 +485,14 @@ def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
         assert response is not None and response.status == 404
         expect(page.get_by_role("heading", name="Not found")).to_be_visible()
         expect(page.get_by_role("alert")).to_contain_text("no record")
+    # an address that is no page at all: a page to a browser, the JSON envelope to a client
+    for path in ("/nope", "/records/<b>x</b>"):
+        response = page.goto(srv.url + path)
+        assert response is not None and response.status == 404
+        expect(page.get_by_role("heading", name="Not found")).to_be_visible()
+        expect(page.get_by_role("alert")).to_have_text(f"no route {path}")
+    answer = httpx.get(f"{srv.url}/nope", headers=srv.headers, timeout=10)
+    assert answer.status_code == 404 and answer.json()["error"] == "not_found"
 
 
 def test_api_docs_render_from_the_package(page: Page, srv: Server) -> None:
