@@ -282,11 +282,15 @@ NAV = (
 def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
     """A page: the template with the navigation, the session's CSRF token and the path."""
     session: Session | None = request.scope.get("metanode.session")
+    flash = None
+    if session is not None:  # said once: on the page that follows what left it
+        flash, session.flash = session.flash, None
     html = TEMPLATES.get_template(template).render(
         nav=NAV,
         path=request.url.path,
         session=session,
         csrf=session.csrf if session else "",
+        flash=flash,
         **context,
     )
     return HTMLResponse(html, status_code=status, headers={"Cache-Control": "no-store"})
@@ -318,6 +322,14 @@ def wants_page(request: Request) -> bool:
         and "text/html" in accepts
         and not request.url.path.startswith("/api/")
     )
+
+
+def after_form(request: Request, page: str, kind: str, text: str) -> Response:
+    """On to `page`, which says `text` once (`Session.flash`, kind "notice" or "error"): what
+    a form did, or why it was refused, on the page where it was sent from."""
+    session: Session = request.scope["metanode.session"]
+    session.flash = (kind, text)
+    return RedirectResponse(page, status_code=303)
 
 
 def error_page(request: Request, exc: MetanodeError) -> HTMLResponse:
@@ -428,6 +440,7 @@ class Pages:
             kind=kind,
             types=self.node.library_types(),
             older=rows[PAGE - 1].rid if more else None,
+            paged=before is not None,
         )
 
     # -- one record ------------------------------------------------------------------------------
@@ -461,23 +474,7 @@ class Pages:
             doc=document,
             title=record.get("title") or record.get("filePath", rid).rsplit("/", 1)[-1],
             fields=fields,
-            flash=self._flashed(request),
         )
-
-    @staticmethod
-    def _flashed(request: Request) -> tuple[str, str] | None:
-        """What the session's last edit left to say, said once."""
-        session: Session = request.scope["metanode.session"]
-        flash, session.flash = session.flash, None
-        return flash
-
-    @staticmethod
-    def _back(request: Request, rid: str, kind: str, text: str) -> Response:
-        """The record page again, saying `text` once (`Session.flash`): an edit's outcome, or
-        why it was refused, where the edit was made (what was typed is the field's to show)."""
-        session: Session = request.scope["metanode.session"]
-        session.flash = (kind, text)
-        return RedirectResponse(f"/records/{rid}", status_code=303)
 
     async def edit(self, request: Request) -> Response:
         """POST /records/{rid}/edit: the owner's word on one key (`save`), or its tombstone
@@ -488,13 +485,14 @@ class Pages:
         key = key.strip()
         if action not in ("save", "revert"):
             raise InvalidRequest("the action must be save or revert")
+        record = f"/records/{rid}"
         if not key or key.startswith(LINK_PREFIX) or key in LOCAL_KEYS:
-            return self._back(request, rid, "error", _unsettable(key))
+            return after_form(request, record, "error", _unsettable(key))
         try:
             said = await self._say(rid, key, value if action == "save" else None)
         except MetanodeError as exc:
-            return self._back(request, rid, "error", f"{key!r} was not changed: {_why(exc)}")
-        return self._back(request, rid, "notice", said)
+            return after_form(request, record, "error", f"{key!r} was not changed: {_why(exc)}")
+        return after_form(request, record, "notice", said)
 
     async def _say(self, rid: str, key: str, value: str | None) -> str:
         """The owner's word on `key` (`value`), or its tombstone on every CID the owner voted
@@ -535,14 +533,25 @@ class Pages:
         return render(request, "plugins.html", plugins=await self.node.plugins())
 
     async def signers(self, request: Request) -> Response:
-        return render(request, "signers.html", signers=self.node.signers())
+        return render(
+            request, "signers.html", signers=self.node.signers(), owner=self.node.owner.uid
+        )
 
     def set_signer(self, status: str) -> Handler:
         """POST /signers/{uid}/block (`blocked`) or /unblock (`active`)."""
 
         async def handler(request: Request) -> Response:
-            await self.node.set_signer_status(request.path_params["uid"], status)
-            return RedirectResponse("/signers", status_code=303)
+            uid = request.path_params["uid"]
+            if uid == self.node.owner.uid and status == "blocked":
+                refused = "The node's own key is not blocked from this page: it signs its edits."
+                return after_form(request, "/signers", "error", refused)
+            row = await self.node.set_signer_status(uid, status)
+            name = row.get("name") or uid
+            if status == "blocked":
+                said = f"Blocked {name}: its votes no longer count (Unblock gives them back)."
+            else:
+                said = f"Unblocked {name}: its votes count again."
+            return after_form(request, "/signers", "notice", said)
 
         return handler
 

@@ -439,10 +439,44 @@ def test_state_changes_without_the_sessions_csrf_token_are_refused(
     page.get_by_role("link", name="Signers").click()
     page.get_by_role("button", name="Block victim").click()
     expect(page.get_by_role("button", name="Unblock victim")).to_be_visible()
+    expect(page.get_by_role("status")).to_have_text(
+        "Blocked victim: its votes no longer count (Unblock gives them back)."
+    )
     assert status() == "blocked"
     page.get_by_role("button", name="Unblock victim").click()
     expect(page.get_by_role("button", name="Block victim")).to_be_visible()
+    expect(page.get_by_role("status")).to_have_text("Unblocked victim: its votes count again.")
     assert status() == "active"
+
+
+def test_the_page_does_not_block_the_nodes_own_key(page: Page, srv: Server) -> None:
+    """The owner's key signs the page's edits: its row offers no Block, and a form sent
+    anyway (with the session's token) is refused with a reason; the API still may."""
+    signers = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
+    owner = next(s["uid"] for s in signers["signers"] if s["name"] == "owner")
+    page.get_by_role("link", name="Signers").click()
+    row = page.get_by_role("row").filter(has=page.get_by_role("rowheader", name="owner"))
+    expect(row).to_contain_text("this node's own key")
+    expect(row.get_by_role("button")).to_have_count(0)
+    page.evaluate(
+        """([uid]) => {
+            const form = document.createElement("form");
+            form.method = "post";
+            form.action = `/signers/${uid}/block`;
+            const csrf = document.createElement("input");
+            csrf.name = "csrf";
+            csrf.value = document.getElementById("main").dataset.csrf;
+            form.append(csrf);
+            document.body.append(form);
+            form.submit();
+        }""",
+        [owner],
+    )
+    expect(page.get_by_role("alert")).to_have_text(
+        "The node's own key is not blocked from this page: it signs its edits."
+    )
+    signers = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
+    assert next(s["status"] for s in signers["signers"] if s["uid"] == owner) == "active"
 
 
 def test_the_cookie_authorises_the_pages_own_api_calls_with_the_csrf_header(
