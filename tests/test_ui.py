@@ -296,6 +296,14 @@ def test_a_new_key_added_on_the_page_is_the_owners(page: Page, srv: Server) -> N
     page.get_by_role("button", name="Add").click()
     expect(field(page, "shelf").locator(".value")).to_have_text("B-12")
     expect(field(page, "shelf")).to_contain_text("owner (100)")
+    # Edit, then Escape: the form closes, and the focus is back on its Edit button
+    edit = page.get_by_role("button", name="Edit shelf")
+    edit.click()
+    expect(page.get_by_label("shelf", exact=True)).to_be_focused()
+    page.keyboard.press("Escape")
+    expect(page.get_by_label("shelf", exact=True)).to_be_hidden()
+    expect(edit).to_be_focused()
+    expect(edit).to_have_attribute("aria-expanded", "false")
 
 
 def test_an_edit_is_said_once_on_the_record_and_a_refused_one_says_why_there(
@@ -379,8 +387,12 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         ctx.set_default_timeout(WAIT_MS)
         live, plugins = ctx.new_page(), ctx.new_page()
         thrown: list[str] = []
+        loaded: list[str] = []  # what failed to load, by URL: a new origin asks for its icon
         for p in (live, plugins):
             p.on("pageerror", lambda exc: thrown.append(str(exc)))
+            p.on(
+                "console", lambda m: loaded.append(m.location["url"]) if m.type == "error" else None
+            )
         sign_in(live, server, server.token)
         live.goto(server.url + "/live")
         expect(live.get_by_role("status")).to_have_text("connected")
@@ -397,6 +409,7 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         expect(live.get_by_role("heading", name="Live")).to_be_visible()
         expect(live.get_by_role("status")).to_have_text("connected")
         assert thrown == []
+        assert [url for url in loaded if url.endswith("/favicon.ico")] == []
         ctx.close()
 
 
@@ -591,8 +604,11 @@ def test_every_page_names_its_controls_and_fits_a_phone(
     into = os.environ.get("METANODE_UI_SCREENSHOTS")
     signed_out = context.browser.new_context() if context.browser else None
     assert signed_out is not None
+    console: list[str] = []  # what the browser complains of (a favicon's 401, a script's error)
+    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
     for name, path in pages.items():
         target = signed_out.new_page() if name == "sign-in" else page
+        target.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
         for width, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
             target.set_viewport_size(viewport)
             target.goto(srv.url + path)
@@ -603,6 +619,8 @@ def test_every_page_names_its_controls_and_fits_a_phone(
             if into:
                 target.screenshot(path=str(Path(into) / f"{name}-{width}.png"), full_page=True)
     signed_out.close()
+    not_found = "Failed to load resource: the server responded with a status of 404 (Not Found)"
+    assert [m for m in console if m != not_found] == []  # the not-found pages' own 404s
 
 
 def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path) -> None:

@@ -6,15 +6,24 @@ function csrf() {
   return main ? main.dataset.csrf || "" : "";
 }
 
-// Edit: show the row's form (its input is labelled with the key) and focus it.
-document.addEventListener("click", (event) => {
-  const button = event.target.closest("button.edit");
-  if (!button) return;
+// Edit: show the row's form (its input is labelled with the key) and focus it; Escape in the
+// form closes it again, back to its Edit button.
+function toggleEdit(button, open) {
   const form = document.getElementById(button.getAttribute("aria-controls"));
-  const open = form.hidden;
   form.hidden = !open;
   button.setAttribute("aria-expanded", String(open));
   if (open) form.querySelector("input[name=value]").focus();
+  else button.focus();
+}
+
+document.addEventListener("click", (event) => {
+  const button = event.target.closest("button.edit");
+  if (button) toggleEdit(button, button.getAttribute("aria-expanded") !== "true");
+});
+
+document.addEventListener("keydown", (event) => {
+  const form = event.key === "Escape" && event.target.closest("form[id^=edit-]");
+  if (form) toggleEdit(document.querySelector(`button[aria-controls="${form.id}"]`), false);
 });
 
 // Live: the change feed through EventSource (it resumes with Last-Event-ID by itself), each
