@@ -582,45 +582,53 @@ def test_every_page_names_its_controls_and_fits_a_phone(
     page: Page, context: BrowserContext, srv: Server
 ) -> None:
     """Every page at desktop and phone width: no control without an accessible name, nothing
-    wider than the screen, long unbroken names and values too (a release's file name, a title
-    of one 300-letter word, a key as long); with METANODE_UI_SCREENSHOTS, a PNG of each."""
+    wider than the screen, no error in the browser's console; then the same with long
+    unbroken names and values (a release's file name, a title of one 300-letter word, a key as
+    long). With METANODE_UI_SCREENSHOTS, a PNG of each page before the long ones."""
     midhash = titled(srv, drop(srv, "Paper.Moons.2020.mkv"), "Paper Moons")
     shutil.copy(srv.media / "Paper.Moons.2020.mkv", srv.media / "paper-moons-copy.mkv")
+    pages = {**PAGES, "record": f"/records/{midhash}", "sign-in": "/", "not-found": "/records/x"}
+    signed_out = context.browser.new_context() if context.browser else None
+    assert signed_out is not None
+    console: list[str] = []  # what the browser complains of (a failed load, a script's error)
+    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+    into = os.environ.get("METANODE_UI_SCREENSHOTS")
+    for name, path in pages.items():
+        target = signed_out.new_page() if name == "sign-in" else page
+        target.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+        fits(target, srv.url + path, name, Path(into) if into else None)
+
     long_name = "The.Extraordinarily.Long.Named.Film.2021.2160p.UHD.BluRay.REMUX.HDR.HEVC-GRP.mkv"
     long_one = midhash_of(srv, drop(srv, long_name))
     writer = Signer()
     srv.register(writer.uid, "writer", weight=5)
     word = "Supercalifragilistic" * 15
     post(srv, writer.claim(long_one, "title", word, now_ms()), writer.claim(long_one, word, "x"))
-    pages = {
-        **PAGES,
-        "record": f"/records/{midhash}",
-        "long-record": f"/records/{long_one}",
-        "long-library": "/?q=" + word[:30],
-        "sign-in": "/",
-        "not-found": "/records/x",
-        "long-not-found": "/records/" + word,
-    }
-    into = os.environ.get("METANODE_UI_SCREENSHOTS")
-    signed_out = context.browser.new_context() if context.browser else None
-    assert signed_out is not None
-    console: list[str] = []  # what the browser complains of (a favicon's 401, a script's error)
-    page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
-    for name, path in pages.items():
-        target = signed_out.new_page() if name == "sign-in" else page
-        target.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
-        for width, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
-            target.set_viewport_size(viewport)
-            target.goto(srv.url + path)
-            target.wait_for_load_state("networkidle")
-            assert target.evaluate(NAMELESS_CONTROLS) == [], name
-            overflow = target.evaluate("document.documentElement.scrollWidth - innerWidth")
-            assert overflow <= 0, f"{name} is {overflow} px wider than a {width} screen"
-            if into:
-                target.screenshot(path=str(Path(into) / f"{name}-{width}.png"), full_page=True)
+    for name, path in {
+        "long record": f"/records/{long_one}",
+        "long library": "/?q=" + word[:30],
+        "files": "/files",
+        "signers": "/signers",
+        "long not-found": "/records/" + word,
+    }.items():
+        fits(page, srv.url + path, name, None)
     signed_out.close()
     not_found = "Failed to load resource: the server responded with a status of 404 (Not Found)"
     assert [m for m in console if m != not_found] == []  # the not-found pages' own 404s
+
+
+def fits(page: Page, url: str, name: str, into: Path | None) -> None:
+    """`url` at desktop and phone width: every control named, nothing wider than the screen;
+    a screenshot of each width into `into`, if given."""
+    for width, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+        page.set_viewport_size(viewport)
+        page.goto(url)
+        page.wait_for_load_state("networkidle")
+        assert page.evaluate(NAMELESS_CONTROLS) == [], name
+        overflow = page.evaluate("document.documentElement.scrollWidth - innerWidth")
+        assert overflow <= 0, f"{name} is {overflow} px wider than a {width} screen"
+        if into is not None:
+            page.screenshot(path=str(into / f"{name}-{width}.png"), full_page=True)
 
 
 def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path) -> None:
