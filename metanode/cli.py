@@ -37,25 +37,29 @@ from metanode import (
     watcher,
 )
 from metanode.clock import now_ms
-from metanode.errors import InvalidBatch, InvalidRequest, MetanodeError, storage_error
+from metanode.errors import (
+    FileFailed,
+    InvalidBatch,
+    InvalidRequest,
+    MetanodeError,
+    storage_error,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def reports_errors(func: F) -> F:
     """Turn a `MetanodeError` into `error: <slug>: <message>` on stderr and exit code 2; so too
-    a storage failure met outside the database layer (a file write: the token, a key, a backup
-    copy), as its typed `StorageError`."""
+    a file operation that failed outside the database layer (the token, a key, a backup copy,
+    an `--out`): a full or read-only disk as its typed `StorageError`, any other (a missing
+    folder, a file where a folder was meant) as `FileFailed`, never a traceback."""
 
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
         except OSError as exc:
-            typed = storage_error(exc)
-            if typed is None:
-                raise
-            _fail(typed)
+            _fail(storage_error(exc) or FileFailed.of(exc))
         except MetanodeError as exc:
             _fail(exc)
 
@@ -156,7 +160,9 @@ def keygen(out: str) -> None:
     """Create a new Ed25519 key file and print its uid."""
     try:
         uid = keys.create(out)
-    except FileExistsError:
+    except FileExistsError as exc:
+        if exc.filename != out:  # a file where its folder would be: `file_failed`
+            raise
         raise InvalidRequest(f"{out} already exists; refusing to overwrite a key") from None
     click.echo(uid)
 

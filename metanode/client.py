@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +30,7 @@ import nacl.signing
 
 from metanode import claims
 from metanode.clock import now_ms
-from metanode.errors import NotMetanode, Unreachable
+from metanode.errors import InvalidRequest, NotMetanode, Unreachable
 
 
 class ClientError(Exception):
@@ -99,7 +100,8 @@ def _reason(exc: httpx.TransportError) -> str:
 
 
 class Client:
-    """Talks to one node; `key` is needed only to sign."""
+    """Talks to one node; `key` is needed only to sign. A `url` that is no http(s) address
+    raises `InvalidRequest` here, rather than every request failing as if no node answered."""
 
     def __init__(
         self,
@@ -108,6 +110,9 @@ class Client:
         key: nacl.signing.SigningKey | None = None,
         timeout: float = 30.0,
     ) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidRequest(f"{url!r} is not a node's address (http://host:port)")
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)

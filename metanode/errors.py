@@ -24,6 +24,7 @@ The tree, by family:
 from __future__ import annotations
 
 import errno
+import shutil
 from typing import Any, ClassVar
 
 
@@ -372,6 +373,22 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
         if exc.filename or where
         else f"the data directory failed: {exc.strerror}"
     )
+
+
+class FileFailed(MetanodeError):
+    """A file or folder named to a command (`--out`, `--data-dir`, a backup's folder) cannot be
+    used as asked: missing, not a folder, a name too long, already there. What a full,
+    read-only or forbidden disk gives is a `StorageError` instead (`storage_error`)."""
+
+    status = 400
+    slug = "file_failed"
+
+    @classmethod
+    def of(cls, exc: OSError) -> FileFailed:
+        if isinstance(exc, shutil.Error) and exc.args and isinstance(exc.args[0], list):
+            return cls("; ".join(str(why) for *_, why in exc.args[0]))  # a tree copy's files
+        where = f"{exc.filename}: " if exc.filename else ""
+        return cls(f"{where}{exc.strerror or exc}")
 
 
 class DataDirLocked(MetanodeError):

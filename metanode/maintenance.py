@@ -248,18 +248,35 @@ def backup(settings: Settings, target: Path) -> Path:
     TARGET is 0700, the copy 0600 (the keys keep theirs)."""
     open_store(settings)
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    suffix = "pgdump" if settings.postgresql else "db"
-    copy = target / f"truth-{stamp}.{suffix}"
-    os.close(os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, datadir.FILE_MODE))
+    copy, keys = _backup_names(target, "pgdump" if settings.postgresql else "db")
     try:
         _copy_truth_into(settings, copy)
-    except BaseException:
-        copy.unlink()
+        if settings.keys_dir.is_dir():
+            shutil.copytree(settings.keys_dir, keys)
+    except BaseException:  # all of it or nothing: never a truth copy without its keys
+        copy.unlink(missing_ok=True)
+        shutil.rmtree(keys, ignore_errors=True)
         raise
-    if settings.keys_dir.is_dir():
-        shutil.copytree(settings.keys_dir, target / f"keys-{stamp}")
     return copy
+
+
+def _backup_names(target: Path, suffix: str) -> tuple[Path, Path]:
+    """`truth-<UTC stamp>.<suffix>` (made here, empty, 0600) and `keys-<stamp>` in `target`,
+    neither there before: a second backup within the same second is `<stamp>-2`, and so on."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    n = 0
+    while True:
+        n += 1
+        tag = stamp if n == 1 else f"{stamp}-{n}"
+        copy, keys = target / f"truth-{tag}.{suffix}", target / f"keys-{tag}"
+        if keys.exists():
+            continue
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+            os.close(os.open(copy, flags, datadir.FILE_MODE))
+        except FileExistsError:
+            continue
+        return copy, keys
 
 
 def _copy_truth_into(settings: Settings, copy: Path) -> None:

@@ -208,6 +208,23 @@ def test_sign_keeps_unicode_readable(key_file: Path) -> None:
     assert run("claim", "verify", stdin=json.dumps(signed, ensure_ascii=False)).exit_code == 0
 
 
+def test_a_path_that_cannot_be_used_is_an_error_line_not_a_traceback(
+    tmp_path: Path, key_file: Path
+) -> None:
+    """A missing folder, a file where a folder is meant, a name too long: `file_failed`,
+    exit 2, like every error of the command line."""
+    (tmp_path / "a-file").write_text("x")
+    for args in (
+        ("export", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "no" / "x")),
+        ("keygen", "--out", str(tmp_path / "a-file" / "k.key")),
+        ("keygen", "--out", str(tmp_path / ("k" * 300 + ".key"))),
+        ("signers", "list", "--data-dir", str(tmp_path / "a-file" / "data")),
+    ):
+        result = run(*args)
+        assert result.exit_code == 2, (args, result.output)
+        assert result.output.startswith("error: file_failed: "), (args, result.output)
+
+
 def test_tampered_claim_fails(key_file: Path) -> None:
     signed = sign(key_file, "--key-name", "title", "--value", "The Matrix", "--ts", str(TS))
     tampered = {**signed, "value": "The Matrix Reloaded"}

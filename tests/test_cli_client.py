@@ -110,6 +110,15 @@ def test_a_refusal_of_the_node_is_an_error_line_not_an_answer(server: Server) ->
     assert httpx.get(f"{server.url}/api/meta/{MIDHASH}", timeout=10).status_code == 404
 
 
+def test_an_address_that_is_no_url_is_bad_input_not_a_missing_node() -> None:
+    for args in (("get", MIDHASH), ("events",), ("claim", "post", "--token", "t", "{}")):
+        done = metanode(*args, "--url", "notaurl")
+        assert (done.returncode, done.stdout) == (2, ""), done
+        assert done.stderr == (
+            "error: invalid_request: 'notaurl' is not a node's address (http://host:port)\n"
+        )
+
+
 def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:
     port = free_port()
     for args in (("get", MIDHASH), ("claim", "post", "--token", "t", "{}")):

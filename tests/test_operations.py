@@ -166,6 +166,31 @@ def cli(*args: str, storage: str = "sqlite") -> subprocess.CompletedProcess[str]
     return done
 
 
+def test_backups_in_one_second_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> None:
+    """Backups are named by the second: the next in the same second gets `-2` rather than
+    failing on the name. A keys folder that cannot be copied (a named pipe in it) fails the
+    backup whole: no truth copy is left without its keys."""
+    data, into = tmp_path / "data", tmp_path / "bk"
+    cli("init", "--data-dir", str(data))
+    first, second = (
+        Path(cli("backup", str(into), "--data-dir", str(data)).stdout.strip()) for _ in "12"
+    )
+    assert first != second and first.is_file() and second.is_file()
+    assert len([p for p in into.iterdir() if p.name.startswith("keys-")]) == 2
+    os.mkfifo(data / "keys" / "a-pipe")
+    bad = ["backup", str(tmp_path / "bad"), "--data-dir", str(data)]
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", *bad],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    pipe = data / "keys" / "a-pipe"
+    assert done.stderr.splitlines()[-1] == f"error: file_failed: `{pipe}` is a named pipe"
+    assert list((tmp_path / "bad").iterdir()) == []
+
+
 def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:
     server = Server(tmp_path / "data").start()
     signer = Signer()
