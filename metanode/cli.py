@@ -458,28 +458,37 @@ def connect(
     return client.Client(url or settings.client_url, token=token, timeout=60)
 
 
-def _print_response(node_client: client.Client, response: httpx.Response) -> None:
+def _print_response(
+    node_client: client.Client, response: httpx.Response, places: Sequence[str] = ()
+) -> None:
     """A good answer's JSON on stdout; the node's refusal as every error of the CLI comes out
     (`_refused`), not its envelope on stdout, where a script would take it for the answer."""
     try:
         node_client.answer(response)
     except client.ClientError as exc:
-        _refused(exc)
+        _refused(exc, places)
     click.echo(response.text)
 
 
-def _refused(exc: client.ClientError) -> NoReturn:
+def _refused(exc: client.ClientError, places: Sequence[str] = ()) -> NoReturn:
     """The node's refusal: `error: <slug>: <message>` on stderr, then each rejected claim of a
-    batch (`invalid_batch`) on a line of its own, by its index; exit 2."""
+    batch (`invalid_batch`) on a line of its own, named where the command read it (`places`,
+    by the batch's index: `argument 2`, `claim 3` of stdin), else by that index; exit 2."""
     items = exc.body.get("items")
     lines = [f"error: {exc.slug}: {exc.body.get('message')}"]
     lines += [
-        f"  claim {item.get('index')}: {item.get('error')}: {item.get('message')}"
+        f"  {_place(places, item.get('index'))}: {item.get('error')}: {item.get('message')}"
         for item in (items if isinstance(items, list) else [])
         if isinstance(item, dict)
     ]
     click.echo("\n".join(lines), err=True)
     sys.exit(2)
+
+
+def _place(places: Sequence[str], index: object) -> str:
+    if isinstance(index, int) and 0 <= index < len(places):
+        return places[index]
+    return f"claim {index}"
 
 
 @claim.command("post")
@@ -495,17 +504,17 @@ def claim_post(
     data_dir: str | None,
 ) -> None:
     """POST claims (arguments, or JSON lines / a JSON array on stdin) as one batch."""
-    items = (
-        [jsonl.loads(c, f"argument {n}") for n, c in enumerate(claim_json, 1)]
+    read = (
+        [(f"argument {n}", jsonl.loads(c, f"argument {n}")) for n, c in enumerate(claim_json, 1)]
         if claim_json
-        else [item for _, item in jsonl.read(sys.stdin.buffer)]
+        else [(f"claim {n}", item) for n, item in jsonl.read(sys.stdin.buffer)]
     )
-    if not items:
+    if not read:
         raise InvalidRequest("no claims to post")
+    places, items = zip(*read, strict=True)
     with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
-        _print_response(
-            node_client, node_client.request("POST", "/api/claims", json={"claims": items})
-        )
+        response = node_client.request("POST", "/api/claims", json={"claims": list(items)})
+        _print_response(node_client, response, places)
 
 
 @main.command()

@@ -101,11 +101,16 @@ def test_a_refusal_of_the_node_is_an_error_line_not_an_answer(server: Server) ->
         json={"uid": alice.uid, "name": "alice of the refusals"},
     ).raise_for_status()
     good = alice.claim(MIDHASH, "title", "Found")
-    refused = metanode("claim", "post", env=env, stdin=json.dumps([good, {**good, "value": "X"}]))
+    bad = {**good, "value": "X"}
+    refused = metanode("claim", "post", env=env, stdin=json.dumps([good, bad]))
     assert (refused.returncode, refused.stdout) == (2, "")
     assert refused.stderr.splitlines() == [
         "error: invalid_batch: 1 claim(s) rejected; nothing was written",
-        "  claim 1: bad_signature: signature does not verify against uid",
+        "  claim 2: bad_signature: signature does not verify against uid",
+    ]  # named as read: the array's second element (or a JSON line's number)
+    refused = metanode("claim", "post", json.dumps(bad), json.dumps(good), env=env)
+    assert refused.stderr.splitlines()[1:] == [
+        "  argument 1: bad_signature: signature does not verify against uid"
     ]
     assert httpx.get(f"{server.url}/api/meta/{MIDHASH}", timeout=10).status_code == 404
 
