@@ -260,6 +260,13 @@ def init(config_file: str | None, data_dir: str | None) -> None:
         click.echo(f"API token: in {settings.token_path}")
 
 
+def node_settings(config_file: str | None, data_dir: str | None) -> config.Settings:
+    """The settings of a command that reads an existing node (`maintenance.require_node`)."""
+    settings = load_settings(config_file, data_dir=data_dir)
+    maintenance.require_node(settings)
+    return settings
+
+
 def watching(settings: config.Settings) -> str:
     """The start-up line naming what the watcher watches, so a wrong folder shows at once."""
     if not settings.watch_enabled:
@@ -390,7 +397,7 @@ def signers_add(
 @reports_errors
 def signers_list(config_file: str | None, data_dir: str | None) -> None:
     """Print every registered signer as one JSON line."""
-    for row in maintenance.signers(load_settings(config_file, data_dir=data_dir)):
+    for row in maintenance.signers(node_settings(config_file, data_dir)):
         click.echo(json.dumps(row.as_json()))
 
 
@@ -400,9 +407,7 @@ def _status_command(name: str, status: str) -> None:
     @settings_options
     @reports_errors
     def command(uid: str, config_file: str | None, data_dir: str | None) -> None:
-        row = maintenance.set_signer_status(
-            load_settings(config_file, data_dir=data_dir), uid, status
-        )
+        row = maintenance.set_signer_status(node_settings(config_file, data_dir), uid, status)
         click.echo(json.dumps(row.as_json()))
 
     command.__doc__ = f"Set UID's status to {status}; the records it voted on are recomputed."
@@ -668,7 +673,7 @@ def peers_token_revoke(name: str, config_file: str | None, data_dir: str | None)
 @reports_errors
 def rebuild_cache(config_file: str | None, data_dir: str | None) -> None:
     """Recompute cache.db from truth.db under a new feed epoch (local files are kept)."""
-    state = maintenance.rebuild_cache(load_settings(config_file, data_dir=data_dir))
+    state = maintenance.rebuild_cache(node_settings(config_file, data_dir))
     click.echo(f"rebuilt: epoch {state.epoch}, applied seq {state.applied_seq}")
 
 
@@ -680,7 +685,7 @@ def check(config_file: str | None, data_dir: str | None) -> None:
 
     Exits 1 and prints each difference if anything disagrees.
     """
-    settings = load_settings(config_file, data_dir=data_dir)
+    settings = node_settings(config_file, data_dir)
     with tempfile.TemporaryDirectory() as scratch:
         report = maintenance.check(settings, Path(scratch) / "cache.db")
     _report_check(report)
@@ -821,7 +826,7 @@ def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
 
     Restore by putting the copy back as truth.db: the cache is rebuilt from it on start.
     """
-    settings = load_settings(config_file, data_dir=data_dir)
+    settings = node_settings(config_file, data_dir)
     click.echo(maintenance.backup(settings, Path(target)))
 
 
@@ -840,7 +845,7 @@ def export_command(
     uid: str | None, out: str, config_file: str | None, data_dir: str | None
 ) -> None:
     """Write every stored claim, retractions included, as JSON lines of wire claims."""
-    settings = load_settings(config_file, data_dir=data_dir)
+    settings = node_settings(config_file, data_dir)
     total, rows = maintenance.export_claims(settings, uid)
     with click.open_file(out, "wb") as sink, logs.progress_bar() as bar:
         task = bar.add_task("claims", total=total)

@@ -375,6 +375,14 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     )
 
 
+class NoNode(MetanodeError):
+    """A command that reads a node's data was given a data directory that holds none (a
+    mistyped `--data-dir`): refused, rather than made anew and reported on as empty."""
+
+    status = 404
+    slug = "no_node"
+
+
 class FileFailed(MetanodeError):
     """A file or folder named to a command (`--out`, `--data-dir`, a backup's folder) cannot be
     used as asked: missing, not a folder, a name too long, already there. What a full,

@@ -35,6 +35,7 @@ from metanode.errors import (
     BadSignature,
     InvalidBatch,
     InvalidRequest,
+    NoNode,
     TargetNotEmpty,
     UnknownPeer,
 )
@@ -76,6 +77,18 @@ def open_store(settings: Settings) -> None:
     datadir.secure(settings.data_dir)
     truth.TruthStore.configured(settings).migrate()
     cache.CacheStore.configured(settings).migrate()
+
+
+def require_node(settings: Settings) -> None:
+    """Raise `NoNode` unless the data directory holds a node's truth (on SQLite its truth.db;
+    on PostgreSQL the database is the node, whatever the folder): for the commands that read
+    one (`backup`, `check`, `export`, ...), which would otherwise make an empty node in a
+    mistyped folder and report on it with success."""
+    if not settings.postgresql and not settings.truth_path.is_file():
+        raise NoNode(
+            f"{settings.data_dir} holds no node (no truth.db): name the data directory with "
+            "--data-dir, or make one there with `metanode init`"
+        )
 
 
 def check_writable(settings: Settings) -> None:

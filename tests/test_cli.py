@@ -214,15 +214,34 @@ def test_a_path_that_cannot_be_used_is_an_error_line_not_a_traceback(
     """A missing folder, a file where a folder is meant, a name too long: `file_failed`,
     exit 2, like every error of the command line."""
     (tmp_path / "a-file").write_text("x")
+    assert run("init", "--data-dir", str(tmp_path / "data")).exit_code == 0
     for args in (
         ("export", "--data-dir", str(tmp_path / "data"), "--out", str(tmp_path / "no" / "x")),
         ("keygen", "--out", str(tmp_path / "a-file" / "k.key")),
         ("keygen", "--out", str(tmp_path / ("k" * 300 + ".key"))),
-        ("signers", "list", "--data-dir", str(tmp_path / "a-file" / "data")),
+        ("init", "--data-dir", str(tmp_path / "a-file" / "data")),
     ):
         result = run(*args)
         assert result.exit_code == 2, (args, result.output)
         assert result.output.startswith("error: file_failed: "), (args, result.output)
+
+
+def test_a_data_directory_without_a_node_is_refused_not_made(tmp_path: Path) -> None:
+    """The commands that read a node refuse a folder that holds none (a mistyped --data-dir)
+    instead of making an empty node there and reporting on it with success."""
+    typo = tmp_path / "dat"
+    for args in (
+        ("backup", str(tmp_path / "bk")),
+        ("check",),
+        ("export",),
+        ("rebuild-cache",),
+        ("signers", "list"),
+        ("signers", "block", "z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"),
+    ):
+        result = run(*args, "--data-dir", str(typo))
+        assert result.exit_code == 2, (args, result.output)
+        assert result.output.startswith(f"error: no_node: {typo} holds no node"), result.output
+        assert not typo.exists() and not (tmp_path / "bk").exists()
 
 
 def test_tampered_claim_fails(key_file: Path) -> None:
