@@ -376,16 +376,25 @@ def signers() -> None:
 @click.option(
     "--weight",
     type=click.IntRange(0, merge.MAX_WEIGHT),
-    default=merge.DEFAULT_WEIGHT,
-    show_default=True,
+    default=None,
+    help=f"Its weight (a new signer: {merge.DEFAULT_WEIGHT}; a known one keeps its own).",
 )
-@click.option("--may-link", is_flag=True, help="Allow its cids/ votes to link groups.")
+@click.option(
+    "--may-link/--no-may-link",
+    default=None,
+    help="Whether its cids/ votes may link groups (a new signer: no; a known one keeps its own).",
+)
 @settings_options
 @reports_errors
 def signers_add(
-    uid: str, name: str, weight: int, may_link: bool, config_file: str | None, data_dir: str | None
+    uid: str,
+    name: str,
+    weight: int | None,
+    may_link: bool | None,
+    config_file: str | None,
+    data_dir: str | None,
 ) -> None:
-    """Register UID (or update its name, weight and link permission)."""
+    """Register UID (or update its name, and its weight and link permission where given)."""
     row = maintenance.add_signer(
         load_settings(config_file, data_dir=data_dir), uid, name, weight, may_link
     )

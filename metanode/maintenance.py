@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, datadir, keys, truth
+from metanode import cache, claims, datadir, keys, merge, truth
 from metanode import rid as rids
 from metanode.applier import cache_needs_build
 from metanode.clock import now_ms
@@ -109,12 +109,18 @@ def truth_store(settings: Settings) -> truth.TruthStore:
 
 
 def add_signer(
-    settings: Settings, uid: str, name: str, weight: int, may_link: bool
+    settings: Settings, uid: str, name: str, weight: int | None, may_link: bool | None
 ) -> truth.SignerRow:
-    """`metanode signers add`: register `uid` (or update its name, weight and link permission);
-    the server, if one runs, sees it at its next poll."""
+    """`metanode signers add`: register `uid` (or update its name, and its weight and link
+    permission where given: None keeps a known signer's, so renaming the owner does not take
+    its weight of 100 away); the server, if one runs, sees it at its next poll."""
     claims.public_key(uid)
     with truth_store(settings) as store:
+        known = store.signer(uid)
+        if weight is None:
+            weight = known.weight if known else merge.DEFAULT_WEIGHT
+        if may_link is None:
+            may_link = known.may_link if known else False
         return store.add_signer_sync(uid, name, weight, may_link)
 
 

@@ -244,6 +244,27 @@ def test_a_data_directory_without_a_node_is_refused_not_made(tmp_path: Path) -> 
         assert not typo.exists() and not (tmp_path / "bk").exists()
 
 
+def test_signers_add_again_changes_only_what_it_is_given(tmp_path: Path) -> None:
+    """Re-adding a known signer (to rename it) keeps its weight and link permission unless
+    they are given: renaming the owner never takes its weight of 100 away."""
+    data = str(tmp_path / "data")
+    uid = "z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+
+    def add(*flags: str) -> dict[str, Any]:
+        result = run("signers", "add", uid, *flags, "--data-dir", data)
+        assert result.exit_code == 0, result.output
+        row: dict[str, Any] = json.loads(result.output)
+        return row
+
+    assert (add("--name", "new")["weight"], add("--name", "new")["may_link"]) == (1, False)
+    row = add("--name", "heavy", "--weight", "7", "--may-link")
+    assert (row["weight"], row["may_link"]) == (7, True)
+    row = add("--name", "renamed")
+    assert (row["name"], row["weight"], row["may_link"]) == ("renamed", 7, True)
+    row = add("--name", "renamed", "--no-may-link")
+    assert (row["weight"], row["may_link"]) == (7, False)
+
+
 def test_tampered_claim_fails(key_file: Path) -> None:
     signed = sign(key_file, "--key-name", "title", "--value", "The Matrix", "--ts", str(TS))
     tampered = {**signed, "value": "The Matrix Reloaded"}
