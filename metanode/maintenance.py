@@ -311,7 +311,10 @@ def _copy_truth_into(settings: Settings, copy: Path) -> None:
 
 
 def export_claims(settings: Settings, uid: str | None) -> tuple[int, Iterator[dict[str, Any]]]:
-    """Every stored claim (tombstones too) as wire dicts, optionally of one signer: (count, it)."""
+    """Every stored claim (tombstones too) as wire dicts, optionally of one signer: (count, it).
+    A `uid` that is no uid is `invalid_uid`, not an export of nothing."""
+    if uid is not None:
+        claims.public_key(uid)
     with truth_store(settings) as store:
         total = store.claim_count(uid)
     return total, (claim.wire() for claim in truth.TruthStore.configured(settings).claims(uid))

@@ -265,6 +265,12 @@ def test_signers_add_again_changes_only_what_it_is_given(tmp_path: Path) -> None
     assert (row["weight"], row["may_link"]) == (7, False)
 
 
+def test_export_of_a_signer_that_is_no_uid_is_refused(tmp_path: Path) -> None:
+    assert run("init", "--data-dir", str(tmp_path / "data")).exit_code == 0
+    result = run("export", "--signer", "notauid", "--data-dir", str(tmp_path / "data"))
+    assert result.exit_code == 2 and result.output.startswith("error: invalid_uid: ")
+
+
 def test_tampered_claim_fails(key_file: Path) -> None:
     signed = sign(key_file, "--key-name", "title", "--value", "The Matrix", "--ts", str(TS))
     tampered = {**signed, "value": "The Matrix Reloaded"}
