@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import urllib.parse
@@ -38,6 +40,7 @@ from metanode import (
 )
 from metanode.clock import now_ms
 from metanode.errors import (
+    CannotListen,
     FileFailed,
     InvalidBatch,
     InvalidRequest,
@@ -303,6 +306,7 @@ def serve(
     datadir.Lock(settings.data_dir).acquire()  # held until the process exits
     maintenance.open_store(settings)
     maintenance.check_writable(settings)
+    sock = listen(settings)  # before the token: one made now is shown, once, below
     token, created = maintenance.ensure_token(settings.token_path)
     url = f"http://{settings.host}:{settings.port}"
     count = settings.worker_count
@@ -313,7 +317,7 @@ def serve(
     else:
         click.echo(f"API token: in {settings.token_path}")
     if count > 1:
-        supervise(settings, count, config_file)
+        supervise(settings, count, config_file, sock)
         return
     from metanode import server
     from metanode.api import create_app
@@ -321,7 +325,20 @@ def serve(
     app = create_app(node.Node(settings))
     stop_cleanly()
     with contextlib.suppress(KeyboardInterrupt):
-        server.run(app, settings)
+        server.run(app, settings, [sock])
+
+
+def listen(settings: config.Settings) -> socket.socket:
+    """The address taken before anything says the node serves: a port another server holds
+    is `cannot_listen` (exit 2), not a "serving" line followed by a failure."""
+    from metanode import workers
+
+    try:
+        return workers.listen(settings)
+    except OSError as exc:
+        where = f"{settings.host}:{settings.port}"
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)  # not create_server's repeat
+        raise CannotListen(f"{where}: {reason}") from None
 
 
 def stop_cleanly() -> None:
@@ -330,15 +347,13 @@ def stop_cleanly() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
 
 
-def supervise(settings: config.Settings, count: int, config_file: str | None) -> None:
-    """`serve --workers N`: bind once, run the workers (workers.py) until SIGTERM/SIGINT."""
+def supervise(
+    settings: config.Settings, count: int, config_file: str | None, sock: socket.socket
+) -> None:
+    """`serve --workers N`: run the workers (workers.py) on the bound `sock` until
+    SIGTERM/SIGINT."""
     from metanode import workers
 
-    try:
-        sock = workers.listen(settings)
-    except OSError as exc:
-        click.echo(f"error: cannot listen on {settings.host}:{settings.port}: {exc}", err=True)
-        raise SystemExit(3) from exc  # as a single process that could not start
     base = ["--data-dir", str(settings.data_dir), "--host", settings.host]
     base += ["--port", str(settings.port), *(["--config", config_file] if config_file else [])]
     metrics, status = workers.metrics_path(settings), workers.status_path(settings)

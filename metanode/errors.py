@@ -375,6 +375,14 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     )
 
 
+class CannotListen(MetanodeError):
+    """`serve` cannot take its address (another server holds the port, no such interface):
+    said before anything claims the node is serving."""
+
+    status = 503
+    slug = "cannot_listen"
+
+
 class NoNode(MetanodeError):
     """A command that reads a node's data was given a data directory that holds none (a
     mistyped `--data-dir`): refused, rather than made anew and reported on as empty."""

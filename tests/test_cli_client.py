@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -122,6 +123,30 @@ def test_an_address_that_is_no_url_is_bad_input_not_a_missing_node() -> None:
         assert done.stderr == (
             "error: invalid_request: 'notaurl' is not a node's address (http://host:port)\n"
         )
+
+
+def test_serve_on_a_port_another_server_holds_says_so_and_never_that_it_serves(
+    tmp_path: Path,
+) -> None:
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    try:
+        for workers in ("1", "2"):
+            done = metanode(
+                "serve",
+                "--port",
+                str(port),
+                "--workers",
+                workers,
+                env={"METANODE_DATA_DIR": str(tmp_path / "data"), "METANODE_WATCH_ENABLED": "0"},
+            )
+            assert done.returncode == 2, done
+            assert "serving" not in done.stdout
+            assert done.stderr.splitlines()[-1] == (
+                f"error: cannot_listen: 127.0.0.1:{port}: Address already in use"
+            )
+    finally:
+        holder.close()
 
 
 def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:
