@@ -560,10 +560,9 @@ def get(
 ) -> None:
     """Print the merged document of CID_VALUE from a running node."""
     params = {"as": viewer} if viewer else {}
+    path = f"/api/meta/{urllib.parse.quote(cid_value, safe='')}"  # a CID, never another route
     with connect(config_file, data_dir, url) as node_client:
-        _print_response(
-            node_client, node_client.request("GET", f"/api/meta/{cid_value}", params=params)
-        )
+        _print_response(node_client, node_client.request("GET", path, params=params))
 
 
 # -- peers (docs/peers.md) ----------------------------------------------------------------------

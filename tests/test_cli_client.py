@@ -90,7 +90,8 @@ def test_a_refusal_of_the_node_is_an_error_line_not_an_answer(server: Server) ->
     slug, exit 2), a rejected batch with one line per claim: never the error envelope on stdout,
     where a script reads the answer."""
     env = {"METANODE_PORT": str(server.port), "METANODE_DATA_DIR": str(server.data_dir)}
-    for cid, slug in ((MIDHASH, "unknown_cid"), ("not-a-cid", "invalid_cid")):
+    asked = {MIDHASH: "unknown_cid", "not-a-cid": "invalid_cid", "../../health": "not_found"}
+    for cid, slug in asked.items():  # the last one a CID's path, never the /health route
         refused = metanode("get", cid, env=env)
         assert (refused.returncode, refused.stdout) == (2, "")
         assert refused.stderr.startswith(f"error: {slug}: ") and refused.stderr.count("\n") == 1
