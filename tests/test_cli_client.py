@@ -50,12 +50,7 @@ def test_client_commands_find_a_node_on_another_port_from_the_settings(
     assert metanode("get", MIDHASH, env=env).stderr.startswith("error: unknown_cid: ")
 
     alice = Signer()
-    httpx.post(
-        f"{server.url}/api/signers",
-        headers=server.headers,
-        timeout=10,
-        json={"uid": alice.uid, "name": "alice"},
-    ).raise_for_status()
+    server.register(alice.uid, "alice")
     claim = alice.claim(MIDHASH, "title", "Found")
     posted = metanode("claim", "post", env=env, stdin=json.dumps(claim))
     assert posted.returncode == 0, posted.stderr
@@ -96,12 +91,7 @@ def test_a_refusal_of_the_node_is_an_error_line_not_an_answer(server: Server) ->
         assert (refused.returncode, refused.stdout) == (2, "")
         assert refused.stderr.startswith(f"error: {slug}: ") and refused.stderr.count("\n") == 1
     alice = Signer()
-    httpx.post(
-        f"{server.url}/api/signers",
-        headers=server.headers,
-        timeout=10,
-        json={"uid": alice.uid, "name": "alice of the refusals"},
-    ).raise_for_status()
+    server.register(alice.uid, "alice of the refusals")
     good = alice.claim(MIDHASH, "title", "Found")
     bad = {**good, "value": "X"}
     refused = metanode("claim", "post", env=env, stdin=json.dumps([good, bad]))
