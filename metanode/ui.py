@@ -85,8 +85,8 @@ class Session:
     sid: str
     csrf: str
     expires: float
-    # what the next record page says once ("notice" or "error", the text): kept here, never
-    # in the URL, where anyone could word a message for the page to show
+    # what the next page says once ("notice" or "error", the text; `after_form`): kept here,
+    # never in the URL, where anyone could word a message for the page to show
     flash: tuple[str, str] | None = None
 
 
