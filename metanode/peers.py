@@ -137,7 +137,10 @@ class Follower:
             log.warning("peer %s: reconciliation failed; pulling its log from the start", self.name)
 
     def _failed(self, exc: MetanodeError) -> None:
+        """A failed pull: said in `last_error`, and the follower counts as behind from the
+        first failure on (a peer that stopped answering is not one it has kept up with)."""
         self.last_error = f"{exc.slug}: {exc.message}"
+        self.behind_since = self.behind_since or time.monotonic()
         log.warning("peer %s: %s", self.name, self.last_error)
 
     async def _pause(self, seconds: float) -> None:

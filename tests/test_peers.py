@@ -192,6 +192,11 @@ def test_b_follows_a_and_ends_with_a_s_documents_live_and_through_tombstones(
     assert b.meta(c[5]) == a.meta(c[5])
     assert peer_status(b)["last_error"] == ""
 
+    # A stops answering: B says so, and no longer counts itself caught up with it
+    a.stop()
+    wait_for(lambda: peer_status(b)["last_error"].startswith("peer_failed"), "B to see A fail")
+    wait_for(lambda: peer_status(b)["lag_s"] > 0, "B's lag behind the silent A to grow")
+
 
 def test_a_follower_killed_mid_sync_ends_with_exactly_the_peer_s_claims(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
