@@ -11,6 +11,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from metanode import db, keys, logs, pg, truth
+from metanode import db, keys, logs, maintenance, pg, truth
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.postgres import Storages
@@ -166,10 +167,26 @@ def cli(*args: str, storage: str = "sqlite") -> subprocess.CompletedProcess[str]
     return done
 
 
-def test_backups_in_one_second_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> None:
-    """Backups are named by the second: the next in the same second gets `-2` rather than
-    failing on the name. A keys folder that cannot be copied (a named pipe in it) fails the
-    backup whole: no truth copy is left without its keys."""
+def test_backup_names_within_one_second_never_meet(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Backups are named by the second: the next ones within it get `-2`, `-3` rather than
+    failing on the name, past a keys folder already there too (the clock held still)."""
+    still = time.gmtime(1796083584)
+    monkeypatch.setattr(time, "gmtime", lambda *_: still)
+    (tmp_path / "keys-20261201T000624Z-3").mkdir()
+    names = [maintenance._backup_names(tmp_path, "db") for _ in "123"]
+    assert [(copy.name, folder.name) for copy, folder in names] == [
+        ("truth-20261201T000624Z.db", "keys-20261201T000624Z"),
+        ("truth-20261201T000624Z-2.db", "keys-20261201T000624Z-2"),
+        ("truth-20261201T000624Z-4.db", "keys-20261201T000624Z-4"),
+    ]
+    assert all(copy.is_file() and copy.stat().st_mode & 0o777 == 0o600 for copy, _ in names)
+
+
+def test_two_backups_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> None:
+    """Each backup is a truth copy and its keys. A keys folder that cannot be copied (a named
+    pipe in it) fails the backup whole: no truth copy is left without its keys."""
     data, into = tmp_path / "data", tmp_path / "bk"
     cli("init", "--data-dir", str(data))
     first, second = (
