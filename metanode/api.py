@@ -408,22 +408,22 @@ def _limit(request: Request, default: int = 100) -> int:
     return value
 
 
-def _signer_body(body: Any) -> tuple[str, str, int, bool]:
-    """(uid, name, weight, may_link) from a POST /api/signers body, or a clear error."""
+def _signer_body(body: Any) -> tuple[str, str | None, int | None, bool | None]:
+    """(uid, name, weight, may_link) from a POST /api/signers body, or a clear error; what is
+    left out is None (a known signer keeps its own, a new one gets the defaults)."""
     if not isinstance(body, dict) or not isinstance(body.get("uid"), str):
         raise InvalidRequest('the body must be {"uid": "z6Mk…", "name", "weight", "may_link"}')
     refuse_unknown(body, SIGNER_MEMBERS)
-    name = body.get("name", "")
-    may_link = body.get("may_link", False)
-    if not isinstance(name, str) or utf8_size(name) is None:
+    name, may_link = body.get("name"), body.get("may_link")
+    if "name" in body and (not isinstance(name, str) or utf8_size(name) is None):
         raise InvalidRequest("name must be a string of valid Unicode")
-    weight = _weight(body, merge.DEFAULT_WEIGHT)
-    if not isinstance(may_link, bool):
+    weight = _weight(body) if "weight" in body else None
+    if "may_link" in body and not isinstance(may_link, bool):
         raise InvalidRequest("may_link must be true or false")
     return body["uid"], name, weight, may_link
 
 
-def _weight(body: dict[str, Any], default: int) -> int:
+def _weight(body: dict[str, Any], default: int = 0) -> int:
     weight = body.get("weight", default)
     if (
         not isinstance(weight, int)
@@ -449,7 +449,7 @@ def _peer_body(body: Any) -> tuple[str, str, int, str]:
     name = body.get("name") or parsed.netloc
     if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
         raise InvalidRequest("name must be 1 to 64 printable characters")
-    return url, token, _weight(body, 0), name
+    return url, token, _weight(body), name
 
 
 def create_app(node: Node) -> Starlette:

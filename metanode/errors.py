@@ -128,6 +128,13 @@ class LinkNotPermitted(SignerPolicyError):
     slug = "link_not_permitted"
 
 
+class OwnerKey(SignerPolicyError):
+    """The box owner's key is not blocked: it signs what a person fixes on the web page, so
+    every edit after would be refused (its words are withdrawn one by one, with Revert)."""
+
+    slug = "owner_key"
+
+
 # -- the request as a whole ---------------------------------------------------------------------
 
 

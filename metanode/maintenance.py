@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, datadir, keys, merge, truth
+from metanode import cache, claims, datadir, keys, truth
 from metanode import rid as rids
 from metanode.applier import cache_needs_build
 from metanode.clock import now_ms
@@ -36,6 +36,7 @@ from metanode.errors import (
     InvalidBatch,
     InvalidRequest,
     NoNode,
+    OwnerKey,
     TargetNotEmpty,
     UnknownPeer,
 )
@@ -69,6 +70,16 @@ def ensure_owner(settings: Settings) -> tuple[str, bool]:
     path = own_key_path(settings, OWNER_NAME)
     created = not path.exists()
     return keys.uid_of_key(keys.load_or_create(path)), created
+
+
+def refuse_owner_block(owner: str | None, uid: str, status: str) -> None:
+    """`OwnerKey` for blocking `owner`, the box owner's uid: the page's edits, which it signs,
+    would all be refused after. The one place of the rule (the API, the page and the CLI)."""
+    if status == "blocked" and uid == owner:
+        raise OwnerKey(
+            "the box owner's key signs the edits made on the web page and is not blocked; "
+            "withdraw its word on a key with Revert on the record instead"
+        )
 
 
 def open_store(settings: Settings) -> None:
@@ -112,20 +123,17 @@ def add_signer(
     settings: Settings, uid: str, name: str, weight: int | None, may_link: bool | None
 ) -> truth.SignerRow:
     """`metanode signers add`: register `uid` (or update its name, and its weight and link
-    permission where given: None keeps a known signer's, so renaming the owner does not take
-    its weight of 100 away); the server, if one runs, sees it at its next poll."""
+    permission where given: `truth.add_signer_txn` keeps a known signer's otherwise); the
+    server, if one runs, sees it at its next poll."""
     claims.public_key(uid)
     with truth_store(settings) as store:
-        known = store.signer(uid)
-        if weight is None:
-            weight = known.weight if known else merge.DEFAULT_WEIGHT
-        if may_link is None:
-            may_link = known.may_link if known else False
         return store.add_signer_sync(uid, name, weight, may_link)
 
 
 def set_signer_status(settings: Settings, uid: str, status: str) -> truth.SignerRow:
     """`metanode signers block|unblock`: the records it voted on are recomputed by the applier."""
+    path = own_key_path(settings, OWNER_NAME)
+    refuse_owner_block(keys.uid_of_key(keys.load(path)) if path.exists() else None, uid, status)
     with truth_store(settings) as store:
         return store.set_signer_status_sync(uid, status)
 

@@ -586,13 +586,17 @@ class Node:
         self.applier.wake()
         await self.applier.wait_replanned(self.truth.max_seq(), self.settings.apply_wait_s)
 
-    async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> dict[str, Any]:
+    async def add_signer(
+        self, uid: str, name: str | None, weight: int | None, may_link: bool | None
+    ) -> dict[str, Any]:
+        """Register `uid`, or update what is given of it (None keeps a known signer's own)."""
         claims.public_key(uid)
         row = await self.register_signer(uid, name, weight, may_link)
         await self._settled()
         return row.as_json()
 
     async def set_signer_status(self, uid: str, status: str) -> dict[str, Any]:
+        maintenance.refuse_owner_block(self.owner.uid, uid, status)
         row = await self.truth.set_signer_status(uid, status)
         await self._settled()
         return row.as_json()
@@ -601,7 +605,7 @@ class Node:
         return [row.as_json() for row in self.truth.signers()]
 
     async def register_signer(
-        self, uid: str, name: str, weight: int, may_link: bool
+        self, uid: str, name: str | None, weight: int | None, may_link: bool | None
     ) -> truth.SignerRow:
         """Register (or re-weigh) a signer the node itself holds the key of, without waiting
         for the cache; the applier is woken, as a new weight re-merges what it signed."""

@@ -1428,15 +1428,32 @@ def ensure_groups_txn(conn: Connection, cids: Sequence[str], minter: Minter, now
 
 
 def add_signer_txn(
-    conn: Connection, uid: str, name: str, weight: int, may_link: bool, now_ms: int
+    conn: Connection,
+    uid: str,
+    name: str | None,
+    weight: int | None,
+    may_link: bool | None,
+    now_ms: int,
 ) -> SignerRow:
-    """Register a signer, or update its name, weight and link permission."""
+    """Register a signer, or update its name, weight and link permission. What is None keeps a
+    known signer's own (a new one's: no name, `merge.DEFAULT_WEIGHT`, no linking), so renaming
+    a signer never takes its weight away: the API and the CLI share this one rule."""
     before = signer(conn, uid)
+    if before is not None:
+        name = before.name if name is None else name
+        weight = before.weight if weight is None else weight
+        may_link = before.may_link if may_link is None else may_link
     conn.execute(
         "INSERT INTO signers (uid, name, weight, may_link, added_at) VALUES (?, ?, ?, ?, ?) "
         "ON CONFLICT (uid) DO UPDATE SET name = excluded.name, weight = excluded.weight, "
         "may_link = excluded.may_link",
-        (uid, name, weight, int(may_link), now_ms),
+        (
+            uid,
+            name or "",
+            merge.DEFAULT_WEIGHT if weight is None else weight,
+            int(bool(may_link)),
+            now_ms,
+        ),
     )
     if before is not None and before.weight != weight:
         _write_changes(conn, [_change(now_ms, "signer", uid=uid)])
@@ -1794,10 +1811,14 @@ class TruthStore(Store):
     async def ensure_groups(self, cids: Sequence[str], minter: Minter) -> None:
         await self.writer.run(ensure_groups_txn, cids, minter, self._clock())
 
-    async def add_signer(self, uid: str, name: str, weight: int, may_link: bool) -> SignerRow:
+    async def add_signer(
+        self, uid: str, name: str | None, weight: int | None, may_link: bool | None
+    ) -> SignerRow:
         return await self.writer.run(add_signer_txn, uid, name, weight, may_link, self._clock())
 
-    def add_signer_sync(self, uid: str, name: str, weight: int, may_link: bool) -> SignerRow:
+    def add_signer_sync(
+        self, uid: str, name: str | None, weight: int | None, may_link: bool | None
+    ) -> SignerRow:
         return self.writer.run_sync(add_signer_txn, uid, name, weight, may_link, self._clock())
 
     async def set_signer_status(self, uid: str, status: str) -> SignerRow:

@@ -541,12 +541,11 @@ class Pages:
         """POST /signers/{uid}/block (`blocked`) or /unblock (`active`)."""
 
         async def handler(request: Request) -> Response:
-            uid = request.path_params["uid"]
-            if uid == self.node.owner.uid and status == "blocked":
-                refused = "The node's own key is not blocked from this page: it signs its edits."
-                return after_form(request, "/signers", "error", refused)
-            row = await self.node.set_signer_status(uid, status)
-            name = row.get("name") or uid
+            try:
+                row = await self.node.set_signer_status(request.path_params["uid"], status)
+            except MetanodeError as exc:
+                return after_form(request, "/signers", "error", f"Not changed: {_why(exc)}")
+            name = row.get("name") or row["uid"]
             if status == "blocked":
                 said = f"Blocked {name}: its votes no longer count (Unblock gives them back)."
             else:

@@ -254,3 +254,47 @@ def test_signers_cli_while_the_server_runs(logged_server: Server) -> None:
 
     failed = cli(server.data_dir, "signers", "block", Signer().uid, code=2)
     assert failed.stderr.startswith("error: unknown_signer"), failed.stderr
+
+
+def test_a_signer_posted_again_changes_only_what_is_given_and_the_owner_is_never_blocked(
+    logged_server: Server,
+) -> None:
+    """POST /api/signers of a known signer keeps what the body leaves out (renaming never takes
+    a weight or a link permission away, as `signers add` does); an explicit null is bad input;
+    the box owner's key is refused a block through the API and the CLI alike (`owner_key`),
+    since every edit of the page would be refused after."""
+    server, alice = logged_server, Signer()
+
+    def post(body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(
+            f"{server.url}/api/signers", headers=server.headers, timeout=10, json=body
+        )
+
+    def row(body: dict[str, Any]) -> tuple[str, int, bool]:
+        response = post(body)
+        assert response.status_code == 200, response.text
+        got = response.json()
+        return got["name"], got["weight"], got["may_link"]
+
+    assert row({"uid": alice.uid}) == ("", 1, False)
+    assert row({"uid": alice.uid, "name": "alice", "weight": 7, "may_link": True}) == (
+        "alice",
+        7,
+        True,
+    )
+    assert row({"uid": alice.uid, "name": "renamed"}) == ("renamed", 7, True)
+    assert row({"uid": alice.uid, "weight": 0}) == ("renamed", 0, True)
+    assert row({"uid": alice.uid, "may_link": False}) == ("renamed", 0, False)
+    for bad in ({"weight": None}, {"name": None}, {"may_link": None}):
+        assert_envelope(post({"uid": alice.uid, **bad}), 400, "invalid_request")
+
+    signers = httpx.get(f"{server.url}/api/signers", headers=server.headers, timeout=10).json()
+    owner = next(s["uid"] for s in signers["signers"] if s["name"] == "owner")
+    refused = httpx.post(
+        f"{server.url}/api/signers/{owner}/block", headers=server.headers, timeout=10
+    )
+    assert_envelope(refused, 403, "owner_key")
+    failed = cli(server.data_dir, "signers", "block", owner, code=2)
+    assert failed.stderr.startswith("error: owner_key: "), failed.stderr
+    signers = httpx.get(f"{server.url}/api/signers", headers=server.headers, timeout=10).json()
+    assert next(s["status"] for s in signers["signers"] if s["uid"] == owner) == "active"

@@ -464,7 +464,7 @@ def test_state_changes_without_the_sessions_csrf_token_are_refused(
 
 def test_the_page_does_not_block_the_nodes_own_key(page: Page, srv: Server) -> None:
     """The owner's key signs the page's edits: its row offers no Block, and a form sent
-    anyway (with the session's token) is refused with a reason; the API still may."""
+    anyway (with the session's token) is refused with the node's reason."""
     signers = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
     owner = next(s["uid"] for s in signers["signers"] if s["name"] == "owner")
     page.get_by_role("link", name="Signers").click()
@@ -485,8 +485,8 @@ def test_the_page_does_not_block_the_nodes_own_key(page: Page, srv: Server) -> N
         }""",
         [owner],
     )
-    expect(page.get_by_role("alert")).to_have_text(
-        "The node's own key is not blocked from this page: it signs its edits."
+    expect(page.get_by_role("alert")).to_contain_text(
+        "Not changed: the box owner's key signs the edits made on the web page"
     )
     signers = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
     assert next(s["status"] for s in signers["signers"] if s["uid"] == owner) == "active"
