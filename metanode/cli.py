@@ -207,18 +207,25 @@ def claim_sign(
 def claim_verify() -> None:
     """Read claims on stdin (JSON lines or an array); print `ok` or the error slug for each.
 
-    Exits 1 if any claim failed.
+    Exits 1 if any claim failed; no claim at all is refused (exit 2), as an empty or wrong
+    file is a mistake, not a success.
     """
-    failed = False
-    for _position, item in jsonl.read(sys.stdin.buffer):
-        try:
-            claims.validate(item, now_ms())
-            click.echo("ok")
-        except MetanodeError as exc:
-            failed = True
-            click.echo(f"{exc.slug}: {exc.message}")
-    if failed:
+    verdicts = [_verdict(item) for _position, item in jsonl.read(sys.stdin.buffer)]
+    if not verdicts:
+        raise InvalidRequest("no claims on stdin to verify")
+    if not all(verdicts):
         sys.exit(1)
+
+
+def _verdict(item: Any) -> bool:
+    """Validate one claim read by `claim verify`, printing `ok` or its slug; whether it passed."""
+    try:
+        claims.validate(item, now_ms())
+    except MetanodeError as exc:
+        click.echo(f"{exc.slug}: {exc.message}")
+        return False
+    click.echo("ok")
+    return True
 
 
 # -- the node -----------------------------------------------------------------------------------

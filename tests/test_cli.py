@@ -298,6 +298,16 @@ def test_verify_the_vectors_as_json_lines() -> None:
     assert result.stdout.splitlines() == ["ok"] * len(CLAIM_VECTORS)
 
 
+@pytest.mark.parametrize("text", ["", "\n\n", "[]"], ids=["nothing", "blank-lines", "empty-array"])
+def test_verify_of_no_claims_is_refused_not_reported_as_all_ok(text: str) -> None:
+    """An empty or wrong file piped to verify said nothing and exited 0, which a script reads
+    as every claim verified."""
+    result = run("claim", "verify", stdin=text)
+    assert result.exit_code == 2, result.output
+    assert result.stdout == ""
+    assert result.stderr.startswith("error: invalid_request: no claims"), result.stderr
+
+
 def test_sign_retract(key_file: Path) -> None:
     signed = sign(key_file, "--key-name", "title", "--retract", "--ts", str(TS))
     assert signed["value"] is None
