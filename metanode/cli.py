@@ -394,7 +394,9 @@ def signers() -> None:
 
 @signers.command("add")
 @click.argument("uid")
-@click.option("--name", required=True, help="A human name for the signer.")
+@click.option(
+    "--name", default=None, help="A human name for the signer (a known one keeps its own)."
+)
 @click.option(
     "--weight",
     type=click.IntRange(0, merge.MAX_WEIGHT),
@@ -410,16 +412,14 @@ def signers() -> None:
 @reports_errors
 def signers_add(
     uid: str,
-    name: str,
+    name: str | None,
     weight: int | None,
     may_link: bool | None,
     config_file: str | None,
     data_dir: str | None,
 ) -> None:
     """Register UID (or update its name, and its weight and link permission where given)."""
-    row = maintenance.add_signer(
-        load_settings(config_file, data_dir=data_dir), uid, name, weight, may_link
-    )
+    row = maintenance.add_signer(node_settings(config_file, data_dir), uid, name, weight, may_link)
     click.echo(json.dumps(row.as_json()))
 
 
@@ -676,7 +676,7 @@ def peers_token() -> None:
 @reports_errors
 def peers_token_create(name: str, config_file: str | None, data_dir: str | None) -> None:
     """Make a peer token and print it (once: only its hash is kept)."""
-    click.echo(maintenance.create_peer_token(load_settings(config_file, data_dir=data_dir), name))
+    click.echo(maintenance.create_peer_token(node_settings(config_file, data_dir), name))
 
 
 @peers_token.command("list")
@@ -684,7 +684,7 @@ def peers_token_create(name: str, config_file: str | None, data_dir: str | None)
 @reports_errors
 def peers_token_list(config_file: str | None, data_dir: str | None) -> None:
     """Print each peer token's name and creation time as one JSON line."""
-    for row in maintenance.peer_tokens(load_settings(config_file, data_dir=data_dir)):
+    for row in maintenance.peer_tokens(node_settings(config_file, data_dir)):
         click.echo(json.dumps({"name": row.name, "created_at": row.created_at}))
 
 
@@ -694,7 +694,7 @@ def peers_token_list(config_file: str | None, data_dir: str | None) -> None:
 @reports_errors
 def peers_token_revoke(name: str, config_file: str | None, data_dir: str | None) -> None:
     """Revoke the peer token NAME; it is refused from its next request."""
-    maintenance.revoke_peer_token(load_settings(config_file, data_dir=data_dir), name)
+    maintenance.revoke_peer_token(node_settings(config_file, data_dir), name)
     click.echo(json.dumps({"revoked": name}))
 
 

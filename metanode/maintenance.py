@@ -120,11 +120,11 @@ def truth_store(settings: Settings) -> truth.TruthStore:
 
 
 def add_signer(
-    settings: Settings, uid: str, name: str, weight: int | None, may_link: bool | None
+    settings: Settings, uid: str, name: str | None, weight: int | None, may_link: bool | None
 ) -> truth.SignerRow:
-    """`metanode signers add`: register `uid` (or update its name, and its weight and link
-    permission where given: `truth.add_signer_txn` keeps a known signer's otherwise); the
-    server, if one runs, sees it at its next poll."""
+    """`metanode signers add`: register `uid` (or update what is given of its name, weight and
+    link permission: `truth.add_signer_txn` keeps a known signer's own otherwise); the server,
+    if one runs, sees it at its next poll."""
     claims.public_key(uid)
     with truth_store(settings) as store:
         return store.add_signer_sync(uid, name, weight, may_link)

@@ -558,11 +558,14 @@ class Node:
         )
 
     async def add_peer(self, url: str, token: str, weight: int, name: str) -> dict[str, Any]:
-        """Follow a peer: the first sync reconciles if this box already holds claims."""
+        """Follow a peer: the first sync reconciles if this box already holds claims. The
+        answer waits (at most `apply_wait_s`) for the first pull, so a peer that does not
+        answer, or refuses the token, is said in its `last_error` at once."""
         row = await self.truth.add_peer(name, url, token, weight)
         first_sync = row.cursor == "" and self.truth.claim_count() > 0
         self.peers.follow(row, first_sync)
-        return self.peers.status(row)
+        await self.peers.first_try(name, self.settings.apply_wait_s)
+        return self.peers.status(self.truth.peer(name) or row)
 
     async def remove_peer(self, name: str) -> None:
         await self.peers.forget(name)

@@ -101,6 +101,7 @@ class Follower:
             timeout=config.timeout_s,
         )
         self._wake = asyncio.Event()
+        self.tried = asyncio.Event()  # the first pull (or reconciliation) answered or failed
         self.task: asyncio.Task[None] | None = None
 
     def lag_s(self) -> float:
@@ -132,6 +133,7 @@ class Follower:
         log from the start does the same work (slower)."""
         try:
             await self.sync(set_cursor=True)
+            self.tried.set()
         except MetanodeError as exc:
             self._failed(exc)
             log.warning("peer %s: reconciliation failed; pulling its log from the start", self.name)
@@ -141,6 +143,7 @@ class Follower:
         first failure on (a peer that stopped answering is not one it has kept up with)."""
         self.last_error = f"{exc.slug}: {exc.message}"
         self.behind_since = self.behind_since or time.monotonic()
+        self.tried.set()
         log.warning("peer %s: %s", self.name, self.last_error)
 
     async def _pause(self, seconds: float) -> None:
@@ -179,6 +182,7 @@ class Follower:
         await self.host.apply_peer_page(self.name, items, cursor)
         self.cursor = cursor
         self.last_error = ""
+        self.tried.set()
         if more:
             self.behind_since = self.behind_since or time.monotonic()
         else:
@@ -282,6 +286,12 @@ class Peers:
         follower = self.followers.pop(name, None)
         if follower is not None:
             await follower.close()
+
+    async def first_try(self, name: str, timeout_s: float) -> None:
+        """Wait, at most `timeout_s`, until `name`'s follower has tried its peer once, so that
+        `peers add` can say at once that a peer does not answer (a typo, a wrong token)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.follower(name).tried.wait(), timeout_s)
 
     def follower(self, name: str) -> Follower:
         found = self.followers.get(name)

@@ -227,8 +227,8 @@ def test_a_path_that_cannot_be_used_is_an_error_line_not_a_traceback(
 
 
 def test_a_data_directory_without_a_node_is_refused_not_made(tmp_path: Path) -> None:
-    """The commands that read a node refuse a folder that holds none (a mistyped --data-dir)
-    instead of making an empty node there and reporting on it with success."""
+    """The commands that read or change a node refuse a folder that holds none (a mistyped
+    --data-dir) instead of making an empty node there and reporting on it with success."""
     typo = tmp_path / "dat"
     for args in (
         ("backup", str(tmp_path / "bk")),
@@ -237,6 +237,10 @@ def test_a_data_directory_without_a_node_is_refused_not_made(tmp_path: Path) -> 
         ("rebuild-cache",),
         ("signers", "list"),
         ("signers", "block", "z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"),
+        ("signers", "add", "z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"),
+        ("peers", "token", "create", "--name", "b"),
+        ("peers", "token", "list"),
+        ("peers", "token", "revoke", "b"),
     ):
         result = run(*args, "--data-dir", str(typo))
         assert result.exit_code == 2, (args, result.output)
@@ -249,6 +253,7 @@ def test_signers_add_again_changes_only_what_it_is_given(tmp_path: Path) -> None
     they are given: renaming the owner never takes its weight of 100 away."""
     data = str(tmp_path / "data")
     uid = "z6MkhaXgBZDvotDkL5257faiztiGiC2QtKLGpbnnEGta2doK"
+    assert run("init", "--data-dir", data).exit_code == 0
 
     def add(*flags: str) -> dict[str, Any]:
         result = run("signers", "add", uid, *flags, "--data-dir", data)
@@ -263,6 +268,8 @@ def test_signers_add_again_changes_only_what_it_is_given(tmp_path: Path) -> None
     assert (row["name"], row["weight"], row["may_link"]) == ("renamed", 7, True)
     row = add("--name", "renamed", "--no-may-link")
     assert (row["weight"], row["may_link"]) == (7, False)
+    row = add("--weight", "3")  # no --name: a known signer keeps its own
+    assert (row["name"], row["weight"], row["may_link"]) == ("renamed", 3, False)
 
 
 def test_export_of_a_signer_that_is_no_uid_is_refused(tmp_path: Path) -> None:

@@ -263,6 +263,7 @@ def claim_lines(n: int, tag: str) -> list[bytes]:
 
 def test_one_bad_claim_in_the_middle_writes_nothing_and_names_its_line(tmp_path: Path) -> None:
     data = tmp_path / "data"
+    ok(run("init", "--data-dir", str(data)))
     ok(run("signers", "add", SIGNER.uid, "--name", "t", "--data-dir", str(data)))
     source = tmp_path / "in.jsonl"
     source.write_bytes(b"".join(claim_lines(3, "before")))
@@ -291,6 +292,7 @@ def test_a_signer_the_node_refuses_fails_the_import_before_anything_is_written(
         b"".join(claim_lines(2, "known")) + raw_line(stranger.claim(cid, "title", "x"))
     )
     data = tmp_path / "data"
+    ok(run("init", "--data-dir", str(data)))
     ok(run("signers", "add", SIGNER.uid, "--name", "t", "--data-dir", str(data)))
     result = import_file(data, source)
     assert result.exit_code == 2

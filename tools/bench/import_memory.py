@@ -6,11 +6,12 @@ Two JSON-lines files, as `metanode export` writes them (`metanode.jsonl.encode` 
 claim): N and factor×N claims (key `title`, one fresh midhash CID each, one signer), signed over
 `metanode.claims.signing_bytes` in this process; the small file is the first N lines of the
 large one.
-For each file, a fresh data directory gets the signer with `metanode signers add` (a subprocess),
-then `metanode import FILE` runs as a subprocess and its peak RSS is `ru_maxrss` from
-`os.wait4` on that one child (the kernel's high-water mark of the whole process, interpreter
-and imports included). Every import must exit 0 having accepted every claim. `metanode export`
-of each imported data directory is measured the same way.
+For each file, a fresh data directory (`metanode init`) gets the signer with
+`metanode signers add` (a subprocess), then `metanode import FILE` runs as a subprocess and
+its peak RSS is `ru_maxrss` from `os.wait4` on that one child (the kernel's high-water mark
+of the whole process, interpreter and imports included). Every import must exit 0 having
+accepted every claim. `metanode export` of each imported data directory is measured the same
+way.
 
 Ratio = peak(factor×N) / peak(N): flat memory gives ≈ 1.0; memory growing with the file gives
 ≈ factor (less the fixed interpreter cost). The one cache an import fills is the CID parse
@@ -95,6 +96,7 @@ def metanode(env: dict[str, str], *args: str) -> tuple[Run, str]:
 def import_run(env: dict[str, str], uid: str, source: Path, data_dir: Path, claims_in: int) -> Run:
     """Register the signer, import `source` into the fresh `data_dir`, check every claim was
     accepted; the import's figures."""
+    metanode(env, "init", "--data-dir", str(data_dir))
     metanode(env, "signers", "add", uid, "--name", "bench", "--data-dir", str(data_dir))
     run, out = metanode(env, "import", str(source), "--data-dir", str(data_dir))
     if f"{claims_in} accepted" not in out:
