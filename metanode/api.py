@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metanode import compat, logs, merge, sse, ui
+from metanode import client, compat, logs, merge, sse, ui
 from metanode.bodies import ascii_number, read_json, refuse_unknown
 from metanode.claims import utf8_size
 from metanode.errors import (
@@ -440,15 +440,17 @@ def _peer_body(body: Any) -> tuple[str, str, int, str]:
     if not isinstance(body, dict) or not isinstance(body.get("url"), str):
         raise InvalidRequest('the body must be {"url": "http://…", "token", "weight", "name"}')
     refuse_unknown(body, PEER_MEMBERS)
-    url, token = body["url"], body.get("token")
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname or not url.isascii():
-        raise InvalidRequest(f"url must be an http:// or https:// address, not {url!r}")
+    url, token = client.node_address(body["url"]), body.get("token")
     if not isinstance(token, str) or not token.isascii() or not token.isprintable() or not token:
         raise InvalidRequest("token must be the peer's token (printable ASCII)")
-    name = body.get("name") or parsed.netloc
-    if not isinstance(name, str) or not 1 <= len(name) <= 64 or not name.isprintable():
-        raise InvalidRequest("name must be 1 to 64 printable characters")
+    name = body.get("name") or urllib.parse.urlsplit(url).netloc
+    if (
+        not isinstance(name, str)
+        or not 1 <= len(name) <= 64
+        or not name.isprintable()
+        or "/" in name
+    ):
+        raise InvalidRequest("name must be 1 to 64 printable characters, without '/'")
     return url, token, _weight(body), name
 
 

@@ -617,7 +617,16 @@ def peers_add(
     if name is not None:
         body["name"] = name
     with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
-        _print_response(node_client, node_client.request("POST", "/api/peers", json=body))
+        response = node_client.request("POST", "/api/peers", json=body)
+        _print_response(node_client, response)
+    row = response.json()
+    if row.get("last_error"):  # the node tried the peer once before it answered
+        click.echo(
+            f"warning: peer {row['name']}: {row['last_error']}\n"
+            f"  it stays followed and is tried again with back-off; "
+            f"`metanode peers remove {row['name']}` stops it",
+            err=True,
+        )
 
 
 @peers_group.command("list")

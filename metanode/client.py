@@ -99,6 +99,34 @@ def _reason(exc: httpx.TransportError) -> str:
     return text or type(exc).__name__
 
 
+def node_address(url: str) -> str:
+    """`url` if it can name a node (http or https, a host, a port in range, nothing else: no
+    spaces, no credentials, no query), else `InvalidRequest` saying why. The one rule for the
+    CLI's `--url`, this client and a peer's address (`POST /api/peers`), so a typo is refused
+    where it is typed rather than failing, later, as a node that does not answer."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port_ok = parts.port is None or parts.port > 0
+    except ValueError:
+        port_ok = False
+    why = (
+        "it is not http:// or https://"
+        if parts.scheme not in ("http", "https") or not parts.hostname
+        else "it holds spaces or characters beyond ASCII"
+        if not url.isascii() or not url.isprintable() or " " in url
+        else "its port is not 1 to 65535"
+        if not port_ok
+        else "it carries a user or password (a token goes in its own option)"
+        if parts.username is not None or parts.password is not None
+        else "it has a query or fragment"
+        if parts.query or parts.fragment
+        else None
+    )
+    if why:
+        raise InvalidRequest(f"{url!r} is not a node's address (http://host:port): {why}")
+    return url
+
+
 class Client:
     """Talks to one node; `key` is needed only to sign. A `url` that is no http(s) address
     raises `InvalidRequest` here, rather than every request failing as if no node answered."""
@@ -110,10 +138,7 @@ class Client:
         key: nacl.signing.SigningKey | None = None,
         timeout: float = 30.0,
     ) -> None:
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise InvalidRequest(f"{url!r} is not a node's address (http://host:port)")
-        self.url = url.rstrip("/")
+        self.url = node_address(url).rstrip("/")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
         self._key = key

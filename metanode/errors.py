@@ -275,6 +275,11 @@ class PeerFailed(MetanodeError):
     retryable = True
 
 
+class PeerCannotReconcile(PeerFailed):
+    """The peer has no reconciliation route (an older version): its log is read from the start
+    instead. Only this, not a peer that is down or refuses the token, falls back so."""
+
+
 # -- the node cannot answer now -----------------------------------------------------------------
 
 

@@ -145,7 +145,7 @@ class Node:
         self._pruner: asyncio.Task[None] | None = None
         self.plugin_host: plugins.Host | None = None
         self.watcher: watcher.Watcher | None = None
-        self.responder = peers.Responder(self.truth.log_head, self.truth.claim_ids)
+        self.responder = peers.Responder(self.log_head, self.truth.claim_ids)
         self.peers = peers.Peers(self, self._pull_config())  # followers pull nothing
         self.applier.start()
         self.truth.on_written(self.applier.apply_ahead)
@@ -530,6 +530,10 @@ class Node:
 
     def claim_count(self) -> int:
         return self.truth.claim_count()
+
+    def log_head(self) -> str:
+        """This box's claim-log cursor at its end (a follower knows its own log by it)."""
+        return self.truth.log_head()
 
     def peer(self, name: str) -> truth.PeerRow | None:
         return self.truth.peer(name)

@@ -27,11 +27,12 @@ from typing import Any, Protocol
 import httpx
 
 from metanode import reconcile
-from metanode.errors import MetanodeError, PeerFailed, UnknownPeer
+from metanode.errors import MetanodeError, PeerCannotReconcile, PeerFailed, UnknownPeer
 from metanode.truth import ID_BYTES, PeerRow
 
 log = logging.getLogger(__name__)
 FETCH_CHUNK = 1000  # identities asked for per reconciliation fetch (a POST /api/claims batch)
+RECONCILE = "/api/claims/reconcile"  # a peer without it (404, 405) is an older version
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class Host(Protocol):
     async def own_items(self) -> reconcile.Items: ...
 
     def claim_count(self) -> int: ...
+
+    def log_head(self) -> str: ...
 
 
 @dataclass
@@ -109,34 +112,38 @@ class Follower:
         return 0.0 if self.behind_since is None else time.monotonic() - self.behind_since
 
     async def run(self) -> None:
-        """Reconcile first if asked, then pull pages for ever; errors back off, never end it."""
-        if self.first_sync:
-            await self._first_sync()
+        """Reconcile first if asked, then pull pages for ever; errors back off, never end it.
+
+        The first sync (`peers add` on a box that already holds claims) reconciles, then
+        follows the log from where the peer's log stood when reconciliation began; it is tried
+        again, like a page, while the peer is down or refuses. Only a peer that cannot
+        reconcile (`PeerCannotReconcile`) has its log read from the start instead, which does
+        the same work at the cost of every claim the box already holds."""
+        reconciling = self.first_sync
         delay = self.config.retry_s
         while True:
             try:
-                more = await self.pull_once()
+                if reconciling:
+                    await self.sync(set_cursor=True)
+                    reconciling, more = False, True
+                else:
+                    more = await self.pull_once()
             except UnknownPeer:
                 return  # removed meanwhile
+            except PeerCannotReconcile as exc:
+                reconciling = False
+                self._failed(exc)
+                log.warning("peer %s: cannot reconcile; pulling its log from the start", self.name)
+                continue
             except MetanodeError as exc:
                 self._failed(exc)
                 await self._pause(delay)
                 delay = min(delay * 2, self.config.max_backoff_s)
                 continue
+            self.tried.set()
             delay = self.config.retry_s
             if not more:
                 await self._pause(self.config.poll_s)
-
-    async def _first_sync(self) -> None:
-        """`peers add` on a box that already holds claims: reconcile, then follow the log from
-        where the peer's log stood when reconciliation began. If the peer cannot reconcile, the
-        log from the start does the same work (slower)."""
-        try:
-            await self.sync(set_cursor=True)
-            self.tried.set()
-        except MetanodeError as exc:
-            self._failed(exc)
-            log.warning("peer %s: reconciliation failed; pulling its log from the start", self.name)
 
     def _failed(self, exc: MetanodeError) -> None:
         """A failed pull: said in `last_error`, and the follower counts as behind from the
@@ -157,12 +164,14 @@ class Follower:
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
         """(the peer's JSON answer, bytes sent, bytes received); `PeerFailed` for no answer, a
-        refusal, or something that is not JSON."""
+        refusal, or something that is not JSON (`PeerCannotReconcile`: it has no `RECONCILE`)."""
         try:
             response = await self.http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
         sent = len(response.request.content)
+        if path == RECONCILE and response.status_code in (404, 405):
+            raise PeerCannotReconcile(f"{path} answered {response.status_code}")
         try:
             body = response.json()
         except ValueError:
@@ -179,15 +188,22 @@ class Follower:
             params["after"] = self.cursor
         body, _, _ = await self._call("GET", "/api/claims/log", params=params)
         items, cursor, more = _log_page(body)
+        self._not_itself(cursor)
         await self.host.apply_peer_page(self.name, items, cursor)
         self.cursor = cursor
         self.last_error = ""
-        self.tried.set()
         if more:
             self.behind_since = self.behind_since or time.monotonic()
         else:
             self.behind_since = None
         return more
+
+    def _not_itself(self, cursor: str) -> str:
+        """`cursor`, unless it is of this box's own claim log (`<log id>.<seq>`): a peer added
+        at this box's own address (or through a proxy to it) would be polled for ever."""
+        if cursor.partition(".")[0] == self.host.log_head().partition(".")[0]:
+            raise PeerFailed(f"{self.http.base_url} is this box itself (its claim log is ours)")
+        return cursor
 
     async def sync(self, set_cursor: bool = False) -> SyncReport:
         """Reconcile with the peer and fetch the claims this box lacks. With `set_cursor` (the
@@ -200,13 +216,13 @@ class Follower:
         head: str | None = None
         while message:
             body, sent, got = await self._call(
-                "POST", "/api/claims/reconcile", json={"ranges": reconcile.encode(message)}
+                "POST", RECONCILE, json={"ranges": reconcile.encode(message)}
             )
             report.bytes_sent += sent
             report.bytes_received += got
             if not isinstance(body, dict) or not isinstance(body.get("head"), str):
                 raise PeerFailed("the reconciliation answer has no head cursor")
-            head = head or body["head"]
+            head = head or self._not_itself(body["head"])
             try:
                 message = session.step(reconcile.decode_reply(body.get("ranges"), ID_BYTES))
             except MetanodeError as exc:
@@ -231,7 +247,7 @@ class Follower:
         if ids:
             body, sent, got = await self._call(
                 "POST",
-                "/api/claims/reconcile",
+                RECONCILE,
                 json={"fetch": [reconcile.encode_id(i) for i in ids]},
             )
             report.bytes_sent += sent

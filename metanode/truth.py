@@ -1533,11 +1533,14 @@ def peer_ingest_txn(
 def add_peer_txn(
     conn: Connection, name: str, url: str, token: str, weight: int, now_ms: int
 ) -> PeerRow:
-    """Follow a peer (or update its address, token and weight; its cursor stays)."""
+    """Follow a peer (or update its address, token and weight). Its cursor stays while the
+    address does; a new address may be another box, whose log the cursor does not name, so
+    the cursor starts over (the first sync then reconciles: only what is missing travels)."""
     conn.execute(
         "INSERT INTO peers (name, url, token, weight, added_at) VALUES (?, ?, ?, ?, ?) "
         "ON CONFLICT (name) DO UPDATE SET url = excluded.url, token = excluded.token, "
-        "weight = excluded.weight",
+        "weight = excluded.weight, "
+        "cursor = CASE WHEN peers.url = excluded.url THEN peers.cursor ELSE '' END",
         (name, url, token, weight, now_ms),
     )
     row = peer(conn, name)

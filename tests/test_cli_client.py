@@ -112,8 +112,16 @@ def test_an_address_that_is_no_url_is_bad_input_not_a_missing_node() -> None:
         done = metanode(*args, "--url", "notaurl")
         assert (done.returncode, done.stdout) == (2, ""), done
         assert done.stderr == (
-            "error: invalid_request: 'notaurl' is not a node's address (http://host:port)\n"
+            "error: invalid_request: 'notaurl' is not a node's address (http://host:port): "
+            "it is not http:// or https://\n"
         )
+    for url, why in (
+        ("http://127.0.0.1:94011", "its port is not 1 to 65535"),
+        ("http://user:pw@127.0.0.1:9000", "it carries a user or password"),
+        ("http://127.0.0.1:9000/?x=1", "it has a query or fragment"),
+    ):
+        done = metanode("get", MIDHASH, "--url", url)
+        assert done.returncode == 2 and why in done.stderr, done
 
 
 def test_serve_on_a_port_another_server_holds_says_so_and_never_that_it_serves(

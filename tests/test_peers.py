@@ -434,3 +434,66 @@ def test_peers_add_on_a_box_sharing_most_claims_fetches_only_the_difference(
     report = httpx.post(f"{b.url}/api/peers/a/sync", headers=b.headers, timeout=60).json()
     assert (report["fetched"], report["have"]) == (0, 20)
     assert report["ids_received"] <= 20 * reconcile.LEAF
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """A CLI command whatever its exit code."""
+    return subprocess.run(
+        [sys.executable, "-m", "metanode", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
+    )
+
+
+def test_peers_add_says_at_once_when_a_peer_cannot_be_followed(
+    pair: tuple[Server, Server],
+) -> None:
+    """`peers add` of a peer that refuses the token, or of the box itself, answers with the
+    first pull's failure and a warning (it was exit 0 with `last_error: ""`); an address or a
+    name that can never work is refused before anything is stored."""
+    a, b = pair
+    via_b = ("--url", b.url, "--data-dir", str(b.data_dir))
+    wrong = run_cli("peers", "add", a.url, "--token", "not-a-token", "--name", "a", *via_b)
+    assert wrong.returncode == 0, wrong.stderr
+    assert "401 unauthorized" in json.loads(wrong.stdout)["last_error"]
+    assert wrong.stderr.startswith("warning: peer a: peer_failed: "), wrong.stderr
+    itself = run_cli("peers", "add", b.url, "--token", peer_token(b, "me").strip(), "--name",
+                     "me", *via_b)  # fmt: skip
+    assert "is this box itself" in json.loads(itself.stdout)["last_error"], itself.stdout
+    for url in ("http://127.0.0.1:94011", "http://127.0.0.1 :9", "http://u:p@127.0.0.1:9"):
+        refused = run_cli("peers", "add", url, "--token", "t", "--name", "x", *via_b)
+        assert refused.returncode == 2, (url, refused.stdout)
+        assert refused.stderr.startswith("error: invalid_request: "), refused.stderr
+    slashed = run_cli("peers", "add", a.url, "--token", "t", "--name", "x/y", *via_b)
+    assert slashed.stderr.startswith("error: invalid_request: name must be"), slashed.stderr
+    listed = cli("peers", "list", *via_b)
+    assert sorted(json.loads(line)["name"] for line in listed.splitlines()) == ["a", "me"]
+
+
+def test_a_first_sync_that_fails_is_tried_again_not_replaced_by_the_whole_log(
+    pair: tuple[Server, Server],
+) -> None:
+    """B, holding most of A's claims, adds A while A is down: the reconciliation is tried again
+    once A is back, so only what B lacks travels (it fell back to reading A's whole log:
+    every shared claim came back as a duplicate)."""
+    a, b = pair
+    signer = Signer()
+    for srv in (a, b):
+        srv.register(signer.uid, "t")
+    shared = fast_claims(signer, [(cid(f"d{i}"), "title", f"d{i}", NOW_MS) for i in range(300)])
+    only_a = fast_claims(signer, [(cid(f"e{i}"), "title", "a", NOW_MS) for i in range(7)])
+    post(a, shared + only_a)
+    post(b, shared)
+    token = peer_token(a, "b")
+    port = a.port
+    a.stop()
+    added = add_peer(b, a, token)
+    assert added["last_error"].startswith("peer_failed: "), added
+    a.start()
+    assert a.port == port, "A came back on another port (taken meanwhile): the test cannot go on"
+    want = {c["sig"] for c in shared + only_a}
+    wait_for(lambda: claim_set(b) == want, "B to hold A's claims")
+    status = wait_for(lambda: (row := peer_status(b))["cursor"] and row, "the cursor at A's head")
+    assert (status["accepted"], status["duplicate"], status["stale"]) == (7, 0, 0), status
