@@ -1,18 +1,18 @@
 """Request bodies, read defensively: a size limit enforced before the whole body is in memory,
-a deadline for the whole body, JSON that is UTF-8 only and never raises anything but
-`InvalidJson`, objects refused when they carry members their schema does not name, and numbers
-from headers and queries that are plain ASCII digits (`"²".isdigit()` is true, yet `int("²")`
-fails)."""
+a deadline for the whole body, JSON that is UTF-8 only, names no object member twice and never
+raises anything but `InvalidJson`, objects refused when they carry members their schema does
+not name, and numbers from headers and queries that are plain ASCII digits (`"²".isdigit()`
+is true, yet `int("²")` fails)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Collection
 from typing import Any
 
 from starlette.requests import Request
 
+from metanode import jsonl
 from metanode.errors import InvalidJson, InvalidRequest, RequestTimeout, TooLarge
 
 
@@ -52,7 +52,9 @@ def parse_json(body: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise InvalidJson(f"body is not UTF-8 (byte {exc.start}); the API is UTF-8 only") from None
     try:
-        return json.loads(text)
+        return jsonl.DECODER.decode(text)
+    except jsonl.DuplicateMember as exc:
+        raise InvalidJson(f"body is not JSON the node reads: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise InvalidJson(f"body is not JSON: {type(exc).__name__}") from None
 

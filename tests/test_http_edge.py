@@ -307,6 +307,42 @@ def test_parse_json_takes_utf8_and_nothing_else(value: Any, encoding: str) -> No
         parse_json(text.encode(encoding))
 
 
+@given(JSON_VALUES.filter(lambda v: isinstance(v, dict) and bool(v)), st.data())
+def test_an_object_naming_a_member_twice_is_invalid_json_wherever_it_is(
+    value: dict[str, Any], data: st.DataObject
+) -> None:
+    """One parser keeps the first of two same-named members, another the last: the node reads
+    neither (RFC 8259 §4 leaves it open), at the top or nested."""
+    text = json.dumps(value, ensure_ascii=False)
+    name = data.draw(st.sampled_from(sorted(value)))
+    doubled = f"{text[:-1]}, {json.dumps(name, ensure_ascii=False)}: null}}"
+    for body in (doubled, f"[1, {doubled}]", f'{{"claims": {doubled}}}'):
+        with pytest.raises(InvalidJson, match="given twice"):
+            parse_json(body.encode("utf-8"))
+
+
+async def test_a_claim_whose_value_is_given_twice_is_refused_and_nothing_written(
+    client: httpx.AsyncClient,
+) -> None:
+    """A claim signed over one `value` and carrying a second one: Python's json keeps the last
+    (the signed one), a proxy or a log reader may show the first. Refused as a whole."""
+    signer = Signer()
+    await client.post("/api/signers", json={"uid": signer.uid, "name": "s"})
+    claim = signer.claim("bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy", "t", "v")
+    members = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in claim.items()]
+    smuggled = '{"value": "EVIL", ' + ", ".join(members) + "}"
+    response = await client.post(
+        "/api/claims",
+        content=f'{{"claims": [{smuggled}]}}'.encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    assert response.status_code == 400, response.text
+    assert response.json()["error"] == "invalid_json"
+    assert "'value' is given twice" in response.json()["message"]
+    ok = await client.post("/api/claims", json={"claims": [claim]})
+    assert ok.json()["accepted"] == 1, ok.text  # the same claim, once: nothing was written before
+
+
 # -- the OpenAPI document --------------------------------------------------------------------------
 
 
