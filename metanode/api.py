@@ -71,9 +71,12 @@ class ErrorResponse(JSONResponse):
 
 
 def error_response(exc: MetanodeError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """`exc` in the envelope; a 503 says when to retry, and a 408 closes the connection (the
-    rest of a slow body is not worth waiting for)."""
+    """`exc` in the envelope; a 503 says when to retry, a 401 which scheme it wants (RFC 9110
+    §11.6.1), and a 408 closes the connection (the rest of a slow body is not worth waiting
+    for)."""
     extra = dict(headers or {})
+    if isinstance(exc, Unauthorized):
+        extra["WWW-Authenticate"] = 'Bearer realm="metanode"'
     if isinstance(exc, UnavailableError):
         extra["Retry-After"] = str(exc.retry_after)
     if isinstance(exc, RequestTimeout):
@@ -173,9 +176,12 @@ class Perimeter:
         given = headers.get(b"authorization")
         if given is None:
             return None if ui.cookie_allows(self.sessions, scope) else UNAUTHORIZED
-        if hmac.compare_digest(given, f"Bearer {self.node.token}".encode()):
+        scheme, _, token = given.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:  # a scheme is case-insensitive (RFC 9110)
+            return UNAUTHORIZED
+        if hmac.compare_digest(token, self.node.token.encode()):
             return None
-        if self._peer_token(given) is None:
+        if self.node.peer_token_name(token.decode("latin-1")) is None:
             return UNAUTHORIZED
         if access is Access.PEER:
             return None
@@ -183,11 +189,6 @@ class Perimeter:
             "a peer token may read the claim log, reconcile and read /api/meta/* only; this "
             "route needs the API token"
         )
-
-    def _peer_token(self, given: bytes) -> str | None:
-        """The name of the peer token in an `Authorization: Bearer …` header, or None."""
-        scheme, _, token = given.decode("latin-1").partition(" ")
-        return self.node.peer_token_name(token) if scheme == "Bearer" and token else None
 
 
 UNAUTHORIZED = Unauthorized(
@@ -593,9 +594,13 @@ def create_app(node: Node) -> Starlette:
         *ui.routes(node, sessions),  # the web page (docs/ui.md)
     ]
     middleware = [Middleware(Edge, node=node, sessions=sessions, direct=[post_claims, get_meta])]
-    return Starlette(
+    app = Starlette(
         routes=routes,
         middleware=middleware,
         exception_handlers={MetanodeError: on_metanode_error, HTTPException: on_http_error},
         lifespan=lifespan,
     )
+    # `/api/claims/` is an unknown route (404 in the envelope), not a 307 to a `Location` made
+    # from the request's own `Host` header, which a client or a proxy cache may follow anywhere.
+    app.router.redirect_slashes = False
+    return app

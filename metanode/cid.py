@@ -28,7 +28,7 @@ from multiformats.multicodec import Multicodec
 from multiformats.multihash import raw as multihash_raw
 from multiformats.multihash.raw import Hashfun
 
-from metanode.errors import InvalidCid, NoncanonicalCid
+from metanode.errors import InvalidCid, NoncanonicalCid, shown
 
 RAW = 0x55
 DAG_PB = 0x70
@@ -119,10 +119,20 @@ class ParsedCid:
         }
 
 
+MAX_CHARS = 1019  # `cids/<cid>` must fit a key's 1,024 bytes (claims.MAX_KEY_BYTES)
+
+
 def parse(text: str) -> ParsedCid:
-    """Decode any CID spelling (any multibase, CIDv0) or raise `InvalidCid`."""
+    """Decode any CID spelling (any multibase, CIDv0) or raise `InvalidCid`.
+
+    A CID longer than `MAX_CHARS` is refused before it is decoded: no hash a content is named
+    by comes near it (a SHA-512 CID is ≈ 110), it could never be linked (its `cids/` key would
+    be too long), and an identity multihash can otherwise carry megabytes into every record,
+    document and event that names it, and into the parse cache."""
     if not isinstance(text, str) or not text:
-        raise InvalidCid(f"not a CID: {text!r}")
+        raise InvalidCid(f"not a CID: {shown(text)}")
+    if len(text) > MAX_CHARS:
+        raise InvalidCid(f"a CID is at most {MAX_CHARS} characters; this one has {len(text)}")
     return _parse(text)
 
 
@@ -144,7 +154,7 @@ def _parse(text: str) -> ParsedCid:
     except InvalidCid:
         raise
     except Exception as exc:  # binascii and multiformats raise a zoo of types for bad input
-        raise InvalidCid(f"not a CID: {text!r} ({exc})") from None
+        raise InvalidCid(f"not a CID: {shown(text)} ({exc})") from None
 
 
 # RFC 4648 base32 lower → the digits of int(x, 32), so decoding runs in C (base64.b32decode is
@@ -238,7 +248,7 @@ def require_canonical(text: str) -> ParsedCid:
     parsed = parse(text)
     if parsed.canonical != text:
         raise NoncanonicalCid(
-            f"CID {text!r} is not canonical; use {parsed.canonical!r}",
+            f"CID {shown(text)} is not canonical; use {parsed.canonical!r}",
             canonical=parsed.canonical,
         )
     return parsed

@@ -31,6 +31,7 @@ from metanode.errors import (
     InvalidValue,
     ReservedKey,
     TsInFuture,
+    shown,
 )
 
 DOMAIN = "metanode-claim/1"
@@ -128,7 +129,7 @@ def uid_of(public_key: bytes) -> str:
 def public_key(uid: object) -> nacl.signing.VerifyKey:
     """The verify key a uid names; raises `InvalidUid`."""
     if not isinstance(uid, str) or not uid.startswith("z"):
-        raise InvalidUid(f"not an ed25519 multikey uid: {uid!r}")
+        raise InvalidUid(f"not an ed25519 multikey uid: {shown(uid)}")
     return _public_key(uid)
 
 
@@ -143,15 +144,15 @@ def _public_key(uid: str) -> nacl.signing.VerifyKey:
     such number has 47 digits, so the length is checked first (a long string costs no long
     multiplication), and a leading `1` leaves 46, a number below 0xed01 · 2^256: refused."""
     if len(uid) != _UID_LENGTH:
-        raise InvalidUid(f"not an ed25519-pub multikey: {uid!r}")
+        raise InvalidUid(f"not an ed25519-pub multikey: {shown(uid)}")
     number = 0
     try:
         for char in uid[1:]:
             number = number * 58 + _BASE58_DIGITS[char]
     except KeyError:
-        raise InvalidUid(f"not base58btc: {uid!r}") from None
+        raise InvalidUid(f"not base58btc: {shown(uid)}") from None
     if number >> _KEY_BITS != _MULTIKEY_PREFIX:
-        raise InvalidUid(f"not an ed25519-pub multikey: {uid!r}")
+        raise InvalidUid(f"not an ed25519-pub multikey: {shown(uid)}")
     return nacl.signing.VerifyKey((number & ((1 << _KEY_BITS) - 1)).to_bytes(32, "big"))
 
 

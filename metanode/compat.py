@@ -60,6 +60,7 @@ from metanode.errors import (
     NotFoundError,
     TooLarge,
     UnknownCid,
+    shown,
 )
 from metanode.node import Node
 from metanode.webdav import Roots
@@ -98,7 +99,7 @@ def record_rid(node: Node, text: str) -> str:
     try:
         return node.resolve_cid(text)[1]
     except InvalidCid as exc:
-        raise UnknownCid(f"no record is named {text!r}: {exc.message}") from None
+        raise UnknownCid(f"no record is named {shown(text)}: {exc.message}") from None
 
 
 # -- the legacy writer --------------------------------------------------------------------------

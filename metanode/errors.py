@@ -371,6 +371,16 @@ _ERRNO_STORAGE: dict[int, type[StorageError]] = {
 }
 
 
+def shown(value: object, limit: int = 100) -> str:
+    """`value` as an error message quotes it: its repr, cut to `limit` characters with its full
+    length said, so a megabyte of bad input is not echoed back a megabyte long."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f" ({len(value):,} characters)" if isinstance(value, str) else ""
+    return f"{text[:limit]}…{size}"
+
+
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
     """The typed error for a failed file operation (by errno), or None when `exc` is something
     else that must not be mistaken for a full disk. `where` names the file when the error itself

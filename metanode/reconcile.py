@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from metanode.errors import InvalidRequest
+from metanode.errors import InvalidRequest, shown
 
 FP_BYTES = 16
 LEAF = 16  # a range holding at most this many of the responder's ids is answered with them
@@ -190,9 +190,9 @@ def _decode_bytes(text: object, what: str, size: int | None = None) -> bytes:
     try:
         raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError):
-        raise InvalidRequest(f"{what} is not base64url: {text!r}") from None
+        raise InvalidRequest(f"{what} is not base64url: {shown(text)}") from None
     if encode_id(raw) != text or (size is not None and len(raw) != size):
-        raise InvalidRequest(f"{what} is not {size or 'a'}-byte unpadded base64url: {text!r}")
+        raise InvalidRequest(f"{what} is not {size or 'a'}-byte unpadded base64url: {shown(text)}")
     return raw
 
 

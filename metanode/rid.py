@@ -15,7 +15,7 @@ import threading
 import uuid
 
 from metanode.clock import Clock, now_ms
-from metanode.errors import InvalidRid
+from metanode.errors import InvalidRid, shown
 
 ALPHABET = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 _DECODE = {ch: i for i, ch in enumerate(ALPHABET)}
@@ -41,7 +41,7 @@ def decode(text: str) -> int:
     # ASCII first: str.upper() maps some other letters onto the alphabet ("ß" → "SS", "ſ" → "S").
     upper = text.upper() if isinstance(text, str) and text.isascii() else ""
     if len(upper) != LENGTH or upper[0] > "7" or any(ch not in _DECODE for ch in upper):
-        raise InvalidRid(f"not a rid: {text!r}")
+        raise InvalidRid(f"not a rid: {shown(text)}")
     value = 0
     for ch in upper:
         value = (value << 5) | _DECODE[ch]
@@ -52,7 +52,7 @@ def parse(text: str) -> str:
     """Normalise a rid (lowercase in, uppercase out); anything but a UUIDv7 is invalid."""
     value = decode(text)
     if (value >> 76) & 0xF != 7 or (value >> 62) & 0b11 != 0b10:
-        raise InvalidRid(f"not a UUIDv7 rid: {text!r}")
+        raise InvalidRid(f"not a UUIDv7 rid: {shown(text)}")
     return encode(value)
 
 

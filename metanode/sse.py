@@ -15,7 +15,7 @@ from typing import Any
 from sse_starlette import ServerSentEvent
 
 from metanode import rid as rids
-from metanode.errors import InvalidCursor
+from metanode.errors import InvalidCursor, shown
 
 SEP = "\n"
 KEEP_ALIVE = "keep-alive"
@@ -83,7 +83,7 @@ def parse_cursor(text: str | None) -> Cursor | None:
         return None
     match = _CURSOR.fullmatch(text.strip())
     if match is None:
-        raise InvalidCursor(f"cursor {text!r} is not <epoch>-<seq> or <epoch>-<seq>.<n>")
+        raise InvalidCursor(f"cursor {shown(text)} is not <epoch>-<seq> or <epoch>-<seq>.<n>")
     seen = None if match.group(3) is None else int(match.group(3))
     return Cursor(int(match.group(1)), int(match.group(2)), text.strip(), seen)
 

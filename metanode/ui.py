@@ -47,6 +47,7 @@ from metanode.errors import (
     Merged,
     MetanodeError,
     UnknownCid,
+    shown,
 )
 from metanode.node import Node
 
@@ -456,7 +457,7 @@ class Pages:
             try:
                 return self.node.resolve_cid(text)[1]
             except MetanodeError:
-                raise UnknownCid(f"no record is named or holds {text!r}") from exc
+                raise UnknownCid(f"no record is named or holds {shown(text)}") from exc
 
     async def record(self, request: Request) -> Response:
         text = request.path_params["id"]

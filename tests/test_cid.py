@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiformats import CID
 
-from metanode import cid, watcher
+from metanode import cid, claims, watcher
 from metanode.errors import InvalidCid, MidhashError, NoncanonicalCid
 from tests.helpers.vectors import load_vectors, naive_byte, pattern_bytes
 
@@ -513,3 +513,20 @@ def test_midhash_is_stable_after_rewrite(tmp_path: Path) -> None:
     assert first[0] != second[0]
     assert first[1] == second[1] == 3
     assert second[0] == cid.midhash_bytes(b"abd")
+
+
+@settings(max_examples=100, database=None)
+@given(digest=st.binary(min_size=0, max_size=700), base=st.sampled_from(BASES))
+def test_a_cid_parses_up_to_the_longest_that_can_be_linked_and_no_further(
+    digest: bytes, base: str
+) -> None:
+    """Any spelling of at most `MAX_CHARS` parses; one character more is refused before it is
+    decoded (an identity multihash could carry megabytes); and the longest that parses still
+    fits a `cids/<cid>` key."""
+    text = CID(base, 1, cid.RAW, (0x00, digest)).encode()
+    if len(text) <= cid.MAX_CHARS:
+        assert cid.parse(text).digest == digest
+    else:
+        with pytest.raises(InvalidCid, match=f"at most {cid.MAX_CHARS} characters"):
+            cid.parse(text)
+    assert len(f"cids/{'b' * cid.MAX_CHARS}".encode()) == claims.MAX_KEY_BYTES

@@ -19,6 +19,7 @@ from multiformats import CID, multibase
 
 from metanode import cid as cids
 from metanode import claims, keys
+from metanode import rid as rids
 from metanode.claims import Claim, Limits
 from metanode.errors import (
     BadSignature,
@@ -31,9 +32,11 @@ from metanode.errors import (
     InvalidTs,
     InvalidUid,
     InvalidValue,
+    MetanodeError,
     NoncanonicalCid,
     ReservedKey,
     TsInFuture,
+    shown,
 )
 from tests.helpers.vectors import load_vectors
 
@@ -818,3 +821,17 @@ def test_load_without_uid_is_fine(tmp_path: Path) -> None:
 def test_load_missing_file(tmp_path: Path) -> None:
     with pytest.raises(InvalidKeyFile):
         keys.load(tmp_path / "absent.key")
+
+
+@settings(max_examples=100, database=None)
+@given(st.text(min_size=0, max_size=5000))
+def test_an_identifier_that_fails_is_quoted_short_however_long_it_is(text: str) -> None:
+    """A megabyte of bad uid, CID or rid came back a megabyte long in the error's message; a
+    refusal quotes at most 100 characters of it and says how long it was."""
+    for check in (claims.public_key, cids.parse, rids.parse):
+        try:
+            check("z" + text if check is claims.public_key else text)
+        except MetanodeError as exc:
+            assert len(exc.message) < 200, exc.message
+    quoted = shown(text)
+    assert quoted == repr(text) if len(repr(text)) <= 100 else quoted.endswith(" characters)")

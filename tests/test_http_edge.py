@@ -232,6 +232,32 @@ def test_connections_beyond_max_connections_get_503_too_busy(edge_server: Server
             sock.close()
 
 
+def test_the_token_s_scheme_is_any_case_a_401_names_it_and_no_route_redirects(
+    server: Server,
+) -> None:
+    """`bearer` is `Bearer` (RFC 9110: schemes are case-insensitive); a 401 says which scheme it
+    wants (`WWW-Authenticate`); a trailing slash is an unknown route, never a 307 to a
+    `Location` built from the request's own `Host` header."""
+    token = server.token
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        response = httpx.get(
+            f"{server.url}/api/signers", headers={"Authorization": f"{scheme} {token}"}
+        )
+        assert response.status_code == 200, (scheme, response.text)
+    for sent in ({}, {"Authorization": f"Basic {token}"}, {"Authorization": "Bearer"}):
+        response = httpx.get(f"{server.url}/api/signers", headers=sent)
+        assert response.status_code == 401, (sent, response.text)
+        assert response.headers["www-authenticate"] == 'Bearer realm="metanode"'
+        assert response.json()["error"] == "unauthorized"
+    for method, path in (("POST", "/api/claims/"), ("GET", "/api/signers/"), ("GET", "/health/")):
+        response = httpx.request(
+            method, f"{server.url}{path}", headers={**server.headers, "Host": "evil.example"}
+        )
+        assert response.status_code == 404, (path, response.status_code, response.headers)
+        assert "location" not in response.headers
+        assert response.json()["error"] == "not_found"
+
+
 # -- the contract (in-process) --------------------------------------------------------------------
 
 
