@@ -72,14 +72,23 @@ def ensure_owner(settings: Settings) -> tuple[str, bool]:
     return keys.uid_of_key(keys.load_or_create(path)), created
 
 
-def refuse_owner_block(owner: str | None, uid: str, status: str) -> None:
-    """`OwnerKey` for blocking `owner`, the box owner's uid: the page's edits, which it signs,
-    would all be refused after. The one place of the rule (the API, the page and the CLI)."""
-    if status == "blocked" and uid == owner:
+def refuse_owner_change(owner: str | None, uid: str, status: str | None = None) -> None:
+    """`OwnerKey` for changing `owner`, the box owner's uid, through the signer registry: a
+    block (`status` "blocked") or a registration (`status` None: a weight of 0 silences the
+    page's edits as surely as a block). Its row is the node's own, set from `owner_weight` at
+    every start; unblocking stays allowed. The one place of the rule (API, page and CLI)."""
+    if uid == owner and status != "active":
         raise OwnerKey(
-            "the box owner's key signs the edits made on the web page and is not blocked; "
-            "withdraw its word on a key with Revert on the record instead"
+            "the box owner's key signs the edits made on the web page: it is not blocked or "
+            "re-registered here (its weight is the owner_weight setting); withdraw its word on "
+            "a key with Revert on the record instead"
         )
+
+
+def owner_uid(settings: Settings) -> str | None:
+    """The box owner's uid, if `init` (or a first start) made its key."""
+    path = own_key_path(settings, OWNER_NAME)
+    return keys.uid_of_key(keys.load(path)) if path.exists() else None
 
 
 def open_store(settings: Settings) -> None:
@@ -126,14 +135,14 @@ def add_signer(
     link permission: `truth.add_signer_txn` keeps a known signer's own otherwise); the server,
     if one runs, sees it at its next poll."""
     claims.public_key(uid)
+    refuse_owner_change(owner_uid(settings), uid)
     with truth_store(settings) as store:
         return store.add_signer_sync(uid, name, weight, may_link)
 
 
 def set_signer_status(settings: Settings, uid: str, status: str) -> truth.SignerRow:
     """`metanode signers block|unblock`: the records it voted on are recomputed by the applier."""
-    path = own_key_path(settings, OWNER_NAME)
-    refuse_owner_block(keys.uid_of_key(keys.load(path)) if path.exists() else None, uid, status)
+    refuse_owner_change(owner_uid(settings), uid, status)
     with truth_store(settings) as store:
         return store.set_signer_status_sync(uid, status)
 

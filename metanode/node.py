@@ -598,12 +598,13 @@ class Node:
     ) -> dict[str, Any]:
         """Register `uid`, or update what is given of it (None keeps a known signer's own)."""
         claims.public_key(uid)
+        maintenance.refuse_owner_change(self.owner.uid, uid)
         row = await self.register_signer(uid, name, weight, may_link)
         await self._settled()
         return row.as_json()
 
     async def set_signer_status(self, uid: str, status: str) -> dict[str, Any]:
-        maintenance.refuse_owner_block(self.owner.uid, uid, status)
+        maintenance.refuse_owner_change(self.owner.uid, uid, status)
         row = await self.truth.set_signer_status(uid, status)
         await self._settled()
         return row.as_json()

@@ -261,8 +261,8 @@ def test_a_signer_posted_again_changes_only_what_is_given_and_the_owner_is_never
 ) -> None:
     """POST /api/signers of a known signer keeps what the body leaves out (renaming never takes
     a weight or a link permission away, as `signers add` does); an explicit null is bad input;
-    the box owner's key is refused a block through the API and the CLI alike (`owner_key`),
-    since every edit of the page would be refused after."""
+    the box owner's key is refused a block or a new weight through the API and the CLI alike
+    (`owner_key`), since every edit of the page would be refused or outweighed after."""
     server, alice = logged_server, Signer()
 
     def post(body: dict[str, Any]) -> httpx.Response:
@@ -294,7 +294,13 @@ def test_a_signer_posted_again_changes_only_what_is_given_and_the_owner_is_never
         f"{server.url}/api/signers/{owner}/block", headers=server.headers, timeout=10
     )
     assert_envelope(refused, 403, "owner_key")
-    failed = cli(server.data_dir, "signers", "block", owner, code=2)
-    assert failed.stderr.startswith("error: owner_key: "), failed.stderr
+    assert_envelope(post({"uid": owner, "weight": 0}), 403, "owner_key")  # silenced as surely
+    for args in (("block", owner), ("add", owner, "--weight", "0")):
+        failed = cli(server.data_dir, "signers", *args, code=2)
+        assert failed.stderr.startswith("error: owner_key: "), failed.stderr
+    unblocked = httpx.post(
+        f"{server.url}/api/signers/{owner}/unblock", headers=server.headers, timeout=10
+    )
+    assert unblocked.status_code == 200, unblocked.text
     signers = httpx.get(f"{server.url}/api/signers", headers=server.headers, timeout=10).json()
     assert next(s["status"] for s in signers["signers"] if s["uid"] == owner) == "active"
