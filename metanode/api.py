@@ -154,6 +154,42 @@ def client_address(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Addres
     return address
 
 
+LOCAL_SUFFIXES = (".localhost", ".local", ".lan", ".home.arpa", ".internal")  # not public DNS
+
+
+def local_host(host: str) -> bool:
+    """Whether a `Host` header names this box as no public DNS name can: an IP address,
+    `localhost`, a name of one label (a Docker service, a LAN host), or one under a suffix
+    reserved for private use (`LOCAL_SUFFIXES`)."""
+    name = urllib.parse.urlsplit(f"//{host}").hostname or ""
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        return name == "localhost" or "." not in name or name.endswith(LOCAL_SUFFIXES)
+
+
+def browser_relayed(scope: Scope, headers: Mapping[bytes, bytes]) -> bool:
+    """Whether a browser sends this request for a page that may be anyone's, so that the
+    network the browser sits on must not vouch for it (docs/compat.md, "Browsers"):
+
+    * a write (not GET or HEAD) from another site: its `Origin` is not this host
+      (`ui.same_origin`), or `Sec-Fetch-Site` says so. A form or `fetch` of any page the
+      person opens can send a simple POST without asking first;
+    * any request of a browser (it sends `Sec-Fetch-Site`; MetaMesh's consumers, which are
+      programs, do not) to a `Host` that is a public name (`local_host`): a page whose DNS name
+      was pointed at this box afterwards (DNS rebinding) is "same-origin" to the browser.
+
+    Reads from another site's page need no rule here: the MetaMesh routes send no CORS
+    header (`Edge`), so the page cannot read the answer."""
+    site = headers.get(b"sec-fetch-site")
+    if scope["method"] not in ui.SAFE_METHODS and (
+        not ui.same_origin(scope) or site in (b"cross-site", b"same-site")
+    ):
+        return True
+    return site is not None and not local_host(headers.get(b"host", b"").decode("latin-1"))
+
+
 class Perimeter:
     """The one place that decides who may use a route: `FAMILIES` (SPEC §4, docs/api.md)."""
 
@@ -162,16 +198,23 @@ class Perimeter:
         self.sessions = sessions
         self.trusted = node.settings.trusted
 
-    def _from_trusted_network(self, scope: Scope) -> bool:
+    def _from_trusted_network(self, scope: Scope, headers: Mapping[bytes, bytes]) -> bool:
+        """Whether the client's network vouches for this request (the MetaMesh routes' rule):
+        its address is trusted, and it is not a browser's made for a page of another site,
+        which a browser on a trusted machine would otherwise carry in (`browser_relayed`)."""
         address = client_address(scope)
-        return address is not None and any(address in network for network in self.trusted)
+        return (
+            address is not None
+            and any(address in network for network in self.trusted)
+            and not browser_relayed(scope, headers)
+        )
 
     def refusal(self, scope: Scope, headers: Mapping[bytes, bytes]) -> MetanodeError | None:
         """Why this request may not use its route, or None."""
         access = access_of(scope["path"])
         if access in (Access.PUBLIC, Access.PAGE):
             return None
-        if access is Access.TRUSTED and self._from_trusted_network(scope):
+        if access is Access.TRUSTED and self._from_trusted_network(scope, headers):
             return None
         given = headers.get(b"authorization")
         if given is None:
@@ -203,8 +246,10 @@ class Edge:
 
     * a request id for every log line of the request (`X-Request-ID`, echoed back), one access
       log line, and the latency histogram by route template;
-    * CORS (`*`, GET) for requests that carry an `Origin`: those go through Starlette's
-      `CORSMiddleware` (preflights included); the others skip it;
+    * CORS (`*`, GET) for the public routes' requests that carry an `Origin`: those go
+      through Starlette's `CORSMiddleware` (preflights included); the others skip it. Not the
+      MetaMesh routes: trusted by the network, they would let any page a person opens in a
+      browser on that network read the library (`browser_relayed` keeps its writes out);
     * the perimeter (`Perimeter`): a route family's access rule, 401 (or a peer token's 403)
       in the envelope;
     * the catch-all: whatever a handler let escape that is not a `MetanodeError` is logged with
@@ -262,7 +307,7 @@ class Edge:
             await send(message)
 
         try:
-            if origin:
+            if origin and access_of(scope["path"]) is Access.PUBLIC:
                 await self.cors(scope, receive, observed)
             elif (refusal := self.perimeter.refusal(scope, headers)) is None:
                 app = self.direct.app(scope) or self.app
@@ -526,6 +571,8 @@ def create_app(node: Node) -> Starlette:
         if missing not in ("0", "1", "true", "false"):
             raise InvalidRequest("missing must be 1, true, 0 or false")
         if missing in ("1", "true"):
+            if "prefix" in q:  # the records listed have no path to filter on
+                raise InvalidRequest("prefix filters paths; missing=1 lists records without one")
             return JSONResponse(node.missing_files(q.get("after"), _limit(request)))
         return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
 

@@ -524,6 +524,42 @@ async def test_every_compat_route_needs_the_token_outside_the_trusted_networks(
         )
 
 
+def test_a_browser_on_a_trusted_machine_carries_no_page_of_another_site_in(
+    launch: Callable[[dict[str, str]], Server],
+) -> None:
+    """Loopback is trusted, so a browser on the box could carry any site's page in: its
+    script read every record (the MetaMesh routes answered CORS `*`), its form or `fetch` wrote
+    legacy claims (a simple POST needs no preflight), and a name pointed at 127.0.0.1 after the
+    page loaded (DNS rebinding) was same-origin. Programs, which send neither `Origin` nor
+    `Sec-Fetch-Site`, keep the network's trust, and the public routes keep CORS."""
+    server = launch({"METANODE_WATCH_ENABLED": "0"})
+    url, port = server.url, server.port
+    created = httpx.patch(f"{url}/meta/{CID_A}", json={"title": "Kept"}, timeout=10)
+    assert created.status_code == 200, created.text  # a program: no token, trusted by address
+    evil = {"Origin": "http://evil.example"}
+    read = httpx.get(f"{url}/meta", headers=evil, timeout=10)
+    assert read.status_code == 200 and "access-control-allow-origin" not in read.headers
+    public = httpx.get(f"{url}/api/meta/{CID_A}", headers=evil, timeout=10)
+    assert public.headers["access-control-allow-origin"] == "*"
+    add = f"{url}/meta/{CID_A}/_add/genres"
+    for browser in (
+        {**evil, "Content-Type": "text/plain"},
+        {"Sec-Fetch-Site": "cross-site", "Content-Type": "text/plain"},
+        {"Origin": f"http://127.0.0.1:{port}", "Sec-Fetch-Site": "same-site"},
+    ):
+        envelope(httpx.post(add, content=b"injected", headers=browser, timeout=10), 401,
+                 "unauthorized")  # fmt: skip
+    rebound = {"Sec-Fetch-Site": "same-origin", "Host": f"evil.example:{port}"}
+    envelope(httpx.get(f"{url}/meta", headers=rebound, timeout=10), 401, "unauthorized")
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "metanode:9000", "nas.local"):
+        own = {"Sec-Fetch-Site": "same-origin", "Host": host}
+        assert httpx.get(f"{url}/meta", headers=own, timeout=10).status_code == 200, host
+    with_token = {**evil, **server.headers, "Content-Type": "text/plain"}
+    assert httpx.post(add, content=b"by token", headers=with_token, timeout=10).status_code == 200
+    genres = httpx.get(f"{url}/meta/{CID_A}/genres", timeout=10).text
+    assert "injected" not in genres and "by token" in genres, genres
+
+
 def route_table() -> list[tuple[str, str, str]]:
     """(method, path template, metanode column) of each row of docs/compat.md's route table."""
     text = (Path(__file__).parents[1] / "docs" / "compat.md").read_text()

@@ -357,8 +357,9 @@ def test_a_deleted_files_record_is_listed_as_missing(srv: Server, ffmpeg: str) -
     found = poll(missing, "the deleted file's record listed as missing")
     assert found["fileName"] == "Gone.mkv" and found["rid"]
     assert "filePath" not in srv.meta(midhash)["metadata"]  # type: ignore[index]
-    bad = httpx.get(f"{srv.url}/api/files", params={"missing": "maybe"}, headers=srv.headers)
-    assert bad.status_code == 400 and bad.json()["error"] == "invalid_request"
+    for params in ({"missing": "maybe"}, {"missing": "1", "prefix": str(path.parent)}):
+        bad = httpx.get(f"{srv.url}/api/files", params=params, headers=srv.headers)
+        assert bad.status_code == 400 and bad.json()["error"] == "invalid_request", params
 
 
 def test_without_ffprobe_mediainfo_is_skipped_with_a_reason_and_blocks_nothing(
