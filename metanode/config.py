@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -18,43 +19,60 @@ from pathlib import Path
 from typing import Any
 
 from metanode.errors import InvalidRequest
+from metanode.merge import MAX_WEIGHT
 
 ENV_PREFIX = "METANODE_"
 POSTGRESQL_SCHEMES = ("postgresql://", "postgres://")
 DEFAULT_CONFIG_FILE = "metanode.toml"
 
 
-def setting(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+UNBOUNDED = float("inf")
+
+
+def setting(default: Any, help: str, low: float | None = None, high: float = UNBOUNDED) -> Any:
+    """One setting: its default, its help text and, for a number, its range [`low`, `high`]
+    (every number has one: a value outside is refused at start, naming the setting, rather
+    than a node that answers nothing, spins on a core or crashes later)."""
+    return field(default=default, metadata={"help": help, "low": low, "high": high})
+
+
+SECONDS = 0.001  # the shortest wait a `_s` setting takes: 0 would spin a core
 
 
 @dataclass(frozen=True)
 class Settings:
     host: str = setting("127.0.0.1", "Address the HTTP server binds.")
-    port: int = setting(9000, "TCP port of the HTTP server.")
+    port: int = setting(9000, "TCP port of the HTTP server.", low=1, high=65535)
     workers: int = setting(
         0,
         "Processes `metanode serve` serves with: 0, the number of cores; 1, one process (the "
         "simple mode). One owns the writers and the applier, the others serve reads and hand "
         'everything else to it (docs/architecture.md, "Workers").',
+        low=0,
+        high=256,
     )
     max_header_bytes: int = setting(
         65_536,
         "Longest request head (request line and headers), in bytes; a longer one is "
         "answered 431 `headers_too_large` and its connection closed.",
+        low=1024,
     )
     header_timeout_s: float = setting(
         10.0,
         "Seconds a client has to send a whole request head, from opening the connection "
         "or from its first byte after an idle keep-alive; then 408 `request_timeout` and close.",
+        low=SECONDS,
     )
     body_timeout_s: float = setting(
-        60.0, "Seconds a client has to send a whole request body; then 408 `request_timeout`."
+        60.0,
+        "Seconds a client has to send a whole request body; then 408 `request_timeout`.",
+        low=SECONDS,
     )
     max_connections: int = setting(
         1024,
         "Most HTTP connections (feed subscribers included) or requests in progress at "
         "once; a request beyond it is answered 503 `too_busy`.",
+        low=1,
     )
     data_dir: Path = setting(Path("./data"), "Directory of truth.db, cache.db, the token, keys/.")
     storage: str = setting(
@@ -67,15 +85,21 @@ class Settings:
     accept_unknown_signers: bool = setting(
         False, "Accept claims from signers that are not registered (they are registered on use)."
     )
-    max_value_bytes: int = setting(65_536, "Largest claim value, in UTF-8 bytes.")
-    max_skew_ms: int = setting(300_000, "How far ahead of this node's clock a claim's ts may be.")
-    max_batch_claims: int = setting(1_000, "Most claims in one POST /api/claims batch.")
-    max_batch_bytes: int = setting(4 * 1024 * 1024, "Largest POST /api/claims body, in bytes.")
+    max_value_bytes: int = setting(65_536, "Largest claim value, in UTF-8 bytes.", low=1)
+    max_skew_ms: int = setting(
+        300_000, "How far ahead of this node's clock a claim's ts may be.", low=0
+    )
+    max_batch_claims: int = setting(1_000, "Most claims in one POST /api/claims batch.", low=1)
+    max_batch_bytes: int = setting(
+        4 * 1024 * 1024, "Largest POST /api/claims body, in bytes.", low=1024
+    )
     apply_wait_s: float = setting(
-        5.0, "How long POST /api/claims waits for the cache before answering 202."
+        5.0, "How long POST /api/claims waits for the cache before answering 202.", low=0
     )
     apply_poll_s: float = setting(
-        1.0, "How often the applier looks for truth changes made by other processes (the CLI)."
+        1.0,
+        "How often the applier looks for truth changes made by other processes (the CLI).",
+        low=SECONDS,
     )
     cache_fsync: bool = setting(
         False,
@@ -92,6 +116,7 @@ class Settings:
         "most recently read (about a kilobyte each); 0: none, every read is one cache.db "
         "lookup. Emptied whenever the cache commits. Not used on PostgreSQL, whose every read "
         'asks the server (docs/benchmarks.md, "Hot documents", "Session 25").',
+        low=0,
     )
     verify_processes: int = setting(
         1,
@@ -100,16 +125,21 @@ class Settings:
         "the server's threads. In a process of its own, validation does not hold the GIL the "
         "writers need; one validates more claims a second than the writers commit, and a "
         'second takes a core from them (docs/benchmarks.md, "One verify process, not two").',
+        low=0,
+        high=256,
     )
     feed_keep_alive_s: float = setting(
-        15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment."
+        15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment.", low=SECONDS
     )
-    feed_retention_events: int = setting(100_000, "The feed keeps at most the newest N events.")
-    feed_retention_days: float = setting(7.0, "The feed keeps no event older than this.")
+    feed_retention_events: int = setting(
+        100_000, "The feed keeps at most the newest N events.", low=1
+    )
+    feed_retention_days: float = setting(7.0, "The feed keeps no event older than this.", low=0)
     feed_prune_s: float = setting(
         60.0,
         "How often retention is enforced (feed events, and the truth's outbox rows the "
         "cache has applied), in seconds.",
+        low=SECONDS,
     )
     watch_enabled: bool = setting(True, "Run the watcher inside `metanode serve`.")
     watch_roots: tuple[str, ...] = setting(
@@ -120,16 +150,19 @@ class Settings:
     )
     watch_follow_symlinks: bool = setting(False, "Follow symbolic links to files and folders.")
     watch_settle_s: float = setting(
-        2.0, "A file is hashed once its size and mtime stayed unchanged this long."
+        2.0, "A file is hashed once its size and mtime stayed unchanged this long.", low=0
     )
     watch_rescan_s: float = setting(
-        600.0, "Full rescan period, for network mounts and missed events (0: never)."
+        600.0, "Full rescan period, for network mounts and missed events (0: never).", low=0
     )
-    watch_hash_workers: int = setting(2, "Files hashed at once, off the event loop.")
+    watch_hash_workers: int = setting(
+        2, "Files hashed at once, off the event loop.", low=1, high=256
+    )
     watch_min_size: int = setting(
         1,
         "Smallest file fingerprinted, in bytes: smaller files are not content (every empty "
         "file has the same midhash) and get no record.",
+        low=1,
     )
     plugins_enabled: bool = setting(True, "Run plugins inside `metanode serve`.")
     plugins_disabled: tuple[str, ...] = setting(
@@ -138,19 +171,28 @@ class Settings:
     plugin_weights: tuple[str, ...] = setting(
         (), "Signer weights of plugins as `name=weight` (comma-separated in the environment)."
     )
-    plugin_workers: int = setting(1, "Plugin runs at once, each on its own thread.")
-    plugin_timeout_s: float = setting(600.0, "A plugin run taking longer fails.")
-    plugin_max_attempts: int = setting(3, "Attempts of a failing run before it stays failed.")
-    plugin_retry_s: float = setting(5.0, "First retry delay of a failed run (then 4×, 16×…).")
+    plugin_workers: int = setting(
+        1, "Plugin runs at once, each on its own thread.", low=1, high=256
+    )
+    plugin_timeout_s: float = setting(600.0, "A plugin run taking longer fails.", low=SECONDS)
+    plugin_max_attempts: int = setting(
+        3, "Attempts of a failing run before it stays failed.", low=1
+    )
+    plugin_retry_s: float = setting(
+        5.0, "First retry delay of a failed run (then 4×, 16×…).", low=0
+    )
     owner_weight: int = setting(
         100,
         "Signer weight of the box owner, the key in `keys/owner.key` that signs what a person "
         "fixes on the web page; above every plugin's default, so the owner's word wins.",
+        low=0,
+        high=MAX_WEIGHT,
     )
     ui_session_hours: float = setting(
         12.0,
         "How long a web page sign-in lasts (the signed session cookie expires after this; "
         "signing out ends it at once).",
+        low=SECONDS,
     )
     owner_carry_over: bool = setting(
         True,
@@ -161,6 +203,8 @@ class Settings:
         1,
         "Signer weight of the legacy writer, the node's own key that signs MetaMesh `/meta` "
         "writes.",
+        low=0,
+        high=MAX_WEIGHT,
     )
     trusted_networks: tuple[str, ...] = setting(
         ("127.0.0.0/8", "::1/128"),
@@ -187,29 +231,31 @@ class Settings:
         1.0,
         "Seconds a peer follower waits, once caught up, before asking the peer's claim log "
         "again: how soon a claim made on a peer is here (docs/peers.md).",
+        low=SECONDS,
     )
-    peer_page_claims: int = setting(1_000, "Claims asked for per page of a peer's claim log.")
+    peer_page_claims: int = setting(
+        1_000, "Claims asked for per page of a peer's claim log.", low=1, high=10000
+    )
     peer_retry_s: float = setting(
-        1.0, "First wait after a failed pull from a peer (then doubled each failure)."
+        1.0, "First wait after a failed pull from a peer (then doubled each failure).", low=SECONDS
     )
-    peer_max_backoff_s: float = setting(60.0, "Longest wait between failed pulls from a peer.")
-    peer_timeout_s: float = setting(30.0, "Seconds a request to a peer may take.")
+    peer_max_backoff_s: float = setting(
+        60.0, "Longest wait between failed pulls from a peer.", low=SECONDS
+    )
+    peer_timeout_s: float = setting(30.0, "Seconds a request to a peer may take.", low=SECONDS)
     log_level: str = setting("info", "Log level: debug, info, warning, error.")
     log_access: bool = setting(
         False, "Log one line per HTTP request (costs about a fifth of the read rate)."
     )
 
     def __post_init__(self) -> None:
-        if not 1 <= self.port <= 65_535:
-            raise InvalidRequest(f"setting port: {self.port} is not a TCP port (1 to 65535)")
-        if not 0 <= self.workers <= 256:
-            raise InvalidRequest(f"setting workers: {self.workers} is not from 0 to 256")
-        if self.hot_documents < 0:
-            raise InvalidRequest(f"setting hot_documents: {self.hot_documents} is below 0")
-        if not 0 <= self.verify_processes <= 256:
+        for each in dataclasses.fields(self):
+            _in_range(each, getattr(self, each.name))
+        if self.log_level.lower() not in LOG_LEVELS:
             raise InvalidRequest(
-                f"setting verify_processes: {self.verify_processes} is not from 0 to 256"
+                f"setting log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
             )
+        _ = self.plugin_weight_map
         networks("trusted_networks", self.trusted_networks)
         networks("trusted_proxies", self.trusted_proxies)
         if self.storage != "sqlite" and not self.postgresql:
@@ -231,6 +277,21 @@ class Settings:
                     f"setting webdav_plugin_dir: {str(self.plugin_outputs)!r} overlaps the "
                     f"watch root {root!r}; WebDAV writes may not reach the media"
                 )
+
+    @property
+    def plugin_weight_map(self) -> dict[str, int]:
+        """`plugin_weights` (`name=weight`) as a map, or the error naming the bad pair."""
+        weights: dict[str, int] = {}
+        for pair in self.plugin_weights:
+            name, _, number = pair.partition("=")
+            if not name or not number.isascii() or not number.isdigit():
+                raise InvalidRequest(f"setting plugin_weights: {pair!r} is not name=weight")
+            if int(number) > MAX_WEIGHT:
+                raise InvalidRequest(
+                    f"setting plugin_weights: {pair!r}: a weight is at most {MAX_WEIGHT}"
+                )
+            weights[name] = int(number)
+        return weights
 
     @property
     def trusted(self) -> tuple[Network, ...]:
@@ -287,6 +348,18 @@ class Settings:
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _in_range(each: dataclasses.Field[Any], value: Any) -> None:
+    """A number setting within its range (`setting`'s `low` and `high`), else the error."""
+    low, high = each.metadata["low"], each.metadata["high"]
+    if low is None:
+        return
+    if not math.isfinite(value):
+        raise InvalidRequest(f"setting {each.name}: {value!r} is not a finite number")
+    if not low <= value <= high:
+        raise InvalidRequest(f"setting {each.name}: {value!r} is not {_words(low, high)}")
 
 
 def networks(name: str, texts: tuple[str, ...]) -> tuple[Network, ...]:
@@ -321,6 +394,8 @@ def _convert(name: str, raw: Any) -> Any:
             return Path(str(raw))
         if kind is tuple:
             return _as_tuple(name, raw)
+        if kind in (int, float) and isinstance(raw, bool):  # TOML `port = true` is no 1
+            raise ValueError(raw)
         if kind is int and isinstance(raw, float):
             raise ValueError(raw)
         return kind(raw)
@@ -381,3 +456,21 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def describe() -> list[tuple[str, Any, str]]:
     """(name, default, help) of every setting, for `--help` and the docs."""
     return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)]
+
+
+def ranges() -> list[tuple[str, str]]:
+    """(name, range in words) of every number setting, as docs/configuration.md lists them."""
+    return [
+        (f.name, _words(f.metadata["low"], f.metadata["high"]))
+        for f in dataclasses.fields(Settings)
+        if f.metadata["low"] is not None
+    ]
+
+
+def _words(low: float, high: float) -> str:
+    def number(x: float) -> str:
+        return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+    return (
+        f"at least {number(low)}" if high == UNBOUNDED else f"from {number(low)} to {number(high)}"
+    )

@@ -50,6 +50,7 @@ from metanode.clock import Clock, now_ms
 from metanode.config import Settings
 from metanode.errors import (
     NotCommitted,
+    SchemaTooNew,
     ShuttingDown,
     StorageError,
     StorageFull,
@@ -404,9 +405,9 @@ def migrate(conn: Connection, migrations: Sequence[Migration]) -> int:
     def txn(conn: Connection) -> int:
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
         if version > len(migrations):
-            raise RuntimeError(
-                f"database schema {version} is newer than this metanode "
-                f"({len(migrations)}); upgrade metanode"
+            raise SchemaTooNew(
+                f"database schema {version} is newer than this metanode's "
+                f"({len(migrations)}): upgrade metanode, or restore a backup taken before"
             )
         for number, step in enumerate(migrations[version:], start=version + 1):
             step(conn)

@@ -405,6 +405,14 @@ class CannotListen(MetanodeError):
     slug = "cannot_listen"
 
 
+class SchemaTooNew(MetanodeError):
+    """A database a newer metanode migrated: this version cannot read it and does not guess
+    (docs/operations.md, "Upgrading": a backup taken before the upgrade goes back)."""
+
+    status = 503
+    slug = "schema_too_new"
+
+
 class NoNode(MetanodeError):
     """A command that reads a node's data was given a data directory that holds none (a
     mistyped `--data-dir`): refused, rather than made anew and reported on as empty."""

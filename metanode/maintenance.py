@@ -281,8 +281,8 @@ def backup(settings: Settings, target: Path) -> Path:
     plus the node's keys. On SQLite a checked copy of truth.db (the cache is not backed up: it
     is rebuilt from the truth); on PostgreSQL a `pg_dump` of the database in its custom format
     (`pg_restore` puts it back: docs/scale-out.md). Private like the data directory: a new
-    TARGET is 0700, the copy 0600 (the keys keep theirs)."""
-    open_store(settings)
+    TARGET is 0700, the copy 0600 (the keys keep theirs). The truth is copied as it is, never
+    migrated first: the backup taken before an upgrade must still open in the version before."""
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
     copy, keys = _backup_names(target, "pgdump" if settings.postgresql else "db")
     try:

@@ -262,7 +262,7 @@ class Node:
     async def _start_plugins(self) -> plugins.Host:
         """Discover plugins, register each as a signer with its own key, start the host."""
         s = self.settings
-        weights = plugins.parse_weights(s.plugin_weights)
+        weights = s.plugin_weight_map
         runners = []
         for plugin in plugins.discover():
             if plugin.name in s.plugins_disabled:

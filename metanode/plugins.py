@@ -268,17 +268,6 @@ def backoff_s(attempts: int, base_s: float) -> float:
     return float(base_s * 4 ** (attempts - 1))
 
 
-def parse_weights(pairs: Sequence[str]) -> dict[str, int]:
-    """`name=weight` settings into a map; a malformed pair is a configuration error."""
-    weights: dict[str, int] = {}
-    for pair in pairs:
-        name, _, number = pair.partition("=")
-        if not name or not number.isdigit():
-            raise ValueError(f"plugin weight {pair!r} is not name=integer")
-        weights[name] = int(number)
-    return weights
-
-
 def sidecar_folders(sidecars: frozenset[str], paths: Sequence[str]) -> list[str]:
     """The folders of the paths that have one of these extensions."""
     return sorted(

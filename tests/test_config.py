@@ -39,11 +39,42 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     [
         ({"METANODE_PORT": "nine"}, "port"),
         ({"METANODE_ACCEPT_UNKNOWN_SIGNERS": "maybe"}, "accept_unknown_signers"),
+        ({"METANODE_MAX_CONNECTIONS": "0"}, "max_connections: 0 is not at least 1"),
+        ({"METANODE_HEADER_TIMEOUT_S": "-5"}, "header_timeout_s: -5.0 is not at least 0.001"),
+        ({"METANODE_APPLY_POLL_S": "0"}, "apply_poll_s"),  # 0 spun a core
+        ({"METANODE_WATCH_SETTLE_S": "nan"}, "watch_settle_s: nan is not a finite number"),
+        ({"METANODE_OWNER_WEIGHT": "-5"}, "owner_weight: -5 is not from 0 to 1000000"),
+        ({"METANODE_PLUGIN_WEIGHTS": "fullhash"}, "plugin_weights: 'fullhash' is not name=weight"),
+        ({"METANODE_PLUGIN_WEIGHTS": "fullhash=abc"}, "plugin_weights"),
+        ({"METANODE_PLUGIN_WEIGHTS": "a=1,b=-1"}, "plugin_weights: 'b=-1'"),
+        ({"METANODE_PLUGIN_WEIGHTS": "a=1000001"}, "a weight is at most 1000000"),
+        ({"METANODE_LOG_LEVEL": "verbose"}, "log_level: 'verbose' is not one of debug, info"),
     ],
 )
 def test_bad_values_name_the_setting(env: dict[str, str], fragment: str) -> None:
+    """Each was accepted and then answered nothing, spun a core, crashed the start with a
+    traceback, or (with --workers N) restarted the owner worker for ever."""
     with pytest.raises(InvalidRequest, match=fragment):
         config.load(env=env)
+
+
+def test_a_toml_boolean_is_no_number_and_weights_parse(tmp_path: Path) -> None:
+    file = tmp_path / "m.toml"
+    file.write_text("port = true\n")  # bound port 1
+    with pytest.raises(InvalidRequest, match="port: True is not a valid int"):
+        config.load(file, env={})
+    weights = config.load(env={"METANODE_PLUGIN_WEIGHTS": "fullhash=5,filename=0"})
+    assert weights.plugin_weight_map == {"fullhash": 5, "filename": 0}
+
+
+def test_every_number_setting_has_a_range_and_the_docs_list_it() -> None:
+    """A number without a range would take any value again; the docs' table is the code's."""
+    text = DOC.read_text(encoding="utf-8")
+    ranged = dict(config.ranges())
+    for name, default, _help in config.describe():
+        if isinstance(default, int | float) and not isinstance(default, bool):
+            assert name in ranged, f"setting {name} has no range"
+            assert f"| `{name}` | {ranged[name]} |" in text, name
 
 
 def test_unknown_file_keys_and_broken_toml_are_errors(tmp_path: Path) -> None:

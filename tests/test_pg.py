@@ -27,7 +27,7 @@ from metanode import cache, claims, config, db, pg, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
-from metanode.errors import InvalidRequest, StorageLocked, StorageUnavailable
+from metanode.errors import InvalidRequest, SchemaTooNew, StorageLocked, StorageUnavailable
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.feed import Replica, Stream
@@ -103,7 +103,7 @@ def test_the_schema_is_versioned_and_a_newer_one_is_refused(dsn: str) -> None:
         conn.execute("UPDATE schema_version SET version = 99")
     finally:
         conn.close()
-    with pytest.raises(RuntimeError, match="newer than this metanode"):
+    with pytest.raises(SchemaTooNew, match="newer than this metanode"):
         truth.TruthStore(target).open()
 
 

@@ -225,14 +225,6 @@ def test_backoff_grows_fourfold() -> None:
     assert [plugins.backoff_s(n, 0.5) for n in (1, 2, 3, 4)] == [0.5, 2.0, 8.0, 32.0]
 
 
-def test_parse_weights() -> None:
-    assert plugins.parse_weights(["fullhash=5", "filename=1"]) == {"fullhash": 5, "filename": 1}
-    assert plugins.parse_weights([]) == {}
-    for bad in ("fullhash", "=3", "fullhash=", "fullhash=-1", "fullhash=x"):
-        with pytest.raises(ValueError, match="name=integer"):
-            plugins.parse_weights([bad])
-
-
 def test_discover_finds_the_builtins_through_entry_points() -> None:
     found = plugins.discover()
     assert [p.name for p in found] == ["fileinfo", "filename", "fullhash", "mediainfo", "nfo"]
