@@ -143,7 +143,9 @@ class Settings:
     )
     watch_enabled: bool = setting(True, "Run the watcher inside `metanode serve`.")
     watch_roots: tuple[str, ...] = setting(
-        ("./media",), "Folders to watch (created if missing); in the environment, `:`-separated."
+        ("./media",),
+        "Folders to watch (made if missing, unless files were known there: a disk not mounted "
+        "keeps its files, docs/watcher.md); in the environment, `:`-separated.",
     )
     watch_ignore: tuple[str, ...] = setting(
         (), "Extra name or path globs to ignore (comma-separated in the environment)."

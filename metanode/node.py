@@ -884,10 +884,16 @@ class Node:
         if self.watcher is not None:
             if self._watching.done() or time.monotonic() - self.watcher.heartbeat > STALL_S:
                 problems.append("the watcher has stopped")
-                body["status"] = "degraded"
+            if unlisted := self.watcher.unlisted:
+                problems.append(
+                    f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "
+                    f"not mounted?), their files kept as they were: {', '.join(unlisted[:3])}"
+                )
+            body["status"] = "degraded" if problems else "ok"
             body["watcher"] = {
                 "roots": self.watcher.roots,
                 "scanning": self.watcher.scanning,
                 "pending": len(self.watcher.pending),
+                "unlisted": unlisted,
             }
         return body

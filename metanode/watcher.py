@@ -98,12 +98,15 @@ class Rules:
         return any(fnmatch.fnmatchcase(relative, g) for g in self._path_globs)
 
 
-def walk(root: str, rules: Rules, start: str | None = None) -> Iterator[tuple[str, Stat]]:
+def walk(
+    root: str, rules: Rules, start: str | None = None, unlisted: list[str] | None = None
+) -> Iterator[tuple[str, Stat]]:
     """Every regular file below `start` (default `root`) that the rules keep, with its
     (size, mtime_ns). Rules apply relative to the watch `root`.
 
-    Unreadable folders are logged and skipped; each folder is visited once, even through a
-    followed symlink that loops back (to the root itself, say).
+    Unreadable folders are logged, skipped and added to `unlisted` (one that vanished is not:
+    its files are gone); each folder is visited once, even through a followed symlink that
+    loops back (to the root itself, say).
     """
     first = start or root
     if start is not None and rules.ignored(root, start):
@@ -121,6 +124,8 @@ def walk(root: str, rules: Rules, start: str | None = None) -> Iterator[tuple[st
             entries = list(os.scandir(folder))
         except OSError as exc:
             log.warning("cannot list %s: %s", folder, exc.strerror or exc)
+            if unlisted is not None and not isinstance(exc, FileNotFoundError | NotADirectoryError):
+                unlisted.append(folder)
             continue
         for entry in entries:
             if rules.ignored_name(entry.name) or (check_paths and rules.ignored(root, entry.path)):
@@ -139,10 +144,15 @@ def walk(root: str, rules: Rules, start: str | None = None) -> Iterator[tuple[st
                 yield entry.path, (info.st_size, info.st_mtime_ns)
 
 
-def plan(disk: Mapping[str, Stat], known: Mapping[str, Stat]) -> tuple[list[str], list[str]]:
-    """(paths to hash, paths to remove): new or changed files, and rows whose file is gone."""
+def plan(
+    disk: Mapping[str, Stat], known: Mapping[str, Stat], unlisted: Sequence[str] = ()
+) -> tuple[list[str], list[str]]:
+    """(paths to hash, paths to remove): new or changed files, and rows whose file is gone. A
+    row below an `unlisted` folder (unreadable, or a watch root that is missing: a disk not
+    mounted) stays: its file was not seen, which is not that it is gone."""
     to_hash = sorted(path for path, st in disk.items() if known.get(path) != st)
-    to_remove = sorted(set(known) - set(disk))
+    hidden = tuple(folder.rstrip("/") + "/" for folder in unlisted)
+    to_remove = sorted(p for p in set(known) - set(disk) if not p.startswith(hidden))
     return to_hash, to_remove
 
 
@@ -250,6 +260,9 @@ class Watcher:
         self.pending: dict[str, tuple[Stat, float]] = {}  # path → (stat, when it last changed)
         self._failed: dict[str, Stat] = {}  # unreadable files: not retried until they change
         self._stop = asyncio.Event()
+        self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
+        self.watched: list[str] = []  # the roots inotify follows: those that exist
+        self.unlisted: list[str] = []  # folders the last reconciliation could not read
         self.scanning = False
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
 
@@ -308,15 +321,14 @@ class Watcher:
         roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
         self.scanning = True
         try:
-            walking = asyncio.gather(
-                *(asyncio.to_thread(self._files_below, root, root) for root in roots)
-            )
+            walking = asyncio.gather(*(asyncio.to_thread(self._listing, root) for root in roots))
             try:
                 known = self._known_stats(roots)  # on the loop, while the walks run on threads
             finally:
                 walked = await walking
-            disk = {path: st for part in walked for path, st in part.items()}
-            to_hash, to_remove = plan(disk, known)
+            disk = {path: st for files, _ in walked for path, st in files.items()}
+            self.unlisted = sorted(folder for _, unlisted in walked for folder in unlisted)
+            to_hash, to_remove = plan(disk, known, self.unlisted)
             summary = Summary(
                 seen=len(disk), unchanged=len(disk) - len(to_hash), removed=len(to_remove)
             )
@@ -344,6 +356,15 @@ class Watcher:
             self.scanning = False
 
     # -- live -----------------------------------------------------------------------------------
+
+    def _listing(self, root: str) -> tuple[dict[str, Stat], list[str]]:
+        """The files below watch `root`, and the folders that could not be listed: the root
+        itself if it is missing or no folder (a disk not mounted, a share not up)."""
+        if not os.path.isdir(root):
+            log.warning("watch root %s is missing: its files are kept until it is back", root)
+            return {}, [root]
+        unlisted: list[str] = []
+        return dict(walk(root, self.rules, root, unlisted)), unlisted
 
     def _files_below(self, folder: str, root: str) -> dict[str, Stat]:
         """Files below `folder` that the rules keep, judged relative to their watch `root`."""
@@ -404,10 +425,13 @@ class Watcher:
         }
 
     async def _settle_loop(self) -> None:
-        """Hash pending files once their stat held still for the settle window."""
+        """Hash pending files once their stat held still for the settle window; and watch
+        again when a root came or went (a disk mounted, unmounted)."""
         while not self._stop.is_set():
             await asyncio.sleep(TICK_S)
             now = self.heartbeat = time.monotonic()
+            if self._present() != self.watched:
+                self._rewatch.set()
             ready: dict[str, Stat] = {}
             for path, (expected, since) in list(self.pending.items()):
                 if now - since < self.settle_s:
@@ -425,26 +449,35 @@ class Watcher:
             if ready:
                 await self._guarded(self._hash_and_commit(ready))
 
+    def _present(self) -> list[str]:
+        return [root for root in self.roots if os.path.isdir(root)]
+
     async def _inotify_loop(self) -> None:
-        """Follow inotify; if watchfiles itself fails (it raises on a path it cannot decode),
-        watch again and reconcile once the new watch stands, to catch what the gap missed."""
+        """Follow inotify on the roots that exist; if watchfiles itself fails (it raises on a
+        path it cannot decode), or a root came or went (`_settle_loop` sets `_rewatch`), watch
+        again and reconcile once the new watch stands, to catch what the gap missed."""
         resync: asyncio.Task[None] | None = None
         while not self._stop.is_set():
+            self._rewatch.clear()
+            self.watched = self._present()
             try:
-                async for changes in watchfiles.awatch(
-                    *self.roots,
-                    watch_filter=self._keep,
-                    debounce=200,
-                    step=50,
-                    stop_event=self._stop,
-                    ignore_permission_denied=True,
-                ):
-                    await self._guarded(self._on_changes(changes))
+                if self.watched:
+                    async for changes in watchfiles.awatch(
+                        *self.watched,
+                        watch_filter=self._keep,
+                        debounce=200,
+                        step=50,
+                        stop_event=_Either(self._stop, self._rewatch),
+                        ignore_permission_denied=True,
+                    ):
+                        await self._guarded(self._on_changes(changes))
+                else:
+                    await _first(self._stop, self._rewatch)
             except Exception:
                 log.exception("inotify failed; watching again and rescanning")
                 await asyncio.sleep(TICK_S)  # never a busy loop if it fails again at once
-                if resync is None or resync.done():
-                    resync = asyncio.create_task(self._resync_soon())
+            if not self._stop.is_set() and (resync is None or resync.done()):
+                resync = asyncio.create_task(self._resync_soon())
         if resync is not None:
             resync.cancel()
 
@@ -471,8 +504,9 @@ class Watcher:
 
         inotify starts before the reconciliation so nothing that changes during it is missed.
         """
-        for root in self.roots:
-            Path(root).mkdir(parents=True, exist_ok=True)
+        for root in self.roots:  # a new root is made; one with known files is a disk not there
+            if not os.path.isdir(root) and not self._known_stats([root]):
+                Path(root).mkdir(parents=True, exist_ok=True)
         tasks = [asyncio.create_task(self._inotify_loop(), name="watcher-inotify")]
         try:
             await self._guarded(self.reconcile())
@@ -486,3 +520,30 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+class _Either:
+    """Set when either event is: what watchfiles polls (`is_set`) to end one watch, and sets
+    (`set`) when it is cancelled."""
+
+    def __init__(self, first: asyncio.Event, second: asyncio.Event) -> None:
+        self._events = (first, second)
+
+    def is_set(self) -> bool:
+        return any(event.is_set() for event in self._events)
+
+    def set(self) -> None:
+        self._events[1].set()
+
+    async def wait(self) -> None:
+        await _first(*self._events)
+
+
+async def _first(*events: asyncio.Event) -> None:
+    """Wait until one of `events` is set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import watchfiles
+from hypothesis import given
+from hypothesis import strategies as st
 
 from metanode import cid as cids
 from metanode import watcher
@@ -214,7 +216,9 @@ def test_walk_skips_an_unlistable_folder(tmp_path: Path, monkeypatch: pytest.Mon
         return real_scandir(path)
 
     monkeypatch.setattr(os, "scandir", scandir)  # root can read anything: simulate it
-    assert set(dict(walk(str(root), Rules()))) == {str(root / "ok" / "a.mkv")}
+    unlisted: list[str] = []
+    assert set(dict(walk(str(root), Rules(), unlisted=unlisted))) == {str(root / "ok" / "a.mkv")}
+    assert unlisted == [str(root / "locked")]
 
 
 # -- plan ---------------------------------------------------------------------------------------
@@ -232,6 +236,25 @@ def test_plan_hashes_new_and_changed_and_removes_vanished() -> None:
     to_hash, to_remove = plan(disk, known)
     assert to_hash == ["/m/grown", "/m/new", "/m/touched"]  # sorted
     assert to_remove == ["/m/also-gone", "/m/gone"]
+
+
+FOLDERS = st.sampled_from(["/m", "/m/a", "/m/a/b", "/m/c", "/n"])
+
+
+@given(
+    st.dictionaries(st.builds("{}/{}".format, FOLDERS, st.sampled_from("xyz")), st.just((1, 1))),
+    st.dictionaries(st.builds("{}/{}".format, FOLDERS, st.sampled_from("xyz")), st.just((1, 1))),
+    st.lists(FOLDERS, max_size=2),
+)
+def test_plan_never_removes_what_lies_below_a_folder_it_could_not_read(
+    disk: dict[str, Stat], known: dict[str, Stat], unlisted: list[str]
+) -> None:
+    """A row is removed exactly when its file is not on the disk and no unlisted folder (an
+    unreadable one, a root not mounted) holds it: not seen is not gone."""
+    _, to_remove = plan(disk, known, unlisted)
+    for path in known:
+        below = any(path.startswith(folder + "/") for folder in unlisted)
+        assert (path in to_remove) == (path not in disk and not below), (path, unlisted)
 
 
 def test_plan_of_an_unchanged_tree_is_empty() -> None:

@@ -729,6 +729,35 @@ def test_a_restart_reconciles_changes_made_while_stopped(start: Start) -> None:
     assert renamed["paths"] == [str(media / "renamed.mkv")]
 
 
+def test_a_watch_root_missing_at_start_keeps_its_files_until_it_is_back(start: Start) -> None:
+    """A disk not mounted when the node starts: its root was made anew, empty, and every file
+    of it dropped from the records (consumers saw them deleted). Now the root is not made, the
+    files stay, /health says why it is degraded, and once the folder is back it is watched
+    again without a restart."""
+    server = start()
+    media = server.media
+    content = os.urandom(3000)
+    kept = write(media / "film.mkv", content)
+    wait_for("the file listed", lambda: str(kept) in server.files())
+    server.stop()
+    unmounted = media.with_name("media.unmounted")
+    os.rename(media, unmounted)
+
+    again = start()
+    health = wait_for("a degraded health naming the root", lambda: (
+        (h := again.health())["status"] == "degraded" and h["watcher"]["unlisted"] and h
+    ))  # fmt: skip
+    assert health["watcher"]["unlisted"] == [str(media)], health
+    assert any(str(media) in problem for problem in health["problems"]), health
+    assert str(kept) in again.files() and not media.exists()
+    assert again.meta(cids.midhash_bytes(content))["filePath"] == str(kept)  # type: ignore[index]
+    os.rename(unmounted, media)
+    wait_for("health ok once the root is back", lambda: again.health()["status"] == "ok")
+    added = write(media / "later.mkv", os.urandom(3000))  # watched live again
+    wait_for("a file added after it came back", lambda: str(added) in again.files())
+    assert str(kept) in again.files()
+
+
 # -- metanode scan ------------------------------------------------------------------------------
 
 
