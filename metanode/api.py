@@ -115,6 +115,9 @@ FAMILIES: tuple[tuple[str, Access], ...] = (
     ("/webdav", Access.TRUSTED),
     ("/webdav/", Access.TRUSTED),
     *((page, Access.PAGE) for page in ui.PAGES),
+    # meta-core's routes this node does not serve (docs/compat.md): a consumer that sends no
+    # token is told 404 there, as the table says, not 401 (which reads as "send a token")
+    *((path, Access.TRUSTED) for path in compat.NOT_SERVED),
 )
 
 

@@ -37,6 +37,7 @@ from starlette.responses import (
     JSONResponse,
     MalformedRangeHeader,
     PlainTextResponse,
+    RedirectResponse,
     Response,
 )
 from starlette.responses import RangeNotSatisfiable as Unsatisfiable
@@ -66,6 +67,17 @@ from metanode.node import Node
 from metanode.webdav import Roots
 
 MAX_PROPERTY_BODY = 1024 * 1024  # meta-core reads a property body into a 1 MiB buffer
+# meta-core's routes not served here (docs/compat.md's "not served" rows), by path or prefix
+NOT_SERVED = (
+    "/leader",
+    "/role",
+    "/services",
+    "/api/mounts",
+    "/api/events/subscribe",
+    "/api/scan/trigger",
+    "/api/kv/",
+    "/data/",
+)
 
 
 class RangeNotSatisfiable(MetanodeError):
@@ -210,9 +222,10 @@ class LegacyWriter:
         async with self.signer.lock:
             await self.signer.register()
             cid, rid = self._target(text)
+            if rid is None and not any(sorted_out.claims.values()):  # no value, nothing to undo
+                raise UnknownCid(f"no record holds {cid}")
             if not sorted_out.claims:
-                if rid is None:
-                    raise UnknownCid(f"no record holds {cid}")
+                assert rid is not None
                 return Written(200, self.node.survivor(rid), 0, tuple(sorted_out.ignored))
             written = sorted_out.claims.items()
             drafts: list[signer.Draft] = [(cid, k, v or None) for k, v in written]
@@ -253,6 +266,12 @@ class LegacyWriter:
             joined = "|".join([*members, value])
             claims.check_value(joined, self.node.limits)
             return await self._ingest(cid, [(cid, key, joined)], []), True
+
+
+async def to_webdav_root(request: Request) -> Response:
+    """`/webdav` is the collection `/webdav/`: a 307 there, by a relative `Location` (the router's
+    own slash redirects are off: they named the request's `Host`, whatever it said)."""
+    return RedirectResponse(f"{webdav.MOUNT}/", status_code=307)
 
 
 async def start(node: Node) -> None:
@@ -636,14 +655,13 @@ def routes(node: Node) -> list[BaseRoute]:
                 await read_body(request, MAX_PROPERTY_BODY, node.settings.body_timeout_s)
             )
             done = await writer.write(text, {key: value})
-            return JSONResponse(
-                {"success": True, "hashId": done.rid, "property": key}, status_code=done.status
-            )
-        if request.method == "DELETE":  # meta-core's property delete: this signer's retraction
+        elif request.method == "DELETE":  # meta-core's property delete: the signer's retraction
             done = await writer.write(text, {key: ""})
-            return JSONResponse(
-                {"success": True, "hashId": done.rid, "property": key}, status_code=done.status
-            )
+        if request.method in ("PUT", "DELETE"):
+            body = {"success": True, "hashId": done.rid, "property": key}
+            if done.ignored:  # a key the node derives itself (filePath…): nothing was written
+                body["ignored"] = list(done.ignored)
+            return JSONResponse(body, status_code=done.status)
         rid = record_rid(node, text)
         stored = node.record_value(rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
@@ -754,5 +772,6 @@ def routes(node: Node) -> list[BaseRoute]:
         Route("/file/{cid}", file_bytes),
         Route("/urls", urls),
         Route("/api/services", services),
+        Route(webdav.MOUNT, to_webdav_root, methods=None),  # any method, as WebDAV clients ask
         Mount(webdav.MOUNT, app=webdav.App(node.settings)),  # WebDAV, outside the OpenAPI doc
     ]

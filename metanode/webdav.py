@@ -31,6 +31,7 @@ from typing import IO, Any, cast
 
 from a2wsgi import WSGIMiddleware
 from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError
 from wsgidav.dav_provider import DAVCollection, DAVProvider
@@ -40,6 +41,7 @@ from wsgidav.request_resolver import RequestResolver
 from wsgidav.wsgidav_app import WsgiDAVApp
 
 from metanode.config import Settings
+from metanode.errors import InvalidRequest
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
@@ -109,6 +111,24 @@ class CheckedFile(FileResource):  # type: ignore[misc]
         return os.fdopen(fd, "rb")
 
 
+def servable(name: str) -> bool:
+    """Whether a file name can be given to a WebDAV client: valid UTF-8 (one that is not, which
+    the watcher ignores too, failed its whole folder's listing with a 500) and no control
+    character (a name with a line feed was listed, but its address never routed)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return name.isprintable()
+
+
+class Folder(FolderResource):  # type: ignore[misc]
+    """A folder of a root, listing only the names that can be served (`servable`)."""
+
+    def get_member_names(self) -> list[str]:
+        return [name for name in super().get_member_names() if servable(name)]
+
+
 class Top(DAVCollection):  # type: ignore[misc]
     """`/webdav/` itself: a read-only collection of the roots' collections (and `plugin`)."""
 
@@ -163,7 +183,7 @@ class Layout(DAVProvider):  # type: ignore[misc]
         if not self.fs_opts["follow_symlinks"] and os.path.islink(file_path):
             raise DAVError(HTTP_FORBIDDEN, "symbolic links are not followed")
         if os.path.isdir(file_path):
-            return FolderResource(path, environ, file_path)
+            return Folder(path, environ, file_path)
         if not os.path.isfile(file_path):
             return None  # a dangling link, a socket…
         return CheckedFile(path, environ, file_path, fs.root_folder_path_real)
@@ -233,6 +253,9 @@ def server(settings: Settings) -> ASGIApp:
     def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         path = environ["PATH_INFO"]
         dated = undated(start_response)
+        headers = cast(dict[str, str], environ)  # the HTTP_* keys: TypedDict names none
+        if "," in headers.get("HTTP_RANGE", ""):  # WsgiDAV served the last range as if all
+            del headers["HTTP_RANGE"]  # the whole file instead, as RFC 9110 §14.2 allows
         if writable is not None and (path == f"/{PLUGIN}" or path.startswith(f"/{PLUGIN}/")):
             environ["SCRIPT_NAME"] += f"/{PLUGIN}"
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
@@ -252,6 +275,12 @@ class App:
         self.served: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if {".", ".."} & set(scope["path"].split("/")):  # WsgiDAV's 400 lost its body
+            await JSONResponse(DOT_SEGMENT.envelope(), DOT_SEGMENT.status)(scope, receive, send)
+            return
         if self.served is None:
             self.served = server(self.settings)
         await self.served(scope, receive, send)
+
+
+DOT_SEGMENT = InvalidRequest("a WebDAV path has no '.' or '..' segment")

@@ -306,7 +306,7 @@ def test_a_port_out_of_range_is_refused_from_any_setting(tmp_path: Path) -> None
     done = metanode("serve", "--data-dir", str(tmp_path / "data"), env={"METANODE_PORT": "99999"})
     assert done.returncode == 2
     assert done.stderr.startswith(
-        "error: invalid_request: setting port: 99999 is not a TCP port"
+        "error: invalid_request: setting port: 99999 is not from 1 to 65535"
     ), done.stderr
     assert not (tmp_path / "data").exists()
 
