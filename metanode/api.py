@@ -17,7 +17,7 @@ import logging
 import secrets
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -45,6 +45,7 @@ from metanode.errors import (
     RequestTimeout,
     Unauthorized,
     UnavailableError,
+    shown,
 )
 from metanode.metrics import CONTENT_TYPE
 from metanode.node import Node
@@ -157,40 +158,61 @@ def client_address(scope: Scope) -> ipaddress.IPv4Address | ipaddress.IPv6Addres
     return address
 
 
-LOCAL_SUFFIXES = (".localhost", ".local", ".lan", ".home.arpa", ".internal")  # not public DNS
+# Names no public DNS gives out: reserved (RFC 6761, 6762, 8375; ICANN's `.internal`), or the
+# private ones RFC 6762 appendix G lists as in use, and two home routers' own.
+LOCAL_SUFFIXES: tuple[str, ...] = (".localhost", ".local", ".home.arpa", ".internal", ".lan")
+LOCAL_SUFFIXES += (".home", ".intranet", ".private", ".corp", ".localdomain", ".fritz.box")
 
 
-def local_host(host: str) -> bool:
+def host_name(host: str) -> str | None:
+    """The name a `Host` header gives (lower case, no port), None if it does not parse."""
+    try:
+        return urllib.parse.urlsplit(f"//{host}").hostname or ""
+    except ValueError:
+        return None
+
+
+def local_host(host: str, also: Collection[str] = ()) -> bool:
     """Whether a `Host` header names this box as no public DNS name can: an IP address,
-    `localhost`, a name of one label (a Docker service, a LAN host), or one under a suffix
-    reserved for private use (`LOCAL_SUFFIXES`)."""
-    name = urllib.parse.urlsplit(f"//{host}").hostname or ""
+    `localhost`, a name of one label (a Docker service, a LAN host), one under a private
+    suffix (`LOCAL_SUFFIXES`), or one of `also` (the `trusted_hosts` setting)."""
+    name = host_name(host)
+    if name is None:
+        return False
     try:
         ipaddress.ip_address(name)
         return True
     except ValueError:
-        return name == "localhost" or "." not in name or name.endswith(LOCAL_SUFFIXES)
+        return (
+            name in also or name == "localhost" or "." not in name or name.endswith(LOCAL_SUFFIXES)
+        )
 
 
-def browser_relayed(scope: Scope, headers: Mapping[bytes, bytes]) -> bool:
-    """Whether a browser sends this request for a page that may be anyone's, so that the
-    network the browser sits on must not vouch for it (docs/compat.md, "Browsers"):
+def not_vouched(scope: Scope, headers: Mapping[bytes, bytes], also: Collection[str]) -> str | None:
+    """Why the network a request comes from does not vouch for it (None: it does), though its
+    address is trusted: a browser there carries in whatever any page asks (docs/compat.md,
+    "Browsers"):
 
+    * a `Host` that is a public name (`local_host`): a page whose DNS name was pointed at this
+      box after it loaded (DNS rebinding) is "same-origin" to the browser, and over plain
+      HTTP the browser says nothing else of it;
     * a write (not GET or HEAD) from another site: its `Origin` is not this host
       (`ui.same_origin`), or `Sec-Fetch-Site` says so. A form or `fetch` of any page the
-      person opens can send a simple POST without asking first;
-    * any request of a browser (it sends `Sec-Fetch-Site`; MetaMesh's consumers, which are
-      programs, do not) to a `Host` that is a public name (`local_host`): a page whose DNS name
-      was pointed at this box afterwards (DNS rebinding) is "same-origin" to the browser.
+      person opens can send a simple POST without asking first.
 
     Reads from another site's page need no rule here: the MetaMesh routes send no CORS
     header (`Edge`), so the page cannot read the answer."""
-    site = headers.get(b"sec-fetch-site")
+    host = headers.get(b"host", b"").decode("latin-1")
+    if not local_host(host, also):
+        return (
+            f"the Host {shown(host)} is a public name, which a browser's page may have pointed "
+            "at this box (add it to trusted_hosts if it is this box's)"
+        )
     if scope["method"] not in ui.SAFE_METHODS and (
-        not ui.same_origin(scope) or site in (b"cross-site", b"same-site")
+        not ui.same_origin(scope) or headers.get(b"sec-fetch-site") in (b"cross-site", b"same-site")
     ):
-        return True
-    return site is not None and not local_host(headers.get(b"host", b"").decode("latin-1"))
+        return "a browser sent this write for a page of another site"
+    return None
 
 
 class Perimeter:
@@ -200,35 +222,39 @@ class Perimeter:
         self.node = node
         self.sessions = sessions
         self.trusted = node.settings.trusted
+        self.hosts = frozenset(name.lower() for name in node.settings.trusted_hosts)
 
-    def _from_trusted_network(self, scope: Scope, headers: Mapping[bytes, bytes]) -> bool:
-        """Whether the client's network vouches for this request (the MetaMesh routes' rule):
-        its address is trusted, and it is not a browser's made for a page of another site,
-        which a browser on a trusted machine would otherwise carry in (`browser_relayed`)."""
+    def _network_refusal(self, scope: Scope, headers: Mapping[bytes, bytes]) -> Unauthorized | None:
+        """None if the client's network vouches for this request (the MetaMesh routes' rule),
+        else the 401 it gets without the token: the generic one for an address outside
+        `trusted_networks`, one saying why for a trusted address (`not_vouched`)."""
         address = client_address(scope)
-        return (
-            address is not None
-            and any(address in network for network in self.trusted)
-            and not browser_relayed(scope, headers)
-        )
+        if address is None or not any(address in network for network in self.trusted):
+            return UNAUTHORIZED
+        why = not_vouched(scope, headers, self.hosts)
+        return None if why is None else Unauthorized(f"{why}; {UNAUTHORIZED.message}")
 
     def refusal(self, scope: Scope, headers: Mapping[bytes, bytes]) -> MetanodeError | None:
         """Why this request may not use its route, or None."""
         access = access_of(scope["path"])
         if access in (Access.PUBLIC, Access.PAGE):
             return None
-        if access is Access.TRUSTED and self._from_trusted_network(scope, headers):
-            return None
+        unauthorized = UNAUTHORIZED
+        if access is Access.TRUSTED:
+            network = self._network_refusal(scope, headers)
+            if network is None:
+                return None
+            unauthorized = network
         given = headers.get(b"authorization")
         if given is None:
-            return None if ui.cookie_allows(self.sessions, scope) else UNAUTHORIZED
+            return None if ui.cookie_allows(self.sessions, scope) else unauthorized
         scheme, _, token = given.partition(b" ")
         if scheme.lower() != b"bearer" or not token:  # a scheme is case-insensitive (RFC 9110)
-            return UNAUTHORIZED
+            return unauthorized
         if hmac.compare_digest(token, self.node.token.encode()):
             return None
         if self.node.peer_token_name(token.decode("latin-1")) is None:
-            return UNAUTHORIZED
+            return unauthorized
         if access is Access.PEER:
             return None
         return PeerTokenScope(
@@ -252,7 +278,7 @@ class Edge:
     * CORS (`*`, GET) for the public routes' requests that carry an `Origin`: those go
       through Starlette's `CORSMiddleware` (preflights included); the others skip it. Not the
       MetaMesh routes: trusted by the network, they would let any page a person opens in a
-      browser on that network read the library (`browser_relayed` keeps its writes out);
+      browser on that network read the library (`not_vouched` keeps its writes out);
     * the perimeter (`Perimeter`): a route family's access rule, 401 (or a peer token's 403)
       in the envelope;
     * the catch-all: whatever a handler let escape that is not a `MetanodeError` is logged with

@@ -772,6 +772,6 @@ def routes(node: Node) -> list[BaseRoute]:
         Route("/file/{cid}", file_bytes),
         Route("/urls", urls),
         Route("/api/services", services),
-        Route(webdav.MOUNT, to_webdav_root, methods=None),  # any method, as WebDAV clients ask
+        Route(webdav.MOUNT, to_webdav_root, methods=webdav.METHODS),
         Mount(webdav.MOUNT, app=webdav.App(node.settings)),  # WebDAV, outside the OpenAPI doc
     ]

@@ -214,6 +214,14 @@ class Settings:
         "compatibility routes without the token; anyone there can read the library and write "
         "legacy claims (docs/compat.md).",
     )
+    trusted_hosts: tuple[str, ...] = setting(
+        (),
+        "Host names, beyond addresses, `localhost`, names of one label and private ones "
+        "(`.lan`, `.local`, `.home.arpa`, `.internal`…), by which clients in trusted_networks "
+        "reach the compatibility routes without the token (comma-separated in the "
+        "environment); any other name is refused there, as a browser's page may have pointed "
+        "it at this box (docs/compat.md).",
+    )
     trusted_proxies: tuple[str, ...] = setting(
         (),
         "Reverse proxies (CIDRs, comma-separated in the environment) whose `X-Forwarded-For` "
@@ -236,7 +244,10 @@ class Settings:
         low=SECONDS,
     )
     peer_page_claims: int = setting(
-        1_000, "Claims asked for per page of a peer's claim log.", low=1, high=10000
+        1_000,
+        "Claims asked for per page of a peer's claim log (a page holds at most 1,000).",
+        low=1,
+        high=1_000,  # api.MAX_PAGE: a peer refuses a larger `limit`
     )
     peer_retry_s: float = setting(
         1.0, "First wait after a failed pull from a peer (then doubled each failure).", low=SECONDS
@@ -245,7 +256,7 @@ class Settings:
         60.0, "Longest wait between failed pulls from a peer.", low=SECONDS
     )
     peer_timeout_s: float = setting(30.0, "Seconds a request to a peer may take.", low=SECONDS)
-    log_level: str = setting("info", "Log level: debug, info, warning, error.")
+    log_level: str = setting("info", "Log level: debug, info, warning, error, critical.")
     log_access: bool = setting(
         False, "Log one line per HTTP request (costs about a fifth of the read rate)."
     )
@@ -350,7 +361,7 @@ class Settings:
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
-LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def _in_range(each: dataclasses.Field[Any], value: Any) -> None:
@@ -358,7 +369,7 @@ def _in_range(each: dataclasses.Field[Any], value: Any) -> None:
     low, high = each.metadata["low"], each.metadata["high"]
     if low is None:
         return
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise InvalidRequest(f"setting {each.name}: {value!r} is not a finite number")
     if not low <= value <= high:
         raise InvalidRequest(f"setting {each.name}: {value!r} is not {_words(low, high)}")
@@ -411,6 +422,7 @@ _LIST_SEPARATORS = {
     "plugins_disabled": ",",
     "plugin_weights": ",",
     "trusted_networks": ",",
+    "trusted_hosts": ",",
     "trusted_proxies": ",",
 }
 

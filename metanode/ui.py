@@ -153,7 +153,10 @@ def same_origin(scope: Scope) -> bool:
     if origin is None:
         return True
     host = headers.get(b"host", b"").decode("latin-1")
-    return urlsplit(origin.decode("latin-1")).netloc == host
+    try:
+        return urlsplit(origin.decode("latin-1")).netloc == host
+    except ValueError:  # `Origin: http://[`: no origin this host has
+        return False
 
 
 def local_path(then: str) -> str:

@@ -24,6 +24,7 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
 from __future__ import annotations
 
 import os
+import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,9 @@ from metanode.errors import InvalidRequest
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
 WORKERS = 8  # a2wsgi threads: WebDAV requests served at once (a read streams from one)
+# what a WebDAV client may ask of `/webdav` itself before it is sent on to `/webdav/`
+METHODS = ["GET", "HEAD", "OPTIONS", "PROPFIND", "PROPPATCH", "MKCOL", "PUT", "DELETE"]
+METHODS += ["COPY", "MOVE", "LOCK", "UNLOCK", "POST"]
 
 
 @dataclass(frozen=True)
@@ -114,12 +118,13 @@ class CheckedFile(FileResource):  # type: ignore[misc]
 def servable(name: str) -> bool:
     """Whether a file name can be given to a WebDAV client: valid UTF-8 (one that is not, which
     the watcher ignores too, failed its whole folder's listing with a 500) and no control
-    character (a name with a line feed was listed, but its address never routed)."""
+    character (a name with a line feed was listed, but its address never routed). Spaces of
+    every kind, joiners and marks are names like any other."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
         return False
-    return name.isprintable()
+    return not any(unicodedata.category(char) == "Cc" for char in name)
 
 
 class Folder(FolderResource):  # type: ignore[misc]

@@ -551,9 +551,10 @@ def test_a_browser_on_a_trusted_machine_carries_no_page_of_another_site_in(
     """Loopback is trusted, so a browser on the box could carry any site's page in: its
     script read every record (the MetaMesh routes answered CORS `*`), its form or `fetch` wrote
     legacy claims (a simple POST needs no preflight), and a name pointed at 127.0.0.1 after the
-    page loaded (DNS rebinding) was same-origin. Programs, which send neither `Origin` nor
-    `Sec-Fetch-Site`, keep the network's trust, and the public routes keep CORS."""
-    server = launch({"METANODE_WATCH_ENABLED": "0"})
+    page loaded (DNS rebinding) was same-origin. Programs, which send no `Origin` and name the
+    box by an address, a private name or one of `trusted_hosts`, keep the network's trust, and
+    the public routes keep CORS."""
+    server = launch({"METANODE_WATCH_ENABLED": "0", "METANODE_TRUSTED_HOSTS": "tv.example.com"})
     url, port = server.url, server.port
     created = httpx.patch(f"{url}/meta/{CID_A}", json={"title": "Kept"}, timeout=10)
     assert created.status_code == 200, created.text  # a program: no token, trusted by address
@@ -570,11 +571,16 @@ def test_a_browser_on_a_trusted_machine_carries_no_page_of_another_site_in(
     ):
         envelope(httpx.post(add, content=b"injected", headers=browser, timeout=10), 401,
                  "unauthorized")  # fmt: skip
-    rebound = {"Sec-Fetch-Site": "same-origin", "Host": f"evil.example:{port}"}
-    envelope(httpx.get(f"{url}/meta", headers=rebound, timeout=10), 401, "unauthorized")
-    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "metanode:9000", "nas.local"):
-        own = {"Sec-Fetch-Site": "same-origin", "Host": host}
-        assert httpx.get(f"{url}/meta", headers=own, timeout=10).status_code == 200, host
+    rebound = {"Host": f"evil.example:{port}"}  # over plain HTTP a browser says nothing more
+    said = envelope(httpx.get(f"{url}/meta", headers=rebound, timeout=10), 401, "unauthorized")
+    assert "'evil.example:" in said["message"] and "trusted_hosts" in said["message"], said
+    names = ("localhost", "metanode:9000", "nas.local", "host.docker.internal", "box.fritz.box")
+    for host in (f"127.0.0.1:{port}", f"[::1]:{port}", *names, "tv.example.com"):
+        got = httpx.get(f"{url}/meta", headers={"Host": host}, timeout=10)
+        assert got.status_code == 200, host  # the last one: trusted_hosts
+    for odd in ("[", "http://["):  # unparseable: refused as not this box's, never a 500
+        weird = {"Host": odd, "Origin": odd, "Content-Type": "text/plain"}
+        envelope(httpx.post(add, content=b"x", headers=weird, timeout=10), 401, "unauthorized")
     with_token = {**evil, **server.headers, "Content-Type": "text/plain"}
     assert httpx.post(add, content=b"by token", headers=with_token, timeout=10).status_code == 200
     genres = httpx.get(f"{url}/meta/{CID_A}/genres", timeout=10).text

@@ -43,6 +43,8 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
         ({"METANODE_HEADER_TIMEOUT_S": "-5"}, "header_timeout_s: -5.0 is not at least 0.001"),
         ({"METANODE_APPLY_POLL_S": "0"}, "apply_poll_s"),  # 0 spun a core
         ({"METANODE_WATCH_SETTLE_S": "nan"}, "watch_settle_s: nan is not a finite number"),
+        ({"METANODE_APPLY_WAIT_S": "1e400"}, "apply_wait_s: inf is not a finite number"),
+        ({"METANODE_PEER_PAGE_CLAIMS": "1001"}, "peer_page_claims"),  # a peer gives 1,000
         ({"METANODE_OWNER_WEIGHT": "-5"}, "owner_weight: -5 is not from 0 to 1000000"),
         ({"METANODE_PLUGIN_WEIGHTS": "fullhash"}, "plugin_weights: 'fullhash' is not name=weight"),
         ({"METANODE_PLUGIN_WEIGHTS": "fullhash=abc"}, "plugin_weights"),
@@ -56,6 +58,13 @@ def test_bad_values_name_the_setting(env: dict[str, str], fragment: str) -> None
     traceback, or (with --workers N) restarted the owner worker for ever."""
     with pytest.raises(InvalidRequest, match=fragment):
         config.load(env=env)
+
+
+def test_a_huge_whole_number_is_checked_without_overflowing() -> None:
+    """`math.isfinite(10**400)` raised OverflowError, a traceback instead of the setting's name."""
+    assert config.load(env={"METANODE_HOT_DOCUMENTS": "1" + "0" * 400}).hot_documents > 0
+    with pytest.raises(InvalidRequest, match="port: 1000"):
+        config.load(env={"METANODE_PORT": "1" + "0" * 400})
 
 
 def test_a_toml_boolean_is_no_number_and_weights_parse(tmp_path: Path) -> None:

@@ -143,11 +143,16 @@ def test_odd_names_ranges_and_dot_segments_are_answered_not_failed(
         fd = os.open(folder + b"/" + odd, os.O_WRONLY | os.O_CREAT, 0o644)
         os.write(fd, b"odd")
         os.close(fd)
+    spaced = drop(server.media / "films" / "映画\u3000Two\u00a0Film.mkv")  # odd spaces: names
     top = f"{server.url}/webdav/"
     assert propfind(f"{top}media/films/", "1").keys() == {
         "/webdav/media/films/",
         "/webdav/media/films/film.mkv",
+        f"/webdav/media/films/{spaced.name}",
     }
+    for method in ("GET", "PROPFIND", "OPTIONS"):  # `/webdav` itself, as a client first asks
+        moved = httpx.request(method, f"{server.url}/webdav", headers={"Depth": "0"})
+        assert (moved.status_code, moved.headers["location"]) == (307, "/webdav/"), method
     assert "/webdav/media/films/film.mkv" in propfind(f"{top}media/", "infinity")
     url = f"{top}media/films/film.mkv"
     both = httpx.get(url, headers={"Range": "bytes=0-1,10-11"}, timeout=30)
