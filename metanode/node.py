@@ -212,6 +212,7 @@ class Node:
             self.ensure_groups,
             self.apply_local,
             self.cache.local_stats,
+            watcher.RootDevices(s.data_dir / watcher.DEVICES_FILE),
         )
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:

@@ -17,7 +17,9 @@ transaction (`cache.local_txn`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fnmatch
+import json
 import logging
 import os
 import re
@@ -144,6 +146,11 @@ def walk(
                 yield entry.path, (info.st_size, info.st_mtime_ns)
 
 
+def prefixes(folders: Iterable[str]) -> tuple[str, ...]:
+    """What every path below one of `folders` starts with (for `str.startswith`)."""
+    return tuple(folder.rstrip("/") + "/" for folder in folders)
+
+
 def plan(
     disk: Mapping[str, Stat], known: Mapping[str, Stat], unlisted: Sequence[str] = ()
 ) -> tuple[list[str], list[str]]:
@@ -151,7 +158,7 @@ def plan(
     row below an `unlisted` folder (unreadable, or a watch root that is missing: a disk not
     mounted) stays: its file was not seen, which is not that it is gone."""
     to_hash = sorted(path for path, st in disk.items() if known.get(path) != st)
-    hidden = tuple(folder.rstrip("/") + "/" for folder in unlisted)
+    hidden = prefixes(unlisted)
     to_remove = sorted(p for p in set(known) - set(disk) if not p.startswith(hidden))
     return to_hash, to_remove
 
@@ -233,6 +240,9 @@ class Summary:
 
 # (files done, bytes done, files to do, bytes to do), cumulative; first called with nothing done
 Progress = Callable[[int, int, int, int], None]
+Mounted = tuple[tuple[str, int], ...]  # (root, device) of the roots that are folders
+ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken off
+DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
 
 
 class Watcher:
@@ -248,6 +258,7 @@ class Watcher:
         ensure_groups: EnsureGroups,
         apply_local: ApplyLocal,
         known_stats: KnownStats,
+        devices: RootDevices | None = None,
     ) -> None:
         self.roots = [str(Path(r).resolve()) for r in roots]
         self.rules = rules
@@ -256,12 +267,14 @@ class Watcher:
         self._ensure_groups = ensure_groups
         self._apply_local = apply_local
         self._known_stats = known_stats
+        self.devices = devices or RootDevices(None)
         self._slots = asyncio.Semaphore(max(1, workers))
         self.pending: dict[str, tuple[Stat, float]] = {}  # path → (stat, when it last changed)
         self._failed: dict[str, Stat] = {}  # unreadable files: not retried until they change
         self._stop = asyncio.Event()
         self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
-        self.watched: list[str] = []  # the roots inotify follows: those that exist
+        self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
+        self._resyncing: asyncio.Task[None] | None = None
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
         self.scanning = False
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
@@ -326,8 +339,11 @@ class Watcher:
                 known = self._known_stats(roots)  # on the loop, while the walks run on threads
             finally:
                 walked = await walking
-            disk = {path: st for files, _ in walked for path, st in files.items()}
-            self.unlisted = sorted(folder for _, unlisted in walked for folder in unlisted)
+            disk = {path: st for listing in walked for path, st in listing.files.items()}
+            self.unlisted = sorted(
+                folder for listing in walked for folder in listing.unlisted
+            ) + self._emptied(walked, known)
+            self.devices.found(listing for listing in walked if listing.files)
             to_hash, to_remove = plan(disk, known, self.unlisted)
             summary = Summary(
                 seen=len(disk), unchanged=len(disk) - len(to_hash), removed=len(to_remove)
@@ -357,14 +373,39 @@ class Watcher:
 
     # -- live -----------------------------------------------------------------------------------
 
-    def _listing(self, root: str) -> tuple[dict[str, Stat], list[str]]:
+    def _listing(self, root: str) -> Listing:
         """The files below watch `root`, and the folders that could not be listed: the root
         itself if it is missing or no folder (a disk not mounted, a share not up)."""
-        if not os.path.isdir(root):
+        try:
+            device = os.stat(root).st_dev
+        except OSError:
+            device = None
+        if device is None or not os.path.isdir(root):
             log.warning("watch root %s is missing: its files are kept until it is back", root)
-            return {}, [root]
+            return Listing(root, None, {}, [root])
         unlisted: list[str] = []
-        return dict(walk(root, self.rules, root, unlisted)), unlisted
+        files = dict(walk(root, self.rules, root, unlisted))
+        return Listing(root, device, files, unlisted)
+
+    def _emptied(self, walked: Iterable[Listing], known: Mapping[str, Stat]) -> list[str]:
+        """The roots that listed no file at all, though files were known below them, on another
+        device than the one they were found on (`RootDevices`): a mount point whose disk is
+        not mounted (a bind mount of nothing) is taken for that, not for every file deleted at
+        once. A folder emptied on its own device is empty, and its rows go."""
+        emptied = []
+        for listing in walked:
+            below = prefixes([listing.root])
+            if listing.files or listing.unlisted or listing.device is None:
+                continue
+            was = self.devices.get(listing.root)
+            if was not in (None, listing.device) and any(p.startswith(below) for p in known):
+                log.warning(
+                    "watch root %s is empty and on another device than its files were found "
+                    "on (a disk not mounted?): they are kept until it shows files again",
+                    listing.root,
+                )
+                emptied.append(listing.root)
+        return emptied
 
     def _files_below(self, folder: str, root: str) -> dict[str, Stat]:
         """Files below `folder` that the rules keep, judged relative to their watch `root`."""
@@ -411,6 +452,9 @@ class Watcher:
             self.pending[path] = (current, now if held is None or held[0] != current else held[1])
         if moved or removed:
             await self._hash_and_commit(moved, removed)
+        hidden = prefixes(self.unlisted)  # a folder that could not be read, a root left empty
+        if hidden and any(path.startswith(hidden) for path in touched):
+            self._resync_later()  # shows files again: the next reconciliation reads it
 
     def _rows_at(self, paths: Sequence[str]) -> dict[str, Stat]:
         """`local_file` rows of these paths, or below them where a path was a folder."""
@@ -430,8 +474,6 @@ class Watcher:
         while not self._stop.is_set():
             await asyncio.sleep(TICK_S)
             now = self.heartbeat = time.monotonic()
-            if self._present() != self.watched:
-                self._rewatch.set()
             ready: dict[str, Stat] = {}
             for path, (expected, since) in list(self.pending.items()):
                 if now - since < self.settle_s:
@@ -449,21 +491,37 @@ class Watcher:
             if ready:
                 await self._guarded(self._hash_and_commit(ready))
 
-    def _present(self) -> list[str]:
-        return [root for root in self.roots if os.path.isdir(root)]
+    def _present(self) -> Mounted:
+        """The roots that are folders now, each with its device: a disk mounted on a root, or
+        taken off it, changes the device though the folder stays. Stats the roots: run it on a
+        thread, as a hung network mount blocks a stat for as long as it hangs."""
+        present = []
+        for root in self.roots:
+            with contextlib.suppress(OSError):
+                info = os.stat(root)
+                if stat.S_ISDIR(info.st_mode):
+                    present.append((root, info.st_dev))
+        return tuple(present)
+
+    async def _roots_loop(self) -> None:
+        """Watch again (`_rewatch`) when a root comes, goes, or changes device (mounted): looked
+        at every `ROOTS_S` on a thread, one look at a time (a hung mount holds only that)."""
+        while not self._stop.is_set():
+            await asyncio.sleep(ROOTS_S)
+            if await asyncio.to_thread(self._present) != self._mounted:
+                self._rewatch.set()
 
     async def _inotify_loop(self) -> None:
         """Follow inotify on the roots that exist; if watchfiles itself fails (it raises on a
-        path it cannot decode), or a root came or went (`_settle_loop` sets `_rewatch`), watch
+        path it cannot decode), or a root came or went (`_roots_loop` sets `_rewatch`), watch
         again and reconcile once the new watch stands, to catch what the gap missed."""
-        resync: asyncio.Task[None] | None = None
         while not self._stop.is_set():
             self._rewatch.clear()
-            self.watched = self._present()
+            self._mounted = await asyncio.to_thread(self._present)
             try:
-                if self.watched:
+                if self._mounted:
                     async for changes in watchfiles.awatch(
-                        *self.watched,
+                        *(root for root, _ in self._mounted),
                         watch_filter=self._keep,
                         debounce=200,
                         step=50,
@@ -476,10 +534,15 @@ class Watcher:
             except Exception:
                 log.exception("inotify failed; watching again and rescanning")
                 await asyncio.sleep(TICK_S)  # never a busy loop if it fails again at once
-            if not self._stop.is_set() and (resync is None or resync.done()):
-                resync = asyncio.create_task(self._resync_soon())
-        if resync is not None:
-            resync.cancel()
+            if not self._stop.is_set():
+                self._resync_later()
+        if self._resyncing is not None:
+            self._resyncing.cancel()
+
+    def _resync_later(self) -> None:
+        """A reconciliation soon, unless one is already on its way."""
+        if self._resyncing is None or self._resyncing.done():
+            self._resyncing = asyncio.create_task(self._resync_soon())
 
     async def _resync_soon(self) -> None:
         await asyncio.sleep(TICK_S)  # let the new watch register first
@@ -504,10 +567,12 @@ class Watcher:
 
         inotify starts before the reconciliation so nothing that changes during it is missed.
         """
-        for root in self.roots:  # a new root is made; one with known files is a disk not there
-            if not os.path.isdir(root) and not self._known_stats([root]):
+        present = {root for root, _ in await asyncio.to_thread(self._present)}
+        for root in set(self.roots) - present:  # a new root is made; a known one is a disk away
+            if not self._known_stats([root]):
                 Path(root).mkdir(parents=True, exist_ok=True)
         tasks = [asyncio.create_task(self._inotify_loop(), name="watcher-inotify")]
+        tasks.append(asyncio.create_task(self._roots_loop(), name="watcher-roots"))
         try:
             await self._guarded(self.reconcile())
             tasks.append(asyncio.create_task(self._settle_loop(), name="watcher-settle"))
@@ -520,6 +585,45 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+@dataclass(frozen=True)
+class Listing:
+    """One watch root as a reconciliation found it: its device (None: missing), its files, and
+    the folders below it that could not be listed (the root itself when missing)."""
+
+    root: str
+    device: int | None
+    files: dict[str, Stat]
+    unlisted: list[str]
+
+
+class RootDevices:
+    """The device each watch root's files were last found on, kept across restarts in a small
+    JSON file of the data directory (None: in memory only, as `metanode scan` needs): what
+    tells an empty mount point, its disk not mounted, from a folder that was emptied."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self._devices: dict[str, int] = {}
+        if path is not None:
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                self._devices = {str(k): int(v) for k, v in json.loads(path.read_text()).items()}
+
+    def get(self, root: str) -> int | None:
+        return self._devices.get(root)
+
+    def found(self, listings: Iterable[Listing]) -> None:
+        """Remember the device of each root that showed files, writing the file if it changed."""
+        seen = {x.root: x.device for x in listings if x.device is not None}
+        if all(self._devices.get(root) == device for root, device in seen.items()):
+            return
+        self._devices.update(seen)
+        if self.path is not None:
+            with contextlib.suppress(OSError):  # worst case: an unmounted disk is not told apart
+                part = self.path.with_suffix(".part")
+                part.write_text(json.dumps(self._devices, sort_keys=True))
+                os.replace(part, self.path)
 
 
 class _Either:

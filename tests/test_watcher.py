@@ -9,6 +9,7 @@ The real inotify/server round trips are in test_watcher_server.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -355,7 +356,13 @@ class Store:
         prefixes = tuple(u.rstrip("/") + "/" for u in under)
         return {p: (f.size, f.mtime_ns) for p, f in self.rows.items() if p.startswith(prefixes)}
 
-    def watcher(self, root: Path, settle_s: float = 0.0, rules: Rules | None = None) -> Watcher:
+    def watcher(
+        self,
+        root: Path,
+        settle_s: float = 0.0,
+        rules: Rules | None = None,
+        devices: watcher.RootDevices | None = None,
+    ) -> Watcher:
         return Watcher(
             [str(root)],
             rules or Rules(),
@@ -365,6 +372,7 @@ class Store:
             self.ensure_groups,
             self.apply_local,
             self.known_stats,
+            devices,
         )
 
 
@@ -422,6 +430,29 @@ async def test_reconcile_commits_removals_alone_when_nothing_is_hashed(tmp_path:
     assert (summary.seen, summary.hashed, summary.removed) == (0, 0, 1)
     assert store.commits[-1] == ([], [str(a)])
     assert store.rows == {}
+
+
+async def test_an_empty_root_on_another_device_than_its_files_keeps_them(
+    tmp_path: Path,
+) -> None:
+    """A mount point whose disk is not mounted is an empty folder on the device below it: its
+    files are kept and the root named as unlisted. The same root emptied on the device its
+    files were found on (a folder emptied while the node did not watch) loses them."""
+    root, kept = tmp_path / "media", tmp_path / "watch-roots.json"
+    a = write(root / "a.mkv", b"a")
+    store = Store()
+    await store.watcher(root, devices=watcher.RootDevices(kept)).reconcile(settle=False)
+    device = root.stat().st_dev
+    assert json.loads(kept.read_text()) == {str(root): device}
+    a.unlink()
+    kept.write_text(json.dumps({str(root): device + 1}))  # its files were on another disk
+    away = store.watcher(root, devices=watcher.RootDevices(kept))
+    summary = await away.reconcile(settle=False)
+    assert (summary.removed, away.unlisted, list(store.rows)) == (0, [str(root)], [str(a)])
+    kept.write_text(json.dumps({str(root): device}))  # the same disk: emptied, not away
+    here = store.watcher(root, devices=watcher.RootDevices(kept))
+    summary = await here.reconcile(settle=False)
+    assert (summary.removed, here.unlisted, store.rows) == (1, [], {})
 
 
 async def test_reconcile_reports_an_unreadable_file_and_goes_on(
