@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from metanode import client, compat, logs, merge, sse, ui
+from metanode import client, compat, logs, merge, peers, sse, ui
 from metanode.bodies import ascii_number, read_json, refuse_unknown
 from metanode.claims import utf8_size
 from metanode.errors import (
@@ -551,11 +551,13 @@ def create_app(node: Node) -> Starlette:
 
     async def claims_log(request: Request) -> Response:
         q = request.query_params
-        return JSONResponse(node.claims_log(q.get("after"), _limit(request), q.get("signer")))
+        page = node.claims_log(q.get("after"), _limit(request), q.get("signer"))
+        return JSONResponse(page, headers={peers.SELF_HEADER: node.instance})
 
     async def reconcile(request: Request) -> Response:
         body = await read_json(request, RECONCILE_BYTES, node.settings.body_timeout_s)
-        return JSONResponse(await node.reconcile_answer(body))
+        answer = await node.reconcile_answer(body)
+        return JSONResponse(answer, headers={peers.SELF_HEADER: node.instance})
 
     async def list_peers(request: Request) -> Response:
         if request.method == "POST":

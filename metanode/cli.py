@@ -315,6 +315,7 @@ def serve(
     maintenance.check_writable(settings)
     sock = listen(settings)  # before the token: one made now is shown, once, below
     token, created = maintenance.ensure_token(settings.token_path)
+    maintenance.ensure_token(settings.instance_path)  # made once, before any worker reads it
     url = f"http://{settings.host}:{settings.port}"
     count = settings.worker_count
     click.echo(f"metanode serving {url}  (data: {settings.data_dir.resolve()}, workers: {count})")

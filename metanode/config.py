@@ -351,6 +351,11 @@ class Settings:
         return self.data_dir / "api-token"
 
     @property
+    def instance_path(self) -> Path:
+        """This data directory's random name among boxes (made at start; not in backups)."""
+        return self.data_dir / "instance-id"
+
+    @property
     def session_secret_path(self) -> Path:
         """The key the web page's session cookies are signed with (mode 0600, made at start)."""
         return self.data_dir / "session-secret"

@@ -16,7 +16,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-from metanode.errors import InvalidJson
+from metanode.errors import InvalidJson, shown
 
 WHITESPACE = b" \t\r\n"  # JSON's whitespace: a line of only these is blank
 _ESCAPES = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
@@ -45,7 +45,7 @@ def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     if len(members) != len(pairs):
         names = [name for name, _ in pairs]
         twice = next(name for n, name in enumerate(names) if name in names[:n])
-        raise DuplicateMember(f"member {twice!r} is given twice")
+        raise DuplicateMember(f"member {shown(twice)} is given twice")
     return members
 
 

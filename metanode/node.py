@@ -110,6 +110,7 @@ class Node:
         self.policy = truth.Policy(settings.accept_unknown_signers)
         self.minter = rids.Minter(clock)
         self.token = ""
+        self.instance = ""
         self.session_secret = ""  # signs the web page's session cookies (ui.py)
         jobs = os.cpu_count() or 2
         self._verify_pool = concurrent.futures.ThreadPoolExecutor(
@@ -134,6 +135,9 @@ class Node:
         datadir.secure(self.settings.data_dir)  # the stores migrate their schemas as they open
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
+        # this data directory's name among boxes: its peers' followers know it by it, as a
+        # backup's truth.db seeds another box with the same claim-log id (`peers.SELF_HEADER`)
+        self.instance, _ = maintenance.ensure_token(self.settings.instance_path)
         self.truth = truth.TruthStore.configured(self.settings, self.clock).open()
         relaxed = not self.follower and not self.settings.cache_fsync  # the cache writer's
         self.cache = cache.CacheStore.configured(self.settings, self.clock, relaxed=relaxed).open()
@@ -145,7 +149,7 @@ class Node:
         self._pruner: asyncio.Task[None] | None = None
         self.plugin_host: plugins.Host | None = None
         self.watcher: watcher.Watcher | None = None
-        self.responder = peers.Responder(self.log_head, self.truth.claim_ids)
+        self.responder = peers.Responder(self.truth.log_head, self.truth.claim_ids)
         self.peers = peers.Peers(self, self._pull_config())  # followers pull nothing
         self.applier.start()
         self.truth.on_written(self.applier.apply_ahead)
@@ -531,10 +535,6 @@ class Node:
 
     def claim_count(self) -> int:
         return self.truth.claim_count()
-
-    def log_head(self) -> str:
-        """This box's claim-log cursor at its end (a follower knows its own log by it)."""
-        return self.truth.log_head()
 
     def peer(self, name: str) -> truth.PeerRow | None:
         return self.truth.peer(name)

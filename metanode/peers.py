@@ -26,13 +26,22 @@ from typing import Any, Protocol
 
 import httpx
 
-from metanode import reconcile
-from metanode.errors import MetanodeError, PeerCannotReconcile, PeerFailed, UnknownPeer
+from metanode import jsonl, reconcile
+from metanode.errors import (
+    InvalidJson,
+    MetanodeError,
+    PeerCannotReconcile,
+    PeerFailed,
+    UnknownPeer,
+)
 from metanode.truth import ID_BYTES, PeerRow
 
 log = logging.getLogger(__name__)
 FETCH_CHUNK = 1000  # identities asked for per reconciliation fetch (a POST /api/claims batch)
 RECONCILE = "/api/claims/reconcile"  # a peer without it (404, 405) is an older version
+# the answering data directory's instance id, on the claim log's and reconciliation's answers:
+# a follower that finds its own there was added at this box's own address
+SELF_HEADER = "X-Metanode-Instance"
 
 
 @dataclass(frozen=True)
@@ -65,7 +74,8 @@ class Host(Protocol):
 
     def claim_count(self) -> int: ...
 
-    def log_head(self) -> str: ...
+    @property
+    def instance(self) -> str: ...
 
 
 @dataclass
@@ -130,10 +140,9 @@ class Follower:
                     more = await self.pull_once()
             except UnknownPeer:
                 return  # removed meanwhile
-            except PeerCannotReconcile as exc:
+            except PeerCannotReconcile:  # not a failure: the log does the same work
                 reconciling = False
-                self._failed(exc)
-                log.warning("peer %s: cannot reconcile; pulling its log from the start", self.name)
+                log.info("peer %s cannot reconcile; reading its log from the start", self.name)
                 continue
             except MetanodeError as exc:
                 self._failed(exc)
@@ -170,11 +179,13 @@ class Follower:
         except httpx.HTTPError as exc:
             raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
         sent = len(response.request.content)
+        if response.headers.get(SELF_HEADER) == self.host.instance:  # never polled for ever
+            raise PeerFailed(f"{self.http.base_url} is this box itself (its instance id is ours)")
         if path == RECONCILE and response.status_code in (404, 405):
             raise PeerCannotReconcile(f"{path} answered {response.status_code}")
         try:
-            body = response.json()
-        except ValueError:
+            body = jsonl.loads(response.content, f"{path}'s answer")
+        except InvalidJson:
             raise PeerFailed(f"{path} answered {response.status_code}, not JSON") from None
         if response.status_code != 200:
             slug = body.get("error") if isinstance(body, dict) else None
@@ -188,7 +199,6 @@ class Follower:
             params["after"] = self.cursor
         body, _, _ = await self._call("GET", "/api/claims/log", params=params)
         items, cursor, more = _log_page(body)
-        self._not_itself(cursor)
         await self.host.apply_peer_page(self.name, items, cursor)
         self.cursor = cursor
         self.last_error = ""
@@ -197,13 +207,6 @@ class Follower:
         else:
             self.behind_since = None
         return more
-
-    def _not_itself(self, cursor: str) -> str:
-        """`cursor`, unless it is of this box's own claim log (`<log id>.<seq>`): a peer added
-        at this box's own address (or through a proxy to it) would be polled for ever."""
-        if cursor.partition(".")[0] == self.host.log_head().partition(".")[0]:
-            raise PeerFailed(f"{self.http.base_url} is this box itself (its claim log is ours)")
-        return cursor
 
     async def sync(self, set_cursor: bool = False) -> SyncReport:
         """Reconcile with the peer and fetch the claims this box lacks. With `set_cursor` (the
@@ -222,7 +225,7 @@ class Follower:
             report.bytes_received += got
             if not isinstance(body, dict) or not isinstance(body.get("head"), str):
                 raise PeerFailed("the reconciliation answer has no head cursor")
-            head = head or self._not_itself(body["head"])
+            head = head or body["head"]
             try:
                 message = session.step(reconcile.decode_reply(body.get("ranges"), ID_BYTES))
             except MetanodeError as exc:

@@ -497,3 +497,28 @@ def test_a_first_sync_that_fails_is_tried_again_not_replaced_by_the_whole_log(
     wait_for(lambda: claim_set(b) == want, "B to hold A's claims")
     status = wait_for(lambda: (row := peer_status(b))["cursor"] and row, "the cursor at A's head")
     assert (status["accepted"], status["duplicate"], status["stale"]) == (7, 0, 0), status
+
+
+def test_a_box_seeded_from_another_s_backup_follows_it(tmp_path: Path) -> None:
+    """A second box made from A's backup holds a truth with A's claim-log id; it is another
+    box all the same (its own data directory, its own instance id), and follows A."""
+    (tmp_path / "a").mkdir()
+    a = Server(tmp_path / "a" / "data", env=dict(ENV)).start()
+    b: Server | None = None
+    try:
+        signer = Signer()
+        a.register(signer.uid, "t")
+        post(a, [signer.claim(cid("seed"), "title", "seed")])
+        copy = cli("backup", str(tmp_path / "bk"), "--data-dir", str(a.data_dir)).strip()
+        (tmp_path / "b" / "data").mkdir(parents=True)
+        os.replace(copy, tmp_path / "b" / "data" / "truth.db")
+        b = Server(tmp_path / "b" / "data", env=dict(ENV)).start()
+        post(a, [signer.claim(cid("later"), "title", "later")])
+        added = add_peer(b, a, peer_token(a, "b"))
+        assert "itself" not in added["last_error"], added
+        wait_for(lambda: claim_set(b) == claim_set(a), "B to hold A's claims")
+    finally:
+        for srv in (a, b):
+            if srv is not None:
+                srv.stop()
+                srv.print_log()
