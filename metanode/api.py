@@ -476,6 +476,15 @@ def openapi_document() -> bytes:
     return importlib.resources.files("metanode").joinpath("openapi.json").read_bytes()
 
 
+def _flag(query: QueryParams, name: str) -> bool:
+    """A yes/no query parameter: `1`/`true`, `0`/`false`, or absent (no); anything else is
+    refused (`?snapshot=yes` was read as no, silently)."""
+    value = query.get(name, "0")
+    if value not in ("0", "1", "true", "false"):
+        raise InvalidRequest(f"{name} must be 1, true, 0 or false")
+    return value in ("1", "true")
+
+
 def _limit(request: Request, default: int = 100) -> int:
     value = ascii_number(request.query_params.get("limit", str(default)))
     if value is None or not 1 <= value <= MAX_PAGE:
@@ -588,7 +597,7 @@ def create_app(node: Node) -> Starlette:
         q = request.query_params
         cursor = request.headers.get("last-event-id") or q.get("since")
         where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
-        stream = node.subscribe(cursor, q.get("snapshot") in ("1", "true"), where)
+        stream = node.subscribe(cursor, _flag(q, "snapshot"), where)
         return EventSourceResponse(
             stream, ping=0, sep=sse.SEP, headers={"Cache-Control": "no-cache"}
         )
@@ -598,10 +607,7 @@ def create_app(node: Node) -> Starlette:
 
     async def files(request: Request) -> Response:
         q = request.query_params
-        missing = q.get("missing", "0")
-        if missing not in ("0", "1", "true", "false"):
-            raise InvalidRequest("missing must be 1, true, 0 or false")
-        if missing in ("1", "true"):
+        if _flag(q, "missing"):
             if "prefix" in q:  # the records listed have no path to filter on
                 raise InvalidRequest("prefix filters paths; missing=1 lists records without one")
             return JSONResponse(node.missing_files(q.get("after"), _limit(request)))

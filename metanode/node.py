@@ -605,6 +605,7 @@ class Node:
         return row.as_json()
 
     async def set_signer_status(self, uid: str, status: str) -> dict[str, Any]:
+        claims.public_key(uid)  # a uid that is none is `invalid_uid`, not an unknown signer
         maintenance.refuse_owner_change(self.owner.uid, uid, status)
         row = await self.truth.set_signer_status(uid, status)
         await self._settled()
@@ -726,7 +727,10 @@ class Node:
         return {"hashId": rid, **cache.document(group, None)}
 
     def group_claims(self, rid: str, key: str | None, uid: str | None) -> dict[str, Any]:
-        """The claims listing of a group: every live claim, all signers, optionally filtered."""
+        """The claims listing of a group: every live claim, all signers, optionally filtered
+        (a `uid` that is none is `invalid_uid`, not an empty listing)."""
+        if uid is not None:
+            claims.public_key(uid)
         members, listed = self.truth.listing(rid, None if key is None else [key], uid)
         return {"rid": rid, "cids": cids.by_rank(members), "claims": [c.wire() for c in listed]}
 

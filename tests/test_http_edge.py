@@ -295,6 +295,27 @@ async def test_unknown_members_are_refused_and_named(client: httpx.AsyncClient) 
     assert "'atomic'" in response.json()["message"]
 
 
+async def test_a_query_value_that_is_none_of_its_kind_is_refused_not_ignored(
+    client: httpx.AsyncClient,
+) -> None:
+    """`?uid=xyz` listed nothing, `?snapshot=yes` was read as no, and a block of a uid that is
+    none said the signer was unknown: each is now bad input, named."""
+    signer = Signer()
+    await client.post("/api/signers", json={"uid": signer.uid, "name": "s"})
+    cid = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+    await client.post("/api/claims", json={"claims": [signer.claim(cid, "t", "v")]})
+    for method, path, slug in (
+        ("GET", f"/api/meta/{cid}/claims?uid=xyz", "invalid_uid"),
+        ("GET", "/api/events?snapshot=yes", "invalid_request"),
+        ("GET", "/api/files?missing=yes", "invalid_request"),
+        ("POST", "/api/signers/garbage/block", "invalid_uid"),
+    ):
+        response = await client.request(method, path)
+        assert (response.status_code, response.json()["error"]) == (400, slug), path
+    listed = await client.get(f"/api/meta/{cid}/claims", params={"uid": signer.uid})
+    assert [c["uid"] for c in listed.json()["claims"]] == [signer.uid]
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-8-sig"])
 async def test_a_body_in_another_encoding_is_invalid_json(
     client: httpx.AsyncClient, encoding: str
