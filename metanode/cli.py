@@ -304,7 +304,7 @@ def serve(
     workers: int | None,
     worker: str | None,
 ) -> None:
-    """Run the node: HTTP API, applier (and, later, the watcher), until SIGINT/SIGTERM."""
+    """Run the node (HTTP API, applier, watcher, plugins, peers) until SIGINT or SIGTERM."""
     settings = load_settings(config_file, data_dir=data_dir, host=host, port=port, workers=workers)
     logs.configure(settings.log_level)  # before the data directory: tightening it is logged
     if worker is not None:

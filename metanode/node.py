@@ -269,7 +269,15 @@ class Node:
         s = self.settings
         weights = s.plugin_weight_map
         runners = []
-        for plugin in plugins.discover():
+        found = plugins.discover()
+        installed = {plugin.name for plugin in found}
+        if strays := sorted((set(s.plugins_disabled) | set(weights)) - installed):
+            log.warning(  # a typo would otherwise leave a plugin on, or at its own weight
+                "plugins_disabled or plugin_weights name no installed plugin: %s (installed: %s)",
+                ", ".join(strays),
+                ", ".join(sorted(installed)) or "none",
+            )
+        for plugin in found:
             if plugin.name in s.plugins_disabled:
                 continue
             key = plugins.plugin_key(s.keys_dir, plugin.name)

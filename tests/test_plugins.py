@@ -504,6 +504,19 @@ async def test_disabled_plugins_and_weights(harness: Harness) -> None:
     assert all(plugin == "on" for plugin, _, _ in runs(node))
 
 
+async def test_a_setting_naming_no_installed_plugin_is_said(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`plugins_disabled = ["fulhash"]` left the real one on without a word."""
+    await harness.start(
+        [probe("on", claim("on", "yes"))], plugins_disabled=("of",), plugin_weights=("onn=3",)
+    )
+    said = [r.getMessage() for r in caplog.records if "name no installed plugin" in r.getMessage()]
+    assert said == [
+        "plugins_disabled or plugin_weights name no installed plugin: of, onn (installed: on)"
+    ]
+
+
 async def test_without_weight_setting_the_class_weight_is_used(harness: Harness) -> None:
     node = await harness.start([probe("heavy", claim("k", "v"), weight=4)])
     [signer] = [s for s in node.signers() if s["name"] == "plugin:heavy"]
