@@ -124,6 +124,19 @@ def claim_set(server: Server, but: frozenset[str] | set[str] = frozenset()) -> s
     return {c["sig"] for c in log_of(server.url, server.headers) if c["uid"] not in but}
 
 
+def two_sets(
+    pair: tuple[Server, Server], tag: str, shared: int, only_a: int
+) -> tuple[Signer, list[dict[str, Any]], list[dict[str, Any]]]:
+    """A signer registered on both boxes, and its title claims: `shared` of them meant for
+    both, `only_a` for A alone (tagged `tag`, so tests do not meet)."""
+    signer = Signer()
+    for srv in pair:
+        srv.register(signer.uid, "t")
+    both = fast_claims(signer, [(cid(f"{tag}{i}"), "title", f"{i}", NOW_MS) for i in range(shared)])
+    mine = fast_claims(signer, [(cid(f"{tag}a{i}"), "title", "a", NOW_MS) for i in range(only_a)])
+    return signer, both, mine
+
+
 @pytest.fixture
 def pair(tmp_path: Path) -> Iterator[tuple[Server, Server]]:
     """Two real servers, A and B, on loopback."""
@@ -417,11 +430,7 @@ def test_peers_add_on_a_box_sharing_most_claims_fetches_only_the_difference(
     pair: tuple[Server, Server],
 ) -> None:
     a, b = pair
-    signer = Signer()
-    for srv in (a, b):
-        srv.register(signer.uid, "t")
-    shared = fast_claims(signer, [(cid(f"s{i}"), "title", f"s{i}", NOW_MS) for i in range(2000)])
-    only_a = fast_claims(signer, [(cid(f"a{i}"), "title", "a", NOW_MS) for i in range(20)])
+    signer, shared, only_a = two_sets(pair, "s", 2000, 20)
     only_b = fast_claims(signer, [(cid(f"b{i}"), "title", "b", NOW_MS) for i in range(20)])
     post(a, shared + only_a)
     post(b, shared + only_b)
@@ -479,11 +488,7 @@ def test_a_first_sync_that_fails_is_tried_again_not_replaced_by_the_whole_log(
     once A is back, so only what B lacks travels (it fell back to reading A's whole log:
     every shared claim came back as a duplicate)."""
     a, b = pair
-    signer = Signer()
-    for srv in (a, b):
-        srv.register(signer.uid, "t")
-    shared = fast_claims(signer, [(cid(f"d{i}"), "title", f"d{i}", NOW_MS) for i in range(300)])
-    only_a = fast_claims(signer, [(cid(f"e{i}"), "title", "a", NOW_MS) for i in range(7)])
+    _, shared, only_a = two_sets(pair, "d", 300, 7)
     post(a, shared + only_a)
     post(b, shared)
     token = peer_token(a, "b")
