@@ -376,11 +376,8 @@ class Watcher:
     def _listing(self, root: str) -> Listing:
         """The files below watch `root`, and the folders that could not be listed: the root
         itself if it is missing or no folder (a disk not mounted, a share not up)."""
-        try:
-            device = os.stat(root).st_dev
-        except OSError:
-            device = None
-        if device is None or not os.path.isdir(root):
+        device = _folder_device(root)
+        if device is None:
             log.warning("watch root %s is missing: its files are kept until it is back", root)
             return Listing(root, None, {}, [root])
         unlisted: list[str] = []
@@ -394,10 +391,9 @@ class Watcher:
         once. A folder emptied on its own device is empty, and its rows go."""
         emptied = []
         for listing in walked:
-            below = prefixes([listing.root])
             if listing.files or listing.unlisted or listing.device is None:
                 continue
-            was = self.devices.get(listing.root)
+            was, below = self.devices.get(listing.root), prefixes([listing.root])
             if was not in (None, listing.device) and any(p.startswith(below) for p in known):
                 log.warning(
                     "watch root %s is empty and on another device than its files were found "
@@ -469,8 +465,7 @@ class Watcher:
         }
 
     async def _settle_loop(self) -> None:
-        """Hash pending files once their stat held still for the settle window; and watch
-        again when a root came or went (a disk mounted, unmounted)."""
+        """Hash pending files once their stat held still for the settle window."""
         while not self._stop.is_set():
             await asyncio.sleep(TICK_S)
             now = self.heartbeat = time.monotonic()
@@ -495,13 +490,8 @@ class Watcher:
         """The roots that are folders now, each with its device: a disk mounted on a root, or
         taken off it, changes the device though the folder stays. Stats the roots: run it on a
         thread, as a hung network mount blocks a stat for as long as it hangs."""
-        present = []
-        for root in self.roots:
-            with contextlib.suppress(OSError):
-                info = os.stat(root)
-                if stat.S_ISDIR(info.st_mode):
-                    present.append((root, info.st_dev))
-        return tuple(present)
+        devices = ((root, _folder_device(root)) for root in self.roots)
+        return tuple((root, device) for root, device in devices if device is not None)
 
     async def _roots_loop(self) -> None:
         """Watch again (`_rewatch`) when a root comes, goes, or changes device (mounted): looked
@@ -587,6 +577,15 @@ class Watcher:
         self._stop.set()
 
 
+def _folder_device(path: str) -> int | None:
+    """The device of the folder at `path`, None if there is none (missing, not a folder)."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return info.st_dev if stat.S_ISDIR(info.st_mode) else None
+
+
 @dataclass(frozen=True)
 class Listing:
     """One watch root as a reconciliation found it: its device (None: missing), its files, and
@@ -600,8 +599,8 @@ class Listing:
 
 class RootDevices:
     """The device each watch root's files were last found on, kept across restarts in a small
-    JSON file of the data directory (None: in memory only, as `metanode scan` needs): what
-    tells an empty mount point, its disk not mounted, from a folder that was emptied."""
+    JSON file of the data directory (`DEVICES_FILE`; None: in memory only): what tells an
+    empty mount point, its disk not mounted, from a folder that was emptied."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
