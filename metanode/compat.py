@@ -650,14 +650,12 @@ def routes(node: Node) -> list[BaseRoute]:
         text, key = request.path_params["hash"], request.path_params["key"]
         if not key:
             raise InvalidRequest("a key is required: /meta/{hash}/{key}")
-        if request.method == "PUT":
-            value = property_value(
-                await read_body(request, MAX_PROPERTY_BODY, node.settings.body_timeout_s)
-            )
+        if request.method in ("PUT", "DELETE"):  # a DELETE is the signer's retraction: ""
+            value = ""
+            if request.method == "PUT":
+                limit, timeout = MAX_PROPERTY_BODY, node.settings.body_timeout_s
+                value = property_value(await read_body(request, limit, timeout))
             done = await writer.write(text, {key: value})
-        elif request.method == "DELETE":  # meta-core's property delete: the signer's retraction
-            done = await writer.write(text, {key: ""})
-        if request.method in ("PUT", "DELETE"):
             body = {"success": True, "hashId": done.rid, "property": key}
             if done.ignored:  # a key the node derives itself (filePath…): nothing was written
                 body["ignored"] = list(done.ignored)
