@@ -27,7 +27,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import watchfiles
@@ -84,7 +84,7 @@ class Rules:
             return True
         if name.isascii() or utf8_size(name) is not None:  # ASCII: the common case, at once
             return False
-        log.warning("ignoring a name that is not valid UTF-8: %r", name)
+        _warn_once("ignoring a name that is not valid UTF-8: %r", name)
         return True
 
     def ignored(self, root: str, path: str) -> bool:
@@ -98,6 +98,13 @@ class Rules:
         if any(self.ignored_name(part) for part in relative.split("/")):
             return True
         return any(fnmatch.fnmatchcase(relative, g) for g in self._path_globs)
+
+
+@lru_cache(maxsize=1024)
+def _warn_once(message: str, subject: str) -> None:
+    """Log `message` about `subject` once a process (as long as it stays among the last 1,024):
+    a name that is not UTF-8 stays so, and every rescan or event would say it again."""
+    log.warning(message, subject)
 
 
 def walk(
@@ -243,6 +250,8 @@ Progress = Callable[[int, int, int, int], None]
 Mounted = tuple[tuple[str, int], ...]  # (root, device) of the roots that are folders
 ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken off
 DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
+REWATCH_MAX_S = 30.0  # the longest pause between failed watches (`Watcher._pause_after`)
+UNDECODABLE = re.compile(r"Unable to decode path (.*) to string", re.DOTALL)  # watchfiles' words
 
 
 class Watcher:
@@ -275,6 +284,8 @@ class Watcher:
         self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
         self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
         self._resyncing: asyncio.Task[None] | None = None
+        self._pause = TICK_S  # before watching again after a failed watch: `_pause_after`
+        self._last_failure = -REWATCH_MAX_S
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
         self.scanning = False
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
@@ -521,13 +532,34 @@ class Watcher:
                         await self._guarded(self._on_changes(changes))
                 else:
                     await _first(self._stop, self._rewatch)
-            except Exception:
-                log.exception("inotify failed; watching again and rescanning")
-                await asyncio.sleep(TICK_S)  # never a busy loop if it fails again at once
+            except Exception as exc:
+                await self._pause_after(exc)
             if not self._stop.is_set():
                 self._resync_later()
         if self._resyncing is not None:
             self._resyncing.cancel()
+
+    async def _pause_after(self, failure: Exception) -> None:
+        """Say why the watch failed and wait before watching again: a quarter second at first,
+        twice as long after each failure that follows within `REWATCH_MAX_S` of the last, up to
+        it. A file whose name is not UTF-8 fails watchfiles at each change (a download being
+        written: several a second), and every failure costs a new watch of each folder and a
+        reconciliation: the pause bounds that to one every `REWATCH_MAX_S`."""
+        now = time.monotonic()
+        recent = now - self._last_failure < REWATCH_MAX_S
+        self._pause = min(self._pause * 2, REWATCH_MAX_S) if recent else TICK_S
+        self._last_failure = now
+        name = undecodable(failure)
+        if name is None:
+            log.exception("inotify failed; watching again and rescanning", exc_info=failure)
+        else:
+            _warn_once(
+                "inotify cannot report a change to %s, whose name is not valid UTF-8: each one "
+                "stops the watch, and the folders are read again instead (rename it to end this)",
+                name,
+            )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), self._pause)
 
     def _resync_later(self) -> None:
         """A reconciliation soon, unless one is already on its way."""
@@ -575,6 +607,16 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def undecodable(failure: BaseException) -> str | None:
+    """The path watchfiles could not decode, if that is what `failure` (or one exception of
+    its group) is: `Unable to decode path "/media/caf\\xE9.mkv" to string` names it."""
+    if isinstance(failure, BaseExceptionGroup):
+        found = (undecodable(inner) for inner in failure.exceptions)
+        return next((name for name in found if name is not None), None)
+    match = UNDECODABLE.fullmatch(str(failure))
+    return match[1] if match else None
 
 
 def _folder_device(path: str) -> int | None:

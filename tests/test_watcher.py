@@ -225,6 +225,28 @@ def test_walk_skips_an_unlistable_folder(tmp_path: Path, monkeypatch: pytest.Mon
 # -- plan ---------------------------------------------------------------------------------------
 
 
+async def test_undecodable_names_the_path_watchfiles_could_not_decode(tmp_path: Path) -> None:
+    """The real failure, as watchfiles raises it today: if its wording changes, this fails
+    (and the watcher would log tracebacks again instead of one warning)."""
+    stop = asyncio.Event()
+
+    async def change() -> None:
+        while not stop.is_set():  # until the watch has started and failed on it
+            Path(os.fsdecode(os.path.join(os.fsencode(tmp_path), b"caf\xe9.mkv"))).touch()
+            await asyncio.sleep(0.05)
+
+    writer = asyncio.create_task(change())
+    try:
+        with pytest.raises(BaseException) as failed:
+            async for _ in watchfiles.awatch(tmp_path, stop_event=stop, debounce=50, step=10):
+                pass
+    finally:
+        stop.set()
+        await writer
+    assert watcher.undecodable(failed.value) == f'"{tmp_path}/caf\\xE9.mkv"'
+    assert watcher.undecodable(RuntimeError("disk on fire")) is None
+
+
 def test_plan_hashes_new_and_changed_and_removes_vanished() -> None:
     disk = {"/m/new": (1, 10), "/m/same": (2, 20), "/m/grown": (4, 30), "/m/touched": (5, 41)}
     known = {
