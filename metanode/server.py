@@ -144,11 +144,9 @@ class BoundedHttpTools(HttpToolsProtocol):
     def _raw(self, exc: MetanodeError) -> bytes:
         """`exc` as a complete HTTP/1.1 response with `Connection: close`."""
         response = error_response(exc)
-        headers = [
-            *self.server_state.default_headers,
-            *response.raw_headers,
-            (b"connection", b"close"),
-        ]
+        headers = [*self.server_state.default_headers, *response.raw_headers]
+        if (b"connection", b"close") not in headers:  # a 408 says it already
+            headers.append((b"connection", b"close"))
         lines = [
             STATUS_LINE[exc.status],
             *(name + b": " + value + b"\r\n" for name, value in headers),

@@ -132,7 +132,8 @@ def answers_itself(scope: Scope) -> bool:
 
 
 class Tagged:
-    """Names the worker in each answer's `X-Metanode-Worker`."""
+    """Names the worker in each answer's `X-Metanode-Worker`: the one that made it, so an
+    answer a reader forwarded from the owner keeps the owner's name (and only that)."""
 
     def __init__(self, app: ASGIApp, name: str) -> None:
         self.app = app
@@ -145,7 +146,9 @@ class Tagged:
 
         async def tagged(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (WORKER_HEADER, self.name)]
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == WORKER_HEADER for name, _ in headers):
+                    message["headers"] = [*headers, (WORKER_HEADER, self.name)]
             await send(message)
 
         await self.app(scope, receive, tagged)

@@ -69,10 +69,13 @@ def read_until_closed(sock: socket.socket) -> bytes:
 
 
 def parse_response(raw: bytes) -> tuple[int, dict[str, str], Any]:
-    """(status, lower-cased headers, JSON body) of one raw HTTP/1.1 response."""
+    """(status, lower-cased headers, JSON body) of one raw HTTP/1.1 response, whose headers
+    each come once (a 408 once sent `connection: close` twice)."""
     head, _, body = raw.partition(b"\r\n\r\n")
     status_line, *lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.lower().split(": ", 1) for line in lines)
+    pairs = [line.lower().split(": ", 1) for line in lines]
+    headers = dict(pairs)
+    assert len(headers) == len(pairs), f"a header named twice: {head!r}"
     return int(status_line.split()[1]), headers, json.loads(body)
 
 
