@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
 import math
 import os
 import tomllib
@@ -475,6 +476,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def describe() -> list[tuple[str, Any, str]]:
     """(name, default, help) of every setting, for `--help` and the docs."""
     return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)]
+
+
+def shown(value: Any) -> str:
+    """A default as docs/configuration.md shows it: as it is written in metanode.toml (`true`,
+    `["./media"]`, `""`), but a string without its quotes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(json.dumps(item) for item in value) + "]"
+    return str(value) if value != "" else '""'
 
 
 def ranges() -> list[tuple[str, str]]:

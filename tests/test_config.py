@@ -15,7 +15,7 @@ DOC = Path(__file__).parents[1] / "docs" / "configuration.md"
 def test_every_setting_is_documented_with_its_default() -> None:
     text = DOC.read_text(encoding="utf-8")
     for name, default, _help in config.describe():
-        assert f"| `{name}` | `METANODE_{name.upper()}` | `{default}` |" in text, name
+        assert f"| `{name}` | `METANODE_{name.upper()}` | `{config.shown(default)}` |" in text, name
 
 
 def test_defaults_need_no_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
