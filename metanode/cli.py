@@ -812,36 +812,19 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
     """Reconcile PATHS with the data directory once: hash new and changed files, drop vanished
     ones, update their records; with a progress bar. Refused while `serve` runs on the data
     directory (its watcher does this)."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        MofNCompleteColumn,
-        Progress,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
     settings = load_settings(config_file, data_dir=data_dir, watch_enabled=False)
 
     async def run() -> watcher.Summary:
         the_node = node.Node(settings)
         await the_node.start()
         try:
-            with Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                MofNCompleteColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                transient=True,
-            ) as bar:
-                files_task = bar.add_task("files", total=None)
-                bytes_task = bar.add_task("bytes", total=None)
+            with logs.progress_bar(sizes=True) as bar:
+                task = bar.add_task("hashing", total=None, files="")
 
                 def report(files: int, size: int, total_files: int, total_size: int) -> None:
-                    bar.update(files_task, completed=files, total=total_files)
-                    bar.update(bytes_task, completed=size, total=total_size)
+                    bar.update(
+                        task, completed=size, total=total_size, files=f"{files}/{total_files} files"
+                    )
 
                 return await the_node.scan(paths, progress=report)
         finally:
@@ -849,9 +832,10 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
 
     with datadir.Lock(settings.data_dir):  # a second node beside a running `serve`: refused
         summary = asyncio.run(run())
+    moved_on = f", {summary.moved_on} changed or gone while scanning" if summary.moved_on else ""
     click.echo(
         f"{summary.seen} files seen: {summary.hashed} hashed, {summary.unchanged} "
-        f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable"
+        f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable{moved_on}"
     )
     for path in summary.failed:
         click.echo(f"unreadable: {path}", err=True)

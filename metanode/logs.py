@@ -63,17 +63,32 @@ def configure(level: str, json_lines: bool | None = None) -> None:
     logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
 
 
-def progress_bar() -> Any:
+def progress_bar(sizes: bool = False) -> Any:
     """A transient rich progress bar on stderr (description, bar, done of total, time left): the
     one look of every long command's progress (export, import, the MetaMesh migration tool).
-    rich is imported here, lazily, so a command that shows no bar never pays for it."""
+    With `sizes` the task counts bytes (shown as sizes, with a speed) and carries a `files`
+    field, e.g. "3/12 files" (`scan`). rich is imported here, lazily, so a command that shows
+    no bar never pays for it."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
+    counts = (
+        (DownloadColumn(), TransferSpeedColumn(), TextColumn("{task.fields[files]}"))
+        if sizes
+        else (MofNCompleteColumn(),)
+    )
     return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
-        MofNCompleteColumn(),
+        *counts,
         TimeRemainingColumn(),
         transient=True,
         console=Console(stderr=True),

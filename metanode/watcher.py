@@ -242,6 +242,7 @@ class Summary:
     hashed: int = 0
     removed: int = 0
     failed: list[str] = field(default_factory=list)
+    moved_on: int = 0  # to hash, but changed or gone before it was (a copy still being written)
     bytes_sampled: int = 0
 
 
@@ -378,6 +379,7 @@ class Watcher:
             if removals:
                 await self._commit([], removals)
             summary.failed = sorted(p for p in to_hash if p in self._failed)
+            summary.moved_on = len(to_hash) - summary.hashed - len(summary.failed)
             return summary
         finally:
             self.scanning = False
