@@ -430,9 +430,13 @@ async def test_a_scan_summary_adds_up_when_files_go_while_it_runs(tmp_path: Path
     and nothing else, in a review)."""
     root = tmp_path / "media"
     files = [write(root / f"f{i}.mkv", f"file {i}".encode()) for i in range(3)]
-    summary = await Store().watcher(root).reconcile(
-        settle=False, progress=lambda done, *_: None if done else files[0].unlink(missing_ok=True)
-    )
+    scanner = Store().watcher(root)
+
+    def delete_the_first_before_hashing(done: int, *_: int) -> None:
+        if not done:
+            files[0].unlink(missing_ok=True)
+
+    summary = await scanner.reconcile(settle=False, progress=delete_the_first_before_hashing)
     assert (summary.seen, summary.hashed, summary.unchanged, summary.moved_on) == (3, 2, 0, 1)
     assert summary.failed == []
 
