@@ -311,7 +311,17 @@ class Edge:
         if refusal is None:
             await self.app(scope, receive, send)
         else:
-            await error_response(refusal)(scope, receive, send)
+            await self._refused(scope, refusal)(scope, receive, send)
+
+    def _refused(self, scope: Scope, refusal: MetanodeError) -> ASGIApp:
+        """The answer to a refused request: the envelope, but the sign-in page (401) for a
+        browser that asks for a page (a mistyped address, /metrics) without a session: signed
+        in, it goes on there, and finds what is there or the 404 page."""
+        if isinstance(refusal, Unauthorized) and access_of(scope["path"]) is Access.TOKEN:
+            request = Request(scope)
+            if ui.wants_page(request):
+                return ui.sign_in_page(request, ui.asked(request), refusal.status)
+        return error_response(refusal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -342,7 +352,7 @@ class Edge:
                 app = self.direct.app(scope) or self.app
                 await app(scope, receive, observed)
             else:
-                await error_response(refusal)(scope, receive, observed)
+                await self._refused(scope, refusal)(scope, receive, observed)
         except Exception:
             if status:
                 raise

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import jinja2
 import swagger_ui_bundle
@@ -46,6 +46,7 @@ from metanode.errors import (
     InvalidRequest,
     Merged,
     MetanodeError,
+    TooLarge,
     UnknownCid,
     shown,
 )
@@ -67,16 +68,48 @@ PAGES = (
     "/docs/",
     "/static/",
 )
+# The addresses only forms post to; a GET of one (typed, or from the history) goes to its page.
+FORM_ONLY = (
+    "/signin",
+    "/signout",
+    "/records/{id}/edit",
+    "/signers/{uid}/block",
+    "/signers/{uid}/unblock",
+)
+UNSAVED = "Not saved: you had been signed out. What you typed is in the form below: save it again."
 COOKIE = "metanode_session"
 CSRF_HEADER = "x-csrf-token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 PAGE = 50  # records a library page lists
 FILES_PAGE = 200  # files the Files page lists at once
-MAX_FORM_BYTES = 64 * 1024
+FORM_EXTRA_BYTES = 4096  # a form's fields beside its value (`Pages.form`)
 FORM_TYPE = "application/x-www-form-urlencoded"
 
 
 # -- sessions -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flash:
+    """What the next page says once (`after_form`): kept in the session, never in the URL,
+    where anyone could word a message for the page to show. `at` is the id of the element it
+    is about (a record's row, its Add form), where the page shows it and goes to; None: the
+    top of the page."""
+
+    kind: str  # "notice" or "error"
+    text: str
+    at: str | None = None
+
+
+@dataclass(frozen=True)
+class Draft:
+    """What a person typed in a form the node did not take (a value too long, a rejected key,
+    a session that had ended): the record page shows it again in that form, open, so nothing
+    typed is lost. `adding`: the Add form, else the key's Edit form."""
+
+    key: str
+    value: str
+    adding: bool
 
 
 @dataclass
@@ -86,9 +119,8 @@ class Session:
     sid: str
     csrf: str
     expires: float
-    # what the next page says once ("notice" or "error", the text; `after_form`): kept here,
-    # never in the URL, where anyone could word a message for the page to show
-    flash: tuple[str, str] | None = None
+    flash: Flash | None = None
+    draft: Draft | None = None
 
 
 @dataclass
@@ -224,6 +256,22 @@ class Field:
     computed: bool
     owner_votes: bool  # the owner has a live vote on it (Revert)
 
+    @property
+    def anchor(self) -> str:
+        return anchor_of(self.key)
+
+
+def anchor_of(key: str) -> str:
+    """The id of `key`'s row on a record page, and the fragment an edit of it goes back to: a
+    key may hold spaces, which an id may not (percent-encoded, as a fragment is)."""
+    return "field-" + quote(key, safe="/:@")
+
+
+def multiline(value: str | None) -> bool:
+    """Whether `value` is edited in a text area rather than a one-line input (which would
+    drop its line breaks on Save)."""
+    return value is not None and ("\n" in value or len(value) > 80)
+
 
 def provenance(
     record: Mapping[str, str],
@@ -272,6 +320,7 @@ TEMPLATES = jinja2.Environment(
     autoescape=True,
     undefined=jinja2.StrictUndefined,
 )
+TEMPLATES.globals["multiline"] = multiline
 NAV = (
     ("/", "Library"),
     ("/live", "Live"),
@@ -284,17 +333,20 @@ NAV = (
 
 
 def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
-    """A page: the template with the navigation, the session's CSRF token and the path."""
+    """A page: the template with the navigation, the session's CSRF token and the path, and
+    what the last form left to say (`flash`) and to show again (`draft`), once."""
     session: Session | None = request.scope.get("metanode.session")
-    flash = None
+    flash = draft = None
     if session is not None:  # said once: on the page that follows what left it
         flash, session.flash = session.flash, None
+        draft, session.draft = session.draft, None
     html = TEMPLATES.get_template(template).render(
         nav=NAV,
         path=request.url.path,
         session=session,
         csrf=session.csrf if session else "",
         flash=flash,
+        draft=draft,
         **context,
     )
     return HTMLResponse(html, status_code=status, headers={"Cache-Control": "no-store"})
@@ -317,6 +369,11 @@ def _why(exc: MetanodeError) -> str:
     return f"{exc.message}."
 
 
+def asked(request: Request) -> str:
+    """The path and query a request asked for: where signing in goes on to."""
+    return request.url.path + (f"?{request.url.query}" if request.url.query else "")
+
+
 def wants_page(request: Request) -> bool:
     """Whether a browser asks to see this as a page (a GET that accepts HTML, outside the
     API), so a mistyped address is a page saying so rather than the API's JSON envelope."""
@@ -328,12 +385,48 @@ def wants_page(request: Request) -> bool:
     )
 
 
-def after_form(request: Request, page: str, kind: str, text: str) -> Response:
-    """On to `page`, which says `text` once (`Session.flash`, kind "notice" or "error"): what
-    a form did, or why it was refused, on the page where it was sent from."""
+def after_form(
+    request: Request, page: str, flash: Flash, draft: Draft | None = None
+) -> RedirectResponse:
+    """On to `page` (at `flash.at`), which says `flash` once: what a form did, or why it was
+    refused, where it was sent from, with what was typed in it if it was not taken (`draft`)."""
     session: Session = request.scope["metanode.session"]
-    session.flash = (kind, text)
-    return RedirectResponse(page, status_code=303)
+    session.flash, session.draft = flash, draft
+    return RedirectResponse(page + (f"#{flash.at}" if flash.at else ""), status_code=303)
+
+
+def back_of(path: str) -> str:
+    """The page a form posted to `path` was sent from: a record's for its edits, Signers'
+    for a block, else the library."""
+    if path.startswith("/records/"):
+        return path.rsplit("/", 1)[0]
+    return "/signers" if path.startswith("/signers/") else "/"
+
+
+def draft_of(form: Mapping[str, str]) -> Draft | None:
+    """The edit a record's form carried, if it was one (a Save or an Add: `adding` when the
+    form said so), to show it again."""
+    if form.get("action") != "save" or "key" not in form:
+        return None
+    return Draft(form["key"], normal_value(form.get("value", "")), form.get("form") == "add")
+
+
+def normal_value(value: str) -> str:
+    """A value as a form sent it, with line breaks as `\n`: a browser sends a text area's as
+    CRLF (HTML's form encoding), which would make an unchanged text a new one."""
+    return value.replace("\r\n", "\n")
+
+
+def sign_in_page(
+    request: Request, then: str, status: int = 200, error: str = "", lost: Draft | bool = False
+) -> HTMLResponse:
+    """The sign-in form, which goes on to `then`; `error`: why the last token was refused.
+    `lost`: a form was sent after its session ended, so the page says it was not saved, and
+    carries what was typed in it (a `Draft`) to show it again once signed in."""
+    request.scope["metanode.session"] = None
+    carried = lost if isinstance(lost, Draft) else None
+    context = {"then": then, "error": error, "lost": bool(lost), "carried": carried}
+    return render(request, "signin.html", status, **context)
 
 
 def error_page(request: Request, exc: MetanodeError) -> HTMLResponse:
@@ -359,10 +452,14 @@ class Pages:
             session = self.sessions.of_scope(request.scope)
             request.scope["metanode.session"] = session
             if session is None:
-                return self.sign_in_form(request, status=401)
+                return await self.signed_out(request)
             try:
                 if request.method not in SAFE_METHODS:
-                    form = await self.form(request)
+                    try:
+                        form = await self.form(request)
+                    except MetanodeError as exc:  # too long a value, say: said where it was
+                        back = Flash("error", f"Not saved: {self._form_refused(exc)}")
+                        return after_form(request, back_of(request.url.path), back)
                     if not csrf_ok(session, form.get("csrf"), request.scope):
                         raise CsrfRefused("the form lacks this session's CSRF token; reload it")
                     request.scope["metanode.form"] = form
@@ -374,43 +471,64 @@ class Pages:
 
     async def form(self, request: Request) -> dict[str, str]:
         """The posted form (URL-encoded: what a page's forms send), size-limited and read
-        with the API's deadline; the first value of each field."""
+        with the API's deadline; the first value of each field. The limit holds a value of
+        `max_value_bytes` however it is encoded (a byte is at most 3 characters), so the
+        node's own check words the refusal of a longer one."""
         if request.headers.get("content-type", "").split(";")[0].strip() != FORM_TYPE:
             raise InvalidRequest(f"a form must be sent as {FORM_TYPE}")
-        body = await read_body(request, MAX_FORM_BYTES, self.node.settings.body_timeout_s)
+        limit = 3 * self.node.settings.max_value_bytes + FORM_EXTRA_BYTES
+        body = await read_body(request, limit, self.node.settings.body_timeout_s)
         try:
             fields = parse_qs(body.decode("utf-8"), max_num_fields=16, errors="strict")
         except (UnicodeDecodeError, ValueError) as exc:
             raise InvalidRequest("the form is not valid UTF-8 URL-encoded fields") from exc
         return {name: values[0] for name, values in fields.items()}
 
+    def _form_refused(self, exc: MetanodeError) -> str:
+        """Why a form could not be read, in a person's words: a body over the form's limit
+        can only be a value far over `max_value_bytes` (the bytes of the URL-encoded body
+        are no measure a person knows)."""
+        if isinstance(exc, TooLarge):
+            most = self.node.settings.max_value_bytes
+            return f"that is far more than a value may hold ({most:,} bytes of UTF-8)."
+        return _why(exc)
+
     # -- sign-in ---------------------------------------------------------------------------------
 
-    def sign_in_form(
-        self, request: Request, status: int = 200, error: str = "", then: str | None = None
-    ) -> Response:
-        """The sign-in form, which goes on to `then` (default: the page asked for, if it was a
-        page to look at; else the library)."""
-        if then is None:
-            asked = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            then = asked if request.method in SAFE_METHODS else "/"
-        return render(request, "signin.html", status, error=error, then=then)
+    async def signed_out(self, request: Request) -> Response:
+        """The sign-in form (401) for a page asked for without a session: it goes on to that
+        page, or, for a form sent after the session ended, back to where it was sent from,
+        saying it was not saved and carrying what was typed (`Draft`)."""
+        if request.method in SAFE_METHODS:
+            return sign_in_page(request, asked(request), 401)
+        try:
+            draft = draft_of(await self.form(request))
+        except MetanodeError:
+            draft = None
+        return sign_in_page(request, back_of(request.url.path), 401, lost=draft or True)
 
     async def sign_in(self, request: Request) -> Response:
         """POST /signin: the API token for a session cookie; a wrong token is an inline error."""
         request.scope["metanode.session"] = None
         if not same_origin(request.scope):
-            return self.sign_in_form(request, 403, "sign in from this node's own page")
+            return sign_in_page(request, "/", 403, "sign in from this node's own page")
         try:
             form = await self.form(request)
         except MetanodeError as exc:
-            return self.sign_in_form(request, exc.status, exc.message, "/")
+            return sign_in_page(request, "/", exc.status, exc.message)
         then = local_path(form.get("then", ""))
+        draft = draft_of({k[6:]: v for k, v in form.items() if k.startswith("draft-")})
         given = form.get("token", "").strip()
         if not given or not hmac.compare_digest(given.encode(), self.node.token.encode()):
-            return self.sign_in_form(request, 401, "That is not this node's API token.", then)
-        value, _session = self.sessions.create()
-        response = RedirectResponse(then, status_code=303)
+            wrong = "That is not this node's API token."
+            return sign_in_page(request, then, 401, wrong, draft or False)
+        value, session = self.sessions.create()
+        request.scope["metanode.session"] = session
+        if draft is not None and then.startswith("/records/"):
+            at = "add" if draft.adding else anchor_of(draft.key)
+            response = after_form(request, then, Flash("error", UNSAVED, at), draft)
+        else:
+            response = RedirectResponse(then, status_code=303)
         response.set_cookie(
             COOKIE,
             value,
@@ -478,25 +596,35 @@ class Pages:
             doc=document,
             title=record.get("title") or record.get("filePath", rid).rsplit("/", 1)[-1],
             fields=fields,
+            placed=[f.anchor for f in fields] + ["add"],  # where a flash is said in place
         )
 
     async def edit(self, request: Request) -> Response:
-        """POST /records/{rid}/edit: the owner's word on one key (`save`), or its tombstone
-        on every CID the owner voted through (`revert`), then the record page again."""
+        """POST /records/{rid}/edit: the owner's word on one key (`save`; nothing when the
+        record already says that), or its tombstone on every CID the owner voted through
+        (`revert`), then the record page again, at the key's row (or the Add form, with what
+        was typed, when the node refused it)."""
         form: dict[str, str] = request.scope["metanode.form"]
         rid = self._rid_of(request.path_params["id"])
-        key, value, action = (form.get(name, "") for name in ("key", "value", "action"))
-        key = key.strip()
+        action = form.get("action", "")
         if action not in ("save", "revert"):
             raise InvalidRequest("the action must be save or revert")
+        draft = draft_of(form)
+        key = form.get("key", "").strip()
         record = f"/records/{rid}"
+        at = "add" if draft is not None and draft.adding else anchor_of(key)
         if not key or key.startswith(LINK_PREFIX) or key in LOCAL_KEYS:
-            return after_form(request, record, "error", _unsettable(key))
+            return after_form(request, record, Flash("error", _unsettable(key), at), draft)
+        value = None if draft is None else draft.value
+        if value is not None and self.node.metadata(rid)["metadata"].get(key) == value:
+            unchanged = f"Nothing to save: {key} already has that value."
+            return after_form(request, record, Flash("notice", unchanged, anchor_of(key)))
         try:
-            said = await self._say(rid, key, value if action == "save" else None)
+            said = await self._say(rid, key, value)
         except MetanodeError as exc:
-            return after_form(request, record, "error", f"{key!r} was not changed: {_why(exc)}")
-        return after_form(request, record, "notice", said)
+            refused = Flash("error", f"{key!r} was not changed: {_why(exc)}", at)
+            return after_form(request, record, refused, draft)
+        return after_form(request, record, Flash("notice", said, anchor_of(key)))
 
     async def _say(self, rid: str, key: str, value: str | None) -> str:
         """The owner's word on `key` (`value`), or its tombstone on every CID the owner voted
@@ -548,13 +676,13 @@ class Pages:
             try:
                 row = await self.node.set_signer_status(request.path_params["uid"], status)
             except MetanodeError as exc:
-                return after_form(request, "/signers", "error", f"Not changed: {_why(exc)}")
+                return after_form(request, "/signers", Flash("error", f"Not changed: {_why(exc)}"))
             name = row.get("name") or row["uid"]
             if status == "blocked":
                 said = f"Blocked {name}: its votes no longer count (Unblock gives them back)."
             else:
                 said = f"Unblocked {name}: its votes count again."
-            return after_form(request, "/signers", "notice", said)
+            return after_form(request, "/signers", Flash("notice", said))
 
         return handler
 
@@ -569,9 +697,13 @@ class Pages:
     async def root(self, request: Request) -> Response:
         """`/`: the library once signed in, else the sign-in form."""
         if self.sessions.of_scope(request.scope) is None:
-            request.scope["metanode.session"] = None
-            return self.sign_in_form(request)
+            return sign_in_page(request, asked(request))
         return await self.page(self.library)(request)
+
+    async def back(self, request: Request) -> Response:
+        """A GET of an address only forms post to (typed again, or from the history): on to
+        the page the form is on, never a bare 405."""
+        return RedirectResponse(back_of(request.url.path), status_code=303)
 
     def routes(self) -> list[BaseRoute]:
         page = self.page
@@ -580,6 +712,7 @@ class Pages:
             Route("/", self.root),
             Route("/signin", self.sign_in, methods=["POST"]),
             Route("/signout", page(self.sign_out), methods=["POST"]),
+            *(Route(path, self.back, methods=["GET"]) for path in FORM_ONLY),
             Route("/records/{id}", page(self.record)),
             Route("/records/{id}/edit", page(self.edit), methods=["POST"]),
             Route("/live", page(self.live)),

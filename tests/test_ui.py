@@ -24,7 +24,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect, sync_playwright
 
-from metanode import cache, db, ui
+from metanode import cache, db, rid, ui
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server, plugins_server
 from tests.helpers.wait import poll
@@ -344,6 +344,171 @@ def test_an_edit_is_said_once_on_the_record_and_a_refused_one_says_why_there(
         "'notes//draft' was not changed: key has an empty, '.' or '..' segment."
     )
     expect(page.get_by_role("heading", name="Cinder Bay")).to_be_visible()
+
+
+def test_a_multiline_value_keeps_its_line_breaks_and_an_unchanged_save_signs_nothing(
+    page: Page, srv: Server
+) -> None:
+    """An nfo's plot of two paragraphs is shown and edited with its line breaks (a one-line
+    input glued them together on Save, and the owner's 100 then pinned the damage); Save of
+    an unchanged value signs nothing."""
+    midhash = titled(srv, drop(srv, "Tide.Clock.2016.mkv"), "Tide Clock")
+    writer = Signer()
+    srv.register(writer.uid, "nfo-like", weight=2)
+    plot = "First paragraph of the plot.\n\nSecond paragraph, after a blank line."
+    post(srv, writer.claim(midhash, "plot", plot, now_ms()))
+    page.goto(f"{srv.url}/records/{midhash}")
+    shown = field(page, "plot").locator(".value")
+    assert shown.inner_text() == plot  # pre-wrap: the browser renders the breaks
+    page.get_by_role("button", name="Edit plot").click()
+    box = page.get_by_label("plot", exact=True)
+    assert box.evaluate("e => e.tagName") == "TEXTAREA"
+    expect(box).to_have_value(plot)
+    field(page, "plot").get_by_role("button", name="Save").click()
+    expect(page.get_by_role("status")).to_have_text("Nothing to save: plot already has that value.")
+    expect(field(page, "plot")).not_to_contain_text("owner (100)")
+    meta = srv.meta(midhash)
+    assert meta is not None and meta["metadata"]["plot"] == plot
+
+    page.get_by_role("button", name="Edit plot").click()
+    page.get_by_label("plot", exact=True).fill(plot + "\nThird line.")
+    field(page, "plot").get_by_role("button", name="Save").click()
+    expect(page.get_by_role("status")).to_have_text("Saved plot.")
+    meta = srv.meta(midhash)
+    assert meta is not None and meta["metadata"]["plot"] == plot + "\nThird line."  # no CR
+
+
+def test_a_long_value_leaves_the_other_columns_their_width(page: Page, srv: Server) -> None:
+    """A 600-letter paragraph wraps in its own cell: the key, the signers and the Edit button
+    keep their width (every cell shrank to a letter a line, Edit drawn one letter a row)."""
+    midhash = titled(srv, drop(srv, "Loom.Weather.2018.mkv"), "Loom Weather")
+    page.goto(f"{srv.url}/records/{midhash}")
+    page.get_by_label("New key").fill("description")
+    page.get_by_label("Value", exact=True).fill("A long description of the film, " * 20)
+    page.get_by_role("button", name="Add").click()
+    expect(field(page, "description")).to_contain_text("owner (100)")
+    for row in ("description", "fileName", "title"):
+        edit = page.get_by_role("button", name=f"Edit {row}")
+        box = edit.bounding_box()
+        assert box is not None and box["height"] < 3 * 16, (row, box)  # one line of text
+        key = page.get_by_role("rowheader", name=row, exact=True).bounding_box()
+        assert key is not None and key["width"] > 100, (row, key)
+
+
+def test_an_edit_sent_after_the_session_ended_is_kept_through_signing_in(
+    page: Page, context: BrowserContext, srv: Server
+) -> None:
+    """The session ends (signed out in another tab, a restart) while a record is open: Save
+    shows the sign-in form saying the change was not saved, and signing in goes back to the
+    record with what was typed in its form, to save again."""
+    midhash = titled(srv, drop(srv, "Hollow.Signal.2009.mkv"), "Hollow Signal")
+    page.goto(f"{srv.url}/records/{midhash}")
+    other = context.new_page()
+    other.goto(srv.url + "/")
+    other.get_by_role("button", name="Sign out").click()
+    expect(other.get_by_label("API token")).to_be_visible()
+
+    page.get_by_role("button", name="Edit title").click()
+    page.get_by_label("title", exact=True).fill("Hollow Signal (restored)")
+    page.get_by_role("button", name="Save").click()
+    expect(page.get_by_role("alert")).to_contain_text("so that change was not saved")
+    page.get_by_label("API token").fill(srv.token)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("heading", name="Hollow Signal")).to_be_visible()
+    assert urlsplit(page.url).path.startswith("/records/")
+    expect(page.get_by_role("alert")).to_contain_text("Not saved: you had been signed out")
+    typed = page.get_by_label("title", exact=True)
+    expect(typed).to_have_value("Hollow Signal (restored)")
+    expect(typed).to_be_focused()
+    assert (srv.meta(midhash) or {})["metadata"]["title"] == "Hollow Signal"
+    field(page, "title").get_by_role("button", name="Save").click()
+    expect(field(page, "title").locator(".value")).to_have_text("Hollow Signal (restored)")
+
+
+def test_a_value_over_the_limit_is_refused_on_the_record_with_what_was_typed(
+    page: Page, srv: Server
+) -> None:
+    """A value longer than `max_value_bytes` is the node's refusal on the record page, the
+    Add form keeping the key and value typed (it was a bare 413 page, the text lost); the
+    focus and the view go to the message."""
+    midhash = titled(srv, drop(srv, "Salt.Meridian.2004.mkv"), "Salt Meridian")
+    page.goto(f"{srv.url}/records/{midhash}")
+    long = "x" * 70_000
+    page.get_by_label("New key").fill("notes")
+    page.get_by_label("Value", exact=True).fill(long)
+    page.get_by_role("button", name="Add").click()
+    said = page.get_by_role("alert")
+    expect(said).to_contain_text("'notes' was not changed: value is 70000 bytes")
+    expect(said).to_be_focused()
+    assert urlsplit(page.url).fragment == "add"
+    expect(page.get_by_label("New key")).to_have_value("notes")
+    assert page.get_by_label("Value", exact=True).input_value() == long
+    assert "notes" not in (srv.meta(midhash) or {})["metadata"]
+    # far longer (over the form's own limit, which holds any value the node could take)
+    page.get_by_label("Value", exact=True).fill("é" * 120_000)  # 720,000 characters sent
+    page.get_by_role("button", name="Add").click()
+    expect(page.get_by_role("alert")).to_have_text(
+        "Not saved: that is far more than a value may hold (65,536 bytes of UTF-8)."
+    )
+
+
+def test_after_an_edit_the_page_is_at_its_row_with_the_focus_on_what_it_says(
+    page: Page, srv: Server
+) -> None:
+    """The page goes back to the edited row (`#field-<key>`, spaces and all) and focuses the
+    message there, not the top of the page; a skip link leads past the navigation."""
+    midhash = titled(srv, drop(srv, "Iron.Lullaby.2013.mkv"), "Iron Lullaby")
+    page.goto(f"{srv.url}/records/{midhash}")
+    page.get_by_label("New key").fill("my rating")
+    page.get_by_label("Value", exact=True).fill("4/5")
+    page.get_by_role("button", name="Add").click()
+    said = field(page, "my rating").get_by_role("status")
+    expect(said).to_have_text("Saved my rating.")
+    expect(said).to_be_focused()
+    assert urlsplit(page.url).fragment == "field-my%20rating"
+    assert page.evaluate("[...document.querySelectorAll('[id]')].every(e => !/\\s/.test(e.id))")
+    page.keyboard.press("Shift+Tab")  # the skip link is the first stop of the page
+    page.goto(f"{srv.url}/records/{midhash}")
+    page.keyboard.press("Tab")
+    skip = page.get_by_role("link", name="Skip to content")
+    expect(skip).to_be_focused()
+    page.keyboard.press("Enter")
+    expect(page.locator("main")).to_be_focused()
+
+
+def test_addresses_only_forms_post_to_lead_to_their_page_and_a_mistyped_one_signs_in(
+    context: BrowserContext, srv: Server
+) -> None:
+    """Typed again or opened from the history, `/signin`, `/signout`, a record's `/edit` lead
+    to their page, not a 405 envelope; a mistyped address opened signed out shows the sign-in
+    form, which goes on to it (the 404 page), not a 401 envelope."""
+    page = context.new_page()
+    response = page.goto(f"{srv.url}/libary")
+    assert response is not None and response.status == 401
+    page.get_by_label("API token").fill(srv.token)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("heading", name="Not found")).to_be_visible()
+    for path, heading in (
+        ("/signin", "Library"),
+        ("/signout", "Library"),
+        ("/records/x/edit", "Not found"),
+        ("/signers/x/block", "Signers"),
+    ):
+        response = page.goto(srv.url + path)
+        assert response is not None and "text/html" in response.headers["content-type"], path
+        expect(page.get_by_role("heading", name=heading)).to_be_visible()
+    api = httpx.get(f"{srv.url}/libary", timeout=10)  # no browser: the envelope, as before
+    assert api.status_code == 401 and api.json()["error"] == "unauthorized"
+
+
+def test_newest_keeps_the_search_it_pages(page: Page, srv: Server) -> None:
+    titled(srv, drop(srv, "Velvet.Quarry.2001.mkv"), "Velvet Quarry")
+    newest_possible = rid.from_uuid("ffffffff-ffff-7fff-bfff-ffffffffffff")
+    page.goto(f"{srv.url}/?q=velvet&type=movie&before={newest_possible}")
+    page.get_by_role("link", name="Newest").click()
+    expect(page.get_by_role("link", name="Velvet Quarry")).to_be_visible()
+    expect(page.get_by_label("Search")).to_have_value("velvet")
+    assert urlsplit(page.url).query == "q=velvet&type=movie"
 
 
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:

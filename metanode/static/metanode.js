@@ -12,7 +12,7 @@ function toggleEdit(button, open) {
   const form = document.getElementById(button.getAttribute("aria-controls"));
   form.hidden = !open;
   button.setAttribute("aria-expanded", String(open));
-  if (open) form.querySelector("input[name=value]").focus();
+  if (open) form.querySelector("[name=value]").focus();
   else button.focus();
 }
 
@@ -121,4 +121,17 @@ function startPlugins() {
   timer = setInterval(tick, 2000);
 }
 
+// After a form: focus what the page says about it (in the edited row, or at the top), so the
+// keyboard and a screen reader go on from there rather than from the top of the page; a form
+// shown again with what was typed (a refused edit) gets the focus in its field instead.
+function focusSaid() {
+  const typed = document.querySelector("form[id^=edit-]:not([hidden]) [name=value]");
+  const said = document.querySelector("[data-focus]");
+  if (said) said.focus();
+  if (typed) typed.focus();
+}
+
 document.addEventListener("DOMContentLoaded", () => { startLive(); startPlugins(); });
+// after the load, not at DOMContentLoaded: going to the address's #fragment, Chromium clears the
+// focus once the document is parsed
+window.addEventListener("load", () => setTimeout(focusSaid));
