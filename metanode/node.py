@@ -291,12 +291,13 @@ class Node:
                 self.said_by,
             )
             await self.truth.add_signer(
-                runner.uid,
-                f"plugin:{plugin.name}",
-                weights.get(plugin.name, plugin.weight),
-                plugin.may_link,
+                runner.uid, f"plugin:{plugin.name}", self._plugin_weight(runner), plugin.may_link
             )
             runners.append(runner)
+        log.info(
+            "plugins: %s",
+            ", ".join(f"{r.plugin.name} {r.plugin.version}" for r in runners) or "none",
+        )
         host = plugins.Host(
             runners,
             self.cache,
@@ -308,6 +309,15 @@ class Node:
         )
         self._plugins_task = asyncio.create_task(host.run(), name="plugins")
         return host
+
+    def _plugin_weight(self, runner: plugins.Runner) -> int | None:
+        """The weight a plugin's signer gets at start: `plugin_weights`' if it names the
+        plugin, else the plugin's own the first time only; a weight set since (`signers add
+        --weight`, POST /api/signers) is kept (None: left as it is)."""
+        configured = self.settings.plugin_weight_map.get(runner.plugin.name)
+        if configured is not None:
+            return configured
+        return runner.plugin.weight if self.truth.signer(runner.uid) is None else None
 
     def said_by(self, uid: str, cid: str) -> dict[str, str | None]:
         """key → value (None: retracted) of `uid`'s stored claims about exactly `cid`: what a
@@ -894,6 +904,12 @@ class Node:
             "replans": state.replans,
             "applier": self.applies,
         }
+        if self.plugin_host is not None:
+            if self._plugins_task.done():
+                problems.append("the plugin host has stopped")
+            elif self.plugin_host.failing is not None:
+                problems.append(f"plugin runs are held: {self.plugin_host.failing}")
+            body["status"] = "degraded" if problems else "ok"
         if self.watcher is not None:
             if self._watching.done() or time.monotonic() - self.watcher.heartbeat > STALL_S:
                 problems.append("the watcher has stopped")

@@ -64,6 +64,7 @@ LOCK_TIMEOUT_MS = 30_000  # a lock held longer fails `storage_locked`, as SQLite
 RECONNECT_S = 1.0  # after a failed reconnection, the next is tried no sooner than this
 LOOP_STATEMENT_S = 5.0  # the event loop's statement cut off after this (`Watchdog`)
 RECONNECT_WAIT_S = 0.25  # what the loop waits for its new connection at most (`_reconnected`)
+IDLE_CHECK_S = 2.0  # a connection idle this long is checked before its next use (`_checked`)
 STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
 
 
@@ -342,6 +343,7 @@ class Connection:
         self._watchdog = Watchdog(LOOP_STATEMENT_S) if on_loop else None
         self._pending: Future[Any] | None = None  # a reconnection under way on its thread
         self._closed = False
+        self._used = time.monotonic()  # when its last statement ended
 
     @property
     def in_transaction(self) -> bool:
@@ -410,19 +412,39 @@ class Connection:
             raw.close()
 
     def execute(self, sql: str, params: Sequence[Any] | Mapping[str, Any] = ()) -> Cursor:
-        raw = self._raw if self.in_transaction else self._live()
-        if sql == "BEGIN IMMEDIATE":
-            return self._begin_writing(raw)
-        if sql == "BEGIN" and self.readonly:
-            return Cursor(raw.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
-        text = translate(sql, bool(params))
-        if self._stream and self.in_transaction and text.startswith(("SELECT", "WITH")):
-            return Cursor(self._server_cursor(raw, text, params))
+        raw = self._raw if self.in_transaction else self._checked()
         try:
-            return Cursor(self._watched(raw, text, params))
+            if sql == "BEGIN IMMEDIATE":
+                return self._begin_writing(raw)
+            if sql == "BEGIN" and self.readonly:
+                return Cursor(raw.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
+            text = translate(sql, bool(params))
+            if self._stream and self.in_transaction and text.startswith(("SELECT", "WITH")):
+                return Cursor(self._server_cursor(raw, text, params))
+            try:
+                return Cursor(self._watched(raw, text, params))
+            finally:
+                if sql in ("COMMIT", "ROLLBACK"):
+                    self._close_cursors()
         finally:
-            if sql in ("COMMIT", "ROLLBACK"):
-                self._close_cursors()
+            self._used = time.monotonic()
+
+    def _checked(self) -> Any:
+        """`_live()`, and for a connection idle `IDLE_CHECK_S` or more, checked first with an
+        empty statement: a server restarted meanwhile closed it, which psycopg learns only
+        when it next talks, and that would be the next unit of work's first statement, failed
+        for nothing (a watcher's batch, a request's read: 503 once after every restart). A
+        failed check is that dropped connection: made again, before anything was sent."""
+        raw = self._live()
+        if time.monotonic() - self._used < IDLE_CHECK_S:
+            return raw
+        try:
+            self._watched(raw, "", None)
+        except Exception as exc:
+            if not (_operational(exc) and (raw.closed or raw.broken)):
+                raise
+            return self._live()
+        return raw
 
     def _watched(self, raw: Any, text: str, params: Any) -> Any:
         """`raw.execute`, under the watchdog if this connection has one."""

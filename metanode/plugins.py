@@ -36,7 +36,9 @@ import contextlib
 import importlib.metadata
 import logging
 import os
+import re
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,23 +115,39 @@ class Plugin:
         raise NotImplementedError
 
 
+NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")  # a plugin's name: its key file, its signer
+
+
 def discover() -> list[Plugin]:
     """Every installed plugin of the `metanode.plugins` entry-point group, by name.
 
     A plugin that fails to load is logged and skipped: one broken package must not stop the node.
+    So is one whose name is no `NAME` (it names the key file `keys/<name>.key`), and so are two
+    that share a name, both: either would sign with the other's key and retract its claims.
     """
-    found: dict[str, Plugin] = {}
+    found: dict[str, list[tuple[str, Plugin]]] = {}
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             loaded = entry.load()
             plugin = loaded() if isinstance(loaded, type) else loaded
             if not isinstance(plugin, Plugin):
                 raise TypeError(f"{entry.value} is not a metanode.plugins.Plugin")
+            name = getattr(plugin, "name", None)
+            if not isinstance(name, str) or not NAME.fullmatch(name):
+                raise TypeError(f"{entry.value}: name {name!r} is not {NAME.pattern}")
         except Exception:
             log.exception("cannot load plugin %s", entry.name)
             continue
-        found[plugin.name] = plugin
-    return [found[name] for name in sorted(found)]
+        found.setdefault(name, []).append((entry.value, plugin))
+    for name, same in sorted(found.items()):
+        if len(same) > 1:
+            log.error(
+                "plugins %s are all named %r: none of them runs until all but one are removed "
+                "or renamed (each would sign with the others' key)",
+                ", ".join(value for value, _ in same),
+                name,
+            )
+    return [same[0][1] for _, same in sorted(found.items()) if len(same) == 1]
 
 
 def plugin_key(keys_dir: Path, name: str) -> nacl.signing.SigningKey:
@@ -157,13 +175,20 @@ def run_in_thread(fn: Callable[[], T]) -> Awaitable[T]:
     def body() -> None:
         try:
             outcome: tuple[T | None, BaseException | None] = (fn(), None)
-        except BaseException as exc:
+        except Exception as exc:
             outcome = (None, exc)
+        except BaseException as exc:  # `sys.exit()` in a plugin: awaited, it would stop the node
+            outcome = (None, Aborted(f"{type(exc).__name__}: {exc}"))
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits this run
             loop.call_soon_threadsafe(deliver, *outcome)
 
     threading.Thread(target=body, name="plugin", daemon=True).start()
     return future
+
+
+class Aborted(Exception):
+    """A plugin's code raised what is no `Exception` (`SystemExit`, `KeyboardInterrupt`): the
+    run fails, as for any error; asyncio would let it stop the whole node."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +248,10 @@ class Runner:
         def register(cid: str, key: str, value: str | None) -> None:
             if closed.is_set():
                 raise RuntimeError("this run is over (it timed out)")
+            if not (isinstance(cid, str) and isinstance(key, str)):
+                raise TypeError(f"register(cid, key, value): cid and key are str, not {cid!r}")
+            if value is not None and not isinstance(value, str):
+                raise TypeError(f"register(cid, key, value): value is a str or None, not {value!r}")
             drafts.append((cid, key, value))
 
         try:
@@ -250,9 +279,12 @@ class Runner:
         drafts = replacing(drafts, file.cid, self._said(self.uid, file.cid), skipped is None)
         if drafts:
             now = self._stamp()
-            wire = [
-                claims.sign(self.key, cid, key, value, now).wire() for cid, key, value in drafts
-            ]
+            try:  # text JCS cannot encode (a lone surrogate) fails this run, not the host
+                wire = [
+                    claims.sign(self.key, cid, key, value, now).wire() for cid, key, value in drafts
+                ]
+            except Exception as exc:
+                return Outcome("failed", f"cannot sign what it registered: {exc}")
             try:
                 await self._ingest(wire)
             except StorageError:  # the disk's fault, not the plugin's: no attempt is spent
@@ -295,12 +327,15 @@ class Host:
         self.runners = {runner.plugin.name: runner for runner in runners}
         self._roots = list(roots)
         self._store = store
-        self._slots = asyncio.Semaphore(max(1, workers))
+        self._workers = max(1, workers)
         self._max_attempts = max_attempts
         self._retry_s = retry_s
         self._clock = clock
         self._wake = asyncio.Event()
         self._versions = [(r.plugin.name, r.plugin.version) for r in runners]
+        self._running: dict[tuple[str, str, str], asyncio.Task[None]] = {}
+        self._held_until = 0.0  # monotonic: no run starts before (the store failed)
+        self.failing: str | None = None  # why the host cannot go on now (/health), or None
 
     async def files_changed(self, midhashes: Sequence[str]) -> None:
         """New local content: queue a run of every plugin for each midhash."""
@@ -327,48 +362,98 @@ class Host:
         self._wake.set()
 
     async def run(self) -> None:
-        await self._store.enqueue_runs(self._versions, None)
-        while True:
-            due = self._store.due_runs(self._versions, 64)
-            if not due:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(1.0):
-                        await self._wake.wait()
-                self._wake.clear()
-                continue
-            await self._run_all(due)
+        """Queue every known file for the current versions, then keep each plugin's runs going
+        on its own: at most `workers` runs of one plugin at once, the next started as one ends,
+        so a slow or hung plugin holds up only its own runs. Ends only when cancelled: a store
+        that fails (a database outage, a full disk) holds new runs a probe period and is tried
+        again, its runs left pending as they were."""
+        queued = False
+        try:
+            while True:
+                wait = self._held_until - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                try:
+                    if not queued:
+                        await self._store.enqueue_runs(self._versions, None)
+                        queued = True
+                    self._start_due()
+                except Exception as exc:
+                    self._hold(exc)
+                    continue
+                await self._next_event()
+        finally:
+            for task in self._running.values():
+                task.cancel()
+            await asyncio.gather(*self._running.values(), return_exceptions=True)
 
-    async def _run_all(self, due: Sequence[cache.PluginRun]) -> None:
-        """Run a round; if the disk refused a write, its runs stay pending as they were and the
-        next round waits a probe period (no busy loop while the disk is full)."""
-        results = await asyncio.gather(*(self._run_one(run) for run in due), return_exceptions=True)
-        failures = [r for r in results if isinstance(r, BaseException)]
-        for failure in failures:
-            if not isinstance(failure, StorageError):
-                raise failure
-        if failures:
-            log.warning("plugin runs wait for the disk: %s", failures[0])
-            await asyncio.sleep(db.PROBE_S)
+    def _start_due(self) -> None:
+        """Start the due runs of each plugin that has a free slot (its runs already going are
+        still pending in the store, so they are asked for too and left out)."""
+        for name, version in self._versions:
+            busy = sum(1 for plugin, _, _ in self._running if plugin == name)
+            if busy >= self._workers:
+                continue
+            for run in self._store.due_runs([(name, version)], self._workers):
+                ident = (run.plugin, run.version, run.midhash)
+                if ident not in self._running and busy < self._workers:
+                    self._running[ident] = asyncio.create_task(self._guarded(run, ident))
+                    busy += 1
+        if self.failing is not None:
+            log.info("plugin runs go on")
+            self.failing = None
+
+    async def _next_event(self) -> None:
+        """Until a run ends, work is queued (`_wake`), or a second passes (a retry falls due)."""
+        woken = asyncio.create_task(self._wake.wait())
+        try:
+            waits = [woken, *self._running.values()]
+            await asyncio.wait(waits, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        self._wake.clear()
+
+    async def _guarded(self, run: cache.PluginRun, ident: tuple[str, str, str]) -> None:
+        """One run; a failure of the store holds every run (it stays pending as it was)."""
+        try:
+            await self._run_one(run)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._hold(exc)
+        finally:
+            del self._running[ident]
+
+    def _hold(self, failure: Exception) -> None:
+        """No run starts for a probe period (no busy loop while the disk is full or the
+        database away); said once, and in /health, until runs start again."""
+        self._held_until = time.monotonic() + db.PROBE_S
+        why = f"{type(failure).__name__}: {failure}"
+        if self.failing is None:
+            if isinstance(failure, StorageError):
+                log.warning("plugin runs wait for the store: %s", why)
+            else:
+                log.error("plugin runs failed; trying again", exc_info=failure)
+        self.failing = why
 
     async def _run_one(self, run: cache.PluginRun) -> None:
-        async with self._slots:
-            file = self._store.file_of(run.midhash)
-            if file is None:  # no local copy left: forget the run; a new copy queues it again
-                await self._store.drop_run(run)
-                return
-            outcome = await self.runners[run.plugin].run(local_file(file, self._roots))
-            attempts = run.attempts + 1
-            status = outcome.status
-            next_at = 0
-            if status == "failed" and attempts < self._max_attempts:
-                status, next_at = (
-                    "pending",
-                    self._clock() + int(1000 * backoff_s(attempts, self._retry_s)),
-                )
-            if outcome.error:
-                level = logging.INFO if status == "done" else logging.WARNING
-                log.log(level, "plugin %s on %s: %s", run.plugin, file[1], outcome.error)
-            await self._store.finish_run(run, status, attempts, next_at, outcome.error)
+        file = self._store.file_of(run.midhash)
+        if file is None:  # no local copy left: forget the run; a new copy queues it again
+            await self._store.drop_run(run)
+            return
+        outcome = await self.runners[run.plugin].run(local_file(file, self._roots))
+        attempts = run.attempts + 1
+        status = outcome.status
+        next_at = 0
+        if status == "failed" and attempts < self._max_attempts:
+            status, next_at = (
+                "pending",
+                self._clock() + int(1000 * backoff_s(attempts, self._retry_s)),
+            )
+        if outcome.error:
+            level = logging.INFO if status == "done" else logging.WARNING
+            log.log(level, "plugin %s on %s: %s", run.plugin, file[1], outcome.error)
+        await self._store.finish_run(run, status, attempts, next_at, outcome.error)
 
     async def describe(self) -> list[dict[str, Any]]:
         """GET /api/plugins: each plugin with its uid, version and run counts (a scan of the

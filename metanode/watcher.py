@@ -34,7 +34,7 @@ import watchfiles
 
 from metanode import cid as cids
 from metanode.claims import utf8_size
-from metanode.errors import MidhashError
+from metanode.errors import MidhashError, StorageError
 from metanode.merge import LocalFile
 
 log = logging.getLogger(__name__)
@@ -252,6 +252,7 @@ Mounted = tuple[tuple[str, int], ...]  # (root, device) of the roots that are fo
 ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken off
 DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
 REWATCH_MAX_S = 30.0  # the longest pause between failed watches (`Watcher._pause_after`)
+RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # a reconciliation after a failed batch (`_retry_later`)
 UNDECODABLE = re.compile(r"Unable to decode path (.*) to string", re.DOTALL)  # watchfiles' words
 
 
@@ -286,6 +287,8 @@ class Watcher:
         self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
         self._resyncing: asyncio.Task[None] | None = None
         self._pause = TICK_S  # before watching again after a failed watch: `_pause_after`
+        self._retrying: asyncio.Task[None] | None = None  # a reconciliation after a failure
+        self._retry_s = RETRY_MIN_S
         self._last_failure = -REWATCH_MAX_S
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
         self.scanning = False
@@ -578,13 +581,34 @@ class Watcher:
             await self._guarded(self.reconcile())
 
     async def _guarded(self, work: Awaitable[object]) -> None:
-        """One failed batch is logged and retried by the next scan; it never stops the watcher."""
+        """One failed batch is logged and a reconciliation retries it soon (`_retry_later`);
+        it never stops the watcher."""
         try:
             await work
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("watcher batch failed; the next rescan will retry it")
+        except Exception as exc:
+            if isinstance(exc, StorageError):  # the disk or the database: said, no traceback
+                log.warning("watcher batch failed (%s); reconciling in %g s", exc, self._retry_s)
+            else:
+                log.exception("watcher batch failed; reconciling in %g s", self._retry_s)
+            self._retry_later()
+
+    def _retry_later(self) -> None:
+        """A reconciliation after `_retry_s` (unless one is waiting already), which doubles,
+        up to `RETRY_MAX_S`, while they fail: what a failed batch held (files hashed but not
+        recorded: the database was away, the disk full) is recorded once the store is back,
+        not at the next rescan, ten minutes on."""
+        if self._retrying is None or self._retrying.done():
+            self._retrying = asyncio.create_task(self._retry(self._retry_s))
+            self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+
+    async def _retry(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._retrying = None
+        await self._guarded(self.reconcile())
+        if self._retrying is None:  # it worked: the next failure waits the least again
+            self._retry_s = RETRY_MIN_S
 
     async def run(self) -> None:
         """Follow inotify, reconcile, then settle and rescan until `stop()`.
@@ -603,6 +627,7 @@ class Watcher:
             tasks.append(asyncio.create_task(self._rescan_loop(), name="watcher-rescan"))
             await self._stop.wait()
         finally:
+            tasks += [t for t in (self._retrying, self._resyncing) if t is not None]
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

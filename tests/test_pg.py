@@ -23,11 +23,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metanode import cache, claims, config, db, pg, truth
+from metanode import cache, claims, config, db, pg, plugins, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
-from metanode.errors import InvalidRequest, SchemaTooNew, StorageLocked, StorageUnavailable
+from metanode.errors import (
+    InvalidRequest,
+    MetanodeError,
+    SchemaTooNew,
+    StorageLocked,
+    StorageUnavailable,
+)
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.feed import Replica, Stream
@@ -342,6 +348,59 @@ async def test_an_outage_is_a_retryable_503_and_the_node_recovers(
         while (health := (await client.get("/health")).json())["status"] != "ok":
             assert time.monotonic() < deadline, health  # the writers' probes clear it
             await asyncio.sleep(0.1)
+
+
+async def test_plugin_runs_go_on_after_an_outage(
+    tmp_path: Path, own_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plugin host asks the cache for due runs every second: an outage ended its task for
+    good (nothing watched it), so no file got a plugin's claims again until a restart, and
+    /health said ok. Now the runs are held, /health says so, and they go on after it."""
+    from tests.test_plugins import claim, probe  # the test plugin of the host's own tests
+
+    marker = probe("marker", claim("marker", "seen"))
+    monkeypatch.setattr(plugins, "discover", lambda: [marker])
+    media = tmp_path / "media"
+    media.mkdir()
+    settings = settings_for(
+        tmp_path / "data",
+        storage=own_cluster.database(),
+        plugins_enabled=True,
+        watch_enabled=True,
+        watch_roots=(str(media),),
+        watch_settle_s=0.2,
+    )
+    node = Node(settings)
+    await node.start()
+    try:
+        await until(lambda: node.plugin_host is not None, "the replica to lead (the lock)")
+        host = node.plugin_host
+        assert host is not None
+        own_cluster.pause()
+        await until(lambda: host.failing is not None, "the plugin host to meet the outage")
+        # a file that settles during the outage: its batch fails, and is retried once the
+        # database is back (it waited for the next rescan, 600 s)
+        (media / "during.bin").write_bytes(b"a file during the outage")
+        await until(lambda: not node.watcher or not node.watcher.pending, "its batch to fail")
+        own_cluster.resume()
+        await until(lambda: host.failing is None, "the plugin runs to go on")
+        (media / "after.bin").write_bytes(b"a file after the outage")
+
+        def marked(content: bytes) -> Callable[[], bool]:
+            def check() -> bool:
+                try:
+                    record = node.meta(cids.midhash_bytes(content))["metadata"]
+                except MetanodeError:  # not yet a record
+                    return False
+                return bool(record.get("marker") == "seen")
+
+            return check
+
+        await until(marked(b"a file after the outage"), "a file made after the outage")
+        await until(marked(b"a file during the outage"), "the file of the failed batch")
+        assert node.health()["status"] == "ok"
+    finally:
+        await node.stop()
 
 
 def reconnecting() -> bool:

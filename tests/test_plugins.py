@@ -12,6 +12,7 @@ import contextlib
 import os
 import re
 import stat
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -239,6 +240,42 @@ def test_discover_finds_the_builtins_through_entry_points() -> None:
     assert {p.name for p in found if p.path_dependent} == {"fileinfo", "filename", "nfo"}
 
 
+def install(site: Path, package: str, plugin_name: str) -> None:
+    """An installed distribution in `site` (a dist-info folder and its module, as pip leaves
+    them) whose entry point is a plugin named `plugin_name`."""
+    module = f"{package}_plugin"
+    (site / f"{module}.py").write_text(
+        "from metanode.plugins import Plugin\n"
+        f"class P(Plugin):\n    name = {plugin_name!r}\n    version = '1'\n"
+        "    def process(self, file, record, register): pass\n"
+    )
+    info = site / f"{package}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[metanode.plugins]\n{package} = {module}:P\n")
+
+
+def test_two_plugins_of_one_name_neither_runs_and_a_bad_name_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second package naming its plugin as another's took its place, signed with its key and
+    retracted its claims; a name is also the key's file name (`keys/<name>.key`)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install(site, "sizeclass", "sizeclass")
+    install(site, "impostor", "sizeclass")
+    install(site, "escaper", "../owner")
+    install(site, "fine", "fine")
+    monkeypatch.syspath_prepend(str(site))
+    names = [p.name for p in plugins.discover()]
+    assert "fine" in names and "sizeclass" not in names and "../owner" not in names
+    said = caplog.text
+    assert "impostor_plugin:P, sizeclass_plugin:P are all named 'sizeclass'" in said or (
+        "sizeclass_plugin:P, impostor_plugin:P are all named 'sizeclass'" in said
+    )
+    assert "escaper_plugin:P: name '../owner' is not" in said
+
+
 def test_plugin_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:
     first = plugins.plugin_key(tmp_path / "keys", "x")
     path = tmp_path / "keys" / "x.key"
@@ -371,6 +408,73 @@ async def test_a_hanging_plugin_times_out_and_other_runs_continue(harness: Harne
             thread.join(10)
     assert "late" not in metadata(node, first)
     assert (await counts(node, "hang"))["failed"] >= 1
+
+
+async def test_a_plugin_that_calls_sys_exit_fails_its_run_and_the_node_goes_on(
+    harness: Harness,
+) -> None:
+    """A wrapped argparse or click tool exits on bad input: the node exited with it (status 2),
+    and again at every start, the run still pending."""
+
+    def exits(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        sys.exit(2)
+
+    _, first = harness.drop("exit.bin", b"a plugin exits on this")
+    leaver = probe("leaver", exits)
+    good = probe("good", claim("good", "yes"))
+    node = await harness.start([leaver, good], plugin_max_attempts=1)
+    await until(finished(node, leaver, first, "failed"), "the exiting plugin's run to fail")
+    run = run_of(node, leaver, first)
+    assert run is not None and run.error == "Aborted: SystemExit: 2"
+    _, second = harness.drop("after.bin", b"a file after the exit")
+    await until(finished(node, good, second), "the other plugin to go on with a new file")
+    assert node.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error"),
+    [
+        (lambda f: (f, "k", "v"), "TypeError: register(cid, key, value): cid and key are str"),
+        (lambda f: (f.cid, "k", 5), "TypeError: register(cid, key, value): value is a str or"),
+        (lambda f: (f.cid, "k", "\ud800"), "cannot sign what it registered"),
+    ],
+    ids=["file-for-cid", "int-value", "lone-surrogate"],
+)
+async def test_a_register_call_the_node_cannot_sign_fails_that_run_only(
+    harness: Harness, arguments: Callable[[LocalFile], tuple[Any, Any, Any]], error: str
+) -> None:
+    """`register(file, …)` (the file for its CID) raised in the host, outside any run: the
+    plugin task ended, silently, and no plugin ran again until a restart."""
+
+    def wrong(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        register(*arguments(file))
+
+    _, first = harness.drop("wrong.bin", b"a plugin registers nonsense")
+    bad = probe("bad", wrong)
+    good = probe("good", claim("good", "yes"))
+    node = await harness.start([bad, good], plugin_max_attempts=1)
+    await until(finished(node, bad, first, "failed"), "the run to fail")
+    run = run_of(node, bad, first)
+    assert run is not None and run.error is not None and error in run.error, run
+    _, second = harness.drop("next.bin", b"the next file")
+    await until(finished(node, good, second), "the host to go on with the next file")
+
+
+async def test_a_hung_plugin_holds_up_only_its_own_runs(harness: Harness) -> None:
+    """With one run at a time (the default), the host ran a batch of runs and waited for all
+    of them: one hung plugin held every other plugin, built-ins included, until it timed out."""
+    gate = harness.gate()
+    _, first = harness.drop("a.bin", b"the hung plugin holds this")
+    hang = probe("hang", blocked_until(gate))
+    good = probe("good", claim("good", "yes"))
+    node = await harness.start([hang, good], plugin_workers=1, plugin_timeout_s=60.0)
+    await until(lambda: len(hang.calls) == 1, "the plugin to hang")
+    later = [harness.drop(f"later{i}.bin", f"later {i}".encode())[1] for i in range(3)]
+    for midhash in [first, *later]:
+        await until(finished(node, good, midhash), "the other plugin on every file meanwhile")
+    assert len(hang.calls) == 1 and run_of(node, hang, first) == Run("pending", 0, None)
+    gate.set()
+    await until(finished(node, hang, later[-1]), "the hung plugin's own runs once it returns")
 
 
 async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
@@ -521,6 +625,23 @@ async def test_without_weight_setting_the_class_weight_is_used(harness: Harness)
     node = await harness.start([probe("heavy", claim("k", "v"), weight=4)])
     [signer] = [s for s in node.signers() if s["name"] == "plugin:heavy"]
     assert signer["weight"] == 4
+
+
+async def test_a_weight_set_by_hand_stays_unless_plugin_weights_names_the_plugin(
+    harness: Harness,
+) -> None:
+    """`signers add <plugin uid> --weight 7` lasted until the next start, which set the class
+    weight again without a word."""
+    heavy = probe("heavy", claim("k", "v"), weight=4)
+    node = await harness.start([heavy])
+    [signer] = [s for s in node.signers() if s["name"] == "plugin:heavy"]
+    await node.truth.add_signer(signer["uid"], None, 7, None)
+    await harness.stop(node)
+    node = await harness.start([heavy])
+    assert {s["name"]: s["weight"] for s in node.signers()}["plugin:heavy"] == 7
+    await harness.stop(node)
+    node = await harness.start([heavy], plugin_weights=("heavy=2",))
+    assert {s["name"]: s["weight"] for s in node.signers()}["plugin:heavy"] == 2
 
 
 async def test_stale_pending_runs_do_not_starve_current_ones(harness: Harness) -> None:
