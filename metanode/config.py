@@ -175,7 +175,11 @@ class Settings:
         (), "Signer weights of plugins as `name=weight` (comma-separated in the environment)."
     )
     plugin_workers: int = setting(
-        1, "Plugin runs at once, each on its own thread.", low=1, high=256
+        1,
+        "Runs of one plugin at once, each on its own thread: every plugin has its own queue, so "
+        "a slow one holds up only its own files.",
+        low=1,
+        high=256,
     )
     plugin_timeout_s: float = setting(600.0, "A plugin run taking longer fails.", low=SECONDS)
     plugin_max_attempts: int = setting(
