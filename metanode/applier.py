@@ -244,16 +244,20 @@ class Applier:
                 async with asyncio.timeout(self._poll_s):
                     await self._wake.wait()
             self._wake.clear()
-            if self._stopping:
+            if self._ending():
                 return
             await self._retrying(self._apply, "applying truth changes to the cache")
+
+    def _ending(self) -> bool:
+        """Whether the apply loop ends: the applier stops."""
+        return self._stopping
 
     async def _retrying(self, step: Callable[[], Awaitable[None]], what: str) -> None:
         """Run `step` until it succeeds (or the applier stops): `degraded` meanwhile (so
         `/health` says so), with a backoff of 0.1 s doubling to 10 s; the traceback is logged
         once per run of failures, then one line per retry (a full disk fails every retry)."""
         backoff = 0.1
-        while not self._stopping:
+        while not self._ending():
             try:
                 await step()
             except Exception as exc:
@@ -383,9 +387,12 @@ class Replica(Follower):
     is how the claims other replicas commit wake it. When its process dies, its session ends
     and the lock frees; the next replica to try it takes over from the cache state stored.
 
-    Two appliers at once (a leader whose lock session was cut while it lives on) would cost
-    only work: each apply reads `applied_seq` inside its cache transaction, and the cache's
-    write transactions serialise on their own lock, so the second applies nothing twice.
+    A leader whose lock session was cut (a restart of the server, a network cut) takes the
+    lock again; if another replica took it meanwhile, it steps down (`unlead`: its services
+    stop) and follows again, so two replicas never run the watcher, the plugins or the peer
+    pulls at once. Two appliers for the moment between would cost only work: each apply reads
+    `applied_seq` inside its cache transaction, and the cache's write transactions serialise
+    on their own lock, so the second applies nothing twice.
     """
 
     def __init__(
@@ -394,6 +401,7 @@ class Replica(Follower):
         source: truth.TruthStore,
         poll_s: float,
         lead: Callable[[], Awaitable[None]],
+        unlead: Callable[[], Awaitable[None]],
         documents: HotDocuments | None = None,
     ) -> None:
         super().__init__(store, source, poll_s, documents)
@@ -401,7 +409,9 @@ class Replica(Follower):
         assert lock is not None, "replicas share a PostgreSQL cache"
         self._lock = lock
         self._lead = lead
+        self._unlead = unlead
         self.leading = False
+        self._lost = False  # another replica holds the lock now: step down
         self._tried = 0.0
         self._watching: asyncio.Task[None] | None = None
 
@@ -412,9 +422,24 @@ class Replica(Follower):
             super().hand(result)
 
     async def _run(self) -> None:
-        await self._follow(self._took_lead)
-        if self._stopping:
-            return
+        """Follow until this replica takes the lock, lead until it is lost to another, then
+        follow again."""
+        while not self._stopping:
+            await self._follow(self._took_lead)
+            if self._stopping:
+                return
+            await self._leading()
+            if self._stopping:
+                return
+            self.leading = self._lost = False
+            log.warning(
+                "another replica took the applier lock: this one stops applying and its "
+                "services (watcher, plugins, peer pulls), and follows"
+            )
+            await self._watched_stop()
+            await self._unlead()
+
+    async def _leading(self) -> None:
         self.leading = True
         log.info("this replica holds the applier lock: it applies and runs the node's services")
         self._watching = asyncio.create_task(self._watch_truth(), name="applier-poll")
@@ -423,6 +448,15 @@ class Replica(Follower):
         except Exception:  # a service that would not start must not stop the applying too
             log.exception("starting the node's services failed; applying without them")
         await Applier._run(self)
+
+    def _ending(self) -> bool:
+        return self._stopping or self._lost
+
+    async def _watched_stop(self) -> None:
+        if self._watching is not None:
+            self._watching.cancel()
+            await asyncio.gather(self._watching, return_exceptions=True)
+            self._watching = None
 
     async def _took_lead(self) -> bool:
         """Try the lock, at most every `LEAD_TRY_S`; whether this replica holds it now."""
@@ -437,7 +471,8 @@ class Replica(Follower):
 
     async def _watch_truth(self) -> None:
         """Wake the apply when the truth's outbox moved past what was applied (other replicas'
-        ingests), and warn if the lock's session was lost (a cut connection)."""
+        ingests), and take the lock again if its session was lost (a cut connection): if
+        another replica holds it by then, this one steps down (`_lost`)."""
         checked, failing = time.monotonic(), False
         while not self._stopping:
             try:
@@ -447,7 +482,10 @@ class Replica(Follower):
                     checked = time.monotonic()
                     if not await asyncio.to_thread(self._lock.held):
                         log.warning("the applier lock's session was lost; taking it again")
-                        await asyncio.to_thread(self._lock.acquire)
+                        if not await asyncio.to_thread(self._lock.acquire):
+                            self._lost = True
+                            self.wake()
+                            return
                 failing = False
             except Exception as exc:  # the server is away: the apply reports it (`degraded`)
                 if not failing:
@@ -459,7 +497,5 @@ class Replica(Follower):
         """Stop applying (or following), then end the lock's session: the lock frees for the
         next replica only after the last apply committed."""
         await super().stop()
-        if self._watching is not None:
-            self._watching.cancel()
-            await asyncio.gather(self._watching, return_exceptions=True)
+        await self._watched_stop()
         await asyncio.to_thread(self._lock.close)

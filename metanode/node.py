@@ -173,7 +173,7 @@ class Node:
         if self.follower:
             return Follower(self.cache, self.truth, poll_s, documents)
         if self.settings.postgresql:
-            return Replica(self.cache, self.truth, poll_s, self._lead, documents)
+            return Replica(self.cache, self.truth, poll_s, self._lead, self._unlead, documents)
         return Applier(self.cache, self.truth, poll_s, documents)
 
     async def _lead(self) -> None:
@@ -189,6 +189,23 @@ class Node:
         if self.settings.watch_enabled:
             self.watcher = self._make_watcher(self.settings.watch_roots)
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
+
+    async def _unlead(self) -> None:
+        """Stop what `_lead` started: at `stop`, and in a replica that lost the applier lock
+        to another (which runs them now)."""
+        await self.peers.stop()
+        if self.watcher is not None:
+            self.watcher.stop()
+            await asyncio.gather(self._watching, return_exceptions=True)
+            self.watcher = None
+        if self.plugin_host is not None:
+            self._plugins_task.cancel()
+            await asyncio.gather(self._plugins_task, return_exceptions=True)
+            self.plugin_host = None
+        if self._pruner is not None:
+            self._pruner.cancel()
+            await asyncio.gather(self._pruner, return_exceptions=True)
+            self._pruner = None
 
     def _hot_documents(self, size: int) -> HotDocuments | None:
         """The in-memory documents of `hot_documents` (None: off). Under `serve --workers N`
@@ -352,16 +369,7 @@ class Node:
             await self._handoff_server.stop()
         if self._handoff is not None:
             self._handoff.close()
-        await self.peers.stop()
-        if self.watcher is not None:
-            self.watcher.stop()
-            await asyncio.gather(self._watching, return_exceptions=True)
-        if self.plugin_host is not None:
-            self._plugins_task.cancel()
-            await asyncio.gather(self._plugins_task, return_exceptions=True)
-        if self._pruner is not None:
-            self._pruner.cancel()
-            await asyncio.gather(self._pruner, return_exceptions=True)
+        await self._unlead()
         await asyncio.to_thread(self.truth.stop_writes)
         await self.applier.stop()
         await asyncio.to_thread(self.cache.close)  # drains the jobs reading truth snapshots

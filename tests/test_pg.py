@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -523,6 +524,57 @@ async def test_two_nodes_on_one_database_apply_in_turn(tmp_path: Path, dsn: str)
         await until(lambda: second.applies, "the second node to take the applier lock")
     finally:
         await second.stop()
+
+
+async def test_a_leader_that_lost_its_lock_to_another_steps_down(tmp_path: Path, dsn: str) -> None:
+    """A leader whose lock session is cut (a server restart) takes the lock again; if another
+    holds it by then, the leader stops applying and its services and follows. It went on as
+    a second applier, watcher and plugin host beside the one that took the lock, both saying
+    `"applier": true` in /health."""
+    media = tmp_path / "media"
+    media.mkdir()
+    leader = Node(
+        settings_for(tmp_path / "one", storage=dsn, watch_enabled=True, watch_roots=(str(media),))
+    )
+    await leader.start()
+    taker = psycopg_connect(dsn)
+    try:
+        await until(lambda: leader.applies and leader.watcher is not None, "the first to lead")
+        key = pg.SessionLock(pg.Target(dsn, "cache"), "applier").key
+        # queued behind the leader's session: granted the moment that session ends, before
+        # the leader can try again (pg_advisory_lock waits; the leader's try does not)
+        taking = asyncio.create_task(
+            asyncio.to_thread(taker.execute, "SELECT pg_advisory_lock(%s)", (key,))
+        )
+        with psycopg_connect(dsn) as admin:
+            await until(lambda: waiting_for(admin, key), "the lock to be waited for")
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND objid = %s AND granted",
+                (key,),
+            )
+        await taking
+        await until(lambda: not leader.applies, "the leader to step down")
+        assert leader.watcher is None and leader.health()["applier"] is False
+        taker.execute("SELECT pg_advisory_unlock(%s)", (key,))
+        await until(lambda: leader.applies and leader.watcher is not None, "it to lead again")
+    finally:
+        taker.close()
+        await leader.stop()
+
+
+def psycopg_connect(dsn: str) -> Any:
+    import psycopg
+
+    return psycopg.connect(dsn, autocommit=True)
+
+
+def waiting_for(admin: Any, key: int) -> bool:
+    row = admin.execute(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objid = %s AND NOT granted",
+        (key,),
+    ).fetchone()
+    return bool(row[0])
 
 
 def test_data_version_moves_when_another_connection_commits(dsn: str) -> None:
