@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.serve-installed
 TEST_STAMP := $(VENV)/.test-installed
 
-.PHONY: test serve lint bench clean
+.PHONY: test serve lint bench clean postgresql
 
 PLUGINS := plugins/fullhash plugins/fileinfo plugins/filename plugins/mediainfo plugins/nfo
 
@@ -18,6 +18,15 @@ $(BIN)/python:
 $(SERVE_STAMP): pyproject.toml $(PLUGINS:%=%/pyproject.toml) | $(BIN)/python
 	$(BIN)/python -m pip install --quiet -e . $(PLUGINS:%=-e %)
 	touch $(SERVE_STAMP)
+
+# The PostgreSQL driver (an extra), for `METANODE_STORAGE=postgresql://… make serve`
+# (docs/scale-out.md); the embedded SQLite default never needs it.
+PG_STAMP := $(VENV)/.postgresql-installed
+SERVE_NEEDS := $(SERVE_STAMP) $(if $(findstring postgres,$(METANODE_STORAGE)),$(PG_STAMP))
+
+$(PG_STAMP): pyproject.toml | $(SERVE_STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[postgresql]'
+	touch $(PG_STAMP)
 
 $(TEST_STAMP): $(SERVE_STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
@@ -32,8 +41,10 @@ lint: $(TEST_STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-serve: $(SERVE_STAMP)
+serve: $(SERVE_NEEDS)
 	$(BIN)/metanode serve
+
+postgresql: $(PG_STAMP)
 
 bench: $(TEST_STAMP)
 	$(BIN)/python tools/bench/core.py

@@ -38,6 +38,7 @@ from metanode.errors import (
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.feed import Replica, Stream
+from tests.helpers.plugins import claim, probe
 from tests.helpers.postgres import Cluster, start_cluster
 from tests.helpers.server import free_port, plugins_server, wait_caught_up
 from tests.helpers.settings import settings_for
@@ -357,8 +358,6 @@ async def test_plugin_runs_go_on_after_an_outage(
     """The plugin host asks the cache for due runs every second: an outage ended its task for
     good (nothing watched it), so no file got a plugin's claims again until a restart, and
     /health said ok. Now the runs are held, /health says so, and they go on after it."""
-    from tests.test_plugins import claim, probe  # the test plugin of the host's own tests
-
     marker = probe("marker", claim("marker", "seen"))
     monkeypatch.setattr(plugins, "discover", lambda: [marker])
     media = tmp_path / "media"

@@ -28,52 +28,12 @@ from metanode import db, keys, plugins
 from metanode.api import create_app
 from metanode.node import Node
 from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
+from tests.helpers.plugins import Action, claim, probe
 from tests.helpers.settings import settings_for
 
 pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
 
 RID = re.compile(r"[0-9A-HJKMNP-TV-Z]{26}")  # a rid: 26 Crockford base32 characters, upper case
-Action = Callable[[LocalFile, RecordLookup, Register], None]
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
-class Probe(Plugin):
-    """A test plugin: records every call, then does `action`."""
-
-    def __init__(self, action: Action) -> None:
-        self.action = action
-        self.calls: list[LocalFile] = []
-        self.called_at_ms: list[int] = []
-        self.arguments: list[str] = []  # repr of everything process() was given
-
-    def process(self, file: LocalFile, record: RecordLookup, register: Register) -> None:
-        self.calls.append(file)
-        self.called_at_ms.append(now_ms())
-        self.arguments.append(repr((file, record, register)))
-        self.action(file, record, register)
-
-
-def probe(
-    name: str, action: Action, version: str = "1", weight: int = 1, may_link: bool = False
-) -> Probe:
-    """A `Probe` under its own class, since name, version, weight and may_link are class-level."""
-    cls = type(
-        f"Probe_{name}_{version}",
-        (Probe,),
-        {"name": name, "version": version, "weight": weight, "may_link": may_link},
-    )
-    instance: Probe = cls(action)
-    return instance
-
-
-def claim(key: str, value: str) -> Action:
-    def action(file: LocalFile, record: RecordLookup, register: Register) -> None:
-        register(file.cid, key, value)
-
-    return action
 
 
 def raises(file: LocalFile, record: RecordLookup, register: Register) -> None:
