@@ -413,6 +413,7 @@ class Replica(Follower):
         self.leading = False
         self._lost = False  # another replica holds the lock now: step down
         self._tried = 0.0
+        self._trying_fails = False
         self._watching: asyncio.Task[None] | None = None
 
     def hand(self, result: truth.IngestResult) -> None:
@@ -464,10 +465,16 @@ class Replica(Follower):
             return False
         self._tried = time.monotonic()
         try:
-            return await asyncio.to_thread(self._lock.acquire)
+            taken = await asyncio.to_thread(self._lock.acquire)
         except Exception as exc:  # the server is away: keep following, try again later
-            log.warning("trying the applier lock failed (%s); will retry", exc)
+            if not self._trying_fails:  # said once, not twice a second for the whole outage
+                log.warning("trying the applier lock failed (%s); will retry", exc)
+            self._trying_fails = True
             return False
+        if self._trying_fails:
+            log.info("the applier lock can be tried again")
+        self._trying_fails = False
+        return taken
 
     async def _watch_truth(self) -> None:
         """Wake the apply when the truth's outbox moved past what was applied (other replicas'

@@ -255,13 +255,19 @@ def load_settings(config_file: str | None, **overrides: Any) -> config.Settings:
 
 @main.command()
 @settings_options
+@click.option(
+    "--new-owner",
+    is_flag=True,
+    help="Make this data directory's owner key the owner of the node's databases, whose "
+    "recorded owner key is lost for good (without it, another owner key is refused).",
+)
 @reports_errors
-def init(config_file: str | None, data_dir: str | None) -> None:
+def init(config_file: str | None, data_dir: str | None, new_owner: bool) -> None:
     """Create the data directory, both databases and the API token; print where they are."""
     settings = load_settings(config_file, data_dir=data_dir)
     maintenance.open_store(settings)
     token, created = maintenance.ensure_token(settings.token_path)
-    owner, _ = maintenance.ensure_owner(settings)
+    owner, _ = maintenance.adopt_owner(settings, new_owner)
     click.echo(f"data directory: {settings.data_dir.resolve()}")
     click.echo(f"owner key: {owner} (signer `owner`, in {settings.keys_dir})")
     if created:
@@ -281,7 +287,10 @@ def watching(settings: config.Settings) -> str:
     """The start-up line naming what the watcher watches, so a wrong folder shows at once."""
     if not settings.watch_enabled:
         return "watching: nothing (watch_enabled is off)"
-    return "watching: " + ", ".join(str(Path(root).resolve()) for root in settings.watch_roots)
+    roots = ", ".join(str(Path(root).resolve()) for root in settings.watch_roots)
+    if settings.postgresql:
+        return f"watching, while this replica applies (docs/scale-out.md): {roots}"
+    return f"watching: {roots}"
 
 
 @main.command()
@@ -313,12 +322,15 @@ def serve(
     datadir.Lock(settings.data_dir).acquire()  # held until the process exits
     maintenance.open_store(settings)
     maintenance.check_writable(settings)
+    maintenance.adopt_owner(settings)  # a replica given a fresh data directory: refused
     sock = listen(settings)  # before the token: one made now is shown, once, below
     token, created = maintenance.ensure_token(settings.token_path)
     maintenance.ensure_token(settings.instance_path)  # made once, before any worker reads it
     url = f"http://{settings.host}:{settings.port}"
     count = settings.worker_count
-    click.echo(f"metanode serving {url}  (data: {settings.data_dir.resolve()}, workers: {count})")
+    # the storage: after `migrate-storage`, a start without `storage` serves the old SQLite
+    where = f"data: {settings.data_dir.resolve()}, storage: {settings.storage_shown}"
+    click.echo(f"metanode serving {url}  ({where}, workers: {count})")
     click.echo(watching(settings))
     if created:
         click.echo(f"API token, shown once (kept in {settings.token_path}): {token}")

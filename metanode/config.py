@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from metanode.errors import InvalidRequest
 from metanode.merge import MAX_WEIGHT
@@ -344,6 +345,11 @@ class Settings:
         return self.storage.startswith(POSTGRESQL_SCHEMES)
 
     @property
+    def storage_shown(self) -> str:
+        """`storage` for a message or a log line: `sqlite`, or the DSN without its password."""
+        return dsn_shown(self.storage) if self.postgresql else "sqlite"
+
+    @property
     def truth_path(self) -> Path:
         return self.data_dir / "truth.db"
 
@@ -480,6 +486,15 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def describe() -> list[tuple[str, Any, str]]:
     """(name, default, help) of every setting, for `--help` and the docs."""
     return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)]
+
+
+def dsn_shown(dsn: str) -> str:
+    """A DSN without its password and its parameters (which may hold one): for messages and
+    logs."""
+    parts = urlsplit(dsn)
+    host = parts.netloc.rsplit("@", 1)[-1]
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    return urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
 
 
 def shown(value: Any) -> str:

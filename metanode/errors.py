@@ -413,6 +413,16 @@ class SchemaTooNew(MetanodeError):
     slug = "schema_too_new"
 
 
+class OwnerMismatch(MetanodeError):
+    """The truth belongs to another owner key than the data directory's `keys/owner.key`: a
+    replica given a fresh data directory (`init` instead of a copy), or a truth restored
+    without its keys. Refused at start: the node would register a second `owner` whose
+    edits compete with the first's, and plugin signers anew (docs/scale-out.md)."""
+
+    status = 409
+    slug = "owner_mismatch"
+
+
 class NoNode(MetanodeError):
     """A command that reads a node's data was given a data directory that holds none (a
     mistyped `--data-dir`): refused, rather than made anew and reported on as empty."""

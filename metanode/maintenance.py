@@ -72,6 +72,16 @@ def ensure_owner(settings: Settings) -> tuple[str, bool]:
     return keys.uid_of_key(keys.load_or_create(path)), created
 
 
+def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, bool]:
+    """`ensure_owner`, then the truth's owner checked against it (`init`, `serve`): refused
+    with `OwnerMismatch` if the truth belongs to another key, unless `new_owner` makes this
+    key the owner (the old one lost)."""
+    uid, created = ensure_owner(settings)
+    with truth_store(settings) as store:
+        store.claim_owner_sync(uid, adopt=new_owner)
+    return uid, created
+
+
 def refuse_owner_change(owner: str | None, uid: str, status: str | None = None) -> None:
     """`OwnerKey` for changing `owner`, the box owner's uid, through the signer registry: a
     block (`status` "blocked") or a registration (`status` None: a weight of 0 silences the

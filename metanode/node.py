@@ -161,7 +161,11 @@ class Node:
             self._handoff_server = handoff.Server(self._handoff_path, self._ingest_handed)
             await self._handoff_server.start()
             self.truth.expect_stragglers()  # the readers' batches come just after its own
-        await self.owner.register()  # its key is made at `init`, or here on a first start
+        # its key is made at `init`, or here on a first start; a truth of another owner key
+        # (a replica given a fresh data directory) is refused before it is registered
+        owner, _ = await asyncio.to_thread(maintenance.ensure_owner, self.settings)
+        await self.truth.claim_owner(owner)
+        await self.owner.register()
         if not isinstance(self.applier, Replica):
             await self._lead()
 

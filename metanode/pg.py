@@ -46,7 +46,7 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from metanode.config import POSTGRESQL_SCHEMES
+from metanode.config import POSTGRESQL_SCHEMES, dsn_shown
 from metanode.errors import (
     InvalidRequest,
     StorageError,
@@ -92,13 +92,7 @@ class Target:
 
     @property
     def dsn_shown(self) -> str:
-        """The DSN without its password and its parameters (which may hold one): for messages
-        and logs."""
-        parts = urlsplit(self.dsn)
-        host = parts.netloc.rsplit("@", 1)[-1]
-        user = parts.username
-        netloc = f"{user}@{host}" if user else host
-        return urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
+        return dsn_shown(self.dsn)
 
     def __str__(self) -> str:
         return f"{self.dsn_shown} (schema {self.schema})"
@@ -110,7 +104,8 @@ def driver() -> ModuleType:
         import psycopg
     except ImportError:
         raise InvalidRequest(
-            "setting storage: PostgreSQL needs psycopg; install metanode[postgresql]"
+            "setting storage: PostgreSQL needs psycopg; install metanode[postgresql] (in the "
+            "checkout: make postgresql)"
         ) from None
     return psycopg
 
@@ -175,6 +170,7 @@ _SQLSTATE: tuple[tuple[str, type[StorageError]], ...] = (
     ("40", StorageLocked),  # serialization failure, deadlock
     ("55P03", StorageLocked),  # lock not available
     ("25006", StorageReadOnly),  # read-only transaction (a standby)
+    ("42501", StorageReadOnly),  # insufficient privilege: the DSN's user may not write there
     ("58", StorageIOError),  # system error (I/O)
     ("XX001", StorageIOError),  # data corrupted
 )

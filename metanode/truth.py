@@ -51,6 +51,7 @@ from metanode.errors import (
     InvalidCursor,
     InvalidRequest,
     LinkNotPermitted,
+    OwnerMismatch,
     SignerPolicyError,
     UnknownSigner,
     UnknownSignerUid,
@@ -921,6 +922,24 @@ def max_log_seq(conn: Connection) -> int:
 def log_id(conn: Connection) -> str:
     """The random name of this truth's claim log, part of every cursor it gives."""
     return str(conn.execute("SELECT value FROM box WHERE name = 'log_id'").fetchone()[0])
+
+
+def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> None:
+    """The box's owner is `uid`: recorded in `box` the first time (a new truth, or one from
+    before this rule), and `OwnerMismatch` if another uid is recorded, unless `adopt` (the old
+    key is lost: `metanode init --new-owner`). The one place of the rule."""
+    row = conn.execute("SELECT value FROM box WHERE name = 'owner'").fetchone()
+    if row is None or adopt:
+        conn.execute("DELETE FROM box WHERE name = 'owner'")
+        conn.execute("INSERT INTO box (name, value) VALUES ('owner', ?)", (uid,))
+    elif row[0] != uid:
+        raise OwnerMismatch(
+            f"this node's databases belong to the owner key {row[0]}, but this data "
+            f"directory's keys/owner.key is {uid}: copy keys/ (and api-token, session-secret) "
+            "from the node's data directory (docs/scale-out.md), or restore them from the "
+            "backup; if that key is lost for good, `metanode init --new-owner` makes this one "
+            "the owner"
+        )
 
 
 def log_cursor(name: str, seq: int) -> str:
@@ -1823,6 +1842,13 @@ class TruthStore(Store):
         self, uid: str, name: str | None, weight: int | None, may_link: bool | None
     ) -> SignerRow:
         return self.writer.run_sync(add_signer_txn, uid, name, weight, may_link, self._clock())
+
+    async def claim_owner(self, uid: str) -> None:
+        """`claim_owner_txn` at start: refused if the truth belongs to another owner key."""
+        await self.writer.run(claim_owner_txn, uid, False)
+
+    def claim_owner_sync(self, uid: str, adopt: bool = False) -> None:
+        self.writer.run_sync(claim_owner_txn, uid, adopt)
 
     async def set_signer_status(self, uid: str, status: str) -> SignerRow:
         return await self.writer.run(set_signer_status_txn, uid, status, self._clock())

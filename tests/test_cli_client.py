@@ -316,3 +316,6 @@ def test_serve_names_the_watched_roots(server: Server) -> None:
     while "watching:" not in server.log_text() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert f"watching: {server.media.resolve()}" in server.log_text()
+    # and which databases it serves (after migrate-storage, a start without `storage` serves
+    # the old SQLite files: this line shows it)
+    assert f"(data: {server.data_dir.resolve()}, storage: sqlite, workers: 1)" in server.log_text()

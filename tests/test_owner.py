@@ -14,7 +14,7 @@ import pytest
 from metanode import cid as cids
 from metanode import keys
 from metanode.node import Node
-from tests.helpers.server import Server
+from tests.helpers.server import Server, free_port
 from tests.helpers.settings import settings_for
 
 pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
@@ -44,6 +44,39 @@ def test_init_makes_the_owner_key_and_serve_registers_it(tmp_path: Path) -> None
         row = next(s for s in listed if s["name"] == "owner")
         assert (row["uid"], row["weight"], row["may_link"]) == (uid, int(weight), True)
     assert keys.uid_of_key(keys.load(key_file)) == uid
+
+
+def test_a_truth_of_another_owner_key_is_refused_until_adopted(tmp_path: Path) -> None:
+    """A truth restored without its keys, or a replica given a fresh data directory on the
+    live database: the node registered a second signer `owner` (weight 100, may link) whose
+    edits competed with the first's. Refused at `init` and `serve`, until `--new-owner`."""
+    data = tmp_path / "data"
+    first = metanode("init", "--data-dir", str(data))
+    assert first.returncode == 0, first.stderr
+    old = keys.uid_of_key(keys.load(data / "keys" / "owner.key"))
+    (data / "keys" / "owner.key").unlink()  # the keys lost
+    for command in (("init",), ("serve", "--port", str(free_port()))):
+        refused = metanode(*command, "--data-dir", str(data))
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.startswith(
+            f"error: owner_mismatch: this node's databases belong to the owner key {old}"
+        ), refused.stderr
+    adopted = metanode("init", "--new-owner", "--data-dir", str(data))
+    assert adopted.returncode == 0, adopted.stderr
+    new = keys.uid_of_key(keys.load(data / "keys" / "owner.key"))
+    assert new != old and f"owner key: {new}" in adopted.stdout
+    srv = Server(data).start()
+    try:
+        listed = httpx.get(f"{srv.url}/api/signers", headers=srv.headers).json()["signers"]
+    finally:
+        srv.stop()
+    assert [s["uid"] for s in listed if s["name"] == "owner"] == [new]
+
+
+def metanode(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "metanode", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 async def test_the_owner_signs_newer_each_time_even_within_one_millisecond(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -398,7 +399,7 @@ async def test_plugin_runs_go_on_after_an_outage(
 
         await until(marked(b"a file after the outage"), "a file made after the outage")
         await until(marked(b"a file during the outage"), "the file of the failed batch")
-        assert node.health()["status"] == "ok"
+        await until(lambda: node.health()["status"] == "ok", "the writers' probes to clear")
     finally:
         await node.stop()
 
@@ -512,6 +513,7 @@ async def test_two_nodes_on_one_database_apply_in_turn(tmp_path: Path, dsn: str)
     only the first applies (the session lock) until it stops, then the second takes over."""
     first = Node(settings_for(tmp_path / "one", storage=dsn))
     await first.start()
+    shutil.copytree(tmp_path / "one" / "keys", tmp_path / "two" / "keys")  # a replica's keys
     second = Node(settings_for(tmp_path / "two", storage=dsn))
     try:
         assert await first.applier.wait_for(0, 60) and first.applies
@@ -707,6 +709,7 @@ def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     assert typed("53300") == typed("08006") == typed("57P01") == "storage_unavailable"
     assert typed("40001") == typed("40P01") == typed("55P03") == "storage_locked"
     assert typed("25006") == "storage_read_only" and typed("58030") == "storage_io_error"
+    assert typed("42501") == "storage_read_only"  # the DSN's user may not create (a traceback)
     assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
     assert pg.storage_error(ValueError("x")) is None
 
