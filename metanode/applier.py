@@ -412,6 +412,7 @@ class Replica(Follower):
         self._unlead = unlead
         self.leading = False
         self._lost = False  # another replica holds the lock now: step down
+        self._retiring = False  # the node stops: never lead again (`retire`)
         self._tried = 0.0
         self._trying_fails = False
         self._watching: asyncio.Task[None] | None = None
@@ -432,15 +433,17 @@ class Replica(Follower):
             await self._leading()
             if self._stopping:
                 return
-            self.leading = self._lost = False
+            self._lost = False
             log.warning(
                 "another replica took the applier lock: this one stops applying and its "
                 "services (watcher, plugins, peer pulls), and follows"
             )
             await self._watched_stop()
             await self._unlead()
+            self.leading = False  # only now: its services are stopped
 
     async def _leading(self) -> None:
+        """Start the node's services and apply, until this replica stops or loses the lock."""
         self.leading = True
         log.info("this replica holds the applier lock: it applies and runs the node's services")
         self._watching = asyncio.create_task(self._watch_truth(), name="applier-poll")
@@ -454,14 +457,20 @@ class Replica(Follower):
         return self._stopping or self._lost
 
     async def _watched_stop(self) -> None:
+        """Stop watching the truth and the lock (`_watch_truth`)."""
         if self._watching is not None:
             self._watching.cancel()
             await asyncio.gather(self._watching, return_exceptions=True)
             self._watching = None
 
+    def retire(self) -> None:
+        """Never take the lead again: the node stops its services (`Node.stop`), which a lead
+        taken meanwhile would start again, with nothing left to stop them."""
+        self._retiring = True
+
     async def _took_lead(self) -> bool:
         """Try the lock, at most every `LEAD_TRY_S`; whether this replica holds it now."""
-        if time.monotonic() - self._tried < LEAD_TRY_S:
+        if self._retiring or time.monotonic() - self._tried < LEAD_TRY_S:
             return False
         self._tried = time.monotonic()
         try:

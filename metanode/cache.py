@@ -1216,7 +1216,18 @@ def enqueue_runs_txn(
     midhashes: Sequence[str] | None,
     now_ms: int,
 ) -> None:
-    """Queue a run per (plugin, version) for the given midhashes, or for every local file."""
+    """Queue a run per (plugin, version) for the given midhashes, or for every local file (at
+    the host's start, which also runs a version again that another ran after it: a rollback,
+    2 → 1, left version 2's claims in place, version 1's runs being done)."""
+    if midhashes is None:
+        for plugin, version in versions:
+            cache.execute(
+                "UPDATE plugin_runs SET status = 'pending', attempts = 0, next_at = 0, "
+                "error = NULL, updated_at = ? WHERE plugin = ? AND version = ? AND "
+                "(SELECT max(updated_at) FROM plugin_runs WHERE plugin = ? AND version <> ?) > "
+                "(SELECT max(updated_at) FROM plugin_runs WHERE plugin = ? AND version = ?)",
+                (now_ms, plugin, version, plugin, version, plugin, version),
+            )
     source = (
         "SELECT DISTINCT midhash FROM local_file"
         if midhashes is None

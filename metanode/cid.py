@@ -28,7 +28,7 @@ from multiformats.multicodec import Multicodec
 from multiformats.multihash import raw as multihash_raw
 from multiformats.multihash.raw import Hashfun
 
-from metanode.errors import InvalidCid, NoncanonicalCid, shown
+from metanode.errors import InvalidCid, NoncanonicalCid, clipped, shown
 
 RAW = 0x55
 DAG_PB = 0x70
@@ -154,7 +154,7 @@ def _parse(text: str) -> ParsedCid:
     except InvalidCid:
         raise
     except Exception as exc:  # binascii and multiformats raise a zoo of types for bad input
-        raise InvalidCid(f"not a CID: {shown(text)} ({exc})") from None
+        raise InvalidCid(f"not a CID: {shown(text)} ({clipped(str(exc))})") from None
 
 
 # RFC 4648 base32 lower → the digits of int(x, 32), so decoding runs in C (base64.b32decode is

@@ -258,8 +258,9 @@ def load_settings(config_file: str | None, **overrides: Any) -> config.Settings:
 @click.option(
     "--new-owner",
     is_flag=True,
-    help="Make this data directory's owner key the owner of the node's databases, whose "
-    "recorded owner key is lost for good (without it, another owner key is refused).",
+    help="Make this data directory's owner key the owner of the node's databases: their "
+    "recorded owner key is lost for good, or this is another box seeded from a copy of them "
+    "(without it, another owner key is refused).",
 )
 @reports_errors
 def init(config_file: str | None, data_dir: str | None, new_owner: bool) -> None:

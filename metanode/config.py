@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import json
 import math
 import os
 import tomllib
@@ -495,16 +494,6 @@ def dsn_shown(dsn: str) -> str:
     host = parts.netloc.rsplit("@", 1)[-1]
     netloc = f"{parts.username}@{host}" if parts.username else host
     return urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
-
-
-def shown(value: Any) -> str:
-    """A default as docs/configuration.md shows it: as it is written in metanode.toml (`true`,
-    `["./media"]`, `""`), but a string without its quotes."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, tuple):
-        return "[" + ", ".join(json.dumps(item) for item in value) + "]"
-    return str(value) if value != "" else '""'
 
 
 def ranges() -> list[tuple[str, str]]:

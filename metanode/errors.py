@@ -378,7 +378,13 @@ def shown(value: object, limit: int = 100) -> str:
     if len(text) <= limit:
         return text
     size = f" ({len(value):,} characters)" if isinstance(value, str) else ""
-    return f"{text[:limit]}…{size}"
+    return f"{clipped(text, limit)}{size}"
+
+
+def clipped(text: str, limit: int = 100) -> str:
+    """`text` cut to `limit` characters: a library's own words about bad input (which may
+    quote some of it) in a message of ours."""
+    return text if len(text) <= limit else f"{text[:limit]}…"
 
 
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:

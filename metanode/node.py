@@ -373,6 +373,8 @@ class Node:
             await self._handoff_server.stop()
         if self._handoff is not None:
             self._handoff.close()
+        if isinstance(self.applier, Replica):
+            self.applier.retire()
         await self._unlead()
         await asyncio.to_thread(self.truth.stop_writes)
         await self.applier.stop()
@@ -925,6 +927,8 @@ class Node:
         if self.watcher is not None:
             if self._watching.done() or time.monotonic() - self.watcher.heartbeat > STALL_S:
                 problems.append("the watcher has stopped")
+            if self.watcher.failing is not None:
+                problems.append(f"{self.watcher.failing}; retrying")
             if unlisted := self.watcher.unlisted:
                 problems.append(
                     f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "

@@ -39,6 +39,7 @@ import os
 import re
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,7 +179,8 @@ def run_in_thread(fn: Callable[[], T]) -> Awaitable[T]:
         except Exception as exc:
             outcome = (None, exc)
         except BaseException as exc:  # `sys.exit()` in a plugin: awaited, it would stop the node
-            outcome = (None, Aborted(f"{type(exc).__name__}: {exc}"))
+            aborted = Aborted(f"{type(exc).__name__}: {exc}").with_traceback(exc.__traceback__)
+            outcome = (None, aborted)
         with contextlib.suppress(RuntimeError):  # the loop closed: nobody awaits this run
             loop.call_soon_threadsafe(deliver, *outcome)
 
@@ -195,6 +197,18 @@ class Aborted(Exception):
 class Outcome:
     status: str  # "done" | "failed"
     error: str | None = None  # why it failed, or why a done run was skipped
+    final: bool = False  # failed for good: the node would refuse the same drafts again
+
+
+def described(exc: BaseException) -> str:
+    """A plugin's exception as its run's error: its type and message, and where in the
+    plugin's code (the deepest frame outside this module: `register` raises for its caller),
+    as a traceback's last line would say."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    where = (
+        f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
+    )
+    return f"{type(exc).__name__}: {exc}{where}"
 
 
 Ingest = Callable[[list[Any]], Awaitable[object]]
@@ -275,7 +289,7 @@ class Runner:
             closed.set()
             return Outcome("failed", f"timed out after {self._timeout_s} s")
         except Exception as exc:
-            return Outcome("failed", f"{type(exc).__name__}: {exc}")
+            return Outcome("failed", described(exc))
         drafts = replacing(drafts, file.cid, self._said(self.uid, file.cid), skipped is None)
         if drafts:
             now = self._stamp()
@@ -290,9 +304,24 @@ class Runner:
             except StorageError:  # the disk's fault, not the plugin's: no attempt is spent
                 raise
             except MetanodeError as exc:
-                detail = exc.extra.get("items", exc.message)
-                return Outcome("failed", f"{exc.slug}: {detail}")
+                return refused(exc, drafts)
+            except Exception as exc:  # a fault of the node's: this run fails, said with its trace
+                log.error("ingesting plugin %s's claims failed", self.plugin.name, exc_info=exc)
+                return Outcome("failed", f"{type(exc).__name__}: {exc}")
         return Outcome("done", skipped)
+
+
+def refused(exc: MetanodeError, drafts: Sequence[Draft]) -> Outcome:
+    """The outcome of a run whose drafts the node refused: each refused item named by its key
+    (its index counts the drafts as signed, which is no order the plugin knows), and failed for
+    good unless the refusal is one to retry (the same drafts would be refused again)."""
+    items = [
+        {**item, "key": drafts[item["index"]][1]}
+        if isinstance(item.get("index"), int) and 0 <= item["index"] < len(drafts)
+        else item
+        for item in exc.extra.get("items", ())
+    ]
+    return Outcome("failed", f"{exc.slug}: {items or exc.message}", final=not exc.retryable)
 
 
 def backoff_s(attempts: int, base_s: float) -> float:
@@ -399,9 +428,8 @@ class Host:
                 if ident not in self._running and busy < self._workers:
                     self._running[ident] = asyncio.create_task(self._guarded(run, ident))
                     busy += 1
-        if self.failing is not None:
-            log.info("plugin runs go on")
-            self.failing = None
+        if not self._running:  # nothing to run, and the store answered: nothing held
+            self._went_on()
 
     async def _next_event(self) -> None:
         """Until a run ends, work is queued (`_wake`), or a second passes (a retry falls due)."""
@@ -421,8 +449,16 @@ class Host:
             raise
         except Exception as exc:
             self._hold(exc)
+        else:
+            self._went_on()
         finally:
             del self._running[ident]
+
+    def _went_on(self) -> None:
+        """A run finished (or none was due): the store works again, if it failed."""
+        if self.failing is not None:
+            log.info("plugin runs go on")
+            self.failing = None
 
     def _hold(self, failure: Exception) -> None:
         """No run starts for a probe period (no busy loop while the disk is full or the
@@ -445,7 +481,7 @@ class Host:
         attempts = run.attempts + 1
         status = outcome.status
         next_at = 0
-        if status == "failed" and attempts < self._max_attempts:
+        if status == "failed" and attempts < self._max_attempts and not outcome.final:
             status, next_at = (
                 "pending",
                 self._clock() + int(1000 * backoff_s(attempts, self._retry_s)),

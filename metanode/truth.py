@@ -925,21 +925,29 @@ def log_id(conn: Connection) -> str:
 
 
 def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> None:
-    """The box's owner is `uid`: recorded in `box` the first time (a new truth, or one from
-    before this rule), and `OwnerMismatch` if another uid is recorded, unless `adopt` (the old
-    key is lost: `metanode init --new-owner`). The one place of the rule."""
+    """The box's owner is `uid`: recorded in `box` the first time, and `OwnerMismatch` if
+    another is recorded, unless `adopt` (`metanode init --new-owner`: the recorded key is lost,
+    or this is another box seeded from a copy of the truth). The one place of the rule."""
     row = conn.execute("SELECT value FROM box WHERE name = 'owner'").fetchone()
-    if row is None or adopt:
+    recorded = str(row[0]) if row is not None else _registered_owner(conn, uid)
+    if adopt or recorded == uid:
         conn.execute("DELETE FROM box WHERE name = 'owner'")
         conn.execute("INSERT INTO box (name, value) VALUES ('owner', ?)", (uid,))
-    elif row[0] != uid:
+    else:
         raise OwnerMismatch(
-            f"this node's databases belong to the owner key {row[0]}, but this data "
+            f"this node's databases belong to the owner key {recorded}, but this data "
             f"directory's keys/owner.key is {uid}: copy keys/ (and api-token, session-secret) "
             "from the node's data directory (docs/scale-out.md), or restore them from the "
-            "backup; if that key is lost for good, `metanode init --new-owner` makes this one "
-            "the owner"
+            "backup; if that key is lost for good, or this is another box seeded from a copy, "
+            "`metanode init --new-owner` makes this one the owner"
         )
+
+
+def _registered_owner(conn: Connection, uid: str) -> str:
+    """Whose a truth from before `box.owner` is: its registered signer(s) named `owner`, or
+    `uid`'s when there is none (a new truth) or `uid` is one of them."""
+    named = [str(r[0]) for r in conn.execute("SELECT uid FROM signers WHERE name = 'owner'")]
+    return uid if not named or uid in named else ", ".join(sorted(named))
 
 
 def log_cursor(name: str, seq: int) -> str:

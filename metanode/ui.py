@@ -258,6 +258,7 @@ class Field:
 
     @property
     def anchor(self) -> str:
+        """The id of its row (`anchor_of`)."""
         return anchor_of(self.key)
 
 
@@ -455,6 +456,8 @@ class Pages:
                 return await self.signed_out(request)
             try:
                 if request.method not in SAFE_METHODS:
+                    if not same_origin(request.scope):  # before the form can say anything
+                        raise CsrfRefused("a page of another site sent this form")
                     try:
                         form = await self.form(request)
                     except MetanodeError as exc:  # too long a value, say: said where it was
@@ -472,11 +475,12 @@ class Pages:
     async def form(self, request: Request) -> dict[str, str]:
         """The posted form (URL-encoded: what a page's forms send), size-limited and read
         with the API's deadline; the first value of each field. The limit holds a value of
-        `max_value_bytes` however it is encoded (a byte is at most 3 characters), so the
-        node's own check words the refusal of a longer one."""
+        `max_value_bytes` however it is encoded (a byte is at most 6 characters: a text
+        area's line break is sent as `%0D%0A`), so the node's own check words the refusal of
+        a longer one."""
         if request.headers.get("content-type", "").split(";")[0].strip() != FORM_TYPE:
             raise InvalidRequest(f"a form must be sent as {FORM_TYPE}")
-        limit = 3 * self.node.settings.max_value_bytes + FORM_EXTRA_BYTES
+        limit = 6 * self.node.settings.max_value_bytes + FORM_EXTRA_BYTES
         body = await read_body(request, limit, self.node.settings.body_timeout_s)
         try:
             fields = parse_qs(body.decode("utf-8"), max_num_fields=16, errors="strict")
@@ -497,15 +501,23 @@ class Pages:
 
     async def signed_out(self, request: Request) -> Response:
         """The sign-in form (401) for a page asked for without a session: it goes on to that
-        page, or, for a form sent after the session ended, back to where it was sent from,
-        saying it was not saved and carrying what was typed (`Draft`)."""
+        page, or, for a form sent after the session ended, back to where it was sent from.
+        Only a form this very site's page sent (its `Origin` is this host: a browser names it
+        on every POST) is said to be lost and carried (`Draft`): a form another site makes a
+        browser post also comes without the session (the cookie is SameSite=Strict), and its
+        value must not wait in the record's form for the owner to save."""
+        back = back_of(request.url.path)
         if request.method in SAFE_METHODS:
             return sign_in_page(request, asked(request), 401)
+        if request.url.path == "/signout" or b"origin" not in dict(request.scope["headers"]):
+            return sign_in_page(request, back, 401)
+        if not same_origin(request.scope):
+            return sign_in_page(request, "/", 401)
         try:
             draft = draft_of(await self.form(request))
         except MetanodeError:
             draft = None
-        return sign_in_page(request, back_of(request.url.path), 401, lost=draft or True)
+        return sign_in_page(request, back, 401, lost=draft or True)
 
     async def sign_in(self, request: Request) -> Response:
         """POST /signin: the API token for a session cookie; a wrong token is an inline error."""

@@ -252,7 +252,7 @@ Mounted = tuple[tuple[str, int], ...]  # (root, device) of the roots that are fo
 ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken off
 DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
 REWATCH_MAX_S = 30.0  # the longest pause between failed watches (`Watcher._pause_after`)
-RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # a reconciliation after a failed batch (`_retry_later`)
+RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # a reconciliation after a failed batch (`_retry`)
 UNDECODABLE = re.compile(r"Unable to decode path (.*) to string", re.DOTALL)  # watchfiles' words
 
 
@@ -287,9 +287,10 @@ class Watcher:
         self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
         self._resyncing: asyncio.Task[None] | None = None
         self._pause = TICK_S  # before watching again after a failed watch: `_pause_after`
+        self._watched_since = time.monotonic()  # when the current watch began
         self._retrying: asyncio.Task[None] | None = None  # a reconciliation after a failure
         self._retry_s = RETRY_MIN_S
-        self._last_failure = -REWATCH_MAX_S
+        self.failing: str | None = None  # why batches fail (/health), until a retry works
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
         self.scanning = False
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
@@ -523,6 +524,7 @@ class Watcher:
         again and reconcile once the new watch stands, to catch what the gap missed."""
         while not self._stop.is_set():
             self._rewatch.clear()
+            self._watched_since = time.monotonic()
             self._mounted = await asyncio.to_thread(self._present)
             try:
                 if self._mounted:
@@ -550,10 +552,7 @@ class Watcher:
         it. A file whose name is not UTF-8 fails watchfiles at each change (a download being
         written: several a second), and every failure costs a new watch of each folder and a
         reconciliation: the pause bounds that to one every `REWATCH_MAX_S`."""
-        now = time.monotonic()
-        recent = now - self._last_failure < REWATCH_MAX_S
-        self._pause = min(self._pause * 2, REWATCH_MAX_S) if recent else TICK_S
-        self._last_failure = now
+        self._pause = next_pause(self._pause, time.monotonic() - self._watched_since)
         name = undecodable(failure)
         if name is None:
             log.exception("inotify failed; watching again and rescanning", exc_info=failure)
@@ -581,34 +580,43 @@ class Watcher:
             await self._guarded(self.reconcile())
 
     async def _guarded(self, work: Awaitable[object]) -> None:
-        """One failed batch is logged and a reconciliation retries it soon (`_retry_later`);
+        """One failed batch is logged and a reconciliation retries it soon (`_retry`);
         it never stops the watcher."""
         try:
             await work
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if isinstance(exc, StorageError):  # the disk or the database: said, no traceback
-                log.warning("watcher batch failed (%s); reconciling in %g s", exc, self._retry_s)
-            else:
-                log.exception("watcher batch failed; reconciling in %g s", self._retry_s)
-            self._retry_later()
+            self._say_failed(exc, "watcher batch failed")
+            if not self._stop.is_set() and (self._retrying is None or self._retrying.done()):
+                self._retrying = asyncio.create_task(self._retry())
 
-    def _retry_later(self) -> None:
-        """A reconciliation after `_retry_s` (unless one is waiting already), which doubles,
-        up to `RETRY_MAX_S`, while they fail: what a failed batch held (files hashed but not
-        recorded: the database was away, the disk full) is recorded once the store is back,
-        not at the next rescan, ten minutes on."""
-        if self._retrying is None or self._retrying.done():
-            self._retrying = asyncio.create_task(self._retry(self._retry_s))
-            self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+    def _say_failed(self, exc: Exception, what: str) -> None:
+        """Log a failure (a storage error in a line, anything else with its traceback) and
+        say it in /health (`failing`) until a reconciliation works."""
+        self.failing = f"{what}: {exc}"
+        if isinstance(exc, StorageError):  # the disk or the database: expected, no traceback
+            log.warning("%s (%s); reconciling in %g s", what, exc, self._retry_s)
+        else:
+            log.exception("%s; reconciling in %g s", what, self._retry_s, exc_info=exc)
 
-    async def _retry(self, delay: float) -> None:
-        await asyncio.sleep(delay)
-        self._retrying = None
-        await self._guarded(self.reconcile())
-        if self._retrying is None:  # it worked: the next failure waits the least again
-            self._retry_s = RETRY_MIN_S
+    async def _retry(self) -> None:
+        """Reconcile after `_retry_s`, which doubles up to `RETRY_MAX_S` while reconciling
+        fails: what a failed batch held (files hashed but not recorded: the database was away,
+        the disk full) is recorded once the store is back, not at the next rescan, ten minutes
+        on. One such task at a time, cancelled with the watcher."""
+        while not self._stop.is_set():
+            await asyncio.sleep(self._retry_s)
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+                self._say_failed(exc, "reconciling after a failed batch failed")
+                continue
+            self.failing, self._retry_s = None, RETRY_MIN_S
+            return
 
     async def run(self) -> None:
         """Follow inotify, reconcile, then settle and rescan until `stop()`.
@@ -634,6 +642,13 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def next_pause(pause: float, watched_s: float) -> float:
+    """The pause before watching again after a watch that failed `watched_s` after it began:
+    twice the last pause, up to `REWATCH_MAX_S`, while watches keep failing soon; `TICK_S`
+    again after one that held `REWATCH_MAX_S` or more."""
+    return TICK_S if watched_s >= REWATCH_MAX_S else min(pause * 2, REWATCH_MAX_S)
 
 
 def undecodable(failure: BaseException) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 import nacl.signing
 import pytest
 import rfc8785
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from multiformats import CID, multibase
 
@@ -825,6 +825,7 @@ def test_load_missing_file(tmp_path: Path) -> None:
 
 @settings(max_examples=100, database=None)
 @given(st.text(min_size=0, max_size=5000))
+@example("B\u0cce00000000\x1f\U00012544\U00018cd6\U0002ebe1\U0002ebe1")  # multiformats' words
 def test_an_identifier_that_fails_is_quoted_short_however_long_it_is(text: str) -> None:
     """A megabyte of bad uid, CID or rid came back a megabyte long in the error's message; a
     refusal quotes at most 100 characters of it and says how long it was."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -12,10 +14,20 @@ from metanode.errors import InvalidRequest
 DOC = Path(__file__).parents[1] / "docs" / "configuration.md"
 
 
+def shown(value: Any) -> str:
+    """A default as docs/configuration.md shows it: as it is written in metanode.toml (`true`,
+    `["./media"]`, `""`), but a string without its quotes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return "[" + ", ".join(json.dumps(item) for item in value) + "]"
+    return str(value) if value != "" else '""'
+
+
 def test_every_setting_is_documented_with_its_default() -> None:
     text = DOC.read_text(encoding="utf-8")
     for name, default, _help in config.describe():
-        assert f"| `{name}` | `METANODE_{name.upper()}` | `{config.shown(default)}` |" in text, name
+        assert f"| `{name}` | `METANODE_{name.upper()}` | `{shown(default)}` |" in text, name
 
 
 def test_defaults_need_no_configuration(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -517,6 +517,8 @@ def test_a_box_seeded_from_another_s_backup_follows_it(tmp_path: Path) -> None:
         copy = cli("backup", str(tmp_path / "bk"), "--data-dir", str(a.data_dir)).strip()
         (tmp_path / "b" / "data").mkdir(parents=True)
         os.replace(copy, tmp_path / "b" / "data" / "truth.db")
+        # another box: its own owner (the copy records A's, and a start would be refused)
+        cli("init", "--new-owner", "--data-dir", str(tmp_path / "b" / "data"))
         b = Server(tmp_path / "b" / "data", env=dict(ENV)).start()
         post(a, [signer.claim(cid("later"), "title", "later")])
         added = add_peer(b, a, peer_token(a, "b"))

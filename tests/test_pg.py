@@ -382,7 +382,9 @@ async def test_plugin_runs_go_on_after_an_outage(
         # a file that settles during the outage: its batch fails, and is retried once the
         # database is back (it waited for the next rescan, 600 s)
         (media / "during.bin").write_bytes(b"a file during the outage")
-        await until(lambda: not node.watcher or not node.watcher.pending, "its batch to fail")
+        watching = node.watcher
+        assert watching is not None
+        await until(lambda: watching.failing is not None, "its batch to fail")
         own_cluster.resume()
         await until(lambda: host.failing is None, "the plugin runs to go on")
         (media / "after.bin").write_bytes(b"a file after the outage")
@@ -402,6 +404,31 @@ async def test_plugin_runs_go_on_after_an_outage(
         await until(lambda: node.health()["status"] == "ok", "the writers' probes to clear")
     finally:
         await node.stop()
+
+
+def test_an_idle_connection_the_server_closed_is_made_again_before_use(
+    own_cluster: Cluster,
+) -> None:
+    """psycopg learns that the server closed a connection only when it next talks: after a
+    restart of the server, the first statement of every idle connection failed (a watcher
+    batch, a request: 503 once). Checked first after `IDLE_CHECK_S`, it is made again."""
+    target = pg.Target(own_cluster.database(), "truth")
+    conn = pg.Connection(target, readonly=False)
+    try:
+        assert conn.execute("SELECT 1").fetchone()[0] == 1
+        own_cluster.pause()
+        own_cluster.resume()
+        conn._used -= pg.IDLE_CHECK_S  # idle as long as that, without waiting for it
+        assert conn.execute("SELECT 2").fetchone()[0] == 2
+        own_cluster.pause()
+        own_cluster.resume()
+        with pytest.raises(StorageUnavailable):  # not idle: not checked, so this one fails
+            try:
+                conn.execute("SELECT 3")
+            except Exception as exc:
+                raise pg.storage_error(exc) or exc from None
+    finally:
+        conn.close()
 
 
 def reconnecting() -> bool:
@@ -556,7 +583,7 @@ async def test_a_leader_that_lost_its_lock_to_another_steps_down(tmp_path: Path,
             )
         await taking
         await until(lambda: not leader.applies, "the leader to step down")
-        assert leader.watcher is None and leader.health()["applier"] is False
+        assert leader.watcher is None and leader.health()["applier"] is False  # all stopped
         taker.execute("SELECT pg_advisory_unlock(%s)", (key,))
         await until(lambda: leader.applies and leader.watcher is not None, "it to lead again")
     finally:

@@ -26,6 +26,7 @@ import pytest
 from metanode import cid as cids
 from metanode import db, keys, plugins
 from metanode.api import create_app
+from metanode.errors import MetanodeError
 from metanode.node import Node
 from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
 from tests.helpers.plugins import Action, claim, probe
@@ -323,7 +324,10 @@ async def test_a_raising_plugin_fails_its_run_only_retries_with_backoff_then_fai
     assert len(good.calls) == 1
     run = run_of(node, bad, midhash)
     assert run is not None and run.attempts == 3
-    assert run.error == "ValueError: boom"
+    # where in the plugin's code, as a traceback's last line would say
+    assert run.error is not None and re.fullmatch(
+        r"ValueError: boom \(at .*/tests/test_plugins\.py:\d+ in raises\)", run.error
+    ), run.error
     # The retries waited their backoff: 0.1 s, then 0.4 s (next_at is a lower bound on the host's
     # own clock, which is the one read here).
     gaps = [b - a for a, b in zip(bad.called_at_ms, bad.called_at_ms[1:], strict=False)]
@@ -370,6 +374,28 @@ async def test_a_hanging_plugin_times_out_and_other_runs_continue(harness: Harne
     assert (await counts(node, "hang"))["failed"] >= 1
 
 
+async def test_going_back_to_an_older_version_runs_it_again(harness: Harness) -> None:
+    """A rollback (2 → 1) found version 1's runs done and ran nothing: the records kept what
+    version 2 said. A version whose runs are older than another version's runs again."""
+    _, midhash = harness.drop("back.bin", b"versions back and forth")
+    for version, value in (("1", "one"), ("2", "two"), ("1", "one again")):
+        plugin = probe("ver", claim("ver", value), version=version)
+        node = await harness.start([plugin])
+        await until(says(node, midhash, value), f"version {version}'s {value!r} merged")
+        assert len(plugin.calls) == 1
+        await harness.stop(node)
+
+
+def says(node: Node, midhash: str, value: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return metadata(node, midhash).get("ver") == value
+        except MetanodeError:  # no record yet
+            return False
+
+    return check
+
+
 async def test_a_plugin_that_calls_sys_exit_fails_its_run_and_the_node_goes_on(
     harness: Harness,
 ) -> None:
@@ -385,7 +411,10 @@ async def test_a_plugin_that_calls_sys_exit_fails_its_run_and_the_node_goes_on(
     node = await harness.start([leaver, good], plugin_max_attempts=1)
     await until(finished(node, leaver, first, "failed"), "the exiting plugin's run to fail")
     run = run_of(node, leaver, first)
-    assert run is not None and run.error == "Aborted: SystemExit: 2"
+    assert run is not None and run.error is not None
+    assert re.fullmatch(
+        r"Aborted: SystemExit: 2 \(at .*/test_plugins\.py:\d+ in exits\)", run.error
+    )
     _, second = harness.drop("after.bin", b"a file after the exit")
     await until(finished(node, good, second), "the other plugin to go on with a new file")
     assert node.health()["status"] == "ok"
@@ -510,12 +539,15 @@ async def test_a_rejected_draft_fails_the_run_with_its_slug(
         register(file.cid, key, "/somewhere/else")
 
     sloppy = probe("sloppy", action)
-    node = await harness.start([sloppy], plugin_max_attempts=1)
+    node = await harness.start([sloppy], plugin_max_attempts=3)
     await until(finished(node, sloppy, midhash, "failed"), "sloppy failed")
     run = run_of(node, sloppy, midhash)
     assert run is not None and run.error is not None
     assert slug in run.error
     assert run.error.startswith("invalid_batch")
+    assert f"'key': '{key}'" in run.error  # which of its drafts, by key, not by an index
+    # the node would refuse the same drafts again: failed at once, not retried twice
+    assert run.attempts == 1 and len(sloppy.calls) == 1
     # The batch is atomic: the good draft of the same run was not written either.
     assert "fine" not in metadata(node, midhash)
     assert node.meta_claims(midhash, key=None, uid=None)["claims"] == []

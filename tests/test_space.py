@@ -8,6 +8,7 @@ id); v5 rebuilds the outbox with its rows and its seq counter."""
 from __future__ import annotations
 
 import logging
+import shutil
 import sqlite3
 from pathlib import Path
 
@@ -194,6 +195,7 @@ async def test_an_older_truth_db_keeps_every_claim_and_its_log_order(
     await made.stop()
     old = settings_for(tmp_path / "old")
     old.data_dir.mkdir(mode=0o700)
+    shutil.copytree(made.settings.keys_dir, old.keys_dir)  # the truth's own keys go with it
     to_version(made.settings.truth_path, old.truth_path, version)
     assert pragma(old.truth_path, "user_version") == version
     assert OLD_INDEXES[version] in claims_indexes(old.truth_path)

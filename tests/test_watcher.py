@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import watchfiles
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from metanode import cid as cids
@@ -245,6 +245,24 @@ async def test_undecodable_names_the_path_watchfiles_could_not_decode(tmp_path: 
         await writer
     assert watcher.undecodable(failed.value) == f'"{tmp_path}/caf\\xE9.mkv"'
     assert watcher.undecodable(RuntimeError("disk on fire")) is None
+
+
+@given(st.lists(st.floats(min_value=0, max_value=100), min_size=1, max_size=40))
+@example([0.1] * 12 + [31.0, 0.1])
+def test_watches_that_keep_failing_soon_wait_longer_up_to_the_cap(watched: list[float]) -> None:
+    """Each pause doubles while watches fail soon after they began, never past the cap, and a
+    watch that held the cap long starts over. Measured from the last failure instead, a pause
+    at the cap made the next failure look old and the pause fell back to a quarter second."""
+    pause = watcher.TICK_S
+    for held in watched:
+        after = watcher.next_pause(pause, held)
+        if held >= watcher.REWATCH_MAX_S:
+            assert after == watcher.TICK_S
+        else:
+            assert after == min(2 * pause, watcher.REWATCH_MAX_S)
+        assert watcher.TICK_S <= after <= watcher.REWATCH_MAX_S
+        pause = after
+    assert watcher.next_pause(watcher.REWATCH_MAX_S, 0.1) == watcher.REWATCH_MAX_S
 
 
 def test_plan_hashes_new_and_changed_and_removes_vanished() -> None:
