@@ -626,6 +626,9 @@ def create_app(node: Node) -> Starlette:
     async def list_plugins(request: Request) -> Response:
         return JSONResponse({"plugins": await node.plugins()})
 
+    async def retry_plugin(request: Request) -> Response:
+        return JSONResponse(await node.retry_plugin(request.path_params["name"]))
+
     async def health(request: Request) -> Response:
         return JSONResponse(node.health())
 
@@ -681,6 +684,7 @@ def create_app(node: Node) -> Starlette:
         Route("/api/events", events),
         Route("/api/files", files),
         Route("/api/plugins", list_plugins),
+        Route("/api/plugins/{name}/retry", retry_plugin, methods=["POST"]),
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/openapi.json", openapi),

@@ -1385,6 +1385,32 @@ def run_counts(conn: Connection) -> dict[tuple[str, str], dict[str, int]]:
     return counts
 
 
+def failed_runs(
+    conn: Connection, plugin: str, version: str, limit: int
+) -> list[tuple[str, str | None, str, int]]:
+    """The newest failed runs of (plugin, version): (midhash, a local path or None, error,
+    when), for `GET /api/plugins` and the Plugins page."""
+    return [
+        (row[0], row[1], row[2] or "", row[3])
+        for row in conn.execute(
+            "SELECT r.midhash, (SELECT min(path) FROM local_file f WHERE f.midhash = r.midhash), "
+            "r.error, r.updated_at FROM plugin_runs r WHERE r.plugin = ? AND r.version = ? AND "
+            "r.status = 'failed' ORDER BY r.updated_at DESC, r.midhash LIMIT ?",
+            (plugin, version, limit),
+        )
+    ]
+
+
+def retry_failed_txn(cache: Connection, plugin: str, version: str, now_ms: int) -> int:
+    """Make the failed runs of (plugin, version) pending and due now; how many."""
+    cursor = cache.execute(
+        "UPDATE plugin_runs SET status = 'pending', attempts = 0, next_at = 0, error = NULL, "
+        "updated_at = ? WHERE plugin = ? AND version = ? AND status = 'failed'",
+        (now_ms, plugin, version),
+    )
+    return int(cursor.rowcount)
+
+
 # -- reads for the API --------------------------------------------------------------------------
 
 
@@ -1785,6 +1811,16 @@ class CacheStore(Store):
     @mapped
     def file_of(self, midhash: str) -> tuple[str, str, int, int] | None:
         return file_of(self.conn, midhash)
+
+    def failed_runs(
+        self, plugin: str, version: str, limit: int
+    ) -> list[tuple[str, str | None, str, int]]:
+        """On a connection of its own, for a thread, as `run_counts`."""
+        with self.reading(lent=False) as conn, storage_errors(self.path):
+            return failed_runs(conn, plugin, version, limit)
+
+    async def retry_failed(self, plugin: str, version: str) -> int:
+        return await self.writer.run(retry_failed_txn, plugin, version, self._clock())
 
     def run_counts(self) -> dict[tuple[str, str], dict[str, int]]:
         """On a connection of its own, for a thread: a scan of every plugin run (one a file and

@@ -643,48 +643,96 @@ def peers_add(
         )
 
 
-@peers_group.command("list")
-@client_options
-@token_option
-@reports_errors
-def peers_list(
-    url: str | None, token: str | None, config_file: str | None, data_dir: str | None
-) -> None:
-    """Print each peer (cursor, lag, last error, counts) as one JSON line."""
-    with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
-        try:
-            peers = node_client.answer(node_client.request("GET", "/api/peers"))["peers"]
-        except client.ClientError as exc:
-            _refused(exc)
-        for row in peers:
-            click.echo(json.dumps(row))
+def _list_command(group: click.Group, path: str, member: str, doc: str) -> None:
+    """`group list`: each row of the list `member` of the running node's GET `path` answer,
+    as one JSON line."""
 
-
-def _peer_command(name: str, method: str, path: str, doc: str) -> None:
-    @peers_group.command(name, help=doc)
+    @group.command("list", help=doc)
     @client_options
     @token_option
-    @click.argument("peer_name")
+    @reports_errors
+    def command(
+        url: str | None, token: str | None, config_file: str | None, data_dir: str | None
+    ) -> None:
+        with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
+            try:
+                rows = node_client.answer(node_client.request("GET", path))[member]
+            except client.ClientError as exc:
+                _refused(exc)
+            for row in rows:
+                click.echo(json.dumps(row))
+
+
+_list_command(
+    peers_group,
+    "/api/peers",
+    "peers",
+    "Print each peer (cursor, lag, last error, counts) as one JSON line.",
+)
+
+
+def _named_command(
+    group: click.Group, name: str, argument: str, method: str, path: str, doc: str
+) -> None:
+    """`group name ARGUMENT`: one request of the running node about the peer or plugin
+    ARGUMENT names (quoted into `path`), its answer printed."""
+
+    @group.command(name, help=doc)
+    @client_options
+    @token_option
+    @click.argument("named", metavar=argument)
     @reports_errors
     def command(
         url: str | None,
         token: str | None,
-        peer_name: str,
+        named: str,
         config_file: str | None,
         data_dir: str | None,
     ) -> None:
-        quoted = urllib.parse.quote(peer_name, safe="")
+        quoted = urllib.parse.quote(named, safe="")
         with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
             _print_response(node_client, node_client.request(method, path.format(quoted)))
 
 
-_peer_command("remove", "DELETE", "/api/peers/{}", "Stop following PEER_NAME (its claims stay).")
-_peer_command(
+_named_command(
+    peers_group,
+    "remove",
+    "PEER_NAME",
+    "DELETE",
+    "/api/peers/{}",
+    "Stop following PEER_NAME (its claims stay).",
+)
+_named_command(
+    peers_group,
     "sync",
+    "PEER_NAME",
     "POST",
     "/api/peers/{}/sync",
     "Reconcile with PEER_NAME now and fetch the claims this box lacks (after trusting a "
     "signer whose claims were refused, say).",
+)
+
+
+@main.group("plugins")
+def plugins_group() -> None:
+    """The plugins the running node runs: their runs, and retrying those that failed."""
+
+
+_list_command(
+    plugins_group,
+    "/api/plugins",
+    "plugins",
+    "Print each plugin (version, weight, run counts, newest failures) as one JSON line.",
+)
+
+
+_named_command(
+    plugins_group,
+    "retry",
+    "PLUGIN_NAME",
+    "POST",
+    "/api/plugins/{}/retry",
+    "Run PLUGIN_NAME's failed runs again (once what they lacked is there: a tool installed).",
 )
 
 

@@ -59,6 +59,7 @@ from metanode.errors import (
     InvalidUid,
     Merged,
     MetanodeError,
+    NotFoundError,
     TooLarge,
     UnknownCid,
     UnknownPeer,
@@ -880,7 +881,17 @@ class Node:
         }
 
     async def plugins(self) -> list[dict[str, Any]]:
-        return [] if self.plugin_host is None else await self.plugin_host.describe()
+        if self.plugin_host is None:
+            return []
+        weights = {s["uid"]: s["weight"] for s in self.signers()}
+        return await self.plugin_host.describe(weights)
+
+    async def retry_plugin(self, name: str) -> dict[str, Any]:
+        """POST /api/plugins/{name}/retry: its failed runs queued again."""
+        if self.plugin_host is None:
+            why = "plugins_enabled is off" if not self.settings.plugins_enabled else "not leading"
+            raise NotFoundError(f"no plugin runs in this process ({why})")
+        return {"name": name, "requeued": await self.plugin_host.retry(name)}
 
     @property
     def applies(self) -> bool:

@@ -40,7 +40,7 @@ import re
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -49,7 +49,7 @@ import nacl.signing
 
 from metanode import cache, claims, db, keys
 from metanode.clock import Clock, now_ms
-from metanode.errors import MetanodeError, StorageError
+from metanode.errors import MetanodeError, NotFoundError, StorageError, shown
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "metanode.plugins"
@@ -116,6 +116,7 @@ class Plugin:
         raise NotImplementedError
 
 
+FAILURES_SHOWN = 5  # the newest failed runs `describe` lists of each plugin
 NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")  # a plugin's name: its key file, its signer
 
 
@@ -491,19 +492,40 @@ class Host:
             log.log(level, "plugin %s on %s: %s", run.plugin, file[1], outcome.error)
         await self._store.finish_run(run, status, attempts, next_at, outcome.error)
 
-    async def describe(self) -> list[dict[str, Any]]:
-        """GET /api/plugins: each plugin with its uid, version and run counts (a scan of the
-        runs, on a thread)."""
+    async def describe(self, weights: Mapping[str, int]) -> list[dict[str, Any]]:
+        """GET /api/plugins: each plugin with its uid, version, signer weight (`weights`, by
+        uid), run counts and newest failures (scans of the runs, on a thread)."""
         counts = await asyncio.to_thread(self._store.run_counts)
-        return [
-            {
-                "name": name,
-                "version": r.plugin.version,
-                "uid": r.uid,
-                "may_link": r.plugin.may_link,
-                "runs": counts.get(
-                    (name, r.plugin.version), {"done": 0, "pending": 0, "failed": 0, "skipped": 0}
-                ),
-            }
-            for name, r in sorted(self.runners.items())
-        ]
+        listed = []
+        for name, r in sorted(self.runners.items()):
+            failed = await asyncio.to_thread(
+                self._store.failed_runs, name, r.plugin.version, FAILURES_SHOWN
+            )
+            listed.append(
+                {
+                    "name": name,
+                    "version": r.plugin.version,
+                    "uid": r.uid,
+                    "may_link": r.plugin.may_link,
+                    "weight": weights.get(r.uid, r.plugin.weight),
+                    "runs": counts.get(
+                        (name, r.plugin.version),
+                        {"done": 0, "pending": 0, "failed": 0, "skipped": 0},
+                    ),
+                    "failures": [
+                        {"cid": cid, "path": path, "error": error, "at": at}
+                        for cid, path, error, at in failed
+                    ],
+                }
+            )
+        return listed
+
+    async def retry(self, name: str) -> int:
+        """Queue the failed runs of plugin `name` again (a tool it needs is installed now):
+        how many. `NotFoundError` for a plugin that is not running."""
+        runner = self.runners.get(name)
+        if runner is None:
+            raise NotFoundError(f"no running plugin is named {shown(name)}")
+        requeued = await self._store.retry_failed(name, runner.plugin.version)
+        self._wake.set()
+        return requeued

@@ -61,6 +61,7 @@ PAGES = (
     "/live",
     "/files",
     "/plugins",
+    "/plugins/",
     "/signers",
     "/signers/",
     "/status",
@@ -75,6 +76,7 @@ FORM_ONLY = (
     "/records/{id}/edit",
     "/signers/{uid}/block",
     "/signers/{uid}/unblock",
+    "/plugins/{name}/retry",
 )
 UNSAVED = "Not saved: you had been signed out. What you typed is in the form below: save it again."
 COOKIE = "metanode_session"
@@ -401,7 +403,8 @@ def back_of(path: str) -> str:
     for a block, else the library."""
     if path.startswith("/records/"):
         return path.rsplit("/", 1)[0]
-    return "/signers" if path.startswith("/signers/") else "/"
+    page = "/" + path.strip("/").split("/")[0]
+    return page if page in ("/signers", "/plugins") else "/"
 
 
 def draft_of(form: Mapping[str, str]) -> Draft | None:
@@ -676,6 +679,18 @@ class Pages:
     async def plugins(self, request: Request) -> Response:
         return render(request, "plugins.html", plugins=await self.node.plugins())
 
+    async def retry_plugin(self, request: Request) -> Response:
+        """POST /plugins/{name}/retry: its failed runs queued again, then the Plugins page."""
+        name = request.path_params["name"]
+        try:
+            count = (await self.node.retry_plugin(name))["requeued"]
+        except MetanodeError as exc:
+            return after_form(request, "/plugins", Flash("error", f"Not retried: {_why(exc)}"))
+        runs = "run" if count == 1 else "runs"
+        return after_form(
+            request, "/plugins", Flash("notice", f"Retrying {count} failed {runs} of {name}.")
+        )
+
     async def signers(self, request: Request) -> Response:
         return render(
             request, "signers.html", signers=self.node.signers(), owner=self.node.owner.uid
@@ -730,6 +745,7 @@ class Pages:
             Route("/live", page(self.live)),
             Route("/files", page(self.files)),
             Route("/plugins", page(self.plugins)),
+            Route("/plugins/{name}/retry", page(self.retry_plugin), methods=["POST"]),
             Route("/signers", page(self.signers)),
             Route("/signers/{uid}/block", page(self.set_signer("blocked")), methods=["POST"]),
             Route("/signers/{uid}/unblock", page(self.set_signer("active")), methods=["POST"]),

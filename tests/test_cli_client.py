@@ -107,6 +107,20 @@ def test_a_refusal_of_the_node_is_an_error_line_not_an_answer(server: Server) ->
     assert httpx.get(f"{server.url}/api/meta/{MIDHASH}", timeout=10).status_code == 404
 
 
+def test_plugins_list_and_retry_ask_the_running_node(server: Server) -> None:
+    """`metanode plugins list` and `retry` are the running node's GET /api/plugins and POST
+    /api/plugins/{name}/retry (this server runs no plugins: the list is empty, a retry refused
+    with the reason)."""
+    env = {"METANODE_PORT": str(server.port), "METANODE_DATA_DIR": str(server.data_dir)}
+    listed = metanode("plugins", "list", env=env)
+    assert (listed.returncode, listed.stdout, listed.stderr) == (0, "", "")
+    refused = metanode("plugins", "retry", "fileinfo", env=env)
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr == (
+        "error: not_found: no plugin runs in this process (plugins_enabled is off)\n"
+    )
+
+
 def test_an_address_that_is_no_url_is_bad_input_not_a_missing_node() -> None:
     for args in (("get", MIDHASH), ("events",), ("claim", "post", "--token", "t", "{}")):
         done = metanode(*args, "--url", "notaurl")

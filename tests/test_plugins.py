@@ -29,7 +29,7 @@ from metanode.api import create_app
 from metanode.errors import MetanodeError
 from metanode.node import Node
 from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
-from tests.helpers.plugins import Action, claim, probe
+from tests.helpers.plugins import Action, Probe, claim, install_plugin, probe
 from tests.helpers.settings import settings_for
 
 pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
@@ -201,21 +201,6 @@ def test_discover_finds_the_builtins_through_entry_points() -> None:
     assert {p.name for p in found if p.path_dependent} == {"fileinfo", "filename", "nfo"}
 
 
-def install(site: Path, package: str, plugin_name: str) -> None:
-    """An installed distribution in `site` (a dist-info folder and its module, as pip leaves
-    them) whose entry point is a plugin named `plugin_name`."""
-    module = f"{package}_plugin"
-    (site / f"{module}.py").write_text(
-        "from metanode.plugins import Plugin\n"
-        f"class P(Plugin):\n    name = {plugin_name!r}\n    version = '1'\n"
-        "    def process(self, file, record, register): pass\n"
-    )
-    info = site / f"{package}-1.0.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[metanode.plugins]\n{package} = {module}:P\n")
-
-
 def test_two_plugins_of_one_name_neither_runs_and_a_bad_name_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -223,10 +208,10 @@ def test_two_plugins_of_one_name_neither_runs_and_a_bad_name_is_refused(
     retracted its claims; a name is also the key's file name (`keys/<name>.key`)."""
     site = tmp_path / "site"
     site.mkdir()
-    install(site, "sizeclass", "sizeclass")
-    install(site, "impostor", "sizeclass")
-    install(site, "escaper", "../owner")
-    install(site, "fine", "fine")
+    install_plugin(site, "sizeclass", "sizeclass")
+    install_plugin(site, "impostor", "sizeclass")
+    install_plugin(site, "escaper", "../owner")
+    install_plugin(site, "fine", "fine")
     monkeypatch.syspath_prepend(str(site))
     names = [p.name for p in plugins.discover()]
     assert "fine" in names and "sizeclass" not in names and "../owner" not in names
@@ -405,19 +390,24 @@ async def test_a_plugin_that_calls_sys_exit_fails_its_run_and_the_node_goes_on(
     def exits(file: LocalFile, record: RecordLookup, register: Register) -> None:
         sys.exit(2)
 
-    _, first = harness.drop("exit.bin", b"a plugin exits on this")
-    leaver = probe("leaver", exits)
+    error = await fails_alone(harness, probe("leaver", exits))
+    where = r" \(at .*/test_plugins\.py:\d+ in exits\)"  # the plugin's line, as a traceback's
+    assert re.fullmatch("Aborted: SystemExit: 2" + where, error), error
+
+
+async def fails_alone(harness: Harness, bad: Probe) -> str:
+    """`bad`'s run on a file fails, and the node goes on: the plugin beside it runs on the
+    next file, and /health is ok. The failed run's error."""
+    _, first = harness.drop(f"{bad.name}.bin", f"{bad.name} fails on this".encode())
     good = probe("good", claim("good", "yes"))
-    node = await harness.start([leaver, good], plugin_max_attempts=1)
-    await until(finished(node, leaver, first, "failed"), "the exiting plugin's run to fail")
-    run = run_of(node, leaver, first)
-    assert run is not None and run.error is not None
-    assert re.fullmatch(
-        r"Aborted: SystemExit: 2 \(at .*/test_plugins\.py:\d+ in exits\)", run.error
-    )
-    _, second = harness.drop("after.bin", b"a file after the exit")
-    await until(finished(node, good, second), "the other plugin to go on with a new file")
+    node = await harness.start([bad, good], plugin_max_attempts=1)
+    await until(finished(node, bad, first, "failed"), f"{bad.name}'s run to fail")
+    _, second = harness.drop("next.bin", b"the next file")
+    await until(finished(node, good, second), "the host to go on with the next file")
     assert node.health()["status"] == "ok"
+    run = run_of(node, bad, first)
+    assert run is not None and run.error is not None
+    return run.error
 
 
 @pytest.mark.parametrize(
@@ -438,15 +428,7 @@ async def test_a_register_call_the_node_cannot_sign_fails_that_run_only(
     def wrong(file: LocalFile, record: RecordLookup, register: Register) -> None:
         register(*arguments(file))
 
-    _, first = harness.drop("wrong.bin", b"a plugin registers nonsense")
-    bad = probe("bad", wrong)
-    good = probe("good", claim("good", "yes"))
-    node = await harness.start([bad, good], plugin_max_attempts=1)
-    await until(finished(node, bad, first, "failed"), "the run to fail")
-    run = run_of(node, bad, first)
-    assert run is not None and run.error is not None and error in run.error, run
-    _, second = harness.drop("next.bin", b"the next file")
-    await until(finished(node, good, second), "the host to go on with the next file")
+    assert error in await fails_alone(harness, probe("bad", wrong))
 
 
 async def test_a_hung_plugin_holds_up_only_its_own_runs(harness: Harness) -> None:
@@ -567,12 +549,16 @@ async def test_get_api_plugins(harness: Harness) -> None:
     assert answer.status_code == 200
     listed = answer.json()["plugins"]
     uids = {s["name"]: s["uid"] for s in node.signers()}
+    [failure] = listed[0].pop("failures")
+    assert failure["cid"] == midhash and failure["error"].startswith("ValueError: boom (at ")
+    assert failure["path"] == str(harness.media / "api.bin") and failure["at"] > 0
     assert listed == [
         {
             "name": "bad",
             "version": "7",
             "uid": uids["plugin:bad"],
             "may_link": True,
+            "weight": 1,
             "runs": {"done": 0, "pending": 0, "failed": 1, "skipped": 0},
         },
         {
@@ -580,9 +566,42 @@ async def test_get_api_plugins(harness: Harness) -> None:
             "version": "1",
             "uid": uids["plugin:good"],
             "may_link": False,
+            "weight": 1,
             "runs": {"done": 1, "pending": 0, "failed": 0, "skipped": 0},
+            "failures": [],
         },
     ]
+
+
+async def test_failed_runs_are_retried_on_request(harness: Harness) -> None:
+    """A plugin that failed for want of something outside it (a tool not installed yet) stayed
+    failed for good: only a new version ran it again. `POST /api/plugins/{name}/retry` queues
+    its failed runs again, and only those."""
+    _, failing = harness.drop("needs-tool.bin", b"fails until the tool is there")
+    _, fine = harness.drop("fine.bin", b"never failed")
+    tool = {"installed": False}
+
+    def needs_tool(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        if file.cid == failing and not tool["installed"]:
+            raise RuntimeError("the tool is not installed")
+        register(file.cid, "tooled", "yes")
+
+    plugin = probe("tooled", needs_tool)
+    node = await harness.start([plugin], plugin_max_attempts=1)
+    await until(finished(node, plugin, failing, "failed"), "the run to fail")
+    await until(finished(node, plugin, fine), "the other file's run")
+    tool["installed"] = True
+    transport = httpx.ASGITransport(app=create_app(node))
+    headers = {"Authorization": f"Bearer {node.token}"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as http:
+        unknown = await http.post("/api/plugins/nope/retry", headers=headers)
+        assert (unknown.status_code, unknown.json()["error"]) == (404, "not_found")
+        answer = await http.post("/api/plugins/tooled/retry", headers=headers)
+    assert answer.status_code == 200, answer.text
+    assert answer.json() == {"name": "tooled", "requeued": 1}
+    await until(finished(node, plugin, failing), "the retried run to succeed")
+    assert metadata(node, failing)["tooled"] == "yes"
+    assert [f.cid for f in plugin.calls].count(fine) == 1  # a done run is not run again
 
 
 async def test_disabled_plugins_and_weights(harness: Harness) -> None:

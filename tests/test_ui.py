@@ -26,6 +26,7 @@ from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expec
 
 from metanode import cache, db, rid, ui
 from tests.helpers.claims import Signer
+from tests.helpers.plugins import install_plugin
 from tests.helpers.server import Server, plugins_server
 from tests.helpers.wait import poll
 from tools.bench.pgcluster import install
@@ -645,6 +646,42 @@ def test_state_changes_without_the_sessions_csrf_token_are_refused(
     expect(page.get_by_role("button", name="Block victim")).to_be_visible()
     expect(page.get_by_role("status")).to_have_text("Unblocked victim: its votes count again.")
     assert status() == "active"
+
+
+def test_the_plugins_page_says_why_runs_failed_and_retries_them(
+    context: BrowserContext, tmp_path: Path
+) -> None:
+    """A plugin whose runs failed (a tool it needs not installed yet): the page showed a count;
+    now it says which file failed and why, and Retry runs them again once the tool is there."""
+    site = tmp_path / "site"
+    site.mkdir()
+    tool = tmp_path / "tool-installed"
+    install_plugin(
+        site,
+        "needstool",
+        "needstool",
+        f"if not os.path.exists({str(tool)!r}):\n"
+        "    raise RuntimeError('the tool is not installed')\n"
+        "register(file.cid, 'tooled', 'yes')",
+    )
+    env = {"PYTHONPATH": str(site), "METANODE_PLUGIN_MAX_ATTEMPTS": "1"}
+    with plugins_server(tmp_path / "data", **env) as server:
+        dropped = drop(server, "Needs.A.Tool.2020.mkv")
+        page = context.new_page()
+        sign_in(page, server, server.token)
+        page.get_by_role("link", name="Plugins").click()
+        failures = page.get_by_role("region", name="needstool failures")
+        poll(lambda: page.reload() or failures.count() or None, "the failure on the page")
+        expect(failures).to_contain_text(str(dropped))
+        expect(failures).to_contain_text("RuntimeError: the tool is not installed")
+        tool.touch()
+        page.get_by_role("button", name="Retry needstool").click()
+        expect(page.get_by_text("Retrying 1 failed run of needstool.")).to_be_visible()
+        midhash = midhash_of(server, dropped)
+        poll(
+            lambda: (server.meta(midhash) or {}).get("metadata", {}).get("tooled"),
+            "the retried run's claim",
+        )
 
 
 def test_the_page_does_not_block_the_nodes_own_key(page: Page, srv: Server) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
 
@@ -49,3 +50,20 @@ def claim(key: str, value: str) -> Action:
         register(file.cid, key, value)
 
     return action
+
+
+def install_plugin(site: Path, package: str, plugin_name: str, process: str = "pass") -> None:
+    """An installed distribution in `site` (a dist-info folder and its module, as pip leaves
+    them) whose entry point is a plugin named `plugin_name`; `process`: the body of its
+    `process(self, file, record, register)`."""
+    module = f"{package}_plugin"
+    body = "".join(f"        {line}\n" for line in process.splitlines())
+    (site / f"{module}.py").write_text(
+        "import os\nfrom metanode.plugins import Plugin\n"
+        f"class P(Plugin):\n    name = {plugin_name!r}\n    version = '1'\n"
+        f"    def process(self, file, record, register):\n{body}"
+    )
+    info = site / f"{package}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[metanode.plugins]\n{package} = {module}:P\n")
