@@ -671,7 +671,12 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         sign_in(page, server, server.token)
         page.get_by_role("link", name="Plugins").click()
         failures = page.get_by_role("region", name="needstool failures")
-        poll(lambda: page.reload() or failures.count() or None, "the failure on the page")
+
+        def shown() -> int | None:
+            page.reload()  # the list is the page's at its load
+            return failures.count() or None
+
+        poll(shown, "the failure on the page")
         expect(failures).to_contain_text(str(dropped))
         expect(failures).to_contain_text("RuntimeError: the tool is not installed")
         tool.touch()
