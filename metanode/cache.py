@@ -1385,20 +1385,24 @@ def run_counts(conn: Connection) -> dict[tuple[str, str], dict[str, int]]:
     return counts
 
 
-def failed_runs(
-    conn: Connection, plugin: str, version: str, limit: int
-) -> list[tuple[str, str | None, str, int]]:
-    """The newest failed runs of (plugin, version): (midhash, a local path or None, error,
-    when), for `GET /api/plugins` and the Plugins page."""
-    return [
-        (row[0], row[1], row[2] or "", row[3])
-        for row in conn.execute(
-            "SELECT r.midhash, (SELECT min(path) FROM local_file f WHERE f.midhash = r.midhash), "
-            "r.error, r.updated_at FROM plugin_runs r WHERE r.plugin = ? AND r.version = ? AND "
-            "r.status = 'failed' ORDER BY r.updated_at DESC, r.midhash LIMIT ?",
-            (plugin, version, limit),
-        )
-    ]
+Failure = tuple[str, str | None, str, int]  # (midhash, a local path or None, error, when)
+
+
+def failed_runs(conn: Connection, limit: int) -> dict[tuple[str, str], list[Failure]]:
+    """The newest `limit` failed runs of each (plugin, version), newest first: one pass over
+    the failed rows (the `(status, next_at)` index), for `GET /api/plugins`."""
+    failures: dict[tuple[str, str], list[Failure]] = {}
+    for plugin, version, midhash, path, error, at in conn.execute(
+        "SELECT plugin, version, midhash, "
+        "(SELECT min(path) FROM local_file f WHERE f.midhash = r.midhash), error, updated_at "
+        "FROM (SELECT plugin, version, midhash, error, updated_at, row_number() OVER "
+        "(PARTITION BY plugin, version ORDER BY updated_at DESC, midhash) AS n "
+        "FROM plugin_runs WHERE status = 'failed') AS r WHERE n <= ? "
+        "ORDER BY plugin, version, n",
+        (limit,),
+    ):
+        failures.setdefault((plugin, version), []).append((midhash, path, error or "", at))
+    return failures
 
 
 def retry_failed_txn(cache: Connection, plugin: str, version: str, now_ms: int) -> int:
@@ -1812,22 +1816,17 @@ class CacheStore(Store):
     def file_of(self, midhash: str) -> tuple[str, str, int, int] | None:
         return file_of(self.conn, midhash)
 
-    def failed_runs(
-        self, plugin: str, version: str, limit: int
-    ) -> list[tuple[str, str | None, str, int]]:
-        """On a connection of its own, for a thread, as `run_counts`."""
-        with self.reading(lent=False) as conn, storage_errors(self.path):
-            return failed_runs(conn, plugin, version, limit)
-
     async def retry_failed(self, plugin: str, version: str) -> int:
         return await self.writer.run(retry_failed_txn, plugin, version, self._clock())
 
-    def run_counts(self) -> dict[tuple[str, str], dict[str, int]]:
+    def run_report(
+        self, failures: int
+    ) -> tuple[dict[tuple[str, str], dict[str, int]], dict[tuple[str, str], list[Failure]]]:
         """On a connection of its own, for a thread: a scan of every plugin run (one a file and
-        plugin), so `GET /api/plugins` and the plugins page run it off the event loop; not
-        on a lent connection (`scrape_counts`)."""
+        plugin) and the newest `failures` failed ones of each, so `GET /api/plugins` and the
+        plugins page run it off the event loop; not on a lent connection (`scrape_counts`)."""
         with self.reading(lent=False) as conn, storage_errors(self.path):
-            return run_counts(conn)
+            return run_counts(conn), failed_runs(conn, failures)
 
     # -- reads ----------------------------------------------------------------------------------
 

@@ -918,6 +918,7 @@ class Node:
                 )
         if lag and time.monotonic() - self.applier.progressed > STALL_S:
             problems.append(f"the cache has not caught up for {STALL_S:.0f} s")
+        problems += self._service_problems()
         body: dict[str, Any] = {
             "status": "degraded" if problems else "ok",
             "problems": problems,
@@ -929,12 +930,23 @@ class Node:
             "replans": state.replans,
             "applier": self.applies,
         }
+        if self.watcher is not None:
+            body["watcher"] = {
+                "roots": self.watcher.roots,
+                "scanning": self.watcher.scanning,
+                "pending": len(self.watcher.pending),
+                "unlisted": self.watcher.unlisted,
+            }
+        return body
+
+    def _service_problems(self) -> list[str]:
+        """What /health says of the plugin host and the watcher, where they run."""
+        problems = []
         if self.plugin_host is not None:
             if self._plugins_task.done():
                 problems.append("the plugin host has stopped")
             elif self.plugin_host.failing is not None:
                 problems.append(f"plugin runs are held: {self.plugin_host.failing}")
-            body["status"] = "degraded" if problems else "ok"
         if self.watcher is not None:
             if self._watching.done() or time.monotonic() - self.watcher.heartbeat > STALL_S:
                 problems.append("the watcher has stopped")
@@ -945,11 +957,4 @@ class Node:
                     f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "
                     f"not mounted?), their files kept as they were: {', '.join(unlisted[:3])}"
                 )
-            body["status"] = "degraded" if problems else "ok"
-            body["watcher"] = {
-                "roots": self.watcher.roots,
-                "scanning": self.watcher.scanning,
-                "pending": len(self.watcher.pending),
-                "unlisted": unlisted,
-            }
-        return body
+        return problems

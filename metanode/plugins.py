@@ -495,12 +495,9 @@ class Host:
     async def describe(self, weights: Mapping[str, int]) -> list[dict[str, Any]]:
         """GET /api/plugins: each plugin with its uid, version, signer weight (`weights`, by
         uid), run counts and newest failures (scans of the runs, on a thread)."""
-        counts = await asyncio.to_thread(self._store.run_counts)
+        counts, failed = await asyncio.to_thread(self._store.run_report, FAILURES_SHOWN)
         listed = []
         for name, r in sorted(self.runners.items()):
-            failed = await asyncio.to_thread(
-                self._store.failed_runs, name, r.plugin.version, FAILURES_SHOWN
-            )
             listed.append(
                 {
                     "name": name,
@@ -514,7 +511,7 @@ class Host:
                     ),
                     "failures": [
                         {"cid": cid, "path": path, "error": error, "at": at}
-                        for cid, path, error, at in failed
+                        for cid, path, error, at in failed.get((name, r.plugin.version), [])
                     ],
                 }
             )

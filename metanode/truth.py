@@ -930,17 +930,18 @@ def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> None:
     or this is another box seeded from a copy of the truth). The one place of the rule."""
     row = conn.execute("SELECT value FROM box WHERE name = 'owner'").fetchone()
     recorded = str(row[0]) if row is not None else _registered_owner(conn, uid)
-    if adopt or recorded == uid:
-        conn.execute("DELETE FROM box WHERE name = 'owner'")
-        conn.execute("INSERT INTO box (name, value) VALUES ('owner', ?)", (uid,))
-    else:
-        raise OwnerMismatch(
-            f"this node's databases belong to the owner key {recorded}, but this data "
-            f"directory's keys/owner.key is {uid}: copy keys/ (and api-token, session-secret) "
-            "from the node's data directory (docs/scale-out.md), or restore them from the "
-            "backup; if that key is lost for good, or this is another box seeded from a copy, "
-            "`metanode init --new-owner` makes this one the owner"
-        )
+    if recorded == uid or adopt:
+        if row is None or row[0] != uid:  # written once, not at every start
+            conn.execute("DELETE FROM box WHERE name = 'owner'")
+            conn.execute("INSERT INTO box (name, value) VALUES ('owner', ?)", (uid,))
+        return
+    raise OwnerMismatch(
+        f"this node's databases belong to the owner key {recorded}, but this data "
+        f"directory's keys/owner.key is {uid}: copy keys/ (and api-token, session-secret) "
+        "from the node's data directory (docs/scale-out.md), or restore them from the "
+        "backup; if that key is lost for good, or this is another box seeded from a copy, "
+        "`metanode init --new-owner` makes this one the owner"
+    )
 
 
 def _registered_owner(conn: Connection, uid: str) -> str:

@@ -78,7 +78,7 @@ FORM_ONLY = (
     "/signers/{uid}/unblock",
     "/plugins/{name}/retry",
 )
-UNSAVED = "Not saved: you had been signed out. What you typed is in the form below: save it again."
+UNSAVED = "Not saved: you had been signed out. What you typed is back in its form: save it again."
 COOKIE = "metanode_session"
 CSRF_HEADER = "x-csrf-token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
