@@ -250,6 +250,9 @@ def settings_options(func: F) -> F:
 
 
 def load_settings(config_file: str | None, **overrides: Any) -> config.Settings:
+    """The settings, after a warning on stderr for each `METANODE_*` variable that names none."""
+    for warning in config.unknown_environment():
+        click.echo(f"warning: {warning}", err=True)
     return config.load(config_file, overrides=overrides)
 
 

@@ -9,11 +9,12 @@ then command-line flags. Every setting has a working default, so `metanode serve
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import math
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from metanode.merge import MAX_WEIGHT
 ENV_PREFIX = "METANODE_"
 POSTGRESQL_SCHEMES = ("postgresql://", "postgres://")
 DEFAULT_CONFIG_FILE = "metanode.toml"
+# `METANODE_*` names that are not settings: the config file's, and the client commands' (cli.py).
+OTHER_ENV_NAMES = frozenset({"CONFIG", "URL", "TOKEN"})
 
 
 UNBOUNDED = float("inf")
@@ -476,10 +479,30 @@ def _read_toml(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InvalidRequest(f"cannot read config file {path}: {exc}") from None
-    unknown = set(data) - set(FIELDS)
+    unknown = sorted(set(data) - set(FIELDS))
     if unknown:
-        raise InvalidRequest(f"{path}: unknown setting(s) {', '.join(sorted(unknown))}")
+        names = ", ".join(name + _guess(name, FIELDS) for name in unknown)
+        raise InvalidRequest(f"{path}: unknown setting(s) {names}")
     return data
+
+
+def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:
+    """A warning for each `METANODE_*` variable that names no setting, with the setting it may
+    have meant: a misspelt variable is otherwise ignored without a word, and the default serves."""
+    env = os.environ if env is None else env
+    known = [name.upper() for name in (*FIELDS, *OTHER_ENV_NAMES)]
+    unknown = (n[len(ENV_PREFIX) :] for n in sorted(env) if n.startswith(ENV_PREFIX))
+    return [
+        f"{ENV_PREFIX}{name} is not a metanode setting; ignored{_guess(name, known, ENV_PREFIX)}"
+        for name in unknown
+        if name not in known
+    ]
+
+
+def _guess(name: str, known: Iterable[str], prefix: str = "") -> str:
+    """` (did you mean PORT?)` when a known name is close to `name`, else nothing."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def describe() -> list[tuple[str, Any, str]]:

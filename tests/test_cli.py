@@ -397,3 +397,16 @@ def test_verify_invalid_json(text: str) -> None:
     result = run("claim", "verify", stdin=text)
     assert result.exit_code == 2
     assert "invalid_json" in result.stderr
+
+
+def test_a_misspelt_environment_variable_is_warned_of(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("METANODE_DATA_DIRR", str(tmp_path / "elsewhere"))
+    result = run("init", "--data-dir", str(tmp_path / "data"))
+    assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == (
+        "warning: METANODE_DATA_DIRR is not a metanode setting; ignored "
+        "(did you mean METANODE_DATA_DIR?)"
+    )
+    assert not (tmp_path / "elsewhere").exists()

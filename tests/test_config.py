@@ -100,10 +100,29 @@ def test_every_number_setting_has_a_range_and_the_docs_list_it() -> None:
 
 def test_unknown_file_keys_and_broken_toml_are_errors(tmp_path: Path) -> None:
     typo = tmp_path / "typo.toml"
-    typo.write_text("prot = 1\n")
-    with pytest.raises(InvalidRequest, match="prot"):
+    typo.write_text("prot = 1\nzzz = 2\n")
+    with pytest.raises(InvalidRequest, match=r"prot \(did you mean port\?\), zzz$"):
         config.load(typo, env={})
     broken = tmp_path / "broken.toml"
     broken.write_text("port = \n")
     with pytest.raises(InvalidRequest, match="cannot read"):
         config.load(broken, env={})
+
+
+def test_unknown_environment_names_are_warned_of_with_a_guess() -> None:
+    env = {
+        "METANODE_PROT": "1",
+        "METANODE_WACH_ROOTS": "/m",
+        "METANODE_ZZZ": "1",
+        "METANODE_PORT": "9100",
+        "METANODE_URL": "http://x",
+        "METANODE_TOKEN": "t",
+        "METANODE_CONFIG": "m.toml",
+        "PATH": "/bin",
+    }
+    assert config.unknown_environment(env) == [
+        "METANODE_PROT is not a metanode setting; ignored (did you mean METANODE_PORT?)",
+        "METANODE_WACH_ROOTS is not a metanode setting; ignored (did you mean "
+        "METANODE_WATCH_ROOTS?)",
+        "METANODE_ZZZ is not a metanode setting; ignored",
+    ]
