@@ -149,7 +149,8 @@ class Settings:
     watch_roots: tuple[str, ...] = setting(
         ("./media",),
         "Folders to watch (made if missing, unless files were known there: a disk not mounted "
-        "keeps its files, docs/watcher.md); in the environment, `:`-separated.",
+        "keeps its files, docs/watcher.md), each folder once (a root may lie inside another); in "
+        "the environment, `:`-separated.",
     )
     watch_ignore: tuple[str, ...] = setting(
         (), "Extra name or path globs to ignore (comma-separated in the environment)."
@@ -284,8 +285,22 @@ class Settings:
                 "setting storage: must be `sqlite` or a PostgreSQL DSN "
                 "(postgresql://user@host:port/database)"
             )
+        self._check_roots()
         if self.webdav_plugin_writes:
             self._check_plugin_outputs()
+
+    def _check_roots(self) -> None:
+        """One folder named twice (spelt two ways, or through a link) would be scanned twice
+        and served under two WebDAV names (`media`, `media-2`): refused. A root inside another
+        is allowed (its files are served below the deeper root, webdav.Roots)."""
+        seen: dict[str, str] = {}
+        for root in self.watch_roots:
+            real = os.path.realpath(root)
+            if real in seen:
+                raise InvalidRequest(
+                    f"setting watch_roots: {root!r} is the folder {seen[real]!r} again"
+                )
+            seen[real] = root
 
     def _check_plugin_outputs(self) -> None:
         """Writes over WebDAV must never reach the media: refuse an outputs folder that is a

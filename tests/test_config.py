@@ -126,3 +126,15 @@ def test_unknown_environment_names_are_warned_of_with_a_guess() -> None:
         "METANODE_WATCH_ROOTS?)",
         "METANODE_ZZZ is not a metanode setting; ignored",
     ]
+
+
+def test_one_folder_named_twice_as_a_watch_root_is_refused(tmp_path: Path) -> None:
+    media = tmp_path / "media"
+    media.mkdir()
+    (tmp_path / "link").symlink_to(media)
+    with pytest.raises(InvalidRequest, match=r"'.*/link' is the folder '.*/media' again"):
+        config.Settings(watch_roots=(str(media), str(tmp_path / "link")))
+    with pytest.raises(InvalidRequest, match="again"):
+        config.load(env={"METANODE_WATCH_ROOTS": f"{media}:{media}/"})
+    nested = config.Settings(watch_roots=(str(media), str(media / "tv")))
+    assert nested.watch_roots == (str(media), str(media / "tv"))
