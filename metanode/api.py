@@ -624,7 +624,7 @@ def create_app(node: Node) -> Starlette:
         return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
 
     async def list_plugins(request: Request) -> Response:
-        return JSONResponse({"plugins": await node.plugins()})
+        return JSONResponse(await node.plugins())
 
     async def retry_plugin(request: Request) -> Response:
         return JSONResponse(await node.retry_plugin(request.path_params["name"]))

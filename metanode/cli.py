@@ -646,9 +646,11 @@ def peers_add(
         )
 
 
-def _list_command(group: click.Group, path: str, member: str, doc: str) -> None:
+def _list_command(
+    group: click.Group, path: str, member: str, doc: str, warned: str | None = None
+) -> None:
     """`group list`: each row of the list `member` of the running node's GET `path` answer,
-    as one JSON line."""
+    as one JSON line; each row of the list `warned` (when named) as a warning on stderr."""
 
     @group.command("list", help=doc)
     @client_options
@@ -659,11 +661,13 @@ def _list_command(group: click.Group, path: str, member: str, doc: str) -> None:
     ) -> None:
         with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
             try:
-                rows = node_client.answer(node_client.request("GET", path))[member]
+                answer = node_client.answer(node_client.request("GET", path))
             except client.ClientError as exc:
                 _refused(exc)
-            for row in rows:
+            for row in answer[member]:
                 click.echo(json.dumps(row))
+            for row in answer.get(warned, []) if warned else []:
+                click.echo(f"warning: {warned}: {json.dumps(row)}", err=True)
 
 
 _list_command(
@@ -725,7 +729,9 @@ _list_command(
     plugins_group,
     "/api/plugins",
     "plugins",
-    "Print each plugin (version, weight, run counts, newest failures) as one JSON line.",
+    "Print each plugin (version, weight, run counts, newest failures) as one JSON line, and "
+    "on stderr each installed one that does not run, with why.",
+    warned="not_loaded",
 )
 
 

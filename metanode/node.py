@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar, get_args
 
@@ -149,6 +149,7 @@ class Node:
         self.file_hub = feed.Hub(self.cache, lambda: self.applier.state, table=feed.FILE_FEED)
         self._pruner: asyncio.Task[None] | None = None
         self.plugin_host: plugins.Host | None = None
+        self._plugins_not_loaded: list[plugins.NotLoaded] = []
         self.watcher: watcher.Watcher | None = None
         self.responder = peers.Responder(self.truth.log_head, self.truth.claim_ids)
         self.peers = peers.Peers(self, self._pull_config())  # followers pull nothing
@@ -291,7 +292,7 @@ class Node:
         s = self.settings
         weights = s.plugin_weight_map
         runners = []
-        found = plugins.discover()
+        found, self._plugins_not_loaded = plugins.discover()
         installed = {plugin.name for plugin in found}
         if strays := sorted((set(s.plugins_disabled) | set(weights)) - installed):
             log.warning(  # a typo would otherwise leave a plugin on, or at its own weight
@@ -880,11 +881,15 @@ class Node:
             "plugin_runs": runs,
         }
 
-    async def plugins(self) -> list[dict[str, Any]]:
+    async def plugins(self) -> dict[str, Any]:
+        """GET /api/plugins: the running plugins, and those installed that do not run."""
         if self.plugin_host is None:
-            return []
+            return {"plugins": [], "not_loaded": []}
         weights = {s["uid"]: s["weight"] for s in self.signers()}
-        return await self.plugin_host.describe(weights)
+        return {
+            "plugins": await self.plugin_host.describe(weights),
+            "not_loaded": [asdict(each) for each in self._plugins_not_loaded],
+        }
 
     async def retry_plugin(self, name: str) -> dict[str, Any]:
         """POST /api/plugins/{name}/retry: its failed runs queued again."""

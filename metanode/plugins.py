@@ -120,14 +120,26 @@ FAILURES_SHOWN = 5  # the newest failed runs `describe` lists of each plugin
 NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")  # a plugin's name: its key file, its signer
 
 
-def discover() -> list[Plugin]:
-    """Every installed plugin of the `metanode.plugins` entry-point group, by name.
+@dataclass(frozen=True)
+class NotLoaded:
+    """An installed plugin that does not run, and why: GET /api/plugins lists it (`not_loaded`),
+    so a broken package is seen where the running ones are, not only in the log."""
+
+    entry_point: str  # its name in the `metanode.plugins` group (the package's choice)
+    source: str  # `module:attribute`
+    error: str
+
+
+def discover() -> tuple[list[Plugin], list[NotLoaded]]:
+    """Every installed plugin of the `metanode.plugins` entry-point group, by name, and those
+    that are installed but do not run.
 
     A plugin that fails to load is logged and skipped: one broken package must not stop the node.
     So is one whose name is no `NAME` (it names the key file `keys/<name>.key`), and so are two
     that share a name, both: either would sign with the other's key and retract its claims.
     """
-    found: dict[str, list[tuple[str, Plugin]]] = {}
+    found: dict[str, list[tuple[importlib.metadata.EntryPoint, Plugin]]] = {}
+    not_loaded = []
     for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             loaded = entry.load()
@@ -137,19 +149,22 @@ def discover() -> list[Plugin]:
             name = getattr(plugin, "name", None)
             if not isinstance(name, str) or not NAME.fullmatch(name):
                 raise TypeError(f"{entry.value}: name {name!r} is not {NAME.pattern}")
-        except Exception:
+        except Exception as exc:
             log.exception("cannot load plugin %s", entry.name)
+            not_loaded.append(NotLoaded(entry.name, entry.value, described(exc)))
             continue
-        found.setdefault(name, []).append((entry.value, plugin))
+        found.setdefault(name, []).append((entry, plugin))
     for name, same in sorted(found.items()):
         if len(same) > 1:
-            log.error(
-                "plugins %s are all named %r: none of them runs until all but one are removed "
-                "or renamed (each would sign with the others' key)",
-                ", ".join(value for value, _ in same),
-                name,
+            sources = ", ".join(entry.value for entry, _ in same)
+            why = (
+                f"plugins {sources} are all named {name!r}: none of them runs until all but one "
+                "are removed or renamed (each would sign with the others' key)"
             )
-    return [same[0][1] for _, same in sorted(found.items()) if len(same) == 1]
+            log.error("%s", why)
+            not_loaded += [NotLoaded(entry.name, entry.value, why) for entry, _ in same]
+    running = [same[0][1] for _, same in sorted(found.items()) if len(same) == 1]
+    return running, sorted(not_loaded, key=lambda each: (each.entry_point, each.source))
 
 
 def plugin_key(keys_dir: Path, name: str) -> nacl.signing.SigningKey:
@@ -203,9 +218,14 @@ class Outcome:
 
 def described(exc: BaseException) -> str:
     """A plugin's exception as its run's error: its type and message, and where in the
-    plugin's code (the deepest frame outside this module: `register` raises for its caller),
-    as a traceback's last line would say."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    plugin's code (the deepest frame outside this module: `register` raises for its caller;
+    and outside the import machinery: a missing module is raised in `<frozen importlib…>` for
+    the plugin's `import` line), as a traceback's last line would say."""
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if f.filename != __file__ and not f.filename.startswith("<frozen ")
+    ]
     where = (
         f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
     )
@@ -493,8 +513,8 @@ class Host:
         await self._store.finish_run(run, status, attempts, next_at, outcome.error)
 
     async def describe(self, weights: Mapping[str, int]) -> list[dict[str, Any]]:
-        """GET /api/plugins: each plugin with its uid, version, signer weight (`weights`, by
-        uid), run counts and newest failures (scans of the runs, on a thread)."""
+        """GET /api/plugins' `plugins`: each plugin with its uid, version, signer weight
+        (`weights`, by uid), run counts and newest failures (scans of the runs, on a thread)."""
         counts, failed = await asyncio.to_thread(self._store.run_report, FAILURES_SHOWN)
         listed = []
         for name, r in sorted(self.runners.items()):

@@ -677,7 +677,7 @@ class Pages:
         )
 
     async def plugins(self, request: Request) -> Response:
-        return render(request, "plugins.html", plugins=await self.node.plugins())
+        return render(request, "plugins.html", **await self.node.plugins())
 
     async def retry_plugin(self, request: Request) -> Response:
         """POST /plugins/{name}/retry: its failed runs queued again, then the Plugins page."""

@@ -360,7 +360,7 @@ async def test_plugin_runs_go_on_after_an_outage(
     good (nothing watched it), so no file got a plugin's claims again until a restart, and
     /health said ok. Now the runs are held, /health says so, and they go on after it."""
     marker = probe("marker", claim("marker", "seen"))
-    monkeypatch.setattr(plugins, "discover", lambda: [marker])
+    monkeypatch.setattr(plugins, "discover", lambda: ([marker], []))
     media = tmp_path / "media"
     media.mkdir()
     settings = settings_for(

@@ -90,7 +90,7 @@ def metadata(node: Node, cid: str) -> dict[str, str]:
 
 
 async def counts(node: Node, name: str) -> dict[str, int]:
-    described = await node.plugins()
+    described = (await node.plugins())["plugins"]
     for entry in described:
         if entry["name"] == name:
             found: dict[str, int] = entry["runs"]
@@ -126,7 +126,7 @@ class Harness:
         return event
 
     async def start(self, found: list[Plugin], **overrides: Any) -> Node:
-        self.monkeypatch.setattr(plugins, "discover", lambda: list(found))
+        self.monkeypatch.setattr(plugins, "discover", lambda: (list(found), []))
         options: dict[str, Any] = {
             "plugins_enabled": True,
             "watch_enabled": True,
@@ -188,7 +188,8 @@ def test_backoff_grows_fourfold() -> None:
 
 
 def test_discover_finds_the_builtins_through_entry_points() -> None:
-    found = plugins.discover()
+    found, not_loaded = plugins.discover()
+    assert not_loaded == []
     assert [p.name for p in found] == ["fileinfo", "filename", "fullhash", "mediainfo", "nfo"]
     assert all(isinstance(p, Plugin) and p.version for p in found)
     assert {p.name: p.may_link for p in found} == {
@@ -205,21 +206,35 @@ def test_two_plugins_of_one_name_neither_runs_and_a_bad_name_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A second package naming its plugin as another's took its place, signed with its key and
-    retracted its claims; a name is also the key's file name (`keys/<name>.key`)."""
+    retracted its claims; a name is also the key's file name (`keys/<name>.key`). Each plugin
+    that does not run is listed with why (it was only in the log)."""
     site = tmp_path / "site"
     site.mkdir()
     install_plugin(site, "sizeclass", "sizeclass")
     install_plugin(site, "impostor", "sizeclass")
     install_plugin(site, "escaper", "../owner")
     install_plugin(site, "fine", "fine")
+    install_plugin(site, "needy", "needy")
+    needy = site / "needy_plugin.py"
+    needy.write_text("import not_installed_anywhere\n" + needy.read_text())
     monkeypatch.syspath_prepend(str(site))
-    names = [p.name for p in plugins.discover()]
+    found, not_loaded = plugins.discover()
+    names = [p.name for p in found]
     assert "fine" in names and "sizeclass" not in names and "../owner" not in names
     said = caplog.text
     assert "impostor_plugin:P, sizeclass_plugin:P are all named 'sizeclass'" in said or (
         "sizeclass_plugin:P, impostor_plugin:P are all named 'sizeclass'" in said
     )
     assert "escaper_plugin:P: name '../owner' is not" in said
+    why = {each.entry_point: (each.source, each.error) for each in not_loaded}
+    assert sorted(why) == ["escaper", "impostor", "needy", "sizeclass"]
+    assert why["escaper"][0] == "escaper_plugin:P"
+    assert why["escaper"][1].startswith("TypeError: escaper_plugin:P: name '../owner' is not")
+    assert why["needy"][1] == (
+        f"ModuleNotFoundError: No module named 'not_installed_anywhere' (at {needy}:1 in <module>)"
+    )
+    assert why["impostor"][1] == why["sizeclass"][1]
+    assert "are all named 'sizeclass': none of them runs" in why["sizeclass"][1]
 
 
 def test_plugin_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:
@@ -241,7 +256,7 @@ async def test_drafts_are_claims_signed_by_the_plugins_own_key(harness: Harness)
     key_file = node.settings.keys_dir / "tagger.key"
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     uid = keys.uid_of_key(keys.load(key_file))
-    [described] = await node.plugins()
+    [described] = (await node.plugins())["plugins"]
     assert described["uid"] == uid and described["name"] == "tagger"
     [signer] = [s for s in node.signers() if s["uid"] == uid]
     assert signer["name"] == "plugin:tagger"
@@ -464,7 +479,7 @@ async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
     on_loop: list[str] = []  # the run counts scan every run: never on the loop's connection
     node.cache.conn.set_trace_callback(on_loop.append)
     try:
-        [described] = await node.plugins()
+        [described] = (await node.plugins())["plugins"]
     finally:
         node.cache.conn.set_trace_callback(None)
     assert not [sql for sql in on_loop if "plugin_runs" in sql], on_loop
@@ -610,7 +625,7 @@ async def test_disabled_plugins_and_weights(harness: Harness) -> None:
     off = probe("off", claim("off", "yes"))
     node = await harness.start([on, off], plugins_disabled=("off",), plugin_weights=("on=7",))
     await until(finished(node, on, midhash), "on done")
-    assert [p["name"] for p in await node.plugins()] == ["on"]
+    assert [p["name"] for p in (await node.plugins())["plugins"]] == ["on"]
     signers = {s["name"]: s for s in node.signers()}
     assert signers["plugin:on"]["weight"] == 7  # the setting beats the class default (2)
     assert "plugin:off" not in signers

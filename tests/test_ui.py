@@ -652,7 +652,8 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
     context: BrowserContext, tmp_path: Path
 ) -> None:
     """A plugin whose runs failed (a tool it needs not installed yet): the page showed a count;
-    now it says which file failed and why, and Retry runs them again once the tool is there."""
+    now it says which file failed and why, and Retry runs them again once the tool is there. A
+    plugin that failed to load was only in the log: the page says so, and why."""
     site = tmp_path / "site"
     site.mkdir()
     tool = tmp_path / "tool-installed"
@@ -664,12 +665,30 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         "    raise RuntimeError('the tool is not installed')\n"
         "register(file.cid, 'tooled', 'yes')",
     )
+    install_plugin(site, "broken", "broken")
+    broken = site / "broken_plugin.py"
+    broken.write_text("import not_installed_anywhere\n" + broken.read_text())
     env = {"PYTHONPATH": str(site), "METANODE_PLUGIN_MAX_ATTEMPTS": "1"}
     with plugins_server(tmp_path / "data", **env) as server:
         dropped = drop(server, "Needs.A.Tool.2020.mkv")
         page = context.new_page()
         sign_in(page, server, server.token)
         page.get_by_role("link", name="Plugins").click()
+        not_running = page.get_by_role("region", name="Plugins not running")
+        expect(not_running).to_contain_text(
+            "broken_plugin:P: ModuleNotFoundError: No module named 'not_installed_anywhere' "
+            f"(at {broken}:1 in <module>)"
+        )
+        listed = subprocess.run(
+            [sys.executable, "-m", "metanode", "plugins", "list", "--url", server.url],
+            env={**os.environ, "METANODE_TOKEN": server.token},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )  # the command line's list says it too, on stderr
+        assert listed.returncode == 0 and listed.stderr.startswith(
+            'warning: not_loaded: {"entry_point": "broken", "source": "broken_plugin:P", '
+        )
         failures = page.get_by_role("region", name="needstool failures")
 
         def shown() -> int | None:
