@@ -248,7 +248,20 @@ def _v7(conn: Connection) -> None:
         render_documents(conn, members, records_rows(conn, chunk), paths)
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6, _v7)
+def _v8(conn: Connection) -> None:
+    """No new table: the library lists an episode with its number and title (`library_title`),
+    so the rows of the records that have one are indexed again."""
+    rids = [
+        r[0]
+        for r in conn.execute(
+            "SELECT DISTINCT rid FROM records WHERE key IN ('season', 'episode') ORDER BY rid"
+        )
+    ]
+    for chunk in _chunks(rids):
+        index_library(conn, chunk, records_rows(conn, chunk), group_parts(conn, chunk)[1])
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8)
 
 # The same schema on PostgreSQL (docs/scale-out.md): SQLite's v6 tables and columns with
 # PostgreSQL's types. The library's full-text index is the column `library.search` (a tsvector
@@ -378,7 +391,7 @@ def _pg_v2(conn: Connection) -> None:
     executescript_in_txn(conn, PG_SCHEMA_V2 + _CID_INDEX_RESHAPE)
 
 
-PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2)
+PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2, _v8)
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -638,8 +651,25 @@ def library_row(rid: str, record: Mapping[str, str], files: int) -> LibraryRow:
     kind = next((record[key] for key in TYPE_KEYS if key in record), "")
     path = record.get("filePath", "")
     return LibraryRow(
-        rid, record.get("title", ""), path.rsplit("/", 1)[-1], record.get("year", ""), kind, files
+        rid, library_title(record), path.rsplit("/", 1)[-1], record.get("year", ""), kind, files
     )
+
+
+def library_title(record: Mapping[str, str]) -> str:
+    """The title the library lists and searches: an episode's with its number and its own title
+    (`Show Name S01E02 · Pilot`), as every episode of a show has the show's `title`; empty when
+    no title is known. A season or episode that is no number (a signer's free text) is left
+    out rather than shown as `S` + text."""
+    title = record.get("title", "")
+    if not title:
+        return ""
+    number = "".join(
+        f"{letter}{int(record[key]):02d}"
+        for letter, key in (("S", "season"), ("E", "episode"))
+        if record.get(key, "").isascii() and record.get(key, "").isdigit()
+    )
+    episode_title = record.get("episodeTitle", "") if number else ""
+    return " · ".join(part for part in (f"{title} {number}".strip(), episode_title) if part)
 
 
 def index_library(

@@ -232,6 +232,34 @@ def test_a_v1_truth_keeps_every_claim_and_its_log_order_in_v2(dsn: str) -> None:
         assert ids == (3, 3)  # one above the two signers' and the two CIDs' ids
 
 
+def test_the_v3_migration_lists_episodes_apart_on_postgresql(dsn: str) -> None:
+    """Cache schema 3 on PostgreSQL is SQLite's 8 (test_ui.py): an episode's library row of an
+    older cache gets its number, through PostgreSQL's own library search."""
+    target = pg.Target(dsn, "episodes")
+    db.migrate_file(target, cache.PG_MIGRATIONS[:2])
+    conn = db.connect(target)
+    rid = "01M8T1AD8YE3198EENNAK7KT12"
+
+    def older(conn: db.Connection) -> None:
+        conn.executemany(
+            "INSERT INTO records (rid, key, value) VALUES (?, ?, ?)",
+            [(rid, "title", "Show Name"), (rid, "season", "1"), (rid, "episode", "2")],
+        )
+        conn.execute(
+            "INSERT INTO library (rid, title, name, year, type, files) "
+            "VALUES (?, 'Show Name', '', '', '', 0)",
+            (rid,),
+        )
+
+    try:
+        db.run_txn(conn, older)
+        assert db.migrate(conn, cache.PG_MIGRATIONS) == 3
+        found = cache.library_page(conn, "s01e02", "", None, cache.NEWEST, 50)
+        assert [(row.rid, row.title) for row in found] == [(rid, "Show Name S01E02")]
+    finally:
+        conn.close()
+
+
 # -- writers serialise across connections -------------------------------------------------------
 
 

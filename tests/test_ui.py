@@ -890,11 +890,57 @@ def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path
             "INSERT INTO cid_index VALUES ('bafkqaaa', '01M8T1AD8YE3198EENNAK7KT12');"
             "INSERT INTO local_file VALUES ('/m/old.lamp.mkv', 'bafkqaaa', 1, 1, 1);"
         )
-        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 7
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 8
         (row,) = cache.library_page(conn, "lamp", "", None, cache.NEWEST, 50)
         assert row == cache.LibraryRow(
             "01M8T1AD8YE3198EENNAK7KT12", "Old Lamp", "old.lamp.mkv", "1961", "", 1
         )
         assert cache.library_page(conn, "zebra", "", None, cache.NEWEST, 50) == []
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize(
+    ("record", "listed"),
+    [
+        ({"title": "Show Name", "season": "1", "episode": "2"}, "Show Name S01E02"),
+        (
+            {"title": "Show Name", "season": "1", "episode": "3", "episodeTitle": "Pilot"},
+            "Show Name S01E03 · Pilot",
+        ),
+        ({"title": "Show Name", "episode": "112"}, "Show Name E112"),
+        ({"title": "Show Name", "season": "one", "episode": "2"}, "Show Name E02"),
+        ({"title": "Film", "episodeTitle": "not an episode"}, "Film"),
+        ({"season": "1", "episode": "2"}, ""),
+    ],
+)
+def test_the_library_tells_episodes_apart(record: dict[str, str], listed: str) -> None:
+    """Every episode of a show has the show's title: the library listed `Show Name` once per
+    episode. Its number and its own title are part of the listed (and searched) title."""
+    assert cache.library_title(record) == listed
+
+
+def test_the_v8_migration_lists_the_episodes_of_an_older_cache_apart(tmp_path: Path) -> None:
+    """A cache of schema 7 listed an episode by its show's title alone (the row inserted here):
+    the migration indexes such records again, and leaves the others as they were."""
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:7])
+        conn.executescript(
+            "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Show Name'),"
+            "('01M8T1AD8YE3198EENNAK7KT12', 'season', '1'),"
+            "('01M8T1AD8YE3198EENNAK7KT12', 'episode', '2'),"
+            "('01M8T1AD8YE3198EENNAK7KT13', 'title', 'Film');"
+            "INSERT INTO library (rid, title, name, year, type, files) VALUES "
+            "('01M8T1AD8YE3198EENNAK7KT12', 'Show Name', '', '', '', 0),"
+            "('01M8T1AD8YE3198EENNAK7KT13', 'Film', '', '', '', 0);"
+        )
+        assert db.migrate(conn, cache.MIGRATIONS) == 8
+        found = cache.library_page(conn, "s01e02", "", None, cache.NEWEST, 50)
+        assert [row.title for row in found] == ["Show Name S01E02"]
+        assert [row.title for row in cache.library_page(conn, "", "", None, cache.NEWEST, 50)] == [
+            "Film",
+            "Show Name S01E02",
+        ]
     finally:
         conn.close()
