@@ -23,7 +23,7 @@ from typing import Any
 
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
-from starlette.datastructures import QueryParams
+from starlette.datastructures import Headers, QueryParams
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -269,6 +269,24 @@ UNAUTHORIZED = Unauthorized(
 )
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS, its refused preflight in the envelope instead of plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        answer = super().preflight_response(request_headers)
+        if answer.status_code == 200:
+            return answer
+        asked = request_headers["access-control-request-method"]
+        headers = request_headers.get("access-control-request-headers", "")
+        refusal = InvalidRequest(
+            f"cross-origin request refused ({bytes(answer.body).decode()}): another site's page "
+            f"may only GET this route, with no headers but the simple ones (asked: {shown(asked)}"
+            + (f", headers {shown(headers)})" if headers else ")")
+        )
+        kept = {k: v for k, v in answer.headers.items() if k.startswith("access-control-")}
+        return error_response(refusal, kept)
+
+
 class Edge:
     """The node's one middleware layer, pure ASGI (each layer is another call and another
     `send` wrapper per request; four of them cost a measurable share of a read, benchmarks.md):
@@ -276,7 +294,8 @@ class Edge:
     * a request id for every log line of the request (`X-Request-ID`, echoed back), one access
       log line, and the latency histogram by route template;
     * CORS (`*`, GET) for the public routes' requests that carry an `Origin`: those go
-      through Starlette's `CORSMiddleware` (preflights included); the others skip it. Not the
+      through Starlette's `CORSMiddleware` (preflights included, a refused one in the envelope:
+      `Cors`); the others skip it. Not the
       MetaMesh routes: trusted by the network, they would let any page a person opens in a
       browser on that network read the library (`not_vouched` keeps its writes out);
     * the perimeter (`Perimeter`): a route family's access rule, 401 (or a peer token's 403)
@@ -301,7 +320,7 @@ class Edge:
         self.direct = Direct(direct)
         self.node = node
         self.perimeter = Perimeter(node, sessions)
-        self.cors = CORSMiddleware(self._guarded, allow_origins=["*"], allow_methods=["GET"])
+        self.cors = Cors(self._guarded, allow_origins=["*"], allow_methods=["GET"])
         self.histogram = node.metrics.request_seconds
         self.timers: dict[tuple[str, str, int], Any] = {}  # labelled histogram children
 

@@ -263,6 +263,26 @@ async def test_perimeter(client: httpx.AsyncClient, node: Node) -> None:
     )
     assert response.json()["error"] == "unknown_cid"
     assert response.headers["access-control-allow-origin"] == "*"
+    allowed = await client.options(
+        f"/api/meta/{CID_A}",
+        headers={"Origin": "http://elsewhere", "Access-Control-Request-Method": "GET"},
+    )
+    assert allowed.status_code == 200 and allowed.headers["access-control-allow-origin"] == "*"
+    refused = await client.options(
+        f"/api/meta/{CID_A}",
+        headers={
+            "Origin": "http://elsewhere",
+            "Access-Control-Request-Method": "DELETE",
+            "Access-Control-Request-Headers": "x-secret",
+        },
+    )  # a refused preflight was starlette's plain text, the one answer out of the envelope
+    assert (refused.status_code, refused.json()["error"]) == (400, "invalid_request")
+    assert refused.json()["message"] == (
+        "cross-origin request refused (Disallowed CORS method, headers): another site's page "
+        "may only GET this route, with no headers but the simple ones (asked: 'DELETE', "
+        "headers 'x-secret')"
+    )
+    assert refused.headers["access-control-allow-methods"] == "GET"
 
 
 async def test_lookup_spellings_and_alias(client: httpx.AsyncClient, alice: Signer) -> None:
