@@ -36,6 +36,7 @@ from metanode import (
     maintenance,
     merge,
     node,
+    plugins,
     watcher,
 )
 from metanode.clock import now_ms
@@ -43,6 +44,7 @@ from metanode.errors import (
     CannotListen,
     FileFailed,
     InvalidBatch,
+    InvalidClaim,
     InvalidRequest,
     MetanodeError,
     storage_error,
@@ -722,7 +724,8 @@ _named_command(
 
 @main.group("plugins")
 def plugins_group() -> None:
-    """The plugins the running node runs: their runs, and retrying those that failed."""
+    """The plugins the running node runs (their runs, retrying those that failed), and one
+    plugin tried on one file without a node."""
 
 
 _list_command(
@@ -743,6 +746,38 @@ _named_command(
     "/api/plugins/{}/retry",
     "Run PLUGIN_NAME's failed runs again (once what they lacked is there: a tool installed).",
 )
+
+
+@plugins_group.command("try")
+@click.argument("plugin_name")
+@click.argument("file", type=click.Path(dir_okay=False))
+@settings_options
+@reports_errors
+def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: str | None) -> None:
+    """Run PLUGIN_NAME on FILE as the node would and print each claim it makes as one JSON line
+    (`{"cid", "key", "value"}`, a null value retracting), without a node: to write or check a
+    plugin. Its record lookup answers nothing, nothing is signed or stored; a claim the node
+    would refuse is named on stderr and the exit code is 2."""
+    settings = load_settings(config_file, data_dir=data_dir)
+    real = os.path.realpath(file)
+    midhash, stat = watcher.midhash_opened(real)
+    tried = plugins.trial(
+        plugin_name,
+        (midhash, real, stat.st_size, stat.st_mtime_ns),
+        [os.path.realpath(root) for root in settings.watch_roots],
+        claims.Limits(settings.max_value_bytes, settings.max_skew_ms),
+    )
+    for cid, key, value in tried.drafts:
+        click.echo(json.dumps({"cid": cid, "key": key, "value": value}, ensure_ascii=False))
+    click.echo(
+        f"{plugin_name} on {tried.file.in_root} (midhash {tried.file.cid}): "
+        f"{len(tried.drafts)} claim(s){f'; {tried.skipped}' if tried.skipped else ''}",
+        err=True,
+    )
+    for why in tried.refusals:
+        click.echo(f"  refused: {why}", err=True)
+    if tried.refusals:
+        _fail(InvalidClaim(f"the node would refuse {len(tried.refusals)} of its claims"))
 
 
 @peers_group.group("token")

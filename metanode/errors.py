@@ -19,6 +19,8 @@ The tree, by family:
   answered at all.
 * `NotMetanode` (502, client side): what answered is not a metanode.
 * `InternalError` (500): a bug; what no handler turned into one of the above.
+* Command line only: `NoNode`, `FileFailed` (a data directory or a path a command cannot use),
+  `PluginFailed` (a plugin run by hand raised).
 """
 
 from __future__ import annotations
@@ -435,6 +437,14 @@ class NoNode(MetanodeError):
 
     status = 404
     slug = "no_node"
+
+
+class PluginFailed(MetanodeError):
+    """A plugin run by hand (`metanode plugins try`) raised: its error, with the line of its
+    code that raised. (The node records a failed run instead: GET /api/plugins.)"""
+
+    status = 500
+    slug = "plugin_failed"
 
 
 class FileFailed(MetanodeError):

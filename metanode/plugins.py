@@ -48,8 +48,9 @@ from typing import Any, ClassVar, TypeVar
 import nacl.signing
 
 from metanode import cache, claims, db, keys
+from metanode import cid as cids
 from metanode.clock import Clock, now_ms
-from metanode.errors import MetanodeError, NotFoundError, StorageError, shown
+from metanode.errors import MetanodeError, NotFoundError, PluginFailed, StorageError, shown
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "metanode.plugins"
@@ -253,6 +254,78 @@ def replacing(
     return out
 
 
+def collect(
+    plugin: Plugin, file: LocalFile, record: RecordLookup, closed: threading.Event
+) -> tuple[list[Draft], str | None]:
+    """`plugin.process` on `file`: (the drafts registered, the reason if the plugin skipped).
+    A `register` after `closed` is set (the run timed out), or of the wrong types, raises in
+    the plugin's code."""
+    drafts: list[Draft] = []
+
+    def register(cid: str, key: str, value: str | None) -> None:
+        if closed.is_set():
+            raise RuntimeError("this run is over (it timed out)")
+        if not (isinstance(cid, str) and isinstance(key, str)):
+            raise TypeError(f"register(cid, key, value): cid and key are str, not {cid!r}")
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"register(cid, key, value): value is a str or None, not {value!r}")
+        drafts.append((cid, key, value))
+
+    try:
+        plugin.process(file, record, register)
+    except Skip as skip:
+        return drafts, f"skipped: {skip}"
+    return drafts, None
+
+
+@dataclass(frozen=True)
+class Trial:
+    """What one plugin made of one file, run by hand (`metanode plugins try`), no node asked."""
+
+    file: LocalFile
+    drafts: list[Draft]
+    skipped: str | None
+    refusals: list[str]  # why the node would refuse a draft, one line each
+
+
+def trial(
+    name: str, row: tuple[str, str, int, int], roots: Sequence[str], limits: claims.Limits
+) -> Trial:
+    """Run the installed plugin `name` on the file of `row` (midhash, real path, size,
+    mtime_ns; placed in the longest of `roots` holding it) as the host would, without a node:
+    its record lookup answers None for every CID, and nothing is signed or stored. What it
+    registered is checked as the node checks a claim's CID, key and value. `NotFoundError` for
+    a plugin that is not installed or does not load; `PluginFailed` when `process` raises."""
+    found, not_loaded = discover()
+    plugin = next((p for p in found if p.name == name), None)
+    if plugin is None:
+        for broken in not_loaded:
+            if broken.entry_point == name:
+                raise NotFoundError(f"plugin {shown(name)} does not load: {broken.error}")
+        installed = ", ".join(p.name for p in found) or "none"
+        raise NotFoundError(f"no installed plugin is named {shown(name)} (installed: {installed})")
+    file = local_file(row, roots)
+    try:
+        drafts, skipped = collect(plugin, file, lambda _cid: None, threading.Event())
+    except Exception as exc:
+        raise PluginFailed(f"{name} {plugin.version} on {file.path}: {described(exc)}") from None
+    return Trial(
+        file, drafts, skipped, [why for draft in drafts if (why := refusal(draft, limits))]
+    )
+
+
+def refusal(draft: Draft, limits: claims.Limits) -> str | None:
+    """Why the node would refuse to take `draft` as a claim (its CID, key or value), or None."""
+    cid, key, value = draft
+    try:
+        cids.require_canonical(cid)
+        claims.check_key(key)
+        claims.check_value(value, limits)
+    except MetanodeError as exc:
+        return f"{key!r}: {exc.slug}: {exc.message}"
+    return None
+
+
 class Runner:
     """Runs one plugin on one file and ingests what it registered, signed with its key."""
 
@@ -277,23 +350,7 @@ class Runner:
         self._last_ts = 0
 
     def _collect(self, file: LocalFile, closed: threading.Event) -> tuple[list[Draft], str | None]:
-        """(the drafts registered, the reason if the plugin skipped)."""
-        drafts: list[Draft] = []
-
-        def register(cid: str, key: str, value: str | None) -> None:
-            if closed.is_set():
-                raise RuntimeError("this run is over (it timed out)")
-            if not (isinstance(cid, str) and isinstance(key, str)):
-                raise TypeError(f"register(cid, key, value): cid and key are str, not {cid!r}")
-            if value is not None and not isinstance(value, str):
-                raise TypeError(f"register(cid, key, value): value is a str or None, not {value!r}")
-            drafts.append((cid, key, value))
-
-        try:
-            self.plugin.process(file, self._record, register)
-        except Skip as skip:
-            return drafts, f"skipped: {skip}"
-        return drafts, None
+        return collect(self.plugin, file, self._record, closed)
 
     def _stamp(self) -> int:
         """A timestamp newer than this runner's last: a re-run's claims replace the earlier."""

@@ -15,6 +15,7 @@ from multiformats import CID
 from metanode import cid as cids
 from metanode import claims, keys
 from metanode.cli import main
+from tests.helpers.plugins import install_plugin
 from tests.helpers.vectors import load_vectors
 
 MIDHASH: dict[str, Any] = load_vectors("midhash.json")
@@ -410,3 +411,61 @@ def test_a_misspelt_environment_variable_is_warned_of(
         "(did you mean METANODE_DATA_DIR?)"
     )
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin author had to install the plugin into a node, drop a file and read the log or
+    the record: `plugins try` prints what it would claim, names what the node would refuse,
+    says where it raised, and why a plugin does not load."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(
+        site,
+        "sizer",
+        "sizer",
+        "register(file.cid, 'size', str(file.size))\n"
+        "register(file.cid, 'where', file.in_root)\n"
+        "register(file.cid, 'gone', None)",
+    )
+    install_plugin(site, "sloppy", "sloppy", "register(file.cid, 'cid_x', 'y')")
+    install_plugin(site, "raiser", "raiser", "raise ValueError('boom')")
+    install_plugin(site, "broken", "broken")
+    (site / "broken_plugin.py").write_text("import not_installed_anywhere\n")
+    monkeypatch.syspath_prepend(str(site))
+    media = tmp_path / "media"
+    (media / "Show").mkdir(parents=True)
+    film = media / "Show" / "a.mkv"
+    film.write_bytes(b"twelve bytes")
+    monkeypatch.chdir(tmp_path)  # the default watch root: ./media
+    midhash = cids.midhash_bytes(b"twelve bytes")
+
+    tried = run("plugins", "try", "sizer", str(film))
+    assert tried.exit_code == 0, tried.output
+    assert [json.loads(line) for line in tried.stdout.splitlines()] == [
+        {"cid": midhash, "key": "size", "value": "12"},
+        {"cid": midhash, "key": "where", "value": "Show/a.mkv"},
+        {"cid": midhash, "key": "gone", "value": None},
+    ]
+    assert tried.stderr == f"sizer on Show/a.mkv (midhash {midhash}): 3 claim(s)\n"
+
+    sloppy = run("plugins", "try", "sloppy", str(film))
+    assert (sloppy.exit_code, len(sloppy.stdout.splitlines())) == (2, 1)
+    assert sloppy.stderr.splitlines()[1:] == [
+        "  refused: 'cid_x': reserved_key: key 'cid_x' is reserved",
+        "error: invalid_claim: the node would refuse 1 of its claims",
+    ]
+    raised = run("plugins", "try", "raiser", str(film))
+    assert raised.exit_code == 2 and raised.stdout == ""
+    assert raised.stderr.startswith(f"error: plugin_failed: raiser 1 on {film}: ValueError: boom")
+    assert "raiser_plugin.py:7 in process)" in raised.stderr
+    broken = run("plugins", "try", "broken", str(film))
+    assert broken.stderr.startswith(
+        "error: not_found: plugin 'broken' does not load: ModuleNotFoundError: No module named "
+        "'not_installed_anywhere'"
+    )
+    unknown = run("plugins", "try", "nope", str(film))
+    assert unknown.stderr.startswith("error: not_found: no installed plugin is named 'nope' ")
+    missing = run("plugins", "try", "sizer", str(media / "missing.mkv"))
+    assert (missing.exit_code, missing.stderr.split(":")[1]) == (2, " midhash_failed")
