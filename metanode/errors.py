@@ -357,6 +357,15 @@ class StorageUnavailable(StorageError):
     retry_after = 1
 
 
+class StorageRefused(StorageError):
+    """The database server refused the login itself (no such user, a wrong password, no such
+    database, no `pg_hba.conf` entry): not an outage, so asking again does not help until the
+    operator mends `storage` or the server's roles."""
+
+    slug = "storage_refused"
+    retryable = False
+
+
 class StorageLocked(StorageError):
     """Another connection held the database lock for longer than the busy timeout."""
 

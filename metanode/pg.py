@@ -54,6 +54,7 @@ from metanode.errors import (
     StorageIOError,
     StorageLocked,
     StorageReadOnly,
+    StorageRefused,
     StorageUnavailable,
     ToolMissing,
 )
@@ -190,11 +191,26 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     state = getattr(exc, "sqlstate", None) or ""
     kind = next((k for prefix, k in _SQLSTATE if state.startswith(prefix)), None)
     if kind is None and not state and _operational(exc):
-        kind = StorageUnavailable
+        kind = StorageRefused if _login_refused(str(exc)) else StorageUnavailable
     if kind is None:
         return None
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return kind(f"the database failed: {f'{where}: ' if where else ''}{text}")
+    hint = LOGIN_HINT if kind is StorageRefused else ""
+    return kind(f"the database failed: {f'{where}: ' if where else ''}{text}{hint}")
+
+
+# A refused login has no SQLSTATE in psycopg (libpq fails the connection before a result):
+# it is known by the server's words, in its default (English) messages. A server set to
+# another `lc_messages` gives other words: such a refusal stays `StorageUnavailable`.
+_LOGIN_REFUSALS = re.compile(
+    r"FATAL:\s+(password authentication failed|role .* does not exist|database .* does not "
+    r"exist|no pg_hba\.conf entry|permission denied for database)"
+)
+LOGIN_HINT = "; check the user, password and database `storage` names (docs/scale-out.md)"
+
+
+def _login_refused(text: str) -> bool:
+    return _LOGIN_REFUSALS.search(text) is not None
 
 
 def _operational(exc: BaseException) -> bool:

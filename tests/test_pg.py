@@ -34,6 +34,7 @@ from metanode.errors import (
     MetanodeError,
     SchemaTooNew,
     StorageLocked,
+    StorageRefused,
     StorageUnavailable,
 )
 from metanode.node import Node
@@ -524,6 +525,23 @@ def test_without_psycopg_sqlite_works_and_postgresql_says_what_to_install(
     refused = metanode("init", "--data-dir", str(tmp_path / "b"), storage=dsn, prefix=run)
     assert refused.returncode != 0
     assert "install metanode[postgresql]" in refused.stderr, refused.stderr
+
+
+def test_a_refused_login_is_no_outage_and_says_what_to_check(tmp_path: Path, dsn: str) -> None:
+    """A user or a database that does not exist was `storage_unavailable`, retryable, as if
+    the server were down: the operator was told to wait for something only they can mend."""
+    server = dsn.split("@", 1)[1].rsplit("/", 1)[0]
+    for wrong, said in (
+        (f"postgresql://nobody@{server}/postgres", 'role "nobody" does not exist'),
+        (f"postgresql://postgres@{server}/nosuchdb", 'database "nosuchdb" does not exist'),
+    ):
+        refused = metanode("init", "--data-dir", str(tmp_path / "data"), storage=wrong)
+        assert refused.returncode == 2 and refused.stderr.startswith("error: storage_refused: ")
+        assert said in refused.stderr and refused.stderr.endswith(f"{pg.LOGIN_HINT}\n")
+    with pytest.raises(StorageRefused) as caught:
+        db.connect(pg.Target(f"postgresql://nobody@{server}/postgres", "truth"))
+    assert caught.value.retryable is False
+    assert metanode("init", "--data-dir", str(tmp_path / "data"), storage=dsn).returncode == 0
 
 
 def metanode(
