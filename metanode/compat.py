@@ -29,6 +29,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+from urllib.parse import urlsplit
 
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
@@ -602,6 +603,13 @@ def internal_url(settings: Settings) -> str:
     return settings.client_url
 
 
+def internal_host(settings: Settings) -> str:
+    """`/urls`' `hostname`: the host (and port, unless 80) of `internal_url`. meta-fuse builds
+    its WebDAV root as `http://<hostname>/webdav` (meta-core's nginx answered on port 80), so
+    a bare host name sent it to a port nothing listens on."""
+    return urlsplit(internal_url(settings)).netloc.removesuffix(":80")
+
+
 # -- routes -------------------------------------------------------------------------------------
 
 
@@ -609,6 +617,14 @@ def routes(node: Node) -> list[BaseRoute]:
     """The MetaMesh routes of one node (the token, or a trusted network: docs/compat.md)."""
     writer = LegacyWriter(node)
     roots = Roots.of(node.settings.watch_roots)
+    files_path = node.settings.metamesh_files_path.rstrip("/")
+
+    def mounted(path: str) -> str:
+        """A record's `filePath` as the consumers hold it: their files folder, then the WebDAV
+        path (the file events' `path`). meta-sort writes `/files/<event path>` and takes any
+        other stored value for a second file of the same midhash (a collision: the file left
+        out of its view); meta-fuse and meta-stremio strip the folder again to reach WebDAV."""
+        return f"{files_path}/{roots.relative(path)}"
 
     async def list_meta(request: Request) -> Response:
         node.require_ready()
@@ -642,8 +658,8 @@ def routes(node: Node) -> list[BaseRoute]:
         record = node.record_rows(rid)
         if not record:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
-        if "filePath" in record:  # as the WebDAV path, like the file events' `path`
-            record = {**record, "filePath": roots.relative(record["filePath"])}
+        if "filePath" in record:
+            record = {**record, "filePath": mounted(record["filePath"])}
         return JSONResponse({"hashId": rid, "metadata": dict(sorted(record.items()))})
 
     async def meta_property(request: Request) -> Response:
@@ -664,7 +680,7 @@ def routes(node: Node) -> list[BaseRoute]:
         stored = node.record_value(rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
-        return PlainTextResponse(roots.relative(stored) if key == "filePath" else stored)
+        return PlainTextResponse(mounted(stored) if key == "filePath" else stored)
 
     async def add_to_set(request: Request) -> Response:
         text, key = request.path_params["hash"], request.path_params["key"]
@@ -733,7 +749,7 @@ def routes(node: Node) -> list[BaseRoute]:
         base = str(request.base_url).rstrip("/")
         return JSONResponse(
             {
-                "hostname": socket.gethostname(),
+                "hostname": internal_host(node.settings),
                 "baseUrl": base,
                 "apiUrl": base,
                 "redisUrl": "",

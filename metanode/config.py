@@ -236,6 +236,12 @@ class Settings:
         "Reverse proxies (CIDRs, comma-separated in the environment) whose `X-Forwarded-For` "
         "and `X-Forwarded-Proto` are believed; from anyone else the headers are ignored.",
     )
+    metamesh_files_path: str = setting(
+        "/files",
+        "Where MetaMesh consumers mount the files (their FILES_PATH): the MetaMesh routes give "
+        "a record's `filePath` as this folder, then its WebDAV path "
+        "(`/files/media/films/film.mkv`), as meta-sort writes and compares it (docs/compat.md).",
+    )
     webdav_plugin_writes: bool = setting(
         False,
         "Let WebDAV clients write plugin outputs under `/webdav/plugin/` (PUT, MKCOL, DELETE, "

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from sse_starlette import ServerSentEvent
 from starlette.routing import Mount
 
-from metanode import cache, compat, db, keys, merge, sse, watcher, webdav
+from metanode import cache, compat, config, db, keys, merge, sse, watcher, webdav
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
@@ -500,10 +500,13 @@ async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncC
 async def test_urls_has_no_redis_and_names_the_webdav_root(
     node: Node, client: httpx.AsyncClient
 ) -> None:
+    """`hostname` is the internal URL's host and port: meta-fuse reads WebDAV at
+    `http://<hostname>/webdav` (meta-core's nginx on port 80), so a bare host name sent it to
+    port 80 of a box where nothing listens."""
     response = await client.get("/urls")
     assert response.status_code == 200
     assert response.json() == {
-        "hostname": socket.gethostname(),
+        "hostname": node.settings.client_url.removeprefix("http://"),
         "baseUrl": "http://node",
         "apiUrl": "http://node",
         "redisUrl": "",
@@ -1406,3 +1409,17 @@ def test_compat_app_builds_without_a_started_node(tmp_path: Path) -> None:
         "/file/{cid}",
         "/urls",
     } <= paths
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "hostname"),
+    [
+        ("0.0.0.0", 9000, f"{socket.gethostname()}:9000"),
+        ("0.0.0.0", 80, socket.gethostname()),
+        ("127.0.0.1", 9100, "127.0.0.1:9100"),
+        ("::1", 80, "[::1]"),
+    ],
+)
+def test_the_urls_hostname_is_where_webdav_answers(host: str, port: int, hostname: str) -> None:
+    settings = config.Settings(host=host, port=port)
+    assert compat.internal_host(settings) == hostname

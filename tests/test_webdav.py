@@ -185,21 +185,22 @@ def test_file_path_is_the_webdav_path_and_the_midhash_over_range_reads_is_the_ci
     launch: Callable[..., Server],
 ) -> None:
     """meta-sort's check: HEAD for the size, a Range read of the midhash sample, the CID; and
-    the compat record's `filePath` after `webdavUrl` is the file. The native record keeps the
-    absolute path (docs/api.md)."""
+    the compat record's `filePath` is the consumers' files folder, then the WebDAV path (the
+    file events' and `info`'s path), as meta-sort writes and compares it. The native record
+    keeps the absolute path (docs/api.md)."""
     server = launch()
     film = drop(server.media / "films" / "a film (1999).mkv")
     cid = hashed(server, film)
     urls = httpx.get(f"{server.url}/urls", timeout=10).json()
     record = httpx.get(f"{server.url}/meta/{cid}", timeout=10).json()["metadata"]
-    assert record["filePath"] == "media/films/a film (1999).mkv"
+    assert record["filePath"] == "/files/media/films/a film (1999).mkv"
     assert httpx.get(f"{server.url}/meta/{cid}/filePath").text == record["filePath"]
     info = httpx.get(f"{server.url}/api/file/{cid}/info", timeout=10).json()
-    assert info["filePath"] == record["filePath"]  # the file events' `path` too (same Roots)
+    assert info["filePath"] == "media/films/a film (1999).mkv"  # as the file events' `path`
     native = httpx.get(f"{server.url}/api/meta/{cid}", timeout=10).json()
     assert native["filePath"] == native["metadata"]["filePath"] == str(film.resolve())
 
-    url = f"{urls['webdavUrl']}/{record['filePath']}"
+    url = f"{urls['webdavUrl']}/{info['filePath']}"
     size = int(httpx.head(url, timeout=30).headers["Content-Length"])
     start = cids.midhash_offset(size)
     end = min(size, start + cids.MIDHASH_SAMPLE) - 1
@@ -279,9 +280,12 @@ def test_several_roots_are_top_level_collections(
     tmp_path: Path, launch: Callable[..., Server]
 ) -> None:
     """Two roots named `media` and one named `plugin`: `media`, `media-2`, `plugin-2`; each
-    record's `filePath` is its file's WebDAV path."""
+    record's `filePath` is its file's WebDAV path (after the consumers' files folder, here
+    another than the default)."""
     roots = [tmp_path / "media", tmp_path / "b" / "media", tmp_path / "plugin"]
-    server = launch(METANODE_WATCH_ROOTS=":".join(map(str, roots)))
+    server = launch(
+        METANODE_WATCH_ROOTS=":".join(map(str, roots)), METANODE_METAMESH_FILES_PATH="/mnt/x/"
+    )
     films = [
         drop(root / "film.mkv", CONTENT + bytes(n)) for n, root in enumerate(roots)
     ]  # sizes differ
@@ -290,7 +294,8 @@ def test_several_roots_are_top_level_collections(
     for film, name in zip(films, ("media", "media-2", "plugin-2"), strict=True):
         cid = hashed(server, film)
         path = httpx.get(f"{server.url}/meta/{cid}/filePath", timeout=10).text
-        assert path == f"{name}/film.mkv"
+        assert path == f"/mnt/x/{name}/film.mkv"
+        path = path.removeprefix("/mnt/x/")
         assert httpx.get(f"{server.url}/webdav/{path}", timeout=30).content == film.read_bytes()
 
 
