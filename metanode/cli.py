@@ -953,10 +953,44 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
 def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
     """Copy truth.db (online: consistent while the server writes) and keys/ into TARGET.
 
-    Restore by putting the copy back as truth.db: the cache is rebuilt from it on start.
+    `metanode restore TARGET/truth-<stamp>.db` puts it back (the node stopped).
     """
     settings = node_settings(config_file, data_dir)
     click.echo(maintenance.backup(settings, Path(target)))
+
+
+@main.command()
+@click.argument("backup_file", type=click.Path(dir_okay=False))
+@click.option(
+    "--keys",
+    "keys_from",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="The backup's keys folder (default: keys-<stamp> beside BACKUP_FILE).",
+)
+@click.option(
+    "--keep-keys", is_flag=True, help="Keep this data directory's keys instead of the backup's."
+)
+@settings_options
+@reports_errors
+def restore(
+    backup_file: str,
+    keys_from: str | None,
+    keep_keys: bool,
+    config_file: str | None,
+    data_dir: str | None,
+) -> None:
+    """Put a backup (`metanode backup`) in place of truth.db and its keys in place of keys/,
+    the node stopped: checked first, what it replaces kept in replaced-<stamp>/, the cache
+    rebuilt at the next start."""
+    settings = load_settings(config_file, data_dir=data_dir)
+    with datadir.Lock(settings.data_dir):  # never under a running node
+        done = maintenance.restore(
+            settings, Path(backup_file), Path(keys_from) if keys_from else None, keep_keys
+        )
+    click.echo(f"restored {backup_file} into {settings.truth_path}")
+    click.echo(f"keys: {done.keys or f'kept, {settings.keys_dir}'}")
+    click.echo(f"what it replaced: {done.aside}")
 
 
 @main.command("export")

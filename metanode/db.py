@@ -38,7 +38,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, ParamSpec, Protocol, Self, TypeVar
@@ -49,6 +49,7 @@ from metanode import pg
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
 from metanode.errors import (
+    InvalidRequest,
     NotCommitted,
     SchemaTooNew,
     ShuttingDown,
@@ -259,6 +260,25 @@ def copy_database(source: Path, copy: Path) -> str:
     finally:
         dest.close()
         origin.close()
+
+
+def copy_backup(backup: Path, dest: Path, newest: int) -> None:
+    """Copy a backup of a database (`copy_database` made it) into the empty file `dest`,
+    refused unless the copy is sound and of a schema this version reads (at most `newest`):
+    what `metanode restore` puts in place. The backup itself is only read."""
+    try:
+        verdict = copy_database(backup, dest)
+        with closing(sqlite3.connect(dest)) as conn:
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    except sqlite3.DatabaseError as exc:
+        raise InvalidRequest(f"{backup} is not a backup of a database: {exc}") from None
+    if verdict != "ok":
+        raise InvalidRequest(f"{backup} failed its integrity check: {verdict}")
+    if version > newest:
+        raise SchemaTooNew(
+            f"{backup} is of schema {version}, newer than this metanode's ({newest}): "
+            "restore it with the metanode that made it"
+        )
 
 
 COPY_PAGE = 2_000  # rows a `copy_table` reads and inserts at a time
@@ -682,7 +702,21 @@ class Writer:
                 job.future.set_result(run_txn(self.conn, job.fn, *job.args))
             except BaseException as exc:
                 self._fail(job.future, exc)
+        self._empty_wal()
         self.conn.close()
+
+    def _empty_wal(self) -> None:
+        """At close, copy the WAL into the database file and truncate it. SQLite deletes the
+        WAL when the last connection closes, but only a writable one may: the loop's read-only
+        connection, closed after this one, left it behind, and a backup later put in place of
+        truth.db (operations.md) had that stale log replayed onto it at the next open. A close
+        that fails to (a reader still in a long read) leaves the WAL, as before."""
+        if isinstance(self.path, pg.Target):
+            return
+        try:
+            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        except sqlite3.Error as exc:
+            log.warning("%s: the WAL was not emptied at close: %s", self.path, exc)
 
     def _fail(self, future: concurrent.futures.Future[Any], exc: BaseException) -> None:
         if isinstance(exc, StorageError):

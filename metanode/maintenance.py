@@ -33,6 +33,7 @@ from metanode.clock import now_ms
 from metanode.config import Settings
 from metanode.errors import (
     BadSignature,
+    FileFailed,
     InvalidBatch,
     InvalidRequest,
     NoNode,
@@ -309,11 +310,7 @@ def backup(settings: Settings, target: Path) -> Path:
 def _backup_names(target: Path, suffix: str) -> tuple[Path, Path]:
     """`truth-<UTC stamp>.<suffix>` (made here, empty, 0600) and `keys-<stamp>` in `target`,
     neither there before: a second backup within the same second is `<stamp>-2`, and so on."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    n = 0
-    while True:
-        n += 1
-        tag = stamp if n == 1 else f"{stamp}-{n}"
+    for tag in _stamps():
         copy, keys = target / f"truth-{tag}.{suffix}", target / f"keys-{tag}"
         if keys.exists():
             continue
@@ -323,6 +320,82 @@ def _backup_names(target: Path, suffix: str) -> tuple[Path, Path]:
         except FileExistsError:
             continue
         return copy, keys
+    raise AssertionError("_stamps never ends")
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `restore` did: where it put what it replaced, and whether the keys came too."""
+
+    aside: Path  # the replaced truth (with its WAL) and keys, kept, never deleted
+    keys: Path | None  # the keys folder restored, or None: the data directory's kept
+
+
+def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys: bool) -> Restored:
+    """`metanode restore BACKUP`, the node stopped (the CLI holds the data directory's lock):
+    the checked backup becomes truth.db, its keys (`keys-<stamp>` beside it, or `keys_from`)
+    the keys, the cache goes (rebuilt at the next start). What was there is moved, whole, into
+    `replaced-<stamp>/` in the data directory: truth.db with its `-wal` and `-shm`, since a
+    WAL left beside a restored file is replayed onto it at the next open (the stale log
+    undid the restore), and the keys. On PostgreSQL `pg_restore` does it (scale-out.md)."""
+    if settings.postgresql:
+        raise InvalidRequest(
+            "restore puts a SQLite backup in place; on PostgreSQL restore the dump with "
+            "pg_restore (docs/scale-out.md, 'Backup and restore')"
+        )
+    if not backup.is_file():
+        raise FileFailed(f"{backup}: no such file (a truth-<stamp>.db that `backup` wrote)")
+    keys = None if keep_keys else (keys_from or _keys_beside(backup))
+    if keys is not None and not (keys / f"{OWNER_NAME}.key").is_file():
+        raise FileFailed(
+            f"{keys} holds no {OWNER_NAME}.key: name the backup's keys folder with --keys, or "
+            "keep this data directory's with --keep-keys"
+        )
+    datadir.secure(settings.data_dir)
+    incoming = settings.data_dir / "truth.db.restoring"
+    incoming.unlink(missing_ok=True)
+    os.close(os.open(incoming, os.O_WRONLY | os.O_CREAT | os.O_EXCL, datadir.FILE_MODE))
+    try:
+        truth.TruthStore.restore_copy(backup, incoming)
+    except BaseException:
+        incoming.unlink(missing_ok=True)
+        raise
+    aside = _aside(settings.data_dir)
+    for name in ("truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else [])):
+        if (settings.data_dir / name).exists():
+            (settings.data_dir / name).rename(aside / name)
+    incoming.rename(settings.truth_path)
+    if keys is not None:
+        shutil.copytree(keys, settings.keys_dir)
+        datadir.secure(settings.data_dir)
+    for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
+        (settings.data_dir / name).unlink(missing_ok=True)
+    return Restored(aside, keys)
+
+
+def _keys_beside(backup: Path) -> Path:
+    """The keys folder `backup` made beside `truth-<stamp>.db`: `keys-<stamp>`."""
+    stamp = backup.name.removeprefix("truth-").removesuffix(".db")
+    return backup.parent / f"keys-{stamp}"
+
+
+def _aside(data_dir: Path) -> Path:
+    """A new folder `replaced-<stamp>` in `data_dir` (`_stamps`)."""
+    for tag in _stamps():
+        aside = data_dir / f"replaced-{tag}"
+        with contextlib.suppress(FileExistsError):
+            aside.mkdir(mode=datadir.DIR_MODE)
+            return aside
+    raise AssertionError("_stamps never ends")
+
+
+def _stamps() -> Iterator[str]:
+    """The UTC time to the second, then the same with `-2`, `-3`…: names of things made now,
+    one taken meaning the next."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    yield stamp
+    for n in itertools.count(2):
+        yield f"{stamp}-{n}"
 
 
 def _copy_truth_into(settings: Settings, copy: Path) -> None:

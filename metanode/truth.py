@@ -35,6 +35,7 @@ from metanode.db import (
     Store,
     Target,
     connect,
+    copy_backup,
     copy_database,
     copy_table,
     executescript_in_txn,
@@ -2053,6 +2054,13 @@ class TruthStore(Store):
             )
         with storage_errors(copy):
             return copy_database(self.path, copy)
+
+    @classmethod
+    def restore_copy(cls, backup: Path, dest: Path) -> None:
+        """Copy the backup `backup` (`backup_to` made it) into the empty file `dest`, checked:
+        sound, and of a schema this version reads (`metanode restore`)."""
+        with storage_errors(dest):
+            copy_backup(backup, dest, len(MIGRATIONS))
 
     def apply_connection(self) -> Connection:
         """The connection `snapshot()` reads on (for tests that trace what the apply reads)."""

@@ -286,6 +286,90 @@ def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:
     assert list((tmp_path / "bk").glob("keys-*")), "the keys were not backed up"
 
 
+@pytest.mark.parametrize("stop", ["clean", "killed"])
+def test_restore_puts_the_backup_back_whatever_wal_the_node_left(
+    tmp_path: Path, stop: str
+) -> None:
+    """A restore by hand (the backup copied over truth.db, the cache deleted) kept a claim
+    written after the backup: the stopped node's truth.db-wal (left even by a clean stop: the
+    read-only connection closed last) was replayed onto the copy at the next open. A clean
+    stop now empties the WAL, and `metanode restore` moves truth.db with its WAL aside, so
+    even after a SIGKILL (a full WAL left) the node comes back exactly as the backup was."""
+    server = Server(tmp_path / "data").start()
+    signer = Signer()
+    before, after = (cids.midhash_bytes(name) for name in (b"before", b"after"))
+    try:
+        register_with(server, signer)
+        posted(server, signer.claim(before, "title", "in the backup"))
+        made = cli("backup", str(tmp_path / "bk"), "--data-dir", str(server.data_dir))
+        posted(server, signer.claim(after, "title", "after the backup"))
+    finally:
+        server.stop(sig=15 if stop == "clean" else 9)
+    wal = server.data_dir / "truth.db-wal"
+    if stop == "clean":
+        assert wal.stat().st_size == 0
+    else:
+        assert wal.stat().st_size > 0
+    done = cli("restore", made.stdout.strip(), "--data-dir", str(server.data_dir))
+    aside = Path(done.stdout.splitlines()[-1].removeprefix("what it replaced: "))
+    assert {p.name for p in aside.iterdir()} >= {"truth.db", "keys"}
+    assert not list(server.data_dir.glob("cache.db*"))
+    server.start()
+    try:
+        assert (server.meta(before) or {})["metadata"]["title"] == "in the backup"
+        assert server.meta(after) is None
+    finally:
+        server.stop()
+    assert "clean" in cli("check", "--data-dir", str(server.data_dir)).stdout
+
+
+def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    cli("init", "--data-dir", str(data))
+    made = Path(cli("backup", str(tmp_path / "bk"), "--data-dir", str(data)).stdout.strip())
+    (tmp_path / "garbage.db").write_bytes(os.urandom(8192))
+    before = sorted(p.name for p in data.iterdir() if p.name != "lock")  # restore's lock
+    for args, said in (
+        ((str(tmp_path / "garbage.db"), "--keep-keys"), "invalid_request: "),
+        ((str(tmp_path / "missing.db"),), "file_failed: "),
+        ((str(made), "--keys", str(tmp_path)), "file_failed: "),
+    ):
+        refused = subprocess.run(
+            [sys.executable, "-m", "metanode", "restore", *args, "--data-dir", str(data)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert refused.returncode == 2 and refused.stderr.startswith(f"error: {said}"), refused
+        assert sorted(p.name for p in data.iterdir() if p.name != "lock") == before
+    server = Server(data).start()
+    try:
+        locked = subprocess.run(
+            [sys.executable, "-m", "metanode", "restore", str(made), "--data-dir", str(data)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert locked.stderr.startswith("error: data_dir_locked: ")
+    finally:
+        server.stop()
+
+
+def register_with(server: Server, signer: Signer) -> None:
+    httpx.post(
+        f"{server.url}/api/signers",
+        headers=server.headers,
+        timeout=10,
+        json={"uid": signer.uid, "name": "s"},
+    ).raise_for_status()
+
+
+def posted(server: Server, claim: dict[str, Any]) -> None:
+    httpx.post(
+        f"{server.url}/api/claims", json={"claims": [claim]}, headers=server.headers, timeout=30
+    ).raise_for_status()
+
+
 async def documents(node: Node) -> dict[str, dict[str, Any]]:
     """Every CID's document, keyed by CID."""
     every = [r[0] for r in node.cache.conn.execute("SELECT cid FROM cid_index")]
