@@ -287,9 +287,7 @@ def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("stop", ["clean", "killed"])
-def test_restore_puts_the_backup_back_whatever_wal_the_node_left(
-    tmp_path: Path, stop: str
-) -> None:
+def test_restore_puts_the_backup_back_whatever_wal_the_node_left(tmp_path: Path, stop: str) -> None:
     """A restore by hand (the backup copied over truth.db, the cache deleted) kept a claim
     written after the backup: the stopped node's truth.db-wal (left even by a clean stop: the
     read-only connection closed last) was replayed onto the copy at the next open. A clean
