@@ -1093,6 +1093,21 @@ def local_stats(conn: Connection, under: Iterable[str]) -> dict[str, tuple[int, 
     return out
 
 
+def local_stats_outside(conn: Connection, roots: Sequence[str]) -> dict[str, tuple[int, int]]:
+    """path → (size, mtime_ns) of every local file row below none of `roots`: files of a
+    folder no longer watched, or that `metanode scan` was given (a scan of the table)."""
+    ranges = " AND ".join(["NOT (path >= ? AND path < ?)"] * len(roots)) or "true"
+    bounds = [bound for root in roots for bound in (root.rstrip("/") + "/", root.rstrip("/") + "0")]
+    return {
+        path: (size, mtime)
+        for path, size, mtime in conn.execute(
+            "SELECT path, CASE ino WHEN 0 THEN -1 ELSE size END, mtime_ns FROM local_file "
+            f"WHERE {ranges}",
+            bounds,
+        )
+    }
+
+
 def files(conn: Connection, prefix: str, after: str, limit: int) -> list[dict[str, Any]]:
     """A page of local files with their midhash and current rid (GET /api/files)."""
     rows = conn.execute(
@@ -1936,6 +1951,12 @@ class CacheStore(Store):
     @mapped
     def local_stats(self, under: Iterable[str]) -> dict[str, tuple[int, int]]:
         return local_stats(self.conn, under)
+
+    def local_stats_outside(self, roots: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """`local_stats_outside` on a connection of its own: a thread's (a scan of the table
+        must not hold the event loop)."""
+        with self.reading(lent=False) as conn:
+            return local_stats_outside(conn, roots)
 
     @mapped
     def all_local_files(self) -> list[merge.LocalFile]:

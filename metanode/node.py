@@ -240,6 +240,7 @@ class Node:
             self.apply_local,
             self.cache.local_stats,
             watcher.RootDevices(s.data_dir / watcher.DEVICES_FILE),
+            self.cache.local_stats_outside,
         )
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:

@@ -270,6 +270,7 @@ class Watcher:
         apply_local: ApplyLocal,
         known_stats: KnownStats,
         devices: RootDevices | None = None,
+        stray_stats: KnownStats | None = None,
     ) -> None:
         self.roots = [str(Path(r).resolve()) for r in roots]
         self.rules = rules
@@ -278,6 +279,7 @@ class Watcher:
         self._ensure_groups = ensure_groups
         self._apply_local = apply_local
         self._known_stats = known_stats
+        self._stray_stats = stray_stats  # rows below no root: checked at a full reconciliation
         self.devices = devices or RootDevices(None)
         self._slots = asyncio.Semaphore(max(1, workers))
         self.pending: dict[str, tuple[Stat, float]] = {}  # path → (stat, when it last changed)
@@ -346,7 +348,9 @@ class Watcher:
         settle: bool = True,
         progress: Progress | None = None,
     ) -> Summary:
-        """Compare the disk with `local_file` under `roots` and make them agree."""
+        """Compare the disk with `local_file` under `roots` and make them agree; a full one
+        (`roots` not given) also the rows below no root (`_strays`)."""
+        full = not roots
         roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
         self.scanning = True
         try:
@@ -356,6 +360,9 @@ class Watcher:
             finally:
                 walked = await walking
             disk = {path: st for listing in walked for path, st in listing.files.items()}
+            if full:
+                stray_known, stray_disk = await self._strays()
+                known, disk = {**known, **stray_known}, {**disk, **stray_disk}
             self.unlisted = sorted(
                 folder for listing in walked for folder in listing.unlisted
             ) + self._emptied(walked, known)
@@ -387,6 +394,25 @@ class Watcher:
             return summary
         finally:
             self.scanning = False
+
+    async def _strays(self) -> tuple[dict[str, Stat], dict[str, Stat]]:
+        """(known, on disk) of the rows below no watch root: a folder taken out of
+        `watch_roots`, or one `metanode scan` was given. Nothing watches them, so each full
+        reconciliation looks at each file again: one gone loses its row (its paths left the
+        records for good otherwise), one changed is hashed again. On threads: the rows are a
+        scan of the table, and the files are stat'ed one by one."""
+        if self._stray_stats is None:
+            return {}, {}
+        known = await asyncio.to_thread(self._stray_stats, self.roots)
+        follow = self.rules.follow_symlinks
+
+        def stat_each() -> dict[str, Stat]:
+            return {p: st for p in known if (st := stat_of(p, follow)) is not None}
+
+        on_disk = await asyncio.to_thread(stat_each) if known else {}
+        if gone := len(known) - len(on_disk):
+            log.info("%d file(s) outside the watched folders are gone: their rows go", gone)
+        return known, on_disk
 
     # -- live -----------------------------------------------------------------------------------
 

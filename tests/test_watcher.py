@@ -396,6 +396,10 @@ class Store:
         prefixes = tuple(u.rstrip("/") + "/" for u in under)
         return {p: (f.size, f.mtime_ns) for p, f in self.rows.items() if p.startswith(prefixes)}
 
+    def stray_stats(self, roots: Sequence[str]) -> dict[str, Stat]:
+        below = self.known_stats(roots)
+        return {p: (f.size, f.mtime_ns) for p, f in self.rows.items() if p not in below}
+
     def watcher(
         self,
         root: Path,
@@ -413,6 +417,7 @@ class Store:
             self.apply_local,
             self.known_stats,
             devices,
+            self.stray_stats,
         )
 
 
@@ -474,6 +479,28 @@ async def test_reconcile_rehashes_changed_and_removes_vanished(tmp_path: Path) -
     files, removals = store.commits[-1]
     assert removals == [str(c)]  # the removal is committed together with the first batch
     assert {f.path for f in files} == {str(b), str(d)}
+
+
+async def test_files_of_a_folder_no_longer_watched_are_checked_at_each_full_reconcile(
+    tmp_path: Path,
+) -> None:
+    """A folder taken out of `watch_roots` (or given to `metanode scan`) kept its rows for
+    good: a file deleted there stayed on its record. A full reconciliation stats them: one
+    gone loses its row, one changed is hashed again, the rest stay as they are. A scan of
+    named folders leaves them alone."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    gone, changed, kept = (write(old / n, n.encode()) for n in ("gone.mkv", "changed.mkv", "k"))
+    store = Store()
+    await store.watcher(old).reconcile(settle=False)
+    here = write(new / "here.mkv", b"here")
+    now = store.watcher(new)
+    await now.reconcile([str(new)], settle=False)
+    gone.unlink()
+    changed.write_bytes(b"changed, longer")
+    assert set(store.rows) == {str(p) for p in (gone, changed, kept, here)}
+    summary = await now.reconcile(settle=False)
+    assert (summary.seen, summary.hashed, summary.unchanged, summary.removed) == (3, 1, 2, 1)
+    assert store.rows == {str(p): local(p) for p in (changed, kept, here)}
 
 
 async def test_reconcile_commits_removals_alone_when_nothing_is_hashed(tmp_path: Path) -> None:

@@ -758,6 +758,24 @@ def test_a_watch_root_missing_at_start_keeps_its_files_until_it_is_back(start: S
     assert str(kept) in again.files()
 
 
+def test_a_folder_taken_out_of_watch_roots_loses_the_rows_of_its_deleted_files(
+    start: Start, tmp_path: Path
+) -> None:
+    """A review moved the node from one folder to another: the first folder's files stayed on
+    their records for good, deleted or not (only a rebuild cleared them). At start, and at each
+    rescan, the files below no root are looked at again; a gone one loses its row."""
+    server = start()
+    gone, kept = (write(server.media / n, os.urandom(3000)) for n in ("gone.mkv", "kept.mkv"))
+    wait_for("both listed", lambda: {str(gone), str(kept)} <= server.files().keys())
+    server.stop()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    gone.unlink()
+    again = start(watch_roots=str(elsewhere))
+    wait_for("the deleted file's row gone", lambda: str(gone) not in again.files())
+    assert str(kept) in again.files()  # still there, only no longer watched
+
+
 # -- metanode scan ------------------------------------------------------------------------------
 
 
