@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from functools import wraps
@@ -576,19 +577,47 @@ def claim_post(
 @client_options
 @click.argument("cid_value")
 @click.option("--as", "viewer", default=None, help="See the record as this uid.")
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(0),
+    default=0,
+    help="Seconds to keep asking while no record holds CID_VALUE yet (a file just dropped "
+    "into a watched folder: it settles, then is fingerprinted).",
+)
 @reports_errors
 def get(
     url: str | None,
     cid_value: str,
     viewer: str | None,
+    wait_s: float,
     config_file: str | None,
     data_dir: str | None,
 ) -> None:
     """Print the merged document of CID_VALUE from a running node."""
     params = {"as": viewer} if viewer else {}
     path = f"/api/meta/{urllib.parse.quote(cid_value, safe='')}"  # a CID, never another route
+    deadline = time.monotonic() + wait_s
     with connect(config_file, data_dir, url) as node_client:
-        _print_response(node_client, node_client.request("GET", path, params=params))
+        while True:
+            response = node_client.request("GET", path, params=params)
+            if not _unknown(response) or time.monotonic() >= deadline:
+                break
+            time.sleep(WAIT_POLL_S)
+        _print_response(node_client, response)
+
+
+WAIT_POLL_S = 0.25  # how often `get --wait` asks again
+
+
+def _unknown(response: httpx.Response) -> bool:
+    """Whether `response` says no record holds the CID (404 `unknown_cid`)."""
+    if response.status_code != 404:
+        return False
+    try:
+        return bool(response.json().get("error") == "unknown_cid")
+    except ValueError:
+        return False
 
 
 # -- peers (docs/peers.md) ----------------------------------------------------------------------

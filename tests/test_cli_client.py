@@ -107,6 +107,21 @@ def test_a_refusal_of_the_node_is_an_error_line_not_an_answer(server: Server) ->
     assert httpx.get(f"{server.url}/api/meta/{MIDHASH}", timeout=10).status_code == 404
 
 
+def test_get_waits_for_a_file_just_dropped_when_asked_to(server: Server) -> None:
+    """The README's tour asked for a file's record right after writing it, before the watcher
+    had settled and hashed it: `unknown_cid`, as if it were broken. `--wait` keeps asking."""
+    env = {"METANODE_PORT": str(server.port)}
+    content = os.urandom(5000)
+    midhash = cids.midhash_bytes(content)
+    server.media.mkdir(exist_ok=True)
+    (server.media / "just.dropped.mkv").write_bytes(content)
+    found = metanode("get", midhash, "--wait", "120", env=env)
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout)["filePath"] == str(server.media / "just.dropped.mkv")
+    bad = metanode("get", "not-a-cid", "--wait", "120", env=env)  # no waiting for the hopeless
+    assert bad.returncode == 2 and bad.stderr.startswith("error: invalid_cid: ")
+
+
 def test_plugins_list_and_retry_ask_the_running_node(server: Server) -> None:
     """`metanode plugins list` and `retry` are the running node's GET /api/plugins and POST
     /api/plugins/{name}/retry (this server runs no plugins: the list is empty, a retry refused
