@@ -293,6 +293,7 @@ class Node:
         s = self.settings
         weights = s.plugin_weight_map
         runners = []
+        shown: list[str] = []  # the start line's words on each: its version is no weight
         found, self._plugins_not_loaded = plugins.discover()
         installed = {plugin.name for plugin in found}
         if strays := sorted((set(s.plugins_disabled) | set(weights)) - installed):
@@ -314,14 +315,12 @@ class Node:
                 self.clock,
                 self.said_by,
             )
-            await self.truth.add_signer(
+            row = await self.truth.add_signer(
                 runner.uid, f"plugin:{plugin.name}", self._plugin_weight(runner), plugin.may_link
             )
             runners.append(runner)
-        log.info(
-            "plugins: %s",
-            ", ".join(f"{r.plugin.name} {r.plugin.version}" for r in runners) or "none",
-        )
+            shown.append(f"{plugin.name} (version {plugin.version}, weight {row.weight})")
+        log.info("plugins: %s", ", ".join(shown) or "none")
         host = plugins.Host(
             runners,
             self.cache,

@@ -33,6 +33,7 @@ from pathlib import Path
 import watchfiles
 
 from metanode import cid as cids
+from metanode import datadir
 from metanode.claims import utf8_size
 from metanode.errors import MidhashError, StorageError
 from metanode.merge import LocalFile
@@ -731,7 +732,10 @@ class RootDevices:
         if self.path is not None:
             with contextlib.suppress(OSError):  # worst case: an unmounted disk is not told apart
                 part = self.path.with_suffix(".part")
-                part.write_text(json.dumps(self._devices, sort_keys=True))
+                part.unlink(missing_ok=True)  # made anew: private, as the data directory is
+                fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, datadir.FILE_MODE)
+                with os.fdopen(fd, "w", encoding="utf-8") as out:
+                    out.write(json.dumps(self._devices, sort_keys=True))
                 os.replace(part, self.path)
 
 

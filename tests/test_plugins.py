@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import re
 import stat
@@ -247,10 +248,15 @@ def test_plugin_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:
 # -- the host in a node -------------------------------------------------------------------------
 
 
-async def test_drafts_are_claims_signed_by_the_plugins_own_key(harness: Harness) -> None:
+async def test_drafts_are_claims_signed_by_the_plugins_own_key(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
     path, midhash = harness.drop("a.bin", b"signed by the plugin")
-    tagger = probe("tagger", claim("tag", "x"), weight=3)
-    node = await harness.start([tagger])
+    tagger = probe("tagger", claim("tag", "x"), weight=3, version="2")
+    with caplog.at_level(logging.INFO, logger="metanode.node"):
+        node = await harness.start([tagger])
+    # the start line said `tagger 2`: read as its weight, it contradicted the signers list
+    assert "plugins: tagger (version 2, weight 3)" in caplog.messages
     await until(finished(node, tagger, midhash), "tagger done")
 
     key_file = node.settings.keys_dir / "tagger.key"

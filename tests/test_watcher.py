@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -528,6 +529,7 @@ async def test_an_empty_root_on_another_device_than_its_files_keeps_them(
     await store.watcher(root, devices=watcher.RootDevices(kept)).reconcile(settle=False)
     device = root.stat().st_dev
     assert json.loads(kept.read_text()) == {str(root): device}
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o600  # private, as the data directory is
     a.unlink()
     kept.write_text(json.dumps({str(root): device + 1}))  # its files were on another disk
     away = store.watcher(root, devices=watcher.RootDevices(kept))
