@@ -64,12 +64,21 @@ def reports_errors(func: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
+        except BrokenPipeError:
+            _reader_gone()
         except OSError as exc:
             _fail(storage_error(exc) or FileFailed.of(exc))
         except MetanodeError as exc:
             _fail(exc)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _reader_gone() -> NoReturn:
+    """The reader of stdout went away (`metanode export | head`): no error to tell, as `cat`
+    tells none. stdout is pointed at /dev/null so the interpreter's own last flush is quiet."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    sys.exit(1)
 
 
 def _fail(exc: MetanodeError) -> NoReturn:

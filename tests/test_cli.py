@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -469,3 +471,19 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
     assert unknown.stderr.startswith("error: not_found: no installed plugin is named 'nope' ")
     missing = run("plugins", "try", "sizer", str(media / "missing.mkv"))
     assert (missing.exit_code, missing.stderr.split(":")[1]) == (2, " midhash_failed")
+
+
+def test_a_reader_that_goes_away_is_no_error() -> None:
+    """`metanode … | head` printed `error: file_failed: Broken pipe` after head had what it
+    wanted; now it ends quietly, as `cat` does."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "metanode", "cid", "rank", *[MIDHASH_CID] * 20_000],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.readline().endswith(f"{MIDHASH_CID}\n".encode())
+    proc.stdout.close()  # more than a pipe's buffer is still to come: the next write fails
+    with proc.stderr:
+        assert proc.stderr.read() == b""
+    assert proc.wait(timeout=120) == 1
