@@ -1097,7 +1097,6 @@ def import_command(
                 )
         except InvalidBatch as exc:
             _list_failures(exc)
-            raise
         f.seek(0)
         with logs.progress_bar() as bar:
             task = bar.add_task("importing", total=check.claims)
@@ -1110,10 +1109,24 @@ def import_command(
     )
 
 
-def _list_failures(exc: InvalidBatch) -> None:
-    """`claim N: slug: message` on stderr for each kept failure (N: its line), and how many
-    more there were."""
+def _list_failures(exc: InvalidBatch) -> NoReturn:
+    """The refusal, then below it each kept failure once per reason (`  claims 1, 2, 5:
+    unknown_signer: …`: one unregistered signer was a hundred lines), how many more there
+    were, and the way out of an unknown signer; exit 2."""
+    click.echo(f"error: {exc.slug}: {exc.message}", err=True)
+    lines: dict[tuple[str, str], list[str]] = {}
     for item in exc.items:
-        click.echo(f"claim {item['position']}: {item['error']}: {item['message']}", err=True)
+        lines.setdefault((item["error"], item["message"]), []).append(str(item["position"]))
+    for (slug, message), positions in lines.items():
+        shown = ", ".join(positions[:8]) + (f", … ({len(positions)})" if positions[8:] else "")
+        claims_word = "claim" if len(positions) == 1 else "claims"
+        click.echo(f"  {claims_word} {shown}: {slug}: {message}", err=True)
     if exc.total > len(exc.items):
-        click.echo(f"… and {exc.total - len(exc.items)} more", err=True)
+        click.echo(f"  … and {exc.total - len(exc.items)} more", err=True)
+    if any(slug == "unknown_signer" for slug, _ in lines):
+        click.echo(
+            "  register each signer first (`metanode signers add UID --weight W`), or trust "
+            "every signer of the file with --register-signers",
+            err=True,
+        )
+    sys.exit(2)

@@ -85,11 +85,13 @@ def progress_bar(sizes: bool = False) -> Any:
         if sizes
         else (MofNCompleteColumn(),)
     )
+    console = Console(stderr=True)
     return Progress(
         "[progress.description]{task.description}",
         BarColumn(),
         *counts,
         TimeRemainingColumn(),
         transient=True,
-        console=Console(stderr=True),
+        console=console,
+        disable=not console.is_terminal,  # to a file or a pipe, it left blank lines behind
     )

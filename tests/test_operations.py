@@ -442,8 +442,35 @@ def test_import_refuses_a_tampered_file_and_writes_nothing(tmp_path: Path) -> No
         timeout=60,
     )
     assert done.returncode == 2
-    assert "claim 2: bad_signature" in done.stderr
+    assert done.stderr.splitlines() == [
+        "error: invalid_batch: 1 claim(s) rejected; nothing was written",
+        "  claim 2: bad_signature: signature does not verify against uid",
+    ]
     assert not (tmp_path / "d" / "truth.db").exists()
+    many = [signer.claim(cids.midhash_bytes(b"t"), f"k{n}", "v") for n in range(12)]
+    source.write_text("".join(json.dumps(c) + "\n" for c in many))
+    unknown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "metanode",
+            "import",
+            str(source),
+            "--data-dir",
+            str(tmp_path / "d"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # one unknown signer was one line a claim, the error last, and no way out named
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert unknown.stderr.splitlines() == [
+        "error: invalid_batch: 12 claim(s) rejected; nothing was written",
+        f"  claims 1, 2, 3, 4, 5, 6, 7, 8, … (12): unknown_signer: signer {signer.uid} is not "
+        "registered",
+        "  register each signer first (`metanode signers add UID --weight W`), or trust every "
+        "signer of the file with --register-signers",
+    ]
 
 
 # -- the outbox ------------------------------------------------------------------------------
