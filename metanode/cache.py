@@ -250,11 +250,14 @@ def _v7(conn: Connection) -> None:
 
 def _v8(conn: Connection) -> None:
     """No new table: the library lists an episode with its number and title (`library_title`),
-    so the rows of the records that have one are indexed again."""
+    and a record with no local file by its `fileName` (it showed its rid), so the rows of such
+    records are indexed again."""
     rids = [
         r[0]
         for r in conn.execute(
-            "SELECT DISTINCT rid FROM records WHERE key IN ('season', 'episode') ORDER BY rid"
+            "SELECT rid FROM records WHERE key IN ('season', 'episode') UNION "
+            "SELECT rid FROM records r WHERE key = 'fileName' AND NOT EXISTS "
+            "(SELECT 1 FROM records p WHERE p.rid = r.rid AND p.key = 'filePath') ORDER BY rid"
         )
     ]
     for chunk in _chunks(rids):
@@ -650,9 +653,8 @@ def library_row(rid: str, record: Mapping[str, str], files: int) -> LibraryRow:
     """What the library shows of a merged record with `files` local copies."""
     kind = next((record[key] for key in TYPE_KEYS if key in record), "")
     path = record.get("filePath", "")
-    return LibraryRow(
-        rid, library_title(record), path.rsplit("/", 1)[-1], record.get("year", ""), kind, files
-    )
+    name = path.rsplit("/", 1)[-1] or record.get("fileName", "")  # no local file left: its name
+    return LibraryRow(rid, library_title(record), name, record.get("year", ""), kind, files)
 
 
 def library_title(record: Mapping[str, str]) -> str:

@@ -921,8 +921,9 @@ def test_the_library_tells_episodes_apart(record: dict[str, str], listed: str) -
 
 
 def test_the_v8_migration_lists_the_episodes_of_an_older_cache_apart(tmp_path: Path) -> None:
-    """A cache of schema 7 listed an episode by its show's title alone (the row inserted here):
-    the migration indexes such records again, and leaves the others as they were."""
+    """A cache of schema 7 listed an episode by its show's title alone, and a record whose
+    files are gone by its rid (the rows inserted here): the migration indexes such records
+    again, and leaves the others as they were."""
     conn = db.connect(tmp_path / "cache.db")
     try:
         db.migrate(conn, cache.MIGRATIONS[:7])
@@ -930,17 +931,19 @@ def test_the_v8_migration_lists_the_episodes_of_an_older_cache_apart(tmp_path: P
             "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Show Name'),"
             "('01M8T1AD8YE3198EENNAK7KT12', 'season', '1'),"
             "('01M8T1AD8YE3198EENNAK7KT12', 'episode', '2'),"
-            "('01M8T1AD8YE3198EENNAK7KT13', 'title', 'Film');"
+            "('01M8T1AD8YE3198EENNAK7KT13', 'title', 'Film'),"
+            "('01M8T1AD8YE3198EENNAK7KT14', 'fileName', 'movie.nfo');"
             "INSERT INTO library (rid, title, name, year, type, files) VALUES "
             "('01M8T1AD8YE3198EENNAK7KT12', 'Show Name', '', '', '', 0),"
-            "('01M8T1AD8YE3198EENNAK7KT13', 'Film', '', '', '', 0);"
+            "('01M8T1AD8YE3198EENNAK7KT13', 'Film', '', '', '', 0),"
+            "('01M8T1AD8YE3198EENNAK7KT14', '', '', '', '', 0);"
         )
         assert db.migrate(conn, cache.MIGRATIONS) == 8
         found = cache.library_page(conn, "s01e02", "", None, cache.NEWEST, 50)
         assert [row.title for row in found] == ["Show Name S01E02"]
-        assert [row.title for row in cache.library_page(conn, "", "", None, cache.NEWEST, 50)] == [
-            "Film",
-            "Show Name S01E02",
-        ]
+        assert [
+            (row.title, row.name)
+            for row in cache.library_page(conn, "", "", None, cache.NEWEST, 50)
+        ] == [("", "movie.nfo"), ("Film", ""), ("Show Name S01E02", "")]
     finally:
         conn.close()
