@@ -11,12 +11,16 @@ TEST_STAMP := $(VENV)/.test-installed
 
 PLUGINS := plugins/fullhash plugins/fileinfo plugins/filename plugins/mediainfo plugins/nfo
 
+# setuptools warns at every editable install that a folder named as the package may shadow it
+# (a UserWarning, six times over on a fresh machine, that reads like a failure): not shown.
+QUIET_BUILD := PYTHONWARNINGS=ignore::UserWarning
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(SERVE_STAMP): pyproject.toml $(PLUGINS:%=%/pyproject.toml) | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e . $(PLUGINS:%=-e %)
+	$(QUIET_BUILD) $(BIN)/python -m pip install --quiet -e . $(PLUGINS:%=-e %)
 	touch $(SERVE_STAMP)
 
 # The PostgreSQL driver (an extra), for `METANODE_STORAGE=postgresql://… make serve`
@@ -25,11 +29,11 @@ PG_STAMP := $(VENV)/.postgresql-installed
 SERVE_NEEDS := $(SERVE_STAMP) $(if $(findstring postgres,$(METANODE_STORAGE)),$(PG_STAMP))
 
 $(PG_STAMP): pyproject.toml | $(SERVE_STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[postgresql]'
+	$(QUIET_BUILD) $(BIN)/python -m pip install --quiet -e '.[postgresql]'
 	touch $(PG_STAMP)
 
 $(TEST_STAMP): $(SERVE_STAMP)
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(QUIET_BUILD) $(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(TEST_STAMP)
 
 test: $(TEST_STAMP)
