@@ -26,8 +26,9 @@ import os
 import socket
 import stat
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 from urllib.parse import urlsplit
 
@@ -601,6 +602,32 @@ def internal_url(settings: Settings) -> str:
     if settings.host in ("0.0.0.0", "::", ""):
         return f"http://{socket.gethostname()}:{settings.port}"
     return settings.client_url
+
+
+LEADER_FILE = Path("locks", "kv-leader.info")  # in the MetaMesh volume, as meta-core wrote it
+
+
+@contextlib.contextmanager
+def announced(settings: Settings) -> Iterator[None]:
+    """While the block runs, `<metamesh_volume>/locks/kv-leader.info` holds this node's URL
+    (`internal_url`, a line, as meta-core's leader election wrote it): the consumers that
+    predate UDP discovery read it to find the core, then ask its `/urls`. Written whole
+    (renamed into place), removed at the end unless another has written it since."""
+    if not settings.metamesh_volume:
+        yield
+        return
+    path = Path(settings.metamesh_volume) / LEADER_FILE
+    text = internal_url(settings) + "\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f"{path.name}.{os.getpid()}")
+    part.write_text(text, encoding="utf-8")
+    os.replace(part, path)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            if path.read_text(encoding="utf-8") == text:
+                path.unlink()
 
 
 def internal_host(settings: Settings) -> str:

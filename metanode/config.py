@@ -242,6 +242,13 @@ class Settings:
         "a record's `filePath` as this folder, then its WebDAV path "
         "(`/files/media/films/film.mkv`), as meta-sort writes and compares it (docs/compat.md).",
     )
+    metamesh_volume: str = setting(
+        "",
+        "The MetaMesh shared volume, the consumers' META_CORE_PATH (e.g. `/meta-core`; empty: "
+        "none): `serve` writes `locks/kv-leader.info` there naming this node's URL, as "
+        "meta-core did, and removes it at stop; meta-sort, meta-fuse and meta-stremio builds "
+        "without discovery find the core only by it (docs/compat.md).",
+    )
     webdav_plugin_writes: bool = setting(
         False,
         "Let WebDAV clients write plugin outputs under `/webdav/plugin/` (PUT, MKCOL, DELETE, "

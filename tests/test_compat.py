@@ -1423,3 +1423,25 @@ def test_compat_app_builds_without_a_started_node(tmp_path: Path) -> None:
 def test_the_urls_hostname_is_where_webdav_answers(host: str, port: int, hostname: str) -> None:
     settings = config.Settings(host=host, port=port)
     assert compat.internal_host(settings) == hostname
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_the_metamesh_volume_names_the_running_node_as_meta_cores_lock_file_did(
+    tmp_path: Path, workers: str
+) -> None:
+    """meta-fuse (and meta-sort, meta-stremio before their UDP discovery) find the core only
+    by `<META_CORE_PATH>/locks/kv-leader.info`, a URL they then ask `/urls` of: without it
+    they waited for a core for ever. The file names this node while it runs, and goes at
+    its stop."""
+    volume = tmp_path / "meta-core"
+    env = {"METANODE_METAMESH_VOLUME": str(volume), "METANODE_WORKERS": workers}
+    server = Server(tmp_path / "data", env=env).start()
+    lock = volume / "locks" / "kv-leader.info"
+    try:
+        url = lock.read_text(encoding="utf-8")
+        assert url == f"http://127.0.0.1:{server.port}\n"
+        urls = httpx.get(f"{url.strip()}/urls", timeout=10).json()
+        assert urls["webdavUrlInternal"] == f"{url.strip()}/webdav"
+    finally:
+        assert server.stop() == 0
+    assert not lock.exists() and lock.parent.is_dir()
