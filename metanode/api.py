@@ -113,6 +113,7 @@ FAMILIES: tuple[tuple[str, Access], ...] = (
     ("/file/", Access.TRUSTED),
     ("/urls", Access.TRUSTED),
     ("/api/services", Access.TRUSTED),
+    ("/services", Access.TRUSTED),
     ("/webdav", Access.TRUSTED),
     ("/webdav/", Access.TRUSTED),
     *((page, Access.PAGE) for page in ui.PAGES),

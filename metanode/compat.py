@@ -73,7 +73,8 @@ MAX_PROPERTY_BODY = 1024 * 1024  # meta-core reads a property body into a 1 MiB 
 NOT_SERVED = (
     "/leader",
     "/role",
-    "/services",
+    "/neighbors",
+    "/api/neighbors",
     "/api/mounts",
     "/api/events/subscribe",
     "/api/scan/trigger",
@@ -786,9 +787,10 @@ def routes(node: Node) -> list[BaseRoute]:
         )
 
     async def services(request: Request) -> Response:
-        """meta-core's service registry (`{"services": [ServiceInfo], "count"}`), which
-        meta-sort's and meta-fuse's navigation read: this node only, as nothing else is known to
-        be there (no registry, no discovery)."""
+        """meta-core's service registry (`{"services": [ServiceInfo], "count"}`, and the asked
+        `current`), which meta-sort's and meta-fuse's navigation read (meta-stremio's at
+        `/services?current=…`): this node only, as nothing else is known to be there (no
+        registry, no discovery)."""
         base = str(request.base_url).rstrip("/")
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         this = {
@@ -800,7 +802,10 @@ def routes(node: Node) -> list[BaseRoute]:
             "status": "running",
             "lastHeartbeat": now,
         }
-        return JSONResponse({"services": [this], "count": 1})
+        current = request.query_params.get("current")
+        return JSONResponse(
+            {"services": [this], "count": 1, **({"current": current} if current else {})}
+        )
 
     return [
         Route("/meta", list_meta),
@@ -813,6 +818,7 @@ def routes(node: Node) -> list[BaseRoute]:
         Route("/file/{cid}", file_bytes),
         Route("/urls", urls),
         Route("/api/services", services),
+        Route("/services", services),  # meta-core's older path: meta-stremio's navigation
         Route(webdav.MOUNT, to_webdav_root, methods=webdav.METHODS),
         Mount(webdav.MOUNT, app=webdav.App(node.settings)),  # WebDAV, outside the OpenAPI doc
     ]

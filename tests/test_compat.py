@@ -666,6 +666,9 @@ async def test_api_services_lists_this_node_only(client: httpx.AsyncClient) -> N
     }
     assert heartbeat.endswith("Z") and len(heartbeat) == len("2026-01-01T00:00:00Z")
     assert (await client.get("/health")).status_code == 200  # the health URL answers
+    # meta-stremio's navigation asks meta-core's older path, naming itself: it got a 404
+    older = (await client.get("/services", params={"current": "meta-stremio"})).json()
+    assert older["current"] == "meta-stremio" and older["services"][0]["name"] == "metanode"
 
 
 # -- GET /api/file/{cid}/info, GET /file/{cid} ---------------------------------------------------
