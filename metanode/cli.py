@@ -48,6 +48,7 @@ from metanode.errors import (
     InvalidClaim,
     InvalidRequest,
     MetanodeError,
+    Unreachable,
     storage_error,
 )
 
@@ -58,7 +59,8 @@ def reports_errors(func: F) -> F:
     """Turn a `MetanodeError` into `error: <slug>: <message>` on stderr and exit code 2; so too
     a file operation that failed outside the database layer (the token, a key, a backup copy,
     an `--out`): a full or read-only disk as its typed `StorageError`, any other (a missing
-    folder, a file where a folder was meant) as `FileFailed`, never a traceback."""
+    folder, a file where a folder was meant) as `FileFailed`; and a database failure no store
+    typed (a damaged file), never a traceback."""
 
     @wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -70,6 +72,11 @@ def reports_errors(func: F) -> F:
             _fail(storage_error(exc) or FileFailed.of(exc))
         except MetanodeError as exc:
             _fail(exc)
+        except Exception as exc:  # a damaged database met where no store maps its error
+            typed = maintenance.storage_failure(exc)
+            if typed is None:
+                raise
+            _fail(typed)
 
     return wrapper  # type: ignore[return-value]
 
@@ -82,8 +89,17 @@ def _reader_gone() -> NoReturn:
 
 
 def _fail(exc: MetanodeError) -> NoReturn:
-    click.echo(f"error: {exc.slug}: {exc.message}", err=True)
+    hint = UNREACHABLE_HINT if isinstance(exc, Unreachable) else ""
+    click.echo(f"error: {exc.slug}: {exc.message}{hint}", err=True)
     sys.exit(2)
+
+
+# where a client command looks for its node: the settings' address, which a node serving on
+# another port (given to `serve` alone) does not change
+UNREACHABLE_HINT = (
+    "; a node serving elsewhere is named with --url, or the METANODE_HOST and METANODE_PORT it "
+    "serves with"
+)
 
 
 class Metanode(click.Group):
@@ -283,9 +299,16 @@ def init(config_file: str | None, data_dir: str | None, new_owner: bool) -> None
     settings = load_settings(config_file, data_dir=data_dir)
     maintenance.open_store(settings)
     token, created = maintenance.ensure_token(settings.token_path)
-    owner, _ = maintenance.adopt_owner(settings, new_owner)
+    owner, former = maintenance.adopt_owner(settings, new_owner)
     click.echo(f"data directory: {settings.data_dir.resolve()}")
     click.echo(f"owner key: {owner} (signer `owner`, in {settings.keys_dir})")
+    if former is not None:
+        click.echo(
+            f"warning: the former owner key {former} keeps its weight, and its edits stand; "
+            f"if it may be in other hands, `metanode signers block {former}` (its edits are "
+            "withdrawn with it)",
+            err=True,
+        )
     if created:
         click.echo(f"API token (also in {settings.token_path}): {token}")
     else:
@@ -1089,8 +1112,10 @@ def import_command(
     """Verify every claim of SOURCE (JSON lines or an array; - is stdin), then ingest them as
     the node would. Nothing is written if any claim fails; each failure is listed with its line.
 
-    JSON lines are streamed twice (verify, then ingest): memory stays flat whatever the size."""
-    settings = load_settings(config_file, data_dir=data_dir)
+    JSON lines are streamed twice (verify, then ingest): memory stays flat whatever the size.
+    Into a node only (`metanode init` makes one): a mistyped --data-dir made a new node, and
+    the claims went there."""
+    settings = node_settings(config_file, data_dir)
     with _rereadable(source, settings.data_dir.resolve().parent) as f:
         try:
             with logs.progress_bar() as bar:

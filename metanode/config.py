@@ -511,7 +511,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
     if unknown:
         names = ", ".join(name + _guess(name, FIELDS) for name in unknown)
         raise InvalidRequest(f"{path}: unknown setting(s) {names}")
+    for name, value in data.items():  # the environment's text is parsed; TOML has types
+        kind = _TOML_KINDS.get(type(FIELDS[name].default))
+        if kind is not None and isinstance(value, str):
+            raise InvalidRequest(
+                f"{path}: setting {name}: {value!r} is text, not {kind}: write it without quotes"
+            )
     return data
+
+
+_TOML_KINDS = {bool: "true or false", int: "a number", float: "a number"}
 
 
 def unknown_environment(env: Mapping[str, str] | None = None) -> list[str]:

@@ -53,6 +53,7 @@ from metanode.errors import (
     NotCommitted,
     SchemaTooNew,
     ShuttingDown,
+    StorageCorrupt,
     StorageError,
     StorageFull,
     StorageIOError,
@@ -118,6 +119,8 @@ _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
     ("SQLITE_IOERR", StorageIOError),
     ("SQLITE_BUSY", StorageLocked),
     ("SQLITE_LOCKED", StorageLocked),
+    ("SQLITE_CORRUPT", StorageCorrupt),
+    ("SQLITE_NOTADB", StorageCorrupt),
 )
 
 
@@ -134,7 +137,14 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     kind = next((k for prefix, k in _SQLITE_STORAGE if name.startswith(prefix)), None)
     if kind is None:
         return None
-    return kind(f"the data directory failed: {f'{where}: ' if where else ''}{exc} ({name})")
+    hint = CORRUPT_HINT if kind is StorageCorrupt else ""
+    return kind(f"the data directory failed: {f'{where}: ' if where else ''}{exc} ({name}){hint}")
+
+
+CORRUPT_HINT = (
+    "; cache.db is rebuilt from the truth by `metanode rebuild-cache`, a damaged truth.db is put "
+    "back from a backup by `metanode restore` (docs/operations.md)"
+)
 
 
 def mapped(method: Callable[P, T]) -> Callable[P, T]:
@@ -270,6 +280,10 @@ def copy_backup(backup: Path, dest: Path, newest: int) -> None:
         verdict = copy_database(backup, dest)
         with closing(sqlite3.connect(dest)) as conn:
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+    except StorageCorrupt:
+        raise InvalidRequest(
+            f"{backup} is not a backup of a database (damaged, or another file)"
+        ) from None
     except sqlite3.DatabaseError as exc:
         raise InvalidRequest(f"{backup} is not a backup of a database: {exc}") from None
     if verdict != "ok":

@@ -282,6 +282,12 @@ class PeerCannotReconcile(PeerFailed):
     instead. Only this, not a peer that is down or refuses the token, falls back so."""
 
 
+class PeerCursorRefused(PeerFailed):
+    """The peer refused this box's cursor into its log (`invalid_cursor`): its log is another
+    than the one the cursor was taken in (restored from a backup, or another box answers at
+    the address). The follower reconciles again, as a new peer does, and reads on from there."""
+
+
 # -- the node cannot answer now -----------------------------------------------------------------
 
 
@@ -363,6 +369,15 @@ class StorageRefused(StorageError):
     operator mends `storage` or the server's roles."""
 
     slug = "storage_refused"
+    retryable = False
+
+
+class StorageCorrupt(StorageError):
+    """A database file is damaged (SQLite: "database disk image is malformed", "file is not a
+    database"): asking again does not help. The cache is rebuilt from the truth
+    (`metanode rebuild-cache`); a damaged truth is put back from a backup (`metanode restore`)."""
+
+    slug = "storage_corrupt"
     retryable = False
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, datadir, keys, truth
+from metanode import cache, claims, datadir, db, keys, truth
 from metanode import rid as rids
 from metanode.applier import cache_needs_build
 from metanode.clock import now_ms
@@ -38,6 +38,7 @@ from metanode.errors import (
     InvalidRequest,
     NoNode,
     OwnerKey,
+    StorageError,
     TargetNotEmpty,
     UnknownPeer,
 )
@@ -73,14 +74,15 @@ def ensure_owner(settings: Settings) -> tuple[str, bool]:
     return keys.uid_of_key(keys.load_or_create(path)), created
 
 
-def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, bool]:
+def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, str | None]:
     """`ensure_owner`, then the truth's owner checked against it (`init`, `serve`): refused
     with `OwnerMismatch` if the truth belongs to another key, unless `new_owner` makes this
-    key the owner (the old one lost)."""
-    uid, created = ensure_owner(settings)
+    key the owner (the old one lost). (The owner's uid, the former owner's if one was adopted
+    over.)"""
+    uid, _ = ensure_owner(settings)
     with truth_store(settings) as store:
-        store.claim_owner_sync(uid, adopt=new_owner)
-    return uid, created
+        former = store.claim_owner_sync(uid, adopt=new_owner)
+    return uid, former
 
 
 def refuse_owner_change(owner: str | None, uid: str, status: str | None = None) -> None:
@@ -130,6 +132,13 @@ def check_writable(settings: Settings) -> None:
 
 
 # -- the signer registry ------------------------------------------------------------------------
+
+
+def storage_failure(exc: BaseException) -> StorageError | None:
+    """The typed error of a database failure a command met outside a store's own mapping (a
+    damaged file read by an export's generator), or None for anything else: the CLI's one
+    way to say it in words (`reports_errors`), where a traceback came out."""
+    return db.storage_error(exc)
 
 
 def truth_store(settings: Settings) -> truth.TruthStore:

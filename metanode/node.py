@@ -945,7 +945,7 @@ class Node:
         return body
 
     def _service_problems(self) -> list[str]:
-        """What /health says of the plugin host and the watcher, where they run."""
+        """What /health says of the plugin host, the watcher and the peers, where they run."""
         problems = []
         if self.plugin_host is not None:
             if self._plugins_task.done():
@@ -962,4 +962,9 @@ class Node:
                     f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "
                     f"not mounted?), their files kept as they were: {', '.join(unlisted[:3])}"
                 )
+        problems += [  # said only in `metanode peers list` before: /health stayed ok
+            f"peer {name} is not followed: {follower.last_error}"
+            for name, follower in sorted(self.peers.followers.items())
+            if follower.last_error
+        ]
         return problems

@@ -31,6 +31,7 @@ from metanode.errors import (
     InvalidJson,
     MetanodeError,
     PeerCannotReconcile,
+    PeerCursorRefused,
     PeerFailed,
     UnknownPeer,
 )
@@ -42,6 +43,12 @@ RECONCILE = "/api/claims/reconcile"  # a peer without it (404, 405) is an older 
 # the answering data directory's instance id, on the claim log's and reconciliation's answers:
 # a follower that finds its own there was added at this box's own address
 SELF_HEADER = "X-Metanode-Instance"
+# what a refusal of the peer's means for whoever reads `last_error`: what to do about it
+_HINTS = {
+    401: "; the other box does not know the token (revoked, or mistyped): make a new one there "
+    "(`metanode peers token create --name N`) and give it here with `metanode peers add URL "
+    "--token T --name <this peer's name>`",
+}
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,14 @@ class Follower:
                 reconciling = False
                 log.info("peer %s cannot reconcile; reading its log from the start", self.name)
                 continue
+            except PeerCursorRefused:  # a rewound log: its seqs would be given again
+                reconciling = True
+                log.warning(
+                    "peer %s refused this box's cursor into its log (restored from a backup?): "
+                    "reconciling with it again",
+                    self.name,
+                )
+                continue
             except MetanodeError as exc:
                 self._failed(exc)
                 await self._pause(delay)
@@ -186,10 +201,16 @@ class Follower:
         try:
             body = jsonl.loads(response.content, f"{path}'s answer")
         except InvalidJson:
-            raise PeerFailed(f"{path} answered {response.status_code}, not JSON") from None
+            raise PeerFailed(
+                f"{path} answered {response.status_code}, not JSON: no metanode answers at "
+                f"{self.http.base_url}"
+            ) from None
         if response.status_code != 200:
             slug = body.get("error") if isinstance(body, dict) else None
-            raise PeerFailed(f"{path} answered {response.status_code} {slug}")
+            said = f"{path} answered {response.status_code} {slug}"
+            if slug == "invalid_cursor":
+                raise PeerCursorRefused(said)
+            raise PeerFailed(said + _HINTS.get(response.status_code, ""))
         return body, sent, len(response.content)
 
     async def pull_once(self) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+import secrets
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -42,7 +43,9 @@ from metanode.db import (
     holds_rows,
     make_incremental,
     mapped,
+    migrate_file,
     reclaim,
+    run_txn,
     snapshot,
     storage_errors,
 )
@@ -925,23 +928,25 @@ def log_id(conn: Connection) -> str:
     return str(conn.execute("SELECT value FROM box WHERE name = 'log_id'").fetchone()[0])
 
 
-def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> None:
+def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> str | None:
     """The box's owner is `uid`: recorded in `box` the first time, and `OwnerMismatch` if
     another is recorded, unless `adopt` (`metanode init --new-owner`: the recorded key is lost,
-    or this is another box seeded from a copy of the truth). The one place of the rule."""
+    or this is another box seeded from a copy of the truth). The one place of the rule. Returns
+    the owner key adopted over (None: none), which keeps its signer row and weight: its edits
+    stand until it is blocked, which withdraws them."""
     row = conn.execute("SELECT value FROM box WHERE name = 'owner'").fetchone()
     recorded = str(row[0]) if row is not None else _registered_owner(conn, uid)
     if recorded == uid or adopt:
         if row is None or row[0] != uid:  # written once, not at every start
             conn.execute("DELETE FROM box WHERE name = 'owner'")
             conn.execute("INSERT INTO box (name, value) VALUES ('owner', ?)", (uid,))
-        return
+        return None if recorded == uid else recorded
     raise OwnerMismatch(
         f"this node's databases belong to the owner key {recorded}, but this data "
-        f"directory's keys/owner.key is {uid}: copy keys/ (and api-token, session-secret) "
-        "from the node's data directory (docs/scale-out.md), or restore them from the "
-        "backup; if that key is lost for good, or this is another box seeded from a copy, "
-        "`metanode init --new-owner` makes this one the owner"
+        f"directory's keys/owner.key is {uid}: copy keys/ from the node's data directory "
+        "(docs/scale-out.md), or put them back from the backup (`metanode restore`); if that "
+        "key is lost for good, or this is another box seeded from a copy, `metanode init "
+        "--new-owner` makes this one the owner"
     )
 
 
@@ -950,6 +955,19 @@ def _registered_owner(conn: Connection, uid: str) -> str:
     `uid`'s when there is none (a new truth) or `uid` is one of them."""
     named = [str(r[0]) for r in conn.execute("SELECT uid FROM signers WHERE name = 'owner'")]
     return uid if not named or uid in named else ", ".join(sorted(named))
+
+
+def renew_log_txn(conn: Connection) -> None:
+    """A new `box.log_id`, for a truth put back from a backup: its seqs after the backup's end
+    will be given again to other claims, so a follower's cursor of the log as it was would be
+    taken for a place in this one and the claims below it skipped. Another log id makes every
+    such cursor `invalid_cursor`, and the follower reconciles (peers.md)."""
+    conn.execute(
+        "UPDATE box SET value = ? WHERE name = 'log_id'", (secrets.token_hex(LOG_ID_BYTES),)
+    )
+
+
+LOG_ID_BYTES = 8  # as the schema's own `randomblob(8)`
 
 
 def log_cursor(name: str, seq: int) -> str:
@@ -1857,8 +1875,8 @@ class TruthStore(Store):
         """`claim_owner_txn` at start: refused if the truth belongs to another owner key."""
         await self.writer.run(claim_owner_txn, uid, False)
 
-    def claim_owner_sync(self, uid: str, adopt: bool = False) -> None:
-        self.writer.run_sync(claim_owner_txn, uid, adopt)
+    def claim_owner_sync(self, uid: str, adopt: bool = False) -> str | None:
+        return self.writer.run_sync(claim_owner_txn, uid, adopt)
 
     async def set_signer_status(self, uid: str, status: str) -> SignerRow:
         return await self.writer.run(set_signer_status_txn, uid, status, self._clock())
@@ -2057,10 +2075,17 @@ class TruthStore(Store):
 
     @classmethod
     def restore_copy(cls, backup: Path, dest: Path) -> None:
-        """Copy the backup `backup` (`backup_to` made it) into the empty file `dest`, checked:
-        sound, and of a schema this version reads (`metanode restore`)."""
+        """Copy the backup `backup` (`backup_to` made it) into the empty file `dest`, checked
+        (sound, of a schema this version reads), brought up to this schema, and given a log id
+        of its own (`renew_log_txn`): what `metanode restore` puts in place."""
         with storage_errors(dest):
             copy_backup(backup, dest, len(MIGRATIONS))
+            migrate_file(dest, MIGRATIONS)
+            conn = connect(dest)
+            try:
+                run_txn(conn, renew_log_txn)
+            finally:
+                conn.close()
 
     def apply_connection(self) -> Connection:
         """The connection `snapshot()` reads on (for tests that trace what the apply reads)."""

@@ -188,6 +188,10 @@ def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:
             f"error: unreachable: no node answers at http://127.0.0.1:{port}: "
         ), lines[0]
         assert "refused" in lines[0].lower()
+        assert lines[0].endswith(  # a node on another port: said where to name it
+            "; a node serving elsewhere is named with --url, or the METANODE_HOST and "
+            "METANODE_PORT it serves with"
+        )
 
 
 def test_events_says_it_waits_then_follows_the_node_once_it_is_up(tmp_path: Path) -> None:

@@ -103,6 +103,12 @@ def test_unknown_file_keys_and_broken_toml_are_errors(tmp_path: Path) -> None:
     typo.write_text("prot = 1\nzzz = 2\n")
     with pytest.raises(InvalidRequest, match=r"prot \(did you mean port\?\), zzz$"):
         config.load(typo, env={})
+    quoted = tmp_path / "quoted.toml"  # accepted as if it were a number
+    quoted.write_text('port = "9100"\n')
+    with pytest.raises(
+        InvalidRequest, match="setting port: '9100' is text, not a number: write it without quotes"
+    ):
+        config.load(quoted, env={})
     broken = tmp_path / "broken.toml"
     broken.write_text("port = \n")
     with pytest.raises(InvalidRequest, match="cannot read"):

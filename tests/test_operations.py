@@ -353,6 +353,33 @@ def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: P
         server.stop()
 
 
+def test_a_damaged_truth_is_said_in_words_with_the_way_out(tmp_path: Path) -> None:
+    """A review's truth.db, damaged (a stale WAL replayed onto a restored copy), made `export`
+    and `check` print Python tracebacks: now `storage_corrupt`, exit 2, and what to do."""
+    data = tmp_path / "data"
+    cli("init", "--data-dir", str(data))
+    signer = Signer()
+    lines = [
+        json.dumps(signer.claim(cids.midhash_bytes(f"d{n}".encode()), "title", "v" * 200))
+        for n in range(2000)
+    ]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    cli("import", str(tmp_path / "in.jsonl"), "--register-signers", "--data-dir", str(data))
+    with open(data / "truth.db", "r+b") as damaged:
+        damaged.seek(20 * 4096)
+        damaged.write(b"\xff" * 5 * 4096)
+    for command in (["export", "--out", str(tmp_path / "out.jsonl")], ["check"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "metanode", *command, "--data-dir", str(data)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith("error: storage_corrupt: ") and "Traceback" not in done.stderr
+        assert done.stderr.rstrip().endswith("`metanode restore` (docs/operations.md)")
+
+
 def register_with(server: Server, signer: Signer) -> None:
     httpx.post(
         f"{server.url}/api/signers",
@@ -399,6 +426,7 @@ async def test_export_then_import_gives_identical_documents(
     second = tmp_path / "second"
     with storages() as there:
         args = ("import", str(export), "--data-dir", str(second))
+        cli("init", "--data-dir", str(second), storage=there)
         done = cli(*args, "--register-signers", storage=there)
         assert "5 accepted" in done.stdout
         assert "5 duplicate" in cli(*args, storage=there).stdout
@@ -426,43 +454,33 @@ def test_import_refuses_a_tampered_file_and_writes_nothing(tmp_path: Path) -> No
     bad = {**good, "value": "tampered"}
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "metanode",
-            "import",
-            str(source),
-            "--register-signers",
-            "--data-dir",
-            str(tmp_path / "d"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+
+    def importing(*extra: str, into: Path = tmp_path / "d") -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "metanode", "import", str(source), "--data-dir", str(into)]
+            + list(extra),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    typo = importing("--register-signers", into=tmp_path / "typo")  # it made a node there
+    assert typo.returncode == 2 and typo.stderr.startswith("error: no_node: ")
+    assert not (tmp_path / "typo").exists()
+    cli("init", "--data-dir", str(tmp_path / "d"))
+    done = importing("--register-signers")
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "error: invalid_batch: 1 claim(s) rejected; nothing was written",
         "  claim 2: bad_signature: signature does not verify against uid",
     ]
-    assert not (tmp_path / "d" / "truth.db").exists()
+    assert (
+        cli("export", "--out", "-", "--data-dir", str(tmp_path / "d")).stderr
+        == "exported 0 claims\n"
+    )
     many = [signer.claim(cids.midhash_bytes(b"t"), f"k{n}", "v") for n in range(12)]
     source.write_text("".join(json.dumps(c) + "\n" for c in many))
-    unknown = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "metanode",
-            "import",
-            str(source),
-            "--data-dir",
-            str(tmp_path / "d"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )  # one unknown signer was one line a claim, the error last, and no way out named
+    unknown = importing()  # one unknown signer was one line a claim, the error last, no way out
     assert unknown.returncode == 2 and unknown.stdout == ""
     assert unknown.stderr.splitlines() == [
         "error: invalid_batch: 12 claim(s) rejected; nothing was written",

@@ -65,6 +65,10 @@ def test_a_truth_of_another_owner_key_is_refused_until_adopted(tmp_path: Path) -
     assert adopted.returncode == 0, adopted.stderr
     new = keys.uid_of_key(keys.load(data / "keys" / "owner.key"))
     assert new != old and f"owner key: {new}" in adopted.stdout
+    assert adopted.stderr.startswith(  # a key that may be stolen kept weight 100, unsaid
+        f"warning: the former owner key {old} keeps its weight, and its edits stand; if it may "
+        f"be in other hands, `metanode signers block {old}`"
+    )
     srv = Server(data).start()
     try:
         listed = httpx.get(f"{srv.url}/api/signers", headers=srv.headers).json()["signers"]

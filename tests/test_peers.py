@@ -209,6 +209,34 @@ def test_b_follows_a_and_ends_with_a_s_documents_live_and_through_tombstones(
     a.stop()
     wait_for(lambda: peer_status(b)["last_error"].startswith("peer_failed"), "B to see A fail")
     wait_for(lambda: peer_status(b)["lag_s"] > 0, "B's lag behind the silent A to grow")
+    health = httpx.get(f"{b.url}/health", timeout=10).json()  # it said ok: only `peers list` knew
+    assert health["status"] == "degraded"
+    assert any(p.startswith("peer a is not followed: peer_failed: ") for p in health["problems"])
+
+
+def test_a_box_restored_from_a_backup_is_followed_on_without_a_gap(
+    pair: tuple[Server, Server], tmp_path: Path
+) -> None:
+    """A review restored A from a backup while B followed it: A gave the seqs after the
+    backup's end again to new claims, B's cursor (taken in the longer log) was a place in the
+    new one, and B skipped the new claims below it, showing no error. Now a restore gives the
+    log a new id: B's cursor is refused, and B reconciles by itself and reads on."""
+    a, b = pair
+    signer, kept, lost = two_sets(pair, "restore", 50, 50)
+    post(a, kept)
+    token = peer_token(a, "b")  # before the backup: a token made after it is gone with the rest
+    backup = cli("backup", str(tmp_path / "bk"), "--data-dir", str(a.data_dir)).strip()
+    post(a, lost)
+    add_peer(b, a, token)
+    wait_for(lambda: claim_set(b) >= claim_set(a), "B to hold A's claims")
+    a.stop()
+    cli("restore", backup, "--data-dir", str(a.data_dir))
+    a.start()
+    fresh = fast_claims(signer, [(cid(f"restored{i}"), "year", str(i), NOW_MS) for i in range(80)])
+    post(a, fresh)  # more than `lost`: A's log now runs past B's old cursor
+    wait_for(lambda: claim_set(b) >= claim_set(a), "B to hold every claim of the restored A")
+    assert {c["sig"] for c in lost} <= claim_set(b)  # what A lost, B keeps
+    wait_for(lambda: peer_status(b)["last_error"] == "", "B to follow A without an error")
 
 
 def test_a_follower_killed_mid_sync_ends_with_exactly_the_peer_s_claims(tmp_path: Path) -> None:

@@ -269,6 +269,7 @@ def test_a_cache_build_that_runs_out_of_space_is_retried_until_it_fits(
     with lines.open("wb") as out:
         for claim in batch(signer, "big", 5_000):  # ≈ 10 MB of values: more than the tmpfs
             out.write(jsonl.encode(claim))
+    cli("init", "--data-dir", str(data))
     imported = cli("import", str(lines), "--register-signers", "--data-dir", str(data))
     assert imported.returncode == 0, imported.stderr
     for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
