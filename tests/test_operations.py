@@ -457,8 +457,16 @@ def test_import_refuses_a_tampered_file_and_writes_nothing(tmp_path: Path) -> No
 
     def importing(*extra: str, into: Path = tmp_path / "d") -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "metanode", "import", str(source), "--data-dir", str(into)]
-            + list(extra),
+            [
+                sys.executable,
+                "-m",
+                "metanode",
+                "import",
+                str(source),
+                "--data-dir",
+                str(into),
+                *extra,
+            ],
             capture_output=True,
             text=True,
             timeout=60,
