@@ -326,7 +326,7 @@ def watching(settings: config.Settings) -> str:
     """The start-up line naming what the watcher watches, so a wrong folder shows at once."""
     if not settings.watch_enabled:
         return "watching: nothing (watch_enabled is off)"
-    roots = ", ".join(str(Path(root).resolve()) for root in settings.watch_roots)
+    roots = ", ".join(str(Path(root).resolve()) for root in settings.watched)
     if settings.postgresql:
         return f"watching, while this replica applies (docs/scale-out.md): {roots}"
     return f"watching: {roots}"
@@ -828,7 +828,7 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
     tried = plugins.trial(
         plugin_name,
         (midhash, real, stat.st_size, stat.st_mtime_ns),
-        [os.path.realpath(root) for root in settings.watch_roots],
+        [os.path.realpath(root) for root in settings.watched],
         claims.Limits(settings.max_value_bytes, settings.max_skew_ms),
     )
     for cid, key, value in tried.drafts:

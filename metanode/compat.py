@@ -378,7 +378,7 @@ async def local_copy(node: Node, text: str) -> LocalCopy | None:
     """The first local path (by path) still holding the content this CID names, opened."""
     node.require_ready()
     files, mime = node.local_copies(node.resolve_cid(text)[1])
-    roots = [os.path.realpath(root) for root in node.settings.watch_roots]
+    roots = [os.path.realpath(root) for root in node.settings.watched]
     for file in files:
         opened = await asyncio.to_thread(
             open_hashed, file, roots, node.settings.watch_follow_symlinks
@@ -586,7 +586,7 @@ class FilesFollow(_Follow[feed.FileFeedRow]):
         return self.node.files_feed()
 
     def _form(self) -> FileFrames:
-        return FileFrames(Roots.of(self.node.settings.watch_roots))
+        return FileFrames(Roots.served(self.node.settings))
 
     def _state_start(self, now: int) -> list[feed.Event]:
         return [("reset", {"path": "", "timestamp": str(now)})]
@@ -644,7 +644,7 @@ def internal_host(settings: Settings) -> str:
 def routes(node: Node) -> list[BaseRoute]:
     """The MetaMesh routes of one node (the token, or a trusted network: docs/compat.md)."""
     writer = LegacyWriter(node)
-    roots = Roots.of(node.settings.watch_roots)
+    roots = Roots.served(node.settings)
     files_path = node.settings.metamesh_files_path.rstrip("/")
 
     def mounted(path: str) -> str:

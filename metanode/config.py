@@ -252,7 +252,8 @@ class Settings:
     webdav_plugin_writes: bool = setting(
         False,
         "Let WebDAV clients write plugin outputs under `/webdav/plugin/` (PUT, MKCOL, DELETE, "
-        "MOVE, COPY), into `webdav_plugin_dir`; the watch roots stay read-only.",
+        "MOVE, COPY), into `webdav_plugin_dir`, which is then watched as well (a poster is "
+        "found by its CID); the watch roots stay read-only.",
     )
     webdav_plugin_dir: str = setting(
         "",
@@ -358,6 +359,15 @@ class Settings:
         bind address (`0.0.0.0`, `::`) is asked on loopback."""
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
         return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+
+    @property
+    def watched(self) -> tuple[str, ...]:
+        """The folders the watcher keeps: `watch_roots`, and the plugin outputs' folder when
+        WebDAV writes are on, whose files (a poster a MetaMesh plugin wrote) are content as
+        well: found by their CID (`/file/{cid}`, `info`), as meta-core's were."""
+        if self.webdav_plugin_writes:
+            return (*self.watch_roots, str(self.plugin_outputs))
+        return self.watch_roots
 
     @property
     def plugin_outputs(self) -> Path:

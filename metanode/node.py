@@ -193,7 +193,9 @@ class Node:
         for row in self.truth.peers():
             self.peers.follow(row)
         if self.settings.watch_enabled:
-            self.watcher = self._make_watcher(self.settings.watch_roots)
+            if self.settings.webdav_plugin_writes:  # private, as the data directory it is in
+                self.settings.plugin_outputs.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.watcher = self._make_watcher(self.settings.watched)
             self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
 
     async def _unlead(self) -> None:
@@ -328,7 +330,7 @@ class Node:
             s.plugin_max_attempts,
             s.plugin_retry_s,
             self.clock,
-            [str(Path(root).resolve()) for root in s.watch_roots],
+            [str(Path(root).resolve()) for root in s.watched],
         )
         self._plugins_task = asyncio.create_task(host.run(), name="plugins")
         return host

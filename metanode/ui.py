@@ -668,7 +668,7 @@ class Pages:
         return render(
             request,
             "files.html",
-            roots=self.node.settings.watch_roots if self.node.settings.watch_enabled else [],
+            roots=self.node.settings.watched if self.node.settings.watch_enabled else [],
             folders=folders,
             prefix=prefix,
             next=page["next"],

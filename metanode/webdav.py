@@ -61,9 +61,17 @@ class Roots:
     """
 
     collections: tuple[tuple[str, str], ...]
+    plugin: str | None = None  # the plugin outputs' folder (real path), served at `plugin/`
 
     @classmethod
-    def of(cls, roots: Sequence[str]) -> Roots:
+    def served(cls, settings: Settings) -> Roots:
+        """The layout of a node: its watch roots, and the plugin outputs' folder at `plugin/`
+        when WebDAV writes are on (its files are watched too: `Settings.watched`)."""
+        outputs = settings.plugin_outputs if settings.webdav_plugin_writes else None
+        return cls.of(settings.watch_roots, outputs)
+
+    @classmethod
+    def of(cls, roots: Sequence[str], plugin: os.PathLike[str] | None = None) -> Roots:
         """Each root named by its basename (`root` for `/`), made unique with `-2`, `-3`…"""
         taken = {PLUGIN}
         collections = []
@@ -76,14 +84,15 @@ class Roots:
                 name = f"{base}-{n}"
             taken.add(name)
             collections.append((name, real))
-        return cls(tuple(collections))
+        return cls(tuple(collections), os.path.realpath(plugin) if plugin is not None else None)
 
     def relative(self, path: str) -> str:
         """`<name>/<path below the root>` of the deepest root holding `path`; a path outside
         every root (from `metanode scan` of another folder) just loses its leading `/` (no
         WebDAV path serves it)."""
         best: tuple[str, str] | None = None  # (name, prefix), the longest prefix first found
-        for name, real in self.collections:
+        outputs = ((PLUGIN, self.plugin),) if self.plugin is not None else ()
+        for name, real in (*self.collections, *outputs):
             prefix = real.rstrip("/") + "/"
             if path.startswith(prefix) and (best is None or len(prefix) > len(best[1])):
                 best = (name, prefix)
@@ -244,7 +253,7 @@ def server(settings: Settings) -> ASGIApp:
     inside `plugin/` would be refused (502).
     """
     outputs = plugin_dir(settings)
-    roots = Roots.of(settings.watch_roots)
+    roots = Roots.of(settings.watch_roots)  # `plugin/` has its own writable provider below
     layout = dav(
         MOUNT, Layout(roots, settings.watch_follow_symlinks, str(outputs) if outputs else None)
     )

@@ -322,6 +322,26 @@ def test_plugin_outputs_are_writable_when_enabled(launch: Callable[..., Server])
     assert sorted(p.name for p in server.media.iterdir()) == ["film.mkv"]
 
 
+def test_a_plugin_output_is_found_by_its_cid_as_the_media_are(
+    launch: Callable[..., Server],
+) -> None:
+    """meta-stremio serves a record's poster by the CID a plugin claimed for the image it wrote
+    over WebDAV (`/api/file/{cid}/info`, then the bytes): the outputs' folder was not watched,
+    so no CID found it. It is watched while writes are on, its files at `plugin/…`."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    base = f"{server.url}/webdav/{PLUGIN}"
+    poster = b"\xff\xd8 a poster " * 500
+    httpx.request("MKCOL", f"{base}/tmdb/", timeout=30)
+    assert httpx.put(f"{base}/tmdb/poster.jpg", content=poster, timeout=30).status_code == 201
+    cid = hashed(server, server.data_dir / "plugin" / "tmdb" / "poster.jpg")
+    info = httpx.get(f"{server.url}/api/file/{cid}/info", timeout=10).json()
+    assert (info["filePath"], info["size"]) == ("plugin/tmdb/poster.jpg", len(poster))
+    assert httpx.get(f"{server.url}/file/{cid}", timeout=30).content == poster
+    path = httpx.get(f"{server.url}/meta/{cid}/filePath", timeout=10).text
+    assert path == "/files/plugin/tmdb/poster.jpg"
+    assert httpx.get(f"{server.url}/webdav/{info['filePath']}", timeout=30).content == poster
+
+
 def test_plugin_outputs_are_refused_when_disabled(launch: Callable[..., Server]) -> None:
     server = launch()
     base = f"{server.url}/webdav/{PLUGIN}"
