@@ -249,13 +249,13 @@ def _v7(conn: Connection) -> None:
 
 
 def _v8(conn: Connection) -> None:
-    """No new table: the library lists an episode with its number and title (`library_title`),
-    and a record with no local file by its `fileName` (it showed its rid), so the rows of such
-    records are indexed again."""
+    """No new table: the library lists an episode with its number and title, a film with its
+    part or volume (`library_title`), and a record with no local file by its `fileName` (it
+    showed its rid), so the rows of such records are indexed again."""
     rids = [
         r[0]
         for r in conn.execute(
-            "SELECT rid FROM records WHERE key IN ('season', 'episode') UNION "
+            "SELECT rid FROM records WHERE key IN ('season', 'episode', 'part', 'volume') UNION "
             "SELECT rid FROM records r WHERE key = 'fileName' AND NOT EXISTS "
             "(SELECT 1 FROM records p WHERE p.rid = r.rid AND p.key = 'filePath') ORDER BY rid"
         )
@@ -668,10 +668,20 @@ def library_title(record: Mapping[str, str]) -> str:
     number = "".join(
         f"{letter}{int(record[key]):02d}"
         for letter, key in (("S", "season"), ("E", "episode"))
-        if record.get(key, "").isascii() and record.get(key, "").isdigit()
+        if _is_number(record.get(key, ""))
+    )
+    sequel = " ".join(  # `Dune Part 2`, `Kill Bill Vol. 2`: the title is the name alone
+        f"{word} {record[key]}"
+        for word, key in (("Part", "part"), ("Vol.", "volume"))
+        if _is_number(record.get(key, ""))
     )
     episode_title = record.get("episodeTitle", "") if number else ""
-    return " · ".join(part for part in (f"{title} {number}".strip(), episode_title) if part)
+    named = " ".join(word for word in (title, sequel, number) if word)
+    return " · ".join(part for part in (named, episode_title) if part)
+
+
+def _is_number(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def index_library(

@@ -64,6 +64,33 @@ TEXT = b"Release notes\nNothing to see here.\n"
 # name, content, expected fileinfo (complete), expected filename claims (complete)
 CASES: list[tuple[str, bytes, dict[str, str], dict[str, str]]] = [
     (
+        "Dune.Part.Two.2024.2160p.WEB-DL.mkv",  # `part` was dropped: only "Dune" was left
+        MKV,
+        {"fileType": "video", "extension": "mkv", "mimeType": "video/x-matroska"},
+        {
+            "title": "Dune",
+            "part": "2",
+            "year": "2024",
+            "movieYear": "2024",
+            "videoType": "movie",
+            "resolution": "2160p",
+            "source": "Web",
+        },
+    ),
+    (
+        "Kill.Bill.Vol.2.2004.1080p.mkv",
+        MKV,
+        {"fileType": "video", "extension": "mkv", "mimeType": "video/x-matroska"},
+        {
+            "title": "Kill Bill",
+            "volume": "2",
+            "year": "2004",
+            "movieYear": "2004",
+            "videoType": "movie",
+            "resolution": "1080p",
+        },
+    ),
+    (
         "The.Matrix.1999.1080p.BluRay.x264-GROUP.mkv",
         MKV,
         {"fileType": "video", "extension": "mkv", "mimeType": "video/x-matroska"},

@@ -911,12 +911,15 @@ def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path
         ({"title": "Show Name", "episode": "112"}, "Show Name E112"),
         ({"title": "Show Name", "season": "one", "episode": "2"}, "Show Name E02"),
         ({"title": "Film", "episodeTitle": "not an episode"}, "Film"),
+        ({"title": "Dune", "part": "2", "year": "2024"}, "Dune Part 2"),
+        ({"title": "Kill Bill", "volume": "2"}, "Kill Bill Vol. 2"),
         ({"season": "1", "episode": "2"}, ""),
     ],
 )
 def test_the_library_tells_episodes_apart(record: dict[str, str], listed: str) -> None:
     """Every episode of a show has the show's title: the library listed `Show Name` once per
-    episode. Its number and its own title are part of the listed (and searched) title."""
+    episode. Its number and its own title are part of the listed (and searched) title, and so
+    are a film's part and volume (`Dune` twice)."""
     assert cache.library_title(record) == listed
 
 

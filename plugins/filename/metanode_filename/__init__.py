@@ -103,6 +103,10 @@ def parse(path: str) -> dict[str, str]:
             value = _integer(guess.get(field))
             if value is not None:
                 out[field] = value
+    for field in ("part", "volume"):  # `Dune.Part.Two`, `Kill.Bill.Vol.2`: not in the title
+        value = _integer(guess.get(field))
+        if value is not None:
+            out[field] = value
     for prop, key in PLAIN.items():
         text = _text(guess.get(prop))
         if text is not None:
@@ -205,7 +209,7 @@ def subtitles_beside(path: str) -> list[Subtitle]:
 
 class FileName(Plugin):
     name = "filename"
-    version = "2"
+    version = "3"
     path_dependent = True
     sidecars = SUBTITLES
 
