@@ -1601,11 +1601,12 @@ def fts_query(text: str) -> str:
     return " ".join(f'"{word}"*' for word in re.findall(r"\w+", text))
 
 
-def library_query(match: str, kind: str, files: int | None) -> str:
+def library_query(match: str, kind: str, held: bool | None) -> str:
     """The statement of one library page: newest (highest rid) first below `?` (the `before`
     rid), through an index whatever the filter. With words, the full-text index picks the rows
     (`library_fts MATCH`), the primary key joins them, and they are sorted (as many as match);
-    else the rid, type or files index reads just one page."""
+    else the rid, type or files index reads just one page. `held`: only records with a local
+    file (True), only those with none left (False), or either (None)."""
     where = ["l.rid < :before"]
     source = "library l"
     if match:
@@ -1615,8 +1616,8 @@ def library_query(match: str, kind: str, files: int | None) -> str:
         where.append("library_fts MATCH :match")
     if kind:
         where.append("l.type = :kind")
-    if files is not None:
-        where.append("l.files = :files")
+    if held is not None:
+        where.append("l.files > 0" if held else "l.files = 0")
     return (
         f"SELECT {_LIBRARY_COLUMNS} FROM {source} WHERE {' AND '.join(where)} "
         "ORDER BY l.rid DESC LIMIT :limit"
@@ -1627,7 +1628,7 @@ def library_page(
     conn: Connection,
     text: str,
     kind: str,
-    files: int | None,
+    held: bool | None,
     before: str,
     limit: int,
 ) -> list[LibraryRow]:
@@ -1635,16 +1636,16 @@ def library_page(
     match = fts_query(text)
     if text.strip() and not match:
         return []
-    params = {"before": before, "match": match, "kind": kind, "files": files, "limit": limit}
-    return [LibraryRow(*row) for row in conn.execute(library_query(match, kind, files), params)]
+    params = {"before": before, "match": match, "kind": kind, "limit": limit}
+    return [LibraryRow(*row) for row in conn.execute(library_query(match, kind, held), params)]
 
 
-def library_plan(conn: Connection, text: str, kind: str, files: int | None) -> list[str]:
+def library_plan(conn: Connection, text: str, kind: str, held: bool | None) -> list[str]:
     """`EXPLAIN QUERY PLAN` of `library_page`'s statement (the benchmark shows it is index
     lookups, never a table scan)."""
     match = fts_query(text)
-    params = {"before": NEWEST, "match": match, "kind": kind, "files": files, "limit": 50}
-    sql = "EXPLAIN QUERY PLAN " + library_query(match, kind, files)
+    params = {"before": NEWEST, "match": match, "kind": kind, "limit": 50}
+    sql = "EXPLAIN QUERY PLAN " + library_query(match, kind, held)
     return [str(row[-1]) for row in conn.execute(sql, params)]
 
 
@@ -1976,13 +1977,13 @@ class CacheStore(Store):
 
     @mapped
     def library_page(
-        self, text: str, kind: str, files: int | None, before: str, limit: int
+        self, text: str, kind: str, held: bool | None, before: str, limit: int
     ) -> list[LibraryRow]:
-        return library_page(self.conn, text, kind, files, before, limit)
+        return library_page(self.conn, text, kind, held, before, limit)
 
     @mapped
-    def library_plan(self, text: str, kind: str, files: int | None) -> list[str]:
-        return library_plan(self.conn, text, kind, files)
+    def library_plan(self, text: str, kind: str, held: bool | None) -> list[str]:
+        return library_plan(self.conn, text, kind, held)
 
     @mapped
     def library_types(self) -> list[str]:

@@ -828,14 +828,14 @@ class Node:
     # the web page's reads (ui.py)
 
     def library(
-        self, text: str, kind: str, files: int | None, before: str | None, limit: int
+        self, text: str, kind: str, held: bool | None, before: str | None, limit: int
     ) -> list[cache.LibraryRow]:
         """A page of the library, newest first: every record, or those matching words of
-        their title or file name (the cache's full-text index), of one type, or with `files`
-        local copies; below rid `before` (None: from the newest)."""
+        their title or file name (the cache's full-text index), of one type, held in a local
+        file or not (`held`); below rid `before` (None: from the newest)."""
         self.require_ready()
         start = rids.parse(before) if before else cache.NEWEST
-        return self.cache.library_page(text, kind, files, start, limit)
+        return self.cache.library_page(text, kind, held, start, limit)
 
     def library_types(self) -> list[str]:
         """The record types the library holds (its type filter)."""

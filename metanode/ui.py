@@ -83,6 +83,9 @@ COOKIE = "metanode_session"
 CSRF_HEADER = "x-csrf-token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 PAGE = 50  # records a library page lists
+# the library's Files filter (`?files=`): every record, those with a file on this box, or those
+# whose files are all gone (kept: claims are never deleted; they crowded the list)
+HELD: dict[str, bool | None] = {"": None, "here": True, "gone": False}
 FILES_PAGE = 200  # files the Files page lists at once
 FORM_EXTRA_BYTES = 4096  # a form's fields beside its value (`Pages.form`)
 FORM_TYPE = "application/x-www-form-urlencoded"
@@ -567,7 +570,8 @@ class Pages:
     async def library(self, request: Request) -> Response:
         q = request.query_params
         text, kind, before = q.get("q", ""), q.get("type", ""), q.get("before") or None
-        rows = self.node.library(text, kind, None, before, PAGE + 1)
+        where = q.get("files", "") if q.get("files", "") in HELD else ""
+        rows = self.node.library(text, kind, HELD[where], before, PAGE + 1)
         more = len(rows) > PAGE
         return render(
             request,
@@ -575,6 +579,7 @@ class Pages:
             rows=rows[:PAGE],
             text=text,
             kind=kind,
+            where=where,
             types=self.node.library_types(),
             older=rows[PAGE - 1].rid if more else None,
             paged=before is not None,
@@ -673,7 +678,7 @@ class Pages:
             prefix=prefix,
             next=page["next"],
             duplicates=self.node.duplicates(PAGE),
-            gone=self.node.library("", "", 0, None, PAGE),
+            gone=self.node.library("", "", False, None, PAGE),
         )
 
     async def plugins(self, request: Request) -> Response:

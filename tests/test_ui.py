@@ -535,7 +535,31 @@ def test_newest_keeps_the_search_it_pages(page: Page, srv: Server) -> None:
     page.get_by_role("link", name="Newest").click()
     expect(page.get_by_role("link", name="Velvet Quarry")).to_be_visible()
     expect(page.get_by_label("Search")).to_have_value("velvet")
-    assert urlsplit(page.url).query == "q=velvet&type=movie"
+    assert urlsplit(page.url).query == "q=velvet&type=movie&files="
+
+
+def test_the_files_filter_hides_records_whose_files_are_gone(page: Page, srv: Server) -> None:
+    """A deleted or re-tagged file's record stays (claims are never deleted): a review's
+    library filled up with rows of 0 files and no way to leave them out."""
+    titled(srv, drop(srv, "Amber.Meadow.1990.mkv"), "Amber Meadow")
+    gone_path = drop(srv, "Amber.Tide.1991.mkv")
+    gone = titled(srv, gone_path, "Amber Tide")
+    gone_path.unlink()
+    poll(lambda: (srv.meta(gone) or {}).get("paths") == [], "the deleted file's path gone")
+    page.reload()
+    page.get_by_label("Search").fill("amber")
+    for where, shown, hidden in (
+        ("on this box", "Amber Meadow", "Amber Tide"),
+        ("none left", "Amber Tide", "Amber Meadow"),
+    ):
+        page.get_by_label("Files").select_option(label=where)
+        page.get_by_role("button", name="Find").click()
+        expect(page.get_by_role("link", name=shown)).to_be_visible()
+        expect(page.get_by_role("link", name=hidden)).to_have_count(0)
+    page.get_by_label("Files").select_option(label="any")
+    page.get_by_role("button", name="Find").click()
+    expect(page.get_by_role("link", name="Amber Tide")).to_be_visible()
+    expect(page.get_by_role("link", name="Amber Meadow")).to_be_visible()
 
 
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
