@@ -131,11 +131,12 @@ class NotLoaded:
     error: str
 
 
-def discover() -> tuple[list[Plugin], list[NotLoaded]]:
+def discover(quiet: bool = False) -> tuple[list[Plugin], list[NotLoaded]]:
     """Every installed plugin of the `metanode.plugins` entry-point group, by name, and those
     that are installed but do not run.
 
-    A plugin that fails to load is logged and skipped: one broken package must not stop the node.
+    A plugin that fails to load is logged (unless `quiet`) and skipped: one broken package must
+    not stop the node.
     So is one whose name is no `NAME` (it names the key file `keys/<name>.key`), and so are two
     that share a name, both: either would sign with the other's key and retract its claims.
     """
@@ -151,7 +152,8 @@ def discover() -> tuple[list[Plugin], list[NotLoaded]]:
             if not isinstance(name, str) or not NAME.fullmatch(name):
                 raise TypeError(f"{entry.value}: name {name!r} is not {NAME.pattern}")
         except Exception as exc:
-            log.exception("cannot load plugin %s", entry.name)
+            if not quiet:  # `plugins try` of another plugin: not this one's traceback
+                log.exception("cannot load plugin %s", entry.name)
             not_loaded.append(NotLoaded(entry.name, entry.value, described(exc)))
             continue
         found.setdefault(name, []).append((entry, plugin))
@@ -162,7 +164,8 @@ def discover() -> tuple[list[Plugin], list[NotLoaded]]:
                 f"plugins {sources} are all named {name!r}: none of them runs until all but one "
                 "are removed or renamed (each would sign with the others' key)"
             )
-            log.error("%s", why)
+            if not quiet:
+                log.error("%s", why)
             not_loaded += [NotLoaded(entry.name, entry.value, why) for entry, _ in same]
     running = [same[0][1] for _, same in sorted(found.items()) if len(same) == 1]
     return running, sorted(not_loaded, key=lambda each: (each.entry_point, each.source))
@@ -296,7 +299,7 @@ def trial(
     its record lookup answers None for every CID, and nothing is signed or stored. What it
     registered is checked as the node checks a claim's CID, key and value. `NotFoundError` for
     a plugin that is not installed or does not load; `PluginFailed` when `process` raises."""
-    found, not_loaded = discover()
+    found, not_loaded = discover(quiet=True)
     plugin = next((p for p in found if p.name == name), None)
     if plugin is None:
         for broken in not_loaded:

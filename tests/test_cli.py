@@ -416,7 +416,7 @@ def test_a_misspelt_environment_variable_is_warned_of(
 
 
 def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A plugin author had to install the plugin into a node, drop a file and read the log or
     the record: `plugins try` prints what it would claim, names what the node would refuse,
@@ -451,6 +451,7 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
         {"cid": midhash, "key": "gone", "value": None},
     ]
     assert tried.stderr == f"sizer on Show/a.mkv (midhash {midhash}): 3 claim(s)\n"
+    assert "cannot load plugin" not in caplog.text  # another plugin's traceback is no news
 
     sloppy = run("plugins", "try", "sloppy", str(film))
     assert (sloppy.exit_code, len(sloppy.stdout.splitlines())) == (2, 1)
