@@ -297,7 +297,7 @@ def test_restore_puts_the_backup_back_whatever_wal_the_node_left(tmp_path: Path,
     signer = Signer()
     before, after = (cids.midhash_bytes(name) for name in (b"before", b"after"))
     try:
-        register_with(server, signer)
+        server.register(signer.uid, "s")
         posted(server, signer.claim(before, "title", "in the backup"))
         made = cli("backup", str(tmp_path / "bk"), "--data-dir", str(server.data_dir))
         posted(server, signer.claim(after, "title", "after the backup"))
@@ -378,15 +378,6 @@ def test_a_damaged_truth_is_said_in_words_with_the_way_out(tmp_path: Path) -> No
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: storage_corrupt: ") and "Traceback" not in done.stderr
         assert done.stderr.rstrip().endswith("`metanode restore` (docs/operations.md)")
-
-
-def register_with(server: Server, signer: Signer) -> None:
-    httpx.post(
-        f"{server.url}/api/signers",
-        headers=server.headers,
-        timeout=10,
-        json={"uid": signer.uid, "name": "s"},
-    ).raise_for_status()
 
 
 def posted(server: Server, claim: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ Elements are found by role and accessible name, as a person using a screen reade
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -904,22 +905,31 @@ def fits(page: Page, url: str, name: str, into: Path | None) -> None:
 def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path) -> None:
     """Cache schema 5 adds the library index and fills it from the records already cached, so
     an upgraded node lists and finds them without a rebuild."""
-    conn = db.connect(tmp_path / "cache.db")
-    try:
-        db.migrate(conn, cache.MIGRATIONS[:4])
-        conn.executescript(
-            "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Old Lamp'),"
-            "('01M8T1AD8YE3198EENNAK7KT12', 'year', '1961'),"
-            "('01M8T1AD8YE3198EENNAK7KT12', 'filePath', '/m/old.lamp.mkv');"
-            "INSERT INTO cid_index VALUES ('bafkqaaa', '01M8T1AD8YE3198EENNAK7KT12');"
-            "INSERT INTO local_file VALUES ('/m/old.lamp.mkv', 'bafkqaaa', 1, 1, 1);"
-        )
-        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 8
+    with older_cache(
+        tmp_path,
+        4,
+        "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Old Lamp'),"
+        "('01M8T1AD8YE3198EENNAK7KT12', 'year', '1961'),"
+        "('01M8T1AD8YE3198EENNAK7KT12', 'filePath', '/m/old.lamp.mkv');"
+        "INSERT INTO cid_index VALUES ('bafkqaaa', '01M8T1AD8YE3198EENNAK7KT12');"
+        "INSERT INTO local_file VALUES ('/m/old.lamp.mkv', 'bafkqaaa', 1, 1, 1);",
+    ) as conn:
         (row,) = cache.library_page(conn, "lamp", "", None, cache.NEWEST, 50)
         assert row == cache.LibraryRow(
             "01M8T1AD8YE3198EENNAK7KT12", "Old Lamp", "old.lamp.mkv", "1961", "", 1
         )
         assert cache.library_page(conn, "zebra", "", None, cache.NEWEST, 50) == []
+
+
+@contextlib.contextmanager
+def older_cache(tmp_path: Path, version: int, rows: str) -> Iterator[db.Connection]:
+    """A cache.db of schema `version` holding `rows` (SQL), then migrated to this version's."""
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:version])
+        conn.executescript(rows)
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 8
+        yield conn
     finally:
         conn.close()
 
@@ -951,26 +961,22 @@ def test_the_v8_migration_lists_the_episodes_of_an_older_cache_apart(tmp_path: P
     """A cache of schema 7 listed an episode by its show's title alone, and a record whose
     files are gone by its rid (the rows inserted here): the migration indexes such records
     again, and leaves the others as they were."""
-    conn = db.connect(tmp_path / "cache.db")
-    try:
-        db.migrate(conn, cache.MIGRATIONS[:7])
-        conn.executescript(
-            "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Show Name'),"
-            "('01M8T1AD8YE3198EENNAK7KT12', 'season', '1'),"
-            "('01M8T1AD8YE3198EENNAK7KT12', 'episode', '2'),"
-            "('01M8T1AD8YE3198EENNAK7KT13', 'title', 'Film'),"
-            "('01M8T1AD8YE3198EENNAK7KT14', 'fileName', 'movie.nfo');"
-            "INSERT INTO library (rid, title, name, year, type, files) VALUES "
-            "('01M8T1AD8YE3198EENNAK7KT12', 'Show Name', '', '', '', 0),"
-            "('01M8T1AD8YE3198EENNAK7KT13', 'Film', '', '', '', 0),"
-            "('01M8T1AD8YE3198EENNAK7KT14', '', '', '', '', 0);"
-        )
-        assert db.migrate(conn, cache.MIGRATIONS) == 8
+    with older_cache(
+        tmp_path,
+        7,
+        "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Show Name'),"
+        "('01M8T1AD8YE3198EENNAK7KT12', 'season', '1'),"
+        "('01M8T1AD8YE3198EENNAK7KT12', 'episode', '2'),"
+        "('01M8T1AD8YE3198EENNAK7KT13', 'title', 'Film'),"
+        "('01M8T1AD8YE3198EENNAK7KT14', 'fileName', 'movie.nfo');"
+        "INSERT INTO library (rid, title, name, year, type, files) VALUES "
+        "('01M8T1AD8YE3198EENNAK7KT12', 'Show Name', '', '', '', 0),"
+        "('01M8T1AD8YE3198EENNAK7KT13', 'Film', '', '', '', 0),"
+        "('01M8T1AD8YE3198EENNAK7KT14', '', '', '', '', 0);",
+    ) as conn:
         found = cache.library_page(conn, "s01e02", "", None, cache.NEWEST, 50)
         assert [row.title for row in found] == ["Show Name S01E02"]
         assert [
             (row.title, row.name)
             for row in cache.library_page(conn, "", "", None, cache.NEWEST, 50)
         ] == [("", "movie.nfo"), ("Film", ""), ("Show Name S01E02", "")]
-    finally:
-        conn.close()
