@@ -723,14 +723,20 @@ class Writer:
         """At close, copy the WAL into the database file and truncate it. SQLite deletes the
         WAL when the last connection closes, but only a writable one may: the loop's read-only
         connection, closed after this one, left it behind, and a backup later put in place of
-        truth.db (operations.md) had that stale log replayed onto it at the next open. A close
-        that fails to (a reader still in a long read) leaves the WAL, as before."""
+        truth.db (operations.md) had that stale log replayed onto it at the next open. Never a
+        wait: with another process reading (a command beside a running node, or the node
+        beside a long export) the checkpoint would hold the write lock for the busy timeout,
+        30 s of every other writer's time; then the WAL is left as it is (`restore` moves it
+        aside with the file)."""
         if isinstance(self.path, pg.Target):
             return
         try:
-            self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        except sqlite3.Error as exc:
-            log.warning("%s: the WAL was not emptied at close: %s", self.path, exc)
+            self.conn.execute("PRAGMA busy_timeout=0")
+            emptied = self.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0] == 0
+        except sqlite3.Error:
+            emptied = False
+        if not emptied:
+            log.debug("%s: the WAL was left at close (another connection reads it)", self.path)
 
     def _fail(self, future: concurrent.futures.Future[Any], exc: BaseException) -> None:
         if isinstance(exc, StorageError):

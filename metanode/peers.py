@@ -138,36 +138,46 @@ class Follower:
         the same work at the cost of every claim the box already holds."""
         reconciling = self.first_sync
         delay = self.config.retry_s
+        refused = False  # a cursor was refused, and none was taken since
         while True:
             try:
                 if reconciling:
                     await self.sync(set_cursor=True)
                     reconciling, more = False, True
                 else:
+                    had_cursor = bool(self.cursor)
                     more = await self.pull_once()
+                    refused = refused and not had_cursor  # a cursor of its log was taken
             except UnknownPeer:
                 return  # removed meanwhile
             except PeerCannotReconcile:  # not a failure: the log does the same work
                 reconciling = False
                 log.info("peer %s cannot reconcile; reading its log from the start", self.name)
                 continue
-            except PeerCursorRefused:  # a rewound log: its seqs would be given again
-                reconciling = True
-                log.warning(
-                    "peer %s refused this box's cursor into its log (restored from a backup?): "
-                    "reconciling with it again",
-                    self.name,
-                )
+            except PeerCursorRefused as exc:  # a rewound log: its seqs would be given again
+                if not refused:  # once: a cursor refused again is a failure, backed off
+                    refused, reconciling, self.cursor = True, True, ""  # "": the start
+                    log.warning(
+                        "peer %s refused this box's cursor into its log (restored from a "
+                        "backup?): reconciling with it again",
+                        self.name,
+                    )
+                    continue
+                delay = await self._back_off(exc, delay)
                 continue
             except MetanodeError as exc:
-                self._failed(exc)
-                await self._pause(delay)
-                delay = min(delay * 2, self.config.max_backoff_s)
+                delay = await self._back_off(exc, delay)
                 continue
             self.tried.set()
             delay = self.config.retry_s
             if not more:
                 await self._pause(self.config.poll_s)
+
+    async def _back_off(self, exc: MetanodeError, delay: float) -> float:
+        """Say the failure, wait `delay` (or until poked), and give the next, longer delay."""
+        self._failed(exc)
+        await self._pause(delay)
+        return min(delay * 2, self.config.max_backoff_s)
 
     def _failed(self, exc: MetanodeError) -> None:
         """A failed pull: said in `last_error`, and the follower counts as behind from the

@@ -273,7 +273,7 @@ def test_a_follower_killed_mid_sync_ends_with_exactly_the_peer_s_claims(tmp_path
 class FakePeer:
     """A tiny Starlette app on uvicorn in a thread: a claim log serving one fixed page."""
 
-    def __init__(self, page: list[dict[str, Any]]) -> None:
+    def __init__(self, page: list[dict[str, Any]], refuse_cursors: bool = False) -> None:
         self.page = page
         self.asked: list[str | None] = []
 
@@ -282,6 +282,9 @@ class FakePeer:
             self.asked.append(after)
             if after is None:
                 return JSONResponse({"claims": self.page, "next": "fake.3", "more": False})
+            if refuse_cursors:  # as a box whose log is another than the cursor's
+                error = {"error": "invalid_cursor", "message": "another log", "retryable": False}
+                return JSONResponse(error, status_code=400)
             return JSONResponse({"claims": [], "next": after, "more": False})
 
         app = Starlette(routes=[Route("/api/claims/log", log)])
@@ -335,6 +338,28 @@ def test_a_forged_and_a_replayed_claim_from_a_peer_are_counted_and_only_the_vali
     assert b.meta(forged_cid) is None
     assert b.meta(here)["metadata"]["title"] == "newer"
     assert b.meta(valid_cid)["metadata"]["title"] == "valid"
+
+
+def test_a_peer_that_refuses_every_cursor_is_read_from_its_start_not_hammered(
+    server: Server,
+) -> None:
+    """A refused cursor sends the follower back to reconciling; a peer that cannot reconcile
+    (an older version: 404) was then asked with the same refused cursor again, at once, for
+    ever (600 requests a second in a review). The refused cursor is dropped and the log read
+    from its start; a refusal of the next cursor too is a failure, said and backed off."""
+    signer = Signer()
+    server.register(signer.uid, "t")
+    with FakePeer([signer.claim(cid("refusing"), "title", "x")], refuse_cursors=True) as fake:
+        response = httpx.post(
+            f"{server.url}/api/peers",
+            json={"url": fake.url, "token": "whatever", "name": "a"},
+            headers=server.headers,
+        )
+        assert response.status_code == 200, response.text
+        asked = wait_for(lambda: len(fake.asked) >= 5 and list(fake.asked), "five log reads")
+        status = wait_for(lambda: (row := peer_status(server))["last_error"] and row, "a failure")
+    assert asked[:5] == [None, "fake.3", None, "fake.3", "fake.3"], asked
+    assert status["last_error"] == "peer_failed: /api/claims/log answered 400 invalid_cursor"
 
 
 # -- the claim log and peer tokens (in process) -------------------------------------------------
