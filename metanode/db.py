@@ -272,22 +272,34 @@ def copy_database(source: Path, copy: Path) -> str:
         origin.close()
 
 
-def copy_backup(backup: Path, dest: Path, newest: int) -> None:
+def copy_backup(backup: Path, dest: Path, newest: int, mark: str, what: str) -> None:
     """Copy a backup of a database (`copy_database` made it) into the empty file `dest`,
-    refused unless the copy is sound and of a schema this version reads (at most `newest`):
-    what `metanode restore` puts in place. The backup itself is only read."""
+    refused (`InvalidRequest`) unless it is a sound SQLite database holding the table or view
+    `mark` (the sign of `what`, the store it must be a backup of), of a schema this version
+    reads (at most `newest`):
+    what `metanode restore` puts in place. The backup is only read, opened immutable, so one
+    on a read-only disk is read too (a WAL database opened read-only writes its `-shm`)."""
+    with storage_errors(backup):
+        source = sqlite3.connect(f"{backup.resolve().as_uri()}?mode=ro&immutable=1", uri=True)
     try:
-        verdict = copy_database(backup, dest)
-        with closing(sqlite3.connect(dest)) as conn:
-            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        with storage_errors(dest), closing(sqlite3.connect(dest)) as copy:
+            source.backup(copy)
+            verdict = str(copy.execute("PRAGMA integrity_check").fetchone()[0])
+            version = int(copy.execute("PRAGMA user_version").fetchone()[0])
+            marked = copy.execute(
+                "SELECT 1 FROM sqlite_master WHERE type IN ('table', 'view') AND name = ?",
+                (mark,),
+            ).fetchone()
     except StorageCorrupt:
         raise InvalidRequest(
-            f"{backup} is not a backup of a database (damaged, or another file)"
+            f"{backup} is not a backup (a damaged database, or no database)"
         ) from None
-    except sqlite3.DatabaseError as exc:
-        raise InvalidRequest(f"{backup} is not a backup of a database: {exc}") from None
+    finally:
+        source.close()
     if verdict != "ok":
         raise InvalidRequest(f"{backup} failed its integrity check: {verdict}")
+    if version < 1 or marked is None:
+        raise InvalidRequest(f"{backup} is a database, but no backup of {what}")
     if version > newest:
         raise SchemaTooNew(
             f"{backup} is of schema {version}, newer than this metanode's ({newest}): "

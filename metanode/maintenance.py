@@ -362,24 +362,36 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
         )
     datadir.secure(settings.data_dir)
     incoming = settings.data_dir / "truth.db.restoring"
-    incoming.unlink(missing_ok=True)
-    os.close(os.open(incoming, os.O_WRONLY | os.O_CREAT | os.O_EXCL, datadir.FILE_MODE))
-    try:
+    keys_in = settings.data_dir / "keys.restoring"
+    _gone(incoming, keys_in)  # a restore that stopped half-way left them
+    try:  # all that can fail, before anything of the data directory is touched
+        os.close(os.open(incoming, os.O_WRONLY | os.O_CREAT | os.O_EXCL, datadir.FILE_MODE))
         truth.TruthStore.restore_copy(backup, incoming)
+        if keys is not None:
+            shutil.copytree(keys, keys_in)
     except BaseException:
-        incoming.unlink(missing_ok=True)
+        _gone(incoming, keys_in)
         raise
+    for name in ("cache.db", "cache.db-wal", "cache.db-shm"):  # first: it is the old truth's
+        (settings.data_dir / name).unlink(missing_ok=True)
     aside = _aside(settings.data_dir)
     for name in ("truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else [])):
         if (settings.data_dir / name).exists():
             (settings.data_dir / name).rename(aside / name)
     incoming.rename(settings.truth_path)
     if keys is not None:
-        shutil.copytree(keys, settings.keys_dir)
+        keys_in.rename(settings.keys_dir)
         datadir.secure(settings.data_dir)
-    for name in ("cache.db", "cache.db-wal", "cache.db-shm"):
-        (settings.data_dir / name).unlink(missing_ok=True)
     return Restored(aside, keys)
+
+
+def _gone(*paths: Path) -> None:
+    """Remove each of `paths` (a file or a folder) that is there."""
+    for path in paths:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _keys_beside(backup: Path) -> Path:

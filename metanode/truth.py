@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import secrets
+import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -47,6 +48,7 @@ from metanode.db import (
     reclaim,
     run_txn,
     snapshot,
+    storage_error,
     storage_errors,
 )
 from metanode.errors import (
@@ -2078,9 +2080,14 @@ class TruthStore(Store):
         """Copy the backup `backup` (`backup_to` made it) into the empty file `dest`, checked
         (sound, of a schema this version reads), brought up to this schema, and given a log id
         of its own (`renew_log_txn`): what `metanode restore` puts in place."""
+        copy_backup(backup, dest, len(MIGRATIONS), "claims", "truth.db")
         with storage_errors(dest):
-            copy_backup(backup, dest, len(MIGRATIONS))
-            migrate_file(dest, MIGRATIONS)
+            try:
+                migrate_file(dest, MIGRATIONS)
+            except sqlite3.DatabaseError as exc:  # a `claims` table, but not a truth's
+                if storage_error(exc) is not None:
+                    raise
+                raise InvalidRequest(f"{backup} is no backup of truth.db: {exc}") from None
             conn = connect(dest)
             try:
                 run_txn(conn, renew_log_txn)

@@ -399,16 +399,23 @@ class Watcher:
     async def _strays(self) -> tuple[dict[str, Stat], dict[str, Stat]]:
         """(known, on disk) of the rows below no watch root: a folder taken out of
         `watch_roots`, or one `metanode scan` was given. Nothing watches them, so each full
-        reconciliation looks at each file again: one gone loses its row (its paths left the
-        records for good otherwise), one changed is hashed again. On threads: the rows are a
-        scan of the table, and the files are stat'ed one by one."""
+        reconciliation looks at each file again: one gone from its folder loses its row (its
+        paths left the records for good otherwise), one changed is hashed again. A file whose
+        folder is gone too is kept as it was: that may be a disk not mounted (`metanode scan
+        /mnt/usb`, unplugged), as for a root (`_listing`). On threads: the rows are a scan of
+        the table, and the files are stat'ed one by one."""
         if self._stray_stats is None:
             return {}, {}
         known = await asyncio.to_thread(self._stray_stats, self.roots)
         follow = self.rules.follow_symlinks
 
         def stat_each() -> dict[str, Stat]:
-            return {p: st for p in known if (st := stat_of(p, follow)) is not None}
+            found = {}
+            for path, was in known.items():
+                now = stat_of(path, follow)
+                if now is not None or not os.path.isdir(os.path.dirname(path)):
+                    found[path] = was if now is None else now
+            return found
 
         on_disk = await asyncio.to_thread(stat_each) if known else {}
         if gone := len(known) - len(on_disk):

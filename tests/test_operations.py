@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -322,15 +323,25 @@ def test_restore_puts_the_backup_back_whatever_wal_the_node_left(tmp_path: Path,
 
 
 def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: Path) -> None:
+    """Garbage, an empty file (a backup killed as it began), another store's database, keys
+    that cannot be copied: refused, and the data directory as it was (a failed copy of the
+    keys had replaced truth.db already). The backup is only read: no `-shm` beside it."""
     data = tmp_path / "data"
     cli("init", "--data-dir", str(data))
     made = Path(cli("backup", str(tmp_path / "bk"), "--data-dir", str(data)).stdout.strip())
     (tmp_path / "garbage.db").write_bytes(os.urandom(8192))
+    (tmp_path / "empty.db").write_bytes(b"")
+    shutil.copytree(made.parent / made.name.replace("truth-", "keys-").removesuffix(".db"),
+                    tmp_path / "broken-keys")  # fmt: skip
+    (tmp_path / "broken-keys" / "dangling.key").symlink_to(tmp_path / "nowhere")
     before = sorted(p.name for p in data.iterdir() if p.name != "lock")  # restore's lock
     for args, said in (
         ((str(tmp_path / "garbage.db"), "--keep-keys"), "invalid_request: "),
+        ((str(tmp_path / "empty.db"), "--keep-keys"), "invalid_request: "),
+        ((str(data / "cache.db"), "--keep-keys"), "invalid_request: "),
         ((str(tmp_path / "missing.db"),), "file_failed: "),
         ((str(made), "--keys", str(tmp_path)), "file_failed: "),
+        ((str(made), "--keys", str(tmp_path / "broken-keys")), "file_failed: "),
     ):
         refused = subprocess.run(
             [sys.executable, "-m", "metanode", "restore", *args, "--data-dir", str(data)],
@@ -340,6 +351,8 @@ def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: P
         )
         assert refused.returncode == 2 and refused.stderr.startswith(f"error: {said}"), refused
         assert sorted(p.name for p in data.iterdir() if p.name != "lock") == before
+    cli("restore", str(made), "--data-dir", str(data))
+    assert sorted(p.name for p in made.parent.iterdir()) == [f"keys-{made.stem[6:]}", made.name]
     server = Server(data).start()
     try:
         locked = subprocess.run(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import stat
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -487,21 +488,29 @@ async def test_files_of_a_folder_no_longer_watched_are_checked_at_each_full_reco
 ) -> None:
     """A folder taken out of `watch_roots` (or given to `metanode scan`) kept its rows for
     good: a file deleted there stayed on its record. A full reconciliation stats them: one
-    gone loses its row, one changed is hashed again, the rest stay as they are. A scan of
-    named folders leaves them alone."""
-    old, new = tmp_path / "old", tmp_path / "new"
+    gone from its folder loses its row, one changed is hashed again, the rest stay as they are,
+    and so does one whose folder is gone too (a disk not mounted). A scan of named folders
+    leaves them alone."""
+    old, new, usb = tmp_path / "old", tmp_path / "new", tmp_path / "usb"
     gone, changed, kept = (write(old / n, n.encode()) for n in ("gone.mkv", "changed.mkv", "k"))
+    unplugged = write(usb / "films" / "away.mkv", b"on a disk not mounted now")
     store = Store()
     await store.watcher(old).reconcile(settle=False)
+    await store.watcher(usb).reconcile([str(usb)], settle=False)  # `metanode scan /mnt/usb`
+    shutil.rmtree(usb)  # its folder is gone with it: kept, as a root's would be
     here = write(new / "here.mkv", b"here")
     now = store.watcher(new)
     await now.reconcile([str(new)], settle=False)
     gone.unlink()
     changed.write_bytes(b"changed, longer")
-    assert set(store.rows) == {str(p) for p in (gone, changed, kept, here)}
+    rows_before = dict(store.rows)
+    assert set(rows_before) == {str(p) for p in (gone, changed, kept, here, unplugged)}
     summary = await now.reconcile(settle=False)
-    assert (summary.seen, summary.hashed, summary.unchanged, summary.removed) == (3, 1, 2, 1)
-    assert store.rows == {str(p): local(p) for p in (changed, kept, here)}
+    assert (summary.seen, summary.hashed, summary.unchanged, summary.removed) == (4, 1, 3, 1)
+    assert store.rows == {
+        **{str(p): local(p) for p in (changed, kept, here)},
+        str(unplugged): rows_before[str(unplugged)],
+    }
 
 
 async def test_reconcile_commits_removals_alone_when_nothing_is_hashed(tmp_path: Path) -> None:
