@@ -302,10 +302,10 @@ def init(config_file: str | None, data_dir: str | None, new_owner: bool) -> None
     owner, former = maintenance.adopt_owner(settings, new_owner)
     click.echo(f"data directory: {settings.data_dir.resolve()}")
     click.echo(f"owner key: {owner} (signer `owner`, in {settings.keys_dir})")
-    if former is not None:
+    for uid in former:
         click.echo(
-            f"warning: the former owner key {former} keeps its weight, and its edits stand; "
-            f"if it may be in other hands, `metanode signers block {former}` (its edits are "
+            f"warning: the former owner key {uid} keeps its weight, and its edits stand; "
+            f"if it may be in other hands, `metanode signers block {uid}` (its edits are "
             "withdrawn with it)",
             err=True,
         )
@@ -618,7 +618,7 @@ def claim_post(
     type=click.FloatRange(0),
     default=0,
     help="Seconds to keep asking while no record holds CID_VALUE yet (a file just dropped "
-    "into a watched folder: it settles, then is fingerprinted).",
+    "into a watched folder: it settles, then is fingerprinted), or the node is not up yet.",
 )
 @reports_errors
 def get(
@@ -635,9 +635,13 @@ def get(
     deadline = time.monotonic() + wait_s
     with connect(config_file, data_dir, url) as node_client:
         while True:
-            response = node_client.request("GET", path, params=params)
-            if not _unknown(response) or time.monotonic() >= deadline:
-                break
+            try:
+                response = node_client.request("GET", path, params=params)
+                if not _not_yet(response) or time.monotonic() >= deadline:
+                    break
+            except Unreachable:  # a node still starting (the README's tour): asked again
+                if time.monotonic() >= deadline:
+                    raise
             time.sleep(WAIT_POLL_S)
         _print_response(node_client, response)
 
@@ -645,8 +649,11 @@ def get(
 WAIT_POLL_S = 0.25  # how often `get --wait` asks again
 
 
-def _unknown(response: httpx.Response) -> bool:
-    """Whether `response` says no record holds the CID (404 `unknown_cid`)."""
+def _not_yet(response: httpx.Response) -> bool:
+    """Whether `response` may change by waiting: no record holds the CID yet (404
+    `unknown_cid`), or the node says to retry (a 503: its cache still being built)."""
+    if response.status_code == 503:
+        return True
     if response.status_code != 404:
         return False
     try:
@@ -830,6 +837,7 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
         (midhash, real, stat.st_size, stat.st_mtime_ns),
         [os.path.realpath(root) for root in settings.watched],
         claims.Limits(settings.max_value_bytes, settings.max_skew_ms),
+        settings.watch_min_size,
     )
     for cid, key, value in tried.drafts:
         click.echo(json.dumps({"cid": cid, "key": key, "value": value}, ensure_ascii=False))

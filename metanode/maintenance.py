@@ -74,10 +74,10 @@ def ensure_owner(settings: Settings) -> tuple[str, bool]:
     return keys.uid_of_key(keys.load_or_create(path)), created
 
 
-def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, str | None]:
+def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, list[str]]:
     """`ensure_owner`, then the truth's owner checked against it (`init`, `serve`): refused
     with `OwnerMismatch` if the truth belongs to another key, unless `new_owner` makes this
-    key the owner (the old one lost). (The owner's uid, the former owner's if one was adopted
+    key the owner (the old one lost). (The owner's uid, and the former owners' it was adopted
     over.)"""
     uid, _ = ensure_owner(settings)
     with truth_store(settings) as store:

@@ -50,7 +50,14 @@ import nacl.signing
 from metanode import cache, claims, db, keys
 from metanode import cid as cids
 from metanode.clock import Clock, now_ms
-from metanode.errors import MetanodeError, NotFoundError, PluginFailed, StorageError, shown
+from metanode.errors import (
+    InvalidRequest,
+    MetanodeError,
+    NotFoundError,
+    PluginFailed,
+    StorageError,
+    shown,
+)
 
 log = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "metanode.plugins"
@@ -292,13 +299,24 @@ class Trial:
 
 
 def trial(
-    name: str, row: tuple[str, str, int, int], roots: Sequence[str], limits: claims.Limits
+    name: str,
+    row: tuple[str, str, int, int],
+    roots: Sequence[str],
+    limits: claims.Limits,
+    min_size: int,
 ) -> Trial:
     """Run the installed plugin `name` on the file of `row` (midhash, real path, size,
     mtime_ns; placed in the longest of `roots` holding it) as the host would, without a node:
     its record lookup answers None for every CID, and nothing is signed or stored. What it
-    registered is checked as the node checks a claim's CID, key and value. `NotFoundError` for
-    a plugin that is not installed or does not load; `PluginFailed` when `process` raises."""
+    registered is checked as the node checks a plugin's claim: its CID, key and value, and a
+    link only from a plugin that `may_link`. `InvalidRequest` for a file smaller than
+    `min_size` (the watcher's: no plugin ever runs on it), `NotFoundError` for a plugin that
+    is not installed or does not load; `PluginFailed` when `process` raises."""
+    if row[2] < min_size:
+        raise InvalidRequest(
+            f"{row[1]} is {row[2]} bytes: the watcher fingerprints files of at least "
+            f"watch_min_size ({min_size}) bytes, so no plugin runs on it"
+        )
     found, not_loaded = discover(quiet=True)
     plugin = next((p for p in found if p.name == name), None)
     if plugin is None:
@@ -312,13 +330,13 @@ def trial(
         drafts, skipped = collect(plugin, file, lambda _cid: None, threading.Event())
     except Exception as exc:
         raise PluginFailed(f"{name} {plugin.version} on {file.path}: {described(exc)}") from None
-    return Trial(
-        file, drafts, skipped, [why for draft in drafts if (why := refusal(draft, limits))]
-    )
+    refusals = [why for draft in drafts if (why := refusal(draft, limits, plugin.may_link))]
+    return Trial(file, drafts, skipped, refusals)
 
 
-def refusal(draft: Draft, limits: claims.Limits) -> str | None:
-    """Why the node would refuse to take `draft` as a claim (its CID, key or value), or None."""
+def refusal(draft: Draft, limits: claims.Limits, may_link: bool) -> str | None:
+    """Why the node would refuse to take `draft` from a plugin as a claim (its CID, key or
+    value; a `cids/…` link from a plugin that may not link), or None."""
     cid, key, value = draft
     try:
         cids.require_canonical(cid)
@@ -326,6 +344,8 @@ def refusal(draft: Draft, limits: claims.Limits) -> str | None:
         claims.check_value(value, limits)
     except MetanodeError as exc:
         return f"{key!r}: {exc.slug}: {exc.message}"
+    if key.startswith(claims.LINK_PREFIX) and not may_link:
+        return f"{key!r}: link_not_permitted: the plugin does not declare may_link"
     return None
 
 

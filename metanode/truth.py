@@ -930,19 +930,20 @@ def log_id(conn: Connection) -> str:
     return str(conn.execute("SELECT value FROM box WHERE name = 'log_id'").fetchone()[0])
 
 
-def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> str | None:
+def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> list[str]:
     """The box's owner is `uid`: recorded in `box` the first time, and `OwnerMismatch` if
     another is recorded, unless `adopt` (`metanode init --new-owner`: the recorded key is lost,
     or this is another box seeded from a copy of the truth). The one place of the rule. Returns
-    the owner key adopted over (None: none), which keeps its signer row and weight: its edits
-    stand until it is blocked, which withdraws them."""
+    the owner keys adopted over (none, or one; or several from a truth before `box.owner`
+    that registered several), which keep their signer rows and weights: their edits stand until
+    they are blocked, which withdraws them."""
     row = conn.execute("SELECT value FROM box WHERE name = 'owner'").fetchone()
     recorded = str(row[0]) if row is not None else _registered_owner(conn, uid)
     if recorded == uid or adopt:
         if row is None or row[0] != uid:  # written once, not at every start
             conn.execute("DELETE FROM box WHERE name = 'owner'")
             conn.execute("INSERT INTO box (name, value) VALUES ('owner', ?)", (uid,))
-        return None if recorded == uid else recorded
+        return [] if recorded == uid else recorded.split(", ")
     raise OwnerMismatch(
         f"this node's databases belong to the owner key {recorded}, but this data "
         f"directory's keys/owner.key is {uid}: copy keys/ from the node's data directory "
@@ -1877,7 +1878,7 @@ class TruthStore(Store):
         """`claim_owner_txn` at start: refused if the truth belongs to another owner key."""
         await self.writer.run(claim_owner_txn, uid, False)
 
-    def claim_owner_sync(self, uid: str, adopt: bool = False) -> str | None:
+    def claim_owner_sync(self, uid: str, adopt: bool = False) -> list[str]:
         return self.writer.run_sync(claim_owner_txn, uid, adopt)
 
     async def set_signer_status(self, uid: str, status: str) -> SignerRow:

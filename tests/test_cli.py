@@ -431,7 +431,13 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
         "register(file.cid, 'where', file.in_root)\n"
         "register(file.cid, 'gone', None)",
     )
-    install_plugin(site, "sloppy", "sloppy", "register(file.cid, 'cid_x', 'y')")
+    install_plugin(
+        site,
+        "sloppy",
+        "sloppy",
+        "register(file.cid, 'cid_x', 'y')\n"
+        f"register(file.cid, 'cids/{MIDHASH_CID}', 'true')",  # it may not link
+    )
     install_plugin(site, "raiser", "raiser", "raise ValueError('boom')")
     install_plugin(site, "broken", "broken")
     (site / "broken_plugin.py").write_text("import not_installed_anywhere\n")
@@ -454,11 +460,17 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
     assert "cannot load plugin" not in caplog.text  # another plugin's traceback is no news
 
     sloppy = run("plugins", "try", "sloppy", str(film))
-    assert (sloppy.exit_code, len(sloppy.stdout.splitlines())) == (2, 1)
+    assert (sloppy.exit_code, len(sloppy.stdout.splitlines())) == (2, 2)
     assert sloppy.stderr.splitlines()[1:] == [
         "  refused: 'cid_x': reserved_key: key 'cid_x' is reserved",
-        "error: invalid_claim: the node would refuse 1 of its claims",
+        f"  refused: 'cids/{MIDHASH_CID}': link_not_permitted: the plugin does not declare "
+        "may_link",
+        "error: invalid_claim: the node would refuse 2 of its claims",
     ]
+    (media / "empty.mkv").write_bytes(b"")  # the watcher never fingerprints it
+    empty = run("plugins", "try", "sizer", str(media / "empty.mkv"))
+    assert empty.exit_code == 2 and empty.stderr.startswith("error: invalid_request: ")
+    assert "watch_min_size (1)" in empty.stderr
     raised = run("plugins", "try", "raiser", str(film))
     assert raised.exit_code == 2 and raised.stdout == ""
     assert raised.stderr.startswith(f"error: plugin_failed: raiser 1 on {film}: ValueError: boom")

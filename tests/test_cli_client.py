@@ -122,6 +122,33 @@ def test_get_waits_for_a_file_just_dropped_when_asked_to(server: Server) -> None
     assert bad.returncode == 2 and bad.stderr.startswith("error: invalid_cid: ")
 
 
+def test_get_waits_for_a_node_still_starting(tmp_path: Path) -> None:
+    """Right after `make serve` the node may not answer yet: `--wait` asks again."""
+    srv = Server(tmp_path / "data")
+    content = os.urandom(5000)
+    srv.media.mkdir(parents=True, exist_ok=True)
+    (srv.media / "early.mkv").write_bytes(content)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
+        "METANODE_PORT": str(srv.port),
+    }
+    asking = subprocess.Popen(
+        [sys.executable, "-m", "metanode", "get", cids.midhash_bytes(content), "--wait", "300"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        srv.start()
+        out, err = asking.communicate(timeout=300)
+    finally:
+        asking.kill()
+        srv.stop()
+    assert asking.returncode == 0, err
+    assert json.loads(out)["filePath"] == str(srv.media / "early.mkv")
+
+
 def test_plugins_list_and_retry_ask_the_running_node(server: Server) -> None:
     """`metanode plugins list` and `retry` are the running node's GET /api/plugins and POST
     /api/plugins/{name}/retry (this server runs no plugins: the list is empty, a retry refused
