@@ -293,13 +293,22 @@ def load_settings(config_file: str | None, **overrides: Any) -> config.Settings:
     "recorded owner key is lost for good, or this is another box seeded from a copy of them "
     "(without it, another owner key is refused).",
 )
+@click.option(
+    "--new-log",
+    is_flag=True,
+    help="Give the truth a new claim-log id: it was put back from a backup by hand (a "
+    "pg_restore), so the boxes that follow it reconcile instead of skipping claims "
+    "(`metanode restore` does this itself). Run it before the node starts.",
+)
 @reports_errors
-def init(config_file: str | None, data_dir: str | None, new_owner: bool) -> None:
+def init(config_file: str | None, data_dir: str | None, new_owner: bool, new_log: bool) -> None:
     """Create the data directory, both databases and the API token; print where they are."""
     settings = load_settings(config_file, data_dir=data_dir)
     maintenance.open_store(settings)
     token, created = maintenance.ensure_token(settings.token_path)
     owner, former = maintenance.adopt_owner(settings, new_owner)
+    if new_log:
+        click.echo(f"claim log: {maintenance.renew_log(settings)} (a new id: followers reconcile)")
     click.echo(f"data directory: {settings.data_dir.resolve()}")
     click.echo(f"owner key: {owner} (signer `owner`, in {settings.keys_dir})")
     for uid in former:

@@ -85,6 +85,14 @@ def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, list[
     return uid, former
 
 
+def renew_log(settings: Settings) -> str:
+    """`metanode init --new-log`: a new claim-log id for a truth put back by hand (a
+    pg_restore; `restore` renews it itself), so its followers' cursors are refused and they
+    reconcile (docs/peers.md); the new id."""
+    with truth_store(settings) as store:
+        return store.renew_log_sync()
+
+
 def refuse_owner_change(owner: str | None, uid: str, status: str | None = None) -> None:
     """`OwnerKey` for changing `owner`, the box owner's uid, through the signer registry: a
     block (`status` "blocked") or a registration (`status` None: a weight of 0 silences the

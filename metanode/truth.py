@@ -960,14 +960,14 @@ def _registered_owner(conn: Connection, uid: str) -> str:
     return uid if not named or uid in named else ", ".join(sorted(named))
 
 
-def renew_log_txn(conn: Connection) -> None:
-    """A new `box.log_id`, for a truth put back from a backup: its seqs after the backup's end
-    will be given again to other claims, so a follower's cursor of the log as it was would be
-    taken for a place in this one and the claims below it skipped. Another log id makes every
-    such cursor `invalid_cursor`, and the follower reconciles (peers.md)."""
-    conn.execute(
-        "UPDATE box SET value = ? WHERE name = 'log_id'", (secrets.token_hex(LOG_ID_BYTES),)
-    )
+def renew_log_txn(conn: Connection) -> str:
+    """A new `box.log_id` (returned), for a truth put back from a backup: its seqs after the
+    backup's end will be given again to other claims, so a follower's cursor of the log as it
+    was would be taken for a place in this one and the claims below it skipped. Another log id
+    makes every such cursor `invalid_cursor`, and the follower reconciles (peers.md)."""
+    new = secrets.token_hex(LOG_ID_BYTES)
+    conn.execute("UPDATE box SET value = ? WHERE name = 'log_id'", (new,))
+    return new
 
 
 LOG_ID_BYTES = 8  # as the schema's own `randomblob(8)`
@@ -1877,6 +1877,9 @@ class TruthStore(Store):
     async def claim_owner(self, uid: str) -> None:
         """`claim_owner_txn` at start: refused if the truth belongs to another owner key."""
         await self.writer.run(claim_owner_txn, uid, False)
+
+    def renew_log_sync(self) -> str:
+        return self.writer.run_sync(renew_log_txn)
 
     def claim_owner_sync(self, uid: str, adopt: bool = False) -> list[str]:
         return self.writer.run_sync(claim_owner_txn, uid, adopt)

@@ -130,6 +130,7 @@ def test_backup_on_postgresql_is_a_pg_dump_that_restores(
         cid = cids.midhash_bytes(b"backed up")
         post(box, "/api/claims", {"claims": [signer.claim(cid, "title", "kept")]})
         before = box.meta(cid)
+        log = httpx.get(f"{box.url}/api/claims/log", headers=box.headers, timeout=10).json()
         done = metanode("backup", str(tmp_path / "bk"), data_dir=data, storage=dsn)
     finally:
         box.stop()
@@ -147,9 +148,14 @@ def test_backup_on_postgresql_is_a_pg_dump_that_restores(
             timeout=300,
         )
         metanode_check(data, restored)
+        renewed = metanode("init", "--new-log", data_dir=data, storage=restored)
+        assert renewed.returncode == 0, renewed.stderr  # followers reconcile, never skip
         again = Server(data, env={"METANODE_STORAGE": restored}).start()
         try:
             assert again.meta(cid) == before
+            new = httpx.get(f"{again.url}/api/claims/log", headers=again.headers, timeout=10)
+            old_id, new_id = log["next"].split(".")[0], new.json()["next"].split(".")[0]
+            assert new_id != old_id and f"claim log: {new_id} " in renewed.stdout
         finally:
             again.stop()
     finally:
