@@ -46,7 +46,10 @@ from metanode.errors import InvalidRequest
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
-WORKERS = 8  # a2wsgi threads: WebDAV requests served at once (a read streams from one)
+# a2wsgi threads: WebDAV requests served at once. A GET holds one for as long as it streams
+# (a player, a transcode reading the whole film): with 8, eight such reads held every HEAD of
+# meta-sort and every read of meta-fuse's driver waiting. Idle threads cost only their stack.
+WORKERS = 64
 # what a WebDAV client may ask of `/webdav` itself before it is sent on to `/webdav/`
 METHODS = ["GET", "HEAD", "OPTIONS", "PROPFIND", "PROPPATCH", "MKCOL", "PUT", "DELETE"]
 METHODS += ["COPY", "MOVE", "LOCK", "UNLOCK", "POST"]
@@ -203,6 +206,22 @@ class Layout(DAVProvider):  # type: ignore[misc]
         return CheckedFile(path, environ, file_path, fs.root_folder_path_real)
 
 
+def make_parents(outputs: Path, wsgi_path: str) -> None:
+    """The folders a PUT of `wsgi_path` (below `plugin/`, as WSGI spells a path: UTF-8 bytes
+    read as Latin-1) goes into, made if missing, as meta-core's nginx did
+    (`create_full_put_path`): MetaMesh's plugins PUT `plugin/<id>/<file>` with no MKCOL first,
+    and got 409 for their first poster. Never outside `outputs`: a folder whose real path
+    leaves it (a link) is left to WsgiDAV, which refuses the PUT."""
+    try:
+        below = wsgi_path.encode("latin-1").decode("utf-8").strip("/")
+    except UnicodeError:
+        return
+    parent = (outputs / below).parent
+    inside = os.path.realpath(parent) + "/"
+    if below and inside.startswith(os.path.realpath(outputs) + "/"):
+        parent.mkdir(parents=True, exist_ok=True)
+
+
 def plugin_dir(settings: Settings) -> Path | None:
     """Where plugin outputs are written, made if missing; None when plugin writes are off."""
     if not settings.webdav_plugin_writes:
@@ -273,6 +292,8 @@ def server(settings: Settings) -> ASGIApp:
         if writable is not None and (path == f"/{PLUGIN}" or path.startswith(f"/{PLUGIN}/")):
             environ["SCRIPT_NAME"] += f"/{PLUGIN}"
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
+            if environ["REQUEST_METHOD"] == "PUT" and outputs is not None:
+                make_parents(outputs, environ["PATH_INFO"])
             return writable(environ, dated)
         return layout(environ, dated)
 

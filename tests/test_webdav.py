@@ -314,6 +314,17 @@ def test_plugin_outputs_are_writable_when_enabled(launch: Callable[..., Server])
     assert httpx.request("MOVE", f"{base}/tmdb/poster.jpg", headers=moved).status_code == 201
     assert httpx.delete(f"{base}/tmdb/cover.jpg", timeout=30).status_code == 204
     assert list(stored.parent.iterdir()) == []
+    # MetaMesh's plugins PUT into folders no one made (meta-core's nginx made them): 409 was
+    # their first poster; a folder made so never lies outside the outputs (a link out is not
+    # followed)
+    deep = httpx.put(f"{base}/fanart/ab/cd/poster.jpg", content=b"deep", timeout=30)
+    assert deep.status_code == 201, deep.text
+    assert (server.data_dir / "plugin" / "fanart" / "ab" / "cd" / "poster.jpg").exists()
+    elsewhere = server.data_dir.parent / "elsewhere"
+    elsewhere.mkdir()
+    (server.data_dir / "plugin" / "out").symlink_to(elsewhere)
+    assert httpx.put(f"{base}/out/deep/a.jpg", content=b"x", timeout=30).status_code >= 400
+    assert list(elsewhere.iterdir()) == []
     # the media stay read-only, and a write cannot be moved into them
     assert httpx.put(f"{server.url}/webdav/media/x.mkv", content=b"x").status_code == 405
     httpx.put(f"{base}/tmdb/a.jpg", content=b"a", timeout=30)
