@@ -6,6 +6,7 @@ HEAD for the size and mtime, Range GETs for the bytes, the midhash recomputed ov
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -351,6 +352,27 @@ def test_a_plugin_output_is_found_by_its_cid_as_the_media_are(
     path = httpx.get(f"{server.url}/meta/{cid}/filePath", timeout=10).text
     assert path == "/files/plugin/tmdb/poster.jpg"
     assert httpx.get(f"{server.url}/webdav/{info['filePath']}", timeout=30).content == poster
+
+
+def test_streaming_reads_beyond_eight_leave_webdav_answering(
+    launch: Callable[..., Server],
+) -> None:
+    """A GET holds a WebDAV thread while it streams (a player, a transcode): with 8 threads,
+    eight players held meta-sort's HEADs and meta-fuse's reads until one ended."""
+    server = launch()
+    film = server.media / "long.mkv"
+    film.parent.mkdir(parents=True, exist_ok=True)
+    with film.open("wb") as out:
+        out.truncate(64 << 20)  # more than the sockets hold: an unread GET keeps its thread
+    hashed(server, film)
+    url = f"{server.url}/webdav/media/long.mkv"
+    with contextlib.ExitStack() as streams:
+        for _ in range(12):
+            client = streams.enter_context(httpx.Client(timeout=120))
+            reading = streams.enter_context(client.stream("GET", url))
+            assert reading.status_code == 200  # headers in, the body left unread
+        head = httpx.head(url, timeout=120)
+    assert head.status_code == 200 and head.headers["Content-Length"] == str(64 << 20)
 
 
 def test_plugin_outputs_are_refused_when_disabled(launch: Callable[..., Server]) -> None:
