@@ -308,7 +308,9 @@ def init(config_file: str | None, data_dir: str | None, new_owner: bool, new_log
     token, created = maintenance.ensure_token(settings.token_path)
     owner, former = maintenance.adopt_owner(settings, new_owner)
     if new_log:
-        click.echo(f"claim log: {maintenance.renew_log(settings)} (a new id: followers reconcile)")
+        with datadir.Lock(settings.data_dir):  # a running node's followers: all reconciled
+            renewed = maintenance.renew_log(settings)
+        click.echo(f"claim log: {renewed} (a new id: followers reconcile)")
     click.echo(f"data directory: {settings.data_dir.resolve()}")
     click.echo(f"owner key: {owner} (signer `owner`, in {settings.keys_dir})")
     for uid in former:
@@ -921,6 +923,8 @@ def _report_check(report: maintenance.CheckReport) -> None:
     """Print `check`'s differences and verdict; exit 1 unless clean."""
     for line in report.differences + [f"bad signature: {b}" for b in report.bad_signatures]:
         click.echo(line)
+    if report.unbuilt:  # after `restore`: a list of every record "missing" said nothing true
+        click.echo("the cache is not built yet (the next start builds it): not compared")
     click.echo(
         f"{report.claims_checked} claims verified; {'clean' if report.clean else 'MISMATCH'}"
     )

@@ -293,9 +293,9 @@ class Trial:
     """What one plugin made of one file, run by hand (`metanode plugins try`), no node asked."""
 
     file: LocalFile
-    drafts: list[Draft]
+    drafts: list[Draft]  # those the node would take
     skipped: str | None
-    refusals: list[str]  # why the node would refuse a draft, one line each
+    refusals: list[str]  # why the node would refuse each of the others, one line each
 
 
 def trial(
@@ -330,8 +330,9 @@ def trial(
         drafts, skipped = collect(plugin, file, lambda _cid: None, threading.Event())
     except Exception as exc:
         raise PluginFailed(f"{name} {plugin.version} on {file.path}: {described(exc)}") from None
-    refusals = [why for draft in drafts if (why := refusal(draft, limits, plugin.may_link))]
-    return Trial(file, drafts, skipped, refusals)
+    checked = [(draft, refusal(draft, limits, plugin.may_link)) for draft in drafts]
+    taken = [draft for draft, why in checked if why is None]
+    return Trial(file, taken, skipped, [why for _, why in checked if why is not None])
 
 
 def refusal(draft: Draft, limits: claims.Limits, may_link: bool) -> str | None:

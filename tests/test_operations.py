@@ -313,6 +313,11 @@ def test_restore_puts_the_backup_back_whatever_wal_the_node_left(tmp_path: Path,
     aside = Path(done.stdout.splitlines()[-1].removeprefix("what it replaced: "))
     assert {p.name for p in aside.iterdir()} >= {"truth.db", "keys"}
     assert not list(server.data_dir.glob("cache.db*"))
+    checked = cli("check", "--data-dir", str(server.data_dir)).stdout  # it listed every record
+    assert checked.splitlines() == [  # as missing from the cache and said MISMATCH
+        "the cache is not built yet (the next start builds it): not compared",
+        "1 claims verified; clean",
+    ]
     server.start()
     try:
         assert (server.meta(before) or {})["metadata"]["title"] == "in the backup"
@@ -336,7 +341,9 @@ def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: P
     (tmp_path / "broken-keys" / "dangling.key").symlink_to(tmp_path / "nowhere")
     before = sorted(p.name for p in data.iterdir() if p.name != "lock")  # restore's lock
     for args, said in (
-        ((str(tmp_path / "garbage.db"), "--keep-keys"), "invalid_request: "),
+        ((str(tmp_path / "garbage.db"),), "invalid_request: "),  # not "holds no owner.key"
+        ((str(made), "--keep-keys", "--keys", str(tmp_path)), "invalid_request: "),
+        ((str(data / "truth.db"), "--keep-keys"), "invalid_request: "),
         ((str(tmp_path / "empty.db"), "--keep-keys"), "invalid_request: "),
         ((str(data / "cache.db"), "--keep-keys"), "invalid_request: "),
         ((str(tmp_path / "missing.db"),), "file_failed: "),
@@ -362,6 +369,13 @@ def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: P
             timeout=60,
         )
         assert locked.stderr.startswith("error: data_dir_locked: ")
+        renewing = subprocess.run(  # a live node's followers would all reconcile
+            [sys.executable, "-m", "metanode", "init", "--new-log", "--data-dir", str(data)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert renewing.stderr.startswith("error: data_dir_locked: "), renewing.stderr
     finally:
         server.stop()
 

@@ -542,16 +542,16 @@ def test_newest_keeps_the_search_it_pages(page: Page, srv: Server) -> None:
 def test_the_files_filter_hides_records_whose_files_are_gone(page: Page, srv: Server) -> None:
     """A deleted or re-tagged file's record stays (claims are never deleted): a review's
     library filled up with rows of 0 files and no way to leave them out."""
-    titled(srv, drop(srv, "Amber.Meadow.1990.mkv"), "Amber Meadow")
-    gone_path = drop(srv, "Amber.Tide.1991.mkv")
-    gone = titled(srv, gone_path, "Amber Tide")
+    titled(srv, drop(srv, "Quillon.Meadow.1990.mkv"), "Quillon Meadow")
+    gone_path = drop(srv, "Quillon.Tide.1991.mkv")
+    gone = titled(srv, gone_path, "Quillon Tide")
     gone_path.unlink()
     poll(lambda: (srv.meta(gone) or {}).get("paths") == [], "the deleted file's path gone")
     page.reload()
-    page.get_by_label("Search").fill("amber")
+    page.get_by_label("Search").fill("quillon")
     for where, shown, hidden in (
-        ("on this box", "Amber Meadow", "Amber Tide"),
-        ("none left", "Amber Tide", "Amber Meadow"),
+        ("on this box", "Quillon Meadow", "Quillon Tide"),
+        ("none left", "Quillon Tide", "Quillon Meadow"),
     ):
         page.get_by_label("Files").select_option(label=where)
         page.get_by_role("button", name="Find").click()
@@ -559,8 +559,8 @@ def test_the_files_filter_hides_records_whose_files_are_gone(page: Page, srv: Se
         expect(page.get_by_role("link", name=hidden)).to_have_count(0)
     page.get_by_label("Files").select_option(label="any")
     page.get_by_role("button", name="Find").click()
-    expect(page.get_by_role("link", name="Amber Tide")).to_be_visible()
-    expect(page.get_by_role("link", name="Amber Meadow")).to_be_visible()
+    expect(page.get_by_role("link", name="Quillon Tide")).to_be_visible()
+    expect(page.get_by_role("link", name="Quillon Meadow")).to_be_visible()
 
 
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
@@ -724,7 +724,7 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         expect(failures).to_contain_text(str(dropped))
         expect(failures).to_contain_text("RuntimeError: the tool is not installed")
         tool.touch()
-        page.get_by_role("button", name="Retry needstool").click()
+        page.get_by_role("button", name="Retry failed runs of needstool").click()
         expect(page.get_by_text("Retrying 1 failed run of needstool.")).to_be_visible()
         midhash = midhash_of(server, dropped)
         poll(
