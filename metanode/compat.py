@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import json
 import mimetypes
 import os
 import socket
@@ -631,6 +632,42 @@ def announced(settings: Settings) -> Iterator[None]:
                 path.unlink()
 
 
+SERVICES = "services"  # in the MetaMesh volume: each service's `<name>-<host>.json`
+STALE_S = 60  # a registration whose heartbeat is older is listed `stale`, as meta-core did
+MAX_REGISTRATION = 64 * 1024  # bytes of one registration file read
+
+
+def registered(settings: Settings, now: datetime.datetime) -> list[dict[str, Any]]:
+    """The services the MetaMesh consumers register in `<metamesh_volume>/services/` (meta-sort,
+    meta-fuse and meta-stremio write `<name>-<host>.json` and beat its `lastHeartbeat`), by
+    name, as meta-core listed them: one whose heartbeat is older than `STALE_S` is `stale`;
+    a file that is no JSON object with a `name` is left out. None without a volume."""
+    if not settings.metamesh_volume:
+        return []
+    folder = Path(settings.metamesh_volume) / SERVICES
+    found = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
+        try:
+            with path.open("rb") as registration:
+                info = json.loads(registration.read(MAX_REGISTRATION))
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and isinstance(info.get("name"), str):
+            found.append({**info, "status": _status(info, now)})
+    return found
+
+
+def _status(info: dict[str, Any], now: datetime.datetime) -> Any:
+    """A registration's own status, or `stale` when its heartbeat is older than `STALE_S`."""
+    try:
+        beat = datetime.datetime.fromisoformat(str(info.get("lastHeartbeat")))
+    except ValueError:
+        return info.get("status")
+    if beat.tzinfo is None:
+        beat = beat.replace(tzinfo=datetime.UTC)
+    return "stale" if (now - beat).total_seconds() > STALE_S else info.get("status")
+
+
 def internal_host(settings: Settings) -> str:
     """`/urls`' `hostname`: the host (and port, unless 80) of `internal_url`. meta-fuse builds
     its WebDAV root as `http://<hostname>/webdav` (meta-core's nginx answered on port 80), so
@@ -789,10 +826,11 @@ def routes(node: Node) -> list[BaseRoute]:
     async def services(request: Request) -> Response:
         """meta-core's service registry (`{"services": [ServiceInfo], "count"}`, and the asked
         `current`), which meta-sort's and meta-fuse's navigation read (meta-stremio's at
-        `/services?current=…`): this node only, as nothing else is known to be there (no
-        registry, no discovery)."""
+        `/services?current=…`): this node, then the services registered in the MetaMesh
+        volume (`registered`), read on a thread."""
         base = str(request.base_url).rstrip("/")
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = datetime.datetime.now(datetime.UTC)
+        others = await asyncio.to_thread(registered, node.settings, now)
         this = {
             "name": "metanode",
             "hostname": socket.gethostname(),
@@ -800,12 +838,12 @@ def routes(node: Node) -> list[BaseRoute]:
             "apiUrl": base,
             "healthUrl": f"{base}/health",
             "status": "running",
-            "lastHeartbeat": now,
+            "lastHeartbeat": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         }
+        listed = [this, *others]
         current = request.query_params.get("current")
-        return JSONResponse(
-            {"services": [this], "count": 1, **({"current": current} if current else {})}
-        )
+        asked = {"current": current} if current else {}
+        return JSONResponse({"services": listed, "count": len(listed), **asked})
 
     return [
         Route("/meta", list_meta),

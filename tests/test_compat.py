@@ -13,6 +13,7 @@ file events come from the real watcher.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hashlib
 import json
 import os
@@ -669,6 +670,41 @@ async def test_api_services_lists_this_node_only(client: httpx.AsyncClient) -> N
     # meta-stremio's navigation asks meta-core's older path, naming itself: it got a 404
     older = (await client.get("/services", params={"current": "meta-stremio"})).json()
     assert older["current"] == "meta-stremio" and older["services"][0]["name"] == "metanode"
+
+
+async def test_api_services_lists_the_services_registered_in_the_metamesh_volume(
+    tmp_path: Path,
+) -> None:
+    """meta-core listed the registrations the consumers write to `<volume>/services/`; this
+    node listed itself alone, so every consumer's navigation lost its links to the others."""
+    volume = tmp_path / "meta-core"
+    (volume / "services").mkdir(parents=True)
+    now = datetime.datetime.now(datetime.UTC)
+    beats = {"meta-fuse-box": now, "meta-sort-box": now - datetime.timedelta(minutes=5)}
+    for name, beat in beats.items():
+        registration = {
+            "name": name.removesuffix("-box"),
+            "hostname": "box",
+            "baseUrl": f"http://{name}:8080",
+            "status": "running",
+            "lastHeartbeat": beat.isoformat().replace("+00:00", "Z"),
+        }
+        (volume / "services" / f"{name}.json").write_text(json.dumps(registration))
+    (volume / "services" / "broken.json").write_text("{not json")
+    node = Node(settings_for(tmp_path / "data", metamesh_volume=str(volume)))
+    await node.start()
+    try:
+        transport = httpx.ASGITransport(app=create_app(node))
+        async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
+            body = (await client.get("/api/services")).json()
+    finally:
+        await node.stop()
+    assert [(s["name"], s["status"]) for s in body["services"]] == [
+        ("metanode", "running"),
+        ("meta-fuse", "running"),
+        ("meta-sort", "stale"),  # its heartbeat is five minutes old
+    ]
+    assert body["count"] == 3 and body["services"][1]["baseUrl"] == "http://meta-fuse-box:8080"
 
 
 # -- GET /api/file/{cid}/info, GET /file/{cid} ---------------------------------------------------
