@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import hashlib
 import json
 import mimetypes
 import os
@@ -606,6 +607,37 @@ def internal_url(settings: Settings) -> str:
     return settings.client_url
 
 
+def served_file(roots: Roots, settings: Settings, path: str) -> str:
+    """The real path of the file `path` (`<collection>/<below>`, as `filePath` and the file
+    events name it) names, inside its root unless `watch_follow_symlinks` (the watcher's and
+    WebDAV's rule); `NotFoundError` for no such file, `InvalidRequest` for a folder."""
+    found = roots.local(path)
+    if found is None:
+        raise NotFoundError(f"no file at {shown(path)}: a path starts with a watch root's name")
+    root, local = found
+    real = os.path.realpath(local)
+    if not settings.watch_follow_symlinks and not real.startswith(root.rstrip("/") + "/"):
+        raise NotFoundError(f"no file at {shown(path)} (a link out of its root is not followed)")
+    if os.path.isdir(real):
+        raise InvalidRequest(f"{shown(path)} is a folder, not a file")
+    if not os.path.isfile(real):
+        raise NotFoundError(f"no file at {shown(path)}")
+    return real
+
+
+HASH_CHUNK = 1 << 20
+
+
+def sha256_cid(path: str) -> tuple[str, int]:
+    """(the sha2-256 CIDv1 of the file's bytes, raw codec, as meta-core gave it; its size)."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return cids.encode(cids.RAW, cids.SHA2_256, digest.digest()), size
+
+
 LEADER_FILE = Path("locks", "kv-leader.info")  # in the MetaMesh volume, as meta-core wrote it
 
 
@@ -807,6 +839,22 @@ def routes(node: Node) -> list[BaseRoute]:
             os.close(copy.fd)
         return refused or response
 
+    async def file_cid(request: Request) -> Response:
+        """`POST /file/cid` `{"path"}`: the sha2-256 CID (raw codec, base32: `bafkrei…`) of
+        the file at `path` below the consumers' files folder, with its size, as meta-core
+        computed it for the MetaMesh plugins (jellyfin-nfo's poster, subtitle's sibling file)
+        that need a file's CID in the same call. Read whole, on a thread."""
+        body = parse_json(await read_body(request, MAX_PROPERTY_BODY, node.settings.body_timeout_s))
+        path = body.get("path") if isinstance(body, dict) else None
+        if not isinstance(path, str) or not path:
+            raise InvalidRequest('the body is {"path": "<path below the files folder>"}')
+        local = served_file(roots, node.settings, path.removeprefix(files_path + "/"))
+        try:
+            cid, size = await asyncio.to_thread(sha256_cid, local)
+        except OSError as exc:
+            raise NotFoundError(f"cannot read {shown(path)}: {exc.strerror}") from None
+        return JSONResponse({"cid": cid, "path": path, "size": size})
+
     async def urls(request: Request) -> Response:
         """Where this node answers. `webdavUrl`: the WebDAV root by the URL this request
         reached (what a client on the box's network uses); `webdavUrlInternal`: by the node's
@@ -853,6 +901,7 @@ def routes(node: Node) -> list[BaseRoute]:
         Route("/api/events/meta", events_meta),
         Route("/api/events/files", events_files),
         Route("/api/file/{cid}/info", file_info),
+        Route("/file/cid", file_cid, methods=["POST"]),
         Route("/file/{cid}", file_bytes),
         Route("/urls", urls),
         Route("/api/services", services),

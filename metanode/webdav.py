@@ -89,6 +89,17 @@ class Roots:
             collections.append((name, real))
         return cls(tuple(collections), os.path.realpath(plugin) if plugin is not None else None)
 
+    def local(self, path: str) -> tuple[str, str] | None:
+        """(the root's real path, the local path) that `<name>/<path below the root>` names:
+        `relative` the other way (`plugin/…` too when the outputs' folder is served); None for
+        no such collection, no path below it, or a `.`/`..` segment."""
+        name, _, below = path.strip("/").partition("/")
+        reals = dict(self.collections) | ({PLUGIN: self.plugin} if self.plugin else {})
+        root = reals.get(name)
+        if root is None or not below or {".", "..", ""} & set(below.split("/")):
+            return None
+        return root, os.path.join(root, below)
+
     def relative(self, path: str) -> str:
         """`<name>/<path below the root>` of the deepest root holding `path`; a path outside
         every root (from `metanode scan` of another folder) just loses its leading `/` (no

@@ -531,6 +531,7 @@ COMPAT_ROUTES = (
     ("GET", f"/file/{CID_A}"),
     ("GET", "/urls"),
     ("GET", "/api/services"),
+    ("POST", "/file/cid"),
 )
 
 
@@ -722,6 +723,32 @@ def write(path: Path, data: bytes) -> tuple[str, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
     return watcher.midhash_file(path)[0], path
+
+
+async def test_post_file_cid_hashes_a_file_named_as_file_path_names_it(
+    node: Node, client: httpx.AsyncClient, media: Path
+) -> None:
+    """MetaMesh's plugins ask meta-core for a file's sha256 CID in the same call (jellyfin-nfo
+    its poster, subtitle a sibling file): 405 here, so they got none."""
+    data = b"poster bytes " * 100_000  # more than one read of the hash
+    write(media / "art" / "poster.jpg", data)
+    expected = cids.encode(cids.RAW, cids.SHA2_256, hashlib.sha256(data).digest())
+    for asked in ("media/art/poster.jpg", "/files/media/art/poster.jpg"):
+        answer = await client.post("/file/cid", json={"path": asked})
+        assert answer.json() == {"cid": expected, "path": asked, "size": len(data)}
+    write(media.parent / "outside" / "poster.jpg", data)
+    (media / "out").symlink_to(media.parent / "outside")  # a link out: not followed by default
+    for asked, status, slug in (
+        ("media/art", 400, "invalid_request"),  # a folder
+        ("media/art/missing.jpg", 404, "not_found"),
+        ("elsewhere/poster.jpg", 404, "not_found"),  # no root of that name
+        ("media/../media/art/poster.jpg", 404, "not_found"),
+        ("media/out/poster.jpg", 404, "not_found"),  # through the link out
+    ):
+        answer = await client.post("/file/cid", json={"path": asked})
+        assert (answer.status_code, answer.json()["error"]) == (status, slug), asked
+    refused = await client.post("/file/cid", json={"file": "media/art/poster.jpg"})
+    assert (refused.status_code, refused.json()["error"]) == (400, "invalid_request")
 
 
 async def test_file_info_is_always_200(node: Node, client: httpx.AsyncClient, media: Path) -> None:
