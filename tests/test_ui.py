@@ -898,6 +898,11 @@ def fits(page: Page, url: str, name: str, into: Path | None) -> None:
         assert page.evaluate(NAMELESS_CONTROLS) == [], name
         overflow = page.evaluate("document.documentElement.scrollWidth - innerWidth")
         assert overflow <= 0, f"{name} is {overflow} px wider than a {width} screen"
+        spilled = page.evaluate(  # a cell narrower than its text: on a phone, the library's
+            "[...document.querySelectorAll('td')]"  # year, type and files were drawn over
+            ".filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.textContent)"
+        )  # one another
+        assert spilled == [], f"{name} at {width} width: cells overflow: {spilled}"
         if into is not None:
             page.screenshot(path=str(into / f"{name}-{width}.png"), full_page=True)
 
