@@ -188,10 +188,15 @@ END;
 
 def _v5(conn: Connection) -> None:
     executescript_in_txn(conn, SCHEMA_V5)
-    rids = [r[0] for r in conn.execute("SELECT DISTINCT rid FROM cid_index ORDER BY rid")]
+    _reindex(conn, "SELECT DISTINCT rid FROM cid_index ORDER BY rid")
+
+
+def _reindex(conn: Connection, select: str) -> None:
+    """The library rows of the rids `select` lists made anew from their cached records, a chunk
+    at a time (a migration that changes what the library shows of some records)."""
+    rids = [r[0] for r in conn.execute(select)]
     for chunk in _chunks(rids):
-        records = records_rows(conn, chunk)
-        index_library(conn, chunk, records, group_parts(conn, chunk)[1])
+        index_library(conn, chunk, records_rows(conn, chunk), group_parts(conn, chunk)[1])
 
 
 # The rendered `GET /api/meta/{cid}` documents: per CID of the index, the JSON bytes of its
@@ -252,19 +257,27 @@ def _v8(conn: Connection) -> None:
     """No new table: the library lists an episode with its number and title, a film with its
     part or volume (`library_title`), and a record with no local file by its `fileName` (it
     showed its rid), so the rows of such records are indexed again."""
-    rids = [
-        r[0]
-        for r in conn.execute(
-            "SELECT rid FROM records WHERE key IN ('season', 'episode', 'part', 'volume') UNION "
-            "SELECT rid FROM records r WHERE key = 'fileName' AND NOT EXISTS "
-            "(SELECT 1 FROM records p WHERE p.rid = r.rid AND p.key = 'filePath') ORDER BY rid"
-        )
-    ]
-    for chunk in _chunks(rids):
-        index_library(conn, chunk, records_rows(conn, chunk), group_parts(conn, chunk)[1])
+    _reindex(
+        conn,
+        "SELECT rid FROM records WHERE key IN ('season', 'episode', 'part', 'volume') UNION "
+        "SELECT rid FROM records r WHERE key = 'fileName' AND NOT EXISTS "
+        "(SELECT 1 FROM records p WHERE p.rid = r.rid AND p.key = 'filePath') ORDER BY rid",
+    )
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8)
+def _v9(conn: Connection) -> None:
+    """No new table: the library lists subtitles, nfos and artwork as `SIDECARS`
+    (`library_kind`), which it leaves out unless asked, so the records that may be one are
+    indexed again."""
+    _reindex(
+        conn,
+        "SELECT rid FROM records WHERE key = 'fileType' AND value IN ('subtitle', 'image') "
+        "UNION SELECT rid FROM records WHERE key IN ('filePath', 'fileName') "
+        "AND lower(value) LIKE '%.nfo' ORDER BY rid",
+    )
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9)
 
 # The same schema on PostgreSQL (docs/scale-out.md): SQLite's v6 tables and columns with
 # PostgreSQL's types. The library's full-text index is the column `library.search` (a tsvector
@@ -394,7 +407,7 @@ def _pg_v2(conn: Connection) -> None:
     executescript_in_txn(conn, PG_SCHEMA_V2 + _CID_INDEX_RESHAPE)
 
 
-PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2, _v8)
+PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2, _v8, _v9)
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -635,6 +648,17 @@ def drop(cache: Connection, rid: str) -> list[Event]:
 # -- the library index (the web page's list and search) -----------------------------------------
 
 TYPE_KEYS = ("videoType", "fileType")  # a record's type in the library: the first it has
+# The library's kinds of a file that belongs to another's record: hidden from the list unless
+# asked for (a folder kept for a media server holds a subtitle, an nfo and three pictures a
+# film, each a record of its own that the list showed as often as the films).
+SIDECARS = ("artwork", "nfo", "subtitle")
+# A picture named as media servers (Kodi, Jellyfin, Plex) name a film's, a show's or an album's
+# artwork: `poster.jpg`, `Film (2010)-fanart.png`, `season01-poster.jpg`, `folder.jpg`.
+ARTWORK = re.compile(
+    r"(?:.*[-.])?(?:poster|folder|cover|fanart|backdrop|background|banner|clearart|clearlogo|"
+    r"logo|disc|discart|cdart|landscape|thumb|keyart)\d*",
+    re.IGNORECASE,
+)
 
 
 class LibraryRow(NamedTuple):
@@ -651,10 +675,25 @@ class LibraryRow(NamedTuple):
 
 def library_row(rid: str, record: Mapping[str, str], files: int) -> LibraryRow:
     """What the library shows of a merged record with `files` local copies."""
-    kind = next((record[key] for key in TYPE_KEYS if key in record), "")
     path = record.get("filePath", "")
     name = path.rsplit("/", 1)[-1] or record.get("fileName", "")  # no local file left: its name
+    kind = library_kind(record, name)
     return LibraryRow(rid, library_title(record), name, record.get("year", ""), kind, files)
+
+
+def library_kind(record: Mapping[str, str], name: str) -> str:
+    """The type the library lists for a record whose file is called `name`: one of `SIDECARS`
+    for a subtitle (fileinfo's `fileType`), an nfo or a picture named as artwork, whatever a
+    signer says its `videoType` is (guessit reads `Film.en.srt` as a film too); else its
+    `videoType` or `fileType`."""
+    stem, dot, extension = name.rpartition(".")
+    if record.get("fileType") == "subtitle":
+        return "subtitle"
+    if dot and extension.lower() == "nfo":
+        return "nfo"
+    if dot and record.get("fileType") == "image" and ARTWORK.fullmatch(stem):
+        return "artwork"
+    return next((record[key] for key in TYPE_KEYS if key in record), "")
 
 
 def library_title(record: Mapping[str, str]) -> str:
@@ -1601,12 +1640,13 @@ def fts_query(text: str) -> str:
     return " ".join(f'"{word}"*' for word in re.findall(r"\w+", text))
 
 
-def library_query(match: str, kind: str, held: bool | None) -> str:
+def library_query(match: str, kind: str, held: bool | None, sidecars: bool) -> str:
     """The statement of one library page: newest (highest rid) first below `?` (the `before`
     rid), through an index whatever the filter. With words, the full-text index picks the rows
     (`library_fts MATCH`), the primary key joins them, and they are sorted (as many as match);
     else the rid, type or files index reads just one page. `held`: only records with a local
-    file (True), only those with none left (False), or either (None)."""
+    file (True), only those with none left (False), or either (None). `SIDECARS` are left out
+    unless `sidecars` or `kind` names one."""
     where = ["l.rid < :before"]
     source = "library l"
     if match:
@@ -1616,6 +1656,8 @@ def library_query(match: str, kind: str, held: bool | None) -> str:
         where.append("library_fts MATCH :match")
     if kind:
         where.append("l.type = :kind")
+    elif not sidecars:
+        where.append(f"l.type NOT IN ({', '.join(repr(side) for side in SIDECARS)})")
     if held is not None:
         where.append("l.files > 0" if held else "l.files = 0")
     return (
@@ -1631,13 +1673,16 @@ def library_page(
     held: bool | None,
     before: str,
     limit: int,
+    *,
+    sidecars: bool = False,
 ) -> list[LibraryRow]:
     """A page of the library (see `library_query`); words that make no query match nothing."""
     match = fts_query(text)
     if text.strip() and not match:
         return []
     params = {"before": before, "match": match, "kind": kind, "limit": limit}
-    return [LibraryRow(*row) for row in conn.execute(library_query(match, kind, held), params)]
+    sql = library_query(match, kind, held, sidecars)
+    return [LibraryRow(*row) for row in conn.execute(sql, params)]
 
 
 def library_plan(conn: Connection, text: str, kind: str, held: bool | None) -> list[str]:
@@ -1645,7 +1690,7 @@ def library_plan(conn: Connection, text: str, kind: str, held: bool | None) -> l
     lookups, never a table scan)."""
     match = fts_query(text)
     params = {"before": NEWEST, "match": match, "kind": kind, "limit": 50}
-    sql = "EXPLAIN QUERY PLAN " + library_query(match, kind, held)
+    sql = "EXPLAIN QUERY PLAN " + library_query(match, kind, held, False)
     return [str(row[-1]) for row in conn.execute(sql, params)]
 
 
@@ -1977,9 +2022,16 @@ class CacheStore(Store):
 
     @mapped
     def library_page(
-        self, text: str, kind: str, held: bool | None, before: str, limit: int
+        self,
+        text: str,
+        kind: str,
+        held: bool | None,
+        before: str,
+        limit: int,
+        *,
+        sidecars: bool = False,
     ) -> list[LibraryRow]:
-        return library_page(self.conn, text, kind, held, before, limit)
+        return library_page(self.conn, text, kind, held, before, limit, sidecars=sidecars)
 
     @mapped
     def library_plan(self, text: str, kind: str, held: bool | None) -> list[str]:

@@ -828,14 +828,22 @@ class Node:
     # the web page's reads (ui.py)
 
     def library(
-        self, text: str, kind: str, held: bool | None, before: str | None, limit: int
+        self,
+        text: str,
+        kind: str,
+        held: bool | None,
+        before: str | None,
+        limit: int,
+        *,
+        sidecars: bool = False,
     ) -> list[cache.LibraryRow]:
         """A page of the library, newest first: every record, or those matching words of
         their title or file name (the cache's full-text index), of one type, held in a local
-        file or not (`held`); below rid `before` (None: from the newest)."""
+        file or not (`held`); below rid `before` (None: from the newest). Subtitles, nfos and
+        artwork only with `sidecars` or when `kind` names theirs (`cache.library_kind`)."""
         self.require_ready()
         start = rids.parse(before) if before else cache.NEWEST
-        return self.cache.library_page(text, kind, held, start, limit)
+        return self.cache.library_page(text, kind, held, start, limit, sidecars=sidecars)
 
     def library_types(self) -> list[str]:
         """The record types the library holds (its type filter)."""

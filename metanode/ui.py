@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
 from typing import Any
-from urllib.parse import parse_qs, quote, urlsplit
+from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import jinja2
 import swagger_ui_bundle
@@ -571,8 +571,10 @@ class Pages:
         q = request.query_params
         text, kind, before = q.get("q", ""), q.get("type", ""), q.get("before") or None
         where = q.get("files", "") if q.get("files", "") in HELD else ""
-        rows = self.node.library(text, kind, HELD[where], before, PAGE + 1)
+        sidecars = q.get("sidecars") == "1"
+        rows = self.node.library(text, kind, HELD[where], before, PAGE + 1, sidecars=sidecars)
         more = len(rows) > PAGE
+        filters = {"q": text, "type": kind, "files": where, "sidecars": "1" if sidecars else ""}
         return render(
             request,
             "library.html",
@@ -580,6 +582,8 @@ class Pages:
             text=text,
             kind=kind,
             where=where,
+            sidecars=sidecars,
+            filters=urlencode({name: value for name, value in filters.items() if value}),
             types=self.node.library_types(),
             older=rows[PAGE - 1].rid if more else None,
             paged=before is not None,

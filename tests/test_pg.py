@@ -254,7 +254,7 @@ def test_the_v3_migration_lists_episodes_apart_on_postgresql(dsn: str) -> None:
 
     try:
         db.run_txn(conn, older)
-        assert db.migrate(conn, cache.PG_MIGRATIONS) == 3
+        assert db.migrate(conn, cache.PG_MIGRATIONS) == 4
         found = cache.library_page(conn, "s01e02", "", None, cache.NEWEST, 50)
         assert [(row.rid, row.title) for row in found] == [(rid, "Show Name S01E02")]
     finally:
@@ -676,6 +676,7 @@ def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) 
         "01B": {"title": "The Lamp Post", "videoType": "book"},
         "01C": {"title": "Lampedusa", "videoType": "movie"},
         "01D": {"filePath": "/m/zebra crossing.mp3"},
+        "01E": {"filePath": "/m/Lampedusa-poster.jpg", "fileType": "image"},
     }
     with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
         store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
@@ -687,6 +688,11 @@ def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) 
         assert found("lamp") == ["01C", "01B"] and found("lamp", "book") == ["01B"]
         assert found("lamp post") == ["01B"] and found("zebra cross") == ["01D"]
         assert found("nothing") == [] and found("  ") == ["01D", "01C", "01B", "01A"]
+        assert found("lamp", "artwork") == ["01E"]  # artwork is listed when asked for
+        assert [r.rid for r in store.library_page("", "", None, "01F", 2, sidecars=True)] == [
+            "01E",
+            "01D",
+        ]
 
 
 def test_messages_never_show_the_password() -> None:

@@ -36,6 +36,7 @@ CHROMIUM = "/usr/bin/chromium"
 WAIT_MS = 60_000  # Playwright's bound for anything to appear: generous, both cores may be busy
 # Matroska's EBML magic with DocType "matroska", so fileinfo sniffs a video.
 MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B61")
+JPEG_HEAD = bytes.fromhex("FFD8FFE000104A46494600010100000100010000")
 DESKTOP = {"width": 1280, "height": 900}
 PHONE = {"width": 390, "height": 844}
 expect.set_options(timeout=WAIT_MS)
@@ -106,11 +107,12 @@ def sign_in(page: Page, srv: Server, token: str) -> None:
 # -- the library's files ------------------------------------------------------------------------
 
 
-def drop(srv: Server, name: str) -> Path:
-    """A video file in the watched folder, renamed in whole; its content is unique."""
+def drop(srv: Server, name: str, head: bytes = MKV_HEAD) -> Path:
+    """A file in the watched folder starting with `head` (a video's, by default), renamed in
+    whole; its content is unique."""
     final = srv.media / name
     part = final.with_name(final.name + ".part")  # the watcher ignores *.part
-    part.write_bytes(MKV_HEAD + os.urandom(4096) + name.encode())
+    part.write_bytes(head + os.urandom(4096) + name.encode())
     part.rename(final)
     return final
 
@@ -127,13 +129,18 @@ def midhash_of(srv: Server, path: Path) -> str:
 
 def titled(srv: Server, path: Path, title: str) -> str:
     """`path`'s midhash once its record has `title` (the filename plugin's)."""
+    return claimed(srv, path, "title", title)
+
+
+def claimed(srv: Server, path: Path, key: str, value: str) -> str:
+    """`path`'s midhash once its record's `key` is `value`."""
     midhash = midhash_of(srv, path)
 
     def fetch() -> str | None:
         doc = srv.meta(midhash)
-        return midhash if doc is not None and doc["metadata"].get("title") == title else None
+        return midhash if doc is not None and doc["metadata"].get(key) == value else None
 
-    return poll(fetch, f"{path.name} to get the title {title!r}")
+    return poll(fetch, f"{path.name} to get the {key} {value!r}")
 
 
 def post(srv: Server, *claims: dict[str, Any]) -> None:
@@ -532,11 +539,12 @@ def test_addresses_only_forms_post_to_lead_to_their_page_and_a_mistyped_one_sign
 def test_newest_keeps_the_search_it_pages(page: Page, srv: Server) -> None:
     titled(srv, drop(srv, "Velvet.Quarry.2001.mkv"), "Velvet Quarry")
     newest_possible = rid.from_uuid("ffffffff-ffff-7fff-bfff-ffffffffffff")
-    page.goto(f"{srv.url}/?q=velvet&type=movie&before={newest_possible}")
+    page.goto(f"{srv.url}/?q=velvet&type=movie&sidecars=1&before={newest_possible}")
     page.get_by_role("link", name="Newest").click()
     expect(page.get_by_role("link", name="Velvet Quarry")).to_be_visible()
     expect(page.get_by_label("Search")).to_have_value("velvet")
-    assert urlsplit(page.url).query == "q=velvet&type=movie&files="
+    expect(page.get_by_label("subtitles, nfo, artwork too")).to_be_checked()
+    assert urlsplit(page.url).query == "q=velvet&type=movie&sidecars=1"
 
 
 def test_the_files_filter_hides_records_whose_files_are_gone(page: Page, srv: Server) -> None:
@@ -561,6 +569,34 @@ def test_the_files_filter_hides_records_whose_files_are_gone(page: Page, srv: Se
     page.get_by_role("button", name="Find").click()
     expect(page.get_by_role("link", name="Quillon Tide")).to_be_visible()
     expect(page.get_by_role("link", name="Quillon Meadow")).to_be_visible()
+
+
+def test_the_library_leaves_out_subtitles_nfos_and_artwork_unless_asked(
+    page: Page, srv: Server
+) -> None:
+    """A folder kept for a media server holds, beside each film, its subtitles, an nfo and
+    pictures: each a record of its own, which the list showed as often as the films."""
+    titled(srv, drop(srv, "Quorra.Vale.2003.mkv"), "Quorra Vale")
+    for name, head, file_type in (
+        ("Quorra.Vale.2003.en.srt", b"1\n00:00:01,000 --> 00:00:02,000\nHi\n", "subtitle"),
+        ("quorra-vale.nfo", b"<movie><title>Quorra Vale</title></movie>", "document"),
+        ("Quorra.Vale.2003-poster.jpg", JPEG_HEAD, "image"),
+        ("quorra-vale-at-sea.jpg", JPEG_HEAD, "image"),  # a picture, not named as artwork
+    ):
+        claimed(srv, drop(srv, name, head), "fileType", file_type)
+    page.reload()
+
+    def find(kind: str, sidecars: bool) -> list[str]:
+        page.get_by_label("Search").fill("quorra")
+        page.get_by_label("Type").select_option(kind)
+        page.get_by_label("subtitles, nfo, artwork too").set_checked(sidecars)
+        page.get_by_role("button", name="Find").click()
+        expect(page.get_by_role("caption")).to_contain_text("quorra")
+        return sorted(page.locator("td[data-label=type]").all_inner_texts())
+
+    assert find("", sidecars=False) == ["image", "movie"]
+    assert find("", sidecars=True) == ["artwork", "image", "movie", "nfo", "subtitle"]
+    assert find("subtitle", sidecars=False) == ["subtitle"]
 
 
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
@@ -933,10 +969,62 @@ def older_cache(tmp_path: Path, version: int, rows: str) -> Iterator[db.Connecti
     try:
         db.migrate(conn, cache.MIGRATIONS[:version])
         conn.executescript(rows)
-        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 8
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS) == 9
         yield conn
     finally:
         conn.close()
+
+
+@pytest.mark.parametrize(
+    ("record", "name", "kind"),
+    [
+        ({"fileType": "subtitle", "title": "Film"}, "Film.en.srt", "subtitle"),
+        ({"fileType": "subtitle", "videoType": "movie"}, "Film.srt", "subtitle"),
+        ({"fileType": "document"}, "movie.nfo", "nfo"),
+        ({"fileType": "document"}, "Show.S01E02.NFO", "nfo"),
+        ({}, "tvshow.nfo", "nfo"),
+        ({"fileType": "image"}, "poster.jpg", "artwork"),
+        ({"fileType": "image"}, "Film (2010)-fanart.png", "artwork"),
+        ({"fileType": "image"}, "season01-poster.jpg", "artwork"),
+        ({"fileType": "image"}, "Folder.JPG", "artwork"),
+        ({"fileType": "image"}, "backdrop2.webp", "artwork"),
+        ({"fileType": "image"}, "holiday.jpg", "image"),
+        ({"fileType": "image"}, "thumbnails.jpg", "image"),
+        ({"fileType": "image"}, "poster", "image"),  # no extension: no known artwork name
+        ({"fileType": "video"}, "poster.mkv", "video"),
+        ({"fileType": "video", "videoType": "episode"}, "S01E02.mkv", "episode"),
+        ({}, "", ""),
+    ],
+)
+def test_the_library_tells_sidecars_from_media(
+    record: dict[str, str], name: str, kind: str
+) -> None:
+    """Subtitles, nfos and pictures named as media servers name artwork are `SIDECARS` (left
+    out of the list unless asked); a picture of another name is media (a photo)."""
+    assert cache.library_kind(record, name) == kind
+
+
+def test_the_v9_migration_lists_an_older_caches_sidecars_as_such(tmp_path: Path) -> None:
+    """A cache of schema 8 listed a subtitle as `subtitle` but a poster as `image` and an nfo
+    as `document`: the migration indexes them again, so the list leaves them out."""
+    with older_cache(
+        tmp_path,
+        8,
+        "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'fileType', 'image'),"
+        "('01M8T1AD8YE3198EENNAK7KT12', 'fileName', 'poster.jpg'),"
+        "('01M8T1AD8YE3198EENNAK7KT13', 'fileType', 'document'),"
+        "('01M8T1AD8YE3198EENNAK7KT13', 'fileName', 'movie.nfo'),"
+        "('01M8T1AD8YE3198EENNAK7KT14', 'fileType', 'image'),"
+        "('01M8T1AD8YE3198EENNAK7KT14', 'fileName', 'beach.jpg');"
+        "INSERT INTO library (rid, title, name, year, type, files) VALUES "
+        "('01M8T1AD8YE3198EENNAK7KT12', '', 'poster.jpg', '', 'image', 0),"
+        "('01M8T1AD8YE3198EENNAK7KT13', '', 'movie.nfo', '', 'document', 0),"
+        "('01M8T1AD8YE3198EENNAK7KT14', '', 'beach.jpg', '', 'image', 0);",
+    ) as conn:
+        listed = cache.library_page(conn, "", "", None, cache.NEWEST, 50)
+        assert [row.name for row in listed] == ["beach.jpg"]
+        every = cache.library_page(conn, "", "", None, cache.NEWEST, 50, sidecars=True)
+        assert [row.type for row in every] == ["image", "nfo", "artwork"]
 
 
 @pytest.mark.parametrize(
@@ -983,5 +1071,5 @@ def test_the_v8_migration_lists_the_episodes_of_an_older_cache_apart(tmp_path: P
         assert [row.title for row in found] == ["Show Name S01E02"]
         assert [
             (row.title, row.name)
-            for row in cache.library_page(conn, "", "", None, cache.NEWEST, 50)
+            for row in cache.library_page(conn, "", "", None, cache.NEWEST, 50, sidecars=True)
         ] == [("", "movie.nfo"), ("Film", ""), ("Show Name S01E02", "")]
