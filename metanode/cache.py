@@ -1469,19 +1469,43 @@ def drop_run_txn(cache: Connection, plugin: str, version: str, midhash: str) -> 
     )
 
 
-def run_counts(conn: Connection) -> dict[tuple[str, str], dict[str, int]]:
-    counts: dict[tuple[str, str], dict[str, int]] = {}
-    for plugin, version, status, n in conn.execute(
+PluginRunCounts = dict[tuple[str, str], dict[str, int]]  # (plugin, version) → status → runs
+Skips = dict[tuple[str, str], list[tuple[str, int]]]  # (plugin, version) → [(reason, runs)]
+SKIPPED = "skipped: "  # how a done run's error says the plugin skipped the file, and why
+
+
+def run_counts(conn: Connection, reasons: int) -> tuple[PluginRunCounts, Skips]:
+    """Every (plugin, version)'s runs by status (a done run with an error is `skipped`), and
+    its `reasons` commonest reasons to skip, most runs first: one pass over the runs. The
+    reasons tell a person what a plugin lacks (`ffprobe not found`) where a count does not."""
+    counts: PluginRunCounts = {}
+    skips: Skips = {}
+    reason = "CASE WHEN status = 'done' THEN error END" if reasons else "NULL"
+    for plugin, version, status, error, n in conn.execute(
         "SELECT plugin, version, CASE WHEN status = 'done' AND error IS NOT NULL "
-        "THEN 'skipped' ELSE status END AS shown, count(*) FROM plugin_runs "
-        "GROUP BY plugin, version, shown"
+        f"THEN 'skipped' ELSE status END AS shown, {reason} AS reason, count(*) "
+        "FROM plugin_runs GROUP BY plugin, version, shown, reason"
     ):
         empty = {"done": 0, "pending": 0, "failed": 0, "skipped": 0}
-        counts.setdefault((plugin, version), empty)[status] = n
-    return counts
+        counted = counts.setdefault((plugin, version), empty)
+        counted[status] += n
+        if error is not None:
+            skips.setdefault((plugin, version), []).append((error.removeprefix(SKIPPED), n))
+    for listed in skips.values():
+        listed.sort(key=lambda skip: (-skip[1], skip[0]))
+        del listed[reasons:]
+    return counts, skips
 
 
 Failure = tuple[str, str | None, str, int]  # (midhash, a local path or None, error, when)
+
+
+class RunReport(NamedTuple):
+    """What `GET /api/plugins` says of the runs (`CacheStore.run_report`)."""
+
+    counts: PluginRunCounts
+    skips: Skips
+    failures: dict[tuple[str, str], list[Failure]]
 
 
 def failed_runs(conn: Connection, limit: int) -> dict[tuple[str, str], list[Failure]]:
@@ -1922,14 +1946,12 @@ class CacheStore(Store):
     async def retry_failed(self, plugin: str, version: str) -> int:
         return await self.writer.run(retry_failed_txn, plugin, version, self._clock())
 
-    def run_report(
-        self, failures: int
-    ) -> tuple[dict[tuple[str, str], dict[str, int]], dict[tuple[str, str], list[Failure]]]:
+    def run_report(self, failures: int, reasons: int) -> RunReport:
         """On a connection of its own, for a thread: a scan of every plugin run (one a file and
         plugin) and the newest `failures` failed ones of each, so `GET /api/plugins` and the
         plugins page run it off the event loop; not on a lent connection (`scrape_counts`)."""
         with self.reading(lent=False) as conn, storage_errors(self.path):
-            return run_counts(conn), failed_runs(conn, failures)
+            return RunReport(*run_counts(conn, reasons), failed_runs(conn, failures))
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -2050,7 +2072,7 @@ class CacheStore(Store):
         (0.15 s for the records at 1M), so a scrape runs them off the event loop
         (`Node.metrics_text`); never on a connection the pool lends (`reading(lent=False)`)."""
         with self.reading(lent=False) as conn, storage_errors(self.path):
-            return ScrapeCounts(record_count(conn), local_file_count(conn), run_counts(conn))
+            return ScrapeCounts(record_count(conn), local_file_count(conn), run_counts(conn, 0)[0])
 
     @mapped
     def diff(self, fresh: CacheStore) -> list[str]:

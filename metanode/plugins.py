@@ -125,6 +125,7 @@ class Plugin:
 
 
 FAILURES_SHOWN = 5  # the newest failed runs `describe` lists of each plugin
+SKIPS_SHOWN = 3  # the commonest reasons to skip a file `describe` lists of each plugin
 NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")  # a plugin's name: its key file, its signer
 
 
@@ -284,7 +285,7 @@ def collect(
     try:
         plugin.process(file, record, register)
     except Skip as skip:
-        return drafts, f"skipped: {skip}"
+        return drafts, f"{cache.SKIPPED}{skip}"
     return drafts, None
 
 
@@ -596,7 +597,7 @@ class Host:
     async def describe(self, weights: Mapping[str, int]) -> list[dict[str, Any]]:
         """GET /api/plugins' `plugins`: each plugin with its uid, version, signer weight
         (`weights`, by uid), run counts and newest failures (scans of the runs, on a thread)."""
-        counts, failed = await asyncio.to_thread(self._store.run_report, FAILURES_SHOWN)
+        report = await asyncio.to_thread(self._store.run_report, FAILURES_SHOWN, SKIPS_SHOWN)
         listed = []
         for name, r in sorted(self.runners.items()):
             listed.append(
@@ -606,13 +607,19 @@ class Host:
                     "uid": r.uid,
                     "may_link": r.plugin.may_link,
                     "weight": weights.get(r.uid, r.plugin.weight),
-                    "runs": counts.get(
+                    "runs": report.counts.get(
                         (name, r.plugin.version),
                         {"done": 0, "pending": 0, "failed": 0, "skipped": 0},
                     ),
+                    "skips": [
+                        {"reason": reason, "runs": runs}
+                        for reason, runs in report.skips.get((name, r.plugin.version), [])
+                    ],
                     "failures": [
                         {"cid": cid, "path": path, "error": error, "at": at}
-                        for cid, path, error, at in failed.get((name, r.plugin.version), [])
+                        for cid, path, error, at in report.failures.get(
+                            (name, r.plugin.version), []
+                        )
                     ],
                 }
             )

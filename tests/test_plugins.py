@@ -496,6 +496,28 @@ async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
     assert [c["value"] for c in claims_listed] == ["two"]
 
 
+async def test_the_plugin_list_says_why_files_were_skipped(harness: Harness) -> None:
+    """mediainfo without ffprobe skips every video: the Plugins page said 0 done, 0 failed,
+    and not why. The commonest reasons are listed with their runs, most first."""
+
+    def skipping(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        if not file.path.endswith(".ok"):
+            raise plugins.Skip("ffprobe not found" if file.path.endswith(".a") else "too short")
+        register(file.cid, "seen", "yes")
+
+    dropped = [harness.drop(name, name.encode()) for name in ("1.a", "2.a", "3.b", "4.ok")]
+    skipper = probe("skipper", skipping)
+    node = await harness.start([skipper])
+    for _, midhash in dropped:
+        await until(finished(node, skipper, midhash), "every file run")
+    [described] = (await node.plugins())["plugins"]
+    assert described["runs"] == {"done": 1, "pending": 0, "failed": 0, "skipped": 3}
+    assert described["skips"] == [
+        {"reason": "ffprobe not found", "runs": 2},
+        {"reason": "too short", "runs": 1},
+    ]
+
+
 async def test_a_restart_resumes_pending_runs_and_skips_done_ones(harness: Harness) -> None:
     gate = harness.gate()
     _, midhash = harness.drop("p.bin", b"interrupted")
@@ -581,6 +603,7 @@ async def test_get_api_plugins(harness: Harness) -> None:
             "may_link": True,
             "weight": 1,
             "runs": {"done": 0, "pending": 0, "failed": 1, "skipped": 0},
+            "skips": [],
         },
         {
             "name": "good",
@@ -589,6 +612,7 @@ async def test_get_api_plugins(harness: Harness) -> None:
             "may_link": False,
             "weight": 1,
             "runs": {"done": 1, "pending": 0, "failed": 0, "skipped": 0},
+            "skips": [],
             "failures": [],
         },
     ]

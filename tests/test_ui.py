@@ -714,7 +714,8 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
 ) -> None:
     """A plugin whose runs failed (a tool it needs not installed yet): the page showed a count;
     now it says which file failed and why, and Retry runs them again once the tool is there. A
-    plugin that failed to load was only in the log: the page says so, and why."""
+    plugin that failed to load was only in the log: the page says so, and why. A skipped run
+    is counted apart, with the plugin's reason."""
     site = tmp_path / "site"
     site.mkdir()
     tool = tmp_path / "tool-installed"
@@ -725,6 +726,12 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         f"if not os.path.exists({str(tool)!r}):\n"
         "    raise RuntimeError('the tool is not installed')\n"
         "register(file.cid, 'tooled', 'yes')",
+    )
+    install_plugin(
+        site,
+        "skipper",
+        "skipper",
+        "from metanode.plugins import Skip\nraise Skip('no tool for ' + file.path[-3:])",
     )
     install_plugin(site, "broken", "broken")
     broken = site / "broken_plugin.py"
@@ -759,6 +766,11 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         poll(shown, "the failure on the page")
         expect(failures).to_contain_text(str(dropped))
         expect(failures).to_contain_text("RuntimeError: the tool is not installed")
+        skipper = page.get_by_role("row").filter(has=page.get_by_role("rowheader", name="skipper"))
+        expect(skipper.locator(".skipped")).to_have_text("1")  # the bar counts it done
+        expect(skipper.get_by_role("progressbar")).to_have_attribute("value", "1")
+        skips = page.get_by_role("region", name="skipper skipped files")
+        expect(skips).to_contain_text("1 file: no tool for mkv")
         tool.touch()
         page.get_by_role("button", name="Retry failed runs of needstool").click()
         expect(page.get_by_text("Retrying 1 failed run of needstool.")).to_be_visible()

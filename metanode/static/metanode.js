@@ -109,13 +109,14 @@ function startPlugins() {
     for (const p of (await r.json()).plugins) {
       const row = table.querySelector(`tr[data-plugin="${CSS.escape(p.name)}"]`);
       if (!row) continue;
-      const { pending, done, failed } = p.runs;
+      const { pending, done, skipped, failed } = p.runs;
       row.querySelector(".pending").textContent = pending;
       row.querySelector(".done").textContent = done;
+      row.querySelector(".skipped").textContent = skipped;
       row.querySelector(".failed").textContent = failed;
       const bar = row.querySelector("progress");
-      bar.max = pending + done + failed || 1;
-      bar.value = done + failed || (pending ? 0 : 1);
+      bar.max = pending + done + skipped + failed || 1;
+      bar.value = done + skipped + failed || (pending ? 0 : 1);
     }
   };
   timer = setInterval(tick, 2000);
