@@ -77,11 +77,13 @@ def ensure_owner(settings: Settings) -> tuple[str, bool]:
 def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, list[str]]:
     """`ensure_owner`, then the truth's owner checked against it (`init`, `serve`): refused
     with `OwnerMismatch` if the truth belongs to another key, unless `new_owner` makes this
-    key the owner (the old one lost). (The owner's uid, and the former owners' it was adopted
-    over.)"""
+    key the owner (the old one lost); then registered as the node registers it at every start
+    (so `signers list` shows it from `init` on, not from the first start). (The owner's uid,
+    and the former owners' it was adopted over.)"""
     uid, _ = ensure_owner(settings)
     with truth_store(settings) as store:
         former = store.claim_owner_sync(uid, adopt=new_owner)
+        store.add_signer_sync(uid, OWNER_NAME, settings.owner_weight, True)
     return uid, former
 
 

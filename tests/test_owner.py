@@ -34,6 +34,14 @@ def test_init_makes_the_owner_key_and_serve_registers_it(tmp_path: Path) -> None
     assert key_file.stat().st_mode & 0o777 == 0o600
     uid = keys.uid_of_key(keys.load(key_file))
     assert f"owner key: {uid}" in done.stdout
+    listed = subprocess.run(  # registered from `init` on, not from the first start
+        [sys.executable, "-m", "metanode", "signers", "list", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    [row] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert (row["uid"], row["name"], row["weight"], row["may_link"]) == (uid, "owner", 100, True)
     for weight in ("100", "250"):  # a second start keeps the key and applies a new weight
         env = {} if weight == "100" else {"METANODE_OWNER_WEIGHT": weight}
         srv = Server(data, env=env).start()
