@@ -936,14 +936,19 @@ def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> list[str]:
     or this is another box seeded from a copy of the truth). The one place of the rule. Returns
     the owner keys adopted over (none, or one; or several from a truth before `box.owner`
     that registered several), which keep their signer rows and weights: their edits stand until
-    they are blocked, which withdraws them."""
+    they are blocked, which withdraws them. They are renamed `former owner`, so the registry
+    names one `owner`."""
     row = conn.execute("SELECT value FROM box WHERE name = 'owner'").fetchone()
     recorded = str(row[0]) if row is not None else _registered_owner(conn, uid)
     if recorded == uid or adopt:
         if row is None or row[0] != uid:  # written once, not at every start
             conn.execute("DELETE FROM box WHERE name = 'owner'")
             conn.execute("INSERT INTO box (name, value) VALUES ('owner', ?)", (uid,))
-        return [] if recorded == uid else recorded.split(", ")
+        former = [] if recorded == uid else recorded.split(", ")
+        conn.executemany(
+            "UPDATE signers SET name = 'former owner' WHERE uid = ?", [(old,) for old in former]
+        )
+        return former
     raise OwnerMismatch(
         f"this node's databases belong to the owner key {recorded}, but this data "
         f"directory's keys/owner.key is {uid}: copy keys/ from the node's data directory "

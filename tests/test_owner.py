@@ -83,6 +83,8 @@ def test_a_truth_of_another_owner_key_is_refused_until_adopted(tmp_path: Path) -
     finally:
         srv.stop()
     assert [s["uid"] for s in listed if s["name"] == "owner"] == [new]
+    [former] = [s for s in listed if s["uid"] == old]  # kept, as the warning says, by a name
+    assert (former["name"], former["weight"], former["status"]) == ("former owner", 100, "active")
 
 
 def metanode(*args: str) -> subprocess.CompletedProcess[str]:
