@@ -838,8 +838,9 @@ _named_command(
 def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: str | None) -> None:
     """Run PLUGIN_NAME on FILE as the node would and print each claim it makes as one JSON line
     (`{"cid", "key", "value"}`, a null value retracting), without a node: to write or check a
-    plugin. Its record lookup answers nothing, nothing is signed or stored; a claim the node
-    would refuse is named on stderr and the exit code is 2."""
+    plugin. Its record lookup answers nothing, nothing is signed or stored, and it has
+    plugin_timeout_s to finish; a claim the node would refuse is named on stderr and the exit
+    code is 2 (the node would then take none of the run's claims)."""
     settings = load_settings(config_file, data_dir=data_dir)
     real = os.path.realpath(file)
     midhash, stat = watcher.midhash_opened(real)
@@ -849,6 +850,7 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
         [os.path.realpath(root) for root in settings.watched],
         claims.Limits(settings.max_value_bytes, settings.max_skew_ms),
         settings.watch_min_size,
+        settings.plugin_timeout_s,
     )
     for cid, key, value in tried.drafts:
         click.echo(json.dumps({"cid": cid, "key": key, "value": value}, ensure_ascii=False))
@@ -860,7 +862,13 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
     for why in tried.refusals:
         click.echo(f"  refused: {why}", err=True)
     if tried.refusals:
-        _fail(InvalidClaim(f"the node would refuse {len(tried.refusals)} of its claims"))
+        total = len(tried.drafts) + len(tried.refusals)
+        _fail(
+            InvalidClaim(
+                f"the node would refuse {len(tried.refusals)} of its {total} claims, and so the "
+                "whole run: it takes a run's claims all or none"
+            )
+        )
 
 
 @peers_group.group("token")

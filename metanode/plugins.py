@@ -47,7 +47,7 @@ from typing import Any, ClassVar, TypeVar
 
 import nacl.signing
 
-from metanode import cache, claims, db, keys
+from metanode import cache, claims, db, keys, merge
 from metanode import cid as cids
 from metanode.clock import Clock, now_ms
 from metanode.errors import (
@@ -145,8 +145,8 @@ def discover(quiet: bool = False) -> tuple[list[Plugin], list[NotLoaded]]:
 
     A plugin that fails to load is logged (unless `quiet`) and skipped: one broken package must
     not stop the node.
-    So is one whose name is no `NAME` (it names the key file `keys/<name>.key`), and so are two
-    that share a name, both: either would sign with the other's key and retract its claims.
+    So is one whose attributes are wrong (`attribute_problem`), and so are two that share a
+    name, both: either would sign with the other's key and retract its claims.
     """
     found: dict[str, list[tuple[importlib.metadata.EntryPoint, Plugin]]] = {}
     not_loaded = []
@@ -156,9 +156,10 @@ def discover(quiet: bool = False) -> tuple[list[Plugin], list[NotLoaded]]:
             plugin = loaded() if isinstance(loaded, type) else loaded
             if not isinstance(plugin, Plugin):
                 raise TypeError(f"{entry.value} is not a metanode.plugins.Plugin")
-            name = getattr(plugin, "name", None)
-            if not isinstance(name, str) or not NAME.fullmatch(name):
-                raise TypeError(f"{entry.value}: name {name!r} is not {NAME.pattern}")
+            problem = attribute_problem(plugin)
+            if problem is not None:
+                raise TypeError(f"{entry.value}: {problem}")
+            name = plugin.name
         except Exception as exc:
             if not quiet:  # `plugins try` of another plugin: not this one's traceback
                 log.exception("cannot load plugin %s", entry.name)
@@ -177,6 +178,30 @@ def discover(quiet: bool = False) -> tuple[list[Plugin], list[NotLoaded]]:
             not_loaded += [NotLoaded(entry.name, entry.value, why) for entry, _ in same]
     running = [same[0][1] for _, same in sorted(found.items()) if len(same) == 1]
     return running, sorted(not_loaded, key=lambda each: (each.entry_point, each.source))
+
+
+def attribute_problem(plugin: Plugin) -> str | None:
+    """What is wrong with a loaded plugin's attributes, or None. Checked before it runs: a
+    plugin without a `version`, or of a negative weight, stopped the node at every start; one
+    of `version = 2` ran, but its runs were never counted as its version's."""
+    name = getattr(plugin, "name", None)
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        return f"name {name!r} is not {NAME.pattern}"
+    version = getattr(plugin, "version", None)
+    if not isinstance(version, str) or not version.strip() or not version.isprintable():
+        return f"version {version!r} is not a str such as '1' (bump it when its claims change)"
+    weight = plugin.weight
+    if type(weight) is not int or not 0 <= weight <= merge.MAX_WEIGHT:
+        return f"weight {weight!r} is not an int from 0 to {merge.MAX_WEIGHT}"
+    for flag in ("may_link", "path_dependent"):
+        if type(getattr(plugin, flag)) is not bool:
+            return f"{flag} {getattr(plugin, flag)!r} is not True or False"
+    extensions = plugin.sidecars
+    if not isinstance(extensions, set | frozenset) or not all(
+        isinstance(e, str) and e and e == e.lower() and "." not in e for e in extensions
+    ):
+        return f"sidecars {extensions!r} is not a set of lower-case extensions without the dot"
+    return None
 
 
 def plugin_key(keys_dir: Path, name: str) -> nacl.signing.SigningKey:
@@ -214,6 +239,27 @@ def run_in_thread(fn: Callable[[], T]) -> Awaitable[T]:
 
     threading.Thread(target=body, name="plugin", daemon=True).start()
     return future
+
+
+async def collect_bounded(
+    plugin: Plugin, file: LocalFile, record: RecordLookup, timeout_s: float
+) -> tuple[list[Draft], str | None]:
+    """`collect` on a thread of its own for at most `timeout_s` (the host's run, and `plugins
+    try`'s): `RunTimedOut` after that, and the run's `register` raises from then on."""
+    closed = threading.Event()
+    try:
+        async with asyncio.timeout(timeout_s):  # wait_for may swallow a cancel (3.11)
+            return await run_in_thread(lambda: collect(plugin, file, record, closed))
+    except TimeoutError:
+        closed.set()
+        raise RunTimedOut(
+            f"timed out after {timeout_s} s (plugin_timeout_s; its thread is left to end on "
+            "its own)"
+        ) from None
+
+
+class RunTimedOut(Exception):
+    """A plugin's `process` ran longer than `plugin_timeout_s`."""
 
 
 class Aborted(Exception):
@@ -305,14 +351,16 @@ def trial(
     roots: Sequence[str],
     limits: claims.Limits,
     min_size: int,
+    timeout_s: float,
 ) -> Trial:
     """Run the installed plugin `name` on the file of `row` (midhash, real path, size,
     mtime_ns; placed in the longest of `roots` holding it) as the host would, without a node:
-    its record lookup answers None for every CID, and nothing is signed or stored. What it
-    registered is checked as the node checks a plugin's claim: its CID, key and value, and a
-    link only from a plugin that `may_link`. `InvalidRequest` for a file smaller than
-    `min_size` (the watcher's: no plugin ever runs on it), `NotFoundError` for a plugin that
-    is not installed or does not load; `PluginFailed` when `process` raises."""
+    on a thread of its own for at most `timeout_s`, its record lookup answering None for
+    every CID, nothing signed or stored. What it registered is checked as the node checks a
+    plugin's claim: its CID, key and value, and a link only from a plugin that `may_link`.
+    `InvalidRequest` for a file smaller than `min_size` (the watcher's: no plugin ever runs on
+    it), `NotFoundError` for a plugin that is not installed or does not load; `PluginFailed`
+    when `process` raises (`sys.exit()` too) or runs out of time."""
     if row[2] < min_size:
         raise InvalidRequest(
             f"{row[1]} is {row[2]} bytes: the watcher fingerprints files of at least "
@@ -328,9 +376,10 @@ def trial(
         raise NotFoundError(f"no installed plugin is named {shown(name)} (installed: {installed})")
     file = local_file(row, roots)
     try:
-        drafts, skipped = collect(plugin, file, lambda _cid: None, threading.Event())
+        drafts, skipped = asyncio.run(collect_bounded(plugin, file, lambda _cid: None, timeout_s))
     except Exception as exc:
-        raise PluginFailed(f"{name} {plugin.version} on {file.path}: {described(exc)}") from None
+        why = str(exc) if isinstance(exc, RunTimedOut) else described(exc)
+        raise PluginFailed(f"{name} {plugin.version} on {file.path}: {why}") from None
     checked = [(draft, refusal(draft, limits, plugin.may_link)) for draft in drafts]
     taken = [draft for draft, why in checked if why is None]
     return Trial(file, taken, skipped, [why for _, why in checked if why is not None])
@@ -374,9 +423,6 @@ class Runner:
         self._said = said
         self._last_ts = 0
 
-    def _collect(self, file: LocalFile, closed: threading.Event) -> tuple[list[Draft], str | None]:
-        return collect(self.plugin, file, self._record, closed)
-
     def _stamp(self) -> int:
         """A timestamp newer than this runner's last: a re-run's claims replace the earlier."""
         self._last_ts = max(self._clock(), self._last_ts + 1)
@@ -384,13 +430,12 @@ class Runner:
 
     async def run(self, file: LocalFile) -> Outcome:
         """One run: a raise, a timeout or a rejected draft fails this run only."""
-        closed = threading.Event()
         try:
-            async with asyncio.timeout(self._timeout_s):  # wait_for may swallow a cancel (3.11)
-                drafts, skipped = await run_in_thread(lambda: self._collect(file, closed))
-        except TimeoutError:
-            closed.set()
-            return Outcome("failed", f"timed out after {self._timeout_s} s")
+            drafts, skipped = await collect_bounded(
+                self.plugin, file, self._record, self._timeout_s
+            )
+        except RunTimedOut as exc:
+            return Outcome("failed", str(exc))
         except Exception as exc:
             return Outcome("failed", described(exc))
         drafts = replacing(drafts, file.cid, self._said(self.uid, file.cid), skipped is None)

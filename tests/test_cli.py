@@ -435,10 +435,18 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
         site,
         "sloppy",
         "sloppy",
+        "register(file.cid, 'fine', 'x')\n"
         "register(file.cid, 'cid_x', 'y')\n"
         f"register(file.cid, 'cids/{MIDHASH_CID}', 'true')",  # it may not link
     )
     install_plugin(site, "raiser", "raiser", "raise ValueError('boom')")
+    install_plugin(site, "exiter", "exiter", "raise SystemExit(3)")
+    released = tmp_path / "released"
+    install_plugin(  # hangs until the test is done with it
+        site, "hanger", "hanger", f"while not os.path.exists({str(released)!r}): time.sleep(0.05)"
+    )
+    hanger = site / "hanger_plugin.py"
+    hanger.write_text("import time\n" + hanger.read_text())
     install_plugin(site, "broken", "broken")
     (site / "broken_plugin.py").write_text("import not_installed_anywhere\n")
     monkeypatch.syspath_prepend(str(site))
@@ -460,12 +468,14 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
     assert "cannot load plugin" not in caplog.text  # another plugin's traceback is no news
 
     sloppy = run("plugins", "try", "sloppy", str(film))
-    assert (sloppy.exit_code, sloppy.stdout) == (2, "")  # a refused claim is not printed
+    assert sloppy.exit_code == 2  # a refused claim is not printed
+    assert sloppy.stdout == json.dumps({"cid": midhash, "key": "fine", "value": "x"}) + "\n"
     assert sloppy.stderr.splitlines()[1:] == [
         "  refused: 'cid_x': reserved_key: key 'cid_x' is reserved",
         f"  refused: 'cids/{MIDHASH_CID}': link_not_permitted: the plugin does not declare "
         "may_link",
-        "error: invalid_claim: the node would refuse 2 of its claims",
+        "error: invalid_claim: the node would refuse 2 of its 3 claims, and so the whole run: "
+        "it takes a run's claims all or none",
     ]
     (media / "empty.mkv").write_bytes(b"")  # the watcher never fingerprints it
     empty = run("plugins", "try", "sizer", str(media / "empty.mkv"))
@@ -475,6 +485,17 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
     assert raised.exit_code == 2 and raised.stdout == ""
     assert raised.stderr.startswith(f"error: plugin_failed: raiser 1 on {film}: ValueError: boom")
     assert "raiser_plugin.py:7 in process)" in raised.stderr
+    exited = run("plugins", "try", "exiter", str(film))  # it ended `try` silently, exit code 3
+    assert exited.exit_code == 2 and exited.stderr.startswith(
+        f"error: plugin_failed: exiter 1 on {film}: Aborted: SystemExit: 3"
+    )
+    monkeypatch.setenv("METANODE_PLUGIN_TIMEOUT_S", "0.2")  # `try` waited for ever
+    hung = run("plugins", "try", "hanger", str(film))
+    released.touch()
+    assert hung.exit_code == 2 and hung.stderr.startswith(
+        f"error: plugin_failed: hanger 1 on {film}: timed out after 0.2 s (plugin_timeout_s; "
+    )
+    monkeypatch.delenv("METANODE_PLUGIN_TIMEOUT_S")
     broken = run("plugins", "try", "broken", str(film))
     assert broken.stderr.startswith(
         "error: not_found: plugin 'broken' does not load: ModuleNotFoundError: No module named "

@@ -218,6 +218,9 @@ def test_two_plugins_of_one_name_neither_runs_and_a_bad_name_is_refused(
     install_plugin(site, "needy", "needy")
     needy = site / "needy_plugin.py"
     needy.write_text("import not_installed_anywhere\n" + needy.read_text())
+    install_plugin(site, "heavy", "heavy")  # its weight stopped the node at every start
+    heavy = site / "heavy_plugin.py"
+    heavy.write_text(heavy.read_text().replace("version = '1'", "version = '1'; weight = -5"))
     monkeypatch.syspath_prepend(str(site))
     found, not_loaded = plugins.discover()
     names = [p.name for p in found]
@@ -228,7 +231,8 @@ def test_two_plugins_of_one_name_neither_runs_and_a_bad_name_is_refused(
     )
     assert "escaper_plugin:P: name '../owner' is not" in said
     why = {each.entry_point: (each.source, each.error) for each in not_loaded}
-    assert sorted(why) == ["escaper", "impostor", "needy", "sizeclass"]
+    assert sorted(why) == ["escaper", "heavy", "impostor", "needy", "sizeclass"]
+    assert why["heavy"][1] == "TypeError: heavy_plugin:P: weight -5 is not an int from 0 to 1000000"
     assert why["escaper"][0] == "escaper_plugin:P"
     assert why["escaper"][1].startswith("TypeError: escaper_plugin:P: name '../owner' is not")
     assert why["needy"][1] == (
@@ -236,6 +240,49 @@ def test_two_plugins_of_one_name_neither_runs_and_a_bad_name_is_refused(
     )
     assert why["impostor"][1] == why["sizeclass"][1]
     assert "are all named 'sizeclass': none of them runs" in why["sizeclass"][1]
+
+
+class Attributes(Plugin):
+    name = "attrs"
+    version = "1"
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "problem"),
+    [
+        ("version", 2, "version 2 is not a str such as '1' (bump it when its claims change)"),
+        ("version", " ", "version ' ' is not a str such as '1' (bump it when its claims change)"),
+        ("weight", -5, "weight -5 is not an int from 0 to 1000000"),
+        ("weight", 1_000_001, "weight 1000001 is not an int from 0 to 1000000"),
+        ("weight", "3", "weight '3' is not an int from 0 to 1000000"),
+        ("weight", True, "weight True is not an int from 0 to 1000000"),
+        ("may_link", 1, "may_link 1 is not True or False"),
+        ("path_dependent", "yes", "path_dependent 'yes' is not True or False"),
+        ("sidecars", "nfo", "sidecars 'nfo' is not a set of lower-case extensions without the dot"),
+        (
+            "sidecars",
+            frozenset({".nfo"}),
+            "sidecars frozenset({'.nfo'}) is not a set of lower-case extensions without the dot",
+        ),
+        (
+            "sidecars",
+            {"NFO"},
+            "sidecars {'NFO'} is not a set of lower-case extensions without the dot",
+        ),
+        ("name", "Upper", "name 'Upper' is not [a-z0-9][a-z0-9_.-]{0,63}"),
+    ],
+)
+def test_a_plugin_of_a_wrong_attribute_is_not_loaded(
+    attribute: str, value: object, problem: str
+) -> None:
+    """`plugins try` took a plugin without a `version`, or of weight -5, that then stopped the
+    node at every start; one of `version = 2` ran, its runs never counted as its version's."""
+    assert plugins.attribute_problem(Attributes()) is None
+    assert plugins.attribute_problem(type("Odd", (Attributes,), {attribute: value})()) == problem
+    unversioned = type("Unversioned", (Plugin,), {"name": "nover"})()
+    assert plugins.attribute_problem(unversioned) == (
+        "version None is not a str such as '1' (bump it when its claims change)"
+    )
 
 
 def test_plugin_key_is_created_once_with_mode_0600(tmp_path: Path) -> None:
