@@ -629,7 +629,10 @@ def create_app(node: Node) -> Starlette:
         where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
         stream = node.subscribe(cursor, _flag(q, "snapshot"), where)
         return EventSourceResponse(
-            stream, ping=0, sep=sse.SEP, headers={"Cache-Control": "no-cache"}
+            sessions.while_signed_in(stream, request.scope),
+            ping=0,
+            sep=sse.SEP,
+            headers={"Cache-Control": "no-cache"},
         )
 
     async def metrics(request: Request) -> Response:
@@ -671,7 +674,8 @@ def create_app(node: Node) -> Starlette:
                 {"Allow": allow},
             )
         missing = NotFoundError(f"no route {request.url.path}")
-        if ui.wants_page(request):
+        if ui.wants_page(request):  # signed in, the page keeps its navigation and Sign out
+            request.scope["metanode.session"] = sessions.of_scope(request.scope)
             return ui.error_page(request, missing)
         return error_response(missing)
 

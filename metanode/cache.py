@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import aiosqlite
 
-from metanode import merge, pg
+from metanode import labels, merge, pg
 from metanode.cid import MIDHASH_PREFIX
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
@@ -255,7 +255,7 @@ def _v7(conn: Connection) -> None:
 
 def _v8(conn: Connection) -> None:
     """No new table: the library lists an episode with its number and title, a film with its
-    part or volume (`library_title`), and a record with no local file by its `fileName` (it
+    part or volume (`labels.title`), and a record with no local file by its `fileName` (it
     showed its rid), so the rows of such records are indexed again."""
     _reindex(
         conn,
@@ -266,8 +266,8 @@ def _v8(conn: Connection) -> None:
 
 
 def _v9(conn: Connection) -> None:
-    """No new table: the library lists subtitles, nfos and artwork as `SIDECARS`
-    (`library_kind`), which it leaves out unless asked, so the records that may be one are
+    """No new table: the library lists subtitles, nfos and artwork as `labels.SIDECARS`
+    (`labels.kind`), which it leaves out unless asked, so the records that may be one are
     indexed again."""
     _reindex(
         conn,
@@ -647,19 +647,6 @@ def drop(cache: Connection, rid: str) -> list[Event]:
 
 # -- the library index (the web page's list and search) -----------------------------------------
 
-TYPE_KEYS = ("videoType", "fileType")  # a record's type in the library: the first it has
-# The library's kinds of a file that belongs to another's record: hidden from the list unless
-# asked for (a folder kept for a media server holds a subtitle, an nfo and three pictures a
-# film, each a record of its own that the list showed as often as the films).
-SIDECARS = ("artwork", "nfo", "subtitle")
-# A picture named as media servers (Kodi, Jellyfin, Plex) name a film's, a show's or an album's
-# artwork: `poster.jpg`, `Film (2010)-fanart.png`, `season01-poster.jpg`, `folder.jpg`.
-ARTWORK = re.compile(
-    r"(?:.*[-.])?(?:poster|folder|cover|fanart|backdrop|background|banner|clearart|clearlogo|"
-    r"logo|disc|discart|cdart|landscape|thumb|keyart)\d*",
-    re.IGNORECASE,
-)
-
 
 class LibraryRow(NamedTuple):
     """One record as the library lists it: `title` is empty when no title is known (the page
@@ -675,52 +662,9 @@ class LibraryRow(NamedTuple):
 
 def library_row(rid: str, record: Mapping[str, str], files: int) -> LibraryRow:
     """What the library shows of a merged record with `files` local copies."""
-    path = record.get("filePath", "")
-    name = path.rsplit("/", 1)[-1] or record.get("fileName", "")  # no local file left: its name
-    kind = library_kind(record, name)
-    return LibraryRow(rid, library_title(record), name, record.get("year", ""), kind, files)
-
-
-def library_kind(record: Mapping[str, str], name: str) -> str:
-    """The type the library lists for a record whose file is called `name`: one of `SIDECARS`
-    for a subtitle (fileinfo's `fileType`), an nfo or a picture named as artwork, whatever a
-    signer says its `videoType` is (guessit reads `Film.en.srt` as a film too); else its
-    `videoType` or `fileType`."""
-    stem, dot, extension = name.rpartition(".")
-    if record.get("fileType") == "subtitle":
-        return "subtitle"
-    if dot and extension.lower() == "nfo":
-        return "nfo"
-    if dot and record.get("fileType") == "image" and ARTWORK.fullmatch(stem):
-        return "artwork"
-    return next((record[key] for key in TYPE_KEYS if key in record), "")
-
-
-def library_title(record: Mapping[str, str]) -> str:
-    """The title the library lists and searches: an episode's with its number and its own title
-    (`Show Name S01E02 · Pilot`), as every episode of a show has the show's `title`; empty when
-    no title is known. A season or episode that is no number (a signer's free text) is left
-    out rather than shown as `S` + text."""
-    title = record.get("title", "")
-    if not title:
-        return ""
-    number = "".join(
-        f"{letter}{int(record[key]):02d}"
-        for letter, key in (("S", "season"), ("E", "episode"))
-        if _is_number(record.get(key, ""))
-    )
-    sequel = " ".join(  # `Dune Part 2`, `Kill Bill Vol. 2`: the title is the name alone
-        f"{word} {record[key]}"
-        for word, key in (("Part", "part"), ("Vol.", "volume"))
-        if _is_number(record.get(key, ""))
-    )
-    episode_title = record.get("episodeTitle", "") if number else ""
-    named = " ".join(word for word in (title, sequel, number) if word)
-    return " · ".join(part for part in (named, episode_title) if part)
-
-
-def _is_number(text: str) -> bool:
-    return text.isascii() and text.isdigit()
+    name = labels.file_name(record)
+    kind = labels.kind(record, name)
+    return LibraryRow(rid, labels.title(record), name, record.get("year", ""), kind, files)
 
 
 def index_library(
@@ -1669,8 +1613,8 @@ def library_query(match: str, kind: str, held: bool | None, sidecars: bool) -> s
     rid), through an index whatever the filter. With words, the full-text index picks the rows
     (`library_fts MATCH`), the primary key joins them, and they are sorted (as many as match);
     else the rid, type or files index reads just one page. `held`: only records with a local
-    file (True), only those with none left (False), or either (None). `SIDECARS` are left out
-    unless `sidecars` or `kind` names one."""
+    file (True), only those with none left (False), or either (None). `labels.SIDECARS` are
+    left out unless `sidecars` or `kind` names one."""
     where = ["l.rid < :before"]
     source = "library l"
     if match:
@@ -1681,7 +1625,7 @@ def library_query(match: str, kind: str, held: bool | None, sidecars: bool) -> s
     if kind:
         where.append("l.type = :kind")
     elif not sidecars:
-        where.append(f"l.type NOT IN ({', '.join(repr(side) for side in SIDECARS)})")
+        where.append(f"l.type NOT IN ({', '.join(repr(side) for side in labels.SIDECARS)})")
     if held is not None:
         where.append("l.files > 0" if held else "l.files = 0")
     return (

@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar, get_args
@@ -406,7 +406,7 @@ class Node:
 
     def subscribe(
         self, cursor: str | None, snapshot: bool, where: sse.Filter
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """A feed subscription from a `Last-Event-ID`/`?since=` cursor (SPEC §5)."""
         self.require_ready()
         subscription = feed.Subscription(
@@ -840,7 +840,7 @@ class Node:
         """A page of the library, newest first: every record, or those matching words of
         their title or file name (the cache's full-text index), of one type, held in a local
         file or not (`held`); below rid `before` (None: from the newest). Subtitles, nfos and
-        artwork only with `sidecars` or when `kind` names theirs (`cache.library_kind`)."""
+        artwork only with `sidecars` or when `kind` names theirs (`labels.kind`)."""
         self.require_ready()
         start = rids.parse(before) if before else cache.NEWEST
         return self.cache.library_page(text, kind, held, start, limit, sidecars=sidecars)

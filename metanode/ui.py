@@ -17,27 +17,31 @@ from, an `Origin` of this very host.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import importlib.resources
+import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import parse_qs, quote, urlencode, urlsplit
 
 import jinja2
+import markupsafe
 import swagger_ui_bundle
 from itsdangerous import BadSignature, TimestampSigner
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
 
 from metanode import cid as cids
-from metanode import merge
+from metanode import labels, merge
 from metanode.bodies import read_body
 from metanode.claims import LINK_PREFIX, LOCAL_KEYS, Claim
 from metanode.errors import (
@@ -82,6 +86,7 @@ UNSAVED = "Not saved: you had been signed out. What you typed is back in its for
 COOKIE = "metanode_session"
 CSRF_HEADER = "x-csrf-token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+FIRST = asyncio.FIRST_COMPLETED
 PAGE = 50  # records a library page lists
 # the library's Files filter (`?files=`): every record, those with a file on this box, or those
 # whose files are all gone (kept: claims are never deleted; they crowded the list)
@@ -119,13 +124,15 @@ class Draft:
 
 @dataclass
 class Session:
-    """One signed-in browser: its id, its CSRF token, when it ends (monotonic seconds)."""
+    """One signed-in browser: its id, its CSRF token, when it ends (monotonic seconds), and
+    `ended`, set when it is ended before that (sign-out), which ends its open streams."""
 
     sid: str
     csrf: str
     expires: float
     flash: Flash | None = None
     draft: Draft | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -180,6 +187,41 @@ class Sessions:
 
     def end(self, session: Session) -> None:
         self.live.pop(session.sid, None)
+        session.ended.set()
+
+    def while_signed_in(
+        self, stream: AsyncGenerator[bytes, None], scope: Scope
+    ) -> AsyncGenerator[bytes, None]:
+        """`stream` (the change feed) for a request the session cookie authorises: ended when
+        the session ends or expires, so a Live page left open stops receiving changes at
+        sign-out as every other request of its cookie does (it read on, its cookie refused
+        for all else). A request with a token is not bounded by any session."""
+        if b"authorization" in dict(scope["headers"]):
+            return stream
+        session = self.of_scope(scope)
+        return stream if session is None else self._bounded(stream, session)
+
+    async def _bounded(
+        self, stream: AsyncGenerator[bytes, None], session: Session
+    ) -> AsyncGenerator[bytes, None]:
+        ended = asyncio.ensure_future(session.ended.wait())
+        try:
+            async with contextlib.aclosing(stream):
+                while True:
+                    step = asyncio.ensure_future(anext(stream))
+                    left = session.expires - self.clock()
+                    await asyncio.wait({step, ended}, timeout=max(0.0, left), return_when=FIRST)
+                    if not step.done():  # ended or expired: the generator is closed by cancel
+                        step.cancel()
+                        await asyncio.gather(step, return_exceptions=True)
+                        return
+                    try:
+                        chunk = step.result()
+                    except StopAsyncIteration:
+                        return
+                    yield chunk
+        finally:
+            ended.cancel()
 
 
 def same_origin(scope: Scope) -> bool:
@@ -327,6 +369,16 @@ TEMPLATES = jinja2.Environment(
     undefined=jinja2.StrictUndefined,
 )
 TEMPLATES.globals["multiline"] = multiline
+WORD_PARTS = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=/)")  # audio|Stream|Codec, subtitles/|en
+
+
+def word_breaks(key: str) -> markupsafe.Markup:
+    """`key`, escaped, with a line-break opportunity (`<wbr>`) between its words: a camelCase
+    key broke anywhere in its narrow column (`audioStreamCode` / `c`), now between words."""
+    return markupsafe.Markup("<wbr>").join(WORD_PARTS.split(key))
+
+
+TEMPLATES.filters["word_breaks"] = word_breaks
 NAV = (
     ("/", "Library"),
     ("/live", "Live"),
@@ -618,7 +670,7 @@ class Pages:
             "record.html",
             rid=rid,
             doc=document,
-            title=record.get("title") or record.get("filePath", rid).rsplit("/", 1)[-1],
+            title=labels.label(record, rid),
             fields=fields,
             placed=[f.anchor for f in fields] + ["add"],  # where a flash is said in place
         )
@@ -656,6 +708,8 @@ class Pages:
         owner = await self.node.owner.register()
         if value is None:
             voted = {c.cid for c in self.node.live_claims(rid, [key], owner)}
+            if not voted:  # a second tab's Revert: it said it withdrew what was not there
+                return f"Nothing to revert: the owner has no word on {key}."
             await self.node.owner_says([(cid, key, None) for cid in sorted(voted)])
             return f"Reverted {key}: the owner's word on it is withdrawn."
         canonical = cids.by_rank(self.node.group_cids(rid))[0]
@@ -665,7 +719,18 @@ class Pages:
     # -- the other pages ---------------------------------------------------------------------------
 
     async def live(self, request: Request) -> Response:
-        return render(request, "live.html")
+        return render(request, "live.html", label_keys=labels.LABEL_KEYS)
+
+    async def label(self, request: Request) -> Response:
+        """GET /records/{id}/label: what the page calls the record now (`labels.label`), for
+        the Live feed to name its changes as the library and the record page name it; a
+        merged-away rid's survivor's."""
+        try:
+            rid = self._rid_of(request.path_params["id"])
+        except Merged as exc:
+            rid = exc.extra["survivor"]
+        record = self.node.metadata(rid)["metadata"]
+        return JSONResponse({"rid": rid, "label": labels.label(record, rid)})
 
     async def files(self, request: Request) -> Response:
         q = request.query_params
@@ -751,6 +816,7 @@ class Pages:
             *(Route(path, self.back, methods=["GET"]) for path in FORM_ONLY),
             Route("/records/{id}", page(self.record)),
             Route("/records/{id}/edit", page(self.edit), methods=["POST"]),
+            Route("/records/{id}/label", page(self.label)),
             Route("/live", page(self.live)),
             Route("/files", page(self.files)),
             Route("/plugins", page(self.plugins)),

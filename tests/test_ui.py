@@ -25,7 +25,8 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect, sync_playwright
 
-from metanode import cache, db, rid, ui
+from metanode import cache, db, labels, rid, ui
+from metanode import cid as cids
 from tests.helpers.claims import Signer
 from tests.helpers.plugins import install_plugin
 from tests.helpers.server import Server, plugins_server
@@ -340,11 +341,18 @@ def test_an_edit_is_said_once_on_the_record_and_a_refused_one_says_why_there(
     page.reload()
     expect(field(page, "year").locator(".value")).to_have_text("2012")
     expect(page.get_by_role("status")).to_have_count(0)  # said once
+    stale = page.context.new_page()  # a second tab, on the record as it was
+    stale.goto(page.url)
     page.get_by_role("button", name="Revert year").click()
     expect(page.get_by_role("status")).to_have_text(
         "Reverted year: the owner's word on it is withdrawn."
     )
     expect(field(page, "year").locator(".value")).to_have_text("2011")
+    stale.get_by_role("button", name="Revert year").click()  # it said it reverted again
+    expect(stale.get_by_role("status")).to_have_text(
+        "Nothing to revert: the owner has no word on year."
+    )
+    stale.close()
 
     page.get_by_label("New key").fill("notes//draft")  # the node's rule, not the page's
     page.get_by_label("Value", exact=True).fill("x")
@@ -845,6 +853,43 @@ def test_signing_out_ends_the_session_for_every_copy_of_the_cookie(
     assert again.status_code == 401 and "API token" in again.text
 
 
+def test_signing_out_ends_a_live_feed_left_open(
+    page: Page, context: BrowserContext, srv: Server
+) -> None:
+    """A Live tab left open read on after a sign-out in another tab, its cookie refused for
+    everything else, naming records by rid: its stream ends with the session."""
+    page.get_by_role("link", name="Live").click()
+    expect(page.get_by_role("status")).to_have_text("connected")
+    other = context.new_page()
+    other.goto(srv.url + "/")
+    other.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_role("status")).to_contain_text("Signed out")
+    midhash = midhash_of(srv, drop(srv, "After.The.Sign.Out.2019.mkv"))
+    poll(lambda: srv.meta(midhash), "the new file's record")
+    rows = page.get_by_role("list", name="Changes").get_by_role("listitem")
+    expect(rows.filter(has_text="After.The.Sign.Out")).to_have_count(0)
+
+
+def test_live_names_a_record_as_the_library_does_in_every_row(page: Page, srv: Server) -> None:
+    """Every episode's changes were named by its show's title alone, a record's first rows by
+    its rid or file name and its later ones by its title; and the record page said only the
+    show's title too."""
+    poster = Signer()
+    srv.register(poster.uid, "poster", weight=1)
+    page.get_by_role("link", name="Live").click()
+    expect(page.get_by_role("status")).to_have_text("connected")
+    cid = cids.midhash_bytes(b"an episode with no file here")
+    now = now_ms()
+    said = {"title": "Quill Show", "season": "31", "episode": "47", "episodeTitle": "Pilot"}
+    post(srv, *(poster.claim(cid, key, value, now) for key, value in said.items()))
+    rows = page.get_by_role("list", name="Changes").get_by_role("listitem")
+    for key, value in said.items():
+        row = rows.filter(has_text=f" set {key} = {value}")
+        expect(row.get_by_role("link")).to_have_text("Quill Show S31E47 · Pilot")
+    rows.filter(has_text=" set title = Quill Show").get_by_role("link").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text("Quill Show S31E47 · Pilot")
+
+
 def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
     for missing in ("bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "not-a-cid"):
         response = page.goto(f"{srv.url}/records/{missing}")
@@ -857,6 +902,7 @@ def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
         assert response is not None and response.status == 404
         expect(page.get_by_role("heading", name="Not found")).to_be_visible()
         expect(page.get_by_role("alert")).to_have_text(f"no route {path}")
+        expect(page.get_by_role("button", name="Sign out")).to_be_visible()  # still signed in
     answer = httpx.get(f"{srv.url}/nope", headers=srv.headers, timeout=10)
     assert answer.status_code == 404 and answer.json()["error"] == "not_found"
 
@@ -1013,7 +1059,23 @@ def test_the_library_tells_sidecars_from_media(
 ) -> None:
     """Subtitles, nfos and pictures named as media servers name artwork are `SIDECARS` (left
     out of the list unless asked); a picture of another name is media (a photo)."""
-    assert cache.library_kind(record, name) == kind
+    assert labels.kind(record, name) == kind
+
+
+@pytest.mark.parametrize(
+    ("key", "shown"),
+    [
+        ("audioStreamCodec", "audio<wbr>Stream<wbr>Codec"),
+        ("subtitles/en.forced", "subtitles/<wbr>en.forced"),
+        ("mtimeNano", "mtime<wbr>Nano"),
+        ("title", "title"),
+        ("a</b>B", "a&lt;/<wbr>b&gt;B"),  # escaped, whatever a key holds
+    ],
+)
+def test_a_key_breaks_between_its_words(key: str, shown: str) -> None:
+    """On the record page, `audioStreamCodec` broke in its narrow column as `audioStreamCode`
+    over `c`."""
+    assert str(ui.word_breaks(key)) == shown
 
 
 def test_the_v9_migration_lists_an_older_caches_sidecars_as_such(tmp_path: Path) -> None:
@@ -1052,14 +1114,18 @@ def test_the_v9_migration_lists_an_older_caches_sidecars_as_such(tmp_path: Path)
         ({"title": "Film", "episodeTitle": "not an episode"}, "Film"),
         ({"title": "Dune", "part": "2", "year": "2024"}, "Dune Part 2"),
         ({"title": "Kill Bill", "volume": "2"}, "Kill Bill Vol. 2"),
+        ({"title": "Dune: Part Two", "part": "2"}, "Dune: Part Two"),  # an nfo's: once only
+        ({"title": "Kill Bill: Volume 2", "volume": "2"}, "Kill Bill: Volume 2"),
+        ({"title": "Partisan", "part": "2"}, "Partisan Part 2"),
         ({"season": "1", "episode": "2"}, ""),
     ],
 )
 def test_the_library_tells_episodes_apart(record: dict[str, str], listed: str) -> None:
     """Every episode of a show has the show's title: the library listed `Show Name` once per
     episode. Its number and its own title are part of the listed (and searched) title, and so
-    are a film's part and volume (`Dune` twice)."""
-    assert cache.library_title(record) == listed
+    are a film's part and volume (`Dune` twice), unless its title names them (an nfo's `Dune:
+    Part Two` was listed `Dune: Part Two Part 2`)."""
+    assert labels.title(record) == listed
 
 
 def test_the_v8_migration_lists_the_episodes_of_an_older_cache_apart(tmp_path: Path) -> None:

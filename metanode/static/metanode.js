@@ -26,23 +26,11 @@ document.addEventListener("keydown", (event) => {
   if (form) toggleEdit(document.querySelector(`button[aria-controls="${form.id}"]`), false);
 });
 
-// Live: the change feed through EventSource (it resumes with Last-Event-ID by itself), each
-// change with its record's title, looked up once per record through the API (the session
-// cookie authorises it).
-const titles = new Map();
-
-async function titleOf(rid) {
-  if (!titles.has(rid)) {
-    titles.set(rid, fetch(`/api/metadata/${rid}`, { credentials: "same-origin" })
-      .then((r) => (r.ok ? r.json() : null))
-      .then((doc) => {
-        const m = (doc && doc.metadata) || {};
-        return m.title || (m.filePath || "").split("/").pop() || rid;
-      })
-      .catch(() => rid));
-  }
-  return titles.get(rid);
-}
+// Live: the change feed through EventSource (it resumes with Last-Event-ID by itself). Each
+// change is listed at once, in the feed's order, its record named as the library names it
+// (`/records/<rid>/label`, asked once per record and again when a change may rename it:
+// `data-label-keys`); every row of a record takes its newest name, so one record never goes
+// by several names down the list.
 
 // The session is gone (signed out elsewhere, or the node restarted: sessions live in its
 // memory): say so where the page shows its state, with the way back. Reloading shows the
@@ -58,7 +46,29 @@ function startLive() {
   const list = document.getElementById("events");
   const status = document.getElementById("live-status");
   if (!list) return;
+  const renaming = new Set(list.dataset.labelKeys.split(" "));
+  const known = new Map(); // rid → its label, once asked
+  const asking = new Map(); // rid → true while asked, "again" when it may have changed since
   const source = new EventSource("/api/events");
+  const gone = () => { source.close(); signedOut(status); };
+  const rename = (rid, label) => {
+    known.set(rid, label);
+    for (const link of list.querySelectorAll(`a[data-rid="${CSS.escape(rid)}"]`)) {
+      link.textContent = label;
+    }
+  };
+  const ask = async (rid) => {
+    if (asking.has(rid)) { asking.set(rid, "again"); return; }
+    asking.set(rid, true);
+    try {
+      const r = await fetch(`/records/${encodeURIComponent(rid)}/label`, { credentials: "same-origin" });
+      if (r.status === 401) return gone();
+      if (r.ok) rename(rid, (await r.json()).label);
+    } catch { /* the node does not answer: the row keeps the name it has */ }
+    const again = asking.get(rid) === "again";
+    asking.delete(rid);
+    if (again) ask(rid);
+  };
   source.onopen = () => { status.textContent = "connected"; };
   // EventSource retries by itself while the node does not answer; it gives up (CLOSED) only
   // when the node answers with a refusal, which here means the session is gone.
@@ -66,18 +76,19 @@ function startLive() {
     if (source.readyState === EventSource.CLOSED) signedOut(status);
     else status.textContent = "reconnecting…";
   };
-  const show = async (event) => {
+  const show = (event) => {
     const data = JSON.parse(event.data);
-    if (data.key === "title" && data.value) titles.set(data.rid, Promise.resolve(data.value));
     if (data.key.startsWith("cids/")) return;
     const item = document.createElement("li");
     const link = document.createElement("a");
     link.href = `/records/${data.rid}`;
-    link.textContent = await titleOf(data.rid);
+    link.dataset.rid = data.rid;
+    link.textContent = known.get(data.rid) || data.rid;
     item.append(link, ` ${event.type} ${data.key}`);
     if (data.value !== undefined) item.append(` = ${data.value}`);
     list.prepend(item);
     while (list.children.length > 200) list.lastChild.remove();
+    if (!known.has(data.rid) || renaming.has(data.key)) ask(data.rid);
   };
   source.addEventListener("set", show);
   source.addEventListener("del", show);
