@@ -246,7 +246,7 @@ def check_ts(ts: object, now_ms: int, limits: Limits) -> int:
     if not isinstance(ts, int) or isinstance(ts, bool):
         raise InvalidTs("ts must be an integer of milliseconds")
     if ts < MIN_TS:
-        raise InvalidTs(f"ts {ts} is before 2000-01-01")
+        raise InvalidTs(f"ts {ts} is before 2000-01-01 (ts counts milliseconds, not seconds)")
     if ts > now_ms + limits.max_skew_ms:
         raise TsInFuture(f"ts {ts} is more than {limits.max_skew_ms} ms ahead of this node's clock")
     return ts

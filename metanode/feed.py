@@ -446,7 +446,11 @@ class Subscription:
         return snapshot.gap(cursor, reason)
 
     def _synced(self) -> bytes:
-        return sse.event(*synced(sse.event_id(self.epoch, self.position))).encode()
+        """The end of a replay, with its position as the frame's `id` too: a client that keeps
+        the last id it saw (EventSource) resumes from here, not from the last event that passed
+        its filter, which may be old enough to be pruned by then (a needless `gap`)."""
+        position = sse.event_id(self.epoch, self.position)
+        return sse.event(*synced(position), position).encode()
 
     async def _next(self) -> bytes:
         """The next chunk to send; empty when there was nothing for this client (yet)."""

@@ -1098,7 +1098,10 @@ def policy_error(row: SignerRow | None, claim: Claim, policy: Policy) -> SignerP
     """Why this signer may not make this claim, or None (SPEC §2.2, last two rules)."""
     if row is None:
         if not policy.accept_unknown_signers:
-            return UnknownSigner(f"signer {claim.uid} is not registered")
+            return UnknownSigner(
+                f"signer {claim.uid} is not registered (POST /api/signers or `metanode "
+                "signers add` registers it)"
+            )
         if claim.is_link:
             return LinkNotPermitted(f"unregistered signer {claim.uid} may not link groups")
         return None

@@ -504,7 +504,7 @@ async def test_replay_after_a_cursor_then_live(fd: Feed) -> None:
     assert frame == Frame("del", fd.cursor(11), {"rid": fd.rid(cid_n("r", 0)), "key": "title"})
     # at the head: nothing to replay, straight to synced
     at_head = fd.reader(fd.cursor(11))
-    assert await at_head.take(1) == [Frame("synced", None, {"id": fd.cursor(11)})]
+    assert await at_head.take(1) == [Frame("synced", fd.cursor(11), {"id": fd.cursor(11)})]
     await reader.close()
     await at_head.close()
 
@@ -569,7 +569,7 @@ async def test_everything_pruned_by_age_keeps_the_counter(fd: Feed) -> None:
     assert fd.node.cache.conn.execute("SELECT count(*) FROM feed").fetchone()[0] == 0
     assert (await fd.reader(fd.cursor(3)).next()).data["reason"] == "too_old"
     at_head = fd.reader(fd.cursor(4))
-    assert await at_head.take(1) == [Frame("synced", None, {"id": fd.cursor(4)})]
+    assert await at_head.take(1) == [Frame("synced", fd.cursor(4), {"id": fd.cursor(4)})]
     await fd.post(new_cid_claims(fd.signer, "age", 1, start=2))
     assert [f.id for f in await at_head.take(2)] == [fd.cursor(5), fd.cursor(6)]
 

@@ -498,7 +498,7 @@ def test_a_stalled_subscriber_blocks_nothing_and_loses_nothing(
     total = 2 * len(batch)
     ep = epoch(server)
     stalled = Stream(server, last_event_id=cursor(ep, 0), rcvbuf=4096)
-    assert stalled.next() == Frame("synced", None, {"id": cursor(ep, 0)})
+    assert stalled.next() == Frame("synced", cursor(ep, 0), {"id": cursor(ep, 0)})
     reader_replica = Replica(cursor(ep, 0), gaps_allowed=False)
     reader_errors: list[BaseException] = []
 
@@ -700,7 +700,7 @@ def test_retention_survives_restarts_and_seqs_are_never_reused(launch: Launch) -
         cursor(ep, 3_001), "too_old", cursor(ep, 3_002)
     )
     at_head = Stream(server, last_event_id=cursor(ep, 3_002))
-    assert at_head.next() == Frame("synced", None, {"id": cursor(ep, 3_002)})
+    assert at_head.next() == Frame("synced", cursor(ep, 3_002), {"id": cursor(ep, 3_002)})
     post_all(server, new_cid_claims(signer, "keep", 1, start=1_501))
     assert [f.id for f in at_head.take(2)] == [cursor(ep, 3_003), cursor(ep, 3_004)]
     at_head.close()
@@ -734,7 +734,7 @@ def test_rebuild_cache_starts_a_new_epoch(launch: Launch) -> None:
     stream.until(lambda r: bool(r.synced), replica)
     assert replica.synced == [cursor(new_epoch, 0)] and replica.state == before
     assert first_frame(server, cursor(new_epoch, 0)) == Frame(
-        "synced", None, {"id": cursor(new_epoch, 0)}
+        "synced", cursor(new_epoch, 0), {"id": cursor(new_epoch, 0)}
     )
     post_all(server, new_cid_claims(signer, "rebuild", 1, start=5))
     stream.until(lambda r: r.position == 2, replica)
@@ -855,7 +855,7 @@ def test_events_cli_prints_the_feed(launch: Launch) -> None:
         (cursor(ep, seq), "set", "title") for seq in (2, 4, 6, 7)
     ]
     assert got[3][2]["value"] == "new ☃"
-    assert got[4] == ("-", "synced", {"id": cursor(ep, 7)})
+    assert got[4] == (cursor(ep, 7), "synced", {"id": cursor(ep, 7)})
 
 
 def test_events_cli_prints_values_with_unicode_line_separators(launch: Launch) -> None:

@@ -300,7 +300,10 @@ def test_a_signer_the_node_refuses_fails_the_import_before_anything_is_written(
     ok(run("signers", "add", SIGNER.uid, "--name", "t", "--data-dir", str(data)))
     result = import_file(data, source)
     assert result.exit_code == 2
-    assert failures(result) == [f"claim 3: unknown_signer: signer {stranger.uid} is not registered"]
+    assert failures(result) == [
+        f"claim 3: unknown_signer: signer {stranger.uid} is not registered (POST /api/signers or "
+        "`metanode signers add` registers it)"
+    ]
     assert claim_count(data) == 0
 
 
