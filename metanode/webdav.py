@@ -16,6 +16,8 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
   last component is a symbolic link, is 403 and links are left out of listings (WsgiDAV's own
   checks); and the bytes are read from a descriptor opened with `O_NOFOLLOW` and checked again
   below the root, so a link swapped in after the check cannot lead out either;
+* **paths** (`refusal`): one not UTF-8 once percent-decoded, with a control character or a
+  `.`/`..` segment is a 400 envelope before WsgiDAV sees it (its own answer was a 500 page);
 * **plugin outputs** (`webdav_plugin_writes`, off by default): `/webdav/plugin/` is then a
   writable folder, `webdav_plugin_dir` (default `<data_dir>/plugin`), which may not overlap a
   watch root: writes never reach the media.
@@ -29,6 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
+from urllib.parse import unquote_to_bytes, urlsplit
 
 from a2wsgi import WSGIMiddleware
 from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
@@ -42,7 +45,7 @@ from wsgidav.request_resolver import RequestResolver
 from wsgidav.wsgidav_app import WsgiDAVApp
 
 from metanode.config import Settings
-from metanode.errors import InvalidRequest
+from metanode.errors import InvalidRequest, MetanodeError
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
@@ -321,12 +324,44 @@ class App:
         self.served: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if {".", ".."} & set(scope["path"].split("/")):  # WsgiDAV's 400 lost its body
-            await JSONResponse(DOT_SEGMENT.envelope(), DOT_SEGMENT.status)(scope, receive, send)
+        refused = refusal(scope)
+        if refused is not None:
+            await JSONResponse(refused.envelope(), refused.status)(scope, receive, send)
             return
         if self.served is None:
             self.served = server(self.settings)
         await self.served(scope, receive, send)
 
 
+def refusal(scope: Scope) -> MetanodeError | None:
+    """Why the request's path, or a COPY's or MOVE's `Destination`, cannot name a file here; None
+    when both can. Checked on the bytes the client sent (`raw_path`): uvicorn's `path` has
+    already made an invalid UTF-8 sequence U+FFFD, a name a PUT then created."""
+    refused = path_refusal(scope.get("raw_path") or scope["path"].encode())
+    if refused is not None:
+        return refused
+    for name, value in scope["headers"]:
+        if name == b"destination":
+            return path_refusal(urlsplit(value).path)
+    return None
+
+
+def path_refusal(raw: bytes) -> MetanodeError | None:
+    """Why the percent-encoded path `raw` names no file WebDAV may serve or write: not UTF-8
+    once decoded (a lone surrogate neither), a control character (NUL failed the open with a
+    500 and its exception's text; the others are never listed: `servable`), a `.`/`..`
+    segment (WsgiDAV's 400 lost its body)."""
+    try:
+        path = unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return NOT_UTF8
+    if not servable(path):
+        return CONTROL
+    if {".", ".."} & set(path.split("/")):
+        return DOT_SEGMENT
+    return None
+
+
 DOT_SEGMENT = InvalidRequest("a WebDAV path has no '.' or '..' segment")
+NOT_UTF8 = InvalidRequest("a WebDAV path is UTF-8 once percent-decoded")
+CONTROL = InvalidRequest("a WebDAV path has no control character")

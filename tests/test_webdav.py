@@ -413,3 +413,41 @@ def test_the_layout_names_every_root_once(roots: list[tuple[str, str]]) -> None:
         owner = next(n for n, r in layout.collections if r == deepest)
         assert layout.relative(f"{real}/a/b.mkv") == f"{owner}/a/b.mkv"
     assert layout.relative("/elsewhere/c.mkv") == "elsewhere/c.mkv"
+
+
+def raw_request(
+    server: Server, method: str, path: str, headers: dict[str, str] | None = None
+) -> tuple[http.client.HTTPResponse, bytes]:
+    """`method` of `path` exactly as written (httpx would mend its percent-escapes and dots)."""
+    plain = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        plain.request(method, path, body=b"x" if method == "PUT" else None, headers=headers or {})
+        answer = plain.getresponse()
+        return answer, answer.read()
+    finally:
+        plain.close()
+
+
+def test_a_path_not_utf8_or_with_a_control_character_is_400_never_a_500(
+    launch: Callable[..., Server],
+) -> None:
+    """NUL in a path failed the open: a 500 page quoting `ValueError('embedded null byte')`; a
+    byte that is not UTF-8 (or a lone surrogate) became U+FFFD, a name a PUT then created."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    drop(server.media / "small.txt", b"0123456789abcdefghijkl")
+    odd = ("small.txt%00", "%00", "%FF", "a%ED%A0%80b", "Esc%1B.mkv", "%7F", "%C0%AE%C0%AE")
+    for method in ("GET", "HEAD", "PROPFIND", "PUT", "MKCOL", "DELETE"):
+        for top in ("media", f"{PLUGIN}/p1"):
+            for name in odd:
+                answer, body = raw_request(server, method, f"/webdav/{top}/{name}")
+                assert answer.status == 400, (method, top, name, answer.status, body[:300])
+                if method != "HEAD":
+                    assert json.loads(body)["error"] == "invalid_request", (method, name)
+    httpx.put(f"{server.url}/webdav/{PLUGIN}/p1/ok.txt", content=b"ok", timeout=30)
+    for name in odd:
+        moved = {"Destination": f"{server.url}/webdav/{PLUGIN}/p1/{name}"}
+        for method in ("MOVE", "COPY"):
+            answer, body = raw_request(server, method, f"/webdav/{PLUGIN}/p1/ok.txt", moved)
+            assert answer.status == 400, (method, name, answer.status, body[:300])
+    assert [p.name for p in (server.data_dir / "plugin" / "p1").iterdir()] == ["ok.txt"]
+    assert "embedded null byte" not in server.log_text()
