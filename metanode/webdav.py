@@ -17,7 +17,9 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
   checks); and the bytes are read from a descriptor opened with `O_NOFOLLOW` and checked again
   below the root, so a link swapped in after the check cannot lead out either;
 * **paths** (`refusal`): one not UTF-8 once percent-decoded, with a control character or a
-  `.`/`..` segment is a 400 envelope before WsgiDAV sees it (its own answer was a 500 page);
+  `.`/`..` segment is a 400 envelope before WsgiDAV sees it (its own answer was a 500 page),
+  one longer than a file system takes a 414, and so are writes of the outputs' folder itself
+  (405, 403: WsgiDAV failed an assertion);
 * **plugin outputs** (`webdav_plugin_writes`, off by default): `/webdav/plugin/` is then a
   writable folder, `webdav_plugin_dir` (default `<data_dir>/plugin`), which may not overlap a
   watch root: writes never reach the media.
@@ -45,7 +47,13 @@ from wsgidav.request_resolver import RequestResolver
 from wsgidav.wsgidav_app import WsgiDAVApp
 
 from metanode.config import Settings
-from metanode.errors import InvalidRequest, MetanodeError
+from metanode.errors import (
+    Forbidden,
+    InvalidRequest,
+    MetanodeError,
+    MethodNotAllowed,
+    PathTooLong,
+)
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
@@ -225,15 +233,27 @@ def make_parents(outputs: Path, wsgi_path: str) -> None:
     read as Latin-1) goes into, made if missing, as meta-core's nginx did
     (`create_full_put_path`): MetaMesh's plugins PUT `plugin/<id>/<file>` with no MKCOL first,
     and got 409 for their first poster. Never outside `outputs`: a folder whose real path
-    leaves it (a link) is left to WsgiDAV, which refuses the PUT."""
+    leaves it (a link) is left to WsgiDAV, which refuses the PUT. One folder at a time, not
+    `mkdir(parents=True)` (a recursion: 2,000 levels raised RecursionError), stopping at the
+    first that cannot be made (a file of that name: WsgiDAV then answers 409)."""
     try:
         below = wsgi_path.encode("latin-1").decode("utf-8").strip("/")
     except UnicodeError:
         return
     parent = (outputs / below).parent
     inside = os.path.realpath(parent) + "/"
-    if below and inside.startswith(os.path.realpath(outputs) + "/"):
-        parent.mkdir(parents=True, exist_ok=True)
+    if not below or not inside.startswith(os.path.realpath(outputs) + "/"):
+        return
+    folder = outputs
+    for name in parent.relative_to(outputs).parts:
+        folder = folder / name
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            if not folder.is_dir():
+                return
+        except OSError:
+            return
 
 
 def plugin_dir(settings: Settings) -> Path | None:
@@ -324,44 +344,85 @@ class App:
         self.served: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        refused = refusal(scope)
+        refused = refusal(scope, self.settings.webdav_plugin_writes)
         if refused is not None:
-            await JSONResponse(refused.envelope(), refused.status)(scope, receive, send)
+            headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else None
+            answer = JSONResponse(refused.envelope(), refused.status, headers=headers)
+            await answer(scope, receive, send)
             return
         if self.served is None:
             self.served = server(self.settings)
         await self.served(scope, receive, send)
 
 
-def refusal(scope: Scope) -> MetanodeError | None:
-    """Why the request's path, or a COPY's or MOVE's `Destination`, cannot name a file here; None
-    when both can. Checked on the bytes the client sent (`raw_path`): uvicorn's `path` has
-    already made an invalid UTF-8 sequence U+FFFD, a name a PUT then created."""
-    refused = path_refusal(scope.get("raw_path") or scope["path"].encode())
-    if refused is not None:
-        return refused
-    for name, value in scope["headers"]:
-        if name == b"destination":
-            return path_refusal(urlsplit(value).path)
+def refusal(scope: Scope, writes: bool) -> MetanodeError | None:
+    """Why the request's path, or a COPY's or MOVE's `Destination`, cannot name a file here, or
+    why the outputs' folder itself is not written (with `writes`: WsgiDAV's writes of its own
+    root failed an assertion, a 500); None when they can. Checked on the bytes the client sent
+    (`raw_path`): uvicorn's `path` has already made an invalid UTF-8 sequence U+FFFD, a name a
+    PUT then created."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    targets = [raw] + [urlsplit(v).path for k, v in scope["headers"] if k == b"destination"]
+    for target in targets:
+        refused = path_refusal(target, writes)
+        if refused is not None:
+            return refused
+    if not writes:
+        return None
+    if scope["method"] in ("COPY", "MOVE") and any(map(outputs_root, targets)):
+        return INTO_ITSELF
+    if outputs_root(raw) and scope["method"] not in READS.split(", "):
+        return OUTPUTS_ROOT
     return None
 
 
-def path_refusal(raw: bytes) -> MetanodeError | None:
+def path_refusal(raw: bytes, writes: bool) -> MetanodeError | None:
     """Why the percent-encoded path `raw` names no file WebDAV may serve or write: not UTF-8
     once decoded (a lone surrogate neither), a control character (NUL failed the open with a
     500 and its exception's text; the others are never listed: `servable`), a `.`/`..`
-    segment (WsgiDAV's 400 lost its body)."""
+    segment (WsgiDAV's 400 lost its body), longer than a file system takes (its OSError was a
+    500), or, with `writes`, below `plugin/` deeper or longer than `WRITE_LEVELS` and
+    `WRITE_BYTES` (a folder a PUT makes is then never too long for the file system)."""
     try:
         path = unquote_to_bytes(raw).decode("utf-8")
     except UnicodeDecodeError:
         return NOT_UTF8
     if not servable(path):
         return CONTROL
-    if {".", ".."} & set(path.split("/")):
+    names = path.split("/")
+    if {".", ".."} & set(names):
         return DOT_SEGMENT
+    if len(path.encode()) > PATH_MAX or max(len(name.encode()) for name in names) > NAME_MAX:
+        return TOO_LONG
+    below = path.removeprefix(f"{MOUNT}/{PLUGIN}/")
+    too_deep = below.count("/") >= WRITE_LEVELS or len(below.encode()) > WRITE_BYTES
+    if writes and below != path and too_deep:
+        return TOO_DEEP
     return None
 
 
+def outputs_root(raw: bytes) -> bool:
+    """Whether the path `raw` is the plugin outputs' folder itself (`/webdav/plugin`, with or
+    without its slash)."""
+    return unquote_to_bytes(raw).rstrip(b"/") == f"{MOUNT}/{PLUGIN}".encode()
+
+
+# Linux's NAME_MAX and PATH_MAX: a longer name or path names no file (ENAMETOOLONG)
+NAME_MAX, PATH_MAX = 255, 4096
+# what a plugin output's path below `plugin/` may be (`<id>/<file>`, `fanart/ab/cd/<file>`):
+# with the outputs' folder in front it stays under PATH_MAX
+WRITE_LEVELS, WRITE_BYTES = 32, 1024
+READS = "OPTIONS, HEAD, GET, PROPFIND"  # what the outputs' folder itself (and a root) answers
 DOT_SEGMENT = InvalidRequest("a WebDAV path has no '.' or '..' segment")
 NOT_UTF8 = InvalidRequest("a WebDAV path is UTF-8 once percent-decoded")
 CONTROL = InvalidRequest("a WebDAV path has no control character")
+TOO_LONG = PathTooLong(
+    f"a WebDAV path is at most {PATH_MAX:,} bytes, each name at most {NAME_MAX} bytes"
+)
+TOO_DEEP = PathTooLong(
+    f"a path below /webdav/{PLUGIN}/ is at most {WRITE_BYTES:,} bytes in {WRITE_LEVELS} levels"
+)
+OUTPUTS_ROOT = MethodNotAllowed(f"/webdav/{PLUGIN}/ itself is not written: its members are")
+INTO_ITSELF = Forbidden(
+    f"/webdav/{PLUGIN}/ itself is neither copied nor moved (into itself) nor replaced"
+)

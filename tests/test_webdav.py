@@ -451,3 +451,46 @@ def test_a_path_not_utf8_or_with_a_control_character_is_400_never_a_500(
             assert answer.status == 400, (method, name, answer.status, body[:300])
     assert [p.name for p in (server.data_dir / "plugin" / "p1").iterdir()] == ["ok.txt"]
     assert "embedded null byte" not in server.log_text()
+
+
+def test_plugin_writes_that_cannot_be_done_are_refused_never_a_500(
+    launch: Callable[..., Server],
+) -> None:
+    """Each was a 500: a PUT below a file (its folders could not be made), a name longer than
+    the file system takes, 2,000 levels (a RecursionError, and a 3.2 MB log line), a write of
+    the outputs' folder itself, a copy of it into itself, a move onto it."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    base, outputs = f"/webdav/{PLUGIN}", server.data_dir / "plugin"
+    assert httpx.put(f"{server.url}{base}/p1/ok.txt", content=b"ok", timeout=30).is_success
+    assert raw_request(server, "PUT", f"{base}/p1/ok.txt/sub")[0].status == 409
+    assert raw_request(server, "MKCOL", f"{base}/p1/ok.txt/sub/")[0].status == 409
+    for path, levels in ((f"p1/{'a' * 300}.txt", 2), ("d/" * 2000 + "f.txt", 2001)):
+        answer, body = raw_request(server, "PUT", f"{base}/{path}")
+        assert (answer.status, json.loads(body)["error"]) == (414, "path_too_long"), levels
+    assert raw_request(server, "PUT", f"{base}/{'d/' * 32}f.txt")[0].status == 414
+    assert raw_request(server, "PUT", f"{base}/{'d/' * 31}f.txt")[0].status == 201  # 32 levels
+    assert raw_request(server, "PUT", f"{base}/p1/{'a' * 251}.txt")[0].status == 201
+    for path in (base, f"{base}/"):
+        for method in ("PUT", "DELETE", "MKCOL", "PROPPATCH", "LOCK"):
+            answer, body = raw_request(server, method, path)
+            assert answer.status == 405, (method, path, answer.status, body[:300])
+            assert answer.getheader("Allow") == "OPTIONS, HEAD, GET, PROPFIND", (method, path)
+            assert json.loads(body)["error"] == "method_not_allowed"
+        assert propfind(f"{server.url}{path}", "0")  # still listed
+    httpx.request("MKCOL", f"{server.url}{base}/p1/sub/", timeout=30)
+    for method, path, destination in (
+        ("COPY", f"{base}/", f"{base}/p1/loop/"),
+        ("MOVE", f"{base}/", f"{base}/p1/loop/"),
+        ("MOVE", f"{base}/p1/sub/", f"{base}/"),
+        ("COPY", f"{base}/p1/sub/", base),
+        ("COPY", f"{base}/p1/", f"{base}/p1/loop/"),  # WsgiDAV's own refusal
+    ):
+        moved = {"Destination": f"{server.url}{destination}"}
+        answer, body = raw_request(server, method, path, moved)
+        assert answer.status == 403, (method, path, destination, answer.status, body[:300])
+    assert sorted(p.name for p in (outputs / "p1").iterdir()) == [
+        "a" * 251 + ".txt",
+        "ok.txt",
+        "sub",
+    ]
+    assert max(map(len, server.log_text().splitlines())) < 10_000
