@@ -43,6 +43,7 @@ from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError
 from wsgidav.dav_provider import DAVCollection, DAVProvider
 from wsgidav.error_printer import ErrorPrinter
 from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
+from wsgidav.mw.base_mw import BaseMiddleware
 from wsgidav.request_resolver import RequestResolver
 from wsgidav.wsgidav_app import WsgiDAVApp
 
@@ -54,6 +55,7 @@ from metanode.errors import (
     MethodNotAllowed,
     PathTooLong,
 )
+from metanode.ranges import Unserved, byte_ranges
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
@@ -228,6 +230,45 @@ class Layout(DAVProvider):  # type: ignore[misc]
         return CheckedFile(path, environ, file_path, fs.root_folder_path_real)
 
 
+class Ranges(BaseMiddleware):  # type: ignore[misc]
+    """A GET's `Range` as the native `/file/{cid}` reads it (`ranges.byte_ranges`), given to
+    WsgiDAV in the one form its own parser reads right. Its parser took `bytes=5-2` for the
+    last bytes, `bytes=-0` for none (`Content-Range: bytes 22-21/22`), `items=0-5` and
+    `bytes=1-2-3` for byte ranges, all 206. RFC 9110: a header that is not a byte range, or two
+    ranges (WsgiDAV served the last one as if it were all), is ignored (200, the whole file);
+    one that no byte satisfies is 416 with `Content-Range: bytes */<size>`. WsgiDAV still
+    answers, so `If-Range` is weighed first, as before."""
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        wanted = environ.get("HTTP_RANGE")
+        size = self._size(environ) if wanted is not None else None
+        if wanted is not None and size is not None:
+            chosen = byte_ranges(wanted, size) if "," not in wanted else Unserved.MALFORMED
+            if chosen is Unserved.UNSATISFIABLE:
+                environ["HTTP_RANGE"] = f"bytes={size}-"  # WsgiDAV's 416, `bytes */<size>`
+            elif isinstance(chosen, list) and len(chosen) == 1:
+                environ["HTTP_RANGE"] = f"bytes={chosen[0][0]}-{chosen[0][1] - 1}"
+            else:
+                del environ["HTTP_RANGE"]
+        return self.next_app(environ, start_response)
+
+    @staticmethod
+    def _size(environ: dict[str, Any]) -> int | None:
+        """The size of the file a GET or HEAD reads; None for anything else (WsgiDAV answers
+        a folder, a missing path or a refusal as it would have)."""
+        provider = environ["wsgidav.provider"]
+        if environ["REQUEST_METHOD"] not in ("GET", "HEAD") or provider is None:
+            return None
+        try:
+            res = provider.get_resource_inst(environ["PATH_INFO"], environ)
+        except DAVError:
+            return None
+        if res is None or res.is_collection:
+            return None
+        size: int | None = res.get_content_length()
+        return size
+
+
 def make_parents(outputs: Path, wsgi_path: str) -> None:
     """The folders a PUT of `wsgi_path` (below `plugin/`, as WSGI spells a path: UTF-8 bytes
     read as Latin-1) goes into, made if missing, as meta-core's nginx did
@@ -267,12 +308,13 @@ def plugin_dir(settings: Settings) -> Path | None:
 def dav(mount: str, provider: DAVProvider) -> WSGIApp:
     """A WsgiDAV app serving `provider` at `mount`: no authentication of its own (the perimeter
     decides, as for every compat route), no directory browser (GET of a folder is 403: list it
-    with PROPFIND), locks in memory (clients that write lock first), no dead properties."""
+    with PROPFIND), locks in memory (clients that write lock first), no dead properties, Range
+    headers read as `/file/{cid}` reads them (`Ranges`)."""
     app: WSGIApp = WsgiDAVApp(
         {
             "mount_path": mount,
             "provider_mapping": {"/": provider},
-            "middleware_stack": [ErrorPrinter, RequestResolver],
+            "middleware_stack": [ErrorPrinter, Ranges, RequestResolver],
             "lock_storage": True,
             "property_manager": None,
             "verbose": 0,
@@ -320,9 +362,6 @@ def server(settings: Settings) -> ASGIApp:
     def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         path = environ["PATH_INFO"]
         dated = undated(start_response)
-        headers = cast(dict[str, str], environ)  # the HTTP_* keys: TypedDict names none
-        if "," in headers.get("HTTP_RANGE", ""):  # WsgiDAV served the last range as if all
-            del headers["HTTP_RANGE"]  # the whole file instead, as RFC 9110 §14.2 allows
         if writable is not None and (path == f"/{PLUGIN}" or path.startswith(f"/{PLUGIN}/")):
             environ["SCRIPT_NAME"] += f"/{PLUGIN}"
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]

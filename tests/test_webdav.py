@@ -494,3 +494,34 @@ def test_plugin_writes_that_cannot_be_done_are_refused_never_a_500(
         "sub",
     ]
     assert max(map(len, server.log_text().splitlines())) < 10_000
+
+
+def test_a_range_that_is_not_a_byte_range_is_ignored_and_one_past_the_end_is_416(
+    launch: Callable[..., Server],
+) -> None:
+    """WsgiDAV's own parser answered each of these 206 with wrong or impossible bytes
+    (`bytes=5-2`: the last two, `Content-Range: bytes 20-21/22`; `bytes=-0`: `bytes 22-21/22`).
+    RFC 9110: not a byte range, ignored (200, the whole file); well formed but past the end,
+    416 `bytes */22`; read as the native `/file/{cid}` reads them."""
+    server = launch()
+    data = b"0123456789abcdefghijkl"
+    drop(server.media / "small.txt", data)
+    url = f"{server.url}/webdav/media/small.txt"
+    for wanted in ("bytes=5-2", "items=0-5", "bytes=1-2-3", "bytes=x-3", "bytes", "bytes=0-1,4-5"):
+        for method in ("GET", "HEAD"):
+            answer = httpx.request(method, url, headers={"Range": wanted}, timeout=30)
+            assert answer.status_code == 200, (method, wanted, answer.status_code)
+            assert "content-range" not in answer.headers, wanted
+            assert answer.headers["content-length"] == str(len(data)), wanted
+            assert answer.content == (data if method == "GET" else b""), wanted
+    for wanted in ("bytes=-0", "bytes=22-", "bytes=30-40"):
+        answer = httpx.get(url, headers={"Range": wanted}, timeout=30)
+        assert answer.status_code == 416, (wanted, answer.status_code)
+        assert answer.headers["content-range"] == "bytes */22", wanted
+    stale = {"Range": "bytes=30-", "If-Range": '"an-old-etag"'}  # the whole file, as before
+    assert httpx.get(url, headers=stale, timeout=30).content == data
+    for wanted, start, end in (("bytes=5-", 5, 21), ("bytes=-3", 19, 21), ("bytes=2-4", 2, 4)):
+        answer = httpx.get(url, headers={"Range": wanted}, timeout=30)
+        assert answer.status_code == 206, wanted
+        assert answer.headers["content-range"] == f"bytes {start}-{end}/22", wanted
+        assert answer.content == data[start : end + 1], wanted
