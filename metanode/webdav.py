@@ -27,6 +27,7 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import unicodedata
 from collections.abc import Iterable, Sequence
@@ -45,6 +46,7 @@ from wsgidav.error_printer import ErrorPrinter
 from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
 from wsgidav.mw.base_mw import BaseMiddleware
 from wsgidav.request_resolver import RequestResolver
+from wsgidav.request_server import RequestServer
 from wsgidav.wsgidav_app import WsgiDAVApp
 
 from metanode.config import Settings
@@ -230,6 +232,34 @@ class Layout(DAVProvider):  # type: ignore[misc]
         return CheckedFile(path, environ, file_path, fs.root_folder_path_real)
 
 
+class Allowed(BaseMiddleware):  # type: ignore[misc]
+    """WsgiDAV's 405 with the `Allow` RFC 9110 §15.5.6 requires of it, which it never sends: the
+    one its OPTIONS answers for the same path (`OPTIONS, HEAD, GET, PROPFIND` for a file of a
+    root; what the resource allows in `plugin/`)."""
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            if status.startswith("405") and all(name.lower() != "allow" for name, _ in headers):
+                headers = [*headers, ("Allow", self.allowed(environ))]
+            return start_response(status, headers, exc_info)
+
+        return self.next_app(environ, start)
+
+    @staticmethod
+    def allowed(environ: dict[str, Any]) -> str:
+        """What WsgiDAV's OPTIONS of this request's path answers as `Allow`."""
+        provider = environ["wsgidav.provider"]
+        found: dict[str, str] = {}
+
+        def kept(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+            found.update((name.lower(), value) for name, value in headers)
+
+        if provider is not None:
+            with contextlib.suppress(DAVError):  # no such path, nor its folder: OPTIONS alone
+                RequestServer(provider).do_OPTIONS({**environ, "REQUEST_METHOD": "OPTIONS"}, kept)
+        return found.get("allow", "OPTIONS")
+
+
 class Ranges(BaseMiddleware):  # type: ignore[misc]
     """A GET's `Range` as the native `/file/{cid}` reads it (`ranges.byte_ranges`), given to
     WsgiDAV in the one form its own parser reads right. Its parser took `bytes=5-2` for the
@@ -309,12 +339,12 @@ def dav(mount: str, provider: DAVProvider) -> WSGIApp:
     """A WsgiDAV app serving `provider` at `mount`: no authentication of its own (the perimeter
     decides, as for every compat route), no directory browser (GET of a folder is 403: list it
     with PROPFIND), locks in memory (clients that write lock first), no dead properties, Range
-    headers read as `/file/{cid}` reads them (`Ranges`)."""
+    headers read as `/file/{cid}` reads them (`Ranges`), an `Allow` on every 405 (`Allowed`)."""
     app: WSGIApp = WsgiDAVApp(
         {
             "mount_path": mount,
             "provider_mapping": {"/": provider},
-            "middleware_stack": [ErrorPrinter, Ranges, RequestResolver],
+            "middleware_stack": [Allowed, ErrorPrinter, Ranges, RequestResolver],
             "lock_storage": True,
             "property_manager": None,
             "verbose": 0,

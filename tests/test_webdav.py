@@ -525,3 +525,23 @@ def test_a_range_that_is_not_a_byte_range_is_ignored_and_one_past_the_end_is_416
         assert answer.status_code == 206, wanted
         assert answer.headers["content-range"] == f"bytes {start}-{end}/22", wanted
         assert answer.content == data[start : end + 1], wanted
+
+
+def test_every_405_names_what_is_allowed(launch: Callable[..., Server]) -> None:
+    """RFC 9110 §15.5.6: a 405 carries `Allow`; WsgiDAV's carried none. It is what OPTIONS of the
+    same path answers."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    drop(server.media / "films" / "film.mkv")
+    httpx.put(f"{server.url}/webdav/{PLUGIN}/p1/ok.txt", content=b"ok", timeout=30)
+    for path in ("media/films/film.mkv", "media/films/", "media/films/new.mkv", f"{PLUGIN}/p1/"):
+        url = f"{server.url}/webdav/{path}"
+        allowed = httpx.request("OPTIONS", url, timeout=30).headers["Allow"]
+        methods = ("PUT", "TRACE", "LOCK", "MKCOL", "DELETE", "PROPPATCH", "MOVE", "COPY", "POST")
+        for method in methods if not path.startswith(PLUGIN) else ("MKCOL", "POST", "TRACE"):
+            moved = {"Destination": f"{server.url}/webdav/media/moved.mkv"}
+            answer = httpx.request(method, url, headers=moved, timeout=30)
+            assert answer.status_code == 405, (method, path, answer.status_code)
+            assert answer.headers.get("Allow") == allowed, (method, path, answer.headers)
+    assert allowed.startswith("OPTIONS, HEAD, GET, PROPFIND, DELETE")  # a folder of plugin/
+    file = httpx.request("OPTIONS", f"{server.url}/webdav/media/films/film.mkv", timeout=30)
+    assert file.headers["Allow"] == "OPTIONS, HEAD, GET, PROPFIND"
