@@ -39,17 +39,15 @@ from starlette.requests import Request
 from starlette.responses import (
     FileResponse,
     JSONResponse,
-    MalformedRangeHeader,
     PlainTextResponse,
     RedirectResponse,
     Response,
 )
-from starlette.responses import RangeNotSatisfiable as Unsatisfiable
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import Receive, Scope, Send
 
 from metanode import cid as cids
-from metanode import claims, feed, merge, signer, sse, webdav
+from metanode import claims, feed, merge, ranges, signer, sse, webdav
 from metanode import rid as rids
 from metanode.bodies import parse_json, read_body
 from metanode.config import Settings
@@ -412,7 +410,8 @@ class OpenedFile(FileResponse):
 def range_refused(response: FileResponse, request: Request, size: int) -> Response | None:
     """A 416 envelope for a Range that FileResponse would refuse with its own plain-text 400 or
     416 (a malformed or unsatisfiable range, as Go's `http.ServeContent` refuses both), using
-    FileResponse's own parser so the two never disagree; None when it will serve the request."""
+    FileResponse's own parser (`ranges`) so the two never disagree; None when it will serve the
+    request."""
     wanted, if_range = request.headers.get("range"), request.headers.get("if-range")
     if wanted is None or if_range not in (
         None,
@@ -420,9 +419,7 @@ def range_refused(response: FileResponse, request: Request, size: int) -> Respon
         response.headers.get("etag"),
     ):
         return None  # no range, or If-Range says the client's copy is stale: the whole file
-    try:
-        FileResponse._parse_range_header(wanted, size)
-    except (MalformedRangeHeader, Unsatisfiable):
+    if isinstance(ranges.byte_ranges(wanted, size), ranges.Unserved):
         refused = RangeNotSatisfiable(f"range {wanted!r} cannot be served from {size} bytes")
         return JSONResponse(
             refused.envelope(),

@@ -9,7 +9,7 @@ The tree, by family:
 
 * `ClaimError` (400): one claim broke a rule of SPEC §2.2 (`invalid_uid`, `invalid_cid`, ...).
 * `SignerPolicyError` (403): the claim is well formed but its signer may not make it.
-* `RequestError` (400/408/413/431): the request itself is malformed, too large or too slow.
+* `RequestError` (400/408/413/414/431): the request itself is malformed, too large or too slow.
 * `NotFoundError` (404): nothing is known under that name.
 * `AuthError` (401): the perimeter token is missing or wrong.
 * `UnavailableError` (503): the node cannot answer right now; retrying helps. Its
@@ -178,6 +178,14 @@ class TooLarge(RequestError):
     slug = "too_large"
 
 
+class PathTooLong(RequestError):
+    """A WebDAV path longer than a file system takes (a name over 255 bytes, a path over 4,096),
+    or deeper or longer than a plugin output may be: refused before the file system is asked."""
+
+    status = 414
+    slug = "path_too_long"
+
+
 class HeadersTooLarge(RequestError):
     """The request line and headers passed `max_header_bytes` before they ended; the server
     answers this itself, before the app, and closes the connection."""
@@ -230,6 +238,15 @@ class Merged(NotFoundError):
 
 class UnknownSignerUid(NotFoundError):
     slug = "unknown_signer"
+
+
+class Forbidden(MetanodeError):
+    """What no one may do to this target (WebDAV: the plugin outputs' folder copied or moved
+    into itself, or replaced by a MOVE or COPY); `SignerPolicyError`'s refusals share the
+    slug."""
+
+    status = 403
+    slug = "forbidden"
 
 
 class MethodNotAllowed(MetanodeError):

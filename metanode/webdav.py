@@ -16,6 +16,10 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
   last component is a symbolic link, is 403 and links are left out of listings (WsgiDAV's own
   checks); and the bytes are read from a descriptor opened with `O_NOFOLLOW` and checked again
   below the root, so a link swapped in after the check cannot lead out either;
+* **paths** (`refusal`): one not UTF-8 once percent-decoded, with a control character or a
+  `.`/`..` segment is a 400 envelope before WsgiDAV sees it (its own answer was a 500 page),
+  one longer than a file system takes a 414, and so are writes of the outputs' folder itself
+  (405, 403: WsgiDAV failed an assertion);
 * **plugin outputs** (`webdav_plugin_writes`, off by default): `/webdav/plugin/` is then a
   writable folder, `webdav_plugin_dir` (default `<data_dir>/plugin`), which may not overlap a
   watch root: writes never reach the media.
@@ -23,12 +27,14 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
+from urllib.parse import unquote_to_bytes, urlsplit
 
 from a2wsgi import WSGIMiddleware
 from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
@@ -38,11 +44,20 @@ from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError
 from wsgidav.dav_provider import DAVCollection, DAVProvider
 from wsgidav.error_printer import ErrorPrinter
 from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
+from wsgidav.mw.base_mw import BaseMiddleware
 from wsgidav.request_resolver import RequestResolver
+from wsgidav.request_server import RequestServer
 from wsgidav.wsgidav_app import WsgiDAVApp
 
 from metanode.config import Settings
-from metanode.errors import InvalidRequest
+from metanode.errors import (
+    Forbidden,
+    InvalidRequest,
+    MetanodeError,
+    MethodNotAllowed,
+    PathTooLong,
+)
+from metanode.ranges import Unserved, byte_ranges
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
@@ -217,20 +232,99 @@ class Layout(DAVProvider):  # type: ignore[misc]
         return CheckedFile(path, environ, file_path, fs.root_folder_path_real)
 
 
+class Allowed(BaseMiddleware):  # type: ignore[misc]
+    """WsgiDAV's 405 with the `Allow` RFC 9110 §15.5.6 requires of it, which it never sends: the
+    one its OPTIONS answers for the same path (`OPTIONS, HEAD, GET, PROPFIND` for a file of a
+    root; what the resource allows in `plugin/`)."""
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        def start(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+            if status.startswith("405") and all(name.lower() != "allow" for name, _ in headers):
+                headers = [*headers, ("Allow", self.allowed(environ))]
+            return start_response(status, headers, exc_info)
+
+        return self.next_app(environ, start)
+
+    @staticmethod
+    def allowed(environ: dict[str, Any]) -> str:
+        """What WsgiDAV's OPTIONS of this request's path answers as `Allow`."""
+        provider = environ["wsgidav.provider"]
+        found: dict[str, str] = {}
+
+        def kept(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> None:
+            found.update((name.lower(), value) for name, value in headers)
+
+        if provider is not None:
+            with contextlib.suppress(DAVError):  # no such path, nor its folder: OPTIONS alone
+                RequestServer(provider).do_OPTIONS({**environ, "REQUEST_METHOD": "OPTIONS"}, kept)
+        return found.get("allow", "OPTIONS")
+
+
+class Ranges(BaseMiddleware):  # type: ignore[misc]
+    """A GET's `Range` as the native `/file/{cid}` reads it (`ranges.byte_ranges`), given to
+    WsgiDAV in the one form its own parser reads right. Its parser took `bytes=5-2` for the
+    last bytes, `bytes=-0` for none (`Content-Range: bytes 22-21/22`), `items=0-5` and
+    `bytes=1-2-3` for byte ranges, all 206. RFC 9110: a header that is not a byte range, or two
+    ranges (WsgiDAV served the last one as if it were all), is ignored (200, the whole file);
+    one that no byte satisfies is 416 with `Content-Range: bytes */<size>`. WsgiDAV still
+    answers, so `If-Range` is weighed first, as before."""
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        wanted = environ.get("HTTP_RANGE")
+        size = self._size(environ) if wanted is not None else None
+        if wanted is not None and size is not None:
+            chosen = byte_ranges(wanted, size) if "," not in wanted else Unserved.MALFORMED
+            if chosen is Unserved.UNSATISFIABLE:
+                environ["HTTP_RANGE"] = f"bytes={size}-"  # WsgiDAV's 416, `bytes */<size>`
+            elif isinstance(chosen, list) and len(chosen) == 1:
+                environ["HTTP_RANGE"] = f"bytes={chosen[0][0]}-{chosen[0][1] - 1}"
+            else:
+                del environ["HTTP_RANGE"]
+        return self.next_app(environ, start_response)
+
+    @staticmethod
+    def _size(environ: dict[str, Any]) -> int | None:
+        """The size of the file a GET or HEAD reads; None for anything else (WsgiDAV answers
+        a folder, a missing path or a refusal as it would have)."""
+        provider = environ["wsgidav.provider"]
+        if environ["REQUEST_METHOD"] not in ("GET", "HEAD") or provider is None:
+            return None
+        try:
+            res = provider.get_resource_inst(environ["PATH_INFO"], environ)
+        except DAVError:
+            return None
+        if res is None or res.is_collection:
+            return None
+        size: int | None = res.get_content_length()
+        return size
+
+
 def make_parents(outputs: Path, wsgi_path: str) -> None:
     """The folders a PUT of `wsgi_path` (below `plugin/`, as WSGI spells a path: UTF-8 bytes
     read as Latin-1) goes into, made if missing, as meta-core's nginx did
     (`create_full_put_path`): MetaMesh's plugins PUT `plugin/<id>/<file>` with no MKCOL first,
     and got 409 for their first poster. Never outside `outputs`: a folder whose real path
-    leaves it (a link) is left to WsgiDAV, which refuses the PUT."""
+    leaves it (a link) is left to WsgiDAV, which refuses the PUT. One folder at a time, not
+    `mkdir(parents=True)` (a recursion: 2,000 levels raised RecursionError), stopping at the
+    first that cannot be made (a file of that name: WsgiDAV then answers 409)."""
     try:
         below = wsgi_path.encode("latin-1").decode("utf-8").strip("/")
     except UnicodeError:
         return
     parent = (outputs / below).parent
     inside = os.path.realpath(parent) + "/"
-    if below and inside.startswith(os.path.realpath(outputs) + "/"):
-        parent.mkdir(parents=True, exist_ok=True)
+    if not below or not inside.startswith(os.path.realpath(outputs) + "/"):
+        return
+    folder = outputs
+    for name in parent.relative_to(outputs).parts:
+        folder = folder / name
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            if not folder.is_dir():
+                return
+        except OSError:
+            return
 
 
 def plugin_dir(settings: Settings) -> Path | None:
@@ -244,12 +338,13 @@ def plugin_dir(settings: Settings) -> Path | None:
 def dav(mount: str, provider: DAVProvider) -> WSGIApp:
     """A WsgiDAV app serving `provider` at `mount`: no authentication of its own (the perimeter
     decides, as for every compat route), no directory browser (GET of a folder is 403: list it
-    with PROPFIND), locks in memory (clients that write lock first), no dead properties."""
+    with PROPFIND), locks in memory (clients that write lock first), no dead properties, Range
+    headers read as `/file/{cid}` reads them (`Ranges`), an `Allow` on every 405 (`Allowed`)."""
     app: WSGIApp = WsgiDAVApp(
         {
             "mount_path": mount,
             "provider_mapping": {"/": provider},
-            "middleware_stack": [ErrorPrinter, RequestResolver],
+            "middleware_stack": [Allowed, ErrorPrinter, Ranges, RequestResolver],
             "lock_storage": True,
             "property_manager": None,
             "verbose": 0,
@@ -297,9 +392,6 @@ def server(settings: Settings) -> ASGIApp:
     def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         path = environ["PATH_INFO"]
         dated = undated(start_response)
-        headers = cast(dict[str, str], environ)  # the HTTP_* keys: TypedDict names none
-        if "," in headers.get("HTTP_RANGE", ""):  # WsgiDAV served the last range as if all
-            del headers["HTTP_RANGE"]  # the whole file instead, as RFC 9110 §14.2 allows
         if writable is not None and (path == f"/{PLUGIN}" or path.startswith(f"/{PLUGIN}/")):
             environ["SCRIPT_NAME"] += f"/{PLUGIN}"
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
@@ -321,12 +413,85 @@ class App:
         self.served: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if {".", ".."} & set(scope["path"].split("/")):  # WsgiDAV's 400 lost its body
-            await JSONResponse(DOT_SEGMENT.envelope(), DOT_SEGMENT.status)(scope, receive, send)
+        refused = refusal(scope, self.settings.webdav_plugin_writes)
+        if refused is not None:
+            headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else None
+            answer = JSONResponse(refused.envelope(), refused.status, headers=headers)
+            await answer(scope, receive, send)
             return
         if self.served is None:
             self.served = server(self.settings)
         await self.served(scope, receive, send)
 
 
+def refusal(scope: Scope, writes: bool) -> MetanodeError | None:
+    """Why the request's path, or a COPY's or MOVE's `Destination`, cannot name a file here, or
+    why the outputs' folder itself is not written (with `writes`: WsgiDAV's writes of its own
+    root failed an assertion, a 500); None when they can. Checked on the bytes the client sent
+    (`raw_path`): uvicorn's `path` has already made an invalid UTF-8 sequence U+FFFD, a name a
+    PUT then created."""
+    raw = scope.get("raw_path") or scope["path"].encode()
+    targets = [raw] + [urlsplit(v).path for k, v in scope["headers"] if k == b"destination"]
+    for target in targets:
+        refused = path_refusal(target, writes)
+        if refused is not None:
+            return refused
+    if not writes:
+        return None
+    if scope["method"] in ("COPY", "MOVE") and any(map(outputs_root, targets)):
+        return INTO_ITSELF
+    if outputs_root(raw) and scope["method"] not in READS.split(", "):
+        return OUTPUTS_ROOT
+    return None
+
+
+def path_refusal(raw: bytes, writes: bool) -> MetanodeError | None:
+    """Why the percent-encoded path `raw` names no file WebDAV may serve or write: not UTF-8
+    once decoded (a lone surrogate neither), a control character (NUL failed the open with a
+    500 and its exception's text; the others are never listed: `servable`), a `.`/`..`
+    segment (WsgiDAV's 400 lost its body), longer than a file system takes (its OSError was a
+    500), or, with `writes`, below `plugin/` deeper or longer than `WRITE_LEVELS` and
+    `WRITE_BYTES` (a folder a PUT makes is then never too long for the file system)."""
+    try:
+        path = unquote_to_bytes(raw).decode("utf-8")
+    except UnicodeDecodeError:
+        return NOT_UTF8
+    if not servable(path):
+        return CONTROL
+    names = path.split("/")
+    if {".", ".."} & set(names):
+        return DOT_SEGMENT
+    if len(path.encode()) > PATH_MAX or max(len(name.encode()) for name in names) > NAME_MAX:
+        return TOO_LONG
+    below = path.removeprefix(f"{MOUNT}/{PLUGIN}/")
+    too_deep = below.count("/") >= WRITE_LEVELS or len(below.encode()) > WRITE_BYTES
+    if writes and below != path and too_deep:
+        return TOO_DEEP
+    return None
+
+
+def outputs_root(raw: bytes) -> bool:
+    """Whether the path `raw` is the plugin outputs' folder itself (`/webdav/plugin`, with or
+    without its slash)."""
+    return unquote_to_bytes(raw).rstrip(b"/") == f"{MOUNT}/{PLUGIN}".encode()
+
+
+# Linux's NAME_MAX and PATH_MAX: a longer name or path names no file (ENAMETOOLONG)
+NAME_MAX, PATH_MAX = 255, 4096
+# what a plugin output's path below `plugin/` may be (`<id>/<file>`, `fanart/ab/cd/<file>`):
+# with the outputs' folder in front it stays under PATH_MAX
+WRITE_LEVELS, WRITE_BYTES = 32, 1024
+READS = "OPTIONS, HEAD, GET, PROPFIND"  # what the outputs' folder itself (and a root) answers
 DOT_SEGMENT = InvalidRequest("a WebDAV path has no '.' or '..' segment")
+NOT_UTF8 = InvalidRequest("a WebDAV path is UTF-8 once percent-decoded")
+CONTROL = InvalidRequest("a WebDAV path has no control character")
+TOO_LONG = PathTooLong(
+    f"a WebDAV path is at most {PATH_MAX:,} bytes, each name at most {NAME_MAX} bytes"
+)
+TOO_DEEP = PathTooLong(
+    f"a path below /webdav/{PLUGIN}/ is at most {WRITE_BYTES:,} bytes in {WRITE_LEVELS} levels"
+)
+OUTPUTS_ROOT = MethodNotAllowed(f"/webdav/{PLUGIN}/ itself is not written: its members are")
+INTO_ITSELF = Forbidden(
+    f"/webdav/{PLUGIN}/ itself is neither copied nor moved (into itself) nor replaced"
+)

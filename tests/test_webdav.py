@@ -413,3 +413,135 @@ def test_the_layout_names_every_root_once(roots: list[tuple[str, str]]) -> None:
         owner = next(n for n, r in layout.collections if r == deepest)
         assert layout.relative(f"{real}/a/b.mkv") == f"{owner}/a/b.mkv"
     assert layout.relative("/elsewhere/c.mkv") == "elsewhere/c.mkv"
+
+
+def raw_request(
+    server: Server, method: str, path: str, headers: dict[str, str] | None = None
+) -> tuple[http.client.HTTPResponse, bytes]:
+    """`method` of `path` exactly as written (httpx would mend its percent-escapes and dots)."""
+    plain = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        plain.request(method, path, body=b"x" if method == "PUT" else None, headers=headers or {})
+        answer = plain.getresponse()
+        return answer, answer.read()
+    finally:
+        plain.close()
+
+
+def test_a_path_not_utf8_or_with_a_control_character_is_400_never_a_500(
+    launch: Callable[..., Server],
+) -> None:
+    """NUL in a path failed the open: a 500 page quoting `ValueError('embedded null byte')`; a
+    byte that is not UTF-8 (or a lone surrogate) became U+FFFD, a name a PUT then created."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    drop(server.media / "small.txt", b"0123456789abcdefghijkl")
+    odd = ("small.txt%00", "%00", "%FF", "a%ED%A0%80b", "Esc%1B.mkv", "%7F", "%C0%AE%C0%AE")
+    for method in ("GET", "HEAD", "PROPFIND", "PUT", "MKCOL", "DELETE"):
+        for top in ("media", f"{PLUGIN}/p1"):
+            for name in odd:
+                answer, body = raw_request(server, method, f"/webdav/{top}/{name}")
+                assert answer.status == 400, (method, top, name, answer.status, body[:300])
+                if method != "HEAD":
+                    assert json.loads(body)["error"] == "invalid_request", (method, name)
+    httpx.put(f"{server.url}/webdav/{PLUGIN}/p1/ok.txt", content=b"ok", timeout=30)
+    for name in odd:
+        moved = {"Destination": f"{server.url}/webdav/{PLUGIN}/p1/{name}"}
+        for method in ("MOVE", "COPY"):
+            answer, body = raw_request(server, method, f"/webdav/{PLUGIN}/p1/ok.txt", moved)
+            assert answer.status == 400, (method, name, answer.status, body[:300])
+    assert [p.name for p in (server.data_dir / "plugin" / "p1").iterdir()] == ["ok.txt"]
+    assert "embedded null byte" not in server.log_text()
+
+
+def test_plugin_writes_that_cannot_be_done_are_refused_never_a_500(
+    launch: Callable[..., Server],
+) -> None:
+    """Each was a 500: a PUT below a file (its folders could not be made), a name longer than
+    the file system takes, 2,000 levels (a RecursionError, and a 3.2 MB log line), a write of
+    the outputs' folder itself, a copy of it into itself, a move onto it."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    base, outputs = f"/webdav/{PLUGIN}", server.data_dir / "plugin"
+    assert httpx.put(f"{server.url}{base}/p1/ok.txt", content=b"ok", timeout=30).is_success
+    assert raw_request(server, "PUT", f"{base}/p1/ok.txt/sub")[0].status == 409
+    assert raw_request(server, "MKCOL", f"{base}/p1/ok.txt/sub/")[0].status == 409
+    for path, levels in ((f"p1/{'a' * 300}.txt", 2), ("d/" * 2000 + "f.txt", 2001)):
+        answer, body = raw_request(server, "PUT", f"{base}/{path}")
+        assert (answer.status, json.loads(body)["error"]) == (414, "path_too_long"), levels
+    assert raw_request(server, "PUT", f"{base}/{'d/' * 32}f.txt")[0].status == 414
+    assert raw_request(server, "PUT", f"{base}/{'d/' * 31}f.txt")[0].status == 201  # 32 levels
+    assert raw_request(server, "PUT", f"{base}/p1/{'a' * 251}.txt")[0].status == 201
+    for path in (base, f"{base}/"):
+        for method in ("PUT", "DELETE", "MKCOL", "PROPPATCH", "LOCK"):
+            answer, body = raw_request(server, method, path)
+            assert answer.status == 405, (method, path, answer.status, body[:300])
+            assert answer.getheader("Allow") == "OPTIONS, HEAD, GET, PROPFIND", (method, path)
+            assert json.loads(body)["error"] == "method_not_allowed"
+        assert propfind(f"{server.url}{path}", "0")  # still listed
+    httpx.request("MKCOL", f"{server.url}{base}/p1/sub/", timeout=30)
+    for method, path, destination in (
+        ("COPY", f"{base}/", f"{base}/p1/loop/"),
+        ("MOVE", f"{base}/", f"{base}/p1/loop/"),
+        ("MOVE", f"{base}/p1/sub/", f"{base}/"),
+        ("COPY", f"{base}/p1/sub/", base),
+        ("COPY", f"{base}/p1/", f"{base}/p1/loop/"),  # WsgiDAV's own refusal
+    ):
+        moved = {"Destination": f"{server.url}{destination}"}
+        answer, body = raw_request(server, method, path, moved)
+        assert answer.status == 403, (method, path, destination, answer.status, body[:300])
+    assert sorted(p.name for p in (outputs / "p1").iterdir()) == [
+        "a" * 251 + ".txt",
+        "ok.txt",
+        "sub",
+    ]
+    assert max(map(len, server.log_text().splitlines())) < 10_000
+
+
+def test_a_range_that_is_not_a_byte_range_is_ignored_and_one_past_the_end_is_416(
+    launch: Callable[..., Server],
+) -> None:
+    """WsgiDAV's own parser answered each of these 206 with wrong or impossible bytes
+    (`bytes=5-2`: the last two, `Content-Range: bytes 20-21/22`; `bytes=-0`: `bytes 22-21/22`).
+    RFC 9110: not a byte range, ignored (200, the whole file); well formed but past the end,
+    416 `bytes */22`; read as the native `/file/{cid}` reads them."""
+    server = launch()
+    data = b"0123456789abcdefghijkl"
+    drop(server.media / "small.txt", data)
+    url = f"{server.url}/webdav/media/small.txt"
+    for wanted in ("bytes=5-2", "items=0-5", "bytes=1-2-3", "bytes=x-3", "bytes", "bytes=0-1,4-5"):
+        for method in ("GET", "HEAD"):
+            answer = httpx.request(method, url, headers={"Range": wanted}, timeout=30)
+            assert answer.status_code == 200, (method, wanted, answer.status_code)
+            assert "content-range" not in answer.headers, wanted
+            assert answer.headers["content-length"] == str(len(data)), wanted
+            assert answer.content == (data if method == "GET" else b""), wanted
+    for wanted in ("bytes=-0", "bytes=22-", "bytes=30-40"):
+        answer = httpx.get(url, headers={"Range": wanted}, timeout=30)
+        assert answer.status_code == 416, (wanted, answer.status_code)
+        assert answer.headers["content-range"] == "bytes */22", wanted
+    stale = {"Range": "bytes=30-", "If-Range": '"an-old-etag"'}  # the whole file, as before
+    assert httpx.get(url, headers=stale, timeout=30).content == data
+    for wanted, start, end in (("bytes=5-", 5, 21), ("bytes=-3", 19, 21), ("bytes=2-4", 2, 4)):
+        answer = httpx.get(url, headers={"Range": wanted}, timeout=30)
+        assert answer.status_code == 206, wanted
+        assert answer.headers["content-range"] == f"bytes {start}-{end}/22", wanted
+        assert answer.content == data[start : end + 1], wanted
+
+
+def test_every_405_names_what_is_allowed(launch: Callable[..., Server]) -> None:
+    """RFC 9110 §15.5.6: a 405 carries `Allow`; WsgiDAV's carried none. It is what OPTIONS of the
+    same path answers."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    drop(server.media / "films" / "film.mkv")
+    httpx.put(f"{server.url}/webdav/{PLUGIN}/p1/ok.txt", content=b"ok", timeout=30)
+    for path in ("media/films/film.mkv", "media/films/", "media/films/new.mkv", f"{PLUGIN}/p1/"):
+        url = f"{server.url}/webdav/{path}"
+        allowed = httpx.request("OPTIONS", url, timeout=30).headers["Allow"]
+        methods = ("PUT", "TRACE", "LOCK", "MKCOL", "DELETE", "PROPPATCH", "MOVE", "COPY", "POST")
+        for method in methods if not path.startswith(PLUGIN) else ("MKCOL", "POST", "TRACE"):
+            moved = {"Destination": f"{server.url}/webdav/media/moved.mkv"}
+            answer = httpx.request(method, url, headers=moved, timeout=30)
+            assert answer.status_code == 405, (method, path, answer.status_code)
+            assert answer.headers.get("Allow") == allowed, (method, path, answer.headers)
+    assert allowed.startswith("OPTIONS, HEAD, GET, PROPFIND, DELETE")  # a folder of plugin/
+    file = httpx.request("OPTIONS", f"{server.url}/webdav/media/films/film.mkv", timeout=30)
+    assert file.headers["Allow"] == "OPTIONS, HEAD, GET, PROPFIND"
