@@ -18,7 +18,6 @@ from, an `Origin` of this very host.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import importlib.resources
 import re
@@ -205,23 +204,25 @@ class Sessions:
         self, stream: AsyncGenerator[bytes, None], session: Session
     ) -> AsyncGenerator[bytes, None]:
         ended = asyncio.ensure_future(session.ended.wait())
+        step: asyncio.Future[bytes] | None = None
         try:
-            async with contextlib.aclosing(stream):
-                while True:
-                    step = asyncio.ensure_future(anext(stream))
-                    left = session.expires - self.clock()
-                    await asyncio.wait({step, ended}, timeout=max(0.0, left), return_when=FIRST)
-                    if not step.done():  # ended or expired: the generator is closed by cancel
-                        step.cancel()
-                        await asyncio.gather(step, return_exceptions=True)
-                        return
-                    try:
-                        chunk = step.result()
-                    except StopAsyncIteration:
-                        return
-                    yield chunk
-        finally:
+            while True:
+                step = asyncio.ensure_future(anext(stream))
+                left = session.expires - self.clock()
+                await asyncio.wait({step, ended}, timeout=max(0.0, left), return_when=FIRST)
+                if not step.done():  # the session ended or expired
+                    return
+                try:
+                    chunk = step.result()
+                except StopAsyncIteration:
+                    return
+                yield chunk
+        finally:  # here too when the client leaves: the pending step cancelled before closing
             ended.cancel()
+            if step is not None and not step.done():
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+            await stream.aclose()
 
 
 def same_origin(scope: Scope) -> bool:

@@ -1,0 +1,77 @@
+"""A page session's bound on the change feed it opened (`ui.Sessions.while_signed_in`): the
+stream ends when the session does, and whatever ends it, the feed it reads is closed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from typing import cast
+
+from metanode import ui
+from metanode.node import Node
+
+
+class Feed:
+    """A stream of one chunk, then none until it is closed (as a quiet feed waits)."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+
+    async def stream(self) -> AsyncGenerator[bytes, None]:
+        try:
+            yield b"first"
+            await asyncio.Event().wait()
+            yield b"never"
+        finally:
+            self.closed.set()
+
+
+def session(expires_in: float) -> ui.Session:
+    return ui.Session("sid", "csrf", time.monotonic() + expires_in)
+
+
+SESSIONS = ui.Sessions(cast(Node, None))  # `_bounded` asks nothing of the node
+
+
+async def test_the_stream_ends_when_the_session_is_ended() -> None:
+    feed, signed_in = Feed(), session(3600)
+    bounded = SESSIONS._bounded(feed.stream(), signed_in)
+    assert await anext(bounded) == b"first"
+    waiting = asyncio.ensure_future(anext(bounded))
+    SESSIONS.end(signed_in)  # a sign-out in another tab
+    assert [chunk async for chunk in _rest(waiting, bounded)] == []
+    await asyncio.wait_for(feed.closed.wait(), 60)
+
+
+async def test_the_stream_ends_when_the_session_expires() -> None:
+    feed = Feed()
+    bounded = SESSIONS._bounded(feed.stream(), session(0.05))
+    assert [chunk async for chunk in bounded] == [b"first"]
+    assert feed.closed.is_set()
+
+
+async def test_a_client_that_leaves_closes_the_feed_it_read() -> None:
+    """The stream's task is cancelled (the browser went away) while it waits for the feed:
+    the feed is closed then, not left running beside a finished response."""
+    feed = Feed()
+    bounded = SESSIONS._bounded(feed.stream(), session(3600))
+    assert await anext(bounded) == b"first"
+    reading = asyncio.ensure_future(anext(bounded))
+    await asyncio.sleep(0)  # it waits on the feed now
+    reading.cancel()
+    await asyncio.gather(reading, return_exceptions=True)
+    await bounded.aclose()
+    await asyncio.wait_for(feed.closed.wait(), 60)
+
+
+async def _rest(
+    first: asyncio.Future[bytes], stream: AsyncGenerator[bytes, None]
+) -> AsyncGenerator[bytes, None]:
+    """What `stream` yields from the pending `first` step on (nothing once it has ended)."""
+    try:
+        yield await first
+    except StopAsyncIteration:
+        return
+    async for chunk in stream:
+        yield chunk
