@@ -63,6 +63,14 @@ async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
     return parse_json(await read_body(request, limit, timeout_s))
 
 
+def declares_json(request: Request) -> bool:
+    """Whether the request says its body is JSON (`application/json`, or a `+json` type), for
+    a route that also takes a body as plain text."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 def refuse_unknown(body: dict[Any, Any], allowed: Collection[str]) -> None:
     """Refuse members a schema with `additionalProperties: false` does not name, so that a
     misspelt field (`may_Link`) is an error rather than silently ignored."""
