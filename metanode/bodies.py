@@ -43,7 +43,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 def parse_json(body: bytes) -> Any:
-    """JSON from bytes; bad encoding, bad syntax and absurd nesting are all `invalid_json`.
+    """JSON from bytes; bad encoding, bad syntax, absurd nesting, a member named twice and
+    NaN or an infinity are all `invalid_json`.
 
     The API is UTF-8 only (RFC 8259 §8.1): the bytes are decoded strictly first, because
     `json.loads(bytes)` would guess UTF-16 or UTF-32 and skip a BOM. A BOM is refused too."""
@@ -53,7 +54,7 @@ def parse_json(body: bytes) -> Any:
         raise InvalidJson(f"body is not UTF-8 (byte {exc.start}); the API is UTF-8 only") from None
     try:
         return jsonl.DECODER.decode(text)
-    except jsonl.DuplicateMember as exc:
+    except jsonl.NotNodeJson as exc:
         raise InvalidJson(f"body is not JSON the node reads: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise InvalidJson(f"body is not JSON: {type(exc).__name__}") from None

@@ -336,7 +336,7 @@ JSON_VALUES = st.recursive(
     st.none()
     | st.booleans()
     | st.integers()
-    | st.floats(allow_nan=False)
+    | st.floats(allow_nan=False, allow_infinity=False)  # JSON has neither
     | st.text(st.characters(exclude_categories=["Cs"])),
     lambda inner: (
         st.lists(inner, max_size=4)
@@ -369,6 +369,36 @@ def test_an_object_naming_a_member_twice_is_invalid_json_wherever_it_is(
     for body in (doubled, f"[1, {doubled}]", f'{{"claims": {doubled}}}'):
         with pytest.raises(InvalidJson, match="given twice"):
             parse_json(body.encode("utf-8"))
+
+
+CID = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+JSON_BODY_ROUTES = [  # every route that reads a JSON body, with a body holding `{constant}`
+    ("POST", "/api/claims", '{{"claims": [{{"uid": {constant}}}]}}'),
+    ("POST", "/api/signers", '{{"uid": "x", "weight": {constant}}}'),
+    ("POST", "/api/peers", '{{"url": "http://p", "token": "t", "weight": {constant}}}'),
+    ("POST", "/api/claims/reconcile", '{{"ranges": [{{"count": {constant}}}]}}'),
+    ("PATCH", f"/meta/{CID}", '{{"title": {constant}}}'),
+    ("PUT", f"/meta/{CID}/title", '{{"value": {constant}}}'),
+    ("POST", f"/meta/{CID}/_add/tags", '{{"value": {constant}}}'),
+    ("POST", "/file/cid", '{{"path": {constant}}}'),
+]
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+async def test_nan_and_the_infinities_are_not_json_on_any_route(
+    client: httpx.AsyncClient, constant: str
+) -> None:
+    """Python's parser takes them (`{"claims":[{"uid":NaN}]}` was an `invalid_claim`); RFC
+    8259 has no such numbers."""
+    for method, path, body in JSON_BODY_ROUTES:
+        response = await client.request(
+            method,
+            path,
+            content=body.format(constant=constant).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        assert (response.status_code, response.json()["error"]) == (400, "invalid_json"), path
+        assert f"{constant} is not a JSON number" in response.json()["message"]
 
 
 async def test_a_claim_whose_value_is_given_twice_is_refused_and_nothing_written(
