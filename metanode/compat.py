@@ -620,7 +620,15 @@ def internal_url(settings: Settings) -> str:
 def served_file(roots: Roots, settings: Settings, path: str) -> str:
     """The real path of the file `path` (`<collection>/<below>`, as `filePath` and the file
     events name it) names, inside its root unless `watch_follow_symlinks` (the watcher's and
-    WebDAV's rule); `NotFoundError` for no such file, `InvalidRequest` for a folder."""
+    WebDAV's rule); `NotFoundError` for no such file, `InvalidRequest` for a folder or for a
+    path no file can have: a NUL, or a lone surrogate (JSON's `"\\ud800"`), which the file
+    system calls (`realpath`) raise on as ValueError or UnicodeEncodeError, not OSError."""
+    if "\0" in path:
+        raise InvalidRequest(f"{shown(path)} holds a NUL character, which no file name holds")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{shown(path)} holds a lone surrogate, which is not text") from None
     found = roots.local(path)
     if found is None:
         raise NotFoundError(f"no file at {shown(path)}: a path starts with a watch root's name")

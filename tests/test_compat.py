@@ -769,8 +769,11 @@ async def test_post_file_cid_hashes_a_file_named_as_file_path_names_it(
         ("elsewhere/poster.jpg", 404, "not_found"),  # no root of that name
         ("media/../media/art/poster.jpg", 404, "not_found"),
         ("media/out/poster.jpg", 404, "not_found"),  # through the link out
+        ("media/art/poster.jpg\x00.txt", 400, "invalid_request"),  # realpath: ValueError
+        ("media/\ud800", 400, "invalid_request"),  # a lone surrogate: UnicodeEncodeError
     ):
-        answer = await client.post("/file/cid", json={"path": asked})
+        body = json.dumps({"path": asked}).encode()  # `\ud800` escaped, as a client sends it
+        answer = await client.post("/file/cid", content=body)
         assert (answer.status_code, answer.json()["error"]) == (status, slug), asked
     refused = await client.post("/file/cid", json={"file": "media/art/poster.jpg"})
     assert (refused.status_code, refused.json()["error"]) == (400, "invalid_request")

@@ -422,6 +422,16 @@ async def test_peer_tokens_read_the_log_and_reconcile_and_nothing_else(
     assert (await client.get("/api/claims/log", headers=peer)).status_code == 401
 
 
+async def test_a_peer_url_that_does_not_even_split_is_named_not_a_500(
+    client: httpx.AsyncClient,
+) -> None:
+    """`http://[::1` made urlsplit raise ValueError (500 `internal_error`)."""
+    response = await client.post("/api/peers", json={"url": "http://[::1", "token": "x"})
+    assert (response.status_code, response.json()["error"]) == (400, "invalid_request")
+    assert "'http://[::1' is not a node's address" in response.json()["message"]
+    assert (await client.get("/api/peers")).json()["peers"] == []
+
+
 # -- reconciliation -----------------------------------------------------------------------------
 
 
