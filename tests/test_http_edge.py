@@ -319,6 +319,31 @@ async def test_a_query_value_that_is_none_of_its_kind_is_refused_not_ignored(
     assert [c["uid"] for c in listed.json()["claims"]] == [signer.uid]
 
 
+async def test_a_path_or_query_that_is_not_utf8_is_refused_on_every_route(
+    client: httpx.AsyncClient,
+) -> None:
+    """`PUT /meta/$M/rv%FFkey` stored the key `rv\ufffdkey` (uvicorn and Starlette decode
+    with `errors="replace"`): 400 `invalid_request` before any route, nothing written; a real
+    U+FFFD, escaped as its UTF-8, is still a key like any other."""
+    cid = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+    for method, target in (
+        ("PUT", f"/meta/{cid}/rv%FFkey"),
+        ("POST", f"/meta/{cid}/_add/t%C3"),
+        ("PATCH", "/meta/%FF"),
+        ("GET", "/api/meta/%FF"),
+        ("POST", "/api/signers/%80/block"),
+        ("DELETE", "/api/peers/%FE"),
+        ("GET", f"/api/meta/{cid}/claims?key=%FF"),
+    ):
+        response = await client.request(method, target, json={"value": "v"})
+        assert (response.status_code, response.json()["error"]) == (400, "invalid_request"), target
+        assert "not UTF-8" in response.json()["message"], target
+    assert (await client.get("/meta")).json()["count"] == 0  # nothing was written
+    stored = await client.put(f"/meta/{cid}/rv%EF%BF%BDkey", json={"value": "v"})
+    assert stored.status_code == 200, stored.text
+    assert (await client.get(f"/meta/{cid}/rv\ufffdkey")).text == "v"
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-8-sig"])
 async def test_a_body_in_another_encoding_is_invalid_json(
     client: httpx.AsyncClient, encoding: str
