@@ -117,6 +117,45 @@ def test_a_10_mb_header_is_refused_while_another_client_keeps_being_answered(
     assert answers >= 10  # the other client was answered all along (64 KiB / 4 KiB pieces)
 
 
+def one_request(server: Server, head: bytes, body: bytes = b"") -> bytes:
+    """`head` (and `body`) sent in one `sendall`, and the answer up to the connection's close."""
+    with connect(server) as sock:
+        sock.sendall(head + b"Connection: close\r\n\r\n" + body)
+        return read_until_closed(sock)
+
+
+def test_a_long_head_that_arrives_in_one_read_is_refused_too(server: Server) -> None:
+    """A head that ended within one read was never counted: 70–140 KB heads sent at once were
+    answered 200, and a target over 65,535 bytes was uvicorn's 400 "Invalid HTTP request
+    received." Both are 431 now; a long body behind a short head is no long head."""
+    for head in (
+        b"GET /health HTTP/1.1\r\nHost: edge\r\nX-Big: " + b"a" * 70_000 + b"\r\n",
+        b"GET /health HTTP/1.1\r\nHost: edge\r\n" + b"X-Many: aaaa\r\n" * 9000,
+        b"GET /health?" + b"q" * 140_000 + b" HTTP/1.1\r\nHost: edge\r\n",
+    ):
+        assert_envelope(one_request(server, head), 431, "headers_too_large", False)
+    body = b'{"claims": []' + b" " * 200_000 + b"}"
+    answer = one_request(
+        server,
+        b"POST /api/claims HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + server.token.encode() + b"\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n",
+        body,
+    )
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
+@pytest.mark.parametrize("edge_server", [{"METANODE_MAX_HEADER_BYTES": "262144"}], indirect=True)
+def test_a_target_longer_than_httptools_parses_is_named_in_the_envelope(
+    edge_server: Server,
+) -> None:
+    head = b"GET /health?" + b"q" * 70_000 + b" HTTP/1.1\r\nHost: edge\r\n"
+    raw = one_request(edge_server, head)
+    assert_envelope(raw, 400, "bad_request", False)
+    assert b"the request target is over 65535 bytes" in raw
+    assert httpx.get(f"{edge_server.url}/health", timeout=DEADLINE_S).status_code == 200
+
+
 def vm_hwm_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
