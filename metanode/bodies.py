@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import Collection
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from metanode import jsonl
-from metanode.errors import InvalidJson, InvalidRequest, RequestTimeout, TooLarge
+from metanode.errors import InvalidJson, InvalidRequest, RequestError, RequestTimeout, TooLarge
 
 
 def ascii_number(text: str) -> int | None:
@@ -35,6 +35,10 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                 body += chunk
                 if len(body) > limit:
                     raise TooLarge(f"body is over {limit} bytes")
+    except ClientDisconnect:  # gone, or its body unreadable (server.py answered it): no traceback
+        raise RequestError(
+            f"the client left before its body ended ({len(body)} bytes came)"
+        ) from None
     except TimeoutError:
         raise RequestTimeout(
             f"the body did not arrive within {timeout_s:g} s ({len(body)} bytes came)"

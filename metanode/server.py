@@ -144,8 +144,24 @@ class BoundedHttpTools(HttpToolsProtocol):
         return None
 
     def send_400_response(self, msg: str) -> None:
-        """A request the parser cannot read: the envelope instead of uvicorn's plain text."""
-        self._refuse(RequestError(msg))
+        """A request the parser cannot read: the envelope instead of uvicorn's plain text.
+
+        When what it cannot read is the body of the request the app is answering (a chunk
+        size `zz`, a `Transfer-Encoding: gzip`), the app has begun but answered nothing yet:
+        the 400 is that request's answer (the connection had been closed without a word), and
+        the app is told the client left, so its `receive` ends and whatever it sends is
+        dropped. Not while an earlier pipelined response is still to be written."""
+        cycle = self.cycle
+        in_body = (
+            cycle is not None
+            and not self.in_head
+            and not cycle.response_started
+            and not self.pipeline
+        )
+        if cycle is not None and in_body:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._refuse(RequestError(msg), answer=in_body)
 
     def _arm(self) -> None:
         self.head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
@@ -164,12 +180,13 @@ class BoundedHttpTools(HttpToolsProtocol):
         elif (self.cycle is None or self._draining()) and not self.transport.is_closing():
             self.transport.close()  # never sent a byte, or answered already: nothing to say
 
-    def _refuse(self, exc: MetanodeError) -> None:
+    def _refuse(self, exc: MetanodeError, answer: bool = False) -> None:
         """Answer `exc` in the envelope and close, unless a response of an earlier (pipelined)
-        request is still being written: then only close."""
+        request is still being written (and `answer` does not say it was taken over): then
+        only close."""
         self._disarm()
         self.in_head = False
-        if self.cycle is None or self.cycle.response_complete:
+        if answer or self.cycle is None or self.cycle.response_complete:
             log.warning("refused a request head: %s: %s", exc.slug, exc.message)
             self.transport.write(self._raw(exc))
         self.transport.close()

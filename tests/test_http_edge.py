@@ -227,6 +227,26 @@ def test_unparseable_http_gets_the_envelope(server: Server) -> None:
         assert_envelope(read_until_closed(sock), 400, "bad_request", False)
 
 
+@pytest.mark.parametrize(
+    "framing",
+    [b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", b"Transfer-Encoding: gzip\r\n\r\nabc"],
+)
+def test_a_body_the_parser_cannot_read_gets_the_envelope(server: Server, framing: bytes) -> None:
+    """The parser fails in the body, after the app has its request: the connection was closed
+    without an answer. The 400 is its answer, the app's (never sent) is dropped, nothing is
+    written, and the log holds no traceback of the app told the client left."""
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /api/signers HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + server.token.encode() + b"\r\n" + framing
+        )
+        headers = assert_envelope(read_until_closed(sock), 400, "bad_request", False)
+        assert headers["connection"] == "close"
+    listed = httpx.get(f"{server.url}/api/signers", headers=server.headers, timeout=DEADLINE_S)
+    assert without_owner(listed.json()["signers"]) == []
+    assert "Traceback" not in server.log_text()
+
+
 # -- request bodies -------------------------------------------------------------------------------
 
 
