@@ -60,7 +60,7 @@ MAX_PAGE = 1000
 JSON = "application/json"
 SIGNER_MEMBERS = ("uid", "name", "weight", "may_link")  # schemas/signer-request.schema.json
 PEER_MEMBERS = ("url", "token", "weight", "name")  # schemas/peer-request.schema.json
-RECONCILE_BYTES = 16 * 1024 * 1024  # a reconciliation round names at most 100,000 ranges
+RECONCILE_BYTES = 1024 * 1024  # a request names at most 1,024 ranges (≈ 200 bytes each)
 
 
 class ErrorResponse(JSONResponse):
@@ -288,6 +288,31 @@ class Cors(CORSMiddleware):
         return error_response(refusal, kept)
 
 
+def not_utf8(scope: Scope) -> InvalidRequest | None:
+    """`InvalidRequest` if the request's path or query is not UTF-8 once its %-escapes are
+    decoded, for every route at once. uvicorn and Starlette decode them with
+    `errors="replace"`, so `PUT /meta/{hash}/rv%FFkey` stored the key `rv\ufffdkey` (and a
+    lookup of `%FF` looked up U+FFFD). Costs one substring test a request; the bytes are decoded
+    again only when the path holds U+FFFD or the query a `%` or a byte beyond ASCII."""
+    if "\ufffd" in scope["path"]:
+        raw = scope.get("raw_path") or scope["path"].encode("utf-8")
+        if not _utf8(urllib.parse.unquote_to_bytes(raw.partition(b"?")[0])):
+            return InvalidRequest("the path is not UTF-8 once its %-escapes are decoded")
+    query: bytes = scope.get("query_string", b"")
+    escaped = query and (b"%" in query or not query.isascii())
+    if escaped and not _utf8(urllib.parse.unquote_to_bytes(query)):
+        return InvalidRequest("the query is not UTF-8 once its %-escapes are decoded")
+    return None
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 class Edge:
     """The node's one middleware layer, pure ASGI (each layer is another call and another
     `send` wrapper per request; four of them cost a measurable share of a read, benchmarks.md):
@@ -301,6 +326,7 @@ class Edge:
       browser on that network read the library (`not_vouched` keeps its writes out);
     * the perimeter (`Perimeter`): a route family's access rule, 401 (or a peer token's 403)
       in the envelope;
+    * a path or query that is not UTF-8 once decoded: 400 `invalid_request` (`not_utf8`);
     * the catch-all: whatever a handler let escape that is not a `MetanodeError` is logged with
       its traceback and answered 500 `internal_error` in the envelope, the connection kept.
       Not Starlette's `Exception` handler: that one re-raises after answering, and uvicorn then
@@ -366,7 +392,9 @@ class Edge:
             await send(message)
 
         try:
-            if origin and access_of(scope["path"]) is Access.PUBLIC:
+            if (garbled := not_utf8(scope)) is not None:
+                await error_response(garbled)(scope, receive, observed)
+            elif origin and access_of(scope["path"]) is Access.PUBLIC:
                 await self.cors(scope, receive, observed)
             elif (refusal := self.perimeter.refusal(scope, headers)) is None:
                 app = self.direct.app(scope) or self.app

@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import Collection
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from metanode import jsonl
-from metanode.errors import InvalidJson, InvalidRequest, RequestTimeout, TooLarge
+from metanode.errors import InvalidJson, InvalidRequest, RequestError, RequestTimeout, TooLarge
 
 
 def ascii_number(text: str) -> int | None:
@@ -35,6 +35,10 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                 body += chunk
                 if len(body) > limit:
                     raise TooLarge(f"body is over {limit} bytes")
+    except ClientDisconnect:  # gone, or its body unreadable (server.py answered it): no traceback
+        raise RequestError(
+            f"the client left before its body ended ({len(body)} bytes came)"
+        ) from None
     except TimeoutError:
         raise RequestTimeout(
             f"the body did not arrive within {timeout_s:g} s ({len(body)} bytes came)"
@@ -43,7 +47,8 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
 
 
 def parse_json(body: bytes) -> Any:
-    """JSON from bytes; bad encoding, bad syntax and absurd nesting are all `invalid_json`.
+    """JSON from bytes; bad encoding, bad syntax, absurd nesting, a member named twice and
+    NaN or an infinity are all `invalid_json`.
 
     The API is UTF-8 only (RFC 8259 §8.1): the bytes are decoded strictly first, because
     `json.loads(bytes)` would guess UTF-16 or UTF-32 and skip a BOM. A BOM is refused too."""
@@ -53,7 +58,7 @@ def parse_json(body: bytes) -> Any:
         raise InvalidJson(f"body is not UTF-8 (byte {exc.start}); the API is UTF-8 only") from None
     try:
         return jsonl.DECODER.decode(text)
-    except jsonl.DuplicateMember as exc:
+    except jsonl.NotNodeJson as exc:
         raise InvalidJson(f"body is not JSON the node reads: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise InvalidJson(f"body is not JSON: {type(exc).__name__}") from None
@@ -61,6 +66,14 @@ def parse_json(body: bytes) -> Any:
 
 async def read_json(request: Request, limit: int, timeout_s: float) -> Any:
     return parse_json(await read_body(request, limit, timeout_s))
+
+
+def declares_json(request: Request) -> bool:
+    """Whether the request says its body is JSON (`application/json`, or a `+json` type), for
+    a route that also takes a body as plain text."""
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    kind, _, subtype = media.partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
 def refuse_unknown(body: dict[Any, Any], allowed: Collection[str]) -> None:

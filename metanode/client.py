@@ -30,7 +30,7 @@ import nacl.signing
 
 from metanode import claims
 from metanode.clock import now_ms
-from metanode.errors import InvalidRequest, NotMetanode, Unreachable
+from metanode.errors import InvalidRequest, NotMetanode, Unreachable, shown
 
 
 class ClientError(Exception):
@@ -104,7 +104,12 @@ def node_address(url: str) -> str:
     spaces, no credentials, no query), else `InvalidRequest` saying why. The one rule for the
     CLI's `--url`, this client and a peer's address (`POST /api/peers`), so a typo is refused
     where it is typed rather than failing, later, as a node that does not answer."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)  # raises ValueError for a bracket left open
+    except ValueError as exc:
+        raise InvalidRequest(
+            f"{shown(url)} is not a node's address (http://host:port): {exc}"
+        ) from None
     try:
         port_ok = parts.port is None or parts.port > 0
     except ValueError:

@@ -49,7 +49,7 @@ from starlette.types import Receive, Scope, Send
 from metanode import cid as cids
 from metanode import claims, feed, merge, ranges, signer, sse, webdav
 from metanode import rid as rids
-from metanode.bodies import parse_json, read_body
+from metanode.bodies import declares_json, parse_json, read_body, refuse_unknown
 from metanode.config import Settings
 from metanode.errors import (
     CacheNotReady,
@@ -298,24 +298,34 @@ def patch_fields(body: bytes, max_fields: int) -> dict[str, str]:
     return parsed
 
 
-def property_value(body: bytes) -> str:
+def property_value(body: bytes, declared_json: bool) -> str:
     """A PUT property body: `{"value": "…"}` (null counts as ""), else the raw body as text.
-    The body is required (the OpenAPI document says so): an empty one is refused rather than
-    read as a retraction, which `{"value": ""}` states explicitly."""
+
+    A body declared JSON (`Content-Type: application/json`) is read as JSON and nothing else:
+    a member named twice or NaN is `invalid_json` (not a value `{"value":"a","value":"b"}`
+    to store), and it must be that object. An undeclared body that parses as an object with a
+    `value` is read the same way (an extra member refused, not dropped); any other undeclared
+    body is the value as text, as meta-core stored it. The body is required (the OpenAPI
+    document says so): an empty one is refused rather than read as a retraction, which
+    `{"value": ""}` states explicitly."""
     if not body:
         raise InvalidRequest(
             'the body is required: {"value": "…"} or the value as text ({"value": ""} retracts)'
         )
-    try:
+    if declared_json:
         parsed = parse_json(body)
-    except InvalidJson:
-        parsed = None  # not JSON: the raw body is the value
-    if (
-        isinstance(parsed, dict)
-        and "value" in parsed
-        and (parsed["value"] is None or isinstance(parsed["value"], str))
-    ):
+    else:
+        try:
+            parsed = parse_json(body)
+        except InvalidJson:
+            parsed = None  # not JSON: the raw body is the value
+    if isinstance(parsed, dict) and "value" in parsed:
+        refuse_unknown(parsed, ("value",))
+        if parsed["value"] is not None and not isinstance(parsed["value"], str):
+            raise InvalidRequest('"value" is a string (or null, which retracts like "")')
         return parsed["value"] or ""
+    if declared_json:
+        raise InvalidRequest('a JSON body is {"value": "…"} (the value as text: not JSON)')
     try:
         return body.decode("utf-8")
     except UnicodeDecodeError:
@@ -607,7 +617,15 @@ def internal_url(settings: Settings) -> str:
 def served_file(roots: Roots, settings: Settings, path: str) -> str:
     """The real path of the file `path` (`<collection>/<below>`, as `filePath` and the file
     events name it) names, inside its root unless `watch_follow_symlinks` (the watcher's and
-    WebDAV's rule); `NotFoundError` for no such file, `InvalidRequest` for a folder."""
+    WebDAV's rule); `NotFoundError` for no such file, `InvalidRequest` for a folder or for a
+    path no file can have: a NUL, or a lone surrogate (JSON's `"\\ud800"`), which the file
+    system calls (`realpath`) raise on as ValueError or UnicodeEncodeError, not OSError."""
+    if "\0" in path:
+        raise InvalidRequest(f"{shown(path)} holds a NUL character, which no file name holds")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{shown(path)} holds a lone surrogate, which is not text") from None
     found = roots.local(path)
     if found is None:
         raise NotFoundError(f"no file at {shown(path)}: a path starts with a watch root's name")
@@ -764,7 +782,8 @@ def routes(node: Node) -> list[BaseRoute]:
             value = ""
             if request.method == "PUT":
                 limit, timeout = MAX_PROPERTY_BODY, node.settings.body_timeout_s
-                value = property_value(await read_body(request, limit, timeout))
+                raw = await read_body(request, limit, timeout)
+                value = property_value(raw, declares_json(request))
             done = await writer.write(text, {key: value})
             body = {"success": True, "hashId": done.rid, "property": key}
             if done.ignored:  # a key the node derives itself (filePath…): nothing was written
@@ -781,7 +800,7 @@ def routes(node: Node) -> list[BaseRoute]:
         if not key:
             raise InvalidRequest("a key is required: /meta/{hash}/_add/{key}")
         body = await read_body(request, MAX_PROPERTY_BODY, node.settings.body_timeout_s)
-        value = property_value(body) if body else ""
+        value = property_value(body, declares_json(request)) if body else ""
         if not value:
             raise InvalidRequest('a value is required: {"value": "…"} or the value as text')
         done, added = await writer.add_to_set(text, key, value)
@@ -842,6 +861,8 @@ def routes(node: Node) -> list[BaseRoute]:
         computed it for the MetaMesh plugins (jellyfin-nfo's poster, subtitle's sibling file)
         that need a file's CID in the same call. Read whole, on a thread."""
         body = parse_json(await read_body(request, MAX_PROPERTY_BODY, node.settings.body_timeout_s))
+        if isinstance(body, dict):
+            refuse_unknown(body, ("path",))
         path = body.get("path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
             raise InvalidRequest('the body is {"path": "<path below the files folder>"}')

@@ -33,8 +33,21 @@ def encode(value: object) -> bytes:
     return dumps(value).encode("utf-8") + b"\n"
 
 
-class DuplicateMember(ValueError):
+class NotNodeJson(ValueError):
+    """JSON Python's parser takes but the node does not read: its message says why."""
+
+
+class DuplicateMember(NotNodeJson):
     """An object names one member twice."""
+
+
+class NonFinite(NotNodeJson):
+    """`NaN`, `Infinity` or `-Infinity`: Python's parser takes them, RFC 8259 has no such
+    numbers, and a claim holding one could not be written back out as JSON."""
+
+
+def _no_constant(name: str) -> Any:
+    raise NonFinite(f"{name} is not a JSON number")
 
 
 def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -49,18 +62,19 @@ def _members(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return members
 
 
-DECODER = json.JSONDecoder(object_pairs_hook=_members)  # every JSON the node reads goes here
+# every JSON the node reads goes here
+DECODER = json.JSONDecoder(object_pairs_hook=_members, parse_constant=_no_constant)
 
 
 def loads(raw: bytes | str, where: str) -> object:
-    """One JSON value; `InvalidJson` naming `where` (e.g. "line 3") if it is not UTF-8 JSON, or
-    if an object in it names a member twice."""
+    """One JSON value; `InvalidJson` naming `where` (e.g. "line 3") if it is not UTF-8 JSON, if
+    an object in it names a member twice, or if it holds NaN or an infinity."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
         return DECODER.decode(text)
     except UnicodeDecodeError as exc:
         raise InvalidJson(f"{where} is not UTF-8: {exc}") from None
-    except (json.JSONDecodeError, DuplicateMember) as exc:
+    except (json.JSONDecodeError, NotNodeJson) as exc:
         raise InvalidJson(f"{where} is not JSON: {exc}") from None
 
 

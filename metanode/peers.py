@@ -249,18 +249,23 @@ class Follower:
         message = session.start()
         head: str | None = None
         while message:
-            body, sent, got = await self._call(
-                "POST", RECONCILE, json={"ranges": reconcile.encode(message)}
-            )
-            report.bytes_sent += sent
-            report.bytes_received += got
-            if not isinstance(body, dict) or not isinstance(body.get("head"), str):
-                raise PeerFailed("the reconciliation answer has no head cursor")
-            head = head or body["head"]
-            try:
-                message = session.step(reconcile.decode_reply(body.get("ranges"), ID_BYTES))
-            except MetanodeError as exc:
-                raise PeerFailed(f"the reconciliation answer is malformed: {exc.message}") from None
+            reply: list[reconcile.Entry] = []
+            for part in reconcile.chunks(message):  # a request asks about at most MAX_RANGES
+                body, sent, got = await self._call(
+                    "POST", RECONCILE, json={"ranges": reconcile.encode(part)}
+                )
+                report.bytes_sent += sent
+                report.bytes_received += got
+                if not isinstance(body, dict) or not isinstance(body.get("head"), str):
+                    raise PeerFailed("the reconciliation answer has no head cursor")
+                head = head or body["head"]
+                try:
+                    reply += reconcile.decode_reply(body.get("ranges"), ID_BYTES)
+                except MetanodeError as exc:
+                    raise PeerFailed(
+                        f"the reconciliation answer is malformed: {exc.message}"
+                    ) from None
+            message = session.step(reply)
         needed = sorted(session.need)
         chunks = [needed[n : n + FETCH_CHUNK] for n in range(0, len(needed), FETCH_CHUNK)] or [[]]
         for number, chunk in enumerate(chunks, 1):

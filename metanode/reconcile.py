@@ -27,12 +27,18 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from metanode.errors import InvalidRequest, shown
+from metanode.errors import InvalidRequest, TooLarge, shown
 
 FP_BYTES = 16
 LEAF = 16  # a range holding at most this many of the responder's ids is answered with them
 BRANCHES = 16  # a larger one is split into this many sub-ranges
-MAX_ENTRIES = 100_000  # most ranges in one message (a decoder refuses more)
+# Most ranges one request may ask about. The responder's work and its answer grow with them (at
+# most `BRANCHES` entries a range: 1,024 ranges answer in ≈ 0.1 s and under 2 MB), so a bound
+# keeps one request, a peer token's too, from holding a thread for seconds and sending 100 MB
+# (100,000 ranges took 19 s and answered 114 MB). A follower sends a longer round in requests
+# of at most this many (`chunks`), so it never meets the bound.
+MAX_RANGES = 1024
+MAX_REPLY = MAX_RANGES * BRANCHES  # most entries a reply to one request may hold
 _SUM_MOD = 1 << 128
 
 
@@ -168,12 +174,13 @@ class Session:
 
 
 def run(mine: Items, answer: Callable[[list[Fingerprint]], Sequence[Entry]]) -> Session:
-    """Reconcile `mine` against a responder reached through `answer` (in memory: the tests and
-    the benchmark; over HTTP, `peers.py` drives a `Session` the same way)."""
+    """Reconcile `mine` against a responder reached through `answer`, each round in requests
+    of at most `MAX_RANGES` ranges (in memory: the tests and the benchmark; over HTTP,
+    `peers.py` drives a `Session` the same way)."""
     session = Session(mine)
     message = session.start()
     while message:
-        message = session.step(answer(message))
+        message = session.step([entry for part in chunks(message) for entry in answer(list(part))])
     return session
 
 
@@ -200,6 +207,11 @@ def decode_id(text: object, size: int) -> bytes:
     return _decode_bytes(text, "an id", size)
 
 
+def answer(items: Items, message: Sequence[Fingerprint]) -> list[dict[str, Any]]:
+    """The responder's reply to `message` as JSON values: the whole of a request's work."""
+    return encode(respond(items, message))
+
+
 def _range_json(where: Range) -> dict[str, Any]:
     upper = None if where.upper is None else encode_id(where.upper)
     return {"lower": encode_id(where.lower), "upper": upper}
@@ -217,11 +229,18 @@ def encode(message: Sequence[Entry]) -> list[dict[str, Any]]:
     return out
 
 
-def _entries(value: object) -> list[dict[str, Any]]:
+def chunks(message: Sequence[Fingerprint]) -> list[Sequence[Fingerprint]]:
+    """A round's message as requests of at most `MAX_RANGES` ranges each: the responder answers
+    each range on its own, so the replies to the pieces, joined, are the reply to the whole."""
+    return [message[n : n + MAX_RANGES] for n in range(0, len(message), MAX_RANGES)]
+
+
+def _entries(value: object, most: int) -> list[dict[str, Any]]:
+    """The entries of a message, refused (`TooLarge`, before any is decoded) beyond `most`."""
     if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
         raise InvalidRequest("ranges must be an array of objects")
-    if len(value) > MAX_ENTRIES:
-        raise InvalidRequest(f"{len(value)} ranges; at most {MAX_ENTRIES} per message")
+    if len(value) > most:
+        raise TooLarge(f"{len(value)} ranges; at most {most} per request")
     return value
 
 
@@ -246,14 +265,15 @@ def _fingerprint(entry: dict[str, Any]) -> Fingerprint:
 
 
 def decode_fingerprints(value: object) -> list[Fingerprint]:
-    """The initiator's message (fingerprints only), or 400 `invalid_request`."""
-    return [_fingerprint(entry) for entry in _entries(value)]
+    """The initiator's message (fingerprints only), or 400 `invalid_request` (413 `too_large`
+    for more than `MAX_RANGES`)."""
+    return [_fingerprint(entry) for entry in _entries(value, MAX_RANGES)]
 
 
 def decode_reply(value: object, id_bytes: int) -> list[Entry]:
     """The responder's reply, or `InvalidRequest` (a peer answering nonsense)."""
     reply: list[Entry] = []
-    for entry in _entries(value):
+    for entry in _entries(value, MAX_REPLY):
         if "ids" not in entry:
             reply.append(_fingerprint(entry))
             continue

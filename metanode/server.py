@@ -6,7 +6,10 @@ the event loop for ≈ 10 s. Nor does uvicorn time out a head that never ends, a
 answer is plain text. `BoundedHttpTools` adds, per connection:
 
 * a head limit: once more than `max_header_bytes` of a request line and headers arrived without
-  their end, the answer is 431 `headers_too_large` and the connection is closed;
+  their end, the answer is 431 `headers_too_large` and the connection is closed; a head that
+  ended within one read is measured when it ends (`_head_refusal`), so a long one sent at once
+  is refused the same (and a target over the 65,535 bytes httptools parses is named in the
+  envelope);
 * a head deadline: a head must be complete within `header_timeout_s` of the connection opening
   (or of the read that started it); else 408 `request_timeout` (or, if nothing was sent yet, a
   plain close). The same deadline closes a connection still dripping the body of a request
@@ -36,6 +39,9 @@ from metanode.config import Settings
 from metanode.errors import HeadersTooLarge, MetanodeError, RequestError, RequestTimeout, TooBusy
 
 log = logging.getLogger(__name__)
+# The longest request target httptools parses (`parse_url` keeps offsets in 16 bits): uvicorn
+# answered a longer one "Invalid HTTP request received."
+MAX_TARGET = 65_535
 STARTUP_FAILURE = 3  # the status `uvicorn.run` exits with when the server did not start
 
 
@@ -53,6 +59,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         self.node_app = self.app
         self.in_head = False  # between a request's first byte and the end of its headers
         self.head_bytes = 0
+        self.head_start = 0  # length of the read the head began in
         self.reading = 0  # length of the read being parsed (see `on_message_begin`)
         self.head_timer: asyncio.TimerHandle | None = None
 
@@ -66,8 +73,8 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         """Parse, then count the read if the head is still incomplete. Counting after the
-        parse buffers at most one read (≤ 256 KiB) past the limit, and never counts a head
-        that ended within this read, however long the read."""
+        parse buffers at most one read (≤ 256 KiB) past the limit. A head that ends within the
+        read is measured by `on_headers_complete` instead, which holds it whole."""
         if self.transport.is_closing():
             return
         self.reading = len(data)
@@ -97,22 +104,64 @@ class BoundedHttpTools(HttpToolsProtocol):
         # The read that starts a head may end the previous request too: count only from the
         # next read, so a pipelined request is never refused for its predecessor's bytes.
         self.head_bytes = -self.reading
+        self.head_start = self.reading
 
     def on_headers_complete(self) -> None:
         self.in_head = False
         self._disarm()
+        refusal = self._head_refusal()
         # `connections` counts this one, `tasks` the requests already running.
         busy = (
             len(self.connections) > self.max_connections or len(self.tasks) >= self.max_connections
         )
-        self.app = too_busy if busy else self.node_app
-        if busy:
+        if refusal is not None:
+            log.warning("refused a request head: %s: %s", refusal.slug, refusal.message)
+            self.url = b"/"  # uvicorn parses it next, and refuses a target over 65,535 bytes
+            self.app = refusing(refusal)
+        elif busy:
             log.warning("over max_connections (%d): answered 503", self.max_connections)
+            self.app = too_busy
+        else:
+            self.app = self.node_app
         super().on_headers_complete()
 
+    def _head_refusal(self) -> MetanodeError | None:
+        """431 for a head over `max_header_bytes` that ended within a read (uncounted by
+        `data_received`, so 70–140 KB heads arriving in one read were answered 200), or 400 for
+        a target over `MAX_TARGET`. Free for an ordinary request: the head is at most as long
+        as the reads it arrived in (the one it began in, those counted since and this one),
+        and only when those pass a limit is the head itself measured."""
+        arrived = self.head_start + self.head_bytes + self.reading
+        if arrived <= min(self.max_header_bytes, MAX_TARGET):
+            return None
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if size > self.max_header_bytes:
+            return HeadersTooLarge(
+                f"request line and headers are over {self.max_header_bytes} bytes"
+            )
+        if len(self.url) > MAX_TARGET:
+            return RequestError(f"the request target is over {MAX_TARGET} bytes")
+        return None
+
     def send_400_response(self, msg: str) -> None:
-        """A request the parser cannot read: the envelope instead of uvicorn's plain text."""
-        self._refuse(RequestError(msg))
+        """A request the parser cannot read: the envelope instead of uvicorn's plain text.
+
+        When what it cannot read is the body of the request the app is answering (a chunk
+        size `zz`, a `Transfer-Encoding: gzip`), the app has begun but answered nothing yet:
+        the 400 is that request's answer (the connection had been closed without a word), and
+        the app is told the client left, so its `receive` ends and whatever it sends is
+        dropped. Not while an earlier pipelined response is still to be written."""
+        cycle = self.cycle
+        in_body = (
+            cycle is not None
+            and not self.in_head
+            and not cycle.response_started
+            and not self.pipeline
+        )
+        if cycle is not None and in_body:
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self._refuse(RequestError(msg), answer=in_body)
 
     def _arm(self) -> None:
         self.head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
@@ -131,12 +180,13 @@ class BoundedHttpTools(HttpToolsProtocol):
         elif (self.cycle is None or self._draining()) and not self.transport.is_closing():
             self.transport.close()  # never sent a byte, or answered already: nothing to say
 
-    def _refuse(self, exc: MetanodeError) -> None:
+    def _refuse(self, exc: MetanodeError, answer: bool = False) -> None:
         """Answer `exc` in the envelope and close, unless a response of an earlier (pipelined)
-        request is still being written: then only close."""
+        request is still being written (and `answer` does not say it was taken over): then
+        only close."""
         self._disarm()
         self.in_head = False
-        if self.cycle is None or self.cycle.response_complete:
+        if answer or self.cycle is None or self.cycle.response_complete:
             log.warning("refused a request head: %s: %s", exc.slug, exc.message)
             self.transport.write(self._raw(exc))
         self.transport.close()
@@ -154,11 +204,19 @@ class BoundedHttpTools(HttpToolsProtocol):
         return b"".join([*lines, b"\r\n", response.body])
 
 
-async def too_busy(scope: Scope, receive: Receive, send: Send) -> None:
-    """The ASGI app that answers a request over `max_connections`."""
-    response = error_response(TooBusy("too many connections or requests at once; retry"))
-    response.headers["connection"] = "close"
-    await response(scope, receive, send)
+def refusing(exc: MetanodeError) -> ASGIApp:
+    """The ASGI app that answers `exc` in the envelope and closes the connection."""
+
+    async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(exc)
+        response.headers["connection"] = "close"
+        await response(scope, receive, send)
+
+    return refuse
+
+
+# The app that answers a request over `max_connections` (logged where it is chosen).
+too_busy = refusing(TooBusy("too many connections or requests at once; retry"))
 
 
 def protocol_for(settings: Settings) -> type[BoundedHttpTools]:

@@ -231,6 +231,31 @@ async def test_put_property_takes_a_value_object_or_a_raw_body(client: httpx.Asy
     envelope(await client.put(f"/meta/{CID_A}/title", content=b"\xff\xfe"), 400, "invalid_value")
 
 
+async def test_a_json_property_body_is_read_as_json_and_nothing_else(
+    client: httpx.AsyncClient,
+) -> None:
+    """`{"value":"a","value":"b"}` declared JSON was stored as that text, and `{"value":"a",
+    "extra":1}` as `a`: a member named twice is `invalid_json`, an extra one `invalid_request`
+    (docs/api.md "Bodies"), declared or not, and nothing is written."""
+    await client.put(f"/meta/{CID_A}/title", json={"value": "kept"})
+    declared = {"Content-Type": "application/json"}
+    for body, headers, slug in (
+        (b'{"value": "a", "value": "b"}', declared, "invalid_json"),
+        (b'{"value": "a", "extra": 1}', declared, "invalid_request"),
+        (b'{"value": "a", "extra": 1}', {}, "invalid_request"),
+        (b'{"value": 5}', {}, "invalid_request"),
+        (b'"a"', declared, "invalid_request"),  # JSON, but not the object
+        (b"plain text", {"Content-Type": "application/merge-patch+json"}, "invalid_json"),
+    ):
+        for method, path in (("PUT", f"/meta/{CID_A}/title"), ("POST", f"/meta/{CID_A}/_add/t")):
+            response = await client.request(method, path, content=body, headers=headers)
+            envelope(response, 400, slug)
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "kept"
+    envelope(await client.get(f"/meta/{CID_A}/t"), 404, "not_found")
+    refused = await client.post("/file/cid", json={"path": "media/x.jpg", "extra": 1})
+    assert "'extra'" in envelope(refused, 400, "invalid_request")["message"]
+
+
 async def test_legacy_writes_are_votes_that_merge_not_overwrites(
     node: Node, client: httpx.AsyncClient
 ) -> None:
@@ -744,8 +769,11 @@ async def test_post_file_cid_hashes_a_file_named_as_file_path_names_it(
         ("elsewhere/poster.jpg", 404, "not_found"),  # no root of that name
         ("media/../media/art/poster.jpg", 404, "not_found"),
         ("media/out/poster.jpg", 404, "not_found"),  # through the link out
+        ("media/art/poster.jpg\x00.txt", 400, "invalid_request"),  # realpath: ValueError
+        ("media/\ud800", 400, "invalid_request"),  # a lone surrogate: UnicodeEncodeError
     ):
-        answer = await client.post("/file/cid", json={"path": asked})
+        body = json.dumps({"path": asked}).encode()  # `\ud800` escaped, as a client sends it
+        answer = await client.post("/file/cid", content=body)
         assert (answer.status_code, answer.json()["error"]) == (status, slug), asked
     refused = await client.post("/file/cid", json={"file": "media/art/poster.jpg"})
     assert (refused.status_code, refused.json()["error"]) == (400, "invalid_request")

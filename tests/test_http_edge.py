@@ -117,6 +117,45 @@ def test_a_10_mb_header_is_refused_while_another_client_keeps_being_answered(
     assert answers >= 10  # the other client was answered all along (64 KiB / 4 KiB pieces)
 
 
+def one_request(server: Server, head: bytes, body: bytes = b"") -> bytes:
+    """`head` (and `body`) sent in one `sendall`, and the answer up to the connection's close."""
+    with connect(server) as sock:
+        sock.sendall(head + b"Connection: close\r\n\r\n" + body)
+        return read_until_closed(sock)
+
+
+def test_a_long_head_that_arrives_in_one_read_is_refused_too(server: Server) -> None:
+    """A head that ended within one read was never counted: 70–140 KB heads sent at once were
+    answered 200, and a target over 65,535 bytes was uvicorn's 400 "Invalid HTTP request
+    received." Both are 431 now; a long body behind a short head is no long head."""
+    for head in (
+        b"GET /health HTTP/1.1\r\nHost: edge\r\nX-Big: " + b"a" * 70_000 + b"\r\n",
+        b"GET /health HTTP/1.1\r\nHost: edge\r\n" + b"X-Many: aaaa\r\n" * 9000,
+        b"GET /health?" + b"q" * 140_000 + b" HTTP/1.1\r\nHost: edge\r\n",
+    ):
+        assert_envelope(one_request(server, head), 431, "headers_too_large", False)
+    body = b'{"claims": []' + b" " * 200_000 + b"}"
+    answer = one_request(
+        server,
+        b"POST /api/claims HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer " + server.token.encode() + b"\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n",
+        body,
+    )
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
+@pytest.mark.parametrize("edge_server", [{"METANODE_MAX_HEADER_BYTES": "262144"}], indirect=True)
+def test_a_target_longer_than_httptools_parses_is_named_in_the_envelope(
+    edge_server: Server,
+) -> None:
+    head = b"GET /health?" + b"q" * 70_000 + b" HTTP/1.1\r\nHost: edge\r\n"
+    raw = one_request(edge_server, head)
+    assert_envelope(raw, 400, "bad_request", False)
+    assert b"the request target is over 65535 bytes" in raw
+    assert httpx.get(f"{edge_server.url}/health", timeout=DEADLINE_S).status_code == 200
+
+
 def vm_hwm_mib(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -186,6 +225,26 @@ def test_unparseable_http_gets_the_envelope(server: Server) -> None:
     with connect(server) as sock:
         sock.sendall(b"NOT HTTP AT ALL\x00\r\n\r\n")
         assert_envelope(read_until_closed(sock), 400, "bad_request", False)
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", b"Transfer-Encoding: gzip\r\n\r\nabc"],
+)
+def test_a_body_the_parser_cannot_read_gets_the_envelope(server: Server, framing: bytes) -> None:
+    """The parser fails in the body, after the app has its request: the connection was closed
+    without an answer. The 400 is its answer, the app's (never sent) is dropped, nothing is
+    written, and the log holds no traceback of the app told the client left."""
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /api/signers HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + server.token.encode() + b"\r\n" + framing
+        )
+        headers = assert_envelope(read_until_closed(sock), 400, "bad_request", False)
+        assert headers["connection"] == "close"
+    listed = httpx.get(f"{server.url}/api/signers", headers=server.headers, timeout=DEADLINE_S)
+    assert without_owner(listed.json()["signers"]) == []
+    assert "Traceback" not in server.log_text()
 
 
 # -- request bodies -------------------------------------------------------------------------------
@@ -319,6 +378,31 @@ async def test_a_query_value_that_is_none_of_its_kind_is_refused_not_ignored(
     assert [c["uid"] for c in listed.json()["claims"]] == [signer.uid]
 
 
+async def test_a_path_or_query_that_is_not_utf8_is_refused_on_every_route(
+    client: httpx.AsyncClient,
+) -> None:
+    """`PUT /meta/$M/rv%FFkey` stored the key `rv\ufffdkey` (uvicorn and Starlette decode
+    with `errors="replace"`): 400 `invalid_request` before any route, nothing written; a real
+    U+FFFD, escaped as its UTF-8, is still a key like any other."""
+    cid = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+    for method, target in (
+        ("PUT", f"/meta/{cid}/rv%FFkey"),
+        ("POST", f"/meta/{cid}/_add/t%C3"),
+        ("PATCH", "/meta/%FF"),
+        ("GET", "/api/meta/%FF"),
+        ("POST", "/api/signers/%80/block"),
+        ("DELETE", "/api/peers/%FE"),
+        ("GET", f"/api/meta/{cid}/claims?key=%FF"),
+    ):
+        response = await client.request(method, target, json={"value": "v"})
+        assert (response.status_code, response.json()["error"]) == (400, "invalid_request"), target
+        assert "not UTF-8" in response.json()["message"], target
+    assert (await client.get("/meta")).json()["count"] == 0  # nothing was written
+    stored = await client.put(f"/meta/{cid}/rv%EF%BF%BDkey", json={"value": "v"})
+    assert stored.status_code == 200, stored.text
+    assert (await client.get(f"/meta/{cid}/rv\ufffdkey")).text == "v"
+
+
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32", "utf-8-sig"])
 async def test_a_body_in_another_encoding_is_invalid_json(
     client: httpx.AsyncClient, encoding: str
@@ -336,7 +420,7 @@ JSON_VALUES = st.recursive(
     st.none()
     | st.booleans()
     | st.integers()
-    | st.floats(allow_nan=False)
+    | st.floats(allow_nan=False, allow_infinity=False)  # JSON has neither
     | st.text(st.characters(exclude_categories=["Cs"])),
     lambda inner: (
         st.lists(inner, max_size=4)
@@ -369,6 +453,36 @@ def test_an_object_naming_a_member_twice_is_invalid_json_wherever_it_is(
     for body in (doubled, f"[1, {doubled}]", f'{{"claims": {doubled}}}'):
         with pytest.raises(InvalidJson, match="given twice"):
             parse_json(body.encode("utf-8"))
+
+
+CID = "bafkreigh2akiscaildcqabsyg3dfr6chu3fgpregiymsck7e7aqa4s52zy"
+JSON_BODY_ROUTES = [  # every route that reads a JSON body, with a body holding `{constant}`
+    ("POST", "/api/claims", '{{"claims": [{{"uid": {constant}}}]}}'),
+    ("POST", "/api/signers", '{{"uid": "x", "weight": {constant}}}'),
+    ("POST", "/api/peers", '{{"url": "http://p", "token": "t", "weight": {constant}}}'),
+    ("POST", "/api/claims/reconcile", '{{"ranges": [{{"count": {constant}}}]}}'),
+    ("PATCH", f"/meta/{CID}", '{{"title": {constant}}}'),
+    ("PUT", f"/meta/{CID}/title", '{{"value": {constant}}}'),
+    ("POST", f"/meta/{CID}/_add/tags", '{{"value": {constant}}}'),
+    ("POST", "/file/cid", '{{"path": {constant}}}'),
+]
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+async def test_nan_and_the_infinities_are_not_json_on_any_route(
+    client: httpx.AsyncClient, constant: str
+) -> None:
+    """Python's parser takes them (`{"claims":[{"uid":NaN}]}` was an `invalid_claim`); RFC
+    8259 has no such numbers."""
+    for method, path, body in JSON_BODY_ROUTES:
+        response = await client.request(
+            method,
+            path,
+            content=body.format(constant=constant).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        assert (response.status_code, response.json()["error"]) == (400, "invalid_json"), path
+        assert f"{constant} is not a JSON number" in response.json()["message"]
 
 
 async def test_a_claim_whose_value_is_given_twice_is_refused_and_nothing_written(

@@ -333,3 +333,10 @@ def test_import_reads_standard_input(tmp_path: Path) -> None:
     assert claim_count(tmp_path / "data") == 1501
     again = ok(run("import", "-", "--data-dir", str(tmp_path / "data"), stdin=lines))
     assert "1501 duplicate" in again.stdout
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_the_infinities_are_refused_in_files_and_stdin_too(constant: str) -> None:
+    """`import` and `claims post` read through the same decoder as the bodies."""
+    with pytest.raises(InvalidJson, match=f"line 1 is not JSON: {constant} is not a JSON number"):
+        list(jsonl.read(io.BytesIO(f'{{"ts": {constant}}}\n'.encode())))

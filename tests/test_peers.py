@@ -4,13 +4,15 @@ set reconciliation (pure, against a naive set difference; and between two real s
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,9 @@ from starlette.routing import Route
 
 from metanode import cid as cids
 from metanode import maintenance, reconcile
+from metanode.api import create_app
 from metanode.node import Node
+from metanode.server import protocol_for
 from tests.helpers.claims import NOW_MS, Signer, fast_claims
 from tests.helpers.server import Server, free_port, metanode_check, wait_caught_up
 
@@ -418,6 +422,16 @@ async def test_peer_tokens_read_the_log_and_reconcile_and_nothing_else(
     assert (await client.get("/api/claims/log", headers=peer)).status_code == 401
 
 
+async def test_a_peer_url_that_does_not_even_split_is_named_not_a_500(
+    client: httpx.AsyncClient,
+) -> None:
+    """`http://[::1` made urlsplit raise ValueError (500 `internal_error`)."""
+    response = await client.post("/api/peers", json={"url": "http://[::1", "token": "x"})
+    assert (response.status_code, response.json()["error"]) == (400, "invalid_request")
+    assert "'http://[::1' is not a node's address" in response.json()["message"]
+    assert (await client.get("/api/peers")).json()["peers"] == []
+
+
 # -- reconciliation -----------------------------------------------------------------------------
 
 
@@ -479,6 +493,104 @@ def test_reconciling_100000_shared_and_100_differing_sends_only_what_differs() -
     assert session.fingerprints_sent <= session.fingerprints_received + 1
 
 
+def test_a_round_of_more_than_max_ranges_goes_in_requests_a_responder_takes() -> None:
+    """A box lacking nearly all of another's 6,000 ids reaches a round of ≈ 4,096 differing
+    ranges; each request of it holds at most `MAX_RANGES` (the responder refuses more), and
+    the replies joined settle it as one reply would."""
+    rng = __import__("random").Random(7)
+    theirs = {rng.randbytes(16) for _ in range(6000)}
+    mine = {rng.randbytes(16) for _ in range(20)}
+    over_json = _over_json(reconcile.Items(theirs))
+    asked: list[int] = []
+
+    def answer(message: list[reconcile.Fingerprint]) -> list[reconcile.Entry]:
+        asked.append(len(message))
+        return over_json(message)
+
+    session = reconcile.run(reconcile.Items(mine), answer)
+    assert (session.need, session.have) == (theirs, mine)
+    assert max(asked) == reconcile.MAX_RANGES  # a round was split, at the bound
+    assert session.fingerprints_sent > 2 * reconcile.MAX_RANGES
+
+
+async def test_a_reconciliation_asking_more_than_max_ranges_is_refused_before_any_work(
+    node: Node, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100,000 ranges (7.4 MB, a peer token's) took 19 s and answered 114 MB: one over the
+    bound is 413 `too_large`, the responder not even asked for its ids."""
+    token = maintenance.create_peer_token(node.settings, "friend")
+    opening = reconcile.encode(reconcile.Session(reconcile.Items([])).start())
+    built: list[object] = []
+    monkeypatch.setattr(node.responder, "items", lambda: built.append(1))
+    response = await client.post(
+        "/api/claims/reconcile",
+        json={"ranges": opening * (reconcile.MAX_RANGES + 1)},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert (response.status_code, response.json()["error"]) == (413, "too_large"), response.text
+    assert f"at most {reconcile.MAX_RANGES}" in response.json()["message"]
+    assert built == []
+
+
+@contextlib.asynccontextmanager
+async def served(node: Node) -> AsyncIterator[str]:
+    """`node`'s app on a real uvicorn server in this event loop (the node's), with the
+    protocol `serve` uses; its URL."""
+    config = uvicorn.Config(
+        create_app(node),
+        host="127.0.0.1",
+        port=0,
+        log_config=None,
+        lifespan="off",  # the node is started already
+        http=protocol_for(node.settings),
+    )
+    server = uvicorn.Server(config)
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.01)  # polls the condition, bounded by the test's timeout
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        await serving
+
+
+async def test_the_loop_answers_others_while_a_reconciliation_is_worked_out(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The responder's work is held until /health has answered: on the event loop (as it
+    was: a concurrent /health waited 17.7 s) /health could not answer first."""
+    working, released, worked = threading.Event(), threading.Event(), threading.Event()
+    respond = reconcile.respond
+
+    def held(items: reconcile.Items, message: Any) -> list[reconcile.Entry]:
+        working.set()
+        released.wait(10)  # bounds the failure: on the loop nothing else runs meanwhile
+        worked.set()
+        return respond(items, message)
+
+    monkeypatch.setattr(reconcile, "respond", held)
+    opening = reconcile.encode(reconcile.Session(reconcile.Items([])).start())
+    headers = {"Authorization": f"Bearer {node.token}"}
+    async with served(node) as url:
+        reconciling = asyncio.create_task(
+            asyncio.to_thread(
+                httpx.post,
+                f"{url}/api/claims/reconcile",
+                json={"ranges": opening},
+                headers=headers,
+                timeout=DEADLINE_S,
+            )
+        )
+        assert await asyncio.to_thread(working.wait, DEADLINE_S)
+        health = await asyncio.to_thread(httpx.get, f"{url}/health", timeout=DEADLINE_S)
+        answered_first = not worked.is_set()
+        released.set()
+        assert health.status_code == 200
+        assert answered_first, "/health waited for the reconciliation"
+        assert (await reconciling).status_code == 200
+
+
 def test_peers_add_on_a_box_sharing_most_claims_fetches_only_the_difference(
     pair: tuple[Server, Server],
 ) -> None:
@@ -507,6 +619,24 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=120,
         env={k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
     )
+
+
+def test_a_follower_lacking_most_of_a_peer_s_claims_reconciles_within_the_bound(
+    pair: tuple[Server, Server],
+) -> None:
+    """B holds 20 claims A lacks and lacks A's 6,000: a round of ≈ 4,096 ranges, which B's
+    follower sends in requests A takes (each at most `MAX_RANGES`)."""
+    a, b = pair
+    signer, only_a, _ = two_sets(pair, "m", 6000, 0)
+    only_b = fast_claims(signer, [(cid(f"mb{i}"), "title", "b", NOW_MS) for i in range(20)])
+    post(a, only_a)
+    post(b, only_b)
+    add_peer(b, a, peer_token(a, "b"))
+    want = {c["sig"] for c in only_a + only_b}
+    wait_for(lambda: claim_set(b) == want, "B to hold the union")
+    report = httpx.post(f"{b.url}/api/peers/a/sync", headers=b.headers, timeout=60).json()
+    assert (report["fetched"], report["have"]) == (0, 20), report
+    assert peer_status(b)["last_error"] == ""
 
 
 def test_peers_add_says_at_once_when_a_peer_cannot_be_followed(
