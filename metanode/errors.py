@@ -305,6 +305,12 @@ class PeerCursorRefused(PeerFailed):
     the address). The follower reconciles again, as a new peer does, and reads on from there."""
 
 
+class PeerIsSelf(PeerFailed):
+    """The peer's answers carry this box's own instance id: its address is this box. Polled,
+    it would be for ever (its claims are this box's own); `peers add` refuses it, and a
+    follower of one (an address that came to name this box) stops."""
+
+
 # -- the node cannot answer now -----------------------------------------------------------------
 
 

@@ -609,6 +609,12 @@ class Node:
         first_sync = row.cursor == "" and self.truth.claim_count() > 0
         self.peers.follow(row, first_sync)
         await self.peers.first_try(name, self.settings.apply_wait_s)
+        if self.peers.follower(name).is_self:  # kept, it is a peer that can never be followed
+            await self.remove_peer(name)
+            raise InvalidRequest(
+                f"{url} is this box itself (it answers with this box's instance id): a box "
+                "follows other boxes"
+            )
         return self.peers.status(self.truth.peer(name) or row)
 
     async def remove_peer(self, name: str) -> None:

@@ -33,6 +33,7 @@ from metanode.errors import (
     PeerCannotReconcile,
     PeerCursorRefused,
     PeerFailed,
+    PeerIsSelf,
     UnknownPeer,
 )
 from metanode.truth import ID_BYTES, PeerRow
@@ -113,6 +114,7 @@ class Follower:
         self.config = config
         self.first_sync = first_sync
         self.last_error = ""
+        self.is_self = False  # its peer's answers were this box's own: it stopped
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
         self.http = httpx.AsyncClient(
@@ -150,6 +152,10 @@ class Follower:
                     refused = refused and not had_cursor  # a cursor of its log was taken
             except UnknownPeer:
                 return  # removed meanwhile
+            except PeerIsSelf as exc:  # nothing to follow: retried, it was for ever
+                self.is_self = True
+                self._failed(exc)
+                return
             except PeerCannotReconcile:  # not a failure: the log does the same work
                 reconciling = False
                 log.info("peer %s cannot reconcile; reading its log from the start", self.name)
@@ -205,7 +211,7 @@ class Follower:
             raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
         sent = len(response.request.content)
         if response.headers.get(SELF_HEADER) == self.host.instance:  # never polled for ever
-            raise PeerFailed(f"{self.http.base_url} is this box itself (its instance id is ours)")
+            raise PeerIsSelf(f"{self.http.base_url} is this box itself (its instance id is ours)")
         if path == RECONCILE and response.status_code in (404, 405):
             raise PeerCannotReconcile(f"{path} answered {response.status_code}")
         try:

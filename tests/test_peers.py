@@ -642,9 +642,9 @@ def test_a_follower_lacking_most_of_a_peer_s_claims_reconciles_within_the_bound(
 def test_peers_add_says_at_once_when_a_peer_cannot_be_followed(
     pair: tuple[Server, Server],
 ) -> None:
-    """`peers add` of a peer that refuses the token, or of the box itself, answers with the
-    first pull's failure and a warning (it was exit 0 with `last_error: ""`); an address or a
-    name that can never work is refused before anything is stored."""
+    """`peers add` of a peer that refuses the token answers with the first pull's failure and
+    a warning (it was exit 0 with `last_error: ""`); an address or a name that can never work
+    is refused before anything is stored, and the box's own address once it answers."""
     a, b = pair
     via_b = ("--url", b.url, "--data-dir", str(b.data_dir))
     wrong = run_cli("peers", "add", a.url, "--token", "not-a-token", "--name", "a", *via_b)
@@ -653,7 +653,8 @@ def test_peers_add_says_at_once_when_a_peer_cannot_be_followed(
     assert wrong.stderr.startswith("warning: peer a: peer_failed: "), wrong.stderr
     itself = run_cli("peers", "add", b.url, "--token", peer_token(b, "me").strip(), "--name",
                      "me", *via_b)  # fmt: skip
-    assert "is this box itself" in json.loads(itself.stdout)["last_error"], itself.stdout
+    assert itself.returncode == 2, itself.stdout  # it was kept, and retried for ever
+    assert itself.stderr.startswith(f"error: invalid_request: {b.url} is this box itself")
     for url in ("http://127.0.0.1:94011", "http://127.0.0.1 :9", "http://u:p@127.0.0.1:9"):
         refused = run_cli("peers", "add", url, "--token", "t", "--name", "x", *via_b)
         assert refused.returncode == 2, (url, refused.stdout)
@@ -661,7 +662,7 @@ def test_peers_add_says_at_once_when_a_peer_cannot_be_followed(
     slashed = run_cli("peers", "add", a.url, "--token", "t", "--name", "x/y", *via_b)
     assert slashed.stderr.startswith("error: invalid_request: name must be"), slashed.stderr
     listed = cli("peers", "list", *via_b)
-    assert sorted(json.loads(line)["name"] for line in listed.splitlines()) == ["a", "me"]
+    assert sorted(json.loads(line)["name"] for line in listed.splitlines()) == ["a"]
 
 
 def test_a_first_sync_that_fails_is_tried_again_not_replaced_by_the_whole_log(
