@@ -511,7 +511,7 @@ def test_import_refuses_a_tampered_file_and_writes_nothing(tmp_path: Path) -> No
     assert unknown.stderr.splitlines() == [
         "error: invalid_batch: 12 claim(s) rejected; nothing was written",
         f"  claims 1, 2, 3, 4, 5, 6, 7, 8, … (12): unknown_signer: signer {signer.uid} is not "
-        "registered",
+        "registered (POST /api/signers or `metanode signers add` registers it)",
         "  register each signer first (`metanode signers add UID --weight W`), or trust every "
         "signer of the file with --register-signers",
     ]
