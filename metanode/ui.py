@@ -735,16 +735,19 @@ class Pages:
 
     async def files(self, request: Request) -> Response:
         q = request.query_params
-        prefix = q.get("prefix", "")
-        page = self.node.files(prefix, q.get("after") or None, FILES_PAGE)
+        prefix, after = q.get("prefix", ""), q.get("after") or None
+        page = self.node.files(prefix, after, FILES_PAGE)
         folders: dict[str, list[dict[str, Any]]] = {}
         for file in page["files"]:
             folders.setdefault(file["path"].rsplit("/", 1)[0], []).append(file)
+        # a folder the page begins or ends inside: its count is this page's, not the folder's
+        split = {path.rsplit("/", 1)[0] for path in (after, page["next"]) if path}
         return render(
             request,
             "files.html",
             roots=self.node.settings.watched if self.node.settings.watch_enabled else [],
             folders=folders,
+            split=split,
             prefix=prefix,
             next=page["next"],
             duplicates=self.node.duplicates(PAGE),

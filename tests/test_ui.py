@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pytest
@@ -605,6 +605,22 @@ def test_the_library_leaves_out_subtitles_nfos_and_artwork_unless_asked(
     assert find("", sidecars=False) == ["image", "movie"]
     assert find("", sidecars=True) == ["artwork", "image", "movie", "nfo", "subtitle"]
     assert find("subtitle", sidecars=False) == ["subtitle"]
+
+
+def test_a_folder_split_between_pages_of_files_says_its_count_is_the_pages(
+    page: Page, srv: Server
+) -> None:
+    """A folder over two pages of the Files page showed `(120)` on one and `(30)` on the
+    next, each read as the folder's count."""
+    folder = srv.media / "Split Folder"
+    folder.mkdir()
+    first, second = (drop(srv, f"Split Folder/Split.{n}.mkv") for n in (1, 2))
+    for path in (first, second):
+        midhash_of(srv, path)
+    page.goto(f"{srv.url}/files?prefix={quote(str(folder))}")
+    expect(page.get_by_text(f"{folder} (2)", exact=True)).to_be_visible()
+    page.goto(f"{srv.url}/files?prefix={quote(str(folder))}&after={quote(str(first))}")
+    expect(page.get_by_text(f"{folder} (1 on this page)", exact=True)).to_be_visible()
 
 
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
