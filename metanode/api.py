@@ -60,7 +60,7 @@ MAX_PAGE = 1000
 JSON = "application/json"
 SIGNER_MEMBERS = ("uid", "name", "weight", "may_link")  # schemas/signer-request.schema.json
 PEER_MEMBERS = ("url", "token", "weight", "name")  # schemas/peer-request.schema.json
-RECONCILE_BYTES = 1024 * 1024  # a request names at most 1,024 ranges (≈ 200 bytes each)
+RECONCILE_BYTES = 4 * 1024 * 1024  # at most 16,384 ranges (≈ 200 bytes each)
 
 
 class ErrorResponse(JSONResponse):

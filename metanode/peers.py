@@ -256,7 +256,7 @@ class Follower:
         head: str | None = None
         while message:
             reply: list[reconcile.Entry] = []
-            for part in reconcile.chunks(message):  # a request asks about at most MAX_RANGES
+            for part in reconcile.chunks(message):  # each of at most REQUEST_RANGES ranges
                 body, sent, got = await self._call(
                     "POST", RECONCILE, json={"ranges": reconcile.encode(part)}
                 )

@@ -495,8 +495,8 @@ def test_reconciling_100000_shared_and_100_differing_sends_only_what_differs() -
 
 def test_a_round_of_more_than_max_ranges_goes_in_requests_a_responder_takes() -> None:
     """A box lacking nearly all of another's 6,000 ids reaches a round of ≈ 4,096 differing
-    ranges; each request of it holds at most `MAX_RANGES` (the responder refuses more), and
-    the replies joined settle it as one reply would."""
+    ranges; each request of it holds at most `REQUEST_RANGES`, and the replies joined settle
+    it as one reply would."""
     rng = __import__("random").Random(7)
     theirs = {rng.randbytes(16) for _ in range(6000)}
     mine = {rng.randbytes(16) for _ in range(20)}
@@ -509,17 +509,24 @@ def test_a_round_of_more_than_max_ranges_goes_in_requests_a_responder_takes() ->
 
     session = reconcile.run(reconcile.Items(mine), answer)
     assert (session.need, session.have) == (theirs, mine)
-    assert max(asked) == reconcile.MAX_RANGES  # a round was split, at the bound
-    assert session.fingerprints_sent > 2 * reconcile.MAX_RANGES
+    assert max(asked) == reconcile.REQUEST_RANGES  # a round was split
+    assert session.fingerprints_sent > 2 * reconcile.REQUEST_RANGES
 
 
 async def test_a_reconciliation_asking_more_than_max_ranges_is_refused_before_any_work(
     node: Node, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """100,000 ranges (7.4 MB, a peer token's) took 19 s and answered 114 MB: one over the
-    bound is 413 `too_large`, the responder not even asked for its ids."""
+    bound is 413 `too_large`, the responder not even asked for its ids. A round an older
+    follower sends whole, thousands of ranges, is answered: refused, it asked for ever."""
     token = maintenance.create_peer_token(node.settings, "friend")
     opening = reconcile.encode(reconcile.Session(reconcile.Items([])).start())
+    whole = await client.post(
+        "/api/claims/reconcile",
+        json={"ranges": opening * 3200},
+        headers={"Authorization": f"Bearer {token}"},
+    )
+    assert whole.status_code == 200 and whole.json()["ranges"] == [], whole.text  # all settled
     built: list[object] = []
     monkeypatch.setattr(node.responder, "items", lambda: built.append(1))
     response = await client.post(
@@ -625,7 +632,7 @@ def test_a_follower_lacking_most_of_a_peer_s_claims_reconciles_within_the_bound(
     pair: tuple[Server, Server],
 ) -> None:
     """B holds 20 claims A lacks and lacks A's 6,000: a round of ≈ 4,096 ranges, which B's
-    follower sends in requests A takes (each at most `MAX_RANGES`)."""
+    follower sends in requests of at most `REQUEST_RANGES`, their answers joined."""
     a, b = pair
     signer, only_a, _ = two_sets(pair, "m", 6000, 0)
     only_b = fast_claims(signer, [(cid(f"mb{i}"), "title", "b", NOW_MS) for i in range(20)])
