@@ -56,6 +56,7 @@ from metanode.errors import (
     MetanodeError,
     MethodNotAllowed,
     PathTooLong,
+    shown,
 )
 from metanode.ranges import Unserved, byte_ranges
 
@@ -431,7 +432,14 @@ def refusal(scope: Scope, writes: bool) -> MetanodeError | None:
     (`raw_path`): uvicorn's `path` has already made an invalid UTF-8 sequence U+FFFD, a name a
     PUT then created."""
     raw = scope.get("raw_path") or scope["path"].encode()
-    targets = [raw] + [urlsplit(v).path for k, v in scope["headers"] if k == b"destination"]
+    targets = [raw]
+    if scope["method"] in ("COPY", "MOVE"):  # the only methods that read it
+        for name, value in scope["headers"]:
+            if name == b"destination":
+                try:
+                    targets.append(urlsplit(value).path)
+                except ValueError:  # `http://[::1/x`: it named nothing, a 500 on every method
+                    return InvalidRequest(f"Destination {shown(value.decode('latin-1'))} is no URL")
     for target in targets:
         refused = path_refusal(target, writes)
         if refused is not None:

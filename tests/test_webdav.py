@@ -488,6 +488,10 @@ def test_plugin_writes_that_cannot_be_done_are_refused_never_a_500(
         moved = {"Destination": f"{server.url}{destination}"}
         answer, body = raw_request(server, method, path, moved)
         assert answer.status == 403, (method, path, destination, answer.status, body[:300])
+    for method in ("MOVE", "GET"):  # a Destination that is no URL failed every method: a 500
+        unclosed = {"Destination": "http://[::1/webdav/x"}
+        answer, body = raw_request(server, method, f"{base}/p1/ok.txt", unclosed)
+        assert answer.status == (400 if method == "MOVE" else 200), (method, body[:300])
     assert sorted(p.name for p in (outputs / "p1").iterdir()) == [
         "a" * 251 + ".txt",
         "ok.txt",
