@@ -296,9 +296,10 @@ def load_settings(config_file: str | None, **overrides: Any) -> config.Settings:
 @click.option(
     "--new-log",
     is_flag=True,
-    help="Give the truth a new claim-log id: it was put back from a backup by hand (a "
-    "pg_restore), so the boxes that follow it reconcile instead of skipping claims "
-    "(`metanode restore` does this itself). Run it before the node starts.",
+    help="Give the truth a new claim-log id and rebuild the cache under a new feed epoch: it was "
+    "put back from a backup by hand (a pg_restore), so the boxes that follow it reconcile "
+    "and the feed's readers start again from a snapshot, instead of skipping claims and "
+    "events (`metanode restore` does this itself). Run it before the node starts.",
 )
 @reports_errors
 def init(config_file: str | None, data_dir: str | None, new_owner: bool, new_log: bool) -> None:
@@ -310,7 +311,11 @@ def init(config_file: str | None, data_dir: str | None, new_owner: bool, new_log
     if new_log:
         with datadir.Lock(settings.data_dir):  # a running node's followers: all reconciled
             renewed = maintenance.renew_log(settings)
+            # the feed's ids after the backup's end would be given again to other events: a
+            # reader holding one skipped them (a restored cache keeps its epoch)
+            state = maintenance.rebuild_cache(settings)
         click.echo(f"claim log: {renewed} (a new id: followers reconcile)")
+        click.echo(f"cache rebuilt: feed epoch {state.epoch} (feed readers start from a snapshot)")
     click.echo(f"data directory: {settings.data_dir.resolve()}")
     click.echo(f"owner key: {owner} (signer `owner`, in {settings.keys_dir})")
     for uid in former:

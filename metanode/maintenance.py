@@ -279,7 +279,11 @@ def migrate_storage(settings: Settings, dsn: str, scratch: Path) -> MigrationRep
     from the copied truth (under a later epoch); then `check` the target. A target already
     holding a node's data is refused (`TargetNotEmpty`) before anything is written to it."""
     if settings.postgresql:
-        raise InvalidRequest("migrate-storage copies a SQLite box; this one is on PostgreSQL")
+        raise InvalidRequest(
+            "migrate-storage copies a SQLite box; this one is on PostgreSQL (its `storage` "
+            "setting, or METANODE_STORAGE, names a DSN: run it with METANODE_STORAGE=sqlite "
+            "and the DSN in --to)"
+        )
     target = dataclasses.replace(settings, storage=dsn)
     if not target.postgresql:
         raise InvalidRequest("migrate-storage --to: must be a postgresql:// DSN")
@@ -294,12 +298,29 @@ def migrate_storage(settings: Settings, dsn: str, scratch: Path) -> MigrationRep
         if held:
             raise TargetNotEmpty(
                 f"the target database already holds data ({', '.join(held)}); "
-                "migrate into an empty database"
+                "migrate into an empty database (one `metanode init` wrote into holds the "
+                "owner's signer: drop it and create it again, without `init`)"
             )
         copied = {f"truth.{t}": n for t, n in dest.copy_from(source).items()}
         copied |= {f"cache.{t}": n for t, n in new.copy_local_from(old).items()}
         new.build_sync(dest)
     return MigrationReport(copied, check(target, scratch))
+
+
+def scratch_truth(settings: Settings, scratch: Path) -> Settings:
+    """The settings of a SQLite data directory made at `scratch` holding a copy of `settings`'
+    truth, for work that must not touch the real one (the migration tool's dry run): SQLite's
+    online backup of truth.db, or the rows of a truth on PostgreSQL copied into a SQLite one
+    (the dry run once ran on the live database: `storage` was kept with the data directory)."""
+    target = dataclasses.replace(settings, data_dir=scratch, storage="sqlite")
+    scratch.mkdir(parents=True)
+    if settings.postgresql:
+        open_store(target)
+        with truth_store(settings) as real, truth_store(target) as copy:
+            copy.copy_from(real)
+    elif settings.truth_path.is_file():
+        copy_truth(settings, target.truth_path)
+    return target
 
 
 def copy_truth(settings: Settings, target: Path) -> str:

@@ -33,6 +33,7 @@ from metanode import rid as rids  # noqa: E402
 from metanode.api import create_app  # noqa: E402
 from metanode.clock import now_ms  # noqa: E402
 from metanode.node import Node  # noqa: E402
+from tests.helpers.postgres import Cluster, Storages  # noqa: E402
 from tests.helpers.server import Server, free_port  # noqa: E402
 from tests.helpers.settings import settings_for  # noqa: E402
 from tools.bench.pgcluster import install  # noqa: E402
@@ -446,6 +447,30 @@ def test_dry_run_writes_nothing_and_reports_what_a_run_would_do(
     assert again.changes == 0 and again.claims_accepted == 0
     assert again.legacy_signer["uid"] == real.legacy_signer["uid"]  # the key of the real run
     assert contents(data) == before
+
+
+def test_a_dry_run_on_postgresql_writes_nothing_there(
+    redis_url: str,
+    seeded: Seeded,
+    tmp_path: Path,
+    postgres: Cluster,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dry run of a box on PostgreSQL wrote into its live database (19 claims, a signer
+    `legacy-migrate-dry-run`): the scratch copy kept the `storage` setting. It works on a
+    SQLite copy of the truth's rows now, and reports what a run would do."""
+    data = tmp_path / "data"
+    with Storages(postgres)() as dsn:
+        monkeypatch.setenv("METANODE_STORAGE", dsn)
+        maintenance.open_store(settings_for(data, storage=dsn))
+        with maintenance.truth_store(settings_for(data, storage=dsn)) as store:
+            before = (store.max_seq(), store.signers())
+        dry = run(redis_url, data, dry_run=True)
+        with maintenance.truth_store(settings_for(data, storage=dsn)) as store:
+            assert (store.max_seq(), store.signers()) == before
+        assert dry.dry_run and dry.claims_accepted > 0 and dry.changes > 0
+        real = run(redis_url, data)
+        assert (real.claims_accepted, real.changes) == (dry.claims_accepted, dry.changes)
 
 
 def contents(data: Path) -> dict[str, bytes]:

@@ -12,7 +12,6 @@ rules and the layouts.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 import time
@@ -111,14 +110,6 @@ def connect(url: str) -> redis.Redis:
     return client
 
 
-def _copy_truth(source: Settings, target: Settings) -> None:
-    """A dry run works on a copy of the truth (online backup), never on the real one."""
-    target.data_dir.mkdir(parents=True)
-    if not source.truth_path.is_file():
-        return
-    maintenance.copy_truth(source, target.truth_path)
-
-
 def _migrate_into(
     settings: Settings,
     planned: Sequence[plan.Planned],
@@ -181,8 +172,8 @@ def migrate(opts: Options) -> Report:
             bar.start_writing(len(planned))
             if opts.dry_run:
                 with tempfile.TemporaryDirectory(prefix="claims-migrate-") as scratch:
-                    target = dataclasses.replace(settings, data_dir=Path(scratch) / "data")
-                    _copy_truth(settings, target)
+                    # a copy of the truth, on PostgreSQL too, never the real one
+                    target = maintenance.scratch_truth(settings, Path(scratch) / "data")
                     maintenance.open_store(target)
                     _migrate_into(
                         target,
