@@ -605,16 +605,15 @@ class Node:
         """Follow a peer: the first sync reconciles if this box already holds claims. The
         answer waits (at most `apply_wait_s`) for the first pull, so a peer that does not
         answer, or refuses the token, is said in its `last_error` at once."""
+        if await self.peers.is_this_box(url, token, self.settings.apply_wait_s):
+            raise InvalidRequest(  # followed, it was polled at the back-off cap for ever
+                f"{url} is this box itself (it answers with this box's instance id): a box "
+                "follows other boxes"
+            )
         row = await self.truth.add_peer(name, url, token, weight)
         first_sync = row.cursor == "" and self.truth.claim_count() > 0
         self.peers.follow(row, first_sync)
         await self.peers.first_try(name, self.settings.apply_wait_s)
-        if self.peers.follower(name).is_self:  # kept, it is a peer that can never be followed
-            await self.remove_peer(name)
-            raise InvalidRequest(
-                f"{url} is this box itself (it answers with this box's instance id): a box "
-                "follows other boxes"
-            )
         return self.peers.status(self.truth.peer(name) or row)
 
     async def remove_peer(self, name: str) -> None:

@@ -343,6 +343,19 @@ class Peers:
         )
         self.followers[row.name] = follower
 
+    async def is_this_box(self, url: str, token: str, timeout_s: float) -> bool:
+        """Whether `url` answers as this very box (its claim log carries our `SELF_HEADER`):
+        `peers add` refuses it before anything is stored, so a known peer's row is never
+        replaced by one that cannot be followed. No answer is no: the follower says why."""
+        try:
+            async with httpx.AsyncClient(
+                headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+            ) as http:
+                answer = await http.get(f"{url.rstrip('/')}/api/claims/log", params={"limit": 1})
+        except (httpx.HTTPError, httpx.InvalidURL):
+            return False
+        return answer.headers.get(SELF_HEADER) == self.host.instance
+
     async def forget(self, name: str) -> None:
         follower = self.followers.pop(name, None)
         if follower is not None:

@@ -662,6 +662,9 @@ def test_peers_add_says_at_once_when_a_peer_cannot_be_followed(
                      "me", *via_b)  # fmt: skip
     assert itself.returncode == 2, itself.stdout  # it was kept, and retried for ever
     assert itself.stderr.startswith(f"error: invalid_request: {b.url} is this box itself")
+    renamed = run_cli("peers", "add", b.url, "--token", peer_token(b, "me2").strip(), "--name",
+                      "a", *via_b)  # fmt: skip
+    assert renamed.returncode == 2, renamed.stdout  # a known peer's name: that peer is kept
     for url in ("http://127.0.0.1:94011", "http://127.0.0.1 :9", "http://u:p@127.0.0.1:9"):
         refused = run_cli("peers", "add", url, "--token", "t", "--name", "x", *via_b)
         assert refused.returncode == 2, (url, refused.stdout)
