@@ -354,7 +354,7 @@ class Peers:
                 answer = await http.get(f"{url.rstrip('/')}/api/claims/log", params={"limit": 1})
         except (httpx.HTTPError, httpx.InvalidURL):
             return False
-        return answer.headers.get(SELF_HEADER) == self.host.instance
+        return bool(answer.headers.get(SELF_HEADER) == self.host.instance)
 
     async def forget(self, name: str) -> None:
         follower = self.followers.pop(name, None)
