@@ -5,6 +5,7 @@ on. Each test drops its own files and polls the records until the fields appear.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import metanode_mediainfo as mediainfo
 import pytest
 from mutagen.easyid3 import EasyID3
 from mutagen.flac import FLAC
@@ -390,3 +392,20 @@ def test_without_ffprobe_mediainfo_is_skipped_with_a_reason_and_blocks_nothing(
         assert "no-such-ffprobe not found" in (server.log or Path()).read_text()
     finally:
         server.stop()
+
+
+def test_an_unreadable_video_is_skipped_for_a_reason_that_names_no_file(
+    tmp_path: Path, ffmpeg: str
+) -> None:
+    """ffprobe names the file in its error (`/m/x.mkv: Invalid data found …`): as the skip's
+    reason, every such file was a reason of its own, and the Plugins page's commonest reasons
+    were three files' (the log names the file)."""
+    reasons = set()
+    for name in ("a.mkv", "b.mkv"):
+        broken = tmp_path / name
+        broken.write_bytes(os.urandom(4096))
+        with pytest.raises(mediainfo.ProbeFailed) as failed:
+            mediainfo.probe(str(broken), "ffprobe")
+        assert str(tmp_path) not in str(failed.value)
+        reasons.add(str(failed.value))
+    assert len(reasons) == 1 and reasons.pop().startswith("ffprobe failed: the file: ")

@@ -95,29 +95,15 @@ function startLive() {
   source.addEventListener("gap", () => { status.textContent = "caught up from a snapshot"; });
 }
 
-// Plugins: refresh the counts and progress bars every two seconds; say when the node does not
-// answer, and stop once the session is gone.
+// Plugins: refresh the counts and progress bars two seconds after each answer (not every two
+// seconds: on a large library an answer takes a while, and the asks piled up); say when the
+// node does not answer, and stop once the session is gone.
 function startPlugins() {
   const table = document.getElementById("plugins");
   const status = document.getElementById("plugins-status");
   if (!table) return;
-  let timer = null;
-  const tick = async () => {
-    let r;
-    try {
-      r = await fetch("/api/plugins", { credentials: "same-origin" });
-    } catch {
-      status.textContent = "The node does not answer; retrying…";
-      return;
-    }
-    if (r.status === 401) {
-      clearInterval(timer);
-      signedOut(status);
-      return;
-    }
-    if (!r.ok) return;
-    status.textContent = "";
-    for (const p of (await r.json()).plugins) {
+  const show = (plugins) => {
+    for (const p of plugins) {
       const row = table.querySelector(`tr[data-plugin="${CSS.escape(p.name)}"]`);
       if (!row) continue;
       const { pending, done, skipped, failed } = p.runs;
@@ -130,7 +116,20 @@ function startPlugins() {
       bar.value = done + skipped + failed || (pending ? 0 : 1);
     }
   };
-  timer = setInterval(tick, 2000);
+  const tick = async () => {
+    try {
+      const r = await fetch("/api/plugins", { credentials: "same-origin" });
+      if (r.status === 401) return signedOut(status);
+      if (r.ok) {
+        status.textContent = "";
+        show((await r.json()).plugins);
+      }
+    } catch {
+      status.textContent = "The node does not answer; retrying…";
+    }
+    setTimeout(tick, 2000);
+  };
+  setTimeout(tick, 2000);
 }
 
 // After a form: focus what the page says about it (in the edited row, or at the top), so the

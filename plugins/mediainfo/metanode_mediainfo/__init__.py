@@ -74,7 +74,10 @@ def probe(path: str, ffprobe: str, timeout_s: float = TIMEOUT_S) -> dict[str, An
         raise ProbeFailed(f"ffprobe took longer than {timeout_s} s") from None
     if done.returncode != 0:
         message = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        raise ProbeFailed(f"ffprobe failed: {message[-1] if message else done.returncode}")
+        # the file's path out of the reason (`<path>: Invalid data found …`): the node counts
+        # the runs skipped for each reason, and one a file counted nothing (the log names it)
+        last = message[-1].replace(path, "the file") if message else done.returncode
+        raise ProbeFailed(f"ffprobe failed: {last}")
     try:
         parsed: dict[str, Any] = json.loads(done.stdout)
     except json.JSONDecodeError as exc:
