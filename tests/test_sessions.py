@@ -45,9 +45,11 @@ async def test_the_stream_ends_when_the_session_is_ended() -> None:
 
 
 async def test_the_stream_ends_when_the_session_expires() -> None:
-    feed = Feed()
-    bounded = SESSIONS._bounded(feed.stream(), session(0.05))
-    assert [chunk async for chunk in bounded] == [b"first"]
+    feed, signed_in = Feed(), session(3600)
+    bounded = SESSIONS._bounded(feed.stream(), signed_in)
+    assert await anext(bounded) == b"first"
+    signed_in.expires = SESSIONS.clock()  # its hours are up while the feed is quiet
+    assert [chunk async for chunk in bounded] == []
     assert feed.closed.is_set()
 
 
