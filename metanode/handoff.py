@@ -112,20 +112,31 @@ class Server:
         assert task is not None
         self._connections.add(task)
         try:
-            while not self._stopping:
-                try:
-                    items = await read_frame(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
-                    return  # the reader closed it
-                self._busy.add(task)
-                try:
-                    writer.write(frame(await self._answer(items)))
-                    await writer.drain()
-                finally:
-                    self._busy.discard(task)
+            await self._serve_frames(reader, writer, task)
+        except asyncio.CancelledError:
+            # `stop` cancelled it: ended here, not re-raised, as Python 3.11's stream callback
+            # asks a cancelled connection task for its exception and logs the CancelledError
+            # as an error with its traceback (Ctrl-C on `make serve` after one handed claim)
+            return
         finally:
             self._connections.discard(task)
             writer.close()
+
+    async def _serve_frames(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, task: asyncio.Task[None]
+    ) -> None:
+        """Answer the frames of one reader's connection until it closes or the server stops."""
+        while not self._stopping:
+            try:
+                items = await read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return  # the reader closed it
+            self._busy.add(task)
+            try:
+                writer.write(frame(await self._answer(items)))
+                await writer.drain()
+            finally:
+                self._busy.discard(task)
 
     async def _answer(self, items: list[Any]) -> tuple[Any, ...]:
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import marshal
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,26 @@ async def test_answers_and_refusals_cross_on_one_reused_connection(path: Path) -
         client.close()
         await owner.server.stop()
     assert not path.exists()
+
+
+async def test_stopping_beside_an_idle_connection_logs_no_error(
+    path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Ctrl-C on `make serve` after one claim handed over logged an asyncio ERROR with a
+    traceback: the idle connection's task, cancelled by `stop`, was asked for its exception by
+    Python 3.11's stream callback."""
+    owner = Owner(path)
+    await owner.server.start()
+    client = handoff.Client(path)
+    try:
+        assert (await client.ingest([1]))[0] == 200  # its connection stays open, idle
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            await owner.server.stop()
+            for _ in range(3):  # the stream's done-callbacks run
+                await asyncio.sleep(0)
+        assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    finally:
+        client.close()
 
 
 async def test_no_owner_is_a_503_that_says_nothing_was_written(path: Path) -> None:
