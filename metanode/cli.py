@@ -1191,4 +1191,10 @@ def _list_failures(exc: InvalidBatch) -> NoReturn:
             "every signer of the file with --register-signers",
             err=True,
         )
+    if any(slug == "link_not_permitted" for slug, _ in lines):  # known, so not registered
+        click.echo(
+            "  a signer whose cids/ votes may link groups is given that first (`metanode "
+            "signers add UID --may-link`)",
+            err=True,
+        )
     sys.exit(2)

@@ -92,7 +92,10 @@ class Lock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-            raise DataDirLocked(f"{self.data_dir.resolve()} is in use by pid {holder}") from None
+            raise DataDirLocked(
+                f"{self.data_dir.resolve()} is in use by pid {holder} (a running node: stop it "
+                "first, or give another --data-dir)"
+            ) from None
         with db.storage_errors(self.path):
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)

@@ -515,6 +515,15 @@ def test_import_refuses_a_tampered_file_and_writes_nothing(tmp_path: Path) -> No
         "  register each signer first (`metanode signers add UID --weight W`), or trust every "
         "signer of the file with --register-signers",
     ]
+    cli("signers", "add", signer.uid, "--data-dir", str(tmp_path / "d"))  # known, may not link
+    other = cids.midhash_bytes(b"the same film, cut")
+    linking = signer.claim(cids.midhash_bytes(b"t"), f"cids/{other}", "true")
+    source.write_text(json.dumps(linking) + "\n")
+    refused = importing("--register-signers")  # which registers no known signer again
+    assert refused.returncode == 2 and refused.stderr.splitlines()[-1] == (
+        "  a signer whose cids/ votes may link groups is given that first (`metanode signers "
+        "add UID --may-link`)"
+    )
 
 
 # -- the outbox ------------------------------------------------------------------------------

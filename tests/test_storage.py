@@ -399,7 +399,8 @@ def test_a_second_node_on_the_data_directory_is_refused(tmp_path: Path) -> None:
         done = serve_once(data)
         assert_refused(done, "data_dir_locked")
         assert done.stderr.strip() == (
-            f"error: data_dir_locked: {data.resolve()} is in use by pid {first.proc.pid}"
+            f"error: data_dir_locked: {data.resolve()} is in use by pid {first.proc.pid} (a "
+            "running node: stop it first, or give another --data-dir)"
         )
         media = tmp_path / "media"
         assert_refused(cli("scan", str(media), "--data-dir", str(data)), "data_dir_locked")
