@@ -1036,6 +1036,23 @@ def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path
         assert cache.library_page(conn, "zebra", "", None, cache.NEWEST, 50) == []
 
 
+def cached(records: dict[str, dict[str, str]], listed: dict[str, tuple[str, str, str]]) -> str:
+    """The SQL that puts `records` (rid → key → value) into an older cache, listed in its
+    library as `listed` (rid → its title, name and type then)."""
+    rows = ", ".join(
+        f"('{rid}', '{key}', '{value}')"
+        for rid, record in records.items()
+        for key, value in record.items()
+    )
+    library = ", ".join(
+        f"('{rid}', '{t}', '{n}', '', '{k}', 0)" for rid, (t, n, k) in listed.items()
+    )
+    return (
+        f"INSERT INTO records VALUES {rows};"
+        f"INSERT INTO library (rid, title, name, year, type, files) VALUES {library};"
+    )
+
+
 @contextlib.contextmanager
 def older_cache(tmp_path: Path, version: int, rows: str) -> Iterator[db.Connection]:
     """A cache.db of schema `version` holding `rows` (SQL), then migrated to this version's."""
@@ -1097,20 +1114,13 @@ def test_a_key_breaks_between_its_words(key: str, shown: str) -> None:
 def test_the_v9_migration_lists_an_older_caches_sidecars_as_such(tmp_path: Path) -> None:
     """A cache of schema 8 listed a subtitle as `subtitle` but a poster as `image` and an nfo
     as `document`: the migration indexes them again, so the list leaves them out."""
-    with older_cache(
-        tmp_path,
-        8,
-        "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'fileType', 'image'),"
-        "('01M8T1AD8YE3198EENNAK7KT12', 'fileName', 'poster.jpg'),"
-        "('01M8T1AD8YE3198EENNAK7KT13', 'fileType', 'document'),"
-        "('01M8T1AD8YE3198EENNAK7KT13', 'fileName', 'movie.nfo'),"
-        "('01M8T1AD8YE3198EENNAK7KT14', 'fileType', 'image'),"
-        "('01M8T1AD8YE3198EENNAK7KT14', 'fileName', 'beach.jpg');"
-        "INSERT INTO library (rid, title, name, year, type, files) VALUES "
-        "('01M8T1AD8YE3198EENNAK7KT12', '', 'poster.jpg', '', 'image', 0),"
-        "('01M8T1AD8YE3198EENNAK7KT13', '', 'movie.nfo', '', 'document', 0),"
-        "('01M8T1AD8YE3198EENNAK7KT14', '', 'beach.jpg', '', 'image', 0);",
-    ) as conn:
+    records = {
+        "01M8T1AD8YE3198EENNAK7KT12": {"fileType": "image", "fileName": "poster.jpg"},
+        "01M8T1AD8YE3198EENNAK7KT13": {"fileType": "document", "fileName": "movie.nfo"},
+        "01M8T1AD8YE3198EENNAK7KT14": {"fileType": "image", "fileName": "beach.jpg"},
+    }
+    listed_as = {rid: ("", r["fileName"], r["fileType"]) for rid, r in records.items()}
+    with older_cache(tmp_path, 8, cached(records, listed_as)) as conn:
         listed = cache.library_page(conn, "", "", None, cache.NEWEST, 50)
         assert [row.name for row in listed] == ["beach.jpg"]
         every = cache.library_page(conn, "", "", None, cache.NEWEST, 50, sidecars=True)
@@ -1148,19 +1158,13 @@ def test_the_v8_migration_lists_the_episodes_of_an_older_cache_apart(tmp_path: P
     """A cache of schema 7 listed an episode by its show's title alone, and a record whose
     files are gone by its rid (the rows inserted here): the migration indexes such records
     again, and leaves the others as they were."""
-    with older_cache(
-        tmp_path,
-        7,
-        "INSERT INTO records VALUES ('01M8T1AD8YE3198EENNAK7KT12', 'title', 'Show Name'),"
-        "('01M8T1AD8YE3198EENNAK7KT12', 'season', '1'),"
-        "('01M8T1AD8YE3198EENNAK7KT12', 'episode', '2'),"
-        "('01M8T1AD8YE3198EENNAK7KT13', 'title', 'Film'),"
-        "('01M8T1AD8YE3198EENNAK7KT14', 'fileName', 'movie.nfo');"
-        "INSERT INTO library (rid, title, name, year, type, files) VALUES "
-        "('01M8T1AD8YE3198EENNAK7KT12', 'Show Name', '', '', '', 0),"
-        "('01M8T1AD8YE3198EENNAK7KT13', 'Film', '', '', '', 0),"
-        "('01M8T1AD8YE3198EENNAK7KT14', '', '', '', '', 0);",
-    ) as conn:
+    records = {
+        "01M8T1AD8YE3198EENNAK7KT12": {"title": "Show Name", "season": "1", "episode": "2"},
+        "01M8T1AD8YE3198EENNAK7KT13": {"title": "Film"},
+        "01M8T1AD8YE3198EENNAK7KT14": {"fileName": "movie.nfo"},
+    }
+    listed_as = {rid: (r.get("title", ""), "", "") for rid, r in records.items()}
+    with older_cache(tmp_path, 7, cached(records, listed_as)) as conn:
         found = cache.library_page(conn, "s01e02", "", None, cache.NEWEST, 50)
         assert [row.title for row in found] == ["Show Name S01E02"]
         assert [
