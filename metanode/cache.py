@@ -1608,14 +1608,15 @@ def fts_query(text: str) -> str:
     return " ".join(f'"{word}"*' for word in re.findall(r"\w+", text))
 
 
-def library_query(match: str, kind: str, held: bool | None, sidecars: bool) -> str:
-    """The statement of one library page: newest (highest rid) first below `?` (the `before`
-    rid), through an index whatever the filter. With words, the full-text index picks the rows
-    (`library_fts MATCH`), the primary key joins them, and they are sorted (as many as match);
-    else the rid, type or files index reads just one page. `held`: only records with a local
-    file (True), only those with none left (False), or either (None). `labels.SIDECARS` are
-    left out unless `sidecars` or `kind` names one."""
-    where = ["l.rid < :before"]
+def library_query(match: str, kind: str, held: bool | None, sidecars: bool, newer: bool) -> str:
+    """The statement of one library page: the rows just below `:bound` (a rid), newest first,
+    or with `newer` the rows just above it, oldest first (the page before, which the caller
+    turns round), through an index whatever the filter. With words, the full-text index picks
+    the rows (`library_fts MATCH`), the primary key joins them, and they are sorted (as many as
+    match); else the rid, type or files index reads just one page. `held`: only records with
+    a local file (True), only those with none left (False), or either (None).
+    `labels.SIDECARS` are left out unless `sidecars` or `kind` names one."""
+    where = ["l.rid > :bound" if newer else "l.rid < :bound"]
     source = "library l"
     if match:
         # CROSS JOIN: SQLite keeps the tables in this order, so the index of the words leads
@@ -1630,7 +1631,7 @@ def library_query(match: str, kind: str, held: bool | None, sidecars: bool) -> s
         where.append("l.files > 0" if held else "l.files = 0")
     return (
         f"SELECT {_LIBRARY_COLUMNS} FROM {source} WHERE {' AND '.join(where)} "
-        "ORDER BY l.rid DESC LIMIT :limit"
+        f"ORDER BY l.rid {'ASC' if newer else 'DESC'} LIMIT :limit"
     )
 
 
@@ -1639,26 +1640,32 @@ def library_page(
     text: str,
     kind: str,
     held: bool | None,
-    before: str,
+    bound: str,
     limit: int,
     *,
     sidecars: bool = False,
+    newer: bool = False,
 ) -> list[LibraryRow]:
-    """A page of the library (see `library_query`); words that make no query match nothing."""
+    """A page of the library, newest first: the `limit` rows below rid `bound`, or with
+    `newer` the `limit` rows just above it (see `library_query`); words that make no query
+    match nothing."""
     match = fts_query(text)
     if text.strip() and not match:
         return []
-    params = {"before": before, "match": match, "kind": kind, "limit": limit}
-    sql = library_query(match, kind, held, sidecars)
-    return [LibraryRow(*row) for row in conn.execute(sql, params)]
+    params = {"bound": bound, "match": match, "kind": kind, "limit": limit}
+    rows = [
+        LibraryRow(*row)
+        for row in conn.execute(library_query(match, kind, held, sidecars, newer), params)
+    ]
+    return rows[::-1] if newer else rows
 
 
 def library_plan(conn: Connection, text: str, kind: str, held: bool | None) -> list[str]:
     """`EXPLAIN QUERY PLAN` of `library_page`'s statement (the benchmark shows it is index
     lookups, never a table scan)."""
     match = fts_query(text)
-    params = {"before": NEWEST, "match": match, "kind": kind, "limit": 50}
-    sql = "EXPLAIN QUERY PLAN " + library_query(match, kind, held, False)
+    params = {"bound": NEWEST, "match": match, "kind": kind, "limit": 50}
+    sql = "EXPLAIN QUERY PLAN " + library_query(match, kind, held, False, False)
     return [str(row[-1]) for row in conn.execute(sql, params)]
 
 
@@ -1992,12 +1999,15 @@ class CacheStore(Store):
         text: str,
         kind: str,
         held: bool | None,
-        before: str,
+        bound: str,
         limit: int,
         *,
         sidecars: bool = False,
+        newer: bool = False,
     ) -> list[LibraryRow]:
-        return library_page(self.conn, text, kind, held, before, limit, sidecars=sidecars)
+        return library_page(
+            self.conn, text, kind, held, bound, limit, sidecars=sidecars, newer=newer
+        )
 
     @mapped
     def library_plan(self, text: str, kind: str, held: bool | None) -> list[str]:

@@ -80,6 +80,16 @@ WRITER_VALIDATES = 8
 
 
 @dataclass(frozen=True)
+class LibraryPage:
+    """A page of the library, newest first, and the rids its links page on from: `older`,
+    the `before` of the page below (None: none is), `newer`, the `after` of the page above."""
+
+    rows: list[cache.LibraryRow]
+    older: str | None
+    newer: str | None
+
+
+@dataclass(frozen=True)
 class IngestAnswer:
     status: int
     body: dict[str, Any]
@@ -840,18 +850,37 @@ class Node:
         text: str,
         kind: str,
         held: bool | None,
-        before: str | None,
         limit: int,
         *,
+        before: str | None = None,
+        after: str | None = None,
         sidecars: bool = False,
-    ) -> list[cache.LibraryRow]:
-        """A page of the library, newest first: every record, or those matching words of
-        their title or file name (the cache's full-text index), of one type, held in a local
-        file or not (`held`); below rid `before` (None: from the newest). Subtitles, nfos and
-        artwork only with `sidecars` or when `kind` names theirs (`labels.kind`)."""
+    ) -> LibraryPage:
+        """A page of `limit` records of the library, newest first: every record, or those
+        matching words of their title or file name (the cache's full-text index), of one type,
+        held in a local file or not (`held`); those below rid `before`, or just above rid
+        `after`, or the newest. Subtitles, nfos and artwork only with `sidecars` or when `kind`
+        names theirs (`labels.kind`).
+
+        One row past the page says whether there is a page beyond it; the other way a page
+        opened from a link has one unless what it held is gone, and one row there says so."""
         self.require_ready()
-        start = rids.parse(before) if before else cache.NEWEST
-        return self.cache.library_page(text, kind, held, start, limit, sidecars=sidecars)
+
+        def rows(bound: str, count: int, newer: bool) -> list[cache.LibraryRow]:
+            return self.cache.library_page(
+                text, kind, held, bound, count, sidecars=sidecars, newer=newer
+            )
+
+        if after:
+            found = rows(rids.parse(after), limit + 1, True)
+            shown = found[-limit:]
+            newer, older = len(found) > limit, bool(shown and rows(shown[-1].rid, 1, False))
+        else:
+            found = rows(rids.parse(before) if before else cache.NEWEST, limit + 1, False)
+            shown = found[:limit]
+            newer = bool(before and shown and rows(shown[0].rid, 1, True))
+            older = len(found) > limit
+        return LibraryPage(shown, shown[-1].rid if older else None, shown[0].rid if newer else None)
 
     def library_types(self) -> list[str]:
         """The record types the library holds (its type filter)."""

@@ -622,24 +622,28 @@ class Pages:
 
     async def library(self, request: Request) -> Response:
         q = request.query_params
-        text, kind, before = q.get("q", ""), q.get("type", ""), q.get("before") or None
+        text, kind = q.get("q", ""), q.get("type", "")
+        after = q.get("after") or None
+        before = None if after else q.get("before") or None
         where = q.get("files", "") if q.get("files", "") in HELD else ""
         sidecars = q.get("sidecars") == "1"
-        rows = self.node.library(text, kind, HELD[where], before, PAGE + 1, sidecars=sidecars)
-        more = len(rows) > PAGE
+        found = self.node.library(
+            text, kind, HELD[where], PAGE, before=before, after=after, sidecars=sidecars
+        )
         filters = {"q": text, "type": kind, "files": where, "sidecars": "1" if sidecars else ""}
         return render(
             request,
             "library.html",
-            rows=rows[:PAGE],
+            rows=found.rows,
             text=text,
             kind=kind,
             where=where,
             sidecars=sidecars,
             filters=urlencode({name: value for name, value in filters.items() if value}),
             types=self.node.library_types(),
-            older=rows[PAGE - 1].rid if more else None,
-            paged=before is not None,
+            older=found.older,
+            newer=found.newer,
+            paged=(before or after) is not None,
         )
 
     # -- one record ------------------------------------------------------------------------------
@@ -751,7 +755,7 @@ class Pages:
             prefix=prefix,
             next=page["next"],
             duplicates=self.node.duplicates(PAGE),
-            gone=self.node.library("", "", False, None, PAGE),
+            gone=self.node.library("", "", False, PAGE).rows,
         )
 
     async def plugins(self, request: Request) -> Response:

@@ -342,5 +342,5 @@ async def test_a_batch_of_new_records_adds_one_full_text_segment(
     assert response.status_code == 200 and response.json()["accepted"] == 40, response.text
     assert segments() == before + (backend == "sqlite")
     for title in titles[::13]:
-        found = node.library(title.split()[0], "", None, None, 10)
+        found = node.library(title.split()[0], "", None, 10).rows
         assert [row.title for row in found] == [title]

@@ -670,7 +670,7 @@ def test_data_version_moves_when_another_connection_commits(dsn: str) -> None:
 @pytest.mark.both_backends
 def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) -> None:
     """The page's search (SQLite FTS5 there, a tsvector here): every word as a prefix, all
-    required, accents ignored, with the type filter, newest rid first."""
+    required, accents ignored, with the type filter, newest rid first, below or above a rid."""
     rows = {
         "01A": {"title": "Amélie", "videoType": "movie", "filePath": "/m/amelie.mkv"},
         "01B": {"title": "The Lamp Post", "videoType": "book"},
@@ -692,6 +692,13 @@ def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) 
         assert [r.rid for r in store.library_page("", "", None, "01F", 2, sidecars=True)] == [
             "01E",
             "01D",
+        ]
+        # the page above a rid: the nearest rows above it, still newest first
+        above = store.library_page("lamp", "", None, "01A", 1, newer=True)
+        assert [r.rid for r in above] == ["01B"]
+        assert [r.rid for r in store.library_page("", "", None, "01A", 2, newer=True)] == [
+            "01C",
+            "01B",
         ]
 
 

@@ -555,6 +555,42 @@ def test_newest_keeps_the_search_it_pages(page: Page, srv: Server) -> None:
     assert urlsplit(page.url).query == "q=velvet&type=movie&sidecars=1"
 
 
+def test_the_library_pages_older_and_back_newer_through_a_search(page: Page, srv: Server) -> None:
+    """Older records, then Newer records, give back the very pages seen (a review found only
+    Older and Newest: a person one page too far had to start again from the top)."""
+    pager = Signer()
+    srv.register(pager.uid, "pager", weight=1)
+    stamp = now_ms()
+    post(
+        srv,
+        *[
+            pager.claim(cids.midhash_bytes(f"paged {n}".encode()), "title", f"Quillwort {n}", stamp)
+            for n in range(ui.PAGE * 2 + 20)
+        ],
+    )
+
+    def shown() -> list[str]:
+        links = page.get_by_role("table").get_by_role("link")
+        expect(links.first).to_be_visible()
+        return links.all_inner_texts()
+
+    page.goto(f"{srv.url}/?q=quillwort")
+    pages = [shown()]
+    expect(page.get_by_role("link", name="Newer records")).to_have_count(0)
+    for _ in range(2):
+        page.get_by_role("link", name="Older records").click()
+        pages.append(shown())
+    expect(page.get_by_role("link", name="Older records")).to_have_count(0)
+    assert [len(rows) for rows in pages] == [ui.PAGE, ui.PAGE, 20]
+    assert len({title for rows in pages for title in rows}) == ui.PAGE * 2 + 20
+    for seen in pages[-2::-1]:
+        page.get_by_role("link", name="Newer records").click()
+        assert shown() == seen
+        expect(page.get_by_label("Search")).to_have_value("quillwort")
+    expect(page.get_by_role("link", name="Newer records")).to_have_count(0)
+    expect(page.get_by_role("link", name="Older records")).to_be_visible()
+
+
 def test_the_files_filter_hides_records_whose_files_are_gone(page: Page, srv: Server) -> None:
     """A deleted or re-tagged file's record stays (claims are never deleted): a review's
     library filled up with rows of 0 files and no way to leave them out."""
