@@ -195,7 +195,7 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     if kind is None:
         return None
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    hint = LOGIN_HINT if kind is StorageRefused else ""
+    hint = LOGIN_HINT if kind is StorageRefused else REFUSAL_HINTS.get(state, "")
     return kind(f"the database failed: {f'{where}: ' if where else ''}{text}{hint}")
 
 
@@ -207,6 +207,13 @@ _LOGIN_REFUSALS = re.compile(
     r"exist|no pg_hba\.conf entry|permission denied for database)"
 )
 LOGIN_HINT = "; check the user, password and database `storage` names (docs/scale-out.md)"
+# What an operator does about the refusals only they can mend (the server's words say what
+# was refused, not why or what to do).
+REFUSAL_HINTS = {
+    "42501": "; the user of the DSN needs `CREATE` on the database, as its owner has "
+    "(createdb --owner, docs/scale-out.md)",
+    "25006": "; this server is a read-only standby: give the DSN of the primary",
+}
 
 
 def _login_refused(text: str) -> bool:

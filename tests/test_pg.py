@@ -784,6 +784,26 @@ def test_a_server_on_postgresql_watches_runs_plugins_and_feeds(tmp_path: Path, d
         assert health["status"] == "ok", health
 
 
+def test_a_user_without_create_is_told_what_it_needs(tmp_path: Path, dsn: str) -> None:
+    """A DSN whose user does not own the database (no `CREATE` on it) failed `init` with the
+    server's words alone, `permission denied for database`, and no way out."""
+    import psycopg
+
+    server, database = dsn.split("@", 1)[1].rsplit("/", 1)
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute("DROP ROLE IF EXISTS guest")
+        admin.execute("CREATE ROLE guest LOGIN")
+    try:
+        guest = f"postgresql://guest@{server}/{database}"
+        refused = metanode("init", "--data-dir", str(tmp_path / "data"), storage=guest)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.startswith("error: storage_read_only: "), refused.stderr
+        assert "permission denied" in refused.stderr and pg.REFUSAL_HINTS["42501"] in refused.stderr
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as admin:
+            admin.execute("DROP ROLE guest")
+
+
 def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     import psycopg
 
