@@ -1469,14 +1469,27 @@ def failed_runs(conn: Connection, limit: int) -> dict[tuple[str, str], list[Fail
     return failures
 
 
-def retry_failed_txn(cache: Connection, plugin: str, version: str, now_ms: int) -> int:
-    """Make the failed runs of (plugin, version) pending and due now; how many."""
-    cursor = cache.execute(
-        "UPDATE plugin_runs SET status = 'pending', attempts = 0, next_at = 0, error = NULL, "
-        "updated_at = ? WHERE plugin = ? AND version = ? AND status = 'failed'",
-        (now_ms, plugin, version),
-    )
-    return int(cursor.rowcount)
+class Retried(NamedTuple):
+    """The runs `retry_txn` queued again: those that had failed, those that had skipped."""
+
+    failed: int
+    skipped: int
+
+
+def retry_txn(cache: Connection, plugin: str, version: str, now_ms: int) -> Retried:
+    """Make the failed runs of (plugin, version), and its skipped ones (done, with the reason),
+    pending and due now. A skip is a plugin saying what it lacked (`ffprobe not found`): once
+    that is installed, its files must run again, and a run that yields what the plugin said
+    before signs nothing new (`plugins.replacing`)."""
+    counts = [
+        cache.execute(
+            "UPDATE plugin_runs SET status = 'pending', attempts = 0, next_at = 0, error = NULL, "
+            f"updated_at = ? WHERE plugin = ? AND version = ? AND {which}",
+            (now_ms, plugin, version),
+        ).rowcount
+        for which in ("status = 'failed'", "status = 'done' AND error IS NOT NULL")
+    ]
+    return Retried(*counts)
 
 
 # -- reads for the API --------------------------------------------------------------------------
@@ -1894,8 +1907,8 @@ class CacheStore(Store):
     def file_of(self, midhash: str) -> tuple[str, str, int, int] | None:
         return file_of(self.conn, midhash)
 
-    async def retry_failed(self, plugin: str, version: str) -> int:
-        return await self.writer.run(retry_failed_txn, plugin, version, self._clock())
+    async def retry(self, plugin: str, version: str) -> Retried:
+        return await self.writer.run(retry_txn, plugin, version, self._clock())
 
     def run_report(self, failures: int, reasons: int) -> RunReport:
         """On a connection of its own, for a thread: a scan of every plugin run (one a file and

@@ -831,7 +831,8 @@ _named_command(
     "PLUGIN_NAME",
     "POST",
     "/api/plugins/{}/retry",
-    "Run PLUGIN_NAME's failed runs again (once what they lacked is there: a tool installed).",
+    "Run PLUGIN_NAME's failed and skipped runs again (once what they lacked is there: a tool "
+    "installed).",
 )
 
 

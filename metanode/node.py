@@ -939,11 +939,12 @@ class Node:
         }
 
     async def retry_plugin(self, name: str) -> dict[str, Any]:
-        """POST /api/plugins/{name}/retry: its failed runs queued again."""
+        """POST /api/plugins/{name}/retry: its failed and skipped runs queued again."""
         if self.plugin_host is None:
             why = "plugins_enabled is off" if not self.settings.plugins_enabled else "not leading"
             raise NotFoundError(f"no plugin runs in this process ({why})")
-        return {"name": name, "requeued": await self.plugin_host.retry(name)}
+        retried = await self.plugin_host.retry(name)
+        return {"name": name, "requeued": sum(retried), **retried._asdict()}
 
     @property
     def applies(self) -> bool:

@@ -670,12 +670,12 @@ class Host:
             )
         return listed
 
-    async def retry(self, name: str) -> int:
-        """Queue the failed runs of plugin `name` again (a tool it needs is installed now):
-        how many. `NotFoundError` for a plugin that is not running."""
+    async def retry(self, name: str) -> cache.Retried:
+        """Queue the failed and skipped runs of plugin `name` again (a tool it needs is
+        installed now): how many of each. `NotFoundError` for a plugin that is not running."""
         runner = self.runners.get(name)
         if runner is None:
             raise NotFoundError(f"no running plugin is named {shown(name)}")
-        requeued = await self._store.retry_failed(name, runner.plugin.version)
+        retried = await self._store.retry(name, runner.plugin.version)
         self._wake.set()
-        return requeued
+        return retried

@@ -762,15 +762,21 @@ class Pages:
         return render(request, "plugins.html", **await self.node.plugins())
 
     async def retry_plugin(self, request: Request) -> Response:
-        """POST /plugins/{name}/retry: its failed runs queued again, then the Plugins page."""
+        """POST /plugins/{name}/retry: its failed and skipped runs queued again, then the
+        Plugins page."""
         name = request.path_params["name"]
         try:
-            count = (await self.node.retry_plugin(name))["requeued"]
+            retried = await self.node.retry_plugin(name)
         except MetanodeError as exc:
             return after_form(request, "/plugins", Flash("error", f"Not retried: {_why(exc)}"))
-        runs = "run" if count == 1 else "runs"
+        failed, skipped = retried["failed"], retried["skipped"]
+        said = [f"{failed} failed"] if failed or not skipped else []
+        said += [f"{skipped} skipped"] if skipped else []
+        runs = "run" if failed + skipped == 1 else "runs"
         return after_form(
-            request, "/plugins", Flash("notice", f"Retrying {count} failed {runs} of {name}.")
+            request,
+            "/plugins",
+            Flash("notice", f"Retrying {' and '.join(said)} {runs} of {name}."),
         )
 
     async def signers(self, request: Request) -> Response:

@@ -29,7 +29,7 @@ from metanode import db, keys, plugins
 from metanode.api import create_app
 from metanode.errors import MetanodeError
 from metanode.node import Node
-from metanode.plugins import LocalFile, Plugin, RecordLookup, Register
+from metanode.plugins import LocalFile, Plugin, RecordLookup, Register, Skip
 from tests.helpers.plugins import Action, Probe, claim, install_plugin, probe
 from tests.helpers.settings import settings_for
 
@@ -665,22 +665,27 @@ async def test_get_api_plugins(harness: Harness) -> None:
     ]
 
 
-async def test_failed_runs_are_retried_on_request(harness: Harness) -> None:
+async def test_failed_and_skipped_runs_are_retried_on_request(harness: Harness) -> None:
     """A plugin that failed for want of something outside it (a tool not installed yet) stayed
     failed for good: only a new version ran it again. `POST /api/plugins/{name}/retry` queues
-    its failed runs again, and only those."""
+    its failed runs again, and its skipped ones (mediainfo skips every video while ffprobe is
+    missing: installed, its files were never run again), and only those."""
     _, failing = harness.drop("needs-tool.bin", b"fails until the tool is there")
+    _, skipping = harness.drop("skips.bin", b"skipped until the tool is there")
     _, fine = harness.drop("fine.bin", b"never failed")
     tool = {"installed": False}
 
     def needs_tool(file: LocalFile, record: RecordLookup, register: Register) -> None:
         if file.cid == failing and not tool["installed"]:
             raise RuntimeError("the tool is not installed")
+        if file.cid == skipping and not tool["installed"]:
+            raise Skip("the tool is not installed")
         register(file.cid, "tooled", "yes")
 
     plugin = probe("tooled", needs_tool)
     node = await harness.start([plugin], plugin_max_attempts=1)
     await until(finished(node, plugin, failing, "failed"), "the run to fail")
+    await until(finished(node, plugin, skipping), "the run to skip")
     await until(finished(node, plugin, fine), "the other file's run")
     tool["installed"] = True
     transport = httpx.ASGITransport(app=create_app(node))
@@ -690,9 +695,15 @@ async def test_failed_runs_are_retried_on_request(harness: Harness) -> None:
         assert (unknown.status_code, unknown.json()["error"]) == (404, "not_found")
         answer = await http.post("/api/plugins/tooled/retry", headers=headers)
     assert answer.status_code == 200, answer.text
-    assert answer.json() == {"name": "tooled", "requeued": 1}
+    assert answer.json() == {"name": "tooled", "requeued": 2, "failed": 1, "skipped": 1}
     await until(finished(node, plugin, failing), "the retried run to succeed")
-    assert metadata(node, failing)["tooled"] == "yes"
+
+    def ran_again() -> bool:
+        run = run_of(node, plugin, skipping)
+        return run is not None and run.status == "done" and run.error is None
+
+    await until(ran_again, "the skipped run to run again and claim")
+    assert metadata(node, failing)["tooled"] == metadata(node, skipping)["tooled"] == "yes"
     assert [f.cid for f in plugin.calls].count(fine) == 1  # a done run is not run again
 
 

@@ -775,7 +775,7 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
     """A plugin whose runs failed (a tool it needs not installed yet): the page showed a count;
     now it says which file failed and why, and Retry runs them again once the tool is there. A
     plugin that failed to load was only in the log: the page says so, and why. A skipped run
-    is counted apart, with the plugin's reason."""
+    is counted apart, with the plugin's reason, and runs again on request too."""
     site = tmp_path / "site"
     site.mkdir()
     tool = tmp_path / "tool-installed"
@@ -791,7 +791,10 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         site,
         "skipper",
         "skipper",
-        "from metanode.plugins import Skip\nraise Skip('no tool for ' + file.path[-3:])",
+        f"if not os.path.exists({str(tool)!r}):\n"
+        "    from metanode.plugins import Skip\n"
+        "    raise Skip('no tool for ' + file.path[-3:])\n"
+        "register(file.cid, 'skipper', 'ran')",
     )
     install_plugin(site, "broken", "broken")
     broken = site / "broken_plugin.py"
@@ -838,6 +841,12 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         poll(
             lambda: (server.meta(midhash) or {}).get("metadata", {}).get("tooled"),
             "the retried run's claim",
+        )
+        page.get_by_role("button", name="Run the skipped files of skipper again").click()
+        expect(page.get_by_text("Retrying 1 skipped run of skipper.")).to_be_visible()
+        poll(
+            lambda: (server.meta(midhash) or {}).get("metadata", {}).get("skipper"),
+            "the skipped run's claim, run again",
         )
 
 
