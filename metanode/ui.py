@@ -471,6 +471,13 @@ def draft_of(form: Mapping[str, str]) -> Draft | None:
     return Draft(form["key"], normal_value(form.get("value", "")), form.get("form") == "add")
 
 
+def replaced(said: str, before: str) -> str:
+    """What Add says when the record had the key already: the value it replaced, cut short
+    (Edit shows the value it replaces; Add did not, and replaced it without a word)."""
+    was = before if len(before) <= 60 else before[:59] + "…"
+    return f"{said.removesuffix('.')}, in place of “{was}”."
+
+
 def normal_value(value: str) -> str:
     """A value as a form sent it, with line breaks as `\n`: a browser sends a text area's as
     CRLF (HTML's form encoding), which would make an unchanged text a new one."""
@@ -697,7 +704,8 @@ class Pages:
         if not key or key.startswith(LINK_PREFIX) or key in LOCAL_KEYS:
             return after_form(request, record, Flash("error", _unsettable(key), at), draft)
         value = None if draft is None else draft.value
-        if value is not None and self.node.metadata(rid)["metadata"].get(key) == value:
+        before = self.node.metadata(rid)["metadata"].get(key)
+        if value is not None and before == value:
             unchanged = f"Nothing to save: {key} already has that value."
             return after_form(request, record, Flash("notice", unchanged, anchor_of(key)))
         try:
@@ -705,6 +713,8 @@ class Pages:
         except MetanodeError as exc:
             refused = Flash("error", f"{key!r} was not changed: {_why(exc)}", at)
             return after_form(request, record, refused, draft)
+        if draft is not None and draft.adding and before is not None:
+            said = replaced(said, before)
         return after_form(request, record, Flash("notice", said, anchor_of(key)))
 
     async def _say(self, rid: str, key: str, value: str | None) -> str:

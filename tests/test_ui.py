@@ -511,6 +511,12 @@ def test_after_an_edit_the_page_is_at_its_row_with_the_focus_on_what_it_says(
     expect(said).to_be_focused()
     assert urlsplit(page.url).fragment == "field-my%20rating"
     assert page.evaluate("[...document.querySelectorAll('[id]')].every(e => !/\\s/.test(e.id))")
+    page.get_by_label("New key").fill("my rating")  # again: it replaces, and says what
+    page.get_by_label("Value", exact=True).fill("5/5")
+    page.get_by_role("button", name="Add").click()
+    expect(field(page, "my rating").get_by_role("status")).to_have_text(
+        "Saved my rating, in place of “4/5”."
+    )
     page.goto(f"{srv.url}/records/{midhash}")
     page.keyboard.press("Tab")
     skip = page.get_by_role("link", name="Skip to content")
