@@ -233,6 +233,35 @@ def test_a_v1_truth_keeps_every_claim_and_its_log_order_in_v2(dsn: str) -> None:
         assert ids == (3, 3)  # one above the two signers' and the two CIDs' ids
 
 
+def test_the_v5_migration_counts_the_runs_on_postgresql(dsn: str) -> None:
+    """Cache schema 5 on PostgreSQL is SQLite's 10 (test_plugins.py): the runs of an older
+    cache are counted, and every write after it is counted by the trigger."""
+    target = pg.Target(dsn, "runs")
+    db.migrate_file(target, cache.PG_MIGRATIONS[:4])
+    conn = db.connect(target)
+    runs = [("a", "1", "m1", "done", None), ("a", "1", "m2", "done", "skipped: no tool")]
+    try:
+        db.run_txn(
+            conn,
+            lambda c: c.executemany(
+                "INSERT INTO plugin_runs (plugin, version, midhash, status, error, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, 1)",
+                runs,
+            ),
+        )
+        assert db.migrate(conn, cache.PG_MIGRATIONS) == len(cache.PG_MIGRATIONS)
+        counts, skips = cache.run_counts(conn, 3)
+        assert counts == {("a", "1"): {"done": 1, "pending": 0, "failed": 0, "skipped": 1}}
+        assert skips == {("a", "1"): [("no tool", 1)]}
+        db.run_txn(conn, lambda c: cache.retry_txn(c, "a", "1", 2))
+        assert cache.run_counts(conn, 3) == (
+            {("a", "1"): {"done": 1, "pending": 1, "failed": 0, "skipped": 0}},
+            {},
+        )
+    finally:
+        conn.close()
+
+
 def test_the_v3_migration_lists_episodes_apart_on_postgresql(dsn: str) -> None:
     """Cache schema 3 on PostgreSQL is SQLite's 8 (test_ui.py): an episode's library row of an
     older cache gets its number, through PostgreSQL's own library search."""
@@ -254,7 +283,7 @@ def test_the_v3_migration_lists_episodes_apart_on_postgresql(dsn: str) -> None:
 
     try:
         db.run_txn(conn, older)
-        assert db.migrate(conn, cache.PG_MIGRATIONS) == 4
+        assert db.migrate(conn, cache.PG_MIGRATIONS) == len(cache.PG_MIGRATIONS)
         found = cache.library_page(conn, "s01e02", "", None, cache.NEWEST, 50)
         assert [(row.rid, row.title) for row in found] == [(rid, "Show Name S01E02")]
     finally:

@@ -23,9 +23,11 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from metanode import cache, db, keys, plugins
 from metanode import cid as cids
-from metanode import db, keys, plugins
 from metanode.api import create_app
 from metanode.errors import MetanodeError
 from metanode.node import Node
@@ -805,3 +807,112 @@ def test_a_run_ending_after_its_loop_closed_is_quiet() -> None:
     finally:
         threading.excepthook = previous
     assert errors == []
+
+
+# -- the counted runs (cache schema 10) ----------------------------------------------------------
+
+VERSIONS = (("a", "1"), ("a", "2"), ("b", "1"))
+RUN_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(("enqueue", "finish", "requeue", "retry", "drop")),
+        st.sampled_from(VERSIONS),
+        st.lists(st.sampled_from(("m1", "m2", "m3", "m4")), min_size=1, max_size=3),
+        st.sampled_from(("done", "failed", "skipped: no tool", "skipped: too big")),
+    ),
+    max_size=25,
+)
+# What `cache.run_counts` read before schema 10: a scan of every run.
+SCANNED = (
+    "SELECT plugin, version, CASE WHEN status = 'done' AND error IS NOT NULL THEN 'skipped' "
+    "ELSE status END AS shown, CASE WHEN status = 'done' THEN error END AS reason, count(*) "
+    "FROM plugin_runs GROUP BY plugin, version, shown, reason"
+)
+
+
+def write_runs(conn: db.Connection, ops: list[tuple[str, tuple[str, str], list[str], str]]) -> None:
+    """Each of the plugin host's writes of runs, in the order hypothesis drew."""
+    for at, (op, (plugin, version), midhashes, outcome) in enumerate(ops, start=1):
+        if op == "enqueue":
+            cache.enqueue_runs_txn(conn, [(plugin, version)], midhashes, at)
+        elif op == "requeue":
+            cache.requeue_runs_txn(conn, [(plugin, version)], midhashes, at)
+        elif op == "retry":
+            cache.retry_txn(conn, plugin, version, at)
+        elif op == "drop":
+            cache.drop_run_txn(conn, plugin, version, midhashes[0])
+        else:
+            row = conn.execute(
+                "SELECT updated_at FROM plugin_runs WHERE plugin = ? AND version = ? "
+                "AND midhash = ?",
+                (plugin, version, midhashes[0]),
+            ).fetchone()
+            if row is not None:
+                run = cache.PluginRun(plugin, version, midhashes[0], 1, row[0])
+                status, error = (
+                    ("done", outcome) if outcome.startswith("skipped") else (outcome, None)
+                )
+                cache.finish_run_txn(conn, run, status, 1, 0, error, at)
+
+
+@pytest.mark.both_backends
+def test_the_counted_runs_are_the_runs_whatever_was_written(tmp_path: Path, storage: str) -> None:
+    """`GET /api/plugins` and `/metrics` read the counts the triggers keep, not the runs: after
+    any sequence of the host's writes (queued, finished, skipped, failed, queued again, retried,
+    dropped) they are what a scan of the runs counts."""
+    with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
+
+        @settings(max_examples=60 if storage == "sqlite" else 15, deadline=None)
+        @given(ops=RUN_OPS)
+        def check(ops: list[tuple[str, tuple[str, str], list[str], str]]) -> None:
+            def txn(conn: db.Connection) -> None:
+                conn.execute("DELETE FROM plugin_runs")
+                assert conn.execute("SELECT count(*) FROM plugin_run_counts").fetchone()[0] == 0
+                write_runs(conn, ops)
+                reasons: dict[tuple[str, str], list[tuple[str, int]]] = {}
+                for plugin, version, _, reason, n in conn.execute(SCANNED):
+                    if reason is not None:
+                        said = reason.removeprefix(cache.SKIPPED)
+                        reasons.setdefault((plugin, version), []).append((said, n))
+                counts, skips = cache.run_counts(conn, 10)
+                assert counts == scanned_counts(conn)
+                assert {k: sorted(v) for k, v in skips.items()} == {
+                    k: sorted(v) for k, v in reasons.items()
+                }
+
+            store.writer.run_sync(txn)
+
+        check()
+
+
+def scanned_counts(conn: db.Connection) -> dict[tuple[str, str], dict[str, int]]:
+    """The runs by (plugin, version) and status as shown, counted by a scan of the runs."""
+    scanned: dict[tuple[str, str], dict[str, int]] = {}
+    for plugin, version, shown, _, n in conn.execute(SCANNED):
+        zero = {"done": 0, "pending": 0, "failed": 0, "skipped": 0}
+        scanned.setdefault((plugin, version), zero)[shown] += n
+    return scanned
+
+
+OLDER_RUNS = [
+    ("a", "1", "m1", "done", None),
+    ("a", "1", "m2", "done", "skipped: no tool"),
+    ("a", "1", "m3", "failed", "boom"),
+    ("b", "2", "m1", "pending", None),
+]
+
+
+def test_an_older_cache_has_its_runs_counted_by_the_migration(tmp_path: Path) -> None:
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:9])
+        conn.executemany(
+            "INSERT INTO plugin_runs (plugin, version, midhash, status, error, updated_at) "
+            "VALUES (?, ?, ?, ?, ?, 1)",
+            OLDER_RUNS,
+        )
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS)
+        counts, skips = cache.run_counts(conn, 3)
+        assert counts == scanned_counts(conn) and counts[("a", "1")]["skipped"] == 1
+        assert skips == {("a", "1"): [("no tool", 1)]}
+    finally:
+        conn.close()
