@@ -305,15 +305,18 @@ INSERT INTO plugin_run_counts (plugin, version, shown, reason, runs)
     SELECT plugin, version, {shown}, {reason}, count(*) FROM plugin_runs
     GROUP BY plugin, version, {shown}, {reason};
 """.format(shown=_RUN_SHOWN.format("plugin_runs"), reason=_RUN_REASON.format("plugin_runs"))
-SCHEMA_V10 = f"""
+_RUN_COUNTS_TABLE = """
 CREATE TABLE plugin_run_counts (
     plugin TEXT NOT NULL,
     version TEXT NOT NULL,
     shown TEXT NOT NULL,
     reason TEXT NOT NULL,
-    runs INTEGER NOT NULL CHECK (runs >= 0),
+    runs {integer} NOT NULL CHECK (runs >= 0),
     PRIMARY KEY (plugin, version, shown, reason)
-) WITHOUT ROWID;
+){rowid};
+"""
+SCHEMA_V10 = f"""
+{_RUN_COUNTS_TABLE.format(integer="INTEGER", rowid=" WITHOUT ROWID")}
 CREATE TRIGGER plugin_run_added AFTER INSERT ON plugin_runs BEGIN {_RUN_COUNTED} END;
 CREATE TRIGGER plugin_run_removed AFTER DELETE ON plugin_runs BEGIN {_RUN_UNCOUNTED} END;
 CREATE TRIGGER plugin_run_changed AFTER UPDATE OF plugin, version, status, error ON plugin_runs
@@ -459,14 +462,7 @@ def _pg_v2(conn: Connection) -> None:
 
 # SQLite's v10 on PostgreSQL: the plugin runs counted by a trigger function (`SCHEMA_V10`).
 PG_SCHEMA_V3 = f"""
-CREATE TABLE plugin_run_counts (
-    plugin TEXT NOT NULL,
-    version TEXT NOT NULL,
-    shown TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    runs BIGINT NOT NULL CHECK (runs >= 0),
-    PRIMARY KEY (plugin, version, shown, reason)
-);
+{_RUN_COUNTS_TABLE.format(integer="BIGINT", rowid="")}
 CREATE FUNCTION plugin_run_counted() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF TG_OP <> 'INSERT' THEN {_RUN_UNCOUNTED} END IF;
