@@ -206,7 +206,7 @@ _LOGIN_REFUSALS = re.compile(
     r"FATAL:\s+(password authentication failed|role .* does not exist|database .* does not "
     r"exist|no pg_hba\.conf entry|permission denied for database)"
 )
-LOGIN_HINT = "; check the user, password and database `storage` names (docs/scale-out.md)"
+LOGIN_HINT = "; check the user, password and database the DSN names (docs/scale-out.md)"
 # What an operator does about the refusals only they can mend (the server's words say what
 # was refused, not why or what to do).
 REFUSAL_HINTS = {
