@@ -28,7 +28,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -656,27 +656,28 @@ def sha256_cid(path: str) -> tuple[str, int]:
 LEADER_FILE = Path("locks", "kv-leader.info")  # in the MetaMesh volume, as meta-core wrote it
 
 
-@contextlib.contextmanager
-def announced(settings: Settings) -> Iterator[None]:
-    """While the block runs, `<metamesh_volume>/locks/kv-leader.info` holds this node's URL
-    (`internal_url`, a line, as meta-core's leader election wrote it): the consumers that
-    predate UDP discovery read it to find the core, then ask its `/urls`. Written whole
-    (renamed into place), removed at the end unless another has written it since."""
+def announce(settings: Settings) -> None:
+    """Make `<metamesh_volume>/locks/kv-leader.info` name this node (`internal_url`, a line,
+    as meta-core's leader election wrote it): the consumers that predate UDP discovery read it
+    to find the core, then ask its `/urls`. Written whole (renamed into place), and only when
+    it says something else: every consumer watches the folder and takes any event on the file
+    for a new core (meta-stremio drops its connection and cache, meta-fuse opens a second
+    meta stream beside the first), so a restart at the same URL leaves it untouched. Never
+    removed, as meta-core's leader never removed it (its election script's cleanup trap did
+    not outlive `exec supervisord`): a consumer that sees it go disconnects, and meta-stremio
+    gives up after five minutes and does not notice it come back (a rename, which it does not
+    handle); one that reads it while the node is down just retries `/urls`."""
     if not settings.metamesh_volume:
-        yield
         return
     path = Path(settings.metamesh_volume) / LEADER_FILE
     text = internal_url(settings) + "\n"
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if path.read_text(encoding="utf-8") == text:
+            return
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f"{path.name}.{os.getpid()}")
     part.write_text(text, encoding="utf-8")
     os.replace(part, path)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            if path.read_text(encoding="utf-8") == text:
-                path.unlink()
 
 
 SERVICES = "services"  # in the MetaMesh volume: each service's `<name>-<host>.json`

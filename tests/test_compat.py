@@ -38,7 +38,7 @@ from metanode.api import create_app
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.feed import Frame, Stream
-from tests.helpers.server import Server
+from tests.helpers.server import Server, free_port
 from tests.helpers.settings import settings_for
 
 pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
@@ -1520,13 +1520,17 @@ def test_the_urls_hostname_is_where_webdav_answers(host: str, port: int, hostnam
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_the_metamesh_volume_names_the_running_node_as_meta_cores_lock_file_did(
+def test_the_metamesh_volume_names_the_node_as_meta_cores_lock_file_did(
     tmp_path: Path, workers: str
 ) -> None:
     """meta-fuse (and meta-sort, meta-stremio before their UDP discovery) find the core only
     by `<META_CORE_PATH>/locks/kv-leader.info`, a URL they then ask `/urls` of: without it
-    they waited for a core for ever. The file names this node while it runs, and goes at
-    its stop."""
+    they waited for a core for ever. They also watch it, and take any event on it for a new
+    core: meta-stremio's LeaderClient drops its connection on a delete and, after five
+    minutes without the file, for good (a rename back is no event to it); meta-fuse opens
+    a second meta stream beside the first. So the file stays through a stop and a restart at the
+    same URL (the same inode, never rewritten), as meta-core's did, and is replaced whole
+    only when the URL changes."""
     volume = tmp_path / "meta-core"
     env = {"METANODE_METAMESH_VOLUME": str(volume), "METANODE_WORKERS": workers}
     server = Server(tmp_path / "data", env=env).start()
@@ -1536,6 +1540,20 @@ def test_the_metamesh_volume_names_the_running_node_as_meta_cores_lock_file_did(
         assert url == f"http://127.0.0.1:{server.port}\n"
         urls = httpx.get(f"{url.strip()}/urls", timeout=10).json()
         assert urls["webdavUrlInternal"] == f"{url.strip()}/webdav"
+        written = lock.stat()
     finally:
         assert server.stop() == 0
-    assert not lock.exists() and lock.parent.is_dir()
+    assert lock.read_text(encoding="utf-8") == url
+    server.start()
+    try:
+        again = lock.stat()
+        assert (again.st_ino, again.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    finally:
+        assert server.stop() == 0
+    other = next(port for port in iter(free_port, None) if port != server.port)
+    moved = Server(tmp_path / "data", env=env, port=other).start()
+    try:
+        assert lock.read_text(encoding="utf-8") == f"http://127.0.0.1:{moved.port}\n"
+        assert sorted(p.name for p in lock.parent.iterdir()) == ["kv-leader.info"]
+    finally:
+        assert moved.stop() == 0
