@@ -430,6 +430,42 @@ async def test_a_read_modify_write_of_a_record_with_a_local_file_works(
     assert after["filePath"].endswith("films/film.mkv")  # still the watcher's, not a claim
 
 
+async def test_a_read_modify_write_signs_what_it_changes_not_what_it_read(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """meta-sort's `/meta` proxy, through which every MetaMesh plugin writes, GETs the whole
+    record and PATCHes it all back with the one key it sets. Signing the echo made the legacy
+    writer vote for a person's fix and a plugin's parse: the person's retraction then left
+    the fix in place (1 echo vote against the plugin's 1, the echo newer), and blocking the
+    plugin left its values."""
+    person, parser = Signer(), Signer()
+    for who, weight in ((person, 100), (parser, 1)):
+        body = {"uid": who.uid, "name": "t", "weight": weight, "may_link": False}
+        assert (await client.post("/api/signers", json=body)).status_code == 200
+    await post(
+        client,
+        parser.claim(CID_A, "title", "Parsed"),
+        parser.claim(CID_A, "year", "1982"),
+        person.claim(CID_A, "title", "Fixed"),
+    )
+    record = (await client.get(f"/meta/{CID_A}")).json()["metadata"]
+    response = await client.patch(f"/meta/{CID_A}", json={**record, "tmdbId": "78"})
+    assert response.status_code == 200, response.text
+    assert response.json()["updated"] == 1
+    mine = [c for c in await listed_claims(client, CID_A) if c["uid"] == legacy_uid(node)]
+    assert [(c["key"], c["value"]) for c in mine] == [("tmdbId", "78")]
+    await post(client, person.claim(CID_A, "title", None, NOW_MS + 1))
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "Parsed"
+    assert (await client.post(f"/api/signers/{parser.uid}/block")).status_code == 200
+    envelope(await client.get(f"/meta/{CID_A}/year"), 404, "not_found")
+    # the value shown, written against the legacy writer's own other vote, is signed
+    await client.patch(f"/meta/{CID_A}", json={"title": "Mine"})
+    await post(client, person.claim(CID_A, "title", "Theirs", NOW_MS + 2))
+    assert (await client.patch(f"/meta/{CID_A}", json={"title": "Theirs"})).json()["updated"] == 1
+    await post(client, person.claim(CID_A, "title", None, NOW_MS + 3))
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "Theirs"
+
+
 async def test_delete_meta_retracts_the_legacy_writers_claims_only(
     node: Node, client: httpx.AsyncClient
 ) -> None:
