@@ -393,17 +393,17 @@ def serve(
         click.echo(f"API token: in {settings.token_path}")
     from metanode import compat
 
-    with compat.announced(settings):  # MetaMesh's lock file, if `metamesh_volume` is set
-        if count > 1:
-            supervise(settings, count, config_file, sock)
-            return
-        from metanode import server
-        from metanode.api import create_app
+    compat.announce(settings)  # MetaMesh's lock file, if `metamesh_volume` is set
+    if count > 1:
+        supervise(settings, count, config_file, sock)
+        return
+    from metanode import server
+    from metanode.api import create_app
 
-        app = create_app(node.Node(settings))
-        stop_cleanly()
-        with contextlib.suppress(KeyboardInterrupt):
-            server.run(app, settings, [sock])
+    app = create_app(node.Node(settings))
+    stop_cleanly()
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(app, settings, [sock])
 
 
 def listen(settings: config.Settings) -> socket.socket:

@@ -28,7 +28,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -215,11 +215,26 @@ class LegacyWriter:
         assert after is not None  # the claims were stored, so their CID is grouped
         return Written(answer.status, self.node.survivor(after), len(drafts), tuple(ignored))
 
+    def _echoes(self, rid: str, fields: dict[str, str]) -> set[str]:
+        """The fields a write only repeats: the value the record already shows, on a key where
+        this signer votes nothing else. meta-sort's `/meta` proxy, through which every MetaMesh
+        plugin writes, reads the whole record and PATCHes it all back for each key it sets
+        (UnifiedAPIServer.ts `PUT /meta/:hash/*`); signed, each echo would be this signer's
+        vote for what another signer said, which then outlived that signer's retraction or
+        block. meta-core stored an unchanged value as no change, so it is none here."""
+        record = self.node.record_rows(rid)
+        same = {k for k, v in fields.items() if v and record.get(k) == v}
+        if not same:
+            return set()
+        mine = self.node.live_claims(rid, sorted(same), self.signer.uid)
+        return same - {c.key for c in mine if c.value != fields[c.key]}
+
     async def write(self, text: str, fields: dict[str, str]) -> Written:
         """Sign `fields` as claims about the CID `{hash}` names and ingest them.
 
         "" is a retraction: a tombstone on that CID and on every other CID of the group where
-        this signer still has a live vote on the key.
+        this signer still has a live vote on the key. A field the record already shows is not
+        signed (`_echoes`).
         """
         sorted_out = Fields.of(fields, self.node)
         async with self.signer.lock:
@@ -227,10 +242,11 @@ class LegacyWriter:
             cid, rid = self._target(text)
             if rid is None and not any(sorted_out.claims.values()):  # no value, nothing to undo
                 raise UnknownCid(f"no record holds {cid}")
-            if not sorted_out.claims:
+            echoes = self._echoes(rid, sorted_out.claims) if rid is not None else set()
+            written = [(k, v) for k, v in sorted_out.claims.items() if k not in echoes]
+            if not written:
                 assert rid is not None
                 return Written(200, self.node.survivor(rid), 0, tuple(sorted_out.ignored))
-            written = sorted_out.claims.items()
             drafts: list[signer.Draft] = [(cid, k, v or None) for k, v in written]
             retracted = [field for field, value in written if not value]
             if rid is not None and retracted:
@@ -240,7 +256,7 @@ class LegacyWriter:
                     if c.cid != cid
                 ]
             done = await self._ingest(cid, drafts, sorted_out.ignored)
-        return Written(done.status, done.rid, len(sorted_out.claims), done.ignored)
+        return Written(done.status, done.rid, len(written), done.ignored)
 
     async def retract_all(self, text: str) -> Written:
         """`DELETE /meta/{hash}`: tombstone every live vote of this signer on the record (its
@@ -656,27 +672,28 @@ def sha256_cid(path: str) -> tuple[str, int]:
 LEADER_FILE = Path("locks", "kv-leader.info")  # in the MetaMesh volume, as meta-core wrote it
 
 
-@contextlib.contextmanager
-def announced(settings: Settings) -> Iterator[None]:
-    """While the block runs, `<metamesh_volume>/locks/kv-leader.info` holds this node's URL
-    (`internal_url`, a line, as meta-core's leader election wrote it): the consumers that
-    predate UDP discovery read it to find the core, then ask its `/urls`. Written whole
-    (renamed into place), removed at the end unless another has written it since."""
+def announce(settings: Settings) -> None:
+    """Make `<metamesh_volume>/locks/kv-leader.info` name this node (`internal_url`, a line,
+    as meta-core's leader election wrote it): the consumers that predate UDP discovery read it
+    to find the core, then ask its `/urls`. Written whole (renamed into place), and only when
+    it says something else: every consumer watches the folder and takes any event on the file
+    for a new core (meta-stremio drops its connection and cache, meta-fuse opens a second
+    meta stream beside the first), so a restart at the same URL leaves it untouched. Never
+    removed, as meta-core's leader never removed it (its election script's cleanup trap did
+    not outlive `exec supervisord`): a consumer that sees it go disconnects, and meta-stremio
+    gives up after five minutes and does not notice it come back (a rename, which it does not
+    handle); one that reads it while the node is down just retries `/urls`."""
     if not settings.metamesh_volume:
-        yield
         return
     path = Path(settings.metamesh_volume) / LEADER_FILE
     text = internal_url(settings) + "\n"
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if path.read_text(encoding="utf-8") == text:
+            return
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f"{path.name}.{os.getpid()}")
     part.write_text(text, encoding="utf-8")
     os.replace(part, path)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(OSError):
-            if path.read_text(encoding="utf-8") == text:
-                path.unlink()
 
 
 SERVICES = "services"  # in the MetaMesh volume: each service's `<name>-<host>.json`

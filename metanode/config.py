@@ -246,7 +246,8 @@ class Settings:
         "",
         "The MetaMesh shared volume, the consumers' META_CORE_PATH (e.g. `/meta-core`; empty: "
         "none): `serve` writes `locks/kv-leader.info` there naming this node's URL, as "
-        "meta-core did, and removes it at stop; meta-sort, meta-fuse and meta-stremio builds "
+        "meta-core did, and leaves it there at stop (a consumer takes any change to it for a "
+        "new core); meta-sort, meta-fuse and meta-stremio builds "
         "without discovery find the core only by it; `/api/services` lists the services "
         "registered in its `services/` folder (docs/compat.md).",
     )

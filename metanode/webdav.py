@@ -16,10 +16,10 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
   last component is a symbolic link, is 403 and links are left out of listings (WsgiDAV's own
   checks); and the bytes are read from a descriptor opened with `O_NOFOLLOW` and checked again
   below the root, so a link swapped in after the check cannot lead out either;
-* **paths** (`refusal`): one not UTF-8 once percent-decoded, with a control character or a
-  `.`/`..` segment is a 400 envelope before WsgiDAV sees it (its own answer was a 500 page),
-  one longer than a file system takes a 414, and so are writes of the outputs' folder itself
-  (405, 403: WsgiDAV failed an assertion);
+* **paths** (`refusal`): one not UTF-8 once percent-decoded, with a control character (but a
+  tab) or a `.`/`..` segment is a 400 envelope before WsgiDAV sees it (its own answer was a
+  500 page), one longer than a file system takes a 414, and so are writes of the outputs'
+  folder itself (405, 403: WsgiDAV failed an assertion);
 * **plugin outputs** (`webdav_plugin_writes`, off by default): `/webdav/plugin/` is then a
   writable folder, `webdav_plugin_dir` (default `<data_dir>/plugin`), which may not overlap a
   watch root: writes never reach the media.
@@ -157,13 +157,16 @@ class CheckedFile(FileResource):  # type: ignore[misc]
 def servable(name: str) -> bool:
     """Whether a file name can be given to a WebDAV client: valid UTF-8 (one that is not, which
     the watcher ignores too, failed its whole folder's listing with a 500) and no control
-    character (a name with a line feed was listed, but its address never routed). Spaces of
-    every kind, joiners and marks are names like any other."""
+    character but a tab (a name with a line feed was listed, but its address never routed;
+    most others may not stand in a listing's XML). A tab is XML and routes: the watcher
+    fingerprints such a file and the file events and its record's `filePath` name it, so the
+    MetaMesh consumers read it here by that name (a title pasted from a web page carries one).
+    Spaces of every kind, joiners and marks are names like any other."""
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
         return False
-    return not any(unicodedata.category(char) == "Cc" for char in name)
+    return not any(unicodedata.category(char) == "Cc" and char != "\t" for char in name)
 
 
 class Folder(FolderResource):  # type: ignore[misc]

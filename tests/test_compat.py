@@ -38,7 +38,7 @@ from metanode.api import create_app
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.feed import Frame, Stream
-from tests.helpers.server import Server
+from tests.helpers.server import Server, free_port
 from tests.helpers.settings import settings_for
 
 pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
@@ -428,6 +428,42 @@ async def test_a_read_modify_write_of_a_record_with_a_local_file_works(
     after = (await client.get(f"/meta/{film}")).json()["metadata"]
     assert after == {**record, "title": "Edited"}
     assert after["filePath"].endswith("films/film.mkv")  # still the watcher's, not a claim
+
+
+async def test_a_read_modify_write_signs_what_it_changes_not_what_it_read(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """meta-sort's `/meta` proxy, through which every MetaMesh plugin writes, GETs the whole
+    record and PATCHes it all back with the one key it sets. Signing the echo made the legacy
+    writer vote for a person's fix and a plugin's parse: the person's retraction then left
+    the fix in place (1 echo vote against the plugin's 1, the echo newer), and blocking the
+    plugin left its values."""
+    person, parser = Signer(), Signer()
+    for who, weight in ((person, 100), (parser, 1)):
+        body = {"uid": who.uid, "name": "t", "weight": weight, "may_link": False}
+        assert (await client.post("/api/signers", json=body)).status_code == 200
+    await post(
+        client,
+        parser.claim(CID_A, "title", "Parsed"),
+        parser.claim(CID_A, "year", "1982"),
+        person.claim(CID_A, "title", "Fixed"),
+    )
+    record = (await client.get(f"/meta/{CID_A}")).json()["metadata"]
+    response = await client.patch(f"/meta/{CID_A}", json={**record, "tmdbId": "78"})
+    assert response.status_code == 200, response.text
+    assert response.json()["updated"] == 1
+    mine = [c for c in await listed_claims(client, CID_A) if c["uid"] == legacy_uid(node)]
+    assert [(c["key"], c["value"]) for c in mine] == [("tmdbId", "78")]
+    await post(client, person.claim(CID_A, "title", None, NOW_MS + 1))
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "Parsed"
+    assert (await client.post(f"/api/signers/{parser.uid}/block")).status_code == 200
+    envelope(await client.get(f"/meta/{CID_A}/year"), 404, "not_found")
+    # the value shown, written against the legacy writer's own other vote, is signed
+    await client.patch(f"/meta/{CID_A}", json={"title": "Mine"})
+    await post(client, person.claim(CID_A, "title", "Theirs", NOW_MS + 2))
+    assert (await client.patch(f"/meta/{CID_A}", json={"title": "Theirs"})).json()["updated"] == 1
+    await post(client, person.claim(CID_A, "title", None, NOW_MS + 3))
+    assert (await client.get(f"/meta/{CID_A}/title")).text == "Theirs"
 
 
 async def test_delete_meta_retracts_the_legacy_writers_claims_only(
@@ -1520,13 +1556,17 @@ def test_the_urls_hostname_is_where_webdav_answers(host: str, port: int, hostnam
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])
-def test_the_metamesh_volume_names_the_running_node_as_meta_cores_lock_file_did(
+def test_the_metamesh_volume_names_the_node_as_meta_cores_lock_file_did(
     tmp_path: Path, workers: str
 ) -> None:
     """meta-fuse (and meta-sort, meta-stremio before their UDP discovery) find the core only
     by `<META_CORE_PATH>/locks/kv-leader.info`, a URL they then ask `/urls` of: without it
-    they waited for a core for ever. The file names this node while it runs, and goes at
-    its stop."""
+    they waited for a core for ever. They also watch it, and take any event on it for a new
+    core: meta-stremio's LeaderClient drops its connection on a delete and, after five
+    minutes without the file, for good (a rename back is no event to it); meta-fuse opens
+    a second meta stream beside the first. So the file stays through a stop and a restart at the
+    same URL (the same inode, never rewritten), as meta-core's did, and is replaced whole
+    only when the URL changes."""
     volume = tmp_path / "meta-core"
     env = {"METANODE_METAMESH_VOLUME": str(volume), "METANODE_WORKERS": workers}
     server = Server(tmp_path / "data", env=env).start()
@@ -1536,6 +1576,20 @@ def test_the_metamesh_volume_names_the_running_node_as_meta_cores_lock_file_did(
         assert url == f"http://127.0.0.1:{server.port}\n"
         urls = httpx.get(f"{url.strip()}/urls", timeout=10).json()
         assert urls["webdavUrlInternal"] == f"{url.strip()}/webdav"
+        written = lock.stat()
     finally:
         assert server.stop() == 0
-    assert not lock.exists() and lock.parent.is_dir()
+    assert lock.read_text(encoding="utf-8") == url
+    server.start()
+    try:
+        again = lock.stat()
+        assert (again.st_ino, again.st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    finally:
+        assert server.stop() == 0
+    other = next(port for port in iter(free_port, None) if port != server.port)
+    moved = Server(tmp_path / "data", env=env, port=other).start()
+    try:
+        assert lock.read_text(encoding="utf-8") == f"http://127.0.0.1:{moved.port}\n"
+        assert sorted(p.name for p in lock.parent.iterdir()) == ["kv-leader.info"]
+    finally:
+        assert moved.stop() == 0

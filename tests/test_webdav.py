@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import defusedxml.ElementTree as SafeET
 import httpx
@@ -209,6 +209,26 @@ def test_file_path_is_the_webdav_path_and_the_midhash_over_range_reads_is_the_ci
     assert sample.status_code == 206 and len(sample.content) == end - start + 1
     assert cids.midhash_cid(cids.midhash_digest(size, sample.content)) == cid
     assert httpx.get(url, timeout=30).content == film.read_bytes()
+
+
+def test_a_name_with_a_tab_is_read_by_the_name_the_record_gives(
+    launch: Callable[..., Server],
+) -> None:
+    """The watcher fingerprints a file whose name holds a tab (a title pasted from a web page),
+    and its record's `filePath` and the file events name it; WebDAV refused that path (400
+    `invalid_request`) and left the name out of listings, so meta-sort failed on the file and
+    meta-fuse listed it and could not read it. A tab routes and is XML: it is served."""
+    server = launch()
+    film = drop(server.media / "films" / "The\tFilm (2001).mkv")
+    cid = hashed(server, film)
+    path = httpx.get(f"{server.url}/meta/{cid}/filePath", timeout=10).text
+    assert path == "/files/media/films/The\tFilm (2001).mkv"
+    segments = path.removeprefix("/files").split("/")  # as the consumers encode it
+    url = f"{server.url}/webdav" + "/".join(quote(s, safe="-_.!~*'()") for s in segments)
+    assert int(httpx.head(url, timeout=30).headers["Content-Length"]) == len(CONTENT)
+    part = httpx.get(url, headers={"Range": "bytes=1000-1999"}, timeout=30)
+    assert (part.status_code, part.content) == (206, CONTENT[1000:2000])
+    assert f"/webdav/media/films/{film.name}" in propfind(f"{server.url}/webdav/media/films/", "1")
 
 
 def test_writes_are_refused(launch: Callable[..., Server]) -> None:
