@@ -515,6 +515,9 @@ class _Follow(Generic[R]):
     events after it. Chunks of whole frames: a page of events per chunk.
     """
 
+    # Whether a client that sends no cursor gets the full state first (else the live tail only)
+    whole_without_cursor = False
+
     def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
         self.node = node
         self.cursor = cursor
@@ -541,8 +544,10 @@ class _Follow(Generic[R]):
 
     async def _stream(self) -> AsyncGenerator[bytes, None]:
         # a full state due: (the cursor it is for, why that cannot be continued, if known)
-        redo: tuple[sse.Cursor, str | None] | None = None
-        if self.cursor is not None:
+        redo: tuple[sse.Cursor | None, str | None] | None = None
+        if self.cursor is None and self.whole_without_cursor:
+            redo = (None, None)  # the state with no gap before it: nothing was missed
+        elif self.cursor is not None:
             reason = self.feed.hub.resume(self.cursor)
             if reason is None and self.cursor.state is None:
                 self.position = self.cursor.seq
@@ -570,7 +575,7 @@ class _Follow(Generic[R]):
                 await self.feed.wait(self.position, self.epoch, left)
 
     async def _full_state(
-        self, cursor: sse.Cursor, reason: str | None
+        self, cursor: sse.Cursor | None, reason: str | None
     ) -> AsyncGenerator[bytes, None]:
         """The `gap` (if one is due: `feed.Snapshot.gap`) and the full state, a page of the
         snapshot per chunk, numbered so that a client cut off in it resumes inside it."""
@@ -605,7 +610,15 @@ class MetaFollow(_Follow[feed.FeedRow]):
 
 class FilesFollow(_Follow[feed.FileFeedRow]):
     """`GET /api/events/files`: `add`/`change`/`delete`/`rename` from `file_feed`; the full
-    state is `reset` and then an `add` for every local file."""
+    state is `reset` and then an `add` for every local file.
+
+    A client with no cursor gets the full state first, with no gap: meta-sort asks so at its
+    first start (no cursor file yet) and runs its plugins on what the stream says. meta-core's
+    watcher kept its state in memory and sent `reset` and an `add` for every file at each of
+    its starts, so a stack started together fed meta-sort the library; metanode's watcher keeps
+    its state, and live only, a first meta-sort got nothing of a library already known."""
+
+    whole_without_cursor = True
 
     def _feed(self) -> feed.Feed[feed.FileFeedRow]:
         return self.node.files_feed()

@@ -1468,7 +1468,9 @@ def test_events_files_from_the_watcher_and_full_replay(
     )
     media = server.data_dir.parent / "media"
     ep = epoch_of(server)
-    stream = open_stream(server, "/api/events/files")  # live only: starts empty
+    stream = open_stream(server, "/api/events/files")  # no cursor: the (empty) state first
+    (reset,) = stream.events(1)
+    assert (reset.event, reset.id, reset.data["path"]) == ("reset", f"{ep}-0", "")
 
     def expect(
         kind: str, seq: int, midhash: str, path: str, size: int, old_path: str | None = None
@@ -1517,6 +1519,18 @@ def test_events_files_from_the_watcher_and_full_replay(
         ("delete", f"{ep}-5", "media/b.bin"),
     ]
     resumed.close()
+
+    # meta-sort's first start asks with no cursor: the library it did not know, without a gap
+    first = open_stream(server, "/api/events/files")
+    reset, add = first.events(2)
+    assert [(f.event, f.id, f.data["path"]) for f in (reset, add)] == [
+        ("reset", f"{ep}-5.1", ""),
+        ("add", f"{ep}-5", "media/sub/c.bin"),
+    ]
+    write(media / "d.bin", b"delta")
+    (live,) = first.events(1)
+    assert (live.event, live.id, live.data["path"]) == ("add", f"{ep}-6", "media/d.bin")
+    first.close()
 
 
 def frame_json(stream: Stream, frame: Frame) -> str:
