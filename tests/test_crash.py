@@ -210,7 +210,9 @@ def test_sigkill_mid_replan_goes_on_after_the_restart(
     with httpx.Client(base_url=first.url, headers=first.headers, timeout=60) as http:
         for start in range(0, records, 500):
             posted = http.post("/api/claims", json={"claims": wires[start : start + 500]})
-            assert posted.status_code == 200, posted.text
+            # 202 on a busy machine: stored, its apply not done within the 0.2 s waited
+            assert posted.status_code in (200, 202), posted.text
+        health_until(first, lambda body: body["apply_lag"] == 0, 120)  # every title shown
         blocked = http.post(f"/api/signers/{spammer.uid}/block")  # answered after 0.2 s
         assert blocked.status_code == 200, blocked.text
     health_until(first, lambda body: body["replans"] == 1, 60)
