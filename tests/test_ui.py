@@ -40,7 +40,8 @@ WAIT_MS = 60_000  # Playwright's bound for anything to appear: generous, both co
 MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B61")
 JPEG_HEAD = bytes.fromhex("FFD8FFE000104A46494600010100000100010000")
 DESKTOP = {"width": 1280, "height": 900}
-PHONE = {"width": 390, "height": 844}
+# the narrowest phone, and WCAG's reflow width (a 1280 px screen zoomed to 400 %)
+PHONE = {"width": 320, "height": 640}
 expect.set_options(timeout=WAIT_MS)
 
 
