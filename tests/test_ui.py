@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,7 +40,8 @@ WAIT_MS = 60_000  # Playwright's bound for anything to appear: generous, both co
 MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B61")
 JPEG_HEAD = bytes.fromhex("FFD8FFE000104A46494600010100000100010000")
 DESKTOP = {"width": 1280, "height": 900}
-PHONE = {"width": 390, "height": 844}
+# the narrowest phone, and WCAG's reflow width (a 1280 px screen zoomed to 400 %)
+PHONE = {"width": 320, "height": 640}
 expect.set_options(timeout=WAIT_MS)
 
 
@@ -223,6 +225,8 @@ def test_the_library_lists_a_dropped_file_by_title_and_search_finds_it(
     page.get_by_label("Search").fill("zanzibar")
     page.get_by_role("button", name="Find").click()
     expect(page.get_by_role("link", name="Zanzibar Express")).to_be_visible()
+    expect(page).to_have_title("Library: “zanzibar” · metanode")  # which list the tab holds
+    expect(page.get_by_role("navigation", name="Pages of the library")).to_have_count(0)
 
     page.get_by_label("Search").fill("quokka")
     page.get_by_role("button", name="Find").click()
@@ -429,6 +433,10 @@ def test_an_edit_sent_after_the_session_ended_is_kept_through_signing_in(
     page.get_by_label("title", exact=True).fill("Hollow Signal (restored)")
     page.get_by_role("button", name="Save").click()
     expect(page.get_by_role("alert")).to_contain_text("so that change was not saved")
+    expect(page.get_by_label("API token")).to_be_focused()
+    expect(page.get_by_label("API token")).to_have_accessible_description(
+        re.compile("so that change was not saved")
+    )
     page.get_by_label("API token").fill(srv.token)
     page.get_by_role("button", name="Sign in").click()
     expect(page.get_by_role("heading", name="Hollow Signal")).to_be_visible()
@@ -962,6 +970,7 @@ def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
         response = page.goto(f"{srv.url}/records/{missing}")
         assert response is not None and response.status == 404
         expect(page.get_by_role("heading", name="Not found")).to_be_visible()
+        expect(page).to_have_title("Not found · metanode")  # the tab's name, not a bare "404"
         expect(page.get_by_role("alert")).to_contain_text("no record")
     # an address that is no page at all: a page to a browser, the JSON envelope to a client
     for path in ("/nope", "/records/<b>x</b>"):
@@ -1007,7 +1016,10 @@ NAMELESS_CONTROLS = """() => [...document.querySelectorAll("a, button, input, se
         const named = (e.getAttribute("aria-label") || e.textContent || "").trim() !== "";
         return !labelled && !named;
     })
-    .map((e) => e.outerHTML)"""
+    .map((e) => e.outerHTML)
+    .concat([...document.querySelectorAll("table")]  // a screen reader's list of tables
+        .filter((t) => !t.caption && !t.hasAttribute("aria-labelledby"))
+        .map((t) => t.outerHTML.slice(0, 80)))"""
 
 
 def test_every_page_names_its_controls_and_fits_a_phone(
@@ -1222,3 +1234,110 @@ def test_the_v8_migration_lists_the_episodes_of_an_older_cache_apart(tmp_path: P
             (row.title, row.name)
             for row in cache.library_page(conn, "", "", None, cache.NEWEST, 50, sidecars=True)
         ] == [("", "movie.nfo"), ("Film", ""), ("Show Name S01E02", "")]
+
+
+# -- the keyboard, a screen reader, low vision, no JavaScript -------------------------------------
+
+
+def test_a_refused_token_or_edit_is_read_with_the_field_the_focus_lands_in(
+    context: BrowserContext, srv: Server
+) -> None:
+    """After a refusal the focus is in the field to correct, which a screen reader reads with
+    why it was refused: a wrong token left the focus at the top of the page (three Tabs back to
+    the field), and a refused Edit focused its field with no word of the refusal."""
+    page = context.new_page()
+    page.goto(srv.url + "/")
+    token = page.get_by_label("API token")
+    expect(token).to_be_focused()  # the page's one field
+    page.keyboard.type("not-the-token")
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("alert")).to_be_visible()
+    expect(token).to_be_focused()
+    expect(token).to_have_accessible_description("That is not this node's API token.")
+    page.keyboard.type(srv.token)
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("heading", name="Library")).to_be_visible()
+
+    midhash = titled(srv, drop(srv, "Tin.Compass.2016.mkv"), "Tin Compass")
+    page.goto(f"{srv.url}/records/{midhash}")
+    page.get_by_role("button", name="Edit title").focus()
+    page.keyboard.press("Enter")
+    typed = page.get_by_label("title", exact=True)
+    expect(typed).to_be_focused()
+    typed.fill("x" * 70_000)
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("alert")).to_be_visible()
+    typed = page.get_by_label("title", exact=True)
+    expect(typed).to_be_focused()
+    expect(typed).to_have_accessible_description(
+        re.compile("^'title' was not changed: value is 70000 bytes")
+    )
+    # a form the page did not show again is described by nothing
+    expect(page.get_by_label("New key")).to_have_accessible_description("")
+
+
+def test_without_javascript_values_are_edited_and_live_says_it_needs_it(
+    browser: Browser, srv: Server
+) -> None:
+    """With JavaScript off the Edit buttons could not open their forms, so no value could be
+    changed: the forms are shown instead, and Live says why it lists nothing."""
+    midhash = titled(srv, drop(srv, "Chalk.Lantern.2008.mkv"), "Chalk Lantern")
+    ctx = browser.new_context(viewport=DESKTOP, java_script_enabled=False)
+    try:
+        page = ctx.new_page()
+        sign_in(page, srv, srv.token)
+        page.goto(f"{srv.url}/records/{midhash}")
+        expect(page.get_by_role("button", name="Edit title")).to_have_count(0)
+        field(page, "title").get_by_label("title", exact=True).fill("Chalk Lantern (no script)")
+        field(page, "title").get_by_role("button", name="Save").click()
+        expect(field(page, "title").get_by_role("status")).to_have_text("Saved title.")
+        expect(field(page, "title").locator(".value")).to_have_text("Chalk Lantern (no script)")
+        page.goto(f"{srv.url}/live")
+        expect(page.get_by_text("Live needs JavaScript")).to_be_visible()
+        expect(page.get_by_text("connecting…")).to_be_hidden()
+    finally:
+        ctx.close()
+
+
+EDGES = """() => [...document.querySelectorAll("input, select, textarea")]
+    .filter((e) => !["hidden", "checkbox", "radio"].includes(e.type) && e.offsetParent !== null)
+    .map((e) => [e.id, getComputedStyle(e).borderTopColor])"""
+WHITE = "rgb(255, 255, 255)"  # the page's background
+FOCUSED_RING = """() => { const s = getComputedStyle(document.activeElement);
+    return [s.outlineStyle, parseFloat(s.outlineWidth), s.outlineColor]; }"""
+
+
+def test_fields_and_the_focus_ring_stand_out_from_the_page(page: Page, srv: Server) -> None:
+    """A field's edge and the keyboard's focus ring contrast at least 3:1 with the white page
+    (WCAG 1.4.11): the fields were drawn in the rules' grey, 1.4:1, hard to find at all with
+    low vision."""
+    midhash = titled(srv, drop(srv, "Moss.Beacon.2015.mkv"), "Moss Beacon")
+    page.goto(f"{srv.url}/records/{midhash}")
+    page.get_by_role("button", name="Edit title").click()  # its field shown, beside Add's
+    edges = page.evaluate(EDGES)
+    page.goto(srv.url + "/")  # the search field and the selects
+    edges += page.evaluate(EDGES)
+    names = {name for name, _ in edges}
+    assert {"new-key", "new-value", "q", "type", "files"} <= names, names
+    assert any(name.startswith("value-") for name in names), names  # the open Edit's
+    for name, colour in edges:
+        assert contrast(colour, WHITE) >= 3, (name, colour)
+    for _ in range(3):  # the skip link, the brand, a navigation link: each ringed
+        page.keyboard.press("Tab")
+        style, width, colour = page.evaluate(FOCUSED_RING)
+        assert style == "solid" and width >= 2, (style, width)
+        assert contrast(colour, WHITE) >= 3, colour
+
+
+def contrast(one: str, other: str) -> float:
+    """WCAG's contrast ratio of two CSS `rgb(…)` colours."""
+
+    def luminance(colour: str) -> float:
+        red, green, blue = (int(c) / 255 for c in re.findall(r"\d+", colour)[:3])
+        linear = [
+            c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in (red, green, blue)
+        ]
+        return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+    light, dark = sorted((luminance(one), luminance(other)), reverse=True)
+    return (light + 0.05) / (dark + 0.05)
