@@ -948,7 +948,7 @@ def test_signing_out_ends_a_live_feed_left_open(
 def test_live_names_a_record_as_the_library_does_in_every_row(page: Page, srv: Server) -> None:
     """Every episode's changes were named by its show's title alone, a record's first rows by
     its rid or file name and its later ones by its title; and the record page said only the
-    show's title too."""
+    show's title too. A screen reader hears a count of the changes, not every row."""
     poster = Signer()
     srv.register(poster.uid, "poster", weight=1)
     page.get_by_role("link", name="Live").click()
@@ -961,6 +961,10 @@ def test_live_names_a_record_as_the_library_does_in_every_row(page: Page, srv: S
     for key, value in said.items():
         row = rows.filter(has_text=f" set {key} = {value}")
         expect(row.get_by_role("link")).to_have_text("Quill Show S31E47 · Pilot")
+    # a screen reader hears a count and the newest, not every row (nor every renaming of one)
+    assert page.get_by_role("list", name="Changes").get_attribute("aria-live") is None
+    news = page.locator("#live-news[aria-live=polite]")
+    expect(news).to_have_text(re.compile(r"^(1 new change: |\d+ new changes, the newest: )\S"))
     rows.filter(has_text=" set title = Quill Show").get_by_role("link").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Quill Show S31E47 · Pilot")
 

@@ -42,6 +42,8 @@ function signedOut(status) {
   status.replaceChildren("Signed out (the node restarted, or the session ended). ", again);
 }
 
+const NEWS_MS = 5000;
+
 function startLive() {
   const list = document.getElementById("events");
   const status = document.getElementById("live-status");
@@ -51,6 +53,23 @@ function startLive() {
   const asking = new Map(); // rid → true while asked, "again" when it may have changed since
   const source = new EventSource("/api/events");
   const gone = () => { source.close(); signedOut(status); };
+  // A screen reader hears how many changes came, and the newest, once every NEWS_MS at most,
+  // not every row: a season of episodes queued minutes of speech.
+  const news = document.getElementById("live-news");
+  let unread = 0;
+  let newsTimer = null;
+  const told = () => {
+    const newest = list.firstElementChild ? list.firstElementChild.textContent : "";
+    news.textContent = unread === 1
+      ? `1 new change: ${newest}`
+      : `${unread} new changes, the newest: ${newest}`;
+    unread = 0;
+    newsTimer = null;
+  };
+  const tell = () => {
+    unread += 1;
+    if (newsTimer === null) newsTimer = setTimeout(told, NEWS_MS);
+  };
   const rename = (rid, label) => {
     known.set(rid, label);
     for (const link of list.querySelectorAll(`a[data-rid="${CSS.escape(rid)}"]`)) {
@@ -88,6 +107,7 @@ function startLive() {
     if (data.value !== undefined) item.append(` = ${data.value}`);
     list.prepend(item);
     while (list.children.length > 200) list.lastChild.remove();
+    tell();
     if (!known.has(data.rid) || renaming.has(data.key)) ask(data.rid);
   };
   source.addEventListener("set", show);
