@@ -226,6 +226,7 @@ def test_the_library_lists_a_dropped_file_by_title_and_search_finds_it(
     page.get_by_role("button", name="Find").click()
     expect(page.get_by_role("link", name="Zanzibar Express")).to_be_visible()
     expect(page).to_have_title("Library: “zanzibar” · metanode")  # which list the tab holds
+    expect(page.get_by_role("table", name="Records matching “zanzibar”: 1")).to_be_visible()
     expect(page.get_by_role("navigation", name="Pages of the library")).to_have_count(0)
 
     page.get_by_label("Search").fill("quokka")
@@ -257,7 +258,7 @@ def test_the_record_page_shows_who_said_what_for_a_key_two_signers_set(
     doc = srv.meta(midhash)
     assert doc is not None
     expect(page.get_by_role("listitem").filter(has_text=doc["paths"][0])).to_be_visible()
-    expect(page.get_by_role("link", name="/api/meta/…/claims")).to_have_attribute(
+    expect(page.get_by_role("link", name="claims as JSON")).to_have_attribute(
         "href", f"/api/meta/{doc['canonical_cid']}/claims"
     )
 
@@ -590,6 +591,8 @@ def test_the_library_pages_older_and_back_newer_through_a_search(page: Page, srv
 
     page.goto(f"{srv.url}/?q=quillwort")
     pages = [shown()]
+    caption = f"Records matching “quillwort”: {ui.PAGE} on this page"
+    expect(page.get_by_role("table", name=caption)).to_be_visible()
     expect(page.get_by_role("link", name="Newer records")).to_have_count(0)
     for _ in range(2):
         page.get_by_role("link", name="Older records").click()
