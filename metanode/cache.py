@@ -1066,26 +1066,28 @@ def local_txn(
     return replace(state, feed_seq=last, file_feed_seq=files)
 
 
-def local_stats(conn: Connection, under: Iterable[str]) -> dict[str, tuple[int, int]]:
-    """path → (size, mtime_ns) of every local file row below the given folders.
+def local_stats(conn: Connection, paths: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """path → (size, mtime_ns) of every local file row at or below the given paths: a watch
+    root's files, or the rows an inotify batch touches (its files, and the files of a folder
+    that went).
 
-    A row without its inode (written before inodes were recorded) reports size -1, so the next
-    reconciliation hashes that file once more and records it.
+    One statement, each path a lookup and a range on the primary key, never a scan: the paths
+    that start with "<path>/" are exactly those in ["<path>/", "<path>0"), as "0" follows "/" in
+    code point order. A row without its inode (written before inodes were recorded) reports
+    size -1, so the next reconciliation hashes that file once more and records it.
     """
-    out: dict[str, tuple[int, int]] = {}
-    for root in under:
-        # The paths that start with "<root>/" are exactly those in ["<root>/", "<root>0"):
-        # "0" follows "/" in code point order. A range on the primary key, not a full scan.
-        stem = root.rstrip("/")
-        out.update(
-            (path, (size, mtime))
-            for path, size, mtime in conn.execute(
-                "SELECT path, CASE ino WHEN 0 THEN -1 ELSE size END, mtime_ns FROM local_file "
-                "WHERE path >= ? AND path < ?",
-                (stem + "/", stem + "0"),
-            )
+    wanted = sorted({path.rstrip("/") for path in paths})
+    if not wanted:
+        return {}
+    return {
+        path: (size, mtime)
+        for path, size, mtime in conn.execute(
+            "SELECT l.path, CASE l.ino WHEN 0 THEN -1 ELSE l.size END, l.mtime_ns "
+            "FROM json_each(?) AS w JOIN local_file l "
+            "ON l.path = w.value OR (l.path >= w.value || '/' AND l.path < w.value || '0')",
+            (json.dumps(wanted),),
         )
-    return out
+    }
 
 
 def local_stats_outside(conn: Connection, roots: Sequence[str]) -> dict[str, tuple[int, int]]:
@@ -1973,8 +1975,8 @@ class CacheStore(Store):
         return files(self.conn, prefix, after, limit)
 
     @mapped
-    def local_stats(self, under: Iterable[str]) -> dict[str, tuple[int, int]]:
-        return local_stats(self.conn, under)
+    def local_stats(self, paths: Iterable[str]) -> dict[str, tuple[int, int]]:
+        return local_stats(self.conn, paths)
 
     def local_stats_outside(self, roots: Sequence[str]) -> dict[str, tuple[int, int]]:
         """`local_stats_outside` on a connection of its own: a thread's (a scan of the table

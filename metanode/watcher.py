@@ -47,7 +47,7 @@ TICK_S = 0.25
 Stat = tuple[int, int]  # (size, mtime_ns)
 EnsureGroups = Callable[[Sequence[str]], Awaitable[None]]
 ApplyLocal = Callable[[Sequence[LocalFile], Sequence[str]], Awaitable[None]]
-KnownStats = Callable[[Sequence[str]], dict[str, Stat]]
+KnownStats = Callable[[Sequence[str]], dict[str, Stat]]  # the rows at or below these paths
 
 
 @dataclass(frozen=True)
@@ -454,9 +454,12 @@ class Watcher:
                 emptied.append(listing.root)
         return emptied
 
-    def _files_below(self, folder: str, root: str) -> dict[str, Stat]:
-        """Files below `folder` that the rules keep, judged relative to their watch `root`."""
-        return dict(walk(root, self.rules, folder))
+    def _files_below(
+        self, folder: str, root: str, unlisted: list[str] | None = None
+    ) -> dict[str, Stat]:
+        """Files below `folder` that the rules keep, judged relative to their watch `root`; the
+        folders below it that cannot be listed are added to `unlisted`."""
+        return dict(walk(root, self.rules, folder, unlisted))
 
     def _root_of(self, path: str) -> str | None:
         for root in self.roots:
@@ -473,14 +476,21 @@ class Watcher:
 
         A file that appears with exactly the (size, mtime_ns) of a row removed in the same batch
         was moved: it is hashed at once and committed with the removal, so a rename is one
-        transaction (one `set` of `filePath`), not a loss and a late re-appearance.
+        transaction (one `set` of `filePath`), not a loss and a late re-appearance. A folder
+        is walked; if a file of its name was known (a file replaced by a folder), that file is
+        gone; if part of it cannot be listed, /health says so now (`unlisted`), not at the next
+        reconciliation.
         """
         removed: list[str] = []
         touched: dict[str, Stat] = {}
+        folders: list[str] = []
+        unlisted: list[str] = []
         for path in sorted({p for _, p in changes}):
             if os.path.isdir(path) and (self.rules.follow_symlinks or not os.path.islink(path)):
+                folders.append(path)
                 root = self._root_of(path) or path
-                touched.update(await asyncio.to_thread(self._files_below, path, root))
+                found = await asyncio.to_thread(self._files_below, path, root, unlisted)
+                touched.update(found)
                 continue
             current = self.rules.kept(stat_of(path, self.rules.follow_symlinks))
             if current is None:
@@ -488,6 +498,9 @@ class Watcher:
                 self.pending.pop(path, None)
             else:
                 touched[path] = current
+        removed += sorted(set(folders) & set(self._rows_at(folders)))
+        if unlisted:
+            self.unlisted = sorted(set(self.unlisted) | set(unlisted))
         gone_stats = set(self._rows_at(removed).values())
         known = self._rows_at(list(touched))
         moved = {p: s for p, s in touched.items() if s in gone_stats and known.get(p) != s}
@@ -504,16 +517,10 @@ class Watcher:
             self._resync_later()  # shows files again: the next reconciliation reads it
 
     def _rows_at(self, paths: Sequence[str]) -> dict[str, Stat]:
-        """`local_file` rows of these paths, or below them where a path was a folder."""
-        if not paths:
-            return {}
-        wanted = set(paths)
-        rows = self._known_stats(sorted({os.path.dirname(p) for p in paths}))
-        return {
-            p: s
-            for p, s in rows.items()
-            if p in wanted or any(p.startswith(w + "/") for w in wanted)
-        }
+        """`local_file` rows of these paths, or below them where a path was a folder: looked up
+        path by path, never by reading the rows of their folders (a flat folder of thousands of
+        files would cost every batch in it a read of them all)."""
+        return self._known_stats(paths) if paths else {}
 
     async def _settle_loop(self) -> None:
         """Hash pending files once their stat held still for the settle window."""

@@ -578,6 +578,19 @@ def test_a_folder_moved_in_appears_and_a_deleted_folder_goes(start: Start, tmp_p
             assert doc is not None and doc["paths"] == [] and "filePath" not in doc
 
 
+def test_a_file_replaced_by_a_folder_of_its_name_goes(start: Start, tmp_path: Path) -> None:
+    """The file's row goes with the file, though its path is a folder now (it stayed, stale,
+    until the next rescan: a folder was walked, and only what vanished was removed)."""
+    server = start()
+    swap = write(server.media / "Extras", os.urandom(3000))
+    wait_for("the file listed", lambda: set(server.files()) == {str(swap)})
+    inner = write(tmp_path / "outside" / "Extras" / "trailer.mkv", os.urandom(3001))
+    swap.unlink()
+    (tmp_path / "outside" / "Extras").rename(swap)  # in the same inotify batch as the unlink
+    wanted = {str(swap / inner.name)}
+    wait_for("only the folder's file listed", lambda: set(server.files()) == wanted)
+
+
 # -- what is ignored ----------------------------------------------------------------------------
 
 IGNORED_NAMES = (
