@@ -254,7 +254,7 @@ def test_the_v3_migration_lists_episodes_apart_on_postgresql(dsn: str) -> None:
 
     try:
         db.run_txn(conn, older)
-        assert db.migrate(conn, cache.PG_MIGRATIONS) == 4
+        assert db.migrate(conn, cache.PG_MIGRATIONS) == 5
         found = cache.library_page(conn, "s01e02", "", None, cache.NEWEST, 50)
         assert [(row.rid, row.title) for row in found] == [(rid, "Show Name S01E02")]
     finally:
