@@ -225,6 +225,27 @@ def test_walk_skips_an_unlistable_folder(tmp_path: Path, monkeypatch: pytest.Mon
     assert unlisted == [str(root / "locked")]
 
 
+def test_watch_paths_go_around_an_unreadable_folder(tmp_path: Path) -> None:
+    """notify watches each path recursively but stops at the first folder it may not read: so
+    the folders on the way down to one are given (each is watched before its walk stops), and
+    their other sub-folders whole. A root with none is given as it is; one missing from the
+    roots given (not mounted) is left out."""
+    root, other = tmp_path / "media", tmp_path / "other"
+    for folder in ("a/b/locked", "a/b/c", "a/d/e", "f", "g/h"):
+        (root / folder).mkdir(parents=True)
+    (other / "x").mkdir(parents=True)
+    (root / "a" / "link").symlink_to(root / "f")
+    paths = watcher.watch_paths(
+        [str(root), str(other)], {str(root / "a/b/locked"), str(tmp_path / "gone/y")}, False
+    )
+    assert paths == [
+        str(other),
+        *(str(root / p) for p in ("", "a", "a/b")),
+        *(str(root / p) for p in ("f", "g", "a/d", "a/b/c")),
+    ]
+    assert watcher.watch_paths([str(root)], set(), False) == [str(root)]
+
+
 # -- plan ---------------------------------------------------------------------------------------
 
 
