@@ -24,8 +24,8 @@ from typing import Any
 import httpx
 import pytest
 
-from metanode import cid as cids
 from metanode import cache, db, keys, plugins
+from metanode import cid as cids
 from metanode.api import create_app
 from metanode.errors import MetanodeError
 from metanode.node import Node
