@@ -571,7 +571,7 @@ class Host:
             busy = sum(1 for plugin, _, _ in self._running if plugin == name)
             if busy >= self._workers:
                 continue
-            for run in self._store.due_runs([(name, version)], self._workers):
+            for run in self._store.due_runs(name, version, self._workers):
                 ident = (run.plugin, run.version, run.midhash)
                 if ident not in self._running and busy < self._workers:
                     self._running[ident] = asyncio.create_task(self._guarded(run, ident))

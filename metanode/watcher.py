@@ -47,7 +47,7 @@ TICK_S = 0.25
 Stat = tuple[int, int]  # (size, mtime_ns)
 EnsureGroups = Callable[[Sequence[str]], Awaitable[None]]
 ApplyLocal = Callable[[Sequence[LocalFile], Sequence[str]], Awaitable[None]]
-KnownStats = Callable[[Sequence[str]], dict[str, Stat]]
+KnownStats = Callable[[Sequence[str]], dict[str, Stat]]  # the rows at or below these paths
 
 
 @dataclass(frozen=True)
@@ -288,6 +288,7 @@ class Watcher:
         self._stop = asyncio.Event()
         self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
         self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
+        self._around: frozenset[str] = frozenset()  # the unreadable folders the watch avoids
         self._resyncing: asyncio.Task[None] | None = None
         self._pause = TICK_S  # before watching again after a failed watch: `_pause_after`
         self._watched_since = time.monotonic()  # when the current watch began
@@ -364,9 +365,10 @@ class Watcher:
             if full:
                 stray_known, stray_disk = await self._strays()
                 known, disk = {**known, **stray_known}, {**disk, **stray_disk}
-            self.unlisted = sorted(
-                folder for listing in walked for folder in listing.unlisted
-            ) + self._emptied(walked, known)
+            self._note_unlisted(
+                sorted(folder for listing in walked for folder in listing.unlisted)
+                + self._emptied(walked, known)
+            )
             self.devices.found(listing for listing in walked if listing.files)
             to_hash, to_remove = plan(disk, known, self.unlisted)
             summary = Summary(
@@ -454,9 +456,12 @@ class Watcher:
                 emptied.append(listing.root)
         return emptied
 
-    def _files_below(self, folder: str, root: str) -> dict[str, Stat]:
-        """Files below `folder` that the rules keep, judged relative to their watch `root`."""
-        return dict(walk(root, self.rules, folder))
+    def _files_below(
+        self, folder: str, root: str, unlisted: list[str] | None = None
+    ) -> dict[str, Stat]:
+        """Files below `folder` that the rules keep, judged relative to their watch `root`; the
+        folders below it that cannot be listed are added to `unlisted`."""
+        return dict(walk(root, self.rules, folder, unlisted))
 
     def _root_of(self, path: str) -> str | None:
         for root in self.roots:
@@ -473,14 +478,21 @@ class Watcher:
 
         A file that appears with exactly the (size, mtime_ns) of a row removed in the same batch
         was moved: it is hashed at once and committed with the removal, so a rename is one
-        transaction (one `set` of `filePath`), not a loss and a late re-appearance.
+        transaction (one `set` of `filePath`), not a loss and a late re-appearance. A folder
+        is walked; if a file of its name was known (a file replaced by a folder), that file is
+        gone; if part of it cannot be listed, /health says so now (`unlisted`), not at the next
+        reconciliation.
         """
         removed: list[str] = []
         touched: dict[str, Stat] = {}
+        folders: list[str] = []
+        unlisted: list[str] = []
         for path in sorted({p for _, p in changes}):
             if os.path.isdir(path) and (self.rules.follow_symlinks or not os.path.islink(path)):
+                folders.append(path)
                 root = self._root_of(path) or path
-                touched.update(await asyncio.to_thread(self._files_below, path, root))
+                found = await asyncio.to_thread(self._files_below, path, root, unlisted)
+                touched.update(found)
                 continue
             current = self.rules.kept(stat_of(path, self.rules.follow_symlinks))
             if current is None:
@@ -488,6 +500,9 @@ class Watcher:
                 self.pending.pop(path, None)
             else:
                 touched[path] = current
+        removed += sorted(set(folders) & set(self._rows_at(folders)))
+        if unlisted:
+            self._note_unlisted(sorted(set(self.unlisted) | set(unlisted)))
         gone_stats = set(self._rows_at(removed).values())
         known = self._rows_at(list(touched))
         moved = {p: s for p, s in touched.items() if s in gone_stats and known.get(p) != s}
@@ -503,17 +518,19 @@ class Watcher:
         if hidden and any(path.startswith(hidden) for path in touched):
             self._resync_later()  # shows files again: the next reconciliation reads it
 
+    def _note_unlisted(self, folders: list[str]) -> None:
+        """Keep the folders that could not be read (/health names them), and watch again if
+        the unreadable ones below the roots changed: the watch is laid out around them
+        (`watch_paths`)."""
+        self.unlisted = folders
+        if unreadable(self.roots, folders) != self._around:
+            self._rewatch.set()
+
     def _rows_at(self, paths: Sequence[str]) -> dict[str, Stat]:
-        """`local_file` rows of these paths, or below them where a path was a folder."""
-        if not paths:
-            return {}
-        wanted = set(paths)
-        rows = self._known_stats(sorted({os.path.dirname(p) for p in paths}))
-        return {
-            p: s
-            for p, s in rows.items()
-            if p in wanted or any(p.startswith(w + "/") for w in wanted)
-        }
+        """`local_file` rows of these paths, or below them where a path was a folder: looked up
+        path by path, never by reading the rows of their folders (a flat folder of thousands of
+        files would cost every batch in it a read of them all)."""
+        return self._known_stats(paths) if paths else {}
 
     async def _settle_loop(self) -> None:
         """Hash pending files once their stat held still for the settle window."""
@@ -554,16 +571,24 @@ class Watcher:
 
     async def _inotify_loop(self) -> None:
         """Follow inotify on the roots that exist; if watchfiles itself fails (it raises on a
-        path it cannot decode), or a root came or went (`_roots_loop` sets `_rewatch`), watch
-        again and reconcile once the new watch stands, to catch what the gap missed."""
+        path it cannot decode), or a root came or went (`_roots_loop` sets `_rewatch`), or a
+        folder below one turned unreadable or readable (`_note_unlisted`), watch again and
+        reconcile once the new watch stands, to catch what the gap missed."""
         while not self._stop.is_set():
             self._rewatch.clear()
             self._watched_since = time.monotonic()
             self._mounted = await asyncio.to_thread(self._present)
+            self._around = unreadable(self.roots, self.unlisted)
+            paths = await asyncio.to_thread(
+                watch_paths,
+                [root for root, _ in self._mounted],
+                self._around,
+                self.rules.follow_symlinks,
+            )
             try:
                 if self._mounted:
                     async for changes in watchfiles.awatch(
-                        *(root for root, _ in self._mounted),
+                        *paths,
                         watch_filter=self._keep,
                         debounce=200,
                         step=50,
@@ -676,6 +701,57 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def unreadable(roots: Sequence[str], unlisted: Iterable[str]) -> frozenset[str]:
+    """The folders of `unlisted` that lie below a root (a root itself there is missing, or an
+    empty mount point: nothing to lay a watch around)."""
+    below = prefixes(roots)
+    return frozenset(folder for folder in unlisted if folder.startswith(below))
+
+
+def watch_paths(roots: Sequence[str], around: Iterable[str], follow_symlinks: bool) -> list[str]:
+    """The paths to give watchfiles, which watches each recursively, so that every folder that
+    can be watched is, with unreadable folders below the roots (`around`).
+
+    notify stops a recursive watch at the first folder it may not watch, and watchfiles, told
+    to ignore permission errors, says nothing: one unreadable folder (`lost+found` at the root
+    of a disk, for a node not run as root) left every folder after it in the walk unwatched,
+    their changes seen only at the next rescan. So a root with one below it is given as its
+    parts: the folders on the way down to an unreadable one (each is watched itself, first,
+    before its walk stops) and their other sub-folders (whole, as nothing below them is
+    unreadable). Lists those folders: run it on a thread."""
+    around = set(around)
+    on_the_way: set[str] = set()
+    for folder in around:
+        for root, below in zip(roots, prefixes(roots), strict=True):
+            parent = os.path.dirname(folder)
+            while folder.startswith(below) and parent not in on_the_way:
+                on_the_way.add(parent)
+                if parent == root:
+                    break
+                parent = os.path.dirname(parent)
+    parts = [
+        sub
+        for folder in sorted(on_the_way)
+        for sub in _subfolders(folder, follow_symlinks)
+        if sub not in on_the_way and sub not in around
+    ]
+    return [r for r in roots if r not in on_the_way] + sorted(on_the_way) + parts
+
+
+def _subfolders(folder: str, follow_symlinks: bool) -> list[str]:
+    """The folders directly in `folder` (none if it cannot be listed now)."""
+    try:
+        with os.scandir(folder) as entries:
+            return sorted(
+                entry.path
+                for entry in entries
+                if (follow_symlinks or not entry.is_symlink())
+                and entry.is_dir(follow_symlinks=follow_symlinks)
+            )
+    except OSError:
+        return []
 
 
 def next_pause(pause: float, watched_s: float) -> float:

@@ -518,6 +518,48 @@ async def test_a_hung_plugin_holds_up_only_its_own_runs(harness: Harness) -> Non
     await until(finished(node, hang, later[-1]), "the hung plugin's own runs once it returns")
 
 
+def test_the_due_runs_of_a_plugin_cost_the_same_however_many_runs_wait(tmp_path: Path) -> None:
+    """The host asks for one plugin's next runs each time a run ends. That read must not grow
+    with the other plugins' pending runs, its own finished ones, or its own not yet due: it
+    read and sorted every pending run, so 5,000 new files kept the event loop busy, at a few
+    runs a second. Counted in SQLite's virtual machine steps, not in time."""
+    conn = db.connect_file(tmp_path / "cache.db")
+    db.migrate(conn, cache.MIGRATIONS)
+    now = 1_000_000
+
+    def add(plugin: str, status: str, count: int, next_at: int = 0) -> None:
+        conn.executemany(
+            "INSERT INTO plugin_runs (plugin, version, midhash, status, next_at, updated_at) "
+            "VALUES (?, '1', ?, ?, ?, 1)",
+            [(plugin, f"{status}{next_at}-{i:05}", status, next_at) for i in range(count)],
+        )
+
+    def steps() -> int:
+        count = 0
+
+        def tick() -> int:
+            nonlocal count
+            count += 1
+            return 0
+
+        conn.set_progress_handler(tick, 1)
+        try:
+            due = cache.due_runs(conn, "nfo", "1", now, 4)
+        finally:
+            conn.set_progress_handler(None, 1)
+        assert [run.midhash for run in due] == [f"pending0-{i:05}" for i in range(4)]
+        return count
+
+    add("nfo", "pending", 6)
+    alone = steps()
+    for plugin in ("fileinfo", "filename", "fullhash", "mediainfo", "zzz"):
+        add(plugin, "pending", 4000)
+    add("nfo", "done", 4000)
+    add("nfo", "pending", 4000, next_at=now + 5000)  # a retry, later
+    assert steps() == alone
+    conn.close()
+
+
 async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
     _, midhash = harness.drop("v.bin", b"versioned")
     v1 = probe("ver", claim("ver", "one"), version="1")

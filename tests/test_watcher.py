@@ -26,6 +26,7 @@ from metanode import cid as cids
 from metanode import watcher
 from metanode.errors import MidhashError
 from metanode.merge import LocalFile
+from metanode.node import Node
 from metanode.watcher import Rules, Stat, Watcher, hash_settled, plan, stat_of, walk
 
 Change = watchfiles.Change
@@ -224,6 +225,27 @@ def test_walk_skips_an_unlistable_folder(tmp_path: Path, monkeypatch: pytest.Mon
     assert unlisted == [str(root / "locked")]
 
 
+def test_watch_paths_go_around_an_unreadable_folder(tmp_path: Path) -> None:
+    """notify watches each path recursively but stops at the first folder it may not read: so
+    the folders on the way down to one are given (each is watched before its walk stops), and
+    their other sub-folders whole. A root with none is given as it is; one missing from the
+    roots given (not mounted) is left out."""
+    root, other = tmp_path / "media", tmp_path / "other"
+    for folder in ("a/b/locked", "a/b/c", "a/d/e", "f", "g/h"):
+        (root / folder).mkdir(parents=True)
+    (other / "x").mkdir(parents=True)
+    (root / "a" / "link").symlink_to(root / "f")
+    paths = watcher.watch_paths(
+        [str(root), str(other)], {str(root / "a/b/locked"), str(tmp_path / "gone/y")}, False
+    )
+    assert paths == [
+        str(other),
+        *(str(root / p) for p in ("", "a", "a/b")),
+        *(str(root / p) for p in ("f", "g", "a/d", "a/b/c")),
+    ]
+    assert watcher.watch_paths([str(root)], set(), False) == [str(root)]
+
+
 # -- plan ---------------------------------------------------------------------------------------
 
 
@@ -382,6 +404,7 @@ class Store:
     rows: dict[str, LocalFile] = field(default_factory=dict)
     groups: set[str] = field(default_factory=set)
     commits: list[tuple[list[LocalFile], list[str]]] = field(default_factory=list)
+    read: int = 0  # the rows `known_stats` has answered, all calls together
 
     async def ensure_groups(self, midhashes: Sequence[str]) -> None:
         self.groups.update(midhashes)
@@ -394,9 +417,16 @@ class Store:
                 del self.rows[path]
         self.rows.update((f.path, f) for f in files)
 
-    def known_stats(self, under: Sequence[str]) -> dict[str, Stat]:
-        prefixes = tuple(u.rstrip("/") + "/" for u in under)
-        return {p: (f.size, f.mtime_ns) for p, f in self.rows.items() if p.startswith(prefixes)}
+    def known_stats(self, paths: Sequence[str]) -> dict[str, Stat]:
+        """The rows at or below `paths`, as `cache.local_stats` answers (counted in `read`)."""
+        exact, below = set(paths), tuple(u.rstrip("/") + "/" for u in paths)
+        found = {
+            p: (f.size, f.mtime_ns)
+            for p, f in self.rows.items()
+            if p in exact or p.startswith(below)
+        }
+        self.read += len(found)
+        return found
 
     def stray_stats(self, roots: Sequence[str]) -> dict[str, Stat]:
         below = self.known_stats(roots)
@@ -657,6 +687,92 @@ async def test_on_changes_removes_a_deleted_file_and_forgets_it_pending(tmp_path
     gone.unlink()
     await w._on_changes({(Change.deleted, str(gone))})
     assert str(gone) not in w.pending
+    assert set(store.rows) == {str(kept)}
+
+
+async def test_local_stats_answers_the_rows_at_or_below_each_path(node: Node) -> None:
+    """What the watcher asks of the store: a file's own row, a folder's rows (not those of a
+    sibling that shares its name's start), several paths in one statement, nothing for none."""
+    paths = ["/m/a.mkv", "/m/a/b.mkv", "/m/a/c/d.mkv", "/m/a b.mkv", "/m/a0.mkv", "/n/e.mkv"]
+    files = [
+        LocalFile(path, cids.midhash_cid(cids.midhash_digest(i + 1, bytes(i + 1))), i + 1, 7, 9)
+        for i, path in enumerate(paths)
+    ]
+    await node.ensure_groups([f.midhash for f in files])
+    await node.apply_local(files, [])
+    stats = {f.path: (f.size, f.mtime_ns) for f in files}
+
+    def at(*asked: str) -> dict[str, Stat]:
+        return node.cache.local_stats(list(asked))
+
+    assert at("/m/a") == {p: stats[p] for p in ("/m/a/b.mkv", "/m/a/c/d.mkv")}
+    assert at("/m/a.mkv", "/m/a b.mkv", "/n/gone.mkv") == {
+        p: stats[p] for p in ("/m/a.mkv", "/m/a b.mkv")
+    }
+    assert at("/m/", "/n") == stats
+    assert at() == {}
+
+
+async def test_a_batch_in_a_flat_folder_reads_only_the_rows_of_its_own_paths(
+    tmp_path: Path,
+) -> None:
+    """Each batch looks its paths up, not the rows of their folders: one new file beside a
+    thousand known ones reads no row, a rename reads two (a folder of 100,000 films made every
+    batch in it read them all, on the event loop, and compare each with each path)."""
+    root = tmp_path / "media"
+    for i in range(1000):
+        write(root / f"film{i:04d}.mkv", f"film {i}".encode())
+    store = Store()
+    w = store.watcher(root, settle_s=60)
+    await w.reconcile(settle=False)
+    store.read = 0
+    new = write(root / "new.mkv", b"new")
+    await w._on_changes({(Change.added, str(new))})
+    assert (store.read, set(w.pending)) == (0, {str(new)})
+    renamed = root / "renamed.mkv"
+    (root / "film0007.mkv").rename(renamed)
+    await w._on_changes(
+        {(Change.deleted, str(root / "film0007.mkv")), (Change.added, str(renamed))}
+    )
+    assert store.read == 1  # the row of the path that went; the new name has none
+    assert store.rows[str(renamed)] == local(renamed)
+    assert len(store.rows) == 1000
+
+
+async def test_a_file_replaced_by_a_folder_of_its_name_is_gone(tmp_path: Path) -> None:
+    root = tmp_path / "media"
+    swap = write(root / "swap", b"a file first")
+    store = Store()
+    w = store.watcher(root, settle_s=60)
+    await w.reconcile(settle=False)
+    swap.unlink()
+    inner = write(swap / "inner.mkv", b"then a folder of that name")
+    await w._on_changes({(Change.deleted, str(swap)), (Change.added, str(swap))})
+    assert store.rows == {}
+    assert store.commits[-1] == ([], [str(swap)])
+    assert set(w.pending) == {str(inner)}
+
+
+async def test_a_folder_made_unreadable_is_in_unlisted_at_its_event(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/health names a folder that cannot be read as soon as inotify reports it (its mode
+    changed), not at the next reconciliation, ten minutes on; its files stay."""
+    root = tmp_path / "media"
+    kept = write(root / "locked" / "a.mkv", b"kept")
+    store = Store()
+    w = store.watcher(root, settle_s=60)
+    await w.reconcile(settle=False)
+    real_scandir = os.scandir
+
+    def scandir(path: str) -> Iterable[os.DirEntry[str]]:
+        if path.endswith("locked"):
+            raise PermissionError(13, "Permission denied", path)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)  # root can read anything: simulate it
+    await w._on_changes({(Change.modified, str(root / "locked"))})
+    assert w.unlisted == [str(root / "locked")]
     assert set(store.rows) == {str(kept)}
 
 

@@ -142,19 +142,20 @@ Start = Callable[..., WatchServer]
 
 @pytest.fixture
 def start(tmp_path: Path) -> Iterator[Start]:
-    """Start servers on tmp_path/data watching tmp_path/media: `start(settle="0.5", **env)`.
+    """Start servers on tmp_path/data watching tmp_path/media: `start(settle="0.5", **env)`,
+    under a wrapper command if `prefix` gives one (`AS_USER`).
 
     Each is killed at the end whatever happened; its log is printed (shown if the test failed).
     """
     started: list[WatchServer] = []
     (tmp_path / "media").mkdir(exist_ok=True)
 
-    def launch(settle: str = "0.5", **env: str) -> WatchServer:
+    def launch(settle: str = "0.5", prefix: Sequence[str] = (), **env: str) -> WatchServer:
         full = {
             "METANODE_WATCH_SETTLE_S": settle,
             **{f"METANODE_{k.upper()}": v for k, v in env.items()},
         }
-        srv = WatchServer(tmp_path / "data", env=full)
+        srv = WatchServer(tmp_path / "data", env=full, prefix=tuple(prefix))
         started.append(srv)
         return srv.start()
 
@@ -578,6 +579,19 @@ def test_a_folder_moved_in_appears_and_a_deleted_folder_goes(start: Start, tmp_p
             assert doc is not None and doc["paths"] == [] and "filePath" not in doc
 
 
+def test_a_file_replaced_by_a_folder_of_its_name_goes(start: Start, tmp_path: Path) -> None:
+    """The file's row goes with the file, though its path is a folder now (it stayed, stale,
+    until the next rescan: a folder was walked, and only what vanished was removed)."""
+    server = start()
+    swap = write(server.media / "Extras", os.urandom(3000))
+    wait_for("the file listed", lambda: set(server.files()) == {str(swap)})
+    inner = write(tmp_path / "outside" / "Extras" / "trailer.mkv", os.urandom(3001))
+    swap.unlink()
+    (tmp_path / "outside" / "Extras").rename(swap)  # in the same inotify batch as the unlink
+    wanted = {str(swap / inner.name)}
+    wait_for("only the folder's file listed", lambda: set(server.files()) == wanted)
+
+
 # -- what is ignored ----------------------------------------------------------------------------
 
 IGNORED_NAMES = (
@@ -819,24 +833,54 @@ def test_scan_command_counts_and_a_second_run_hashes_nothing(tmp_path: Path, sta
     )
 
 
+def as_user() -> list[str]:
+    """The wrapper that makes root meet file modes as any user does (none needed when not run
+    as root): without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH. Skips the test if there is none."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv") is None:
+        pytest.skip("runs as root without setpriv (util-linux): chmod 000 cannot stop root")
+    return ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
+
+
 def test_scan_command_reports_an_unreadable_file(tmp_path: Path) -> None:
     media, data_dir = tmp_path / "media", tmp_path / "data"
     write(media / "ok.mkv", b"readable")
     locked = write(media / "locked.mkv", b"unreadable")
     locked.chmod(0)
-    # Root reads any file whatever its mode; without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH it
-    # meets the modes, as any user does.
-    as_user = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", "--"]
-    if os.geteuid() == 0 and shutil.which("setpriv") is None:
-        pytest.skip("runs as root without setpriv (util-linux): chmod 000 cannot stop root")
     try:
-        done = scan(data_dir, media, prefix=as_user if os.geteuid() == 0 else ())
+        done = scan(data_dir, media, prefix=as_user())
         assert summary_line(done) == (
             "2 files seen: 1 hashed, 0 unchanged, 0 removed, 1 unreadable"
         )
         assert f"unreadable: {locked}" in done.stderr
     finally:
         locked.chmod(0o644)
+
+
+def test_an_unreadable_folder_leaves_every_other_folder_watched(
+    start: Start, tmp_path: Path
+) -> None:
+    """notify stops a recursive watch at the first folder it may not read, and says nothing:
+    with `lost+found` at the root of a disk and the node not run as root (the container's
+    user), the folders after it in the walk were never watched, their new files unseen until a
+    rescan. Two rounds of new files, the second after the first is listed: no reconciliation
+    runs then, so inotify reports them."""
+    media = tmp_path / "media"
+    folders = [media / f"Film {i:02}" for i in range(40)]
+    for folder in folders:
+        folder.mkdir(parents=True)
+    locked = media / "lost+found"
+    locked.mkdir(mode=0)
+    try:
+        server = start(prefix=as_user())
+        wait_for("the folder named unreadable", lambda: server.health()["watcher"]["unlisted"])
+        for round in ("first", "second"):
+            wanted = {str(write(f / f"{round}.mkv", os.urandom(2000))) for f in folders}
+            wait_for(f"every {round} file listed", lambda w=wanted: w <= set(server.files()))
+        assert server.health()["watcher"]["unlisted"] == [str(locked)]
+    finally:
+        locked.chmod(0o755)
 
 
 def test_scan_command_survives_a_file_name_that_is_not_utf8(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     workers: int = 1  # `serve --workers`: 1 is the simple mode most tests mean
+    prefix: tuple[str, ...] = ()  # a command it runs under (`setpriv …`: root's powers dropped)
 
     @property
     def url(self) -> str:
@@ -83,6 +84,7 @@ class Server:
             with self.log.open("ab") as log:
                 self.proc = subprocess.Popen(
                     [
+                        *self.prefix,
                         sys.executable,
                         "-m",
                         "metanode",
