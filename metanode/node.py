@@ -989,6 +989,7 @@ class Node:
                 "scanning": self.watcher.scanning,
                 "pending": len(self.watcher.pending),
                 "unlisted": self.watcher.unlisted,
+                "watches_full": self.watcher.watches_full,
             }
         return body
 
@@ -1005,6 +1006,8 @@ class Node:
                 problems.append("the watcher has stopped")
             if self.watcher.failing is not None:
                 problems.append(f"{self.watcher.failing}; retrying")
+            if self.watcher.watches_full:
+                problems.append(watcher.watch_limit_problem(self.watcher.rescan_s))
             if unlisted := self.watcher.unlisted:
                 problems.append(
                     f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "

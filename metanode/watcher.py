@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import fnmatch
 import json
 import logging
@@ -255,6 +257,8 @@ DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
 REWATCH_MAX_S = 30.0  # the longest pause between failed watches (`Watcher._pause_after`)
 RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # a reconciliation after a failed batch (`_retry`)
 UNDECODABLE = re.compile(r"Unable to decode path (.*) to string", re.DOTALL)  # watchfiles' words
+WATCH_LIMIT = Path("/proc/sys/fs/inotify/max_user_watches")  # what an operator raises
+IN_ATTRIB = 0x4
 
 
 class Watcher:
@@ -296,6 +300,7 @@ class Watcher:
         self._retry_s = RETRY_MIN_S
         self.failing: str | None = None  # why batches fail (/health), until a retry works
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
+        self.watches_full = False  # this user may add no inotify watch (`inotify_full`)
         self.scanning = False
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
 
@@ -562,12 +567,23 @@ class Watcher:
         return tuple((root, device) for root, device in devices if device is not None)
 
     async def _roots_loop(self) -> None:
-        """Watch again (`_rewatch`) when a root comes, goes, or changes device (mounted): looked
-        at every `ROOTS_S` on a thread, one look at a time (a hung mount holds only that)."""
+        """Watch again (`_rewatch`) when a root comes, goes, or changes device (mounted), or
+        when inotify takes watches again after the user's limit was reached (raised, or
+        another program's watches gone: the folders refused meanwhile are watched only by a
+        new watch): looked at every `ROOTS_S` on a thread, one look at a time (a hung mount
+        holds only that)."""
         while not self._stop.is_set():
             await asyncio.sleep(ROOTS_S)
-            if await asyncio.to_thread(self._present) != self._mounted:
+            present, full = await asyncio.to_thread(self._look)
+            if present != self._mounted or (self.watches_full and not full):
                 self._rewatch.set()
+            if full and not self.watches_full:
+                log.warning("inotify: %s", watch_limit_problem(self.rescan_s))
+            self.watches_full = full
+
+    def _look(self) -> tuple[Mounted, bool]:
+        present = self._present()
+        return present, bool(present) and inotify_full(present[0][0])
 
     async def _inotify_loop(self) -> None:
         """Follow inotify on the roots that exist; if watchfiles itself fails (it raises on a
@@ -701,6 +717,40 @@ class Watcher:
 
     def stop(self) -> None:
         self._stop.set()
+
+
+def inotify_full(path: str) -> bool:
+    """Whether this user may add no more inotify watches: one added on `path` (and dropped at
+    once) fails with ENOSPC. notify, under watchfiles, fails the same way for each folder past
+    the limit, and watchfiles says nothing: those folders are not watched, their changes seen
+    only at a rescan. The limit is the user's, shared with every program it runs (in a
+    container, with the host user of the same uid). False where there is no inotify."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.inotify_init1(os.O_CLOEXEC)
+    except (OSError, AttributeError):
+        return False
+    if fd < 0:
+        return False  # no instance to be had (another limit): not what this asks
+    try:
+        added = libc.inotify_add_watch(fd, os.fsencode(path), IN_ATTRIB)
+        return added < 0 and ctypes.get_errno() == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def watch_limit_problem(rescan_s: float) -> str:
+    """What /health and the log say while `inotify_full`: the limit, and how to raise it."""
+    try:
+        limit = f" ({WATCH_LIMIT.read_text().strip()})"
+    except OSError:
+        limit = ""
+    seen = f"every {rescan_s:g} s" if rescan_s > 0 else "never (watch_rescan_s is 0)"
+    return (
+        f"the user's inotify watch limit is reached: folders past it are not watched, their "
+        f"changes seen only at the rescan, {seen}; raise fs.inotify.max_user_watches{limit} "
+        "(docs/watcher.md)"
+    )
 
 
 def unreadable(roots: Sequence[str], unlisted: Iterable[str]) -> frozenset[str]:

@@ -968,3 +968,32 @@ def test_node_stop_while_the_applier_runs_does_not_crash(tmp_path: Path) -> None
     )
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
     assert "closed database" not in done.stderr, done.stderr[-2000:]
+
+
+def in_a_user_namespace(watches: int) -> list[str]:
+    """The wrapper that runs the server in a user namespace of its own whose inotify watch
+    limit is `watches` (its own `user.max_inotify_watches`, which root may set there); skips
+    the test where user namespaces cannot be made."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare (util-linux): the watch limit cannot be lowered for one process")
+    tried = subprocess.run(["unshare", "-U", "-r", "true"], capture_output=True, check=False)
+    if tried.returncode != 0:
+        pytest.skip(f"user namespaces cannot be made here: {tried.stderr.decode().strip()}")
+    limit = f'echo {watches} > /proc/sys/user/max_inotify_watches && exec "$@"'
+    return ["unshare", "-U", "-r", "sh", "-c", limit, "sh"]
+
+
+def test_the_inotify_watch_limit_reached_is_said_in_health(start: Start, tmp_path: Path) -> None:
+    """notify fails for every folder past the user's watch limit and watchfiles says nothing:
+    a library of more folders than the limit (8,192 on older kernels, shared with every other
+    program of the same uid, in a container the host user's) had most of them unwatched, the
+    node healthy. /health says so, with the setting to raise."""
+    for i in range(60):
+        (tmp_path / "media" / f"Album {i:02}").mkdir(parents=True)
+    server = start(prefix=in_a_user_namespace(30))
+    health = wait_for(
+        "the limit said", lambda: (h := server.health())["watcher"]["watches_full"] and h
+    )
+    assert health["status"] == "degraded"
+    said = " ".join(health["problems"])
+    assert "inotify watch limit is reached" in said and "fs.inotify.max_user_watches" in said
