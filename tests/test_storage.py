@@ -163,7 +163,8 @@ def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost
     acknowledged: list[dict[str, Any]] = []
     try:
         first = batch(signer, "before", 5)
-        assert conn.request("POST", "/api/claims", {"claims": first})[0] == 200
+        # 202 on a busy machine: stored, its apply not done within the 0.5 s waited
+        assert conn.request("POST", "/api/claims", {"claims": first})[0] in (200, 202)
         acknowledged += first
 
         filler = fill(tmpfs)
