@@ -53,13 +53,14 @@ class PublishedCount:
     instead of asking SQLite (`PRAGMA data_version` is a read transaction of its own, the WAL
     lock's two `fcntl` with it: most of what a hit saves; benchmarks.md, "Session 25"). Only
     ever counts up, from what the file holds, so a restarted owner never brings it back to a
-    value a reader saw before its documents went old. Whoever opens it first creates it."""
+    value a reader saw before its documents went old. Whoever opens it first creates it, its
+    block allocated (`posix_fallocate`, not `ftruncate`'s hole): a store through the map into a
+    hole the full disk has no block for is SIGBUS, where this is a `storage_full` at start."""
 
     def __init__(self, path: Path) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            if os.fstat(fd).st_size < COUNT.size:
-                os.ftruncate(fd, COUNT.size)
+            os.posix_fallocate(fd, 0, COUNT.size)
             self._map = mmap.mmap(fd, COUNT.size)
         finally:
             os.close(fd)

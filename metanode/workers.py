@@ -496,15 +496,21 @@ class Supervisor:
         )
 
     def _write_status(self) -> None:
-        """The restart counts for the owner's /metrics (`Restarts`), replaced whole."""
+        """The restart counts for the owner's /metrics (`Restarts`), replaced whole. A file
+        that cannot be written (the data directory's disk full: the very failure a worker may
+        have died of) leaves the counts /metrics shows as they were, said in the log; the
+        supervisor, and with it every worker, must not end over it."""
         status = {}
         for role, index in self.roles:
             count, delay = self.restarts[index]
             status[worker_name(role, index)] = {"restarts": count, "delay_s": delay}
         partial = self.status.with_suffix(".tmp")
-        partial.touch(mode=0o600)  # private like the rest of the data directory
-        partial.write_text(json.dumps(status))
-        partial.replace(self.status)
+        try:
+            partial.touch(mode=0o600)  # private like the rest of the data directory
+            partial.write_text(json.dumps(status))
+            partial.replace(self.status)
+        except OSError as exc:
+            log.warning("cannot write %s (%s): /metrics shows older restart counts", partial, exc)
 
     def _stop_all(self) -> None:
         """SIGTERM to every worker (readers first: they hand requests to the owner), then wait;
