@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from metanode import cache, merge, truth
-from metanode.errors import NotCommitted
+from metanode.errors import NotCommitted, StorageError
 from metanode.view import Written
 
 log = logging.getLogger(__name__)
@@ -255,8 +255,9 @@ class Applier:
 
     async def _retrying(self, step: Callable[[], Awaitable[None]], what: str) -> None:
         """Run `step` until it succeeds (or the applier stops): `degraded` meanwhile (so
-        `/health` says so), with a backoff of 0.1 s doubling to 10 s; the traceback is logged
-        once per run of failures, then one line per retry (a full disk fails every retry)."""
+        `/health` says so), with a backoff of 0.1 s doubling to 10 s; one line per retry (a
+        full disk fails every retry), the first with its traceback unless the failure is the
+        storage's (a full disk, a read-only mount: expected, its typed error says it all)."""
         backoff = 0.1
         while not self._ending():
             try:
@@ -264,6 +265,8 @@ class Applier:
             except Exception as exc:
                 if self.degraded:
                     log.warning("%s still fails (%s); retrying in %.1f s", what, exc, backoff)
+                elif isinstance(exc, StorageError):
+                    log.warning("%s failed (%s: %s); retrying", what, exc.slug, exc.message)
                 else:
                     log.exception("%s failed; retrying", what)
                 self.degraded = True
