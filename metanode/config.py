@@ -149,8 +149,9 @@ class Settings:
     watch_roots: tuple[str, ...] = setting(
         ("./media",),
         "Folders to watch (made if missing, unless files were known there: a disk not mounted "
-        "keeps its files, docs/watcher.md), each folder once (a root may lie inside another); in "
-        "the environment, `:`-separated.",
+        "keeps its files, docs/watcher.md; one that cannot be made, a file of its name, is a "
+        "warning in the log and in /health a folder it cannot read, the other roots watched), "
+        "each folder once (a root may lie inside another); in the environment, `:`-separated.",
     )
     watch_ignore: tuple[str, ...] = setting(
         (), "Extra name or path globs to ignore (comma-separated in the environment)."
