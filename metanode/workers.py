@@ -451,11 +451,13 @@ class Supervisor:
         log.info("worker %d (%s) started: pid %d", index, role, self.procs[index].pid)
 
     def _stop(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:  # as one process does (server.hung_up)
+            log.warning("SIGHUP: stopping every worker as for SIGTERM")
         self.stopping = True
 
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
+        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: server.hung_up
+            signal.signal(stop, self._stop)
         shutil.rmtree(self.metrics, ignore_errors=True)  # counts start at zero, as with one
         self.metrics.mkdir(mode=0o700)
         self._write_status()

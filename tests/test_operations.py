@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -166,6 +167,24 @@ def cli(*args: str, storage: str = "sqlite") -> subprocess.CompletedProcess[str]
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_stops_the_node_cleanly_and_says_so(tmp_path: Path, workers: int) -> None:
+    """SIGHUP, what a closed terminal sends `make serve` (or a `kill -HUP` meant as "reload"),
+    killed the node outright: no line in the log, and nothing of a clean stop (feeds cut,
+    the sockets and MetaMesh's lock file left naming a node that was gone). It is a clean
+    stop as SIGTERM's, said in the log."""
+    volume = tmp_path / "meta-core"
+    srv = Server(tmp_path / "data", env={"METANODE_METAMESH_VOLUME": str(volume)}, workers=workers)
+    srv.start()
+    lock = volume / "locks" / "kv-leader.info"
+    assert lock.exists()
+    assert srv.stop(signal.SIGHUP) == 0
+    log = srv.log_text()
+    assert "SIGHUP: stopping" in log and "Application shutdown complete" in log, log
+    assert not lock.exists()
+    assert not (srv.data_dir / "owner.sock").exists()
 
 
 def test_backup_names_within_one_second_never_meet(
