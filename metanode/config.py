@@ -515,8 +515,16 @@ def load(
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    """The settings of the TOML file at `path`. UTF-8 with or without the byte-order mark an
+    editor may write first (a mark made `port = 9100` an invalid statement); a file in another
+    encoding (UTF-16, as Windows' Notepad saves) is refused in words: it was a traceback."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(
+            f"cannot read config file {path}: not UTF-8 text ({exc.reason} at byte {exc.start}): "
+            "save it as UTF-8"
+        ) from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InvalidRequest(f"cannot read config file {path}: {exc}") from None
     unknown = sorted(set(data) - set(FIELDS))
