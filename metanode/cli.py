@@ -504,15 +504,17 @@ def signers_list(config_file: str | None, data_dir: str | None) -> None:
 
 
 def _status_command(name: str, status: str) -> None:
-    @signers.command(name)
+    # the help given to click, which reads it as the command is made (a __doc__ set after
+    # left `signers block --help` and `signers --help` without a word of what it does)
+    @signers.command(
+        name, help=f"Set UID's status to {status}; the records it voted on are recomputed."
+    )
     @click.argument("uid")
     @settings_options
     @reports_errors
     def command(uid: str, config_file: str | None, data_dir: str | None) -> None:
         row = maintenance.set_signer_status(node_settings(config_file, data_dir), uid, status)
         click.echo(json.dumps(row.as_json()))
-
-    command.__doc__ = f"Set UID's status to {status}; the records it voted on are recomputed."
 
 
 _status_command("block", "blocked")
