@@ -381,7 +381,7 @@ def serve(
     sock = listen(settings)  # before the token: one made now is shown, once, below
     token, created = maintenance.ensure_token(settings.token_path)
     maintenance.ensure_token(settings.instance_path)  # made once, before any worker reads it
-    url = f"http://{settings.host}:{settings.port}"
+    url = settings.serve_url
     count = settings.worker_count
     # the storage: after `migrate-storage`, a start without `storage` serves the old SQLite
     where = f"data: {settings.data_dir.resolve()}, storage: {settings.storage_shown}"
@@ -416,7 +416,13 @@ def listen(settings: config.Settings) -> socket.socket:
     except OSError as exc:
         where = f"{settings.host}:{settings.port}"
         reason = os.strerror(exc.errno) if exc.errno else str(exc)  # not create_server's repeat
+        if exc.errno is not None and exc.errno < 0:  # the resolver's code, no errno: its words
+            reason = f"{str(exc.strerror).split(' (while attempting')[0]} ({HOST_HINT})"
         raise CannotListen(f"{where}: {reason}") from None
+
+
+# what a host that does not resolve (`cannot_listen`, an error of the resolver) must be instead
+HOST_HINT = "host must be an address of this machine, or a name that resolves to one"
 
 
 def stop_cleanly() -> None:

@@ -356,11 +356,17 @@ class Settings:
         return networks("trusted_proxies", self.trusted_proxies)
 
     @property
+    def serve_url(self) -> str:
+        """The address `serve` listens on, as a URL: an IPv6 one in brackets (`http://::1:9000`
+        was no URL), an empty host as the wildcard it binds."""
+        return http_url(self.host or "0.0.0.0", self.port)
+
+    @property
     def client_url(self) -> str:
         """Where a client on this machine reaches the node these settings serve: a wildcard
         bind address (`0.0.0.0`, `::`) is asked on loopback."""
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        return http_url(host, self.port)
 
     @property
     def watched(self) -> tuple[str, ...]:
@@ -512,6 +518,11 @@ def load(
             values[name] = env[ENV_PREFIX + name.upper()]
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     return Settings(**{name: _convert(name, raw) for name, raw in values.items()})
+
+
+def http_url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
