@@ -292,6 +292,8 @@ class Applier:
                 )
             log.info("building the cache from the truth (outbox seq %d)", self._source.max_seq())
             self.state = await self._store.build(self._source)
+        elif behind := self._source.max_seq() - self.state.applied_seq:  # a stop before applying
+            log.info("the cache is %d truth change(s) behind: applying them", behind)
         self.ready = True
         self._publish(self.state)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -53,6 +54,7 @@ from metanode.errors import (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 def reports_errors(func: F) -> F:
@@ -374,7 +376,20 @@ def serve(
     if worker is not None:
         serve_worker(settings, worker)
         return
-    datadir.Lock(settings.data_dir).acquire()  # held until the process exits
+    with datadir.Lock(settings.data_dir) as lock:  # held until the node stops
+        if lock.unclean is not None:
+            log.warning(
+                "the last node on this data directory (pid %d) did not stop cleanly (killed, "
+                "crashed, or the machine went down): nothing it acknowledged is lost, as every "
+                "truth commit is on disk; the cache catches up from the truth",
+                lock.unclean,
+            )
+        serve_node(settings, config_file)
+
+
+def serve_node(settings: config.Settings, config_file: str | None) -> None:
+    """`serve` once it holds the data directory: open, check, listen, say where, then serve in
+    this process or as the supervisor of `settings.worker_count` workers."""
     maintenance.open_store(settings)
     maintenance.check_writable(settings)
     maintenance.adopt_owner(settings)  # a replica given a fresh data directory: refused
