@@ -141,6 +141,23 @@ def test_json_log_lines_carry_the_request_id() -> None:
     assert line["level"] == "info" and line["ts"].endswith("Z")
 
 
+@pytest.mark.parametrize("chatty", ["httpx", "watchfiles.main"])
+def test_libraries_that_log_each_request_or_file_event_are_quiet_at_info(chatty: str) -> None:
+    """watchfiles said `1 change detected` at info for every batch of file events (a download
+    into the library: a line a second), httpx each peer poll."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        logs.configure("info", json_lines=True)
+        assert not logging.getLogger(chatty).isEnabledFor(logging.INFO)
+        assert logging.getLogger(chatty).isEnabledFor(logging.WARNING)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name in ("httpx", "watchfiles"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+
+
 async def test_health_degrades_when_the_watcher_stalls(tmp_path: Path) -> None:
     node = Node(settings_for(tmp_path / "d", watch_enabled=True))
     await node.start()
