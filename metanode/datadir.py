@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 from metanode import db
-from metanode.errors import DataDirLocked
+from metanode.errors import DataDirLocked, FileFailed
 
 log = logging.getLogger(__name__)
 LOCK_NAME = "lock"
@@ -31,7 +31,13 @@ DIR_MODE, FILE_MODE = 0o700, 0o600
 
 def secure(data_dir: Path) -> None:
     """Create the data directory (0700), or tighten an existing one: itself and every folder in
-    it to 0700, every file to 0600, each change logged. Never loosens a mode."""
+    it to 0700, every file to 0600, each change logged. Never loosens a mode. A file where it
+    should be is refused in words (mkdir's own was `File exists`, of a folder that was not)."""
+    if data_dir.exists() and not data_dir.is_dir():
+        raise FileFailed(
+            f"{data_dir} is a file, not a folder: the data directory (--data-dir, "
+            "METANODE_DATA_DIR, data_dir) names a folder"
+        )
     with db.storage_errors():
         data_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         _tighten(data_dir, DIR_MODE)

@@ -389,6 +389,18 @@ def test_serve_refuses_a_data_directory_it_may_not_write(tmp_path: Path) -> None
     assert "Permission denied" in done.stderr
 
 
+@pytest.mark.parametrize("command", ["serve", "init", "restore"])
+def test_a_data_directory_that_is_a_file_is_said_so(tmp_path: Path, command: str) -> None:
+    """Named by METANODE_DATA_DIR (click checks --data-dir itself), a file was
+    `file_failed: …: File exists`, of a folder that did not."""
+    data = tmp_path / "data"
+    data.write_text("not a folder")
+    args = {"serve": ["--port", str(free_port())], "restore": [str(tmp_path / "x.db")]}
+    done = cli(command, *args.get(command, []), prefix=["env", f"METANODE_DATA_DIR={data}"])
+    assert_refused(done, "file_failed")
+    assert f"{data} is a file, not a folder" in done.stderr
+
+
 # -- the database layer maps real SQLite errors ------------------------------------------------
 
 
