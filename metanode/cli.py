@@ -370,7 +370,8 @@ def serve(
     workers: int | None,
     worker: str | None,
 ) -> None:
-    """Run the node (HTTP API, applier, watcher, plugins, peers) until SIGINT or SIGTERM."""
+    """Run the node (HTTP API, applier, watcher, plugins, peers) until SIGINT, SIGTERM or
+    SIGHUP."""
     settings = load_settings(config_file, data_dir=data_dir, host=host, port=port, workers=workers)
     logs.configure(settings.log_level)  # before the data directory: tightening it is logged
     if worker is not None:
@@ -450,7 +451,7 @@ def supervise(
     settings: config.Settings, count: int, config_file: str | None, sock: socket.socket
 ) -> None:
     """`serve --workers N`: run the workers (workers.py) on the bound `sock` until
-    SIGTERM/SIGINT."""
+    SIGTERM/SIGINT/SIGHUP."""
     from metanode import workers
 
     base = ["--data-dir", str(settings.data_dir), "--host", settings.host]
@@ -1111,7 +1112,7 @@ def restore(
         )
     click.echo(f"restored {backup_file} into {settings.truth_path}")
     click.echo(f"keys: {done.keys or f'kept, {settings.keys_dir}'}")
-    click.echo(f"what it replaced: {done.aside}")
+    click.echo(f"what it replaced: {done.aside or 'nothing (a new data directory)'}")
 
 
 @main.command("export")

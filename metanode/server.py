@@ -259,9 +259,9 @@ class FrozenAfterStart(uvicorn.Server):
 
 
 def run(app: ASGIApp, settings: Settings, sockets: list[socket.socket] | None = None) -> None:
-    """Serve `app` until SIGINT/SIGTERM, on `sockets` if given (the one `serve` bound before
-    it said it serves, or a worker's, workers.py); exit like `uvicorn.run` if the server never
-    started."""
+    """Serve `app` until SIGINT/SIGTERM/SIGHUP, on `sockets` if given (the one `serve` bound
+    before it said it serves, or a worker's, workers.py); exit like `uvicorn.run` if the server
+    never started."""
     config = uvicorn.Config(
         app,
         host=settings.host,

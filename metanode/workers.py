@@ -23,8 +23,8 @@ a write is a few hundred microseconds of work against ≈ 100 µs for the extra 
 The **supervisor** (`supervise`, the `serve` process itself) holds the data directory's lock,
 binds the listening socket once and hands it to each worker (`pass_fds`: the kernel spreads
 the connections among the processes that accept on it), restarts a worker that died, and on
-SIGTERM/SIGINT stops them all. Workers die with it (`PR_SET_PDEATHSIG`), so a SIGKILL of the
-supervisor ends the node as it ends a single-process one. A worker that keeps dying is
+SIGTERM/SIGINT/SIGHUP stops them all. Workers die with it (`PR_SET_PDEATHSIG`), so a SIGKILL of
+the supervisor ends the node as it ends a single-process one. A worker that keeps dying is
 restarted after growing delays (`Backoff`), each restart logged with the exit status and the
 delay and counted in the owner's /metrics (`Restarts`, from `workers.json` the supervisor
 writes). The workers' metrics are summed across processes (metrics.py, multiprocess mode, in

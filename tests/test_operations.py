@@ -363,6 +363,20 @@ def test_restore_puts_the_backup_back_whatever_wal_the_node_left(tmp_path: Path,
     assert "clean" in cli("check", "--data-dir", str(server.data_dir)).stdout
 
 
+def test_restore_into_a_new_data_directory_replaces_nothing(tmp_path: Path) -> None:
+    """A new machine: its data directory does not exist yet. The restore left an empty
+    `replaced-<stamp>/` and said it held what it replaced."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    cli("init", "--data-dir", str(old))
+    cli("signers", "add", Signer().uid, "--name", "kept", "--data-dir", str(old))
+    made = cli("backup", str(tmp_path / "bk"), "--data-dir", str(old)).stdout.strip()
+    done = cli("restore", made, "--data-dir", str(new))
+    assert done.stdout.splitlines()[-1] == "what it replaced: nothing (a new data directory)"
+    assert not list(new.glob("replaced-*"))
+    listed = cli("signers", "list", "--data-dir", str(new)).stdout
+    assert listed == cli("signers", "list", "--data-dir", str(old)).stdout
+
+
 def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: Path) -> None:
     """Garbage, an empty file (a backup killed as it began), another store's database, keys
     that cannot be copied: refused, and the data directory as it was (a failed copy of the
