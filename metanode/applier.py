@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from metanode import cache, merge, truth
-from metanode.errors import NotCommitted
+from metanode.errors import NotCommitted, StorageError
 from metanode.view import Written
 
 log = logging.getLogger(__name__)
@@ -53,13 +53,14 @@ class PublishedCount:
     instead of asking SQLite (`PRAGMA data_version` is a read transaction of its own, the WAL
     lock's two `fcntl` with it: most of what a hit saves; benchmarks.md, "Session 25"). Only
     ever counts up, from what the file holds, so a restarted owner never brings it back to a
-    value a reader saw before its documents went old. Whoever opens it first creates it."""
+    value a reader saw before its documents went old. Whoever opens it first creates it, its
+    block allocated (`posix_fallocate`, not `ftruncate`'s hole): a store through the map into a
+    hole the full disk has no block for is SIGBUS, where this is a `storage_full` at start."""
 
     def __init__(self, path: Path) -> None:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            if os.fstat(fd).st_size < COUNT.size:
-                os.ftruncate(fd, COUNT.size)
+            os.posix_fallocate(fd, 0, COUNT.size)
             self._map = mmap.mmap(fd, COUNT.size)
         finally:
             os.close(fd)
@@ -254,8 +255,9 @@ class Applier:
 
     async def _retrying(self, step: Callable[[], Awaitable[None]], what: str) -> None:
         """Run `step` until it succeeds (or the applier stops): `degraded` meanwhile (so
-        `/health` says so), with a backoff of 0.1 s doubling to 10 s; the traceback is logged
-        once per run of failures, then one line per retry (a full disk fails every retry)."""
+        `/health` says so), with a backoff of 0.1 s doubling to 10 s; one line per retry (a
+        full disk fails every retry), the first with its traceback unless the failure is the
+        storage's (a full disk, a read-only mount: expected, its typed error says it all)."""
         backoff = 0.1
         while not self._ending():
             try:
@@ -263,6 +265,8 @@ class Applier:
             except Exception as exc:
                 if self.degraded:
                     log.warning("%s still fails (%s); retrying in %.1f s", what, exc, backoff)
+                elif isinstance(exc, StorageError):
+                    log.warning("%s failed (%s: %s); retrying", what, exc.slug, exc.message)
                 else:
                     log.exception("%s failed; retrying", what)
                 self.degraded = True
@@ -288,6 +292,8 @@ class Applier:
                 )
             log.info("building the cache from the truth (outbox seq %d)", self._source.max_seq())
             self.state = await self._store.build(self._source)
+        elif behind := self._source.max_seq() - self.state.applied_seq:  # a stop before applying
+            log.info("the cache is %d truth change(s) behind: applying them", behind)
         self.ready = True
         self._publish(self.state)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -53,6 +54,7 @@ from metanode.errors import (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 def reports_errors(func: F) -> F:
@@ -368,20 +370,34 @@ def serve(
     workers: int | None,
     worker: str | None,
 ) -> None:
-    """Run the node (HTTP API, applier, watcher, plugins, peers) until SIGINT or SIGTERM."""
+    """Run the node (HTTP API, applier, watcher, plugins, peers) until SIGINT, SIGTERM or
+    SIGHUP."""
     settings = load_settings(config_file, data_dir=data_dir, host=host, port=port, workers=workers)
     logs.configure(settings.log_level)  # before the data directory: tightening it is logged
     if worker is not None:
         serve_worker(settings, worker)
         return
-    datadir.Lock(settings.data_dir).acquire()  # held until the process exits
+    with datadir.Lock(settings.data_dir) as lock:  # held until the node stops
+        if lock.unclean is not None:
+            log.warning(
+                "the last node on this data directory (pid %d) did not stop cleanly (killed, "
+                "crashed, or the machine went down): nothing it acknowledged is lost, as every "
+                "truth commit is on disk; the cache catches up from the truth",
+                lock.unclean,
+            )
+        serve_node(settings, config_file)
+
+
+def serve_node(settings: config.Settings, config_file: str | None) -> None:
+    """`serve` once it holds the data directory: open, check, listen, say where, then serve in
+    this process or as the supervisor of `settings.worker_count` workers."""
     maintenance.open_store(settings)
     maintenance.check_writable(settings)
     maintenance.adopt_owner(settings)  # a replica given a fresh data directory: refused
     sock = listen(settings)  # before the token: one made now is shown, once, below
     token, created = maintenance.ensure_token(settings.token_path)
     maintenance.ensure_token(settings.instance_path)  # made once, before any worker reads it
-    url = f"http://{settings.host}:{settings.port}"
+    url = settings.serve_url
     count = settings.worker_count
     # the storage: after `migrate-storage`, a start without `storage` serves the old SQLite
     where = f"data: {settings.data_dir.resolve()}, storage: {settings.storage_shown}"
@@ -416,7 +432,13 @@ def listen(settings: config.Settings) -> socket.socket:
     except OSError as exc:
         where = f"{settings.host}:{settings.port}"
         reason = os.strerror(exc.errno) if exc.errno else str(exc)  # not create_server's repeat
+        if exc.errno is not None and exc.errno < 0:  # the resolver's code, no errno: its words
+            reason = f"{str(exc.strerror).split(' (while attempting')[0]} ({HOST_HINT})"
         raise CannotListen(f"{where}: {reason}") from None
+
+
+# what a host that does not resolve (`cannot_listen`, an error of the resolver) must be instead
+HOST_HINT = "host must be an address of this machine, or a name that resolves to one"
 
 
 def stop_cleanly() -> None:
@@ -429,7 +451,7 @@ def supervise(
     settings: config.Settings, count: int, config_file: str | None, sock: socket.socket
 ) -> None:
     """`serve --workers N`: run the workers (workers.py) on the bound `sock` until
-    SIGTERM/SIGINT."""
+    SIGTERM/SIGINT/SIGHUP."""
     from metanode import workers
 
     base = ["--data-dir", str(settings.data_dir), "--host", settings.host]
@@ -504,15 +526,17 @@ def signers_list(config_file: str | None, data_dir: str | None) -> None:
 
 
 def _status_command(name: str, status: str) -> None:
-    @signers.command(name)
+    # the help given to click, which reads it as the command is made (a __doc__ set after
+    # left `signers block --help` and `signers --help` without a word of what it does)
+    @signers.command(
+        name, help=f"Set UID's status to {status}; the records it voted on are recomputed."
+    )
     @click.argument("uid")
     @settings_options
     @reports_errors
     def command(uid: str, config_file: str | None, data_dir: str | None) -> None:
         row = maintenance.set_signer_status(node_settings(config_file, data_dir), uid, status)
         click.echo(json.dumps(row.as_json()))
-
-    command.__doc__ = f"Set UID's status to {status}; the records it voted on are recomputed."
 
 
 _status_command("block", "blocked")
@@ -1089,7 +1113,7 @@ def restore(
         )
     click.echo(f"restored {backup_file} into {settings.truth_path}")
     click.echo(f"keys: {done.keys or f'kept, {settings.keys_dir}'}")
-    click.echo(f"what it replaced: {done.aside}")
+    click.echo(f"what it replaced: {done.aside or 'nothing (a new data directory)'}")
 
 
 @main.command("export")

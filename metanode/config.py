@@ -149,8 +149,9 @@ class Settings:
     watch_roots: tuple[str, ...] = setting(
         ("./media",),
         "Folders to watch (made if missing, unless files were known there: a disk not mounted "
-        "keeps its files, docs/watcher.md), each folder once (a root may lie inside another); in "
-        "the environment, `:`-separated.",
+        "keeps its files, docs/watcher.md; one that cannot be made, a file of its name, is a "
+        "warning in the log and in /health a folder it cannot read, the other roots watched), "
+        "each folder once (a root may lie inside another); in the environment, `:`-separated.",
     )
     watch_ignore: tuple[str, ...] = setting(
         (), "Extra name or path globs to ignore (comma-separated in the environment)."
@@ -356,11 +357,17 @@ class Settings:
         return networks("trusted_proxies", self.trusted_proxies)
 
     @property
+    def serve_url(self) -> str:
+        """The address `serve` listens on, as a URL: an IPv6 one in brackets (`http://::1:9000`
+        was no URL), an empty host as the wildcard it binds."""
+        return http_url(self.host or "0.0.0.0", self.port)
+
+    @property
     def client_url(self) -> str:
         """Where a client on this machine reaches the node these settings serve: a wildcard
         bind address (`0.0.0.0`, `::`) is asked on loopback."""
         host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
-        return f"http://[{host}]:{self.port}" if ":" in host else f"http://{host}:{self.port}"
+        return http_url(host, self.port)
 
     @property
     def watched(self) -> tuple[str, ...]:
@@ -514,9 +521,22 @@ def load(
     return Settings(**{name: _convert(name, raw) for name, raw in values.items()})
 
 
+def http_url(host: str, port: int) -> str:
+    """`http://host:port`, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
+    """The settings of the TOML file at `path`. UTF-8 with or without the byte-order mark an
+    editor may write first (a mark made `port = 9100` an invalid statement); a file in another
+    encoding (UTF-16, as Windows' Notepad saves) is refused in words: it was a traceback."""
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_text(encoding="utf-8-sig"))
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(
+            f"cannot read config file {path}: not UTF-8 text ({exc.reason} at byte {exc.start}): "
+            "save it as UTF-8"
+        ) from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InvalidRequest(f"cannot read config file {path}: {exc}") from None
     unknown = sorted(set(data) - set(FIELDS))

@@ -12,6 +12,7 @@ their transactions are safe beside a running node, which picks their changes up.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -21,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 
 from metanode import db
-from metanode.errors import DataDirLocked
+from metanode.errors import DataDirLocked, FileFailed
 
 log = logging.getLogger(__name__)
 LOCK_NAME = "lock"
@@ -30,7 +31,13 @@ DIR_MODE, FILE_MODE = 0o700, 0o600
 
 def secure(data_dir: Path) -> None:
     """Create the data directory (0700), or tighten an existing one: itself and every folder in
-    it to 0700, every file to 0600, each change logged. Never loosens a mode."""
+    it to 0700, every file to 0600, each change logged. Never loosens a mode. A file where it
+    should be is refused in words (mkdir's own was `File exists`, of a folder that was not)."""
+    if data_dir.exists() and not data_dir.is_dir():
+        raise FileFailed(
+            f"{data_dir} is a file, not a folder: the data directory (--data-dir, "
+            "METANODE_DATA_DIR, data_dir) names a folder"
+        )
     with db.storage_errors():
         data_dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         _tighten(data_dir, DIR_MODE)
@@ -61,15 +68,25 @@ def _tighten(path: Path, allowed: int) -> None:
         )
 
 
+# What the lock file says after the holder's pid: `running` while it holds it, `stopped` once it
+# let go (`Lock.release`); the same length, so the one is written over the other in place.
+RUNNING, STOPPED = "running", "stopped"
+
+
 class Lock:
     """An exclusive `flock` on `<data dir>/lock`, which holds the holder's pid, for as long as a
     node (`serve`, `scan`) runs. The kernel drops it when the process ends, however it ends, so
-    a stale lock file never blocks a restart: `serve` simply holds it until it exits."""
+    a stale lock file never blocks a restart: `serve` simply holds it until it exits.
+
+    The file also tells whether the last holder let go (`release`, at the end of a clean stop)
+    or died holding it (SIGKILL, a crash, the machine down): `unclean` is then its pid, so a
+    start can say so (the node said nothing of it)."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self.path = data_dir / LOCK_NAME
         self._fd = -1
+        self.unclean: int | None = None  # the pid of a last holder that never let go
 
     def __enter__(self) -> Lock:
         return self.acquire()
@@ -91,20 +108,31 @@ class Lock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            said = os.pread(fd, 32, 0).decode("ascii", "replace").split()
             raise DataDirLocked(
-                f"{self.data_dir.resolve()} is in use by pid {holder} (a running node: stop it "
-                "first, or give another --data-dir)"
+                f"{self.data_dir.resolve()} is in use by pid {said[0] if said else 'unknown'} "
+                "(a running node: stop it first, or give another --data-dir)"
             ) from None
+        said = os.pread(fd, 32, 0).decode("ascii", "replace").split()
+        if said[1:] == [RUNNING] and said[0].isdigit():
+            self.unclean = int(said[0])
         with db.storage_errors(self.path):
             os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+            os.pwrite(fd, f"{os.getpid()} {RUNNING}\n".encode("ascii"), 0)
+
+    def release(self) -> None:
+        """Let go, marking the file `stopped` first: written over `running` in place, so even a
+        full disk takes it (it needs no new block); if it is not taken, the next start says the
+        stop was not clean, which is all that costs."""
+        with contextlib.suppress(OSError):
+            os.pwrite(self._fd, STOPPED.encode("ascii"), len(f"{os.getpid()} "))
+        os.close(self._fd)  # releases the flock; the file stays, for the next holder
+        self._fd = -1
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        os.close(self._fd)  # releases the flock; the file stays, for the next holder
-        self._fd = -1
+        self.release()
 
 
 def check_writable(paths: Iterable[db.Target]) -> None:

@@ -442,11 +442,15 @@ def snapshot(conn: Connection) -> Iterator[Connection]:
 Migration = Callable[[Any], None]  # takes the store's connection (`Connection`)
 
 
-def migrate(conn: Connection, migrations: Sequence[Migration]) -> int:
+def migrate(conn: Connection, migrations: Sequence[Migration], name: str = "database") -> int:
     """Apply the migrations after `PRAGMA user_version`, each with its version bump, in one txn.
 
-    Forward only: a database newer than this code is refused rather than guessed at.
+    Forward only: a database newer than this code is refused rather than guessed at. Bringing
+    an existing database (`name`) up to date is said in the log, before and after: the first
+    start after an upgrade may rewrite a large table for minutes (operations.md, "Upgrading"),
+    and it said nothing meanwhile. Making a new one is not.
     """
+    began = time.monotonic()
 
     def txn(conn: Connection) -> int:
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
@@ -455,12 +459,25 @@ def migrate(conn: Connection, migrations: Sequence[Migration]) -> int:
                 f"database schema {version} is newer than this metanode's "
                 f"({len(migrations)}): upgrade metanode, or restore a backup taken before"
             )
+        if 0 < version < len(migrations):
+            log.info(
+                "migrating %s from schema %d to %d, in one transaction (docs/operations.md, "
+                "'Upgrading')",
+                name,
+                version,
+                len(migrations),
+            )
         for number, step in enumerate(migrations[version:], start=version + 1):
             step(conn)
             conn.execute(f"PRAGMA user_version={number}")
-        return len(migrations)
+        return version
 
-    return run_txn(conn, txn)
+    before = run_txn(conn, txn)
+    if 0 < before < len(migrations):
+        log.info(
+            "migrated %s to schema %d in %.1f s", name, len(migrations), time.monotonic() - began
+        )
+    return len(migrations)
 
 
 def migrate_file(target: Target, migrations: Sequence[Migration]) -> int:
@@ -471,7 +488,7 @@ def migrate_file(target: Target, migrations: Sequence[Migration]) -> int:
             pg.ensure_schema(target)
     conn = connect(target)
     try:
-        return migrate(conn, migrations)
+        return migrate(conn, migrations, str(target))
     finally:
         conn.close()
 

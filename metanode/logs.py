@@ -59,8 +59,11 @@ def configure(level: str, json_lines: bool | None = None) -> None:
         logging.getLogger(name).handlers[:] = []
         logging.getLogger(name).propagate = True
     # httpx logs every request at info: a peer follower polling each second would fill the log
-    # (its failures are logged by metanode.peers)
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
+    # (its failures are logged by metanode.peers); watchfiles logs `N changes detected` at info
+    # for every batch of file events: a library being written to (a download) filled the log
+    # with them, where the watcher logs what it does with them itself
+    for chatty in ("httpx", "watchfiles"):
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))
 
 
 def progress_bar(sizes: bool = False) -> Any:

@@ -370,7 +370,7 @@ def _backup_names(target: Path, suffix: str) -> tuple[Path, Path]:
 class Restored:
     """What `restore` did: where it put what it replaced, and whether the keys came too."""
 
-    aside: Path  # the replaced truth (with its WAL) and keys, kept, never deleted
+    aside: Path | None  # the replaced truth (with its WAL) and keys, kept; None: there were none
     keys: Path | None  # the keys folder restored, or None: the data directory's kept
 
 
@@ -412,9 +412,12 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
         raise
     for name in ("cache.db", "cache.db-wal", "cache.db-shm"):  # first: it is the old truth's
         (settings.data_dir / name).unlink(missing_ok=True)
-    aside = _aside(settings.data_dir)
-    for name in ("truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else [])):
-        if (settings.data_dir / name).exists():
+    replaced = ("truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else []))
+    present = [name for name in replaced if (settings.data_dir / name).exists()]
+    aside = None  # a new data directory (a new machine's) has nothing to keep: no empty folder
+    if present:
+        aside = _aside(settings.data_dir)
+        for name in present:
             (settings.data_dir / name).rename(aside / name)
     incoming.rename(settings.truth_path)
     if keys is not None:

@@ -18,19 +18,89 @@ the supervisor drops a dead worker's file, `mark_process_dead`).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    mmap_dict,
+    values,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from metanode.merge import Verdict
 
+log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client as it is imported
+
+
+class AllocatedFile(mmap_dict.MmapedDict):
+    """prometheus-client's memory-mapped metric file (multiprocess mode), its blocks allocated
+    on the disk before anything is stored through the map. The library sizes the file with
+    `truncate`, which leaves a hole, and a store into a hole the file system has no block for
+    (the data directory's disk full) is SIGBUS: under `serve --workers N` the owner died of it
+    at once, as soon as a request made a new series. Allocated first (`posix_fallocate`), a
+    full disk is an `OSError` here instead: a new file refuses to be made (at a worker's start,
+    which a full disk refuses anyway), and a new series that needs more room is not recorded
+    until there is room (`write_value`), the worker serving on."""
+
+    def __init__(self, filename: str, read_mode: bool = False) -> None:
+        self._said = False  # whether a failure to record was logged (`_not_recorded`)
+        if not read_mode:
+            fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                if os.fstat(fd).st_size == 0:  # the library's own first size, allocated
+                    os.posix_fallocate(fd, 0, mmap_dict._INITIAL_MMAP_SIZE)
+            finally:
+                os.close(fd)
+        super().__init__(filename, read_mode)  # type: ignore[no-untyped-call]
+
+    def _init_value(self, key: str) -> None:
+        """Allocate the room the library is about to `truncate` the file to (doubling its size
+        until the new entry fits), then let it write the entry. An entry is a 4-byte length,
+        the key padded to 8 bytes and two doubles (mmap_dict.py): counted here with the most
+        padding, so the room allocated is never less than the size the library picks."""
+        entry = 4 + len(key.encode("utf-8")) + 8 + 16
+        room = self._capacity
+        while self._used + entry > room:
+            room *= 2
+        if room > self._capacity:
+            os.posix_fallocate(self._f.fileno(), 0, room)
+        super()._init_value(key)  # type: ignore[no-untyped-call]
+
+    def read_value(self, key: str) -> tuple[float, float]:
+        try:
+            return super().read_value(key)  # type: ignore[no-any-return,no-untyped-call]
+        except OSError as exc:
+            self._not_recorded(exc)
+            return 0.0, 0.0
+
+    def write_value(self, key: str, value: float, timestamp: float) -> None:
+        try:
+            super().write_value(key, value, timestamp)  # type: ignore[no-untyped-call]
+        except OSError as exc:
+            self._not_recorded(exc)
+
+    def _not_recorded(self, exc: OSError) -> None:
+        """Said once per file (a process has three), not at every request of a full disk."""
+        if not self._said:
+            self._said = True
+            log.warning(
+                "new metric series are not recorded while %s has no room (%s)", self._fname, exc
+            )
+
+
+# Every multiprocess value's file is made through this name (prometheus_client.values).
+values.MmapedDict = AllocatedFile  # type: ignore[attr-defined]
 
 
 class Metrics:

@@ -60,6 +60,7 @@ from metanode.errors import (
     Merged,
     MetanodeError,
     NotFoundError,
+    StorageError,
     TooLarge,
     UnknownCid,
     UnknownPeer,
@@ -400,7 +401,8 @@ class Node:
 
     async def _retention(self) -> None:
         """From start and then periodically: enforce feed retention, and drop the outbox rows
-        the cache has applied."""
+        the cache has applied. A failure is tried again at the next turn: the storage's (a full
+        disk) in one line, anything else with its traceback."""
         keep = self.settings.feed_retention_events
         window_ms = int(self.settings.feed_retention_days * 86_400_000)
         while True:
@@ -408,6 +410,8 @@ class Node:
                 await self.cache.prune_feed(keep, self.clock() - window_ms)
                 if self.applier.ready:
                     await self.truth.prune_changes(self.applier.applied_seq)
+            except StorageError as exc:
+                log.warning("retention failed (%s: %s); will retry", exc.slug, exc.message)
             except Exception:
                 log.exception("retention failed; will retry")
             await asyncio.sleep(self.settings.feed_prune_s)

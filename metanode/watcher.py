@@ -436,7 +436,9 @@ class Watcher:
         itself if it is missing or no folder (a disk not mounted, a share not up)."""
         device = _folder_device(root)
         if device is None:
-            log.warning("watch root %s is missing: its files are kept until it is back", root)
+            log.warning(
+                "watch root %s is missing or no folder: its files are kept until it is back", root
+            )
             return Listing(root, None, {}, [root])
         unlisted: list[str] = []
         files = dict(walk(root, self.rules, root, unlisted))
@@ -701,7 +703,7 @@ class Watcher:
         present = {root for root, _ in await asyncio.to_thread(self._present)}
         for root in set(self.roots) - present:  # a new root is made; a known one is a disk away
             if not self._known_stats([root]):
-                Path(root).mkdir(parents=True, exist_ok=True)
+                _make_root(root)
         tasks = [asyncio.create_task(self._inotify_loop(), name="watcher-inotify")]
         tasks.append(asyncio.create_task(self._roots_loop(), name="watcher-roots"))
         try:
@@ -802,6 +804,16 @@ def _subfolders(folder: str, follow_symlinks: bool) -> list[str]:
             )
     except OSError:
         return []
+
+
+def _make_root(root: str) -> None:
+    """Make a new watch root. One that cannot be made (a file of its name, a folder it may not
+    write) is said here and watched as a missing one (`_listing`, /health): it stopped the
+    whole watcher, the other roots too, and nothing said why but /health's "stopped"."""
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        log.warning("cannot make watch root %s (%s); it is watched once it is a folder", root, exc)
 
 
 def next_pause(pause: float, watched_s: float) -> float:

@@ -23,8 +23,8 @@ a write is a few hundred microseconds of work against ≈ 100 µs for the extra 
 The **supervisor** (`supervise`, the `serve` process itself) holds the data directory's lock,
 binds the listening socket once and hands it to each worker (`pass_fds`: the kernel spreads
 the connections among the processes that accept on it), restarts a worker that died, and on
-SIGTERM/SIGINT stops them all. Workers die with it (`PR_SET_PDEATHSIG`), so a SIGKILL of the
-supervisor ends the node as it ends a single-process one. A worker that keeps dying is
+SIGTERM/SIGINT/SIGHUP stops them all. Workers die with it (`PR_SET_PDEATHSIG`), so a SIGKILL of
+the supervisor ends the node as it ends a single-process one. A worker that keeps dying is
 restarted after growing delays (`Backoff`), each restart logged with the exit status and the
 delay and counted in the owner's /metrics (`Restarts`, from `workers.json` the supervisor
 writes). The workers' metrics are summed across processes (metrics.py, multiprocess mode, in
@@ -451,11 +451,13 @@ class Supervisor:
         log.info("worker %d (%s) started: pid %d", index, role, self.procs[index].pid)
 
     def _stop(self, signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:  # as one process does (server.hung_up)
+            log.warning("SIGHUP: stopping every worker as for SIGTERM")
         self.stopping = True
 
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, self._stop)
-        signal.signal(signal.SIGINT, self._stop)
+        for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: server.hung_up
+            signal.signal(stop, self._stop)
         shutil.rmtree(self.metrics, ignore_errors=True)  # counts start at zero, as with one
         self.metrics.mkdir(mode=0o700)
         self._write_status()
@@ -496,15 +498,21 @@ class Supervisor:
         )
 
     def _write_status(self) -> None:
-        """The restart counts for the owner's /metrics (`Restarts`), replaced whole."""
+        """The restart counts for the owner's /metrics (`Restarts`), replaced whole. A file
+        that cannot be written (the data directory's disk full: the very failure a worker may
+        have died of) leaves the counts /metrics shows as they were, said in the log; the
+        supervisor, and with it every worker, must not end over it."""
         status = {}
         for role, index in self.roles:
             count, delay = self.restarts[index]
             status[worker_name(role, index)] = {"restarts": count, "delay_s": delay}
         partial = self.status.with_suffix(".tmp")
-        partial.touch(mode=0o600)  # private like the rest of the data directory
-        partial.write_text(json.dumps(status))
-        partial.replace(self.status)
+        try:
+            partial.touch(mode=0o600)  # private like the rest of the data directory
+            partial.write_text(json.dumps(status))
+            partial.replace(self.status)
+        except OSError as exc:
+            log.warning("cannot write %s (%s): /metrics shows older restart counts", partial, exc)
 
     def _stop_all(self) -> None:
         """SIGTERM to every worker (readers first: they hand requests to the owner), then wait;

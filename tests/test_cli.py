@@ -7,9 +7,11 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import click
 import pytest
 from click.testing import CliRunner, Result
 from multiformats import CID
@@ -32,6 +34,29 @@ TS = 1_764_500_000_000
 
 def run(*args: str, stdin: str | None = None) -> Result:
     return CliRunner().invoke(main, list(args), input=stdin)
+
+
+def commands(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """Every command and group below `group`, as the words that name it."""
+    for name, command in group.commands.items():
+        yield (*path, name)
+        if isinstance(command, click.Group):
+            yield from commands(command, (*path, name))
+
+
+def test_every_command_says_what_it_does_in_its_help() -> None:
+    """`metanode signers block --help` said nothing but its usage, and `signers --help` listed
+    block and unblock with no words beside them."""
+    listed = list(commands(main))
+    assert ("signers", "block") in listed and ("peers", "token", "revoke") in listed
+    for words in listed:
+        result = run(*words, "--help")
+        assert result.exit_code == 0, result.output
+        described = result.output.split("Options:")[0].split("\n", 2)[2].strip()
+        assert described, f"metanode {' '.join(words)} --help: {result.output}"
+    for group in ("signers", "peers", "peers token", "plugins", "claim", "cid"):
+        listing = run(*group.split(), "--help").output.split("Commands:")[1]
+        assert all(len(line.split()) > 1 for line in listing.strip().splitlines()), listing
 
 
 @pytest.fixture

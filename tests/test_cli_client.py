@@ -204,6 +204,17 @@ def test_serve_on_a_port_another_server_holds_says_so_and_never_that_it_serves(
         holder.close()
 
 
+def test_a_host_serve_cannot_have_is_said_in_words(tmp_path: Path) -> None:
+    """A host that does not resolve was `cannot_listen: …: Unknown error -2` (the resolver's
+    code read as an errno)."""
+    env = {"METANODE_DATA_DIR": str(tmp_path / "data"), "METANODE_WATCH_ENABLED": "0"}
+    done = metanode("serve", "--host", "no-such-host.invalid", "--port", "9", env=env)
+    assert done.returncode == 2, done
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith("error: cannot_listen: no-such-host.invalid:9: "), last
+    assert "Unknown error" not in last and "host must be an address of this machine" in last
+
+
 def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:
     port = free_port()
     for args in (("get", MIDHASH), ("claim", "post", "--token", "t", "{}")):

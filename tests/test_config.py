@@ -115,6 +115,18 @@ def test_unknown_file_keys_and_broken_toml_are_errors(tmp_path: Path) -> None:
         config.load(broken, env={})
 
 
+def test_a_config_file_is_utf8_with_or_without_a_byte_order_mark(tmp_path: Path) -> None:
+    """Notepad's choices: UTF-8 with a byte-order mark is read; UTF-16 is refused in words
+    (it was a UnicodeDecodeError's traceback)."""
+    marked = tmp_path / "marked.toml"
+    marked.write_text("port = 9100\n", encoding="utf-8-sig")
+    assert config.load(marked, env={}).port == 9100
+    wide = tmp_path / "wide.toml"
+    wide.write_text("port = 9100\n", encoding="utf-16")
+    with pytest.raises(InvalidRequest, match=r"wide\.toml: not UTF-8 text .*: save it as UTF-8$"):
+        config.load(wide, env={})
+
+
 def test_unknown_environment_names_are_warned_of_with_a_guess() -> None:
     env = {
         "METANODE_PROT": "1",
@@ -144,3 +156,17 @@ def test_one_folder_named_twice_as_a_watch_root_is_refused(tmp_path: Path) -> No
         config.load(env={"METANODE_WATCH_ROOTS": f"{media}:{media}/"})
     nested = config.Settings(watch_roots=(str(media), str(media / "tv")))
     assert nested.watch_roots == (str(media), str(media / "tv"))
+
+
+def test_the_address_serve_shows_is_a_url() -> None:
+    """An IPv6 host was shown `http://::1:9000`, no URL; an empty host binds every address."""
+    shown = {
+        host: config.Settings(host=host, port=9100).serve_url
+        for host in ("::1", "", "10.0.0.2", "0.0.0.0")
+    }
+    assert shown == {
+        "::1": "http://[::1]:9100",
+        "": "http://0.0.0.0:9100",
+        "10.0.0.2": "http://10.0.0.2:9100",
+        "0.0.0.0": "http://0.0.0.0:9100",
+    }

@@ -145,6 +145,8 @@ def test_crash_between_truth_commit_and_cache_apply(
                 assert response.json()["accepted"] == len(batch)
             lagging = http.get("/health").json()
         assert lagging["apply_lag"] > 0, lagging
+        assert first.proc is not None
+        killed = first.proc.pid
         assert first.stop(signal.SIGKILL) == -signal.SIGKILL  # while the apply still waits
 
     with (
@@ -171,6 +173,10 @@ def test_crash_between_truth_commit_and_cache_apply(
     assert health["status"] == "ok", health
     assert health["applied_seq"] >= truth_seq
     assert health["epoch"] == state["epoch"], "repaired by a rebuild, not by re-applying"
+    # the restart says what happened and what it caught up (it said nothing)
+    restart = healthy.log_text().split("metanode serving", 1)[1]
+    assert f"(pid {killed}) did not stop cleanly" in restart, restart
+    assert f"the cache is {truth_seq - state['applied_seq']} truth change(s) behind" in restart
     with httpx.Client(base_url=healthy.url, timeout=10) as http:
         for batch in batches:
             for c in batch:

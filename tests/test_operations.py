@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -140,6 +141,23 @@ def test_json_log_lines_carry_the_request_id() -> None:
     assert line["level"] == "info" and line["ts"].endswith("Z")
 
 
+@pytest.mark.parametrize("chatty", ["httpx", "watchfiles.main"])
+def test_libraries_that_log_each_request_or_file_event_are_quiet_at_info(chatty: str) -> None:
+    """watchfiles said `1 change detected` at info for every batch of file events (a download
+    into the library: a line a second), httpx each peer poll."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        logs.configure("info", json_lines=True)
+        assert not logging.getLogger(chatty).isEnabledFor(logging.INFO)
+        assert logging.getLogger(chatty).isEnabledFor(logging.WARNING)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for name in ("httpx", "watchfiles"):
+            logging.getLogger(name).setLevel(logging.NOTSET)
+
+
 async def test_health_degrades_when_the_watcher_stalls(tmp_path: Path) -> None:
     node = Node(settings_for(tmp_path / "d", watch_enabled=True))
     await node.start()
@@ -166,6 +184,24 @@ def cli(*args: str, storage: str = "sqlite") -> subprocess.CompletedProcess[str]
     )
     assert done.returncode == 0, done.stdout + done.stderr
     return done
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_stops_the_node_cleanly_and_says_so(tmp_path: Path, workers: int) -> None:
+    """SIGHUP, what a closed terminal sends `make serve` (or a `kill -HUP` meant as "reload"),
+    killed the node outright: no line in the log, and nothing of a clean stop (feeds cut,
+    the sockets and MetaMesh's lock file left naming a node that was gone). It is a clean
+    stop as SIGTERM's, said in the log."""
+    volume = tmp_path / "meta-core"
+    srv = Server(tmp_path / "data", env={"METANODE_METAMESH_VOLUME": str(volume)}, workers=workers)
+    srv.start()
+    lock = volume / "locks" / "kv-leader.info"
+    assert lock.exists()
+    assert srv.stop(signal.SIGHUP) == 0
+    log = srv.log_text()
+    assert "SIGHUP: stopping" in log and "Application shutdown complete" in log, log
+    assert not lock.exists()
+    assert not (srv.data_dir / "owner.sock").exists()
 
 
 def test_backup_names_within_one_second_never_meet(
@@ -325,6 +361,20 @@ def test_restore_puts_the_backup_back_whatever_wal_the_node_left(tmp_path: Path,
     finally:
         server.stop()
     assert "clean" in cli("check", "--data-dir", str(server.data_dir)).stdout
+
+
+def test_restore_into_a_new_data_directory_replaces_nothing(tmp_path: Path) -> None:
+    """A new machine: its data directory does not exist yet. The restore left an empty
+    `replaced-<stamp>/` and said it held what it replaced."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    cli("init", "--data-dir", str(old))
+    cli("signers", "add", Signer().uid, "--name", "kept", "--data-dir", str(old))
+    made = cli("backup", str(tmp_path / "bk"), "--data-dir", str(old)).stdout.strip()
+    done = cli("restore", made, "--data-dir", str(new))
+    assert done.stdout.splitlines()[-1] == "what it replaced: nothing (a new data directory)"
+    assert not list(new.glob("replaced-*"))
+    listed = cli("signers", "list", "--data-dir", str(new)).stdout
+    assert listed == cli("signers", "list", "--data-dir", str(old)).stdout
 
 
 def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: Path) -> None:

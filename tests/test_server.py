@@ -156,6 +156,7 @@ def test_round_trip_shutdown_and_restart(tmp_path: Path, track: Track) -> None:
     doc = httpx.get(f"{again.url}/api/meta/{CID}", timeout=10)
     assert doc.status_code == 200, doc.text
     assert doc.json() == expected_doc
+    assert "did not stop cleanly" not in again.log_text()  # it did
     response = httpx.get(f"{again.url}/api/hash-ids", headers=again.headers, timeout=10)
     assert response.json() == {"hashIds": [rid], "next": None}
     assert httpx.get(f"{again.url}/health", timeout=10).json()["status"] == "ok"

@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import sqlite3
 import stat
 import subprocess
@@ -29,7 +30,7 @@ from metanode import cid as cids
 from metanode import db, errors, jsonl
 from metanode.node import Node
 from tests.helpers.claims import Signer
-from tests.helpers.server import Server, free_port, metanode_check
+from tests.helpers.server import Server, free_port, metanode_check, role_pids
 from tests.helpers.settings import settings_for
 
 TMPFS_BYTES = 8 << 20
@@ -146,9 +147,30 @@ def batch(signer: Signer, tag: str, n: int) -> list[dict[str, Any]]:
     ]
 
 
+# Requests of routes, methods and answers not seen before: each a series of
+# `metanode_request_seconds`, a few kilobytes more of the workers' metric files.
+UNKNOWN = cids.midhash_bytes(b"no record holds it")
+NEW_SERIES = [
+    ("GET", f"/api/meta/{UNKNOWN}"),
+    ("GET", f"/api/meta/{UNKNOWN}/claims"),
+    ("GET", "/api/meta/not-a-cid"),
+    ("GET", "/api/signers"),
+    ("GET", "/api/peers"),
+    ("GET", "/api/plugins"),
+    ("DELETE", "/api/peers/nobody"),
+    ("POST", "/api/plugins/nothing/retry"),
+    ("POST", "/api/signers/z6Mknobody/block"),
+]
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["one-process", "two-workers"])
 def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost(
-    tmpfs: Path, tmp_path: Path
+    tmpfs: Path, tmp_path: Path, workers: int
 ) -> None:
+    """With two workers as with one: their metric files (memory-mapped, in the data directory)
+    and the supervisor's restart counts are on the full disk too. A store through the map
+    into a hole the disk had no block for killed a worker (SIGBUS), and the supervisor
+    ended on its `workers.json`, every worker with it."""
     srv = Server(
         tmpfs,
         log=tmp_path / "serve.log",  # the log must not need the full disk
@@ -156,8 +178,27 @@ def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost
             "METANODE_ACCEPT_UNKNOWN_SIGNERS": "true",
             "METANODE_APPLY_WAIT_S": "0.5",
             "METANODE_APPLY_POLL_S": "0.2",
+            "METANODE_FEED_PRUNE_S": "0.2",  # retention too meets the full disk
         },
+        workers=workers,
     ).start()
+    try:
+        acknowledged = fill_refuse_recover(srv, tmpfs)
+        for claim in acknowledged:  # every acknowledged claim is there, cache and truth
+            document = srv.meta(claim["cid"])
+            assert document is not None and document["metadata"]["title"] == claim["value"]
+    finally:
+        stopped = srv.stop()  # also when it failed: the tmpfs is unmounted next
+    assert stopped == 0
+    assert " exited (" not in srv.log_text()  # no worker died on the way
+    assert "Traceback" not in srv.log_text()  # expected: said in lines, not as a crash
+    metanode_check(tmpfs)
+
+
+def fill_refuse_recover(srv: Server, tmpfs: Path) -> list[dict[str, Any]]:
+    """Over one kept-alive connection: claims until the filled disk refuses them, the typed
+    503, new metric series, `/health` degraded while full and ok by itself once there is room,
+    claims taken again. The claims acknowledged on the way."""
     signer = Signer()
     conn = Connection(srv)
     acknowledged: list[dict[str, Any]] = []
@@ -183,6 +224,9 @@ def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost
         assert body["retryable"] is True and set(body) == {"error", "message", "retryable"}
         assert int(response.headers["Retry-After"]) >= 1
 
+        for method, path in NEW_SERIES:  # new metric series on the full disk: no worker dies
+            answered, _, envelope = conn.request(method, path)
+            assert answered < 500 or envelope["retryable"], (method, path, answered, envelope)
         health = conn.health()  # the same connection still answers
         assert health["status"] == "degraded", health
         assert any(body["error"] in problem for problem in health["problems"]), health
@@ -203,12 +247,28 @@ def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost
         acknowledged += after
     finally:
         conn.close()
+    return acknowledged
 
-    for claim in acknowledged:  # every acknowledged claim is there, cache and truth
-        document = srv.meta(claim["cid"])
-        assert document is not None and document["metadata"]["title"] == claim["value"]
-    assert srv.stop() == 0
-    metanode_check(tmpfs)
+
+def test_a_worker_that_dies_on_a_full_disk_is_restarted_once_there_is_room(
+    tmpfs: Path, tmp_path: Path
+) -> None:
+    """The supervisor writes each restart's count into the data directory (`workers.json`,
+    for /metrics): on a full disk that write failed and ended the supervisor, every worker
+    with it, so one worker's death took the whole node down for good."""
+    srv = Server(tmpfs, log=tmp_path / "serve.log", workers=2).start()
+    try:
+        filler = fill(tmpfs)
+        killed = role_pids(srv)["reader"]
+        os.kill(killed, signal.SIGKILL)
+        wait_for("the unwritten count is said", lambda: "cannot write" in srv.log_text())
+        filler.unlink()
+        wait_for("a new reader", lambda: role_pids(srv).get("reader") not in (None, killed))
+        assert srv.proc is not None and srv.proc.poll() is None  # the supervisor served on
+        assert health(srv)["status"] == "ok"
+    finally:
+        stopped = srv.stop()
+    assert stopped == 0
 
 
 def test_claims_stored_while_the_cache_cannot_apply_them_are_applied_once_it_can(
@@ -328,6 +388,18 @@ def test_serve_refuses_a_data_directory_it_may_not_write(tmp_path: Path) -> None
     )
     assert_refused(done, "storage_read_only")
     assert "Permission denied" in done.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "init", "restore"])
+def test_a_data_directory_that_is_a_file_is_said_so(tmp_path: Path, command: str) -> None:
+    """Named by METANODE_DATA_DIR (click checks --data-dir itself), a file was
+    `file_failed: …: File exists`, of a folder that did not."""
+    data = tmp_path / "data"
+    data.write_text("not a folder")
+    args = {"serve": ["--port", str(free_port())], "restore": [str(tmp_path / "x.db")]}
+    done = cli(command, *args.get(command, []), prefix=["env", f"METANODE_DATA_DIR={data}"])
+    assert_refused(done, "file_failed")
+    assert f"{data} is a file, not a folder" in done.stderr
 
 
 # -- the database layer maps real SQLite errors ------------------------------------------------

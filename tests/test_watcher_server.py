@@ -772,6 +772,22 @@ def test_a_watch_root_missing_at_start_keeps_its_files_until_it_is_back(start: S
     assert str(kept) in again.files()
 
 
+def test_a_watch_root_that_cannot_be_made_is_said_and_the_others_are_watched(
+    start: Start, tmp_path: Path
+) -> None:
+    """A root that is a file (a typo in `watch_roots`) made the watcher's start fail: every
+    root went unwatched, /health said only "the watcher has stopped" and the log nothing."""
+    typo = tmp_path / "film.mkv"
+    typo.write_bytes(os.urandom(3000))
+    server = start(watch_roots=f"{typo}:{tmp_path / 'media'}")
+    added = write(server.media / "film.mkv", os.urandom(3000))
+    wait_for("a file of the other root listed", lambda: str(added) in server.files())
+    health = server.health()
+    assert health["watcher"]["unlisted"] == [str(typo)], health
+    assert "the watcher has stopped" not in health["problems"], health
+    assert f"cannot make watch root {typo}" in server.log_text()
+
+
 def test_a_folder_taken_out_of_watch_roots_loses_the_rows_of_its_deleted_files(
     start: Start, tmp_path: Path
 ) -> None:

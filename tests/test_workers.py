@@ -23,7 +23,7 @@ from metanode import cid as cids
 from metanode import workers
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.feed import FrameParser
-from tests.helpers.server import Server
+from tests.helpers.server import Server, role_pids
 
 DEADLINE_S = 60.0
 A, B, C = (cids.midhash_bytes(f"workers {n}".encode()) for n in "ABC")
@@ -78,26 +78,6 @@ def register(client: httpx.Client, signer: Signer) -> None:
 def title_of(client: httpx.Client, cid: str) -> str | None:
     response = client.get(f"/api/meta/{cid}")
     return response.json()["metadata"].get("title") if response.status_code == 200 else None
-
-
-def children(pid: int) -> list[int]:
-    return [
-        int(child)
-        for task in Path(f"/proc/{pid}/task").iterdir()
-        for child in (task / "children").read_text().split()
-    ]
-
-
-def role_pids(srv: Server) -> dict[str, int]:
-    """The live worker processes of the supervisor, by role (a killed one not yet reaped has
-    no command line any more)."""
-    assert srv.proc is not None
-    out = {}
-    for pid in children(srv.proc.pid):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"--worker" in argv:
-            out[argv[argv.index(b"--worker") + 1].decode().split(":")[0]] = pid
-    return out
 
 
 def test_writes_through_either_worker_are_read_at_once_from_both(server: Server) -> None:

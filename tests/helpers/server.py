@@ -161,6 +161,26 @@ class Server:
         print(f"--- {self.log} ---\n{self.log_text()}")
 
 
+def children(pid: int) -> list[int]:
+    return [
+        int(child)
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
+
+
+def role_pids(srv: Server) -> dict[str, int]:
+    """The live worker processes of a `--workers N` server's supervisor, by role (a killed one
+    not yet reaped has no command line any more)."""
+    assert srv.proc is not None
+    out = {}
+    for pid in children(srv.proc.pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--worker" in argv:
+            out[argv[argv.index(b"--worker") + 1].decode().split(":")[0]] = pid
+    return out
+
+
 def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
     """Poll /health until the cache has applied every truth change, or fail saying so."""
     deadline = time.monotonic() + timeout
