@@ -190,8 +190,8 @@ def cli(*args: str, storage: str = "sqlite") -> subprocess.CompletedProcess[str]
 def test_sighup_stops_the_node_cleanly_and_says_so(tmp_path: Path, workers: int) -> None:
     """SIGHUP, what a closed terminal sends `make serve` (or a `kill -HUP` meant as "reload"),
     killed the node outright: no line in the log, and nothing of a clean stop (feeds cut,
-    the sockets and MetaMesh's lock file left naming a node that was gone). It is a clean
-    stop as SIGTERM's, said in the log."""
+    the sockets left, the data directory's lock not marked stopped). It is a clean stop as
+    SIGTERM's, said in the log; MetaMesh's lock file stays, as at every stop (compat.announce)."""
     volume = tmp_path / "meta-core"
     srv = Server(tmp_path / "data", env={"METANODE_METAMESH_VOLUME": str(volume)}, workers=workers)
     srv.start()
@@ -200,7 +200,8 @@ def test_sighup_stops_the_node_cleanly_and_says_so(tmp_path: Path, workers: int)
     assert srv.stop(signal.SIGHUP) == 0
     log = srv.log_text()
     assert "SIGHUP: stopping" in log and "Application shutdown complete" in log, log
-    assert not lock.exists()
+    assert lock.exists()
+    assert (srv.data_dir / "lock").read_text().split()[1:] == ["stopped"]
     assert not (srv.data_dir / "owner.sock").exists()
 
 
