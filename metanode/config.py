@@ -45,7 +45,9 @@ SECONDS = 0.001  # the shortest wait a `_s` setting takes: 0 would spin a core
 
 @dataclass(frozen=True)
 class Settings:
-    host: str = setting("127.0.0.1", "Address the HTTP server binds.")
+    host: str = setting(
+        "127.0.0.1", "Address the HTTP server binds (0.0.0.0: every interface; never empty)."
+    )
     port: int = setting(9000, "TCP port of the HTTP server.", low=1, high=65535)
     workers: int = setting(
         0,
@@ -294,6 +296,13 @@ class Settings:
             raise InvalidRequest(
                 f"setting log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
             )
+        if not self.host.strip():
+            # uvicorn binds every interface for "": an unset variable in a compose file
+            # (`METANODE_HOST=${HOST}`) put the node on the network without a word
+            raise InvalidRequest(
+                "setting host: empty; give the address to listen on (127.0.0.1: this machine "
+                "only; 0.0.0.0: every interface)"
+            )
         _ = self.plugin_weight_map
         networks("trusted_networks", self.trusted_networks)
         networks("trusted_proxies", self.trusted_proxies)
@@ -359,14 +368,14 @@ class Settings:
     @property
     def serve_url(self) -> str:
         """The address `serve` listens on, as a URL: an IPv6 one in brackets (`http://::1:9000`
-        was no URL), an empty host as the wildcard it binds."""
-        return http_url(self.host or "0.0.0.0", self.port)
+        was no URL)."""
+        return http_url(self.host, self.port)
 
     @property
     def client_url(self) -> str:
         """Where a client on this machine reaches the node these settings serve: a wildcard
         bind address (`0.0.0.0`, `::`) is asked on loopback."""
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
         return http_url(host, self.port)
 
     @property

@@ -159,14 +159,17 @@ def test_one_folder_named_twice_as_a_watch_root_is_refused(tmp_path: Path) -> No
 
 
 def test_the_address_serve_shows_is_a_url() -> None:
-    """An IPv6 host was shown `http://::1:9000`, no URL; an empty host binds every address."""
+    """An IPv6 host was shown `http://::1:9000`, no URL. An empty host, which binds every
+    address (an unset variable in a compose file), is refused."""
     shown = {
         host: config.Settings(host=host, port=9100).serve_url
-        for host in ("::1", "", "10.0.0.2", "0.0.0.0")
+        for host in ("::1", "10.0.0.2", "0.0.0.0")
     }
     assert shown == {
         "::1": "http://[::1]:9100",
-        "": "http://0.0.0.0:9100",
         "10.0.0.2": "http://10.0.0.2:9100",
         "0.0.0.0": "http://0.0.0.0:9100",
     }
+    for empty in ("", "  "):
+        with pytest.raises(InvalidRequest, match="setting host: empty"):
+            config.load(env={"METANODE_HOST": empty})
