@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar, get_args
@@ -78,6 +78,21 @@ LEGACY_NAME = "legacy-writer"  # signs MetaMesh `/meta` writes (compat.py)
 # (the verifier's, then the writer's). A larger batch is validated on the verifier's threads
 # or processes, in parallel and before its group, so the writer does not validate it alone.
 WRITER_VALIDATES = 8
+
+
+def service(work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    """The task of a service that runs as long as the node (retention, the watcher, the plugin
+    host). One that an unforeseen exception ends is said in the log at once, with why: /health
+    said only "the watcher has stopped", and the exception waited, unseen, for the node's stop
+    to gather it."""
+    task = asyncio.create_task(work, name=name)
+    task.add_done_callback(_said_if_failed)
+    return task
+
+
+def _said_if_failed(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (failure := task.exception()) is not None:
+        log.error("%s stopped: %s", task.get_name(), failure, exc_info=failure)
 
 
 @dataclass(frozen=True)
@@ -198,7 +213,7 @@ class Node:
         watcher): at start on SQLite; on PostgreSQL in the replica that holds the applier lock,
         when it takes it (docs/scale-out.md), so no two replicas sign the same plugin claims,
         pull the same peers or watch the same folders."""
-        self._pruner = asyncio.create_task(self._retention(), name="retention")
+        self._pruner = service(self._retention(), "retention")
         if self.settings.plugins_enabled:
             self.plugin_host = await self._start_plugins()
         for row in self.truth.peers():
@@ -207,7 +222,7 @@ class Node:
             if self.settings.webdav_plugin_writes:  # private, as the data directory it is in
                 self.settings.plugin_outputs.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.watcher = self._make_watcher(self.settings.watched)
-            self._watching = asyncio.create_task(self.watcher.run(), name="watcher")
+            self._watching = service(self.watcher.run(), "watcher")
 
     async def _unlead(self) -> None:
         """Stop what `_lead` started: at `stop`, and in a replica that lost the applier lock
@@ -343,7 +358,7 @@ class Node:
             self.clock,
             [str(Path(root).resolve()) for root in s.watched],
         )
-        self._plugins_task = asyncio.create_task(host.run(), name="plugins")
+        self._plugins_task = service(host.run(), "the plugin host")
         return host
 
     def _plugin_weight(self, runner: plugins.Runner) -> int | None:

@@ -21,12 +21,13 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from metanode import db, keys, logs, maintenance, pg, truth
+from metanode import db, keys, logs, maintenance, pg, truth, watcher
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.postgres import Storages
 from tests.helpers.server import Server, metanode_check
 from tests.helpers.settings import settings_for
+from tests.helpers.wait import until
 
 
 def metric(text: str, name: str) -> float:
@@ -156,6 +157,32 @@ def test_libraries_that_log_each_request_or_file_event_are_quiet_at_info(chatty:
         root.setLevel(level)
         for name in ("httpx", "watchfiles"):
             logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+async def test_a_service_that_fails_is_said_in_the_log_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A watcher ended by an exception no code foresaw: /health said "the watcher has
+    stopped", and the log nothing of why until the node stopped (if ever)."""
+
+    async def broken(self: Any) -> None:
+        raise RuntimeError("an unforeseen failure")
+
+    monkeypatch.setattr(watcher.Watcher, "run", broken)
+    node = Node(settings_for(tmp_path / "d", watch_enabled=True))
+    await node.start()
+    try:
+        await until(
+            lambda: any(
+                "watcher stopped: an unforeseen failure" in r.message for r in caplog.records
+            ),
+            "the watcher's failure in the log",
+        )
+        (said,) = [r for r in caplog.records if "watcher stopped" in r.message]
+        assert said.levelname == "ERROR" and said.exc_info is not None
+        assert "the watcher has stopped" in node.health()["problems"]
+    finally:
+        await node.stop()
 
 
 async def test_health_degrades_when_the_watcher_stalls(tmp_path: Path) -> None:
