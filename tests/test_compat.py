@@ -1569,9 +1569,9 @@ def test_the_urls_hostname_is_where_webdav_answers(host: str, port: int, hostnam
     assert compat.internal_host(settings) == hostname
 
 
-@pytest.mark.parametrize("workers", ["1", "2"])
+@pytest.mark.parametrize("workers", [1, 2])
 def test_the_metamesh_volume_names_the_node_as_meta_cores_lock_file_did(
-    tmp_path: Path, workers: str
+    tmp_path: Path, workers: int
 ) -> None:
     """meta-fuse (and meta-sort, meta-stremio before their UDP discovery) find the core only
     by `<META_CORE_PATH>/locks/kv-leader.info`, a URL they then ask `/urls` of: without it
@@ -1582,8 +1582,8 @@ def test_the_metamesh_volume_names_the_node_as_meta_cores_lock_file_did(
     same URL (the same inode, never rewritten), as meta-core's did, and is replaced whole
     only when the URL changes."""
     volume = tmp_path / "meta-core"
-    env = {"METANODE_METAMESH_VOLUME": str(volume), "METANODE_WORKERS": workers}
-    server = Server(tmp_path / "data", env=env).start()
+    env = {"METANODE_METAMESH_VOLUME": str(volume)}
+    server = Server(tmp_path / "data", env=env, workers=workers).start()
     lock = volume / "locks" / "kv-leader.info"
     try:
         url = lock.read_text(encoding="utf-8")
@@ -1601,7 +1601,7 @@ def test_the_metamesh_volume_names_the_node_as_meta_cores_lock_file_did(
     finally:
         assert server.stop() == 0
     other = next(port for port in iter(free_port, None) if port != server.port)
-    moved = Server(tmp_path / "data", env=env, port=other).start()
+    moved = Server(tmp_path / "data", env=env, port=other, workers=workers).start()
     try:
         assert lock.read_text(encoding="utf-8") == f"http://127.0.0.1:{moved.port}\n"
         assert sorted(p.name for p in lock.parent.iterdir()) == ["kv-leader.info"]
