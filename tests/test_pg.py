@@ -906,6 +906,22 @@ def test_a_user_without_create_is_told_what_it_needs(tmp_path: Path, dsn: str) -
             admin.execute("DROP ROLE guest")
 
 
+def test_a_database_set_read_only_is_not_called_a_standby(tmp_path: Path, dsn: str) -> None:
+    """A primary whose database takes no writes (`default_transaction_read_only`, which some
+    hosted servers set themselves when their disk is nearly full) refuses as a standby does,
+    25006; the hint said the server was a standby, and to find its primary."""
+    import psycopg
+
+    database = dsn.rsplit("/", 1)[1]
+    with psycopg.connect(dsn, autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{database}" SET default_transaction_read_only = on')
+    refused = metanode("init", "--data-dir", str(tmp_path / "data"), storage=dsn)
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("error: storage_read_only: "), refused.stderr
+    assert "read-only transaction" in refused.stderr, refused.stderr
+    assert "default_transaction_read_only" in refused.stderr, refused.stderr
+
+
 def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     import psycopg
 
