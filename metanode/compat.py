@@ -216,18 +216,16 @@ class LegacyWriter:
         return Written(answer.status, self.node.survivor(after), len(drafts), tuple(ignored))
 
     def _echoes(self, rid: str, fields: dict[str, str]) -> set[str]:
-        """The fields a write only repeats: the value the record already shows, on a key where
-        this signer votes nothing else. meta-sort's `/meta` proxy, through which every MetaMesh
-        plugin writes, reads the whole record and PATCHes it all back for each key it sets
-        (UnifiedAPIServer.ts `PUT /meta/:hash/*`); signed, each echo would be this signer's
-        vote for what another signer said, which then outlived that signer's retraction or
-        block. meta-core stored an unchanged value as no change, so it is none here."""
+        """The fields a write only repeats: the value the record already shows. meta-sort's
+        `/meta` proxy, through which every MetaMesh plugin writes, reads the whole record and
+        PATCHes it all back for each key it sets (UnifiedAPIServer.ts `PUT /meta/:hash/*`);
+        signed, each echo would be this signer's vote for what another signer said, which then
+        outlived that signer's retraction or block. So too where this signer voted another
+        value before (most keys a MetaMesh plugin parsed): a person's fix, echoed, became the
+        legacy writer's vote and outlived the person's Revert. meta-core stored an unchanged
+        value as no change, so it is none here."""
         record = self.node.record_rows(rid)
-        same = {k for k, v in fields.items() if v and record.get(k) == v}
-        if not same:
-            return set()
-        mine = self.node.live_claims(rid, sorted(same), self.signer.uid)
-        return same - {c.key for c in mine if c.value != fields[c.key]}
+        return {k for k, v in fields.items() if v and record.get(k) == v}
 
     async def write(self, text: str, fields: dict[str, str]) -> Written:
         """Sign `fields` as claims about the CID `{hash}` names and ingest them.

@@ -308,18 +308,28 @@ def copy_backup(backup: Path, dest: Path, newest: int, mark: str, what: str) -> 
 
 
 COPY_PAGE = 2_000  # rows a `copy_table` reads and inserts at a time
+# parameters a `copy_table` statement takes at most: below PostgreSQL's 65,535 and SQLite's
+# 32,766 (its default since 3.32)
+COPY_PARAMETERS = 30_000
 
 
 def copy_table(dest: Connection, source: Connection, table: str, order: str) -> int:
     """Copy every row of `table` from a SQLite store into the same table of `dest` (in the
     current transaction; `migrate-storage`), a page at a time in `order`, by column name, so a
-    column PostgreSQL keeps besides (a trigger's tsvector) fills itself; how many rows."""
+    column PostgreSQL keeps besides (a trigger's tsvector) fills itself; how many rows.
+
+    A page is one INSERT of many rows, not one a row: a statement trigger (PostgreSQL's counts
+    of the plugin runs, `cache.PG_SCHEMA_V7`) then runs once a page, not once a row."""
     cursor = source.execute(f"SELECT * FROM {table} ORDER BY {order}")
     columns = [d[0] for d in cursor.description]
-    insert = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
+    row = f"({', '.join('?' * len(columns))})"
+    per_statement = max(1, min(COPY_PAGE, COPY_PARAMETERS // len(columns)))
     copied = 0
-    while rows := cursor.fetchmany(COPY_PAGE):
-        dest.executemany(insert, rows)
+    while rows := cursor.fetchmany(per_statement):
+        dest.execute(
+            f"INSERT INTO {table} ({', '.join(columns)}) VALUES {', '.join([row] * len(rows))}",
+            [value for values in rows for value in values],
+        )
         copied += len(rows)
     return copied
 

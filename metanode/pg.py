@@ -212,7 +212,10 @@ LOGIN_HINT = "; check the user, password and database the DSN names (docs/scale-
 REFUSAL_HINTS = {
     "42501": "; the user of the DSN needs `CREATE` on the database, as its owner has "
     "(createdb --owner, docs/scale-out.md)",
-    "25006": "; this server is a read-only standby: give the DSN of the primary",
+    # a standby, or a primary whose database or user is set read-only (some hosted servers
+    # do so themselves when their disk is nearly full): the server's words do not tell which
+    "25006": "; the server takes no writes here: a standby (give the DSN of the primary), or "
+    "a database or user set read-only (`default_transaction_read_only`)",
 }
 
 

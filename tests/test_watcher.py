@@ -208,18 +208,24 @@ def test_walk_a_symlink_back_to_the_root_does_not_list_the_tree_twice(tmp_path: 
     assert listed == [str(root / "a.mkv")]
 
 
+def lock_folders(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Make every folder whose path ends in `name` unlistable, as its mode makes it for any
+    user but root (who can read anything, and runs these tests)."""
+    real_scandir = os.scandir
+
+    def scandir(path: str) -> Iterable[os.DirEntry[str]]:
+        if path.endswith(name):
+            raise PermissionError(13, "Permission denied", path)
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+
+
 def test_walk_skips_an_unlistable_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     root = tmp_path / "root"
     write(root / "ok" / "a.mkv", b"a")
     write(root / "locked" / "b.mkv", b"b")
-    real_scandir = os.scandir
-
-    def scandir(path: str) -> Iterable[os.DirEntry[str]]:
-        if path.endswith("locked"):
-            raise PermissionError(13, "Permission denied", path)
-        return real_scandir(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)  # root can read anything: simulate it
+    lock_folders(monkeypatch, "locked")
     unlisted: list[str] = []
     assert set(dict(walk(str(root), Rules(), unlisted=unlisted))) == {str(root / "ok" / "a.mkv")}
     assert unlisted == [str(root / "locked")]
@@ -763,14 +769,7 @@ async def test_a_folder_made_unreadable_is_in_unlisted_at_its_event(
     store = Store()
     w = store.watcher(root, settle_s=60)
     await w.reconcile(settle=False)
-    real_scandir = os.scandir
-
-    def scandir(path: str) -> Iterable[os.DirEntry[str]]:
-        if path.endswith("locked"):
-            raise PermissionError(13, "Permission denied", path)
-        return real_scandir(path)
-
-    monkeypatch.setattr(os, "scandir", scandir)  # root can read anything: simulate it
+    lock_folders(monkeypatch, "locked")
     await w._on_changes({(Change.modified, str(root / "locked"))})
     assert w.unlisted == [str(root / "locked")]
     assert set(store.rows) == {str(kept)}
