@@ -650,7 +650,8 @@ class Pages:
             types=self.node.library_types(),
             older=found.older,
             newer=found.newer,
-            paged=(before or after) is not None,
+            # a Newer page that reached the top is the first page again: no Newest link
+            paged=before is not None or found.newer is not None,
         )
 
     # -- one record ------------------------------------------------------------------------------

@@ -606,6 +606,9 @@ def test_the_library_pages_older_and_back_newer_through_a_search(page: Page, srv
         expect(page.get_by_label("Search")).to_have_value("quillwort")
     expect(page.get_by_role("link", name="Newer records")).to_have_count(0)
     expect(page.get_by_role("link", name="Older records")).to_be_visible()
+    # back at the top: the first page again, not "older records" with a Newest link
+    expect(page.get_by_role("link", name="Newest")).to_have_count(0)
+    expect(page).to_have_title("Library: “quillwort” · metanode")
 
 
 def test_the_files_filter_hides_records_whose_files_are_gone(page: Page, srv: Server) -> None:
