@@ -472,10 +472,21 @@ def draft_of(form: Mapping[str, str]) -> Draft | None:
 
 
 def replaced(said: str, before: str) -> str:
-    """What Add says when the record had the key already: the value it replaced, cut short
-    (Edit shows the value it replaces; Add did not, and replaced it without a word)."""
-    was = before if len(before) <= 60 else before[:59] + "…"
-    return f"{said.removesuffix('.')}, in place of “{was}”."
+    """What Add says when the record had the key already: the value it replaced (Edit shows
+    the value it replaces; Add did not, and replaced it without a word)."""
+    return f"{said.removesuffix('.')}, in place of “{cut(before)}”."
+
+
+def outweighed(key: str, shown: str | None) -> str:
+    """What a Save says when the record still shows another value: signers of more weight
+    than the owner say it (it said "Saved", and the value stayed as it was)."""
+    still = "no value" if shown is None else f"“{cut(shown)}”"
+    return f"Saved {key}, but the record still shows {still}: its signers outweigh the owner."
+
+
+def cut(value: str) -> str:
+    """A value as a message quotes it: 60 characters at most."""
+    return value if len(value) <= 60 else value[:59] + "…"
 
 
 def normal_value(value: str) -> str:
@@ -714,7 +725,10 @@ class Pages:
         except MetanodeError as exc:
             refused = Flash("error", f"{key!r} was not changed: {_why(exc)}", at)
             return after_form(request, record, refused, draft)
-        if draft is not None and draft.adding and before is not None:
+        shown = self.node.metadata(rid)["metadata"].get(key) if value is not None else None
+        if value is not None and shown != value:
+            said = outweighed(key, shown)
+        elif draft is not None and draft.adding and before is not None:
             said = replaced(said, before)
         return after_form(request, record, Flash("notice", said, anchor_of(key)))
 

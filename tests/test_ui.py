@@ -240,6 +240,26 @@ def test_the_library_lists_a_dropped_file_by_title_and_search_finds_it(
     expect(page.get_by_role("link", name="Zanzibar Express")).to_be_visible()
 
 
+def test_a_save_outweighed_by_another_signer_says_the_value_still_shown(
+    page: Page, srv: Server
+) -> None:
+    """A signer weighing more than the owner (100) keeps its value: the page said "Saved
+    title." and showed the value unchanged."""
+    midhash = titled(srv, drop(srv, "Heavy.Anchor.2004.mkv"), "Heavy Anchor")
+    heavy = Signer()
+    srv.register(heavy.uid, "heavy", weight=150)
+    post(srv, heavy.claim(midhash, "title", "The Heavy Anchor", now_ms()))
+    page.goto(f"{srv.url}/records/{midhash}")
+    page.get_by_role("button", name="Edit title").click()
+    page.get_by_label("title", exact=True).fill("Anchor, Heavy")
+    page.get_by_role("button", name="Save title").click()
+    expect(field(page, "title").get_by_role("status")).to_have_text(
+        "Saved title, but the record still shows “The Heavy Anchor”: its signers outweigh "
+        "the owner."
+    )
+    expect(field(page, "title")).to_contain_text("Anchor, Heavy")  # listed as competing
+
+
 def test_the_record_page_shows_who_said_what_for_a_key_two_signers_set(
     page: Page, srv: Server
 ) -> None:
