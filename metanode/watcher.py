@@ -257,7 +257,12 @@ DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
 REWATCH_MAX_S = 30.0  # the longest pause between failed watches (`Watcher._pause_after`)
 RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # a reconciliation after a failed batch (`_retry`)
 UNDECODABLE = re.compile(r"Unable to decode path (.*) to string", re.DOTALL)  # watchfiles' words
-WATCH_LIMIT = Path("/proc/sys/fs/inotify/max_user_watches")  # what an operator raises
+# What an operator raises, and in a user namespace (rootless containers) its own limit, which
+# may be lower: the lower of the two is the one that applies.
+WATCH_LIMITS = (
+    Path("/proc/sys/fs/inotify/max_user_watches"),
+    Path("/proc/sys/user/max_inotify_watches"),
+)
 IN_ATTRIB = 0x4
 
 
@@ -743,10 +748,11 @@ def inotify_full(path: str) -> bool:
 
 def watch_limit_problem(rescan_s: float) -> str:
     """What /health and the log say while `inotify_full`: the limit, and how to raise it."""
-    try:
-        limit = f" ({WATCH_LIMIT.read_text().strip()})"
-    except OSError:
-        limit = ""
+    limits = []
+    for path in WATCH_LIMITS:
+        with contextlib.suppress(OSError, ValueError):
+            limits.append(int(path.read_text()))
+    limit = f" (the limit here: {min(limits)})" if limits else ""
     seen = f"every {rescan_s:g} s" if rescan_s > 0 else "never (watch_rescan_s is 0)"
     return (
         f"the user's inotify watch limit is reached: folders past it are not watched, their "

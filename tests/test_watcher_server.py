@@ -1013,3 +1013,4 @@ def test_the_inotify_watch_limit_reached_is_said_in_health(start: Start, tmp_pat
     assert health["status"] == "degraded"
     said = " ".join(health["problems"])
     assert "inotify watch limit is reached" in said and "fs.inotify.max_user_watches" in said
+    assert "(the limit here: 30)" in said  # the namespace's own, not the host's
