@@ -540,8 +540,9 @@ class Watcher:
 
     def _rows_at(self, paths: Sequence[str]) -> dict[str, Stat]:
         """`local_file` rows of these paths, or below them where a path was a folder: looked up
-        path by path, never by reading the rows of their folders (a flat folder of thousands of
-        files would cost every batch in it a read of them all)."""
+        path by path, not by reading the rows of the folders they are in (a flat folder of
+        thousands of files would cost every batch in it a read of them all). A path that is a
+        folder (its own event: a chmod, a rename) reads the rows below it, as its walk does."""
         return self._known_stats(paths) if paths else {}
 
     async def _settle_loop(self) -> None:

@@ -804,6 +804,20 @@ def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) 
         ]
 
 
+def test_every_connection_has_the_stores_settings_and_no_jit(dsn: str) -> None:
+    """A watcher batch's lookup (a JSON list of paths, which the planner guesses at 100 rows)
+    was costed past `jit_above_cost` and paid ≈ 4 ms of JIT compiling each time."""
+    conn = db.connect(pg.Target(dsn, "settings"))
+    try:
+        (jit,) = conn.execute("SHOW jit").fetchone()
+        (wait_ms,) = conn.execute(
+            "SELECT setting FROM pg_settings WHERE name = 'lock_timeout'"
+        ).fetchone()
+        assert (jit, int(wait_ms)) == ("off", pg.LOCK_TIMEOUT_MS)
+    finally:
+        conn.close()
+
+
 def test_messages_never_show_the_password() -> None:
     target = pg.Target("postgresql://me:s3cret@db.example:5432/meta?password=s3cret", "truth")
     shown = f"{target} {target.name} {target.dsn_shown}"
