@@ -916,7 +916,7 @@ def test_the_counted_runs_are_the_runs_whatever_was_written(tmp_path: Path, stor
                         said = reason.removeprefix(cache.SKIPPED)
                         reasons.setdefault((plugin, version), []).append((said, n))
                 counts, skips = cache.run_counts(conn, 10)
-                assert counts == scanned_counts(conn)
+                assert counts == scanned_counts(conn) and cache.run_count_drift(conn) == []
                 assert {k: sorted(v) for k, v in skips.items()} == {
                     k: sorted(v) for k, v in reasons.items()
                 }
@@ -956,5 +956,11 @@ def test_an_older_cache_has_its_runs_counted_by_the_migration(tmp_path: Path) ->
         counts, skips = cache.run_counts(conn, 3)
         assert counts == scanned_counts(conn) and counts[("a", "1")]["skipped"] == 1
         assert skips == {("a", "1"): [("no tool", 1)]}
+        assert cache.run_count_drift(conn) == []
+        conn.execute("UPDATE plugin_run_counts SET runs = runs + 1 WHERE shown = 'failed'")
+        assert cache.run_count_drift(conn) == [  # what `metanode check` says of a drift
+            "plugin_run_counts: kept ('a', '1', 'failed', '', 2), not in the runs",
+            "plugin_run_counts: not kept ('a', '1', 'failed', '', 1), in the runs",
+        ]
     finally:
         conn.close()
