@@ -283,7 +283,12 @@ class Settings:
     peer_max_backoff_s: float = setting(
         60.0, "Longest wait between failed pulls from a peer.", low=SECONDS
     )
-    peer_timeout_s: float = setting(30.0, "Seconds a request to a peer may take.", low=SECONDS)
+    peer_timeout_s: float = setting(
+        30.0,
+        "Seconds a request to a peer may take, its whole answer included (a peer sending a "
+        "byte at a time is given up then).",
+        low=SECONDS,
+    )
     log_level: str = setting("info", "Log level: debug, info, warning, error, critical.")
     log_access: bool = setting(
         False, "Log one line per HTTP request (costs about a fifth of the read rate)."

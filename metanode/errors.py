@@ -294,6 +294,11 @@ class PeerFailed(MetanodeError):
     retryable = True
 
 
+class PeerAnswerTooLarge(PeerFailed):
+    """A peer's answer is larger than a follower reads (`peers.ANSWER_BYTES`): a log page or a
+    fetch is asked again in smaller pieces, anything else is a failure, backed off."""
+
+
 class PeerCannotReconcile(PeerFailed):
     """The peer has no reconciliation route (an older version): its log is read from the start
     instead. Only this, not a peer that is down or refuses the token, falls back so."""

@@ -68,7 +68,9 @@ DECODER = json.JSONDecoder(object_pairs_hook=_members, parse_constant=_no_consta
 
 def loads(raw: bytes | str, where: str) -> object:
     """One JSON value; `InvalidJson` naming `where` (e.g. "line 3") if it is not UTF-8 JSON, if
-    an object in it names a member twice, or if it holds NaN or an infinity."""
+    an object in it names a member twice, if it holds NaN or an infinity, or if it nests deeper
+    than Python's parser recurses (`[` a hundred thousand times: the RecursionError escaped,
+    a traceback from `claim verify`, and a peer answering so ended its follower silently)."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
         return DECODER.decode(text)
@@ -76,6 +78,8 @@ def loads(raw: bytes | str, where: str) -> object:
         raise InvalidJson(f"{where} is not UTF-8: {exc}") from None
     except (json.JSONDecodeError, NotNodeJson) as exc:
         raise InvalidJson(f"{where} is not JSON: {exc}") from None
+    except RecursionError:
+        raise InvalidJson(f"{where} is not JSON the node reads: it nests too deep") from None
 
 
 def read(stream: IO[bytes]) -> Iterator[tuple[int, object]]:

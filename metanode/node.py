@@ -611,7 +611,8 @@ class Node:
         self, name: str, items: list[object], cursor: str | None
     ) -> peers.PageCounts:
         """A page pulled from peer `name`: every claim verified as POST /api/claims verifies
-        it; the valid ones stored with the cursor in one transaction; the rest counted."""
+        it; the valid ones stored with the cursor in one transaction; the rest counted, and
+        logged (the count alone never said why)."""
         row = self.truth.peer(name)
         if row is None:
             raise UnknownPeer(f"no peer is named {name!r}")
@@ -623,18 +624,43 @@ class Node:
         await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         for item in errors:
             self.metrics.rejected.labels(item["error"]).inc()
+        if errors or refused:
+            said = [f"{e['error']}: {e['message']}" for e in errors] + [
+                f"{c.key} by {c.uid}: the signer is blocked, or may not link" for c in refused
+            ]
+            log.warning("peer %s: %d claim(s) of a page refused, e.g. %s", name, len(said), said[0])
         return peers.PageCounts(
             result.verdicts.count("accepted"),
             result.verdicts.count("duplicate"),
             result.verdicts.count("stale"),
             len(errors) + len(refused),
+            self._valid_in_s(items, errors, now),
         )
+
+    def _valid_in_s(
+        self, items: list[object], errors: list[dict[str, Any]], now: int
+    ) -> float | None:
+        """Seconds until the first of the claims refused as dated too far ahead is no longer
+        (None: none was): the follower then reconciles to fetch them."""
+        ahead: list[int] = []
+        for error in errors:
+            item = items[error["index"]]
+            if error["error"] == "ts_in_future" and isinstance(item, dict):
+                ahead.append(int(item["ts"]))  # checked an integer before it was found ahead
+        if not ahead:
+            return None
+        return max(0.0, (min(ahead) - self.settings.max_skew_ms - now) / 1000)
 
     async def add_peer(self, url: str, token: str, weight: int, name: str) -> dict[str, Any]:
         """Follow a peer: the first sync reconciles if this box already holds claims. The
         answer waits (at most `apply_wait_s`) for the first pull, so a peer that does not
-        answer, or refuses the token, is said in its `last_error` at once."""
-        if await self.peers.is_this_box(url, token, self.settings.apply_wait_s):
+        answer, or refuses the token, is said in its `last_error` at once; one that did not
+        answer the first question within that time is said so without waiting again (its
+        follower's own request times out only after `peer_timeout_s`: `peers add` took twice
+        `apply_wait_s` and answered no error)."""
+        wait = self.settings.apply_wait_s
+        answered = await self.peers.probe(url, token, wait)
+        if answered:
             raise InvalidRequest(  # followed, it was polled at the back-off cap for ever
                 f"{url} is this box itself (it answers with this box's instance id): a box "
                 "follows other boxes"
@@ -642,8 +668,15 @@ class Node:
         row = await self.truth.add_peer(name, url, token, weight)
         first_sync = row.cursor == "" and self.truth.claim_count() > 0
         self.peers.follow(row, first_sync)
-        await self.peers.first_try(name, self.settings.apply_wait_s)
-        return self.peers.status(self.truth.peer(name) or row)
+        if answered is not None:
+            await self.peers.first_try(name, wait)
+        status = self.peers.status(self.truth.peer(name) or row)
+        if answered is None and not status["last_error"]:
+            status["last_error"] = (
+                f"peer_failed: {url} did not answer within {wait:g} s; it is asked again, and "
+                f"waited for up to {self.settings.peer_timeout_s:g} s (peer_timeout_s)"
+            )
+        return status
 
     async def remove_peer(self, name: str) -> None:
         await self.peers.forget(name)
@@ -1033,8 +1066,8 @@ class Node:
                     f"not mounted?), their files kept as they were: {', '.join(unlisted[:3])}"
                 )
         problems += [  # said only in `metanode peers list` before: /health stayed ok
-            f"peer {name} is not followed: {follower.last_error}"
+            f"peer {name} is not followed: {why}"
             for name, follower in sorted(self.peers.followers.items())
-            if follower.last_error
+            if (why := follower.failing())
         ]
         return problems

@@ -30,16 +30,24 @@ from metanode import jsonl, reconcile
 from metanode.errors import (
     InvalidJson,
     MetanodeError,
+    PeerAnswerTooLarge,
     PeerCannotReconcile,
     PeerCursorRefused,
     PeerFailed,
     PeerIsSelf,
     UnknownPeer,
+    shown,
 )
 from metanode.truth import ID_BYTES, PeerRow
 
 log = logging.getLogger(__name__)
 FETCH_CHUNK = 1000  # identities asked for per reconciliation fetch (a POST /api/claims batch)
+# Most bytes of one answer a follower reads: a log page or a fetch beyond it is asked again in
+# smaller pieces, anything else is a failure. An honest reconciliation answer is under 8 MB
+# (`reconcile.REQUEST_RANGES` ranges of at most 16 entries); a page of 1,000 claims is ≈ 0.4 MB,
+# and only claims with large values (64 KiB each, up to 6 bytes of JSON a byte) make it more.
+ANSWER_BYTES = 16 * 1024 * 1024
+PARSE_ON_LOOP_BYTES = 1024 * 1024  # a larger answer is parsed on a thread
 RECONCILE = "/api/claims/reconcile"  # a peer without it (404, 405) is an older version
 # the answering data directory's instance id, on the claim log's and reconciliation's answers:
 # a follower that finds its own there was added at this box's own address
@@ -67,6 +75,9 @@ class PageCounts:
     duplicate: int
     stale: int
     rejected: int
+    # seconds until the claims refused as `ts_in_future` are no longer too far ahead (None:
+    # there were none)
+    valid_in_s: float | None = None
 
 
 class Host(Protocol):
@@ -117,6 +128,9 @@ class Follower:
         self.is_self = False  # its peer's answers were this box's own: it stopped
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
+        self.page = config.page  # halved while pages are over `ANSWER_BYTES`
+        # when to reconcile for claims refused as dated too far ahead (monotonic; None: never)
+        self.resync_at: float | None = None
         self.http = httpx.AsyncClient(
             base_url=row.url.rstrip("/"),
             headers={"Authorization": f"Bearer {row.token}"},
@@ -125,6 +139,15 @@ class Follower:
         self._wake = asyncio.Event()
         self.tried = asyncio.Event()  # the first pull (or reconciliation) answered or failed
         self.task: asyncio.Task[None] | None = None
+
+    def failing(self) -> str:
+        """Why this follower does not keep up ("": it does): its last error, or how its task
+        ended unexpectedly (an exception no one expected ended it silently: no error, a lag
+        growing for ever, /health ok)."""
+        task = self.task
+        if task is not None and task.done() and not task.cancelled() and task.exception():
+            return f"its follower stopped: {task.exception()!r}"
+        return self.last_error
 
     def lag_s(self) -> float:
         """Seconds since this follower last had every claim the peer had shown it (0: now)."""
@@ -146,6 +169,9 @@ class Follower:
                 if reconciling:
                     await self.sync(set_cursor=True)
                     reconciling, more = False, True
+                elif self._resync_due():
+                    await self.sync()
+                    more = True
                 else:
                     had_cursor = bool(self.cursor)
                     more = await self.pull_once()
@@ -156,9 +182,13 @@ class Follower:
                 self.is_self = True
                 self._failed(exc)
                 return
-            except PeerCannotReconcile:  # not a failure: the log does the same work
+            except PeerCannotReconcile as exc:  # not a failure: the log does the same work
+                if reconciling:  # the first sync: the cursor is the log's start
+                    log.info("peer %s: %s; reading its log from the start", self.name, exc.message)
+                else:  # a reconciliation for claims once dated ahead: `peers sync` tries again
+                    said = "peer %s: %s; claims refused earlier stay lacking"
+                    log.warning(said, self.name, exc.message)
                 reconciling = False
-                log.info("peer %s cannot reconcile; reading its log from the start", self.name)
                 continue
             except PeerCursorRefused as exc:  # a rewound log: its seqs would be given again
                 if not refused:  # once: a cursor refused again is a failure, backed off
@@ -203,41 +233,59 @@ class Follower:
         self._wake.set()
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
-        """(the peer's JSON answer, bytes sent, bytes received); `PeerFailed` for no answer, a
-        refusal, or something that is not JSON (`PeerCannotReconcile`: it has no `RECONCILE`)."""
+        """(the peer's JSON answer, bytes sent, bytes received); `PeerFailed` for no answer
+        within `timeout_s` (the whole answer, not each read: a peer dripping a byte a second
+        held its follower for ever), a refusal, an answer over `ANSWER_BYTES`
+        (`PeerAnswerTooLarge`), or something that is not JSON (`PeerCannotReconcile`: it has no
+        `RECONCILE`)."""
         try:
-            response = await self.http.request(method, path, **kwargs)
+            async with (
+                asyncio.timeout(self.config.timeout_s),
+                self.http.stream(method, path, **kwargs) as response,
+            ):
+                sent = len(response.request.content)
+                if response.headers.get(SELF_HEADER) == self.host.instance:  # not for ever
+                    raise PeerIsSelf(
+                        f"{self.http.base_url} is this box itself (its instance id is ours)"
+                    )
+                if path == RECONCILE and response.status_code in (404, 405):
+                    raise PeerCannotReconcile(f"{path} answered {response.status_code}")
+                content = await _read_capped(response, path)
+        except TimeoutError:
+            raise PeerFailed(
+                f"{self.http.base_url} did not answer within {self.config.timeout_s:g} s "
+                "(peer_timeout_s)"
+            ) from None
         except httpx.HTTPError as exc:
             raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
-        sent = len(response.request.content)
-        if response.headers.get(SELF_HEADER) == self.host.instance:  # never polled for ever
-            raise PeerIsSelf(f"{self.http.base_url} is this box itself (its instance id is ours)")
-        if path == RECONCILE and response.status_code in (404, 405):
-            raise PeerCannotReconcile(f"{path} answered {response.status_code}")
-        try:
-            body = jsonl.loads(response.content, f"{path}'s answer")
-        except InvalidJson:
-            raise PeerFailed(
-                f"{path} answered {response.status_code}, not JSON: no metanode answers at "
-                f"{self.http.base_url}"
-            ) from None
+        body = await _json_of(content, response, path, str(self.http.base_url))
         if response.status_code != 200:
             slug = body.get("error") if isinstance(body, dict) else None
             said = f"{path} answered {response.status_code} {slug}"
             if slug == "invalid_cursor":
                 raise PeerCursorRefused(said)
             raise PeerFailed(said + _HINTS.get(response.status_code, ""))
-        return body, sent, len(response.content)
+        return body, sent, len(content)
 
     async def pull_once(self) -> bool:
-        """Pull and store one page after the cursor; whether the peer said there is more."""
-        params = {"limit": str(self.config.page)}
-        if self.cursor:
-            params["after"] = self.cursor
-        body, _, _ = await self._call("GET", "/api/claims/log", params=params)
-        items, cursor, more = _log_page(body)
-        await self.host.apply_peer_page(self.name, items, cursor)
+        """Pull and store one page after the cursor; whether the peer said there is more. A
+        page over `ANSWER_BYTES` is asked again at half the size (claims with large values),
+        and the size grows back, page by page, once they are passed."""
+        while True:
+            params = {"limit": str(self.page)}
+            if self.cursor:
+                params["after"] = self.cursor
+            try:
+                body, _, _ = await self._call("GET", "/api/claims/log", params=params)
+                break
+            except PeerAnswerTooLarge:
+                if self.page == 1:
+                    raise
+                self.page //= 2
+        items, cursor, more = _log_page(body, self.page, self.cursor)
+        self._took(await self.host.apply_peer_page(self.name, items, cursor))
         self.cursor = cursor
+        self.page = min(self.config.page, self.page * 2)
         self.last_error = ""
         if more:
             self.behind_since = self.behind_since or time.monotonic()
@@ -245,17 +293,42 @@ class Follower:
             self.behind_since = None
         return more
 
+    def _took(self, counts: PageCounts) -> None:
+        """Note when claims refused as dated too far ahead (`ts_in_future`: the peer's clock,
+        or its signer's, runs ahead of ours) become valid: the log has been read past them, so
+        only a reconciliation then fetches them (`_resync_due`)."""
+        if counts.valid_in_s is not None:
+            due = time.monotonic() + counts.valid_in_s
+            self.resync_at = min(self.resync_at or due, due)  # the rest are noted then again
+
+    def _resync_due(self) -> bool:
+        return self.resync_at is not None and time.monotonic() >= self.resync_at
+
     async def sync(self, set_cursor: bool = False) -> SyncReport:
         """Reconcile with the peer and fetch the claims this box lacks. With `set_cursor` (the
         first sync) the last fetch also moves the cursor to where the peer's log stood when
-        reconciliation began: every claim stored before that point was in the sets compared."""
+        reconciliation began: every claim stored before that point was in the sets compared.
+        A reconciliation due for claims refused as dated ahead is done by this one (claims
+        still ahead are noted again); if this one fails, it stays due, unless the peer cannot
+        reconcile at all (due again at once, it was asked again at once, for ever)."""
+        pending, self.resync_at = self.resync_at, None
+        try:
+            return await self._sync(set_cursor)
+        except PeerCannotReconcile:
+            raise
+        except BaseException:
+            if pending is not None:
+                self.resync_at = min(pending, self.resync_at or pending)
+            raise
+
+    async def _sync(self, set_cursor: bool) -> SyncReport:
         report = SyncReport()
         started = time.perf_counter()
         session = reconcile.Session(await self.host.own_items())
         message = session.start()
         head: str | None = None
         while message:
-            reply: list[reconcile.Entry] = []
+            following: list[reconcile.Fingerprint] = []
             for part in reconcile.chunks(message):  # each of at most REQUEST_RANGES ranges
                 body, sent, got = await self._call(
                     "POST", RECONCILE, json={"ranges": reconcile.encode(part)}
@@ -266,12 +339,14 @@ class Follower:
                     raise PeerFailed("the reconciliation answer has no head cursor")
                 head = head or body["head"]
                 try:
-                    reply += reconcile.decode_reply(body.get("ranges"), ID_BYTES)
+                    reply = reconcile.decode_reply(body.get("ranges"), ID_BYTES)
                 except MetanodeError as exc:
                     raise PeerFailed(
                         f"the reconciliation answer is malformed: {exc.message}"
                     ) from None
-            message = session.step(reply)
+                following += session.absorb(reply)
+                _within_bounds(session, following)
+            message = session.end_round(following)
         needed = sorted(session.need)
         chunks = [needed[n : n + FETCH_CHUNK] for n in range(0, len(needed), FETCH_CHUNK)] or [[]]
         for number, chunk in enumerate(chunks, 1):
@@ -287,21 +362,31 @@ class Follower:
         return report
 
     async def _fetch(self, ids: Sequence[bytes], cursor: str | None, report: SyncReport) -> int:
-        """Ask the peer for the claims with these identities and store them (with `cursor`)."""
+        """Ask the peer for the claims with these identities and store them (with `cursor`);
+        an answer over `ANSWER_BYTES` is asked again in two halves."""
         items: list[object] = []
         if ids:
-            body, sent, got = await self._call(
-                "POST",
-                RECONCILE,
-                json={"fetch": [reconcile.encode_id(i) for i in ids]},
-            )
+            try:
+                body, sent, got = await self._call(
+                    "POST",
+                    RECONCILE,
+                    json={"fetch": [reconcile.encode_id(i) for i in ids]},
+                )
+            except PeerAnswerTooLarge:
+                if len(ids) == 1:
+                    raise
+                half = len(ids) // 2
+                first = await self._fetch(ids[:half], None, report)
+                return first + await self._fetch(ids[half:], cursor, report)
             report.bytes_sent += sent
             report.bytes_received += got
             if not isinstance(body, dict) or not isinstance(body.get("claims"), list):
                 raise PeerFailed("the fetch answer has no claims array")
             items = body["claims"]
+            if len(items) > len(ids):
+                raise PeerFailed(f"the fetch answer holds {len(items)} claims; {len(ids)} asked")
         if items or cursor is not None:
-            await self.host.apply_peer_page(self.name, items, cursor)
+            self._took(await self.host.apply_peer_page(self.name, items, cursor))
         return len(items)
 
     async def close(self) -> None:
@@ -311,8 +396,61 @@ class Follower:
         await self.http.aclose()
 
 
-def _log_page(body: object) -> tuple[list[object], str, bool]:
-    """(claims, next, more) of a claim-log page, or `PeerFailed`."""
+async def _read_capped(response: httpx.Response, path: str) -> bytes:
+    """The answer's body, or `PeerAnswerTooLarge` as soon as it is known to be over
+    `ANSWER_BYTES` (by its declared length, else while it streams): a peer answering gigabytes
+    was read whole into memory, again at each retry (6 GB of RSS in a review)."""
+    declared = response.headers.get("content-length", "")
+    if declared.isascii() and declared.isdigit() and int(declared) > ANSWER_BYTES:
+        raise PeerAnswerTooLarge(f"{path} answered {declared} bytes; at most {ANSWER_BYTES} read")
+    body = bytearray()
+    async for chunk in response.aiter_bytes():
+        body += chunk
+        if len(body) > ANSWER_BYTES:
+            raise PeerAnswerTooLarge(f"{path} answered over {ANSWER_BYTES} bytes; read no more")
+    return bytes(body)
+
+
+async def _json_of(content: bytes, response: httpx.Response, path: str, base: str) -> Any:
+    """The answer as JSON (a large one parsed on a thread: the loop serves meanwhile), or
+    `PeerFailed` saying what answered instead (a redirect names where it points)."""
+    try:
+        if len(content) > PARSE_ON_LOOP_BYTES:
+            return await asyncio.to_thread(jsonl.loads, content, f"{path}'s answer")
+        return jsonl.loads(content, f"{path}'s answer")
+    except InvalidJson:
+        status = response.status_code
+        if response.has_redirect_location:
+            raise PeerFailed(
+                f"{path} answered {status}, a redirect to {shown(response.headers['location'])}: a "
+                "peer's address is where its node answers (give `peers add` that one)"
+            ) from None
+        raise PeerFailed(
+            f"{path} answered {status}, not JSON: no metanode answers at {base}"
+        ) from None
+
+
+def _within_bounds(session: reconcile.Session, following: list[reconcile.Fingerprint]) -> None:
+    """`PeerCannotReconcile` (its log is read instead) once a reconciliation goes past what an
+    honest one needs (`reconcile.MAX_ROUNDS`, `MAX_MESSAGE`, `MAX_NEED`)."""
+    if session.rounds >= reconcile.MAX_ROUNDS:
+        raise PeerCannotReconcile(f"the reconciliation did not end in {session.rounds} rounds")
+    if len(following) > reconcile.MAX_MESSAGE:
+        raise PeerCannotReconcile(f"a round would ask about over {reconcile.MAX_MESSAGE} ranges")
+    if len(session.need) > reconcile.MAX_NEED:
+        raise PeerCannotReconcile(f"this box lacks over {reconcile.MAX_NEED} of its claims")
+
+
+def _logged_if_failed(task: asyncio.Task[None]) -> None:
+    """Log, with its traceback, an exception that ended a follower (`Follower.failing`)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s stopped", task.get_name(), exc_info=exc)
+
+
+def _log_page(body: object, limit: int, after: str) -> tuple[list[object], str, bool]:
+    """(claims, next, more) of a claim-log page asked with `limit` and `after`, or
+    `PeerFailed`: also for more claims than asked for, and for "more" with a cursor that did
+    not move (asked again at once, such a page was pulled for ever, as fast as it came)."""
     if (
         not isinstance(body, dict)
         or not isinstance(body.get("claims"), list)
@@ -320,7 +458,12 @@ def _log_page(body: object) -> tuple[list[object], str, bool]:
         or not isinstance(body.get("more"), bool)
     ):
         raise PeerFailed('the log page is not {"claims": [...], "next": cursor, "more": bool}')
-    return body["claims"], body["next"], body["more"]
+    claims, cursor, more = body["claims"], body["next"], body["more"]
+    if len(claims) > limit:
+        raise PeerFailed(f"the log page holds {len(claims)} claims; {limit} were asked for")
+    if more and cursor == after:
+        raise PeerFailed("the log page says there is more, but its next cursor is the one asked")
+    return claims, cursor, more
 
 
 class Peers:
@@ -341,20 +484,27 @@ class Peers:
         follower.task = asyncio.create_task(
             follower.run(), name=f"peer:{row.name}", context=contextvars.Context()
         )
+        follower.task.add_done_callback(_logged_if_failed)
         self.followers[row.name] = follower
 
-    async def is_this_box(self, url: str, token: str, timeout_s: float) -> bool:
+    async def probe(self, url: str, token: str, timeout_s: float) -> bool | None:
         """Whether `url` answers as this very box (its claim log carries our `SELF_HEADER`):
         `peers add` refuses it before anything is stored, so a known peer's row is never
-        replaced by one that cannot be followed. No answer is no: the follower says why."""
+        replaced by one that cannot be followed. Only the head is read (a peer answering
+        gigabytes was read whole), all of it within `timeout_s` (one dripping a byte at a time
+        held `peers add` for ever). None: no answer within `timeout_s`; an address that fails
+        otherwise is no (the follower says why)."""
         try:
-            async with httpx.AsyncClient(
-                headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
-            ) as http:
-                answer = await http.get(f"{url.rstrip('/')}/api/claims/log", params={"limit": 1})
+            async with (
+                asyncio.timeout(timeout_s),
+                httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http,
+                http.stream("GET", f"{url.rstrip('/')}/api/claims/log", params={"limit": 1}) as got,
+            ):
+                return bool(got.headers.get(SELF_HEADER) == self.host.instance)
+        except (TimeoutError, httpx.TimeoutException):
+            return None
         except (httpx.HTTPError, httpx.InvalidURL):
             return False
-        return bool(answer.headers.get(SELF_HEADER) == self.host.instance)
 
     async def forget(self, name: str) -> None:
         follower = self.followers.pop(name, None)
@@ -382,7 +532,7 @@ class Peers:
             "weight": row.weight,
             "cursor": row.cursor,
             "lag_s": round(follower.lag_s(), 3) if follower else None,
-            "last_error": follower.last_error if follower else "",
+            "last_error": follower.failing() if follower else "",
             "last_sync": follower.last_sync.as_json() if follower and follower.last_sync else None,
             "accepted": row.accepted,
             "duplicate": row.duplicate,

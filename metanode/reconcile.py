@@ -43,6 +43,14 @@ REQUEST_RANGES = 1024
 # it backs off and asks again for ever at a refusal that is no 404 or 405.
 MAX_RANGES = 16_384
 MAX_REPLY = REQUEST_RANGES * BRANCHES  # most entries a reply to one of our requests may hold
+# What an initiator goes on with. An honest reconciliation ends within log16(n / 16) + 1 rounds
+# (17 for 2^64 ids); each range a round asks about holds a difference, and each id it is told
+# of is one the responder holds. A responder that splits every range for ever (the message
+# growing 16-fold a round: 750 MB in 30 s in a review) or names ids without end is given up
+# on past these; reading its log is then as bounded as it is for any peer.
+MAX_ROUNDS = 32
+MAX_MESSAGE = 131_072  # ranges of one round (≈ 40 MB); an honest one: that many differences
+MAX_NEED = 1_000_000  # ids the initiator lacks; more, and reading the log costs less anyway
 _SUM_MOD = 1 << 128
 
 
@@ -155,7 +163,16 @@ class Session:
 
     def step(self, reply: Sequence[Entry]) -> list[Fingerprint]:
         """Take the responder's reply; the next message (empty: reconciled)."""
+        return self.end_round(self.absorb(reply))
+
+    def end_round(self, message: list[Fingerprint]) -> list[Fingerprint]:
+        """The next message, made of what `absorb` gave for each part of a round's reply."""
         self.rounds += 1
+        return self._sent(message)
+
+    def absorb(self, reply: Sequence[Entry]) -> list[Fingerprint]:
+        """Take part of a round's reply (the responder answers each range on its own, so the
+        parts can be taken one by one, none kept); the ranges of the next message it gives."""
         message: list[Fingerprint] = []
         for entry in reply:
             if isinstance(entry, IdList):
@@ -170,7 +187,7 @@ class Session:
             own = self.items.fingerprint(entry.range)
             if (own.fp, own.count) != (entry.fp, entry.count):
                 message.append(own)
-        return self._sent(message)
+        return message
 
     def _sent(self, message: list[Fingerprint]) -> list[Fingerprint]:
         self.fingerprints_sent += len(message)
@@ -286,5 +303,7 @@ def decode_reply(value: object, id_bytes: int) -> list[Entry]:
         ids = entry["ids"]
         if set(entry) != {"lower", "upper", "ids"} or not isinstance(ids, list):
             raise InvalidRequest("an id range has exactly lower, upper and ids (an array)")
+        if len(ids) > LEAF:  # the initiator keeps every id it is sent: bounded like the rest
+            raise InvalidRequest(f"an id range holds {len(ids)} ids; a responder sends {LEAF}")
         reply.append(IdList(_range(entry), tuple(decode_id(i, id_bytes) for i in ids)))
     return reply

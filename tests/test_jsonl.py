@@ -112,6 +112,7 @@ def test_an_array_is_one_json_text_numbered_by_element() -> None:
         (b'{"a": 1}\n{"a": \n', "line 2 is not JSON"),
         (b'{"a": 1}\n\n{"a": "\xff"}\n', "line 3 is not UTF-8"),
         (b"[1, 2", "not JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "is not JSON the node reads: it nests too deep"),
     ],
 )
 def test_bad_input_names_where(data: bytes, message: str) -> None:
@@ -239,6 +240,14 @@ def test_claim_post_names_an_argument_that_is_not_json() -> None:
     result = run("claim", "post", "--url", "http://127.0.0.1:9", "--token", "t", "{}", "{")
     assert result.exit_code == 2
     assert "error: invalid_json: argument 2 is not JSON" in result.stderr
+
+
+def test_claim_verify_names_input_nested_too_deep_instead_of_a_traceback() -> None:
+    result = run("claim", "verify", stdin=b"[" * 100_000 + b"]" * 100_000)
+    assert result.exit_code == 2, result.output
+    assert "error: invalid_json: the input (a JSON array) is not JSON the node reads: it nests" in (
+        result.stderr
+    )
 
 
 # -- import: all or nothing, streamed ------------------------------------------------------------

@@ -5,9 +5,12 @@ set reconciliation (pure, against a naive set difference; and between two real s
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
+import socket
+import socketserver
 import subprocess
 import sys
 import threading
@@ -274,12 +277,20 @@ def test_a_follower_killed_mid_sync_ends_with_exactly_the_peer_s_claims(tmp_path
     metanode_check(b.data_dir)
 
 
-class FakePeer:
-    """A tiny Starlette app on uvicorn in a thread: a claim log serving one fixed page."""
+def unpadded(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
-    def __init__(self, page: list[dict[str, Any]], refuse_cursors: bool = False) -> None:
+
+class FakePeer:
+    """A tiny Starlette app on uvicorn in a thread: a claim log serving one fixed page; with
+    `splits`, a reconciliation that never ends (every range asked split in 16 that disagree)."""
+
+    def __init__(
+        self, page: list[dict[str, Any]], refuse_cursors: bool = False, splits: bool = False
+    ) -> None:
         self.page = page
         self.asked: list[str | None] = []
+        self.rounds = 0
 
         async def log(request: Request) -> JSONResponse:
             after = request.query_params.get("after")
@@ -291,7 +302,21 @@ class FakePeer:
                 return JSONResponse(error, status_code=400)
             return JSONResponse({"claims": [], "next": after, "more": False})
 
-        app = Starlette(routes=[Route("/api/claims/log", log)])
+        async def split(request: Request) -> JSONResponse:
+            self.rounds += 1
+            ranges = [
+                {"lower": reconcile.encode_id(low), "upper": reconcile.encode_id(low + b"\x01"),
+                 "fp": reconcile.encode_id(os.urandom(16)), "count": 99}
+                for asked in (await request.json())["ranges"]
+                for n in range(16)
+                if (low := unpadded(asked["lower"]) + bytes([16 * n + 1]))
+            ]  # fmt: skip
+            return JSONResponse({"ranges": ranges, "head": "fake.3"})
+
+        routes = [Route("/api/claims/log", log)]
+        if splits:
+            routes.append(Route("/api/claims/reconcile", split, methods=["POST"]))
+        app = Starlette(routes=routes)
         self.port = free_port()
         self.server = uvicorn.Server(
             uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -724,3 +749,293 @@ def test_a_box_seeded_from_another_s_backup_follows_it(tmp_path: Path) -> None:
             if srv is not None:
                 srv.stop()
                 srv.print_log()
+
+
+# -- careless and hostile peers: what a follower reads, and for how long --------------------------
+
+
+Answer = Callable[[socket.socket, threading.Event], None]
+
+
+class RawPeer:
+    """A "peer" answering at the socket level, as no HTTP framework would: `answer(sock, stop)`
+    writes what it likes after each request (nothing, a byte at a time, a stream without end)
+    until `stop` is set. One request a connection (each answer says `Connection: close`)."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.stop = threading.Event()
+        self.requests: list[str] = []
+        outer = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = self.request.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next(
+                    (int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                     if line.lower().startswith(b"content-length:")),
+                    0,
+                )  # fmt: skip
+                while len(body) < length:  # read whole: closed unread, it is reset
+                    body += self.request.recv(65536)
+                outer.requests.append(head.split(b"\r\n")[0].decode())
+                with contextlib.suppress(OSError):
+                    answer(self.request, outer.stop)
+
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def log_reads(self) -> int:
+        return sum(line.startswith("GET /api/claims/log") for line in self.requests)
+
+    def __enter__(self) -> RawPeer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def http_answer(body: bytes, status: str = "200 OK", headers: str = "") -> Answer:
+    def answer(sock: socket.socket, stop: threading.Event) -> None:
+        head = f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        head += headers
+        sock.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body)
+
+    return answer
+
+
+def silent(sock: socket.socket, stop: threading.Event) -> None:
+    stop.wait()  # the connection accepted, and nothing said
+
+
+def dripping(sock: socket.socket, stop: threading.Event) -> None:
+    sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n")
+    sock.sendall(b"Content-Length: 100000\r\n\r\n")
+    while not stop.wait(0.2):  # a byte well within each read's timeout, for ever
+        sock.sendall(b" ")
+
+
+def endless(sock: socket.socket, stop: threading.Event) -> None:
+    sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n")
+    sock.sendall(b'{"claims": [')
+    chunk = b'"' + b"x" * (1 << 20) + b'",'
+    while not stop.is_set():  # no length said: only the reader can stop it
+        sock.sendall(chunk)
+
+
+def page(claims: int, more: bool, cursor: str = "raw.1") -> bytes:
+    item = {"uid": "x", "cid": "y", "key": "k", "value": "v", "ts": 1, "sig": "s"}
+    return json.dumps({"claims": [item] * claims, "next": cursor, "more": more}).encode()
+
+
+@pytest.fixture
+def impatient(tmp_path: Path) -> Iterator[Server]:
+    """A real server with no claims that waits 1 s for a peer at `peers add` and 2 s for any
+    answer of a peer."""
+    env = {**ENV, "METANODE_APPLY_WAIT_S": "1", "METANODE_PEER_TIMEOUT_S": "2"}
+    srv = Server(tmp_path / "data", env=env).start()
+    yield srv
+    srv.stop()
+    srv.print_log()
+
+
+def test_peers_add_says_at_once_that_a_peer_accepts_and_never_answers(impatient: Server) -> None:
+    """A peer that accepts the connection and says nothing (a port forwarded to a dead box)
+    made `peers add` wait twice `apply_wait_s` and answer no error, no warning; /health stayed
+    ok until the follower's own request timed out."""
+    via = ("--url", impatient.url, "--data-dir", str(impatient.data_dir))
+    with RawPeer(silent) as peer:
+        added = run_cli("peers", "add", peer.url, "--token", "t", "--name", "a", *via)
+        assert added.returncode == 0, added.stderr
+        said = f"peer_failed: {peer.url} did not answer within 1 s; it is asked again"
+        assert json.loads(added.stdout)["last_error"].startswith(said), added.stdout
+        assert added.stderr.startswith(f"warning: peer a: {said}"), added.stderr
+        status = wait_for(
+            lambda: (row := peer_status(impatient))["last_error"] and row, "a failure"
+        )
+    assert (
+        status["last_error"]
+        == f"peer_failed: {peer.url} did not answer within 2 s (peer_timeout_s)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (dripping, "did not answer within 2 s (peer_timeout_s)"),  # it was held for ever
+        (endless, "/api/claims/log answered over 16777216 bytes; read no more"),  # 6 GB of RSS
+        # a page's length and cursor: pulled again at once, for ever, each page validated
+        (http_answer(page(1001, more=False)), "the log page holds 1001 claims; 1000 were asked"),
+        (http_answer(page(0, more=True, cursor="")), "its next cursor is the one asked"),
+        # the parser's RecursionError ended the follower: no error, /health ok, never retried
+        (http_answer(b"[" * 100_000 + b"]" * 100_000), "/api/claims/log answered 200, not JSON"),
+        (
+            http_answer(b"", "301 Moved", "Location: https://a.example/api/claims/log\r\n"),
+            "a redirect to 'https://a.example/api/claims/log': a peer's address is where",
+        ),
+    ],
+    ids=["dripping", "endless", "page-too-long", "cursor-stuck", "nested-deep", "redirect"],
+)
+def test_a_peer_answering_nonsense_is_a_failure_said_and_tried_again(
+    impatient: Server, answer: Answer, said: str
+) -> None:
+    with RawPeer(answer) as peer:
+        response = httpx.post(
+            f"{impatient.url}/api/peers",
+            json={"url": peer.url, "token": "t", "name": "a"},
+            headers=impatient.headers,
+            timeout=DEADLINE_S,
+        )
+        assert response.status_code == 200, response.text
+        status = wait_for(
+            lambda: (row := peer_status(impatient))["last_error"] and row, "a failure"
+        )
+        assert said in status["last_error"], status
+        wait_for(lambda: peer.log_reads() >= 3, "the follower to ask again")  # it goes on
+        health = httpx.get(f"{impatient.url}/health", timeout=DEADLINE_S).json()
+        assert health["status"] == "degraded", health
+
+
+def test_claims_with_large_values_travel_in_pages_and_fetches_under_the_answer_bound(
+    pair: tuple[Server, Server],
+) -> None:
+    """300 claims with 64 KiB values make a log page or a fetch of ≈ 20 MB, over what a
+    follower reads of one answer: asked again smaller, they all arrive, by reconciliation (B
+    holds a claim of its own) and then by the log."""
+    a, b = pair
+    signer = Signer()
+    for srv in pair:
+        srv.register(signer.uid, "t")
+    big = "v" * 65_536
+
+    def claims(tag: str) -> list[dict[str, Any]]:
+        return [signer.claim(cid(f"{tag}{i}"), "note", big) for i in range(300)]
+
+    def post_small(server: Server, batch: list[dict[str, Any]]) -> None:
+        for start in range(0, len(batch), 50):  # 50 × 64 KiB: under a batch's 4 MiB
+            post(server, batch[start : start + 50])
+
+    post_small(a, claims("big-reconciled"))
+    post(b, [signer.claim(cid("b's own"), "title", "b")])
+    add_peer(b, a, peer_token(a, "b"))
+    wait_for(lambda: claim_set(b) >= claim_set(a), "B to fetch A's large claims", timeout=120)
+    post_small(a, claims("big-logged"))
+    wait_for(lambda: claim_set(b) >= claim_set(a), "B to read A's large claims", timeout=120)
+    status = peer_status(b)
+    assert (status["accepted"], status["rejected"], status["last_error"]) == (600, 0, ""), status
+
+
+def test_a_claim_refused_as_dated_ahead_is_fetched_once_its_time_has_come(
+    tmp_path: Path,
+) -> None:
+    """B's clock is behind A's (here: B allows no skew, A 5 min): A's claim dated 10 s ahead is
+    refused on B. The log was read past it, so it was lost for good, though valid on B 10 s
+    later; the refusal was not even logged."""
+    servers = []
+    for name, skew in (("a", "300000"), ("b", "0")):
+        (tmp_path / name).mkdir()
+        env = {**ENV, "METANODE_MAX_SKEW_MS": skew}
+        servers.append(Server(tmp_path / name / "data", env=env).start())
+    a, b = servers
+    try:
+        signer = Signer()
+        for srv in servers:
+            srv.register(signer.uid, "t", weight=1)
+        add_peer(b, a, peer_token(a, "b"))  # B polls A's log every 0.2 s from now on
+        ahead = signer.claim(
+            cid("ahead"), "title", "ahead", ts=time.time_ns() // 1_000_000 + 10_000
+        )
+        post(a, [ahead])
+        wait_for(lambda: peer_status(b)["rejected"] == 1, "B to refuse the claim dated ahead")
+        assert "peer a: 1 claim(s) of a page refused, e.g. ts_in_future: " in b.log_text()
+        wait_for(lambda: ahead["sig"] in claim_set(b), "B to fetch the claim once it is valid")
+    finally:
+        for srv in servers:
+            srv.stop()
+            srv.print_log()
+
+
+def test_a_claim_dated_ahead_from_a_peer_that_cannot_reconcile_is_given_up_once(
+    tmp_path: Path,
+) -> None:
+    """The reconciliation due for a claim once dated ahead fails for good at a peer without
+    the route (an older version): it is said once, and the log followed on as before."""
+    (tmp_path / "b").mkdir()
+    b = Server(tmp_path / "b" / "data", env={**ENV, "METANODE_MAX_SKEW_MS": "0"}).start()
+    try:
+        signer = Signer()
+        ahead = signer.claim(cid("old"), "title", "x", ts=time.time_ns() // 1_000_000 + 5000)
+        with FakePeer([ahead]) as fake:  # its log only
+            response = httpx.post(
+                f"{b.url}/api/peers",
+                json={"url": fake.url, "token": "t", "name": "a"},
+                headers=b.headers,
+                timeout=DEADLINE_S,
+            )
+            assert response.status_code == 200, response.text
+            said = "claims refused earlier stay lacking"
+            wait_for(lambda: said in b.log_text(), "the reconciliation to be given up")
+            reads = len(fake.asked)
+            wait_for(lambda: len(fake.asked) >= reads + 3, "the log to be followed on")
+        assert b.log_text().count(said) == 1  # asked again at once, it was for ever
+        assert peer_status(b)["rejected"] == 1
+    finally:
+        b.stop()
+        b.print_log()
+
+
+async def test_a_follower_ended_by_an_unexpected_error_is_said_not_silent(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception no one expected (a parser's RecursionError, as it was) ended the follower's
+    task without a word: `last_error` empty, its lag growing, /health ok."""
+
+    async def broken(*args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(node, "apply_peer_page", broken)
+    with FakePeer([]) as fake:
+        await node.add_peer(fake.url, "t", 0, "a")
+        follower = node.peers.follower("a")
+        assert follower.task is not None
+        await asyncio.wait([follower.task], timeout=DEADLINE_S)
+    (row,) = node.list_peers()
+    assert row["last_error"] == "its follower stopped: RuntimeError('a bug')", row
+    health = node.health()
+    assert "peer a is not followed: its follower stopped: RuntimeError('a bug')" in str(health)
+
+
+def test_a_reconciliation_that_never_ends_is_given_up_for_the_peer_s_log(
+    server: Server,
+) -> None:
+    """A responder splitting every range asked into 16 that never agree grew the follower's
+    round 16-fold each time (750 MB of RSS in 30 s, without end): past an honest bound the
+    follower reads the peer's log instead, as for a peer that cannot reconcile."""
+    signer = Signer()
+    server.register(signer.uid, "t")
+    post(server, [signer.claim(cid("own"), "title", "own")])  # so the first sync reconciles
+    theirs = signer.claim(cid("theirs"), "title", "theirs")
+    with FakePeer([theirs], splits=True) as fake:
+        response = httpx.post(
+            f"{server.url}/api/peers",
+            json={"url": fake.url, "token": "t", "name": "a"},
+            headers=server.headers,
+            timeout=DEADLINE_S,
+        )
+        assert response.status_code == 200, response.text
+        wait_for(lambda: theirs["sig"] in claim_set(server), "the peer's log to be read")
+    assert fake.rounds >= 5, fake.rounds  # split until a round would ask too much
+    assert "a round would ask about over 131072 ranges; reading its log" in server.log_text()
