@@ -93,6 +93,17 @@ def add_peer(follower: Server, followed: Server, token: str, name: str = "a") ->
     return added
 
 
+def follow_url(server: Server, url: str, token: str = "t") -> None:
+    """`POST /api/peers` of a fake peer's address (named `a`), which must be taken."""
+    response = httpx.post(
+        f"{server.url}/api/peers",
+        json={"url": url, "token": token, "name": "a"},
+        headers=server.headers,
+        timeout=DEADLINE_S,
+    )
+    assert response.status_code == 200, response.text
+
+
 def peer_status(server: Server, name: str = "a") -> dict[str, Any]:
     out = cli("peers", "list", "--url", server.url, "--data-dir", str(server.data_dir))
     rows = {row["name"]: row for row in map(json.loads, out.splitlines())}
@@ -349,12 +360,7 @@ def test_a_forged_and_a_replayed_claim_from_a_peer_are_counted_and_only_the_vali
     replayed = signer.claim(here, "title", "older", ts=NOW_MS)
     valid = signer.claim(valid_cid, "title", "valid")
     with FakePeer([forged, replayed, valid]) as fake:
-        response = httpx.post(
-            f"{b.url}/api/peers",
-            json={"url": fake.url, "token": "whatever", "name": "a"},
-            headers=b.headers,
-        )
-        assert response.status_code == 200, response.text
+        follow_url(b, fake.url, "whatever")
         status = wait_for(
             lambda: (
                 (row := peer_status(b))["accepted"] + row["rejected"] + row["stale"] == 3 and row
@@ -379,12 +385,7 @@ def test_a_peer_that_refuses_every_cursor_is_read_from_its_start_not_hammered(
     signer = Signer()
     server.register(signer.uid, "t")
     with FakePeer([signer.claim(cid("refusing"), "title", "x")], refuse_cursors=True) as fake:
-        response = httpx.post(
-            f"{server.url}/api/peers",
-            json={"url": fake.url, "token": "whatever", "name": "a"},
-            headers=server.headers,
-        )
-        assert response.status_code == 200, response.text
+        follow_url(server, fake.url, "whatever")
         asked = wait_for(lambda: len(fake.asked) >= 6 and list(fake.asked), "six log reads")
         status = wait_for(lambda: (row := peer_status(server))["last_error"] and row, "a failure")
     # the first: `peers add` asking whether the address is this box itself
@@ -893,13 +894,7 @@ def test_a_peer_answering_nonsense_is_a_failure_said_and_tried_again(
     impatient: Server, answer: Answer, said: str
 ) -> None:
     with RawPeer(answer) as peer:
-        response = httpx.post(
-            f"{impatient.url}/api/peers",
-            json={"url": peer.url, "token": "t", "name": "a"},
-            headers=impatient.headers,
-            timeout=DEADLINE_S,
-        )
-        assert response.status_code == 200, response.text
+        follow_url(impatient, peer.url)
         status = wait_for(
             lambda: (row := peer_status(impatient))["last_error"] and row, "a failure"
         )
@@ -979,13 +974,7 @@ def test_a_claim_dated_ahead_from_a_peer_that_cannot_reconcile_is_given_up_once(
         signer = Signer()
         ahead = signer.claim(cid("old"), "title", "x", ts=time.time_ns() // 1_000_000 + 5000)
         with FakePeer([ahead]) as fake:  # its log only
-            response = httpx.post(
-                f"{b.url}/api/peers",
-                json={"url": fake.url, "token": "t", "name": "a"},
-                headers=b.headers,
-                timeout=DEADLINE_S,
-            )
-            assert response.status_code == 200, response.text
+            follow_url(b, fake.url)
             said = "claims refused earlier stay lacking"
             wait_for(lambda: said in b.log_text(), "the reconciliation to be given up")
             reads = len(fake.asked)
@@ -1029,13 +1018,7 @@ def test_a_reconciliation_that_never_ends_is_given_up_for_the_peer_s_log(
     post(server, [signer.claim(cid("own"), "title", "own")])  # so the first sync reconciles
     theirs = signer.claim(cid("theirs"), "title", "theirs")
     with FakePeer([theirs], splits=True) as fake:
-        response = httpx.post(
-            f"{server.url}/api/peers",
-            json={"url": fake.url, "token": "t", "name": "a"},
-            headers=server.headers,
-            timeout=DEADLINE_S,
-        )
-        assert response.status_code == 200, response.text
+        follow_url(server, fake.url)
         wait_for(lambda: theirs["sig"] in claim_set(server), "the peer's log to be read")
     assert fake.rounds >= 5, fake.rounds  # split until a round would ask too much
     assert "a round would ask about over 131072 ranges; reading its log" in server.log_text()
