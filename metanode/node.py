@@ -1065,9 +1065,9 @@ class Node:
                     f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "
                     f"not mounted?), their files kept as they were: {', '.join(unlisted[:3])}"
                 )
-        problems += [  # said only in `metanode peers list` before: /health stayed ok
-            f"peer {name} is not followed: {why}"
-            for name, follower in sorted(self.peers.followers.items())
-            if (why := follower.failing())
-        ]
+        for name, follower in sorted(self.peers.followers.items()):  # once only in `peers list`
+            if why := follower.failing():
+                done = follower.task is not None and follower.task.done()
+                state = "is not followed" if done else "failed its last pull (retrying)"
+                problems.append(f"peer {name} {state}: {why}")
         return problems
