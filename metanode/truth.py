@@ -1594,7 +1594,17 @@ def add_peer_txn(
 ) -> PeerRow:
     """Follow a peer (or update its address, token and weight). Its cursor stays while the
     address does; a new address may be another box, whose log the cursor does not name, so
-    the cursor starts over (the first sync then reconciles: only what is missing travels)."""
+    the cursor starts over (the first sync then reconciles: only what is missing travels).
+    An address another name follows is refused: followed twice, every claim travelled twice
+    and each name's counts held half of them."""
+    twin = conn.execute(
+        "SELECT name FROM peers WHERE rtrim(url, '/') = rtrim(?, '/') AND name <> ?", (url, name)
+    ).fetchone()
+    if twin is not None:
+        raise InvalidRequest(
+            f"{url} is followed already, as the peer {twin[0]!r}: add it again under that name "
+            "(to change its token or weight), or remove that one first"
+        )
     conn.execute(
         "INSERT INTO peers (name, url, token, weight, added_at) VALUES (?, ?, ?, ?, ?) "
         "ON CONFLICT (name) DO UPDATE SET url = excluded.url, token = excluded.token, "

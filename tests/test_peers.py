@@ -460,6 +460,22 @@ async def test_a_peer_url_that_does_not_even_split_is_named_not_a_500(
     assert (await client.get("/api/peers")).json()["peers"] == []
 
 
+async def test_an_address_followed_under_one_name_is_refused_under_another(
+    client: httpx.AsyncClient,
+) -> None:
+    """The same box added as `c` and again as the default `host:port` name was followed twice:
+    every claim travelled twice, each name's counts held half of them."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    first = await client.post("/api/peers", json={"url": nobody, "token": "x", "name": "c"})
+    assert first.status_code == 200, first.text
+    twice = await client.post("/api/peers", json={"url": nobody + "/", "token": "y", "name": "d"})
+    assert (twice.status_code, twice.json()["error"]) == (400, "invalid_request")
+    assert "is followed already, as the peer 'c'" in twice.json()["message"]
+    again = await client.post("/api/peers", json={"url": nobody, "token": "y", "name": "c"})
+    assert again.status_code == 200, again.text  # the same name: its token changes
+    assert [p["name"] for p in (await client.get("/api/peers")).json()["peers"]] == ["c"]
+
+
 # -- reconciliation -----------------------------------------------------------------------------
 
 
