@@ -911,8 +911,16 @@ def peers_token() -> None:
 @settings_options
 @reports_errors
 def peers_token_create(name: str, config_file: str | None, data_dir: str | None) -> None:
-    """Make a peer token and print it (once: only its hash is kept)."""
-    click.echo(maintenance.create_peer_token(node_settings(config_file, data_dir), name))
+    """Make a peer token and print it (once: only its hash is kept); on stderr, the command
+    the other box runs with it."""
+    settings = node_settings(config_file, data_dir)
+    token = maintenance.create_peer_token(settings, name)
+    click.echo(token)
+    click.echo(
+        f"on {name}: metanode peers add http://<this box's name or address>:{settings.port} "
+        f"--token {token} --name <a name for this box>",
+        err=True,
+    )
 
 
 @peers_token.command("list")

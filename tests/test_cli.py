@@ -276,6 +276,22 @@ def test_a_data_directory_without_a_node_is_refused_not_made(tmp_path: Path) -> 
         assert not typo.exists() and not (tmp_path / "bk").exists()
 
 
+def test_a_peer_token_is_printed_alone_and_the_other_box_is_told_what_to_run(
+    tmp_path: Path,
+) -> None:
+    """The token alone on stdout (a script keeps it); on stderr, the `peers add` the other
+    box runs with it (it printed a bare token, the next step left to the docs)."""
+    data = str(tmp_path / "data")
+    assert run("init", "--data-dir", data).exit_code == 0
+    made = run("peers", "token", "create", "--name", "box-b", "--data-dir", data)
+    assert made.exit_code == 0, made.output
+    (token,) = made.stdout.split()
+    assert made.stderr == (
+        "on box-b: metanode peers add http://<this box's name or address>:9000 "
+        f"--token {token} --name <a name for this box>\n"
+    )
+
+
 def test_signers_add_again_changes_only_what_it_is_given(tmp_path: Path) -> None:
     """Re-adding a known signer (to rename it) keeps its weight and link permission unless
     they are given: renaming the owner never takes its weight of 100 away."""
