@@ -30,7 +30,7 @@ import nacl.signing
 
 from metanode import claims
 from metanode.clock import now_ms
-from metanode.errors import InvalidRequest, NotMetanode, Unreachable, shown
+from metanode.errors import AnswerTimedOut, InvalidRequest, NotMetanode, Unreachable, shown
 
 
 class ClientError(Exception):
@@ -175,6 +175,13 @@ class Client:
         that is not JSON raises `NotMetanode`; the node's refusals are left to the caller."""
         try:
             response = self._http.request(method, path, **kwargs)
+        except httpx.ReadTimeout:
+            # it answered the connection: a node that works longer than the client waits (a
+            # `peers sync` of a large box) was called one that does not answer at all
+            raise AnswerTimedOut(
+                f"the node at {self.url} took longer than {self._http.timeout.read:g} s to "
+                f"answer {method} {path}: it may still be doing it (see its log or /health)"
+            ) from None
         except httpx.TransportError as exc:
             raise Unreachable(f"no node answers at {self.url}: {_reason(exc)}") from None
         if not response.headers.get("content-type", "").startswith("application/json"):

@@ -351,6 +351,13 @@ class Unreachable(UnavailableError):
     slug = "unreachable"
 
 
+class AnswerTimedOut(UnavailableError):
+    """The node took the request but did not answer within the client's time: it may still be
+    doing it (a `peers sync` of a large box)."""
+
+    slug = "answer_timed_out"
+
+
 class NotMetanode(MetanodeError):
     """Something answered at the address, but not a metanode: not its JSON, not its envelope."""
 

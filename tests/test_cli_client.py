@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import pytest
 
 from metanode import cid as cids
+from metanode import client, errors
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.server import Server, free_port
 
@@ -390,3 +392,27 @@ def test_serve_names_the_watched_roots(server: Server) -> None:
     # and which databases it serves (after migrate-storage, a start without `storage` serves
     # the old SQLite files: this line shows it)
     assert f"(data: {server.data_dir.resolve()}, storage: sqlite, workers: 1)" in server.log_text()
+
+
+def test_a_node_that_takes_the_request_and_answers_late_is_not_called_unreachable() -> None:
+    """A node still working when the client stops waiting (a `peers sync` of a large box) was
+    "unreachable: no node answers at …: timed out", and told to be named with --url."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    taker = threading.Thread(target=lambda: held.append(listener.accept()[0]), daemon=True)
+    taker.start()
+    port = listener.getsockname()[1]
+    try:
+        with (
+            client.Client(f"http://127.0.0.1:{port}", timeout=0.5) as slow,
+            pytest.raises(errors.AnswerTimedOut) as caught,
+        ):
+            slow.request("POST", "/api/peers/a/sync")
+        assert caught.value.message == (
+            f"the node at http://127.0.0.1:{port} took longer than 0.5 s to answer POST "
+            "/api/peers/a/sync: it may still be doing it (see its log or /health)"
+        )
+    finally:
+        for conn in held:
+            conn.close()
+        listener.close()
