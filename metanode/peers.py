@@ -218,10 +218,12 @@ class Follower:
     def _failed(self, exc: MetanodeError) -> None:
         """A failed pull: said in `last_error`, and the follower counts as behind from the
         first failure on (a peer that stopped answering is not one it has kept up with)."""
-        self.last_error = f"{exc.slug}: {exc.message}"
+        said = f"{exc.slug}: {exc.message}"
+        if said != self.last_error:  # a peer down for a week: one line, not one a minute
+            log.warning("peer %s: %s (tried again with back-off)", self.name, said)
+        self.last_error = said
         self.behind_since = self.behind_since or time.monotonic()
         self.tried.set()
-        log.warning("peer %s: %s", self.name, self.last_error)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep `seconds`, or less if `poke` is called (a sync, a changed peer)."""
@@ -286,6 +288,8 @@ class Follower:
         self._took(await self.host.apply_peer_page(self.name, items, cursor))
         self.cursor = cursor
         self.page = min(self.config.page, self.page * 2)
+        if self.last_error:
+            log.info("peer %s answers again", self.name)
         self.last_error = ""
         if more:
             self.behind_since = self.behind_since or time.monotonic()

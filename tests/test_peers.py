@@ -231,6 +231,12 @@ def test_b_follows_a_and_ends_with_a_s_documents_live_and_through_tombstones(
     assert health["status"] == "degraded"
     said = "peer a failed its last pull (retrying): peer_failed: "  # a peer down: followed on
     assert any(p.startswith(said) for p in health["problems"]), health
+    # tried again and again (back-off capped at 1 s here), said once in the log, not each time
+    wait_for(lambda: peer_status(b)["lag_s"] > 4, "B to try the silent A a few times")
+    assert b.log_text().count("peer a: peer_failed: ") == 1, b.log_text()
+    a.start()
+    wait_for(lambda: peer_status(b)["last_error"] == "", "B to reach A again")
+    assert "peer a answers again" in b.log_text()
 
 
 def test_a_box_restored_from_a_backup_is_followed_on_without_a_gap(
