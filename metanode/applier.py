@@ -290,7 +290,11 @@ class Applier:
                     "the machine restarted while metanode ran: the cache's last commits may "
                     "be lost, so it is rebuilt (a new feed epoch)"
                 )
-            log.info("building the cache from the truth (outbox seq %d)", self._source.max_seq())
+            if self.state.epoch == 0:  # never built: a new node's first start, not a rebuild
+                log.info("making the cache (first start)")
+            else:
+                seq = self._source.max_seq()
+                log.info("building the cache again from the truth (outbox seq %d)", seq)
             self.state = await self._store.build(self._source)
         elif behind := self._source.max_seq() - self.state.applied_seq:  # a stop before applying
             log.info("the cache is %d truth change(s) behind: applying them", behind)

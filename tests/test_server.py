@@ -149,6 +149,8 @@ def test_round_trip_shutdown_and_restart(tmp_path: Path, track: Track) -> None:
     # A graceful stop: the lifespan shutdown (node.stop) ran to its end, and the exit is clean.
     assert "Application shutdown complete" in log, log
     assert rc == 0, log
+    # a new node's first start makes its cache; it said "building … from the truth", a rebuild's
+    assert "making the cache (first start)" in log and "building the cache again" not in log
 
     again = track(Server(data, env=isolated(tmp_path))).start()
     assert token_file(data) == token_before
