@@ -18,6 +18,7 @@ the supervisor drops a dead worker's file, `mark_process_dead`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -55,13 +56,8 @@ class AllocatedFile(mmap_dict.MmapedDict):
 
     def __init__(self, filename: str, read_mode: bool = False) -> None:
         self._said = False  # whether a failure to record was logged (`_not_recorded`)
-        if not read_mode:
-            fd = os.open(filename, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                if os.fstat(fd).st_size == 0:  # the library's own first size, allocated
-                    os.posix_fallocate(fd, 0, mmap_dict._INITIAL_MMAP_SIZE)
-            finally:
-                os.close(fd)
+        if not read_mode and not os.path.exists(filename):
+            _allocate(filename, mmap_dict._INITIAL_MMAP_SIZE)
         super().__init__(filename, read_mode)  # type: ignore[no-untyped-call]
 
     def _init_value(self, key: str) -> None:
@@ -97,6 +93,22 @@ class AllocatedFile(mmap_dict.MmapedDict):
             log.warning(
                 "new metric series are not recorded while %s has no room (%s)", self._fname, exc
             )
+
+
+def _allocate(filename: str, size: int) -> None:
+    """Make the metric file `filename` with `size` bytes allocated, whole or not at all: made
+    aside (a name a scrape does not read, `*.db` being what it globs) and linked into place
+    once allocated. Made in place, a file the full disk refused its blocks stayed empty, and
+    every scrape of the owner failed on it (a 500, until the node restarted)."""
+    partial = f"{filename}.partial"
+    fd = os.open(partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        with contextlib.suppress(FileExistsError):  # made meanwhile: that one is kept
+            os.link(partial, filename)
+    finally:
+        os.close(fd)
+        os.unlink(partial)
 
 
 # Every multiprocess value's file is made through this name (prometheus_client.values).

@@ -573,3 +573,29 @@ async def test_only_the_cache_writer_of_the_writing_process_commits_without_an_f
         assert levels == [2, 1 if relaxed else 2]
     finally:
         await node.stop()
+
+
+def test_a_worker_started_on_a_full_disk_leaves_no_empty_metric_file(
+    tmpfs: Path, tmp_path: Path
+) -> None:
+    """A worker restarted while the disk is full cannot allocate its metric files and exits;
+    the empty file it made must not be left for the owner's scrape, which read every file of
+    the folder and failed on it (a struct.error: /metrics a 500 until the node restarted)."""
+    srv = Server(tmpfs, log=tmp_path / "serve.log", workers=2).start()
+    try:
+        filler = fill(tmpfs)
+        killed = role_pids(srv)["reader"]
+        os.kill(killed, signal.SIGKILL)
+        # the restarted reader, on the full disk, exits too
+        wait_for(
+            "a reader restarted on the full disk", lambda: srv.log_text().count(" exited (") >= 2
+        )
+        filler.unlink()
+        wait_for("a new reader", lambda: role_pids(srv).get("reader") not in (None, killed))
+        empty = [f.name for f in (tmpfs / "metrics").iterdir() if f.stat().st_size == 0]
+        assert empty == []
+        scraped = httpx.get(f"{srv.url}/metrics", headers=srv.headers, timeout=10)
+        assert scraped.status_code == 200, scraped.text
+    finally:
+        stopped = srv.stop()
+    assert stopped == 0
