@@ -496,12 +496,15 @@ class Peers:
         `peers add` refuses it before anything is stored, so a known peer's row is never
         replaced by one that cannot be followed. Only the head is read (a peer answering
         gigabytes was read whole), all of it within `timeout_s` (one dripping a byte at a time
-        held `peers add` for ever). None: no answer within `timeout_s`; an address that fails
-        otherwise is no (the follower says why)."""
+        held `peers add` for ever; httpx's own timeout is no shorter: its 5 s default gave up
+        first). None: no answer within `timeout_s`; an address that fails otherwise is no (the
+        follower says why)."""
         try:
             async with (
                 asyncio.timeout(timeout_s),
-                httpx.AsyncClient(headers={"Authorization": f"Bearer {token}"}) as http,
+                httpx.AsyncClient(
+                    headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s
+                ) as http,
                 http.stream("GET", f"{url.rstrip('/')}/api/claims/log", params={"limit": 1}) as got,
             ):
                 return bool(got.headers.get(SELF_HEADER) == self.host.instance)

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from metanode import cid as cids
 from metanode import maintenance, reconcile
 from metanode.api import create_app
+from metanode.errors import InvalidRequest
 from metanode.node import Node
 from metanode.server import protocol_for
 from tests.helpers.claims import NOW_MS, Signer, fast_claims
@@ -1045,3 +1046,28 @@ def test_a_reconciliation_that_never_ends_is_given_up_for_the_peer_s_log(
         wait_for(lambda: theirs["sig"] in claim_set(server), "the peer's log to be read")
     assert fake.rounds >= 5, fake.rounds  # split until a round would ask too much
     assert "a round would ask about over 131072 ranges; reading its log" in server.log_text()
+
+
+def answering_as(instance: str, after_s: float) -> Answer:
+    """A peer that answers its claim log's head `after_s` seconds late, as the box `instance`."""
+
+    def answer(sock: socket.socket, stop: threading.Event) -> None:
+        if not stop.wait(after_s):
+            http_answer(page(0, more=False), headers=f"X-Metanode-Instance: {instance}\r\n")(
+                sock, stop
+            )
+
+    return answer
+
+
+@pytest.mark.parametrize("node", [{"apply_wait_s": 8.0}], indirect=True)
+async def test_peers_add_waits_the_whole_apply_wait_s_for_its_first_question(node: Node) -> None:
+    """`peers add` asks the address whether it is this box, waiting `apply_wait_s` for the
+    answer: httpx's own 5 s default gave up first, so a box answering in 6 s was followed as
+    a peer that had not answered ("did not answer within 8 s"), though it was this very box."""
+    with (
+        RawPeer(answering_as(node.instance, after_s=6.0)) as peer,
+        pytest.raises(InvalidRequest, match="is this box itself"),
+    ):
+        await node.add_peer(peer.url, "t", 0, "a")
+    assert node.list_peers() == []
