@@ -720,21 +720,20 @@ class Pages:
         if value is not None and before == value:
             unchanged = f"Nothing to save: {key} already has that value."
             return after_form(request, record, Flash("notice", unchanged, anchor_of(key)))
+        replacing = before if draft is not None and draft.adding else None
         try:
-            said = await self._say(rid, key, value)
+            said = await self._say(rid, key, value, replacing)
         except MetanodeError as exc:
             refused = Flash("error", f"{key!r} was not changed: {_why(exc)}", at)
             return after_form(request, record, refused, draft)
-        shown = self.node.metadata(rid)["metadata"].get(key) if value is not None else None
-        if value is not None and shown != value:
-            said = outweighed(key, shown)
-        elif draft is not None and draft.adding and before is not None:
-            said = replaced(said, before)
         return after_form(request, record, Flash("notice", said, anchor_of(key)))
 
-    async def _say(self, rid: str, key: str, value: str | None) -> str:
+    async def _say(
+        self, rid: str, key: str, value: str | None, replacing: str | None = None
+    ) -> str:
         """The owner's word on `key` (`value`), or its tombstone on every CID the owner voted
-        through (None); what the page then says."""
+        through (None); what the page then says: once applied, a value that heavier signers
+        outweigh (`outweighed`), or the one an Add `replacing` replaced (`replaced`)."""
         owner = await self.node.owner.register()
         if value is None:
             voted = {c.cid for c in self.node.live_claims(rid, [key], owner)}
@@ -743,8 +742,12 @@ class Pages:
             await self.node.owner_says([(cid, key, None) for cid in sorted(voted)])
             return f"Reverted {key}: the owner's word on it is withdrawn."
         canonical = cids.by_rank(self.node.group_cids(rid))[0]
-        await self.node.owner_says([(canonical, key, value)])
-        return f"Saved {key}." if value else f"Saved {key} as an empty value."
+        answer = await self.node.owner_says([(canonical, key, value)])
+        shown = self.node.metadata(rid)["metadata"].get(key)
+        if answer.status == 200 and shown != value:  # applied (a 202 shows it later)
+            return outweighed(key, shown)
+        said = f"Saved {key}." if value else f"Saved {key} as an empty value."
+        return said if replacing is None else replaced(said, replacing)
 
     # -- the other pages ---------------------------------------------------------------------------
 
