@@ -6,6 +6,7 @@ Every log record made while a request is handled carries that request's id (from
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 import sys
@@ -14,6 +15,7 @@ from typing import Any
 
 from metanode import jsonl
 
+log = logging.getLogger(__name__)
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
 
@@ -98,3 +100,12 @@ def progress_bar(sizes: bool = False) -> Any:
         console=console,
         disable=not console.is_terminal,  # to a file or a pipe, it left blank lines behind
     )
+
+
+def said_if_failed(task: asyncio.Task[Any]) -> None:
+    """A done-callback for a task that runs as long as the node (retention, the watcher, the
+    plugin host, a peer's follower): an unforeseen exception that ends it is logged at once,
+    with its traceback, where it waited, unseen, for the node's stop to gather it (/health
+    said only that it had stopped)."""
+    if not task.cancelled() and (failure := task.exception()) is not None:
+        log.error("%s stopped: %s", task.get_name(), failure, exc_info=failure)

@@ -28,6 +28,7 @@ from metanode import (
     datadir,
     feed,
     handoff,
+    logs,
     maintenance,
     merge,
     peers,
@@ -82,17 +83,10 @@ WRITER_VALIDATES = 8
 
 def service(work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
     """The task of a service that runs as long as the node (retention, the watcher, the plugin
-    host). One that an unforeseen exception ends is said in the log at once, with why: /health
-    said only "the watcher has stopped", and the exception waited, unseen, for the node's stop
-    to gather it."""
+    host), its unforeseen end logged at once (`logs.said_if_failed`)."""
     task = asyncio.create_task(work, name=name)
-    task.add_done_callback(_said_if_failed)
+    task.add_done_callback(logs.said_if_failed)
     return task
-
-
-def _said_if_failed(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and (failure := task.exception()) is not None:
-        log.error("%s stopped: %s", task.get_name(), failure, exc_info=failure)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from metanode import jsonl, reconcile
+from metanode import jsonl, logs, reconcile
 from metanode.errors import (
     InvalidJson,
     MetanodeError,
@@ -445,12 +445,6 @@ def _within_bounds(session: reconcile.Session, following: list[reconcile.Fingerp
         raise PeerCannotReconcile(f"this box lacks over {reconcile.MAX_NEED} of its claims")
 
 
-def _logged_if_failed(task: asyncio.Task[None]) -> None:
-    """Log, with its traceback, an exception that ended a follower (`Follower.failing`)."""
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("%s stopped", task.get_name(), exc_info=exc)
-
-
 def _log_page(body: object, limit: int, after: str) -> tuple[list[object], str, bool]:
     """(claims, next, more) of a claim-log page asked with `limit` and `after`, or
     `PeerFailed`: also for more claims than asked for, and for "more" with a cursor that did
@@ -488,7 +482,7 @@ class Peers:
         follower.task = asyncio.create_task(
             follower.run(), name=f"peer:{row.name}", context=contextvars.Context()
         )
-        follower.task.add_done_callback(_logged_if_failed)
+        follower.task.add_done_callback(logs.said_if_failed)  # and `Follower.failing`
         self.followers[row.name] = follower
 
     async def probe(self, url: str, token: str, timeout_s: float) -> bool | None:
