@@ -618,17 +618,19 @@ class Node:
         await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
         for item in errors:
             self.metrics.rejected.labels(item["error"]).inc()
-        if errors or refused:
-            said = [f"{e['error']}: {e['message']}" for e in errors] + [
-                f"{c.key} by {c.uid}: the signer is blocked, or may not link" for c in refused
-            ]
+        said = [f"{e['error']}: {e['message']}" for e in errors] + [
+            f"{error.slug}: {error.message} ({claim.key} of {claim.cid})"
+            for claim, error in refused
+        ]
+        if said:
             log.warning("peer %s: %d claim(s) of a page refused, e.g. %s", name, len(said), said[0])
         return peers.PageCounts(
             result.verdicts.count("accepted"),
             result.verdicts.count("duplicate"),
             result.verdicts.count("stale"),
-            len(errors) + len(refused),
+            len(said),
             self._valid_in_s(items, errors, now),
+            said[0] if said else "",
         )
 
     def _valid_in_s(

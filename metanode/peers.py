@@ -78,6 +78,8 @@ class PageCounts:
     # seconds until the claims refused as `ts_in_future` are no longer too far ahead (None:
     # there were none)
     valid_in_s: float | None = None
+    # why the page's first refused claim was refused ("": none was), for `last_rejected`
+    first_refusal: str = ""
 
 
 class Host(Protocol):
@@ -125,6 +127,7 @@ class Follower:
         self.config = config
         self.first_sync = first_sync
         self.last_error = ""
+        self.last_rejected = ""  # why the last page with refused claims refused its first one
         self.is_self = False  # its peer's answers were this box's own: it stopped
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
@@ -300,7 +303,10 @@ class Follower:
     def _took(self, counts: PageCounts) -> None:
         """Note when claims refused as dated too far ahead (`ts_in_future`: the peer's clock,
         or its signer's, runs ahead of ours) become valid: the log has been read past them, so
-        only a reconciliation then fetches them (`_resync_due`)."""
+        only a reconciliation then fetches them (`_resync_due`). The first refusal's reason is
+        kept for `peers list` (`rejected` alone never said why)."""
+        if counts.first_refusal:
+            self.last_rejected = counts.first_refusal
         if counts.valid_in_s is not None:
             due = time.monotonic() + counts.valid_in_s
             self.resync_at = min(self.resync_at or due, due)  # the rest are noted then again
@@ -539,6 +545,7 @@ class Peers:
             "duplicate": row.duplicate,
             "stale": row.stale,
             "rejected": row.rejected,
+            "last_rejected": follower.last_rejected if follower else "",
             "added_at": row.added_at,
         }
 

@@ -1570,11 +1570,11 @@ def peer_ingest_txn(
     weight: int,
     minter: Minter,
     now_ms: int,
-) -> tuple[IngestResult, list[Claim]]:
+) -> tuple[IngestResult, list[tuple[Claim, SignerPolicyError]]]:
     """Ingest a verified page from a peer: a signer first seen here is registered as learned
     from the peer (its weight, may not link); a claim its signer may not make (blocked, a link
     without `may_link`) is refused and counted, the rest stored with the cursor, in one
-    transaction. Returns the ingest's result and the claims refused."""
+    transaction. Returns the ingest's result and the claims refused, each with why."""
     conn.executemany(
         "INSERT INTO signers (uid, name, weight, may_link, added_at, learned_from) "
         "VALUES (?, ?, ?, 0, ?, ?) ON CONFLICT DO NOTHING",
@@ -1582,9 +1582,13 @@ def peer_ingest_txn(
     )
     rows = {uid: signer(conn, uid) for uid in {c.uid for c in batch}}
     kept: list[Claim] = []
-    refused: list[Claim] = []
+    refused: list[tuple[Claim, SignerPolicyError]] = []
     for claim in batch:
-        (kept if policy_error(rows[claim.uid], claim, Policy()) is None else refused).append(claim)
+        error = policy_error(rows[claim.uid], claim, Policy())
+        if error is None:
+            kept.append(claim)
+        else:
+            refused.append((claim, error))
     counted = PeerCursor(page.name, page.cursor, page.rejected + len(refused))
     return ingest_txn(conn, kept, minter, Policy(), now_ms, peer_cursor=counted), refused
 
@@ -1911,7 +1915,7 @@ class TruthStore(Store):
 
     async def ingest_peer(
         self, batch: Sequence[Claim], page: PeerCursor, weight: int, minter: Minter, now: int
-    ) -> tuple[IngestResult, list[Claim]]:
+    ) -> tuple[IngestResult, list[tuple[Claim, SignerPolicyError]]]:
         """A verified page from a peer with its cursor, in one transaction (`peer_ingest_txn`)."""
         return await self.writer.run(peer_ingest_txn, batch, page, weight, minter, now)
 

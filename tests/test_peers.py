@@ -214,6 +214,10 @@ def test_b_follows_a_and_ends_with_a_s_documents_live_and_through_tombstones(
         1,
         0,
     )
+    assert status["last_rejected"] == (  # the refused link says why, and which claim
+        f"link_not_permitted: signer {stranger.uid} may not link groups (may_link is off) "
+        f"(cids/{s[1]} of {s[0]})"
+    ), status
 
     # live: a later claim on A reaches B; a tombstone on A retracts it on B
     post(a, [s2.claim(c[5], "genre", "noir")])
@@ -376,6 +380,7 @@ def test_a_forged_and_a_replayed_claim_from_a_peer_are_counted_and_only_the_vali
             "the fake page on B",
         )
         assert (status["accepted"], status["rejected"], status["stale"]) == (1, 1, 1)
+        assert status["last_rejected"].startswith("bad_signature: "), status
         assert status["cursor"] == "fake.3"
     wait_caught_up(b.url)
     assert b.meta(forged_cid) is None
