@@ -656,10 +656,17 @@ class Node:
         `apply_wait_s` and answered no error)."""
         wait = self.settings.apply_wait_s
         answered = await self.peers.probe(url, token, wait)
-        if answered:
+        if answered == self.instance:
             raise InvalidRequest(  # followed, it was polled at the back-off cap for ever
                 f"{url} is this box itself (it answers with this box's instance id): a box "
                 "follows other boxes"
+            )
+        twin = self.peers.following(answered, name) if answered else None
+        if twin is not None:  # `localhost` and `127.0.0.1`: every claim travelled twice
+            raise InvalidRequest(
+                f"{url} is the box followed already as the peer {twin!r} (it answers with that "
+                "box's instance id): add it again under that name to change its address, token "
+                "or weight, or remove that one first"
             )
         row = await self.truth.add_peer(name, url, token, weight)
         first_sync = row.cursor == "" and self.truth.claim_count() > 0

@@ -129,6 +129,7 @@ class Follower:
         self.last_error = ""
         self.last_rejected = ""  # why the last page with refused claims refused its first one
         self.is_self = False  # its peer's answers were this box's own: it stopped
+        self.instance = ""  # the instance id its peer last answered with ("": none yet)
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
         self.page = config.page  # halved while pages are over `ANSWER_BYTES`
@@ -253,6 +254,7 @@ class Follower:
                     raise PeerIsSelf(
                         f"{self.http.base_url} is this box itself (its instance id is ours)"
                     )
+                self.instance = response.headers.get(SELF_HEADER, self.instance)
                 if path == RECONCILE and response.status_code in (404, 405):
                     raise PeerCannotReconcile(f"{path} answered {response.status_code}")
                 content = await _read_capped(response, path)
@@ -491,13 +493,14 @@ class Peers:
         follower.task.add_done_callback(logs.said_if_failed)  # and `Follower.failing`
         self.followers[row.name] = follower
 
-    async def probe(self, url: str, token: str, timeout_s: float) -> bool | None:
-        """Whether `url` answers as this very box (its claim log carries our `SELF_HEADER`):
-        `peers add` refuses it before anything is stored, so a known peer's row is never
-        replaced by one that cannot be followed. Only the head is read (a peer answering
-        gigabytes was read whole), all of it within `timeout_s` (one dripping a byte at a time
-        held `peers add` for ever; httpx's own timeout is no shorter: its 5 s default gave up
-        first). None: no answer within `timeout_s`; an address that fails otherwise is no (the
+    async def probe(self, url: str, token: str, timeout_s: float) -> str | None:
+        """The instance id `url` answers with (its claim log's `SELF_HEADER`): `peers add`
+        refuses this very box, or a box followed already under another address, before anything
+        is stored, so a known peer's row is never replaced by one that cannot be followed. Only
+        the head is read (a peer answering gigabytes was read whole), all of it within
+        `timeout_s` (one dripping a byte at a time held `peers add` for ever; httpx's own
+        timeout is no shorter: its 5 s default gave up first). None: no answer within
+        `timeout_s`; "": an answer without one, or an address that fails otherwise (the
         follower says why)."""
         try:
             async with (
@@ -507,11 +510,18 @@ class Peers:
                 ) as http,
                 http.stream("GET", f"{url.rstrip('/')}/api/claims/log", params={"limit": 1}) as got,
             ):
-                return bool(got.headers.get(SELF_HEADER) == self.host.instance)
+                return str(got.headers.get(SELF_HEADER, ""))
         except (TimeoutError, httpx.TimeoutException):
             return None
         except (httpx.HTTPError, httpx.InvalidURL):
-            return False
+            return ""
+
+    def following(self, instance: str, but: str) -> str | None:
+        """The name of a peer other than `but` whose answers came from box `instance`."""
+        return next(
+            (name for name, f in self.followers.items() if name != but and f.instance == instance),
+            None,
+        )
 
     async def forget(self, name: str) -> None:
         follower = self.followers.pop(name, None)

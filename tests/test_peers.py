@@ -244,6 +244,32 @@ def test_b_follows_a_and_ends_with_a_s_documents_live_and_through_tombstones(
     assert "peer a answers again" in b.log_text()
 
 
+def test_a_box_followed_already_is_refused_under_another_address(
+    pair: tuple[Server, Server],
+) -> None:
+    """`localhost` and `127.0.0.1` are two addresses of one box: followed under both, every
+    claim travelled twice. The box is known by the instance id it answers with."""
+    a, b = pair
+    signer = Signer()
+    a.register(signer.uid, "t")
+    post(a, [signer.claim(cid("twice"), "title", "once")])
+    token = peer_token(a, "b")
+    add_peer(b, a, token)
+    wait_for(lambda: peer_status(b)["cursor"], "B's first page of A's log")
+    other = a.url.replace("127.0.0.1", "localhost")
+    body = {"url": other, "token": token.strip(), "name": "a2"}
+    twice = httpx.post(f"{b.url}/api/peers", json=body, headers=b.headers, timeout=DEADLINE_S)
+    assert (twice.status_code, twice.json()["error"]) == (400, "invalid_request"), twice.text
+    assert f"{other} is the box followed already as the peer 'a'" in twice.json()["message"]
+    moved = httpx.post(  # under its own name, the address may change
+        f"{b.url}/api/peers", json={**body, "name": "a"}, headers=b.headers, timeout=DEADLINE_S
+    )
+    assert (moved.status_code, moved.json()["url"]) == (200, other), moved.text
+    assert [
+        p["name"] for p in httpx.get(f"{b.url}/api/peers", headers=b.headers).json()["peers"]
+    ] == ["a"]
+
+
 def test_a_box_restored_from_a_backup_is_followed_on_without_a_gap(
     pair: tuple[Server, Server], tmp_path: Path
 ) -> None:
