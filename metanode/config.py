@@ -237,7 +237,8 @@ class Settings:
     trusted_proxies: tuple[str, ...] = setting(
         (),
         "Reverse proxies (CIDRs, comma-separated in the environment) whose `X-Forwarded-For` "
-        "and `X-Forwarded-Proto` are believed; from anyone else the headers are ignored.",
+        "and `X-Forwarded-Proto` are believed; from anyone else the headers are ignored. A "
+        "proxy in front needs its address here (docs/operations.md, 'Behind a reverse proxy').",
     )
     metamesh_files_path: str = setting(
         "/files",

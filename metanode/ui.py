@@ -239,12 +239,35 @@ def same_origin(scope: Scope) -> bool:
         return False
 
 
+def foreign_origin(scope: Scope) -> str:
+    """Why the request's `Origin` is not this host, in words ('' when it is): both are named,
+    since behind a reverse proxy that rewrites `Host` (nginx's `$host` drops the port, and
+    without `proxy_set_header Host` the node's own address is sent) even this node's own
+    page is refused, and only the two side by side tell a person why."""
+    if same_origin(scope):
+        return ""
+    headers: dict[bytes, bytes] = dict(scope["headers"])
+    origin = headers.get(b"origin", b"").decode("latin-1")
+    host = headers.get(b"host", b"").decode("latin-1")
+    return (
+        f"this form came from {origin}, but reached the node addressed to {host!r} (behind a "
+        "reverse proxy, the proxy must pass the browser's Host header on: docs/operations.md)"
+    )
+
+
 def local_path(then: str) -> str:
     """`then` if it is a path of this node (`/…`, not `//host` nor `/\\host`, which browsers
     take for another site), else the library: where signing in may go on to."""
     if not then.startswith("/") or then.startswith(("//", "/\\")) or not then.isprintable():
         return "/"
     return "/" if urlsplit(then).path in ("/signin", "/signout") else then
+
+
+def secure(request: Request) -> bool:
+    """Whether the session cookie is `Secure`: when the page was reached over HTTPS, directly
+    or through a proxy in `trusted_proxies` that says so (`X-Forwarded-Proto`), the browser
+    must never send it over plain HTTP (a link to `http://` the same host, say)."""
+    return request.url.scheme == "https"
 
 
 def csrf_ok(session: Session, given: str | None, scope: Scope) -> bool:
@@ -599,8 +622,9 @@ class Pages:
     async def sign_in(self, request: Request) -> Response:
         """POST /signin: the API token for a session cookie; a wrong token is an inline error."""
         request.scope["metanode.session"] = None
-        if not same_origin(request.scope):
-            return sign_in_page(request, "/", 403, "sign in from this node's own page")
+        foreign = foreign_origin(request.scope)
+        if foreign:
+            return sign_in_page(request, "/", 403, f"sign in from this node's own page: {foreign}")
         try:
             form = await self.form(request)
         except MetanodeError as exc:
@@ -625,6 +649,7 @@ class Pages:
             httponly=True,
             samesite="strict",
             path="/",
+            secure=secure(request),
         )
         return response
 
@@ -633,7 +658,9 @@ class Pages:
         session: Session = request.scope["metanode.session"]
         self.sessions.end(session)
         response = RedirectResponse("/", status_code=303)
-        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        response.delete_cookie(
+            COOKIE, path="/", httponly=True, samesite="strict", secure=secure(request)
+        )
         return response
 
     # -- the library -----------------------------------------------------------------------------
