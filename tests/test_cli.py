@@ -490,6 +490,10 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
     hanger.write_text("import time\n" + hanger.read_text())
     install_plugin(site, "broken", "broken")
     (site / "broken_plugin.py").write_text("import not_installed_anywhere\n")
+    install_plugin(site, "returner", "returner", "return [(file.cid, 'k', 'v')]")
+    install_plugin(site, "asyncer", "asyncer", "register(file.cid, 'k', 'v')")
+    asyncer = site / "asyncer_plugin.py"
+    asyncer.write_text(asyncer.read_text().replace("def process", "async def process"))
     monkeypatch.syspath_prepend(str(site))
     media = tmp_path / "media"
     (media / "Show").mkdir(parents=True)
@@ -541,6 +545,21 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
     assert broken.stderr.startswith(
         "error: not_found: plugin 'broken' does not load: ModuleNotFoundError: No module named "
         "'not_installed_anywhere'"
+    )
+    # it printed nothing and said `0 claim(s)`, exit 0: the claims it returned were dropped
+    returned = run("plugins", "try", "returner", str(film))
+    assert returned.exit_code == 2 and returned.stdout == ""
+    assert returned.stderr == (
+        f"error: plugin_failed: returner 1 on {film}: TypeError: process returned "
+        f"[('{midhash}', 'k', 'v')], not None: the host takes only what it passes to "
+        f"register(cid, key, value), one claim a call (at {site / 'returner_plugin.py'}:6 in "
+        "process)\n"  # the plugin's line, not asyncio's
+    )
+    awaited = run("plugins", "try", "asyncer", str(film))  # a coroutine never awaited, 0 claims
+    assert awaited.exit_code == 2 and awaited.stderr == (
+        "error: not_found: plugin 'asyncer' does not load: TypeError: asyncer_plugin:P: process "
+        "is an async def: the host calls it on a thread of its own and never awaits it; make it "
+        "a plain def\n"
     )
     unknown = run("plugins", "try", "nope", str(film))
     assert unknown.stderr.startswith("error: not_found: no installed plugin is named 'nope' ")
