@@ -234,6 +234,20 @@ def process_problem(plugin: Plugin) -> str | None:
     return None
 
 
+def not_running(
+    name: str, running: Sequence[str], disabled: Sequence[str], not_loaded: Sequence[NotLoaded]
+) -> str:
+    """Why no running plugin is named `name` (a retry's 404): disabled, installed but not
+    loaded (and why), or which ones run; it said only `no running plugin is named 'filename'`
+    while another package of that name kept the built-in from running."""
+    if name in disabled:
+        return f"plugin {shown(name)} is disabled (plugins_disabled)"
+    for broken in not_loaded:
+        if broken.entry_point == name:
+            return f"plugin {shown(name)} does not load: {broken.error}"
+    return f"no running plugin is named {shown(name)} (running: {', '.join(running) or 'none'})"
+
+
 def plugin_key(keys_dir: Path, name: str) -> nacl.signing.SigningKey:
     """The plugin's own signing key, created (mode 0600) on first use."""
     return keys.load_or_create(keys_dir / f"{name}.key")

@@ -16,7 +16,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,8 +128,13 @@ class Harness:
         self.gates.append(event)
         return event
 
-    async def start(self, found: list[Plugin], **overrides: Any) -> Node:
-        self.monkeypatch.setattr(plugins, "discover", lambda: (list(found), []))
+    async def start(
+        self,
+        found: list[Plugin],
+        not_loaded: Sequence[plugins.NotLoaded] = (),
+        **overrides: Any,
+    ) -> Node:
+        self.monkeypatch.setattr(plugins, "discover", lambda: (list(found), list(not_loaded)))
         options: dict[str, Any] = {
             "plugins_enabled": True,
             "watch_enabled": True,
@@ -847,6 +852,32 @@ async def test_failed_and_skipped_runs_are_retried_on_request(harness: Harness) 
     await until(ran_again, "the skipped run to run again and claim")
     assert metadata(node, failing)["tooled"] == metadata(node, skipping)["tooled"] == "yes"
     assert [f.cid for f in plugin.calls].count(fine) == 1  # a done run is not run again
+
+
+async def test_a_retry_of_a_plugin_that_does_not_run_says_why(harness: Harness) -> None:
+    """`plugins retry filename`, with a second package of that name keeping the built-in from
+    running, said `no running plugin is named 'filename'` and no more: why it does not run,
+    that it is disabled, or which ones do."""
+    clash = plugins.NotLoaded(
+        "filename",
+        "metanode_filename:FileName",
+        "plugins metanode_filename:FileName, other:P are all named 'filename': none of them runs",
+    )
+    found = [probe("on", claim("on", "yes")), probe("off", claim("off", "yes"))]
+    node = await harness.start(found, not_loaded=[clash], plugins_disabled=("off",))
+    transport = httpx.ASGITransport(app=create_app(node))
+    headers = {"Authorization": f"Bearer {node.token}"}
+    said = {}
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as http:
+        for name in ("filename", "off", "nope"):
+            answer = await http.post(f"/api/plugins/{name}/retry", headers=headers)
+            assert (answer.status_code, answer.json()["error"]) == (404, "not_found")
+            said[name] = answer.json()["message"]
+    assert said == {
+        "filename": f"plugin 'filename' does not load: {clash.error}",
+        "off": "plugin 'off' is disabled (plugins_disabled)",
+        "nope": "no running plugin is named 'nope' (running: on)",
+    }
 
 
 async def test_disabled_plugins_and_weights(harness: Harness) -> None:
