@@ -998,6 +998,15 @@ class Node:
         if self.plugin_host is None:
             why = "plugins_enabled is off" if not self.settings.plugins_enabled else "not leading"
             raise NotFoundError(f"no plugin runs in this process ({why})")
+        if name not in self.plugin_host.runners:
+            raise NotFoundError(
+                plugins.not_running(
+                    name,
+                    sorted(self.plugin_host.runners),
+                    self.settings.plugins_disabled,
+                    self._plugins_not_loaded,
+                )
+            )
         retried = await self.plugin_host.retry(name)
         return {"name": name, "requeued": sum(retried), **retried._asdict()}
 

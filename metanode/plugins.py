@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import inspect
 import logging
 import os
 import re
@@ -201,7 +202,50 @@ def attribute_problem(plugin: Plugin) -> str | None:
         isinstance(e, str) and e and e == e.lower() and "." not in e for e in extensions
     ):
         return f"sidecars {extensions!r} is not a set of lower-case extensions without the dot"
+    return process_problem(plugin)
+
+
+def process_problem(plugin: Plugin) -> str | None:
+    """What is wrong with a plugin's `process`, or None. The host calls it on a thread with
+    (file, record, register) and makes its claims of the `register` calls alone: an `async def`
+    or a generator ran nothing (its coroutine or generator was dropped, the run `done` with no
+    claims), and a missing `process` or one of other parameters failed every run with an error
+    that named no line of the plugin."""
+    process = getattr(plugin, "process", None)
+    if getattr(type(plugin), "process", None) is Plugin.process or not callable(process):
+        return "it defines no process(self, file, record, register)"
+    if inspect.iscoroutinefunction(process) or inspect.isasyncgenfunction(process):
+        return (
+            "process is an async def: the host calls it on a thread of its own and never "
+            "awaits it; make it a plain def"
+        )
+    if inspect.isgeneratorfunction(process):
+        return (
+            "process is a generator (it yields): the host makes claims of its "
+            "register(cid, key, value) calls alone; call register instead"
+        )
+    try:
+        inspect.signature(process).bind(None, None, None)
+    except TypeError:
+        signature = inspect.signature(process)
+        return f"process{signature} cannot be called as process(file, record, register)"
+    except ValueError:  # no signature to read (a builtin): let it run
+        pass
     return None
+
+
+def not_running(
+    name: str, running: Sequence[str], disabled: Sequence[str], not_loaded: Sequence[NotLoaded]
+) -> str:
+    """Why no running plugin is named `name` (a retry's 404): disabled, installed but not
+    loaded (and why), or which ones run; it said only `no running plugin is named 'filename'`
+    while another package of that name kept the built-in from running."""
+    if name in disabled:
+        return f"plugin {shown(name)} is disabled (plugins_disabled)"
+    for broken in not_loaded:
+        if broken.entry_point == name:
+            return f"plugin {shown(name)} does not load: {broken.error}"
+    return f"no running plugin is named {shown(name)} (running: {', '.join(running) or 'none'})"
 
 
 def plugin_key(keys_dir: Path, name: str) -> nacl.signing.SigningKey:
@@ -279,11 +323,13 @@ def described(exc: BaseException) -> str:
     plugin's code (the deepest frame outside this module: `register` raises for its caller;
     and outside the import machinery: a missing module is raised in `<frozen importlib…>` for
     the plugin's `import` line), as a traceback's last line would say."""
-    frames = [
-        f
-        for f in traceback.extract_tb(exc.__traceback__)
-        if f.filename != __file__ and not f.filename.startswith("<frozen ")
-    ]
+    frames: list[traceback.FrameSummary] = list(traceback.extract_tb(exc.__traceback__))
+    # A run's exception, awaited, carries the frames that awaited it (asyncio's) before the
+    # run's own: only what `collect` called is the plugin's (an error raised by this module for
+    # the plugin, with none of its frames below, was placed in `asyncio/base_events.py`).
+    calls = [i for i, f in enumerate(frames) if f.filename == __file__ and f.name == "collect"]
+    below = frames[calls[-1] + 1 :] if calls else frames
+    frames = [f for f in below if f.filename != __file__ and not f.filename.startswith("<frozen ")]
     where = (
         f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
     )
@@ -315,9 +361,12 @@ def collect(
     plugin: Plugin, file: LocalFile, record: RecordLookup, closed: threading.Event
 ) -> tuple[list[Draft], str | None]:
     """`plugin.process` on `file`: (the drafts registered, the reason if the plugin skipped).
-    A `register` after `closed` is set (the run timed out), or of the wrong types, raises in
-    the plugin's code."""
-    drafts: list[Draft] = []
+    A key of a CID registered again replaces what the run registered for it before (the last
+    call wins: signed at one timestamp, both were stored as an equivocation, the smaller
+    signature winning, and the next run's unchanged value flipped it). A `register` after
+    `closed` is set (the run timed out), or of the wrong types, raises in the plugin's code; a
+    `process` that returns something (its claims, thinking they were taken so) fails the run."""
+    drafts: dict[tuple[str, str], str | None] = {}
 
     def register(cid: str, key: str, value: str | None) -> None:
         if closed.is_set():
@@ -326,13 +375,21 @@ def collect(
             raise TypeError(f"register(cid, key, value): cid and key are str, not {cid!r}")
         if value is not None and not isinstance(value, str):
             raise TypeError(f"register(cid, key, value): value is a str or None, not {value!r}")
-        drafts.append((cid, key, value))
+        drafts.pop((cid, key), None)  # the last call's place, as its value
+        drafts[(cid, key)] = value
 
     try:
-        plugin.process(file, record, register)
+        returned: object = plugin.process(file, record, register)  # type: ignore[func-returns-value]
     except Skip as skip:
-        return drafts, f"{cache.SKIPPED}{skip}"
-    return drafts, None
+        return [(c, k, v) for (c, k), v in drafts.items()], f"{cache.SKIPPED}{skip}"
+    if returned is not None:
+        code = getattr(getattr(plugin.process, "__func__", plugin.process), "__code__", None)
+        where = f" (at {code.co_filename}:{code.co_firstlineno} in process)" if code else ""
+        raise TypeError(
+            f"process returned {shown(returned)}, not None: the host takes only what it "
+            f"passes to register(cid, key, value), one claim a call{where}"
+        )
+    return [(c, k, v) for (c, k), v in drafts.items()], None
 
 
 @dataclass(frozen=True)

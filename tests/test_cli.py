@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import stat
 import subprocess
 import sys
@@ -490,6 +492,10 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
     hanger.write_text("import time\n" + hanger.read_text())
     install_plugin(site, "broken", "broken")
     (site / "broken_plugin.py").write_text("import not_installed_anywhere\n")
+    install_plugin(site, "returner", "returner", "return [(file.cid, 'k', 'v')]")
+    install_plugin(site, "asyncer", "asyncer", "register(file.cid, 'k', 'v')")
+    asyncer = site / "asyncer_plugin.py"
+    asyncer.write_text(asyncer.read_text().replace("def process", "async def process"))
     monkeypatch.syspath_prepend(str(site))
     media = tmp_path / "media"
     (media / "Show").mkdir(parents=True)
@@ -542,10 +548,55 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
         "error: not_found: plugin 'broken' does not load: ModuleNotFoundError: No module named "
         "'not_installed_anywhere'"
     )
+    # it printed nothing and said `0 claim(s)`, exit 0: the claims it returned were dropped
+    returned = run("plugins", "try", "returner", str(film))
+    assert returned.exit_code == 2 and returned.stdout == ""
+    assert returned.stderr == (
+        f"error: plugin_failed: returner 1 on {film}: TypeError: process returned "
+        f"[('{midhash}', 'k', 'v')], not None: the host takes only what it passes to "
+        f"register(cid, key, value), one claim a call (at {site / 'returner_plugin.py'}:6 in "
+        "process)\n"  # the plugin's line, not asyncio's
+    )
+    awaited = run("plugins", "try", "asyncer", str(film))  # a coroutine never awaited, 0 claims
+    assert awaited.exit_code == 2 and awaited.stderr == (
+        "error: not_found: plugin 'asyncer' does not load: TypeError: asyncer_plugin:P: process "
+        "is an async def: the host calls it on a thread of its own and never awaits it; make it "
+        "a plain def\n"
+    )
     unknown = run("plugins", "try", "nope", str(film))
     assert unknown.stderr.startswith("error: not_found: no installed plugin is named 'nope' ")
     missing = run("plugins", "try", "sizer", str(media / "missing.mkv"))
     assert (missing.exit_code, missing.stderr.split(":")[1]) == (2, " midhash_failed")
+
+
+def test_the_plugin_and_its_tests_in_plugins_md_run(tmp_path: Path) -> None:
+    """docs/plugins.md's `WordCount`, installed by its `pyproject.toml`'s entry point, passes the
+    tests the page gives for it: calling `process` itself, and `metanode plugins try`."""
+    page = (Path(__file__).parents[1] / "docs" / "plugins.md").read_text()
+    blocks = re.findall(r"```(python|toml)\n(.*?)```", page, re.S)
+    [plugin] = [code for kind, code in blocks if kind == "python" and "class WordCount" in code]
+    [tests] = [code for kind, code in blocks if kind == "python" and "def test_" in code]
+    [toml] = [code for kind, code in blocks if kind == "toml" and "metanode.plugins" in code]
+    [entry] = re.findall(r'^(wordcount) = "(my_plugin:WordCount)"$', toml, re.M)
+    site = tmp_path / "site"
+    (site / "my_plugin").mkdir(parents=True)
+    (site / "my_plugin" / "__init__.py").write_text(plugin)
+    info = site / "my_plugin-1.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-plugin\nVersion: 1.0.0\n")
+    (info / "entry_points.txt").write_text("[metanode.plugins]\n{} = {}\n".format(*entry))
+    (tmp_path / "test_wordcount.py").write_text(tests)
+    root = Path(__file__).parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_wordcount.py"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{root}"},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
 
 
 def test_a_reader_that_goes_away_is_no_error() -> None:

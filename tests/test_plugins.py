@@ -16,7 +16,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,8 +128,13 @@ class Harness:
         self.gates.append(event)
         return event
 
-    async def start(self, found: list[Plugin], **overrides: Any) -> Node:
-        self.monkeypatch.setattr(plugins, "discover", lambda: (list(found), []))
+    async def start(
+        self,
+        found: list[Plugin],
+        not_loaded: Sequence[plugins.NotLoaded] = (),
+        **overrides: Any,
+    ) -> Node:
+        self.monkeypatch.setattr(plugins, "discover", lambda: (list(found), list(not_loaded)))
         options: dict[str, Any] = {
             "plugins_enabled": True,
             "watch_enabled": True,
@@ -248,6 +253,23 @@ class Attributes(Plugin):
     name = "attrs"
     version = "1"
 
+    def process(self, file: LocalFile, record: RecordLookup, register: Register) -> None:
+        pass
+
+
+async def awaited(self: Plugin, file: LocalFile, record: RecordLookup, register: Register) -> None:
+    register(file.cid, "never", "registered")
+
+
+def yields(
+    self: Plugin, file: LocalFile, record: RecordLookup, register: Register
+) -> Iterator[Any]:
+    yield (file.cid, "never", "registered")
+
+
+def too_few(self: Plugin, file: LocalFile) -> None:
+    pass
+
 
 @pytest.mark.parametrize(
     ("attribute", "value", "problem"),
@@ -272,13 +294,36 @@ class Attributes(Plugin):
             "sidecars {'NFO'} is not a set of lower-case extensions without the dot",
         ),
         ("name", "Upper", "name 'Upper' is not [a-z0-9][a-z0-9_.-]{0,63}"),
+        (
+            "process",
+            awaited,
+            "process is an async def: the host calls it on a thread of its own and never "
+            "awaits it; make it a plain def",
+        ),
+        (
+            "process",
+            yields,
+            "process is a generator (it yields): the host makes claims of its "
+            "register(cid, key, value) calls alone; call register instead",
+        ),
+        (
+            "process",
+            too_few,
+            "process(file: 'LocalFile') -> 'None' cannot be called as "
+            "process(file, record, register)",
+        ),
+        ("process", Plugin.process, "it defines no process(self, file, record, register)"),
+        ("process", None, "it defines no process(self, file, record, register)"),
     ],
 )
 def test_a_plugin_of_a_wrong_attribute_is_not_loaded(
     attribute: str, value: object, problem: str
 ) -> None:
     """`plugins try` took a plugin without a `version`, or of weight -5, that then stopped the
-    node at every start; one of `version = 2` ran, its runs never counted as its version's."""
+    node at every start; one of `version = 2` ran, its runs never counted as its version's. An
+    `async def process` (or one that yields) ran, was `done` on every file and claimed nothing;
+    one without `process`, or of other parameters, failed every run with an error that named
+    no line of the plugin (`NotImplementedError: `)."""
     assert plugins.attribute_problem(Attributes()) is None
     assert plugins.attribute_problem(type("Odd", (Attributes,), {attribute: value})()) == problem
     unversioned = type("Unversioned", (Plugin,), {"name": "nover"})()
@@ -499,6 +544,64 @@ async def test_a_register_call_the_node_cannot_sign_fails_that_run_only(
         register(*arguments(file))
 
     assert error in await fails_alone(harness, probe("bad", wrong))
+
+
+class Returns(Probe):
+    """Returns its claims, as if the host took them so."""
+
+    name = "returner"
+    version = "1"
+
+    def process(self, file: LocalFile, record: RecordLookup, register: Register) -> Any:
+        super().process(file, record, register)
+        return {"genre": "Sci-Fi"}
+
+
+async def test_a_process_that_returns_its_claims_fails_its_run(harness: Harness) -> None:
+    """A `process` returning `{"genre": "Sci-Fi"}` was `done`, its return dropped without a
+    word: the plugin claimed nothing and nothing said why."""
+    error = await fails_alone(harness, Returns(claim("fine", "x")))
+    assert re.fullmatch(
+        r"TypeError: process returned \{'genre': 'Sci-Fi'\}, not None: the host takes only "
+        r"what it passes to register\(cid, key, value\), one claim a call "
+        r"\(at .*/tests/test_plugins\.py:\d+ in process\)",
+        error,
+    ), error
+
+
+def test_a_key_registered_twice_in_a_run_takes_the_last_value() -> None:
+    """Both drafts were signed at one timestamp: the node stored the one of the smaller
+    signature (either), and the next run, finding it said, signed the other: the value
+    flipped from run to run."""
+
+    def twice(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        register(file.cid, "title", "a guess")
+        register(file.cid, "year", "1999")
+        register(file.cid, "title", "The Matrix")
+
+    cid = cids.midhash_bytes(b"registered twice")
+    file = LocalFile(cid, "/media/m.mkv", 1, 0)
+    drafts, skipped = plugins.collect(
+        probe("twice", twice), file, lambda _cid: None, threading.Event()
+    )
+    assert (drafts, skipped) == ([(cid, "year", "1999"), (cid, "title", "The Matrix")], None)
+
+
+async def test_a_key_registered_twice_is_claimed_once_with_the_last_value(
+    harness: Harness,
+) -> None:
+    _, midhash = harness.drop("twice.bin", b"registered twice")
+
+    def twice(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        for value in ("first", "second", "third"):
+            register(file.cid, "twice", value)
+
+    plugin = probe("twice", twice)
+    node = await harness.start([plugin])
+    await until(finished(node, plugin, midhash), "the run")
+    listed = node.meta_claims(midhash, key="twice", uid=None)["claims"]
+    assert [c["value"] for c in listed] == ["third"]
+    assert metadata(node, midhash)["twice"] == "third"
 
 
 async def test_a_hung_plugin_holds_up_only_its_own_runs(harness: Harness) -> None:
@@ -749,6 +852,32 @@ async def test_failed_and_skipped_runs_are_retried_on_request(harness: Harness) 
     await until(ran_again, "the skipped run to run again and claim")
     assert metadata(node, failing)["tooled"] == metadata(node, skipping)["tooled"] == "yes"
     assert [f.cid for f in plugin.calls].count(fine) == 1  # a done run is not run again
+
+
+async def test_a_retry_of_a_plugin_that_does_not_run_says_why(harness: Harness) -> None:
+    """`plugins retry filename`, with a second package of that name keeping the built-in from
+    running, said `no running plugin is named 'filename'` and no more: why it does not run,
+    that it is disabled, or which ones do."""
+    clash = plugins.NotLoaded(
+        "filename",
+        "metanode_filename:FileName",
+        "plugins metanode_filename:FileName, other:P are all named 'filename': none of them runs",
+    )
+    found = [probe("on", claim("on", "yes")), probe("off", claim("off", "yes"))]
+    node = await harness.start(found, not_loaded=[clash], plugins_disabled=("off",))
+    transport = httpx.ASGITransport(app=create_app(node))
+    headers = {"Authorization": f"Bearer {node.token}"}
+    said = {}
+    async with httpx.AsyncClient(transport=transport, base_url="http://node") as http:
+        for name in ("filename", "off", "nope"):
+            answer = await http.post(f"/api/plugins/{name}/retry", headers=headers)
+            assert (answer.status_code, answer.json()["error"]) == (404, "not_found")
+            said[name] = answer.json()["message"]
+    assert said == {
+        "filename": f"plugin 'filename' does not load: {clash.error}",
+        "off": "plugin 'off' is disabled (plugins_disabled)",
+        "nope": "no running plugin is named 'nope' (running: on)",
+    }
 
 
 async def test_disabled_plugins_and_weights(harness: Harness) -> None:
