@@ -436,6 +436,12 @@ class Settings:
         return self.data_dir / "session-secret"
 
     @property
+    def plugins_running_path(self) -> Path:
+        """The plugin runs going on now (`plugins.InFlight`): charged at the next start if the
+        process ended during them."""
+        return self.data_dir / "plugins-running"
+
+    @property
     def keys_dir(self) -> Path:
         return self.data_dir / "keys"
 

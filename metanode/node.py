@@ -351,6 +351,7 @@ class Node:
             s.plugin_retry_s,
             self.clock,
             [str(Path(root).resolve()) for root in s.watched],
+            s.plugins_running_path,
         )
         self._plugins_task = service(host.run(), "the plugin host")
         return host

@@ -35,14 +35,15 @@ import asyncio
 import contextlib
 import importlib.metadata
 import inspect
+import json
 import logging
 import os
 import re
 import threading
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -541,6 +542,56 @@ def sidecar_folders(sidecars: frozenset[str], paths: Sequence[str]) -> list[str]
     )
 
 
+INTERRUPTED = (
+    "the node stopped during this run (the plugin ended the process: os._exit, a crash in a C "
+    "extension, memory; or the node was killed)"
+)
+
+
+class InFlight:
+    """The runs going on now, named in a file of the data directory (`plugins-running`),
+    rewritten as each starts and ends. A plugin that ends the whole process (`os._exit`, a
+    crash in a C extension reading a corrupt file) left its run pending, started again first
+    thing at every start: the node never stayed up. The file outlives the process (it is not
+    fsync'd: a power cut may take it, and with it only the charge of that attempt), so the
+    next start charges each run it names the attempt it died in (`Host._charge_interrupted`)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self._path = path
+        self._failed = False  # a write failed (a full disk): said once
+
+    def left(self) -> list[cache.PluginRun]:
+        """The runs the last process had going when it ended (none after a clean stop)."""
+        try:
+            text = self._path.read_text("utf-8") if self._path else ""
+        except FileNotFoundError:
+            return []
+        except (OSError, UnicodeDecodeError) as exc:
+            log.warning("cannot read %s (runs interrupted are not charged): %s", self._path, exc)
+            return []
+        runs = []
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError, TypeError):  # a torn line: that charge only
+                plugin, version, midhash, attempts, updated_at = json.loads(line)
+                runs.append(cache.PluginRun(plugin, version, midhash, attempts, updated_at))
+        return runs
+
+    def write(self, runs: Iterable[cache.PluginRun]) -> None:
+        """Name `runs` as the ones going on (atomically: a reader sees the old list or this)."""
+        if self._path is None:
+            return
+        partial = self._path.with_name(self._path.name + ".partial")
+        try:
+            partial.write_text("".join(json.dumps(astuple(run)) + "\n" for run in runs), "utf-8")
+            os.replace(partial, self._path)
+        except OSError as exc:
+            if not self._failed:
+                log.warning("cannot write %s (a crash would not be charged): %s", partial, exc)
+            self._failed = True
+        else:
+            self._failed = False
+
+
 class Host:
     """Schedules plugin runs: one per (plugin, version, midhash), kept in cache.db.
 
@@ -557,8 +608,10 @@ class Host:
         retry_s: float,
         clock: Clock = now_ms,
         roots: Sequence[str] = (),
+        in_flight: Path | None = None,
     ) -> None:
         self.runners = {runner.plugin.name: runner for runner in runners}
+        self._in_flight = InFlight(in_flight)
         self._roots = list(roots)
         self._store = store
         self._workers = max(1, workers)
@@ -568,6 +621,7 @@ class Host:
         self._wake = asyncio.Event()
         self._versions = [(r.plugin.name, r.plugin.version) for r in runners]
         self._running: dict[tuple[str, str, str], asyncio.Task[None]] = {}
+        self._runs: dict[tuple[str, str, str], cache.PluginRun] = {}  # as picked, for `InFlight`
         self._held_until = 0.0  # monotonic: no run starts before (the store failed)
         self.failing: str | None = None  # why the host cannot go on now (/health), or None
 
@@ -609,6 +663,7 @@ class Host:
                     await asyncio.sleep(wait)
                 try:
                     if not queued:
+                        await self._charge_interrupted()
                         await self._store.enqueue_runs(self._versions, None)
                         queued = True
                     self._start_due()
@@ -631,6 +686,8 @@ class Host:
             for run in self._store.due_runs(name, version, self._workers):
                 ident = (run.plugin, run.version, run.midhash)
                 if ident not in self._running and busy < self._workers:
+                    self._runs[ident] = run
+                    self._in_flight.write(self._runs.values())  # before it can end the process
                     self._running[ident] = asyncio.create_task(self._guarded(run, ident))
                     busy += 1
         if not self._running:  # nothing to run, and the store answered: nothing held
@@ -657,7 +714,8 @@ class Host:
         else:
             self._went_on()
         finally:
-            del self._running[ident]
+            del self._running[ident], self._runs[ident]
+            self._in_flight.write(self._runs.values())
 
     def _went_on(self) -> None:
         """A run finished (or none was due): the store works again, if it failed."""
@@ -684,17 +742,40 @@ class Host:
             return
         outcome = await self.runners[run.plugin].run(local_file(file, self._roots))
         attempts = run.attempts + 1
-        status = outcome.status
-        next_at = 0
-        if status == "failed" and attempts < self._max_attempts and not outcome.final:
-            status, next_at = (
-                "pending",
-                self._clock() + int(1000 * backoff_s(attempts, self._retry_s)),
-            )
+        status, next_at = outcome.status, 0
+        if status == "failed" and not outcome.final:
+            status, next_at = self._after_failure(attempts)
         if outcome.error:
             level = logging.INFO if status == "done" else logging.WARNING
             log.log(level, "plugin %s on %s: %s", run.plugin, file[1], outcome.error)
         await self._store.finish_run(run, status, attempts, next_at, outcome.error)
+
+    def _after_failure(self, attempts: int) -> tuple[str, int]:
+        """(status, next_at) of a run that failed its `attempts`th attempt: due again after
+        its back-off, or failed for good once `plugin_max_attempts` are spent."""
+        if attempts >= self._max_attempts:
+            return "failed", 0
+        return "pending", self._clock() + int(1000 * backoff_s(attempts, self._retry_s))
+
+    async def _charge_interrupted(self) -> None:
+        """Charge the runs the last process had going when it ended their attempt (`InFlight`):
+        a plugin that ends the process on a file fails there after `plugin_max_attempts`
+        starts, instead of ending every start. A run finished or queued again since is left as
+        it is (`finish_run` matches the run as it was picked)."""
+        for run in self._in_flight.left():
+            attempts = run.attempts + 1
+            status, next_at = self._after_failure(attempts)
+            file = self._store.file_of(run.midhash)
+            log.warning(
+                "plugin %s on %s: %s (attempt %d of %d)",
+                run.plugin,
+                file[1] if file else run.midhash,
+                INTERRUPTED,
+                attempts,
+                self._max_attempts,
+            )
+            await self._store.finish_run(run, status, attempts, next_at, INTERRUPTED)
+        self._in_flight.write(())
 
     async def describe(self, weights: Mapping[str, int]) -> list[dict[str, Any]]:
         """GET /api/plugins' `plugins`: each plugin with its uid, version, signer weight

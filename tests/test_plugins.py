@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -737,6 +738,42 @@ async def test_a_restart_resumes_pending_runs_and_skips_done_ones(harness: Harne
     assert await counts(node, "quick") == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
     assert metadata(node, midhash)["quick"] == "yes"
     assert metadata(node, midhash)["slow"] == "resumed"
+
+
+async def test_a_run_the_process_ended_during_is_charged_its_attempt_at_the_next_start(
+    harness: Harness,
+) -> None:
+    """A plugin that ends the process (`os._exit`, a crash in a C extension) left its run
+    pending, started again first thing at every start: the node never stayed up. The runs in
+    flight are named in `plugins-running`; a clean stop leaves it empty, a process that died
+    leaves them, and the next start charges each the attempt it died in."""
+    gate = harness.gate()
+    _, midhash = harness.drop("p.bin", b"crashing")
+    slow = probe("slow", blocked_until(gate, claim("slow", "yes")))
+    node = await harness.start([slow], plugin_timeout_s=60.0)
+    await until(lambda: len(slow.calls) == 1, "slow running")
+    flight = node.settings.plugins_running_path
+    left = flight.read_text()  # as a process that died now would leave it
+    assert [json.loads(line)[:4] for line in left.splitlines()] == [["slow", "1", midhash, 0]]
+    await harness.stop(node)
+    assert flight.read_text() == ""  # a clean stop: nothing to charge
+    gate.set()
+    for thread in threading.enumerate():
+        if thread.name == "plugin":
+            thread.join(10)
+
+    flight.write_text(left + "torn line\n")  # a line cut short is skipped
+    again = probe("slow", blocked_until(harness.gate()))  # the next attempt hangs: seen pending
+    node = await harness.start([again], plugin_timeout_s=60.0, plugin_retry_s=0.0)
+    await until(lambda: len(again.calls) == 1, "the charged run due again at once")
+    charged = run_of(node, again, midhash)
+    assert charged == Run("pending", 1, plugins.INTERRUPTED), charged
+
+    await harness.stop(node)
+    flight.write_text(left)  # the same run, as picked before its charge: charged once only
+    node = await harness.start([probe("slow", claim("slow", "done"))])
+    await until(finished(node, again, midhash), "the run done")
+    assert run_of(node, again, midhash) == Run("done", 2, None)
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ plugin written with `metanode.client.Client` — keygen, register, follow the fe
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ from metanode import cid as cids
 from metanode import keys
 from metanode import rid as rids
 from metanode.client import Client, ClientError, Event, parse_frames
+from tests.helpers.plugins import install_plugin
 from tests.helpers.server import Server, plugins_server
 from tests.helpers.wait import poll
 
@@ -312,3 +314,43 @@ def test_parse_frames() -> None:
 def test_parse_frames_keeps_only_one_space_after_the_colon() -> None:
     frames = list(parse_frames(["event:  set", 'data: {"a": 1}', ""]))
     assert frames == [Event(None, " set", {"a": 1})]
+
+
+# -- a plugin that ends the process -------------------------------------------------------------
+
+
+def test_a_plugin_that_ends_the_process_on_a_file_fails_there_and_the_node_stays_up(
+    tmp_path: Path,
+) -> None:
+    """`os._exit` in a plugin (as a crash in a C extension on a corrupt file) ends the node.
+    Its run never finished, so it was pending again and ended every start after: the node
+    never stayed up. The next start charges it the attempt it died in; at
+    `plugin_max_attempts` it stays failed, saying why, and the node serves on."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(
+        site,
+        "crasher",
+        "crasher",
+        "if 'poison' in file.path:\n    os._exit(70)\nregister(file.cid, 'crasher', 'fine')",
+    )
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "METANODE_PLUGIN_MAX_ATTEMPTS": "1"}
+    with plugins_server(tmp_path / "data", **env) as server:
+        poison = cids.midhash_bytes(b"poison" * 1000)
+        drop(server, "poison.bin", b"poison" * 1000)
+        assert server.proc is not None
+        assert server.proc.wait(timeout=120) == 70  # the plugin ended the node
+        server.start()  # charged its attempt, the run is not started again
+        fine = drop(server, "fine.bin", b"fine" * 1000)
+        doc = poll(settled(server, cids.midhash_bytes(fine.read_bytes()), "crasher"), "fine run")
+        assert doc["metadata"]["crasher"] == "fine"
+        listed = httpx.get(f"{server.url}/api/plugins", headers=server.headers, timeout=30)
+        crasher = {p["name"]: p for p in listed.json()["plugins"]}["crasher"]
+        assert crasher["runs"]["failed"] == 1, crasher
+        assert [(f["cid"], f["error"]) for f in crasher["failures"]] == [
+            (poison, "the node stopped during this run (the plugin ended the process: os._exit, "
+             "a crash in a C extension, memory; or the node was killed)")
+        ]  # fmt: skip
+        assert "plugin crasher on " in server.log_text()
+        assert server.proc.poll() is None
