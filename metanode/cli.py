@@ -213,7 +213,13 @@ def claim() -> None:
     type=click.Path(exists=True, dir_okay=False),
     help="Key file made by `metanode keygen`.",
 )
-@click.option("--cid", "cid_value", required=True, help="Canonical CID the claim is about.")
+@click.option(
+    "--cid",
+    "cid_value",
+    required=True,
+    help="The CID the claim is about, in its canonical spelling (base32, `b…`; "
+    "`metanode cid parse` gives it).",
+)
 @click.option("--key-name", required=True, help="The claimed key, e.g. `title`.")
 @click.option("--value", default=None, help="The value (a string).")
 @click.option("--retract", is_flag=True, help="Sign a retraction (value null) instead.")
@@ -1180,8 +1186,8 @@ def import_command(
     the node would. Nothing is written if any claim fails; each failure is listed with its line.
 
     JSON lines are streamed twice (verify, then ingest): memory stays flat whatever the size.
-    Into a node only (`metanode init` makes one): a mistyped --data-dir made a new node, and
-    the claims went there."""
+    Into a node only (`metanode init` makes one): a data directory that holds none, a mistyped
+    --data-dir, is refused (no_node) rather than made, so the claims never go astray."""
     settings = node_settings(config_file, data_dir)
     with _rereadable(source, settings.data_dir.resolve().parent) as f:
         try:
