@@ -213,7 +213,13 @@ def claim() -> None:
     type=click.Path(exists=True, dir_okay=False),
     help="Key file made by `metanode keygen`.",
 )
-@click.option("--cid", "cid_value", required=True, help="Canonical CID the claim is about.")
+@click.option(
+    "--cid",
+    "cid_value",
+    required=True,
+    help="The CID the claim is about, in its canonical spelling (base32, `b…`; "
+    "`metanode cid parse` gives it).",
+)
 @click.option("--key-name", required=True, help="The claimed key, e.g. `title`.")
 @click.option("--value", default=None, help="The value (a string).")
 @click.option("--retract", is_flag=True, help="Sign a retraction (value null) instead.")
@@ -575,36 +581,63 @@ def read_token(path: Path) -> str | None:
         return None
 
 
+class NodeClient(client.Client):
+    """A client command's client, with what to say when the node refuses its token
+    (`unauthorized`): the node's message speaks of the header and the web page's cookie, not
+    of where this command looked for the token."""
+
+    token_hint = ""
+
+
 def connect(
     config_file: str | None,
     data_dir: str | None,
     url: str | None,
     token: str | None = None,
     needs_token: bool = False,
-) -> client.Client:
-    """A client of the node these settings describe (or of `url`), with its token if needed."""
+    token_flag: str = "--token",
+) -> NodeClient:
+    """A client of the node these settings describe (or of `url`), with its token if needed
+    (`token` from `token_flag` or METANODE_TOKEN, else the data directory's api-token)."""
     settings = load_settings(config_file, data_dir=data_dir)
+    given, kept = f"{token_flag} or METANODE_TOKEN", settings.token_path.absolute()
     if needs_token and token is None:
-        token = read_token(settings.token_path)
-    return client.Client(url or settings.client_url, token=token, timeout=60)
+        token = read_token(kept)
+        given = str(kept)
+    node_client = NodeClient(url or settings.client_url, token=token, timeout=60)
+    if needs_token and token is None:
+        node_client.token_hint = (
+            f"no token was sent: none was given ({token_flag} or METANODE_TOKEN) and there is "
+            f"none in {kept}; give {token_flag}, or --data-dir naming the node's data "
+            "directory (or run where it is)"
+        )
+    elif needs_token:
+        node_client.token_hint = (
+            f"the token from {given} was refused: give this node's, the content of its data "
+            "directory's api-token"
+        )
+    return node_client
 
 
 def _print_response(
-    node_client: client.Client, response: httpx.Response, places: Sequence[str] = ()
+    node_client: NodeClient, response: httpx.Response, places: Sequence[str] = ()
 ) -> None:
     """A good answer's JSON on stdout; the node's refusal as every error of the CLI comes out
     (`_refused`), not its envelope on stdout, where a script would take it for the answer."""
     try:
         node_client.answer(response)
     except client.ClientError as exc:
-        _refused(exc, places)
+        _refused(exc, places, node_client)
     click.echo(response.text)
 
 
-def _refused(exc: client.ClientError, places: Sequence[str] = ()) -> NoReturn:
+def _refused(
+    exc: client.ClientError, places: Sequence[str] = (), node_client: NodeClient | None = None
+) -> NoReturn:
     """The node's refusal: `error: <slug>: <message>` on stderr, then each rejected claim of a
     batch (`invalid_batch`) on a line of its own, named where the command read it (`places`,
-    by the batch's index: `argument 2`, `claim 3` of stdin), else by that index; exit 2."""
+    by the batch's index: `argument 2`, `claim 3` of stdin), else by that index, or for a
+    refused token where it came from (`NodeClient.token_hint`); exit 2."""
     items = exc.body.get("items")
     lines = [f"error: {exc.slug}: {exc.body.get('message')}"]
     lines += [
@@ -612,6 +645,8 @@ def _refused(exc: client.ClientError, places: Sequence[str] = ()) -> NoReturn:
         for item in (items if isinstance(items, list) else [])
         if isinstance(item, dict)
     ]
+    if exc.slug == "unauthorized" and node_client is not None and node_client.token_hint:
+        lines.append(f"  {node_client.token_hint}")
     click.echo("\n".join(lines), err=True)
     sys.exit(2)
 
@@ -746,7 +781,9 @@ def peers_add(
     body: dict[str, Any] = {"url": peer_url, "token": peer_token, "weight": weight}
     if name is not None:
         body["name"] = name
-    with connect(config_file, data_dir, url, token, needs_token=True) as node_client:
+    with connect(
+        config_file, data_dir, url, token, needs_token=True, token_flag="--api-token"
+    ) as node_client:
         response = node_client.request("POST", "/api/peers", json=body)
         _print_response(node_client, response)
     row = response.json()
@@ -776,7 +813,7 @@ def _list_command(
             try:
                 answer = node_client.answer(node_client.request("GET", path))
             except client.ClientError as exc:
-                _refused(exc)
+                _refused(exc, (), node_client)
             for row in answer[member]:
                 click.echo(json.dumps(row))
             for row in answer.get(warned, []) if warned else []:
@@ -1033,7 +1070,7 @@ def events(
             click.echo(f"{event.id or '-'} {event.kind} {data}")
             sys.stdout.flush()  # a line as it happens, also into a pipe (`| grep`, a script)
     except client.ClientError as exc:
-        _refused(exc)
+        _refused(exc, (), node_client)
     except KeyboardInterrupt:
         pass
     finally:
@@ -1180,8 +1217,8 @@ def import_command(
     the node would. Nothing is written if any claim fails; each failure is listed with its line.
 
     JSON lines are streamed twice (verify, then ingest): memory stays flat whatever the size.
-    Into a node only (`metanode init` makes one): a mistyped --data-dir made a new node, and
-    the claims went there."""
+    Into a node only (`metanode init` makes one): a data directory that holds none, a mistyped
+    --data-dir, is refused (no_node) rather than made, so the claims never go astray."""
     settings = node_settings(config_file, data_dir)
     with _rereadable(source, settings.data_dir.resolve().parent) as f:
         try:

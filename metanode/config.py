@@ -476,6 +476,13 @@ def networks(name: str, texts: tuple[str, ...]) -> tuple[Network, ...]:
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+# What a value of each type is, in the words of a refusal (Python's `bool`, `int` said little).
+_KINDS: dict[Any, str] = {
+    bool: "a boolean (true/false, 1/0, yes/no, on/off)",
+    int: "a whole number",
+    float: "a number",
+    tuple: "a list of text",
+}
 
 
 def _convert(name: str, raw: Any) -> Any:
@@ -499,7 +506,8 @@ def _convert(name: str, raw: Any) -> Any:
             raise ValueError(raw)
         return kind(raw)
     except (TypeError, ValueError):
-        raise InvalidRequest(f"setting {name}: {raw!r} is not a valid {kind.__name__}") from None
+        what = _KINDS.get(kind, f"a valid {kind.__name__}")
+        raise InvalidRequest(f"setting {name}: {raw!r} is not {what}") from None
 
 
 _LIST_SEPARATORS = {

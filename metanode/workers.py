@@ -228,7 +228,9 @@ class Forward:
                     await self._send_body(receive, writer, scope)
                 await writer.drain()
                 parser = httptools.HttpResponseParser(answer)
-                await self._relay(reader, parser, answer, scope, send)
+                if not await self._relay_while_heard(reader, parser, answer, scope, receive, send):
+                    writer.close()  # the client left mid-answer: the owner's end closes too
+                    return
             except (OSError, EOFError, httptools.HttpParserError):
                 if writer is not None:
                     writer.close()
@@ -244,6 +246,33 @@ class Forward:
             else:
                 writer.close()
             return
+
+    async def _relay_while_heard(
+        self,
+        reader: asyncio.StreamReader,
+        parser: httptools.HttpResponseParser,
+        answer: _Answer,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+    ) -> bool:
+        """`_relay` until the answer is done (True) or the client has left (False). uvicorn
+        drops without a word what is sent to a client that has gone, so an answer that never
+        ends (the web page's change feed, handed to the owner for its cookie) was relayed to
+        nobody for good: an open feed on the owner, its connection and a Unix socket each."""
+        relay = asyncio.ensure_future(self._relay(reader, parser, answer, scope, send))
+        left = asyncio.ensure_future(_client_left(receive))
+        try:
+            await asyncio.wait((relay, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            left.cancel()
+            if not relay.done():
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
+        if relay.cancelled():
+            return False
+        relay.result()  # its errors, as `_relay`'s own
+        return True
 
     async def _relay(
         self,
@@ -303,6 +332,13 @@ class Forward:
                 break
         if chunked:
             writer.write(b"0\r\n\r\n")
+
+
+async def _client_left(receive: Receive) -> None:
+    """Returns once the client has gone (or its answer is complete: uvicorn says
+    `http.disconnect` then too); the request's body was read before, or it had none."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _has_body(scope: Scope) -> bool:

@@ -109,6 +109,41 @@ def test_a_refusal_of_the_node_is_an_error_line_not_an_answer(server: Server) ->
     assert httpx.get(f"{server.url}/api/meta/{MIDHASH}", timeout=10).status_code == 404
 
 
+def test_a_refused_token_says_where_the_command_looked_for_it(
+    server: Server, tmp_path: Path
+) -> None:
+    """The node's 401 speaks of the header and the web page's cookie: a command run away from
+    the node's data directory (no api-token there), or given another box's token, says where
+    it looked and what to give."""
+    env = {"METANODE_PORT": str(server.port)}
+    away = tmp_path / "elsewhere"  # not the node's directory: its data/ holds no api-token
+    away.mkdir()
+    kept = away / "data" / "api-token"
+    for refused, hint in (
+        (
+            metanode("events", env=env, cwd=away),
+            "  no token was sent: none was given (--token or METANODE_TOKEN) and there is none "
+            f"in {kept}; give --token, or --data-dir naming the node's data directory (or run "
+            "where it is)",
+        ),
+        (
+            metanode("claim", "post", "{}", env={**env, "METANODE_TOKEN": "another box's"}),
+            "  the token from --token or METANODE_TOKEN was refused: give this node's, the "
+            "content of its data directory's api-token",
+        ),
+        (
+            metanode("peers", "list", env={**env, "METANODE_DATA_DIR": str(server.data_dir)}),
+            None,  # the data directory's token: taken
+        ),
+    ):
+        if hint is None:
+            assert refused.returncode == 0, refused.stderr
+            continue
+        assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+        lines = refused.stderr.splitlines()
+        assert lines[0].startswith("error: unauthorized: ") and lines[1:] == [hint], lines
+
+
 def test_get_waits_for_a_file_just_dropped_when_asked_to(server: Server) -> None:
     """The README's tour asked for a file's record right after writing it, before the watcher
     had settled and hashed it: `unknown_cid`, as if it were broken. `--wait` keeps asking."""

@@ -63,6 +63,10 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
         ({"METANODE_PLUGIN_WEIGHTS": "a=1,b=-1"}, "plugin_weights: 'b=-1'"),
         ({"METANODE_PLUGIN_WEIGHTS": "a=1000001"}, "a weight is at most 1000000"),
         ({"METANODE_LOG_LEVEL": "verbose"}, "log_level: 'verbose' is not one of debug, info"),
+        # the forms a boolean takes, not Python's `bool`; a number's kind in words
+        ({"METANODE_CACHE_FSYNC": "maybe"}, r"cache_fsync: 'maybe' is not a boolean \(true/false"),
+        ({"METANODE_PORT": "9100.5"}, "port: '9100.5' is not a whole number"),
+        ({"METANODE_APPLY_WAIT_S": "soon"}, "apply_wait_s: 'soon' is not a number"),
     ],
 )
 def test_bad_values_name_the_setting(env: dict[str, str], fragment: str) -> None:
@@ -82,7 +86,7 @@ def test_a_huge_whole_number_is_checked_without_overflowing() -> None:
 def test_a_toml_boolean_is_no_number_and_weights_parse(tmp_path: Path) -> None:
     file = tmp_path / "m.toml"
     file.write_text("port = true\n")  # bound port 1
-    with pytest.raises(InvalidRequest, match="port: True is not a valid int"):
+    with pytest.raises(InvalidRequest, match="port: True is not a whole number"):
         config.load(file, env={})
     weights = config.load(env={"METANODE_PLUGIN_WEIGHTS": "fullhash=5,filename=0"})
     assert weights.plugin_weight_map == {"fullhash": 5, "filename": 0}

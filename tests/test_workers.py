@@ -45,10 +45,12 @@ def server(tmp_path: Path, storage: str) -> Iterator[Server]:
     srv.print_log()
 
 
-def pinned(srv: Server) -> httpx.Client:
-    """A client on one keep-alive connection, so on one worker."""
+def pinned(srv: Server, headers: dict[str, str] | None = None) -> httpx.Client:
+    """A client on one keep-alive connection, so on one worker (with the token unless
+    `headers` says otherwise)."""
     limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-    client = httpx.Client(base_url=srv.url, headers=srv.headers, limits=limits, timeout=30)
+    given = srv.headers if headers is None else headers
+    client = httpx.Client(base_url=srv.url, headers=given, limits=limits, timeout=30)
     OPENED.append(client)
     return client
 
@@ -57,14 +59,14 @@ def worker_of(client: httpx.Client) -> str:
     return client.get("/api/meta/" + A).headers["x-metanode-worker"]
 
 
-def one_per_worker(srv: Server) -> dict[str, httpx.Client]:
+def one_per_worker(srv: Server, headers: dict[str, str] | None = None) -> dict[str, httpx.Client]:
     """A pinned client on each worker (connections land where the kernel puts them: open new
     ones until both workers have one)."""
     found: dict[str, httpx.Client] = {}
     deadline = time.monotonic() + DEADLINE_S
     while len(found) < 2:
         assert time.monotonic() < deadline, f"only reached {sorted(found)}"
-        client = pinned(srv)
+        client = pinned(srv, headers)
         found.setdefault(worker_of(client), client)
     assert sorted(found) == ["owner", "reader-1"]
     return found
@@ -280,6 +282,20 @@ def test_one_scrape_counts_the_requests_answered_by_every_worker(server: Server)
         wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 1, "the reader's feed")
     wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 0, "the feed closed")
     assert restarts_of(owner) == 0
+
+
+def test_a_stream_handed_to_the_owner_ends_there_when_its_client_leaves(server: Server) -> None:
+    """The web page's feed through a reader, handed to the owner for its cookie (the sessions
+    live there): when the browser leaves, the owner's feed ends too (it was relayed to nobody
+    for good, an open feed and a connection on the owner for each Live page left)."""
+    owner = one_per_worker(server)["owner"]
+    page = one_per_worker(server, headers={})["reader-1"]
+    signed_in = page.post("/signin", data={"token": server.token, "then": "/"})
+    assert signed_in.status_code == 303, signed_in.text
+    with page.stream("GET", "/api/events") as feed:
+        assert (feed.status_code, feed.headers["x-metanode-worker"]) == (200, "owner")
+        wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 1, "the page's feed")
+    wait_for(lambda: scrape(owner, "metanode_feed_subscribers") == 0, "the page's feed ended")
 
 
 def test_a_killed_worker_is_replaced_and_nothing_acknowledged_is_lost(server: Server) -> None:
