@@ -290,8 +290,11 @@ class Applier:
                     "the machine restarted while metanode ran: the cache's last commits may "
                     "be lost, so it is rebuilt (a new feed epoch)"
                 )
-            if self.state.epoch == 0:  # never built: a new node's first start, not a rebuild
+            if self.state.epoch == 0 and not self._source.max_seq():  # a new node's first start
                 log.info("making the cache (first start)")
+            elif self.state.epoch == 0:  # a truth without its cache: restored, or cache.db gone
+                seq = self._source.max_seq()
+                log.info("making the cache from the truth (outbox seq %d): there was none", seq)
             else:
                 seq = self._source.max_seq()
                 log.info("building the cache again from the truth (outbox seq %d)", seq)

@@ -1152,10 +1152,18 @@ def restore(
     the node stopped: checked first, what it replaces kept in replaced-<stamp>/, the cache
     rebuilt at the next start."""
     settings = load_settings(config_file, data_dir=data_dir)
-    with datadir.Lock(settings.data_dir):  # never under a running node
-        done = maintenance.restore(
-            settings, Path(backup_file), Path(keys_from) if keys_from else None, keep_keys
-        )
+    new = not settings.data_dir.exists()  # a new machine's (or a mistyped --data-dir)
+    try:
+        with datadir.Lock(settings.data_dir):  # never under a running node
+            done = maintenance.restore(
+                settings, Path(backup_file), Path(keys_from) if keys_from else None, keep_keys
+            )
+    except MetanodeError:
+        if new:  # refused: "nothing changed" leaves no directory holding only the lock
+            with contextlib.suppress(OSError):
+                (settings.data_dir / datadir.LOCK_NAME).unlink()
+                settings.data_dir.rmdir()
+        raise
     click.echo(f"restored {backup_file} into {settings.truth_path}")
     click.echo(f"keys: {done.keys or f'kept, {settings.keys_dir}'}")
     click.echo(f"what it replaced: {done.aside or 'nothing (a new data directory)'}")

@@ -8,6 +8,7 @@ silently is checked instead: every file the Dockerfile copies exists and is not 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -58,12 +59,11 @@ def test_entry_point_serves_and_healthcheck_passes(tmp_path: Path) -> None:
     try:
         command = healthcheck_command()
         assert command[0] == "python"
-        script = command[2].replace("127.0.0.1:9000", f"127.0.0.1:{server.port}")
-        assert subprocess.run([sys.executable, "-c", script], timeout=30).returncode == 0
+        script = command[2]  # on the port the node was given (`METANODE_PORT`), 9000 unset
+        env = {**os.environ, "METANODE_PORT": str(server.port)}
+        assert subprocess.run([sys.executable, "-c", script], env=env, timeout=30).returncode == 0
     finally:
         server.stop()
     # with the node gone the healthcheck fails
-    assert (
-        subprocess.run([sys.executable, "-c", script], timeout=30, capture_output=True).returncode
-        != 0
-    )
+    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=30, capture_output=True)
+    assert done.returncode != 0

@@ -385,6 +385,7 @@ def test_restore_puts_the_backup_back_whatever_wal_the_node_left(tmp_path: Path,
     server.start()
     try:
         assert (server.meta(before) or {})["metadata"]["title"] == "in the backup"
+        assert "making the cache from the truth (outbox seq " in server.log_text()
         assert server.meta(after) is None
     finally:
         server.stop()
@@ -436,6 +437,13 @@ def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: P
         )
         assert refused.returncode == 2 and refused.stderr.startswith(f"error: {said}"), refused
         assert sorted(p.name for p in data.iterdir() if p.name != "lock") == before
+    typo = tmp_path / "dta"  # a mistyped --data-dir: refused, and not left made
+    refused = subprocess.run(
+        [sys.executable, "-m", "metanode", "restore", str(tmp_path / "garbage.db"),
+         "--data-dir", str(typo)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert refused.returncode == 2 and not typo.exists(), refused
     cli("restore", str(made), "--data-dir", str(data))
     assert sorted(p.name for p in made.parent.iterdir()) == [f"keys-{made.stem[6:]}", made.name]
     server = Server(data).start()
