@@ -17,7 +17,7 @@ import hashlib
 import logging
 import os
 import time
-from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar, get_args
@@ -562,7 +562,18 @@ class Node:
         if uid is not None:
             claims.public_key(uid)
         page = self.truth.claims_log(after, limit, uid)
-        return {"claims": [c.wire() for c in page.claims], "next": page.next, "more": page.more}
+        return {
+            "claims": [c.wire() for c in page.claims],
+            "next": page.next,
+            "more": page.more,
+            "signers": self._signer_names(page.claims),
+        }
+
+    def _signer_names(self, listed: Sequence[claims.Claim]) -> dict[str, str]:
+        """What this box calls the signers of `listed` (a peer names the ones it learns so:
+        `filename (via a)`); a few primary-key reads, one a signer."""
+        rows = (self.truth.signer(uid) for uid in {c.uid for c in listed})
+        return {row.uid: row.name for row in rows if row is not None}
 
     def peer_token_name(self, token: str) -> str | None:
         """The name of the peer token `token` is, or None (kept hashed in the truth)."""
@@ -583,7 +594,7 @@ class Node:
                 raise InvalidRequest(f"fetch must be an array of at most {peers.FETCH_CHUNK} ids")
             ids = [reconcile.decode_id(i, truth.ID_BYTES) for i in wanted]
             found = await asyncio.to_thread(self.truth.claims_by_ids, ids)
-            return {"claims": [c.wire() for c in found]}
+            return {"claims": [c.wire() for c in found], "signers": self._signer_names(found)}
         message = reconcile.decode_fingerprints(payload["ranges"])  # bounded: MAX_RANGES
         head, items = await self.responder.items()
         # Pure CPU in proportion to the ranges asked (≈ 0.1 s for the most a request may ask):
@@ -603,7 +614,7 @@ class Node:
         return self.truth.peer(name)
 
     async def apply_peer_page(
-        self, name: str, items: list[object], cursor: str | None
+        self, name: str, items: list[object], cursor: str | None, names: Mapping[str, str]
     ) -> peers.PageCounts:
         """A page pulled from peer `name`: every claim verified as POST /api/claims verifies
         it; the valid ones stored with the cursor in one transaction; the rest counted, and
@@ -613,7 +624,7 @@ class Node:
             raise UnknownPeer(f"no peer is named {name!r}")
         now = self.clock()
         valid, errors = await self.verifier.validate(items, now)
-        page = truth.PeerCursor(name, cursor, len(errors))
+        page = truth.PeerCursor(name, cursor, len(errors), names)
         result, refused = await self.truth.ingest_peer(valid, page, row.weight, self.minter, now)
         self.applier.hand(result)  # like any ingest: the apply need not read it back
         await self.applier.wait_for(result.seq, self.settings.apply_wait_s)

@@ -20,7 +20,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,7 +88,7 @@ class Host(Protocol):
     def peer(self, name: str) -> PeerRow | None: ...
 
     async def apply_peer_page(
-        self, name: str, items: list[object], cursor: str | None
+        self, name: str, items: list[object], cursor: str | None, names: Mapping[str, str]
     ) -> PageCounts: ...
 
     async def own_items(self) -> reconcile.Items: ...
@@ -290,7 +290,8 @@ class Follower:
                     raise
                 self.page //= 2
         items, cursor, more = _log_page(body, self.page, self.cursor)
-        self._took(await self.host.apply_peer_page(self.name, items, cursor))
+        names = signer_names(body)
+        self._took(await self.host.apply_peer_page(self.name, items, cursor, names))
         self.cursor = cursor
         self.page = min(self.config.page, self.page * 2)
         if self.last_error:
@@ -377,6 +378,7 @@ class Follower:
         """Ask the peer for the claims with these identities and store them (with `cursor`);
         an answer over `ANSWER_BYTES` is asked again in two halves."""
         items: list[object] = []
+        names: dict[str, str] = {}
         if ids:
             try:
                 body, sent, got = await self._call(
@@ -394,11 +396,11 @@ class Follower:
             report.bytes_received += got
             if not isinstance(body, dict) or not isinstance(body.get("claims"), list):
                 raise PeerFailed("the fetch answer has no claims array")
-            items = body["claims"]
+            items, names = body["claims"], signer_names(body)
             if len(items) > len(ids):
                 raise PeerFailed(f"the fetch answer holds {len(items)} claims; {len(ids)} asked")
         if items or cursor is not None:
-            self._took(await self.host.apply_peer_page(self.name, items, cursor))
+            self._took(await self.host.apply_peer_page(self.name, items, cursor, names))
         return len(items)
 
     async def close(self) -> None:
@@ -406,6 +408,23 @@ class Follower:
             self.task.cancel()
             await asyncio.gather(self.task, return_exceptions=True)
         await self.http.aclose()
+
+
+MAX_SIGNER_NAME = 64  # characters of a name a peer gives its signer; a longer one is not taken
+
+
+def signer_names(body: dict[str, Any]) -> dict[str, str]:
+    """What the peer calls its answer's signers (`signers`: uid → name), the names that can be
+    shown (1 to `MAX_SIGNER_NAME` printable characters) and nothing else: a peer of an older
+    version sends none, and a hostile one may send anything."""
+    given = body.get("signers")
+    if not isinstance(given, dict):
+        return {}
+    return {
+        uid: name
+        for uid, name in given.items()
+        if isinstance(name, str) and 1 <= len(name) <= MAX_SIGNER_NAME and name.isprintable()
+    }
 
 
 async def _read_capped(response: httpx.Response, path: str) -> bytes:

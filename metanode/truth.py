@@ -21,7 +21,7 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -1545,6 +1545,15 @@ class PeerCursor:
     name: str
     cursor: str | None
     rejected: int
+    # what the peer calls the page's signers (`signers` of its answer, checked: `peers`)
+    signer_names: Mapping[str, str] = field(default_factory=dict)
+
+
+def learned_name(peer: str, given: str | None) -> str:
+    """A learned signer's name: the peer's own name for it, and through which peer (`filename
+    (via a)`, `owner (via a)`); `peer:<name>` when the peer gave none (an older version). Its
+    plugins and its owner were all `peer:a` alike, on the page and in `signers list`."""
+    return f"{given} (via {peer})" if given else f"peer:{peer}"
 
 
 def advance_peer(conn: Connection, page: PeerCursor, verdicts: Sequence[Verdict]) -> None:
@@ -1575,10 +1584,19 @@ def peer_ingest_txn(
     from the peer (its weight, may not link); a claim its signer may not make (blocked, a link
     without `may_link`) is refused and counted, the rest stored with the cursor, in one
     transaction. Returns the ingest's result and the claims refused, each with why."""
+    uids = {c.uid for c in batch}
+    named = {uid: learned_name(page.name, page.signer_names.get(uid)) for uid in uids}
     conn.executemany(
         "INSERT INTO signers (uid, name, weight, may_link, added_at, learned_from) "
         "VALUES (?, ?, ?, 0, ?, ?) ON CONFLICT DO NOTHING",
-        [(uid, f"peer:{page.name}", weight, now_ms, page.name) for uid in {c.uid for c in batch}],
+        [(uid, named[uid], weight, now_ms, page.name) for uid in uids],
+    )
+    conn.executemany(  # learned before the peer said names: named now, unless renamed here
+        "UPDATE signers SET name = ? WHERE uid = ? AND learned_from = ? AND name = ?",
+        [
+            (named[uid], uid, page.name, learned_name(page.name, None))
+            for uid in uids & page.signer_names.keys()
+        ],
     )
     rows = {uid: signer(conn, uid) for uid in {c.uid for c in batch}}
     kept: list[Claim] = []

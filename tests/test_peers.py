@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from metanode import cid as cids
-from metanode import maintenance, reconcile
+from metanode import maintenance, peers, reconcile
 from metanode.api import create_app
 from metanode.errors import InvalidRequest
 from metanode.node import Node
@@ -204,6 +204,7 @@ def test_b_follows_a_and_ends_with_a_s_documents_live_and_through_tombstones(
         "signers"
     ]}[stranger.uid]  # fmt: skip
     assert (learned["learned_from"], learned["weight"], learned["may_link"]) == ("a", 0, False)
+    assert learned["name"] == "t (via a)"  # A's own name for it, and through which peer
     listing = httpx.get(f"{b.url}/api/meta/{s[0]}/claims").json()
     assert [cl["value"] for cl in listing["claims"]] == ["theirs"]
     assert "title" not in b.meta(s[0])["metadata"]
@@ -1039,6 +1040,35 @@ def test_a_claim_dated_ahead_from_a_peer_that_cannot_reconcile_is_given_up_once(
     finally:
         b.stop()
         b.print_log()
+
+
+async def test_a_learned_signer_is_named_by_the_peer_unless_the_owner_named_it(
+    node: Node,
+) -> None:
+    """A peer's answers name their signers (`signers`); a learned signer was `peer:a`, its
+    plugins and its owner alike. One learned from an older peer (no names) is named once a
+    page names it; a name the owner gave here stays; a name that cannot be shown is not taken."""
+    await node.truth.add_peer("a", "http://127.0.0.1:9", "t", 0)
+    old, renamed, odd = Signer(), Signer(), Signer()
+    page = [s.claim(cid(f"named{i}"), "title", "x") for i, s in enumerate((old, renamed, odd))]
+    await node.apply_peer_page("a", page, None, {})  # an older peer: no names
+    names = {s["uid"]: s["name"] for s in node.signers()}
+    assert [names[s.uid] for s in (old, renamed, odd)] == ["peer:a"] * 3
+    await node.add_signer(renamed.uid, "my friend's laptop", None, None)
+    given = {old.uid: "filename", renamed.uid: "owner", odd.uid: "x" * 65}
+    again = [
+        s.claim(cid(f"named{i}"), "title", "y", ts=NOW_MS + 1)
+        for i, s in enumerate((old, renamed, odd))
+    ]
+    await node.apply_peer_page("a", again, None, peers.signer_names({"signers": given}))
+    names = {s["uid"]: s["name"] for s in node.signers()}
+    assert [names[s.uid] for s in (old, renamed, odd)] == [
+        "filename (via a)",
+        "my friend's laptop",
+        "peer:a",
+    ]
+    logged = node.claims_log(None, 10, None)["signers"]  # as this box calls them
+    assert logged == {s.uid: names[s.uid] for s in (old, renamed, odd)}
 
 
 async def test_a_follower_ended_by_an_unexpected_error_is_said_not_silent(
