@@ -420,7 +420,10 @@ class OpenedFile(FileResponse):
 
     def __init__(self, copy: LocalCopy) -> None:
         super().__init__(
-            f"/proc/self/fd/{copy.fd}", stat_result=copy.stat, media_type=copy.content_type
+            f"/proc/self/fd/{copy.fd}",
+            stat_result=copy.stat,
+            media_type=copy.content_type,
+            headers=webdav.INERT,  # whatever the file is, no page of this origin
         )
         self.fd = copy.fd
 
@@ -821,7 +824,8 @@ def routes(node: Node) -> list[BaseRoute]:
         stored = node.record_value(rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
-        return PlainTextResponse(mounted(stored) if key == "filePath" else stored)
+        value = mounted(stored) if key == "filePath" else stored
+        return PlainTextResponse(value, headers=webdav.INERT)  # a value, never a page
 
     async def add_to_set(request: Request) -> Response:
         text, key = request.path_params["hash"], request.path_params["key"]

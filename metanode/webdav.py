@@ -39,7 +39,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 from a2wsgi import WSGIMiddleware
 from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError
 from wsgidav.dav_provider import DAVCollection, DAVProvider
 from wsgidav.error_printer import ErrorPrinter
@@ -69,6 +69,21 @@ WORKERS = 64
 # what a WebDAV client may ask of `/webdav` itself before it is sent on to `/webdav/`
 METHODS = ["GET", "HEAD", "OPTIONS", "PROPFIND", "PROPPATCH", "MKCOL", "PUT", "DELETE"]
 METHODS += ["COPY", "MOVE", "LOCK", "UNLOCK", "POST"]
+# What every file this node serves carries (WebDAV and `/file/{cid}`), and the raw values a
+# property holds (`GET /meta/{hash}/{key}`): a browser shows the answer as a sandboxed document
+# (no script, form or plugin of it runs, nor of a frame it holds) and never takes it for another
+# type than it says. A file of a watched folder is not the node's page: an HTML page or an SVG
+# drawing that came with a download (or a plugin output, or a file a `mimeType` claim calls
+# `text/html`) ran as a page of the node's own origin, where its script read the signed-in web
+# page's CSRF token and used the session (docs/compat.md, "Files are no pages"). The document
+# keeps its origin (`allow-same-origin`: one of no origin could not load its own bytes, so a
+# film opened in the browser did not play); nothing in it runs anyway. Programs (players,
+# meta-sort, meta-fuse) ignore both headers.
+INERT = {
+    "Content-Security-Policy": "sandbox allow-same-origin",
+    "X-Content-Type-Options": "nosniff",
+}
+INERT_RAW = [(name.lower().encode(), value.encode()) for name, value in INERT.items()]
 
 
 @dataclass(frozen=True)
@@ -417,15 +432,20 @@ class App:
         self.served: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def inert(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *INERT_RAW]
+            await send(message)
+
         refused = refusal(scope, self.settings.webdav_plugin_writes)
         if refused is not None:
             headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else None
             answer = JSONResponse(refused.envelope(), refused.status, headers=headers)
-            await answer(scope, receive, send)
+            await answer(scope, receive, inert)
             return
         if self.served is None:
             self.served = server(self.settings)
-        await self.served(scope, receive, send)
+        await self.served(scope, receive, inert)
 
 
 def refusal(scope: Scope, writes: bool) -> MetanodeError | None:

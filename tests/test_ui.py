@@ -940,6 +940,43 @@ def test_the_cookie_authorises_the_pages_own_api_calls_with_the_csrf_header(
     assert any(s["name"] == "from-the-page" for s in listed["signers"])
 
 
+# A page's script that, run as a page of the node, acts as the signed-in person: it reads the
+# CSRF token of the web page and registers a signer of its own with the session's cookie.
+HOSTILE_SCRIPT = """<script>(async () => {
+  const csrf = (await (await fetch("/")).text()).match(/data-csrf="([^"]+)"/)[1];
+  await fetch("/api/signers", {method: "POST", headers: {"Content-Type": "application/json",
+    "X-CSRF-Token": csrf}, body: JSON.stringify({uid: "UID", name: "NAME", weight: 1000})});
+})()</script>"""
+
+
+def test_a_page_or_drawing_in_the_media_never_runs_as_the_signed_in_page(
+    page: Page, srv: Server
+) -> None:
+    """An HTML page or an SVG drawing that came with a download is served by WebDAV and
+    `/file/{cid}` (the trusted network needs no sign-in) on the web page's own origin: opened
+    in the signed-in browser (a link on any site), its script read the page's CSRF token and
+    used the session. Served as a sandboxed document now, its script never runs."""
+    served = []
+    for name, wrap in (
+        ("Readme.Release.html", "<!doctype html><title>readme</title>{}"),
+        ("Release.Poster.svg", '<svg xmlns="http://www.w3.org/2000/svg">{}</svg>'),
+    ):
+        signer = Signer()
+        script = HOSTILE_SCRIPT.replace("UID", signer.uid).replace("NAME", name)
+        path = srv.media / name
+        path.write_text(wrap.format(script) + f"<!-- {os.urandom(8).hex()} -->")
+        midhash = midhash_of(srv, path)
+        served += [(name, f"/webdav/{srv.media.name}/{name}"), (name, f"/file/{midhash}")]
+    for _, address in served:
+        with page.expect_console_message(lambda m: "Blocked script execution" in m.text):
+            page.goto(srv.url + address)
+        response = httpx.get(srv.url + address, timeout=30)
+        assert response.headers["content-security-policy"] == "sandbox allow-same-origin"
+        assert response.headers["x-content-type-options"] == "nosniff"
+    signers = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
+    assert not {s["name"] for s in signers["signers"]} & {name for name, _ in served}
+
+
 def test_signing_out_ends_the_session_for_every_copy_of_the_cookie(
     page: Page, context: BrowserContext, srv: Server
 ) -> None:

@@ -182,6 +182,36 @@ def test_every_answer_has_one_date_header(launch: Callable[..., Server]) -> None
         assert len(answer.headers.get_list("date")) == 1, (method, path, answer.headers)
 
 
+def test_every_answer_is_a_document_that_runs_no_script(launch: Callable[..., Server]) -> None:
+    """A file of the media is no page of the node: whatever it is (an HTML page, an SVG drawing
+    that came with a download), WebDAV's answers are sandboxed documents of a type the browser
+    takes as said, so no script of theirs runs on the web page's origin; so are its error
+    pages (which quote the path) and the property values of `/meta/{hash}/{key}`."""
+    server = launch()
+    drop(server.media / "films" / "readme.html", b"<script>alert(1)</script>")
+    top = f"{server.url}/webdav/media/films/"
+    answers = [
+        httpx.get(f"{top}readme.html", timeout=30),
+        httpx.head(f"{top}readme.html", timeout=30),
+        httpx.get(f"{top}%3Cscript%3Ealert(1)%3C%2Fscript%3E.html", timeout=30),  # a 404 page
+        httpx.request("PROPFIND", top, headers={"Depth": "1"}, timeout=30),
+        httpx.put(f"{top}readme.html", content=b"x", timeout=30),  # 405
+        httpx.get(f"{top}%00", timeout=30),  # the mount's own 400 envelope
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 404, 207, 405, 400]
+    assert answers[0].headers["content-type"].startswith("text/html")
+    for answer in answers:
+        assert answer.headers["content-security-policy"] == "sandbox allow-same-origin"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+    film = drop(server.media / "films" / "film.mkv")
+    cid = hashed(server, film)
+    written = httpx.put(f"{server.url}/meta/{cid}/note", content=b"<b>bold</b>", timeout=30)
+    assert written.status_code == 200, written.text
+    value = httpx.get(f"{server.url}/meta/{cid}/note", timeout=30)
+    assert value.text == "<b>bold</b>" and value.headers["x-content-type-options"] == "nosniff"
+    assert value.headers["content-security-policy"] == "sandbox allow-same-origin"
+
+
 def test_file_path_is_the_webdav_path_and_the_midhash_over_range_reads_is_the_cid(
     launch: Callable[..., Server],
 ) -> None:
