@@ -38,6 +38,7 @@ from urllib.parse import unquote_to_bytes, urlsplit
 
 from a2wsgi import WSGIMiddleware
 from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError, PRECONDITION_CODE_PropfindFiniteDepth
@@ -49,6 +50,7 @@ from wsgidav.request_resolver import RequestResolver
 from wsgidav.request_server import RequestServer
 from wsgidav.wsgidav_app import WsgiDAVApp
 
+from metanode.bodies import read_body
 from metanode.config import Settings
 from metanode.errors import (
     Forbidden,
@@ -56,6 +58,7 @@ from metanode.errors import (
     MetanodeError,
     MethodNotAllowed,
     PathTooLong,
+    RequestError,
     shown,
 )
 from metanode.ranges import Unserved, byte_ranges
@@ -473,14 +476,36 @@ class App:
             await send(message)
 
         refused = refusal(scope, self.settings.webdav_plugin_writes)
+        headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else {}
+        if refused is None and scope["method"] != "PUT":
+            try:
+                body = await read_body(Request(scope, receive), BODY, self.settings.body_timeout_s)
+            except RequestError as exc:  # too long, too slow, or the client left
+                refused, headers = exc, {"Connection": "close"}  # the rest is not worth reading
+            else:
+                receive = replayed(body, receive)
         if refused is not None:
-            headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else None
             answer = JSONResponse(refused.envelope(), refused.status, headers=headers)
             await answer(scope, receive, inert)
             return
         if self.served is None:
             self.served = server(self.settings)
         await self.served(scope, receive, inert)
+
+
+def replayed(body: bytes, receive: Receive) -> Receive:
+    """`receive` with the request's body, already read whole, given first: WsgiDAV reads it
+    from there; then the client's own messages (its leaving)."""
+    given = False
+
+    async def again() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return again
 
 
 def refusal(scope: Scope, writes: bool) -> MetanodeError | None:
@@ -547,6 +572,12 @@ NAME_MAX, PATH_MAX = 255, 4096
 # what a plugin output's path below `plugin/` may be (`<id>/<file>`, `fanart/ab/cd/<file>`):
 # with the outputs' folder in front it stays under PATH_MAX
 WRITE_LEVELS, WRITE_BYTES = 32, 1024
+# The most of a request body but a PUT's: the XML of a PROPFIND, LOCK or PROPPATCH (a few
+# hundred bytes from every client seen). Read whole, within `body_timeout_s`, before WsgiDAV
+# sees the request (`App`): WsgiDAV read any body it was told of into memory on one of its
+# threads, with no deadline (an 800 MB PROPFIND body grew the node by 800 MB, kept; 64 bodies
+# that never came held every WebDAV thread for good).
+BODY = 64 * 1024
 READS = "OPTIONS, HEAD, GET, PROPFIND"  # what the outputs' folder itself (and a root) answers
 DOT_SEGMENT = InvalidRequest("a WebDAV path has no '.' or '..' segment")
 NOT_UTF8 = InvalidRequest("a WebDAV path is UTF-8 once percent-decoded")

@@ -191,6 +191,51 @@ def test_a_folder_is_listed_a_level_at_a_time(launch: Callable[..., Server]) -> 
     }
 
 
+def test_a_body_too_long_or_too_slow_is_refused_and_holds_no_webdav_thread(
+    launch: Callable[..., Server],
+) -> None:
+    """WsgiDAV read any request body it was told of, on one of its threads, with no bound: an
+    800 MB PROPFIND body grew the node by 800 MB, and 64 bodies that never came held every
+    WebDAV thread for good (every other PROPFIND, HEAD and GET waited). A body but a PUT's is
+    read first, at most 64 KiB within `body_timeout_s`."""
+    server = launch(METANODE_BODY_TIMEOUT_S="2")
+    drop(server.media / "films" / "film.mkv")
+    top = f"{server.url}/webdav/"
+    too_long = b"<" * (64 * 1024 + 1)
+    declared = httpx.request("PROPFIND", top, headers={"Depth": "0"}, content=too_long)
+    chunked = httpx.request("PROPFIND", top, headers={"Depth": "0"}, content=iter([too_long]))
+    for answer in (declared, chunked):
+        assert answer.status_code == 413 and answer.json()["error"] == "too_large", answer.text
+    stalled = []
+    for _ in range(70):  # more than WebDAV's threads
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        sock.sendall(
+            b"PROPFIND /webdav/ HTTP/1.1\r\nHost: 127.0.0.1\r\nDepth: 0\r\n"
+            b"Content-Length: 100\r\n\r\n<"
+        )
+        stalled.append(sock)
+    try:
+        assert propfind(f"{top}media/films/", "1").keys() == {
+            "/webdav/media/films/",
+            "/webdav/media/films/film.mkv",
+        }
+        assert httpx.head(f"{top}media/films/film.mkv", timeout=30).status_code == 200
+        answer = stalled[0].makefile("rb").read()  # the server closes after its answer
+        status, _, body = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(body)["error"] == "request_timeout"
+    finally:
+        for sock in stalled:
+            sock.close()
+    small = (
+        b'<?xml version="1.0"?><propfind xmlns="DAV:"><prop><getcontentlength/></prop></propfind>'
+    )
+    asked = httpx.request(
+        "PROPFIND", f"{top}media/films/film.mkv", headers={"Depth": "0"}, content=small
+    )
+    assert asked.status_code == 207 and b"<ns0:getcontentlength>" in asked.content, asked.text
+
+
 def test_every_answer_has_one_date_header(launch: Callable[..., Server]) -> None:
     """WsgiDAV dates its answers and so does uvicorn; a second `Date` is invalid (RFC 9110
     §5.3: a singleton field), so only the server's is kept."""
