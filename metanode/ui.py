@@ -247,6 +247,14 @@ def local_path(then: str) -> str:
     return "/" if urlsplit(then).path in ("/signin", "/signout") else then
 
 
+def secure(request: Request) -> bool:
+    """Whether the session cookie is `Secure`: when the page was reached over HTTPS (through
+    a proxy in `trusted_proxies` whose `X-Forwarded-Proto` says so). A browser then never
+    sends it over plain HTTP, where anyone on the way reads it (an `http://` link to the same
+    host, a proxy that also listens on port 80 to redirect)."""
+    return request.url.scheme == "https"
+
+
 def csrf_ok(session: Session, given: str | None, scope: Scope) -> bool:
     """The check of every state-changing request made with the session cookie."""
     return (
@@ -643,6 +651,7 @@ class Pages:
             httponly=True,
             samesite="strict",
             path="/",
+            secure=secure(request),
         )
         return response
 
@@ -651,7 +660,9 @@ class Pages:
         session: Session = request.scope["metanode.session"]
         self.sessions.end(session)
         response = RedirectResponse("/", status_code=303)
-        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="strict")
+        response.delete_cookie(
+            COOKIE, path="/", httponly=True, samesite="strict", secure=secure(request)
+        )
         return response
 
     # -- the library -----------------------------------------------------------------------------
