@@ -420,7 +420,10 @@ class OpenedFile(FileResponse):
 
     def __init__(self, copy: LocalCopy) -> None:
         super().__init__(
-            f"/proc/self/fd/{copy.fd}", stat_result=copy.stat, media_type=copy.content_type
+            f"/proc/self/fd/{copy.fd}",
+            stat_result=copy.stat,
+            media_type=copy.content_type,
+            headers=webdav.INERT,  # whatever the file is, no page of this origin
         )
         self.fd = copy.fd
 
@@ -668,6 +671,12 @@ def served_file(roots: Roots, settings: Settings, path: str) -> str:
 
 
 HASH_CHUNK = 1 << 20
+# `POST /file/cid`s hashing at once; the others wait their turn on the event loop. Each reads
+# its whole file on a thread of the default pool (min(32, cores + 4) threads), which the
+# watcher's hashing, `/file/{cid}`'s open, the applier's lock polls and the plugins page share:
+# eight asked at once for one 20 GB file held all six threads of a 2-core box, and
+# `/api/file/{cid}/info` waited 133 s.
+HASHING = 2
 
 
 def sha256_cid(path: str) -> tuple[str, int]:
@@ -757,6 +766,7 @@ def routes(node: Node) -> list[BaseRoute]:
     """The MetaMesh routes of one node (the token, or a trusted network: docs/compat.md)."""
     writer = LegacyWriter(node)
     roots = Roots.served(node.settings)
+    hashing = asyncio.Semaphore(HASHING)  # `POST /file/cid`'s whole-file reads
     files_path = node.settings.metamesh_files_path.rstrip("/")
 
     def mounted(path: str) -> str:
@@ -821,7 +831,8 @@ def routes(node: Node) -> list[BaseRoute]:
         stored = node.record_value(rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
-        return PlainTextResponse(mounted(stored) if key == "filePath" else stored)
+        value = mounted(stored) if key == "filePath" else stored
+        return PlainTextResponse(value, headers=webdav.INERT)  # a value, never a page
 
     async def add_to_set(request: Request) -> Response:
         text, key = request.path_params["hash"], request.path_params["key"]
@@ -887,7 +898,8 @@ def routes(node: Node) -> list[BaseRoute]:
         """`POST /file/cid` `{"path"}`: the sha2-256 CID (raw codec, base32: `bafkrei…`) of
         the file at `path` below the consumers' files folder, with its size, as meta-core
         computed it for the MetaMesh plugins (jellyfin-nfo's poster, subtitle's sibling file)
-        that need a file's CID in the same call. Read whole, on a thread."""
+        that need a file's CID in the same call. Read whole, on a thread, at most `HASHING`
+        at once."""
         body = parse_json(await read_body(request, MAX_PROPERTY_BODY, node.settings.body_timeout_s))
         if isinstance(body, dict):
             refuse_unknown(body, ("path",))
@@ -896,7 +908,8 @@ def routes(node: Node) -> list[BaseRoute]:
             raise InvalidRequest('the body is {"path": "<path below the files folder>"}')
         local = served_file(roots, node.settings, path.removeprefix(files_path + "/"))
         try:
-            cid, size = await asyncio.to_thread(sha256_cid, local)
+            async with hashing:
+                cid, size = await asyncio.to_thread(sha256_cid, local)
         except OSError as exc:
             raise NotFoundError(f"cannot read {shown(path)}: {exc.strerror}") from None
         return JSONResponse({"cid": cid, "path": path, "size": size})

@@ -264,9 +264,10 @@ def local_path(then: str) -> str:
 
 
 def secure(request: Request) -> bool:
-    """Whether the session cookie is `Secure`: when the page was reached over HTTPS, directly
-    or through a proxy in `trusted_proxies` that says so (`X-Forwarded-Proto`), the browser
-    must never send it over plain HTTP (a link to `http://` the same host, say)."""
+    """Whether the session cookie is `Secure`: when the page was reached over HTTPS (through
+    a proxy in `trusted_proxies` whose `X-Forwarded-Proto` says so). A browser then never
+    sends it over plain HTTP, where anyone on the way reads it (an `http://` link to the same
+    host, a proxy that also listens on port 80 to redirect)."""
     return request.url.scheme == "https"
 
 
@@ -414,6 +415,24 @@ NAV = (
 )
 
 
+# What every page carries. Its scripts, styles, pictures and requests are the node's own files
+# (nothing inline: an injected `<script>` or `onerror=` would not run, should a value ever
+# reach a page unescaped; `data:` for the icon and Swagger UI's pictures), and no other page may
+# frame it: a page of another port of the same host (a site to the browser, so the
+# SameSite=Strict cookie goes along) framed the signed-in Signers page, its Block buttons under
+# whatever it drew over them (clickjacking); `X-Frame-Options` says the same to older browsers.
+PAGE_POLICY = (
+    "default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; "
+    "form-action 'self'; frame-ancestors 'none'"
+)
+PAGE_HEADERS = {
+    "Cache-Control": "no-store",
+    "Content-Security-Policy": PAGE_POLICY,
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
 def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
     """A page: the template with the navigation, the session's CSRF token and the path, and
     what the last form left to say (`flash`) and to show again (`draft`), once."""
@@ -431,7 +450,7 @@ def render(request: Request, template: str, status: int = 200, **context: Any) -
         draft=draft,
         **context,
     )
-    return HTMLResponse(html, status_code=status, headers={"Cache-Control": "no-store"})
+    return HTMLResponse(html, status_code=status, headers=PAGE_HEADERS)
 
 
 def _unsettable(key: str) -> str:

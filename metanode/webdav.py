@@ -38,9 +38,10 @@ from urllib.parse import unquote_to_bytes, urlsplit
 
 from a2wsgi import WSGIMiddleware
 from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
+from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
-from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError, PRECONDITION_CODE_PropfindFiniteDepth
 from wsgidav.dav_provider import DAVCollection, DAVProvider
 from wsgidav.error_printer import ErrorPrinter
 from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
@@ -49,6 +50,7 @@ from wsgidav.request_resolver import RequestResolver
 from wsgidav.request_server import RequestServer
 from wsgidav.wsgidav_app import WsgiDAVApp
 
+from metanode.bodies import read_body
 from metanode.config import Settings
 from metanode.errors import (
     Forbidden,
@@ -56,6 +58,7 @@ from metanode.errors import (
     MetanodeError,
     MethodNotAllowed,
     PathTooLong,
+    RequestError,
     shown,
 )
 from metanode.ranges import Unserved, byte_ranges
@@ -69,6 +72,21 @@ WORKERS = 64
 # what a WebDAV client may ask of `/webdav` itself before it is sent on to `/webdav/`
 METHODS = ["GET", "HEAD", "OPTIONS", "PROPFIND", "PROPPATCH", "MKCOL", "PUT", "DELETE"]
 METHODS += ["COPY", "MOVE", "LOCK", "UNLOCK", "POST"]
+# What every file this node serves carries (WebDAV and `/file/{cid}`), and the raw values a
+# property holds (`GET /meta/{hash}/{key}`): a browser shows the answer as a sandboxed document
+# (no script, form or plugin of it runs, nor of a frame it holds) and never takes it for another
+# type than it says. A file of a watched folder is not the node's page: an HTML page or an SVG
+# drawing that came with a download (or a plugin output, or a file a `mimeType` claim calls
+# `text/html`) ran as a page of the node's own origin, where its script read the signed-in web
+# page's CSRF token and used the session (docs/compat.md, "Files are no pages"). The document
+# keeps its origin (`allow-same-origin`: one of no origin could not load its own bytes, so a
+# film opened in the browser did not play); nothing in it runs anyway. Programs (players,
+# meta-sort, meta-fuse) ignore both headers.
+INERT = {
+    "Content-Security-Policy": "sandbox allow-same-origin",
+    "X-Content-Type-Options": "nosniff",
+}
+INERT_RAW = [(name.lower().encode(), value.encode()) for name, value in INERT.items()]
 
 
 @dataclass(frozen=True)
@@ -264,6 +282,40 @@ class Allowed(BaseMiddleware):  # type: ignore[misc]
         return found.get("allow", "OPTIONS")
 
 
+class FiniteDepth(BaseMiddleware):  # type: ignore[misc]
+    """A PROPFIND of a folder with `Depth: infinity`, or with no `Depth` (which RFC 4918 reads
+    as infinity), is 403 with the `DAV:propfind-finite-depth` precondition, as RFC 4918 §9.1
+    lets a server answer: WsgiDAV built the whole tree's answer in memory, so one listing of a
+    50,000-file root took 19 s and ≈ 50 MB, eight at once 2 GB of the node's memory (64 at
+    once, one per WebDAV thread, would have it killed). A file's infinity is its own entry,
+    answered as before; a folder is listed a level at a time (`Depth: 1`)."""
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Any:
+        depth = environ.get("HTTP_DEPTH", "infinity").strip().lower()
+        if (
+            environ["REQUEST_METHOD"] == "PROPFIND"
+            and depth == "infinity"
+            and self._folder(environ)
+        ):
+            raise DAVError(
+                HTTP_FORBIDDEN,
+                context_info="PROPFIND of a folder lists one level at a time (Depth: 1)",
+                err_condition=PRECONDITION_CODE_PropfindFiniteDepth,
+            )
+        return self.next_app(environ, start_response)
+
+    @staticmethod
+    def _folder(environ: dict[str, Any]) -> bool:
+        provider = environ["wsgidav.provider"]
+        if provider is None:
+            return False
+        try:
+            res = provider.get_resource_inst(environ["PATH_INFO"], environ)
+        except DAVError:
+            return False  # refused anyway (a link out of its root), as WsgiDAV says
+        return res is not None and bool(res.is_collection)
+
+
 class Ranges(BaseMiddleware):  # type: ignore[misc]
     """A GET's `Range` as the native `/file/{cid}` reads it (`ranges.byte_ranges`), given to
     WsgiDAV in the one form its own parser reads right. Its parser took `bytes=5-2` for the
@@ -342,13 +394,14 @@ def plugin_dir(settings: Settings) -> Path | None:
 def dav(mount: str, provider: DAVProvider) -> WSGIApp:
     """A WsgiDAV app serving `provider` at `mount`: no authentication of its own (the perimeter
     decides, as for every compat route), no directory browser (GET of a folder is 403: list it
-    with PROPFIND), locks in memory (clients that write lock first), no dead properties, Range
-    headers read as `/file/{cid}` reads them (`Ranges`), an `Allow` on every 405 (`Allowed`)."""
+    with PROPFIND), a folder listed a level at a time (`FiniteDepth`), locks in memory (clients
+    that write lock first), no dead properties, Range headers read as `/file/{cid}` reads them
+    (`Ranges`), an `Allow` on every 405 (`Allowed`)."""
     app: WSGIApp = WsgiDAVApp(
         {
             "mount_path": mount,
             "provider_mapping": {"/": provider},
-            "middleware_stack": [Allowed, ErrorPrinter, Ranges, RequestResolver],
+            "middleware_stack": [Allowed, ErrorPrinter, FiniteDepth, Ranges, RequestResolver],
             "lock_storage": True,
             "property_manager": None,
             "verbose": 0,
@@ -417,15 +470,42 @@ class App:
         self.served: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def inert(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *INERT_RAW]
+            await send(message)
+
         refused = refusal(scope, self.settings.webdav_plugin_writes)
+        headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else {}
+        if refused is None and scope["method"] != "PUT":
+            try:
+                body = await read_body(Request(scope, receive), BODY, self.settings.body_timeout_s)
+            except RequestError as exc:  # too long, too slow, or the client left
+                refused, headers = exc, {"Connection": "close"}  # the rest is not worth reading
+            else:
+                receive = replayed(body, receive)
         if refused is not None:
-            headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else None
             answer = JSONResponse(refused.envelope(), refused.status, headers=headers)
-            await answer(scope, receive, send)
+            await answer(scope, receive, inert)
             return
         if self.served is None:
             self.served = server(self.settings)
-        await self.served(scope, receive, send)
+        await self.served(scope, receive, inert)
+
+
+def replayed(body: bytes, receive: Receive) -> Receive:
+    """`receive` with the request's body, already read whole, given first: WsgiDAV reads it
+    from there; then the client's own messages (its leaving)."""
+    given = False
+
+    async def again() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return again
 
 
 def refusal(scope: Scope, writes: bool) -> MetanodeError | None:
@@ -492,6 +572,12 @@ NAME_MAX, PATH_MAX = 255, 4096
 # what a plugin output's path below `plugin/` may be (`<id>/<file>`, `fanart/ab/cd/<file>`):
 # with the outputs' folder in front it stays under PATH_MAX
 WRITE_LEVELS, WRITE_BYTES = 32, 1024
+# The most of a request body but a PUT's: the XML of a PROPFIND, LOCK or PROPPATCH (a few
+# hundred bytes from every client seen). Read whole, within `body_timeout_s`, before WsgiDAV
+# sees the request (`App`): WsgiDAV read any body it was told of into memory on one of its
+# threads, with no deadline (an 800 MB PROPFIND body grew the node by 800 MB, kept; 64 bodies
+# that never came held every WebDAV thread for good).
+BODY = 64 * 1024
 READS = "OPTIONS, HEAD, GET, PROPFIND"  # what the outputs' folder itself (and a root) answers
 DOT_SEGMENT = InvalidRequest("a WebDAV path has no '.' or '..' segment")
 NOT_UTF8 = InvalidRequest("a WebDAV path is UTF-8 once percent-decoded")

@@ -13,6 +13,7 @@ file events come from the real watcher.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime
 import hashlib
 import json
@@ -40,6 +41,7 @@ from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.feed import Frame, Stream
 from tests.helpers.server import Server, free_port
 from tests.helpers.settings import settings_for
+from tests.helpers.wait import poll
 
 pytestmark = pytest.mark.both_backends  # the tests on a `node` run on both
 
@@ -1385,6 +1387,48 @@ def launch(tmp_path: Path) -> Iterator[Callable[[dict[str, str]], Server]]:
     yield start
     for server in started:
         server.stop()
+
+
+def test_hashes_asked_at_once_leave_the_nodes_threads_to_the_rest(
+    launch: Callable[[dict[str, str]], Server],
+) -> None:
+    """`POST /file/cid` reads its whole file on a thread of the default pool, which the
+    watcher, `/file/{cid}`'s open and the applier share: eight asked at once for one 20 GB file
+    held all six threads of a 2-core box, and `/api/file/{cid}/info` waited 133 s. At most
+    `compat.HASHING` hash at once now; the rest wait their turn, and the info is answered
+    before any of them."""
+    server = launch({})
+    server.media.mkdir(parents=True, exist_ok=True)
+    film = server.media / "film.mkv"
+    film.write_bytes(b"a film " * 100_000)
+    big = server.media / "big.bin"
+    with big.open("wb") as out:
+        out.truncate(1 << 30)  # sparse: read as zeros, without the disk
+    cid = watcher.midhash_file(film)[0]
+    info = f"{server.url}/api/file/{cid}/info"
+    poll(lambda: httpx.get(info, timeout=WAIT_S).json()["exists"] or None, "the film hashed")
+    assert server.proc is not None
+    fds = Path(f"/proc/{server.proc.pid}/fd")
+
+    def reading() -> int:
+        return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(big))
+
+    finished: list[str] = []
+    asked = min(32, (os.cpu_count() or 1) + 4) + 2  # more than asyncio's default pool holds
+
+    def hash_big() -> httpx.Response:
+        answer = httpx.post(f"{server.url}/file/cid", json={"path": "media/big.bin"}, timeout=600)
+        finished.append("hash")
+        return answer
+
+    with concurrent.futures.ThreadPoolExecutor(asked) as pool:
+        hashes = [pool.submit(hash_big) for _ in range(asked)]
+        poll(lambda: reading() >= compat.HASHING or None, "the node to read big.bin")
+        assert httpx.get(info, timeout=600).json()["exists"] is True
+        finished.append("info")
+        answers = [h.result() for h in hashes]
+    assert finished[0] == "info", finished
+    assert {(a.status_code, a.json()["size"]) for a in answers} == {(200, 1 << 30)}
 
 
 def open_stream(server: Server, path: str, last_event_id: str | None = None) -> Stream:

@@ -180,6 +180,50 @@ def test_a_configured_proxy_is_believed(tmp_path: Path) -> None:
         server.print_log()
 
 
+def test_the_session_cookie_is_secure_when_a_proxy_says_the_page_came_over_https(
+    tmp_path: Path,
+) -> None:
+    """Behind a TLS proxy, a cookie without `Secure` went along with any plain-HTTP request
+    to the same host (a link, the proxy's own redirect from port 80), readable on the way."""
+    server = start(tmp_path, METANODE_TRUSTED_PROXIES=UNTRUSTED)
+    try:
+        with client_from(UNTRUSTED) as proxy, client_from(TRUSTED) as direct:
+            form = {"token": server.token, "then": "/"}
+            https = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "192.0.2.9"}
+            over_tls = proxy.post(f"{server.url}/signin", data=form, headers=https)
+            plain = direct.post(f"{server.url}/signin", data=form)
+            spoofed = direct.post(f"{server.url}/signin", data=form, headers=https)  # no proxy
+        for answer in (over_tls, plain, spoofed):
+            assert answer.status_code == 303, answer.text
+        flags = [
+            {part.strip().lower() for part in a.headers["set-cookie"].split(";")[1:]}
+            for a in (over_tls, plain, spoofed)
+        ]
+        assert [("secure" in f, "httponly" in f, "samesite=strict" in f) for f in flags] == [
+            (True, True, True),
+            (False, True, True),
+            (False, True, True),
+        ]
+        cookie = over_tls.cookies["metanode_session"]
+        with client_from(UNTRUSTED) as proxy:
+            signed_in = {**https, "Cookie": f"metanode_session={cookie}"}
+            csrf = csrf_of(proxy, server, signed_in)
+            out = proxy.post(f"{server.url}/signout", data={"csrf": csrf}, headers=signed_in)
+        assert out.status_code == 303
+        assert "secure" in out.headers["set-cookie"].lower()
+    finally:
+        server.stop()
+        server.print_log()
+
+
+def csrf_of(client: httpx.Client, server: Server, headers: dict[str, str]) -> str:
+    """The CSRF token of the session whose cookie `headers` carry, as its page holds it."""
+    page = client.get(f"{server.url}/signers", headers=headers)
+    found = re.search(r'data-csrf="([^"]+)"', page.text)
+    assert found is not None, page.text
+    return found.group(1)
+
+
 @pytest.mark.parametrize(
     ("name", "value"),
     [("TRUSTED_NETWORKS", "10.0.0.0/33"), ("TRUSTED_NETWORKS", "lan"), ("TRUSTED_PROXIES", "::g")],

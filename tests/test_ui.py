@@ -8,12 +8,14 @@ Elements are found by role and accessible name, as a person using a screen reade
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +32,7 @@ from metanode import cache, db, labels, rid, ui
 from metanode import cid as cids
 from tests.helpers.claims import Signer
 from tests.helpers.plugins import install_plugin
-from tests.helpers.server import Server, plugins_server
+from tests.helpers.server import Server, free_port, plugins_server
 from tests.helpers.wait import poll
 from tools.bench.pgcluster import install
 
@@ -144,6 +146,33 @@ def claimed(srv: Server, path: Path, key: str, value: str) -> str:
         return midhash if doc is not None and doc["metadata"].get(key) == value else None
 
     return poll(fetch, f"{path.name} to get the {key} {value!r}")
+
+
+@contextlib.contextmanager
+def elsewhere(host: str, html: str) -> Iterator[str]:
+    """The address of `html`, served by a web server of its own on a free port of `host`:
+    `localhost` is another site than the node's `127.0.0.1` to the browser, `127.0.0.1` the
+    same site (a site has no port). Its own page, not one of the node's rewritten in place,
+    which would keep the node's Content-Security-Policy."""
+    body = html.encode()
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), Page) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            yield f"http://{host}:{server.server_address[1]}/"
+        finally:
+            server.shutdown()
 
 
 def post(srv: Server, *claims: dict[str, Any]) -> None:
@@ -479,12 +508,13 @@ def test_a_form_another_site_posts_is_never_carried_through_signing_in(
     to be lost, nor wait in the record's form, focused, for the owner to save."""
     midhash = titled(srv, drop(srv, "Amber.Tide.2012.mkv"), "Amber Tide")
     evil = context.new_page()
-    evil.goto(f"http://localhost:{srv.port}/")  # localhost is another site than 127.0.0.1
-    evil.set_content(
+    form = (
         f'<form method="post" action="{srv.url}/records/{midhash}/edit">'
         '<input name="key" value="title"><input name="value" value="Planted">'
         '<input name="action" value="save"><button type="submit">Go</button></form>'
     )
+    with elsewhere("localhost", form) as there:  # localhost is another site than 127.0.0.1
+        evil.goto(there)
     with evil.expect_navigation():
         evil.get_by_role("button", name="Go").click()
     expect(evil.get_by_label("API token")).to_be_visible()
@@ -773,11 +803,11 @@ def test_state_changes_without_the_sessions_csrf_token_are_refused(
 
     # another site's page (localhost is another site than 127.0.0.1) posts a form here
     evil = context.new_page()
-    evil.goto(f"http://localhost:{srv.port}/")
-    evil.set_content(
-        f'<form method="post" action="{url}"><input name="x" value="1">'
-        '<button type="submit">Go</button></form>'
+    form = (
+        f'<form method="post" action="{url}"><input name="x" value="1"><button>Go</button></form>'
     )
+    with elsewhere("localhost", form) as there:
+        evil.goto(there)
     with evil.expect_navigation():
         evil.get_by_role("button", name="Go").click()
     assert status() == "active"
@@ -945,6 +975,76 @@ def test_the_cookie_authorises_the_pages_own_api_calls_with_the_csrf_header(
     assert answers == [200, 200]
     listed = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
     assert any(s["name"] == "from-the-page" for s in listed["signers"])
+
+
+# A page's script that, run as a page of the node, acts as the signed-in person: it reads the
+# CSRF token of the web page and registers a signer of its own with the session's cookie.
+HOSTILE_SCRIPT = """<script>(async () => {
+  const csrf = (await (await fetch("/")).text()).match(/data-csrf="([^"]+)"/)[1];
+  await fetch("/api/signers", {method: "POST", headers: {"Content-Type": "application/json",
+    "X-CSRF-Token": csrf}, body: JSON.stringify({uid: "UID", name: "NAME", weight: 1000})});
+})()</script>"""
+
+
+def test_a_page_or_drawing_in_the_media_never_runs_as_the_signed_in_page(
+    page: Page, srv: Server
+) -> None:
+    """An HTML page or an SVG drawing that came with a download is served by WebDAV and
+    `/file/{cid}` (the trusted network needs no sign-in) on the web page's own origin: opened
+    in the signed-in browser (a link on any site), its script read the page's CSRF token and
+    used the session. Served as a sandboxed document now, its script never runs."""
+    served = []
+    for name, wrap in (
+        ("Readme.Release.html", "<!doctype html><title>readme</title>{}"),
+        ("Release.Poster.svg", '<svg xmlns="http://www.w3.org/2000/svg">{}</svg>'),
+    ):
+        signer = Signer()
+        script = HOSTILE_SCRIPT.replace("UID", signer.uid).replace("NAME", name)
+        path = srv.media / name
+        path.write_text(wrap.format(script) + f"<!-- {os.urandom(8).hex()} -->")
+        midhash = midhash_of(srv, path)
+        served += [(name, f"/webdav/{srv.media.name}/{name}"), (name, f"/file/{midhash}")]
+    for _, address in served:
+        with page.expect_console_message(lambda m: "Blocked script execution" in m.text):
+            page.goto(srv.url + address)
+        response = httpx.get(srv.url + address, timeout=30)
+        assert response.headers["content-security-policy"] == "sandbox allow-same-origin"
+        assert response.headers["x-content-type-options"] == "nosniff"
+    signers = httpx.get(f"{srv.url}/api/signers", headers=srv.headers, timeout=10).json()
+    assert not {s["name"] for s in signers["signers"]} & {name for name, _ in served}
+
+
+def test_no_other_page_frames_the_pages_and_nothing_inline_runs_in_them(
+    page: Page, srv: Server
+) -> None:
+    """A page of another port of the same host is the same site to the browser, so the
+    SameSite=Strict cookie went along into its frame: it framed the signed-in Signers page,
+    Block buttons and all, under whatever it drew over them (clickjacking). Every page says
+    `frame-ancestors 'none'` (and `X-Frame-Options: DENY`), and runs only the node's own
+    files."""
+    framing = f'<p>Click the button</p><iframe src="{srv.url}/signers"></iframe>'
+    with elsewhere("127.0.0.1", framing) as there:  # another port: the same site
+        page.goto(there)  # its load waits for its frame's
+    (framed,) = page.main_frame.child_frames
+    assert framed.url.startswith("chrome-error://"), framed.url  # refused: no Signers page
+    signed_in = page.context.cookies()
+    answers = [
+        httpx.get(f"{srv.url}/signers", cookies={c["name"]: c["value"] for c in signed_in}),
+        httpx.get(f"{srv.url}/"),  # the sign-in form
+        httpx.get(
+            f"{srv.url}/records/nothing-of-the-kind",
+            cookies={c["name"]: c["value"] for c in signed_in},
+        ),
+        httpx.get(f"{srv.url}/docs"),
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 404, 200]
+    for answer in answers:
+        assert answer.headers["content-type"].startswith("text/html")
+        policy = answer.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in policy and "default-src 'self'" in policy
+        assert "unsafe-inline" not in policy and "unsafe-eval" not in policy
+        assert answer.headers["x-frame-options"] == "DENY"
+        assert answer.headers["x-content-type-options"] == "nosniff"
 
 
 def test_signing_out_ends_the_session_for_every_copy_of_the_cookie(

@@ -154,7 +154,6 @@ def test_odd_names_ranges_and_dot_segments_are_answered_not_failed(
     for method in ("GET", "PROPFIND", "OPTIONS"):  # `/webdav` itself, as a client first asks
         moved = httpx.request(method, f"{server.url}/webdav", headers={"Depth": "0"})
         assert (moved.status_code, moved.headers["location"]) == (307, "/webdav/"), method
-    assert "/webdav/media/films/film.mkv" in propfind(f"{top}media/", "infinity")
     url = f"{top}media/films/film.mkv"
     both = httpx.get(url, headers={"Range": "bytes=0-1,10-11"}, timeout=30)
     assert (both.status_code, both.content) == (200, film.read_bytes())
@@ -163,6 +162,78 @@ def test_odd_names_ranges_and_dot_segments_are_answered_not_failed(
     dotted = plain.getresponse()
     assert dotted.status == 400 and json.loads(dotted.read())["error"] == "invalid_request"
     plain.close()
+
+
+def test_a_folder_is_listed_a_level_at_a_time(launch: Callable[..., Server]) -> None:
+    """`Depth: infinity` of a folder (or no `Depth`, read as infinity) made WsgiDAV build the
+    whole tree's answer in memory: a 50,000-file root took 19 s and ≈ 50 MB a listing, eight
+    at once 2 GB. It is 403 with RFC 4918's `propfind-finite-depth`; a file's own entry and
+    `Depth: 1` are listed as before."""
+    server = launch()
+    drop(server.media / "films" / "deep" / "film.mkv")
+    top = f"{server.url}/webdav/"
+    for url, headers in (
+        (top, {"Depth": "infinity"}),
+        (f"{top}media/films/", {"Depth": "Infinity"}),
+        (f"{top}media/", {}),  # no Depth: infinity
+    ):
+        refused = httpx.request("PROPFIND", url, headers=headers, timeout=30)
+        assert refused.status_code == 403, (url, headers)
+        condition = SafeET.fromstring(refused.content)
+        assert condition.tag == f"{DAV}error", refused.text
+        assert condition.find(f"{DAV}propfind-finite-depth") is not None, refused.text
+    assert propfind(f"{top}media/films/deep/film.mkv", "infinity").keys() == {
+        "/webdav/media/films/deep/film.mkv"
+    }
+    assert propfind(f"{top}media/films/", "1").keys() == {
+        "/webdav/media/films/",
+        "/webdav/media/films/deep/",
+    }
+
+
+def test_a_body_too_long_or_too_slow_is_refused_and_holds_no_webdav_thread(
+    launch: Callable[..., Server],
+) -> None:
+    """WsgiDAV read any request body it was told of, on one of its threads, with no bound: an
+    800 MB PROPFIND body grew the node by 800 MB, and 64 bodies that never came held every
+    WebDAV thread for good (every other PROPFIND, HEAD and GET waited). A body but a PUT's is
+    read first, at most 64 KiB within `body_timeout_s`."""
+    server = launch(METANODE_BODY_TIMEOUT_S="2")
+    drop(server.media / "films" / "film.mkv")
+    top = f"{server.url}/webdav/"
+    too_long = b"<" * (64 * 1024 + 1)
+    declared = httpx.request("PROPFIND", top, headers={"Depth": "0"}, content=too_long)
+    chunked = httpx.request("PROPFIND", top, headers={"Depth": "0"}, content=iter([too_long]))
+    for answer in (declared, chunked):
+        assert answer.status_code == 413 and answer.json()["error"] == "too_large", answer.text
+    stalled = []
+    for _ in range(70):  # more than WebDAV's threads
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        sock.sendall(
+            b"PROPFIND /webdav/ HTTP/1.1\r\nHost: 127.0.0.1\r\nDepth: 0\r\n"
+            b"Content-Length: 100\r\n\r\n<"
+        )
+        stalled.append(sock)
+    try:
+        assert propfind(f"{top}media/films/", "1").keys() == {
+            "/webdav/media/films/",
+            "/webdav/media/films/film.mkv",
+        }
+        assert httpx.head(f"{top}media/films/film.mkv", timeout=30).status_code == 200
+        answer = stalled[0].makefile("rb").read()  # the server closes after its answer
+        status, _, body = answer.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 408"), answer
+        assert json.loads(body)["error"] == "request_timeout"
+    finally:
+        for sock in stalled:
+            sock.close()
+    small = (
+        b'<?xml version="1.0"?><propfind xmlns="DAV:"><prop><getcontentlength/></prop></propfind>'
+    )
+    asked = httpx.request(
+        "PROPFIND", f"{top}media/films/film.mkv", headers={"Depth": "0"}, content=small
+    )
+    assert asked.status_code == 207 and b"<ns0:getcontentlength>" in asked.content, asked.text
 
 
 def test_every_answer_has_one_date_header(launch: Callable[..., Server]) -> None:
@@ -180,6 +251,36 @@ def test_every_answer_has_one_date_header(launch: Callable[..., Server]) -> None
     ):
         answer = httpx.request(method, top + path, headers=headers, timeout=30)
         assert len(answer.headers.get_list("date")) == 1, (method, path, answer.headers)
+
+
+def test_every_answer_is_a_document_that_runs_no_script(launch: Callable[..., Server]) -> None:
+    """A file of the media is no page of the node: whatever it is (an HTML page, an SVG drawing
+    that came with a download), WebDAV's answers are sandboxed documents of a type the browser
+    takes as said, so no script of theirs runs on the web page's origin; so are its error
+    pages (which quote the path) and the property values of `/meta/{hash}/{key}`."""
+    server = launch()
+    drop(server.media / "films" / "readme.html", b"<script>alert(1)</script>")
+    top = f"{server.url}/webdav/media/films/"
+    answers = [
+        httpx.get(f"{top}readme.html", timeout=30),
+        httpx.head(f"{top}readme.html", timeout=30),
+        httpx.get(f"{top}%3Cscript%3Ealert(1)%3C%2Fscript%3E.html", timeout=30),  # a 404 page
+        httpx.request("PROPFIND", top, headers={"Depth": "1"}, timeout=30),
+        httpx.put(f"{top}readme.html", content=b"x", timeout=30),  # 405
+        httpx.get(f"{top}%00", timeout=30),  # the mount's own 400 envelope
+    ]
+    assert [a.status_code for a in answers] == [200, 200, 404, 207, 405, 400]
+    assert answers[0].headers["content-type"].startswith("text/html")
+    for answer in answers:
+        assert answer.headers["content-security-policy"] == "sandbox allow-same-origin"
+        assert answer.headers["x-content-type-options"] == "nosniff"
+    film = drop(server.media / "films" / "film.mkv")
+    cid = hashed(server, film)
+    written = httpx.put(f"{server.url}/meta/{cid}/note", content=b"<b>bold</b>", timeout=30)
+    assert written.status_code == 200, written.text
+    value = httpx.get(f"{server.url}/meta/{cid}/note", timeout=30)
+    assert value.text == "<b>bold</b>" and value.headers["x-content-type-options"] == "nosniff"
+    assert value.headers["content-security-policy"] == "sandbox allow-same-origin"
 
 
 def test_file_path_is_the_webdav_path_and_the_midhash_over_range_reads_is_the_cid(
