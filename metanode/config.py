@@ -80,6 +80,13 @@ class Settings:
         "once; a request beyond it is answered 503 `too_busy`.",
         low=1,
     )
+    max_client_connections: int = setting(
+        256,
+        "Most HTTP connections from one client address at once (a proxy in `trusted_proxies` "
+        "excepted); one beyond it is answered 503 `too_busy` and closed, so that one client "
+        "cannot hold every connection `max_connections` allows.",
+        low=1,
+    )
     data_dir: Path = setting(Path("./data"), "Directory of truth.db, cache.db, the token, keys/.")
     storage: str = setting(
         "sqlite",

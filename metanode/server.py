@@ -15,7 +15,12 @@ answer is plain text. `BoundedHttpTools` adds, per connection:
   plain close). The same deadline closes a connection still dripping the body of a request
   that was already answered;
 * `max_connections`: uvicorn's own `limit_concurrency` check (open connections, or requests in
-  progress), answered in the error envelope (503 `too_busy`) instead of plain text.
+  progress), answered in the error envelope (503 `too_busy`) instead of plain text;
+* `max_client_connections`: the connections of one client address (a trusted proxy's
+  excepted), counted as they open: one over it is answered 503 `too_busy` at once and closed.
+  Without it one address opening ≈ 1,100 connections that never finish their heads, each
+  opened again as the head deadline closed it, had every other client (the box's own web page
+  too) answered 503.
 
 Bodies have their own deadline, `body_timeout_s`, in `bodies.read_body`. h11, uvicorn's other
 parser, has a head limit built in but cost a measurable share of the read rate
@@ -26,9 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ipaddress
 import logging
 import signal
 import socket
+from collections import Counter
 from types import FrameType
 from typing import Any, ClassVar
 
@@ -37,7 +44,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from metanode.api import error_response
-from metanode.config import Settings
+from metanode.config import Network, Settings
 from metanode.errors import HeadersTooLarge, MetanodeError, RequestError, RequestTimeout, TooBusy
 
 log = logging.getLogger(__name__)
@@ -54,6 +61,10 @@ class BoundedHttpTools(HttpToolsProtocol):
     max_header_bytes: ClassVar[int]
     header_timeout_s: ClassVar[float]
     max_connections: ClassVar[int]
+    max_client_connections: ClassVar[int]
+    proxies: ClassVar[tuple[Network, ...]]  # their connections carry many clients: not counted
+    per_client: ClassVar[Counter[str]]  # the open connections of each client address
+    over: ClassVar[set[str]]  # the addresses refused since they last had none open (logged once)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -64,14 +75,49 @@ class BoundedHttpTools(HttpToolsProtocol):
         self.head_start = 0  # length of the read the head began in
         self.reading = 0  # length of the read being parsed (see `on_message_begin`)
         self.head_timer: asyncio.TimerHandle | None = None
+        self.counted: str | None = None  # the client address this connection counts for
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        host = self.client[0] if self.client else None  # None: a Unix socket (`--workers`)
+        if host is not None and not self._proxy(host):
+            self.counted = host
+            self.per_client[host] += 1
+            if self.per_client[host] > self.max_client_connections:
+                self._too_many(host)
+                return
         self._arm()  # a connection that never sends a byte is closed too
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self.counted is not None:
+            self.per_client[self.counted] -= 1
+            if not self.per_client[self.counted]:
+                del self.per_client[self.counted]
+                self.over.discard(self.counted)
         super().connection_lost(exc)
+
+    def _proxy(self, host: str) -> bool:
+        if not self.proxies:
+            return False
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(address in network for network in self.proxies)
+
+    def _too_many(self, host: str) -> None:
+        """A connection over `max_client_connections`: 503 `too_busy` before its request (it
+        may never send one), closed; said once until that address has none open."""
+        if host not in self.over:
+            self.over.add(host)
+            log.warning(
+                "%s is over max_client_connections (%d): its further connections answered 503",
+                host,
+                self.max_client_connections,
+            )
+        self.transport.write(self._raw(TOO_BUSY))
+        self.transport.close()
 
     def data_received(self, data: bytes) -> None:
         """Parse, then count the read if the head is still incomplete. Counting after the
@@ -217,8 +263,9 @@ def refusing(exc: MetanodeError) -> ASGIApp:
     return refuse
 
 
-# The app that answers a request over `max_connections` (logged where it is chosen).
-too_busy = refusing(TooBusy("too many connections or requests at once; retry"))
+# The refusal of a request over `max_connections` (logged where it is chosen), and its app.
+TOO_BUSY = TooBusy("too many connections or requests at once; retry")
+too_busy = refusing(TOO_BUSY)
 
 
 def protocol_for(settings: Settings) -> type[BoundedHttpTools]:
@@ -228,6 +275,10 @@ def protocol_for(settings: Settings) -> type[BoundedHttpTools]:
         max_header_bytes = settings.max_header_bytes
         header_timeout_s = settings.header_timeout_s
         max_connections = settings.max_connections
+        max_client_connections = settings.max_client_connections
+        proxies = settings.proxies
+        per_client: ClassVar[Counter[str]] = Counter()
+        over: ClassVar[set[str]] = set()
 
     return Protocol
 

@@ -35,6 +35,7 @@ from metanode.node import Node
 from metanode.server import FrozenAfterStart
 from tests.helpers.claims import Signer, register, without_owner
 from tests.helpers.server import Server
+from tests.helpers.wait import poll
 
 OPENAPI = json.loads((Path(__file__).parents[1] / "schemas" / "openapi.json").read_text("utf-8"))
 DEADLINE_S = 30.0  # generous: every wait below is for a condition, this only bounds a failure
@@ -292,6 +293,48 @@ def test_connections_beyond_max_connections_get_503_too_busy(edge_server: Server
     finally:
         for sock in idle:
             sock.close()
+
+
+def connect_from(server: Server, address: str) -> socket.socket:
+    """A connection to the server from another loopback address (all of 127/8 is this host)."""
+    sock = socket.socket()
+    sock.settimeout(DEADLINE_S)
+    sock.bind((address, 0))
+    sock.connect(("127.0.0.1", server.port))
+    return sock
+
+
+@pytest.mark.parametrize(
+    "edge_server",
+    [{"METANODE_MAX_CONNECTIONS": "8", "METANODE_MAX_CLIENT_CONNECTIONS": "3"}],
+    indirect=True,
+)
+def test_one_client_cannot_hold_every_connection(edge_server: Server) -> None:
+    """One address opening connections that never finish their heads (each opened again as
+    the head deadline closes it) had every other client answered 503 `too_busy`, the box's own
+    page too. Past `max_client_connections` its next connection is refused at once; the others
+    are served; once it closes one, it is served again."""
+    held = [connect_from(edge_server, "127.0.0.2") for _ in range(3)]
+    for sock in held:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # a head never finished
+    try:
+        over = connect_from(edge_server, "127.0.0.2")
+        status, headers, body = parse_response(read_until_closed(over))
+        assert (status, body["error"], headers["retry-after"]) == (503, "too_busy", "1"), body
+        over.close()
+        assert httpx.get(f"{edge_server.url}/health", timeout=DEADLINE_S).status_code == 200
+        held.pop().close()
+
+        def served_again() -> bool | None:  # once the server has seen that close
+            with connect_from(edge_server, "127.0.0.2") as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                return read_until_closed(sock).startswith(b"HTTP/1.1 200") or None
+
+        poll(served_again, "the address under its limit served again")
+    finally:
+        for sock in held:
+            sock.close()
+    assert edge_server.log_text().count("127.0.0.2 is over max_client_connections (3)") == 1
 
 
 def test_the_token_s_scheme_is_any_case_a_401_names_it_and_no_route_redirects(
