@@ -33,16 +33,17 @@ from metanode.errors import (
     InvalidRequest,
     MetanodeError,
     SchemaTooNew,
+    StorageError,
     StorageLocked,
     StorageRefused,
     StorageUnavailable,
 )
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
-from tests.helpers.feed import Replica, Stream
+from tests.helpers.feed import Replica, Stream, new_cid_claims
 from tests.helpers.plugins import claim, probe
 from tests.helpers.postgres import Cluster, start_cluster
-from tests.helpers.server import free_port, plugins_server, wait_caught_up
+from tests.helpers.server import Server, free_port, plugins_server, wait_caught_up
 from tests.helpers.settings import settings_for
 from tests.helpers.wait import until
 
@@ -598,6 +599,100 @@ async def test_a_server_that_stops_answering_never_holds_the_event_loop(
         assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "before"
 
 
+@pytest.mark.parametrize("path", ["/api/events", "/api/events/meta"])
+def test_a_feed_stream_stays_open_through_an_outage_and_goes_on_without_a_gap(
+    tmp_path: Path, own_cluster: Cluster, path: str
+) -> None:
+    """A stream whose read of the feed failed (the database restarting or away) was cut
+    mid-response, an `Exception in ASGI application` traceback in the log for each subscriber,
+    and a browser's EventSource does not come back after the 503 its reconnection then gets.
+    Now it stays open, keep-alives going, and goes on from its cursor once the database
+    answers: every event after it, in order, no gap."""
+    env = {"METANODE_STORAGE": own_cluster.database(), "METANODE_FEED_KEEP_ALIVE_S": "0.5"}
+    server = Server(tmp_path / "data", env=env).start()
+    try:
+        signer = Signer()
+        server.register(signer.uid, "outage")
+        posted = httpx.post(
+            f"{server.url}/api/claims",
+            headers=server.headers,
+            json={"claims": new_cid_claims(signer, "outage", 10)},
+            timeout=60,
+        )
+        assert posted.status_code == 200, posted.text
+        epoch = wait_caught_up(server.url)["epoch"]
+        own_cluster.pause()
+        # a cursor from before the outage: resuming it reads which events are still stored
+        stream = Stream(server, last_event_id=f"{epoch}-0", path=path)
+        kept = stream.next()
+        assert kept.event is None and kept.comment == "keep-alive", kept  # open, not cut
+        own_cluster.resume()
+        seqs: list[int] = []
+        while len(seqs) < 20:  # each claim on a new CID: 2 events
+            frame = stream.next()
+            assert frame.event != "gap", frame
+            if frame.event in ("set", "del"):
+                seqs.append(frame.seq)
+        assert seqs == list(range(1, 21))
+    finally:
+        server.stop(9)
+    assert "Exception in ASGI application" not in server.log_text()
+
+
+@pytest.mark.parametrize(
+    ("setting", "slug", "words"),
+    [
+        ("default_transaction_read_only = on", "storage_read_only", "read-only transaction"),
+        ("statement_timeout = 1", "storage_unavailable", "statement_timeout"),
+    ],
+)
+def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
+    dsn: str, setting: str, slug: str, words: str
+) -> None:
+    """A session keeps `ALTER DATABASE … SET` from its start. A writer made while the database
+    was set read-only, or with a `statement_timeout` shorter than its statements, kept failing
+    after the setting was lifted, for as long as its connection lived (for ever: each probe
+    failed with it), until the node was restarted; and the timeout was a 500 `internal_error`
+    with a traceback per request. Now it is typed (a 503) and the connection is made again."""
+    database = dsn.rsplit("/", 1)[1]
+    with psycopg_connect(dsn) as admin:
+        admin.execute(f'ALTER DATABASE "{database}" SET {setting}')
+    conn = pg.Connection(pg.Target(dsn, "public"), readonly=False)  # a session with the setting
+
+    def write(conn: db.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS lifted (x INTEGER)")
+        conn.execute("SELECT pg_sleep(0.05)")
+
+    try:
+        with pytest.raises(StorageError) as refused:
+            db.run_txn(conn, write)
+        assert refused.value.slug == slug and words in refused.value.message, refused.value
+        with administer(dsn) as admin:
+            admin.execute(f'ALTER DATABASE "{database}" RESET {setting.split()[0]}')
+        db.run_txn(conn, write)  # the same store connection, its session made again
+    finally:
+        conn.close()
+
+
+def test_a_connection_lost_in_its_commit_says_the_write_may_be_stored(dsn: str) -> None:
+    """A write whose connection is lost when its COMMIT is sent may have committed before the
+    server went (35 claims of 100 a restart's clients were refused were stored): its 503 said
+    `the database failed`, and the docs that a failed transaction writes nothing."""
+    conn = pg.Connection(pg.Target(dsn, "public"), readonly=False)
+
+    def write_then_lose(conn: db.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS lost (x INTEGER)")
+        (pid,) = conn.execute("SELECT pg_backend_pid()").fetchone()
+        with psycopg_connect(dsn) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+
+    try:
+        with pytest.raises(StorageUnavailable, match="may or may not be stored"):
+            db.run_txn(conn, write_then_lose)
+    finally:
+        conn.close()
+
+
 def test_an_unreachable_server_is_a_typed_storage_error(tmp_path: Path) -> None:
     target = pg.Target(f"postgresql://postgres@127.0.0.1:{free_port()}/none", "truth")
     with pytest.raises(StorageUnavailable, match="the database failed"):
@@ -743,6 +838,12 @@ def psycopg_connect(dsn: str) -> Any:
     import psycopg
 
     return psycopg.connect(dsn, autocommit=True)
+
+
+def administer(dsn: str) -> Any:
+    """A connection to the server of `dsn` outside its database (`postgres`): what a database
+    set read-only or closed to connections still lets in."""
+    return psycopg_connect(dsn.rsplit("/", 1)[0] + "/postgres")
 
 
 def waiting_for(admin: Any, key: int) -> bool:
@@ -948,6 +1049,7 @@ def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     assert typed("40001") == typed("40P01") == typed("55P03") == "storage_locked"
     assert typed("25006") == "storage_read_only" and typed("58030") == "storage_io_error"
     assert typed("42501") == "storage_read_only"  # the DSN's user may not create (a traceback)
+    assert typed("57014") == "storage_unavailable"  # a statement_timeout (a 500, a traceback)
     assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
     assert pg.storage_error(ValueError("x")) is None
 
