@@ -743,5 +743,14 @@ def dump(target: Target, file: Path) -> None:
     command = [tool, "--format=custom", "--no-owner", "--no-privileges", "--file", str(file)]
     done = subprocess.run([*command, "--dbname", dsn], env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        why = dump_failure(done.stderr) or f"exit {done.returncode}"
         raise StorageUnavailable(f"the database failed: {PG_DUMP} of {target.dsn_shown}: {why}")
+
+
+def dump_failure(stderr: str) -> str:
+    """What pg_dump said went wrong: its first `error:` line and what follows it (the detail
+    and hint lines), on one line. Its last line alone was often the hint only (`Is the server
+    running on that host and accepting TCP/IP connections?`), the failure itself dropped."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    start = next((n for n, line in enumerate(lines) if f"{PG_DUMP}: error:" in line), 0)
+    return " ".join(lines[start : start + 4])

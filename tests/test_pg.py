@@ -779,6 +779,18 @@ def test_init_check_rebuild_and_backup_on_postgresql(tmp_path: Path, dsn: str) -
     assert backup.returncode == 0 and backup.stdout.strip().endswith(".pgdump"), backup.stderr
 
 
+def test_a_backup_that_cannot_reach_the_server_says_why(tmp_path: Path) -> None:
+    """pg_dump's last line was all a failed backup said, and it is often the hint alone: `Is
+    the server running on that host and accepting TCP/IP connections?`, the refusal dropped."""
+    if shutil.which(pg.PG_DUMP) is None:
+        pytest.skip("pg_dump is not installed (postgresql-client)")
+    target = pg.Target(f"postgresql://postgres@127.0.0.1:{free_port()}/none", "truth")
+    with pytest.raises(StorageUnavailable) as failed:
+        pg.dump(target, tmp_path / "none.pgdump")
+    assert "Connection refused" in failed.value.message, failed.value.message
+    assert "Is the server running" in failed.value.message, failed.value.message
+
+
 async def test_two_nodes_on_one_database_apply_in_turn(tmp_path: Path, dsn: str) -> None:
     """Replicas (docs/scale-out.md): a second node on the same database starts and follows;
     only the first applies (the session lock) until it stops, then the second takes over."""
