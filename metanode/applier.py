@@ -138,6 +138,8 @@ class Applier:
         self.state = store.state()
         self.ready = False
         self.degraded = False
+        # why the node's services (`Replica`'s `lead`) could not be started yet, or None
+        self.services_failing: str | None = None
         self.progressed = time.monotonic()  # when applied_seq last moved, or nothing was due
         self._written: list[Written] = []  # handed by ingests, not yet applied
         self._ahead_upto = 0  # the newest outbox seq an apply ahead was queued for
@@ -363,7 +365,7 @@ class Follower(Applier):
     async def _follow(self, leave: Callable[[], Awaitable[bool]]) -> None:
         """Publish each cache state another process commits, until stopped or `leave()` (asked
         every turn) says to stop following."""
-        seen = -1
+        seen, failing = -1, False
         while not self._stopping and not await leave():
             try:
                 version = self._store.data_version()
@@ -372,11 +374,19 @@ class Follower(Applier):
                     state = self._store.state()
                     self.ready = state.epoch != 0
                     self._publish(state)
-                self.degraded = False
-            except Exception:
-                if not self.degraded:
+                if failing:
+                    log.info("following the cache works again")
+                self.degraded = failing = False
+            except Exception as exc:  # said once, when it begins, not every FOLLOW_POLL_S
+                if failing:
+                    pass
+                elif isinstance(exc, StorageError):  # the database away: its words say it all
+                    log.warning(
+                        "following the cache failed (%s: %s); retrying", exc.slug, exc.message
+                    )
+                else:
                     log.exception("following the cache failed; retrying")
-                self.degraded = True
+                self.degraded = failing = True
             await asyncio.sleep(FOLLOW_POLL_S)
 
 
@@ -429,6 +439,7 @@ class Replica(Follower):
         self._tried = 0.0
         self._trying_fails = False
         self._watching: asyncio.Task[None] | None = None
+        self._starting: asyncio.Task[None] | None = None  # `_start_services`
 
     def hand(self, result: truth.IngestResult) -> None:
         """Kept only by the leader: a follower's ingests are applied by another process (which
@@ -460,17 +471,60 @@ class Replica(Follower):
         self.leading = True
         log.info("this replica holds the applier lock: it applies and runs the node's services")
         self._watching = asyncio.create_task(self._watch_truth(), name="applier-poll")
-        try:
-            await self._lead()
-        except Exception:  # a service that would not start must not stop the applying too
-            log.exception("starting the node's services failed; applying without them")
+        self._starting = asyncio.create_task(self._start_services(), name="services-start")
         await Applier._run(self)
+
+    async def _start_services(self) -> None:
+        """`lead()`, again until it works if the database fails it, beside the applying (which
+        must not wait for them): a replica takes the lock when the previous applier's session
+        ended, often in an outage or a restart of the server, and the services' start reads
+        and writes the truth (the plugins' signers, the peers). What a failed start began is
+        stopped (`unlead`), and it is tried again after 0.5 s, doubling to 10 s,
+        `services_failing` saying why in /health meanwhile. Such a replica used to apply
+        without its watcher, plugins, peer pulls and retention until it was restarted, its
+        /health `ok`. Any other failure is a bug: said with its traceback, and the replica
+        applies without them."""
+        backoff = 0.5
+        while not (self._ending() or self._retiring):  # retiring: the node stops them itself
+            try:
+                await self._lead()
+            except StorageError as exc:
+                if self.services_failing is None:
+                    log.warning(
+                        "starting the node's services failed (%s: %s); trying again until "
+                        "they start",
+                        exc.slug,
+                        exc.message,
+                    )
+                self.services_failing = f"{exc.slug}: {exc.message}"
+                await self._unlead()
+                await self._pause(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            except Exception:  # a service that would not start must not stop the applying too
+                log.exception("starting the node's services failed; applying without them")
+            if self.services_failing is not None:
+                log.info("the node's services started")
+            self.services_failing = None
+            return
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep `seconds`, or less if the replica stops or loses the lock meanwhile."""
+        until = time.monotonic() + seconds
+        while not (self._ending() or self._retiring) and (left := until - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.1))
 
     def _ending(self) -> bool:
         return self._stopping or self._lost
 
     async def _watched_stop(self) -> None:
-        """Stop watching the truth and the lock (`_watch_truth`)."""
+        """Stop watching the truth and the lock (`_watch_truth`), and starting the services
+        (`_start_services`: the caller stops what it started)."""
+        if self._starting is not None:
+            self._starting.cancel()
+            await asyncio.gather(self._starting, return_exceptions=True)
+            self._starting = None
+        self.services_failing = None  # a follower runs none
         if self._watching is not None:
             self._watching.cancel()
             await asyncio.gather(self._watching, return_exceptions=True)
@@ -480,6 +534,8 @@ class Replica(Follower):
         """Never take the lead again: the node stops its services (`Node.stop`), which a lead
         taken meanwhile would start again, with nothing left to stop them."""
         self._retiring = True
+        if self._starting is not None:  # a start under way or waiting to be tried again
+            self._starting.cancel()
 
     async def _took_lead(self) -> bool:
         """Try the lock, at most every `LEAD_TRY_S`; whether this replica holds it now."""
@@ -501,25 +557,42 @@ class Replica(Follower):
     async def _watch_truth(self) -> None:
         """Wake the apply when the truth's outbox moved past what was applied (other replicas'
         ingests), and take the lock again if its session was lost (a cut connection): if
-        another replica holds it by then, this one steps down (`_lost`)."""
+        another replica holds it by then, this one steps down (`_lost`).
+
+        Each failure is said once, when it starts (the server is away: the apply reports it
+        in /health): the poll's and the lock's apart, so that a poll that works while the lock
+        cannot be taken again (the server full, `max_connections`) did not say both again
+        every `LEAD_TRY_S`, 1,300 lines each in 12 minutes."""
         checked, failing = time.monotonic(), False
+        retaking, retake_fails = False, False  # the session was lost; taking the lock failed
         while not self._stopping:
             try:
                 if await asyncio.to_thread(self._source.max_seq_apart) > self.state.applied_seq:
                     self.wake()
-                if time.monotonic() - checked >= LEAD_TRY_S:
-                    checked = time.monotonic()
-                    if not await asyncio.to_thread(self._lock.held):
-                        log.warning("the applier lock's session was lost; taking it again")
-                        if not await asyncio.to_thread(self._lock.acquire):
-                            self._lost = True
-                            self.wake()
-                            return
                 failing = False
-            except Exception as exc:  # the server is away: the apply reports it (`degraded`)
+            except Exception as exc:
                 if not failing:
                     log.warning("polling the truth failed (%s); will retry", exc)
                 failing = True
+            if time.monotonic() - checked >= LEAD_TRY_S:
+                checked = time.monotonic()
+                try:
+                    if not retaking and not await asyncio.to_thread(self._lock.held):
+                        log.warning("the applier lock's session was lost; taking it again")
+                        retaking = True
+                    if retaking:
+                        taken = await asyncio.to_thread(self._lock.acquire)
+                        if retake_fails:
+                            log.info("the applier lock can be tried again")
+                        retaking = retake_fails = False
+                        if not taken:
+                            self._lost = True
+                            self.wake()
+                            return
+                except Exception as exc:  # the server is away: try again at the next turn
+                    if not retake_fails:
+                        log.warning("taking the applier lock again failed (%s); will retry", exc)
+                    retake_fails = True
             await asyncio.sleep(FOLLOW_POLL_S)
 
     async def stop(self) -> None:

@@ -61,6 +61,7 @@ from metanode.errors import (
     InvalidValue,
     MetanodeError,
     NotFoundError,
+    StorageError,
     TooLarge,
     UnknownCid,
     shown,
@@ -543,37 +544,58 @@ class _Follow(Generic[R]):
     def stream(self) -> AsyncGenerator[bytes, None]:
         return self.node.counted(self._stream())
 
-    async def _stream(self) -> AsyncGenerator[bytes, None]:
-        # a full state due: (the cursor it is for, why that cannot be continued, if known)
-        redo: tuple[sse.Cursor | None, str | None] | None = None
+    def _begin(self) -> tuple[sse.Cursor | None, str | None] | None:
+        """The full state due first: (the cursor it is for, why that cannot be continued, if
+        known), or None to go on after the cursor (or live)."""
         if self.cursor is None and self.whole_without_cursor:
-            redo = (None, None)  # the state with no gap before it: nothing was missed
-        elif self.cursor is not None:
+            return (None, None)  # the state with no gap before it: nothing was missed
+        if self.cursor is not None:
             reason = self.feed.hub.resume(self.cursor)
             if reason is None and self.cursor.state is None:
                 self.position = self.cursor.seq
-            else:
-                redo = (self.cursor, reason)
+                return None
+            return (self.cursor, reason)
+        return None
+
+    async def _stream(self) -> AsyncGenerator[bytes, None]:
+        """As `feed.Subscription.stream`: a read the store fails is tried again, the stream
+        kept open (`feed.held`), but one failing inside a full state already begun ends it
+        (its read transaction is lost): the client resumes inside it from its last id."""
+        # a full state due: (the cursor it is for, why that cannot be continued, if known)
+        redo: tuple[sse.Cursor | None, str | None] | None = None
+        begun = False
         quiet_since = time.monotonic()
         while True:
-            if redo is not None:
-                # closed right here if the client goes: it holds a read transaction
-                async with contextlib.aclosing(self._full_state(*redo)) as chunks:
-                    async for chunk in chunks:
-                        yield chunk
-                redo, quiet_since = None, time.monotonic()
-            got = self.feed.hub.after(self.epoch, self.position)
-            if isinstance(got, str):  # pruned while lagging, or the cache was rebuilt
-                redo = (sse.Cursor.at(self.epoch, self.position), got)
-            elif got is not None:
-                self.position = got.last
-                yield got.chunk(self.form)
-                quiet_since = time.monotonic()
-            elif (left := quiet_since + self.feed.keep_alive_s - time.monotonic()) <= 0:
-                yield sse.keep_alive().encode()
-                quiet_since = time.monotonic()
-            else:
-                await self.feed.wait(self.position, self.epoch, left)
+            sent = False  # a page of a full state: then a failed read ends the stream
+            try:
+                if not begun:
+                    redo = self._begin()
+                    begun = True
+                if redo is not None:
+                    # closed right here if the client goes: it holds a read transaction
+                    async with contextlib.aclosing(self._full_state(*redo)) as chunks:
+                        async for chunk in chunks:
+                            sent = True
+                            yield chunk
+                    redo, quiet_since, sent = None, time.monotonic(), False
+                got = self.feed.hub.after(self.epoch, self.position)
+                if isinstance(got, str):  # pruned while lagging, or the cache was rebuilt
+                    redo = (sse.Cursor.at(self.epoch, self.position), got)
+                elif got is not None:
+                    self.position = got.last
+                    yield got.chunk(self.form)
+                    quiet_since = time.monotonic()
+                elif (left := quiet_since + self.feed.keep_alive_s - time.monotonic()) <= 0:
+                    yield sse.keep_alive().encode()
+                    quiet_since = time.monotonic()
+                else:
+                    await self.feed.wait(self.position, self.epoch, left)
+            except StorageError:
+                if sent:
+                    return
+                if chunk := await feed.held(quiet_since, self.feed.keep_alive_s):
+                    yield chunk
+                    quiet_since = time.monotonic()
 
     async def _full_state(
         self, cursor: sse.Cursor | None, reason: str | None
@@ -591,7 +613,8 @@ class _Follow(Generic[R]):
                     yield chunk + page
                 chunk = b""
         finally:
-            await snapshot.close()
+            with contextlib.suppress(StorageError):  # its connection went with the server
+                await snapshot.close()
         self.epoch, self.position = snapshot.epoch, snapshot.head
 
 

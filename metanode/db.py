@@ -407,8 +407,11 @@ def _rollback(conn: Connection) -> None:
         return
     try:
         conn.execute("ROLLBACK")
-    except Exception:  # the original error is the one to report
-        log.exception("ROLLBACK failed after a failed transaction")
+    except Exception as exc:  # the original error is the one to report
+        if storage_error(exc) is None:
+            log.exception("ROLLBACK failed after a failed transaction")
+        else:  # the connection lost with its transaction (PostgreSQL away): said by the caller
+            log.debug("ROLLBACK failed after a failed transaction: %s", exc)
 
 
 def probe(conn: Connection, target: Target) -> None:

@@ -16,6 +16,8 @@ the seq it corresponds to, so the tail starts exactly after it: nothing lost, no
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
@@ -23,10 +25,12 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 from metanode import cache, sse
+from metanode.errors import StorageError
 
 PAGE = 500
 CACHE_BYTES = 16 << 20  # frames of recent pages kept for the fan-out; oldest-used pages go first
 WaitFeed = Callable[[int, int, float], Awaitable[bool]]
+STORE_RETRY_S = 1.0  # a stream whose read failed (the database away) tries it again after this
 FeedRow = cache.FeedRow
 FileFeedRow = cache.FileFeedRow
 Reading = cache.Reading
@@ -382,12 +386,31 @@ class Feed(Generic[R]):
         return Snapshot(reading, self.hub.table.head(reading.state), events, start)
 
 
+async def held(quiet_since: float, keep_alive_s: float) -> bytes:
+    """What a stream sends while its store fails the read it needs (PostgreSQL restarting or
+    away, a disk error): nothing for `STORE_RETRY_S`, then the caller tries the read again; a
+    `: keep-alive` when one is due, so that proxies keep the connection. The stream stays open
+    and goes on where it was once the read works: its client sees a quiet feed, not a cut one
+    (a stream cut mid-response, with a traceback in the log, was each subscriber's lot at every
+    restart of the database, and a browser's EventSource does not come back after the 503 its
+    reconnection would get while the database is away)."""
+    remaining = quiet_since + keep_alive_s - time.monotonic()
+    if remaining <= 0:
+        return sse.keep_alive().encode()
+    await asyncio.sleep(min(STORE_RETRY_S, remaining))
+    return b""
+
+
 class Subscription:
     """The event stream of one client connection, as chunks of whole SSE frames.
 
     One generator (`stream`) over a small state machine (`_next`), so that whatever stops the
     stream (the client leaving, cancellation, the server shutting down) runs its one `finally`
     and releases an open snapshot at once.
+
+    A read the store fails (`StorageError`) is tried again (`held`), the stream kept open;
+    except inside a full state, whose read transaction is lost with it: the stream ends there,
+    cleanly, and the client resumes from the last id it got, inside that state (SPEC §5).
     """
 
     def __init__(
@@ -417,17 +440,23 @@ class Subscription:
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
         """Replay, or gap + snapshot, or snapshot; then `synced` and the live tail."""
+        begun = False
         try:
-            first = await self._begin()
-            if first:
-                yield first
             while True:
-                if chunk := await self._next():
+                try:
+                    chunk = await (self._next() if begun else self._begin())
+                    begun = True
+                except StorageError:
+                    if self._snapshot is not None:
+                        return  # the client resumes inside the state from its last id
+                    chunk = await held(self._quiet_since, self._keep_alive_s)
+                if chunk:
                     self._quiet_since = time.monotonic()
                     yield chunk
         finally:
             if self._snapshot is not None:
-                await self._snapshot.close()
+                with contextlib.suppress(StorageError):  # its connection went with the server
+                    await self._snapshot.close()
 
     async def _begin(self) -> bytes:
         cursor = self._cursor

@@ -1039,6 +1039,11 @@ class Node:
             problems.append("the cache is being built")
         if self.applier.degraded:
             problems.append("applying truth changes to the cache is failing")
+        if why := self.applier.services_failing:
+            problems.append(
+                f"the node's services (watcher, plugins, peer pulls, retention) wait for the "
+                f"database to start ({why})"
+            )
         for store in (self.truth, self.cache):
             if store.failure is not None:
                 problems.append(

@@ -168,6 +168,7 @@ _SQLSTATE: tuple[tuple[str, type[StorageError]], ...] = (
     ("53", StorageUnavailable),  # insufficient resources: too many connections, out of memory
     ("08", StorageUnavailable),  # connection exception
     ("57P", StorageUnavailable),  # admin shutdown, crash shutdown, cannot connect now
+    ("57014", StorageUnavailable),  # query canceled: `statement_timeout`, pg_cancel_backend
     ("40", StorageLocked),  # serialization failure, deadlock
     ("55P03", StorageLocked),  # lock not available
     ("25006", StorageReadOnly),  # read-only transaction (a standby)
@@ -210,13 +211,23 @@ LOGIN_HINT = "; check the user, password and database the DSN names (docs/scale-
 # What an operator does about the refusals only they can mend (the server's words say what
 # was refused, not why or what to do).
 REFUSAL_HINTS = {
-    "42501": "; the user of the DSN needs `CREATE` on the database, as its owner has "
-    "(createdb --owner, docs/scale-out.md)",
+    "42501": "; the user of the DSN needs to own the database (`CREATE` on it) and the schemas "
+    "and tables metanode made there (createdb --owner, docs/scale-out.md; a REVOKE or an ALTER "
+    "… OWNER since takes them away)",
     # a standby, or a primary whose database or user is set read-only (some hosted servers
     # do so themselves when their disk is nearly full): the server's words do not tell which
     "25006": "; the server takes no writes here: a standby (give the DSN of the primary), or "
     "a database or user set read-only (`default_transaction_read_only`)",
+    # the server's statement_timeout (set on the database or the user, or in the server's
+    # configuration), or an administrator's pg_cancel_backend
+    "57014": "; the server cancelled the statement: a `statement_timeout` set on the database "
+    "or the user shorter than metanode's statements take (lift it: ALTER ROLE … RESET "
+    "statement_timeout), or pg_cancel_backend",
 }
+# Settings a session keeps from its start (`ALTER DATABASE|ROLE … SET`): a connection that
+# failed for one of them is made again before its next transaction, so the node takes the
+# setting lifted without a restart (`Connection._stale`).
+SESSION_SETTINGS = ("25006", "57014")
 
 
 def _login_refused(text: str) -> bool:
@@ -369,6 +380,8 @@ class Connection:
         self._pending: Future[Any] | None = None  # a reconnection under way on its thread
         self._closed = False
         self._used = time.monotonic()  # when its last statement ended
+        self._stale = False  # failed for a setting its session keeps (`SESSION_SETTINGS`)
+        self._writing = False  # in a write transaction (`BEGIN IMMEDIATE`)
 
     @property
     def in_transaction(self) -> bool:
@@ -381,6 +394,9 @@ class Connection:
         outside a transaction, so nothing of a transaction is silently lost). After a failed
         attempt the next waits `RECONNECT_S`: meanwhile a statement fails at once, so the
         event loop's reads do not each wait for a server that is not there."""
+        if self._stale and self._release is None:  # a pool's connection goes back as it is
+            self._stale = False
+            self._raw.close()
         if not (self._raw.closed or self._raw.broken):
             return self._raw
         if self._watchdog is not None:
@@ -451,8 +467,32 @@ class Connection:
             finally:
                 if sql in ("COMMIT", "ROLLBACK"):
                     self._close_cursors()
+        except Exception as exc:
+            self._failed(sql, raw, exc)
+            raise
         finally:
+            if sql in ("COMMIT", "ROLLBACK"):
+                self._writing = False
             self._used = time.monotonic()
+
+    def _failed(self, sql: str, raw: Any, exc: Exception) -> None:
+        """What a failed statement means for this connection. One refused for a setting its
+        session keeps from its start (`SESSION_SETTINGS`: the database or user set read-only,
+        a `statement_timeout`) is made again before its next transaction, so that lifting the
+        setting is enough: the session would refuse for as long as it lives, which for a
+        writer is for ever, each of its probes failing with it. A write transaction whose
+        connection was lost during its COMMIT may have committed or not (the server may have
+        committed it before the connection went): said so, instead of `the database failed`,
+        which reads as nothing stored."""
+        if getattr(exc, "sqlstate", None) in SESSION_SETTINGS:
+            self._stale = True
+        if sql == "COMMIT" and self._writing and _operational(exc) and (raw.closed or raw.broken):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise StorageUnavailable(
+                f"the database failed: {self.target}: the connection was lost during COMMIT "
+                f"({first}), so the write may or may not be stored: send it again (claims "
+                "already stored come back `duplicate`)"
+            ) from exc
 
     def _checked(self) -> Any:
         """`_live()`, and for a connection idle `IDLE_CHECK_S` or more, checked first with an
@@ -485,9 +525,11 @@ class Connection:
         """`BEGIN` and the store's advisory lock, as one statement is on SQLite: if the lock
         is not had (`lock_timeout`, a lost connection) no transaction is left open."""
         raw.execute("BEGIN")
+        self._writing = True
         try:
             return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
         except BaseException:
+            self._writing = False
             if self.in_transaction:
                 with contextlib.suppress(Exception):  # the lock's failure is the one to report
                     raw.execute("ROLLBACK")
@@ -509,7 +551,11 @@ class Connection:
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor:
         cursor = self._raw.cursor()
-        cursor.executemany(translate(sql, True), list(rows))
+        try:
+            cursor.executemany(translate(sql, True), list(rows))
+        except Exception as exc:
+            self._failed(sql, self._raw, exc)
+            raise
         return Cursor(cursor)
 
     def close(self) -> None:
@@ -697,5 +743,14 @@ def dump(target: Target, file: Path) -> None:
     command = [tool, "--format=custom", "--no-owner", "--no-privileges", "--file", str(file)]
     done = subprocess.run([*command, "--dbname", dsn], env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        why = dump_failure(done.stderr) or f"exit {done.returncode}"
         raise StorageUnavailable(f"the database failed: {PG_DUMP} of {target.dsn_shown}: {why}")
+
+
+def dump_failure(stderr: str) -> str:
+    """What pg_dump said went wrong: its first `error:` line and what follows it (the detail
+    and hint lines), on one line. Its last line alone was often the hint only (`Is the server
+    running on that host and accepting TCP/IP connections?`), the failure itself dropped."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    start = next((n for n, line in enumerate(lines) if f"{PG_DUMP}: error:" in line), 0)
+    return " ".join(lines[start : start + 4])

@@ -9,6 +9,7 @@ test_groups, test_races, test_group_commit, test_rendered, test_feed_server, tes
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import subprocess
@@ -25,7 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from metanode import cache, claims, config, db, pg, plugins, truth
+from metanode import applier, cache, claims, config, db, pg, plugins, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
@@ -33,16 +34,17 @@ from metanode.errors import (
     InvalidRequest,
     MetanodeError,
     SchemaTooNew,
+    StorageError,
     StorageLocked,
     StorageRefused,
     StorageUnavailable,
 )
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
-from tests.helpers.feed import Replica, Stream
+from tests.helpers.feed import Replica, Stream, new_cid_claims
 from tests.helpers.plugins import claim, probe
 from tests.helpers.postgres import Cluster, start_cluster
-from tests.helpers.server import free_port, plugins_server, wait_caught_up
+from tests.helpers.server import Server, free_port, plugins_server, wait_caught_up
 from tests.helpers.settings import settings_for
 from tests.helpers.wait import until
 
@@ -598,6 +600,100 @@ async def test_a_server_that_stops_answering_never_holds_the_event_loop(
         assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "before"
 
 
+@pytest.mark.parametrize("path", ["/api/events", "/api/events/meta"])
+def test_a_feed_stream_stays_open_through_an_outage_and_goes_on_without_a_gap(
+    tmp_path: Path, own_cluster: Cluster, path: str
+) -> None:
+    """A stream whose read of the feed failed (the database restarting or away) was cut
+    mid-response, an `Exception in ASGI application` traceback in the log for each subscriber,
+    and a browser's EventSource does not come back after the 503 its reconnection then gets.
+    Now it stays open, keep-alives going, and goes on from its cursor once the database
+    answers: every event after it, in order, no gap."""
+    env = {"METANODE_STORAGE": own_cluster.database(), "METANODE_FEED_KEEP_ALIVE_S": "0.5"}
+    server = Server(tmp_path / "data", env=env).start()
+    try:
+        signer = Signer()
+        server.register(signer.uid, "outage")
+        posted = httpx.post(
+            f"{server.url}/api/claims",
+            headers=server.headers,
+            json={"claims": new_cid_claims(signer, "outage", 10)},
+            timeout=60,
+        )
+        assert posted.status_code == 200, posted.text
+        epoch = wait_caught_up(server.url)["epoch"]
+        own_cluster.pause()
+        # a cursor from before the outage: resuming it reads which events are still stored
+        stream = Stream(server, last_event_id=f"{epoch}-0", path=path)
+        kept = stream.next()
+        assert kept.event is None and kept.comment == "keep-alive", kept  # open, not cut
+        own_cluster.resume()
+        seqs: list[int] = []
+        while len(seqs) < 20:  # each claim on a new CID: 2 events
+            frame = stream.next()
+            assert frame.event != "gap", frame
+            if frame.event in ("set", "del"):
+                seqs.append(frame.seq)
+        assert seqs == list(range(1, 21))
+    finally:
+        server.stop(9)
+    assert "Exception in ASGI application" not in server.log_text()
+
+
+@pytest.mark.parametrize(
+    ("setting", "slug", "words"),
+    [
+        ("default_transaction_read_only = on", "storage_read_only", "read-only transaction"),
+        ("statement_timeout = 1", "storage_unavailable", "statement_timeout"),
+    ],
+)
+def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
+    dsn: str, setting: str, slug: str, words: str
+) -> None:
+    """A session keeps `ALTER DATABASE … SET` from its start. A writer made while the database
+    was set read-only, or with a `statement_timeout` shorter than its statements, kept failing
+    after the setting was lifted, for as long as its connection lived (for ever: each probe
+    failed with it), until the node was restarted; and the timeout was a 500 `internal_error`
+    with a traceback per request. Now it is typed (a 503) and the connection is made again."""
+    database = dsn.rsplit("/", 1)[1]
+    with psycopg_connect(dsn) as admin:
+        admin.execute(f'ALTER DATABASE "{database}" SET {setting}')
+    conn = pg.Connection(pg.Target(dsn, "public"), readonly=False)  # a session with the setting
+
+    def write(conn: db.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS lifted (x INTEGER)")
+        conn.execute("SELECT pg_sleep(0.05)")
+
+    try:
+        with pytest.raises(StorageError) as refused:
+            db.run_txn(conn, write)
+        assert refused.value.slug == slug and words in refused.value.message, refused.value
+        with administer(dsn) as admin:
+            admin.execute(f'ALTER DATABASE "{database}" RESET {setting.split()[0]}')
+        db.run_txn(conn, write)  # the same store connection, its session made again
+    finally:
+        conn.close()
+
+
+def test_a_connection_lost_in_its_commit_says_the_write_may_be_stored(dsn: str) -> None:
+    """A write whose connection is lost when its COMMIT is sent may have committed before the
+    server went (35 claims of 100 a restart's clients were refused were stored): its 503 said
+    `the database failed`, and the docs that a failed transaction writes nothing."""
+    conn = pg.Connection(pg.Target(dsn, "public"), readonly=False)
+
+    def write_then_lose(conn: db.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS lost (x INTEGER)")
+        (pid,) = conn.execute("SELECT pg_backend_pid()").fetchone()
+        with psycopg_connect(dsn) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+
+    try:
+        with pytest.raises(StorageUnavailable, match="may or may not be stored"):
+            db.run_txn(conn, write_then_lose)
+    finally:
+        conn.close()
+
+
 def test_an_unreachable_server_is_a_typed_storage_error(tmp_path: Path) -> None:
     target = pg.Target(f"postgresql://postgres@127.0.0.1:{free_port()}/none", "truth")
     with pytest.raises(StorageUnavailable, match="the database failed"):
@@ -683,6 +779,18 @@ def test_init_check_rebuild_and_backup_on_postgresql(tmp_path: Path, dsn: str) -
     assert backup.returncode == 0 and backup.stdout.strip().endswith(".pgdump"), backup.stderr
 
 
+def test_a_backup_that_cannot_reach_the_server_says_why(tmp_path: Path) -> None:
+    """pg_dump's last line was all a failed backup said, and it is often the hint alone: `Is
+    the server running on that host and accepting TCP/IP connections?`, the refusal dropped."""
+    if shutil.which(pg.PG_DUMP) is None:
+        pytest.skip("pg_dump is not installed (postgresql-client)")
+    target = pg.Target(f"postgresql://postgres@127.0.0.1:{free_port()}/none", "truth")
+    with pytest.raises(StorageUnavailable) as failed:
+        pg.dump(target, tmp_path / "none.pgdump")
+    assert "Connection refused" in failed.value.message, failed.value.message
+    assert "Is the server running" in failed.value.message, failed.value.message
+
+
 async def test_two_nodes_on_one_database_apply_in_turn(tmp_path: Path, dsn: str) -> None:
     """Replicas (docs/scale-out.md): a second node on the same database starts and follows;
     only the first applies (the session lock) until it stops, then the second takes over."""
@@ -739,10 +847,138 @@ async def test_a_leader_that_lost_its_lock_to_another_steps_down(tmp_path: Path,
         await leader.stop()
 
 
+@asynccontextmanager
+async def own_role(dsn: str, role: str) -> AsyncIterator[str]:
+    """`dsn` as another superuser `role`, whose settings a test may set (`ALTER ROLE`) apart
+    from the first node's; dropped afterwards."""
+    with psycopg_connect(dsn) as admin:
+        admin.execute(f"DROP ROLE IF EXISTS {role}")
+        admin.execute(f"CREATE ROLE {role} LOGIN SUPERUSER")
+    try:
+        yield dsn.replace("postgresql://postgres@", f"postgresql://{role}@", 1)
+    finally:
+        with psycopg_connect(dsn) as admin:
+            admin.execute(f"DROP ROLE {role}")
+
+
+async def test_a_replica_taking_the_lead_in_an_outage_starts_its_services_after_it(
+    tmp_path: Path, dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica takes the applier lock when the applier's session ends, often in an outage;
+    starting the services writes the truth (the plugins' signers). When that failed the
+    replica applied without its watcher, plugins, peer pulls and retention until restarted,
+    /health `ok`. Now /health says they wait, and they start once the database takes writes
+    again (here: the second replica's role set read-only, then lifted, no restart)."""
+    marker = probe("marker", claim("marker", "seen"))
+    monkeypatch.setattr(plugins, "discover", lambda: ([marker], []))
+    media = tmp_path / "media"
+    media.mkdir()
+
+    def settings(name: str, storage: str) -> config.Settings:
+        return settings_for(
+            tmp_path / name,
+            storage=storage,
+            plugins_enabled=True,
+            watch_enabled=True,
+            watch_roots=(str(media),),
+        )
+
+    first = Node(settings("one", dsn))
+    await first.start()
+    async with own_role(dsn, "second") as second_dsn:
+        shutil.copytree(tmp_path / "one" / "keys", tmp_path / "two" / "keys")  # a replica's keys
+        second = Node(settings("two", second_dsn))
+        try:
+            await until(lambda: first.plugin_host is not None, "the first to lead")
+            await second.start()
+            assert await second.applier.wait_for(0, 60) and not second.applies
+            with psycopg_connect(dsn) as admin:
+                admin.execute("ALTER ROLE second SET default_transaction_read_only = on")
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE usename = 'second'"
+                )  # its sessions made again, read-only
+            await first.stop()
+            await until(lambda: second.applies, "the second to take the applier lock")
+            await until(lambda: second.applier.services_failing is not None, "a failed start")
+            assert second.plugin_host is None and second.watcher is None
+            problems = second.health()["problems"]
+            assert any("services" in p and "wait for the database" in p for p in problems), problems
+            with psycopg_connect(dsn) as admin:
+                admin.execute("ALTER ROLE second RESET default_transaction_read_only")
+            await until(
+                lambda: second.plugin_host is not None and second.watcher is not None,
+                "its services to start once the database takes writes",
+            )
+            await until(lambda: second.health()["status"] == "ok", "/health to clear")
+        finally:
+            await second.stop()
+            with psycopg_connect(dsn) as admin:  # the role's sessions end with the node
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE usename = 'second'"
+                )
+
+
+async def test_a_lock_that_cannot_be_taken_again_is_said_once(
+    tmp_path: Path, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A leader whose lock session was cut while no new connection can be had (the server
+    full: `max_connections`) said `the applier lock's session was lost` and `polling the truth
+    failed` again at every try, twice a second, 1,357 lines each in 12 minutes of a full
+    server: its poll, on a connection it still had, worked in between."""
+    caplog.set_level(logging.INFO, logger="metanode.applier")
+    leader = Node(settings_for(tmp_path / "one", storage=dsn))
+    await leader.start()
+    database = dsn.rsplit("/", 1)[1]
+    tries = 0
+    try:
+        await until(lambda: leader.applies, "the node to lead")
+        assert isinstance(leader.applier, applier.Replica)
+        lock = leader.applier._lock
+        acquire = lock.acquire
+
+        def counted() -> bool:
+            nonlocal tries
+            tries += 1
+            return acquire()
+
+        lock.acquire = counted  # type: ignore[method-assign]  # the real one, counted
+        with administer(dsn) as admin:
+            admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory' "
+                "AND objid = %s AND granted",
+                (lock.key,),
+            )
+        await until(lambda: tries >= 4, "the lock to be tried again and again")
+        lines = [r.getMessage() for r in caplog.records if r.name == "metanode.applier"]
+        assert sum("session was lost" in line for line in lines) == 1, lines
+        assert sum("taking the applier lock again failed" in line for line in lines) == 1, lines
+        with administer(dsn) as admin:
+            admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        await until(lambda: tries >= 5 and not leader.applier._lost, "the lock taken again")
+        await until(
+            lambda: any("can be tried again" in r.getMessage() for r in caplog.records),
+            "its taking again said",
+        )
+        assert leader.applies
+    finally:
+        with administer(dsn) as admin:
+            admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        await leader.stop()
+
+
 def psycopg_connect(dsn: str) -> Any:
     import psycopg
 
     return psycopg.connect(dsn, autocommit=True)
+
+
+def administer(dsn: str) -> Any:
+    """A connection to the server of `dsn` outside its database (`postgres`): what a database
+    set read-only or closed to connections still lets in."""
+    return psycopg_connect(dsn.rsplit("/", 1)[0] + "/postgres")
 
 
 def waiting_for(admin: Any, key: int) -> bool:
@@ -948,6 +1184,7 @@ def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     assert typed("40001") == typed("40P01") == typed("55P03") == "storage_locked"
     assert typed("25006") == "storage_read_only" and typed("58030") == "storage_io_error"
     assert typed("42501") == "storage_read_only"  # the DSN's user may not create (a traceback)
+    assert typed("57014") == "storage_unavailable"  # a statement_timeout (a 500, a traceback)
     assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
     assert pg.storage_error(ValueError("x")) is None
 
