@@ -259,6 +259,14 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
                 claims.verify(claim)
             except BadSignature:
                 bad.append(f"{claim.uid} {claim.cid} {claim.key}")
+        moved = (source.max_seq(), live.state().applied_seq)
+        if differences and moved != (truth_seq, state.applied_seq):
+            differences.append(  # a replica (or `serve`) wrote meanwhile: said, not hidden
+                f"the stores changed during the check (truth seq {truth_seq} → {moved[0]}, "
+                f"cache applied seq {state.applied_seq} → {moved[1]}): a node is writing, and "
+                "the differences above may be its writes in flight; check again while no "
+                "claims come in"
+            )
         return CheckReport(differences, bad, count, unbuilt)
 
 
