@@ -285,6 +285,12 @@ def _options(target: Target) -> str:
     )
 
 
+def _application_name(target: Target) -> str:
+    """How `pg_stat_activity` names a connection (unless the DSN names it): the process and
+    the store, so the replicas sharing a database, and a feed's reader, are told apart."""
+    return f"metanode pid {os.getpid()} {target.schema}"
+
+
 def _connect_raw(target: Target) -> Any:
     """A psycopg connection in autocommit mode with the store's schema first on the path."""
     psycopg = driver()
@@ -293,6 +299,7 @@ def _connect_raw(target: Target) -> Any:
         autocommit=True,
         connect_timeout=CONNECT_TIMEOUT_S,
         options=_options(target),
+        fallback_application_name=_application_name(target),
     )
 
 
@@ -654,6 +661,7 @@ class AsyncReader:
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_S,
             options=_options(target),
+            fallback_application_name=_application_name(target),
         )
         return cls(raw)
 

@@ -58,6 +58,27 @@ PG_ONLY = {"sequences", "schema_version"}
 PG_ONLY_COLUMNS = {("library", "search")}
 
 
+def test_each_connection_names_its_process_and_store_in_pg_stat_activity(dsn: str) -> None:
+    """Replicas sharing a database were all nameless in `pg_stat_activity`; a DSN's own
+    `application_name` still wins."""
+    conns = [pg.Connection(pg.Target(dsn, schema), readonly=False) for schema in ("truth", "cache")]
+    named = pg.Connection(pg.Target(dsn + "?application_name=mine", "truth"), readonly=False)
+    try:
+        names = {
+            row[0]
+            for row in conns[0]
+            .execute(
+                "SELECT application_name FROM pg_stat_activity WHERE datname = current_database()"
+            )
+            .fetchall()
+        }
+        pid = os.getpid()
+        assert {f"metanode pid {pid} truth", f"metanode pid {pid} cache", "mine"} <= names, names
+    finally:
+        for conn in (*conns, named):
+            conn.close()
+
+
 @pytest.fixture
 def dsn(postgres: Cluster) -> Iterator[str]:
     dsn = postgres.database()
