@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from metanode import client, compat, logs, merge, peers, sse, ui
 from metanode.bodies import ascii_number, read_json, refuse_unknown
 from metanode.claims import utf8_size
+from metanode.config import below_root
 from metanode.errors import (
     InternalError,
     InvalidRequest,
@@ -313,12 +314,32 @@ def _utf8(raw: bytes) -> bool:
     return True
 
 
+def unroot(scope: Scope, root: str) -> None:
+    """The request's path without the `root_path` prefix, if it has it: the node answers under
+    the prefix as well as without it (a proxy that passes the path on whole, the page's own
+    links followed on the node's port, a WebDAV client given prefixed hrefs on the internal
+    address). Only when the bytes sent start with it too: `root` is of unreserved characters,
+    the same percent-encoded or not (config.ROOT_NAME)."""
+    below = below_root(scope["path"], root)
+    if below is None:
+        return
+    raw: bytes | None = scope.get("raw_path")
+    if raw is not None:
+        raw_below = below_root(raw.decode("latin-1"), root)
+        if raw_below is None:  # a prefix spelt with %-escapes: not this node's spelling
+            return
+        scope["raw_path"] = raw_below.encode("latin-1")
+    scope["path"] = below
+
+
 class Edge:
     """The node's one middleware layer, pure ASGI (each layer is another call and another
     `send` wrapper per request; four of them cost a measurable share of a read, benchmarks.md):
 
     * a request id for every log line of the request (`X-Request-ID`, echoed back), one access
       log line, and the latency histogram by route template;
+    * the `root_path` prefix taken off a path that starts with it (`unroot`): the routes are at
+      `/` whether a proxy strips the prefix or not;
     * CORS (`*`, GET) for the public routes' requests that carry an `Origin`: those go
       through Starlette's `CORSMiddleware` (preflights included, a refused one in the envelope:
       `Cors`); the others skip it. Not the
@@ -350,6 +371,7 @@ class Edge:
         self.cors = Cors(self._guarded, allow_origins=["*"], allow_methods=["GET"])
         self.histogram = node.metrics.request_seconds
         self.timers: dict[tuple[str, str, int], Any] = {}  # labelled histogram children
+        self.root = node.settings.root_path
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The app behind the perimeter."""
@@ -373,6 +395,8 @@ class Edge:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.root:
+            unroot(scope, self.root)
         headers = dict(scope["headers"])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
         rid = given if 0 < len(given) <= 64 and given.isprintable() else next(_request_ids)
@@ -528,10 +552,18 @@ class PostClaims:
         await JSONResponse(answer.body, status_code=answer.status)(scope, receive, send)
 
 
-def openapi_document() -> bytes:
+def openapi_document(root: str = "") -> bytes:
     """The OpenAPI document shipped inside the package (a byte copy of schemas/openapi.json,
-    kept in step by tools/openapi_sync.py), so an installed node serves it too."""
-    return importlib.resources.files("metanode").joinpath("openapi.json").read_bytes()
+    kept in step by tools/openapi_sync.py), so an installed node serves it too; under a
+    `root_path`, its one server is that path (`/`, its own, would send the API docs' "Try it
+    out" to the root of the proxy's host)."""
+    shipped = importlib.resources.files("metanode").joinpath("openapi.json").read_bytes()
+    if not root:
+        return shipped
+    document = json.loads(shipped)
+    for server in document["servers"]:
+        server["url"] = root + server["url"].rstrip("/")  # `/` → `/metanode`
+    return json.dumps(document, indent=2, ensure_ascii=False).encode("utf-8")
 
 
 def _flag(query: QueryParams, name: str) -> bool:
@@ -683,7 +715,7 @@ def create_app(node: Node) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse(node.health())
 
-    spec = openapi_document()
+    spec = openapi_document(node.settings.root_path)
     sessions = ui.Sessions(node)
 
     async def openapi(request: Request) -> Response:
@@ -753,4 +785,5 @@ def create_app(node: Node) -> Starlette:
     # `/api/claims/` is an unknown route (404 in the envelope), not a 307 to a `Location` made
     # from the request's own `Host` header, which a client or a proxy cache may follow anywhere.
     app.router.redirect_slashes = False
+    app.state.root_path = node.settings.root_path  # what every URL the pages write starts with
     return app

@@ -403,7 +403,7 @@ def serve_node(settings: config.Settings, config_file: str | None) -> None:
     sock = listen(settings)  # before the token: one made now is shown, once, below
     token, created = maintenance.ensure_token(settings.token_path)
     maintenance.ensure_token(settings.instance_path)  # made once, before any worker reads it
-    url = settings.serve_url
+    url = settings.page_url  # under `root_path`, the page's address (it answers there too)
     count = settings.worker_count
     # the storage: after `migrate-storage`, a start without `storage` serves the old SQLite
     where = f"data: {settings.data_dir.resolve()}, storage: {settings.storage_shown}"

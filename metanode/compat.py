@@ -28,7 +28,7 @@ import os
 import socket
 import stat
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -286,10 +286,18 @@ class LegacyWriter:
             return await self._ingest(cid, [(cid, key, joined)], []), True
 
 
-async def to_webdav_root(request: Request) -> Response:
-    """`/webdav` is the collection `/webdav/`: a 307 there, by a relative `Location` (the router's
-    own slash redirects are off: they named the request's `Host`, whatever it said)."""
-    return RedirectResponse(f"{webdav.MOUNT}/", status_code=307)
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+def to_webdav_root(root: str) -> Endpoint:
+    """`/webdav` is the collection `/webdav/`: a 307 there (under `root_path` `root`), by a
+    relative `Location` (the router's own slash redirects are off: they named the request's
+    `Host`, whatever it said)."""
+
+    async def redirect(request: Request) -> Response:
+        return RedirectResponse(f"{root}{webdav.MOUNT}/", status_code=307)
+
+    return redirect
 
 
 async def start(node: Node) -> None:
@@ -661,7 +669,8 @@ class FilesFollow(_Follow[feed.FileFeedRow]):
 def internal_url(settings: Settings) -> str:
     """The node's URL for a client beside it: by the host name when it listens on every
     address (in Docker, the container's name, which its siblings resolve, as meta-core's
-    `webdavUrlInternal` did), else by the address it listens on."""
+    `webdavUrlInternal` did), else by the address it listens on. Without `root_path`: past the
+    proxy, the routes are at `/` (the node answers under the prefix too)."""
     if settings.host in ("0.0.0.0", "::", ""):
         return f"http://{socket.gethostname()}:{settings.port}"
     return settings.client_url
@@ -791,6 +800,7 @@ def routes(node: Node) -> list[BaseRoute]:
     roots = Roots.served(node.settings)
     hashing = asyncio.Semaphore(HASHING)  # `POST /file/cid`'s whole-file reads
     files_path = node.settings.metamesh_files_path.rstrip("/")
+    root = node.settings.root_path  # what the URLs this node gives start with
 
     def mounted(path: str) -> str:
         """A record's `filePath` as the consumers hold it: their files folder, then the WebDAV
@@ -940,8 +950,10 @@ def routes(node: Node) -> list[BaseRoute]:
     async def urls(request: Request) -> Response:
         """Where this node answers. `webdavUrl`: the WebDAV root by the URL this request
         reached (what a client on the box's network uses); `webdavUrlInternal`: by the node's
-        own name and port (what another container or process beside it uses)."""
-        base = str(request.base_url).rstrip("/")
+        own name and port (what another container or process beside it uses). Each under
+        `root_path`: the WebDAV listings' hrefs carry it, and a client takes a listing's
+        members by their hrefs below its root's."""
+        base = str(request.base_url).rstrip("/") + root
         return JSONResponse(
             {
                 "hostname": internal_host(node.settings),
@@ -949,7 +961,7 @@ def routes(node: Node) -> list[BaseRoute]:
                 "apiUrl": base,
                 "redisUrl": "",
                 "webdavUrl": base + webdav.MOUNT,
-                "webdavUrlInternal": internal_url(node.settings) + webdav.MOUNT,
+                "webdavUrlInternal": internal_url(node.settings) + root + webdav.MOUNT,
             }
         )
 
@@ -957,8 +969,8 @@ def routes(node: Node) -> list[BaseRoute]:
         """meta-core's service registry (`{"services": [ServiceInfo], "count"}`, and the asked
         `current`), which meta-sort's and meta-fuse's navigation read (meta-stremio's at
         `/services?current=…`): this node, then the services registered in the MetaMesh
-        volume (`registered`), read on a thread."""
-        base = str(request.base_url).rstrip("/")
+        volume (`registered`), read on a thread. This node's URLs are under `root_path`."""
+        base = str(request.base_url).rstrip("/") + root
         now = datetime.datetime.now(datetime.UTC)
         others = await asyncio.to_thread(registered, node.settings, now)
         this = {
@@ -988,6 +1000,6 @@ def routes(node: Node) -> list[BaseRoute]:
         Route("/urls", urls),
         Route("/api/services", services),
         Route("/services", services),  # meta-core's older path: meta-stremio's navigation
-        Route(webdav.MOUNT, to_webdav_root, methods=webdav.METHODS),
+        Route(webdav.MOUNT, to_webdav_root(root), methods=webdav.METHODS),
         Mount(webdav.MOUNT, app=webdav.App(node.settings)),  # WebDAV, outside the OpenAPI doc
     ]

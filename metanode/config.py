@@ -13,6 +13,7 @@ import difflib
 import ipaddress
 import math
 import os
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -247,6 +248,13 @@ class Settings:
         "and `X-Forwarded-Proto` are believed; from anyone else the headers are ignored. A "
         "proxy in front needs its address here (docs/operations.md, 'Behind a reverse proxy').",
     )
+    root_path: str = setting(
+        "",
+        "The path a reverse proxy serves the node under (`/metanode` for "
+        "`https://home.example/metanode/`; empty: the root of a host or port). Every link, "
+        "redirect, cookie and URL the node writes starts with it; the node answers with and "
+        "without it (docs/operations.md, 'Under a sub-path').",
+    )
     metamesh_files_path: str = setting(
         "/files",
         "Where MetaMesh consumers mount the files (their FILES_PATH): the MetaMesh routes give "
@@ -319,6 +327,7 @@ class Settings:
         _ = self.plugin_weight_map
         networks("trusted_networks", self.trusted_networks)
         networks("trusted_proxies", self.trusted_proxies)
+        check_root_path(self.root_path)
         if self.storage != "sqlite" and not self.postgresql:
             raise InvalidRequest(
                 "setting storage: must be `sqlite` or a PostgreSQL DSN "
@@ -383,6 +392,12 @@ class Settings:
         """The address `serve` listens on, as a URL: an IPv6 one in brackets (`http://::1:9000`
         was no URL)."""
         return http_url(self.host, self.port)
+
+    @property
+    def page_url(self) -> str:
+        """`serve_url` with `root_path`: where the node's own page is (the node answers under
+        the prefix too)."""
+        return self.serve_url + self.root_path
 
     @property
     def client_url(self) -> str:
@@ -480,6 +495,58 @@ def networks(name: str, texts: tuple[str, ...]) -> tuple[Network, ...]:
                 f"setting {name}: {text!r} is not a CIDR network ({exc})"
             ) from None
     return tuple(parsed)
+
+
+# A name of `root_path`: RFC 3986's unreserved characters only, so it is the same percent-encoded
+# or not, in a cookie's `Path` and in HTML and JavaScript without any escaping.
+ROOT_NAME = re.compile(r"[A-Za-z0-9._~-]+")
+# The first name of every path the node serves itself (`api.FAMILIES` and the routes;
+# tests/test_config.py keeps the two in step): a `root_path` starting with one would make the
+# node's own paths ambiguous, since it answers both with and without the prefix.
+SERVED_NAMES = frozenset(
+    {
+        *("api", "health", "metrics", "openapi.json", "docs", "static"),
+        *("records", "live", "files", "plugins", "signers", "status", "signin", "signout"),
+        *("meta", "file", "urls", "services", "webdav"),
+        *("leader", "role", "neighbors", "data"),  # meta-core's, answered 404 (compat.NOT_SERVED)
+    }
+)
+
+
+def check_root_path(root: str) -> None:
+    """`root_path` is empty or `/name[/name…]` (no trailing slash, no `.` or `..`, only
+    unreserved characters, not a path the node serves itself), else the error saying how to
+    write it."""
+    if root == "":
+        return
+    said = f"setting root_path: {root!r}"
+    if root == "/":
+        raise InvalidRequest(f"{said} is the root of the host: leave root_path empty for that")
+    if not root.startswith("/"):
+        raise InvalidRequest(f"{said} is not a path: write it as /{root.strip('/')}")
+    if root.endswith("/"):
+        raise InvalidRequest(f"{said} ends with a slash: write it as {root.rstrip('/')}")
+    names = root[1:].split("/")
+    for name in names:
+        if not ROOT_NAME.fullmatch(name) or name in (".", ".."):
+            raise InvalidRequest(
+                f"{said}: {name!r} is not a name of a path here (letters, digits, "
+                "'-', '.', '_' and '~'; no empty, '.' or '..' one)"
+            )
+    if names[0] in SERVED_NAMES:
+        raise InvalidRequest(
+            f"{said} begins with /{names[0]}, a path the node serves itself; choose another name"
+        )
+
+
+def below_root(path: str, root: str) -> str | None:
+    """`path` without the `root_path` prefix `root` it starts with (`/metanode/files` →
+    `/files`, `/metanode` → `/`), or None when it does not start with it."""
+    if path == root:
+        return "/"
+    if path.startswith(root) and path[len(root)] == "/":
+        return path[len(root) :]
+    return None
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

@@ -433,9 +433,24 @@ PAGE_HEADERS = {
 }
 
 
+def root_of(request: Request) -> str:
+    """The `root_path` setting (`/metanode`, or empty): what every URL a page writes starts
+    with. The routes are at `/` (`api.unroot`); only what the browser is sent carries it: the
+    templates' links, forms and assets (`root`), the scripts' URLs (`data-root`), redirects
+    (`to`) and the session cookie's `Path`."""
+    root: str = request.app.state.root_path
+    return root
+
+
+def to(request: Request, path: str) -> RedirectResponse:
+    """On to the node's own `path` (`/records/…`: a route's), under `root_path` (303)."""
+    return RedirectResponse(root_of(request) + path, status_code=303)
+
+
 def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
-    """A page: the template with the navigation, the session's CSRF token and the path, and
-    what the last form left to say (`flash`) and to show again (`draft`), once."""
+    """A page: the template with the navigation, the session's CSRF token, the path (the
+    route's, without `root_path`: `root`, which every URL in it starts with), and what the last
+    form left to say (`flash`) and to show again (`draft`), once."""
     session: Session | None = request.scope.get("metanode.session")
     flash = draft = None
     if session is not None:  # said once: on the page that follows what left it
@@ -443,6 +458,7 @@ def render(request: Request, template: str, status: int = 200, **context: Any) -
         draft, session.draft = session.draft, None
     html = TEMPLATES.get_template(template).render(
         nav=NAV,
+        root=root_of(request),
         path=request.url.path,
         session=session,
         csrf=session.csrf if session else "",
@@ -493,7 +509,7 @@ def after_form(
     refused, where it was sent from, with what was typed in it if it was not taken (`draft`)."""
     session: Session = request.scope["metanode.session"]
     session.flash, session.draft = flash, draft
-    return RedirectResponse(page + (f"#{flash.at}" if flash.at else ""), status_code=303)
+    return to(request, page + (f"#{flash.at}" if flash.at else ""))
 
 
 def back_of(path: str) -> str:
@@ -660,14 +676,14 @@ class Pages:
             at = "add" if draft.adding else anchor_of(draft.key)
             response = after_form(request, then, Flash("error", UNSAVED, at), draft)
         else:
-            response = RedirectResponse(then, status_code=303)
+            response = to(request, then)
         response.set_cookie(
             COOKIE,
             value,
             max_age=int(self.sessions.ttl_s),
             httponly=True,
             samesite="strict",
-            path="/",
+            path=root_of(request) or "/",
             secure=secure(request),
         )
         return response
@@ -676,9 +692,13 @@ class Pages:
         """POST /signout: the session ends here, for every copy of its cookie."""
         session: Session = request.scope["metanode.session"]
         self.sessions.end(session)
-        response = RedirectResponse("/", status_code=303)
+        response = to(request, "/")
         response.delete_cookie(
-            COOKIE, path="/", httponly=True, samesite="strict", secure=secure(request)
+            COOKIE,
+            path=root_of(request) or "/",
+            httponly=True,
+            samesite="strict",
+            secure=secure(request),
         )
         return response
 
@@ -731,7 +751,7 @@ class Pages:
         try:
             rid = self._rid_of(text)
         except Merged as exc:
-            return RedirectResponse(f"/records/{exc.extra['survivor']}", status_code=303)
+            return to(request, f"/records/{exc.extra['survivor']}")
         document = self.node.metadata(rid)
         record = document["metadata"]
         fields = provenance(record, self.node.votes(rid), self.node.signers(), self.node.owner.uid)
@@ -892,7 +912,7 @@ class Pages:
     async def back(self, request: Request) -> Response:
         """A GET of an address only forms post to (typed again, or from the history): on to
         the page the form is on, never a bare 405."""
-        return RedirectResponse(back_of(request.url.path), status_code=303)
+        return to(request, back_of(request.url.path))
 
     def routes(self) -> list[BaseRoute]:
         page = self.page

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
-from urllib.parse import unquote_to_bytes, urlsplit
+from urllib.parse import unquote_to_bytes, urlsplit, urlunsplit
 
 from a2wsgi import WSGIMiddleware
 from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
@@ -51,7 +51,7 @@ from wsgidav.request_server import RequestServer
 from wsgidav.wsgidav_app import WsgiDAVApp
 
 from metanode.bodies import read_body
-from metanode.config import Settings
+from metanode.config import Settings, below_root
 from metanode.errors import (
     Forbidden,
     InvalidRequest,
@@ -436,13 +436,16 @@ def server(settings: Settings) -> ASGIApp:
     """
     outputs = plugin_dir(settings)
     roots = Roots.of(settings.watch_roots)  # `plugin/` has its own writable provider below
+    # WsgiDAV's hrefs start with its mount path, and a MOVE's or COPY's `Destination` must:
+    # under `root_path`, the prefix is in both (`App` puts it in a `Destination` that lacks it)
+    mount = settings.root_path + MOUNT
     layout = dav(
-        MOUNT, Layout(roots, settings.watch_follow_symlinks, str(outputs) if outputs else None)
+        mount, Layout(roots, settings.watch_follow_symlinks, str(outputs) if outputs else None)
     )
     writable = None
     if outputs is not None:
         writable = dav(
-            f"{MOUNT}/{PLUGIN}",
+            f"{mount}/{PLUGIN}",
             FilesystemProvider(str(outputs), readonly=False, fs_opts={"follow_symlinks": False}),
         )
 
@@ -475,7 +478,8 @@ class App:
                 message["headers"] = [*message.get("headers", []), *INERT_RAW]
             await send(message)
 
-        refused = refusal(scope, self.settings.webdav_plugin_writes)
+        root = self.settings.root_path
+        refused = refusal(scope, self.settings.webdav_plugin_writes, root)
         headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else {}
         if refused is None and scope["method"] != "PUT":
             try:
@@ -488,6 +492,11 @@ class App:
             answer = JSONResponse(refused.envelope(), refused.status, headers=headers)
             await answer(scope, receive, inert)
             return
+        if root and scope["method"] in ("COPY", "MOVE"):
+            scope["headers"] = [
+                (name, rooted(value, root) if name == b"destination" else value)
+                for name, value in scope["headers"]
+            ]
         if self.served is None:
             self.served = server(self.settings)
         await self.served(scope, receive, inert)
@@ -508,19 +517,35 @@ def replayed(body: bytes, receive: Receive) -> Receive:
     return again
 
 
-def refusal(scope: Scope, writes: bool) -> MetanodeError | None:
+def rooted(destination: bytes, root: str) -> bytes:
+    """A `Destination` URL with its path under `root` (`root_path`), as WsgiDAV's mount path
+    is: a client on the node's own port may name it without (the node answers both ways)."""
+    parts = urlsplit(destination)
+    below = unrooted(parts.path, root).encode("latin-1")
+    return urlunsplit(parts._replace(path=root.encode("latin-1") + below))
+
+
+def unrooted(path: bytes, root: str) -> str:
+    """A percent-encoded path without the `root_path` prefix `root`, if it has it."""
+    text = path.decode("latin-1")
+    below = below_root(text, root) if root else None
+    return text if below is None else below
+
+
+def refusal(scope: Scope, writes: bool, root: str = "") -> MetanodeError | None:
     """Why the request's path, or a COPY's or MOVE's `Destination`, cannot name a file here, or
     why the outputs' folder itself is not written (with `writes`: WsgiDAV's writes of its own
     root failed an assertion, a 500); None when they can. Checked on the bytes the client sent
     (`raw_path`): uvicorn's `path` has already made an invalid UTF-8 sequence U+FFFD, a name a
-    PUT then created."""
+    PUT then created. A `Destination` is checked without the `root_path` prefix `root` (the
+    request's own path has lost it already: `api.unroot`)."""
     raw = scope.get("raw_path") or scope["path"].encode()
     targets = [raw]
     if scope["method"] in ("COPY", "MOVE"):  # the only methods that read it
         for name, value in scope["headers"]:
             if name == b"destination":
                 try:
-                    targets.append(urlsplit(value).path)
+                    targets.append(unrooted(urlsplit(value).path, root).encode("latin-1"))
                 except ValueError:  # `http://[::1/x`: it named nothing, a 500 on every method
                     return InvalidRequest(f"Destination {shown(value.decode('latin-1'))} is no URL")
     for target in targets:

@@ -54,7 +54,7 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from metanode.api import create_app, error_response
-from metanode.config import Settings
+from metanode.config import Settings, below_root
 from metanode.errors import UnavailableError
 from metanode.metrics import MULTIPROCESS_ENV
 from metanode.node import Node
@@ -117,13 +117,16 @@ def worker_name(role: str, index: int) -> str:
     return OWNER if role == OWNER else f"{READER}-{index}"
 
 
-def answers_itself(scope: Scope) -> bool:
+def answers_itself(scope: Scope, root: str = "") -> bool:
     """Whether a reader answers this request itself: a GET or HEAD of a read route, or a
     `POST /api/claims` (validated here, the claims handed to the owner: handoff.py), without a
-    cookie (the web page's sessions live in the owner)."""
+    cookie (the web page's sessions live in the owner). A path under the `root_path` prefix
+    `root` is its route's (`api.unroot`, in the app that answers it, takes the prefix off)."""
     if any(name == b"cookie" for name, _ in scope["headers"]):
         return False
     path: str = scope["path"]
+    if root:
+        path = below_root(path, root) or path
     if scope["method"] == "POST":
         return path == CLAIMS
     if scope["method"] not in ("GET", "HEAD"):
@@ -349,12 +352,13 @@ def _has_body(scope: Scope) -> bool:
 class Reader:
     """A reader worker's app: the reads by its follower node's app, the rest to the owner."""
 
-    def __init__(self, local: ASGIApp, owner: Forward) -> None:
+    def __init__(self, local: ASGIApp, owner: Forward, root: str = "") -> None:
         self.local = local
         self.owner = owner
+        self.root = root  # `root_path`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not answers_itself(scope):
+        if scope["type"] == "http" and not answers_itself(scope, self.root):
             await self.owner(scope, receive, send)
         else:
             await self.local(scope, receive, send)  # and the lifespan: the follower node's
@@ -368,7 +372,7 @@ def worker_app(settings: Settings, role: str, index: int) -> ASGIApp:
         node.metrics.register(Restarts(status_path(settings)))
         return Tagged(FromReader(create_app(node)), name)
     local = create_app(Node(settings, follower=True, handoff_path=handoff_path(settings)))
-    return Tagged(Reader(local, Forward(socket_path(settings))), name)
+    return Tagged(Reader(local, Forward(socket_path(settings)), settings.root_path), name)
 
 
 class Restarts(Collector):

@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 
-from metanode import config
+from metanode import api, config
+from metanode.api import create_app
 from metanode.errors import InvalidRequest
+from metanode.node import Node
+from tests.helpers.settings import settings_for
 
 DOC = Path(__file__).parents[1] / "docs" / "configuration.md"
 
@@ -177,3 +180,56 @@ def test_the_address_serve_shows_is_a_url() -> None:
     for empty in ("", "  "):
         with pytest.raises(InvalidRequest, match="setting host: empty"):
             config.load(env={"METANODE_HOST": empty})
+
+
+@pytest.mark.parametrize(
+    ("root", "fragment"),
+    [
+        ("metanode", "'metanode' is not a path: write it as /metanode"),
+        ("/", "'/' is the root of the host: leave root_path empty for that"),
+        ("/metanode/", "'/metanode/' ends with a slash: write it as /metanode"),
+        ("/home//metanode", "'' is not a name of a path here"),
+        ("/home/../metanode", r"'\.\.' is not a name of a path here"),
+        ("/./metanode", r"'\.' is not a name"),
+        ("/meta node", "'meta node' is not a name"),
+        ("/metanode?x=1", r"'metanode\?x=1' is not a name"),
+        ("/metanode#top", "'metanode#top' is not a name"),
+        ("/meta%6Eode", "'meta%6Eode' is not a name"),  # the same encoded or not: no escapes
+        ("/metanode;x", "is not a name"),  # would end the cookie's Path
+        ("/api", "'/api' begins with /api, a path the node serves itself"),
+        ("/webdav/x", "begins with /webdav, a path the node serves itself"),
+        ("/files", "begins with /files"),
+    ],
+)
+def test_a_root_path_is_empty_or_a_path_of_plain_names(root: str, fragment: str) -> None:
+    with pytest.raises(InvalidRequest, match=f"setting root_path: .*{fragment}"):
+        config.load(env={"METANODE_ROOT_PATH": root})
+
+
+def test_a_root_path_is_taken_off_a_path_that_starts_with_it() -> None:
+    assert config.load(env={"METANODE_ROOT_PATH": "/home/metanode"}).root_path == "/home/metanode"
+    assert config.load(env={"METANODE_ROOT_PATH": ""}).root_path == ""
+    assert config.Settings(root_path="/m-1.x~").page_url == "http://127.0.0.1:9000/m-1.x~"
+    below = {
+        path: config.below_root(path, "/metanode")
+        for path in ("/metanode", "/metanode/", "/metanode/files", "/metanodes/x", "/files")
+    }
+    assert below == {
+        "/metanode": "/",
+        "/metanode/": "/",
+        "/metanode/files": "/files",
+        "/metanodes/x": None,
+        "/files": None,
+    }
+
+
+def test_the_names_a_root_path_may_not_begin_with_are_the_routes_the_node_serves(
+    tmp_path: Path,
+) -> None:
+    """The node answers with and without `root_path` (`api.unroot`): a prefix that began with
+    one of its own paths (`/files`) would make `/files/files` the Files page or the library."""
+    app = create_app(Node(settings_for(tmp_path / "data")))
+    paths = [getattr(route, "path", "") for route in app.routes]
+    paths += [family for family, _access in api.FAMILIES]
+    firsts = {path.split("/")[1] for path in paths if path.startswith("/")} - {""}
+    assert firsts == config.SERVED_NAMES

@@ -1,8 +1,9 @@
 """metanode behind nginx, configured exactly as docs/operations.md ("Behind a reverse proxy")
-shows (the configuration is read from that page), HTTPS ended at nginx with a self-signed
-certificate: Debian's `nginx` and `openssl` (installed with apt-get when missing, as the other
-tests install their packages), a real `metanode serve`, and Debian's `chromium` for what only
-a browser's `EventSource` does.
+shows (the configurations are read from that page: at the root of a host, and under a sub-path
+with `root_path`), HTTPS ended at nginx with a self-signed certificate: Debian's `nginx` and
+`openssl` (installed with apt-get when missing, as the other tests install their packages), a
+real `metanode serve`, and Debian's `chromium` for what only a browser does (`EventSource`, the
+page's links, forms and scripts under the sub-path).
 """
 
 from __future__ import annotations
@@ -13,20 +14,22 @@ import shutil
 import ssl
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from playwright.sync_api import Page, sync_playwright
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from tests.helpers.server import Server, free_port
+from tests.helpers.server import PLUGINS_ON, Server, free_port
 from tests.helpers.wait import poll
 from tools.bench.pgcluster import install
 
 DOC = Path(__file__).parents[1] / "docs" / "operations.md"
 CHROMIUM = "/usr/bin/chromium"
 WAIT_S = 60.0  # a bound on a hang, not a measurement: both cores may be busy
+PREFIX = "/metanode"  # the sub-path of the second documented configuration
 
 
 def package(binary: str, name: str) -> str:
@@ -40,20 +43,21 @@ def package(binary: str, name: str) -> str:
     return found
 
 
-def documented_config() -> str:
-    """The nginx `server` block of docs/operations.md."""
-    found = re.search(r"```nginx\n(.*?)```", DOC.read_text(), re.S)
-    assert found, "docs/operations.md shows no nginx configuration"
-    return found.group(1)
+def documented_config(which: int) -> str:
+    """The nginx `server` block of docs/operations.md: the first (at the root of a host) or
+    the second (under the sub-path `PREFIX`)."""
+    found = re.findall(r"```nginx\n(.*?)```", DOC.read_text(), re.S)
+    assert len(found) == 2, "docs/operations.md shows no two nginx configurations"
+    return str(found[which])
 
 
-def nginx_config(root: Path, port: int, upstream: int, cert: Path, key: Path) -> str:
+def nginx_config(root: Path, port: int, upstream: int, cert: Path, key: Path, which: int) -> str:
     """The documented block on our ports and certificate, in a whole nginx.conf of its own
     (its pid, logs and temporary files under `root`)."""
-    block = documented_config()
+    block = documented_config(which)
     for documented, ours in (
         ("listen 443 ssl;", f"listen 127.0.0.1:{port} ssl;"),
-        ("http://127.0.0.1:9000;", f"http://127.0.0.1:{upstream};"),
+        ("http://127.0.0.1:9000", f"http://127.0.0.1:{upstream}"),
         ("/etc/nginx/metanode.crt", str(cert)),
         ("/etc/nginx/metanode.key", str(key)),
     ):
@@ -84,11 +88,12 @@ class Proxied:
         return httpx.Client(base_url=self.url, verify=self.tls, timeout=WAIT_S)
 
 
-@pytest.fixture(scope="module")
-def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
+@contextmanager
+def behind_nginx(root: Path, which: int, env: dict[str, str]) -> Iterator[Proxied]:
+    """A node with `env` behind nginx with the documented configuration `which`, under
+    `root`."""
     nginx = package("nginx", "nginx")
     openssl = package("openssl", "openssl")
-    root = tmp_path_factory.mktemp("proxy")
     cert, key = root / "cert.pem", root / "key.pem"
     self_signed = ["-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=x"]
     for_ip = ["-addext", "subjectAltName=IP:127.0.0.1"]
@@ -98,13 +103,10 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
         capture_output=True,
     )
     (root / "data").mkdir()
-    server = Server(
-        root / "data",
-        env={"METANODE_TRUSTED_PROXIES": "127.0.0.1/32", "METANODE_WATCH_SETTLE_S": "0.3"},
-    ).start()
+    server = Server(root / "data", env={"METANODE_TRUSTED_PROXIES": "127.0.0.1/32", **env}).start()
     server.media.mkdir(exist_ok=True)
     port = free_port()
-    (root / "nginx.conf").write_text(nginx_config(root, port, server.port, cert, key))
+    (root / "nginx.conf").write_text(nginx_config(root, port, server.port, cert, key, which))
     with (root / "nginx.out").open("wb") as out:
         proc = subprocess.Popen(
             [nginx, "-p", str(root), "-c", str(root / "nginx.conf"), "-g", "daemon off;"],
@@ -113,11 +115,12 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
         )
     tls = ssl.create_default_context(cafile=str(cert))
     url = f"https://127.0.0.1:{port}"
+    health = f"{env.get('METANODE_ROOT_PATH', '')}/health"
 
     def up() -> bool | None:
         assert proc.poll() is None, (root / "nginx.out").read_text()
         try:
-            return httpx.get(f"{url}/health", verify=tls, timeout=5).status_code == 200 or None
+            return httpx.get(f"{url}{health}", verify=tls, timeout=5).status_code == 200 or None
         except httpx.TransportError:
             return None
 
@@ -131,10 +134,27 @@ def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
         server.print_log()
 
 
-def sign_in(client: httpx.Client, token: str, origin: str) -> httpx.Response:
+@pytest.fixture(scope="module")
+def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
+    """A node at the root of nginx's host (the first documented configuration)."""
+    root = tmp_path_factory.mktemp("proxy")
+    with behind_nginx(root, 0, {"METANODE_WATCH_SETTLE_S": "0.3"}) as proxied:
+        yield proxied
+
+
+@pytest.fixture(scope="module")
+def subpath(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
+    """A node under nginx's `PREFIX` (the second documented configuration, `root_path`), with
+    the built-in plugins on (the Plugins page's script asks for their counts)."""
+    root = tmp_path_factory.mktemp("subpath")
+    with behind_nginx(root, 1, {**PLUGINS_ON, "METANODE_ROOT_PATH": PREFIX}) as proxied:
+        yield proxied
+
+
+def sign_in(client: httpx.Client, token: str, origin: str, prefix: str = "") -> httpx.Response:
     """POST /signin as the page's form does (a browser names the page's `Origin`)."""
     return client.post(
-        "/signin",
+        f"{prefix}/signin",
         data={"token": token, "then": "/files"},
         headers={"Origin": origin},
         follow_redirects=False,
@@ -230,7 +250,7 @@ def test_a_feed_through_the_proxy_comes_event_by_event(proxied: Proxied) -> None
 
 
 @pytest.fixture(scope="module")
-def page() -> Iterator[Page]:
+def browser() -> Iterator[Browser]:
     if not Path(CHROMIUM).exists():
         why = install("chromium")
         if why:
@@ -238,9 +258,13 @@ def page() -> Iterator[Page]:
     with sync_playwright() as p:
         # --no-sandbox: the suite runs as root, where Chromium's sandbox refuses to start
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        context = browser.new_context(ignore_https_errors=True)
-        yield context.new_page()
+        yield browser
         browser.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser: Browser) -> Page:
+    return browser.new_context(ignore_https_errors=True).new_page()
 
 
 FOLLOW = """url => {
@@ -253,6 +277,158 @@ FOLLOW = """url => {
 
 def seen(page: Page, name: str) -> bool | None:
     return page.evaluate("n => window.seen.some(e => e[2].includes(n))", name) or None
+
+
+# -- under a sub-path ---------------------------------------------------------------------------
+
+
+def test_under_a_sub_path_every_url_the_node_gives_is_under_it(subpath: Proxied) -> None:
+    """The second documented configuration: nginx strips `PREFIX`, the node (`root_path`)
+    puts it in everything it names: the sign-in form and its assets, the redirects, the
+    cookie's `Path`, `/urls`, `/api/services`, WebDAV's redirect and listings, the OpenAPI
+    document's server."""
+    base = f"{subpath.url}{PREFIX}"
+    with subpath.client() as browser:
+        bare = browser.get(PREFIX, follow_redirects=False)  # nginx's own, to the location
+        assert bare.status_code == 301 and bare.headers["location"].endswith(f"{PREFIX}/")
+        signin = browser.get(f"{PREFIX}/")
+        assert signin.status_code == 200 and "<h1>Sign in</h1>" in signin.text
+        named = re.findall(r'(?:href|src|action)="([^"#][^"]*)"', signin.text)
+        assert {url for url in named if not url.startswith(f"{PREFIX}/")} == {"data:,"}
+        assets = [url for url in named if url.startswith(f"{PREFIX}/static/")]
+        assert len(assets) == 2, named  # the stylesheet and the script
+        for url in assets:
+            assert browser.get(url).status_code == 200, url
+        signed_in = sign_in(browser, subpath.server.token, subpath.url, PREFIX)
+        assert signed_in.status_code == 303, signed_in.text
+        assert signed_in.headers["location"] == f"{PREFIX}/files"
+        cookie = signed_in.headers["set-cookie"]
+        assert f"Path={PREFIX};" in cookie and "Secure" in cookie, cookie
+        page = browser.get(f"{PREFIX}/files")
+        assert page.status_code == 200 and "<h1>Files</h1>" in page.text, page.text
+        assert 'data-root="/metanode"' in page.text
+
+        urls = browser.get(f"{PREFIX}/urls").json()
+        assert urls["baseUrl"] == urls["apiUrl"] == base
+        assert urls["webdavUrl"] == f"{base}/webdav"
+        (node, *_) = browser.get(f"{PREFIX}/api/services").json()["services"]
+        assert node["baseUrl"] == node["apiUrl"] == base
+        assert node["healthUrl"] == f"{base}/health"
+        (server,) = browser.get(f"{PREFIX}/openapi.json").json()["servers"]
+        assert server["url"] == PREFIX  # the API docs' "Try it out" asks under it
+
+        to_root = browser.request("PROPFIND", f"{PREFIX}/webdav", headers={"Depth": "0"})
+        assert (to_root.status_code, to_root.headers["location"]) == (307, f"{PREFIX}/webdav/")
+        listing = browser.request("PROPFIND", f"{PREFIX}/webdav/", headers={"Depth": "1"})
+        assert listing.status_code == 207, listing.text
+        hrefs = re.findall(r"<ns0:href>([^<]+)</ns0:href>", listing.text)
+        assert hrefs == [f"{PREFIX}/webdav/", f"{PREFIX}/webdav/media/"], listing.text
+        media = browser.request("PROPFIND", hrefs[1], headers={"Depth": "0"})  # as a client does
+        assert media.status_code == 207, media.text
+
+        out = browser.post(
+            f"{PREFIX}/signout", data={"csrf": csrf_of(page.text)}, headers={"Origin": subpath.url}
+        )
+        assert out.status_code == 303 and out.headers["location"] == f"{PREFIX}/"
+        assert f"Path={PREFIX};" in out.headers["set-cookie"]
+
+
+def links(page: Page) -> list[str]:
+    """Every link of the page, as the browser resolves it, without its fragment."""
+    found = page.eval_on_selector_all("a[href]", "links => links.map(a => a.href)")
+    return [str(href).split("#")[0] for href in found]
+
+
+def test_a_browser_under_the_sub_path_never_leaves_it(subpath: Proxied, browser: Browser) -> None:
+    """A real Chromium through nginx under `PREFIX`: it signs in, follows every link of the
+    library and of each page that leads to (Live, Files, Plugins, Signers, Health, the API
+    docs, a record, its JSON, /health, /metrics), tries the API docs, saves an edit, sees a
+    change on Live and signs out, and not one request it makes (a stylesheet, a script, the
+    feed, the scripts' calls, a form, a redirect) is outside the prefix."""
+    base = f"{subpath.url}{PREFIX}"
+    server = subpath.server
+    drop(server, "Quiet.Harbour.2004.mkv")
+    context = browser.new_context(ignore_https_errors=True)
+    context.set_default_timeout(WAIT_S * 1000)
+    page = context.new_page()
+    asked: list[str] = []
+    failed: list[tuple[str, int]] = []
+    page.on("request", lambda r: asked.append(r.url))
+    page.on("response", lambda r: failed.append((r.url, r.status)) if r.status >= 400 else None)
+
+    page.goto(f"{base}/")
+    page.get_by_label("API token").fill(server.token)
+    page.get_by_role("button", name="Sign in").click()
+    expect(page.get_by_role("heading", name="Library")).to_be_visible()
+    assert page.url == f"{base}/"
+    display = "() => getComputedStyle(document.querySelector('header')).display"
+    assert page.evaluate(display) == "flex"  # the stylesheet (metanode.css) applies
+
+    def listed() -> bool | None:
+        page.reload()
+        return page.get_by_role("table").get_by_role("link").count() > 0 or None
+
+    poll(listed, "the dropped file's record in the library")
+    seen = {f"{base}/"}
+    frontier = links(page)
+    for _depth in range(2):  # the library's links, then the links of the pages they lead to
+        found: list[str] = []
+        for href in frontier:
+            if href in seen or not href.startswith(f"{subpath.url}/"):
+                continue  # another site's (the API document's licence), not the node's
+            assert href.startswith(f"{base}/"), f"a link outside {PREFIX}: {href}"
+            seen.add(href)
+            response = page.goto(href)
+            assert response is not None and response.status == 200, href
+            if "text/html" in response.headers["content-type"]:
+                found += links(page)
+        frontier = found
+    for page_of in ("live", "files", "plugins", "signers", "status", "docs", "records/", "api/"):
+        assert any(href.startswith(f"{base}/{page_of}") for href in seen), (page_of, seen)
+
+    with page.expect_request(lambda r: "/api/plugins" in r.url) as polled:
+        page.goto(f"{base}/plugins")  # its script asks for the counts two seconds later
+    assert polled.value.url == f"{base}/api/plugins"
+    page.goto(f"{base}/docs")
+    page.locator(".opblock-summary", has_text="/health").first.click()
+    page.get_by_role("button", name="Try it out").click()
+    with page.expect_response(lambda r: r.url.endswith("/health")) as tried:
+        page.get_by_role("button", name="Execute").click()
+    assert (tried.value.url, tried.value.status) == (f"{base}/health", 200)
+
+    page.goto(f"{base}/")
+    page.get_by_role("table").get_by_role("link").first.click()
+    page.get_by_label("New key").fill("shelf")
+    page.get_by_label("Value", exact=True).fill("B-12")
+    page.get_by_role("button", name="Add").click()  # a form, then a redirect to the record
+    row = page.get_by_role("row").filter(has=page.get_by_role("rowheader", name="shelf"))
+    expect(row.locator(".value")).to_have_text("B-12")
+    assert page.url.startswith(f"{base}/records/")
+    expect(page.get_by_role("status")).to_have_text("Saved shelf.")
+
+    page.get_by_role("link", name="Live").click()
+    expect(page.get_by_role("status")).to_have_text("connected")  # the feed, under the prefix
+    drop(server, "Second.Light.2010.mkv")
+    change = (
+        page.get_by_role("list", name="Changes")
+        .get_by_role("listitem")
+        .filter(has_text="Second.Light.2010.mkv")
+        .first
+    )
+    # named as the library names it: asked of `<prefix>/records/<rid>/label`
+    expect(change.get_by_role("link")).to_have_text(re.compile("Second"))
+    assert str(change.get_by_role("link").get_attribute("href")).startswith(f"{PREFIX}/records/")
+
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_label("API token")).to_be_visible()
+    assert page.url == f"{base}/" and context.cookies() == []
+    context.close()
+
+    outside = [url for url in asked if not url.startswith(f"{base}/") and url != "data:,"]
+    assert outside == [], outside
+    assert failed == []
+    assert any(url.startswith(f"{base}/api/events") for url in asked)
+    assert any(url.endswith("/label") for url in asked)
 
 
 def test_an_event_source_through_the_proxy_resumes_after_the_node_restarts(

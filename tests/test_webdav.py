@@ -359,6 +359,47 @@ def test_urls_name_the_webdav_root(launch: Callable[..., Server]) -> None:
     assert httpx.request("PROPFIND", urls["webdavUrl"] + "/", headers={"Depth": "0"}).is_success
 
 
+def test_under_a_root_path_every_href_and_url_carries_it(launch: Callable[..., Server]) -> None:
+    """`root_path` (a proxy's sub-path): the listings' hrefs and `/urls` are under it, and the
+    node answers both under it and without it (a proxy that strips it, and a client beside the
+    node that follows an href on the node's own port); a MOVE's `Destination` may be named
+    either way too."""
+    server = launch(METANODE_ROOT_PATH="/home/metanode", METANODE_WEBDAV_PLUGIN_WRITES="true")
+    drop(server.media / "films" / "one film.mkv")
+    for top in (f"{server.url}/webdav/", f"{server.url}/home/metanode/webdav/"):
+        assert propfind(top, "1").keys() == {
+            "/home/metanode/webdav/",
+            "/home/metanode/webdav/media/",
+            "/home/metanode/webdav/plugin/",
+        }
+    listed = propfind(f"{server.url}/home/metanode/webdav/media/films/", "1")
+    assert "/home/metanode/webdav/media/films/one film.mkv" in listed
+    to_root = httpx.request("PROPFIND", f"{server.url}/webdav", headers={"Depth": "0"})
+    assert (to_root.status_code, to_root.headers["location"]) == (307, "/home/metanode/webdav/")
+    urls = httpx.get(f"{server.url}/home/metanode/urls", timeout=10).json()
+    assert urls["baseUrl"] == urls["apiUrl"] == f"{server.url}/home/metanode"
+    assert urls["webdavUrl"] == f"{server.url}/home/metanode/webdav"
+    assert urls["webdavUrlInternal"] == f"http://127.0.0.1:{server.port}/home/metanode/webdav"
+    assert httpx.get(f"{server.url}/urls", timeout=10).json() == urls  # the same without it
+
+    base = f"{server.url}/home/metanode/webdav/{PLUGIN}"
+    assert httpx.put(f"{base}/a.jpg", content=b"a", timeout=30).status_code == 201
+    for name, destination in (
+        ("b.jpg", f"{base}/b.jpg"),  # as a listing names it
+        ("c.jpg", f"{server.url}/webdav/{PLUGIN}/c.jpg"),  # on the node's port, without it
+    ):
+        source = next(server.data_dir.joinpath("plugin").iterdir()).name
+        moved = httpx.request(
+            "MOVE", f"{base}/{source}", headers={"Destination": destination}, timeout=30
+        )
+        assert moved.status_code == 201, moved.text
+        assert [p.name for p in server.data_dir.joinpath("plugin").iterdir()] == [name]
+    # the guards read the Destination without the prefix: the outputs' folder itself is refused
+    itself = {"Destination": f"{server.url}/home/metanode/webdav/{PLUGIN}/"}
+    assert httpx.request("MOVE", f"{base}/c.jpg", headers=itself).status_code == 403
+    assert httpx.get(f"{base}/c.jpg", timeout=30).content == b"a"
+
+
 def test_the_internal_url_is_the_host_name_when_listening_everywhere() -> None:
     for host in ("0.0.0.0", "::"):
         settings = config.Settings(host=host, port=9123)

@@ -129,6 +129,29 @@ def test_writes_through_either_worker_are_read_at_once_from_both(server: Server)
     assert (refused.status_code, refused.json()["error"]) == (401, "unauthorized")
 
 
+def test_under_a_root_path_a_reader_answers_its_reads_and_the_prefix_is_taken_off_once(
+    tmp_path: Path,
+) -> None:
+    """`root_path`: a read under the prefix (a proxy that passes the path on whole) is still a
+    reader's to answer, the rest the owner's, and a path is unprefixed once, by the worker that
+    answers it (`/metanode/metanode/…` is no route)."""
+    srv = Server(tmp_path / "data", workers=2, env={"METANODE_ROOT_PATH": "/metanode"}).start()
+    try:
+        reader = one_per_worker(srv)["reader-1"]
+        read = reader.get(f"/metanode/api/meta/{A}")
+        assert (read.status_code, read.json()["error"]) == (404, "unknown_cid")
+        assert read.headers["x-metanode-worker"] == "reader-1"
+        handed = reader.get("/metanode/health")
+        assert (handed.status_code, handed.headers["x-metanode-worker"]) == (200, "owner")
+        for twice in (f"/metanode/metanode/api/meta/{A}", "/metanode/metanode/health"):
+            assert reader.get(twice).json()["error"] == "not_found", twice
+    finally:
+        while OPENED:
+            OPENED.pop().close()
+        srv.stop()
+        srv.print_log()
+
+
 def test_hot_documents_in_a_reader_never_answer_an_old_one_after_a_write(tmp_path: Path) -> None:
     """With `hot_documents` on, a reader keeps what it read in memory; the owner's commit
     empties it before the reader's next read (the owner bumps the `PublishedCount` the

@@ -1,6 +1,10 @@
 // The little JavaScript of metanode's pages: Edit buttons, the Live feed, plugin progress.
 "use strict";
 
+// The path the node is served under behind a proxy (the `root_path` setting, on <html> as
+// `data-root`; empty at the root of a host): every URL the scripts make starts with it.
+const ROOT = document.documentElement.dataset.root || "";
+
 function csrf() {
   const main = document.getElementById("main");
   return main ? main.dataset.csrf || "" : "";
@@ -51,7 +55,7 @@ function startLive() {
   const renaming = new Set(list.dataset.labelKeys.split(" "));
   const known = new Map(); // rid → its label, once asked
   const asking = new Map(); // rid → true while asked, "again" when it may have changed since
-  const source = new EventSource("/api/events");
+  const source = new EventSource(`${ROOT}/api/events`);
   const gone = () => { source.close(); signedOut(status); };
   // A screen reader hears how many changes came, and the newest, once every NEWS_MS at most,
   // not every row: a season of episodes queued minutes of speech.
@@ -80,7 +84,7 @@ function startLive() {
     if (asking.has(rid)) { asking.set(rid, "again"); return; }
     asking.set(rid, true);
     try {
-      const r = await fetch(`/records/${encodeURIComponent(rid)}/label`, { credentials: "same-origin" });
+      const r = await fetch(`${ROOT}/records/${encodeURIComponent(rid)}/label`, { credentials: "same-origin" });
       if (r.status === 401) return gone();
       if (r.ok) rename(rid, (await r.json()).label);
     } catch { /* the node does not answer: the row keeps the name it has */ }
@@ -100,7 +104,7 @@ function startLive() {
     if (data.key.startsWith("cids/")) return;
     const item = document.createElement("li");
     const link = document.createElement("a");
-    link.href = `/records/${data.rid}`;
+    link.href = `${ROOT}/records/${data.rid}`;
     link.dataset.rid = data.rid;
     link.textContent = known.get(data.rid) || data.rid;
     item.append(link, ` ${event.type} ${data.key}`);
@@ -138,7 +142,7 @@ function startPlugins() {
   };
   const tick = async () => {
     try {
-      const r = await fetch("/api/plugins", { credentials: "same-origin" });
+      const r = await fetch(`${ROOT}/api/plugins`, { credentials: "same-origin" });
       if (r.status === 401) return signedOut(status);
       if (r.ok) {
         status.textContent = "";
