@@ -296,7 +296,7 @@ def test_under_a_sub_path_every_url_the_node_gives_is_under_it(subpath: Proxied)
         named = re.findall(r'(?:href|src|action)="([^"#][^"]*)"', signin.text)
         assert {url for url in named if not url.startswith(f"{PREFIX}/")} == {"data:,"}
         assets = [url for url in named if url.startswith(f"{PREFIX}/static/")]
-        assert len(assets) == 2, named  # the stylesheet and the script
+        assert len(assets) == 3, named  # the stylesheets (with and without scripts), the script
         for url in assets:
             assert browser.get(url).status_code == 200, url
         signed_in = sign_in(browser, subpath.server.token, subpath.url, PREFIX)
