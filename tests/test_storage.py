@@ -32,6 +32,7 @@ from metanode.node import Node
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server, free_port, metanode_check, role_pids
 from tests.helpers.settings import settings_for
+from tests.helpers.wait import poll
 
 TMPFS_BYTES = 8 << 20
 DEADLINE_S = 60.0
@@ -183,6 +184,13 @@ def test_a_full_disk_is_a_retryable_503_then_health_recovers_and_nothing_is_lost
         workers=workers,
     ).start()
     try:
+        # every worker up before the disk fills: /health was answered by the owner while the
+        # reader still started, which then could not make its metric file (refused, by design,
+        # while the disk is full) and exited until there was room again
+        poll(
+            lambda: srv.log_text().count("Application startup complete.") >= workers or None,
+            "every worker started",
+        )
         acknowledged = fill_refuse_recover(srv, tmpfs)
         for claim in acknowledged:  # every acknowledged claim is there, cache and truth
             document = srv.meta(claim["cid"])
