@@ -521,13 +521,14 @@ def refused(exc: MetanodeError, drafts: Sequence[Draft]) -> Outcome:
     """The outcome of a run whose drafts the node refused: each refused item named by its key
     (its index counts the drafts as signed, which is no order the plugin knows), and failed for
     good unless the refusal is one to retry (the same drafts would be refused again)."""
-    items = [
-        {**item, "key": drafts[item["index"]][1]}
+    said = [
+        f"{drafts[item['index']][1]!r}: {item.get('error')}: {item.get('message')}"
         if isinstance(item.get("index"), int) and 0 <= item["index"] < len(drafts)
-        else item
+        else f"{item.get('error')}: {item.get('message')}"
         for item in exc.extra.get("items", ())
-    ]
-    return Outcome("failed", f"{exc.slug}: {items or exc.message}", final=not exc.retryable)
+    ]  # as `plugins try` says them (`refusal`), not a list's repr
+    why = "; ".join(said) or exc.message
+    return Outcome("failed", f"{exc.slug}: {why}", final=not exc.retryable)
 
 
 def backoff_s(attempts: int, base_s: float) -> float:

@@ -801,7 +801,7 @@ async def test_a_rejected_draft_fails_the_run_with_its_slug(
     assert run is not None and run.error is not None
     assert slug in run.error
     assert run.error.startswith("invalid_batch")
-    assert f"'key': '{key}'" in run.error  # which of its drafts, by key, not by an index
+    assert f"invalid_batch: {key!r}: {slug}: " in run.error  # by its key, not by an index
     # the node would refuse the same drafts again: failed at once, not retried twice
     assert run.attempts == 1 and len(sloppy.calls) == 1
     # The batch is atomic: the good draft of the same run was not written either.
