@@ -263,12 +263,19 @@ def local_path(then: str) -> str:
     return "/" if urlsplit(then).path in ("/signin", "/signout") else then
 
 
-def secure(request: Request) -> bool:
-    """Whether the session cookie is `Secure`: when the page was reached over HTTPS (through
-    a proxy in `trusted_proxies` whose `X-Forwarded-Proto` says so). A browser then never
-    sends it over plain HTTP, where anyone on the way reads it (an `http://` link to the same
-    host, a proxy that also listens on port 80 to redirect)."""
-    return request.url.scheme == "https"
+def cookie_attributes(request: Request) -> dict[str, Any]:
+    """The session cookie's attributes, the same when it is set and when it is deleted (a
+    deletion of other attributes is another cookie to the browser): HttpOnly, SameSite=Strict,
+    its `Path` the node's (`root_path`), and `Secure` when the page was reached over HTTPS
+    (through a proxy in `trusted_proxies` whose `X-Forwarded-Proto` says so), so that a browser
+    never sends it over plain HTTP, where anyone on the way reads it (an `http://` link to the
+    same host, a proxy that also listens on port 80 to redirect)."""
+    return {
+        "path": root_of(request) or "/",
+        "httponly": True,
+        "samesite": "strict",
+        "secure": request.url.scheme == "https",
+    }
 
 
 def csrf_ok(session: Session, given: str | None, scope: Scope) -> bool:
@@ -678,13 +685,7 @@ class Pages:
         else:
             response = to(request, then)
         response.set_cookie(
-            COOKIE,
-            value,
-            max_age=int(self.sessions.ttl_s),
-            httponly=True,
-            samesite="strict",
-            path=root_of(request) or "/",
-            secure=secure(request),
+            COOKIE, value, max_age=int(self.sessions.ttl_s), **cookie_attributes(request)
         )
         return response
 
@@ -693,13 +694,7 @@ class Pages:
         session: Session = request.scope["metanode.session"]
         self.sessions.end(session)
         response = to(request, "/")
-        response.delete_cookie(
-            COOKIE,
-            path=root_of(request) or "/",
-            httponly=True,
-            samesite="strict",
-            secure=secure(request),
-        )
+        response.delete_cookie(COOKIE, **cookie_attributes(request))
         return response
 
     # -- the library -----------------------------------------------------------------------------
