@@ -238,7 +238,9 @@ def check_value(value: object, limits: Limits) -> str | None:
     if size is None:
         raise InvalidValue("value is not valid Unicode")
     if size > limits.max_value_bytes:
-        raise InvalidValue(f"value is {size} bytes, the limit is {limits.max_value_bytes}")
+        raise InvalidValue(
+            f"value is {size} bytes, the limit is {limits.max_value_bytes} (max_value_bytes)"
+        )
     return value
 
 

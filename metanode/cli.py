@@ -383,7 +383,7 @@ def serve(
     if worker is not None:
         serve_worker(settings, worker)
         return
-    with datadir.Lock(settings.data_dir) as lock:  # held until the node stops
+    with datadir.locked(settings.data_dir) as lock:  # held until the node stops
         if lock.unclean is not None:
             log.warning(
                 "the last node on this data directory (pid %d) did not stop cleanly (killed, "
@@ -397,10 +397,10 @@ def serve(
 def serve_node(settings: config.Settings, config_file: str | None) -> None:
     """`serve` once it holds the data directory: open, check, listen, say where, then serve in
     this process or as the supervisor of `settings.worker_count` workers."""
+    sock = listen(settings)  # first: a port in use makes no databases, keys or token
     maintenance.open_store(settings)
     maintenance.check_writable(settings)
     maintenance.adopt_owner(settings)  # a replica given a fresh data directory: refused
-    sock = listen(settings)  # before the token: one made now is shown, once, below
     token, created = maintenance.ensure_token(settings.token_path)
     maintenance.ensure_token(settings.instance_path)  # made once, before any worker reads it
     url = settings.page_url  # under `root_path`, the page's address (it answers there too)
@@ -1107,8 +1107,9 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
         summary = asyncio.run(run())
     moved_on = f", {summary.moved_on} changed or gone while scanning" if summary.moved_on else ""
     click.echo(
-        f"{summary.seen} files seen: {summary.hashed} hashed, {summary.unchanged} "
-        f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable{moved_on}"
+        f"{summary.seen} file{'' if summary.seen == 1 else 's'} seen: {summary.hashed} hashed, "
+        f"{summary.unchanged} unchanged, {summary.removed} removed, "
+        f"{len(summary.failed)} unreadable{moved_on}"
     )
     for path in summary.failed:
         click.echo(f"unreadable: {path}", err=True)
@@ -1152,18 +1153,10 @@ def restore(
     the node stopped: checked first, what it replaces kept in replaced-<stamp>/, the cache
     rebuilt at the next start."""
     settings = load_settings(config_file, data_dir=data_dir)
-    new = not settings.data_dir.exists()  # a new machine's (or a mistyped --data-dir)
-    try:
-        with datadir.Lock(settings.data_dir):  # never under a running node
-            done = maintenance.restore(
-                settings, Path(backup_file), Path(keys_from) if keys_from else None, keep_keys
-            )
-    except MetanodeError:
-        if new:  # refused: "nothing changed" leaves no directory holding only the lock
-            with contextlib.suppress(OSError):
-                (settings.data_dir / datadir.LOCK_NAME).unlink()
-                settings.data_dir.rmdir()
-        raise
+    with datadir.locked(settings.data_dir):  # never under a running node
+        done = maintenance.restore(
+            settings, Path(backup_file), Path(keys_from) if keys_from else None, keep_keys
+        )
     click.echo(f"restored {backup_file} into {settings.truth_path}")
     click.echo(f"keys: {done.keys or f'kept, {settings.keys_dir}'}")
     click.echo(f"what it replaced: {done.aside or 'nothing (a new data directory)'}")

@@ -17,12 +17,12 @@ import fcntl
 import logging
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 
 from metanode import db
-from metanode.errors import DataDirLocked, FileFailed
+from metanode.errors import DataDirLocked, FileFailed, MetanodeError
 
 log = logging.getLogger(__name__)
 LOCK_NAME = "lock"
@@ -133,6 +133,29 @@ class Lock:
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def locked(data_dir: Path) -> Iterator[Lock]:
+    """The lock, for a command that may be refused before it writes anything (`serve` on a port
+    in use, `restore` of a file that is no backup): a refusal leaves no directory of its own
+    making behind, holding only the lock file (a mistyped `--data-dir` stayed, made 0700)."""
+    new = not data_dir.exists()
+    try:
+        with Lock(data_dir) as lock:
+            yield lock
+    except MetanodeError:
+        if new:
+            _discard(data_dir)
+        raise
+
+
+def _discard(data_dir: Path) -> None:
+    """Remove a data directory just made, if it holds the lock file and nothing else."""
+    with contextlib.suppress(OSError):
+        if [path.name for path in data_dir.iterdir()] == [LOCK_NAME]:
+            (data_dir / LOCK_NAME).unlink()
+            data_dir.rmdir()
 
 
 def check_writable(paths: Iterable[db.Target]) -> None:

@@ -494,7 +494,8 @@ def test_custom_value_limit() -> None:
     limits = Limits(max_value_bytes=10)
     accepts(wire(value="x" * 10), limits=limits)
     accepts(wire(value="éééééé"[:5]), limits=limits)  # 10 bytes
-    rejects(wire(value="x" * 11), InvalidValue, "invalid_value", limits=limits)
+    refused = rejects(wire(value="x" * 11), InvalidValue, "invalid_value", limits=limits)
+    assert refused.message == "value is 11 bytes, the limit is 10 (max_value_bytes)"  # the setting
     rejects(wire(value="é" * 6), InvalidValue, "invalid_value", limits=limits)
     big = Limits(max_value_bytes=100_000)
     accepts(wire(value="x" * 65_537), limits=big)

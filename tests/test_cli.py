@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -578,6 +579,8 @@ def test_the_plugin_and_its_tests_in_plugins_md_run(tmp_path: Path) -> None:
     [tests] = [code for kind, code in blocks if kind == "python" and "def test_" in code]
     [toml] = [code for kind, code in blocks if kind == "toml" and "metanode.plugins" in code]
     [entry] = re.findall(r'^(wordcount) = "(my_plugin:WordCount)"$', toml, re.M)
+    # `metanode` on PyPI is another project: a plugin depending on it would fetch that one
+    assert tomllib.loads(toml)["project"]["dependencies"] == []
     site = tmp_path / "site"
     (site / "my_plugin").mkdir(parents=True)
     (site / "my_plugin" / "__init__.py").write_text(plugin)

@@ -237,6 +237,7 @@ def test_serve_on_a_port_another_server_holds_says_so_and_never_that_it_serves(
             assert done.stderr.splitlines()[-1] == (
                 f"error: cannot_listen: 127.0.0.1:{port}: Address already in use"
             )
+            assert not (tmp_path / "data").exists()  # no databases, keys or token made for it
     finally:
         holder.close()
 

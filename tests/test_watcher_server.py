@@ -237,7 +237,7 @@ def scan(
 
 
 def summary_line(done: subprocess.CompletedProcess[str]) -> str:
-    lines = [line for line in done.stdout.splitlines() if "files seen" in line]
+    lines = [line for line in done.stdout.splitlines() if " seen: " in line]
     assert len(lines) == 1, done.stdout
     return lines[0]
 
@@ -832,7 +832,7 @@ def test_scan_command_counts_and_a_second_run_hashes_nothing(tmp_path: Path, sta
     third = scan(data_dir, media)
     assert summary_line(third) == "3 files seen: 2 hashed, 1 unchanged, 1 removed, 0 unreadable"
     only_sub = scan(data_dir, media / "sub")
-    assert summary_line(only_sub) == "1 files seen: 0 hashed, 1 unchanged, 0 removed, 0 unreadable"
+    assert summary_line(only_sub) == "1 file seen: 0 hashed, 1 unchanged, 0 removed, 0 unreadable"
 
     server = start()  # the scanned data directory, served: nothing left to do
     listed = server.files()
