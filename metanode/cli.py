@@ -519,7 +519,7 @@ def signers_add(
 ) -> None:
     """Register UID (or update its name, and its weight and link permission where given)."""
     row = maintenance.add_signer(node_settings(config_file, data_dir), uid, name, weight, may_link)
-    click.echo(json.dumps(row.as_json()))
+    click.echo(jsonl.dumps(row.as_json()))
 
 
 @signers.command("list")
@@ -528,7 +528,7 @@ def signers_add(
 def signers_list(config_file: str | None, data_dir: str | None) -> None:
     """Print every registered signer as one JSON line."""
     for row in maintenance.signers(node_settings(config_file, data_dir)):
-        click.echo(json.dumps(row.as_json()))
+        click.echo(jsonl.dumps(row.as_json()))
 
 
 def _status_command(name: str, status: str) -> None:
@@ -542,7 +542,7 @@ def _status_command(name: str, status: str) -> None:
     @reports_errors
     def command(uid: str, config_file: str | None, data_dir: str | None) -> None:
         row = maintenance.set_signer_status(node_settings(config_file, data_dir), uid, status)
-        click.echo(json.dumps(row.as_json()))
+        click.echo(jsonl.dumps(row.as_json()))
 
 
 _status_command("block", "blocked")
@@ -815,9 +815,9 @@ def _list_command(
             except client.ClientError as exc:
                 _refused(exc, (), node_client)
             for row in answer[member]:
-                click.echo(json.dumps(row))
+                click.echo(jsonl.dumps(row))
             for row in answer.get(warned, []) if warned else []:
-                click.echo(f"warning: {warned}: {json.dumps(row)}", err=True)
+                click.echo(f"warning: {warned}: {jsonl.dumps(row)}", err=True)
 
 
 _list_command(
@@ -920,7 +920,7 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
         settings.plugin_timeout_s,
     )
     for cid, key, value in tried.drafts:
-        click.echo(json.dumps({"cid": cid, "key": key, "value": value}, ensure_ascii=False))
+        click.echo(jsonl.dumps({"cid": cid, "key": key, "value": value}))
     click.echo(
         f"{plugin_name} on {tried.file.in_root} (midhash {tried.file.cid}): "
         f"{len(tried.drafts)} claim(s){f'; {tried.skipped}' if tried.skipped else ''}",
@@ -966,7 +966,7 @@ def peers_token_create(name: str, config_file: str | None, data_dir: str | None)
 def peers_token_list(config_file: str | None, data_dir: str | None) -> None:
     """Print each peer token's name and creation time as one JSON line."""
     for row in maintenance.peer_tokens(node_settings(config_file, data_dir)):
-        click.echo(json.dumps({"name": row.name, "created_at": row.created_at}))
+        click.echo(jsonl.dumps({"name": row.name, "created_at": row.created_at}))
 
 
 @peers_token.command("revoke")
@@ -976,7 +976,7 @@ def peers_token_list(config_file: str | None, data_dir: str | None) -> None:
 def peers_token_revoke(name: str, config_file: str | None, data_dir: str | None) -> None:
     """Revoke the peer token NAME; it is refused from its next request."""
     maintenance.revoke_peer_token(node_settings(config_file, data_dir), name)
-    click.echo(json.dumps({"revoked": name}))
+    click.echo(jsonl.dumps({"revoked": name}))
 
 
 @main.command("rebuild-cache")

@@ -317,6 +317,10 @@ def test_signers_add_again_changes_only_what_it_is_given(tmp_path: Path) -> None
     assert (row["weight"], row["may_link"]) == (7, False)
     row = add("--weight", "3")  # no --name: a known signer keeps its own
     assert (row["name"], row["weight"], row["may_link"]) == ("renamed", 3, False)
+    # names are printed as written, as every JSON line of the commands is (they were \u00e9)
+    add("--name", "Zoé's box")
+    listed = run("signers", "list", "--data-dir", data)
+    assert '"name": "Zoé\'s box"' in listed.output, listed.output
 
 
 def test_export_of_a_signer_that_is_no_uid_is_refused(tmp_path: Path) -> None:
