@@ -1,9 +1,9 @@
-"""metanode behind nginx, configured exactly as docs/operations.md ("Behind a reverse proxy")
-shows (the configurations are read from that page: at the root of a host, and under a sub-path
-with `root_path`), HTTPS ended at nginx with a self-signed certificate: Debian's `nginx` and
-`openssl` (installed with apt-get when missing, as the other tests install their packages), a
-real `metanode serve`, and Debian's `chromium` for what only a browser does (`EventSource`, the
-page's links, forms and scripts under the sub-path).
+"""metanode behind nginx and behind Caddy, configured exactly as docs/operations.md ("Behind a
+reverse proxy") shows (the configurations are read from that page: at the root of a host, and
+under a sub-path with `root_path`, each for both), HTTPS ended at the proxy with a self-signed
+certificate: Debian's `nginx`, `caddy` and `openssl` (installed with apt-get when missing, as the
+other tests install their packages), a real `metanode serve`, and Debian's `chromium` for what
+only a browser does (`EventSource`, the page's links, forms and scripts under the sub-path).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from tools.bench.pgcluster import install
 DOC = Path(__file__).parents[1] / "docs" / "operations.md"
 CHROMIUM = "/usr/bin/chromium"
 WAIT_S = 60.0  # a bound on a hang, not a measurement: both cores may be busy
-PREFIX = "/metanode"  # the sub-path of the second documented configuration
+PREFIX = "/metanode"  # the sub-path of the second documented configuration of each proxy
+PROXIES = ("nginx", "caddy")
 
 
 def package(binary: str, name: str) -> str:
@@ -43,42 +44,81 @@ def package(binary: str, name: str) -> str:
     return found
 
 
-def documented_config(which: int) -> str:
-    """The nginx `server` block of docs/operations.md: the first (at the root of a host) or
-    the second (under the sub-path `PREFIX`)."""
-    found = re.findall(r"```nginx\n(.*?)```", DOC.read_text(), re.S)
-    assert len(found) == 2, "docs/operations.md shows no two nginx configurations"
-    return str(found[which])
+def documented(language: str, which: int, ours: dict[str, str]) -> str:
+    """docs/operations.md's configuration in `language` (`nginx`, `caddyfile`): the first (at
+    the root of a host) or the second (under the sub-path `PREFIX`), each documented value of
+    `ours` replaced by ours (ports, certificate)."""
+    found = re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), re.S)
+    assert len(found) == 2, f"docs/operations.md shows no two {language} configurations"
+    block = str(found[which])
+    for documented_value, our_value in ours.items():
+        assert documented_value in block, (
+            f"the documented configuration has no {documented_value!r}"
+        )
+        block = block.replace(documented_value, our_value)
+    return block
 
 
-def nginx_config(root: Path, port: int, upstream: int, cert: Path, key: Path, which: int) -> str:
-    """The documented block on our ports and certificate, in a whole nginx.conf of its own
-    (its pid, logs and temporary files under `root`)."""
-    block = documented_config(which)
-    for documented, ours in (
-        ("listen 443 ssl;", f"listen 127.0.0.1:{port} ssl;"),
-        ("http://127.0.0.1:9000", f"http://127.0.0.1:{upstream}"),
-        ("/etc/nginx/metanode.crt", str(cert)),
-        ("/etc/nginx/metanode.key", str(key)),
-    ):
-        assert documented in block, f"the documented configuration has no {documented!r}"
-        block = block.replace(documented, ours)
+@dataclass
+class Site:
+    """What a proxy is given: its folder, its port, the node's, the certificate's files."""
+
+    root: Path
+    port: int
+    upstream: int
+    cert: Path
+    key: Path
+
+
+def nginx(site: Site, which: int) -> tuple[list[str], dict[str, str]]:
+    """nginx with the documented block on our ports and certificate, in a whole nginx.conf of
+    its own (its pid, logs and temporary files under the site's folder)."""
+    root = site.root
+    block = documented(
+        "nginx",
+        which,
+        {
+            "listen 443 ssl;": f"listen 127.0.0.1:{site.port} ssl;",
+            "http://127.0.0.1:9000": f"http://127.0.0.1:{site.upstream}",
+            "/etc/nginx/metanode.crt": str(site.cert),
+            "/etc/nginx/metanode.key": str(site.key),
+        },
+    )
     temp = " ".join(
         f"{kind}_temp_path {root / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi")
     )
     # as root, nginx's workers run as `nobody`, who may not enter pytest's private folders
     user = "user root;\n" if os.geteuid() == 0 else ""
-    return (
+    (root / "nginx.conf").write_text(
         f"{user}pid {root / 'nginx.pid'};\nerror_log {root / 'error.log'} info;\n"
         "events { worker_connections 64; }\n"
         f"http {{\naccess_log {root / 'access.log'};\n{temp} scgi_temp_path {root / 'scgi'};\n"
         f"{block}}}\n"
     )
+    binary = package("nginx", "nginx")
+    return [binary, "-p", str(root), "-c", str(root / "nginx.conf"), "-g", "daemon off;"], {}
+
+
+def caddy(site: Site, which: int) -> tuple[list[str], dict[str, str]]:
+    """Caddy with the documented Caddyfile, its site our address with our certificate (the
+    documented name would have Caddy ask a certificate authority), its admin endpoint off and
+    its state under the site's folder. Stopped with an `EventSource` still open, it ends within
+    the documented `grace_period` (without it, it waited for the feed for good)."""
+    name = ("metanode.home.arpa {", "home.example {")[which]
+    ours = f"https://127.0.0.1:{site.port} {{\n    tls {site.cert} {site.key}"
+    block = documented(
+        "caddyfile", which, {name: ours, "127.0.0.1:9000": f"127.0.0.1:{site.upstream}"}
+    )
+    (site.root / "Caddyfile").write_text(block.replace("{\n", "{\n    admin off\n", 1))
+    binary = package("caddy", "caddy")
+    state = {"XDG_DATA_HOME": str(site.root / "data-caddy"), "HOME": str(site.root)}
+    command = [binary, "run", "--config", str(site.root / "Caddyfile"), "--adapter", "caddyfile"]
+    return command, {"XDG_CONFIG_HOME": str(site.root / "config-caddy"), **state}
 
 
 @dataclass
 class Proxied:
-    """A node behind nginx: `url` is nginx's (HTTPS), `server.url` the node's own."""
+    """A node behind a proxy: `url` is the proxy's (HTTPS), `server.url` the node's own."""
 
     server: Server
     url: str
@@ -89,10 +129,9 @@ class Proxied:
 
 
 @contextmanager
-def behind_nginx(root: Path, which: int, env: dict[str, str]) -> Iterator[Proxied]:
-    """A node with `env` behind nginx with the documented configuration `which`, under
-    `root`."""
-    nginx = package("nginx", "nginx")
+def behind(root: Path, proxy: str, which: int, env: dict[str, str]) -> Iterator[Proxied]:
+    """A node with `env` behind `proxy` (nginx or caddy) with its documented configuration
+    `which`, under `root`."""
     openssl = package("openssl", "openssl")
     cert, key = root / "cert.pem", root / "key.pem"
     self_signed = ["-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=x"]
@@ -106,26 +145,26 @@ def behind_nginx(root: Path, which: int, env: dict[str, str]) -> Iterator[Proxie
     server = Server(root / "data", env={"METANODE_TRUSTED_PROXIES": "127.0.0.1/32", **env}).start()
     server.media.mkdir(exist_ok=True)
     port = free_port()
-    (root / "nginx.conf").write_text(nginx_config(root, port, server.port, cert, key, which))
-    with (root / "nginx.out").open("wb") as out:
+    command, proxy_env = {"nginx": nginx, "caddy": caddy}[proxy](
+        Site(root, port, server.port, cert, key), which
+    )
+    with (root / "proxy.out").open("wb") as out:
         proc = subprocess.Popen(
-            [nginx, "-p", str(root), "-c", str(root / "nginx.conf"), "-g", "daemon off;"],
-            stdout=out,
-            stderr=out,
+            command, stdout=out, stderr=out, env={**os.environ, **proxy_env}, cwd=root
         )
     tls = ssl.create_default_context(cafile=str(cert))
     url = f"https://127.0.0.1:{port}"
     health = f"{env.get('METANODE_ROOT_PATH', '')}/health"
 
     def up() -> bool | None:
-        assert proc.poll() is None, (root / "nginx.out").read_text()
+        assert proc.poll() is None, (root / "proxy.out").read_text()
         try:
             return httpx.get(f"{url}{health}", verify=tls, timeout=5).status_code == 200 or None
         except httpx.TransportError:
             return None
 
     try:
-        poll(up, "nginx in front of the node")
+        poll(up, f"{proxy} in front of the node")
         yield Proxied(server, url, tls)
     finally:
         proc.terminate()
@@ -134,20 +173,25 @@ def behind_nginx(root: Path, which: int, env: dict[str, str]) -> Iterator[Proxie
         server.print_log()
 
 
-@pytest.fixture(scope="module")
-def proxied(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
-    """A node at the root of nginx's host (the first documented configuration)."""
-    root = tmp_path_factory.mktemp("proxy")
-    with behind_nginx(root, 0, {"METANODE_WATCH_SETTLE_S": "0.3"}) as proxied:
+@pytest.fixture(scope="module", params=PROXIES)
+def proxied(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proxied]:
+    """A node at the root of the proxy's host (its first documented configuration)."""
+    root = tmp_path_factory.mktemp(f"proxy-{request.param}")
+    with behind(root, request.param, 0, {"METANODE_WATCH_SETTLE_S": "0.3"}) as proxied:
         yield proxied
 
 
-@pytest.fixture(scope="module")
-def subpath(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxied]:
-    """A node under nginx's `PREFIX` (the second documented configuration, `root_path`), with
-    the built-in plugins on (the Plugins page's script asks for their counts)."""
-    root = tmp_path_factory.mktemp("subpath")
-    with behind_nginx(root, 1, {**PLUGINS_ON, "METANODE_ROOT_PATH": PREFIX}) as proxied:
+@pytest.fixture(scope="module", params=PROXIES)
+def subpath(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Proxied]:
+    """A node under the proxy's `PREFIX` (its second documented configuration, `root_path`),
+    with the built-in plugins on (the Plugins page's script asks for their counts)."""
+    root = tmp_path_factory.mktemp(f"subpath-{request.param}")
+    env = {**PLUGINS_ON, "METANODE_ROOT_PATH": PREFIX}
+    with behind(root, request.param, 1, env) as proxied:
         yield proxied
 
 
@@ -234,8 +278,9 @@ def test_what_the_node_names_through_the_proxy_is_the_proxy(proxied: Proxied) ->
 
 
 def test_a_feed_through_the_proxy_comes_event_by_event(proxied: Proxied) -> None:
-    """nginx buffers what it proxies unless told not to (`X-Accel-Buffering: no`): one event
-    is far less than its buffer, so a buffered feed would say nothing within the bound."""
+    """nginx buffers what it proxies unless told not to (`X-Accel-Buffering: no`; Caddy flushes
+    an event stream as it comes): one event is far less than a buffer, so a buffered feed would
+    say nothing within the bound."""
     server = proxied.server
     with (
         proxied.client() as client,
