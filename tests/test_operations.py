@@ -232,6 +232,37 @@ def test_sighup_stops_the_node_cleanly_and_says_so(tmp_path: Path, workers: int)
     assert not (srv.data_dir / "owner.sock").exists()
 
 
+def test_a_leaked_token_is_replaced_by_removing_it_and_restarting(tmp_path: Path) -> None:
+    """operations.md's way to replace a token others have seen (in `docker logs`, a shared
+    screenshot): stop, remove `api-token`, start. The start prints a new one, once; the old one
+    is refused, and a browser signed in with it is signed out; the claims and keys stay."""
+    srv = Server(tmp_path / "data").start()
+    old = srv.token
+    owner = httpx.get(f"{srv.url}/api/signers", headers=srv.headers).json()
+    cookies = httpx.Cookies()
+    with httpx.Client(base_url=srv.url, cookies=cookies) as browser:
+        signin = {"token": old, "then": "/files"}
+        signed_in = browser.post(
+            "/signin", data=signin, headers={"Origin": srv.url}, follow_redirects=True
+        )
+        assert signed_in.status_code == 200 and "<h1>Files</h1>" in signed_in.text
+    srv.stop()
+    (srv.data_dir / "api-token").unlink()
+    srv.start()
+    try:
+        new = srv.token
+        assert new != old
+        shown = f"API token, shown once (kept in {srv.data_dir / 'api-token'}): {new}"
+        assert srv.log_text().count("API token, shown once") == 2 and shown in srv.log_text()
+        with httpx.Client(base_url=srv.url, cookies=cookies) as browser:
+            refused = browser.get("/api/signers", headers={"Authorization": f"Bearer {old}"})
+            assert refused.status_code == 401 and refused.json()["error"] == "unauthorized"
+            assert browser.get("/api/signers", headers=srv.headers).json() == owner
+            assert "<h1>Sign in</h1>" in browser.get("/files").text  # the session ended
+    finally:
+        srv.stop()
+
+
 def test_backup_names_within_one_second_never_meet(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
