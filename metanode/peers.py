@@ -48,6 +48,12 @@ FETCH_CHUNK = 1000  # identities asked for per reconciliation fetch (a POST /api
 # and only claims with large values (64 KiB each, up to 6 bytes of JSON a byte) make it more.
 ANSWER_BYTES = 16 * 1024 * 1024
 PARSE_ON_LOOP_BYTES = 1024 * 1024  # a larger answer is parsed on a thread
+# Most JSON objects and arrays one answer may hold, counted as `{` and `[` before it is parsed:
+# 16 MiB of `[{},{},…]` is 5.6 million empty objects, ≈ 400 MB once parsed. An honest answer
+# holds a few tens of thousands (a reconciliation reply: 16,384 entries of two); brackets in
+# values count too, so a page whose values hold many is asked again smaller, down to one claim,
+# which cannot hold this many (`max_value_bytes` is far less).
+ANSWER_CONTAINERS = 100_000
 RECONCILE = "/api/claims/reconcile"  # a peer without it (404, 405) is an older version
 # the answering data directory's instance id, on the claim log's and reconciliation's answers:
 # a follower that finds its own there was added at this box's own address
@@ -430,7 +436,8 @@ def signer_names(body: dict[str, Any]) -> dict[str, str]:
 async def _read_capped(response: httpx.Response, path: str) -> bytes:
     """The answer's body, or `PeerAnswerTooLarge` as soon as it is known to be over
     `ANSWER_BYTES` (by its declared length, else while it streams): a peer answering gigabytes
-    was read whole into memory, again at each retry (6 GB of RSS in a review)."""
+    was read whole into memory, again at each retry (6 GB of RSS in a review); or, read, if it
+    holds more than `ANSWER_CONTAINERS` objects and arrays to parse."""
     declared = response.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > ANSWER_BYTES:
         raise PeerAnswerTooLarge(f"{path} answered {declared} bytes; at most {ANSWER_BYTES} read")
@@ -439,6 +446,12 @@ async def _read_capped(response: httpx.Response, path: str) -> bytes:
         body += chunk
         if len(body) > ANSWER_BYTES:
             raise PeerAnswerTooLarge(f"{path} answered over {ANSWER_BYTES} bytes; read no more")
+    containers = body.count(b"{") + body.count(b"[")
+    if containers > ANSWER_CONTAINERS:
+        raise PeerAnswerTooLarge(
+            f"{path} answered {containers} JSON objects and arrays; at most "
+            f"{ANSWER_CONTAINERS} parsed"
+        )
     return bytes(body)
 
 

@@ -939,12 +939,25 @@ def test_peers_add_says_at_once_that_a_peer_accepts_and_never_answers(impatient:
         (http_answer(page(0, more=True, cursor="")), "its next cursor is the one asked"),
         # the parser's RecursionError ended the follower: no error, /health ok, never retried
         (http_answer(b"[" * 100_000 + b"]" * 100_000), "/api/claims/log answered 200, not JSON"),
+        # 15 MB of empty objects, ≈ 400 MB parsed: counted, not parsed
+        (
+            http_answer(b"[" + b"{}," * 5_000_000 + b"{}]"),
+            "/api/claims/log answered 5000002 JSON objects and arrays; at most 100000 parsed",
+        ),
         (
             http_answer(b"", "301 Moved", "Location: https://a.example/api/claims/log\r\n"),
             "a redirect to 'https://a.example/api/claims/log': a peer's address is where",
         ),
     ],
-    ids=["dripping", "endless", "page-too-long", "cursor-stuck", "nested-deep", "redirect"],
+    ids=[
+        "dripping",
+        "endless",
+        "page-too-long",
+        "cursor-stuck",
+        "nested-deep",
+        "empty-objects",
+        "redirect",
+    ],
 )
 def test_a_peer_answering_nonsense_is_a_failure_said_and_tried_again(
     impatient: Server, answer: Answer, said: str
