@@ -546,6 +546,69 @@ async def test_add_to_set_appends_a_member_once(client: httpx.AsyncClient) -> No
     assert (await client.get(f"/meta/{CID_A}/_add/tags")).status_code == 404  # a key, not a set
 
 
+# meta-stremio's `MetaCoreApiClient.get_property`, as it reached the node (captured between them):
+# urllib's request with the one header it sets
+STREMIO_PROPERTY_HEADERS = {
+    "Accept": "text/plain",
+    "Accept-Encoding": "identity",
+    "User-Agent": "Python-urllib/3.11",
+    "Connection": "close",
+}
+
+
+async def test_the_ids_show_under_metamesh_names_too(node: Node, client: httpx.AsyncClient) -> None:
+    """The nfo plugin signs `imdb` and `tmdb`; MetaMesh reads `imdbid` and `tmdbid`: meta-stremio
+    answered Stremio's `stream/movie/tt1375666.json` with no stream for a film whose `.nfo`
+    names it, and showed no IMDb link. The MetaMesh routes give the value under both names; a
+    record's own `imdbid` (a MetaMesh plugin's, through meta-sort) wins, and retracted, the
+    nfo's shows again."""
+    nfo = Signer()
+    await register(client, nfo)
+    await post(client, nfo.claim(CID_A, "imdb", "tt1375666"), nfo.claim(CID_A, "tmdb", "27205"))
+    rid = await rid_of(client, CID_A)
+    metadata = (await client.get(f"/meta/{rid}")).json()["metadata"]
+    assert {k: v for k, v in metadata.items() if "db" in k} == {
+        "imdb": "tt1375666",
+        "imdbid": "tt1375666",
+        "tmdb": "27205",
+        "tmdbid": "27205",
+    }
+    asked = await client.get(f"/meta/{rid}/imdbid", headers=STREMIO_PROPERTY_HEADERS)
+    assert (asked.status_code, asked.text) == (200, "tt1375666")
+    assert (await client.get(f"/meta/{rid}/tmdbid")).text == "27205"
+
+    put = await client.put(f"/meta/{CID_A}/imdbid", json={"value": "tt0000001"})
+    assert put.status_code == 200, put.text
+    assert (await client.get(f"/meta/{rid}/imdbid")).text == "tt0000001"  # its own wins
+    assert (await client.get(f"/meta/{rid}")).json()["metadata"]["imdb"] == "tt1375666"
+    assert (await client.delete(f"/meta/{CID_A}/imdbid")).status_code == 200
+    assert (await client.get(f"/meta/{rid}/imdbid")).text == "tt1375666"
+    assert (await client.get(f"/api/meta/{CID_A}")).json()["metadata"].keys() >= {"imdb"}
+    assert "imdbid" not in (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]
+
+    await post(client, nfo.claim(CID_A, "imdb", None, NOW_MS + 1))
+    envelope(await client.get(f"/meta/{rid}/imdbid"), 404, "not_found")
+    assert "imdbid" not in (await client.get(f"/meta/{rid}")).json()["metadata"]
+
+
+async def test_an_id_read_under_its_metamesh_name_and_written_back_is_no_vote(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """meta-sort's `/meta` proxy (every MetaMesh plugin writes through it) GETs the whole record
+    and PATCHes it all back with the key it sets: the `imdbid` it read is the nfo's, so it is an
+    echo, not the legacy writer's vote, and goes when the nfo's `imdb` goes."""
+    nfo = Signer()
+    await register(client, nfo)
+    await post(client, nfo.claim(CID_A, "imdb", "tt1375666"))
+    record = (await client.get(f"/meta/{CID_A}")).json()["metadata"]
+    response = await client.patch(f"/meta/{CID_A}", json={**record, "plot": "A dream."})
+    assert (response.status_code, response.json()["updated"]) == (200, 1), response.text
+    mine = [c for c in await listed_claims(client, CID_A) if c["uid"] == legacy_uid(node)]
+    assert [(c["key"], c["value"]) for c in mine] == [("plot", "A dream.")]
+    await post(client, nfo.claim(CID_A, "imdb", None, NOW_MS + 1))
+    envelope(await client.get(f"/meta/{CID_A}/imdbid"), 404, "not_found")
+
+
 async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncClient) -> None:
     alice = Signer()
     await register(client, alice)
@@ -1190,6 +1253,39 @@ async def until_seq(stream: Any, seq: str) -> list[ServerSentEvent]:
     while not events or events[-1].id != seq:
         events += parse_chunk(await asyncio.wait_for(anext(stream), WAIT_S))
     return events
+
+
+async def test_the_meta_stream_names_an_id_as_metamesh_does_too(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """A change of `imdb` comes after the same event on `imdbid` (no id: the cursor names the
+    row's own event), a `del` after `del` and `set` of it (the record may hold an `imdbid` of
+    its own, which a consumer then reads again); the full state sets both. meta-fuse keeps in
+    its view only the properties it has seen a `set` for, so a renaming rule with `{imdbid}`
+    had nothing from an `.nfo`."""
+    nfo = Signer()
+    await register(client, nfo)
+    await post(client, nfo.claim(CID_A, "title", "T"))  # events 1-2: cids/…, title
+    rid = await rid_of(client, CID_A)
+    epoch = node.applier.state.epoch
+    await post(client, nfo.claim(CID_A, "imdb", "tt1375666"))  # event 3
+    await post(client, nfo.claim(CID_A, "imdb", None, NOW_MS + 1))  # event 4
+    got = await take(node, compat.MetaFollow, f"{epoch}-2", 5)
+    assert [(e.event, e.id, data(e)["key"]) for e in got] == [
+        ("set", None, f"file:{rid}/imdbid"),
+        ("set", f"{epoch}-3", f"file:{rid}/imdb"),
+        ("del", None, f"file:{rid}/imdbid"),
+        ("set", None, f"file:{rid}/imdbid"),
+        ("del", f"{epoch}-4", f"file:{rid}/imdb"),
+    ]
+    await post(client, nfo.claim(CID_A, "imdb", "tt0816692", NOW_MS + 2))  # event 5
+    _, *state = await take(node, compat.MetaFollow, "0-0", 5)
+    assert [(e.event, e.id, data(e)["key"]) for e in state] == [
+        ("set", f"{epoch}-5.1", f"file:{rid}/cids/{CID_A}"),
+        ("set", f"{epoch}-5.2", f"file:{rid}/imdbid"),
+        ("set", f"{epoch}-5.3", f"file:{rid}/imdb"),
+        ("set", f"{epoch}-5", f"file:{rid}/title"),
+    ]
 
 
 async def test_many_meta_subscribers_share_one_read_per_page(
