@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -1723,6 +1724,45 @@ def test_compat_app_builds_without_a_started_node(tmp_path: Path) -> None:
 def test_the_urls_hostname_is_where_webdav_answers(host: str, port: int, hostname: str) -> None:
     settings = config.Settings(host=host, port=port)
     assert compat.internal_host(settings) == hostname
+
+
+def test_meta_fuse_reads_bytes_at_its_hostname_url_under_a_root_path(
+    launch: Callable[[dict[str, str]], Server],
+) -> None:
+    """meta-fuse (9061c7a), run against a node under nginx's `/metanode`: it asks `/urls` under
+    the prefix, reads WebDAV at `http://<hostname>/webdav` (index.ts), which has no prefix, and
+    its driver reads a file in 128 KiB `Range`s of `webdavUrl + <filePath less /files>`, each
+    segment `encodeURIComponent`'d (parentheses left as they are), after a `HEAD` when it has no
+    size (statViaWebDAV). The node answers those paths without the prefix as with it."""
+    server = launch({"METANODE_ROOT_PATH": "/metanode"})
+    content = os.urandom(300_000)
+    film = server.media / "Movies" / "Big Test (2020)" / "Big.Test.2020.1080p.mkv"
+    film.parent.mkdir(parents=True)
+    film.write_bytes(content)
+    cid = watcher.midhash_file(film)[0]
+    prefixed = f"{server.url}/metanode"
+    info = f"{prefixed}/api/file/{cid}/info"
+    poll(lambda: httpx.get(info, timeout=WAIT_S).json()["exists"] or None, "the film hashed")
+
+    urls = httpx.get(f"{prefixed}/urls", headers={"Accept": "application/json"}).json()
+    assert urls["apiUrl"] == prefixed and "/" not in urls["hostname"]
+    webdav = f"http://{urls['hostname']}/webdav"
+    file_path = httpx.get(
+        f"{urls['apiUrl']}/meta/{cid}/filePath", headers={"Accept": "text/plain"}
+    ).text
+    assert file_path == "/files/media/Movies/Big Test (2020)/Big.Test.2020.1080p.mkv"
+    segments = file_path.removeprefix("/files").split("/")
+    url = webdav + "/".join(quote(segment, safe="!'()*~") for segment in segments)
+    assert url.endswith("/webdav/media/Movies/Big%20Test%20(2020)/Big.Test.2020.1080p.mkv")
+    head = httpx.head(url, timeout=WAIT_S)
+    assert (head.status_code, head.headers["content-length"]) == (200, str(len(content)))
+    read = b""
+    for offset in range(0, len(content), 131072):
+        end = min(offset + 131071, len(content) - 1)
+        part = httpx.get(url, headers={"Range": f"bytes={offset}-{end}"}, timeout=WAIT_S)
+        assert part.status_code == 206, part.text
+        read += part.content
+    assert read == content
 
 
 @pytest.mark.parametrize("workers", [1, 2])
