@@ -94,6 +94,44 @@ def is_deprecated(field: str) -> bool:
     return field.startswith("cid_") or field in ("midhash256", "canonical_cid")
 
 
+# -- MetaMesh's names for metanode's keys ------------------------------------------------------
+
+# The ids MetaMesh names otherwise than metanode's plugins do: MetaMesh's name (meta-interface's
+# `JellyfinMetaData`; meta-stremio finds the file of a Stremio `tt…` id by `imdbid`, and shows
+# the IMDb link from it) -> the key the nfo plugin signs (plugins.md). The views of this page
+# give a record's value under MetaMesh's name as well, unless the record holds one of its own
+# there (a MetaMesh plugin's, written through meta-sort), which wins.
+METAMESH_NAMES = {"imdbid": "imdb", "tmdbid": "tmdb"}
+_METAMESH_NAME_OF = {ours: theirs for theirs, ours in METAMESH_NAMES.items()}
+
+
+def metamesh_view(record: dict[str, str]) -> dict[str, str]:
+    """A merged record as the MetaMesh routes show it: each key of `METAMESH_NAMES` that has no
+    value of its own takes the value of metanode's key for it."""
+    named = {
+        theirs: record[ours]
+        for theirs, ours in METAMESH_NAMES.items()
+        if record.get(ours) and not record.get(theirs)
+    }
+    return {**record, **named} if named else record
+
+
+def metamesh_value(node: Node, rid: str, key: str) -> str | None:
+    """One property as `metamesh_view` shows it: its own value, else metanode's key's for it."""
+    stored = node.record_value(rid, key)
+    if not stored and key in METAMESH_NAMES:
+        return node.record_value(rid, METAMESH_NAMES[key])
+    return stored
+
+
+def metamesh_ops(op: str) -> tuple[str, ...]:
+    """The events under MetaMesh's name that an event on metanode's key (`imdb`) comes with: a
+    `set` is a `set` of `imdbid`; a `del` is a `del` of it and then a `set`, since the record
+    may hold an `imdbid` of its own that shows again (a consumer re-reads on `set`, and takes
+    the 404 of a record without one for nothing to read)."""
+    return ("set",) if op == "set" else ("del", "set")
+
+
 # -- naming a record: a rid, or any CID in any spelling -----------------------------------------
 
 
@@ -225,7 +263,7 @@ class LegacyWriter:
         value before (most keys a MetaMesh plugin parsed): a person's fix, echoed, became the
         legacy writer's vote and outlived the person's Revert. meta-core stored an unchanged
         value as no change, so it is none here."""
-        record = self.node.record_rows(rid)
+        record = metamesh_view(self.node.record_rows(rid))  # as the writer read it
         return {k for k, v in fields.items() if v and record.get(k) == v}
 
     async def write(self, text: str, fields: dict[str, str]) -> Written:
@@ -483,10 +521,17 @@ def _meta_data(rid: str, key: str, at: int) -> dict[str, str]:
 
 
 def meta_frame(epoch: int, row: feed.FeedRow) -> bytes:
-    """A feed row as meta-core's keyspace event: `set`/`del`, the key and when, no value."""
-    return sse.event(
+    """A feed row as meta-core's keyspace event: `set`/`del`, the key and when, no value. A row
+    on a key MetaMesh names otherwise (`imdb`) comes after the events under MetaMesh's name
+    (`metamesh_ops`), which carry no id: the row's own event is the one a cursor names."""
+    frame = sse.event(
         row.op, _meta_data(row.rid, row.key, row.at), sse.event_id(epoch, row.seq)
     ).encode()
+    theirs = _METAMESH_NAME_OF.get(row.key)
+    if theirs is None:
+        return frame
+    named = _meta_data(row.rid, theirs, row.at)
+    return b"".join(sse.event(op, named).encode() for op in metamesh_ops(row.op)) + frame
 
 
 @dataclass(frozen=True)
@@ -637,7 +682,14 @@ class MetaFollow(_Follow[feed.FeedRow]):
         return meta_frame
 
     def _state(self, rows: list[Any], now: int) -> list[feed.Event]:
-        return [("set", _meta_data(rid, key, now)) for rid, key, _ in rows]
+        """A `set` for every key, and for a key MetaMesh names otherwise (`imdb`) a `set` of its
+        name (`imdbid`) before it, as the live tail sends them."""
+        events: list[feed.Event] = []
+        for rid, key, _ in rows:
+            if (theirs := _METAMESH_NAME_OF.get(key)) is not None:
+                events.append(("set", _meta_data(rid, theirs, now)))
+            events.append(("set", _meta_data(rid, key, now)))
+        return events
 
 
 class FilesFollow(_Follow[feed.FileFeedRow]):
@@ -843,7 +895,8 @@ def routes(node: Node) -> list[BaseRoute]:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
         if "filePath" in record:
             record = {**record, "filePath": mounted(record["filePath"])}
-        return JSONResponse({"hashId": rid, "metadata": dict(sorted(record.items()))})
+        view = metamesh_view(record)
+        return JSONResponse({"hashId": rid, "metadata": dict(sorted(view.items()))})
 
     async def meta_property(request: Request) -> Response:
         text, key = request.path_params["hash"], request.path_params["key"]
@@ -861,7 +914,7 @@ def routes(node: Node) -> list[BaseRoute]:
                 body["ignored"] = list(done.ignored)
             return JSONResponse(body, status_code=done.status)
         rid = record_rid(node, text)
-        stored = node.record_value(rid, key)
+        stored = metamesh_value(node, rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
         value = mounted(stored) if key == "filePath" else stored

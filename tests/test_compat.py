@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterator
 from email.utils import formatdate
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import pytest
@@ -544,6 +545,69 @@ async def test_add_to_set_appends_a_member_once(client: httpx.AsyncClient) -> No
             await client.post(f"/meta/{CID_A}/_add/tags", content=empty), 400, "invalid_request"
         )
     assert (await client.get(f"/meta/{CID_A}/_add/tags")).status_code == 404  # a key, not a set
+
+
+# meta-stremio's `MetaCoreApiClient.get_property`, as it reached the node (captured between them):
+# urllib's request with the one header it sets
+STREMIO_PROPERTY_HEADERS = {
+    "Accept": "text/plain",
+    "Accept-Encoding": "identity",
+    "User-Agent": "Python-urllib/3.11",
+    "Connection": "close",
+}
+
+
+async def test_the_ids_show_under_metamesh_names_too(node: Node, client: httpx.AsyncClient) -> None:
+    """The nfo plugin signs `imdb` and `tmdb`; MetaMesh reads `imdbid` and `tmdbid`: meta-stremio
+    answered Stremio's `stream/movie/tt1375666.json` with no stream for a film whose `.nfo`
+    names it, and showed no IMDb link. The MetaMesh routes give the value under both names; a
+    record's own `imdbid` (a MetaMesh plugin's, through meta-sort) wins, and retracted, the
+    nfo's shows again."""
+    nfo = Signer()
+    await register(client, nfo)
+    await post(client, nfo.claim(CID_A, "imdb", "tt1375666"), nfo.claim(CID_A, "tmdb", "27205"))
+    rid = await rid_of(client, CID_A)
+    metadata = (await client.get(f"/meta/{rid}")).json()["metadata"]
+    assert {k: v for k, v in metadata.items() if "db" in k} == {
+        "imdb": "tt1375666",
+        "imdbid": "tt1375666",
+        "tmdb": "27205",
+        "tmdbid": "27205",
+    }
+    asked = await client.get(f"/meta/{rid}/imdbid", headers=STREMIO_PROPERTY_HEADERS)
+    assert (asked.status_code, asked.text) == (200, "tt1375666")
+    assert (await client.get(f"/meta/{rid}/tmdbid")).text == "27205"
+
+    put = await client.put(f"/meta/{CID_A}/imdbid", json={"value": "tt0000001"})
+    assert put.status_code == 200, put.text
+    assert (await client.get(f"/meta/{rid}/imdbid")).text == "tt0000001"  # its own wins
+    assert (await client.get(f"/meta/{rid}")).json()["metadata"]["imdb"] == "tt1375666"
+    assert (await client.delete(f"/meta/{CID_A}/imdbid")).status_code == 200
+    assert (await client.get(f"/meta/{rid}/imdbid")).text == "tt1375666"
+    assert (await client.get(f"/api/meta/{CID_A}")).json()["metadata"].keys() >= {"imdb"}
+    assert "imdbid" not in (await client.get(f"/api/meta/{CID_A}")).json()["metadata"]
+
+    await post(client, nfo.claim(CID_A, "imdb", None, NOW_MS + 1))
+    envelope(await client.get(f"/meta/{rid}/imdbid"), 404, "not_found")
+    assert "imdbid" not in (await client.get(f"/meta/{rid}")).json()["metadata"]
+
+
+async def test_an_id_read_under_its_metamesh_name_and_written_back_is_no_vote(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """meta-sort's `/meta` proxy (every MetaMesh plugin writes through it) GETs the whole record
+    and PATCHes it all back with the key it sets: the `imdbid` it read is the nfo's, so it is an
+    echo, not the legacy writer's vote, and goes when the nfo's `imdb` goes."""
+    nfo = Signer()
+    await register(client, nfo)
+    await post(client, nfo.claim(CID_A, "imdb", "tt1375666"))
+    record = (await client.get(f"/meta/{CID_A}")).json()["metadata"]
+    response = await client.patch(f"/meta/{CID_A}", json={**record, "plot": "A dream."})
+    assert (response.status_code, response.json()["updated"]) == (200, 1), response.text
+    mine = [c for c in await listed_claims(client, CID_A) if c["uid"] == legacy_uid(node)]
+    assert [(c["key"], c["value"]) for c in mine] == [("plot", "A dream.")]
+    await post(client, nfo.claim(CID_A, "imdb", None, NOW_MS + 1))
+    envelope(await client.get(f"/meta/{CID_A}/imdbid"), 404, "not_found")
 
 
 async def test_a_cids_field_links_groups_like_any_cids_vote(client: httpx.AsyncClient) -> None:
@@ -1192,6 +1256,39 @@ async def until_seq(stream: Any, seq: str) -> list[ServerSentEvent]:
     return events
 
 
+async def test_the_meta_stream_names_an_id_as_metamesh_does_too(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """A change of `imdb` comes after the same event on `imdbid` (no id: the cursor names the
+    row's own event), a `del` after `del` and `set` of it (the record may hold an `imdbid` of
+    its own, which a consumer then reads again); the full state sets both. meta-fuse keeps in
+    its view only the properties it has seen a `set` for, so a renaming rule with `{imdbid}`
+    had nothing from an `.nfo`."""
+    nfo = Signer()
+    await register(client, nfo)
+    await post(client, nfo.claim(CID_A, "title", "T"))  # events 1-2: cids/…, title
+    rid = await rid_of(client, CID_A)
+    epoch = node.applier.state.epoch
+    await post(client, nfo.claim(CID_A, "imdb", "tt1375666"))  # event 3
+    await post(client, nfo.claim(CID_A, "imdb", None, NOW_MS + 1))  # event 4
+    got = await take(node, compat.MetaFollow, f"{epoch}-2", 5)
+    assert [(e.event, e.id, data(e)["key"]) for e in got] == [
+        ("set", None, f"file:{rid}/imdbid"),
+        ("set", f"{epoch}-3", f"file:{rid}/imdb"),
+        ("del", None, f"file:{rid}/imdbid"),
+        ("set", None, f"file:{rid}/imdbid"),
+        ("del", f"{epoch}-4", f"file:{rid}/imdb"),
+    ]
+    await post(client, nfo.claim(CID_A, "imdb", "tt0816692", NOW_MS + 2))  # event 5
+    _, *state = await take(node, compat.MetaFollow, "0-0", 5)
+    assert [(e.event, e.id, data(e)["key"]) for e in state] == [
+        ("set", f"{epoch}-5.1", f"file:{rid}/cids/{CID_A}"),
+        ("set", f"{epoch}-5.2", f"file:{rid}/imdbid"),
+        ("set", f"{epoch}-5.3", f"file:{rid}/imdb"),
+        ("set", f"{epoch}-5", f"file:{rid}/title"),
+    ]
+
+
 async def test_many_meta_subscribers_share_one_read_per_page(
     node: Node, client: httpx.AsyncClient, backend: str
 ) -> None:
@@ -1627,6 +1724,45 @@ def test_compat_app_builds_without_a_started_node(tmp_path: Path) -> None:
 def test_the_urls_hostname_is_where_webdav_answers(host: str, port: int, hostname: str) -> None:
     settings = config.Settings(host=host, port=port)
     assert compat.internal_host(settings) == hostname
+
+
+def test_meta_fuse_reads_bytes_at_its_hostname_url_under_a_root_path(
+    launch: Callable[[dict[str, str]], Server],
+) -> None:
+    """meta-fuse (9061c7a), run against a node under nginx's `/metanode`: it asks `/urls` under
+    the prefix, reads WebDAV at `http://<hostname>/webdav` (index.ts), which has no prefix, and
+    its driver reads a file in 128 KiB `Range`s of `webdavUrl + <filePath less /files>`, each
+    segment `encodeURIComponent`'d (parentheses left as they are), after a `HEAD` when it has no
+    size (statViaWebDAV). The node answers those paths without the prefix as with it."""
+    server = launch({"METANODE_ROOT_PATH": "/metanode"})
+    content = os.urandom(300_000)
+    film = server.media / "Movies" / "Big Test (2020)" / "Big.Test.2020.1080p.mkv"
+    film.parent.mkdir(parents=True)
+    film.write_bytes(content)
+    cid = watcher.midhash_file(film)[0]
+    prefixed = f"{server.url}/metanode"
+    info = f"{prefixed}/api/file/{cid}/info"
+    poll(lambda: httpx.get(info, timeout=WAIT_S).json()["exists"] or None, "the film hashed")
+
+    urls = httpx.get(f"{prefixed}/urls", headers={"Accept": "application/json"}).json()
+    assert urls["apiUrl"] == prefixed and "/" not in urls["hostname"]
+    webdav = f"http://{urls['hostname']}/webdav"
+    file_path = httpx.get(
+        f"{urls['apiUrl']}/meta/{cid}/filePath", headers={"Accept": "text/plain"}
+    ).text
+    assert file_path == "/files/media/Movies/Big Test (2020)/Big.Test.2020.1080p.mkv"
+    segments = file_path.removeprefix("/files").split("/")
+    url = webdav + "/".join(quote(segment, safe="!'()*~") for segment in segments)
+    assert url.endswith("/webdav/media/Movies/Big%20Test%20(2020)/Big.Test.2020.1080p.mkv")
+    head = httpx.head(url, timeout=WAIT_S)
+    assert (head.status_code, head.headers["content-length"]) == (200, str(len(content)))
+    read = b""
+    for offset in range(0, len(content), 131072):
+        end = min(offset + 131071, len(content) - 1)
+        part = httpx.get(url, headers={"Range": f"bytes={offset}-{end}"}, timeout=WAIT_S)
+        assert part.status_code == 206, part.text
+        read += part.content
+    assert read == content
 
 
 @pytest.mark.parametrize("workers", [1, 2])
