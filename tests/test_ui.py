@@ -774,8 +774,18 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         live.goto(server.url + "/live")
         expect(live.get_by_role("status")).to_have_text("connected")
         plugins.goto(server.url + "/plugins")
+        for p in (live, plugins):
+            p.evaluate(WRITTEN)
         server.stop()
         expect(plugins.get_by_role("status")).to_have_text("The node does not answer; retrying…")
+        expect(live.get_by_role("status")).to_have_text("reconnecting…")
+        # a screen reader reads a status region out at each change, the same words included:
+        # each was written again at every attempt while the node was down
+        for p, asked in ((plugins, "/api/plugins"), (live, "/api/events")):
+            for _ in range(2):  # two attempts more
+                p.wait_for_event("requestfailed", lambda r, asked=asked: r.url.endswith(asked))
+        assert plugins.evaluate("window.written") == ["The node does not answer; retrying…"]
+        assert live.evaluate("window.written") == ["reconnecting…"]
         server.start()
         gone = "Signed out (the node restarted, or the session ended). Sign in again"
         expect(live.get_by_role("status")).to_have_text(gone)
@@ -788,6 +798,12 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         assert thrown == []
         assert [url for url in loaded if url.endswith("/favicon.ico")] == []
         ctx.close()
+
+
+# what the page's status region (role=status) says, in order, each time it is written
+WRITTEN = """() => { const region = document.querySelector("[role=status]"); window.written = [];
+    new MutationObserver(() => window.written.push(region.textContent))
+        .observe(region, { childList: true, characterData: true, subtree: true }); }"""
 
 
 def test_state_changes_without_the_sessions_csrf_token_are_refused(
@@ -1100,6 +1116,20 @@ def test_live_names_a_record_as_the_library_does_in_every_row(page: Page, srv: S
     expect(news).to_have_text(re.compile(r"^(1 new change: |\d+ new changes, the newest: )\S"))
     rows.filter(has_text=" set title = Quill Show").get_by_role("link").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Quill Show S31E47 · Pilot")
+
+
+def test_live_reads_out_the_start_of_a_long_value_only(page: Page, srv: Server) -> None:
+    """A screen reader hears the newest change, clipped: an nfo's plot of paragraphs was read
+    out whole, every five seconds while a folder of films came in."""
+    poster = Signer()
+    srv.register(poster.uid, "poster", weight=1)
+    page.get_by_role("link", name="Live").click()
+    expect(page.get_by_role("status")).to_have_text("connected")
+    plot = "A lighthouse keeper counts the ships that never come. " * 40  # 2160 characters
+    post(srv, poster.claim(cids.midhash_bytes(b"a film with a plot"), "plot", plot, now_ms()))
+    news = page.locator("#live-news[aria-live=polite]")
+    expect(news).to_have_text(re.compile(r"^1 new change: .* set plot = A lighthouse .*…$"))
+    assert len(news.text_content() or "") < 160
 
 
 def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
