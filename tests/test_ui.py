@@ -42,8 +42,10 @@ WAIT_MS = 60_000  # Playwright's bound for anything to appear: generous, both co
 MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B61")
 JPEG_HEAD = bytes.fromhex("FFD8FFE000104A46494600010100000100010000")
 DESKTOP = {"width": 1280, "height": 900}
+DESKTOP_ZOOMED = {"width": 640, "height": 450}  # the desktop at the browser's 200 % zoom
 # the narrowest phone, and WCAG's reflow width (a 1280 px screen zoomed to 400 %)
 PHONE = {"width": 320, "height": 640}
+COMMON_PHONE = {"width": 360, "height": 740}
 expect.set_options(timeout=WAIT_MS)
 
 
@@ -1229,9 +1231,10 @@ def test_every_page_names_its_controls_and_fits_a_phone(
 
 
 def fits(page: Page, url: str, name: str, into: Path | None) -> None:
-    """`url` at desktop and phone width: every control named, nothing wider than the screen;
-    a screenshot of each width into `into`, if given."""
-    for width, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+    """`url` at desktop width, zoomed to 200 % and at phone width: every control named,
+    nothing wider than the screen; a screenshot of the desktop and the phone into `into`, if
+    given."""
+    for width, viewport in (("desktop", DESKTOP), ("zoomed", DESKTOP_ZOOMED), ("phone", PHONE)):
         page.set_viewport_size(viewport)
         page.goto(url)
         page.wait_for_load_state("networkidle")
@@ -1243,7 +1246,7 @@ def fits(page: Page, url: str, name: str, into: Path | None) -> None:
             ".filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.textContent)"
         )  # one another
         assert spilled == [], f"{name} at {width} width: cells overflow: {spilled}"
-        if into is not None:
+        if into is not None and width != "zoomed":
             page.screenshot(path=str(into / f"{name}-{width}.png"), full_page=True)
 
 
@@ -1464,6 +1467,27 @@ def test_without_javascript_values_are_edited_and_live_says_it_needs_it(
         expect(page.get_by_text("connecting…")).to_be_hidden()
     finally:
         ctx.close()
+
+
+def test_the_pages_take_the_text_size_the_browser_is_set_to(
+    page: Page, context: BrowserContext, srv: Server
+) -> None:
+    """A reader who set the browser's text size to twice its default (32 px, WCAG 1.4.4's
+    200 %) gets it on every page, which still fits a desktop and a phone: the pages fixed their
+    text at 16 px whatever the browser said, and once they did not, the library's search field
+    stuck out 95 px from a 360 px phone and a progress bar 38 px from a 320 px one."""
+    midhash = titled(srv, drop(srv, "Glass.Orchard.2019.mkv"), "Glass Orchard")
+    context.new_cdp_session(page).send(
+        "Page.setFontSizes", {"fontSizes": {"standard": 32, "fixed": 26}}
+    )
+    pages = {**PAGES, "record": f"/records/{midhash}", "not-found": "/records/x"}
+    for name, path in pages.items():
+        for viewport in (DESKTOP, COMMON_PHONE, PHONE):
+            page.set_viewport_size(viewport)
+            page.goto(srv.url + path)
+            assert page.evaluate("getComputedStyle(document.body).fontSize") == "32px", name
+            overflow = page.evaluate("document.documentElement.scrollWidth - innerWidth")
+            assert overflow <= 0, f"{name} is {overflow} px wider than {viewport['width']} px"
 
 
 EDGES = """() => [...document.querySelectorAll("input, select, textarea")]
