@@ -719,7 +719,7 @@ def test_a_folder_split_between_pages_of_files_says_its_count_is_the_pages(
     page: Page, srv: Server
 ) -> None:
     """A folder over two pages of the Files page showed `(120)` on one and `(30)` on the
-    next, each read as the folder's count."""
+    next, each read as the folder's count; each page's title says which (all were `Files`)."""
     folder = srv.media / "Split Folder"
     folder.mkdir()
     first, second = (drop(srv, f"Split Folder/Split.{n}.mkv") for n in (1, 2))
@@ -727,8 +727,10 @@ def test_a_folder_split_between_pages_of_files_says_its_count_is_the_pages(
         midhash_of(srv, path)
     page.goto(f"{srv.url}/files?prefix={quote(str(folder))}")
     expect(page.get_by_text(f"{folder} (2)", exact=True)).to_be_visible()
+    expect(page).to_have_title(f"Files under {folder} · metanode")
     page.goto(f"{srv.url}/files?prefix={quote(str(folder))}&after={quote(str(first))}")
     expect(page.get_by_text(f"{folder} (1 on this page)", exact=True)).to_be_visible()
+    expect(page).to_have_title(f"Files under {folder}, more · metanode")
 
 
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
