@@ -842,6 +842,7 @@ class Pages:
             folders=folders,
             split=split,
             prefix=prefix,
+            paged=after is not None,
             next=page["next"],
             duplicates=self.node.duplicates(PAGE),
             gone=self.node.library("", "", False, PAGE).rows,

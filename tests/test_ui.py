@@ -42,8 +42,10 @@ WAIT_MS = 60_000  # Playwright's bound for anything to appear: generous, both co
 MKV_HEAD = bytes.fromhex("1A45DFA3A34286810142F7810142F2810442F381084282886D6174726F736B61")
 JPEG_HEAD = bytes.fromhex("FFD8FFE000104A46494600010100000100010000")
 DESKTOP = {"width": 1280, "height": 900}
+DESKTOP_ZOOMED = {"width": 640, "height": 450}  # the desktop at the browser's 200 % zoom
 # the narrowest phone, and WCAG's reflow width (a 1280 px screen zoomed to 400 %)
 PHONE = {"width": 320, "height": 640}
+COMMON_PHONE = {"width": 360, "height": 740}
 expect.set_options(timeout=WAIT_MS)
 
 
@@ -717,7 +719,7 @@ def test_a_folder_split_between_pages_of_files_says_its_count_is_the_pages(
     page: Page, srv: Server
 ) -> None:
     """A folder over two pages of the Files page showed `(120)` on one and `(30)` on the
-    next, each read as the folder's count."""
+    next, each read as the folder's count; each page's title says which (all were `Files`)."""
     folder = srv.media / "Split Folder"
     folder.mkdir()
     first, second = (drop(srv, f"Split Folder/Split.{n}.mkv") for n in (1, 2))
@@ -725,8 +727,10 @@ def test_a_folder_split_between_pages_of_files_says_its_count_is_the_pages(
         midhash_of(srv, path)
     page.goto(f"{srv.url}/files?prefix={quote(str(folder))}")
     expect(page.get_by_text(f"{folder} (2)", exact=True)).to_be_visible()
+    expect(page).to_have_title(f"Files under {folder} · metanode")
     page.goto(f"{srv.url}/files?prefix={quote(str(folder))}&after={quote(str(first))}")
     expect(page.get_by_text(f"{folder} (1 on this page)", exact=True)).to_be_visible()
+    expect(page).to_have_title(f"Files under {folder}, more · metanode")
 
 
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
@@ -774,8 +778,18 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         live.goto(server.url + "/live")
         expect(live.get_by_role("status")).to_have_text("connected")
         plugins.goto(server.url + "/plugins")
+        for p in (live, plugins):
+            p.evaluate(WRITTEN)
         server.stop()
         expect(plugins.get_by_role("status")).to_have_text("The node does not answer; retrying…")
+        expect(live.get_by_role("status")).to_have_text("reconnecting…")
+        # a screen reader reads a status region out at each change, the same words included:
+        # each was written again at every attempt while the node was down
+        for p, asked in ((plugins, "/api/plugins"), (live, "/api/events")):
+            for _ in range(2):  # two attempts more
+                p.wait_for_event("requestfailed", lambda r, asked=asked: r.url.endswith(asked))
+        assert plugins.evaluate("window.written") == ["The node does not answer; retrying…"]
+        assert live.evaluate("window.written") == ["reconnecting…"]
         server.start()
         gone = "Signed out (the node restarted, or the session ended). Sign in again"
         expect(live.get_by_role("status")).to_have_text(gone)
@@ -788,6 +802,12 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         assert thrown == []
         assert [url for url in loaded if url.endswith("/favicon.ico")] == []
         ctx.close()
+
+
+# what the page's status region (role=status) says, in order, each time it is written
+WRITTEN = """() => { const region = document.querySelector("[role=status]"); window.written = [];
+    new MutationObserver(() => window.written.push(region.textContent))
+        .observe(region, { childList: true, characterData: true, subtree: true }); }"""
 
 
 def test_state_changes_without_the_sessions_csrf_token_are_refused(
@@ -1102,6 +1122,20 @@ def test_live_names_a_record_as_the_library_does_in_every_row(page: Page, srv: S
     expect(page.get_by_role("heading", level=1)).to_have_text("Quill Show S31E47 · Pilot")
 
 
+def test_live_reads_out_the_start_of_a_long_value_only(page: Page, srv: Server) -> None:
+    """A screen reader hears the newest change, clipped: an nfo's plot of paragraphs was read
+    out whole, every five seconds while a folder of films came in."""
+    poster = Signer()
+    srv.register(poster.uid, "poster", weight=1)
+    page.get_by_role("link", name="Live").click()
+    expect(page.get_by_role("status")).to_have_text("connected")
+    plot = "A lighthouse keeper counts the ships that never come. " * 40  # 2160 characters
+    post(srv, poster.claim(cids.midhash_bytes(b"a film with a plot"), "plot", plot, now_ms()))
+    news = page.locator("#live-news[aria-live=polite]")
+    expect(news).to_have_text(re.compile(r"^1 new change: .* set plot = A lighthouse .*…$"))
+    assert len(news.text_content() or "") < 160
+
+
 def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
     for missing in ("bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "not-a-cid"):
         response = page.goto(f"{srv.url}/records/{missing}")
@@ -1128,6 +1162,7 @@ def test_api_docs_render_from_the_package(page: Page, srv: Server) -> None:
     )
     page.goto(f"{srv.url}/docs")
     expect(page.get_by_text("/api/claims").first).to_be_visible()
+    expect(page.get_by_text("The API docs need JavaScript")).to_be_hidden()
     # "Try it out" asks this very node (the document names no fixed address)
     page.locator(".opblock-summary", has_text="/health").first.click()
     page.get_by_role("button", name="Try it out").click()
@@ -1199,9 +1234,10 @@ def test_every_page_names_its_controls_and_fits_a_phone(
 
 
 def fits(page: Page, url: str, name: str, into: Path | None) -> None:
-    """`url` at desktop and phone width: every control named, nothing wider than the screen;
-    a screenshot of each width into `into`, if given."""
-    for width, viewport in (("desktop", DESKTOP), ("phone", PHONE)):
+    """`url` at desktop width, zoomed to 200 % and at phone width: every control named,
+    nothing wider than the screen; a screenshot of the desktop and the phone into `into`, if
+    given."""
+    for width, viewport in (("desktop", DESKTOP), ("zoomed", DESKTOP_ZOOMED), ("phone", PHONE)):
         page.set_viewport_size(viewport)
         page.goto(url)
         page.wait_for_load_state("networkidle")
@@ -1213,7 +1249,7 @@ def fits(page: Page, url: str, name: str, into: Path | None) -> None:
             ".filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.textContent)"
         )  # one another
         assert spilled == [], f"{name} at {width} width: cells overflow: {spilled}"
-        if into is not None:
+        if into is not None and width != "zoomed":
             page.screenshot(path=str(into / f"{name}-{width}.png"), full_page=True)
 
 
@@ -1417,7 +1453,8 @@ def test_without_javascript_values_are_edited_and_live_says_it_needs_it(
     browser: Browser, srv: Server
 ) -> None:
     """With JavaScript off the Edit buttons could not open their forms, so no value could be
-    changed: the forms are shown instead, and Live says why it lists nothing."""
+    changed: the forms are shown instead, and Live and the API docs say why they show
+    nothing."""
     midhash = titled(srv, drop(srv, "Chalk.Lantern.2008.mkv"), "Chalk Lantern")
     ctx = browser.new_context(viewport=DESKTOP, java_script_enabled=False)
     try:
@@ -1432,8 +1469,33 @@ def test_without_javascript_values_are_edited_and_live_says_it_needs_it(
         page.goto(f"{srv.url}/live")
         expect(page.get_by_text("Live needs JavaScript")).to_be_visible()
         expect(page.get_by_text("connecting…")).to_be_hidden()
+        page.goto(f"{srv.url}/docs")  # Swagger UI is all script: it was a blank page
+        expect(page.get_by_text("The API docs need JavaScript")).to_be_visible()
+        page.get_by_role("link", name="openapi.json").click()
+        expect(page.get_by_text('"openapi"')).to_be_visible()
     finally:
         ctx.close()
+
+
+def test_the_pages_take_the_text_size_the_browser_is_set_to(
+    page: Page, context: BrowserContext, srv: Server
+) -> None:
+    """A reader who set the browser's text size to twice its default (32 px, WCAG 1.4.4's
+    200 %) gets it on every page, which still fits a desktop and a phone: the pages fixed their
+    text at 16 px whatever the browser said, and once they did not, the library's search field
+    stuck out 95 px from a 360 px phone and a progress bar 38 px from a 320 px one."""
+    midhash = titled(srv, drop(srv, "Glass.Orchard.2019.mkv"), "Glass Orchard")
+    context.new_cdp_session(page).send(
+        "Page.setFontSizes", {"fontSizes": {"standard": 32, "fixed": 26}}
+    )
+    pages = {**PAGES, "record": f"/records/{midhash}", "not-found": "/records/x"}
+    for name, path in pages.items():
+        for viewport in (DESKTOP, COMMON_PHONE, PHONE):
+            page.set_viewport_size(viewport)
+            page.goto(srv.url + path)
+            assert page.evaluate("getComputedStyle(document.body).fontSize") == "32px", name
+            overflow = page.evaluate("document.documentElement.scrollWidth - innerWidth")
+            assert overflow <= 0, f"{name} is {overflow} px wider than {viewport['width']} px"
 
 
 EDGES = """() => [...document.querySelectorAll("input, select, textarea")]
@@ -1464,6 +1526,96 @@ def test_fields_and_the_focus_ring_stand_out_from_the_page(page: Page, srv: Serv
         style, width, colour = page.evaluate(FOCUSED_RING)
         assert style == "solid" and width >= 2, (style, width)
         assert contrast(colour, WHITE) >= 3, colour
+
+
+# the text drawn in a colour under WCAG's 4.5:1 (3:1 for large text) against what is behind it
+# (each background over the ones under it, to the white canvas)
+LOW_CONTRAST = """() => {
+  const rgba = (c) => { const v = c.match(/[\\d.]+/g).map(Number);
+    return [...v.slice(0, 3), v[3] ?? 1]; };
+  const over = (top, under) => [0, 1, 2]
+    .map((i) => top[i] * top[3] + under[i] * (1 - top[3])).concat(1);
+  const luminance = (c) => c.slice(0, 3).map((v) => v / 255)
+    .map((v) => (v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4))
+    .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  const ratio = (a, b) => { const [l, d] = [luminance(a), luminance(b)].sort((x, y) => y - x);
+    return (l + 0.05) / (d + 0.05); };
+  const behind = (e) => { const layers = [];
+    for (; e; e = e.parentElement) layers.push(rgba(getComputedStyle(e).backgroundColor));
+    return layers.reverse().reduce((under, top) => over(top, under), [255, 255, 255, 1]); };
+  const low = [];
+  const texts = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let text = texts.nextNode(); text; text = texts.nextNode()) {
+    const e = text.parentElement;
+    if (!text.textContent.trim() || !e.checkVisibility() || e.closest(".visually-hidden")) continue;
+    const style = getComputedStyle(e);
+    const back = behind(e);
+    const size = parseFloat(style.fontSize);
+    const large = size >= 24 || (size >= 18.66 && Number(style.fontWeight) >= 700);
+    const r = ratio(over(rgba(style.color), back), back);
+    if (r < (large ? 3 : 4.5)) low.push(`${text.textContent.trim().slice(0, 30)}: ${r.toFixed(2)}`);
+  }
+  return [...new Set(low)];
+}"""
+# a page's outline as a screen reader lists it
+OUTLINE = """() => ({
+  h1: document.querySelectorAll("h1").length,
+  skips: [...document.querySelectorAll("h1, h2, h3, h4, h5, h6")].map((h) => Number(h.tagName[1]))
+    .some((level, i, levels) => i > 0 && level > levels[i - 1] + 1),
+  landmarks: ["header", "main"].filter((tag) => document.querySelectorAll(tag).length === 1),
+  lang: document.documentElement.lang,
+  current: [...document.querySelectorAll("nav [aria-current=page]")].map((a) => a.textContent),
+})"""
+# elements that move: a transition or an animation longer than a millisecond
+MOVING = """() => [...document.querySelectorAll("*")].filter((e) => {
+  const s = getComputedStyle(e);
+  const longest = (durations) => Math.max(...durations.split(",").map(parseFloat));
+  return longest(s.transitionDuration) > 0.001
+    || (s.animationName !== "none" && longest(s.animationDuration) > 0.001);
+}).length"""
+
+
+def test_every_page_is_outlined_and_its_text_contrasts_and_stays_still(
+    page: Page, context: BrowserContext, srv: Server
+) -> None:
+    """Every page has one h1, no skipped heading level, a header and a main, `lang`, a title
+    of its own and its navigation's link marked current; its text contrasts 4.5:1 with what is
+    behind it (computed from the drawn colours) and nothing on it moves. The API docs (Swagger
+    UI) wrote GET, POST, PUT, PATCH, DELETE, its versions, links, Authorize and Expand all at
+    1.6 to 3.8:1 (12 colour pairs; the node's pages had none), and slid and faded for a reader
+    who asked for less motion."""
+    midhash = titled(srv, drop(srv, "Amber.Meridian.2012.mkv"), "Amber Meridian")
+    signed_out = context.browser.new_context() if context.browser else None
+    assert signed_out is not None
+    outside = signed_out.new_page()
+    outside.goto(srv.url + "/")
+    assert outside.evaluate(LOW_CONTRAST) == [] and outside.evaluate(MOVING) == 0
+    signed_out.close()
+    nav = dict(ui.NAV)
+    pages = {**PAGES, "record": f"/records/{midhash}", "not-found": "/records/x"}
+    titles = set()
+    for name, path in pages.items():
+        page.goto(srv.url + path)
+        if name == "record":
+            page.get_by_role("button", name="Edit title").click()  # its field too
+        outline = page.evaluate(OUTLINE)
+        assert outline == {
+            "h1": 1,
+            "skips": False,
+            "landmarks": ["header", "main"],
+            "lang": "en",
+            "current": [nav[path]] if path in nav else [],
+        }, name
+        titles.add(page.title())
+        assert page.evaluate(LOW_CONTRAST) == [], name
+        assert page.evaluate(MOVING) == 0, name
+    assert len(titles) == len(pages)
+    page.goto(srv.url + "/docs")
+    expect(page.get_by_text("/api/claims").first).to_be_visible()
+    assert page.evaluate(LOW_CONTRAST) == []
+    assert page.evaluate(MOVING) > 0  # Swagger UI's own motion, where none was asked away
+    page.emulate_media(reduced_motion="reduce")
+    assert page.evaluate(MOVING) == 0
 
 
 def contrast(one: str, other: str) -> float:

@@ -5,6 +5,15 @@
 // `data-root`; empty at the root of a host): every URL the scripts make starts with it.
 const ROOT = document.documentElement.dataset.root || "";
 
+// A status region (role=status, aria-live=polite) is read aloud at each change of its content,
+// the very same words written again included: Plugins wrote "The node does not answer;
+// retrying…" every two seconds while the node was down, Live "reconnecting…" at each attempt, a
+// screen reader repeating them until it came back. Only words that differ are written.
+function say(region, ...words) {
+  const text = words.map((w) => (typeof w === "string" ? w : w.textContent)).join("");
+  if (region.textContent !== text) region.replaceChildren(...words);
+}
+
 function csrf() {
   const main = document.getElementById("main");
   return main ? main.dataset.csrf || "" : "";
@@ -43,10 +52,12 @@ function signedOut(status) {
   const again = document.createElement("a");
   again.href = location.pathname + location.search;
   again.textContent = "Sign in again";
-  status.replaceChildren("Signed out (the node restarted, or the session ended). ", again);
+  say(status, "Signed out (the node restarted, or the session ended). ", again);
 }
 
 const NEWS_MS = 5000;
+// how much of the newest change is read aloud: a value may be an nfo's plot of paragraphs
+const NEWS_CHARS = 120;
 
 function startLive() {
   const list = document.getElementById("events");
@@ -63,7 +74,8 @@ function startLive() {
   let unread = 0;
   let newsTimer = null;
   const told = () => {
-    const newest = list.firstElementChild ? list.firstElementChild.textContent : "";
+    const row = list.firstElementChild ? list.firstElementChild.textContent : "";
+    const newest = row.length > NEWS_CHARS ? `${row.slice(0, NEWS_CHARS)}…` : row;
     news.textContent = unread === 1
       ? `1 new change: ${newest}`
       : `${unread} new changes, the newest: ${newest}`;
@@ -92,12 +104,12 @@ function startLive() {
     asking.delete(rid);
     if (again) ask(rid);
   };
-  source.onopen = () => { status.textContent = "connected"; };
+  source.onopen = () => say(status, "connected");
   // EventSource retries by itself while the node does not answer; it gives up (CLOSED) only
   // when the node answers with a refusal, which here means the session is gone.
   source.onerror = () => {
     if (source.readyState === EventSource.CLOSED) signedOut(status);
-    else status.textContent = "reconnecting…";
+    else say(status, "reconnecting…");
   };
   const show = (event) => {
     const data = JSON.parse(event.data);
@@ -116,7 +128,7 @@ function startLive() {
   };
   source.addEventListener("set", show);
   source.addEventListener("del", show);
-  source.addEventListener("gap", () => { status.textContent = "caught up from a snapshot"; });
+  source.addEventListener("gap", () => say(status, "caught up from a snapshot"));
 }
 
 // Plugins: refresh the counts and progress bars two seconds after each answer (not every two
@@ -145,11 +157,11 @@ function startPlugins() {
       const r = await fetch(`${ROOT}/api/plugins`, { credentials: "same-origin" });
       if (r.status === 401) return signedOut(status);
       if (r.ok) {
-        status.textContent = "";
+        say(status, "");
         show((await r.json()).plugins);
       }
     } catch {
-      status.textContent = "The node does not answer; retrying…";
+      say(status, "The node does not answer; retrying…");
     }
     setTimeout(tick, 2000);
   };
