@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -802,6 +803,66 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         assert thrown == []
         assert [url for url in loaded if url.endswith("/favicon.ico")] == []
         ctx.close()
+
+
+def test_live_follows_again_from_its_last_change_after_the_node_refused_its_feed(
+    browser: Browser, tmp_path: Path
+) -> None:
+    """A feed the node refuses for a while (503 `too_busy`: every connection it takes is held)
+    stopped Live for good, saying "Signed out" of a session still alive. It says
+    "reconnecting…", and once the node takes the feed again it goes on from its last change:
+    what came meanwhile is shown, once."""
+    if os.geteuid() != 0:
+        pytest.skip("cutting the page's connections (ss -K) needs root, as the suite runs in CI")
+    ss = shutil.which("ss") or shutil.which("ss", path="/usr/sbin:/sbin:/usr/bin")
+    if ss is None and (why := install("iproute2")):
+        pytest.skip(f"Debian's iproute2 (ss, to cut the page's connections): {why}")
+    env = {"METANODE_MAX_CONNECTIONS": "6", "METANODE_HEADER_TIMEOUT_S": "600"}
+    server = Server(tmp_path / "data", env=env).start()
+    held: list[socket.socket] = []
+    try:
+        ctx = browser.new_context(viewport=DESKTOP)
+        ctx.set_default_timeout(WAIT_MS)
+        live = ctx.new_page()
+        sign_in(live, server, server.token)
+        live.goto(server.url + "/live")
+        status = live.get_by_role("status")
+        expect(status).to_have_text("connected")
+        live.evaluate(WRITTEN)
+        changes = live.get_by_role("list", name="Changes").get_by_role("listitem")
+        midhash = midhash_of(server, drop(server, "Held.Line.2001.mkv"))
+        expect(changes.filter(has_text="Held.Line.2001.mkv").first).to_be_visible()
+        ctx.set_offline(True)  # the page's feed, cut below, is not taken up again meanwhile
+        cut = [ss or "ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{server.port}"]
+        subprocess.run(cut, check=True, capture_output=True)
+        poster = Signer()
+        server.register(poster.uid, "poster", weight=1)
+        while_away = poster.claim(midhash, "mood", "while away", now_ms())
+        posted = httpx.post(
+            f"{server.url}/api/claims", json={"claims": [while_away]}, headers=server.headers
+        )
+        assert posted.status_code == 200, posted.text
+
+        def full() -> bool | None:  # every connection the node takes is held, idle
+            held.append(socket.create_connection(("127.0.0.1", server.port)))
+            return httpx.get(f"{server.url}/health", timeout=10).status_code == 503 or None
+
+        poll(full, "the node's connections all held")
+        with live.expect_response(lambda r: "/api/events" in r.url and r.status == 503):
+            ctx.set_offline(False)
+        expect(status).to_have_text("reconnecting…")
+        with live.expect_request(lambda r: r.method == "HEAD" and r.url.endswith("/live")):
+            pass  # the page asks whether its session is alive, and is refused again: 503
+        for sock in held:
+            sock.close()
+        expect(status).to_have_text("connected")
+        expect(changes.filter(has_text="mood = while away")).to_have_count(1)
+        assert not any("Signed out" in said for said in live.evaluate("window.written"))
+        ctx.close()
+    finally:
+        for sock in held:
+            sock.close()
+        server.stop()
 
 
 # what the page's status region (role=status) says, in order, each time it is written

@@ -58,6 +58,8 @@ function signedOut(status) {
 const NEWS_MS = 5000;
 // how much of the newest change is read aloud: a value may be an nfo's plot of paragraphs
 const NEWS_CHARS = 120;
+// how long Live waits before following again after the node refused its feed for a while (503)
+const LIVE_RETRY_MS = 5000;
 
 function startLive() {
   const list = document.getElementById("events");
@@ -66,7 +68,8 @@ function startLive() {
   const renaming = new Set(list.dataset.labelKeys.split(" "));
   const known = new Map(); // rid → its label, once asked
   const asking = new Map(); // rid → true while asked, "again" when it may have changed since
-  const source = new EventSource(`${ROOT}/api/events`);
+  let source = null;
+  let lastId = ""; // the newest event's id: a new EventSource goes on from it
   const gone = () => { source.close(); signedOut(status); };
   // A screen reader hears how many changes came, and the newest, once every NEWS_MS at most,
   // not every row: a season of episodes queued minutes of speech.
@@ -104,14 +107,36 @@ function startLive() {
     asking.delete(rid);
     if (again) ask(rid);
   };
-  source.onopen = () => say(status, "connected");
-  // EventSource retries by itself while the node does not answer; it gives up (CLOSED) only
-  // when the node answers with a refusal, which here means the session is gone.
-  source.onerror = () => {
-    if (source.readyState === EventSource.CLOSED) signedOut(status);
-    else say(status, "reconnecting…");
+  // EventSource retries by itself while the node does not answer; it gives up (CLOSED) when the
+  // node answers anything but 200. That is a gone session (401) or a node that cannot take the
+  // feed now (503 `too_busy` past `max_connections`, `cache_not_ready` while it starts): the
+  // page said "Signed out" to both and stopped following. The page itself, asked without its
+  // body, tells which; for a 503 a new EventSource goes on from the last id after a while.
+  const closed = async () => {
+    try {
+      const r = await fetch(`${ROOT}/live`, { method: "HEAD", credentials: "same-origin" });
+      if (r.status === 401) return signedOut(status);
+    } catch { /* the node does not answer: try again all the same */ }
+    say(status, "reconnecting…");
+    setTimeout(connect, LIVE_RETRY_MS);
+  };
+  const connect = () => {
+    const since = lastId ? `?since=${encodeURIComponent(lastId)}` : "";
+    source = new EventSource(`${ROOT}/api/events${since}`);
+    source.onopen = () => say(status, "connected");
+    source.onerror = () => {
+      if (source.readyState === EventSource.CLOSED) closed();
+      else say(status, "reconnecting…");
+    };
+    source.addEventListener("set", show);
+    source.addEventListener("del", show);
+    source.addEventListener("gap", (event) => {
+      lastId = event.lastEventId || lastId;
+      say(status, "caught up from a snapshot");
+    });
   };
   const show = (event) => {
+    lastId = event.lastEventId || lastId;
     const data = JSON.parse(event.data);
     if (data.key.startsWith("cids/")) return;
     const item = document.createElement("li");
@@ -126,9 +151,7 @@ function startLive() {
     tell();
     if (!known.has(data.rid) || renaming.has(data.key)) ask(data.rid);
   };
-  source.addEventListener("set", show);
-  source.addEventListener("del", show);
-  source.addEventListener("gap", () => say(status, "caught up from a snapshot"));
+  connect();
 }
 
 // Plugins: refresh the counts and progress bars two seconds after each answer (not every two
