@@ -1120,6 +1120,21 @@ def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
     assert answer.status_code == 404 and answer.json()["error"] == "not_found"
 
 
+def test_swagger_uis_demo_pages_are_not_served(page: Page, srv: Server) -> None:
+    """`/docs/assets/` served the whole swagger-ui-bundle folder to anyone: its demo
+    `index.html` ran Swagger UI as a page of the node's origin, outside the page policy,
+    fetching petstore.swagger.io's document and sending it to validator.swagger.io. Only the
+    two files `/docs` uses are served now."""
+    outside: list[str] = []
+    page.on("request", lambda r: None if r.url.startswith(srv.url) else outside.append(r.url))
+    for name in ("index.html", "oauth2-redirect.html", "swagger-initializer.js", "index.css"):
+        answer = page.goto(f"{srv.url}/docs/assets/{name}")
+        assert answer is not None and answer.status == 404, name
+    assert outside == []
+    for name in ("swagger-ui.css", "swagger-ui-bundle.js"):
+        assert httpx.get(f"{srv.url}/docs/assets/{name}").status_code == 200
+
+
 def test_api_docs_render_from_the_package(page: Page, srv: Server) -> None:
     outside: list[str] = []
     page.on(
