@@ -37,6 +37,7 @@ from metanode.bodies import ascii_number, read_json, refuse_unknown
 from metanode.claims import utf8_size
 from metanode.config import below_root
 from metanode.errors import (
+    Forbidden,
     InternalError,
     InvalidRequest,
     MetanodeError,
@@ -217,6 +218,19 @@ def not_vouched(scope: Scope, headers: Mapping[bytes, bytes], also: Collection[s
     return None
 
 
+# What a browser loads to run or to style a page (`Sec-Fetch-Dest`): no file of the media is
+# that. A classic `<script>` needs no CORS, so another site's page ran a `.js` of the watched
+# folders through a trusted address's browser and read what it held; and on this origin it is
+# a script the page policy's `'self'` lets run. Programs send no such header.
+NOT_A_SUBRESOURCE = frozenset(
+    {b"script", b"style", b"worker", b"sharedworker", b"serviceworker", b"audioworklet"}
+    | {b"paintworklet", b"xslt"}
+)
+NOT_RUN = Forbidden(
+    "the MetaMesh routes serve files and records, never a script, style sheet or worker of a page"
+)
+
+
 class Perimeter:
     """The one place that decides who may use a route: `FAMILIES` (SPEC §4, docs/api.md)."""
 
@@ -243,6 +257,8 @@ class Perimeter:
             return None
         unauthorized = UNAUTHORIZED
         if access is Access.TRUSTED:
+            if headers.get(b"sec-fetch-dest") in NOT_A_SUBRESOURCE:
+                return NOT_RUN
             network = self._network_refusal(scope, headers)
             if network is None:
                 return None

@@ -742,7 +742,10 @@ def served_file(roots: Roots, settings: Settings, path: str) -> str:
         raise InvalidRequest(f"{shown(path)} holds a lone surrogate, which is not text") from None
     found = roots.local(path)
     if found is None:
-        raise NotFoundError(f"no file at {shown(path)}: a path starts with a watch root's name")
+        raise NotFoundError(
+            f"no file at {shown(path)}: a path starts with a watch root's name, and names no "
+            "file the watcher ignores (a dot-name, `*.part`, `watch_ignore`…)"
+        )
     root, local = found
     real = os.path.realpath(local)
     if not settings.watch_follow_symlinks and not real.startswith(root.rstrip("/") + "/"):

@@ -88,7 +88,11 @@ class Settings:
         "cannot hold every connection `max_connections` allows.",
         low=1,
     )
-    data_dir: Path = setting(Path("./data"), "Directory of truth.db, cache.db, the token, keys/.")
+    data_dir: Path = setting(
+        Path("./data"),
+        "Directory of truth.db, cache.db, the token, keys/; not inside a watch root (WebDAV would "
+        "serve them).",
+    )
     storage: str = setting(
         "sqlite",
         "Where the truth and the cache live: `sqlite` (truth.db and cache.db in the data "
@@ -340,8 +344,11 @@ class Settings:
     def _check_roots(self) -> None:
         """One folder named twice (spelt two ways, or through a link) would be scanned twice
         and served under two WebDAV names (`media`, `media-2`): refused. A root inside another
-        is allowed (its files are served below the deeper root, webdav.Roots)."""
+        is allowed (its files are served below the deeper root, webdav.Roots). A data
+        directory inside a root is refused: WebDAV and `POST /file/cid` served its `api-token` and
+        `keys/owner.key` to every trusted address, and the watcher fingerprinted them."""
         seen: dict[str, str] = {}
+        data = os.path.realpath(self.data_dir)
         for root in self.watch_roots:
             real = os.path.realpath(root)
             if real in seen:
@@ -349,6 +356,12 @@ class Settings:
                     f"setting watch_roots: {root!r} is the folder {seen[real]!r} again"
                 )
             seen[real] = root
+            if os.path.commonpath([data, real]) == real:
+                raise InvalidRequest(
+                    f"setting data_dir: {str(self.data_dir)!r} lies inside the watch root "
+                    f"{root!r}, whose files WebDAV serves to trusted networks without the token "
+                    "(the API token, the keys): keep the data directory outside every watch root"
+                )
 
     def _check_plugin_outputs(self) -> None:
         """Writes over WebDAV must never reach the media: refuse an outputs folder that is a

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import re
 import sys
 import time
 from typing import Any
@@ -43,17 +44,36 @@ class JsonFormatter(logging.Formatter):
         return jsonl.dumps(entry, default=str)
 
 
+# C0 and C1 control characters and DEL: what a terminal takes for a line end or a command
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class ReadableFormatter(logging.Formatter):
+    """`<time> <level> <logger> [<request id>] <message>`, a line whose message cannot end it
+    or command the terminal: its control characters are written escaped (`\\n`, `\\x1b`).
+    A message quotes what others chose (a request's path in the access line, a file name of
+    the media a plugin failed on): a line feed there wrote a line of the attacker's wording,
+    an escape sequence recoloured or retitled the terminal. A traceback keeps its lines."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return CONTROL.sub(_escaped, super().formatMessage(record))
+
+
+def _escaped(found: re.Match[str]) -> str:
+    """A control character as Python writes it in a string (`\\n`, `\\x1b`): unambiguous."""
+    return repr(found.group())[1:-1]
+
+
 def configure(level: str, json_lines: bool | None = None) -> None:
     """Send all logs (uvicorn's too) to stderr, as JSON unless stderr is a terminal."""
     if json_lines is None:
         json_lines = not sys.stderr.isatty()
     handler = logging.StreamHandler(sys.stderr)
     handler.addFilter(_RequestIdFilter())
-    handler.setFormatter(
-        JsonFormatter()
-        if json_lines
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
-    )
+    handler.setFormatter(JsonFormatter() if json_lines else ReadableFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

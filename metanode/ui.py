@@ -33,6 +33,7 @@ import jinja2
 import markupsafe
 import swagger_ui_bundle
 from itsdangerous import BadSignature, TimestampSigner
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
@@ -580,6 +581,26 @@ def error_page(request: Request, exc: MetanodeError) -> HTMLResponse:
 Handler = Callable[[Request], Awaitable[Response]]
 
 
+class Assets(StaticFiles):
+    """The files of a folder that the pages use, and no other (404). Swagger UI's package
+    holds its demo pages too (`index.html`, `oauth2-redirect.html`): served at `/docs/assets/`
+    to anyone, without the page policy, one ran Swagger UI as a page of the node's origin,
+    which fetched a document from petstore.swagger.io and sent it to validator.swagger.io."""
+
+    def __init__(self, directory: str, names: frozenset[str]) -> None:
+        super().__init__(directory=directory)
+        self.names = names
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        if path not in self.names:
+            raise HTTPException(status_code=404)
+        return await super().get_response(path, scope)
+
+
+# what `docs.html` takes from the swagger-ui-bundle package
+SWAGGER_ASSETS = frozenset({"swagger-ui.css", "swagger-ui-bundle.js"})
+
+
 class Pages:
     """The page routes of one node; each page needs a session, else it shows the sign-in."""
 
@@ -931,7 +952,7 @@ class Pages:
             Route("/status", page(self.health)),
             Route("/docs", self.docs),
             Mount("/static", StaticFiles(directory=str(static)), name="static"),
-            Mount("/docs/assets", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path)),
+            Mount("/docs/assets", Assets(swagger_ui_bundle.swagger_ui_path, SWAGGER_ASSETS)),
         ]
 
 

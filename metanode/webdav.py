@@ -11,6 +11,10 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
   layout (`Roots.relative`), so a record's `filePath` appended to `webdavUrl` is its file;
 * **read-only**: every root is served by a read-only provider, so PUT, DELETE, MKCOL, MOVE,
   COPY, PROPPATCH are answered 403 by WsgiDAV;
+* **only the library**: what the watcher ignores in a root (a dot-name such as `.ssh/` or
+  `.DS_Store`, a download in progress, `*.part`, `watch_ignore`) is neither listed nor served
+  (404), as no record names it (`Roots.rules`); the plugin outputs' folder serves whatever a
+  client wrote there;
 * **no way out of a root**: unless `watch_follow_symlinks` is on (then links are followed
   anywhere, as the watcher follows them), a path whose real path leaves its root, or whose
   last component is a symbolic link, is 403 and links are left out of listings (WsgiDAV's own
@@ -62,6 +66,7 @@ from metanode.errors import (
     shown,
 )
 from metanode.ranges import Unserved, byte_ranges
+from metanode.watcher import Rules
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
@@ -87,6 +92,7 @@ INERT = {
     "X-Content-Type-Options": "nosniff",
 }
 INERT_RAW = [(name.lower().encode(), value.encode()) for name, value in INERT.items()]
+DEFAULT_RULES = Rules()  # the watcher's own ignores: dot-names, `*.part`, `*.tmp`…
 
 
 @dataclass(frozen=True)
@@ -99,16 +105,22 @@ class Roots:
 
     collections: tuple[tuple[str, str], ...]
     plugin: str | None = None  # the plugin outputs' folder (real path), served at `plugin/`
+    rules: Rules = DEFAULT_RULES  # what the watcher ignores in a root is not served either
 
     @classmethod
     def served(cls, settings: Settings) -> Roots:
         """The layout of a node: its watch roots, and the plugin outputs' folder at `plugin/`
         when WebDAV writes are on (its files are watched too: `Settings.watched`)."""
         outputs = settings.plugin_outputs if settings.webdav_plugin_writes else None
-        return cls.of(settings.watch_roots, outputs)
+        return cls.of(settings.watch_roots, outputs, Rules(settings.watch_ignore))
 
     @classmethod
-    def of(cls, roots: Sequence[str], plugin: os.PathLike[str] | None = None) -> Roots:
+    def of(
+        cls,
+        roots: Sequence[str],
+        plugin: os.PathLike[str] | None = None,
+        rules: Rules = DEFAULT_RULES,
+    ) -> Roots:
         """Each root named by its basename (`root` for `/`), made unique with `-2`, `-3`…"""
         taken = {PLUGIN}
         collections = []
@@ -121,18 +133,23 @@ class Roots:
                 name = f"{base}-{n}"
             taken.add(name)
             collections.append((name, real))
-        return cls(tuple(collections), os.path.realpath(plugin) if plugin is not None else None)
+        outputs = os.path.realpath(plugin) if plugin is not None else None
+        return cls(tuple(collections), outputs, rules)
 
     def local(self, path: str) -> tuple[str, str] | None:
         """(the root's real path, the local path) that `<name>/<path below the root>` names:
         `relative` the other way (`plugin/…` too when the outputs' folder is served); None for
-        no such collection, no path below it, or a `.`/`..` segment."""
+        no such collection, no path below it, a `.`/`..` segment, or a path of a root that
+        the watcher ignores (`rules`: a dot-name, `*.part`, `watch_ignore`…)."""
         name, _, below = path.strip("/").partition("/")
         reals = dict(self.collections) | ({PLUGIN: self.plugin} if self.plugin else {})
         root = reals.get(name)
         if root is None or not below or {".", "..", ""} & set(below.split("/")):
             return None
-        return root, os.path.join(root, below)
+        local = os.path.join(root, below)
+        if root != self.plugin and self.rules.ignored(root, local):
+            return None
+        return root, local
 
     def relative(self, path: str) -> str:
         """`<name>/<path below the root>` of the deepest root holding `path`; a path outside
@@ -188,10 +205,22 @@ def servable(name: str) -> bool:
 
 
 class Folder(FolderResource):  # type: ignore[misc]
-    """A folder of a root, listing only the names that can be served (`servable`)."""
+    """A folder of a root, listing only the names that can be served (`servable`) and that
+    the watcher does not ignore (`Roots.rules`)."""
+
+    def __init__(
+        self, path: str, environ: dict[str, Any], file_path: str, root: str, rules: Rules
+    ) -> None:
+        super().__init__(path, environ, file_path)
+        self.root, self.rules = root, rules
 
     def get_member_names(self) -> list[str]:
-        return [name for name in super().get_member_names() if servable(name)]
+        folder = self._file_path.rstrip("/")
+        return [
+            name
+            for name in super().get_member_names()
+            if servable(name) and not self.rules.ignored(self.root, f"{folder}/{name}")
+        ]
 
 
 class Top(DAVCollection):  # type: ignore[misc]
@@ -217,6 +246,7 @@ class Layout(DAVProvider):  # type: ignore[misc]
         self.readonly = True
         self.fs_opts = {"follow_symlinks": follow_symlinks}
         self.reals = dict(roots.collections)
+        self.rules = roots.rules
         self.roots: dict[str, FilesystemProvider] = {}
         self.plugin_dir = plugin_dir
         self.names = [name for name, _ in roots.collections] + ([PLUGIN] if plugin_dir else [])
@@ -243,12 +273,15 @@ class Layout(DAVProvider):  # type: ignore[misc]
         if fs is None:
             return None
         file_path = fs._loc_to_file_path(f"/{below}", environ)  # 403 outside the root
+        root = self.reals[name]
+        if below and self.rules.ignored(root, file_path.rstrip("/")):
+            return None  # a dot-file, a download in progress: no file of the library
         if not os.path.lexists(file_path):
             return None
         if not self.fs_opts["follow_symlinks"] and os.path.islink(file_path):
             raise DAVError(HTTP_FORBIDDEN, "symbolic links are not followed")
         if os.path.isdir(file_path):
-            return Folder(path, environ, file_path)
+            return Folder(path, environ, file_path, root, self.rules)
         if not os.path.isfile(file_path):
             return None  # a dangling link, a socket…
         return CheckedFile(path, environ, file_path, fs.root_folder_path_real)
@@ -435,7 +468,8 @@ def server(settings: Settings) -> ASGIApp:
     inside `plugin/` would be refused (502).
     """
     outputs = plugin_dir(settings)
-    roots = Roots.of(settings.watch_roots)  # `plugin/` has its own writable provider below
+    # `plugin/` has its own writable provider below, serving whatever a client wrote there
+    roots = Roots.of(settings.watch_roots, rules=Rules(settings.watch_ignore))
     # WsgiDAV's hrefs start with its mount path, and a MOVE's or COPY's `Destination` must:
     # under `root_path`, the prefix is in both (`App` puts it in a `Destination` that lacks it)
     mount = settings.root_path + MOUNT

@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import pty
 import shutil
 import signal
 import sqlite3
@@ -140,6 +141,52 @@ def test_json_log_lines_carry_the_request_id() -> None:
     line = json.loads(logs.JsonFormatter().format(record))
     assert line["msg"] == "hello you" and line["request_id"] == "r-1" and line["status"] == 200
     assert line["level"] == "info" and line["ts"].endswith("Z")
+
+
+def test_on_a_terminal_a_request_can_neither_end_a_log_line_nor_command_the_terminal(
+    tmp_path: Path,
+) -> None:
+    """On a terminal the log is readable lines, not JSON. The access line wrote a request's
+    path as uvicorn decoded it: `%0A` ended the line, so the rest read as a line of the
+    sender's wording (a forged `ERROR`), and `%1B` sent the terminal an escape sequence (colour,
+    title, worse on some terminals). A real `serve` on a pseudo-terminal; both are escaped."""
+    server = Server(tmp_path / "data", env={"METANODE_LOG_ACCESS": "true"})
+    main, terminal = pty.openpty()
+    said = bytearray()
+
+    def read() -> None:
+        with contextlib.suppress(OSError):  # EIO once the process and its terminal are gone
+            while chunk := os.read(main, 65536):
+                said.extend(chunk)
+
+    serve = [sys.executable, "-m", "metanode", "serve", "--data-dir", str(server.data_dir)]
+    process = subprocess.Popen(
+        [*serve, "--port", str(server.port), "--workers", "1"],
+        env={**server.base_env(), **server.env},
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=terminal,
+    )
+    os.close(terminal)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        poll(lambda: b"Application startup complete" in said or None, "the node to start")
+        forged = "/x%0A2026-01-01 00:00:00,000 ERROR metanode forged%1B]0;owned%07%1B[31m"
+        assert httpx.get(f"{server.url}{forged}", timeout=10).status_code == 401
+        poll(lambda: b"GET /x" in said or None, "the access line")
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        reader.join(timeout=30)
+        os.close(main)
+    text = said.decode("utf-8", "replace")
+    line = next(line for line in text.splitlines() if "GET /x" in line)
+    assert " 401 " in line and line.endswith(" ms")  # the path did not end the line
+    assert "\\n2026-01-01 00:00:00,000 ERROR metanode forged\\x1b]0;owned\\x07\\x1b[31m" in line
+    assert "\x1b" not in text and "\x07" not in text
+    assert not any(row.startswith("2026-01-01") for row in text.splitlines())
 
 
 @pytest.mark.parametrize("chatty", ["httpx", "watchfiles.main"])

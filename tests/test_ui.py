@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import itertools
 import json
 import os
 import re
@@ -1095,6 +1096,32 @@ def test_a_page_or_drawing_in_the_media_never_runs_as_the_signed_in_page(
     assert not {s["name"] for s in signers["signers"]} & {name for name, _ in served}
 
 
+def test_a_script_of_the_media_runs_in_no_page(page: Page, srv: Server) -> None:
+    """A script file of the watched folders (a `.js` that came with a download) was served to
+    a page's `<script src>`: another site's page, through the browser of a trusted address
+    (WebDAV and `/file/{cid}` need no token there, and a script needs no CORS), ran it and
+    read what it holds; and on the node's own origin it would be a script `default-src 'self'`
+    lets run, should a value ever reach a page unescaped. The MetaMesh routes now refuse what
+    a browser loads as a script, a style sheet or a worker (`Sec-Fetch-Dest`); a film still
+    plays, a page of them still opens."""
+    path = srv.media / "Release.Notes.js"
+    path.write_text(f'window.leaked = "{os.urandom(8).hex()}";')
+    midhash = midhash_of(srv, path)
+    sources = [f"/webdav/{srv.media.name}/{path.name}", f"/file/{midhash}"]
+    scripts = "".join(f'<script src="{srv.url}{source}"></script>' for source in sources)
+    sheets = "".join(f'<link rel="stylesheet" href="{srv.url}{source}">' for source in sources)
+    with elsewhere("localhost", f"<p>news</p>{scripts}{sheets}") as there:
+        page.goto(there)
+        assert page.evaluate("window.leaked") is None
+    for source, dest in itertools.product(sources, ("script", "style", "worker")):
+        refused = httpx.get(srv.url + source, headers={"Sec-Fetch-Dest": dest}, timeout=30)
+        assert (refused.status_code, refused.json()["error"]) == (403, "forbidden")
+    for dest in ("document", "video", None):  # opened, played, or read by a program
+        asked = {"Sec-Fetch-Dest": dest} if dest else {}
+        answer = httpx.get(srv.url + sources[0], headers=asked, timeout=30)
+        assert answer.text == path.read_text()
+
+
 def test_no_other_page_frames_the_pages_and_nothing_inline_runs_in_them(
     page: Page, srv: Server
 ) -> None:
@@ -1213,6 +1240,21 @@ def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
         expect(page.get_by_role("button", name="Sign out")).to_be_visible()  # still signed in
     answer = httpx.get(f"{srv.url}/nope", headers=srv.headers, timeout=10)
     assert answer.status_code == 404 and answer.json()["error"] == "not_found"
+
+
+def test_swagger_uis_demo_pages_are_not_served(page: Page, srv: Server) -> None:
+    """`/docs/assets/` served the whole swagger-ui-bundle folder to anyone: its demo
+    `index.html` ran Swagger UI as a page of the node's origin, outside the page policy,
+    fetching petstore.swagger.io's document and sending it to validator.swagger.io. Only the
+    two files `/docs` uses are served now."""
+    outside: list[str] = []
+    page.on("request", lambda r: None if r.url.startswith(srv.url) else outside.append(r.url))
+    for name in ("index.html", "oauth2-redirect.html", "swagger-initializer.js", "index.css"):
+        answer = page.goto(f"{srv.url}/docs/assets/{name}")
+        assert answer is not None and answer.status == 404, name
+    assert outside == []
+    for name in ("swagger-ui.css", "swagger-ui-bundle.js"):
+        assert httpx.get(f"{srv.url}/docs/assets/{name}").status_code == 200
 
 
 def test_api_docs_render_from_the_package(page: Page, srv: Server) -> None:

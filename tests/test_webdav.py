@@ -11,6 +11,8 @@ import http.client
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
@@ -430,6 +432,38 @@ def test_symlinks_do_not_escape_a_root(tmp_path: Path, launch: Callable[..., Ser
     assert listed.keys() == {"/webdav/media/", "/webdav/media/inside.mkv"}  # links left out
 
 
+def test_what_the_watcher_ignores_is_neither_listed_nor_served(
+    launch: Callable[..., Server],
+) -> None:
+    """WebDAV served every file of a root, what the watcher leaves out too: a dot-file or a
+    dot-folder (`.ssh/id_ed25519` in a root that is a home folder, `.env`), a download in
+    progress, a `watch_ignore` glob, to every trusted address without the token, though no
+    record names them and no consumer asks for them. Now each is 404 (and `POST /file/cid` of
+    it too) and left out of listings; the library's files are served as before."""
+    server = launch(METANODE_WATCH_IGNORE="*.secret,private/*")
+    film = drop(server.media / "films" / "film.mkv")
+    hidden = ["films/.env", ".ssh/id_ed25519", "films/next.mkv.part", "a.secret", "private/b.mkv"]
+    for path in hidden:
+        drop(server.media / path, b"not for the network")
+    base = f"{server.url}/webdav/media"
+    for path in hidden:
+        for method in ("GET", "HEAD", "PROPFIND"):
+            answer = httpx.request(method, f"{base}/{path}", headers={"Depth": "0"}, timeout=30)
+            assert answer.status_code == 404, (method, path, answer.status_code)
+            assert b"not for the network" not in answer.content
+        asked = httpx.post(f"{server.url}/file/cid", json={"path": f"media/{path}"}, timeout=30)
+        assert asked.status_code == 404, (path, asked.text)
+    folders = {"/webdav/media/", "/webdav/media/films/", "/webdav/media/private/"}
+    assert propfind(f"{base}/", "1").keys() == folders  # `private/*` leaves the folder listed
+    assert propfind(f"{base}/private/", "1").keys() == {"/webdav/media/private/"}
+    assert propfind(f"{base}/films/", "1").keys() == {
+        "/webdav/media/films/",
+        "/webdav/media/films/film.mkv",
+    }
+    assert httpx.get(f"{base}/films/film.mkv", timeout=30).content == film.read_bytes()
+    assert httpx.post(f"{server.url}/file/cid", json={"path": "media/films/film.mkv"}).is_success
+
+
 def test_symlinks_are_followed_when_the_watcher_follows_them(
     tmp_path: Path, launch: Callable[..., Server]
 ) -> None:
@@ -556,6 +590,31 @@ def test_plugin_outputs_may_not_overlap_a_watch_root(tmp_path: Path) -> None:
                 webdav_plugin_dir=str(outputs),
             )
     config.Settings(watch_roots=(str(media),), webdav_plugin_dir=str(media))  # writes off: unused
+
+
+@pytest.mark.parametrize("root", [".", "..", "data"])
+def test_a_data_directory_inside_a_watch_root_is_refused(tmp_path: Path, root: str) -> None:
+    """The data directory inside a watch root (`watch_roots = ["/srv"]`, `data_dir =
+    "/srv/metanode"`): WebDAV served `/webdav/<root>/data/api-token` and `keys/owner.key` to
+    every trusted address without the token, and the watcher made records of them (so
+    `/file/{cid}` served them too). `serve` now refuses to start; a root inside the data
+    directory is no danger (it holds none of it)."""
+    (tmp_path / "data").mkdir()
+    env = {**Server(tmp_path / "data").base_env(), "METANODE_WATCH_ROOTS": root}
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "serve", "--data-dir", "data"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(
+        f"error: invalid_request: setting data_dir: 'data' lies inside the watch root {root!r}"
+    )
+    assert not (tmp_path / "data" / "api-token").exists()
+    config.Settings(data_dir=tmp_path / "data", watch_roots=(str(tmp_path / "data" / "media"),))
 
 
 NAMES = st.sampled_from(["media", "plugin", "tv", "media-2", "films"])
