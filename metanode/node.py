@@ -652,15 +652,13 @@ class Node:
             result.verdicts.count("duplicate"),
             result.verdicts.count("stale"),
             len(said),
-            self._valid_in_s(items, errors, now),
+            self._valid_from(items, errors),
             said[0] if said else "",
         )
 
-    def _valid_in_s(
-        self, items: list[object], errors: list[dict[str, Any]], now: int
-    ) -> float | None:
-        """Seconds until the first of the claims refused as dated too far ahead is no longer
-        (None: none was): the follower then reconciles to fetch them."""
+    def _valid_from(self, items: list[object], errors: list[dict[str, Any]]) -> int | None:
+        """The clock reading from which the first of the claims refused as dated too far ahead
+        is no longer (None: none was): the follower then reconciles to fetch them."""
         ahead: list[int] = []
         for error in errors:
             item = items[error["index"]]
@@ -668,7 +666,7 @@ class Node:
                 ahead.append(int(item["ts"]))  # checked an integer before it was found ahead
         if not ahead:
             return None
-        return max(0.0, (min(ahead) - self.settings.max_skew_ms - now) / 1000)
+        return min(ahead) - self.settings.max_skew_ms
 
     async def add_peer(self, url: str, token: str, weight: int, name: str) -> dict[str, Any]:
         """Follow a peer: the first sync reconciles if this box already holds claims. The

@@ -1,14 +1,19 @@
 """A box whose clock is wrong: one without a real-time clock that boots in 1970, one whose
 clock network time steps back. The node's own signers (the owner, the plugins) date a new word
 after their own newest on the same key, so it counts; what no valid date can make count waits,
-saying why, instead of being refused for good or stored stale. The clock is the node's seam
+saying why, instead of being refused for good or stored stale; what a peer sent that the
+clock refused is fetched once the clock is set. The clock is the node's seam
 (`Node(clock=...)`), set by each test."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+import httpx
 import pytest
 
 from metanode import cid as cids
@@ -16,7 +21,9 @@ from metanode import claims, db, plugins
 from metanode.errors import ClockBehind, UnknownCid
 from metanode.node import Node
 from metanode.plugins import Plugin
+from tests.helpers.claims import Signer
 from tests.helpers.plugins import claim, probe
+from tests.helpers.server import Server
 from tests.helpers.settings import settings_for
 from tests.helpers.wait import until
 
@@ -272,3 +279,56 @@ async def test_a_plugins_rerun_after_the_clock_stepped_back_replaces_its_word(
         assert title(node, midhash) == "Ronin"
     finally:
         await node.stop()
+
+
+# -- the peers -----------------------------------------------------------------------------------
+
+
+def peer_token(server: Server, name: str) -> str:
+    """`metanode peers token create` on a running server's data directory."""
+    command = ["peers", "token", "create", "--name", name, "--data-dir", str(server.data_dir)]
+    made = subprocess.run(
+        [sys.executable, "-m", "metanode", *command],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return made.stdout.strip()
+
+
+async def test_a_peers_claims_refused_before_network_time_are_fetched_once_it_is_set(
+    tmp_path: Path,
+) -> None:
+    """A box that boots at 1970 refuses every claim of the peer it follows as dated 56 years
+    ahead (`ts_in_future`), and reads the log past them. Before, it reconciled for them after
+    a timer of 56 years, which never rang once network time set the clock: they stayed lacking
+    (after a restart too) until someone ran `peers sync`."""
+    (tmp_path / "a").mkdir()
+    a = Server(tmp_path / "a" / "data", env={"METANODE_WATCH_ENABLED": "false"}).start()
+    try:
+        signer = Signer()
+        a.register(signer.uid, "t", weight=1)
+        wire = signer.claim(CID_A, "title", "From a", ts=time.time_ns() // 1_000_000)
+        answer = httpx.post(f"{a.url}/api/claims", json={"claims": [wire]}, headers=a.headers)
+        assert answer.status_code == 200, answer.text
+        clock = Clock(BOOT)
+        settings = settings_for(
+            tmp_path / "b" / "data", peer_poll_s=0.2, peer_retry_s=0.2, peer_max_backoff_s=1.0
+        )
+        node = Node(settings, clock=clock)
+        await node.start()
+        try:
+            await node.add_peer(a.url, peer_token(a, "b"), 1, "a")
+            follower = node.peers.followers["a"]
+            await until(lambda: follower.resync_at is not None, "the claim refused as ahead")
+            assert node.claim_count() == 0
+            clock.ms = time.time_ns() // 1_000_000  # network time
+            await until(lambda: node.claim_count() == 1, "the claim fetched once it is valid")
+            rid = node.group_of(CID_A)
+            assert rid is not None and node.record_value(rid, "title") == "From a"
+        finally:
+            await node.stop()
+    finally:
+        a.stop()
+        a.print_log()
