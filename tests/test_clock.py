@@ -32,6 +32,7 @@ pytestmark = pytest.mark.both_backends  # the tests with a `storage` run on both
 T = 1_764_500_000_000  # 2025-11-30T10:53:20Z: the right time, in these tests
 SKEW = claims.Limits().max_skew_ms
 HOUR = 3_600_000
+YEAR = 365 * 24 * HOUR
 BOOT = 13_000  # 1970-01-01T00:00:13Z: a box without a real-time clock, before network time
 CID_A = cids.midhash_bytes(b"clock a")
 CID_B = cids.midhash_bytes(b"clock b")
@@ -279,6 +280,51 @@ async def test_a_plugins_rerun_after_the_clock_stepped_back_replaces_its_word(
         assert title(node, midhash) == "Ronin"
     finally:
         await node.stop()
+
+
+async def test_a_new_plugin_version_runs_once_after_a_wrong_year_was_put_right(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 1 ran while the year was set wrong (a year ahead); the clock put right, version 2
+    came. Before, version 2's runs, stamped by the clock, were older than version 1's: every
+    start read that as a rollback (2 → 1 → 2) and ran version 2 on every file again."""
+    clock = Clock(T + YEAR)
+    first = probe("namer", claim("title", "Heat"))
+    node = await plugin_node(tmp_path, monkeypatch, [first], clock)
+    seen = drop(tmp_path, "Heat.1995.mkv", b"a film seen in the wrong year")
+    await until(lambda: run_row(node, first, seen) == ("done", 1, None), "version 1's run")
+    await node.stop()
+
+    clock.ms = T
+    first_start = await ran_at_start(tmp_path, monkeypatch, clock, "start 1")
+    assert first_start == {seen, cids.midhash_bytes(b"start 1")}  # a new version: every file
+    again = await ran_at_start(tmp_path, monkeypatch, clock, "start 2")
+    assert again == {cids.midhash_bytes(b"start 2")}  # the new file only
+
+
+async def ran_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: Clock, tag: str
+) -> set[str]:
+    """Start the node with version 2, drop a file tagged `tag`, and once no run is left to do
+    stop it: the midhashes version 2 ran on."""
+    second = probe("namer", claim("title", "Heat"), version="2")
+    node = await plugin_node(tmp_path, monkeypatch, [second], clock)
+    try:
+        new = drop(tmp_path, f"{tag}.mkv", tag.encode())
+        await until(lambda: run_row(node, second, new) == ("done", 1, None), "the new file")
+        await until(lambda: not pending(node), "no run left to do")
+    finally:
+        await node.stop()
+    return {file.cid for file in second.calls}
+
+
+def pending(node: Node) -> bool:
+    """Whether any plugin run waits to be done."""
+    conn = db.connect(node.settings.cache_path, readonly=True)
+    try:
+        return bool(conn.execute("SELECT 1 FROM plugin_runs WHERE status = 'pending'").fetchall())
+    finally:
+        conn.close()
 
 
 # -- the peers -----------------------------------------------------------------------------------
