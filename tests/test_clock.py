@@ -125,6 +125,9 @@ async def test_the_owners_edit_after_the_clock_stepped_back_counts(
     clock.ms = T + 2 - SKEW  # once the clock is within the skew of that word
     assert (await node.owner_says([(CID_A, "title", "Third")])).body["accepted"] == 1
     assert node.record_value(rid, "title") == "Third"
+    clock.ms = T - 60_000  # back again: a Revert's tombstone is dated after "Third" too
+    assert (await node.owner_says([(CID_A, "title", None)])).body["accepted"] == 1
+    assert node.record_value(rid, "title") is None
 
 
 async def test_the_owners_word_is_dated_after_its_word_on_another_cid_of_the_group(
