@@ -1406,15 +1406,20 @@ def enqueue_runs_txn(
 ) -> None:
     """Queue a run per (plugin, version) for the given midhashes, or for every local file (at
     the host's start, which also runs a version again that another ran after it: a rollback,
-    2 → 1, left version 2's claims in place, version 1's runs being done)."""
+    2 → 1, left version 2's claims in place, version 1's runs being done).
+
+    At the start the rows are stamped after every run of the plugin (`_after_every_run`), so
+    "ran after" means it whatever the clock did since."""
+    stamps = dict.fromkeys((plugin for plugin, _ in versions), now_ms)
     if midhashes is None:
         for plugin, version in versions:
+            stamps[plugin] = _after_every_run(cache, plugin, now_ms)
             cache.execute(
                 "UPDATE plugin_runs SET status = 'pending', attempts = 0, next_at = 0, "
                 "error = NULL, updated_at = ? WHERE plugin = ? AND version = ? AND "
                 "(SELECT max(updated_at) FROM plugin_runs WHERE plugin = ? AND version <> ?) > "
                 "(SELECT max(updated_at) FROM plugin_runs WHERE plugin = ? AND version = ?)",
-                (now_ms, plugin, version, plugin, version, plugin, version),
+                (stamps[plugin], plugin, version, plugin, version, plugin, version),
             )
     source = (
         "SELECT DISTINCT midhash FROM local_file"
@@ -1427,8 +1432,19 @@ def enqueue_runs_txn(
             "INSERT INTO plugin_runs (plugin, version, midhash, status, updated_at) "
             f"SELECT ?, ?, midhash, 'pending', ? FROM ({source}) AS s WHERE true "
             "ON CONFLICT DO NOTHING",
-            (plugin, version, now_ms, *params),
+            (plugin, version, stamps[plugin], *params),
         )
+
+
+def _after_every_run(cache: Connection, plugin: str, now_ms: int) -> int:
+    """`now_ms`, or just after the newest `updated_at` of any version of `plugin` if that is
+    later: a clock set back (a wrong year put right) made a new version's rows older than the
+    old version's, which then read as a rollback at every start, and the new version ran on
+    every file again each time."""
+    newest = cache.execute(
+        "SELECT max(updated_at) FROM plugin_runs WHERE plugin = ?", (plugin,)
+    ).fetchone()[0]
+    return now_ms if newest is None else max(now_ms, int(newest) + 1)
 
 
 def due_runs(

@@ -19,9 +19,11 @@ import nacl.signing
 import rfc8785
 
 from metanode import cid as cids
+from metanode.clock import iso
 from metanode.errors import (
     BadSignature,
     ClaimError,
+    ClockBehind,
     InvalidBatch,
     InvalidClaim,
     InvalidKey,
@@ -252,6 +254,35 @@ def check_ts(ts: object, now_ms: int, limits: Limits) -> int:
     if ts > now_ms + limits.max_skew_ms:
         raise TsInFuture(f"ts {ts} is more than {limits.max_skew_ms} ms ahead of this node's clock")
     return ts
+
+
+def next_ts(now_ms: int, newest: Claim | None, limits: Limits) -> int:
+    """The ts of a new word of a signer this node holds the key of, given that signer's `newest`
+    stored claim on the same keys in the same groups: the clock's reading, or just after
+    `newest`. Newest wins per signer (SPEC §2.3, §2.5), so a word dated by a clock that stepped
+    back below the signer's last one would be stale: the person's edit, or a plugin's new
+    reading of a renamed file, silently ignored. Raises `ClockBehind` when no such ts is one
+    this node would take: the clock reads before 2000 (it has not been set), or `newest` is
+    further ahead of it than `max_skew_ms` (the clock stepped back, or was ahead when `newest`
+    was signed)."""
+    if now_ms < MIN_TS:
+        raise ClockBehind(
+            f"this box's clock reads {iso(now_ms)}, before 2000: it has not been set (no "
+            f"network time yet?), and no claim can be dated then",
+            valid_from=MIN_TS,
+        )
+    if newest is None or newest.ts < now_ms:
+        return now_ms
+    if newest.ts + 1 > now_ms + limits.max_skew_ms:
+        raise ClockBehind(
+            f"the last word on {newest.key!r} is dated {iso(newest.ts)}, ahead of this box's "
+            f"clock ({iso(now_ms)}): a new one must be dated after it to count, and this node "
+            f"takes claims dated at most {limits.max_skew_ms} ms ahead of its clock, so from "
+            f"{iso(newest.ts + 1 - limits.max_skew_ms)} on (the clock stepped back, or was "
+            "ahead when that word was said)",
+            valid_from=newest.ts + 1 - limits.max_skew_ms,
+        )
+    return newest.ts + 1
 
 
 def parse(obj: object, now_ms: int, limits: Limits = Limits()) -> Claim:

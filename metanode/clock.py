@@ -16,3 +16,9 @@ Clock = Callable[[], int]
 def now_ms() -> int:
     """The real wall clock in milliseconds since the epoch."""
     return time.time_ns() // 1_000_000
+
+
+def iso(ms: int) -> str:
+    """A time in milliseconds since the epoch as people read it in messages: UTC, to the
+    second (`2026-12-07T05:23:45Z`), so a clock that is wrong is plain to see."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ms // 1000))

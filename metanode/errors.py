@@ -341,6 +341,16 @@ class ShuttingDown(UnavailableError):
     slug = "shutting_down"
 
 
+class ClockBehind(UnavailableError):
+    """A signer this node holds the key of (the owner, the legacy writer, a plugin) cannot date
+    a new claim so that it counts: this box's clock reads before 2000, or is behind that
+    signer's own newest word on the key by more than the skew the node accepts. `valid_from`:
+    the clock reading from which it can (milliseconds since the epoch)."""
+
+    slug = "clock_behind"
+    retry_after = 60
+
+
 # -- the node could not be asked (`metanode.client` and the command line) ----------------------
 
 

@@ -51,7 +51,7 @@ from metanode.applier import (
     Replica,
 )
 from metanode.bodies import refuse_unknown
-from metanode.clock import Clock, now_ms
+from metanode.clock import Clock, iso, now_ms
 from metanode.config import Settings
 from metanode.errors import (
     CacheNotReady,
@@ -105,6 +105,15 @@ class IngestAnswer:
     body: dict[str, Any]
 
 
+def unset_clock(now: int) -> str:
+    """What /health and the log say of a clock that reads before 2000: one that was never set
+    (a box without a real-time clock, before network time), as no claim can be dated then."""
+    return (
+        f"the clock reads {iso(now)}, before 2000: it has not been set (no network time yet?); "
+        "plugin runs and the owner's edits wait for it"
+    )
+
+
 class Node:
     """One metanode: its data directory, databases, applier and operations."""
 
@@ -148,11 +157,13 @@ class Node:
     def _own_signer(self, name: str, weight: int) -> signer.OwnSigner:
         """A signer whose key file is `keys/<name>.key`, registered as `name`."""
         path = maintenance.own_key_path(self.settings, name)
-        return signer.OwnSigner(path, name, weight, self, self.ingest_wire, self.clock)
+        return signer.OwnSigner(path, name, weight, self, self.ingest_wire)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        if (now := self.clock()) < claims.MIN_TS:
+            log.warning("%s", unset_clock(now))
         datadir.secure(self.settings.data_dir)  # the stores migrate their schemas as they open
         self.token, _created = maintenance.ensure_token(self.settings.token_path)
         self.session_secret, _ = maintenance.ensure_token(self.settings.session_secret_path)
@@ -334,7 +345,7 @@ class Node:
                 self.record_of,
                 self.ingest_wire,
                 s.plugin_timeout_s,
-                self.clock,
+                self.stamp,
                 self.said_by,
             )
             row = await self.truth.add_signer(
@@ -641,15 +652,13 @@ class Node:
             result.verdicts.count("duplicate"),
             result.verdicts.count("stale"),
             len(said),
-            self._valid_in_s(items, errors, now),
+            self._valid_from(items, errors),
             said[0] if said else "",
         )
 
-    def _valid_in_s(
-        self, items: list[object], errors: list[dict[str, Any]], now: int
-    ) -> float | None:
-        """Seconds until the first of the claims refused as dated too far ahead is no longer
-        (None: none was): the follower then reconciles to fetch them."""
+    def _valid_from(self, items: list[object], errors: list[dict[str, Any]]) -> int | None:
+        """The clock reading from which the first of the claims refused as dated too far ahead
+        is no longer (None: none was): the follower then reconciles to fetch them."""
         ahead: list[int] = []
         for error in errors:
             item = items[error["index"]]
@@ -657,7 +666,7 @@ class Node:
                 ahead.append(int(item["ts"]))  # checked an integer before it was found ahead
         if not ahead:
             return None
-        return max(0.0, (min(ahead) - self.settings.max_skew_ms - now) / 1000)
+        return min(ahead) - self.settings.max_skew_ms
 
     async def add_peer(self, url: str, token: str, weight: int, name: str) -> dict[str, Any]:
         """Follow a peer: the first sync reconciles if this box already holds claims. The
@@ -750,9 +759,12 @@ class Node:
         answer: IngestAnswer = await self.owner.say(drafts)
         return answer
 
-    def newest_ts(self, uid: str) -> int:
-        """The newest ts of any claim stored from `uid` (0: none)."""
-        return self.truth.newest_ts(uid)
+    def stamp(self, uid: str, pairs: Sequence[tuple[str, str]]) -> int:
+        """The ts of a new word of `uid`, a signer whose key this node holds (the owner, the
+        legacy writer, a plugin), on these (cid, key) pairs: now, or just after its newest word
+        on those keys in those groups, so that it counts whatever the clock did since
+        (`claims.next_ts`); raises `ClockBehind`."""
+        return claims.next_ts(self.clock(), self.truth.newest_said(uid, pairs), self.limits)
 
     # -- reads ----------------------------------------------------------------------------------
 
@@ -1052,6 +1064,8 @@ class Node:
                 )
         if lag and time.monotonic() - self.applier.progressed > STALL_S:
             problems.append(f"the cache has not caught up for {STALL_S:.0f} s")
+        if (now := self.clock()) < claims.MIN_TS:
+            problems.append(unset_clock(now))
         problems += self._service_problems()
         body: dict[str, Any] = {
             "status": "degraded" if problems else "ok",

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import httpx
 
 from metanode import jsonl, logs, reconcile
+from metanode.clock import Clock
 from metanode.errors import (
     InvalidJson,
     MetanodeError,
@@ -81,9 +82,9 @@ class PageCounts:
     duplicate: int
     stale: int
     rejected: int
-    # seconds until the claims refused as `ts_in_future` are no longer too far ahead (None:
-    # there were none)
-    valid_in_s: float | None = None
+    # this box's clock reading (ms) from which the first of the claims refused as
+    # `ts_in_future` is no longer too far ahead (None: there were none)
+    valid_from: int | None = None
     # why the page's first refused claim was refused ("": none was), for `last_rejected`
     first_refusal: str = ""
 
@@ -103,6 +104,9 @@ class Host(Protocol):
 
     @property
     def instance(self) -> str: ...
+
+    @property
+    def clock(self) -> Clock: ...
 
 
 @dataclass
@@ -139,8 +143,9 @@ class Follower:
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
         self.page = config.page  # halved while pages are over `ANSWER_BYTES`
-        # when to reconcile for claims refused as dated too far ahead (monotonic; None: never)
-        self.resync_at: float | None = None
+        # when to reconcile for claims refused as dated too far ahead: a reading of the node's
+        # clock, which is what they are ahead of (None: never)
+        self.resync_at: int | None = None
         self.http = httpx.AsyncClient(
             base_url=row.url.rstrip("/"),
             headers={"Authorization": f"Bearer {row.token}"},
@@ -316,12 +321,14 @@ class Follower:
         kept for `peers list` (`rejected` alone never said why)."""
         if counts.first_refusal:
             self.last_rejected = counts.first_refusal
-        if counts.valid_in_s is not None:
-            due = time.monotonic() + counts.valid_in_s
+        if (due := counts.valid_from) is not None:
             self.resync_at = min(self.resync_at or due, due)  # the rest are noted then again
 
     def _resync_due(self) -> bool:
-        return self.resync_at is not None and time.monotonic() >= self.resync_at
+        """Whether claims refused as dated ahead are valid now. Asked of the node's clock, not
+        a timer: a box that booted at 1970 refused every claim of its peers as 56 years
+        ahead, and a timer set so never rang once network time set the clock."""
+        return self.resync_at is not None and self.host.clock() >= self.resync_at
 
     async def sync(self, set_cursor: bool = False) -> SyncReport:
         """Reconcile with the peer and fetch the claims this box lacks. With `set_cursor` (the

@@ -53,6 +53,7 @@ from metanode import cache, claims, db, keys, merge
 from metanode import cid as cids
 from metanode.clock import Clock, now_ms
 from metanode.errors import (
+    ClockBehind,
     InvalidRequest,
     MetanodeError,
     NotFoundError,
@@ -314,9 +315,16 @@ class Aborted(Exception):
 
 @dataclass(frozen=True)
 class Outcome:
-    status: str  # "done" | "failed"
-    error: str | None = None  # why it failed, or why a done run was skipped
+    status: str  # "done" | "failed" | "pending" (waits for the clock: `due_at`)
+    error: str | None = None  # why it failed or waits, or why a done run was skipped
     final: bool = False  # failed for good: the node would refuse the same drafts again
+    due_at: int = 0  # a pending run's clock reading to run again at (`ClockBehind.valid_from`)
+
+
+def waiting(exc: ClockBehind) -> Outcome:
+    """A run the clock cannot date now: pending until it can, no attempt spent (the clock is
+    no fault of the plugin's, and a run failed for it would stay failed once it is set)."""
+    return Outcome("pending", f"waits for the clock: {exc.message}", due_at=exc.extra["valid_from"])
 
 
 def described(exc: BaseException) -> str:
@@ -339,6 +347,7 @@ def described(exc: BaseException) -> str:
 
 Ingest = Callable[[list[Any]], Awaitable[object]]
 Said = Callable[[str, str], dict[str, str | None]]  # said(uid, cid): its claims on cid, by key
+Stamp = Callable[[str, Sequence[tuple[str, str]]], int]  # `Node.stamp`: raises `ClockBehind`
 Draft = tuple[str, str, str | None]
 
 
@@ -468,7 +477,7 @@ class Runner:
         record: RecordLookup,
         ingest: Ingest,
         timeout_s: float,
-        clock: Clock = now_ms,
+        stamp: Stamp,
         said: Said = lambda uid, cid: {},
     ) -> None:
         self.plugin = plugin
@@ -477,17 +486,17 @@ class Runner:
         self._record = record
         self._ingest = ingest
         self._timeout_s = timeout_s
-        self._clock = clock
+        self._stamp = stamp
         self._said = said
-        self._last_ts = 0
-
-    def _stamp(self) -> int:
-        """A timestamp newer than this runner's last: a re-run's claims replace the earlier."""
-        self._last_ts = max(self._clock(), self._last_ts + 1)
-        return self._last_ts
 
     async def run(self, file: LocalFile) -> Outcome:
-        """One run: a raise, a timeout or a rejected draft fails this run only."""
+        """One run: a raise, a timeout or a rejected draft fails this run only. A clock that
+        cannot date its claims (`ClockBehind`) makes it wait, before the plugin runs if the
+        clock reads before 2000, else once the drafts name their keys."""
+        try:
+            self._stamp(self.uid, ())
+        except ClockBehind as exc:
+            return waiting(exc)
         try:
             drafts, skipped = await collect_bounded(
                 self.plugin, file, self._record, self._timeout_s
@@ -498,7 +507,10 @@ class Runner:
             return Outcome("failed", described(exc))
         drafts = replacing(drafts, file.cid, self._said(self.uid, file.cid), skipped is None)
         if drafts:
-            now = self._stamp()
+            try:  # dated after this plugin's newest word on these keys: a re-run replaces it
+                now = self._stamp(self.uid, [(cid, key) for cid, key, _ in drafts])
+            except ClockBehind as exc:
+                return waiting(exc)
             try:  # text JCS cannot encode (a lone surrogate) fails this run, not the host
                 wire = [
                     claims.sign(self.key, cid, key, value, now).wire() for cid, key, value in drafts
@@ -625,6 +637,7 @@ class Host:
         self._runs: dict[tuple[str, str, str], cache.PluginRun] = {}  # as picked, for `InFlight`
         self._held_until = 0.0  # monotonic: no run starts before (the store failed)
         self.failing: str | None = None  # why the host cannot go on now (/health), or None
+        self._waiting: set[str] = set()  # plugins whose runs wait for the clock (logged once)
 
     async def files_changed(self, midhashes: Sequence[str]) -> None:
         """New local content: queue a run of every plugin for each midhash."""
@@ -742,6 +755,10 @@ class Host:
             await self._store.drop_run(run)
             return
         outcome = await self.runners[run.plugin].run(local_file(file, self._roots))
+        if outcome.status == "pending":
+            await self._wait_for_clock(run, file[1], outcome)
+            return
+        self._waiting.discard(run.plugin)
         attempts = run.attempts + 1
         status, next_at = outcome.status, 0
         if status == "failed" and not outcome.final:
@@ -750,6 +767,14 @@ class Host:
             level = logging.INFO if status == "done" else logging.WARNING
             log.log(level, "plugin %s on %s: %s", run.plugin, file[1], outcome.error)
         await self._store.finish_run(run, status, attempts, next_at, outcome.error)
+
+    async def _wait_for_clock(self, run: cache.PluginRun, path: str, outcome: Outcome) -> None:
+        """A run the clock could not date: pending until `due_at`, its attempts as they were;
+        said in the log once per plugin until one of its runs gets on."""
+        if run.plugin not in self._waiting:
+            log.warning("plugin %s on %s %s", run.plugin, path, outcome.error)
+            self._waiting.add(run.plugin)
+        await self._store.finish_run(run, "pending", run.attempts, outcome.due_at, outcome.error)
 
     def _after_failure(self, attempts: int) -> tuple[str, int]:
         """(status, next_at) of a run that failed its `attempts`th attempt: due again after

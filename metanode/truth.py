@@ -694,11 +694,6 @@ def rid_info(conn: Connection, rid: str) -> RidInfo | None:
     return RidInfo(*row) if row else None
 
 
-def newest_ts(conn: Connection, uid: str) -> int:
-    """The newest ts of any claim stored from `uid` (0: none), so its next claim can be newer."""
-    return int(conn.execute("SELECT max(ts) FROM claims WHERE uid = ?", (uid,)).fetchone()[0] or 0)
-
-
 def survivor(conn: Connection, rid: str) -> str:
     """The active rid that `rid` is now part of (itself if active)."""
     info = rid_info(conn, rid)
@@ -790,6 +785,27 @@ def group_claims(
         params.extend(wanted)
     sql += " ORDER BY g.cid, c.key, s.uid"
     return [_claim(row[1:]) for row in conn.execute(sql, params)]
+
+
+def newest_said(conn: Connection, uid: str, pairs: Iterable[tuple[str, str]]) -> Claim | None:
+    """`uid`'s newest stored claim, tombstones included, on the key of any (cid, key) pair
+    about any CID of that cid's group: what a new word of `uid` on those pairs must be dated
+    after to count (SPEC §2.3 keeps the newer claim per CID, §2.5 a signer's newest vote across
+    the group). None if it said nothing there."""
+    wanted: dict[str, set[str]] = {}
+    for cid, key in pairs:
+        wanted.setdefault(cid, set()).add(key)
+    if not wanted:  # a plugin run asks before it has drafts: only the clock is in question
+        return None
+    by_rid: dict[str, set[str]] = {}
+    for cid, rid in groups_of(conn, wanted).items():  # an ungrouped CID has no claims yet
+        by_rid.setdefault(rid, set()).update(wanted[cid])
+    said = [
+        claim
+        for rid, keys in sorted(by_rid.items())
+        for claim in group_claims(conn, rid, keys, uid, live_only=False)
+    ]
+    return max(said, key=lambda claim: claim.ts, default=None)
 
 
 def groups_claims(
@@ -1990,8 +2006,8 @@ class TruthStore(Store):
         return signers(self.conn)
 
     @mapped
-    def newest_ts(self, uid: str) -> int:
-        return newest_ts(self.conn, uid)
+    def newest_said(self, uid: str, pairs: Iterable[tuple[str, str]]) -> Claim | None:
+        return newest_said(self.conn, uid, pairs)
 
     @mapped
     def rid_info(self, rid: str) -> RidInfo | None:

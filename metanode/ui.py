@@ -32,7 +32,7 @@ from urllib.parse import parse_qs, quote, urlencode, urlsplit
 import jinja2
 import markupsafe
 import swagger_ui_bundle
-from itsdangerous import BadSignature, TimestampSigner
+from itsdangerous import BadSignature, Signer
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -148,9 +148,9 @@ class Sessions:
     def ttl_s(self) -> float:
         return self.node.settings.ui_session_hours * 3600
 
-    def _signer(self) -> TimestampSigner:
+    def _signer(self) -> Signer:
         # the secret is made at start (`Node.start`), after this object was built
-        return TimestampSigner(self.node.session_secret, salt="metanode-ui-session")
+        return Signer(self.node.session_secret, salt="metanode-ui-session")
 
     def create(self) -> tuple[str, Session]:
         """A new session and its cookie value (the signed id); expired sessions are dropped."""
@@ -162,11 +162,17 @@ class Sessions:
         return self._signer().sign(session.sid).decode("ascii"), session
 
     def find(self, cookie: str | None) -> Session | None:
-        """The live session a cookie value names, or None (unsigned, expired or ended)."""
+        """The live session a cookie value names, or None (unsigned, expired or ended).
+
+        The cookie signs the id only: its age is the session's (`expires`, on the monotonic
+        clock). A signed wall-clock time in it, checked against `ui_session_hours`, refused
+        every cookie as signed "in the future" once the clock stepped back (an NTP
+        correction), and every one after a step forward of those hours: every browser signed
+        out, while the session itself had hours to go."""
         if not cookie or not self.node.session_secret:
             return None
         try:
-            sid = self._signer().unsign(cookie, max_age=int(self.ttl_s)).decode("ascii")
+            sid = self._signer().unsign(cookie).decode("ascii")
         except (BadSignature, UnicodeDecodeError):
             return None
         session = self.live.get(sid)

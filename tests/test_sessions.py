@@ -1,12 +1,16 @@
-"""A page session's bound on the change feed it opened (`ui.Sessions.while_signed_in`): the
-stream ends when the session does, and whatever ends it, the feed it reads is closed."""
+"""A page session: its bound on the change feed it opened (`ui.Sessions.while_signed_in`): the
+stream ends when the session does, and whatever ends it, the feed it reads is closed; and its
+cookie, which the wall clock's steps do not end."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import AsyncGenerator
+from types import SimpleNamespace
 from typing import cast
+
+import pytest
 
 from metanode import ui
 from metanode.node import Node
@@ -77,3 +81,18 @@ async def _rest(
         return
     async for chunk in stream:
         yield chunk
+
+
+def test_a_session_outlives_the_wall_clock_stepping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, the cookie carried its signing time, checked against the wall clock: a step
+    back of a second refused it ("signed in the future"), a step forward past the session's
+    hours too, signing every browser out while its session had hours to go."""
+    node = SimpleNamespace(session_secret="s" * 43, settings=SimpleNamespace(ui_session_hours=12))
+    sessions = ui.Sessions(cast(Node, node))
+    cookie, session = sessions.create()
+    wall = time.time()
+    for step_s in (-3600.0, -365 * 86400.0, 13 * 3600.0):
+        monkeypatch.setattr(time, "time", lambda step_s=step_s: wall + step_s)
+        assert sessions.find(cookie) is session
+    session.expires = sessions.clock()  # its own hours, on the monotonic clock, are up
+    assert sessions.find(cookie) is None
