@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from metanode.api import FAMILIES, Access, access_of
-from tests.helpers.server import Server
+from tests.helpers.server import Server, serve_refused
 
 CONTENT = b"trusted networks " * 4096
 TRUSTED, UNTRUSTED = "127.0.0.1", "127.0.0.2"
@@ -230,14 +228,7 @@ def csrf_of(client: httpx.Client, server: Server, headers: dict[str, str]) -> st
 )
 def test_a_malformed_cidr_refuses_to_start(tmp_path: Path, name: str, value: str) -> None:
     env = {**Server(tmp_path / "data").base_env(), f"METANODE_{name}": value}
-    done = subprocess.run(
-        [sys.executable, "-m", "metanode", "serve", "--data-dir", str(tmp_path / "data")],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = serve_refused(tmp_path, env, "--data-dir", str(tmp_path / "data"))
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(f"error: invalid_request: setting {name.lower()}: {value!r}")
 

@@ -11,8 +11,6 @@ import http.client
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
@@ -30,7 +28,7 @@ from metanode import cid as cids
 from metanode import compat, config
 from metanode.errors import InvalidRequest
 from metanode.webdav import PLUGIN, Roots
-from tests.helpers.server import Server
+from tests.helpers.server import Server, serve_refused
 
 WAIT_S = 60.0
 DAV = "{DAV:}"
@@ -601,14 +599,7 @@ def test_a_data_directory_inside_a_watch_root_is_refused(tmp_path: Path, root: s
     directory is no danger (it holds none of it)."""
     (tmp_path / "data").mkdir()
     env = {**Server(tmp_path / "data").base_env(), "METANODE_WATCH_ROOTS": root}
-    done = subprocess.run(
-        [sys.executable, "-m", "metanode", "serve", "--data-dir", "data"],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = serve_refused(tmp_path, env, "--data-dir", "data")
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(
         f"error: invalid_request: setting data_dir: 'data' lies inside the watch root {root!r}"

@@ -161,6 +161,19 @@ class Server:
         print(f"--- {self.log} ---\n{self.log_text()}")
 
 
+def serve_refused(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`metanode serve ARGS` in `cwd` with exactly `env`, run to its end: a start the test
+    expects refused (its exit code and stderr are the test's to check)."""
+    return subprocess.run(
+        [sys.executable, "-m", "metanode", "serve", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def children(pid: int) -> list[int]:
     return [
         int(child)
