@@ -1068,6 +1068,7 @@ class Node:
             body["watcher"] = {
                 "roots": self.watcher.roots,
                 "scanning": self.watcher.scanning,
+                "scan": None if (scan := self.watcher.scan) is None else asdict(scan),
                 "pending": len(self.watcher.pending),
                 "unlisted": self.watcher.unlisted,
                 "watches_full": self.watcher.watches_full,

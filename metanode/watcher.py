@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_IGNORED = ("*.part", "*.tmp", "*.crdownload", "*.!qb")
 BATCH = 256
 TICK_S = 0.25
+PROGRESS_LOG_S = 30.0  # how often a long reconciliation says how far it is in the log
 
 Stat = tuple[int, int]  # (size, mtime_ns)
 EnsureGroups = Callable[[Sequence[str]], Awaitable[None]]
@@ -247,6 +248,33 @@ class Summary:
     failed: list[str] = field(default_factory=list)
     moved_on: int = 0  # to hash, but changed or gone before it was (a copy still being written)
     bytes_sampled: int = 0
+    left: int = 0  # to hash, but the watcher stopped first: hashed at the next start
+
+    def said(self) -> str:
+        """What it did, in words: `metanode scan` prints it, and the log says it (with the
+        time it took) of a reconciliation that changed something; a first scan of a large
+        library said nothing in the log from its start to its end."""
+        extra = [f"{self.moved_on} changed or gone while scanning"] if self.moved_on else []
+        extra += [f"{self.left} left for the next start (stopping)"] if self.left else []
+        return ", ".join(
+            [
+                f"{self.seen} files seen: {self.hashed} hashed, {self.unchanged} unchanged, "
+                f"{self.removed} removed, {len(self.failed)} unreadable",
+                *extra,
+            ]
+        )
+
+
+@dataclass
+class ScanProgress:
+    """How far the reconciliation under way is, once its walk is done (/health's
+    `watcher.scan`, the Health page): files on the disk, those to fingerprint (new or
+    changed), and how many of them are done. A first scan of 100,000 files takes minutes, and
+    `scanning` alone said nothing of how far it was."""
+
+    seen: int
+    to_hash: int
+    done: int = 0
 
 
 # (files done, bytes done, files to do, bytes to do), cumulative; first called with nothing done
@@ -307,6 +335,7 @@ class Watcher:
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
         self.watches_full = False  # this user may add no inotify watch (`inotify_full`)
         self.scanning = False
+        self.scan: ScanProgress | None = None  # the reconciliation under way, once walked
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
 
     # -- applying results -----------------------------------------------------------------------
@@ -365,6 +394,7 @@ class Watcher:
         full = not roots
         roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
         self.scanning = True
+        began = time.monotonic()
         try:
             walking = asyncio.gather(*(asyncio.to_thread(self._listing, root) for root in roots))
             try:
@@ -387,11 +417,23 @@ class Watcher:
             total_bytes = sum(disk[p][0] for p in to_hash)
             report = progress or (lambda *_: None)
             report(0, 0, len(to_hash), total_bytes)
+            self.scan = ScanProgress(len(disk), len(to_hash))
+            if len(to_hash) > BATCH:
+                log.info(
+                    "fingerprinting %d new or changed file(s) of %d in %s (progress in /health)",
+                    len(to_hash),
+                    len(disk),
+                    ", ".join(roots),
+                )
             if settle and to_hash:
-                await asyncio.sleep(self.settle_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.settle_s)
             removals: Sequence[str] = to_remove
             files_done = bytes_done = 0
+            said_at = time.monotonic()
             for start in range(0, len(to_hash), BATCH):
+                if self._stop.is_set():  # the rest is hashed at the next start (`plan`)
+                    break
                 chunk = {p: disk[p] for p in to_hash[start : start + BATCH]}
                 done = await self._hash_and_commit(chunk, removals)
                 removals = ()
@@ -400,13 +442,22 @@ class Watcher:
                 files_done += len(chunk)
                 bytes_done += sum(size for size, _ in chunk.values())
                 report(files_done, bytes_done, len(to_hash), total_bytes)
+                self.scan.done = files_done
+                if time.monotonic() - said_at >= PROGRESS_LOG_S:
+                    log.info("fingerprinted %d of %d file(s)", files_done, len(to_hash))
+                    said_at = time.monotonic()
             if removals:
                 await self._commit([], removals)
-            summary.failed = sorted(p for p in to_hash if p in self._failed)
-            summary.moved_on = len(to_hash) - summary.hashed - len(summary.failed)
+            summary.failed = sorted(p for p in to_hash[:files_done] if p in self._failed)
+            summary.moved_on = files_done - summary.hashed - len(summary.failed)
+            summary.left = len(to_hash) - files_done
+            if to_hash or to_remove:
+                seconds = time.monotonic() - began
+                log.info("scanned %s: %s in %.1f s", ", ".join(roots), summary.said(), seconds)
             return summary
         finally:
             self.scanning = False
+            self.scan = None
 
     async def _strays(self) -> tuple[dict[str, Stat], dict[str, Stat]]:
         """(known, on disk) of the rows below no watch root: a folder taken out of

@@ -16,7 +16,7 @@ import shutil
 import sqlite3
 import stat
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -486,6 +486,39 @@ async def test_reconcile_hashes_new_files_then_nothing(tmp_path: Path) -> None:
     assert (again.seen, again.hashed, again.unchanged, again.removed) == (3, 0, 3, 0)
     assert len(store.commits) == 1  # nothing hashed, nothing committed
     assert not w.scanning
+
+
+async def test_a_stopped_scan_ends_after_its_batch_in_hand_and_the_next_start_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A stop during a long scan (a first one of a large library: minutes) ends it once the
+    batch in hand is committed: the node's stop waited for the whole scan, and `serve --workers`
+    killed its owner after 15 s. While it runs, `scan` says how far it is; the next start
+    fingerprints only what was left."""
+    root = tmp_path / "media"
+    for i in range(watcher.BATCH + 44):
+        write(root / f"f{i:03d}.mkv", f"file {i}".encode())
+    store = Store()
+    w = store.watcher(root)
+    seen: list[watcher.ScanProgress | None] = []
+    commit = store.apply_local
+
+    async def stop_after_the_first(files: Sequence[LocalFile], removals: Sequence[str]) -> None:
+        seen.append(replace(w.scan) if w.scan else None)
+        await commit(files, removals)
+        w.stop()
+
+    w._apply_local = stop_after_the_first
+    summary = await w.reconcile(settle=False)
+    assert seen == [watcher.ScanProgress(seen=300, to_hash=300, done=0)]
+    assert (len(store.commits), len(store.rows)) == (1, watcher.BATCH)
+    assert (summary.hashed, summary.moved_on, summary.left) == (watcher.BATCH, 0, 44)
+    assert summary.said().endswith(", 44 left for the next start (stopping)")
+    assert w.scan is None and not w.scanning
+
+    again = await store.watcher(root).reconcile(settle=False)
+    assert (again.seen, again.hashed, again.unchanged, again.left) == (300, 44, 256, 0)
+    assert len(store.rows) == 300
 
 
 async def test_a_scan_summary_adds_up_when_files_go_while_it_runs(tmp_path: Path) -> None:
