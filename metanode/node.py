@@ -864,9 +864,10 @@ class Node:
 
     # the MetaMesh routes' reads (compat.py): by rid, of the cache unless it says the truth
 
-    def list_rids(self) -> list[str]:
-        """Every record's rid, in order, unpaginated."""
-        return self.cache.all_rids()
+    async def list_rids(self) -> list[str]:
+        """Every record's rid, in order, unpaginated (MetaMesh's `GET /meta`): read on a thread,
+        so that a library's every rid holds no other request."""
+        return await asyncio.to_thread(self.cache.all_rids)
 
     def record_rows(self, rid: str) -> dict[str, str]:
         """The merged record of `rid` (empty if the cache does not hold it yet)."""
