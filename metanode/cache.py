@@ -1576,11 +1576,15 @@ def midhashes_at(conn: Connection, paths: Iterable[str]) -> dict[str, str]:
 
 def missing(conn: Connection, after: str, limit: int) -> list[dict[str, Any]]:
     """A page of records that hold a midhash but no local file any more (`GET /api/files
-    ?missing=1`), in midhash order: a range of `cid_index`'s key, the rest by its indexes."""
+    ?missing=1`), in midhash order: a range of `cid_index`'s key, the rest by its indexes.
+    A midhash's own file is looked for first, and the rest of its group only where that is
+    gone: a library with nothing missing reads every midhash for an empty page, and the
+    group of each cost 375 ms at 100,000 files where its own file costs 59."""
     rows = conn.execute(
         "SELECT i.cid, i.rid, (SELECT value FROM records r WHERE r.rid = i.rid "
         "AND r.key = 'fileName') FROM cid_index i "
-        "WHERE i.cid > ? AND i.cid >= ? AND i.cid < ? AND NOT EXISTS ("
+        "WHERE i.cid > ? AND i.cid >= ? AND i.cid < ? "
+        "AND NOT EXISTS (SELECT 1 FROM local_file f WHERE f.midhash = i.cid) AND NOT EXISTS ("
         "SELECT 1 FROM cid_index j JOIN local_file f ON f.midhash = j.cid WHERE j.rid = i.rid) "
         "ORDER BY i.cid LIMIT ?",
         (after, MIDHASH_PREFIX, MIDHASH_PREFIX[:-1] + "f", limit),

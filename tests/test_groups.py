@@ -259,6 +259,26 @@ async def test_hash_ids_pagination(client: httpx.AsyncClient, linker: Signer) ->
     assert first["hashIds"] + rest["hashIds"] == sorted(first["hashIds"] + rest["hashIds"])
 
 
+async def test_missing_lists_the_records_none_of_whose_cids_has_a_local_file(
+    client: httpx.AsyncClient, node: Node, linker: Signer
+) -> None:
+    """`GET /api/files?missing=1`: a midhash whose own file is here is not missing, nor one
+    whose group holds a file of another of its midhashes; one with neither is (the query
+    looks at the midhash's own file first, the group only where that is gone)."""
+    await post(client, linker.claim(A, f"cids/{B}", "true"), linker.claim(C, "title", "c"))
+    files = [merge.LocalFile(f"/m/{cid}.mkv", cid, 1, 1, 1) for cid in (B, D)]
+    await node.ensure_groups([B, D])
+    await node.apply_local(files, [])
+    answer = (await client.get("/api/files", params={"missing": "1"})).json()
+    assert answer == {
+        "files": [{"midhash": C, "rid": rid_of(node, C), "fileName": None}],
+        "next": None,
+    }
+    await node.apply_local([], [files[0].path])  # the group's one file goes: A and B are missing
+    listed = (await client.get("/api/files", params={"missing": "1"})).json()["files"]
+    assert [f["midhash"] for f in listed] == sorted([A, B, C])
+
+
 async def test_check_finds_a_tampered_cache_and_rebuild_repairs_it(
     client: httpx.AsyncClient, node: Node, linker: Signer, tmp_path: Path
 ) -> None:
