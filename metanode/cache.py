@@ -1903,18 +1903,49 @@ def duplicates(conn: Connection, limit: int) -> list[tuple[str, list[str]]]:
 
 def diff(live: Connection, fresh: Connection) -> list[str]:
     """Human-readable differences between two caches' records, cid index and library index
-    (for `check`)."""
+    (for `check`): each table read from both in the order of its key, side by side, so that
+    only the differences are held. Read whole into sets, they held both caches in memory: 450
+    MB for 100,000 files with no plugin claim, 560 MB with their first 170,000."""
     out = []
-    for table, sql in (
-        ("records", "SELECT rid, key, value FROM records"),
-        ("cid_index", "SELECT cid, rid FROM cid_index"),
-        ("library", "SELECT rid, title, name, year, type, files FROM library"),
-        ("documents", "SELECT cid, body FROM cid_index"),
+    for table, key, sql in (
+        ("records", 2, "SELECT rid, key, value FROM records ORDER BY rid, key"),
+        ("cid_index", 1, "SELECT cid, rid FROM cid_index ORDER BY cid"),
+        ("library", 1, "SELECT rid, title, name, year, type, files FROM library ORDER BY rid"),
+        ("documents", 1, "SELECT cid, body FROM cid_index ORDER BY cid"),
     ):
-        a, b = set(live.execute(sql).fetchall()), set(fresh.execute(sql).fetchall())
-        out += [f"{table}: only in live cache: {row}" for row in sorted(a - b)]
-        out += [f"{table}: missing from live cache: {row}" for row in sorted(b - a)]
+        only_live, only_fresh = differences(live.execute(sql), fresh.execute(sql), key)
+        out += [f"{table}: only in live cache: {row}" for row in only_live]
+        out += [f"{table}: missing from live cache: {row}" for row in only_fresh]
     return out + run_count_drift(live)
+
+
+TableRow = tuple[Any, ...]
+
+
+def differences(
+    live: Iterable[Sequence[Any]], fresh: Iterable[Sequence[Any]], key: int
+) -> tuple[list[TableRow], list[TableRow]]:
+    """The rows only in `live` and those only in `fresh`, of two row streams ordered by their
+    first `key` columns (which no two rows of one stream share): a merge of the two, one row
+    of each in memory at a time. Two rows of one key that differ are one in each list."""
+    only_live: list[TableRow] = []
+    only_fresh: list[TableRow] = []
+    ours, theirs = map(tuple, live), map(tuple, fresh)
+    a, b = next(ours, None), next(theirs, None)
+    while a is not None or b is not None:
+        if a is not None and (b is None or a[:key] < b[:key]):
+            only_live.append(a)
+            a = next(ours, None)
+        elif b is not None and (a is None or b[:key] < a[:key]):
+            only_fresh.append(b)
+            b = next(theirs, None)
+        else:  # a row of the same key on each side
+            assert a is not None and b is not None
+            if a != b:
+                only_live.append(a)
+                only_fresh.append(b)
+            a, b = next(ours, None), next(theirs, None)
+    return only_live, only_fresh
 
 
 def run_count_drift(conn: Connection) -> list[str]:

@@ -295,6 +295,25 @@ async def test_check_finds_a_tampered_cache_and_rebuild_repairs_it(
     assert_cache_is_fresh(node, tmp_path)
 
 
+ROWS = st.lists(
+    st.tuples(st.sampled_from("abcé\U0010ffff"), st.sampled_from(["x", "y"])),
+    unique_by=lambda row: row[0],
+).map(sorted)
+
+
+@given(ROWS, ROWS)
+@example([("a", "x")], [("a", "y")])
+def test_check_s_side_by_side_read_finds_what_sets_would(
+    live: list[tuple[str, str]], fresh: list[tuple[str, str]]
+) -> None:
+    """`check` reads each table of both caches in key order, side by side, holding only what
+    differs (sets of the whole tables held both caches in memory: 560 MB at 100,000 files);
+    it finds exactly the rows the sets' differences held, a changed row on both sides."""
+    only_live, only_fresh = cache.differences(iter(live), iter(fresh), 1)
+    assert only_live == sorted(set(live) - set(fresh))
+    assert only_fresh == sorted(set(fresh) - set(live))
+
+
 # -- a batch written and applied at once agrees with one claim at a time ------------------------
 
 POOL = [cids.midhash_bytes(f"pool {n}".encode()) for n in range(8)]
