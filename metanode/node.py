@@ -1090,7 +1090,7 @@ class Node:
             if self.watcher.failing is not None:
                 problems.append(f"{self.watcher.failing}; retrying")
             if self.watcher.watches_full:
-                problems.append(watcher.watch_limit_problem(self.watcher.rescan_s))
+                problems.append(self.watcher.watch_limit_problem())
             if unlisted := self.watcher.unlisted:
                 problems.append(
                     f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "

@@ -334,6 +334,7 @@ class Watcher:
         self.failing: str | None = None  # why batches fail (/health), until a retry works
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
         self.watches_full = False  # this user may add no inotify watch (`inotify_full`)
+        self.folders = 0  # the folders below the roots, counted when `watches_full` began
         self.scanning = False
         self.scan: ScanProgress | None = None  # the reconciliation under way, once walked
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
@@ -637,8 +638,13 @@ class Watcher:
             if present != self._mounted or (self.watches_full and not full):
                 self._rewatch.set()
             if full and not self.watches_full:
-                log.warning("inotify: %s", watch_limit_problem(self.rescan_s))
+                self.folders = await asyncio.to_thread(count_folders, self.roots, self.rules)
+                log.warning("inotify: %s", self.watch_limit_problem())
             self.watches_full = full
+
+    def watch_limit_problem(self) -> str:
+        """What /health and the log say while the user's inotify watches are all taken."""
+        return watch_limit_problem(self.rescan_s, self.folders)
 
     def _look(self) -> tuple[Mounted, bool]:
         present = self._present()
@@ -798,19 +804,30 @@ def inotify_full(path: str) -> bool:
         os.close(fd)
 
 
-def watch_limit_problem(rescan_s: float) -> str:
-    """What /health and the log say while `inotify_full`: the limit, and how to raise it."""
+def watch_limit_problem(rescan_s: float, folders: int) -> str:
+    """What /health and the log say while `inotify_full`: the limit, what the watched
+    `folders` need of it (a number to raise it past, with room for the user's other
+    programs), and how to raise it."""
     limits = []
     for path in WATCH_LIMITS:
         with contextlib.suppress(OSError, ValueError):
             limits.append(int(path.read_text()))
-    limit = f" (the limit here: {min(limits)})" if limits else ""
+    said = [f"the limit here: {min(limits)}"] if limits else []
+    said += [f"the watched folders need {folders}, one each"] if folders else []
+    limit = f" ({'; '.join(said)})" if said else ""
     seen = f"every {rescan_s:g} s" if rescan_s > 0 else "never (watch_rescan_s is 0)"
     return (
         f"the user's inotify watch limit is reached: folders past it are not watched, their "
         f"changes seen only at the rescan, {seen}; raise fs.inotify.max_user_watches{limit} "
         "(docs/watcher.md)"
     )
+
+
+def count_folders(roots: Sequence[str], rules: Rules) -> int:
+    """The folders below `roots`, themselves included, each an inotify watch: every one, as
+    notify watches ignored folders too (their events are dropped after). A walk of every
+    folder: run it on a thread, once, when the limit is reached."""
+    return sum(1 for root in roots for _ in os.walk(root, followlinks=rules.follow_symlinks))
 
 
 def unreadable(roots: Sequence[str], unlisted: Iterable[str]) -> frozenset[str]:

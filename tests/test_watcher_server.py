@@ -1043,4 +1043,5 @@ def test_the_inotify_watch_limit_reached_is_said_in_health(start: Start, tmp_pat
     assert health["status"] == "degraded"
     said = " ".join(health["problems"])
     assert "inotify watch limit is reached" in said and "fs.inotify.max_user_watches" in said
-    assert "(the limit here: 30)" in said  # the namespace's own, not the host's
+    # the namespace's own limit, not the host's, and what the folders need (the root and 60)
+    assert "(the limit here: 30; the watched folders need 61, one each)" in said
