@@ -1105,12 +1105,7 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
 
     with datadir.Lock(settings.data_dir):  # a second node beside a running `serve`: refused
         summary = asyncio.run(run())
-    moved_on = f", {summary.moved_on} changed or gone while scanning" if summary.moved_on else ""
-    click.echo(
-        f"{summary.seen} file{'' if summary.seen == 1 else 's'} seen: {summary.hashed} hashed, "
-        f"{summary.unchanged} unchanged, {summary.removed} removed, "
-        f"{len(summary.failed)} unreadable{moved_on}"
-    )
+    click.echo(summary.said())
     for path in summary.failed:
         click.echo(f"unreadable: {path}", err=True)
 

@@ -866,8 +866,9 @@ def routes(node: Node) -> list[BaseRoute]:
 
     async def list_meta(request: Request) -> Response:
         node.require_ready()
-        found = node.list_rids()
-        return JSONResponse({"hashIds": found, "count": len(found)})
+        found = await node.list_rids()
+        # 2.9 MB at 100,000 records: encoded on a thread too (23 ms)
+        return await asyncio.to_thread(JSONResponse, {"hashIds": found, "count": len(found)})
 
     async def meta_record(request: Request) -> Response:
         text = request.path_params["hash"]

@@ -876,9 +876,10 @@ class Node:
 
     # the MetaMesh routes' reads (compat.py): by rid, of the cache unless it says the truth
 
-    def list_rids(self) -> list[str]:
-        """Every record's rid, in order, unpaginated."""
-        return self.cache.all_rids()
+    async def list_rids(self) -> list[str]:
+        """Every record's rid, in order, unpaginated (MetaMesh's `GET /meta`): read on a thread,
+        so that a library's every rid holds no other request."""
+        return await asyncio.to_thread(self.cache.all_rids)
 
     def record_rows(self, rid: str) -> dict[str, str]:
         """The merged record of `rid` (empty if the cache does not hold it yet)."""
@@ -1082,6 +1083,7 @@ class Node:
             body["watcher"] = {
                 "roots": self.watcher.roots,
                 "scanning": self.watcher.scanning,
+                "scan": None if (scan := self.watcher.scan) is None else asdict(scan),
                 "pending": len(self.watcher.pending),
                 "unlisted": self.watcher.unlisted,
                 "watches_full": self.watcher.watches_full,
@@ -1102,7 +1104,7 @@ class Node:
             if self.watcher.failing is not None:
                 problems.append(f"{self.watcher.failing}; retrying")
             if self.watcher.watches_full:
-                problems.append(watcher.watch_limit_problem(self.watcher.rescan_s))
+                problems.append(self.watcher.watch_limit_problem())
             if unlisted := self.watcher.unlisted:
                 problems.append(
                     f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_IGNORED = ("*.part", "*.tmp", "*.crdownload", "*.!qb")
 BATCH = 256
 TICK_S = 0.25
+PROGRESS_LOG_S = 30.0  # how often a long reconciliation says how far it is in the log
 
 Stat = tuple[int, int]  # (size, mtime_ns)
 EnsureGroups = Callable[[Sequence[str]], Awaitable[None]]
@@ -247,6 +248,34 @@ class Summary:
     failed: list[str] = field(default_factory=list)
     moved_on: int = 0  # to hash, but changed or gone before it was (a copy still being written)
     bytes_sampled: int = 0
+    left: int = 0  # to hash, but the watcher stopped first: hashed at the next start
+
+    def said(self) -> str:
+        """What it did, in words: `metanode scan` prints it, and the log says it (with the
+        time it took) of a reconciliation that changed something; a first scan of a large
+        library said nothing in the log from its start to its end."""
+        extra = [f"{self.moved_on} changed or gone while scanning"] if self.moved_on else []
+        extra += [f"{self.left} left for the next start (stopping)"] if self.left else []
+        return ", ".join(
+            [
+                f"{self.seen} file{'' if self.seen == 1 else 's'} seen: {self.hashed} hashed, "
+                f"{self.unchanged} unchanged, {self.removed} removed, "
+                f"{len(self.failed)} unreadable",
+                *extra,
+            ]
+        )
+
+
+@dataclass
+class ScanProgress:
+    """How far the reconciliation under way is, once its walk is done (/health's
+    `watcher.scan`, the Health page): files on the disk, those to fingerprint (new or
+    changed), and how many of them are done. A first scan of 100,000 files takes minutes, and
+    `scanning` alone said nothing of how far it was."""
+
+    seen: int
+    to_hash: int
+    done: int = 0
 
 
 # (files done, bytes done, files to do, bytes to do), cumulative; first called with nothing done
@@ -306,7 +335,9 @@ class Watcher:
         self.failing: str | None = None  # why batches fail (/health), until a retry works
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
         self.watches_full = False  # this user may add no inotify watch (`inotify_full`)
+        self.folders = 0  # the folders below the roots, counted when `watches_full` began
         self.scanning = False
+        self.scan: ScanProgress | None = None  # the reconciliation under way, once walked
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
 
     # -- applying results -----------------------------------------------------------------------
@@ -365,6 +396,7 @@ class Watcher:
         full = not roots
         roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
         self.scanning = True
+        began = time.monotonic()
         try:
             walking = asyncio.gather(*(asyncio.to_thread(self._listing, root) for root in roots))
             try:
@@ -387,11 +419,23 @@ class Watcher:
             total_bytes = sum(disk[p][0] for p in to_hash)
             report = progress or (lambda *_: None)
             report(0, 0, len(to_hash), total_bytes)
+            self.scan = ScanProgress(len(disk), len(to_hash))
+            if len(to_hash) > BATCH:
+                log.info(
+                    "fingerprinting %d new or changed file(s) of %d in %s (progress in /health)",
+                    len(to_hash),
+                    len(disk),
+                    ", ".join(roots),
+                )
             if settle and to_hash:
-                await asyncio.sleep(self.settle_s)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.settle_s)
             removals: Sequence[str] = to_remove
             files_done = bytes_done = 0
+            said_at = time.monotonic()
             for start in range(0, len(to_hash), BATCH):
+                if self._stop.is_set():  # the rest is hashed at the next start (`plan`)
+                    break
                 chunk = {p: disk[p] for p in to_hash[start : start + BATCH]}
                 done = await self._hash_and_commit(chunk, removals)
                 removals = ()
@@ -400,13 +444,22 @@ class Watcher:
                 files_done += len(chunk)
                 bytes_done += sum(size for size, _ in chunk.values())
                 report(files_done, bytes_done, len(to_hash), total_bytes)
+                self.scan.done = files_done
+                if time.monotonic() - said_at >= PROGRESS_LOG_S:
+                    log.info("fingerprinted %d of %d file(s)", files_done, len(to_hash))
+                    said_at = time.monotonic()
             if removals:
                 await self._commit([], removals)
-            summary.failed = sorted(p for p in to_hash if p in self._failed)
-            summary.moved_on = len(to_hash) - summary.hashed - len(summary.failed)
+            summary.failed = sorted(p for p in to_hash[:files_done] if p in self._failed)
+            summary.moved_on = files_done - summary.hashed - len(summary.failed)
+            summary.left = len(to_hash) - files_done
+            if to_hash or to_remove:
+                seconds = time.monotonic() - began
+                log.info("scanned %s: %s in %.1f s", ", ".join(roots), summary.said(), seconds)
             return summary
         finally:
             self.scanning = False
+            self.scan = None
 
     async def _strays(self) -> tuple[dict[str, Stat], dict[str, Stat]]:
         """(known, on disk) of the rows below no watch root: a folder taken out of
@@ -586,8 +639,13 @@ class Watcher:
             if present != self._mounted or (self.watches_full and not full):
                 self._rewatch.set()
             if full and not self.watches_full:
-                log.warning("inotify: %s", watch_limit_problem(self.rescan_s))
+                self.folders = await asyncio.to_thread(count_folders, self.roots, self.rules)
+                log.warning("inotify: %s", self.watch_limit_problem())
             self.watches_full = full
+
+    def watch_limit_problem(self) -> str:
+        """What /health and the log say while the user's inotify watches are all taken."""
+        return watch_limit_problem(self.rescan_s, self.folders)
 
     def _look(self) -> tuple[Mounted, bool]:
         present = self._present()
@@ -747,19 +805,30 @@ def inotify_full(path: str) -> bool:
         os.close(fd)
 
 
-def watch_limit_problem(rescan_s: float) -> str:
-    """What /health and the log say while `inotify_full`: the limit, and how to raise it."""
+def watch_limit_problem(rescan_s: float, folders: int) -> str:
+    """What /health and the log say while `inotify_full`: the limit, what the watched
+    `folders` need of it (a number to raise it past, with room for the user's other
+    programs), and how to raise it."""
     limits = []
     for path in WATCH_LIMITS:
         with contextlib.suppress(OSError, ValueError):
             limits.append(int(path.read_text()))
-    limit = f" (the limit here: {min(limits)})" if limits else ""
+    said = [f"the limit here: {min(limits)}"] if limits else []
+    said += [f"the watched folders need {folders}, one each"] if folders else []
+    limit = f" ({'; '.join(said)})" if said else ""
     seen = f"every {rescan_s:g} s" if rescan_s > 0 else "never (watch_rescan_s is 0)"
     return (
         f"the user's inotify watch limit is reached: folders past it are not watched, their "
         f"changes seen only at the rescan, {seen}; raise fs.inotify.max_user_watches{limit} "
         "(docs/watcher.md)"
     )
+
+
+def count_folders(roots: Sequence[str], rules: Rules) -> int:
+    """The folders below `roots`, themselves included, each an inotify watch: every one, as
+    notify watches ignored folders too (their events are dropped after). A walk of every
+    folder: run it on a thread, once, when the limit is reached."""
+    return sum(1 for root in roots for _ in os.walk(root, followlinks=rules.follow_symlinks))
 
 
 def unreadable(roots: Sequence[str], unlisted: Iterable[str]) -> frozenset[str]:
