@@ -1106,12 +1106,16 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
     with datadir.Lock(settings.data_dir):  # a second node beside a running `serve`: refused
         summary = asyncio.run(run())
     moved_on = f", {summary.moved_on} changed or gone while scanning" if summary.moved_on else ""
+    not_text = f", {len(summary.not_text)} not UTF-8 left out" if summary.not_text else ""
     click.echo(
         f"{summary.seen} files seen: {summary.hashed} hashed, {summary.unchanged} "
         f"unchanged, {summary.removed} removed, {len(summary.failed)} unreadable{moved_on}"
+        f"{not_text}"
     )
     for path in summary.failed:
         click.echo(f"unreadable: {path}", err=True)
+    for path in summary.not_text:
+        click.echo(f"not UTF-8, left out (rename it): {path}", err=True)
 
 
 @main.command()

@@ -887,6 +887,7 @@ class Pages:
             next=page["next"],
             duplicates=self.node.duplicates(PAGE),
             gone=self.node.library("", "", False, PAGE).rows,
+            not_utf8=self.node.not_utf8(),
         )
 
     async def plugins(self, request: Request) -> Response:

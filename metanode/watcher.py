@@ -82,13 +82,8 @@ class Rules:
         return tuple(g for g in self.globs if "/" in g)
 
     def ignored_name(self, name: str) -> bool:
-        """One path component: dot-name, a name glob, or not UTF-8."""
-        if name.startswith(".") or self._name_match(name):
-            return True
-        if name.isascii() or utf8_size(name) is not None:  # ASCII: the common case, at once
-            return False
-        _warn_once("ignoring a name that is not valid UTF-8: %r", name)
-        return True
+        """One path component: dot-name or a name glob."""
+        return name.startswith(".") or self._name_match(name) is not None
 
     def ignored(self, root: str, path: str) -> bool:
         """Whether `path` is ignored: the root itself never is, a path outside it always is."""
@@ -98,9 +93,38 @@ class Rules:
         if not path.startswith(prefix):
             return True
         relative = path[len(prefix) :]
-        if any(self.ignored_name(part) for part in relative.split("/")):
+        parts = relative.split("/")
+        if any(self.ignored_name(part) for part in parts):
+            return True
+        if not all(map(is_text, parts)):
+            left_out(path)
             return True
         return any(fnmatch.fnmatchcase(relative, g) for g in self._path_globs)
+
+
+def is_text(name: str) -> bool:
+    """Whether a name (decoded from the disk's bytes) is text: valid UTF-8, the common case of
+    ASCII at once. One that is not (a Latin-1 `caf\\xe9.mkv` from an old share) carries lone
+    surrogates that UTF-8, SQLite and JSON cannot hold: records, feeds and WebDAV carry text."""
+    return name.isascii() or utf8_size(name) is not None
+
+
+def shown_path(path: str) -> str:
+    """A path as the log and the pages name it: its bytes that are not UTF-8 as `\\xNN`
+    (`/srv/media/Am\\xe9lie.mkv`), what `ls` and watchfiles show, rather than Python's
+    surrogate escapes (`\\udce9`)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def left_out(path: str, into: list[str] | None = None) -> None:
+    """`path`, whose name is not text (`is_text`), is left out: said once in the log, with the
+    whole path (a name alone did not say which of a library's folders holds it), and added to
+    `into` (what a reconciliation found: /health, the Files page and `metanode scan` list
+    them)."""
+    shown = shown_path(path)
+    _warn_once("ignoring a name that is not valid UTF-8: %s (rename it: docs/watcher.md)", shown)
+    if into is not None:
+        into.append(shown)
 
 
 @lru_cache(maxsize=1024)
@@ -111,14 +135,19 @@ def _warn_once(message: str, subject: str) -> None:
 
 
 def walk(
-    root: str, rules: Rules, start: str | None = None, unlisted: list[str] | None = None
+    root: str,
+    rules: Rules,
+    start: str | None = None,
+    unlisted: list[str] | None = None,
+    not_text: list[str] | None = None,
 ) -> Iterator[tuple[str, Stat]]:
     """Every regular file below `start` (default `root`) that the rules keep, with its
     (size, mtime_ns). Rules apply relative to the watch `root`.
 
     Unreadable folders are logged, skipped and added to `unlisted` (one that vanished is not:
-    its files are gone); each folder is visited once, even through a followed symlink that
-    loops back (to the root itself, say).
+    its files are gone), names that are not text (`is_text`) to `not_text` (`shown_path`);
+    each folder is visited once, even through a followed symlink that loops back (to the root
+    itself, say).
     """
     first = start or root
     if start is not None and rules.ignored(root, start):
@@ -140,7 +169,12 @@ def walk(
                 unlisted.append(folder)
             continue
         for entry in entries:
-            if rules.ignored_name(entry.name) or (check_paths and rules.ignored(root, entry.path)):
+            if rules.ignored_name(entry.name):
+                continue
+            if not is_text(entry.name):
+                left_out(entry.path, not_text)
+                continue
+            if check_paths and rules.ignored(root, entry.path):
                 continue
             try:
                 if entry.is_symlink() and not rules.follow_symlinks:
@@ -246,6 +280,7 @@ class Summary:
     removed: int = 0
     failed: list[str] = field(default_factory=list)
     moved_on: int = 0  # to hash, but changed or gone before it was (a copy still being written)
+    not_text: list[str] = field(default_factory=list)  # names left out, as `shown_path` shows
     bytes_sampled: int = 0
 
 
@@ -305,6 +340,7 @@ class Watcher:
         self._retry_s = RETRY_MIN_S
         self.failing: str | None = None  # why batches fail (/health), until a retry works
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
+        self.not_text: list[str] = []  # names the last full one left out (`is_text`)
         self.watches_full = False  # this user may add no inotify watch (`inotify_full`)
         self.scanning = False
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
@@ -382,8 +418,13 @@ class Watcher:
             self.devices.found(listing for listing in walked if listing.files)
             to_hash, to_remove = plan(disk, known, self.unlisted)
             summary = Summary(
-                seen=len(disk), unchanged=len(disk) - len(to_hash), removed=len(to_remove)
+                seen=len(disk),
+                unchanged=len(disk) - len(to_hash),
+                removed=len(to_remove),
+                not_text=sorted(name for listing in walked for name in listing.not_text),
             )
+            if full:
+                self.not_text = summary.not_text
             total_bytes = sum(disk[p][0] for p in to_hash)
             report = progress or (lambda *_: None)
             report(0, 0, len(to_hash), total_bytes)
@@ -446,8 +487,9 @@ class Watcher:
             )
             return Listing(root, None, {}, [root])
         unlisted: list[str] = []
-        files = dict(walk(root, self.rules, root, unlisted))
-        return Listing(root, device, files, unlisted)
+        not_text: list[str] = []
+        files = dict(walk(root, self.rules, root, unlisted, not_text))
+        return Listing(root, device, files, unlisted, not_text)
 
     def _emptied(self, walked: Iterable[Listing], known: Mapping[str, Stat]) -> list[str]:
         """The roots that listed no file at all, though files were known below them, on another
@@ -858,6 +900,7 @@ class Listing:
     device: int | None
     files: dict[str, Stat]
     unlisted: list[str]
+    not_text: list[str] = field(default_factory=list)  # names left out (`is_text`)
 
 
 class RootDevices:
