@@ -43,6 +43,22 @@ class JsonFormatter(logging.Formatter):
         return jsonl.dumps(entry, default=str)
 
 
+# The control characters of a terminal line written as Python writes them in a string
+# (`\x1b`, `\n`): a file name holding an escape sequence recoloured (or retitled) the
+# terminal it was logged to, and one holding a line feed made two log lines of one.
+CONTROLS = {
+    code: ascii(chr(code))[1:-1] for code in (*range(0x20), *range(0x7F, 0xA0)) if code != 0x09
+}
+
+
+class TerminalFormatter(logging.Formatter):
+    """A readable line for a terminal, its message's control characters escaped (`CONTROLS`);
+    a traceback, added after the message, keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record).translate(CONTROLS)
+
+
 def configure(level: str, json_lines: bool | None = None) -> None:
     """Send all logs (uvicorn's too) to stderr, as JSON unless stderr is a terminal."""
     if json_lines is None:
@@ -52,7 +68,7 @@ def configure(level: str, json_lines: bool | None = None) -> None:
     handler.setFormatter(
         JsonFormatter()
         if json_lines
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
+        else TerminalFormatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
