@@ -1128,7 +1128,7 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
     for path in summary.failed:
         click.echo(f"unreadable: {one_line(path)}", err=True)
     for path in summary.not_text:
-        click.echo(f"not UTF-8, left out (rename it): {one_line(path)}", err=True)
+        click.echo(f"not UTF-8, left out (rename it): {path}", err=True)  # one line already
 
 
 @main.command()

@@ -35,7 +35,7 @@ from pathlib import Path
 import watchfiles
 
 from metanode import cid as cids
-from metanode import datadir
+from metanode import datadir, logs
 from metanode.claims import utf8_size
 from metanode.errors import MidhashError, StorageError
 from metanode.merge import LocalFile
@@ -110,10 +110,11 @@ def is_text(name: str) -> bool:
 
 
 def shown_path(path: str) -> str:
-    """A path as the log and the pages name it: its bytes that are not UTF-8 as `\\xNN`
-    (`/srv/media/Am\\xe9lie.mkv`), what `ls` and watchfiles show, rather than Python's
-    surrogate escapes (`\\udce9`)."""
-    return os.fsencode(path).decode("utf-8", "backslashreplace")
+    """A path as the log and the pages name it, on one line: its bytes that are not UTF-8 as
+    `\\xNN` (`/srv/media/Am\\xe9lie.mkv`), what `ls` and watchfiles show, rather than
+    Python's surrogate escapes (`\\udce9`), and its control characters as the terminal's log
+    writes them (`\\n`, `logs.CONTROLS`)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace").translate(logs.CONTROLS)
 
 
 def left_out(path: str, into: list[str] | None = None) -> None:
