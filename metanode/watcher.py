@@ -102,6 +102,20 @@ class Rules:
         return any(fnmatch.fnmatchcase(relative, g) for g in self._path_globs)
 
 
+# A folder made deep enough (by relative paths, as a copy of a deep tree does) holds paths
+# longer than Linux's PATH_MAX: no call that takes a path reaches them, nor WebDAV, `/file`
+# or a plugin. Said once a folder, which was skipped without a word.
+TOO_LONG = (
+    "skipping what %s holds: its paths are longer than the system takes (PATH_MAX, 4,096 "
+    "bytes), so nothing can open them"
+)
+
+
+def abridged(path: str, ends: int = 100) -> str:
+    """`path`'s first and last `ends` characters: enough of a path of 4,000 bytes to find it."""
+    return path if len(path) <= 2 * ends else f"{path[:ends]}…{path[-ends:]}"
+
+
 def is_text(name: str) -> bool:
     """Whether a name (decoded from the disk's bytes) is text: valid UTF-8, the common case of
     ASCII at once. One that is not (a Latin-1 `caf\\xe9.mkv` from an old share) carries lone
@@ -181,7 +195,9 @@ def walk(
                 if entry.is_symlink() and not rules.follow_symlinks:
                     continue
                 info = entry.stat(follow_symlinks=True)
-            except OSError:
+            except OSError as exc:
+                if exc.errno == errno.ENAMETOOLONG:  # past PATH_MAX: nothing can open it
+                    _warn_once(TOO_LONG, abridged(shown_path(folder)))
                 continue  # vanished, or a dangling link
             if stat.S_ISDIR(info.st_mode):
                 if (info.st_dev, info.st_ino) not in seen:
