@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import sys
+import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -1816,8 +1817,11 @@ NEWEST = "~"  # above every rid: the `before` of the first page
 
 def fts_query(text: str) -> str:
     """The FTS5 query of what a person typed: every word, as a prefix, all of them required.
-    Words are quoted, so no input is FTS5 syntax (an operator or a stray quote cannot fail)."""
-    return " ".join(f'"{word}"*' for word in re.findall(r"\w+", text))
+    Words are quoted, so no input is FTS5 syntax (an operator or a stray quote cannot fail).
+    The text is read composed (NFC): a decomposed `é` (`e` and a combining accent, as macOS
+    writes names, and a name copied from its Finder) is no word character, and split the word
+    in two."""
+    return " ".join(f'"{word}"*' for word in re.findall(r"\w+", unicodedata.normalize("NFC", text)))
 
 
 def library_query(match: str, kind: str, held: bool | None, sidecars: bool, newer: bool) -> str:

@@ -152,10 +152,23 @@ def cid() -> None:
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @reports_errors
 def cid_midhash(files: tuple[str, ...]) -> None:
-    """Print `<midhash256 CID>  <path>` for each FILE (one read of at most 1 MiB each)."""
+    """Print `<midhash256 CID>  <path>` for each FILE (one read of at most 1 MiB each); a
+    path's backslashes, line feeds and carriage returns as `\\\\`, `\\n` and `\\r`."""
     for path in files:
         value, _size = watcher.midhash_file(path)
-        click.echo(f"{value}  {path}")
+        click.echo(f"{value}  {one_line(path)}")
+
+
+# What `one_line` writes for the characters that would end a line of output (and for the
+# backslash that writes them): each file one line, as `sha256sum` writes its names.
+LINE_ESCAPES = str.maketrans({"\\": "\\\\", "\n": "\\n", "\r": "\\r"})
+
+
+def one_line(path: str) -> str:
+    """`path` on one line of output: a name may hold a line feed (`new\\nline.mkv`), which cut
+    `metanode cid midhash`'s line for it in two (`cut -d' ' -f1` then read the rest of the
+    name as the next CID)."""
+    return path.translate(LINE_ESCAPES)
 
 
 @cid.command("parse")
@@ -1107,7 +1120,9 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
         summary = asyncio.run(run())
     click.echo(summary.said())
     for path in summary.failed:
-        click.echo(f"unreadable: {path}", err=True)
+        click.echo(f"unreadable: {one_line(path)}", err=True)
+    for path in summary.not_text:
+        click.echo(f"not UTF-8, left out (rename it): {path}", err=True)  # one line already
 
 
 @main.command()

@@ -22,10 +22,20 @@ WHITESPACE = b" \t\r\n"  # JSON's whitespace: a line of only these is blank
 _ESCAPES = {ord(c): f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"}
 
 
+def escape_breaks(text: str) -> str:
+    """JSON `text` with U+0085, U+2028 and U+2029 escaped (the same JSON value), so no reader
+    that honours them as line ends splits it (the change feed's frames too: `sse`). A search
+    for the three where none is, which is nearly always: `str.translate` took twice as long as
+    encoding the JSON."""
+    if "\x85" in text or "\u2028" in text or "\u2029" in text:
+        return text.translate(_ESCAPES)
+    return text
+
+
 def dumps(value: object, default: Callable[[Any], Any] | None = None) -> str:
     """One JSON line without its newline: UTF-8 readable (not ASCII-escaped), and safe to split
     on any line ending a reader may honour."""
-    return json.dumps(value, ensure_ascii=False, default=default).translate(_ESCAPES)
+    return escape_breaks(json.dumps(value, ensure_ascii=False, default=default))
 
 
 def encode(value: object) -> bytes:

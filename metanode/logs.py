@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import re
 import sys
 import time
 from typing import Any
@@ -44,13 +43,14 @@ class JsonFormatter(logging.Formatter):
         return jsonl.dumps(entry, default=str)
 
 
-# C0 and C1 control characters and DEL: what a terminal takes for a line end or a command
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# C0 and C1 control characters and DEL, as Python writes them in a string (`\n`, `\x1b`): what
+# a terminal takes for a line end or a command, written so that it is neither
+CONTROLS = {code: ascii(chr(code))[1:-1] for code in (*range(0x20), *range(0x7F, 0xA0))}
 
 
 class ReadableFormatter(logging.Formatter):
     """`<time> <level> <logger> [<request id>] <message>`, a line whose message cannot end it
-    or command the terminal: its control characters are written escaped (`\\n`, `\\x1b`).
+    or command the terminal: its control characters are written escaped (`CONTROLS`).
     A message quotes what others chose (a request's path in the access line, a file name of
     the media a plugin failed on): a line feed there wrote a line of the attacker's wording,
     an escape sequence recoloured or retitled the terminal. A traceback keeps its lines."""
@@ -59,12 +59,7 @@ class ReadableFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        return CONTROL.sub(_escaped, super().formatMessage(record))
-
-
-def _escaped(found: re.Match[str]) -> str:
-    """A control character as Python writes it in a string (`\\n`, `\\x1b`): unambiguous."""
-    return repr(found.group())[1:-1]
+        return super().formatMessage(record).translate(CONTROLS)
 
 
 def configure(level: str, json_lines: bool | None = None) -> None:

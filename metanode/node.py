@@ -79,6 +79,9 @@ LEGACY_NAME = "legacy-writer"  # signs MetaMesh `/meta` writes (compat.py)
 # (the verifier's, then the writer's). A larger batch is validated on the verifier's threads
 # or processes, in parallel and before its group, so the writer does not validate it alone.
 WRITER_VALIDATES = 8
+# The names /health lists of those the watcher left out as not UTF-8 (`watcher.is_text`),
+# beside their count: a library copied from a Latin-1 share may hold thousands.
+NOT_UTF8_SHOWN = 20
 
 
 def service(work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -1087,8 +1090,16 @@ class Node:
                 "pending": len(self.watcher.pending),
                 "unlisted": self.watcher.unlisted,
                 "watches_full": self.watcher.watches_full,
+                "not_utf8": self.not_utf8(),
             }
         return body
+
+    def not_utf8(self) -> dict[str, Any]:
+        """The names the watcher's last full reconciliation left out as not UTF-8
+        (`watcher.is_text`): how many, and the first `NOT_UTF8_SHOWN`, for /health and the
+        Files page."""
+        names = self.watcher.not_text if self.watcher is not None else []
+        return {"count": len(names), "paths": names[:NOT_UTF8_SHOWN]}
 
     def _service_problems(self) -> list[str]:
         """What /health says of the plugin host, the watcher and the peers, where they run."""

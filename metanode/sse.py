@@ -1,7 +1,10 @@
 """The change feed's wire form, pure: event framing, cursors and filters (SPEC §5).
 
 Framing is sse-starlette's `ServerSentEvent.encode` with `\\n` line ends; every event's data is
-one line of compact JSON (JSON escapes newlines inside strings, so no value can break a frame).
+one line of compact JSON (JSON escapes newlines inside strings, so no value can break a frame),
+with U+0085, U+2028 and U+2029 escaped too (`jsonl.escape_breaks`): SSE ends a line at CR and
+LF only, but a reader built on `str.splitlines` (httpx's `iter_lines`) ends one there as well,
+and a file name holding one (`line\\u2028sep.mkv`) was cut in two there.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from sse_starlette import ServerSentEvent
 
+from metanode import jsonl
 from metanode import rid as rids
 from metanode.errors import InvalidCursor, shown
 
@@ -26,9 +30,14 @@ _CURSOR = re.compile(r"([0-9]{1,19})-([0-9]{1,19})(?:\.([0-9]{1,19}))?")
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
+def _encode(data: dict[str, Any]) -> str:
+    """An event's data: one line of compact JSON, whichever line ends its reader honours."""
+    return jsonl.escape_breaks(_JSON.encode(data))
+
+
 def event(kind: str, data: dict[str, Any], event_id: str | None = None) -> ServerSentEvent:
     """One feed event: `set`, `del`, `gap` or `synced`, data as compact JSON."""
-    return ServerSentEvent(data=_JSON.encode(data), event=kind, id=event_id, sep=SEP)
+    return ServerSentEvent(data=_encode(data), event=kind, id=event_id, sep=SEP)
 
 
 def keep_alive() -> ServerSentEvent:
@@ -47,7 +56,7 @@ def change(epoch: int, seq: int, rid: str, op: str, key: str, value: str | None)
     data: dict[str, Any] = {"rid": rid, "key": key}
     if op == "set":
         data["value"] = value
-    lines = (f"id: {event_id(epoch, seq)}", f"event: {op}", f"data: {_JSON.encode(data)}", "", "")
+    lines = (f"id: {event_id(epoch, seq)}", f"event: {op}", f"data: {_encode(data)}", "", "")
     return SEP.join(lines).encode()
 
 

@@ -23,6 +23,7 @@ import importlib.resources
 import re
 import secrets
 import time
+import unicodedata
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http.cookies import SimpleCookie
@@ -418,6 +419,47 @@ def word_breaks(key: str) -> markupsafe.Markup:
 
 
 TEMPLATES.filters["word_breaks"] = word_breaks
+# Characters that change how a text reads without being seen (docs/ui.md, "Names as they
+# are"): control characters, and the explicit bidirectional formatting characters (embeddings,
+# overrides, isolates; RIGHT-TO-LEFT OVERRIDE turns `invoice\u202egpj.exe` into what reads
+# `invoiceexe.jpg`). A value keeps its line ends and tabs (`LINES`). metanode.js's `HIDDEN`
+# is the same set.
+HIDDEN = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+LINES = "\t\n\r"
+
+
+def hidden_char(char: str) -> markupsafe.Markup:
+    """A hidden character made visible: its code point, named in its title when it has a
+    name (the controls have none)."""
+    code = f"U+{ord(char):04X}"
+    name = unicodedata.name(char, "control character")
+    return markupsafe.Markup('<span class="hidden-char" title="{}">{}</span>').format(name, code)
+
+
+def legible(text: object, lines: bool = False) -> markupsafe.Markup:
+    """`text` (a name, path, title or value) as the page shows it: escaped, isolated in a
+    `<bdi>` (its direction its own, so a right-to-left name or an override inside it never
+    reorders what is around it: a file's size beside its name), and every `HIDDEN` character
+    shown as its code point; with `lines`, line ends and tabs are kept (a value shown in a
+    `pre-wrap` cell)."""
+    value = str(text)
+
+    def visible(match: re.Match[str]) -> str:
+        char = match.group()
+        return char if lines and char in LINES else hidden_char(char)
+
+    marked = HIDDEN.sub(visible, str(markupsafe.escape(value)))
+    return markupsafe.Markup("<bdi>{}</bdi>").format(markupsafe.Markup(marked))
+
+
+def plain(text: object) -> str:
+    """`text` where no markup may go (the page's `<title>`): every `HIDDEN` character as its
+    code point in brackets."""
+    return HIDDEN.sub(lambda match: f"[U+{ord(match.group()):04X}]", str(text))
+
+
+TEMPLATES.filters["legible"] = legible
+TEMPLATES.filters["plain"] = plain
 NAV = (
     ("/", "Library"),
     ("/live", "Live"),
@@ -873,6 +915,7 @@ class Pages:
             next=page["next"],
             duplicates=self.node.duplicates(PAGE),
             gone=self.node.library("", "", False, PAGE).rows,
+            not_utf8=self.node.not_utf8(),
         )
 
     async def plugins(self, request: Request) -> Response:

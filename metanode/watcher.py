@@ -35,7 +35,7 @@ from pathlib import Path
 import watchfiles
 
 from metanode import cid as cids
-from metanode import datadir
+from metanode import datadir, logs
 from metanode.claims import utf8_size
 from metanode.errors import MidhashError, StorageError
 from metanode.merge import LocalFile
@@ -83,13 +83,8 @@ class Rules:
         return tuple(g for g in self.globs if "/" in g)
 
     def ignored_name(self, name: str) -> bool:
-        """One path component: dot-name, a name glob, or not UTF-8."""
-        if name.startswith(".") or self._name_match(name):
-            return True
-        if name.isascii() or utf8_size(name) is not None:  # ASCII: the common case, at once
-            return False
-        _warn_once("ignoring a name that is not valid UTF-8: %r", name)
-        return True
+        """One path component: dot-name or a name glob."""
+        return name.startswith(".") or self._name_match(name) is not None
 
     def ignored(self, root: str, path: str) -> bool:
         """Whether `path` is ignored: the root itself never is, a path outside it always is."""
@@ -99,9 +94,53 @@ class Rules:
         if not path.startswith(prefix):
             return True
         relative = path[len(prefix) :]
-        if any(self.ignored_name(part) for part in relative.split("/")):
+        parts = relative.split("/")
+        if any(self.ignored_name(part) for part in parts):
+            return True
+        if not all(map(is_text, parts)):
+            left_out(path)
             return True
         return any(fnmatch.fnmatchcase(relative, g) for g in self._path_globs)
+
+
+# A folder made deep enough (by relative paths, as a copy of a deep tree does) holds paths
+# longer than Linux's PATH_MAX: no call that takes a path reaches them, nor WebDAV, `/file`
+# or a plugin. Said once a folder, which was skipped without a word.
+TOO_LONG = (
+    "skipping what %s holds: its paths are longer than the system takes (PATH_MAX, 4,096 "
+    "bytes), so nothing can open them"
+)
+
+
+def abridged(path: str, ends: int = 100) -> str:
+    """`path`'s first and last `ends` characters: enough of a path of 4,000 bytes to find it."""
+    return path if len(path) <= 2 * ends else f"{path[:ends]}…{path[-ends:]}"
+
+
+def is_text(name: str) -> bool:
+    """Whether a name (decoded from the disk's bytes) is text: valid UTF-8, the common case of
+    ASCII at once. One that is not (a Latin-1 `caf\\xe9.mkv` from an old share) carries lone
+    surrogates that UTF-8, SQLite and JSON cannot hold: records, feeds and WebDAV carry text."""
+    return name.isascii() or utf8_size(name) is not None
+
+
+def shown_path(path: str) -> str:
+    """A path as the log and the pages name it, on one line: its bytes that are not UTF-8 as
+    `\\xNN` (`/srv/media/Am\\xe9lie.mkv`), what `ls` and watchfiles show, rather than
+    Python's surrogate escapes (`\\udce9`), and its control characters as the terminal's log
+    writes them (`\\n`, `logs.CONTROLS`)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace").translate(logs.CONTROLS)
+
+
+def left_out(path: str, into: list[str] | None = None) -> None:
+    """`path`, whose name is not text (`is_text`), is left out: said once in the log, with the
+    whole path (a name alone did not say which of a library's folders holds it), and added to
+    `into` (what a reconciliation found: /health, the Files page and `metanode scan` list
+    them)."""
+    shown = shown_path(path)
+    _warn_once("ignoring a name that is not valid UTF-8: %s (rename it: docs/watcher.md)", shown)
+    if into is not None:
+        into.append(shown)
 
 
 @lru_cache(maxsize=1024)
@@ -112,14 +151,19 @@ def _warn_once(message: str, subject: str) -> None:
 
 
 def walk(
-    root: str, rules: Rules, start: str | None = None, unlisted: list[str] | None = None
+    root: str,
+    rules: Rules,
+    start: str | None = None,
+    unlisted: list[str] | None = None,
+    not_text: list[str] | None = None,
 ) -> Iterator[tuple[str, Stat]]:
     """Every regular file below `start` (default `root`) that the rules keep, with its
     (size, mtime_ns). Rules apply relative to the watch `root`.
 
     Unreadable folders are logged, skipped and added to `unlisted` (one that vanished is not:
-    its files are gone); each folder is visited once, even through a followed symlink that
-    loops back (to the root itself, say).
+    its files are gone), names that are not text (`is_text`) to `not_text` (`shown_path`);
+    each folder is visited once, even through a followed symlink that loops back (to the root
+    itself, say).
     """
     first = start or root
     if start is not None and rules.ignored(root, start):
@@ -141,13 +185,20 @@ def walk(
                 unlisted.append(folder)
             continue
         for entry in entries:
-            if rules.ignored_name(entry.name) or (check_paths and rules.ignored(root, entry.path)):
+            if rules.ignored_name(entry.name):
+                continue
+            if not is_text(entry.name):
+                left_out(entry.path, not_text)
+                continue
+            if check_paths and rules.ignored(root, entry.path):
                 continue
             try:
                 if entry.is_symlink() and not rules.follow_symlinks:
                     continue
                 info = entry.stat(follow_symlinks=True)
-            except OSError:
+            except OSError as exc:
+                if exc.errno == errno.ENAMETOOLONG:  # past PATH_MAX: nothing can open it
+                    _warn_once(TOO_LONG, abridged(shown_path(folder)))
                 continue  # vanished, or a dangling link
             if stat.S_ISDIR(info.st_mode):
                 if (info.st_dev, info.st_ino) not in seen:
@@ -247,6 +298,7 @@ class Summary:
     removed: int = 0
     failed: list[str] = field(default_factory=list)
     moved_on: int = 0  # to hash, but changed or gone before it was (a copy still being written)
+    not_text: list[str] = field(default_factory=list)  # names left out, as `shown_path` shows
     bytes_sampled: int = 0
     left: int = 0  # to hash, but the watcher stopped first: hashed at the next start
 
@@ -256,6 +308,7 @@ class Summary:
         library said nothing in the log from its start to its end."""
         extra = [f"{self.moved_on} changed or gone while scanning"] if self.moved_on else []
         extra += [f"{self.left} left for the next start (stopping)"] if self.left else []
+        extra += [f"{len(self.not_text)} not UTF-8 left out"] if self.not_text else []
         return ", ".join(
             [
                 f"{self.seen} file{'' if self.seen == 1 else 's'} seen: {self.hashed} hashed, "
@@ -334,6 +387,7 @@ class Watcher:
         self._retry_s = RETRY_MIN_S
         self.failing: str | None = None  # why batches fail (/health), until a retry works
         self.unlisted: list[str] = []  # folders the last reconciliation could not read
+        self.not_text: list[str] = []  # names the last full one left out (`is_text`)
         self.watches_full = False  # this user may add no inotify watch (`inotify_full`)
         self.folders = 0  # the folders below the roots, counted when `watches_full` began
         self.scanning = False
@@ -414,8 +468,13 @@ class Watcher:
             self.devices.found(listing for listing in walked if listing.files)
             to_hash, to_remove = plan(disk, known, self.unlisted)
             summary = Summary(
-                seen=len(disk), unchanged=len(disk) - len(to_hash), removed=len(to_remove)
+                seen=len(disk),
+                unchanged=len(disk) - len(to_hash),
+                removed=len(to_remove),
+                not_text=sorted(name for listing in walked for name in listing.not_text),
             )
+            if full:
+                self.not_text = summary.not_text
             total_bytes = sum(disk[p][0] for p in to_hash)
             report = progress or (lambda *_: None)
             report(0, 0, len(to_hash), total_bytes)
@@ -499,8 +558,9 @@ class Watcher:
             )
             return Listing(root, None, {}, [root])
         unlisted: list[str] = []
-        files = dict(walk(root, self.rules, root, unlisted))
-        return Listing(root, device, files, unlisted)
+        not_text: list[str] = []
+        files = dict(walk(root, self.rules, root, unlisted, not_text))
+        return Listing(root, device, files, unlisted, not_text)
 
     def _emptied(self, walked: Iterable[Listing], known: Mapping[str, Stat]) -> list[str]:
         """The roots that listed no file at all, though files were known below them, on another
@@ -927,6 +987,7 @@ class Listing:
     device: int | None
     files: dict[str, Stat]
     unlisted: list[str]
+    not_text: list[str] = field(default_factory=list)  # names left out (`is_text`)
 
 
 class RootDevices:

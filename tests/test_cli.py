@@ -99,6 +99,34 @@ def test_cid_midhash_prints_cid_and_path(tmp_path: Path) -> None:
     ]
 
 
+def test_cid_midhash_writes_each_file_on_one_line_whatever_its_name(tmp_path: Path) -> None:
+    """A line feed in a name cut its line in two (`cut -d' ' -f1` took the name's second half
+    for a CID); it, a carriage return and the backslash that writes them are escaped, and a
+    name that is not UTF-8 is written as its bytes."""
+    names = [b"new\nline.mkv", b"carriage\rreturn.mkv", b"back\\slash.mkv", b"Am\xe9lie.mkv"]
+    paths = [os.path.join(os.fsencode(tmp_path), name) for name in names]
+    for path in paths:
+        with open(path, "wb") as out:
+            out.write(path)
+    done = subprocess.run(  # a real process: its stdout writes a name's bytes as they are
+        [sys.executable, "-m", "metanode", "cid", "midhash", *paths],
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split(b"\n")[:-1]
+    assert [line.split(b"  ", 1)[1] for line in lines] == [
+        os.fsencode(tmp_path) + b"/" + name
+        for name in (
+            b"new\\nline.mkv",
+            b"carriage\\rreturn.mkv",
+            b"back\\\\slash.mkv",
+            b"Am\xe9lie.mkv",
+        )
+    ]
+    assert all(line.startswith(b"bagacbabae") for line in lines)
+
+
 def test_cid_midhash_missing_file_is_an_error(tmp_path: Path) -> None:
     result = run("cid", "midhash", str(tmp_path / "absent.bin"))
     assert result.exit_code == 2

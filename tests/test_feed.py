@@ -92,9 +92,10 @@ def records(conn: sqlite3.Connection, where: Any = None) -> dict[tuple[str, str]
             b'\\u0000\\u001f"}\n\n',
         ),
         (
-            sse.change(2, 5, "R", "set", "ls", "a\u2028b\u2029c\x85d"),  # not SSE line ends: raw
-            "id: 2-5\nevent: set\n"
-            'data: {"rid":"R","key":"ls","value":"a\u2028b\u2029c\x85d"}\n\n'.encode(),
+            # not SSE's line ends, but `str.splitlines`' (httpx's `iter_lines`): escaped
+            sse.change(2, 5, "R", "set", "ls", "a\u2028b\u2029c\x85d"),
+            b'id: 2-5\nevent: set\ndata: {"rid":"R","key":"ls",'
+            b'"value":"a\\u2028b\\u2029c\\u0085d"}\n\n',
         ),
         (
             sse.change(2, 6, "R", "set", "empty", ""),
@@ -141,7 +142,10 @@ def test_a_change_is_framed_as_sse_starlette_frames_its_event(
         with pytest.raises(UnicodeEncodeError):
             sse.change(epoch, seq, rid, op, key, value)
         return
-    assert sse.change(epoch, seq, rid, op, key, value) == expected
+    frame = sse.change(epoch, seq, rid, op, key, value)
+    assert frame == expected
+    # one line a field, whichever line ends the reader honours
+    assert frame.decode().splitlines() == frame.decode().split("\n")[:-1]
 
 
 @pytest.mark.parametrize(

@@ -364,6 +364,33 @@ def test_parse_double_extensions(name: str, expected: dict[str, str]) -> None:
     assert parse(name) == expected
 
 
+@pytest.mark.parametrize(
+    ("name", "title"),
+    [
+        ("new\nline.mkv", "new line"),  # a line feed, a tab, a carriage return: spaces
+        ("tab\there.mkv", "tab here"),
+        ("carriage\rreturn.mkv", "carriage return"),
+        ("del\x7fchar.mkv", "del char"),
+        ("line\u2028sep\u2029para\x85nel.mkv", "line sep para nel"),
+        ("back\\slash.mkv", "back slash"),  # a character on Linux, not a folder
+        ("\x1b[31mred\x1b[0m.mkv", "31mred 0m"),  # an escape sequence is not the title
+        ("invoice\u202egpj.mkv", "invoicegpj"),  # RIGHT-TO-LEFT OVERRIDE: as it is, not as shown
+        ("mixed \u202a embed \u202c and \u2067isolate\u2069.mkv", "mixed embed and isolate"),
+        ("\ufeffbom.mkv", "bom"),
+        ("zero\u200bwidth.mkv", "zerowidth"),
+        ("Family 👨\u200d👩\u200d👧 Trip.mkv", "Family 👨\u200d👩\u200d👧 Trip"),  # a joiner stays
+        ("Ame\u0301lie (2001).mkv", "Am\u00e9lie"),  # macOS's decomposed é: composed
+        ("Am\u00e9lie (2001).mkv", "Am\u00e9lie"),
+        ("千と千尋の神隠し (2001).mkv", "千と千尋の神隠し"),
+        ("فيلم عربي (1999).mkv", "فيلم عربي"),
+    ],
+)
+def test_a_title_is_text_a_person_would_type_whatever_the_name_holds(name: str, title: str) -> None:
+    """Control characters and invisible formatting in a name are no part of its title, and a
+    decomposed name gives the title its composed twin does."""
+    assert parse(name)["title"] == title
+
+
 def test_vtt_is_a_subtitle_for_fileinfo(tmp_path: Path) -> None:
     assert describe(write(tmp_path, "Big.Buck.Bunny.2008.vtt", VTT)) == {
         "fileName": "Big.Buck.Bunny.2008.vtt",

@@ -189,6 +189,26 @@ def test_on_a_terminal_a_request_can_neither_end_a_log_line_nor_command_the_term
     assert not any(row.startswith("2026-01-01") for row in text.splitlines())
 
 
+def test_a_terminal_log_line_escapes_a_file_names_control_characters() -> None:
+    """A name holding an escape sequence recoloured the terminal `serve` logged it to, one
+    holding a line feed made two lines; a traceback keeps its lines."""
+    name = "/media/\x1b[31mred\x1b[0m\nline\x85.mkv"
+    try:
+        raise ValueError("disk on fire")
+    except ValueError:
+        failure = sys.exc_info()
+    record = logging.LogRecord(
+        "metanode.test", logging.WARNING, __file__, 1, "at %s", (name,), failure
+    )
+    record.request_id = "-"
+    line = logs.ReadableFormatter().format(record)
+    first, *traceback = line.split("\n")
+    assert first.endswith(
+        " WARNING metanode.test [-] at /media/\\x1b[31mred\\x1b[0m\\nline\\x85.mkv"
+    )
+    assert traceback[0] == "Traceback (most recent call last):"
+
+
 @pytest.mark.parametrize("chatty", ["httpx", "watchfiles.main"])
 def test_libraries_that_log_each_request_or_file_event_are_quiet_at_info(chatty: str) -> None:
     """watchfiles said `1 change detected` at info for every batch of file events (a download

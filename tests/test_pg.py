@@ -1061,6 +1061,25 @@ def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) 
         ]
 
 
+@pytest.mark.both_backends
+def test_the_library_search_finds_a_name_written_composed_or_decomposed(
+    tmp_path: Path, storage: str
+) -> None:
+    """macOS writes `é` as `e` and a combining accent (NFD), most else as one character
+    (NFC): a search in either form, or without the accent, finds both files."""
+    composed, decomposed = "Am\u00e9lie", "Ame\u0301lie"
+    rows = {
+        "01A": {"filePath": f"/m/{composed} (2001).mkv"},
+        "01B": {"filePath": f"/m/{decomposed} (2001).mkv"},
+        "01C": {"title": decomposed, "filePath": "/m/x.mkv"},
+    }
+    with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+        for text in (composed, decomposed, "amelie", decomposed.upper(), f"{decomposed} 2001"):
+            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            assert found == (["01B", "01A"] if "2001" in text else ["01C", "01B", "01A"]), text
+
+
 def test_every_connection_has_the_stores_settings_and_no_jit(dsn: str) -> None:
     """A watcher batch's lookup (a JSON list of paths, which the planner guesses at 100 rows)
     was costed past `jit_above_cost` and paid ≈ 4 ms of JIT compiling each time."""

@@ -1224,6 +1224,63 @@ def test_live_reads_out_the_start_of_a_long_value_only(page: Page, srv: Server) 
     assert len(news.text_content() or "") < 160
 
 
+# Where a name's mark of a hidden character is, and whether the text after the name (a file's
+# size) is drawn after it: RIGHT-TO-LEFT OVERRIDE reversed the rest of the row, the size too
+# (`Good` + U+202E + `vkm.Film.exe` read `Goodexe.mliF.mkv`, its `9.3 kB` drawn inside it).
+AFTER_THE_NAME = """(link) => {
+  const size = link.parentElement.querySelector('small');
+  return size.getBoundingClientRect().left >= link.getBoundingClientRect().right - 1;
+}"""
+
+
+def test_a_name_is_shown_as_it_is_and_never_reorders_its_row(page: Page, srv: Server) -> None:
+    """A file name's control characters and bidirectional overrides are shown as their code
+    points, never obeyed (`Kestrel` + U+202E + `gpj.exe.mkv` read `Kestrelvkm.exe.jpg`), each
+    name in a `<bdi>` (a right-to-left name keeps to itself), on the Files page, the record
+    page, the library and Live; a name written decomposed is found by a search so written."""
+    spoof = drop(srv, "Kestrel\u202egpj.exe.mkv")
+    drop(srv, "Kestrel\nline.mkv")
+    drop(srv, "\u0641\u064a\u0644\u0645 \u0639\u0631\u0628\u064a (1999).mkv")
+    drop(srv, "Kestre\u0301l Ame\u0301lie.mkv")  # as macOS writes `é`: e, combining accent
+    titled(srv, spoof, "Kestrelgpj exe")  # the filename plugin's title leaves the override out
+    titled(srv, srv.media / "Kestrel\nline.mkv", "Kestrel line")
+    titled(srv, srv.media / "Kestre\u0301l Ame\u0301lie.mkv", "Kestr\u00e9l Am\u00e9lie")
+    page.goto(srv.url + "/files")
+    for shown, mark in (
+        ("KestrelU+202Egpj.exe.mkv", "U+202E"),
+        ("KestrelU+000Aline.mkv", "U+000A"),
+        ("\u0641\u064a\u0644\u0645 \u0639\u0631\u0628\u064a (1999).mkv", ""),
+    ):
+        link = page.get_by_role("link", name=shown, exact=True)
+        expect(link.locator("bdi")).to_have_count(1)
+        expect(link.locator(".hidden-char")).to_have_text([mark] if mark else [])
+        assert link.evaluate(AFTER_THE_NAME), f"{shown!r} reorders its row"
+    assert "\u202e" not in page.locator("main").inner_text()
+
+    page.goto(f"{srv.url}/records/{midhash_of(srv, spoof)}")
+    expect(page.get_by_role("heading", level=1)).to_have_text("Kestrelgpj exe")
+    expect(field(page, "fileName").locator(".value")).to_have_text("KestrelU+202Egpj.exe.mkv")
+    expect(
+        page.get_by_role("listitem").filter(has_text="/KestrelU+202Egpj.exe.mkv")
+    ).to_be_visible()
+    assert "\u202e" not in page.locator("main").inner_text()
+
+    page.goto(srv.url + "/?q=kestrel")
+    row = page.get_by_role("row").filter(has=page.get_by_role("link", name="Kestrelgpj exe"))
+    expect(row.locator("small .hidden-char")).to_have_text("U+202E")
+    page.get_by_label("Search").fill("Ame\u0301lie")  # a name copied from macOS's Finder
+    page.get_by_role("button", name="Find").click()
+    expect(page.get_by_role("link", name="Kestr\u00e9l Am\u00e9lie")).to_be_visible()
+
+    page.goto(srv.url + "/live")
+    expect(page.get_by_role("status")).to_have_text("connected")
+    drop(srv, "Kestrel\u202e2.mkv")
+    changes = page.get_by_role("list", name="Changes").get_by_role("listitem")
+    said = changes.filter(has_text="set fileName = KestrelU+202E2.mkv")
+    expect(said.locator("bdi .hidden-char")).to_have_text(["U+202E"])
+    assert "\u202e" not in page.locator("main").inner_text()
+
+
 def test_an_unknown_record_is_a_404_page(page: Page, srv: Server) -> None:
     for missing in ("bafkreiaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "not-a-cid"):
         response = page.goto(f"{srv.url}/records/{missing}")

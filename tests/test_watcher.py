@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import sqlite3
@@ -232,6 +233,42 @@ def test_walk_skips_an_unlistable_folder(tmp_path: Path, monkeypatch: pytest.Mon
     unlisted: list[str] = []
     assert set(dict(walk(str(root), Rules(), unlisted=unlisted))) == {str(root / "ok" / "a.mkv")}
     assert unlisted == [str(root / "locked")]
+
+
+def test_walk_says_what_lies_past_path_max_and_a_name_not_utf8(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tree copied in deep enough holds paths longer than PATH_MAX (nothing can open them),
+    skipped without a word; a Latin-1 name was named without its folder. Both are said, once,
+    with where they are."""
+    root = tmp_path / "root"
+    write(root / "a.mkv", b"a")
+    deep = os.open(root, os.O_RDONLY)
+    try:
+        for _ in range(21):  # 21 folders of 200 bytes: past 4,096 bytes once the root is in front
+            os.mkdir("d" * 200, dir_fd=deep)
+            below = os.open("d" * 200, os.O_RDONLY, dir_fd=deep)
+            os.close(deep)
+            deep = below
+        os.close(os.open("deep.mkv", os.O_WRONLY | os.O_CREAT, dir_fd=deep))
+    finally:
+        os.close(deep)
+    latin1 = os.path.join(os.fsencode(root), b"Vid\xe9os")
+    os.mkdir(latin1)
+    write(Path(os.fsdecode(latin1)) / "inside.mkv", b"b")
+    not_text: list[str] = []
+    with caplog.at_level(logging.WARNING, "metanode.watcher"):
+        assert set(dict(walk(str(root), Rules(), not_text=not_text))) == {str(root / "a.mkv")}
+    assert not_text == [f"{root}/Vid\\xe9os"]
+    said = [r.getMessage() for r in caplog.records]
+    assert (
+        f"ignoring a name that is not valid UTF-8: {root}/Vid\\xe9os (rename it: docs/watcher.md)"
+        in said
+    )
+    assert any(
+        m.startswith(f"skipping what {root}/ddd") and "longer than the system takes" in m
+        for m in said
+    ), said
 
 
 def test_watch_paths_go_around_an_unreadable_folder(tmp_path: Path) -> None:

@@ -949,8 +949,10 @@ def test_scan_command_survives_a_file_name_that_is_not_utf8(tmp_path: Path) -> N
     # Node.stop also hits the Applier.stop bug (the applier is still applying the minted groups)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1500:]}"
     counts = summary_line(done)
-    assert counts.startswith("3 files seen: ") or counts.startswith("2 files seen: "), counts
-    assert {r[0] for r in local_rows(data_dir)} >= {str(media / "a.mkv"), str(media / "b.mkv")}
+    # the name left out is counted, and named whole, its byte that is not UTF-8 as \xNN
+    assert counts.startswith("2 files seen: ") and counts.endswith(", 1 not UTF-8 left out")
+    assert f"not UTF-8, left out (rename it): {media}/caf\\xe9.mkv" in done.stderr, done.stderr
+    assert {r[0] for r in local_rows(data_dir)} == {str(media / "a.mkv"), str(media / "b.mkv")}
 
 
 def test_live_watching_survives_a_file_name_that_is_not_utf8(start: Start) -> None:
@@ -980,6 +982,11 @@ def test_live_watching_survives_a_file_name_that_is_not_utf8(start: Start) -> No
     assert log_text.count(inotify_warning) == 1, log_text[-3000:]
     assert log_text.count("ignoring a name that is not valid UTF-8") == 1, log_text[-3000:]
     assert "Traceback" not in log_text, log_text[-3000:]
+    # the whole path, so it can be found in a library of many folders; /health lists it too
+    shown = f"{server.media}/caf\\xe9.mkv"
+    said = f"ignoring a name that is not valid UTF-8: {shown} (rename it: docs/watcher.md)"
+    assert said in server.log_messages(), log_text[-3000:]
+    assert server.health()["watcher"]["not_utf8"] == {"count": 1, "paths": [shown]}
 
 
 STOP_WHILE_APPLYING = """

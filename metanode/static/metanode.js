@@ -61,6 +61,26 @@ const NEWS_CHARS = 120;
 // how long Live waits before following again after the node refused its feed for a while (503)
 const LIVE_RETRY_MS = 5000;
 
+// A name or value as the page shows it (ui.legible, the same set of characters): in a <bdi>,
+// so a right-to-left text or an override inside it never reorders the rest of the row, with
+// each character that changes how it reads without being seen (a control character, a
+// bidirectional embedding, override or isolate) shown as its code point.
+const HIDDEN = /[\u0000-\u001f\u007f-\u009f\u202a-\u202e\u2066-\u2069]/g;
+
+function legible(text) {
+  const bdi = document.createElement("bdi");
+  let from = 0;
+  for (const match of text.matchAll(HIDDEN)) {
+    const mark = document.createElement("span");
+    mark.className = "hidden-char";
+    mark.textContent = `U+${match[0].charCodeAt(0).toString(16).toUpperCase().padStart(4, "0")}`;
+    bdi.append(text.slice(from, match.index), mark);
+    from = match.index + 1;
+  }
+  bdi.append(text.slice(from));
+  return bdi;
+}
+
 function startLive() {
   const list = document.getElementById("events");
   const status = document.getElementById("live-status");
@@ -92,7 +112,7 @@ function startLive() {
   const rename = (rid, label) => {
     known.set(rid, label);
     for (const link of list.querySelectorAll(`a[data-rid="${CSS.escape(rid)}"]`)) {
-      link.textContent = label;
+      link.replaceChildren(legible(label));
     }
   };
   const ask = async (rid) => {
@@ -143,9 +163,9 @@ function startLive() {
     const link = document.createElement("a");
     link.href = `${ROOT}/records/${data.rid}`;
     link.dataset.rid = data.rid;
-    link.textContent = known.get(data.rid) || data.rid;
-    item.append(link, ` ${event.type} ${data.key}`);
-    if (data.value !== undefined) item.append(` = ${data.value}`);
+    link.append(legible(known.get(data.rid) || data.rid));
+    item.append(link, ` ${event.type} `, legible(data.key));
+    if (data.value !== undefined) item.append(" = ", legible(data.value));
     list.prepend(item);
     while (list.children.length > 200) list.lastChild.remove();
     tell();

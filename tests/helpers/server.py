@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -156,6 +157,11 @@ class Server:
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
+
+    def log_messages(self) -> list[str]:
+        """The `msg` of each JSON line of its log (the log's own escapes undone)."""
+        lines = self.log_text().splitlines()
+        return [json.loads(line)["msg"] for line in lines if line.startswith("{")]
 
     def print_log(self) -> None:
         print(f"--- {self.log} ---\n{self.log_text()}")

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import unicodedata
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,12 +76,31 @@ def _texts(value: Any) -> list[str]:
     return [t for t in (_text(v) for v in values) if t is not None]
 
 
+# What a file name may hold that no release name means (docs/plugins.md, "filename"): control
+# characters (a line feed, a tab, an escape sequence), the line and paragraph separators, and
+# a backslash (guessit takes it for a Windows folder separator; on Linux it is part of a name)
+# read as the spaces they stand between; invisible formatting characters (a byte-order mark, a
+# zero-width space, a word joiner, the left-to-right and right-to-left marks, and the
+# bidirectional embeddings, overrides and isolates) dropped. The zero-width joiner and
+# non-joiner stay: emoji sequences and Persian words are made of them.
+SPACED = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\\\\]")
+DROPPED = re.compile("[\u200b\u200e\u200f\u202a-\u202e\u2060\u2066-\u2069\ufeff]")
+
+
+def cleaned(path: str) -> str:
+    """`path` as a release name is read: what no release name means spaced or dropped, and in
+    NFC, so a name written decomposed (macOS writes `é` as `e` and a combining acute accent)
+    gives the title a composed one does."""
+    return unicodedata.normalize("NFC", DROPPED.sub("", SPACED.sub(" ", path)))
+
+
 def extension_of(name: str) -> str:
     return os.path.splitext(name)[1][1:].lower()
 
 
 def parse(path: str) -> dict[str, str]:
     """The claims filename makes about one path (relative to its watch root, or a name)."""
+    path = cleaned(path)
     extension = extension_of(path)
     guess = guessit(path)
     mime = guess.get("mimetype")  # a list for names like "x.mkv.srt": then not a video
@@ -209,7 +230,7 @@ def subtitles_beside(path: str) -> list[Subtitle]:
 
 class FileName(Plugin):
     name = "filename"
-    version = "3"
+    version = "4"
     path_dependent = True
     sidecars = SUBTITLES
 
