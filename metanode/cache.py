@@ -2068,6 +2068,20 @@ class CacheStore(Store):
         super().__init__(path, clock)
         self._boot = boot_id() if relaxed and isinstance(path, Path) else None
 
+    def newer_schema_remedy(self) -> str:
+        """The cache holds nothing the truth does not: a newer one is rebuilt, not restored,
+        and a restore would throw away every claim made since the upgrade. Moving it aside
+        costs a hash of every watched file and every plugin run again, nothing else."""
+        if isinstance(self.path, pg.Target):
+            aside = f"drop the schema {self.path.schema} (DROP SCHEMA {self.path.schema} CASCADE)"
+        else:
+            aside = f"move {self.path.name} (with its -wal and -shm) out of the data directory"
+        return (
+            f"let it build the cache anew from the truth: with the node stopped, {aside}; the "
+            "claims are all in the truth, the files are hashed and the plugins run again "
+            "(docs/operations.md, 'Upgrading')"
+        )
+
     def _writer_pragmas(self) -> Sequence[str]:
         if self._boot is None:
             return ()

@@ -38,7 +38,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, ParamSpec, Protocol, Self, TypeVar
@@ -103,10 +103,18 @@ class Connection(Protocol):
 
 
 BUSY_TIMEOUT_MS = 30_000
+# The WAL a checkpoint has emptied is cut back to this when writing starts over at its head.
+# Without a limit it kept the size of the largest transaction for as long as the node ran: after
+# an upgrade, the first retention run (which returns the old tables' pages) left a 206 MB
+# truth.db-wal beside a truth.db shrunk from 176 to 52 MB, the data directory larger than before
+# the upgrade (docs/operations.md, "Upgrading"). Four times the automatic checkpoint's 1,000
+# pages: ordinary transactions never reach it, so it costs nothing but after a large one.
+WAL_LIMIT_BYTES = 16 << 20
 PRAGMAS = (
     f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}",
     "PRAGMA synchronous=FULL",
     "PRAGMA foreign_keys=ON",
+    f"PRAGMA journal_size_limit={WAL_LIMIT_BYTES}",
 )  # every connection's, writers' and readers' alike
 PROBE_S = 1.0  # while a writer's writes fail, it probes this often whether they work again
 PROBE_FREE_BYTES = 1 << 20  # ...and needs this much free space: a tiny write may fit in the WAL
@@ -116,6 +124,9 @@ _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
     ("SQLITE_FULL", StorageFull),
     ("SQLITE_READONLY", StorageReadOnly),
     ("SQLITE_CANTOPEN", StorageReadOnly),
+    # the WAL's index (`-shm`) could not grow: a full disk, which said `storage_io_error` (an
+    # upgrade whose first start filled the disk failed so, with no word of space)
+    ("SQLITE_IOERR_SHMSIZE", StorageFull),
     ("SQLITE_IOERR", StorageIOError),
     ("SQLITE_BUSY", StorageLocked),
     ("SQLITE_LOCKED", StorageLocked),
@@ -454,23 +465,43 @@ def snapshot(conn: Connection) -> Iterator[Connection]:
 
 Migration = Callable[[Any], None]  # takes the store's connection (`Connection`)
 
+# What to do about a database newer than this metanode besides upgrading it, by default (the
+# truth's: its claims exist nowhere else); `Store.newer_schema_remedy` gives each store's own.
+RESTORE_REMEDY = (
+    "go back to what a backup taken before the upgrade holds (`metanode restore`, with the "
+    "metanode that made it; docs/operations.md, 'Upgrading')"
+)
 
-def migrate(conn: Connection, migrations: Sequence[Migration], name: str = "database") -> int:
+
+def migrate(
+    conn: Connection,
+    migrations: Sequence[Migration],
+    where: Target | str = "database",
+    remedy: str = RESTORE_REMEDY,
+) -> int:
     """Apply the migrations after `PRAGMA user_version`, each with its version bump, in one txn.
 
-    Forward only: a database newer than this code is refused rather than guessed at. Bringing
-    an existing database (`name`) up to date is said in the log, before and after: the first
-    start after an upgrade may rewrite a large table for minutes (operations.md, "Upgrading"),
-    and it said nothing meanwhile. Making a new one is not.
+    Forward only: a database newer than this code is refused rather than guessed at, naming it
+    (`where`) and what else than an upgrade brings it back (`remedy`): a user who went back to
+    an older metanode read "database schema 11 is newer" and could not tell whether the truth
+    or the cache was meant, nor that a newer cache is only rebuilt. Bringing an existing
+    database up to date is said in the log, before and after: the first start after an upgrade
+    may rewrite a large table for minutes (operations.md, "Upgrading"), and it said nothing
+    meanwhile. Making a new one is not. A migration that fails (a full disk) says so, and that
+    it changed nothing (`_migration_failed`): the bare "database or disk is full" named no
+    file and no migration.
     """
     began = time.monotonic()
+    name = str(where)
+    found: list[int] = []  # the version the transaction found, for the failure's message
 
     def txn(conn: Connection) -> int:
         version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+        found.append(version)
         if version > len(migrations):
             raise SchemaTooNew(
-                f"database schema {version} is newer than this metanode's "
-                f"({len(migrations)}): upgrade metanode, or restore a backup taken before"
+                f"{name} is of schema {version}, newer than this metanode's "
+                f"({len(migrations)}): upgrade metanode, or {remedy}"
             )
         if 0 < version < len(migrations):
             log.info(
@@ -485,7 +516,12 @@ def migrate(conn: Connection, migrations: Sequence[Migration], name: str = "data
             conn.execute(f"PRAGMA user_version={number}")
         return version
 
-    before = run_txn(conn, txn)
+    try:
+        before = run_txn(conn, txn)
+    except StorageError as exc:
+        if not found or not 0 < found[-1] < len(migrations):
+            raise
+        raise _migration_failed(exc, where, found[-1], len(migrations)) from exc
     if 0 < before < len(migrations):
         log.info(
             "migrated %s to schema %d in %.1f s", name, len(migrations), time.monotonic() - began
@@ -493,7 +529,36 @@ def migrate(conn: Connection, migrations: Sequence[Migration], name: str = "data
     return len(migrations)
 
 
-def migrate_file(target: Target, migrations: Sequence[Migration]) -> int:
+def _migration_failed(exc: StorageError, where: Target | str, old: int, new: int) -> StorageError:
+    """`exc`, of the same type, saying which migration it stopped and that the database is as
+    it was; on a full disk, how much room the file takes and how much is free (a migration
+    across several schemas rewrites tables in one transaction: docs/operations.md,
+    "Upgrading", measured at about twice the file's size)."""
+    message = (
+        f"migrating {where} from schema {old} to {new} failed and changed nothing (it is still "
+        f"schema {old}; the next start tries again): {exc.message}"
+    )
+    if isinstance(exc, StorageFull) and isinstance(where, Path):
+        with suppress(OSError):
+            size, free = where.stat().st_size, _free_once_closed(where)
+            message += (
+                f"; a migration across several schemas needs free disk of about twice the "
+                f"file's size: the file is {size / 1e6:.0f} MB, {free / 1e6:.0f} MB are free "
+                "(docs/operations.md, 'Upgrading')"
+            )
+    return type(exc)(message, **exc.extra)
+
+
+def _free_once_closed(path: Path) -> int:
+    """Bytes free on the disk of the database at `path` once it is closed: the rolled-back
+    transaction's write-ahead log still fills the disk until then, and goes with the close."""
+    wal = path.with_name(path.name + "-wal")
+    return shutil.disk_usage(path.parent).free + (wal.stat().st_size if wal.exists() else 0)
+
+
+def migrate_file(
+    target: Target, migrations: Sequence[Migration], remedy: str = RESTORE_REMEDY
+) -> int:
     """Create the database at `target` or bring its schema up to date (`migrate`) on a
     connection of its own (on PostgreSQL, the schema and its version row first)."""
     if isinstance(target, pg.Target):
@@ -501,7 +566,7 @@ def migrate_file(target: Target, migrations: Sequence[Migration]) -> int:
             pg.ensure_schema(target)
     conn = connect(target)
     try:
-        return migrate(conn, migrations, str(target))
+        return migrate(conn, migrations, target, remedy)
     finally:
         conn.close()
 
@@ -985,7 +1050,13 @@ class Store:
     def migrate(self) -> None:
         """Create the database or bring its schema up to date (forward only)."""
         pg_target = isinstance(self.path, pg.Target)
-        migrate_file(self.path, self.pg_migrations if pg_target else self.migrations)
+        migrations = self.pg_migrations if pg_target else self.migrations
+        migrate_file(self.path, migrations, self.newer_schema_remedy())
+
+    def newer_schema_remedy(self) -> str:
+        """What brings back a database of this store that a newer metanode migrated, besides
+        upgrading again (`migrate`'s refusal says it): the truth's, a backup's restore."""
+        return RESTORE_REMEDY
 
     def open(self) -> Self:
         """Migrate, start the writer thread, open the loop's read connection (and on

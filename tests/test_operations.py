@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from metanode import cache, db, keys, logs, maintenance, pg, truth, watcher
 from metanode import cid as cids
-from metanode import db, keys, logs, maintenance, pg, truth, watcher
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, fast_claims, post, register
 from tests.helpers.postgres import Storages
@@ -396,7 +396,54 @@ def test_backup_copies_the_truth_as_it_is_and_a_newer_schema_is_refused_in_words
             env={**os.environ, "METANODE_WATCH_ENABLED": "0"},
         )
         assert done.returncode == 2, (args, done.stdout, done.stderr)
-        assert done.stderr.startswith("error: schema_too_new: database schema "), done.stderr
+        assert done.stderr.startswith(
+            f"error: schema_too_new: {data / 'truth.db'} is of schema {newer}, newer than this "
+            f"metanode's ({len(truth.MIGRATIONS)}): upgrade metanode, or go back to what a "
+            "backup taken before the upgrade holds (`metanode restore`"
+        ), done.stderr
+
+
+def test_a_newer_cache_is_named_and_building_it_anew_keeps_every_claim(tmp_path: Path) -> None:
+    """Going back to an older metanode after an upgrade that changed only the cache's schema
+    (from 2ae3e30, truth 5 and cache 9, to cache 11) was refused with "database schema 11 is
+    newer than this metanode's (9): ... restore a backup taken before", naming neither file,
+    and the restore would have lost every claim made since the upgrade. The cache holds nothing
+    the truth does not: the refusal names cache.db and says to move it aside, and doing so
+    brings the node back with every claim (a cache of a schema one ahead stands in for it)."""
+    data = tmp_path / "data"
+    cli("init", "--data-dir", str(data))
+    signer = Signer()
+    claims = [
+        signer.claim(cids.midhash_bytes(f"n{n}".encode()), "title", f"t{n}") for n in range(50)
+    ]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(c) + "\n" for c in claims))
+    cli("import", str(tmp_path / "in.jsonl"), "--register-signers", "--data-dir", str(data))
+    newer = len(cache.MIGRATIONS) + 1
+    with contextlib.closing(sqlite3.connect(data / "cache.db")) as conn:
+        conn.execute(f"PRAGMA user_version = {newer}")
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "check", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(
+        f"error: schema_too_new: {data / 'cache.db'} is of schema {newer}, newer than this "
+        f"metanode's ({len(cache.MIGRATIONS)}): upgrade metanode, or let it build the cache anew "
+        "from the truth: with the node stopped, move cache.db (with its -wal and -shm) out of "
+        "the data directory;"
+    ), done.stderr
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for path in data.glob("cache.db*"):
+        path.rename(aside / path.name)
+    cli("rebuild-cache", "--data-dir", str(data))  # what the next start does by itself
+    assert cli("check", "--data-dir", str(data)).stdout.strip() == "50 claims verified; clean"
+    exported = cli("export", "--data-dir", str(data)).stdout
+    assert sorted(json.loads(line)["value"] for line in exported.splitlines()) == sorted(
+        c["value"] for c in claims
+    )
 
 
 def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:

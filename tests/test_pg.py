@@ -140,6 +140,32 @@ def test_the_schema_is_versioned_and_a_newer_one_is_refused(dsn: str) -> None:
         truth.TruthStore(target).open()
 
 
+def test_a_newer_cache_schema_is_named_and_dropping_it_builds_it_anew(dsn: str) -> None:
+    """A cache a newer metanode migrated is refused naming the schema and the way back that
+    loses nothing (the truth holds every claim): dropping it, and the next open makes it."""
+    target = pg.Target(dsn, "cache")
+    cache.CacheStore(target).migrate()
+    conn = pg.Connection(target, False)
+    try:
+        conn.execute("UPDATE schema_version SET version = 99")
+    finally:
+        conn.close()
+    with pytest.raises(SchemaTooNew) as refused:
+        cache.CacheStore(target).open()
+    assert refused.value.message.startswith(
+        f"{target} is of schema 99, newer than this metanode's ({len(cache.PG_MIGRATIONS)}): "
+        "upgrade metanode, or let it build the cache anew from the truth: with the node "
+        "stopped, drop the schema cache (DROP SCHEMA cache CASCADE);"
+    )
+    conn = pg.Connection(target, False)
+    try:
+        conn.execute("DROP SCHEMA cache CASCADE")
+    finally:
+        conn.close()
+    with cache.CacheStore(target).open() as store:  # made anew, at the newest schema
+        assert store.conn.execute("PRAGMA user_version").fetchone()[0] == len(cache.PG_MIGRATIONS)
+
+
 # -- statements -----------------------------------------------------------------------------
 
 

@@ -8,10 +8,12 @@ The full disk is real: a small tmpfs mounted by the fixture (we run as root) and
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -27,12 +29,13 @@ import httpx
 import pytest
 
 from metanode import cid as cids
-from metanode import db, errors, jsonl
+from metanode import db, errors, jsonl, truth
 from metanode.node import Node
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server, free_port, metanode_check, role_pids
 from tests.helpers.settings import settings_for
 from tests.helpers.wait import poll
+from tools.bench import truth_v4
 
 TMPFS_BYTES = 8 << 20
 DEADLINE_S = 60.0
@@ -362,6 +365,50 @@ def test_a_cache_build_that_runs_out_of_space_is_retried_until_it_fits(
         assert srv.stop() == 0
         srv.print_log()
     metanode_check(data)
+
+
+def test_a_migration_that_runs_out_of_space_says_so_and_changes_nothing(
+    tmpfs: Path, tmp_path: Path
+) -> None:
+    """An upgrade across several schemas rewrites the claims in one transaction (300,000
+    claims from truth schema 1 needed 325 to 385 MB free beside a 176 MB truth.db). Without
+    that room the start said only `the data directory failed: database or disk is full
+    (SQLITE_FULL)`: no file, no migration, no word that nothing had changed. Now it names the
+    migration, says the database is as it was, its size and the room free; with room, the next
+    try migrates it whole. A disk too full even for the WAL's index (`-shm`) was a
+    `storage_io_error` (SQLITE_IOERR_SHMSIZE): it is `storage_full` too."""
+    made = tmp_path / "truth.db"
+    truth_v4.generate(made, records=3_000, keys=2, signers=2)  # schema 3, as an older node made
+    path = tmpfs / "truth.db"
+    shutil.copyfile(made, path)
+    claims = sorted_claims(made)
+    filler = fill(tmpfs)
+    with pytest.raises(errors.StorageFull, match="SQLITE_IOERR_SHMSIZE"):
+        truth.TruthStore(path).migrate()
+    os.truncate(filler, filler.stat().st_size - (512 << 10))  # room to open, not to migrate
+    with pytest.raises(errors.StorageFull) as refused:
+        truth.TruthStore(path).migrate()
+    newest = len(truth.MIGRATIONS)
+    assert refused.value.message.startswith(
+        f"migrating {path} from schema 3 to {newest} failed and changed nothing (it is still "
+        "schema 3; the next start tries again): the data directory failed: "
+    )
+    assert re.search(r"the file is \d+ MB, \d+ MB are free \(docs/", refused.value.message)
+    assert user_version(path) == 3 and sorted_claims(path) == claims
+    filler.unlink()
+    truth.TruthStore(path).migrate()
+    assert user_version(path) == newest and sorted_claims(path) == claims
+
+
+def user_version(path: Path) -> int:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+def sorted_claims(path: Path) -> list[tuple[Any, ...]]:
+    """Every claim of the truth at `path`, whatever its schema (v4 on: the `claims` view)."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return sorted(conn.execute("SELECT uid, cid, key, value, ts, sig, log_seq FROM claims"))
 
 
 @pytest.mark.parametrize("initialised", [True, False], ids=["existing", "fresh"])
