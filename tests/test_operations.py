@@ -269,15 +269,20 @@ async def test_health_degrades_when_the_watcher_stalls(tmp_path: Path) -> None:
 
 def cli(*args: str, storage: str = "sqlite") -> subprocess.CompletedProcess[str]:
     """`metanode ARGS` (the stores on `storage`); it must succeed."""
-    done = subprocess.run(
+    done = metanode(*args, storage=storage)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def metanode(*args: str, storage: str = "sqlite") -> subprocess.CompletedProcess[str]:
+    """`metanode ARGS` (the stores on `storage`), run to its end whatever it answers."""
+    return subprocess.run(
         [sys.executable, "-m", "metanode", *args],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, "METANODE_STORAGE": storage},
     )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -421,12 +426,7 @@ def test_a_newer_cache_is_named_and_building_it_anew_keeps_every_claim(tmp_path:
     newer = len(cache.MIGRATIONS) + 1
     with contextlib.closing(sqlite3.connect(data / "cache.db")) as conn:
         conn.execute(f"PRAGMA user_version = {newer}")
-    done = subprocess.run(
-        [sys.executable, "-m", "metanode", "check", "--data-dir", str(data)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = metanode("check", "--data-dir", str(data))
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stderr.startswith(
         f"error: schema_too_new: {data / 'cache.db'} is of schema {newer}, newer than this "
