@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -344,6 +345,20 @@ def test_shutdown_stops_every_worker_cleanly(server: Server) -> None:
     assert not (server.data_dir / "owner.sock").exists()
     assert not (server.data_dir / "handoff.sock").exists()
     assert "Finished server process" in server.log_text()
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
+def test_serve_on_one_core_of_several_serves_in_one_process(tmp_path: Path) -> None:
+    """`workers = 0` counts the cores `serve` may run on: under `taskset` on one core it is
+    one process (no supervisor, no reader), not a worker for every core of the machine."""
+    core = str(min(os.sched_getaffinity(0)))
+    srv = Server(tmp_path / "data", workers=0, prefix=("taskset", "-c", core)).start()
+    try:
+        assert role_pids(srv) == {}
+        assert httpx.get(f"{srv.url}/health", timeout=10).headers.get("x-metanode-worker") is None
+        assert "workers: 1)" in srv.log_text()
+    finally:
+        assert srv.stop() == 0
 
 
 def restarts_of(owner: httpx.Client) -> float | None:
