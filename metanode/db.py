@@ -958,6 +958,61 @@ class Writer:
         self._thread.join()
 
 
+SPARE_READERS = 4  # SQLite read connections a store keeps for its next reads (`Spares`)
+
+
+class Spares:
+    """The SQLite read connections `Store.reading` lends, kept open for the next read rather
+    than closed. A new connection costs its open and a read of the schema, and, in a node run
+    as root (a systemd unit without `User=`, a container's root), SQLite's `fchown` of the WAL
+    to the database's owner, which changes the file's inode however little else happens: a
+    journal commit on the data directory's disk for every /metrics scrape (two connections),
+    every rescan and every plugin run. On an idle node scraped every 15 s that was ≈ 590 write
+    requests an hour to an SD card that had nothing else to write (operations.md, "Small
+    boxes"). At most `SPARE_READERS` are kept, each with its page cache let go (`shrink_memory`:
+    a scan would leave 2 MiB in each); one a read left in a transaction or with an error is
+    closed, never lent again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._idle: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> sqlite3.Connection:
+        """A kept connection, or a new one."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return connect_file(self.path, readonly=True)
+
+    def give_back(self, conn: sqlite3.Connection, clean: bool) -> None:
+        """Keep `conn` for the next read if its read ended `clean`ly, outside a transaction,
+        and there is room; close it otherwise."""
+        keep = clean and not conn.in_transaction and _let_go(conn)
+        with self._lock:
+            if keep and not self._closed and len(self._idle) < SPARE_READERS:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _let_go(conn: sqlite3.Connection) -> bool:
+    """Free `conn`'s page cache; False if it fails (the connection is then not kept)."""
+    try:
+        conn.execute("PRAGMA shrink_memory")
+    except sqlite3.Error:
+        return False
+    return True
+
+
 class Store:
     """What the two stores (`truth.TruthStore`, `cache.CacheStore`) share: one database (a
     SQLite file or a PostgreSQL schema: `path`, a `Target`), its schema (`migrations`, or
@@ -975,6 +1030,7 @@ class Store:
         self._writer: Writer | None = None
         self._reader: Connection | None = None
         self._pool: pg.Pool | None = None
+        self._spares = Spares(path) if isinstance(path, Path) else None  # `reading`'s
 
     @classmethod
     def configured(cls, settings: Settings, clock: Clock = now_ms, **options: Any) -> Self:
@@ -1012,21 +1068,28 @@ class Store:
     @contextmanager
     def reading(self, lent: bool = True) -> Iterator[Connection]:
         """A read-only connection of its own, for one read off the event loop (a thread, the
-        CLI): a new SQLite connection, or one lent by the pool (a new one when not open).
-        `lent=False`: on PostgreSQL too a new connection, opened for this read alone and closed
-        after, for a periodic read that must never wait for the pool (its 8 connections may be
-        taken by long reads: exports, reconciliation, plugin threads) nor leave one more
-        connection open in it (the /metrics counts)."""
+        CLI): on SQLite one of its `Spares` (taken back after), on PostgreSQL one lent by the
+        pool (a new one when not open). `lent=False`: on PostgreSQL a new connection, opened
+        for this read alone and closed after, for a periodic read that must never wait for the
+        pool (its 8 connections may be taken by long reads: exports, reconciliation, plugin
+        threads) nor leave one more connection open in it (the /metrics counts)."""
+        spares = self._spares
         with storage_errors(self.path):
-            conn = (
-                self._pool.connection()
-                if self._pool and lent
-                else connect(self.path, readonly=True, stream=True)
-            )
+            if spares is not None:
+                conn: Connection = spares.take()
+            elif self._pool and lent:
+                conn = self._pool.connection()
+            else:
+                conn = connect(self.path, readonly=True, stream=True)
+        clean = False
         try:
             yield conn
+            clean = True
         finally:
-            conn.close()
+            if spares is not None and isinstance(conn, sqlite3.Connection):
+                spares.give_back(conn, clean)
+            else:
+                conn.close()
 
     def stop_writes(self) -> None:
         """Finish the queued transactions and stop the writer; later writes raise ShuttingDown."""
@@ -1038,6 +1101,8 @@ class Store:
         self.stop_writes()
         if self._reader is not None:
             self._reader.close()
+        if self._spares is not None:
+            self._spares.close()
         if self._pool is not None:
             self._pool.close()
 
