@@ -616,6 +616,7 @@ class _Job:
     group: str | None = None
     units: int = 1
     prepare: Prepare | None = None
+    queued_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 Outcome = tuple[bool, Any]  # (True, a job's result) or (False, the exception it failed with)
@@ -732,6 +733,7 @@ class Writer:
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: Any = None  # a job `_gather` took but left for the next turn
+        self._since: float | None = None  # when the job being run was queued (`backlog`)
         self._largest = (0, 0.0)  # the largest group of late, and when it was last that large
         self.straggler_s = 0.0  # how long a group smaller than of late waits for the next job
         self.groups = 0  # group transactions committed or tried
@@ -749,17 +751,34 @@ class Writer:
                 continue
             if job is _STOP:
                 break
-            if job.group is not None:
-                self._run_group(self._gather(job))
-                continue
-            if not job.future.set_running_or_notify_cancel():
-                continue
+            self._since = job.queued_at
             try:
-                job.future.set_result(run_txn(self.conn, job.fn, *job.args))
-            except BaseException as exc:
-                self._fail(job.future, exc)
+                self._work(job)
+            finally:
+                self._since = None
         self._empty_wal()
         self.conn.close()
+
+    def _work(self, job: _Job) -> None:
+        """Run `job` (with the jobs of its group queued behind it) and answer its future."""
+        if job.group is not None:
+            self._run_group(self._gather(job))
+            return
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result(run_txn(self.conn, job.fn, *job.args))
+        except BaseException as exc:
+            self._fail(job.future, exc)
+
+    def backlog(self) -> tuple[int, float]:
+        """(the jobs not yet committed, the one being run included; how many seconds the
+        oldest of them has waited): what /health shows of a disk too slow for what is asked of
+        it, where writes wait while reads are answered (operations.md, "Small boxes")."""
+        since = self._since
+        working = since is not None
+        waited = time.monotonic() - since if since is not None else 0.0
+        return self.queued() + working, waited
 
     def _empty_wal(self) -> None:
         """At close, copy the WAL into the database file and truncate it. SQLite deletes the

@@ -1069,6 +1069,7 @@ class Node:
             "cache_ready": self.applier.ready,
             "replans": state.replans,
             "applier": self.applies,
+            "writes": {store.path.name: self._backlog(store) for store in (self.truth, self.cache)},
         }
         if self.watcher is not None:
             body["watcher"] = {
@@ -1079,6 +1080,13 @@ class Node:
                 "watches_full": self.watcher.watches_full,
             }
         return body
+
+    @staticmethod
+    def _backlog(store: truth.TruthStore | cache.CacheStore) -> dict[str, Any]:
+        """/health's `writes` of one database: the transactions not yet committed and how long
+        the oldest has waited, in seconds."""
+        queued, waited = store.writer.backlog()
+        return {"queued": queued, "waiting_s": round(waited, 3)}
 
     def _service_problems(self) -> list[str]:
         """What /health says of the plugin host, the watcher and the peers, where they run."""
