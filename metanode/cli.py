@@ -420,7 +420,7 @@ def serve_node(settings: config.Settings, config_file: str | None) -> None:
     count = settings.worker_count
     # the storage: after `migrate-storage`, a start without `storage` serves the old SQLite
     where = f"data: {settings.data_dir.resolve()}, storage: {settings.storage_shown}"
-    click.echo(f"metanode serving {url}  ({where}, workers: {count})")
+    click.echo(f"metanode serving {url}  ({where}, workers: {workers_shown(settings)})")
     click.echo(watching(settings))
     if created:
         click.echo(f"API token, shown once (kept in {settings.token_path}): {token}")
@@ -439,6 +439,17 @@ def serve_node(settings: config.Settings, config_file: str | None) -> None:
     stop_cleanly()
     with contextlib.suppress(KeyboardInterrupt):
         server.run(app, settings, [sock])
+
+
+def workers_shown(settings: config.Settings) -> str:
+    """How many processes serve, and, where `workers = 0` gave fewer than the cores, why: a
+    small box's memory (`config.default_workers`)."""
+    count, cores = settings.worker_count, config.cores()
+    if settings.workers or count >= cores:
+        return str(count)
+    memory = (config.memory_bytes() or 0) / (1 << 30)
+    share = config.WORKER_MEMORY >> 20
+    return f"{count}, one per {share} MiB of the {memory:.1f} GiB of memory, for {cores} cores"
 
 
 def listen(settings: config.Settings) -> socket.socket:

@@ -52,9 +52,12 @@ class Settings:
     port: int = setting(9000, "TCP port of the HTTP server.", low=1, high=65535)
     workers: int = setting(
         0,
-        "Processes `metanode serve` serves with: 0, the number of cores; 1, one process (the "
-        "simple mode). One owns the writers and the applier, the others serve reads and hand "
-        'everything else to it (docs/architecture.md, "Workers").',
+        "Processes `metanode serve` serves with: 0, one a core it may run on (its CPU "
+        "affinity: `taskset`, a container's cpuset), but no more than one per 512 MiB of the "
+        "memory it may use (the machine's, or its cgroup's limit: a container's `--memory`); 1, "
+        "one process (the simple mode). One owns the writers and the applier, the others serve "
+        'reads and hand everything else to it (docs/architecture.md, "Workers"; '
+        'docs/operations.md, "Small boxes").',
         low=0,
         high=256,
     )
@@ -435,8 +438,8 @@ class Settings:
 
     @property
     def worker_count(self) -> int:
-        """`workers`, 0 read as the number of cores."""
-        return self.workers or os.cpu_count() or 1
+        """`workers`, 0 read as `default_workers` of this machine."""
+        return self.workers or default_workers(cores(), memory_bytes())
 
     @property
     def postgresql(self) -> bool:
@@ -720,3 +723,81 @@ def _words(low: float, high: float) -> str:
     return (
         f"at least {number(low)}" if high == UNBOUNDED else f"from {number(low)} to {number(high)}"
     )
+
+
+# -- the machine `workers = 0` sizes itself to ---------------------------------------------------
+
+WORKER_MEMORY = 512 << 20  # memory a serving process is allowed by default (`default_workers`)
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+V1_LIMIT, V2_LIMIT = "memory.limit_in_bytes", "memory.max"
+
+
+def default_workers(cores: int, memory: int | None) -> int:
+    """The serving processes of `workers = 0`: one a core, but no more than one per
+    `WORKER_MEMORY` of `memory` (None: unknown, not bounded), and at least one. A process costs
+    ≈ 40-55 MiB idle and the owner ≈ 130 MiB while it scans a new library, the supervisor ≈ 40
+    MiB more (docs/operations.md, "Small boxes"): four of them on a 1 GB Raspberry Pi 4 took
+    a third of its memory to serve reads a home box asks one process for."""
+    bound = cores if memory is None else min(cores, memory // WORKER_MEMORY)
+    return max(1, bound)
+
+
+def cores() -> int:
+    """The cores this process may run on: its CPU affinity (`taskset -c 0`, a container's
+    `--cpuset-cpus`), which `os.cpu_count` does not see: it counts the machine's, and under
+    `taskset -c 0` on two cores made two workers share the one."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def memory_bytes(proc: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> int | None:
+    """The memory this process may use: the machine's, or less where a cgroup caps it (a
+    container's `--memory`, a systemd unit's `MemoryMax`), the lowest limit of its cgroup and
+    those above it; None if nothing says."""
+    known = [size for size in (_physical_memory(), *cgroup_limits(proc, root)) if size]
+    return min(known, default=None)
+
+
+def _physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not a POSIX system that says
+        return None
+
+
+def cgroup_limits(proc: Path = PROC_CGROUP, root: Path = CGROUP_ROOT) -> list[int]:
+    """The memory limits set on this process's cgroup and on each one above it, as
+    `/proc/self/cgroup` names them: cgroup v2's `memory.max` (the line `0::<path>`) and v1's
+    `memory.limit_in_bytes` (the `memory` controller's line). A path missing below `root` is
+    left out, so a container that sees its own cgroup as the root (Docker's cgroup namespace,
+    or v1's mount of its own folder) reads its limit from `root` itself."""
+    try:
+        lines = proc.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    limits = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if not controllers:
+            limits += _limits_along(root, path, V2_LIMIT)
+        elif "memory" in controllers.split(","):
+            limits += _limits_along(root / "memory", path, V1_LIMIT)
+    return limits
+
+
+def _limits_along(base: Path, path: str, name: str) -> list[int]:
+    """The limits `name` sets in `base` and in each folder of `path` below it that exists."""
+    parts = [part for part in path.split("/") if part]
+    folders = (base.joinpath(*parts[:depth]) for depth in range(len(parts) + 1))
+    limits = []
+    for folder in folders:
+        try:
+            text = (folder / name).read_text(encoding="ascii").strip()
+        except OSError:  # no such cgroup here, or no memory controller in it
+            continue
+        if text.isdigit():  # "max": no limit
+            limits.append(int(text))
+    return limits

@@ -681,6 +681,7 @@ class _Job:
     group: str | None = None
     units: int = 1
     prepare: Prepare | None = None
+    queued_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 Outcome = tuple[bool, Any]  # (True, a job's result) or (False, the exception it failed with)
@@ -797,6 +798,7 @@ class Writer:
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: Any = None  # a job `_gather` took but left for the next turn
+        self._since: float | None = None  # when the job being run was queued (`backlog`)
         self._largest = (0, 0.0)  # the largest group of late, and when it was last that large
         self.straggler_s = 0.0  # how long a group smaller than of late waits for the next job
         self.groups = 0  # group transactions committed or tried
@@ -814,17 +816,34 @@ class Writer:
                 continue
             if job is _STOP:
                 break
-            if job.group is not None:
-                self._run_group(self._gather(job))
-                continue
-            if not job.future.set_running_or_notify_cancel():
-                continue
+            self._since = job.queued_at
             try:
-                job.future.set_result(run_txn(self.conn, job.fn, *job.args))
-            except BaseException as exc:
-                self._fail(job.future, exc)
+                self._work(job)
+            finally:
+                self._since = None
         self._empty_wal()
         self.conn.close()
+
+    def _work(self, job: _Job) -> None:
+        """Run `job` (with the jobs of its group queued behind it) and answer its future."""
+        if job.group is not None:
+            self._run_group(self._gather(job))
+            return
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            job.future.set_result(run_txn(self.conn, job.fn, *job.args))
+        except BaseException as exc:
+            self._fail(job.future, exc)
+
+    def backlog(self) -> tuple[int, float]:
+        """(the jobs not yet committed, the one being run included; how many seconds the
+        oldest of them has waited): what /health shows of a disk too slow for what is asked of
+        it, where writes wait while reads are answered (operations.md, "Small boxes")."""
+        since = self._since
+        working = since is not None
+        waited = time.monotonic() - since if since is not None else 0.0
+        return self.queued() + working, waited
 
     def _empty_wal(self) -> None:
         """At close, copy the WAL into the database file and truncate it. SQLite deletes the
@@ -1023,6 +1042,61 @@ class Writer:
         self._thread.join()
 
 
+SPARE_READERS = 4  # SQLite read connections a store keeps for its next reads (`Spares`)
+
+
+class Spares:
+    """The SQLite read connections `Store.reading` lends, kept open for the next read rather
+    than closed. A new connection costs its open and a read of the schema, and, in a node run
+    as root (a systemd unit without `User=`, a container's root), SQLite's `fchown` of the WAL
+    to the database's owner, which changes the file's inode however little else happens: a
+    journal commit on the data directory's disk for every /metrics scrape (two connections),
+    every rescan and every plugin run. On an idle node scraped every 15 s that was ≈ 590 write
+    requests an hour to an SD card that had nothing else to write (operations.md, "Small
+    boxes"). At most `SPARE_READERS` are kept, each with its page cache let go (`shrink_memory`:
+    a scan would leave 2 MiB in each); one a read left in a transaction or with an error is
+    closed, never lent again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._idle: list[sqlite3.Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> sqlite3.Connection:
+        """A kept connection, or a new one."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return connect_file(self.path, readonly=True)
+
+    def give_back(self, conn: sqlite3.Connection, clean: bool) -> None:
+        """Keep `conn` for the next read if its read ended `clean`ly, outside a transaction,
+        and there is room; close it otherwise."""
+        keep = clean and not conn.in_transaction and _let_go(conn)
+        with self._lock:
+            if keep and not self._closed and len(self._idle) < SPARE_READERS:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+def _let_go(conn: sqlite3.Connection) -> bool:
+    """Free `conn`'s page cache; False if it fails (the connection is then not kept)."""
+    try:
+        conn.execute("PRAGMA shrink_memory")
+    except sqlite3.Error:
+        return False
+    return True
+
+
 class Store:
     """What the two stores (`truth.TruthStore`, `cache.CacheStore`) share: one database (a
     SQLite file or a PostgreSQL schema: `path`, a `Target`), its schema (`migrations`, or
@@ -1040,6 +1114,7 @@ class Store:
         self._writer: Writer | None = None
         self._reader: Connection | None = None
         self._pool: pg.Pool | None = None
+        self._spares = Spares(path) if isinstance(path, Path) else None  # `reading`'s
 
     @classmethod
     def configured(cls, settings: Settings, clock: Clock = now_ms, **options: Any) -> Self:
@@ -1083,21 +1158,28 @@ class Store:
     @contextmanager
     def reading(self, lent: bool = True) -> Iterator[Connection]:
         """A read-only connection of its own, for one read off the event loop (a thread, the
-        CLI): a new SQLite connection, or one lent by the pool (a new one when not open).
-        `lent=False`: on PostgreSQL too a new connection, opened for this read alone and closed
-        after, for a periodic read that must never wait for the pool (its 8 connections may be
-        taken by long reads: exports, reconciliation, plugin threads) nor leave one more
-        connection open in it (the /metrics counts)."""
+        CLI): on SQLite one of its `Spares` (taken back after), on PostgreSQL one lent by the
+        pool (a new one when not open). `lent=False`: on PostgreSQL a new connection, opened
+        for this read alone and closed after, for a periodic read that must never wait for the
+        pool (its 8 connections may be taken by long reads: exports, reconciliation, plugin
+        threads) nor leave one more connection open in it (the /metrics counts)."""
+        spares = self._spares
         with storage_errors(self.path):
-            conn = (
-                self._pool.connection()
-                if self._pool and lent
-                else connect(self.path, readonly=True, stream=True)
-            )
+            if spares is not None:
+                conn: Connection = spares.take()
+            elif self._pool and lent:
+                conn = self._pool.connection()
+            else:
+                conn = connect(self.path, readonly=True, stream=True)
+        clean = False
         try:
             yield conn
+            clean = True
         finally:
-            conn.close()
+            if spares is not None and isinstance(conn, sqlite3.Connection):
+                spares.give_back(conn, clean)
+            else:
+                conn.close()
 
     def stop_writes(self) -> None:
         """Finish the queued transactions and stop the writer; later writes raise ShuttingDown."""
@@ -1109,6 +1191,8 @@ class Store:
         self.stop_writes()
         if self._reader is not None:
             self._reader.close()
+        if self._spares is not None:
+            self._spares.close()
         if self._pool is not None:
             self._pool.close()
 

@@ -424,21 +424,27 @@ class Node:
             self._verify_processes.shutdown()
 
     async def _retention(self) -> None:
-        """From start and then periodically: enforce feed retention, and drop the outbox rows
-        the cache has applied. A failure is tried again at the next turn: the storage's (a full
-        disk) in one line, anything else with its traceback."""
-        keep = self.settings.feed_retention_events
-        window_ms = int(self.settings.feed_retention_days * 86_400_000)
+        """From start and then every `feed_prune_s`: `retain`. A failure is tried again at the
+        next turn: the storage's (a full disk) in one line, anything else with its traceback."""
         while True:
             try:
-                await self.cache.prune_feed(keep, self.clock() - window_ms)
-                if self.applier.ready:
-                    await self.truth.prune_changes(self.applier.applied_seq)
+                await self.retain()
             except StorageError as exc:
                 log.warning("retention failed (%s: %s); will retry", exc.slug, exc.message)
             except Exception:
                 log.exception("retention failed; will retry")
             await asyncio.sleep(self.settings.feed_prune_s)
+
+    async def retain(self) -> None:
+        """One turn of retention: the feed events beyond `feed_retention_events` or older than
+        `feed_retention_days`, and the outbox rows the cache has applied, are dropped. With
+        nothing to drop it writes nothing (no page changes, so SQLite's COMMIT appends nothing
+        to the WAL): an idle node's data directory stays as it is, as an SD card wants."""
+        keep = self.settings.feed_retention_events
+        window_ms = int(self.settings.feed_retention_days * 86_400_000)
+        await self.cache.prune_feed(keep, self.clock() - window_ms)
+        if self.applier.ready:
+            await self.truth.prune_changes(self.applier.applied_seq)
 
     # -- feed -----------------------------------------------------------------------------------
 
@@ -1081,6 +1087,7 @@ class Node:
             "cache_ready": self.applier.ready,
             "replans": state.replans,
             "applier": self.applies,
+            "writes": {store.path.name: self._backlog(store) for store in (self.truth, self.cache)},
         }
         if self.watcher is not None:
             body["watcher"] = {
@@ -1100,6 +1107,13 @@ class Node:
         Files page."""
         names = self.watcher.not_text if self.watcher is not None else []
         return {"count": len(names), "paths": names[:NOT_UTF8_SHOWN]}
+
+    @staticmethod
+    def _backlog(store: truth.TruthStore | cache.CacheStore) -> dict[str, Any]:
+        """/health's `writes` of one database: the transactions not yet committed and how long
+        the oldest has waited, in seconds."""
+        queued, waited = store.writer.backlog()
+        return {"queued": queued, "waiting_s": round(waited, 3)}
 
     def _service_problems(self) -> list[str]:
         """What /health says of the plugin host, the watcher and the peers, where they run."""

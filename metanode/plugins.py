@@ -567,11 +567,21 @@ class InFlight:
     crash in a C extension reading a corrupt file) left its run pending, started again first
     thing at every start: the node never stayed up. The file outlives the process (it is not
     fsync'd: a power cut may take it, and with it only the charge of that attempt), so the
-    next start charges each run it names the attempt it died in (`Host._charge_interrupted`)."""
+    next start charges each run it names the attempt it died in (`Host._charge_interrupted`).
+
+    Written off the event loop (`write`, on a thread): the write and the rename that puts it
+    in place wait for the disk, and on a slow one (an SD card, a USB stick busy with the
+    databases' writes) they held the event loop, and every request, for seconds at a time.
+    `note` sets what the file is to say; `flush` writes the newest noted list if the file does
+    not say it yet, under a lock, so writes that overtake one another still end with it."""
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
         self._failed = False  # a write failed (a full disk): said once
+        self._lock = threading.Lock()
+        self._noted: tuple[tuple[Any, ...], ...] = ()
+        self._version = 0  # of `_noted`
+        self._written = 0  # the version the file says
 
     def left(self) -> list[cache.PluginRun]:
         """The runs the last process had going when it ended (none after a clean stop)."""
@@ -589,20 +599,34 @@ class InFlight:
                 runs.append(cache.PluginRun(plugin, version, midhash, attempts, updated_at))
         return runs
 
-    def write(self, runs: Iterable[cache.PluginRun]) -> None:
-        """Name `runs` as the ones going on (atomically: a reader sees the old list or this)."""
-        if self._path is None:
-            return
-        partial = self._path.with_name(self._path.name + ".partial")
-        try:
-            partial.write_text("".join(json.dumps(astuple(run)) + "\n" for run in runs), "utf-8")
-            os.replace(partial, self._path)
-        except OSError as exc:
-            if not self._failed:
-                log.warning("cannot write %s (a crash would not be charged): %s", partial, exc)
-            self._failed = True
-        else:
-            self._failed = False
+    def note(self, runs: Iterable[cache.PluginRun]) -> None:
+        """What the file is to say from now on (on the loop: no I/O)."""
+        self._noted = tuple(astuple(run) for run in runs)
+        self._version += 1
+
+    async def write(self, runs: Iterable[cache.PluginRun]) -> None:
+        """`note` `runs`, and return once the file says them (or newer), written on a thread."""
+        self.note(runs)
+        await asyncio.to_thread(self.flush)
+
+    def flush(self) -> None:
+        """Write the newest noted list, if the file does not say it yet (atomically: a reader
+        sees the old list or this)."""
+        with self._lock:
+            version, noted = self._version, self._noted
+            if self._path is None or version == self._written:
+                return
+            partial = self._path.with_name(self._path.name + ".partial")
+            try:
+                partial.write_text("".join(json.dumps(run) + "\n" for run in noted), "utf-8")
+                os.replace(partial, self._path)
+            except OSError as exc:
+                if not self._failed:
+                    log.warning("cannot write %s (a crash would not be charged): %s", partial, exc)
+                self._failed = True
+            else:
+                self._failed = False
+                self._written = version
 
 
 class Host:
@@ -689,6 +713,7 @@ class Host:
             for task in self._running.values():
                 task.cancel()
             await asyncio.gather(*self._running.values(), return_exceptions=True)
+            self._in_flight.flush()  # stopping: the file says no run, even if a write was cut
 
     def _start_due(self) -> None:
         """Start the due runs of each plugin that has a free slot (its runs already going are
@@ -701,7 +726,6 @@ class Host:
                 ident = (run.plugin, run.version, run.midhash)
                 if ident not in self._running and busy < self._workers:
                     self._runs[ident] = run
-                    self._in_flight.write(self._runs.values())  # before it can end the process
                     self._running[ident] = asyncio.create_task(self._guarded(run, ident))
                     busy += 1
         if not self._running:  # nothing to run, and the store answered: nothing held
@@ -718,8 +742,10 @@ class Host:
         self._wake.clear()
 
     async def _guarded(self, run: cache.PluginRun, ident: tuple[str, str, str]) -> None:
-        """One run; a failure of the store holds every run (it stays pending as it was)."""
+        """One run, once `InFlight` names it (before it can end the process); a failure of
+        the store holds every run (it stays pending as it was)."""
         try:
+            await self._in_flight.write(self._runs.values())
             await self._run_one(run)
         except asyncio.CancelledError:
             raise
@@ -729,7 +755,8 @@ class Host:
             self._went_on()
         finally:
             del self._running[ident], self._runs[ident]
-            self._in_flight.write(self._runs.values())
+            self._in_flight.note(self._runs.values())
+        await self._in_flight.write(self._runs.values())
 
     def _went_on(self) -> None:
         """A run finished (or none was due): the store works again, if it failed."""
@@ -801,7 +828,7 @@ class Host:
                 self._max_attempts,
             )
             await self._store.finish_run(run, status, attempts, next_at, INTERRUPTED)
-        self._in_flight.write(())
+        await self._in_flight.write(())
 
     async def describe(self, weights: Mapping[str, int]) -> list[dict[str, Any]]:
         """GET /api/plugins' `plugins`: each plugin with its uid, version, signer weight

@@ -28,7 +28,7 @@ the supervisor ends the node as it ends a single-process one. A worker that keep
 restarted after growing delays (`Backoff`), each restart logged with the exit status and the
 delay and counted in the owner's /metrics (`Restarts`, from `workers.json` the supervisor
 writes). The workers' metrics are summed across processes (metrics.py, multiprocess mode, in
-the data directory's `metrics/`).
+a folder in memory that the data directory's `metrics` links to: `MetricFolder`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -65,7 +67,9 @@ OWNER = "owner"
 READER = "reader"
 SOCKET_NAME = "owner.sock"  # in the data directory (mode 0700): the owner's private door
 HANDOFF_NAME = "handoff.sock"  # ...and its door for claims a reader validated (handoff.py)
-METRICS_NAME = "metrics"  # in the data directory: every worker's metric files (metrics.py)
+METRICS_NAME = "metrics"  # in the data directory: every worker's metric files (metrics.py),
+# or a link to their folder in memory (`MetricFolder`)
+FOLDER_PREFIX = "metanode-metrics-"  # then the pid namespace, the supervisor's pid (`_prefix`)
 STATUS_NAME = "workers.json"  # in the data directory: the supervisor's restart counts
 CLIENT_HEADER = b"x-metanode-client"  # the client address a reader saw, for the owner's perimeter
 WORKER_HEADER = b"x-metanode-worker"  # which worker answered (tests, debugging)
@@ -454,6 +458,94 @@ def exit_text(code: int) -> str:
     return signal.Signals(-code).name if code < 0 else f"status {code}"
 
 
+class MetricFolder:
+    """Where the workers' metric files live while `serve --workers N` runs: a folder of its own
+    in memory (a tmpfs: `$XDG_RUNTIME_DIR`, else `/dev/shm`), which `<data dir>/metrics` links
+    to; the data directory itself where there is no such folder. The files are memory-mapped
+    and every request a worker answers changes them, so on the data directory's disk the
+    kernel wrote a page of them back every 30 s or so: ≈ 285 write requests an hour to an SD
+    card for a container's HEALTHCHECK alone, on a node that otherwise wrote nothing (docs/
+    operations.md, "Small boxes"). The counts need not outlive `serve` (each start empties
+    them), so memory is where they belong. `make` also removes what supervisors killed before
+    their `remove` left: the folder the link names, and those of supervisors gone."""
+
+    def __init__(self, link: Path) -> None:
+        self.link = link
+        self.folder = link  # where the files are, once made
+
+    def make(self) -> None:
+        """Remove the last run's folder and make this run's."""
+        self._remove()
+        _sweep()
+        for base in _runtime_folders():
+            try:
+                made = Path(tempfile.mkdtemp(prefix=f"{_prefix()}{os.getpid()}-", dir=base))
+            except OSError:
+                continue
+            try:
+                self.link.symlink_to(made)
+            except OSError:
+                shutil.rmtree(made, ignore_errors=True)
+                break
+            self.folder = made
+            return
+        self.link.mkdir(mode=0o700)
+
+    def remove(self) -> None:
+        """At stop: the folder in memory and the link to it (the files of a folder in the data
+        directory stay until the next start, as they always did)."""
+        if self.folder != self.link:
+            self._remove()
+
+    def _remove(self) -> None:
+        if self.link.is_symlink():
+            _remove_ours(Path(os.readlink(self.link)))
+            self.link.unlink()
+        else:
+            shutil.rmtree(self.link, ignore_errors=True)
+
+
+def _runtime_folders() -> list[Path]:
+    """The folders in memory a metric folder may be made in, in order of preference: the
+    user's runtime folder (systemd's /run/user/<uid>), then the machine's shared memory."""
+    named = (os.environ.get("XDG_RUNTIME_DIR", ""), "/dev/shm")
+    return [Path(path) for path in named if path and os.path.isdir(path)]
+
+
+def _prefix() -> str:
+    """The start of this pid namespace's metric folders' names, the supervisor's pid next:
+    `/dev/shm` may be shared with another namespace (`docker run --ipc=host`), whose pids are
+    not ours to look up."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{FOLDER_PREFIX}{namespace}."
+
+
+def _remove_ours(folder: Path) -> None:
+    """Remove `folder` if it is one of our metric folders (a real folder of this user, of our
+    name), whatever a link to it says."""
+    try:
+        st = folder.lstat()
+    except OSError:
+        return
+    ours = folder.name.startswith(FOLDER_PREFIX) and st.st_uid == os.geteuid()
+    if ours and stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _sweep() -> None:
+    """Remove the metric folders of this pid namespace's supervisors that are gone."""
+    prefix = _prefix()
+    for base in _runtime_folders():
+        with contextlib.suppress(OSError):
+            for folder in base.glob(f"{prefix}*-*"):
+                pid = folder.name[len(prefix) :].split("-")[0]
+                if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    _remove_ours(folder)
+
+
 class Supervisor:
     """Runs the workers (`argv(role, index, fd)` is a worker's command line) until a stop
     signal; restarts any that exits meanwhile, after its `Backoff` delay. `metrics` is the
@@ -498,16 +590,19 @@ class Supervisor:
     def run(self) -> None:
         for stop in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP: server.hung_up
             signal.signal(stop, self._stop)
-        shutil.rmtree(self.metrics, ignore_errors=True)  # counts start at zero, as with one
-        self.metrics.mkdir(mode=0o700)
-        self._write_status()
-        for role, index in self.roles:
-            self._spawn(role, index)
-        while not self.stopping:
+        folder = MetricFolder(self.metrics)
+        folder.make()  # counts start at zero, as with one process
+        try:
+            self._write_status()
             for role, index in self.roles:
-                self._tend(role, index, time.monotonic())
-            time.sleep(0.1)
-        self._stop_all()
+                self._spawn(role, index)
+            while not self.stopping:
+                for role, index in self.roles:
+                    self._tend(role, index, time.monotonic())
+                time.sleep(0.1)
+            self._stop_all()
+        finally:
+            folder.remove()
 
     def _tend(self, role: str, index: int, now: float) -> None:
         """Note a worker that exited and when to restart it; restart it once that is due."""

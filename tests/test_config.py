@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -233,3 +236,60 @@ def test_the_names_a_root_path_may_not_begin_with_are_the_routes_the_node_serves
     paths += [family for family, _access in api.FAMILIES]
     firsts = {path.split("/")[1] for path in paths if path.startswith("/")} - {""}
     assert firsts == config.SERVED_NAMES
+
+
+MiB = 1 << 20
+
+
+def test_workers_default_to_a_process_a_core_within_the_memory_of_a_small_box() -> None:
+    """One per core, but no more than one per 512 MiB: a 1 GB Raspberry Pi 4 (≈ 925 MiB for
+    Linux) serves with one process, a 2 GB one with three, and unknown memory bounds nothing."""
+    assert config.default_workers(4, 925 * MiB) == 1
+    assert config.default_workers(4, 1850 * MiB) == 3
+    assert config.default_workers(4, 8192 * MiB) == 4
+    assert config.default_workers(4, None) == 4
+    assert config.default_workers(1, 64 * MiB) == 1
+    assert config.Settings(workers=3).worker_count == 3  # given, never bounded
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+def test_workers_default_to_the_cores_the_process_may_run_on_not_the_machines() -> None:
+    """Under `taskset -c 0` (a container's cpuset) the default is one process, not one for each
+    of the machine's cores, which `os.cpu_count` counts."""
+    first = min(os.sched_getaffinity(0))
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from metanode import config; print(config.Settings().worker_count)",
+        ],
+        preexec_fn=lambda: os.sched_setaffinity(0, {first}),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert shown.stdout.strip() == "1"
+
+
+def test_the_memory_limit_is_the_lowest_of_the_cgroups_above_the_process(tmp_path: Path) -> None:
+    """`/proc/self/cgroup` names the cgroups; each one's limit and its parents' count where
+    they are found below the mount: a systemd slice's `MemoryMax` above the unit, v2's `max`
+    (no limit), v1's huge number (none either) and a path a container does not see (its own
+    cgroup is the mount's root)."""
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:cpu,cpuacct:/x\n4:memory:/docker/abc\n0::/system.slice/metanode.service\n")
+    root = tmp_path / "sys"
+    limits = {
+        "memory.max": "max",
+        "system.slice/memory.max": str(700 * MiB),
+        "system.slice/metanode.service/memory.max": "max",
+        "memory/memory.limit_in_bytes": "9223372036854771712",
+    }
+    for name, text in limits.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    assert sorted(config.cgroup_limits(proc, root)) == [700 * MiB, 9223372036854771712]
+    assert config.memory_bytes(proc, root) == min(
+        700 * MiB, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    )
+    assert config.cgroup_limits(tmp_path / "none", root) == []

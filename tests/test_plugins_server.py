@@ -4,6 +4,7 @@ plugin written with `metanode.client.Client` — keygen, register, follow the fe
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -354,3 +355,38 @@ def test_a_plugin_that_ends_the_process_on_a_file_fails_there_and_the_node_stays
         ]  # fmt: skip
         assert "plugin crasher on " in server.log_text()
         assert server.proc.poll() is None
+
+
+def waiting_for_a_reader(pid: int) -> bool:
+    """Whether a thread of process `pid` is blocked opening a FIFO no one reads (Linux names
+    the kernel function it waits in, `wait_for_partner`, in /proc)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return any((task / "wchan").read_text() == "wait_for_partner" for task in tasks.iterdir())
+
+
+def test_a_run_starts_once_it_is_named_and_the_naming_never_holds_the_node(
+    tmp_path: Path,
+) -> None:
+    """`plugins-running` names each run before it starts (so a run that ends the process is
+    charged). Its write waits for the disk, and on a slow one (an SD card busy with the
+    databases) it held the event loop for seconds: every request waited. A FIFO in place of
+    the file's partial copy makes that write wait for as long as no one reads it: meanwhile the
+    node answers, and the plugin does not run."""
+    data = tmp_path / "data"
+    with plugins_server(data, METANODE_PLUGINS_DISABLED="fileinfo,fullhash,mediainfo,nfo") as srv:
+        assert srv.proc is not None
+        pid = srv.proc.pid
+        os.mkfifo(data / "plugins-running.partial")
+        content = b"Show.S01E02.Pilot.mkv " * 100
+        midhash = cids.midhash_bytes(content)
+        drop(srv, "Show.S01E02.Pilot.mkv", content)
+        poll(lambda: waiting_for_a_reader(pid) or None, "the run's naming waits")
+        for _ in range(3):
+            assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+        doc = srv.meta(midhash)
+        assert doc is not None and "title" not in doc["metadata"]  # the run has not started
+        named = (data / "plugins-running.partial").read_text()  # lets the write go on
+        assert [(run[0], run[2]) for run in map(json.loads, named.splitlines())] == [
+            ("filename", midhash)
+        ]
+        poll(settled(srv, midhash, "title"), "the run done once named")

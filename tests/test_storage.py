@@ -635,8 +635,10 @@ def test_a_worker_started_on_a_full_disk_leaves_no_empty_metric_file(
 ) -> None:
     """A worker restarted while the disk is full cannot allocate its metric files and exits;
     the empty file it made must not be left for the owner's scrape, which read every file of
-    the folder and failed on it (a struct.error: /metrics a 500 until the node restarted)."""
-    srv = Server(tmpfs, log=tmp_path / "serve.log", workers=2).start()
+    the folder and failed on it (a struct.error: /metrics a 500 until the node restarted).
+    The metric folder is made in the runtime folder, here the full disk itself."""
+    env = {"XDG_RUNTIME_DIR": str(tmpfs)}
+    srv = Server(tmpfs, log=tmp_path / "serve.log", workers=2, env=env).start()
     try:
         filler = fill(tmpfs)
         killed = role_pids(srv)["reader"]

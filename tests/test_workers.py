@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -344,6 +346,57 @@ def test_shutdown_stops_every_worker_cleanly(server: Server) -> None:
     assert not (server.data_dir / "owner.sock").exists()
     assert not (server.data_dir / "handoff.sock").exists()
     assert "Finished server process" in server.log_text()
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="needs taskset (util-linux)")
+def test_serve_on_one_core_of_several_serves_in_one_process(tmp_path: Path) -> None:
+    """`workers = 0` counts the cores `serve` may run on: under `taskset` on one core it is
+    one process (no supervisor, no reader), not a worker for every core of the machine."""
+    core = str(min(os.sched_getaffinity(0)))
+    srv = Server(tmp_path / "data", workers=0, prefix=("taskset", "-c", core)).start()
+    try:
+        assert role_pids(srv) == {}
+        assert httpx.get(f"{srv.url}/health", timeout=10).headers.get("x-metanode-worker") is None
+        assert "workers: 1)" in srv.log_text()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_the_metric_files_live_in_memory_and_a_killed_supervisors_are_removed(
+    tmp_path: Path,
+) -> None:
+    """The workers' metric files are memory-mapped and change at every request: on the data
+    directory's disk the kernel wrote them back every 30 s. They live in the runtime folder
+    (`$XDG_RUNTIME_DIR`, else /dev/shm: memory), linked as `<data dir>/metrics`; a stop removes
+    them, and the next start removes what a supervisor killed first left, this data
+    directory's and any other's."""
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has now: a supervisor killed long ago
+    namespace = os.stat("/proc/self/ns/pid").st_ino
+    stale = runtime / f"metanode-metrics-{namespace}.{gone.pid}-x"
+    elsewhere = runtime / f"metanode-metrics-{namespace + 1}.{gone.pid}-x"  # another namespace's
+    elsewhere.mkdir()
+    stale.mkdir()
+    env = {"XDG_RUNTIME_DIR": str(runtime)}
+    srv = Server(tmp_path / "data", workers=2, env=env).start()
+    link = srv.data_dir / "metrics"
+    first = link.resolve()
+    assert link.is_symlink() and first.parent == runtime
+    assert {f.name.split("_")[0] for f in first.iterdir()} >= {"counter", "histogram"}
+    assert not stale.exists() and elsewhere.exists()
+    elsewhere.rmdir()
+    assert srv.proc is not None
+    srv.proc.kill()  # no stop: the folder stays, the workers die with the supervisor
+    srv.proc.wait()
+    assert first.exists()
+    srv.start()
+    try:
+        assert not first.exists() and link.resolve().parent == runtime
+    finally:
+        assert srv.stop() == 0
+    assert not link.exists() and list(runtime.iterdir()) == []
 
 
 def restarts_of(owner: httpx.Client) -> float | None:

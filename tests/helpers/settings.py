@@ -30,5 +30,9 @@ def reading(data_dir: Path, name: str, storage: str = "sqlite") -> Iterator[db.C
     stores are on `storage`: what a test reads a server's databases through, on either
     backend."""
     kind = truth.TruthStore if name == "truth" else cache.CacheStore
-    with kind.configured(settings_for(data_dir, storage=storage)).reading() as conn:
-        yield conn
+    store = kind.configured(settings_for(data_dir, storage=storage))
+    try:
+        with store.reading() as conn:
+            yield conn
+    finally:
+        store.close()  # and the connection `reading` keeps for the next read
