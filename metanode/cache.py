@@ -1258,6 +1258,31 @@ def files_query(prefix: str, after: str, limit: int) -> tuple[str, tuple[str | i
     return sql + " ORDER BY f.path LIMIT ?", (*values, limit)
 
 
+def subfolders(conn: Connection, folder: str, after: str, limit: int) -> tuple[list[str], bool]:
+    """The names of the folders directly in `folder` that hold files (at any depth), in path
+    order, after the one named `after` (if any): at most `limit`, and whether there are more
+    (the Files page's folder list).
+
+    A skip scan of the primary key, one statement a folder: the first path below `folder` that
+    lies in a subfolder names it, and the next search starts past that subfolder's range, so
+    its files are never read (the files directly in `folder` are stepped over inside the
+    statement). 6,700 folders of 100,000 files need no read of every row, as a GROUP BY would.
+    """
+    start = folder.rstrip("/") + "/"
+    end = prefix_end(start)
+    sql = "SELECT path FROM local_file WHERE path >= ? AND path < ? AND substr(path, ?) LIKE '%/%'"
+    names: list[str] = []
+    bound = f"{start}{after}0" if after else start
+    while len(names) <= limit:
+        row = conn.execute(f"{sql} ORDER BY path LIMIT 1", (bound, end, len(start) + 1)).fetchone()
+        if row is None:
+            return names, False
+        name = row[0][len(start) :].split("/", 1)[0]
+        names.append(name)
+        bound = f"{start}{name}0"  # past "<name>/…": "0" follows "/" (`local_stats`)
+    return names[:limit], True
+
+
 def local_stats(conn: Connection, paths: Iterable[str]) -> dict[str, tuple[int, int]]:
     """path → (size, mtime_ns) of every local file row at or below the given paths: a watch
     root's files, or the rows an inotify batch touches (its files, and the files of a folder
@@ -2269,6 +2294,12 @@ class CacheStore(Store):
     @mapped
     def files(self, prefix: str, after: str, limit: int) -> list[dict[str, Any]]:
         return files(self.conn, prefix, after, limit)
+
+    def subfolders(self, folder: str, after: str, limit: int) -> tuple[list[str], bool]:
+        """`subfolders` on a read connection of its own, for a thread: a folder with many
+        files directly in it is stepped over row by row."""
+        with self.reading() as conn, storage_errors(self.path):
+            return subfolders(conn, folder, after, limit)
 
     @mapped
     def local_stats(self, paths: Iterable[str]) -> dict[str, tuple[int, int]]:

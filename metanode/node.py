@@ -934,6 +934,11 @@ class Node:
 
     # the web page's reads (ui.py)
 
+    async def subfolders(self, folder: str, after: str, limit: int) -> tuple[list[str], bool]:
+        """The Files page's folders directly in `folder` that hold files: their names after
+        `after`, at most `limit`, and whether there are more; read on a thread."""
+        return await asyncio.to_thread(self.cache.subfolders, folder, after, limit)
+
     def library(
         self,
         text: str,

@@ -93,6 +93,7 @@ PAGE = 50  # records a library page lists
 # whose files are all gone (kept: claims are never deleted; they crowded the list)
 HELD: dict[str, bool | None] = {"": None, "here": True, "gone": False}
 FILES_PAGE = 200  # files the Files page lists at once
+FOLDERS_PAGE = 500  # folders in a folder the Files page lists at once
 FORM_EXTRA_BYTES = 4096  # a form's fields beside its value (`Pages.form`)
 FORM_TYPE = "application/x-www-form-urlencoded"
 
@@ -487,6 +488,18 @@ PAGE_HEADERS = {
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
 }
+
+
+def crumbs(folder: str, roots: Sequence[str]) -> list[tuple[str, str]]:
+    """The Files page's way back up from `folder`: (name, path) of its watched root and of each
+    folder between, `folder` last; none for a folder under no root."""
+    root = next((r for r in roots if f"{folder}/".startswith(f"{r.rstrip('/')}/")), None)
+    if root is None:
+        return []
+    trail = [(root, root)]
+    for name in filter(None, folder[len(root) :].split("/")):
+        trail.append((name, f"{trail[-1][1].rstrip('/')}/{name}"))
+    return trail
 
 
 def root_of(request: Request) -> str:
@@ -898,6 +911,13 @@ class Pages:
     async def files(self, request: Request) -> Response:
         q = request.query_params
         prefix, after = q.get("prefix", ""), q.get("after") or None
+        roots = self.node.settings.watched if self.node.settings.watch_enabled else ()
+        folder = prefix.rstrip("/") or prefix  # "/" stays itself
+        below, more_folders = (
+            await self.node.subfolders(folder, q.get("folders_after", ""), FOLDERS_PAGE)
+            if folder
+            else ([], False)
+        )
         page = self.node.files(prefix, after, FILES_PAGE)
         folders: dict[str, list[dict[str, Any]]] = {}
         for file in page["files"]:
@@ -907,7 +927,10 @@ class Pages:
         return render(
             request,
             "files.html",
-            roots=self.node.settings.watched if self.node.settings.watch_enabled else [],
+            roots=roots,
+            crumbs=crumbs(folder, roots),
+            below=[(name, f"{folder.rstrip('/')}/{name}") for name in below],
+            more_folders=more_folders,
             folders=folders,
             split=split,
             prefix=prefix,

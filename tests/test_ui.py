@@ -735,6 +735,35 @@ def test_a_folder_split_between_pages_of_files_says_its_count_is_the_pages(
     expect(page).to_have_title(f"Files under {folder}, more · metanode")
 
 
+def test_the_files_page_goes_down_a_folder_at_a_time_and_back_up(page: Page, srv: Server) -> None:
+    """A library of a folder a film showed every file of the root on pages of 200 (500 pages
+    for 100,000 files) and no way into one folder; now each folder lists the folders in it,
+    and a trail leads back up to its watched folder."""
+    films = srv.media / "Films"
+    for name in ("Alpha (2001)/Alpha.mkv", "Beta (2002)/Beta.mkv", "Beta (2002)/extras/x.mkv"):
+        (films / name).parent.mkdir(parents=True, exist_ok=True)
+        midhash_of(srv, drop(srv, f"Films/{name}"))
+    page.get_by_role("link", name="Files").click()
+    page.get_by_role("link", name=str(srv.media)).click()
+    folders = page.get_by_role("list", name=f"Folders in {srv.media}")
+    folders.get_by_role("link", name="Films", exact=True).click()
+    expect(
+        page.get_by_role("list", name=f"Folders in {films}").get_by_role("listitem")
+    ).to_have_text(["Alpha (2001)", "Beta (2002)"])
+    page.get_by_role("link", name="Beta (2002)").click()
+    trail = page.get_by_role("navigation", name="Folders above")
+    expect(trail.get_by_role("link")).to_have_text([str(srv.media), "Films", "Beta (2002)"])
+    expect(trail.get_by_role("link", name="Beta (2002)")).to_have_attribute("aria-current", "page")
+    expect(
+        page.get_by_role("list", name=f"Folders in {films}/Beta (2002)").get_by_role("listitem")
+    ).to_have_text(["extras"])
+    expect(page.get_by_text(f"{films}/Beta (2002)/extras (1)", exact=True)).to_be_visible()
+    trail.get_by_role("link", name="Films").click()
+    expect(page).to_have_title(f"Files under {films} · metanode")
+    page.get_by_role("link", name="Alpha (2001)").click()
+    expect(page.get_by_text("No folder in it holds files.")).to_be_visible()
+
+
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
     midhash = titled(srv, drop(srv, "Northern.Lanterns.2015.mkv"), "Northern Lanterns")
     poster = Signer()

@@ -875,6 +875,48 @@ async def test_duplicates_are_found_among_the_records_of_several_files_alone(
     assert node.duplicates(50) == [(a, ["/m/a.mkv", "/m/copy/a.mkv"])]
 
 
+async def test_a_folders_folders_are_found_without_reading_the_files_inside_them(
+    node: Node, backend: str
+) -> None:
+    """The Files page lists the folders directly in a folder (a film a folder: thousands in a
+    root), each found by one seek past the one before, so the files inside them are never
+    read; files directly in the folder are no folder, and a sibling sharing a name's start
+    (`show`, `show b`, `show0`, `shows`) is its own. In path order, as the files are listed,
+    and paged after a name."""
+    await put(
+        node,
+        [
+            "/m/show/s01/e1.mkv",
+            "/m/show/e3.mkv",
+            "/m/show b/e.mkv",
+            "/m/show.nfo",
+            "/m/show0/e.mkv",
+            "/m/shows/deep/er/e.mkv",
+            "/m/zz.mkv",
+            "/other/x/y.mkv",
+        ],
+        1,
+    )
+    names = ["show b", "show", "show0", "shows"]  # path order: " " comes before "/"
+    assert await node.subfolders("/m", "", 10) == (names, False)
+    assert await node.subfolders("/m", "", 2) == (names[:2], True)
+    assert await node.subfolders("/m", "show", 2) == (names[2:], False)
+    assert await node.subfolders("/m/show", "", 10) == (["s01"], False)
+    assert await node.subfolders("/m/show/s01", "", 10) == ([], False)
+    assert await node.subfolders("/", "", 10) == (["m", "other"], False)
+    cache_db = node.settings.data_dir / "cache.db"
+
+    def work() -> int:
+        with contextlib.closing(sqlite3.connect(cache_db)) as conn:
+            return vm_steps(conn, lambda: cache.subfolders(conn, "/m", "", 10))
+
+    before = work() if backend == "sqlite" else 0
+    await put(node, [f"/m/show b/{i:04d}.mkv" for i in range(1000)], 100)
+    if backend == "sqlite":
+        assert work() - before <= 8  # the index a level taller at most, not a step a file
+    assert await node.subfolders("/m", "", 10) == (names, False)
+
+
 BOUNDS = st.sampled_from(["a", "b", "/", "0", "é", "\ud7ff", "\ue000", "\U0010ffff"])
 
 
