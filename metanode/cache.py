@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
-import re
 import sys
-import unicodedata
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -195,10 +194,12 @@ def _v5(conn: Connection) -> None:
 
 def _reindex(conn: Connection, select: str) -> None:
     """The library rows of the rids `select` lists made anew from their cached records, a chunk
-    at a time (a migration that changes what the library shows of some records)."""
+    at a time (a migration that changes what the library shows of some records). Without their
+    `words`, which come with v12 (`_v12` fills them in for every row)."""
     rids = [r[0] for r in conn.execute(select)]
     for chunk in _chunks(rids):
-        index_library(conn, chunk, records_rows(conn, chunk), group_parts(conn, chunk)[1])
+        records = records_rows(conn, chunk)
+        index_library(conn, chunk, records, group_parts(conn, chunk)[1], words=False)
 
 
 # The rendered `GET /api/meta/{cid}` documents: per CID of the index, the JSON bytes of its
@@ -346,7 +347,53 @@ def _v11(conn: Connection) -> None:
     )
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11)
+# Schema v12: the full-text index reads `library.words` (`library_words`: the title and file
+# name with each character of an unspaced script a word, `labels.search_words`), not the title
+# and name as they are: SQLite's tokenizer read `進撃の巨人` as one word, so no search for a word
+# inside a Chinese, Japanese or Korean title found it, nor `ABC` a title in fullwidth letters.
+# The words are filled in before the new index exists (an external-content index must never be
+# told to delete what it never held), then the index is built from them.
+_LIBRARY_FTS_DROPPED = """
+DROP TRIGGER library_added;
+DROP TRIGGER library_removed;
+DROP TRIGGER library_changed;
+DROP TABLE library_fts;
+ALTER TABLE library ADD COLUMN words TEXT NOT NULL DEFAULT '';
+"""
+_LIBRARY_FTS = """
+CREATE VIRTUAL TABLE library_fts USING fts5(
+    words, content='library', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
+);
+CREATE TRIGGER library_added AFTER INSERT ON library BEGIN
+    INSERT INTO library_fts (rowid, words) VALUES (new.id, new.words);
+END;
+CREATE TRIGGER library_removed AFTER DELETE ON library BEGIN
+    INSERT INTO library_fts (library_fts, rowid, words) VALUES ('delete', old.id, old.words);
+END;
+CREATE TRIGGER library_changed AFTER UPDATE OF words ON library WHEN old.words IS NOT new.words
+BEGIN
+    INSERT INTO library_fts (library_fts, rowid, words) VALUES ('delete', old.id, old.words);
+    INSERT INTO library_fts (rowid, words) VALUES (new.id, new.words);
+END;
+INSERT INTO library_fts (library_fts) VALUES ('rebuild');
+"""
+
+
+def _v12(conn: Connection) -> None:
+    executescript_in_txn(conn, _LIBRARY_FTS_DROPPED)
+    _fill_words(conn)
+    executescript_in_txn(conn, _LIBRARY_FTS)
+
+
+def _fill_words(conn: Connection) -> None:
+    """Each library row's `words`, from its title and name (`library_words`)."""
+    rows = [LibraryRow(*r) for r in conn.execute(f"SELECT {_LIBRARY_COLUMNS} FROM library l")]
+    conn.executemany(
+        "UPDATE library SET words = ? WHERE rid = ?", [(library_words(r), r.rid) for r in rows]
+    )
+
+
+MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12)
 
 # The same schema on PostgreSQL (docs/scale-out.md): SQLite's v6 tables and columns with
 # PostgreSQL's types. The library's full-text index is the column `library.search` (a tsvector
@@ -454,11 +501,16 @@ def _pg_v1(conn: Connection) -> None:
     """The schema, its functions calling `unaccent` where the extension is: made here (in this
     schema) unless the database has it already, perhaps in another schema."""
     conn.execute("CREATE EXTENSION IF NOT EXISTS unaccent")
+    executescript_in_txn(conn, _with_unaccent(conn, PG_SCHEMA_V1))
+
+
+def _with_unaccent(conn: Connection, script: str) -> str:
+    """`script` calling `unaccent` in the schema the extension is in."""
     (where,) = conn.execute(
         "SELECT CAST(CAST(extnamespace AS regnamespace) AS text) FROM pg_extension "
         "WHERE extname = 'unaccent'"
     ).fetchone()
-    executescript_in_txn(conn, PG_SCHEMA_V1.replace("unaccent(", f"{where}.unaccent("))
+    return script.replace("unaccent(", f"{where}.unaccent(")
 
 
 # SQLite's v7 on PostgreSQL: the rendered document in the CID's index row (`SCHEMA_V7`).
@@ -555,7 +607,32 @@ def _pg_v7(conn: Connection) -> None:
     executescript_in_txn(conn, PG_SCHEMA_V7)
 
 
-PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2, _v8, _v9, _pg_v3, _v11, _pg_v7)
+# SQLite's v12 on PostgreSQL: `library.search` is made of `library.words`, and a query's phrase
+# (`"巨 人"*`, the characters of an unspaced word) is their sequence (`巨 <-> 人:*`), not any
+# order. The FTS5 text's phrases are separated by `* "`; the spaces left are inside phrases.
+PG_SCHEMA_V8 = """
+ALTER TABLE library ADD COLUMN words TEXT NOT NULL DEFAULT '';
+CREATE OR REPLACE FUNCTION library_search() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.search := to_tsvector('simple', unaccent(NEW.words));
+    RETURN NEW;
+END $$;
+DROP TRIGGER library_search ON library;
+CREATE TRIGGER library_search BEFORE INSERT OR UPDATE OF words ON library
+    FOR EACH ROW EXECUTE FUNCTION library_search();
+CREATE OR REPLACE FUNCTION fts_match(query TEXT) RETURNS tsquery LANGUAGE sql STABLE AS $$
+    SELECT to_tsquery('simple', unaccent(regexp_replace(
+        replace(replace(query, ' ', '<->'), '*<->"', '* & "'), '"([^"]*)"\\*', '\\1:*', 'g')))
+$$;
+"""
+
+
+def _pg_v8(conn: Connection) -> None:
+    executescript_in_txn(conn, _with_unaccent(conn, PG_SCHEMA_V8))
+    _fill_words(conn)
+
+
+PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2, _v8, _v9, _pg_v3, _v11, _pg_v7, _pg_v8)
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -820,11 +897,14 @@ def index_library(
     rids: Sequence[str],
     records: Mapping[str, Mapping[str, str]],
     paths: Mapping[str, Sequence[str]],
+    *,
+    words: bool = True,
 ) -> None:
     """Bring the library rows (and through its triggers the full-text index) of `rids` in step
     with their `records` and local `paths` (as `records_rows` and `group_parts` read them): a
     record with no rows left loses its row; unchanged rows are not rewritten, so the index is
-    touched only for what changed.
+    touched only for what changed. `words=False`: without the `words` column, for a migration
+    run on a schema from before it (`_reindex`).
 
     The upsert is ONE statement over all the rows (`json_each`), not `executemany`: FTS5 writes
     its pending terms out as a new segment at the end of every statement that touches it, so
@@ -835,17 +915,31 @@ def index_library(
     )
     rows = [library_row(rid, record, len(paths.get(rid, ()))) for rid, record in records.items()]
     cache.execute(
-        "INSERT INTO library (rid, title, name, year, type, files) "
-        "SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), "
-        "json_extract(value, '$[2]'), json_extract(value, '$[3]'), json_extract(value, '$[4]'), "
-        "CAST(json_extract(value, '$[5]') AS BIGINT) FROM json_each(?) WHERE true "
-        "ON CONFLICT (rid) DO UPDATE SET title = excluded.title, name = excluded.name, "
-        "year = excluded.year, type = excluded.type, files = excluded.files "
-        "WHERE (library.title, library.name, library.year, library.type, library.files) "
-        "IS DISTINCT FROM "
-        "(excluded.title, excluded.name, excluded.year, excluded.type, excluded.files)",
-        (json_array(rows),),
+        _library_upsert(words),
+        (json_array([(*row, library_words(row)) if words else row for row in rows]),),
     )
+
+
+@functools.cache
+def _library_upsert(words: bool) -> str:
+    """`index_library`'s one statement, of a JSON array of rows (`LibraryRow` and, with
+    `words`, its `library_words`): a row is rewritten only where what it shows changed."""
+    columns = [*LibraryRow._fields, "words"] if words else list(LibraryRow._fields)
+    values = [f"json_extract(value, '$[{i}]')" for i in range(len(columns))]
+    values[5] = "CAST(json_extract(value, '$[5]') AS BIGINT)"  # files
+    shown = ", ".join(f"library.{c}" for c in LibraryRow._fields[1:])
+    return (
+        f"INSERT INTO library ({', '.join(columns)}) SELECT {', '.join(values)} "
+        "FROM json_each(?) WHERE true ON CONFLICT (rid) DO UPDATE SET "
+        f"{', '.join(f'{c} = excluded.{c}' for c in columns[1:])} "
+        f"WHERE ({shown}) IS DISTINCT FROM ({shown.replace('library.', 'excluded.')})"
+    )
+
+
+def library_words(row: LibraryRow) -> str:
+    """What the full-text index holds of a library row: its title and file name as
+    `labels.search_words` writes them."""
+    return labels.search_words(f"{row.title} {row.name}")
 
 
 def group_parts(
@@ -1841,12 +1935,11 @@ NEWEST = "~"  # above every rid: the `before` of the first page
 
 
 def fts_query(text: str) -> str:
-    """The FTS5 query of what a person typed: every word, as a prefix, all of them required.
-    Words are quoted, so no input is FTS5 syntax (an operator or a stray quote cannot fail).
-    The text is read composed (NFC): a decomposed `é` (`e` and a combining accent, as macOS
-    writes names, and a name copied from its Finder) is no word character, and split the word
-    in two."""
-    return " ".join(f'"{word}"*' for word in re.findall(r"\w+", unicodedata.normalize("NFC", text)))
+    """The FTS5 query of what a person typed: every word, as a prefix, all of them required;
+    a word of an unspaced script the phrase of its characters (`labels.search_phrases`, read
+    as the index holds the titles: `search_words`). Words are quoted, so no input is FTS5
+    syntax (an operator or a stray quote cannot fail)."""
+    return " ".join(f'"{" ".join(words)}"*' for words in labels.search_phrases(text) if words)
 
 
 def library_query(match: str, kind: str, held: bool | None, sidecars: bool, newer: bool) -> str:
@@ -1955,7 +2048,11 @@ def diff(live: Connection, fresh: Connection) -> list[str]:
     for table, key, sql in (
         ("records", 2, "SELECT rid, key, value FROM records ORDER BY rid, key"),
         ("cid_index", 1, "SELECT cid, rid FROM cid_index ORDER BY cid"),
-        ("library", 1, "SELECT rid, title, name, year, type, files FROM library ORDER BY rid"),
+        (
+            "library",
+            1,
+            "SELECT rid, title, name, year, type, files, words FROM library ORDER BY rid",
+        ),
         ("documents", 1, "SELECT cid, body FROM cid_index ORDER BY cid"),
     ):
         only_live, only_fresh = differences(live.execute(sql), fresh.execute(sql), key)

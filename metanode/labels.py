@@ -1,6 +1,7 @@
 """What the web page calls a record and what kind of file it is: its label (`Show Name S01E02
 · Pilot`, `Dune Part 2`, else its file name), and the library's type, which tells subtitles,
-nfos and artwork (`SIDECARS`) from the media they belong to.
+nfos and artwork (`SIDECARS`) from the media they belong to; and the words a search finds it
+by (`search_words`, `search_phrases`).
 
 Pure functions of a merged record, in one place: the cache's library index (`cache.library_row`)
 lists and searches by them, and the record page and the Live feed name a record by them, so a
@@ -10,9 +11,19 @@ record is called the same everywhere on the page. The API serves records as they
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Mapping
 
-__all__ = ["LABEL_KEYS", "SIDECARS", "file_name", "kind", "label", "title"]
+__all__ = [
+    "LABEL_KEYS",
+    "SIDECARS",
+    "file_name",
+    "kind",
+    "label",
+    "search_phrases",
+    "search_words",
+    "title",
+]
 
 TYPE_KEYS = ("videoType", "fileType")  # a record's type in the library: the first it has
 # The library's kinds of a file that belongs to another's record: hidden from the list unless
@@ -98,3 +109,30 @@ def kind(record: Mapping[str, str], name: str) -> str:
 
 def _is_number(text: str) -> bool:
     return text.isascii() and text.isdigit()
+
+
+# The characters of scripts written without spaces between words: Hangul, the kana, Bopomofo and
+# the CJK ideographs (with their extensions and compatibility forms). A full-text tokenizer
+# (SQLite's unicode61, PostgreSQL's parser) reads a run of them as one word, so `巨人` inside
+# `進撃の巨人` was never found; each is made a word of its own, and a search for several is
+# the phrase of them, in order: a substring of the title, as a reader of these scripts means.
+UNSPACED = re.compile(
+    "[\u1100-\u11ff\u3040-\u30ff\u3100-\u312f\u3130-\u318f\u31a0-\u31ff"
+    "\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\U00020000-\U0003134f]"
+)
+
+
+def search_words(text: str) -> str:
+    """What the library's full-text index holds of a title or a file name: `text` in its
+    compatibility form (NFKC: fullwidth `ＡＢＣ` is `ABC`, `²` is `2`, a decomposed `é` as
+    macOS writes names is one letter), with each character of an unspaced script a word."""
+    return UNSPACED.sub(r" \g<0> ", unicodedata.normalize("NFKC", text))
+
+
+def search_phrases(text: str) -> list[list[str]]:
+    """What a person typed as the index reads it: each word of `text` (read as `search_words`
+    does) as the phrase of its index words, in order (`進撃の巨人` is 進 撃 の 巨 人)."""
+    return [
+        search_words(word).split()
+        for word in re.findall(r"\w+", unicodedata.normalize("NFKC", text))
+    ]

@@ -1106,6 +1106,62 @@ def test_the_library_search_finds_a_name_written_composed_or_decomposed(
             assert found == (["01B", "01A"] if "2001" in text else ["01C", "01B", "01A"]), text
 
 
+@pytest.mark.both_backends
+def test_the_library_search_finds_a_word_inside_a_title_of_an_unspaced_script(
+    tmp_path: Path, storage: str
+) -> None:
+    """Chinese, Japanese and Korean titles write no space between words, and both tokenizers
+    read such a run as one word: `巨人` never found `進撃の巨人`. Each of their characters is a
+    word of the index now, and a search the phrase of its characters, in order (`人巨` is not
+    `巨人`); fullwidth letters are found by what they read as."""
+    titles = {
+        "01A": "進撃の巨人",
+        "01B": "巨人の星 Season2",
+        "01C": "人巨",
+        "01D": "ＡＢＣ Ｍｕｒｄｅｒｓ",
+        "01E": "진격의 거인",
+    }
+    rows = {rid: {"title": title, "filePath": f"/m/{rid}.mkv"} for rid, title in titles.items()}
+    with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+        for text, expected in (
+            ("巨人", ["01B", "01A"]),
+            ("進撃", ["01A"]),
+            ("の巨", ["01A"]),
+            ("巨人 season", ["01B"]),
+            ("巨人season", []),  # one word: the phrase 巨 人 season, which no title holds
+            ("人の", ["01B"]),
+            ("abc", ["01D"]),
+            ("ＡＢＣ ｍｕｒ", ["01D"]),
+            ("거인", ["01E"]),
+            ("격의", ["01E"]),
+        ):
+            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            assert found == expected, text
+
+
+@pytest.mark.both_backends
+def test_an_older_caches_titles_are_found_by_a_word_inside_them_once_migrated(
+    tmp_path: Path, storage: str
+) -> None:
+    """A cache from before the library's `words` (SQLite v11, PostgreSQL v7) has them filled in
+    at its first open, so its titles are searched as a new cache's are."""
+    settings = settings_for(tmp_path, storage=storage)
+    target = db.target(settings.data_dir, settings.storage, "cache")
+    migrations = cache.MIGRATIONS if storage == "sqlite" else cache.PG_MIGRATIONS
+    db.migrate_file(target, migrations[:-1])
+    rows = {"01A": {"title": "進撃の巨人", "filePath": "/m/a.mkv"}}
+    conn = db.connect(target)
+    try:
+        db.run_txn(conn, lambda c: cache.index_library(c, ["01A"], rows, {}, words=False))
+        assert cache.library_page(conn, "巨人", "", None, cache.NEWEST, 50) == []
+        assert db.migrate(conn, migrations) == len(migrations)
+        found = cache.library_page(conn, "巨人", "", None, cache.NEWEST, 50)
+        assert [row.rid for row in found] == ["01A"]
+    finally:
+        conn.close()
+
+
 def test_every_connection_has_the_stores_settings_and_no_jit(dsn: str) -> None:
     """A watcher batch's lookup (a JSON list of paths, which the planner guesses at 100 rows)
     was costed past `jit_above_cost` and paid ≈ 4 ms of JIT compiling each time."""

@@ -1807,9 +1807,7 @@ def test_every_page_is_outlined_and_its_text_contrasts_and_stays_still(
     assert page.evaluate(MOVING) == 0
 
 
-def test_every_page_in_dark_colours_for_a_reader_who_asks_for_them(
-    page: Page, srv: Server
-) -> None:
+def test_every_page_in_dark_colours_for_a_reader_who_asks_for_them(page: Page, srv: Server) -> None:
     """A browser set to dark (a media box is often looked at in a dark room) gets each page
     dark, at the same contrast as the light ones: text 4.5:1, a field's edge and the focus
     ring 3:1 against the page. The pages were white whatever the reader's setting."""
