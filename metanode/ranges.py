@@ -10,6 +10,7 @@ cannot serve is its own (RFC 9110 §14.2 lets a server ignore a malformed one, G
 from __future__ import annotations
 
 import enum
+import re
 
 from starlette.responses import FileResponse, MalformedRangeHeader, RangeNotSatisfiable
 
@@ -21,9 +22,20 @@ class Unserved(enum.Enum):
     UNSATISFIABLE = "unsatisfiable"  # well formed, but no byte of the file is in it (416)
 
 
+# RFC 9110 §14.1.1's `ranges-specifier`: the unit, then a list of `first-last`, `first-` or
+# `-suffix`, each number ASCII digits alone (Starlette's parser reads them with `int`, which
+# takes `+5`, `1_0` and `٣`, an Arabic-Indic three, as numbers)
+SPECIFIER = re.compile(
+    r"bytes[ \t]*=[ \t]*(?:\d+-\d*|-\d+)?(?:[ \t]*,[ \t]*(?:\d+-\d*|-\d+)?)*[ \t]*",
+    re.IGNORECASE | re.ASCII,
+)
+
+
 def byte_ranges(header: str, size: int) -> list[tuple[int, int]] | Unserved:
     """The ranges `header` asks of a file of `size` bytes, as [start, end) pairs, merged where
     they overlap (more than Starlette's `max_ranges` of them: none, the whole file)."""
+    if not SPECIFIER.fullmatch(header):
+        return Unserved.MALFORMED
     try:
         return FileResponse._parse_range_header(header, size)
     except MalformedRangeHeader:
