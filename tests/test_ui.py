@@ -1802,6 +1802,10 @@ def test_every_page_is_outlined_and_its_text_contrasts_and_stays_still(
     page.goto(srv.url + "/docs")
     expect(page.get_by_text("/api/claims").first).to_be_visible()
     assert page.evaluate(LOW_CONTRAST) == []
+    page.get_by_role("banner").get_by_role("link", name="metanode").click()  # the way back
+    expect(page.get_by_role("heading", name="Library")).to_be_visible()
+    page.go_back()
+    expect(page.get_by_text("/api/claims").first).to_be_visible()
     assert page.evaluate(MOVING) > 0  # Swagger UI's own motion, where none was asked away
     page.emulate_media(reduced_motion="reduce")
     assert page.evaluate(MOVING) == 0
