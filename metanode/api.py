@@ -719,7 +719,7 @@ def create_app(node: Node) -> Starlette:
         if _flag(q, "missing"):
             if "prefix" in q:  # the records listed have no path to filter on
                 raise InvalidRequest("prefix filters paths; missing=1 lists records without one")
-            return JSONResponse(node.missing_files(q.get("after"), _limit(request)))
+            return JSONResponse(await node.missing_files(q.get("after"), _limit(request)))
         return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
 
     async def list_plugins(request: Request) -> Response:

@@ -2292,9 +2292,12 @@ class CacheStore(Store):
     def midhashes_at(self, paths: Sequence[str]) -> dict[str, str]:
         return midhashes_at(self.conn, paths)
 
-    @mapped
     def missing(self, after: str, limit: int) -> list[dict[str, Any]]:
-        return missing(self.conn, after, limit)
+        """`missing` on a read connection of its own, for a thread: with nothing missing it
+        reads every midhash (59 ms at 100,000 files), which on the event loop's connection
+        held every other request as long."""
+        with self.reading() as conn, storage_errors(self.path):
+            return missing(conn, after, limit)
 
     @mapped
     def due_runs(self, plugin: str, version: str, limit: int) -> list[PluginRun]:

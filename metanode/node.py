@@ -984,10 +984,11 @@ class Node:
         """Contents held at several local paths: (midhash, the paths)."""
         return self.cache.duplicates(limit)
 
-    def missing_files(self, after: str | None, limit: int) -> dict[str, Any]:
-        """GET /api/files?missing=1: records that hold a midhash but no local file any more."""
+    async def missing_files(self, after: str | None, limit: int) -> dict[str, Any]:
+        """GET /api/files?missing=1: records that hold a midhash but no local file any more,
+        read on a thread."""
         self.require_ready()
-        page = self.cache.missing(after or "", limit)
+        page = await asyncio.to_thread(self.cache.missing, after or "", limit)
         return {"files": page, "next": page[-1]["midhash"] if len(page) == limit else None}
 
     async def metrics_text(self) -> bytes:

@@ -260,16 +260,26 @@ async def test_hash_ids_pagination(client: httpx.AsyncClient, linker: Signer) ->
 
 
 async def test_missing_lists_the_records_none_of_whose_cids_has_a_local_file(
-    client: httpx.AsyncClient, node: Node, linker: Signer
+    client: httpx.AsyncClient, node: Node, linker: Signer, storage: str
 ) -> None:
     """`GET /api/files?missing=1`: a midhash whose own file is here is not missing, nor one
     whose group holds a file of another of its midhashes; one with neither is (the query
-    looks at the midhash's own file first, the group only where that is gone)."""
+    looks at the midhash's own file first, the group only where that is gone). Read on a
+    thread: with nothing missing it reads every midhash, 59 ms at 100,000 files, which held
+    the event loop's connection and every request waiting on it."""
     await post(client, linker.claim(A, f"cids/{B}", "true"), linker.claim(C, "title", "c"))
     files = [merge.LocalFile(f"/m/{cid}.mkv", cid, 1, 1, 1) for cid in (B, D)]
     await node.ensure_groups([B, D])
     await node.apply_local(files, [])
-    answer = (await client.get("/api/files", params={"missing": "1"})).json()
+    on_loop: list[str] = []
+    if storage == "sqlite":  # PostgreSQL's connections are traced by no callback
+        node.cache.conn.set_trace_callback(on_loop.append)
+    try:
+        answer = (await client.get("/api/files", params={"missing": "1"})).json()
+    finally:
+        if storage == "sqlite":
+            node.cache.conn.set_trace_callback(None)
+    assert not [sql for sql in on_loop if "local_file" in sql], on_loop
     assert answer == {
         "files": [{"midhash": C, "rid": rid_of(node, C), "fileName": None}],
         "next": None,
