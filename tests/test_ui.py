@@ -1253,6 +1253,37 @@ def test_live_reads_out_the_start_of_a_long_value_only(page: Page, srv: Server) 
     assert len(news.text_content() or "") < 160
 
 
+def test_live_keeps_the_change_a_keyboard_reader_is_on(page: Page, srv: Server) -> None:
+    """Live keeps the newest 200 changes; the row holding the keyboard's focus was dropped
+    with the oldest, and the focus fell to the page. It stays until the focus leaves it."""
+    poster = Signer()
+    srv.register(poster.uid, "poster", weight=1)
+    page.get_by_role("link", name="Live").click()
+    expect(page.get_by_role("status")).to_have_text("connected")
+    first = cids.midhash_bytes(b"the first change")
+    post(srv, poster.claim(first, "mood", "first", now_ms()))
+    changes = page.get_by_role("list", name="Changes").get_by_role("listitem")
+    expect(changes).to_have_count(1)
+    changes.first.get_by_role("link").focus()
+    at = now_ms()
+    post(
+        srv,
+        *(
+            poster.claim(cids.midhash_bytes(f"change {n}".encode()), "mood", f"n{n}", at + n)
+            for n in range(250)
+        ),
+    )
+    expect(changes.filter(has_text="mood = n249")).to_have_count(1)
+    expect(changes).to_have_count(200)  # the focused one, and the newest 199
+    expect(changes.last).to_contain_text("mood = first")
+    held = page.evaluate("() => document.activeElement.closest('li').textContent")
+    assert "mood = first" in held
+    page.keyboard.press("Shift+Tab")  # the focus leaves it: the next change trims it away
+    post(srv, poster.claim(first, "mood", "again", now_ms()))
+    expect(changes.filter(has_text="mood = first")).to_have_count(0)
+    expect(changes).to_have_count(200)
+
+
 # Where a name's mark of a hidden character is, and whether the text after the name (a file's
 # size) is drawn after it: RIGHT-TO-LEFT OVERRIDE reversed the rest of the row, the size too
 # (`Good` + U+202E + `vkm.Film.exe` read `Goodexe.mliF.mkv`, its `9.3 kB` drawn inside it).

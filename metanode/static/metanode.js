@@ -155,6 +155,15 @@ function startLive() {
       say(status, "caught up from a snapshot");
     });
   };
+  // 200 rows: the newest, and the one holding the keyboard's focus whatever its age (removed
+  // under it, the focus fell to the page and a keyboard reader lost their place)
+  const trim = (rows) => {
+    for (let row = rows.lastElementChild; rows.children.length > 200 && row;) {
+      const older = row.previousElementSibling;
+      if (!row.contains(document.activeElement)) row.remove();
+      row = older;
+    }
+  };
   const show = (event) => {
     lastId = event.lastEventId || lastId;
     const data = JSON.parse(event.data);
@@ -167,7 +176,7 @@ function startLive() {
     item.append(link, ` ${event.type} `, legible(data.key));
     if (data.value !== undefined) item.append(" = ", legible(data.value));
     list.prepend(item);
-    while (list.children.length > 200) list.lastChild.remove();
+    trim(list);
     tell();
     if (!known.has(data.rid) || renaming.has(data.key)) ask(data.rid);
   };
