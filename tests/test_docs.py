@@ -213,3 +213,12 @@ def test_the_check_sees_a_name_that_is_gone() -> None:
         "test_also_gone",
         "test_nowhere.py",
     ]
+
+
+def test_every_module_has_its_row_in_the_modules_table() -> None:
+    """A module added without a row (or a row left for a module removed) is caught: the table is
+    where a reader learns what each module owns and its kind (pure, store, I/O)."""
+    rows = {m.group(1) for m in map(MODULE_ROW.match, ARCHITECTURE.read_text().splitlines()) if m}
+    modules = {p.stem for p in (ROOT / "metanode").glob("*.py")} - {"__init__", "__main__"}
+    assert sorted(modules - rows) == [], "modules without a row"
+    assert sorted(rows - modules) == [], "rows of no module"
