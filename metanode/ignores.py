@@ -1,5 +1,5 @@
 """What of a watch root is no part of the library: the watcher keeps no record of it and WebDAV
-neither lists nor serves it (docs/watcher.md "What is watched", docs/compat.md "WebDAV").
+neither lists nor serves it (docs/watcher.md "What it watches", docs/compat.md "WebDAV").
 
 Pure (no I/O), so both the watcher, a service, and WebDAV, an edge, take their rules from one
 place below them: the edge need not import the service to agree with it.
