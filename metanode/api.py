@@ -646,96 +646,7 @@ def _peer_body(body: Any) -> tuple[str, str, int, str]:
 
 def create_app(node: Node) -> Starlette:
     """The ASGI app of one node; starting it starts the node, stopping it stops the node."""
-
-    async def meta_claims(request: Request) -> Response:
-        q = request.query_params
-        cid = request.path_params["cid"]
-        return JSONResponse(node.meta_claims(cid, q.get("key"), q.get("uid")))
-
-    async def metadata(request: Request) -> Response:
-        return JSONResponse(node.metadata(request.path_params["rid"]))
-
-    async def metadata_claims(request: Request) -> Response:
-        q = request.query_params
-        return JSONResponse(
-            node.metadata_claims(request.path_params["rid"], q.get("key"), q.get("uid"))
-        )
-
-    async def hash_ids(request: Request) -> Response:
-        return JSONResponse(node.hash_ids(request.query_params.get("after"), _limit(request)))
-
-    async def claims_log(request: Request) -> Response:
-        q = request.query_params
-        page = node.claims_log(q.get("after"), _limit(request), q.get("signer"))
-        return JSONResponse(page, headers={peers.SELF_HEADER: node.instance})
-
-    async def reconcile(request: Request) -> Response:
-        body = await read_json(request, RECONCILE_BYTES, node.settings.body_timeout_s)
-        answer = await node.reconcile_answer(body)
-        return JSONResponse(answer, headers={peers.SELF_HEADER: node.instance})
-
-    async def list_peers(request: Request) -> Response:
-        if request.method == "POST":
-            body = await read_json(request, 64 * 1024, node.settings.body_timeout_s)
-            return JSONResponse(await node.add_peer(*_peer_body(body)))
-        return JSONResponse({"peers": node.list_peers()})
-
-    async def remove_peer(request: Request) -> Response:
-        await node.remove_peer(request.path_params["name"])
-        return JSONResponse({"removed": request.path_params["name"]})
-
-    async def sync_peer(request: Request) -> Response:
-        return JSONResponse(await node.sync_peer(request.path_params["name"]))
-
-    async def signers(request: Request) -> Response:
-        if request.method == "POST":
-            body = await read_json(request, 64 * 1024, node.settings.body_timeout_s)
-            return JSONResponse(await node.add_signer(*_signer_body(body)))
-        return JSONResponse({"signers": node.signers()})
-
-    async def block(request: Request) -> Response:
-        return JSONResponse(await node.set_signer_status(request.path_params["uid"], "blocked"))
-
-    async def unblock(request: Request) -> Response:
-        return JSONResponse(await node.set_signer_status(request.path_params["uid"], "active"))
-
-    async def events(request: Request) -> Response:
-        q = request.query_params
-        cursor = request.headers.get("last-event-id") or q.get("since")
-        where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
-        stream = node.subscribe(cursor, _flag(q, "snapshot"), where)
-        return EventSourceResponse(
-            sessions.while_signed_in(stream, request.scope),
-            ping=0,
-            sep=sse.SEP,
-            headers={"Cache-Control": "no-cache"},
-        )
-
-    async def metrics(request: Request) -> Response:
-        return Response(await node.metrics_text(), media_type=CONTENT_TYPE)
-
-    async def files(request: Request) -> Response:
-        q = request.query_params
-        if _flag(q, "missing"):
-            if "prefix" in q:  # the records listed have no path to filter on
-                raise InvalidRequest("prefix filters paths; missing=1 lists records without one")
-            return JSONResponse(await node.missing_files(q.get("after"), _limit(request)))
-        return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
-
-    async def list_plugins(request: Request) -> Response:
-        return JSONResponse(await node.plugins())
-
-    async def retry_plugin(request: Request) -> Response:
-        return JSONResponse(await node.retry_plugin(request.path_params["name"]))
-
-    async def health(request: Request) -> Response:
-        return JSONResponse(node.health())
-
-    spec = openapi_document(node.settings.root_path)
     sessions = ui.Sessions(node)
-
-    async def openapi(request: Request) -> Response:
-        return Response(spec, media_type="application/json")
 
     async def on_metanode_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, MetanodeError)
@@ -768,26 +679,11 @@ def create_app(node: Node) -> Starlette:
     get_meta = Route("/api/meta/{cid}", GetMeta(node), methods=["GET"])
     routes = [
         get_meta,
-        Route("/api/meta/{cid}/claims", meta_claims),
-        Route("/api/metadata/{rid}", metadata),
-        Route("/api/metadata/{rid}/claims", metadata_claims),
-        Route("/api/hash-ids", hash_ids),
         post_claims,
-        Route("/api/claims/log", claims_log),
-        Route("/api/claims/reconcile", reconcile, methods=["POST"]),
-        Route("/api/peers", list_peers, methods=["GET", "POST"]),
-        Route("/api/peers/{name}", remove_peer, methods=["DELETE"]),
-        Route("/api/peers/{name}/sync", sync_peer, methods=["POST"]),
-        Route("/api/signers", signers, methods=["GET", "POST"]),
-        Route("/api/signers/{uid}/block", block, methods=["POST"]),
-        Route("/api/signers/{uid}/unblock", unblock, methods=["POST"]),
-        Route("/api/events", events),
-        Route("/api/files", files),
-        Route("/api/plugins", list_plugins),
-        Route("/api/plugins/{name}/retry", retry_plugin, methods=["POST"]),
-        Route("/health", health),
-        Route("/metrics", metrics),
-        Route("/openapi.json", openapi),
+        *_record_routes(node, sessions),
+        *_peer_routes(node),
+        *_signer_routes(node),
+        *_node_routes(node),
         *compat.routes(node),  # the MetaMesh routes (docs/compat.md)
         *ui.routes(node, sessions),  # the web page (docs/ui.md)
     ]
@@ -803,3 +699,141 @@ def create_app(node: Node) -> Starlette:
     app.router.redirect_slashes = False
     app.state.root_path = node.settings.root_path  # what every URL the pages write starts with
     return app
+
+
+def _record_routes(node: Node, sessions: ui.Sessions) -> list[Route]:
+    """The reads of records, claims and files, and the change feed (`/api/events`). The
+    busiest read and write (`GetMeta`, `PostClaims`) are `create_app`'s own: `Edge` calls them
+    past the router."""
+
+    async def meta_claims(request: Request) -> Response:
+        q = request.query_params
+        cid = request.path_params["cid"]
+        return JSONResponse(node.meta_claims(cid, q.get("key"), q.get("uid")))
+
+    async def metadata(request: Request) -> Response:
+        return JSONResponse(node.metadata(request.path_params["rid"]))
+
+    async def metadata_claims(request: Request) -> Response:
+        q = request.query_params
+        return JSONResponse(
+            node.metadata_claims(request.path_params["rid"], q.get("key"), q.get("uid"))
+        )
+
+    async def hash_ids(request: Request) -> Response:
+        return JSONResponse(node.hash_ids(request.query_params.get("after"), _limit(request)))
+
+    async def events(request: Request) -> Response:
+        q = request.query_params
+        cursor = request.headers.get("last-event-id") or q.get("since")
+        where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
+        stream = node.subscribe(cursor, _flag(q, "snapshot"), where)
+        return EventSourceResponse(
+            sessions.while_signed_in(stream, request.scope),
+            ping=0,
+            sep=sse.SEP,
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def files(request: Request) -> Response:
+        q = request.query_params
+        if _flag(q, "missing"):
+            if "prefix" in q:  # the records listed have no path to filter on
+                raise InvalidRequest("prefix filters paths; missing=1 lists records without one")
+            return JSONResponse(await node.missing_files(q.get("after"), _limit(request)))
+        return JSONResponse(node.files(q.get("prefix", ""), q.get("after"), _limit(request)))
+
+    return [
+        Route("/api/meta/{cid}/claims", meta_claims),
+        Route("/api/metadata/{rid}", metadata),
+        Route("/api/metadata/{rid}/claims", metadata_claims),
+        Route("/api/hash-ids", hash_ids),
+        Route("/api/events", events),
+        Route("/api/files", files),
+    ]
+
+
+def _peer_routes(node: Node) -> list[Route]:
+    """The claim log and reconciliation peers read (docs/peers.md), and the peers this box
+    follows."""
+
+    async def claims_log(request: Request) -> Response:
+        q = request.query_params
+        page = node.claims_log(q.get("after"), _limit(request), q.get("signer"))
+        return JSONResponse(page, headers={peers.SELF_HEADER: node.instance})
+
+    async def reconcile(request: Request) -> Response:
+        body = await read_json(request, RECONCILE_BYTES, node.settings.body_timeout_s)
+        answer = await node.reconcile_answer(body)
+        return JSONResponse(answer, headers={peers.SELF_HEADER: node.instance})
+
+    async def list_peers(request: Request) -> Response:
+        if request.method == "POST":
+            body = await read_json(request, 64 * 1024, node.settings.body_timeout_s)
+            return JSONResponse(await node.add_peer(*_peer_body(body)))
+        return JSONResponse({"peers": node.list_peers()})
+
+    async def remove_peer(request: Request) -> Response:
+        await node.remove_peer(request.path_params["name"])
+        return JSONResponse({"removed": request.path_params["name"]})
+
+    async def sync_peer(request: Request) -> Response:
+        return JSONResponse(await node.sync_peer(request.path_params["name"]))
+
+    return [
+        Route("/api/claims/log", claims_log),
+        Route("/api/claims/reconcile", reconcile, methods=["POST"]),
+        Route("/api/peers", list_peers, methods=["GET", "POST"]),
+        Route("/api/peers/{name}", remove_peer, methods=["DELETE"]),
+        Route("/api/peers/{name}/sync", sync_peer, methods=["POST"]),
+    ]
+
+
+def _signer_routes(node: Node) -> list[Route]:
+    """The signer registry: list, add or change, block, unblock."""
+
+    async def signers(request: Request) -> Response:
+        if request.method == "POST":
+            body = await read_json(request, 64 * 1024, node.settings.body_timeout_s)
+            return JSONResponse(await node.add_signer(*_signer_body(body)))
+        return JSONResponse({"signers": node.signers()})
+
+    async def block(request: Request) -> Response:
+        return JSONResponse(await node.set_signer_status(request.path_params["uid"], "blocked"))
+
+    async def unblock(request: Request) -> Response:
+        return JSONResponse(await node.set_signer_status(request.path_params["uid"], "active"))
+
+    return [
+        Route("/api/signers", signers, methods=["GET", "POST"]),
+        Route("/api/signers/{uid}/block", block, methods=["POST"]),
+        Route("/api/signers/{uid}/unblock", unblock, methods=["POST"]),
+    ]
+
+
+def _node_routes(node: Node) -> list[Route]:
+    """The node's own state: plugins, health, metrics and the OpenAPI document."""
+    spec = openapi_document(node.settings.root_path)
+
+    async def list_plugins(request: Request) -> Response:
+        return JSONResponse(await node.plugins())
+
+    async def retry_plugin(request: Request) -> Response:
+        return JSONResponse(await node.retry_plugin(request.path_params["name"]))
+
+    async def health(request: Request) -> Response:
+        return JSONResponse(node.health())
+
+    async def metrics(request: Request) -> Response:
+        return Response(await node.metrics_text(), media_type=CONTENT_TYPE)
+
+    async def openapi(request: Request) -> Response:
+        return Response(spec, media_type="application/json")
+
+    return [
+        Route("/api/plugins", list_plugins),
+        Route("/api/plugins/{name}/retry", retry_plugin, methods=["POST"]),
+        Route("/health", health),
+        Route("/metrics", metrics),
+        Route("/openapi.json", openapi),
+    ]

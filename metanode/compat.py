@@ -851,18 +851,30 @@ def internal_host(settings: Settings) -> str:
 
 def routes(node: Node) -> list[BaseRoute]:
     """The MetaMesh routes of one node (the token, or a trusted network: docs/compat.md)."""
-    writer = LegacyWriter(node)
     roots = Roots.served(node.settings)
-    hashing = asyncio.Semaphore(HASHING)  # `POST /file/cid`'s whole-file reads
-    files_path = node.settings.metamesh_files_path.rstrip("/")
     root = node.settings.root_path  # what the URLs this node gives start with
+    return [
+        *_record_routes(node, roots),
+        *_stream_routes(node),
+        *_file_routes(node, roots),
+        *_directory_routes(node),
+        Route(webdav.MOUNT, to_webdav_root(root), methods=webdav.METHODS),
+        Mount(webdav.MOUNT, app=webdav.App(node.settings)),  # WebDAV, outside the OpenAPI doc
+    ]
 
-    def mounted(path: str) -> str:
-        """A record's `filePath` as the consumers hold it: their files folder, then the WebDAV
-        path (the file events' `path`). meta-sort writes `/files/<event path>` and takes any
-        other stored value for a second file of the same midhash (a collision: the file left
-        out of its view); meta-fuse and meta-stremio strip the folder again to reach WebDAV."""
-        return f"{files_path}/{roots.relative(path)}"
+
+def mounted(settings: Settings, roots: Roots, path: str) -> str:
+    """A record's `filePath` as the consumers hold it: their files folder, then the WebDAV
+    path (the file events' `path`). meta-sort writes `/files/<event path>` and takes any
+    other stored value for a second file of the same midhash (a collision: the file left
+    out of its view); meta-fuse and meta-stremio strip the folder again to reach WebDAV."""
+    return f"{settings.metamesh_files_path.rstrip('/')}/{roots.relative(path)}"
+
+
+def _record_routes(node: Node, roots: Roots) -> list[BaseRoute]:
+    """`/meta…`: a record's values as MetaMesh reads them, and its writes as the legacy
+    writer's claims (`LegacyWriter`)."""
+    writer = LegacyWriter(node)
 
     async def list_meta(request: Request) -> Response:
         node.require_ready()
@@ -898,7 +910,7 @@ def routes(node: Node) -> list[BaseRoute]:
         if not record:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
         if "filePath" in record:
-            record = {**record, "filePath": mounted(record["filePath"])}
+            record = {**record, "filePath": mounted(node.settings, roots, record["filePath"])}
         view = metamesh_view(record)
         return JSONResponse({"hashId": rid, "metadata": dict(sorted(view.items()))})
 
@@ -921,7 +933,7 @@ def routes(node: Node) -> list[BaseRoute]:
         stored = metamesh_value(node, rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
-        value = mounted(stored) if key == "filePath" else stored
+        value = mounted(node.settings, roots, stored) if key == "filePath" else stored
         return PlainTextResponse(value, headers=webdav.INERT)  # a value, never a page
 
     async def add_to_set(request: Request) -> Response:
@@ -938,6 +950,17 @@ def routes(node: Node) -> list[BaseRoute]:
             status_code=done.status,
         )
 
+    return [
+        Route("/meta", list_meta),
+        Route("/meta/{hash}", meta_record, methods=["GET", "PATCH", "DELETE"]),
+        Route("/meta/{hash}/_add/{key:path}", add_to_set, methods=["POST"]),
+        Route("/meta/{hash}/{key:path}", meta_property, methods=["GET", "PUT", "DELETE"]),
+    ]
+
+
+def _stream_routes(node: Node) -> list[BaseRoute]:
+    """The meta and files change streams, framed MetaMesh's way (`MetaFollow`, `FilesFollow`)."""
+
     def follow(request: Request, kind: type[_Follow[Any]]) -> Response:
         node.require_ready()
         cursor = sse.parse_cursor(
@@ -953,6 +976,17 @@ def routes(node: Node) -> list[BaseRoute]:
 
     async def events_files(request: Request) -> Response:
         return follow(request, FilesFollow)
+
+    return [
+        Route("/api/events/meta", events_meta),
+        Route("/api/events/files", events_files),
+    ]
+
+
+def _file_routes(node: Node, roots: Roots) -> list[BaseRoute]:
+    """A CID's local file: whether it is here, its bytes, and a path's sha2-256 CID."""
+    hashing = asyncio.Semaphore(HASHING)  # `POST /file/cid`'s whole-file reads
+    files_path = node.settings.metamesh_files_path.rstrip("/")
 
     async def file_info(request: Request) -> Response:
         try:
@@ -1004,6 +1038,17 @@ def routes(node: Node) -> list[BaseRoute]:
             raise NotFoundError(f"cannot read {shown(path)}: {exc.strerror}") from None
         return JSONResponse({"cid": cid, "path": path, "size": size})
 
+    return [
+        Route("/api/file/{cid}/info", file_info),
+        Route("/file/cid", file_cid, methods=["POST"]),
+        Route("/file/{cid}", file_bytes),
+    ]
+
+
+def _directory_routes(node: Node) -> list[BaseRoute]:
+    """Where this node answers (`/urls`) and the services registered beside it."""
+    root = node.settings.root_path  # what the URLs this node gives start with
+
     async def urls(request: Request) -> Response:
         """Where this node answers. `webdavUrl`: the WebDAV root by the URL this request
         reached (what a client on the box's network uses); `webdavUrlInternal`: by the node's
@@ -1045,18 +1090,7 @@ def routes(node: Node) -> list[BaseRoute]:
         return JSONResponse({"services": listed, "count": len(listed), **asked})
 
     return [
-        Route("/meta", list_meta),
-        Route("/meta/{hash}", meta_record, methods=["GET", "PATCH", "DELETE"]),
-        Route("/meta/{hash}/_add/{key:path}", add_to_set, methods=["POST"]),
-        Route("/meta/{hash}/{key:path}", meta_property, methods=["GET", "PUT", "DELETE"]),
-        Route("/api/events/meta", events_meta),
-        Route("/api/events/files", events_files),
-        Route("/api/file/{cid}/info", file_info),
-        Route("/file/cid", file_cid, methods=["POST"]),
-        Route("/file/{cid}", file_bytes),
         Route("/urls", urls),
         Route("/api/services", services),
         Route("/services", services),  # meta-core's older path: meta-stremio's navigation
-        Route(webdav.MOUNT, to_webdav_root(root), methods=webdav.METHODS),
-        Mount(webdav.MOUNT, app=webdav.App(node.settings)),  # WebDAV, outside the OpenAPI doc
     ]

@@ -28,6 +28,7 @@ from metanode import (
     datadir,
     feed,
     handoff,
+    ignores,
     logs,
     maintenance,
     merge,
@@ -79,7 +80,7 @@ LEGACY_NAME = "legacy-writer"  # signs MetaMesh `/meta` writes (compat.py)
 # (the verifier's, then the writer's). A larger batch is validated on the verifier's threads
 # or processes, in parallel and before its group, so the writer does not validate it alone.
 WRITER_VALIDATES = 8
-# The names /health lists of those the watcher left out as not UTF-8 (`watcher.is_text`),
+# The names /health lists of those the watcher left out as not UTF-8 (`ignores.is_text`),
 # beside their count: a library copied from a Latin-1 share may hold thousands.
 NOT_UTF8_SHOWN = 20
 
@@ -268,7 +269,7 @@ class Node:
         s = self.settings
         return watcher.Watcher(
             roots,
-            watcher.Rules(s.watch_ignore, s.watch_follow_symlinks, s.watch_min_size),
+            ignores.Rules(s.watch_ignore, s.watch_follow_symlinks, s.watch_min_size),
             s.watch_settle_s,
             s.watch_rescan_s,
             s.watch_hash_workers,
@@ -1109,7 +1110,7 @@ class Node:
 
     def not_utf8(self) -> dict[str, Any]:
         """The names the watcher's last full reconciliation left out as not UTF-8
-        (`watcher.is_text`): how many, and the first `NOT_UTF8_SHOWN`, for /health and the
+        (`ignores.is_text`): how many, and the first `NOT_UTF8_SHOWN`, for /health and the
         Files page."""
         names = self.watcher.not_text if self.watcher is not None else []
         return {"count": len(names), "paths": names[:NOT_UTF8_SHOWN]}

@@ -138,7 +138,6 @@ class Follower:
         self.first_sync = first_sync
         self.last_error = ""
         self.last_rejected = ""  # why the last page with refused claims refused its first one
-        self.is_self = False  # its peer's answers were this box's own: it stopped
         self.instance = ""  # the instance id its peer last answered with ("": none yet)
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
@@ -151,7 +150,6 @@ class Follower:
             headers={"Authorization": f"Bearer {row.token}"},
             timeout=config.timeout_s,
         )
-        self._wake = asyncio.Event()
         self.tried = asyncio.Event()  # the first pull (or reconciliation) answered or failed
         self.task: asyncio.Task[None] | None = None
 
@@ -194,7 +192,6 @@ class Follower:
             except UnknownPeer:
                 return  # removed meanwhile
             except PeerIsSelf as exc:  # nothing to follow: retried, it was for ever
-                self.is_self = True
                 self._failed(exc)
                 return
             except PeerCannotReconcile as exc:  # not a failure: the log does the same work
@@ -222,12 +219,12 @@ class Follower:
             self.tried.set()
             delay = self.config.retry_s
             if not more:
-                await self._pause(self.config.poll_s)
+                await asyncio.sleep(self.config.poll_s)
 
     async def _back_off(self, exc: MetanodeError, delay: float) -> float:
-        """Say the failure, wait `delay` (or until poked), and give the next, longer delay."""
+        """Say the failure, wait `delay`, and give the next, longer delay."""
         self._failed(exc)
-        await self._pause(delay)
+        await asyncio.sleep(delay)
         return min(delay * 2, self.config.max_backoff_s)
 
     def _failed(self, exc: MetanodeError) -> None:
@@ -239,15 +236,6 @@ class Follower:
         self.last_error = said
         self.behind_since = self.behind_since or time.monotonic()
         self.tried.set()
-
-    async def _pause(self, seconds: float) -> None:
-        """Sleep `seconds`, or less if `poke` is called (a sync, a changed peer)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), seconds)
-        self._wake.clear()
-
-    def poke(self) -> None:
-        self._wake.set()
 
     async def _call(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
         """(the peer's JSON answer, bytes sent, bytes received); `PeerFailed` for no answer

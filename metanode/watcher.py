@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import ctypes
 import errno
-import fnmatch
 import json
 import logging
 import os
@@ -29,78 +28,26 @@ import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import lru_cache
 from pathlib import Path
 
 import watchfiles
 
 from metanode import cid as cids
 from metanode import datadir, logs
-from metanode.claims import utf8_size
 from metanode.errors import MidhashError, StorageError
+from metanode.ignores import Rules, Stat, is_text
 from metanode.merge import LocalFile
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IGNORED = ("*.part", "*.tmp", "*.crdownload", "*.!qb")
 BATCH = 256
 TICK_S = 0.25
 PROGRESS_LOG_S = 30.0  # how often a long reconciliation says how far it is in the log
 
-Stat = tuple[int, int]  # (size, mtime_ns)
 EnsureGroups = Callable[[Sequence[str]], Awaitable[None]]
 ApplyLocal = Callable[[Sequence[LocalFile], Sequence[str]], Awaitable[None]]
 KnownStats = Callable[[Sequence[str]], dict[str, Stat]]  # the rows at or below these paths
-
-
-@dataclass(frozen=True)
-class Rules:
-    """Which paths the watcher ignores, and whether it follows symlinks.
-
-    A path is ignored when any of its components (below the watch root) is a dot-name or matches
-    a name glob (case-insensitively): so a file inside an ignored folder is ignored however it
-    arrives, by a walk or by inotify. Globs with a `/` match the path relative to the root.
-    Names that are not valid UTF-8 are ignored too (with a warning): the database stores text.
-    Files smaller than `min_size` bytes are not content (every empty file has one midhash): a
-    walk skips them and a file that shrinks below it counts as gone.
-    """
-
-    globs: tuple[str, ...] = ()
-    follow_symlinks: bool = False
-    min_size: int = 1
-
-    def kept(self, current: Stat | None) -> Stat | None:
-        """The stat of a file worth a record: None for nothing there or too small a file."""
-        return current if current is not None and current[0] >= self.min_size else None
-
-    @cached_property
-    def _name_match(self) -> Callable[[str], re.Match[str] | None]:
-        names = [g for g in DEFAULT_IGNORED + self.globs if "/" not in g]
-        return re.compile("|".join(fnmatch.translate(g) for g in names), re.IGNORECASE).match
-
-    @cached_property
-    def _path_globs(self) -> tuple[str, ...]:
-        return tuple(g for g in self.globs if "/" in g)
-
-    def ignored_name(self, name: str) -> bool:
-        """One path component: dot-name or a name glob."""
-        return name.startswith(".") or self._name_match(name) is not None
-
-    def ignored(self, root: str, path: str) -> bool:
-        """Whether `path` is ignored: the root itself never is, a path outside it always is."""
-        if path == root:
-            return False
-        prefix = root.rstrip("/") + "/"
-        if not path.startswith(prefix):
-            return True
-        relative = path[len(prefix) :]
-        parts = relative.split("/")
-        if any(self.ignored_name(part) for part in parts):
-            return True
-        if not all(map(is_text, parts)):
-            left_out(path)
-            return True
-        return any(fnmatch.fnmatchcase(relative, g) for g in self._path_globs)
 
 
 # A folder made deep enough (by relative paths, as a copy of a deep tree does) holds paths
@@ -115,13 +62,6 @@ TOO_LONG = (
 def abridged(path: str, ends: int = 100) -> str:
     """`path`'s first and last `ends` characters: enough of a path of 4,000 bytes to find it."""
     return path if len(path) <= 2 * ends else f"{path[:ends]}…{path[-ends:]}"
-
-
-def is_text(name: str) -> bool:
-    """Whether a name (decoded from the disk's bytes) is text: valid UTF-8, the common case of
-    ASCII at once. One that is not (a Latin-1 `caf\\xe9.mkv` from an old share) carries lone
-    surrogates that UTF-8, SQLite and JSON cannot hold: records, feeds and WebDAV carry text."""
-    return name.isascii() or utf8_size(name) is not None
 
 
 def shown_path(path: str) -> str:
@@ -166,7 +106,7 @@ def walk(
     itself, say).
     """
     first = start or root
-    if start is not None and rules.ignored(root, start):
+    if start is not None and rules.ignored(root, start, left_out):
         return
     try:
         top = os.stat(first)
@@ -174,7 +114,7 @@ def walk(
         return
     seen: set[tuple[int, int]] = {(top.st_dev, top.st_ino)}
     stack = [first]
-    check_paths = bool(rules._path_globs)
+    check_paths = bool(rules.path_globs)
     while stack:
         folder = stack.pop()
         try:
@@ -596,7 +536,7 @@ class Watcher:
 
     def _keep(self, change: watchfiles.Change, path: str) -> bool:
         root = self._root_of(path)
-        return root is not None and not self.rules.ignored(root, path)
+        return root is not None and not self.rules.ignored(root, path, left_out)
 
     async def _on_changes(self, changes: set[tuple[watchfiles.Change, str]]) -> None:
         """Route a batch of inotify events: gone → removed now; present → settle or scan.

@@ -65,8 +65,8 @@ from metanode.errors import (
     RequestError,
     shown,
 )
+from metanode.ignores import Rules
 from metanode.ranges import Unserved, byte_ranges
-from metanode.watcher import Rules
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
 PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name

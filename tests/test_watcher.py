@@ -28,9 +28,10 @@ from hypothesis import strategies as st
 from metanode import cache, watcher
 from metanode import cid as cids
 from metanode.errors import MidhashError
+from metanode.ignores import Rules, Stat
 from metanode.merge import LocalFile
 from metanode.node import Node
-from metanode.watcher import Rules, Stat, Watcher, hash_settled, plan, stat_of, walk
+from metanode.watcher import Watcher, hash_settled, plan, stat_of, walk
 from tests.helpers.sqlsteps import vm_steps
 
 Change = watchfiles.Change
@@ -109,6 +110,17 @@ def test_configured_globs_match_names_case_insensitively_and_relative_paths() ->
     assert not rules.ignored(ROOT, f"{ROOT}/sub/extras.mkv")
     # the defaults still apply alongside configured globs
     assert rules.ignored(ROOT, f"{ROOT}/movie.tmp")
+
+
+def test_a_name_that_is_not_text_is_ignored_and_handed_to_the_caller_to_say() -> None:
+    """`ignores` is pure: it logs nothing, and hands the watcher (on an inotify event) the path
+    it leaves out for a name not UTF-8, so the log says it; a name ignored anyway is not."""
+    said: list[str] = []
+    latin1 = f"{ROOT}/caf\udce9/movie.mkv"
+    assert Rules().ignored(ROOT, latin1, said.append)
+    assert Rules().ignored(ROOT, f"{ROOT}/.caf\udce9.mkv", said.append)  # a dot-name first
+    assert Rules().ignored(ROOT, latin1)  # nobody told, still ignored (WebDAV)
+    assert said == [latin1]
 
 
 @pytest.mark.parametrize(
