@@ -30,7 +30,7 @@ from starlette.routing import BaseRoute, Mount, Route
 
 import metanode
 from metanode import cid as cids
-from metanode import errors, webdav
+from metanode import errors, maintenance, webdav
 from metanode import rid as rids
 from metanode.api import Access, access_of, create_app
 from metanode.node import Node
@@ -532,6 +532,89 @@ async def test_error_envelopes_conform(node: Node, client: httpx.AsyncClient) ->
 
 
 SOME_CID = "bagacbabaea6gwjljwuu3cyxlrwwxgnmlfwd2gfshoi6mrtxysc4mnahe2hsqu"
+
+
+# -- what the edge answers before any route (api.Edge): documented on every operation ----------
+
+OPERATIONS = sorted(
+    (method.upper(), path) for path, item in OPENAPI["paths"].items() for method in item
+)
+STREAMS = {  # the endless text/event-stream answers
+    path
+    for path, item in OPENAPI["paths"].items()
+    if "text/event-stream"
+    in item.get("get", {}).get("responses", {}).get("200", {}).get("content", ())
+}
+
+
+def slugs(response: dict[str, Any]) -> list[str]:
+    """The error slugs an error answer of the document allows (its `$ref` followed)."""
+    if "$ref" in response:
+        response = OPENAPI["components"]["responses"][response["$ref"].rsplit("/", 1)[1]]
+    schema = response["content"]["application/json"]["schema"]
+    return list(schema["allOf"][1]["properties"]["error"]["enum"])
+
+
+def family(path: str) -> Access:
+    """The perimeter's family of a documented path (its parameters filled in)."""
+    return access_of(re.sub(r"\{\w+\}", "x", path))
+
+
+def example_path(path: str) -> str:
+    """`path` with each parameter given a value of its kind, so the route itself is reached."""
+    values = {"cid": SOME_CID, "hash": SOME_CID, "key": "title", "name": "nobody"}
+    values |= {"rid": "01M8QES7K2E25SPMXXY50YCFYW", "uid": Signer().uid}
+    return re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], path)
+
+
+@pytest.mark.parametrize(("method", "path"), OPERATIONS)
+def test_every_operation_documents_the_edges_own_refusals(method: str, path: str) -> None:
+    """A client generated from the document meets these on any route: a path or query that is
+    not UTF-8 (400 invalid_request), a peer token where the API token is needed (403
+    peer_token_scope), a browser's script load of a MetaMesh route (403 forbidden)."""
+    responses = OPENAPI["paths"][path][method.lower()]["responses"]
+    assert "invalid_request" in slugs(responses["400"])
+    if family(path) in (Access.TOKEN, Access.TRUSTED):
+        assert "peer_token_scope" in slugs(responses["403"])
+    if family(path) is Access.TRUSTED:
+        assert "forbidden" in slugs(responses["403"])
+
+
+async def test_the_edges_own_refusals_conform(node: Node, client: httpx.AsyncClient) -> None:
+    peer = maintenance.create_peer_token(node.settings, "schema peer")
+    for method, path in OPERATIONS:
+        url = example_path(path)
+        error_of(await client.request(method, f"{url}?q=%FF"), 400, "invalid_request")
+        if family(path) is Access.TOKEN:
+            scoped = await client.request(method, url, headers={"Authorization": f"Bearer {peer}"})
+            error_of(scoped, 403, "peer_token_scope")
+        if family(path) is Access.TRUSTED:
+            script = await client.request(method, url, headers={"Sec-Fetch-Dest": "script"})
+            error_of(script, 403, "forbidden")
+
+
+async def test_every_read_while_the_cache_is_first_built_is_documented(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """Every status a read answers while the cache is first built is one its operation
+    documents (`GET /api/files?missing=1` answered an undocumented 503), and a 503 says when to
+    retry. The endless streams are left out (their 503 is checked above)."""
+    node.applier.ready = False
+    try:
+        for method, path in OPERATIONS:
+            if method != "GET" or path in STREAMS:
+                continue
+            for params in ({}, {"missing": "1"}) if path == "/api/files" else ({},):
+                response = await client.get(example_path(path), params=params)
+                found = documented("GET", response.request.url.path, response.status_code)
+                assert found is not None, path
+                if response.status_code == 503:
+                    error_of(response, 503, "cache_not_ready")
+                    assert response.headers["retry-after"] == "1"
+    finally:
+        node.applier.ready = True
+
+
 # Bugs found while fuzzing and probing (issue #7): bad input that answers 500 instead of an
 # error envelope; each of these once was one.
 NEVER_500 = [
@@ -758,6 +841,28 @@ def test_feed_events_conform(server: Server) -> None:
 
 def compat(name: str) -> str:
     return f"compat.schema.json#/$defs/{name}"
+
+
+async def test_a_compat_write_the_clock_cannot_date_conforms(tmp_path: Path) -> None:
+    """A MetaMesh write on a box whose clock reads before 2000 (never set) is 503 clock_behind
+    with `valid_from` (docs/api.md): once an envelope the schemas did not allow."""
+    reading = [NOW_MS]
+    node = Node(settings_for(tmp_path / "data"), clock=lambda: reading[0])
+    await node.start()
+    try:
+        await node.ensure_groups([SOME_CID])
+        reading[0] = 13_000  # 1970-01-01T00:00:13Z: a box without a real-time clock
+        transport = httpx.ASGITransport(app=create_app(node))
+        async with httpx.AsyncClient(transport=transport, base_url="http://node") as c:
+            for response in (
+                await c.patch(f"/meta/{SOME_CID}", json={"title": "x"}),
+                await c.put(f"/meta/{SOME_CID}/title", content=b"x"),
+            ):
+                refused = error_of(response, 503, "clock_behind")
+                assert refused["valid_from"] == 946_684_800_000, refused
+                assert response.headers["retry-after"] == "60"
+    finally:
+        await node.stop()
 
 
 async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient, tmp_path: Path) -> None:
