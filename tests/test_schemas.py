@@ -22,9 +22,6 @@ import httpx
 import pytest
 import schemathesis
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
-from referencing import Registry, Resource
-from referencing.jsonschema import DRAFT202012
 from schemathesis.core.result import Err
 from starlette.routing import BaseRoute, Mount, Route
 
@@ -35,48 +32,24 @@ from metanode import rid as rids
 from metanode.api import Access, access_of, create_app
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, register, without_owner
+from tests.helpers.contract import (
+    BASE,
+    FILES,
+    OPENAPI,
+    OPENAPI_FILE,
+    OPENAPI_URI,
+    REGISTRY,
+    SCHEMAS,
+    check,
+    file_schema,
+)
 from tests.helpers.server import Server
 from tests.helpers.settings import settings_for
 from tests.helpers.vectors import load_vectors
 from tools import openapi_sync
 
 ROOT = Path(__file__).parents[1]
-SCHEMAS = ROOT / "schemas"
-OPENAPI_FILE = SCHEMAS / "openapi.json"
-BASE = "https://metanode.invalid/schemas/"
-OPENAPI_URI = "urn:metanode:openapi"
-FILES = sorted(path.name for path in SCHEMAS.glob("*.schema.json"))
-OPENAPI: dict[str, Any] = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
 WAIT_S = 30.0
-
-
-def _registry() -> Registry[Any]:
-    resources = [
-        (BASE + name, DRAFT202012.create_resource(openapi_sync.load(SCHEMAS / name)))
-        for name in FILES
-    ]
-    # The OpenAPI document itself, so a pointer into it resolves its #/components/... refs.
-    resources.append(
-        (OPENAPI_URI, Resource.from_contents(OPENAPI, default_specification=DRAFT202012))
-    )
-    return Registry().with_resources(resources)
-
-
-REGISTRY = _registry()
-
-
-def check(ref: str, instance: Any) -> None:
-    """Validate `instance` against the schema at `ref` (a URI, `#/pointer` allowed)."""
-    validator = Draft202012Validator({"$ref": ref}, registry=REGISTRY)
-    error = best_match(validator.iter_errors(instance))
-    assert error is None, (
-        f"{ref}: {error.message} at {list(error.absolute_path)} "
-        f"(schema path {list(error.absolute_schema_path)})\n{instance!r}"
-    )
-
-
-def file_schema(name: str, pointer: str = "") -> str:
-    return f"{BASE}{name}#{pointer}" if pointer else BASE + name
 
 
 # -- the OpenAPI document's view of one real answer -------------------------------------------
