@@ -400,11 +400,16 @@ class Edge:
     def _refused(self, scope: Scope, refusal: MetanodeError) -> ASGIApp:
         """The answer to a refused request: the envelope, but the sign-in page (401) for a
         browser that asks for a page (a mistyped address, /metrics) without a session: signed
-        in, it goes on there, and finds what is there or the 404 page."""
-        if isinstance(refusal, Unauthorized) and access_of(scope["path"]) is Access.TOKEN:
+        in, it goes on there, and finds what is there or the 404 page. The peer routes say which
+        box refused (`peers.SELF_HEADER`), as their answers do: `peers add` of this box's own
+        address with a token it does not take was kept, and polled itself for ever."""
+        access = access_of(scope["path"])
+        if isinstance(refusal, Unauthorized) and access is Access.TOKEN:
             request = Request(scope)
             if ui.wants_page(request):
                 return ui.sign_in_page(request, ui.asked(request), refusal.status)
+        if access is Access.PEER:
+            return error_response(refusal, {peers.SELF_HEADER: self.node.instance})
         return error_response(refusal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -27,7 +27,7 @@ from starlette.routing import BaseRoute, Mount, Route
 
 import metanode
 from metanode import cid as cids
-from metanode import errors, maintenance, webdav
+from metanode import errors, maintenance, peers, webdav
 from metanode import rid as rids
 from metanode.api import Access, access_of, create_app
 from metanode.node import Node
@@ -253,6 +253,24 @@ def test_security_is_public_exactly_on_the_public_routes(path: str) -> None:
                     response = OPENAPI["components"]["responses"][response["$ref"].split("/")[-1]]
                 schema = response["content"]["application/json"]["schema"]
                 assert "#/components/schemas/Error" in json.dumps(schema), (method, path, status)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"), [("GET", "/api/claims/log"), ("POST", "/api/claims/reconcile")]
+)
+async def test_the_peer_routes_say_which_box_answered(
+    node: Node, client: httpx.AsyncClient, method: str, path: str
+) -> None:
+    """`X-Metanode-Instance`, as documented, on the answer and on the 401 of a token it does not take: a
+    `peers add` of this box's own address is refused whatever token it was given."""
+    body = {"fetch": []} if method == "POST" else None
+    answered = await client.request(method, path, json=body)
+    found = documented(method, path, answered.status_code)
+    assert found is not None and "X-Metanode-Instance" in found[1]["headers"]
+    refused = await client.request(method, path, json=body, headers={"Authorization": "Bearer x"})
+    error_of(refused, 401, "unauthorized")
+    for response in (answered, refused):
+        assert response.headers[peers.SELF_HEADER] == node.instance
 
 
 async def test_the_served_document_is_the_file(node: Node) -> None:
