@@ -3,8 +3,12 @@
 schemathesis loads the document and generates requests for every operation (the documented
 examples, the coverage phase's boundary values and unexpected methods, then `max_examples` random
 ones, derandomized so a failure reproduces) with the bearer token, and checks that no answer is a
-5xx, that every status is documented for its operation, and that every body matches the
-documented schema.
+5xx, that every status is documented for its operation, that every body matches the
+documented schema and its Content-Type a documented media type, that every header the document
+marks required is sent with a value its schema allows (Retry-After on a 503, the file routes'
+ETag, the peer routes' X-Metanode-Instance), that a 405 names the methods in `Allow`, and that
+a request without a required header is refused. (schemathesis's `ignored_auth` sends requests
+of its own, which an ASGI app cannot take: tests/test_schemas.py checks the security instead.)
 
 The app's lifespan is run by schemathesis's ASGI transport, on its own event loop thread, so the
 node is created here but started by that lifespan. Before it starts, the data directory is seeded
@@ -31,6 +35,10 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.python import asgi
 from schemathesis.specs.openapi.checks import (
+    allow_header_conformance,
+    content_type_conformance,
+    missing_required_header,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -48,7 +56,15 @@ EXCLUDED_PATHS = sorted(
     if "text/event-stream"
     in item.get("get", {}).get("responses", {}).get("200", {}).get("content", {})
 )
-CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    response_schema_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    allow_header_conformance,
+    missing_required_header,
+]
 READY_S = 30.0
 
 
