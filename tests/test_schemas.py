@@ -261,8 +261,8 @@ def test_security_is_public_exactly_on_the_public_routes(path: str) -> None:
 async def test_the_peer_routes_say_which_box_answered(
     node: Node, client: httpx.AsyncClient, method: str, path: str
 ) -> None:
-    """`X-Metanode-Instance`, as documented, on the answer and on the 401 of a token it does not take: a
-    `peers add` of this box's own address is refused whatever token it was given."""
+    """`X-Metanode-Instance`, as documented, on the answer and on the 401 of a token it does
+    not take: a `peers add` of this box's own address is refused whatever token it was given."""
     body = {"fetch": []} if method == "POST" else None
     answered = await client.request(method, path, json=body)
     found = documented(method, path, answered.status_code)
