@@ -250,9 +250,11 @@ class Perimeter:
         why = not_vouched(scope, headers, self.hosts)
         return None if why is None else Unauthorized(f"{why}; {UNAUTHORIZED.message}")
 
-    def refusal(self, scope: Scope, headers: Mapping[bytes, bytes]) -> MetanodeError | None:
-        """Why this request may not use its route, or None."""
-        access = access_of(scope["path"])
+    def refusal(
+        self, scope: Scope, headers: Mapping[bytes, bytes], access: Access | None = None
+    ) -> MetanodeError | None:
+        """Why this request may not use its route (`access`: its family, if known), or None."""
+        access = access_of(scope["path"]) if access is None else access
         if access in (Access.PUBLIC, Access.PAGE):
             return None
         unauthorized = UNAUTHORIZED
@@ -400,11 +402,16 @@ class Edge:
     def _refused(self, scope: Scope, refusal: MetanodeError) -> ASGIApp:
         """The answer to a refused request: the envelope, but the sign-in page (401) for a
         browser that asks for a page (a mistyped address, /metrics) without a session: signed
-        in, it goes on there, and finds what is there or the 404 page."""
-        if isinstance(refusal, Unauthorized) and access_of(scope["path"]) is Access.TOKEN:
+        in, it goes on there, and finds what is there or the 404 page. The peer routes say which
+        box refused (`peers.SELF_HEADER`), as their answers do: `peers add` of this box's own
+        address with a token it does not take was kept, and polled itself for ever."""
+        access = access_of(scope["path"])
+        if isinstance(refusal, Unauthorized) and access is Access.TOKEN:
             request = Request(scope)
             if ui.wants_page(request):
                 return ui.sign_in_page(request, ui.asked(request), refusal.status)
+        if access is Access.PEER:
+            return error_response(refusal, {peers.SELF_HEADER: self.node.instance})
         return error_response(refusal)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -420,23 +427,27 @@ class Edge:
         started = time.perf_counter()
         status = 0  # none sent yet
         origin = b"origin" in headers
+        family = access_of(scope["path"])
+        # A public answer carries `Access-Control-Allow-Origin` only when asked with an
+        # `Origin` (`Cors` says `Vary: Origin` then): without one it says so too, or a shared
+        # cache could give a browser's page the answer without the header, which it refuses.
+        added = [(b"x-request-id", rid.encode("latin-1"))]
+        if family is Access.PUBLIC and not origin:
+            added.append((b"vary", b"Origin"))
 
         async def observed(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [
-                    *message.get("headers", []),
-                    (b"x-request-id", rid.encode("latin-1")),
-                ]
+                message["headers"] = [*message.get("headers", []), *added]
             await send(message)
 
         try:
             if (garbled := not_utf8(scope)) is not None:
                 await error_response(garbled)(scope, receive, observed)
-            elif origin and access_of(scope["path"]) is Access.PUBLIC:
+            elif origin and family is Access.PUBLIC:
                 await self.cors(scope, receive, observed)
-            elif (refusal := self.perimeter.refusal(scope, headers)) is None:
+            elif (refusal := self.perimeter.refusal(scope, headers, family)) is None:
                 app = self.direct.app(scope) or self.app
                 await app(scope, receive, observed)
             else:

@@ -49,7 +49,7 @@ from typing import Any, ClassVar, TypeVar
 
 import nacl.signing
 
-from metanode import cache, claims, db, keys, merge
+from metanode import cache, claims, datadir, db, keys, merge
 from metanode import cid as cids
 from metanode.clock import Clock, now_ms
 from metanode.errors import (
@@ -618,7 +618,13 @@ class InFlight:
                 return
             partial = self._path.with_name(self._path.name + ".partial")
             try:
-                partial.write_text("".join(json.dumps(run) + "\n" for run in noted), "utf-8")
+                # private like the rest of the data directory: written 0644 by the umask, every
+                # command that opened the data directory then warned that it tightened it
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+                with os.fdopen(
+                    os.open(partial, flags, datadir.FILE_MODE), "w", encoding="utf-8"
+                ) as out:
+                    out.write("".join(json.dumps(run) + "\n" for run in noted))
                 os.replace(partial, self._path)
             except OSError as exc:
                 if not self._failed:

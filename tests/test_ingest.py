@@ -285,6 +285,21 @@ async def test_perimeter(client: httpx.AsyncClient, node: Node) -> None:
     assert refused.headers["access-control-allow-methods"] == "GET"
 
 
+async def test_a_public_answer_varies_on_origin_whether_asked_with_one_or_not(
+    client: httpx.AsyncClient,
+) -> None:
+    """The public routes send `Access-Control-Allow-Origin` only to a request with an
+    `Origin`, so every answer of theirs says `Vary: Origin` (a shared cache that kept the answer
+    to a plain GET gave it to a browser's page, which refused it for lacking the header); the
+    token routes send no CORS header and do not vary on it."""
+    for path in (f"/api/meta/{CID_A}", "/health", "/openapi.json"):
+        for asked in ({}, {"Origin": "http://elsewhere"}):
+            response = await client.get(path, headers=asked)
+            assert response.headers.get_list("vary") == ["Origin"], (path, asked)
+            assert ("access-control-allow-origin" in response.headers) == bool(asked)
+    assert "vary" not in (await client.get("/api/signers")).headers
+
+
 async def test_lookup_spellings_and_alias(client: httpx.AsyncClient, alice: Signer) -> None:
     await register(client, alice)
     digest = hashlib.sha256(b"x").digest()

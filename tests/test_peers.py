@@ -745,6 +745,9 @@ def test_peers_add_says_at_once_when_a_peer_cannot_be_followed(
                      "me", *via_b)  # fmt: skip
     assert itself.returncode == 2, itself.stdout  # it was kept, and retried for ever
     assert itself.stderr.startswith(f"error: invalid_request: {b.url} is this box itself")
+    unknown_token = run_cli("peers", "add", b.url, "--token", "not-a-token", "--name", "me", *via_b)
+    assert unknown_token.returncode == 2, unknown_token.stdout  # its 401 says which box it is
+    assert unknown_token.stderr.startswith(f"error: invalid_request: {b.url} is this box itself")
     renamed = run_cli("peers", "add", b.url, "--token", peer_token(b, "me2").strip(), "--name",
                       "a", *via_b)  # fmt: skip
     assert renamed.returncode == 2, renamed.stdout  # a known peer's name: that peer is kept

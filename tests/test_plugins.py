@@ -753,6 +753,7 @@ async def test_a_run_the_process_ended_during_is_charged_its_attempt_at_the_next
     node = await harness.start([slow], plugin_timeout_s=60.0)
     await until(lambda: len(slow.calls) == 1, "slow running")
     flight = node.settings.plugins_running_path
+    assert flight.stat().st_mode & 0o777 == 0o600  # private, as the whole data directory
     left = flight.read_text()  # as a process that died now would leave it
     assert [json.loads(line)[:4] for line in left.splitlines()] == [["slow", "1", midhash, 0]]
     await harness.stop(node)

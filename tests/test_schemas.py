@@ -22,61 +22,34 @@ import httpx
 import pytest
 import schemathesis
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import best_match
-from referencing import Registry, Resource
-from referencing.jsonschema import DRAFT202012
 from schemathesis.core.result import Err
 from starlette.routing import BaseRoute, Mount, Route
 
 import metanode
 from metanode import cid as cids
-from metanode import errors, webdav
+from metanode import errors, maintenance, peers, webdav
 from metanode import rid as rids
 from metanode.api import Access, access_of, create_app
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, register, without_owner
+from tests.helpers.contract import (
+    BASE,
+    FILES,
+    OPENAPI,
+    OPENAPI_FILE,
+    OPENAPI_URI,
+    REGISTRY,
+    SCHEMAS,
+    check,
+    file_schema,
+)
 from tests.helpers.server import Server
 from tests.helpers.settings import settings_for
 from tests.helpers.vectors import load_vectors
 from tools import openapi_sync
 
 ROOT = Path(__file__).parents[1]
-SCHEMAS = ROOT / "schemas"
-OPENAPI_FILE = SCHEMAS / "openapi.json"
-BASE = "https://metanode.invalid/schemas/"
-OPENAPI_URI = "urn:metanode:openapi"
-FILES = sorted(path.name for path in SCHEMAS.glob("*.schema.json"))
-OPENAPI: dict[str, Any] = json.loads(OPENAPI_FILE.read_text(encoding="utf-8"))
 WAIT_S = 30.0
-
-
-def _registry() -> Registry[Any]:
-    resources = [
-        (BASE + name, DRAFT202012.create_resource(openapi_sync.load(SCHEMAS / name)))
-        for name in FILES
-    ]
-    # The OpenAPI document itself, so a pointer into it resolves its #/components/... refs.
-    resources.append(
-        (OPENAPI_URI, Resource.from_contents(OPENAPI, default_specification=DRAFT202012))
-    )
-    return Registry().with_resources(resources)
-
-
-REGISTRY = _registry()
-
-
-def check(ref: str, instance: Any) -> None:
-    """Validate `instance` against the schema at `ref` (a URI, `#/pointer` allowed)."""
-    validator = Draft202012Validator({"$ref": ref}, registry=REGISTRY)
-    error = best_match(validator.iter_errors(instance))
-    assert error is None, (
-        f"{ref}: {error.message} at {list(error.absolute_path)} "
-        f"(schema path {list(error.absolute_schema_path)})\n{instance!r}"
-    )
-
-
-def file_schema(name: str, pointer: str = "") -> str:
-    return f"{BASE}{name}#{pointer}" if pointer else BASE + name
 
 
 # -- the OpenAPI document's view of one real answer -------------------------------------------
@@ -270,6 +243,8 @@ def test_security_is_public_exactly_on_the_public_routes(path: str) -> None:
     for method, operation in OPENAPI["paths"][path].items():
         security = operation.get("security", OPENAPI["security"])
         assert (security == []) == public, f"{method} {path}: security {security}"
+        # the MetaMesh routes answer a trusted network without the token: none is an option
+        assert ({} in security) == (family(path) is Access.TRUSTED), (method, path, security)
         if not public:
             assert operation["responses"]["401"] == {"$ref": "#/components/responses/Unauthorized"}
         for status, response in operation["responses"].items():
@@ -278,6 +253,24 @@ def test_security_is_public_exactly_on_the_public_routes(path: str) -> None:
                     response = OPENAPI["components"]["responses"][response["$ref"].split("/")[-1]]
                 schema = response["content"]["application/json"]["schema"]
                 assert "#/components/schemas/Error" in json.dumps(schema), (method, path, status)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"), [("GET", "/api/claims/log"), ("POST", "/api/claims/reconcile")]
+)
+async def test_the_peer_routes_say_which_box_answered(
+    node: Node, client: httpx.AsyncClient, method: str, path: str
+) -> None:
+    """`X-Metanode-Instance`, as documented, on the answer and on the 401 of a token it does
+    not take: a `peers add` of this box's own address is refused whatever token it was given."""
+    body = {"fetch": []} if method == "POST" else None
+    answered = await client.request(method, path, json=body)
+    found = documented(method, path, answered.status_code)
+    assert found is not None and "X-Metanode-Instance" in found[1]["headers"]
+    refused = await client.request(method, path, json=body, headers={"Authorization": "Bearer x"})
+    error_of(refused, 401, "unauthorized")
+    for response in (answered, refused):
+        assert response.headers[peers.SELF_HEADER] == node.instance
 
 
 async def test_the_served_document_is_the_file(node: Node) -> None:
@@ -532,6 +525,89 @@ async def test_error_envelopes_conform(node: Node, client: httpx.AsyncClient) ->
 
 
 SOME_CID = "bagacbabaea6gwjljwuu3cyxlrwwxgnmlfwd2gfshoi6mrtxysc4mnahe2hsqu"
+
+
+# -- what the edge answers before any route (api.Edge): documented on every operation ----------
+
+OPERATIONS = sorted(
+    (method.upper(), path) for path, item in OPENAPI["paths"].items() for method in item
+)
+STREAMS = {  # the endless text/event-stream answers
+    path
+    for path, item in OPENAPI["paths"].items()
+    if "text/event-stream"
+    in item.get("get", {}).get("responses", {}).get("200", {}).get("content", ())
+}
+
+
+def slugs(response: dict[str, Any]) -> list[str]:
+    """The error slugs an error answer of the document allows (its `$ref` followed)."""
+    if "$ref" in response:
+        response = OPENAPI["components"]["responses"][response["$ref"].rsplit("/", 1)[1]]
+    schema = response["content"]["application/json"]["schema"]
+    return list(schema["allOf"][1]["properties"]["error"]["enum"])
+
+
+def family(path: str) -> Access:
+    """The perimeter's family of a documented path (its parameters filled in)."""
+    return access_of(re.sub(r"\{\w+\}", "x", path))
+
+
+def example_path(path: str) -> str:
+    """`path` with each parameter given a value of its kind, so the route itself is reached."""
+    values = {"cid": SOME_CID, "hash": SOME_CID, "key": "title", "name": "nobody"}
+    values |= {"rid": "01M8QES7K2E25SPMXXY50YCFYW", "uid": Signer().uid}
+    return re.sub(r"\{(\w+)\}", lambda m: values[m.group(1)], path)
+
+
+@pytest.mark.parametrize(("method", "path"), OPERATIONS)
+def test_every_operation_documents_the_edges_own_refusals(method: str, path: str) -> None:
+    """A client generated from the document meets these on any route: a path or query that is
+    not UTF-8 (400 invalid_request), a peer token where the API token is needed (403
+    peer_token_scope), a browser's script load of a MetaMesh route (403 forbidden)."""
+    responses = OPENAPI["paths"][path][method.lower()]["responses"]
+    assert "invalid_request" in slugs(responses["400"])
+    if family(path) in (Access.TOKEN, Access.TRUSTED):
+        assert "peer_token_scope" in slugs(responses["403"])
+    if family(path) is Access.TRUSTED:
+        assert "forbidden" in slugs(responses["403"])
+
+
+async def test_the_edges_own_refusals_conform(node: Node, client: httpx.AsyncClient) -> None:
+    peer = maintenance.create_peer_token(node.settings, "schema peer")
+    for method, path in OPERATIONS:
+        url = example_path(path)
+        error_of(await client.request(method, f"{url}?q=%FF"), 400, "invalid_request")
+        if family(path) is Access.TOKEN:
+            scoped = await client.request(method, url, headers={"Authorization": f"Bearer {peer}"})
+            error_of(scoped, 403, "peer_token_scope")
+        if family(path) is Access.TRUSTED:
+            script = await client.request(method, url, headers={"Sec-Fetch-Dest": "script"})
+            error_of(script, 403, "forbidden")
+
+
+async def test_every_read_while_the_cache_is_first_built_is_documented(
+    node: Node, client: httpx.AsyncClient
+) -> None:
+    """Every status a read answers while the cache is first built is one its operation
+    documents (`GET /api/files?missing=1` answered an undocumented 503), and a 503 says when to
+    retry. The endless streams are left out (their 503 is checked above)."""
+    node.applier.ready = False
+    try:
+        for method, path in OPERATIONS:
+            if method != "GET" or path in STREAMS:
+                continue
+            for params in ({}, {"missing": "1"}) if path == "/api/files" else ({},):
+                response = await client.get(example_path(path), params=params)
+                found = documented("GET", response.request.url.path, response.status_code)
+                assert found is not None, path
+                if response.status_code == 503:
+                    error_of(response, 503, "cache_not_ready")
+                    assert response.headers["retry-after"] == "1"
+    finally:
+        node.applier.ready = True
+
+
 # Bugs found while fuzzing and probing (issue #7): bad input that answers 500 instead of an
 # error envelope; each of these once was one.
 NEVER_500 = [
@@ -758,6 +834,28 @@ def test_feed_events_conform(server: Server) -> None:
 
 def compat(name: str) -> str:
     return f"compat.schema.json#/$defs/{name}"
+
+
+async def test_a_compat_write_the_clock_cannot_date_conforms(tmp_path: Path) -> None:
+    """A MetaMesh write on a box whose clock reads before 2000 (never set) is 503 clock_behind
+    with `valid_from` (docs/api.md): once an envelope the schemas did not allow."""
+    reading = [NOW_MS]
+    node = Node(settings_for(tmp_path / "data"), clock=lambda: reading[0])
+    await node.start()
+    try:
+        await node.ensure_groups([SOME_CID])
+        reading[0] = 13_000  # 1970-01-01T00:00:13Z: a box without a real-time clock
+        transport = httpx.ASGITransport(app=create_app(node))
+        async with httpx.AsyncClient(transport=transport, base_url="http://node") as c:
+            for response in (
+                await c.patch(f"/meta/{SOME_CID}", json={"title": "x"}),
+                await c.put(f"/meta/{SOME_CID}/title", content=b"x"),
+            ):
+                refused = error_of(response, 503, "clock_behind")
+                assert refused["valid_from"] == 946_684_800_000, refused
+                assert response.headers["retry-after"] == "60"
+    finally:
+        await node.stop()
 
 
 async def test_compat_bodies_conform(node: Node, client: httpx.AsyncClient, tmp_path: Path) -> None:
