@@ -188,11 +188,18 @@ def sign(
 
 
 def verify(claim: Claim) -> None:
-    """Raise `BadSignature` unless `claim.sig` is the uid's signature over its signing bytes."""
+    """Raise `BadSignature` unless `claim.sig` is the uid's signature over its signing bytes.
+
+    The error carries those bytes (`signed`, as text): a signer written in another language
+    that serialised the array its own way (spaces, `ts` as a string, `\\u00e9`) could only
+    learn that its signature "does not verify", never against what; now it compares."""
+    signed = claim.signing_bytes()
     try:
-        public_key(claim.uid).verify(claim.signing_bytes(), claim.sig)
+        public_key(claim.uid).verify(signed, claim.sig)
     except nacl.exceptions.BadSignatureError:
-        raise BadSignature("signature does not verify against uid") from None
+        raise BadSignature(
+            "signature does not verify against uid", signed=signed.decode("utf-8")
+        ) from None
 
 
 # -- field rules (SPEC §2.2) --------------------------------------------------------------------
