@@ -49,7 +49,7 @@ from typing import Any, ClassVar, TypeVar
 
 import nacl.signing
 
-from metanode import cache, claims, db, keys, merge
+from metanode import cache, claims, datadir, db, keys, merge
 from metanode import cid as cids
 from metanode.clock import Clock, now_ms
 from metanode.errors import (
@@ -617,8 +617,12 @@ class InFlight:
             if self._path is None or version == self._written:
                 return
             partial = self._path.with_name(self._path.name + ".partial")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
             try:
-                partial.write_text("".join(json.dumps(run) + "\n" for run in noted), "utf-8")
+                # private as the data directory is: made with the umask's 0644, every start
+                # after a run warned `tightened …/plugins-running from 644 to 600`
+                with open(os.open(partial, flags, datadir.FILE_MODE), "w", encoding="utf-8") as f:
+                    f.write("".join(json.dumps(run) + "\n" for run in noted))
                 os.replace(partial, self._path)
             except OSError as exc:
                 if not self._failed:

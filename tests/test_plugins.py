@@ -754,6 +754,7 @@ async def test_a_run_the_process_ended_during_is_charged_its_attempt_at_the_next
     await until(lambda: len(slow.calls) == 1, "slow running")
     flight = node.settings.plugins_running_path
     left = flight.read_text()  # as a process that died now would leave it
+    assert stat.S_IMODE(flight.stat().st_mode) == 0o600  # the next start has nothing to tighten
     assert [json.loads(line)[:4] for line in left.splitlines()] == [["slow", "1", midhash, 0]]
     await harness.stop(node)
     assert flight.read_text() == ""  # a clean stop: nothing to charge
