@@ -796,8 +796,27 @@ class Host:
             status, next_at = self._after_failure(attempts)
         if outcome.error:
             level = logging.INFO if status == "done" else logging.WARNING
-            log.log(level, "plugin %s on %s: %s", run.plugin, file[1], outcome.error)
+            after = self._what_next(run.plugin, status, attempts, outcome.final)
+            log.log(level, "plugin %s on %s: %s%s", run.plugin, file[1], outcome.error, after)
         await self._store.finish_run(run, status, attempts, next_at, outcome.error)
+
+    def _what_next(self, plugin: str, status: str, attempts: int, final: bool) -> str:
+        """What becomes of a run that failed, for its log line: the same warning came three
+        times, none saying whether the node would try again, when, or that it had given up
+        (and how to have it try again once the plugin is mended)."""
+        if status == "pending":
+            delay = backoff_s(attempts, self._retry_s)
+            return f" (attempt {attempts} of {self._max_attempts}; tried again in {delay:g} s)"
+        if status != "failed":
+            return ""
+        if final:
+            why = "not tried again: the node would refuse the same claims"
+        else:
+            why = f"attempt {attempts} of {self._max_attempts}: failed"
+        return (
+            f" ({why}; mend the plugin, restart the node, then `metanode plugins retry {plugin}`"
+            " runs it again)"
+        )
 
     async def _wait_for_clock(self, run: cache.PluginRun, path: str, outcome: Outcome) -> None:
         """A run the clock could not date: pending until `due_at`, its attempts as they were;

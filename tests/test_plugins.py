@@ -412,9 +412,9 @@ async def test_plugin_sees_the_local_file_and_metadata_never_a_rid(harness: Harn
 
 
 async def test_a_raising_plugin_fails_its_run_only_retries_with_backoff_then_fails(
-    harness: Harness,
+    harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _, midhash = harness.drop("r.bin", b"one plugin raises on this")
+    path, midhash = harness.drop("r.bin", b"one plugin raises on this")
     good = probe("good", claim("good", "yes"))
     bad = probe("bad", raises)
     node = await harness.start([good, bad], plugin_max_attempts=3)
@@ -437,6 +437,14 @@ async def test_a_raising_plugin_fails_its_run_only_retries_with_backoff_then_fai
     assert await counts(node, "bad") == {"done": 0, "pending": 0, "failed": 1, "skipped": 0}
     assert await counts(node, "good") == {"done": 1, "pending": 0, "failed": 0, "skipped": 0}
     assert metadata(node, midhash)["good"] == "yes"
+    # each failure's log line says what comes of it: the same line three times did not
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("plugin bad on")]
+    assert said == [
+        f"plugin bad on {path}: {run.error} (attempt 1 of 3; tried again in 0.1 s)",
+        f"plugin bad on {path}: {run.error} (attempt 2 of 3; tried again in 0.4 s)",
+        f"plugin bad on {path}: {run.error} (attempt 3 of 3: failed; mend the plugin, restart "
+        "the node, then `metanode plugins retry bad` runs it again)",
+    ]
 
 
 async def test_a_hanging_plugin_times_out_and_other_runs_continue(harness: Harness) -> None:
@@ -787,7 +795,7 @@ async def test_a_run_the_process_ended_during_is_charged_its_attempt_at_the_next
     ],
 )
 async def test_a_rejected_draft_fails_the_run_with_its_slug(
-    harness: Harness, key: str, slug: str
+    harness: Harness, key: str, slug: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     _, midhash = harness.drop("x.bin", b"rejected drafts")
 
@@ -805,6 +813,7 @@ async def test_a_rejected_draft_fails_the_run_with_its_slug(
     assert f"invalid_batch: {key!r}: {slug}: " in run.error  # by its key, not by an index
     # the node would refuse the same drafts again: failed at once, not retried twice
     assert run.attempts == 1 and len(sloppy.calls) == 1
+    assert f"{run.error} (not tried again: the node would refuse the same claims; " in caplog.text
     # The batch is atomic: the good draft of the same run was not written either.
     assert "fine" not in metadata(node, midhash)
     assert node.meta_claims(midhash, key=None, uid=None)["claims"] == []
