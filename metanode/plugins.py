@@ -34,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import importlib.util
 import inspect
 import json
 import logging
 import os
 import re
+import sys
 import threading
 import time
 import traceback
@@ -342,7 +344,27 @@ def described(exc: BaseException) -> str:
     where = (
         f" (at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name})" if frames else ""
     )
-    return f"{type(exc).__name__}: {exc}{where}"
+    return f"{type(exc).__name__}: {exc}{where}{missing_package(exc)}"
+
+
+def missing_package(exc: BaseException) -> str:
+    """For an import of a package the node's Python lacks, where it goes: a plugin's author
+    read `No module named 'langdetect'` and installed it into the Python on their `PATH`, or
+    forgot it in the plugin's `dependencies`. Nothing for a module of a package that is there
+    (a plugin's own misspelt sub-module: no install mends that)."""
+    if not isinstance(exc, ModuleNotFoundError) or not exc.name:
+        return ""
+    top = exc.name.partition(".")[0]
+    try:
+        if importlib.util.find_spec(top) is not None:
+            return ""
+    except (ImportError, ValueError):  # a broken package of that name: it is there
+        return ""
+    return (
+        f": the node's Python ({sys.prefix}) has no {top!r}; install the package that "
+        f"provides it there ({sys.executable} -m pip install …) and list it in the plugin's "
+        "dependencies"
+    )
 
 
 Ingest = Callable[[list[Any]], Awaitable[object]]
@@ -440,7 +462,12 @@ def trial(
             if broken.entry_point == name:
                 raise NotFoundError(f"plugin {shown(name)} does not load: {broken.error}")
         installed = ", ".join(p.name for p in found) or "none"
-        raise NotFoundError(f"no installed plugin is named {shown(name)} (installed: {installed})")
+        raise NotFoundError(
+            f"no installed plugin is named {shown(name)} (installed: {installed}): plugins are "
+            f"the {ENTRY_POINT_GROUP!r} entry points of the packages installed in the node's "
+            f"Python ({sys.prefix}); install yours there ({sys.executable} -m pip install -e "
+            "<its folder>)"
+        )
     file = local_file(row, roots)
     try:
         drafts, skipped = asyncio.run(collect_bounded(plugin, file, lambda _cid: None, timeout_s))

@@ -245,6 +245,9 @@ def test_two_plugins_of_one_name_neither_runs_and_a_bad_name_is_refused(
     assert why["escaper"][1].startswith("TypeError: escaper_plugin:P: name '../owner' is not")
     assert why["needy"][1] == (
         f"ModuleNotFoundError: No module named 'not_installed_anywhere' (at {needy}:1 in <module>)"
+        f": the node's Python ({sys.prefix}) has no 'not_installed_anywhere'; install the package "
+        f"that provides it there ({sys.executable} -m pip install …) and list it in the plugin's "
+        "dependencies"
     )
     assert why["impostor"][1] == why["sizeclass"][1]
     assert "are all named 'sizeclass': none of them runs" in why["sizeclass"][1]
