@@ -362,7 +362,11 @@ def test_tampered_claim_fails(key_file: Path) -> None:
     tampered = {**signed, "value": "The Matrix Reloaded"}
     result = run("claim", "verify", stdin=json.dumps(tampered))
     assert result.exit_code == 1
-    assert result.stdout.startswith("bad_signature")
+    fields = (tampered[name] for name in ("uid", "cid", "key", "value", "ts"))
+    assert result.stdout == (  # what it was checked against, to compare with what was signed
+        "bad_signature: signature does not verify against uid; signed: "
+        f"{claims.signing_bytes(*fields).decode()}\n"
+    )
 
 
 def test_verify_reports_each_claim(key_file: Path) -> None:
