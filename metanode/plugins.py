@@ -695,6 +695,7 @@ class Host:
         self._versions = [(r.plugin.name, r.plugin.version) for r in runners]
         self._running: dict[tuple[str, str, str], asyncio.Task[None]] = {}
         self._runs: dict[tuple[str, str, str], cache.PluginRun] = {}  # as picked, for `InFlight`
+        self._since: dict[tuple[str, str, str], int] = {}  # when each run going on started
         self._held_until = 0.0  # monotonic: no run starts before (the store failed)
         self.failing: str | None = None  # why the host cannot go on now (/health), or None
         self._waiting: set[str] = set()  # plugins whose runs wait for the clock (logged once)
@@ -761,7 +762,7 @@ class Host:
             for run in self._store.due_runs(name, version, self._workers):
                 ident = (run.plugin, run.version, run.midhash)
                 if ident not in self._running and busy < self._workers:
-                    self._runs[ident] = run
+                    self._runs[ident], self._since[ident] = run, self._clock()
                     self._running[ident] = asyncio.create_task(self._guarded(run, ident))
                     busy += 1
         if not self._running:  # nothing to run, and the store answered: nothing held
@@ -790,7 +791,7 @@ class Host:
         else:
             self._went_on()
         finally:
-            del self._running[ident], self._runs[ident]
+            del self._running[ident], self._runs[ident], self._since[ident]
             self._in_flight.note(self._runs.values())
         await self._in_flight.write(self._runs.values())
 
@@ -912,8 +913,24 @@ class Host:
                             (name, r.plugin.version), []
                         )
                     ],
+                    "running": self._running_now(name),
                 }
             )
+        return listed
+
+    def _running_now(self, name: str) -> list[dict[str, Any]]:
+        """The runs of plugin `name` going on now, oldest first, each with its content, a local
+        path of it (or None) and when it started (Unix ms): of a plugin that takes 30 s a file,
+        `pending` alone did not say whether it worked or hung, nor on which file."""
+        running = sorted(
+            (since, midhash)
+            for (plugin, _, midhash), since in self._since.items()
+            if plugin == name
+        )
+        listed = []
+        for since, midhash in running:
+            file = self._store.file_of(midhash)
+            listed.append({"cid": midhash, "path": file[1] if file else None, "since": since})
         return listed
 
     async def retry(self, name: str) -> cache.Retried:

@@ -876,6 +876,7 @@ async def test_get_api_plugins(harness: Harness) -> None:
             "weight": 1,
             "runs": {"done": 0, "pending": 0, "failed": 1, "skipped": 0},
             "skips": [],
+            "running": [],
         },
         {
             "name": "good",
@@ -886,8 +887,28 @@ async def test_get_api_plugins(harness: Harness) -> None:
             "runs": {"done": 1, "pending": 0, "failed": 0, "skipped": 0},
             "skips": [],
             "failures": [],
+            "running": [],
         },
     ]
+
+
+async def test_get_api_plugins_names_the_runs_going_on(harness: Harness) -> None:
+    """A plugin that takes 30 s a file showed only `pending`: whether it worked or hung, and
+    on which file, nothing said. `running` names each run going on, with when it started."""
+    gate = harness.gate()
+    path, midhash = harness.drop("slow.bin", b"a slow plugin's file")
+    slow = probe("slow", blocked_until(gate, claim("slow", "yes")))
+    node = await harness.start([slow], plugin_timeout_s=60.0)
+    await until(lambda: len(slow.calls) == 1, "slow running")
+    [described] = (await node.plugins())["plugins"]
+    assert described["running"] == [
+        {"cid": midhash, "path": path, "since": described["running"][0]["since"]}
+    ]
+    assert slow.called_at_ms[0] >= described["running"][0]["since"] > 0
+    assert described["runs"]["pending"] == 1  # still pending: it is counted there too
+    gate.set()
+    await until(finished(node, slow, midhash), "slow done")
+    assert (await node.plugins())["plugins"][0]["running"] == []
 
 
 async def test_failed_and_skipped_runs_are_retried_on_request(harness: Harness) -> None:
