@@ -12,7 +12,7 @@ import binascii
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeGuard
 
 import nacl.exceptions
 import nacl.signing
@@ -131,8 +131,21 @@ def uid_of(public_key: bytes) -> str:
 def public_key(uid: object) -> nacl.signing.VerifyKey:
     """The verify key a uid names; raises `InvalidUid`."""
     if not isinstance(uid, str) or not uid.startswith("z"):
-        raise InvalidUid(f"not an ed25519 multikey uid: {shown(uid)}")
+        # a `did:key:z6Mk…` (an author who knows DIDs): the uid is its part after the prefix
+        hint = f" (a uid is {uid[8:]!r}, without 'did:key:')" if did_key(uid) else ""
+        raise InvalidUid(f"not an ed25519 multikey uid: {shown(uid)}{hint}")
     return _public_key(uid)
+
+
+def did_key(uid: object) -> TypeGuard[str]:
+    """Whether `uid` is a did:key of an Ed25519 key: `did:key:` and a uid."""
+    if not isinstance(uid, str) or not uid.startswith("did:key:z"):
+        return False
+    try:
+        _public_key(uid[8:])
+    except InvalidUid:
+        return False
+    return True
 
 
 @lru_cache(maxsize=4096)
@@ -188,11 +201,18 @@ def sign(
 
 
 def verify(claim: Claim) -> None:
-    """Raise `BadSignature` unless `claim.sig` is the uid's signature over its signing bytes."""
+    """Raise `BadSignature` unless `claim.sig` is the uid's signature over its signing bytes.
+
+    The error carries those bytes (`signed`, as text): a signer written in another language
+    that serialised the array its own way (spaces, `ts` as a string, `\\u00e9`) could only
+    learn that its signature "does not verify", never against what; now it compares."""
+    signed = claim.signing_bytes()
     try:
-        public_key(claim.uid).verify(claim.signing_bytes(), claim.sig)
+        public_key(claim.uid).verify(signed, claim.sig)
     except nacl.exceptions.BadSignatureError:
-        raise BadSignature("signature does not verify against uid") from None
+        raise BadSignature(
+            "signature does not verify against uid", signed=signed.decode("utf-8")
+        ) from None
 
 
 # -- field rules (SPEC §2.2) --------------------------------------------------------------------

@@ -271,7 +271,10 @@ def _verdict(item: Any) -> bool:
     try:
         claims.validate(item, now_ms())
     except MetanodeError as exc:
-        click.echo(f"{exc.slug}: {exc.message}")
+        # a signature that does not verify: against which bytes, for a signer's author to
+        # compare with what their code signed (docs/protocol.md, "Signing without metanode")
+        signed = f"; signed: {exc.extra['signed']}" if "signed" in exc.extra else ""
+        click.echo(f"{exc.slug}: {exc.message}{signed}")
         return False
     click.echo("ok")
     return True

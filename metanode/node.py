@@ -349,7 +349,7 @@ class Node:
                 self.record_of,
                 self.ingest_wire,
                 s.plugin_timeout_s,
-                self.stamp,
+                self.stamp_apart,
                 self.said_by,
             )
             row = await self.truth.add_signer(
@@ -381,12 +381,15 @@ class Node:
         return runner.plugin.weight if self.truth.signer(runner.uid) is None else None
 
     def said_by(self, uid: str, cid: str) -> dict[str, str | None]:
-        """key → value (None: retracted) of `uid`'s stored claims about exactly `cid`: what a
-        plugin's new run replaces."""
-        rid = self.truth.group_of(cid)
-        if rid is None:
-            return {}
-        return {c.key: c.value for c in self.truth.group_claims(rid, uid=uid) if c.cid == cid}
+        """key → value of `uid`'s live stored claims about exactly `cid`: what a plugin's new
+        run replaces. On a read connection of its own: a plugin run's thread calls it."""
+        return {c.key: c.value for c in self.truth.said_about(uid, cid)}
+
+    def stamp_apart(self, uid: str, pairs: Sequence[tuple[str, str]]) -> int:
+        """`stamp` on a read connection of its own, for a plugin run's thread (its claims, as
+        many as it made, are read there, not on the event loop)."""
+        newest = self.truth.newest_said_apart(uid, pairs) if pairs else None
+        return claims.next_ts(self.clock(), newest, self.limits)
 
     def record_of(self, cid: str) -> dict[str, str] | None:
         """A plugin's read of the merged metadata of any CID (never a rid), from its threads."""

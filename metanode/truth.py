@@ -808,6 +808,16 @@ def newest_said(conn: Connection, uid: str, pairs: Iterable[tuple[str, str]]) ->
     return max(said, key=lambda claim: claim.ts, default=None)
 
 
+def said_about(conn: Connection, uid: str, cid: str) -> list[Claim]:
+    """`uid`'s live stored claims about exactly `cid` (a plugin's earlier run: what its new
+    run replaces), in one snapshot."""
+    with snapshot(conn):
+        rid = group_of(conn, cid)
+        if rid is None:
+            return []
+        return [c for c in group_claims(conn, rid, uid=uid) if c.cid == cid]
+
+
 def groups_claims(
     conn: Connection, rids: Iterable[str], keys: Iterable[str] | None = None
 ) -> dict[str, list[Claim]]:
@@ -2073,6 +2083,16 @@ class TruthStore(Store):
         (`lent`: `reading`'s)."""
         with self.reading(lent) as conn, storage_errors(self.path):
             return fn(conn)
+
+    def said_about(self, uid: str, cid: str) -> list[Claim]:
+        """On a connection of its own, for a plugin run's thread: `uid`'s live stored claims
+        about exactly `cid`."""
+        return self._own_read(functools.partial(said_about, uid=uid, cid=cid))
+
+    def newest_said_apart(self, uid: str, pairs: Sequence[tuple[str, str]]) -> Claim | None:
+        """`newest_said` on a connection of its own, for a plugin run's thread: a run of
+        50,000 claims read them for 1 s on the event loop."""
+        return self._own_read(functools.partial(newest_said, uid=uid, pairs=pairs))
 
     def claim_ids(self) -> tuple[str, list[bytes]]:
         """(the log's end cursor, every claim's identity): reconciliation's items (a thread)."""

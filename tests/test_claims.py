@@ -248,6 +248,15 @@ def test_invalid_uid(uid: Any) -> None:
         claims.public_key(uid)
 
 
+def test_a_did_key_is_refused_with_the_uid_it_holds() -> None:
+    """An external plugin's author who knows DIDs sent `did:key:z6Mk…`; the refusal names the
+    uid to send instead."""
+    refused = rejects(wire(uid="did:key:" + UID), InvalidUid, "invalid_uid")
+    assert refused.message.endswith(f" (a uid is {UID!r}, without 'did:key:')")
+    other = rejects(wire(uid="did:key:z6Mkbogus"), InvalidUid, "invalid_uid")  # holds none
+    assert other.message == "not an ed25519 multikey uid: 'did:key:z6Mkbogus'"
+
+
 BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
 

@@ -362,7 +362,11 @@ def test_tampered_claim_fails(key_file: Path) -> None:
     tampered = {**signed, "value": "The Matrix Reloaded"}
     result = run("claim", "verify", stdin=json.dumps(tampered))
     assert result.exit_code == 1
-    assert result.stdout.startswith("bad_signature")
+    fields = (tampered[name] for name in ("uid", "cid", "key", "value", "ts"))
+    assert result.stdout == (  # what it was checked against, to compare with what was signed
+        "bad_signature: signature does not verify against uid; signed: "
+        f"{claims.signing_bytes(*fields).decode()}\n"
+    )
 
 
 def test_verify_reports_each_claim(key_file: Path) -> None:
@@ -525,6 +529,8 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
     hanger.write_text("import time\n" + hanger.read_text())
     install_plugin(site, "broken", "broken")
     (site / "broken_plugin.py").write_text("import not_installed_anywhere\n")
+    install_plugin(site, "typo", "typo")  # a module of its own package: no install mends it
+    (site / "typo_plugin.py").write_text("import sizer_plugin.helpers\n")
     install_plugin(site, "returner", "returner", "return [(file.cid, 'k', 'v')]")
     install_plugin(site, "asyncer", "asyncer", "register(file.cid, 'k', 'v')")
     asyncer = site / "asyncer_plugin.py"
@@ -581,6 +587,11 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
         "error: not_found: plugin 'broken' does not load: ModuleNotFoundError: No module named "
         "'not_installed_anywhere'"
     )
+    assert broken.stderr.endswith(  # where it goes: the node's Python, not the one on PATH
+        f": the node's Python ({sys.prefix}) has no 'not_installed_anywhere'; install the "
+        f"package that provides it there ({sys.executable} -m pip install …) and list it in "
+        "the plugin's dependencies\n"
+    )
     # it printed nothing and said `0 claim(s)`, exit 0: the claims it returned were dropped
     returned = run("plugins", "try", "returner", str(film))
     assert returned.exit_code == 2 and returned.stdout == ""
@@ -596,8 +607,15 @@ def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(
         "is an async def: the host calls it on a thread of its own and never awaits it; make it "
         "a plain def\n"
     )
+    typo = run("plugins", "try", "typo", str(film))
+    assert typo.stderr.startswith("error: not_found: plugin 'typo' does not load: ")
+    assert "pip install" not in typo.stderr
     unknown = run("plugins", "try", "nope", str(film))
     assert unknown.stderr.startswith("error: not_found: no installed plugin is named 'nope' ")
+    assert unknown.stderr.endswith(  # installed into another Python than the node's, say
+        f"of the packages installed in the node's Python ({sys.prefix}); install yours there "
+        f"({sys.executable} -m pip install -e <its folder>)\n"
+    )
     missing = run("plugins", "try", "sizer", str(media / "missing.mkv"))
     assert (missing.exit_code, missing.stderr.split(":")[1]) == (2, " midhash_failed")
 

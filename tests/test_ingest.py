@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from metanode import cid as cids
+from metanode import claims
 from metanode.node import Node
 from metanode.verifier import BULK_CLAIMS
 from tests.helpers.claims import NOW_MS, Signer, post, register, verdicts, without_owner
@@ -151,6 +153,31 @@ async def test_invalid_claim_rejects_whole_batch_and_writes_nothing(
     assert (await client.get(f"/api/meta/{CID_A}")).status_code == 404
 
 
+async def test_a_signature_over_other_bytes_is_answered_with_the_bytes_it_should_cover(
+    client: httpx.AsyncClient, alice: Signer
+) -> None:
+    """A signer written without metanode that serialised the array its own way (here Python's
+    default `json.dumps`, with spaces and `\\u00e9`; `ts` as a string is another) got only
+    `signature does not verify against uid`: the item now carries `signed`, the signing bytes
+    the node verified, which are the RFC 8785 form docs/protocol.md names."""
+    await register(client, alice)
+    good = alice.claim(CID_A, "title", "Amélie", ts=NOW_MS)
+    own_way = json.dumps(["metanode-claim/1", alice.uid, CID_A, "title", "Amélie", NOW_MS])
+    sig = claims.encode_sig(alice.key.sign(own_way.encode()).signature)
+    response = await post(client, {**good, "sig": sig})
+    [item] = response.json()["items"]
+    assert (item["error"], item["signed"]) == (
+        "bad_signature",
+        f'["metanode-claim/1","{alice.uid}","{CID_A}","title","Amélie",{NOW_MS}]',
+    )
+    assert item["signed"].encode() == claims.signing_bytes(
+        alice.uid, CID_A, "title", "Amélie", NOW_MS
+    )
+    assert verdicts(await post(client, good)) == ["accepted"]  # signed over those bytes
+    malformed = (await post(client, {**good, "sig": sig + "=="})).json()["items"][0]
+    assert malformed["error"] == "bad_signature" and "signed" not in malformed  # not a signature
+
+
 @pytest.mark.parametrize(
     "node", [{"verify_processes": 1}, {"verify_processes": 2}], indirect=True, ids=["1", "2"]
 )
@@ -171,7 +198,10 @@ async def test_a_large_batch_is_validated_in_worker_processes(
     tampered = {**batch[bad], "value": "tampered"}
     response = await post(client, *batch[:bad], tampered, *batch[bad + 1 :])
     assert response.status_code == 400, response.text
-    assert [(i["index"], i["error"]) for i in response.json()["items"]] == [(bad, "bad_signature")]
+    [item] = response.json()["items"]
+    assert (item["index"], item["error"]) == (bad, "bad_signature")
+    fields = {name: tampered[name] for name in ("uid", "cid", "key", "value", "ts")}
+    assert item["signed"].encode() == claims.signing_bytes(**fields)  # from a verify process
     assert await db_bytes(node) == before
     assert node.verifier.processes is not None and node.verifier.processes.running()
     response = await post(client, *batch)

@@ -221,6 +221,18 @@ def test_tombstone_drops_the_signer_vote() -> None:
     assert merge_key([vote(KA, None, TS + 1)], {}) is None
 
 
+def test_a_tombstone_ends_the_vote_on_its_own_cid_only() -> None:
+    """docs/protocol.md, "The merged record": an external plugin retracted on the midhash what
+    it had said on the canonical CID, and its word stayed; a retraction of its newer vote even
+    brings back an older one it made on another CID of the group."""
+    said_on_sha = [vote(KA, "x", TS, cid=SHA), vote(KA, None, TS + 1, cid=MIDHASH_1)]
+    assert merge_key(said_on_sha, {}) == "x"
+    older_elsewhere = [vote(KA, "x", TS, cid=SHA), vote(KA, None, TS + 2, cid=MIDHASH_1)]
+    assert merge_key([*older_elsewhere[:1], vote(KA, "y", TS + 1, cid=MIDHASH_1)], {}) == "y"
+    assert merge_key(older_elsewhere, {}) == "x"
+    assert merge_key([vote(KA, None, TS + 1, cid=SHA), vote(KA, None, TS + 2)], {}) is None
+
+
 def seen(votes: list[Claim], signers: dict[str, Signer], viewer: str) -> dict[str, str]:
     """The record as `viewer` sees it: `seen_by` over the merged record, as the node does."""
     return seen_by(merge_record(votes, signers), votes, signers, viewer)

@@ -968,6 +968,14 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         "    raise RuntimeError('the tool is not installed')\n"
         "register(file.cid, 'tooled', 'yes')",
     )
+    install_plugin(  # works on a file until the tool is there: the page names it meanwhile
+        site,
+        "waiter",
+        "waiter",
+        f"while not os.path.exists({str(tool)!r}):\n"
+        "    __import__('time').sleep(0.05)\n"
+        "register(file.cid, 'waited', 'yes')",
+    )
     install_plugin(
         site,
         "skipper",
@@ -1022,7 +1030,12 @@ def test_the_plugins_page_says_why_runs_failed_and_retries_them(
         expect(skipper.get_by_role("progressbar")).to_have_attribute("value", "1")
         skips = page.get_by_role("region", name="skipper skipped files")
         expect(skips).to_contain_text("1 file: no tool for mkv")
+        waiter = page.get_by_role("row").filter(has=page.get_by_role("rowheader", name="waiter"))
+        expect(waiter.locator(".running")).to_have_text(str(dropped))
         tool.touch()
+        # the page's refresh: the run is over (two seconds after each answer)
+        expect(waiter.locator(".running")).to_have_text("", timeout=30_000)
+        expect(waiter.locator(".done")).to_have_text("1")
         page.get_by_role("button", name="Retry failed runs of needstool").click()
         expect(page.get_by_text("Retrying 1 failed run of needstool.")).to_be_visible()
         midhash = midhash_of(server, dropped)

@@ -202,6 +202,12 @@ function startPlugins() {
       const bar = row.querySelector("progress");
       bar.max = pending + done + skipped + failed || 1;
       bar.value = done + skipped + failed || (pending ? 0 : 1);
+      // the files it works on now: a slow plugin's pending count alone did not say
+      row.querySelector(".running").replaceChildren(...p.running.flatMap((r, i) => {
+        const name = document.createElement("code");
+        name.textContent = r.path || r.cid;
+        return i ? [", ", name] : [name];
+      }));
     }
   };
   const tick = async () => {
