@@ -330,9 +330,14 @@ class Watcher:
         self.not_text: list[str] = []  # names the last full one left out (`is_text`)
         self.watches_full = False  # this user may add no inotify watch (`inotify_full`)
         self.folders = 0  # the folders below the roots, counted when `watches_full` began
-        self.scanning = False
-        self.scan: ScanProgress | None = None  # the reconciliation under way, once walked
+        self._reconciling = 0  # reconciliations under way (a rescan may overlap the start's)
+        self.scan: ScanProgress | None = None  # the newest reconciliation under way, once walked
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
+
+    @property
+    def scanning(self) -> bool:
+        """Whether a reconciliation is under way (/health's `scanning`)."""
+        return self._reconciling > 0
 
     # -- applying results -----------------------------------------------------------------------
 
@@ -389,7 +394,8 @@ class Watcher:
         (`roots` not given) also the rows below no root (`_strays`)."""
         full = not roots
         roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
-        self.scanning = True
+        self._reconciling += 1
+        scan: ScanProgress | None = None
         began = time.monotonic()
         try:
             walking = asyncio.gather(*(asyncio.to_thread(self._listing, root) for root in roots))
@@ -418,7 +424,7 @@ class Watcher:
             total_bytes = sum(disk[p][0] for p in to_hash)
             report = progress or (lambda *_: None)
             report(0, 0, len(to_hash), total_bytes)
-            self.scan = ScanProgress(len(disk), len(to_hash))
+            self.scan = scan = ScanProgress(len(disk), len(to_hash))
             if len(to_hash) > BATCH:
                 log.info(
                     "fingerprinting %d new or changed file(s) of %d in %s (progress in /health)",
@@ -443,7 +449,7 @@ class Watcher:
                 files_done += len(chunk)
                 bytes_done += sum(size for size, _ in chunk.values())
                 report(files_done, bytes_done, len(to_hash), total_bytes)
-                self.scan.done = files_done
+                scan.done = files_done
                 if time.monotonic() - said_at >= PROGRESS_LOG_S:
                     log.info("fingerprinted %d of %d file(s)", files_done, len(to_hash))
                     said_at = time.monotonic()
@@ -457,8 +463,9 @@ class Watcher:
                 log.info("scanned %s: %s in %.1f s", ", ".join(roots), summary.said(), seconds)
             return summary
         finally:
-            self.scanning = False
-            self.scan = None
+            self._reconciling -= 1
+            if self.scan is scan:  # not one begun meanwhile, which says its own progress
+                self.scan = None
 
     async def _strays(self) -> tuple[dict[str, Stat], dict[str, Stat]]:
         """(known, on disk) of the rows below no watch root: a folder taken out of

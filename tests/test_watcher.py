@@ -537,6 +537,37 @@ async def test_reconcile_hashes_new_files_then_nothing(tmp_path: Path) -> None:
     assert not w.scanning
 
 
+async def test_a_reconciliation_begun_and_ended_inside_another_leaves_it_its_progress(
+    tmp_path: Path,
+) -> None:
+    """A rescan may run while the start's scan is still fingerprinting. The one that ended
+    first took the other's progress away with its own (`scan` None), and the other then failed
+    at its next batch (AttributeError), its remaining files left unhashed; and /health said
+    `scanning` false while one still ran."""
+    root = tmp_path / "media"
+    for i in range(watcher.BATCH + 44):
+        write(root / f"f{i:03d}.mkv", f"file {i}".encode())
+    store = Store()
+    w = store.watcher(root)
+    commit = store.apply_local
+    inner: list[watcher.Summary] = []
+
+    async def rescan_inside_the_first_batch(
+        files: Sequence[LocalFile], removals: Sequence[str]
+    ) -> None:
+        await commit(files, removals)
+        if not inner:
+            inner.append(await w.reconcile([str(root)], settle=False))
+            assert w.scanning  # the outer one still runs
+
+    w._apply_local = rescan_inside_the_first_batch
+    outer = await w.reconcile(settle=False)
+    assert (outer.seen, outer.hashed, outer.left) == (300, 300, 0)
+    assert inner[0].seen == 300
+    assert len(store.rows) == 300
+    assert w.scan is None and not w.scanning
+
+
 async def test_a_stopped_scan_ends_after_its_batch_in_hand_and_the_next_start_goes_on(
     tmp_path: Path,
 ) -> None:
