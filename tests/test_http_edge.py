@@ -644,11 +644,13 @@ async def test_post_claims_called_by_the_edge_answers_as_the_router_would(node: 
 
         async def answers(tag: str) -> list[Answer]:
             good = signer.claim(cids.midhash_bytes(tag.encode()), "title", "t")
+            # the same both times: its refusal carries the bytes it was checked against
+            forged = signer.claim(cids.midhash_bytes(b"forged"), "title", "t", 1_796_000_000_000)
             bodies = [
                 b"{",
                 b"[]",
                 json.dumps({"claims": [good], "atomic": True}).encode(),
-                json.dumps({"claims": [{**good, "sig": "A" * 86}]}).encode(),
+                json.dumps({"claims": [{**forged, "sig": "A" * 86}]}).encode(),
                 json.dumps({"claims": [stranger.claim(good["cid"], "title", "t")]}).encode(),
                 b" " * (node.settings.max_batch_bytes + 1),
                 json.dumps({"claims": [good]}).encode(),
