@@ -586,6 +586,45 @@ async def test_plugin_runs_go_on_after_an_outage(
         await node.stop()
 
 
+async def test_a_watcher_started_in_an_outage_makes_its_root_once_the_database_answers(
+    tmp_path: Path, own_cluster: Cluster
+) -> None:
+    """A starting watcher asks the cache whether a missing root is new (made then) or a disk
+    away. A replica that takes the applier lock just after a restart of the server starts it
+    while its read connection still waits to reconnect: that read failed and stopped the
+    watcher for good, with a traceback, /health saying `the watcher has stopped` (5 minutes
+    under a load of 3 replicas, until another replica took the lead). Now it says why, tries
+    again, and once the database answers makes the root and watches it."""
+    media = tmp_path / "media"  # not made yet: a new root
+    node = Node(settings_for(tmp_path / "data", storage=own_cluster.database()))
+    await node.start()
+    watching = node._make_watcher([str(media)])
+    own_cluster.pause()
+    running = asyncio.create_task(watching.run())
+    try:
+        await until(lambda: watching.failing is not None, "the failed read said")
+        assert "watched roots" in str(watching.failing), watching.failing
+        assert not running.done() and not media.exists()
+        own_cluster.resume()
+        await until(media.is_dir, "the new root made once the database answers")
+        assert not running.done()
+        (media / "after.bin").write_bytes(b"a file in the root made after the outage")
+        cid = cids.midhash_bytes(b"a file in the root made after the outage")
+
+        def recorded() -> bool:
+            try:
+                return bool(node.meta(cid)["metadata"].get("filePath"))
+            except MetanodeError:  # not yet a record
+                return False
+
+        await until(recorded, "the file recorded: the watcher runs")
+        assert watching.failing is None
+    finally:
+        watching.stop()
+        await asyncio.gather(running, return_exceptions=True)
+        await node.stop()
+
+
 def test_an_idle_connection_the_server_closed_is_made_again_before_use(
     own_cluster: Cluster,
 ) -> None:
