@@ -171,6 +171,8 @@ _SQLSTATE: tuple[tuple[str, type[StorageError]], ...] = (
     ("57014", StorageUnavailable),  # query canceled: `statement_timeout`, pg_cancel_backend
     ("40", StorageLocked),  # serialization failure, deadlock
     ("55P03", StorageLocked),  # lock not available
+    ("25P03", StorageUnavailable),  # `idle_in_transaction_session_timeout` ended the session
+    ("25P04", StorageUnavailable),  # `transaction_timeout` (PostgreSQL 17) ended the session
     ("25006", StorageReadOnly),  # read-only transaction (a standby)
     ("42501", StorageReadOnly),  # insufficient privilege: the DSN's user may not write there
     ("58", StorageIOError),  # system error (I/O)
@@ -220,6 +222,16 @@ REFUSAL_HINTS = {
     "a database or user set read-only (`default_transaction_read_only`)",
     # the server's statement_timeout (set on the database or the user, or in the server's
     # configuration), or an administrator's pg_cancel_backend
+    # the server's session timeouts: a session ended by them is made again at its next use
+    "25P03": "; the server ended the session while its transaction waited between two "
+    "statements: an `idle_in_transaction_session_timeout` set on the server, the database or "
+    "the user shorter than metanode's transactions wait (on a busy machine, up to seconds; "
+    "raise it, or lift it for the node: ALTER ROLE … SET idle_in_transaction_session_timeout "
+    "= 0)",
+    "25P04": "; the server ended the session for the length of its transaction: a "
+    "`transaction_timeout` set on the server, the database or the user shorter than "
+    "metanode's transactions take (lift it for the node: ALTER ROLE … SET "
+    "transaction_timeout = 0)",
     "57014": "; the server cancelled the statement: a `statement_timeout` set on the database "
     "or the user shorter than metanode's statements take (lift it: ALTER ROLE … RESET "
     "statement_timeout), or pg_cancel_backend",

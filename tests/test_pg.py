@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -731,6 +732,12 @@ def test_a_feed_stream_stays_open_through_an_outage_and_goes_on_without_a_gap(
     [
         ("default_transaction_read_only = on", "storage_read_only", "read-only transaction"),
         ("statement_timeout = 1", "storage_unavailable", "statement_timeout"),
+        (
+            "idle_in_transaction_session_timeout = 20",
+            "storage_unavailable",
+            # the server's FATAL, or only the closed socket when it was gone before read
+            "idle_in_transaction_session_timeout|server closed the connection",
+        ),
     ],
 )
 def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
@@ -739,8 +746,11 @@ def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
     """A session keeps `ALTER DATABASE … SET` from its start. A writer made while the database
     was set read-only, or with a `statement_timeout` shorter than its statements, kept failing
     after the setting was lifted, for as long as its connection lived (for ever: each probe
-    failed with it), until the node was restarted; and the timeout was a 500 `internal_error`
-    with a traceback per request. Now it is typed (a 503) and the connection is made again."""
+    failed with it), until the node was restarted; and the timeouts were a 500
+    `internal_error` with a traceback per request (a server's idle-in-transaction timeout of
+    20 ms: 8 of 1,619 batches under a load of 3 replicas, and 19 tracebacks in the applier's
+    log in 30 s). Now they are typed (a 503 naming the setting) and the connection is made
+    again."""
     database = dsn.rsplit("/", 1)[1]
     with psycopg_connect(dsn) as admin:
         admin.execute(f'ALTER DATABASE "{database}" SET {setting}')
@@ -748,12 +758,14 @@ def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
 
     def write(conn: db.Connection) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS lifted (x INTEGER)")
+        time.sleep(0.1)  # the transaction idle between two statements, as on a busy machine
         conn.execute("SELECT pg_sleep(0.05)")
 
     try:
         with pytest.raises(StorageError) as refused:
             db.run_txn(conn, write)
-        assert refused.value.slug == slug and words in refused.value.message, refused.value
+        assert refused.value.slug == slug, refused.value
+        assert re.search(words, refused.value.message), refused.value
         with administer(dsn) as admin:
             admin.execute(f'ALTER DATABASE "{database}" RESET {setting.split()[0]}')
         db.run_txn(conn, write)  # the same store connection, its session made again
@@ -1290,6 +1302,7 @@ def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     assert typed("25006") == "storage_read_only" and typed("58030") == "storage_io_error"
     assert typed("42501") == "storage_read_only"  # the DSN's user may not create (a traceback)
     assert typed("57014") == "storage_unavailable"  # a statement_timeout (a 500, a traceback)
+    assert typed("25P03") == typed("25P04") == "storage_unavailable"  # session timeouts (500s)
     assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
     assert pg.storage_error(ValueError("x")) is None
 
