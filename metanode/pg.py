@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 import shutil
@@ -58,6 +59,8 @@ from metanode.errors import (
     StorageUnavailable,
     ToolMissing,
 )
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
@@ -542,17 +545,40 @@ class Connection:
 
     def _begin_writing(self, raw: Any) -> Cursor:
         """`BEGIN` and the store's advisory lock, as one statement is on SQLite: if the lock
-        is not had (`lock_timeout`, a lost connection) no transaction is left open."""
+        is not had (`lock_timeout`, a lost connection) no transaction is left open. A lock
+        not had within `lock_timeout` because its holder's transaction has waited on its
+        client as long (`end_stale_holders`: a process stopped, SIGSTOP or a frozen host,
+        inside a write) has that holder's session ended, so the next try gets it: the
+        server keeps such a session, and the lock, for as long as the process does not run,
+        and every writer of every replica failed `storage_locked` meanwhile."""
         raw.execute("BEGIN")
         self._writing = True
         try:
             return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
-        except BaseException:
+        except BaseException as exc:
             self._writing = False
             if self.in_transaction:
                 with contextlib.suppress(Exception):  # the lock's failure is the one to report
                     raw.execute("ROLLBACK")
+            if getattr(exc, "sqlstate", None) == "55P03":
+                self._end_stuck_writer(raw)
             raise
+
+    def _end_stuck_writer(self, raw: Any) -> None:
+        """`end_stale_holders` of this store's write lock, said in the log."""
+        waited_s = LOCK_TIMEOUT_MS / 1000
+        try:
+            ended = end_stale_holders(raw, self.target.lock_key, IN_TRANSACTION, waited_s)
+        except Exception as exc:  # no right to end it: the lock's failure is the one to report
+            log.warning("could not end the session holding %s's write lock: %s", self.target, exc)
+            return
+        for session in ended:
+            log.warning(
+                "the write lock of %s was held by a transaction idle for %s: its process "
+                "is stopped or cut off; its session was ended so that writes go on",
+                self.target,
+                session,
+            )
 
     def _server_cursor(self, raw: Any, text: str, params: Any) -> Any:
         cursor = raw.cursor(name=f"stream{len(self._cursors)}")
@@ -697,6 +723,38 @@ class AsyncReader:
 # -- the one applier of several replicas ------------------------------------------------------
 
 
+IDLE = ("idle",)
+IN_TRANSACTION = ("idle in transaction", "idle in transaction (aborted)")
+_STALE_HOLDERS = """
+SELECT a.pid, a.application_name, host(a.client_addr),
+       round(extract(epoch FROM clock_timestamp() - a.state_change)::numeric, 1),
+       pg_terminate_backend(a.pid)
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objsubid = 1
+  AND l.objid::bigint = %(key)s AND a.pid <> pg_backend_pid() AND a.state = ANY(%(states)s)
+  AND a.state_change < clock_timestamp() - make_interval(secs => %(stale)s)
+"""
+
+
+def end_stale_holders(raw: Any, key: int, states: Sequence[str], stale_s: float) -> list[str]:
+    """End (`pg_terminate_backend`) the sessions holding the advisory lock `key` whose state
+    is one of `states` and has not changed for `stale_s` seconds: sessions whose client has
+    not sent a statement for that long, by the server's clock. Such a client is a process that
+    does not run (SIGSTOP, a frozen host or VM) or a machine cut off while the server still
+    sees its connection: the server would keep the session, and the lock, for as long as the
+    process does not run (a network cut, until TCP gives up: minutes to hours). What each
+    ended session was, for the log. Needs the right to end them: the same user, or one
+    granted `pg_signal_backend`; another user's sessions are not even seen."""
+    rows = raw.execute(
+        _STALE_HOLDERS, {"key": key, "states": list(states), "stale": stale_s}
+    ).fetchall()
+    return [
+        f"{idle} s (backend pid {pid}, {name or 'no application_name'}, from "
+        f"{addr or 'a local socket'})"
+        for pid, name, addr, idle, _ in rows
+    ]
+
+
 class SessionLock:
     """A session-level advisory lock on a connection of its own: held for as long as that
     session lives, so a replica that dies (SIGKILL, a lost machine) frees it with its session,
@@ -716,6 +774,14 @@ class SessionLock:
             self._raw = _connect_raw(self.target)
         row = self._raw.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
         return bool(row[0])
+
+    def end_stale(self, stale_s: float) -> list[str]:
+        """End the session holding this lock if it has been idle `stale_s` or more
+        (`end_stale_holders`): its holder checks its session every `LEAD_TRY_S`
+        (`applier.Replica`), so one idle that long is a process that does not run (stopped,
+        frozen) but whose session the server keeps, with the lock, for ever. Call after an
+        `acquire` that did not get it; the next `acquire` then does."""
+        return end_stale_holders(self._raw, self.key, IDLE, stale_s)
 
     def held(self) -> bool:
         """Whether the session that took the lock is still alive (a round trip), so the lock

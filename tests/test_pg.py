@@ -1228,6 +1228,40 @@ def test_a_lock_held_past_the_timeout_is_storage_locked(
         assert store.add_signer_sync(signer.uid, "s", 1, False).uid == signer.uid
 
 
+def test_a_write_lock_held_by_a_stopped_process_is_taken_back(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process stopped inside a write transaction (SIGSTOP, a frozen host) keeps the store's
+    write lock for as long as it does not run: the server keeps its session. Every writer of
+    every replica failed `storage_locked` meanwhile (a replica SIGSTOPped for 60 s under load:
+    writes elsewhere waited 30 s, then failed until it was continued). Now the writer that
+    waited `lock_timeout` ends the session whose transaction has waited on its client as
+    long, says so, and its probe then writes."""
+    monkeypatch.setattr(pg, "LOCK_TIMEOUT_MS", 300)
+    target = pg.Target(dsn, "truth")
+    signer = Signer()
+    with truth.TruthStore(target) as store:
+        stopped = pg.Connection(target, False)  # a write begun, then its process stopped
+        try:
+            stopped.execute("BEGIN IMMEDIATE")
+            with pytest.raises(StorageLocked):
+                store.add_signer_sync(signer.uid, "s", 1, False)
+            deadline = time.monotonic() + DEADLINE_S
+            while store.failure is not None:  # the writer's probe gets the lock
+                assert time.monotonic() < deadline, store.failure
+                time.sleep(0.05)
+            assert store.add_signer_sync(signer.uid, "s", 1, False).uid == signer.uid
+            with pytest.raises(Exception) as ended:  # its session was ended
+                stopped.execute("SELECT 1")
+            assert isinstance(pg.storage_error(ended.value), StorageUnavailable), ended.value
+        finally:
+            stopped.close()
+    said = [
+        r.getMessage() for r in caplog.records if "held by a transaction idle" in r.getMessage()
+    ]
+    assert said and "its session was ended" in said[0], said
+
+
 def test_a_server_on_postgresql_watches_runs_plugins_and_feeds(tmp_path: Path, dsn: str) -> None:
     """`metanode serve` on PostgreSQL with the watcher and the built-in plugins: a dropped file
     gets its record with the plugins' keys, a feed subscriber sees each key as it is set, and
