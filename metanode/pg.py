@@ -200,9 +200,31 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
         kind = StorageRefused if _login_refused(str(exc)) else StorageUnavailable
     if kind is None:
         return None
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    hint = LOGIN_HINT if kind is StorageRefused else REFUSAL_HINTS.get(state, "")
+    text = first_line(exc)
+    hint = LOGIN_HINT if kind is StorageRefused else REFUSAL_HINTS.get(state, slots_hint(text))
     return kind(f"the database failed: {f'{where}: ' if where else ''}{text}{hint}")
+
+
+def first_line(exc: BaseException | None) -> str:
+    """An error's first line (psycopg's go on with hints and the server's detail), or its
+    type's name if it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# The server's words when every connection slot is taken: `max_connections` reached, or only
+# the slots reserved for superusers left (psycopg gives a refused connection no SQLSTATE).
+_SLOTS_FULL = re.compile(r"too many clients|remaining connection slots are reserved")
+SLOTS_HINT = (
+    "; every connection slot of the server is taken (`max_connections`): other clients hold "
+    "them, or the server needs more for the replicas (each holds 7 connections, up to 23 "
+    "with its read pools full, and one more per feed snapshot being read; docs/scale-out.md)"
+)
+
+
+def slots_hint(text: str) -> str:
+    """`SLOTS_HINT` if `text` is the server refusing a connection for want of a slot."""
+    return SLOTS_HINT if _SLOTS_FULL.search(text) else ""
 
 
 # A refused login has no SQLSTATE in psycopg (libpq fails the connection before a result):
@@ -398,6 +420,7 @@ class Connection:
         self._stream = stream and readonly
         self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
         self._retry_at = 0.0  # no reconnection before this (`time.monotonic`), after a failed one
+        self._why = ""  # what the last failed reconnection was told (`_unreachable`)
         self._watchdog = Watchdog(LOOP_STATEMENT_S) if on_loop else None
         self._pending: Future[Any] | None = None  # a reconnection under way on its thread
         self._closed = False
@@ -427,13 +450,21 @@ class Connection:
             raise self._unreachable()
         try:
             self._raw = _connect_raw(self.target)
-        except Exception:
-            self._retry_at = time.monotonic() + RECONNECT_S
+        except Exception as exc:
+            self._connect_failed(exc)
             raise
         return self._raw
 
+    def _connect_failed(self, exc: BaseException) -> None:
+        self._retry_at = time.monotonic() + RECONNECT_S
+        self._why = first_line(exc)
+
     def _unreachable(self) -> StorageUnavailable:
-        return StorageUnavailable(f"the database failed: {self.target}: not reachable")
+        """What a statement fails with while no new connection is tried: the last attempt's
+        words, so that /health and the answers say why (the server down, starting up, its
+        connection slots full); a bare `not reachable` said none of that."""
+        why = f" (the last attempt: {self._why}{slots_hint(self._why)})" if self._why else ""
+        return StorageUnavailable(f"the database failed: {self.target}: not reachable{why}")
 
     def _reconnected(self) -> Any:
         """The loop's connection made again on a thread of its own (`_connect_into`). The read
@@ -458,7 +489,7 @@ class Connection:
                 self._raw.close()
                 self._raw = pending.result()
                 return self._raw
-            self._retry_at = time.monotonic() + RECONNECT_S
+            self._connect_failed(pending.exception())
         raise self._unreachable()
 
     def _connect_into(self, pending: Future[Any]) -> None:
@@ -509,7 +540,7 @@ class Connection:
         if getattr(exc, "sqlstate", None) in SESSION_SETTINGS:
             self._stale = True
         if sql == "COMMIT" and self._writing and _operational(exc) and (raw.closed or raw.broken):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise StorageUnavailable(
                 f"the database failed: {self.target}: the connection was lost during COMMIT "
                 f"({first}), so the write may or may not be stored: send it again (claims "

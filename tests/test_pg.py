@@ -9,6 +9,7 @@ test_groups, test_races, test_group_commit, test_rendered, test_feed_server, tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
@@ -790,6 +791,47 @@ def test_a_connection_lost_in_its_commit_says_the_write_may_be_stored(dsn: str) 
             db.run_txn(conn, write_then_lose)
     finally:
         conn.close()
+
+
+def test_a_server_whose_slots_are_full_is_said_to_be_full() -> None:
+    """Other clients holding every connection slot (`max_connections`): a connection the node
+    must make again is refused. Its reads, writes and /health said `not reachable`, nothing
+    of why; now the 503 names the server's words and what to do."""
+    cluster, why = start_cluster(("max_connections=8", "superuser_reserved_connections=0"))
+    if cluster is None:
+        pytest.skip(why)
+    held: list[Any] = []
+    try:
+        conn = pg.Connection(pg.Target(cluster.database(), "public"), readonly=True)
+        (pid,) = conn.execute("SELECT pg_backend_pid()").fetchone()
+        admin = psycopg_connect(cluster.dsn())
+        held.append(admin)
+        with contextlib.suppress(Exception):  # until the server refuses: every slot taken
+            while len(held) < 20:
+                held.append(psycopg_connect(cluster.dsn()))
+        admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+        with contextlib.suppress(Exception):  # the slot it freed is taken too
+            held.append(psycopg_connect(cluster.dsn()))
+        said = []
+        # the ended session, a reconnection refused, then the wait before the next one
+        for _attempt in range(3):
+            with pytest.raises(Exception) as refused:
+                conn.execute("SELECT 1")
+            error = refused.value
+            typed = error if isinstance(error, StorageError) else pg.storage_error(error)
+            assert isinstance(typed, StorageUnavailable), error
+            said.append(typed.message)
+        for message in said[1:]:
+            assert "too many clients" in message and "max_connections" in message, message
+        for other in held[1:]:
+            other.close()
+        time.sleep(pg.RECONNECT_S)  # the wait a failed reconnection sets, not a measurement
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        conn.close()
+    finally:
+        for other in held:
+            other.close()
+        cluster.stop()
 
 
 def test_an_unreachable_server_is_a_typed_storage_error(tmp_path: Path) -> None:
