@@ -341,6 +341,20 @@ def _connect_raw(target: Target) -> Any:
 
 
 _IN_TRANSACTION = (1, 2, 3)  # psycopg.pq.TransactionStatus ACTIVE, INTRANS, INERROR
+_ACTIVE = 1  # psycopg.pq.TransactionStatus: a command sent whose results were not all read
+
+
+def _wedged(raw: Any) -> bool:
+    """Whether a connection whose statement just failed is left unusable though open: still
+    in pipeline mode (psycopg's `executemany` runs in one, and a session ended by the server
+    mid-batch, an idle-in-transaction timeout, could leave it so) or with a command's results
+    unread. It then counts as in a transaction for ever, so it was never made again, and
+    every later statement failed (`cannot exit pipeline mode while busy`): the applier of a
+    replica failed every apply for 5 minutes after a low `idle_in_transaction_session_timeout`
+    was lifted, until it was restarted."""
+    if raw.closed:
+        return False
+    return bool(raw.pgconn.pipeline_status) or int(raw.info.transaction_status) == _ACTIVE
 
 
 def _cut(fd: int) -> None:
@@ -536,9 +550,12 @@ class Connection:
         writer is for ever, each of its probes failing with it. A write transaction whose
         connection was lost during its COMMIT may have committed or not (the server may have
         committed it before the connection went): said so, instead of `the database failed`,
-        which reads as nothing stored."""
+        which reads as nothing stored. One left busy (`_wedged`) is closed: made again at its
+        next use."""
         if getattr(exc, "sqlstate", None) in SESSION_SETTINGS:
             self._stale = True
+        if _wedged(raw):
+            raw.close()
         if sql == "COMMIT" and self._writing and _operational(exc) and (raw.closed or raw.broken):
             first = first_line(exc)
             raise StorageUnavailable(

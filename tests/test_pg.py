@@ -774,6 +774,31 @@ def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
         conn.close()
 
 
+def test_a_connection_left_in_pipeline_mode_is_made_again(dsn: str) -> None:
+    """A store connection that a failure left in pipeline mode with a query's results unread
+    (psycopg's `executemany` runs in one; a session ended by the server's
+    idle-in-transaction timeout mid-batch left the cache writer of an applier so) counted as
+    in a transaction for ever: never made again, every apply failed (`cannot exit pipeline
+    mode while busy`) until the node was restarted. Now it is closed after that failure and
+    made again at its next transaction."""
+    conn = pg.Connection(pg.Target(dsn, "public"), readonly=False)
+
+    def write(conn: db.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS wedged (x INTEGER)")
+        conn.executemany("INSERT INTO wedged VALUES (?)", [(1,), (2,)])
+
+    try:
+        raw = conn._raw  # the state such a failure leaves, made on the real connection
+        raw.pgconn.enter_pipeline_mode()
+        raw.pgconn.send_query_params(b"SELECT 1", None)
+        with pytest.raises(StorageUnavailable):
+            db.run_txn(conn, write)
+        db.run_txn(conn, write)  # made again
+        assert conn.execute("SELECT count(*) FROM wedged").fetchone() == (2,)
+    finally:
+        conn.close()
+
+
 def test_a_connection_lost_in_its_commit_says_the_write_may_be_stored(dsn: str) -> None:
     """A write whose connection is lost when its COMMIT is sent may have committed before the
     server went (35 claims of 100 a restart's clients were refused were stored): its 503 said
