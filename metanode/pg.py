@@ -469,7 +469,7 @@ class Connection:
             raise
         return self._raw
 
-    def _connect_failed(self, exc: BaseException) -> None:
+    def _connect_failed(self, exc: BaseException | None) -> None:
         self._retry_at = time.monotonic() + RECONNECT_S
         self._why = first_line(exc)
 
