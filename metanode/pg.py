@@ -818,10 +818,23 @@ class SessionLock:
     def acquire(self) -> bool:
         """Whether this session holds the lock now (taken now or before); never waits for it.
         A lost session is reconnected first: whatever it held went with it."""
-        if self._raw is None or self._raw.closed or self._raw.broken:
-            self._raw = _connect_raw(self.target)
-        row = self._raw.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
+        with self._typed():
+            if self._raw is None or self._raw.closed or self._raw.broken:
+                self._raw = _connect_raw(self.target)
+            row = self._raw.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
         return bool(row[0])
+
+    @contextlib.contextmanager
+    def _typed(self) -> Iterator[None]:
+        """A failure of the server as its typed `StorageError`: one line for the log, with
+        the hint (full slots, a setting) that psycopg's several lines lack."""
+        try:
+            yield
+        except Exception as exc:
+            typed = storage_error(exc, self.target)
+            if typed is None:
+                raise
+            raise typed from exc
 
     def end_stale(self, stale_s: float) -> list[str]:
         """End the session holding this lock if it has been idle `stale_s` or more
@@ -829,7 +842,8 @@ class SessionLock:
         (`applier.Replica`), so one idle that long is a process that does not run (stopped,
         frozen) but whose session the server keeps, with the lock, for ever. Call after an
         `acquire` that did not get it; the next `acquire` then does."""
-        return end_stale_holders(self._raw, self.key, IDLE, stale_s)
+        with self._typed():
+            return end_stale_holders(self._raw, self.key, IDLE, stale_s)
 
     def held(self) -> bool:
         """Whether the session that took the lock is still alive (a round trip), so the lock
