@@ -395,6 +395,12 @@ async def _never() -> bool:
 
 
 LEAD_TRY_S = 0.5  # how often a following replica tries the applier lock, and the leader checks it
+# A leader whose lock session has sent nothing for this long (it checks it every LEAD_TRY_S) is
+# a process that does not run (SIGSTOP, a frozen host): a follower ends its session and leads.
+LEAD_STALE_S = 10.0
+# A leader applies only while it saw its lock held this recently: one that resumes after being
+# stopped longer checks its lock (and steps down if it was taken) before it writes the cache.
+LEAD_FRESH_S = 4 * LEAD_TRY_S
 
 
 class Replica(Follower):
@@ -440,6 +446,8 @@ class Replica(Follower):
         self._trying_fails = False
         self._watching: asyncio.Task[None] | None = None
         self._starting: asyncio.Task[None] | None = None  # `_start_services`
+        self._confirmed = 0.0  # when the lock was last seen held (`_watch_truth`)
+        self._held_back = False  # an apply waits for the lock to be seen held (`_apply`)
 
     def hand(self, result: truth.IngestResult) -> None:
         """Kept only by the leader: a follower's ingests are applied by another process (which
@@ -469,6 +477,7 @@ class Replica(Follower):
     async def _leading(self) -> None:
         """Start the node's services and apply, until this replica stops or loses the lock."""
         self.leading = True
+        self._confirmed = time.monotonic()
         log.info("this replica holds the applier lock: it applies and runs the node's services")
         self._watching = asyncio.create_task(self._watch_truth(), name="applier-poll")
         self._starting = asyncio.create_task(self._start_services(), name="services-start")
@@ -517,6 +526,19 @@ class Replica(Follower):
     def _ending(self) -> bool:
         return self._stopping or self._lost
 
+    async def _apply(self) -> None:
+        """Apply, if the lock was seen held within `LEAD_FRESH_S`. A leader stopped for longer
+        (SIGSTOP, a frozen host) may have lost the lock to a follower meanwhile
+        (`LEAD_STALE_S`); when it runs again, its apply loop may come before its check of the
+        lock, so the apply waits for that check (`_watch_truth`, within `LEAD_TRY_S`), which
+        either sees the lock still held or steps this replica down: it never applies as a
+        second applier. (Two would still be correct, the cache's write lock serialising them,
+        only wasteful.)"""
+        if time.monotonic() - self._confirmed > LEAD_FRESH_S:
+            self._held_back = True  # `_watch_truth` wakes the loop again after its check
+            return
+        await super()._apply()
+
     async def _watched_stop(self) -> None:
         """Stop watching the truth and the lock (`_watch_truth`), and starting the services
         (`_start_services`: the caller stops what it started)."""
@@ -544,6 +566,8 @@ class Replica(Follower):
         self._tried = time.monotonic()
         try:
             taken = await asyncio.to_thread(self._lock.acquire)
+            if not taken:
+                self._say_ended(await asyncio.to_thread(self._lock.end_stale, LEAD_STALE_S))
         except Exception as exc:  # the server is away: keep following, try again later
             if not self._trying_fails:  # said once, not twice a second for the whole outage
                 log.warning("trying the applier lock failed (%s); will retry", exc)
@@ -553,6 +577,15 @@ class Replica(Follower):
             log.info("the applier lock can be tried again")
         self._trying_fails = False
         return taken
+
+    @staticmethod
+    def _say_ended(sessions: list[str]) -> None:
+        for session in sessions:
+            log.warning(
+                "the applier lock's holder has not checked its session for %s: its process "
+                "is stopped or cut off; its session was ended and this replica takes the lock",
+                session,
+            )
 
     async def _watch_truth(self) -> None:
         """Wake the apply when the truth's outbox moved past what was applied (other replicas'
@@ -589,6 +622,10 @@ class Replica(Follower):
                             self._lost = True
                             self.wake()
                             return
+                    self._confirmed = time.monotonic()
+                    if self._held_back:  # an apply held back for want of this check goes on
+                        self._held_back = False
+                        self.wake()
                 except Exception as exc:  # the server is away: try again at the next turn
                     if not retake_fails:
                         log.warning("taking the applier lock again failed (%s); will retry", exc)

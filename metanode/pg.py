@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import re
 import shutil
@@ -58,6 +59,8 @@ from metanode.errors import (
     StorageUnavailable,
     ToolMissing,
 )
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 10
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
@@ -171,6 +174,8 @@ _SQLSTATE: tuple[tuple[str, type[StorageError]], ...] = (
     ("57014", StorageUnavailable),  # query canceled: `statement_timeout`, pg_cancel_backend
     ("40", StorageLocked),  # serialization failure, deadlock
     ("55P03", StorageLocked),  # lock not available
+    ("25P03", StorageUnavailable),  # `idle_in_transaction_session_timeout` ended the session
+    ("25P04", StorageUnavailable),  # `transaction_timeout` (PostgreSQL 17) ended the session
     ("25006", StorageReadOnly),  # read-only transaction (a standby)
     ("42501", StorageReadOnly),  # insufficient privilege: the DSN's user may not write there
     ("58", StorageIOError),  # system error (I/O)
@@ -195,9 +200,31 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
         kind = StorageRefused if _login_refused(str(exc)) else StorageUnavailable
     if kind is None:
         return None
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    hint = LOGIN_HINT if kind is StorageRefused else REFUSAL_HINTS.get(state, "")
+    text = first_line(exc)
+    hint = LOGIN_HINT if kind is StorageRefused else REFUSAL_HINTS.get(state, slots_hint(text))
     return kind(f"the database failed: {f'{where}: ' if where else ''}{text}{hint}")
+
+
+def first_line(exc: BaseException | None) -> str:
+    """An error's first line (psycopg's go on with hints and the server's detail), or its
+    type's name if it says nothing."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# The server's words when every connection slot is taken: `max_connections` reached, or only
+# the slots reserved for superusers left (psycopg gives a refused connection no SQLSTATE).
+_SLOTS_FULL = re.compile(r"too many clients|remaining connection slots are reserved")
+SLOTS_HINT = (
+    "; every connection slot of the server is taken (`max_connections`): other clients hold "
+    "them, or the server needs more for the replicas (each holds 7 connections, up to 23 "
+    "with its read pools full, and one more per feed snapshot being read; docs/scale-out.md)"
+)
+
+
+def slots_hint(text: str) -> str:
+    """`SLOTS_HINT` if `text` is the server refusing a connection for want of a slot."""
+    return SLOTS_HINT if _SLOTS_FULL.search(text) else ""
 
 
 # A refused login has no SQLSTATE in psycopg (libpq fails the connection before a result):
@@ -220,6 +247,16 @@ REFUSAL_HINTS = {
     "a database or user set read-only (`default_transaction_read_only`)",
     # the server's statement_timeout (set on the database or the user, or in the server's
     # configuration), or an administrator's pg_cancel_backend
+    # the server's session timeouts: a session ended by them is made again at its next use
+    "25P03": "; the server ended the session while its transaction waited between two "
+    "statements: an `idle_in_transaction_session_timeout` set on the server, the database or "
+    "the user shorter than metanode's transactions wait (on a busy machine, up to seconds; "
+    "raise it, or lift it for the node: ALTER ROLE … SET idle_in_transaction_session_timeout "
+    "= 0)",
+    "25P04": "; the server ended the session for the length of its transaction: a "
+    "`transaction_timeout` set on the server, the database or the user shorter than "
+    "metanode's transactions take (lift it for the node: ALTER ROLE … SET "
+    "transaction_timeout = 0)",
     "57014": "; the server cancelled the statement: a `statement_timeout` set on the database "
     "or the user shorter than metanode's statements take (lift it: ALTER ROLE … RESET "
     "statement_timeout), or pg_cancel_backend",
@@ -304,6 +341,20 @@ def _connect_raw(target: Target) -> Any:
 
 
 _IN_TRANSACTION = (1, 2, 3)  # psycopg.pq.TransactionStatus ACTIVE, INTRANS, INERROR
+_ACTIVE = 1  # psycopg.pq.TransactionStatus: a command sent whose results were not all read
+
+
+def _wedged(raw: Any) -> bool:
+    """Whether a connection whose statement just failed is left unusable though open: still
+    in pipeline mode (psycopg's `executemany` runs in one, and a session ended by the server
+    mid-batch, an idle-in-transaction timeout, could leave it so) or with a command's results
+    unread. It then counts as in a transaction for ever, so it was never made again, and
+    every later statement failed (`cannot exit pipeline mode while busy`): the applier of a
+    replica failed every apply for 5 minutes after a low `idle_in_transaction_session_timeout`
+    was lifted, until it was restarted."""
+    if raw.closed:
+        return False
+    return bool(raw.pgconn.pipeline_status) or int(raw.info.transaction_status) == _ACTIVE
 
 
 def _cut(fd: int) -> None:
@@ -383,6 +434,7 @@ class Connection:
         self._stream = stream and readonly
         self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
         self._retry_at = 0.0  # no reconnection before this (`time.monotonic`), after a failed one
+        self._why = ""  # what the last failed reconnection was told (`_unreachable`)
         self._watchdog = Watchdog(LOOP_STATEMENT_S) if on_loop else None
         self._pending: Future[Any] | None = None  # a reconnection under way on its thread
         self._closed = False
@@ -412,13 +464,21 @@ class Connection:
             raise self._unreachable()
         try:
             self._raw = _connect_raw(self.target)
-        except Exception:
-            self._retry_at = time.monotonic() + RECONNECT_S
+        except Exception as exc:
+            self._connect_failed(exc)
             raise
         return self._raw
 
+    def _connect_failed(self, exc: BaseException | None) -> None:
+        self._retry_at = time.monotonic() + RECONNECT_S
+        self._why = first_line(exc)
+
     def _unreachable(self) -> StorageUnavailable:
-        return StorageUnavailable(f"the database failed: {self.target}: not reachable")
+        """What a statement fails with while no new connection is tried: the last attempt's
+        words, so that /health and the answers say why (the server down, starting up, its
+        connection slots full); a bare `not reachable` said none of that."""
+        why = f" (the last attempt: {self._why}{slots_hint(self._why)})" if self._why else ""
+        return StorageUnavailable(f"the database failed: {self.target}: not reachable{why}")
 
     def _reconnected(self) -> Any:
         """The loop's connection made again on a thread of its own (`_connect_into`). The read
@@ -443,7 +503,7 @@ class Connection:
                 self._raw.close()
                 self._raw = pending.result()
                 return self._raw
-            self._retry_at = time.monotonic() + RECONNECT_S
+            self._connect_failed(pending.exception())
         raise self._unreachable()
 
     def _connect_into(self, pending: Future[Any]) -> None:
@@ -490,11 +550,14 @@ class Connection:
         writer is for ever, each of its probes failing with it. A write transaction whose
         connection was lost during its COMMIT may have committed or not (the server may have
         committed it before the connection went): said so, instead of `the database failed`,
-        which reads as nothing stored."""
+        which reads as nothing stored. One left busy (`_wedged`) is closed: made again at its
+        next use."""
         if getattr(exc, "sqlstate", None) in SESSION_SETTINGS:
             self._stale = True
+        if _wedged(raw):
+            raw.close()
         if sql == "COMMIT" and self._writing and _operational(exc) and (raw.closed or raw.broken):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise StorageUnavailable(
                 f"the database failed: {self.target}: the connection was lost during COMMIT "
                 f"({first}), so the write may or may not be stored: send it again (claims "
@@ -530,17 +593,40 @@ class Connection:
 
     def _begin_writing(self, raw: Any) -> Cursor:
         """`BEGIN` and the store's advisory lock, as one statement is on SQLite: if the lock
-        is not had (`lock_timeout`, a lost connection) no transaction is left open."""
+        is not had (`lock_timeout`, a lost connection) no transaction is left open. A lock
+        not had within `lock_timeout` because its holder's transaction has waited on its
+        client as long (`end_stale_holders`: a process stopped, SIGSTOP or a frozen host,
+        inside a write) has that holder's session ended, so the next try gets it: the
+        server keeps such a session, and the lock, for as long as the process does not run,
+        and every writer of every replica failed `storage_locked` meanwhile."""
         raw.execute("BEGIN")
         self._writing = True
         try:
             return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
-        except BaseException:
+        except BaseException as exc:
             self._writing = False
             if self.in_transaction:
                 with contextlib.suppress(Exception):  # the lock's failure is the one to report
                     raw.execute("ROLLBACK")
+            if getattr(exc, "sqlstate", None) == "55P03":
+                self._end_stuck_writer(raw)
             raise
+
+    def _end_stuck_writer(self, raw: Any) -> None:
+        """`end_stale_holders` of this store's write lock, said in the log."""
+        waited_s = LOCK_TIMEOUT_MS / 1000
+        try:
+            ended = end_stale_holders(raw, self.target.lock_key, IN_TRANSACTION, waited_s)
+        except Exception as exc:  # no right to end it: the lock's failure is the one to report
+            log.warning("could not end the session holding %s's write lock: %s", self.target, exc)
+            return
+        for session in ended:
+            log.warning(
+                "the write lock of %s was held by a transaction idle for %s: its process "
+                "is stopped or cut off; its session was ended so that writes go on",
+                self.target,
+                session,
+            )
 
     def _server_cursor(self, raw: Any, text: str, params: Any) -> Any:
         cursor = raw.cursor(name=f"stream{len(self._cursors)}")
@@ -685,6 +771,38 @@ class AsyncReader:
 # -- the one applier of several replicas ------------------------------------------------------
 
 
+IDLE = ("idle",)
+IN_TRANSACTION = ("idle in transaction", "idle in transaction (aborted)")
+_STALE_HOLDERS = """
+SELECT a.pid, a.application_name, host(a.client_addr),
+       round(extract(epoch FROM clock_timestamp() - a.state_change)::numeric, 1),
+       pg_terminate_backend(a.pid)
+FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+WHERE l.locktype = 'advisory' AND l.granted AND l.classid = 0 AND l.objsubid = 1
+  AND l.objid::bigint = %(key)s AND a.pid <> pg_backend_pid() AND a.state = ANY(%(states)s)
+  AND a.state_change < clock_timestamp() - make_interval(secs => %(stale)s)
+"""
+
+
+def end_stale_holders(raw: Any, key: int, states: Sequence[str], stale_s: float) -> list[str]:
+    """End (`pg_terminate_backend`) the sessions holding the advisory lock `key` whose state
+    is one of `states` and has not changed for `stale_s` seconds: sessions whose client has
+    not sent a statement for that long, by the server's clock. Such a client is a process that
+    does not run (SIGSTOP, a frozen host or VM) or a machine cut off while the server still
+    sees its connection: the server would keep the session, and the lock, for as long as the
+    process does not run (a network cut, until TCP gives up: minutes to hours). What each
+    ended session was, for the log. Needs the right to end them: the same user, or one
+    granted `pg_signal_backend`; another user's sessions are not even seen."""
+    rows = raw.execute(
+        _STALE_HOLDERS, {"key": key, "states": list(states), "stale": stale_s}
+    ).fetchall()
+    return [
+        f"{idle} s (backend pid {pid}, {name or 'no application_name'}, from "
+        f"{addr or 'a local socket'})"
+        for pid, name, addr, idle, _ in rows
+    ]
+
+
 class SessionLock:
     """A session-level advisory lock on a connection of its own: held for as long as that
     session lives, so a replica that dies (SIGKILL, a lost machine) frees it with its session,
@@ -700,10 +818,32 @@ class SessionLock:
     def acquire(self) -> bool:
         """Whether this session holds the lock now (taken now or before); never waits for it.
         A lost session is reconnected first: whatever it held went with it."""
-        if self._raw is None or self._raw.closed or self._raw.broken:
-            self._raw = _connect_raw(self.target)
-        row = self._raw.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
+        with self._typed():
+            if self._raw is None or self._raw.closed or self._raw.broken:
+                self._raw = _connect_raw(self.target)
+            row = self._raw.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
         return bool(row[0])
+
+    @contextlib.contextmanager
+    def _typed(self) -> Iterator[None]:
+        """A failure of the server as its typed `StorageError`: one line for the log, with
+        the hint (full slots, a setting) that psycopg's several lines lack."""
+        try:
+            yield
+        except Exception as exc:
+            typed = storage_error(exc, self.target)
+            if typed is None:
+                raise
+            raise typed from exc
+
+    def end_stale(self, stale_s: float) -> list[str]:
+        """End the session holding this lock if it has been idle `stale_s` or more
+        (`end_stale_holders`): its holder checks its session every `LEAD_TRY_S`
+        (`applier.Replica`), so one idle that long is a process that does not run (stopped,
+        frozen) but whose session the server keeps, with the lock, for ever. Call after an
+        `acquire` that did not get it; the next `acquire` then does."""
+        with self._typed():
+            return end_stale_holders(self._raw, self.key, IDLE, stale_s)
 
     def held(self) -> bool:
         """Whether the session that took the lock is still alive (a round trip), so the lock

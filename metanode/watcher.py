@@ -766,15 +766,42 @@ class Watcher:
             self.failing, self._retry_s = None, RETRY_MIN_S
             return
 
+    async def _make_new_roots(self) -> None:
+        """Make each root that is no folder and that the cache knows no file under: a new
+        root. A known one is a disk away, watched once it is back. Knowing needs the database:
+        while it fails (an outage; a replica taking the applier lock just after a restart of
+        PostgreSQL, its read connection still waiting to reconnect) this is tried again after
+        `_retry_s`, doubling, `failing` saying why (/health). That read's failure stopped the
+        watcher for good, with a traceback, and /health said `the watcher has stopped` until
+        the node was restarted or another replica took the lead."""
+        while not self._stop.is_set():
+            missing = set(self.roots) - {r for r, _ in await asyncio.to_thread(self._present)}
+            try:
+                new = [root for root in sorted(missing) if not self._known_stats([root])]
+            except StorageError as exc:
+                if self.failing is None:  # said once, not at every try
+                    log.warning(
+                        "reading which watched roots are new failed (%s); trying again "
+                        "until it works",
+                        exc,
+                    )
+                self.failing = f"reading which watched roots are new failed: {exc}"
+                await _first_or_timeout(self._stop, self._retry_s)
+                self._retry_s = min(self._retry_s * 2, RETRY_MAX_S)
+                continue
+            for root in new:
+                _make_root(root)
+            if self.failing is not None:
+                log.info("the watched roots could be read again")
+            self.failing, self._retry_s = None, RETRY_MIN_S
+            return
+
     async def run(self) -> None:
         """Follow inotify, reconcile, then settle and rescan until `stop()`.
 
         inotify starts before the reconciliation so nothing that changes during it is missed.
         """
-        present = {root for root, _ in await asyncio.to_thread(self._present)}
-        for root in set(self.roots) - present:  # a new root is made; a known one is a disk away
-            if not self._known_stats([root]):
-                _make_root(root)
+        await self._make_new_roots()
         tasks = [asyncio.create_task(self._inotify_loop(), name="watcher-inotify")]
         tasks.append(asyncio.create_task(self._roots_loop(), name="watcher-roots"))
         try:
@@ -983,6 +1010,12 @@ class _Either:
 
     async def wait(self) -> None:
         await _first(*self._events)
+
+
+async def _first_or_timeout(event: asyncio.Event, seconds: float) -> None:
+    """Wait until `event` is set or `seconds` passed."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
 
 
 async def _first(*events: asyncio.Event) -> None:

@@ -9,8 +9,10 @@ test_groups, test_races, test_group_commit, test_rendered, test_feed_server, tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -586,6 +588,46 @@ async def test_plugin_runs_go_on_after_an_outage(
         await node.stop()
 
 
+async def test_a_watcher_started_in_an_outage_makes_its_root_once_the_database_answers(
+    tmp_path: Path, own_cluster: Cluster
+) -> None:
+    """A starting watcher asks the cache whether a missing root is new (made then) or a disk
+    away. A replica that takes the applier lock just after a restart of the server starts it
+    while its read connection still waits to reconnect: that read failed and stopped the
+    watcher for good, with a traceback, /health saying `the watcher has stopped` (5 minutes
+    under a load of 3 replicas, until another replica took the lead). Now it says why, tries
+    again, and once the database answers makes the root and watches it."""
+    media = tmp_path / "media"  # not made yet: a new root
+    node = Node(settings_for(tmp_path / "data", storage=own_cluster.database()))
+    await node.start()
+    watching = node._make_watcher([str(media)])
+    own_cluster.pause()
+    running = asyncio.create_task(watching.run())
+    try:
+        await until(lambda: watching.failing is not None, "the failed read said")
+        assert "watched roots" in str(watching.failing), watching.failing
+        assert not running.done() and not media.exists()
+        own_cluster.resume()
+        await until(media.is_dir, "the new root made once the database answers")
+        assert not running.done()
+        (media / "after.bin").write_bytes(b"a file in the root made after the outage")
+        cid = cids.midhash_bytes(b"a file in the root made after the outage")
+
+        def recorded() -> bool:
+            try:
+                return bool(node.meta(cid)["metadata"].get("filePath"))
+            except MetanodeError:  # not yet a record
+                return False
+
+        await until(recorded, "the file recorded: the watcher runs")
+        # a reconciliation failed in the reconnection's wait is retried: then nothing fails
+        await until(lambda: watching.failing is None, "the watcher's failures cleared")
+    finally:
+        watching.stop()
+        await asyncio.gather(running, return_exceptions=True)
+        await node.stop()
+
+
 def test_an_idle_connection_the_server_closed_is_made_again_before_use(
     own_cluster: Cluster,
 ) -> None:
@@ -692,6 +734,12 @@ def test_a_feed_stream_stays_open_through_an_outage_and_goes_on_without_a_gap(
     [
         ("default_transaction_read_only = on", "storage_read_only", "read-only transaction"),
         ("statement_timeout = 1", "storage_unavailable", "statement_timeout"),
+        (
+            "idle_in_transaction_session_timeout = 20",
+            "storage_unavailable",
+            # the server's FATAL, or only the closed socket when it was gone before read
+            "idle_in_transaction_session_timeout|server closed the connection",
+        ),
     ],
 )
 def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
@@ -700,8 +748,11 @@ def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
     """A session keeps `ALTER DATABASE … SET` from its start. A writer made while the database
     was set read-only, or with a `statement_timeout` shorter than its statements, kept failing
     after the setting was lifted, for as long as its connection lived (for ever: each probe
-    failed with it), until the node was restarted; and the timeout was a 500 `internal_error`
-    with a traceback per request. Now it is typed (a 503) and the connection is made again."""
+    failed with it), until the node was restarted; and the timeouts were a 500
+    `internal_error` with a traceback per request (a server's idle-in-transaction timeout of
+    20 ms: 8 of 1,619 batches under a load of 3 replicas, and 19 tracebacks in the applier's
+    log in 30 s). Now they are typed (a 503 naming the setting) and the connection is made
+    again."""
     database = dsn.rsplit("/", 1)[1]
     with psycopg_connect(dsn) as admin:
         admin.execute(f'ALTER DATABASE "{database}" SET {setting}')
@@ -709,15 +760,42 @@ def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
 
     def write(conn: db.Connection) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS lifted (x INTEGER)")
+        time.sleep(0.1)  # the transaction idle between two statements, as on a busy machine
         conn.execute("SELECT pg_sleep(0.05)")
 
     try:
         with pytest.raises(StorageError) as refused:
             db.run_txn(conn, write)
-        assert refused.value.slug == slug and words in refused.value.message, refused.value
+        assert refused.value.slug == slug, refused.value
+        assert re.search(words, refused.value.message), refused.value
         with administer(dsn) as admin:
             admin.execute(f'ALTER DATABASE "{database}" RESET {setting.split()[0]}')
         db.run_txn(conn, write)  # the same store connection, its session made again
+    finally:
+        conn.close()
+
+
+def test_a_connection_left_in_pipeline_mode_is_made_again(dsn: str) -> None:
+    """A store connection that a failure left in pipeline mode with a query's results unread
+    (psycopg's `executemany` runs in one; a session ended by the server's
+    idle-in-transaction timeout mid-batch left the cache writer of an applier so) counted as
+    in a transaction for ever: never made again, every apply failed (`cannot exit pipeline
+    mode while busy`) until the node was restarted. Now it is closed after that failure and
+    made again at its next transaction."""
+    conn = pg.Connection(pg.Target(dsn, "public"), readonly=False)
+
+    def write(conn: db.Connection) -> None:
+        conn.execute("CREATE TABLE IF NOT EXISTS wedged (x INTEGER)")
+        conn.executemany("INSERT INTO wedged VALUES (?)", [(1,), (2,)])
+
+    try:
+        raw = conn._raw  # the state such a failure leaves, made on the real connection
+        raw.pgconn.enter_pipeline_mode()
+        raw.pgconn.send_query_params(b"SELECT 1", None)
+        with pytest.raises(StorageUnavailable):
+            db.run_txn(conn, write)
+        db.run_txn(conn, write)  # made again
+        assert conn.execute("SELECT count(*) FROM wedged").fetchone() == (2,)
     finally:
         conn.close()
 
@@ -739,6 +817,47 @@ def test_a_connection_lost_in_its_commit_says_the_write_may_be_stored(dsn: str) 
             db.run_txn(conn, write_then_lose)
     finally:
         conn.close()
+
+
+def test_a_server_whose_slots_are_full_is_said_to_be_full() -> None:
+    """Other clients holding every connection slot (`max_connections`): a connection the node
+    must make again is refused. Its reads, writes and /health said `not reachable`, nothing
+    of why; now the 503 names the server's words and what to do."""
+    cluster, why = start_cluster(("max_connections=8", "superuser_reserved_connections=0"))
+    if cluster is None:
+        pytest.skip(why)
+    held: list[Any] = []
+    try:
+        conn = pg.Connection(pg.Target(cluster.database(), "public"), readonly=True)
+        (pid,) = conn.execute("SELECT pg_backend_pid()").fetchone()
+        admin = psycopg_connect(cluster.dsn())
+        held.append(admin)
+        with contextlib.suppress(Exception):  # until the server refuses: every slot taken
+            while len(held) < 20:
+                held.append(psycopg_connect(cluster.dsn()))
+        admin.execute("SELECT pg_terminate_backend(%s, 10000)", (pid,))
+        with contextlib.suppress(Exception):  # the slot it freed is taken too
+            held.append(psycopg_connect(cluster.dsn()))
+        said = []
+        # the ended session, a reconnection refused, then the wait before the next one
+        for _attempt in range(3):
+            with pytest.raises(Exception) as refused:
+                conn.execute("SELECT 1")
+            error = refused.value
+            typed = error if isinstance(error, StorageError) else pg.storage_error(error)
+            assert isinstance(typed, StorageUnavailable), error
+            said.append(typed.message)
+        for message in said[1:]:
+            assert "too many clients" in message and "max_connections" in message, message
+        for other in held[1:]:
+            other.close()
+        time.sleep(pg.RECONNECT_S)  # the wait a failed reconnection sets, not a measurement
+        assert conn.execute("SELECT 1").fetchone() == (1,)
+        conn.close()
+    finally:
+        for other in held:
+            other.close()
+        cluster.stop()
 
 
 def test_an_unreachable_server_is_a_typed_storage_error(tmp_path: Path) -> None:
@@ -1002,6 +1121,8 @@ async def test_a_lock_that_cannot_be_taken_again_is_said_once(
         lines = [r.getMessage() for r in caplog.records if r.name == "metanode.applier"]
         assert sum("session was lost" in line for line in lines) == 1, lines
         assert sum("taking the applier lock again failed" in line for line in lines) == 1, lines
+        # typed: one line each (psycopg's own text runs on over several, its hint with it)
+        assert not [line for line in lines if "\n" in line], lines
         with administer(dsn) as admin:
             admin.execute(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
         await until(lambda: tries >= 5 and not leader.applier._lost, "the lock taken again")
@@ -1233,6 +1354,40 @@ def test_a_lock_held_past_the_timeout_is_storage_locked(
         assert store.add_signer_sync(signer.uid, "s", 1, False).uid == signer.uid
 
 
+def test_a_write_lock_held_by_a_stopped_process_is_taken_back(
+    dsn: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process stopped inside a write transaction (SIGSTOP, a frozen host) keeps the store's
+    write lock for as long as it does not run: the server keeps its session. Every writer of
+    every replica failed `storage_locked` meanwhile (a replica SIGSTOPped for 60 s under load:
+    writes elsewhere waited 30 s, then failed until it was continued). Now the writer that
+    waited `lock_timeout` ends the session whose transaction has waited on its client as
+    long, says so, and its probe then writes."""
+    monkeypatch.setattr(pg, "LOCK_TIMEOUT_MS", 300)
+    target = pg.Target(dsn, "truth")
+    signer = Signer()
+    with truth.TruthStore(target) as store:
+        stopped = pg.Connection(target, False)  # a write begun, then its process stopped
+        try:
+            stopped.execute("BEGIN IMMEDIATE")
+            with pytest.raises(StorageLocked):
+                store.add_signer_sync(signer.uid, "s", 1, False)
+            deadline = time.monotonic() + DEADLINE_S
+            while store.failure is not None:  # the writer's probe gets the lock
+                assert time.monotonic() < deadline, store.failure
+                time.sleep(0.05)
+            assert store.add_signer_sync(signer.uid, "s", 1, False).uid == signer.uid
+            with pytest.raises(Exception) as ended:  # its session was ended
+                stopped.execute("SELECT 1")
+            assert isinstance(pg.storage_error(ended.value), StorageUnavailable), ended.value
+        finally:
+            stopped.close()
+    said = [
+        r.getMessage() for r in caplog.records if "held by a transaction idle" in r.getMessage()
+    ]
+    assert said and "its session was ended" in said[0], said
+
+
 def test_a_server_on_postgresql_watches_runs_plugins_and_feeds(tmp_path: Path, dsn: str) -> None:
     """`metanode serve` on PostgreSQL with the watcher and the built-in plugins: a dropped file
     gets its record with the plugins' keys, a feed subscriber sees each key as it is set, and
@@ -1307,6 +1462,7 @@ def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     assert typed("25006") == "storage_read_only" and typed("58030") == "storage_io_error"
     assert typed("42501") == "storage_read_only"  # the DSN's user may not create (a traceback)
     assert typed("57014") == "storage_unavailable"  # a statement_timeout (a 500, a traceback)
+    assert typed("25P03") == typed("25P04") == "storage_unavailable"  # session timeouts (500s)
     assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
     assert pg.storage_error(ValueError("x")) is None
 

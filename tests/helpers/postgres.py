@@ -23,10 +23,11 @@ from tools.bench.pgcluster import Cluster
 __all__ = ["BACKENDS", "Cluster", "Storages", "every_row", "start_cluster"]
 
 
-def start_cluster() -> tuple[Cluster | None, str]:
-    """A started cluster in a new temporary directory (`stop()` removes it), or (None, why
-    not)."""
-    return pgcluster.start_cluster(Path(tempfile.mkdtemp(prefix="metanode-pg-")), free_port())
+def start_cluster(options: tuple[str, ...] = ()) -> tuple[Cluster | None, str]:
+    """A started cluster in a new temporary directory (`stop()` removes it), with more server
+    settings (`name=value`) if given, or (None, why not)."""
+    root = Path(tempfile.mkdtemp(prefix="metanode-pg-"))
+    return pgcluster.start_cluster(root, free_port(), options=options)
 
 
 BACKENDS: Sequence[str] = ("sqlite", "postgresql")
