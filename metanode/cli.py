@@ -334,7 +334,7 @@ def init(config_file: str | None, data_dir: str | None, new_owner: bool, new_log
             renewed = maintenance.renew_log(settings)
             # the feed's ids after the backup's end would be given again to other events: a
             # reader holding one skipped them (a restored cache keeps its epoch)
-            state = maintenance.rebuild_cache(settings)
+            state = maintenance.rebuild_cache(settings).state
         click.echo(f"claim log: {renewed} (a new id: followers reconcile)")
         click.echo(f"cache rebuilt: feed epoch {state.epoch} (feed readers start from a snapshot)")
     click.echo(f"data directory: {settings.data_dir.resolve()}")
@@ -1007,8 +1007,16 @@ def peers_token_revoke(name: str, config_file: str | None, data_dir: str | None)
 @settings_options
 @reports_errors
 def rebuild_cache(config_file: str | None, data_dir: str | None) -> None:
-    """Recompute cache.db from truth.db under a new feed epoch (local files are kept)."""
-    state = maintenance.rebuild_cache(node_settings(config_file, data_dir))
+    """Recompute cache.db from truth.db under a new feed epoch (local files are kept; a
+    damaged cache.db is moved into replaced-<stamp>/ and built anew)."""
+    rebuilt = maintenance.rebuild_cache(node_settings(config_file, data_dir))
+    if rebuilt.aside is not None:
+        click.echo(
+            f"cache.db was damaged ({rebuilt.damage}): moved into {rebuilt.aside}, and built "
+            "anew from the truth (no claim is lost: the next start hashes the watched files "
+            "again and the plugins run again)"
+        )
+    state = rebuilt.state
     click.echo(f"rebuilt: epoch {state.epoch}, applied seq {state.applied_seq}")
 
 

@@ -158,6 +158,24 @@ CORRUPT_HINT = (
 )
 
 
+def damage(path: Path) -> str | None:
+    """What SQLite's `quick_check` finds wrong with the database file `path` (its first lines,
+    or the error that stopped it reading: a file that is no database), or None for a sound one
+    or none at all (missing, or empty: a database not made yet). A read of every page: for the
+    commands that mend a data directory (`rebuild-cache`, `check`), which must tell a damaged
+    file from a sound one before they trust it. A file it cannot read at all (permissions, a
+    failing disk) is that typed error."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        with storage_errors(path), closing(connect_file(path)) as conn:
+            rows = conn.execute("PRAGMA quick_check(5)").fetchall()
+    except StorageCorrupt as exc:
+        return str(exc.__cause__ or exc)
+    said = [str(row[0]) for row in rows]
+    return None if said == ["ok"] else "; ".join(said)
+
+
 def mapped(method: Callable[P, T]) -> Callable[P, T]:
     """A store's read method that raises a storage failure as its typed `StorageError`: a
     try/except around the call (not a context manager), as cheap as the primary-key reads on

@@ -212,10 +212,30 @@ def revoke_peer_token(settings: Settings, name: str) -> None:
 # -- the cache: rebuild, check ------------------------------------------------------------------
 
 
-def rebuild_cache(settings: Settings) -> cache.State:
-    """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files."""
+CACHE_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """What `rebuild-cache` did: the new cache's state, and, when cache.db was damaged, what
+    SQLite found wrong with it and the `replaced-<stamp>/` folder it was moved into."""
+
+    state: cache.State
+    damage: str | None = None
+    aside: Path | None = None
+
+
+def rebuild_cache(settings: Settings) -> Rebuilt:
+    """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files. A
+    damaged cache.db (SQLite's `quick_check`) cannot be rebuilt in place, since opening it
+    fails (the way out its own error names led back to it): it is moved, with its `-wal` and
+    `-shm`, into `replaced-<stamp>/` and a new one is built from the truth. Only what the cache
+    alone held goes with it: the watcher's file rows (the next start hashes the files again)
+    and the plugin runs (the plugins run again); every claim is in the truth."""
+    damage = None if settings.postgresql else db.damage(settings.cache_path)
+    aside = _move_aside(settings.data_dir, CACHE_FILES) if damage else None
     with truth_store(settings) as source, cache.CacheStore.configured(settings) as store:
-        return store.build_sync(source)
+        return Rebuilt(store.build_sync(source), damage, aside)
 
 
 @dataclass(frozen=True)
@@ -421,12 +441,7 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
     for name in ("cache.db", "cache.db-wal", "cache.db-shm"):  # first: it is the old truth's
         (settings.data_dir / name).unlink(missing_ok=True)
     replaced = ("truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else []))
-    present = [name for name in replaced if (settings.data_dir / name).exists()]
-    aside = None  # a new data directory (a new machine's) has nothing to keep: no empty folder
-    if present:
-        aside = _aside(settings.data_dir)
-        for name in present:
-            (settings.data_dir / name).rename(aside / name)
+    aside = _move_aside(settings.data_dir, replaced)
     incoming.rename(settings.truth_path)
     if keys is not None:
         keys_in.rename(settings.keys_dir)
@@ -447,6 +462,19 @@ def _keys_beside(backup: Path) -> Path:
     """The keys folder `backup` made beside `truth-<stamp>.db`: `keys-<stamp>`."""
     stamp = backup.name.removeprefix("truth-").removesuffix(".db")
     return backup.parent / f"keys-{stamp}"
+
+
+def _move_aside(data_dir: Path, names: Iterable[str]) -> Path | None:
+    """Move each of `names` that is in `data_dir` into a new `replaced-<stamp>/` there, and
+    return that folder; None when none is there (a new data directory, a new machine's, has
+    nothing to keep: no empty folder)."""
+    present = [name for name in names if (data_dir / name).exists()]
+    if not present:
+        return None
+    aside = _aside(data_dir)
+    for name in present:
+        (data_dir / name).rename(aside / name)
+    return aside
 
 
 def _aside(data_dir: Path) -> Path:

@@ -1,0 +1,96 @@
+"""A data directory damaged on disk (a failing SD card, a pulled plug, a careless `rm`): each
+damage found by `check`, refused by `serve` in words naming the file and the way out, and the
+way out that the words and docs/operations.md ("A damaged or lost file") name working."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from metanode import cid as cids
+from tests.helpers.claims import Signer
+
+CLAIMS = 400
+PAGE = 4096
+
+
+def metanode(*args: str) -> subprocess.CompletedProcess[str]:
+    """`metanode ARGS`, run to its end whatever it answers."""
+    return subprocess.run(
+        [sys.executable, "-m", "metanode", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
+    )
+
+
+def ok(*args: str) -> str:
+    """`metanode ARGS`, which must succeed: its standard output."""
+    done = metanode(*args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def refused(done: subprocess.CompletedProcess[str], slug: str) -> str:
+    """The one-line error of a command that must have refused with `slug`, exit 2, no traceback."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith(f"error: {slug}: "), done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    """A node made by `init`, holding CLAIMS imported claims and its built cache."""
+    data = tmp_path / "data"
+    ok("init", "--data-dir", str(data))
+    signer = Signer()
+    lines = (
+        json.dumps(signer.claim(cids.midhash_bytes(f"d{n}".encode()), "title", f"t{n}" * 40))
+        for n in range(CLAIMS)
+    )
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    ok("import", str(tmp_path / "in.jsonl"), "--register-signers", "--data-dir", str(data))
+    return data
+
+
+def scramble(path: Path, pages: int = 4) -> None:
+    """Random bytes over `pages` pages in the middle of `path`: a failing card's damage."""
+    middle = path.stat().st_size // PAGE // 2
+    with path.open("r+b") as damaged:
+        for n in range(pages):
+            damaged.seek((middle + 2 * n) * PAGE)
+            damaged.write(os.urandom(PAGE))
+
+
+@pytest.mark.parametrize("how", ["scrambled", "truncated", "no database"])
+def test_a_damaged_cache_is_rebuilt_by_the_command_its_error_names(data: Path, how: str) -> None:
+    """A damaged cache.db made `rebuild-cache`, the way out every storage_corrupt error names,
+    fail with that same error: it opened the damaged file to rebuild it. Now it is moved into
+    replaced-<stamp>/ and built anew from the truth, nothing of the truth lost."""
+    cache = data / "cache.db"
+    if how == "scrambled":
+        scramble(cache)
+    elif how == "truncated":
+        os.truncate(cache, cache.stat().st_size // 3)
+    else:
+        with cache.open("r+b") as damaged:
+            damaged.write(os.urandom(100))
+    said = ok("rebuild-cache", "--data-dir", str(data))
+    assert said.startswith("cache.db was damaged ("), said
+    (aside,) = data.glob("replaced-*")
+    assert f"moved into {aside}" in said
+    assert (aside / "cache.db").is_file() and cache.is_file()
+    assert ok("check", "--data-dir", str(data)).endswith(f"{CLAIMS} claims verified; clean\n")
+
+
+def test_a_sound_cache_is_rebuilt_in_place(data: Path) -> None:
+    """A sound cache.db is rebuilt where it is, nothing moved aside."""
+    said = ok("rebuild-cache", "--data-dir", str(data))
+    assert said.startswith("rebuilt: epoch ") and not list(data.glob("replaced-*"))
