@@ -410,6 +410,7 @@ def serve(
 def serve_node(settings: config.Settings, config_file: str | None) -> None:
     """`serve` once it holds the data directory: open, check, listen, say where, then serve in
     this process or as the supervisor of `settings.worker_count` workers."""
+    maintenance.refuse_lost_truth(settings)  # before open_store would make an empty one
     sock = listen(settings)  # first: a port in use makes no databases, keys or token
     maintenance.open_store(settings)
     maintenance.check_writable(settings)
@@ -1118,6 +1119,7 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
     ones, update their records; with a progress bar. Refused while `serve` runs on the data
     directory (its watcher does this)."""
     settings = load_settings(config_file, data_dir=data_dir, watch_enabled=False)
+    maintenance.refuse_lost_truth(settings)
 
     async def run() -> watcher.Summary:
         the_node = node.Node(settings)

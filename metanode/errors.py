@@ -508,6 +508,16 @@ class NoNode(MetanodeError):
     slug = "no_node"
 
 
+class TruthMissing(MetanodeError):
+    """truth.db is missing or empty in a data directory that held a node (its cache.db, its
+    instance id): a start would have begun an empty truth in its place, serving no claims and
+    rebuilding the cache from none, as if the box were new (a careless `rm`, a card that lost
+    the file). Refused until it is put back, or `metanode init` says to start over."""
+
+    status = 409
+    slug = "truth_missing"
+
+
 class PluginFailed(MetanodeError):
     """A plugin run by hand (`metanode plugins try`) raised: its error, with the line of its
     code that raised. (The node records a failed run instead: GET /api/plugins.)"""

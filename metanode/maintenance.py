@@ -40,6 +40,7 @@ from metanode.errors import (
     OwnerKey,
     StorageError,
     TargetNotEmpty,
+    TruthMissing,
     UnknownPeer,
 )
 
@@ -122,11 +123,38 @@ def open_store(settings: Settings) -> None:
     cache.CacheStore.configured(settings).migrate()
 
 
+# what only a node that ran makes in its data directory, beside truth.db (`init` and the first
+# start): one of them there with no truth.db, and the truth was lost, not never made
+NODE_MARKS = ("cache.db", "instance-id")
+
+
+def refuse_lost_truth(settings: Settings) -> None:
+    """Raise `TruthMissing` when truth.db is missing or empty (0 bytes) but the data directory
+    held a node (`NODE_MARKS`): `serve` and `scan` would make an empty truth in its place and
+    serve no claims, `check` would call that clean. `init` is the one way to start over."""
+    path = settings.truth_path
+    if settings.postgresql or (path.is_file() and path.stat().st_size > 0):
+        return
+    marks = [name for name in NODE_MARKS if (settings.data_dir / name).exists()]
+    if not marks:
+        return
+    state = "empty (0 bytes)" if path.exists() else "missing"
+    raise TruthMissing(
+        f"{path} is {state}, but {settings.data_dir} held a node ({' and '.join(marks)} are "
+        "there): truth.db holds every claim, and a start would begin an empty one in its place. "
+        "Put it back: from a backup, `metanode restore <folder>/truth-<stamp>.db`; if it was "
+        "moved, move it back with its -wal and -shm (docs/operations.md, 'A damaged or lost "
+        "file'). To start this box over with no claims, run `metanode init` first"
+    )
+
+
 def require_node(settings: Settings) -> None:
     """Raise `NoNode` unless the data directory holds a node's truth (on SQLite its truth.db;
     on PostgreSQL the database is the node, whatever the folder): for the commands that read
     one (`backup`, `check`, `export`, ...), which would otherwise make an empty node in a
-    mistyped folder and report on it with success."""
+    mistyped folder and report on it with success; `TruthMissing` for one whose truth.db was
+    lost (`refuse_lost_truth`)."""
+    refuse_lost_truth(settings)
     if not settings.postgresql and not settings.truth_path.is_file():
         raise NoNode(
             f"{settings.data_dir} holds no node (no truth.db): name the data directory with "

@@ -14,6 +14,7 @@ import pytest
 
 from metanode import cid as cids
 from tests.helpers.claims import Signer
+from tests.helpers.server import free_port, serve_refused
 
 CLAIMS = 400
 PAGE = 4096
@@ -94,3 +95,39 @@ def test_a_sound_cache_is_rebuilt_in_place(data: Path) -> None:
     """A sound cache.db is rebuilt where it is, nothing moved aside."""
     said = ok("rebuild-cache", "--data-dir", str(data))
     assert said.startswith("rebuilt: epoch ") and not list(data.glob("replaced-*"))
+
+
+@pytest.mark.parametrize("how", ["deleted", "emptied"])
+def test_a_lost_truth_is_refused_and_put_back_from_the_backup(
+    data: Path, tmp_path: Path, how: str
+) -> None:
+    """truth.db deleted (a careless `rm`) or emptied to 0 bytes (a card that lost it): `serve`
+    made an empty truth in its place, served no claims and rebuilt the cache from none, and
+    `check` said `0 claims verified; clean`. Now both refuse, naming the file and the way
+    out; `restore` of the backup brings every claim back, and `init` starts over on purpose."""
+    ok("backup", str(tmp_path / "backups"), "--data-dir", str(data))
+    truth = data / "truth.db"
+    if how == "deleted":
+        for name in ("truth.db", "truth.db-wal", "truth.db-shm"):
+            (data / name).unlink(missing_ok=True)
+    else:
+        truth.write_bytes(b"")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    started = serve_refused(tmp_path, env, "--data-dir", str(data), "--port", str(free_port()))
+    said = refused(started, "truth_missing")
+    assert f"{truth} is {'missing' if how == 'deleted' else 'empty (0 bytes)'}" in said
+    assert "`metanode restore <folder>/truth-<stamp>.db`" in said
+    assert (truth.stat().st_size == 0) if how == "emptied" else not truth.exists()  # none made
+    for command in ("check", "export", "scan"):
+        extra = [str(tmp_path)] if command == "scan" else []
+        refused(metanode(command, *extra, "--data-dir", str(data)), "truth_missing")
+    (backup,) = (tmp_path / "backups").glob("truth-*.db")
+    ok("restore", str(backup), "--data-dir", str(data))
+    assert ok("check", "--data-dir", str(data)).endswith(f"{CLAIMS} claims verified; clean\n")
+
+
+def test_init_starts_a_box_over_after_its_truth_was_lost(data: Path) -> None:
+    """With no backup, `init` is the way to start over, said on purpose: then a start works."""
+    (data / "truth.db").unlink()
+    ok("init", "--data-dir", str(data))
+    assert ok("check", "--data-dir", str(data)).endswith("0 claims verified; clean\n")
