@@ -416,7 +416,8 @@ def serve_node(settings: config.Settings, config_file: str | None) -> None:
     maintenance.check_writable(settings)
     maintenance.adopt_owner(settings)  # a replica given a fresh data directory: refused
     token, created = maintenance.ensure_token(settings.token_path)
-    maintenance.ensure_token(settings.instance_path)  # made once, before any worker reads it
+    for made_once in (settings.instance_path, settings.session_secret_path):  # before any
+        maintenance.ensure_token(made_once)  # worker reads it: a damaged one refused here
     url = settings.page_url  # under `root_path`, the page's address (it answers there too)
     count = settings.worker_count
     # the storage: after `migrate-storage`, a start without `storage` serves the old SQLite

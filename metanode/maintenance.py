@@ -48,11 +48,13 @@ from metanode.errors import (
 
 
 def ensure_token(path: Path) -> tuple[str, bool]:
-    """The API token, created (mode 0600) on first start: (token, created now)."""
+    """The API token (or the session secret, the instance id: made alike), created (mode 0600)
+    on first start: (token, created now). One left empty or unreadable (a full disk when it
+    was written, a damaged card) is refused naming it (`read_token`)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return path.read_text(encoding="ascii").strip(), False
+        return read_token(path), False
     token = secrets.token_urlsafe(32)
     with os.fdopen(fd, "w") as out:
         out.write(token + "\n")
@@ -121,6 +123,23 @@ def open_store(settings: Settings) -> None:
     datadir.secure(settings.data_dir)
     truth.TruthStore.configured(settings).migrate()
     cache.CacheStore.configured(settings).migrate()
+
+
+def read_token(path: Path) -> str:
+    """The token in `path`, which must be one line of printable ASCII: an empty one was taken
+    as is and no request could name it (every token was refused), a damaged one stopped the
+    start with a traceback. Either is `FileFailed` saying how a new one is made."""
+    with db.storage_errors(path):
+        raw = path.read_bytes()
+    token = raw.strip()
+    if token and token.isascii() and all(0x21 <= byte < 0x7F for byte in token):
+        return token.decode("ascii")
+    state = "empty" if not token else "damaged (not one line of printable ASCII)"
+    printed = " and prints it once" if path.name == "api-token" else ""
+    raise FileFailed(
+        f"{path} is {state}: remove it and start the node again, which makes a new one{printed} "
+        "(docs/operations.md, 'A damaged or lost file')"
+    )
 
 
 # what only a node that ran makes in its data directory, beside truth.db (`init` and the first

@@ -14,7 +14,7 @@ import pytest
 
 from metanode import cid as cids
 from tests.helpers.claims import Signer
-from tests.helpers.server import free_port, serve_refused
+from tests.helpers.server import Server, free_port, serve_refused
 
 CLAIMS = 400
 PAGE = 4096
@@ -41,9 +41,10 @@ def ok(*args: str) -> str:
 def refused(done: subprocess.CompletedProcess[str], slug: str) -> str:
     """The one-line error of a command that must have refused with `slug`, exit 2, no traceback."""
     assert done.returncode == 2, done.stdout + done.stderr
-    assert done.stderr.startswith(f"error: {slug}: "), done.stderr
+    last = done.stderr.rstrip().splitlines()[-1]  # after any warning logged on the way
+    assert last.startswith(f"error: {slug}: "), done.stderr
     assert "Traceback" not in done.stderr
-    return done.stderr
+    return last
 
 
 @pytest.fixture
@@ -131,3 +132,26 @@ def test_init_starts_a_box_over_after_its_truth_was_lost(data: Path) -> None:
     (data / "truth.db").unlink()
     ok("init", "--data-dir", str(data))
     assert ok("check", "--data-dir", str(data)).endswith("0 claims verified; clean\n")
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [("api-token", b""), ("api-token", b"\x89\xfe\x00garbage"), ("session-secret", b"\xff\x00")],
+)
+def test_a_damaged_token_file_is_refused_and_made_anew_once_removed(
+    data: Path, tmp_path: Path, name: str, content: bytes
+) -> None:
+    """An empty api-token started a node that refused every token (no request can send an
+    empty one); a damaged one stopped the start with a UnicodeDecodeError traceback. Now the
+    start is refused naming the file; removed, the next start makes a new one."""
+    (data / name).write_bytes(content)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    started = serve_refused(tmp_path, env, "--data-dir", str(data), "--port", str(free_port()))
+    said = refused(started, "file_failed")
+    assert said.startswith(f"error: file_failed: {data / name} is ") and "remove it" in said
+    (data / name).unlink()
+    server = Server(data).start()
+    try:
+        assert (data / name).read_text().strip() and server.meta(cids.midhash_bytes(b"d1"))
+    finally:
+        server.stop()
