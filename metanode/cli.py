@@ -414,6 +414,7 @@ def serve_node(settings: config.Settings, config_file: str | None) -> None:
     sock = listen(settings)  # first: a port in use makes no databases, keys or token
     maintenance.open_store(settings)
     maintenance.check_writable(settings)
+    maintenance.check_keys(settings)  # before a worker or a plugin meets a damaged one
     maintenance.adopt_owner(settings)  # a replica given a fresh data directory: refused
     token, created = maintenance.ensure_token(settings.token_path)
     for made_once in (settings.instance_path, settings.session_secret_path):  # before any

@@ -35,6 +35,7 @@ from metanode.errors import (
     BadSignature,
     FileFailed,
     InvalidBatch,
+    InvalidKeyFile,
     InvalidRequest,
     NoNode,
     OwnerKey,
@@ -88,6 +89,35 @@ def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, list[
         former = store.claim_owner_sync(uid, adopt=new_owner)
         store.add_signer_sync(uid, OWNER_NAME, settings.owner_weight, True)
     return uid, former
+
+
+KEY_WAY_OUT = (
+    "put it back from the backup taken with the truth (`<backup folder>/keys-<stamp>/`, "
+    "copied into keys/), or, with none, move it out of keys/: the owner's is then made anew "
+    "and adopted with `metanode init --new-owner` (the old key's edits stay), a plugin's is "
+    "made anew at the next start and the plugin runs again under it (docs/operations.md, "
+    "'A damaged or lost file')"
+)
+
+
+def key_problems(settings: Settings) -> list[str]:
+    """Why each key file in keys/ (the owner's, the plugins', MetaMesh's writer's) cannot be
+    loaded, with the way out: `serve` refuses the first (a damaged plugin key crashed the
+    node's start, a worker restarted for ever), `check` lists them all."""
+    found = sorted(settings.keys_dir.glob("*.key")) if settings.keys_dir.is_dir() else []
+    problems = []
+    for path in found:
+        try:
+            keys.load(path)
+        except InvalidKeyFile as exc:
+            problems.append(f"{exc.message}: {KEY_WAY_OUT}")
+    return problems
+
+
+def check_keys(settings: Settings) -> None:
+    """Raise `InvalidKeyFile` for the first key file that cannot be loaded (`key_problems`)."""
+    if problems := key_problems(settings):
+        raise InvalidKeyFile(problems[0])
 
 
 def renew_log(settings: Settings) -> str:
@@ -319,6 +349,7 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
         if not unbuilt:
             fresh.build_sync(source, files)
             differences += live.diff(fresh)
+        differences += key_problems(settings)
         bad, count = [], 0
         for claim in source.claims():
             count += 1

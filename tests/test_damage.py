@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,28 @@ def test_a_damaged_token_file_is_refused_and_made_anew_once_removed(
         assert (data / name).read_text().strip() and server.meta(cids.midhash_bytes(b"d1"))
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("name", ["owner", "fileinfo"])
+def test_a_damaged_key_file_is_found_and_refused_with_the_way_back(
+    data: Path, tmp_path: Path, name: str
+) -> None:
+    """A damaged plugin key let `serve` start and its owner worker die at every restart with a
+    traceback, and `check` said clean; a damaged owner key was refused without a word of what
+    to do. Now `check` lists it (exit 1), `serve` refuses naming it and the way back, and the
+    key copied back from the backup serves again."""
+    server = Server(data, env={"METANODE_PLUGINS_ENABLED": "true"}).start()  # the plugins' keys
+    server.stop()
+    ok("backup", str(tmp_path / "backups"), "--data-dir", str(data))
+    key = data / "keys" / f"{name}.key"
+    key.write_bytes(os.urandom(120))
+    checked = metanode("check", "--data-dir", str(data))
+    assert checked.returncode == 1 and f"{key}: cannot read key file" in checked.stdout
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    started = serve_refused(tmp_path, env, "--data-dir", str(data), "--port", str(free_port()))
+    said = refused(started, "invalid_key_file")
+    assert said.startswith(f"error: invalid_key_file: {key}: cannot read key file (")
+    assert "`<backup folder>/keys-<stamp>/`" in said
+    (kept,) = (tmp_path / "backups").glob(f"keys-*/{name}.key")
+    shutil.copy(kept, key)
+    assert ok("check", "--data-dir", str(data)).endswith("clean\n")
