@@ -1039,6 +1039,10 @@ def check(config_file: str | None, data_dir: str | None) -> None:
 
 def _report_check(report: maintenance.CheckReport) -> None:
     """Print `check`'s differences and verdict; exit 1 unless clean."""
+    if report.damaged:
+        click.echo("\n".join(report.damaged))
+        click.echo("DAMAGED: nothing else was compared")
+        sys.exit(1)
     for line in report.differences + [f"bad signature: {b}" for b in report.bad_signatures]:
         click.echo(line)
     if report.unbuilt:  # after `restore`: a list of every record "missing" said nothing true

@@ -321,14 +321,43 @@ class CheckReport:
     bad_signatures: list[str]
     claims_checked: int
     unbuilt: bool = False  # the cache awaits a build (after `restore`): only signatures checked
+    damaged: list[str] = field(default_factory=list)  # nothing else checked (`damaged_files`)
 
     @property
     def clean(self) -> bool:
-        return not self.differences and not self.bad_signatures
+        return not self.differences and not self.bad_signatures and not self.damaged
+
+
+DAMAGE_WAY_OUT = {
+    "truth.db": "put it back from a backup, `metanode restore <folder>/truth-<stamp>.db`, "
+    "after saving what it still holds (docs/operations.md, 'A damaged or lost file')",
+    "cache.db": "run `metanode rebuild-cache`, which moves it aside and builds a new one from "
+    "the truth (nothing acknowledged is lost)",
+}
+
+
+def damaged_files(settings: Settings) -> list[str]:
+    """Each SQLite database of the data directory that `db.damage` finds damaged, with its way
+    out: `check` read the stores through the pages its comparison needs, so damage elsewhere
+    (an index, a table it does not compare) went unseen, and damage it met stopped it with an
+    error that did not always name the file."""
+    if settings.postgresql:
+        return []
+    paths = (settings.truth_path, settings.cache_path)
+    found = ((path, db.damage(path)) for path in paths)
+    return [
+        f"{path} is damaged ({damage}): {DAMAGE_WAY_OUT[path.name]}"
+        for path, damage in found
+        if damage is not None
+    ]
 
 
 def check(settings: Settings, scratch: Path) -> CheckReport:
-    """`metanode check`: the live cache against a fresh rebuild, and every stored signature."""
+    """`metanode check`: both databases read whole for damage (`damaged_files`: only that is
+    reported if any is), then the live cache against a fresh rebuild, and every stored
+    signature."""
+    if damaged := damaged_files(settings):
+        return CheckReport([], [], 0, damaged=damaged)
     with (
         truth_store(settings) as source,
         cache.CacheStore.configured(settings) as live,

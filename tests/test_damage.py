@@ -181,3 +181,18 @@ def test_a_damaged_key_file_is_found_and_refused_with_the_way_back(
     (kept,) = (tmp_path / "backups").glob(f"keys-*/{name}.key")
     shutil.copy(kept, key)
     assert ok("check", "--data-dir", str(data)).endswith("clean\n")
+
+
+@pytest.mark.parametrize("name", ["truth.db", "cache.db"])
+def test_check_reads_both_databases_for_damage_and_names_the_way_out(data: Path, name: str) -> None:
+    """`check` met damage only on the pages its comparison read, then stopped with an error
+    that did not always name the file (a damaged cache.db: `the data directory failed:
+    database disk image is malformed`). Now it reads each database whole first, names the
+    damaged one and its way out, exit 1."""
+    scramble(data / name)
+    checked = metanode("check", "--data-dir", str(data))
+    assert checked.returncode == 1, checked.stdout + checked.stderr
+    first, verdict = checked.stdout.splitlines()
+    assert first.startswith(f"{data / name} is damaged (") and verdict.startswith("DAMAGED")
+    way_out = "`metanode rebuild-cache`" if name == "cache.db" else "`metanode restore "
+    assert way_out in first
