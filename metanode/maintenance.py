@@ -37,12 +37,14 @@ from metanode.errors import (
     InvalidBatch,
     InvalidKeyFile,
     InvalidRequest,
+    MetanodeError,
     NoNode,
     OwnerKey,
     StorageError,
     TargetNotEmpty,
     TruthMissing,
     UnknownPeer,
+    storage_error,
 )
 
 # -- the store and the token ------------------------------------------------------------------
@@ -100,24 +102,28 @@ KEY_WAY_OUT = (
 )
 
 
-def key_problems(settings: Settings) -> list[str]:
+def key_problems(settings: Settings) -> list[MetanodeError]:
     """Why each key file in keys/ (the owner's, the plugins', MetaMesh's writer's) cannot be
     loaded, with the way out: `serve` refuses the first (a damaged plugin key crashed the
-    node's start, a worker restarted for ever), `check` lists them all."""
+    node's start, a worker restarted for ever), `check` lists them all. One it may not open
+    is a permission to mend, not damage: its typed `StorageError` says so."""
     found = sorted(settings.keys_dir.glob("*.key")) if settings.keys_dir.is_dir() else []
-    problems = []
+    problems: list[MetanodeError] = []
     for path in found:
         try:
+            path.open("rb").close()
             keys.load(path)
+        except OSError as exc:
+            problems.append(storage_error(exc) or FileFailed.of(exc))
         except InvalidKeyFile as exc:
-            problems.append(f"{exc.message}: {KEY_WAY_OUT}")
+            problems.append(InvalidKeyFile(f"{exc.message}: {KEY_WAY_OUT}"))
     return problems
 
 
 def check_keys(settings: Settings) -> None:
-    """Raise `InvalidKeyFile` for the first key file that cannot be loaded (`key_problems`)."""
+    """Raise the first of `key_problems`."""
     if problems := key_problems(settings):
-        raise InvalidKeyFile(problems[0])
+        raise problems[0]
 
 
 def renew_log(settings: Settings) -> str:
@@ -378,7 +384,7 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
         if not unbuilt:
             fresh.build_sync(source, files)
             differences += live.diff(fresh)
-        differences += key_problems(settings)
+        differences += [problem.message for problem in key_problems(settings)]
         bad, count = [], 0
         for claim in source.claims():
             count += 1

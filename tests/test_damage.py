@@ -21,10 +21,10 @@ CLAIMS = 400
 PAGE = 4096
 
 
-def metanode(*args: str) -> subprocess.CompletedProcess[str]:
-    """`metanode ARGS`, run to its end whatever it answers."""
+def metanode(*args: str, prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """`metanode ARGS` (under the command `prefix`), run to its end whatever it answers."""
     return subprocess.run(
-        [sys.executable, "-m", "metanode", *args],
+        [*prefix, sys.executable, "-m", "metanode", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -196,3 +196,25 @@ def test_check_reads_both_databases_for_damage_and_names_the_way_out(data: Path,
     assert first.startswith(f"{data / name} is damaged (") and verdict.startswith("DAMAGED")
     way_out = "`metanode rebuild-cache`" if name == "cache.db" else "`metanode restore "
     assert way_out in first
+
+
+# root may read anything; without these capabilities it meets the modes, as any user does
+NO_OVERRIDE = ("setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search", "--")
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+@pytest.mark.parametrize("name", ["truth.db", "cache.db", "api-token", "keys/owner.key"])
+def test_a_file_it_may_not_read_is_said_to_be_a_permission(data: Path, name: str) -> None:
+    """A `chmod 000` (or a copy made by root) was `Permission denied` and no more, a read-only
+    disk's slug beside it; an owner key it may not read was `cannot read key file`, which the
+    way out of a damaged key followed. Now each says whose it must be and how."""
+    (data / name).chmod(0)
+    started = metanode(
+        "serve", "--data-dir", str(data), "--port", str(free_port()), prefix=NO_OVERRIDE
+    )
+    said = refused(started, "storage_read_only")
+    assert f"{data / name}: Permission denied; the data directory and every file" in said
+    assert "`chown -R` them to it" in said
+    if name == "keys/owner.key":  # `check` reads no key: it lists one it cannot read
+        checked = metanode("check", "--data-dir", str(data), prefix=NO_OVERRIDE)
+        assert checked.returncode == 1 and "Permission denied; the data" in checked.stdout
