@@ -778,6 +778,51 @@ def _group_txn(
     return outcomes
 
 
+class LogWatch:
+    """The `-wal` and `-shm` of a SQLite database as its writer found them. Removed while the
+    node ran (a careless `rm`, a clean-up script), they stay open, unlinked: the writer went on
+    committing into a log no longer in the folder, so every commit since its last checkpoint
+    was lost at a kill or a power loss (1,000 acknowledged claims, tried), and a command
+    started meanwhile made new ones beside a node that did not read them. Seen after a commit
+    (`look`: two `stat`s), the log is checkpointed into the database file at once, saving
+    what it held, and every later write is refused (`refuse`) until the node is started
+    again, which makes new ones. Nothing to watch on PostgreSQL."""
+
+    def __init__(self, target: Target) -> None:
+        ends = ("-wal", "-shm") if isinstance(target, Path) else ()
+        self.paths = [Path(f"{target}{end}") for end in ends]
+        self.seen: dict[Path, tuple[int, int]] = {}
+        self.lost: StorageError | None = None
+
+    def refuse(self) -> None:
+        if self.lost is not None:
+            raise self.lost
+
+    def look(self, conn: Connection) -> None:
+        for path in self.paths:
+            try:
+                info = path.stat()
+                now: tuple[int, int] | None = (info.st_dev, info.st_ino)
+            except FileNotFoundError:
+                now = None
+            first = self.seen.get(path)
+            if first is None and now is not None:
+                self.seen[path] = now
+            elif first is not None and now != first and self.lost is None:
+                self._lose(conn, path)
+
+    def _lose(self, conn: Connection, path: Path) -> None:
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()
+        saved = "copied into the database file" if busy == 0 else "NOT all copied (busy)"
+        self.lost = StorageIOError(
+            f"the data directory failed: {path} was removed (or replaced) while the node ran: "
+            f"the commits it held were {saved}, and writes are refused until the node is "
+            "started again, which makes a new one (docs/operations.md, 'A damaged or lost "
+            "file')"
+        )
+        log.error("%s", self.lost.message)
+
+
 class Writer:
     """The single writer of one database: a thread that owns the only write connection.
 
@@ -813,6 +858,7 @@ class Writer:
         for pragma in pragmas:  # before the thread: some may not change inside a transaction
             self.conn.execute(pragma)
         self.failure: StorageError | None = None
+        self.logs = LogWatch(target)
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: Any = None  # a job `_gather` took but left for the next turn
@@ -850,9 +896,17 @@ class Writer:
         if not job.future.set_running_or_notify_cancel():
             return
         try:
-            job.future.set_result(run_txn(self.conn, job.fn, *job.args))
+            job.future.set_result(self._txn(job.fn, *job.args))
         except BaseException as exc:
             self._fail(job.future, exc)
+
+    def _txn(self, fn: Txn[T], *args: Any, before_commit: BeforeCommit | None = None) -> T:
+        """`run_txn` on this writer's connection, refused once its log files were removed, and
+        looking at them after each commit, before anyone is answered (`LogWatch`)."""
+        self.logs.refuse()
+        result = run_txn(self.conn, fn, *args, before_commit=before_commit)
+        self.logs.look(self.conn)
+        return result
 
     def backlog(self) -> tuple[int, float]:
         """(the jobs not yet committed, the one being run included; how many seconds the
@@ -957,9 +1011,7 @@ class Writer:
         self.groups += 1
         self.grouped += len(jobs)
         try:
-            outcomes = run_txn(
-                self.conn, _group_txn, jobs, self.combiners, before_commit=self.before_commit
-            )
+            outcomes = self._txn(_group_txn, jobs, self.combiners, before_commit=self.before_commit)
         except BaseException as exc:
             for job in jobs:
                 self._fail(job.future, exc)
@@ -999,6 +1051,9 @@ class Writer:
         self._next_probe = time.monotonic() + PROBE_S
 
     def _probe(self) -> None:
+        if self.logs.lost is not None:  # no probe mends it: a restart does
+            self._failed(self.logs.lost)
+            return
         try:
             probe(self.conn, self.path)
         except StorageError as exc:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from metanode import cid as cids
@@ -218,3 +220,46 @@ def test_a_file_it_may_not_read_is_said_to_be_a_permission(data: Path, name: str
     if name == "keys/owner.key":  # `check` reads no key: it lists one it cannot read
         checked = metanode("check", "--data-dir", str(data), prefix=NO_OVERRIDE)
         assert checked.returncode == 1 and "Permission denied; the data" in checked.stdout
+
+
+def accepted(server: Server, signer: Signer, tag: str, count: int) -> httpx.Response:
+    """POST `count` new claims of `signer` in one batch."""
+    batch = [
+        signer.claim(cids.midhash_bytes(f"{tag}{n}".encode()), "title", tag) for n in range(count)
+    ]
+    return httpx.post(
+        f"{server.url}/api/claims", json={"claims": batch}, headers=server.headers, timeout=60
+    )
+
+
+@pytest.mark.parametrize("name", ["truth.db-wal", "truth.db-shm"])
+def test_a_log_removed_under_a_running_node_loses_no_acknowledged_claim(
+    data: Path, name: str
+) -> None:
+    """`rm truth.db-wal` under a running node: it went on committing into the unlinked log,
+    answered 200, and a SIGKILL then lost every claim since the last checkpoint (1,000 of
+    1,000 acknowledged, tried). Now the first commit after the removal checkpoints the log
+    into truth.db, later writes are 503 `storage_io_error` naming the file, /health says so,
+    and every acknowledged claim survives the kill; the next start serves again."""
+    server = Server(data).start()
+    signer = Signer()
+    server.register(signer.uid, "w")
+    try:
+        assert accepted(server, signer, "before", 200).status_code == 200
+        (data / name).unlink()
+        assert accepted(server, signer, "after", 200).status_code == 200  # saved by the watch
+        refused = accepted(server, signer, "refused", 200)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"] == "storage_io_error"
+        assert f"{data / name} was removed" in refused.json()["message"]
+        (problem,) = httpx.get(f"{server.url}/health", timeout=10).json()["problems"]
+        assert problem.startswith("writes to truth.db are failing (storage_io_error")
+    finally:
+        server.stop(signal.SIGKILL)
+    exported = ok("export", "--data-dir", str(data)).splitlines()
+    assert len(exported) == CLAIMS + 400  # every acknowledged claim, none refused
+    server.start()
+    try:
+        assert accepted(server, signer, "again", 10).status_code == 200
+    finally:
+        server.stop()
