@@ -263,3 +263,46 @@ def test_a_log_removed_under_a_running_node_loses_no_acknowledged_claim(
         assert accepted(server, signer, "again", 10).status_code == 200
     finally:
         server.stop()
+
+
+def salvage_steps() -> str:
+    """The shell steps of docs/operations.md that save a damaged truth's claims: the test runs
+    them as written, so the page cannot drift from what works."""
+    page = (Path(__file__).parent.parent / "docs" / "operations.md").read_text()
+    start = page.index("```sh\n  # 1. what the damaged truth still holds")
+    block = page[start : page.index("```\n", start + 6)]
+    return "\n".join(line.removeprefix("  ") for line in block.splitlines()[1:])
+
+
+@pytest.mark.skipif(shutil.which("sqlite3") is None, reason="needs the sqlite3 command")
+def test_a_damaged_truth_keeps_every_claim_through_the_documented_salvage(
+    data: Path, tmp_path: Path
+) -> None:
+    """A damaged truth.db with a backup older than its last claims: the backup alone lost
+    them, and `export` of the damaged file stops at the damage. The steps the page gives
+    (salvage what SQLite still reads, restore the backup, import the salvage) keep every
+    claim not on a damaged page, and `check` is clean."""
+    ok("backup", str(tmp_path / "backups"), "--data-dir", str(data))
+    newer = Signer()
+    lines = (
+        json.dumps(newer.claim(cids.midhash_bytes(f"n{n}".encode()), "title", "after"))
+        for n in range(300)
+    )
+    (tmp_path / "newer.jsonl").write_text("\n".join(lines) + "\n")
+    ok("import", str(tmp_path / "newer.jsonl"), "--register-signers", "--data-dir", str(data))
+    scramble(data / "truth.db")
+    (backup,) = (tmp_path / "backups").glob("truth-*.db")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "metanode").write_text(f'#!/bin/sh\nexec {sys.executable} -m metanode "$@"\n')
+    (bin_dir / "metanode").chmod(0o755)
+    steps = salvage_steps().replace("backups/truth-<stamp>.db", str(backup))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    done = subprocess.run(
+        ["sh", "-ec", steps], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.rstrip().endswith("claims verified; clean")
+    kept = int(done.stdout.rstrip().splitlines()[-1].split()[0])
+    assert CLAIMS + 300 - 60 <= kept <= CLAIMS + 300  # at most the few on 4 damaged pages
