@@ -398,13 +398,27 @@ def serve(
         return
     with datadir.locked(settings.data_dir) as lock:  # held until the node stops
         if lock.unclean is not None:
-            log.warning(
-                "the last node on this data directory (pid %d) did not stop cleanly (killed, "
-                "crashed, or the machine went down): nothing it acknowledged is lost, as every "
-                "truth commit is on disk; the cache catches up from the truth",
-                lock.unclean,
-            )
+            after_unclean_stop(settings, lock.unclean)
         serve_node(settings, config_file)
+
+
+def after_unclean_stop(settings: config.Settings, pid: int) -> None:
+    """Say that the last node did not stop cleanly, once both databases were read for the
+    damage such a stop can leave (`maintenance.after_unclean_stop`: a damaged truth refuses
+    the start, a damaged cache is moved aside and built anew)."""
+    aside = maintenance.after_unclean_stop(settings)
+    log.warning(
+        "the last node on this data directory (pid %d) did not stop cleanly (killed, crashed, "
+        "or the machine went down): nothing it acknowledged is lost, as every truth commit is "
+        "on disk; the cache catches up from the truth",
+        pid,
+    )
+    if aside is not None:
+        log.warning(
+            "cache.db was damaged: moved into %s; it is built anew from the truth (nothing "
+            "acknowledged is lost)",
+            aside,
+        )
 
 
 def serve_node(settings: config.Settings, config_file: str | None) -> None:

@@ -40,6 +40,7 @@ from metanode.errors import (
     MetanodeError,
     NoNode,
     OwnerKey,
+    StorageCorrupt,
     StorageError,
     TargetNotEmpty,
     TruthMissing,
@@ -575,6 +576,24 @@ def _keys_beside(backup: Path) -> Path:
     """The keys folder `backup` made beside `truth-<stamp>.db`: `keys-<stamp>`."""
     stamp = backup.name.removeprefix("truth-").removesuffix(".db")
     return backup.parent / f"keys-{stamp}"
+
+
+def after_unclean_stop(settings: Settings) -> Path | None:
+    """Both databases read whole for damage (`db.damage`) before a start that follows a node
+    which did not stop cleanly (killed, crashed, the machine down: when a disk that lies about
+    its flushes leaves damage): a damaged truth.db refuses the start (`StorageCorrupt`, its way
+    out said), where it started and answered reads, degraded; a damaged cache.db is moved into
+    `replaced-<stamp>/`, returned, for the start to build a new one from the truth. A clean
+    stop's start reads neither: `quick_check` reads every page (seconds for a large box)."""
+    if settings.postgresql:
+        return None
+    if (damage := db.damage(settings.truth_path)) is not None:
+        raise StorageCorrupt(
+            f"{settings.truth_path} is damaged ({damage}): {DAMAGE_WAY_OUT['truth.db']}"
+        )
+    if db.damage(settings.cache_path) is None:
+        return None
+    return _move_aside(settings.data_dir, CACHE_FILES)
 
 
 def _move_aside(data_dir: Path, names: Iterable[str]) -> Path | None:

@@ -4,10 +4,12 @@ way out that the words and docs/operations.md ("A damaged or lost file") name wo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -66,11 +68,15 @@ def data(tmp_path: Path) -> Path:
 
 
 def scramble(path: Path, pages: int = 4) -> None:
-    """Random bytes over `pages` pages in the middle of `path`: a failing card's damage."""
-    middle = path.stat().st_size // PAGE // 2
+    """Random bytes over `pages` pages in use (table and index pages: SQLite's `dbstat`, not
+    the free pages the truth keeps in reserve, whose damage harms nothing) from the middle of
+    `path` on: a failing card's damage."""
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        used = [row[0] for row in conn.execute("SELECT pageno FROM dbstat ORDER BY pageno")]
+    hit = used[len(used) // 2 :: 2][:pages]
     with path.open("r+b") as damaged:
-        for n in range(pages):
-            damaged.seek((middle + 2 * n) * PAGE)
+        for number in hit:
+            damaged.seek((number - 1) * PAGE)
             damaged.write(os.urandom(PAGE))
 
 
@@ -306,3 +312,34 @@ def test_a_damaged_truth_keeps_every_claim_through_the_documented_salvage(
     assert done.stdout.rstrip().endswith("claims verified; clean")
     kept = int(done.stdout.rstrip().splitlines()[-1].split()[0])
     assert CLAIMS + 300 - 60 <= kept <= CLAIMS + 300  # at most the few on 4 damaged pages
+
+
+@pytest.mark.parametrize("name", ["cache.db", "truth.db"])
+def test_a_start_after_a_kill_reads_both_databases_for_damage(
+    data: Path, tmp_path: Path, name: str
+) -> None:
+    """Damage after an unclean stop (a pulled plug on a card that lies about its flushes)
+    started a node that answered from a damaged cache, or wrote to a damaged truth, `/health`
+    degraded. Now such a start reads both: a damaged cache.db is moved aside and built anew
+    (every claim kept), a damaged truth.db refuses the start with its way out."""
+    server = Server(data).start()
+    server.stop(signal.SIGKILL)
+    with contextlib.closing(sqlite3.connect(data / name)) as conn:  # as its checkpoints do
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")  # (a page the WAL holds hides damage)
+    scramble(data / name)
+    if name == "truth.db":
+        env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+        started = serve_refused(tmp_path, env, "--data-dir", str(data), "--port", str(free_port()))
+        said = refused(started, "storage_corrupt")
+        assert said.startswith(f"error: storage_corrupt: {data / name} is damaged (")
+        assert "`metanode restore <folder>/truth-<stamp>.db`" in said
+        return
+    server.start()
+    try:
+        assert any(m.startswith("cache.db was damaged: moved into") for m in server.log_messages())
+        assert server.meta(cids.midhash_bytes(b"d7"))
+    finally:
+        server.stop()
+    (aside,) = data.glob("replaced-*")
+    assert (aside / "cache.db").is_file()
+    assert ok("check", "--data-dir", str(data)).endswith(f"{CLAIMS} claims verified; clean\n")
