@@ -334,7 +334,7 @@ def init(config_file: str | None, data_dir: str | None, new_owner: bool, new_log
             renewed = maintenance.renew_log(settings)
             # the feed's ids after the backup's end would be given again to other events: a
             # reader holding one skipped them (a restored cache keeps its epoch)
-            state = maintenance.rebuild_cache(settings).state
+            state = maintenance.rebuild_cache(settings, locked=True).state
         click.echo(f"claim log: {renewed} (a new id: followers reconcile)")
         click.echo(f"cache rebuilt: feed epoch {state.epoch} (feed readers start from a snapshot)")
     click.echo(f"data directory: {settings.data_dir.resolve()}")

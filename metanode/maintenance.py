@@ -309,15 +309,20 @@ class Rebuilt:
     aside: Path | None = None
 
 
-def rebuild_cache(settings: Settings) -> Rebuilt:
+def rebuild_cache(settings: Settings, *, locked: bool = False) -> Rebuilt:
     """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files. A
     damaged cache.db (SQLite's `quick_check`) cannot be rebuilt in place, since opening it
     fails (the way out its own error names led back to it): it is moved, with its `-wal` and
     `-shm`, into `replaced-<stamp>/` and a new one is built from the truth. Only what the cache
     alone held goes with it: the watcher's file rows (the next start hashes the files again)
-    and the plugin runs (the plugins run again); every claim is in the truth."""
+    and the plugin runs (the plugins run again); every claim is in the truth. Moving it is
+    refused while a node runs on the data directory (`DataDirLocked`: it would go on writing
+    the file moved away), unless the caller holds the lock itself (`locked`)."""
     damage = None if settings.postgresql else db.damage(settings.cache_path)
-    aside = _move_aside(settings.data_dir, CACHE_FILES) if damage else None
+    aside = None
+    if damage is not None:
+        with contextlib.nullcontext() if locked else datadir.Lock(settings.data_dir):
+            aside = _move_aside(settings.data_dir, CACHE_FILES)
     with truth_store(settings) as source, cache.CacheStore.configured(settings) as store:
         return Rebuilt(store.build_sync(source), damage, aside)
 

@@ -343,3 +343,18 @@ def test_a_start_after_a_kill_reads_both_databases_for_damage(
     (aside,) = data.glob("replaced-*")
     assert (aside / "cache.db").is_file()
     assert ok("check", "--data-dir", str(data)).endswith(f"{CLAIMS} claims verified; clean\n")
+
+
+def test_a_damaged_cache_is_not_moved_from_under_a_running_node(data: Path) -> None:
+    """Damage that came while the node was stopped starts it degraded (a clean stop's start
+    reads no page it does not need); `rebuild-cache` then refuses to move the damaged file
+    from under it, which would go on writing the file moved away: stop it first."""
+    scramble(data / "cache.db")
+    server = Server(data).start()
+    try:
+        moved = metanode("rebuild-cache", "--data-dir", str(data))
+        refused(moved, "data_dir_locked")
+        assert not list(data.glob("replaced-*"))
+    finally:
+        server.stop()
+    assert ok("rebuild-cache", "--data-dir", str(data)).startswith("cache.db was damaged (")
