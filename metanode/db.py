@@ -154,7 +154,8 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
 
 CORRUPT_HINT = (
     "; cache.db is rebuilt from the truth by `metanode rebuild-cache`, a damaged truth.db is put "
-    "back from a backup by `metanode restore` (docs/operations.md)"
+    "back from a backup by `metanode restore` after saving the claims it still holds "
+    "(docs/operations.md, 'A damaged or lost file')"
 )
 
 

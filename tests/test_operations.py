@@ -679,7 +679,7 @@ def test_a_damaged_truth_is_said_in_words_with_the_way_out(tmp_path: Path) -> No
         )
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: storage_corrupt: ") and "Traceback" not in done.stderr
-        assert done.stderr.rstrip().endswith("`metanode restore` (docs/operations.md)")
+        assert done.stderr.rstrip().endswith("(docs/operations.md, 'A damaged or lost file')")
 
 
 def posted(server: Server, claim: dict[str, Any]) -> None:
