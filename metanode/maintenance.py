@@ -634,12 +634,22 @@ def _stamps() -> Iterator[str]:
 
 
 def _copy_truth_into(settings: Settings, copy: Path) -> None:
+    """The truth copied into `copy`; a damaged truth.db is `StorageCorrupt` naming it, where
+    the error named the copy as damaged (or, when only the copy's integrity check found it, a
+    RuntimeError's traceback), and said nothing of what a backup cannot do then."""
     if settings.postgresql:
         truth.TruthStore.configured(settings).dump_to(copy)
         return
-    verdict = copy_truth(settings, copy)
+    try:
+        verdict = copy_truth(settings, copy)
+    except StorageCorrupt as exc:
+        verdict = str(exc.__cause__ or exc.message)
     if verdict != "ok":
-        raise RuntimeError(f"the backup {copy} failed its integrity check: {verdict}")
+        raise StorageCorrupt(
+            f"{settings.truth_path} is damaged ({' '.join(verdict.split())}), so no copy of it "
+            "is a sound backup: save the claims it still holds instead (docs/operations.md, "
+            "'A damaged or lost file')"
+        )
 
 
 # -- export and import --------------------------------------------------------------------------

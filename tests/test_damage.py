@@ -358,3 +358,14 @@ def test_a_damaged_cache_is_not_moved_from_under_a_running_node(data: Path) -> N
     finally:
         server.stop()
     assert ok("rebuild-cache", "--data-dir", str(data)).startswith("cache.db was damaged (")
+
+
+def test_a_backup_of_a_damaged_truth_names_the_truth(data: Path, tmp_path: Path) -> None:
+    """`backup` of a damaged truth.db said the copy it was making was damaged, and how to
+    rebuild a cache; now it names truth.db and the way to save its claims, and leaves nothing."""
+    scramble(data / "truth.db")
+    said = refused(
+        metanode("backup", str(tmp_path / "b"), "--data-dir", str(data)), "storage_corrupt"
+    )
+    assert said.startswith(f"error: storage_corrupt: {data / 'truth.db'} is damaged (")
+    assert "save the claims it still holds" in said and not list((tmp_path / "b").iterdir())
