@@ -169,7 +169,8 @@ def damage(path: Path) -> str | None:
     if not path.is_file() or path.stat().st_size == 0:
         return None
     try:
-        with storage_errors(path), closing(connect_file(path)) as conn:
+        # read-only: `check` of a data directory it may not write read it before this
+        with storage_errors(path), closing(connect_file(path, readonly=True)) as conn:
             rows = conn.execute("PRAGMA quick_check(5)").fetchall()
     except StorageCorrupt as exc:
         return str(exc.__cause__ or exc)
