@@ -337,7 +337,7 @@ def init(config_file: str | None, data_dir: str | None, new_owner: bool, new_log
             renewed = maintenance.renew_log(settings)
             # the feed's ids after the backup's end would be given again to other events: a
             # reader holding one skipped them (a restored cache keeps its epoch)
-            state = maintenance.rebuild_cache(settings)
+            state = maintenance.rebuild_cache(settings, locked=True).state
         click.echo(f"claim log: {renewed} (a new id: followers reconcile)")
         click.echo(f"cache rebuilt: feed epoch {state.epoch} (feed readers start from a snapshot)")
     click.echo(f"data directory: {settings.data_dir.resolve()}")
@@ -401,24 +401,41 @@ def serve(
         return
     with datadir.locked(settings.data_dir) as lock:  # held until the node stops
         if lock.unclean is not None:
-            log.warning(
-                "the last node on this data directory (pid %d) did not stop cleanly (killed, "
-                "crashed, or the machine went down): nothing it acknowledged is lost, as every "
-                "truth commit is on disk; the cache catches up from the truth",
-                lock.unclean,
-            )
+            after_unclean_stop(settings, lock.unclean)
         serve_node(settings, config_file)
+
+
+def after_unclean_stop(settings: config.Settings, pid: int) -> None:
+    """Say that the last node did not stop cleanly, once both databases were read for the
+    damage such a stop can leave (`maintenance.after_unclean_stop`: a damaged truth refuses
+    the start, a damaged cache is moved aside and built anew)."""
+    aside = maintenance.after_unclean_stop(settings)
+    log.warning(
+        "the last node on this data directory (pid %d) did not stop cleanly (killed, crashed, "
+        "or the machine went down): nothing it acknowledged is lost, as every truth commit is "
+        "on disk; the cache catches up from the truth",
+        pid,
+    )
+    if aside is not None:
+        log.warning(
+            "cache.db was damaged: moved into %s; it is built anew from the truth (nothing "
+            "acknowledged is lost)",
+            aside,
+        )
 
 
 def serve_node(settings: config.Settings, config_file: str | None) -> None:
     """`serve` once it holds the data directory: open, check, listen, say where, then serve in
     this process or as the supervisor of `settings.worker_count` workers."""
+    maintenance.refuse_lost_truth(settings)  # before open_store would make an empty one
     sock = listen(settings)  # first: a port in use makes no databases, keys or token
     maintenance.open_store(settings)
     maintenance.check_writable(settings)
+    maintenance.check_keys(settings)  # before a worker or a plugin meets a damaged one
     maintenance.adopt_owner(settings)  # a replica given a fresh data directory: refused
     token, created = maintenance.ensure_token(settings.token_path)
-    maintenance.ensure_token(settings.instance_path)  # made once, before any worker reads it
+    for made_once in (settings.instance_path, settings.session_secret_path):  # before any
+        maintenance.ensure_token(made_once)  # worker reads it: a damaged one refused here
     url = settings.page_url  # under `root_path`, the page's address (it answers there too)
     count = settings.worker_count
     # the storage: after `migrate-storage`, a start without `storage` serves the old SQLite
@@ -1010,8 +1027,16 @@ def peers_token_revoke(name: str, config_file: str | None, data_dir: str | None)
 @settings_options
 @reports_errors
 def rebuild_cache(config_file: str | None, data_dir: str | None) -> None:
-    """Recompute cache.db from truth.db under a new feed epoch (local files are kept)."""
-    state = maintenance.rebuild_cache(node_settings(config_file, data_dir))
+    """Recompute cache.db from truth.db under a new feed epoch (local files are kept; a
+    damaged cache.db is moved into replaced-<stamp>/ and built anew)."""
+    rebuilt = maintenance.rebuild_cache(node_settings(config_file, data_dir))
+    if rebuilt.aside is not None:
+        click.echo(
+            f"cache.db was damaged ({rebuilt.damage}): moved into {rebuilt.aside}, and built "
+            "anew from the truth (no claim is lost: the next start hashes the watched files "
+            "again and the plugins run again)"
+        )
+    state = rebuilt.state
     click.echo(f"rebuilt: epoch {state.epoch}, applied seq {state.applied_seq}")
 
 
@@ -1031,6 +1056,10 @@ def check(config_file: str | None, data_dir: str | None) -> None:
 
 def _report_check(report: maintenance.CheckReport) -> None:
     """Print `check`'s differences and verdict; exit 1 unless clean."""
+    if report.damaged:
+        click.echo("\n".join(report.damaged))
+        click.echo("DAMAGED: nothing else was compared")
+        sys.exit(1)
     for line in report.differences + [f"bad signature: {b}" for b in report.bad_signatures]:
         click.echo(line)
     if report.unbuilt:  # after `restore`: a list of every record "missing" said nothing true
@@ -1113,6 +1142,7 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
     ones, update their records; with a progress bar. Refused while `serve` runs on the data
     directory (its watcher does this)."""
     settings = load_settings(config_file, data_dir=data_dir, watch_enabled=False)
+    maintenance.refuse_lost_truth(settings)
 
     async def run() -> watcher.Summary:
         the_node = node.Node(settings)

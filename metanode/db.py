@@ -154,8 +154,28 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
 
 CORRUPT_HINT = (
     "; cache.db is rebuilt from the truth by `metanode rebuild-cache`, a damaged truth.db is put "
-    "back from a backup by `metanode restore` (docs/operations.md)"
+    "back from a backup by `metanode restore` after saving the claims it still holds "
+    "(docs/operations.md, 'A damaged or lost file')"
 )
+
+
+def damage(path: Path) -> str | None:
+    """What SQLite's `quick_check` finds wrong with the database file `path` (its first lines,
+    or the error that stopped it reading: a file that is no database), or None for a sound one
+    or none at all (missing, or empty: a database not made yet). A read of every page: for the
+    commands that mend a data directory (`rebuild-cache`, `check`), which must tell a damaged
+    file from a sound one before they trust it. A file it cannot read at all (permissions, a
+    failing disk) is that typed error."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    try:
+        # read-only: `check` of a data directory it may not write read it before this
+        with storage_errors(path), closing(connect_file(path, readonly=True)) as conn:
+            rows = conn.execute("PRAGMA quick_check(5)").fetchall()
+    except StorageCorrupt as exc:
+        return str(exc.__cause__ or exc)
+    said = [line for row in rows for line in str(row[0]).splitlines() if "***" not in line]
+    return None if said == ["ok"] else "; ".join(said)  # one line, as every error is
 
 
 def mapped(method: Callable[P, T]) -> Callable[P, T]:
@@ -760,6 +780,51 @@ def _group_txn(
     return outcomes
 
 
+class LogWatch:
+    """The `-wal` and `-shm` of a SQLite database as its writer found them. Removed while the
+    node ran (a careless `rm`, a clean-up script), they stay open, unlinked: the writer went on
+    committing into a log no longer in the folder, so every commit since its last checkpoint
+    was lost at a kill or a power loss (1,000 acknowledged claims, tried), and a command
+    started meanwhile made new ones beside a node that did not read them. Seen after a commit
+    (`look`: two `stat`s), the log is checkpointed into the database file at once, saving
+    what it held, and every later write is refused (`refuse`) until the node is started
+    again, which makes new ones. Nothing to watch on PostgreSQL."""
+
+    def __init__(self, target: Target) -> None:
+        ends = ("-wal", "-shm") if isinstance(target, Path) else ()
+        self.paths = [Path(f"{target}{end}") for end in ends]
+        self.seen: dict[Path, tuple[int, int]] = {}
+        self.lost: StorageError | None = None
+
+    def refuse(self) -> None:
+        if self.lost is not None:
+            raise self.lost
+
+    def look(self, conn: Connection) -> None:
+        for path in self.paths:
+            try:
+                info = path.stat()
+                now: tuple[int, int] | None = (info.st_dev, info.st_ino)
+            except FileNotFoundError:
+                now = None
+            first = self.seen.get(path)
+            if first is None and now is not None:
+                self.seen[path] = now
+            elif first is not None and now != first and self.lost is None:
+                self._lose(conn, path)
+
+    def _lose(self, conn: Connection, path: Path) -> None:
+        busy, _, _ = conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()
+        saved = "copied into the database file" if busy == 0 else "NOT all copied (busy)"
+        self.lost = StorageIOError(
+            f"the data directory failed: {path} was removed (or replaced) while the node ran: "
+            f"the commits it held were {saved}, and writes are refused until the node is "
+            "started again, which makes a new one (docs/operations.md, 'A damaged or lost "
+            "file')"
+        )
+        log.error("%s", self.lost.message)
+
+
 class Writer:
     """The single writer of one database: a thread that owns the only write connection.
 
@@ -795,6 +860,7 @@ class Writer:
         for pragma in pragmas:  # before the thread: some may not change inside a transaction
             self.conn.execute(pragma)
         self.failure: StorageError | None = None
+        self.logs = LogWatch(target)
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: Any = None  # a job `_gather` took but left for the next turn
@@ -832,9 +898,17 @@ class Writer:
         if not job.future.set_running_or_notify_cancel():
             return
         try:
-            job.future.set_result(run_txn(self.conn, job.fn, *job.args))
+            job.future.set_result(self._txn(job.fn, *job.args))
         except BaseException as exc:
             self._fail(job.future, exc)
+
+    def _txn(self, fn: Txn[T], *args: Any, before_commit: BeforeCommit | None = None) -> T:
+        """`run_txn` on this writer's connection, refused once its log files were removed, and
+        looking at them after each commit, before anyone is answered (`LogWatch`)."""
+        self.logs.refuse()
+        result = run_txn(self.conn, fn, *args, before_commit=before_commit)
+        self.logs.look(self.conn)
+        return result
 
     def backlog(self) -> tuple[int, float]:
         """(the jobs not yet committed, the one being run included; how many seconds the
@@ -939,9 +1013,7 @@ class Writer:
         self.groups += 1
         self.grouped += len(jobs)
         try:
-            outcomes = run_txn(
-                self.conn, _group_txn, jobs, self.combiners, before_commit=self.before_commit
-            )
+            outcomes = self._txn(_group_txn, jobs, self.combiners, before_commit=self.before_commit)
         except BaseException as exc:
             for job in jobs:
                 self._fail(job.future, exc)
@@ -981,6 +1053,9 @@ class Writer:
         self._next_probe = time.monotonic() + PROBE_S
 
     def _probe(self) -> None:
+        if self.logs.lost is not None:  # no probe mends it: a restart does
+            self._failed(self.logs.lost)
+            return
         try:
             probe(self.conn, self.path)
         except StorageError as exc:

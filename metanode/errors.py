@@ -26,6 +26,7 @@ The tree, by family:
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 from typing import Any, ClassVar
 
@@ -467,11 +468,22 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     kind = _ERRNO_STORAGE.get(exc.errno)
     if kind is None:
         return None
+    hint = PERMISSION_HINT.format(uid=os.geteuid()) if exc.errno in _DENIED else ""
     return kind(
-        f"the data directory failed: {exc.filename or where}: {exc.strerror}"
+        f"the data directory failed: {exc.filename or where}: {exc.strerror}{hint}"
         if exc.filename or where
-        else f"the data directory failed: {exc.strerror}"
+        else f"the data directory failed: {exc.strerror}{hint}"
     )
+
+
+_DENIED = (errno.EACCES, errno.EPERM)
+# what a file of the data directory it may not open needs (a `chmod 000`, a `sudo` copy owned by
+# root): said, where `Permission denied` alone sent a reader to a full or read-only disk
+PERMISSION_HINT = (
+    "; the data directory and every file in it must be the user's metanode runs as (uid {uid}) "
+    "and readable and writable by it: `chown -R` them to it (modes: docs/operations.md, "
+    "'Permissions')"
+)
 
 
 class CannotListen(MetanodeError):
@@ -506,6 +518,16 @@ class NoNode(MetanodeError):
 
     status = 404
     slug = "no_node"
+
+
+class TruthMissing(MetanodeError):
+    """truth.db is missing or empty in a data directory that held a node (its cache.db, its
+    instance id): a start would have begun an empty truth in its place, serving no claims and
+    rebuilding the cache from none, as if the box were new (a careless `rm`, a card that lost
+    the file). Refused until it is put back, or `metanode init` says to start over."""
+
+    status = 409
+    slug = "truth_missing"
 
 
 class PluginFailed(MetanodeError):

@@ -35,23 +35,30 @@ from metanode.errors import (
     BadSignature,
     FileFailed,
     InvalidBatch,
+    InvalidKeyFile,
     InvalidRequest,
+    MetanodeError,
     NoNode,
     OwnerKey,
+    StorageCorrupt,
     StorageError,
     TargetNotEmpty,
+    TruthMissing,
     UnknownPeer,
+    storage_error,
 )
 
 # -- the store and the token ------------------------------------------------------------------
 
 
 def ensure_token(path: Path) -> tuple[str, bool]:
-    """The API token, created (mode 0600) on first start: (token, created now)."""
+    """The API token (or the session secret, the instance id: made alike), created (mode 0600)
+    on first start: (token, created now). One left empty or unreadable (a full disk when it
+    was written, a damaged card) is refused naming it (`read_token`)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        return path.read_text(encoding="ascii").strip(), False
+        return read_token(path), False
     token = secrets.token_urlsafe(32)
     with os.fdopen(fd, "w") as out:
         out.write(token + "\n")
@@ -85,6 +92,39 @@ def adopt_owner(settings: Settings, new_owner: bool = False) -> tuple[str, list[
         former = store.claim_owner_sync(uid, adopt=new_owner)
         store.add_signer_sync(uid, OWNER_NAME, settings.owner_weight, True)
     return uid, former
+
+
+KEY_WAY_OUT = (
+    "put it back from the backup taken with the truth (`<backup folder>/keys-<stamp>/`, "
+    "copied into keys/), or, with none, move it out of keys/: the owner's is then made anew "
+    "and adopted with `metanode init --new-owner` (the old key's edits stay), a plugin's is "
+    "made anew at the next start and the plugin runs again under it (docs/operations.md, "
+    "'A damaged or lost file')"
+)
+
+
+def key_problems(settings: Settings) -> list[MetanodeError]:
+    """Why each key file in keys/ (the owner's, the plugins', MetaMesh's writer's) cannot be
+    loaded, with the way out: `serve` refuses the first (a damaged plugin key crashed the
+    node's start, a worker restarted for ever), `check` lists them all. One it may not open
+    is a permission to mend, not damage: its typed `StorageError` says so."""
+    found = sorted(settings.keys_dir.glob("*.key")) if settings.keys_dir.is_dir() else []
+    problems: list[MetanodeError] = []
+    for path in found:
+        try:
+            path.open("rb").close()
+            keys.load(path)
+        except OSError as exc:
+            problems.append(storage_error(exc) or FileFailed.of(exc))
+        except InvalidKeyFile as exc:
+            problems.append(InvalidKeyFile(f"{exc.message}: {KEY_WAY_OUT}"))
+    return problems
+
+
+def check_keys(settings: Settings) -> None:
+    """Raise the first of `key_problems`."""
+    if problems := key_problems(settings):
+        raise problems[0]
 
 
 def renew_log(settings: Settings) -> str:
@@ -122,11 +162,55 @@ def open_store(settings: Settings) -> None:
     cache.CacheStore.configured(settings).migrate()
 
 
+def read_token(path: Path) -> str:
+    """The token in `path`, which must be one line of printable ASCII: an empty one was taken
+    as is and no request could name it (every token was refused), a damaged one stopped the
+    start with a traceback. Either is `FileFailed` saying how a new one is made."""
+    with db.storage_errors(path):
+        raw = path.read_bytes()
+    token = raw.strip()
+    if token and token.isascii() and all(0x21 <= byte < 0x7F for byte in token):
+        return token.decode("ascii")
+    state = "empty" if not token else "damaged (not one line of printable ASCII)"
+    printed = " and prints it once" if path.name == "api-token" else ""
+    raise FileFailed(
+        f"{path} is {state}: remove it and start the node again, which makes a new one{printed} "
+        "(docs/operations.md, 'A damaged or lost file')"
+    )
+
+
+# what only a node that ran makes in its data directory, beside truth.db (`init` and the first
+# start): one of them there with no truth.db, and the truth was lost, not never made
+NODE_MARKS = ("cache.db", "instance-id")
+
+
+def refuse_lost_truth(settings: Settings) -> None:
+    """Raise `TruthMissing` when truth.db is missing or empty (0 bytes) but the data directory
+    held a node (`NODE_MARKS`): `serve` and `scan` would make an empty truth in its place and
+    serve no claims, `check` would call that clean. `init` is the one way to start over."""
+    path = settings.truth_path
+    if settings.postgresql or (path.is_file() and path.stat().st_size > 0):
+        return
+    marks = [name for name in NODE_MARKS if (settings.data_dir / name).exists()]
+    if not marks:
+        return
+    state = "empty (0 bytes)" if path.exists() else "missing"
+    raise TruthMissing(
+        f"{path} is {state}, but {settings.data_dir} held a node ({' and '.join(marks)} are "
+        "there): truth.db holds every claim, and a start would begin an empty one in its place. "
+        "Put it back: from a backup, `metanode restore <folder>/truth-<stamp>.db`; if it was "
+        "moved, move it back with its -wal and -shm (docs/operations.md, 'A damaged or lost "
+        "file'). To start this box over with no claims, run `metanode init` first"
+    )
+
+
 def require_node(settings: Settings) -> None:
     """Raise `NoNode` unless the data directory holds a node's truth (on SQLite its truth.db;
     on PostgreSQL the database is the node, whatever the folder): for the commands that read
     one (`backup`, `check`, `export`, ...), which would otherwise make an empty node in a
-    mistyped folder and report on it with success."""
+    mistyped folder and report on it with success; `TruthMissing` for one whose truth.db was
+    lost (`refuse_lost_truth`)."""
+    refuse_lost_truth(settings)
     if not settings.postgresql and not settings.truth_path.is_file():
         raise NoNode(
             f"{settings.data_dir} holds no node (no truth.db): name the data directory with "
@@ -212,10 +296,35 @@ def revoke_peer_token(settings: Settings, name: str) -> None:
 # -- the cache: rebuild, check ------------------------------------------------------------------
 
 
-def rebuild_cache(settings: Settings) -> cache.State:
-    """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files."""
+CACHE_FILES = ("cache.db", "cache.db-wal", "cache.db-shm")
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """What `rebuild-cache` did: the new cache's state, and, when cache.db was damaged, what
+    SQLite found wrong with it and the `replaced-<stamp>/` folder it was moved into."""
+
+    state: cache.State
+    damage: str | None = None
+    aside: Path | None = None
+
+
+def rebuild_cache(settings: Settings, *, locked: bool = False) -> Rebuilt:
+    """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files. A
+    damaged cache.db (SQLite's `quick_check`) cannot be rebuilt in place, since opening it
+    fails (the way out its own error names led back to it): it is moved, with its `-wal` and
+    `-shm`, into `replaced-<stamp>/` and a new one is built from the truth. Only what the cache
+    alone held goes with it: the watcher's file rows (the next start hashes the files again)
+    and the plugin runs (the plugins run again); every claim is in the truth. Moving it is
+    refused while a node runs on the data directory (`DataDirLocked`: it would go on writing
+    the file moved away), unless the caller holds the lock itself (`locked`)."""
+    damage = None if settings.postgresql else db.damage(settings.cache_path)
+    aside = None
+    if damage is not None:
+        with contextlib.nullcontext() if locked else datadir.Lock(settings.data_dir):
+            aside = _move_aside(settings.data_dir, CACHE_FILES)
     with truth_store(settings) as source, cache.CacheStore.configured(settings) as store:
-        return store.build_sync(source)
+        return Rebuilt(store.build_sync(source), damage, aside)
 
 
 @dataclass(frozen=True)
@@ -224,14 +333,43 @@ class CheckReport:
     bad_signatures: list[str]
     claims_checked: int
     unbuilt: bool = False  # the cache awaits a build (after `restore`): only signatures checked
+    damaged: list[str] = field(default_factory=list)  # nothing else checked (`damaged_files`)
 
     @property
     def clean(self) -> bool:
-        return not self.differences and not self.bad_signatures
+        return not self.differences and not self.bad_signatures and not self.damaged
+
+
+DAMAGE_WAY_OUT = {
+    "truth.db": "put it back from a backup, `metanode restore <folder>/truth-<stamp>.db`, "
+    "after saving what it still holds (docs/operations.md, 'A damaged or lost file')",
+    "cache.db": "run `metanode rebuild-cache`, which moves it aside and builds a new one from "
+    "the truth (nothing acknowledged is lost)",
+}
+
+
+def damaged_files(settings: Settings) -> list[str]:
+    """Each SQLite database of the data directory that `db.damage` finds damaged, with its way
+    out: `check` read the stores through the pages its comparison needs, so damage elsewhere
+    (an index, a table it does not compare) went unseen, and damage it met stopped it with an
+    error that did not always name the file."""
+    if settings.postgresql:
+        return []
+    paths = (settings.truth_path, settings.cache_path)
+    found = ((path, db.damage(path)) for path in paths)
+    return [
+        f"{path} is damaged ({damage}): {DAMAGE_WAY_OUT[path.name]}"
+        for path, damage in found
+        if damage is not None
+    ]
 
 
 def check(settings: Settings, scratch: Path) -> CheckReport:
-    """`metanode check`: the live cache against a fresh rebuild, and every stored signature."""
+    """`metanode check`: both databases read whole for damage (`damaged_files`: only that is
+    reported if any is), then the live cache against a fresh rebuild, and every stored
+    signature."""
+    if damaged := damaged_files(settings):
+        return CheckReport([], [], 0, damaged=damaged)
     with (
         truth_store(settings) as source,
         cache.CacheStore.configured(settings) as live,
@@ -252,6 +390,7 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
         if not unbuilt:
             fresh.build_sync(source, files)
             differences += live.diff(fresh)
+        differences += [problem.message for problem in key_problems(settings)]
         bad, count = [], 0
         for claim in source.claims():
             count += 1
@@ -421,12 +560,7 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
     for name in ("cache.db", "cache.db-wal", "cache.db-shm"):  # first: it is the old truth's
         (settings.data_dir / name).unlink(missing_ok=True)
     replaced = ("truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else []))
-    present = [name for name in replaced if (settings.data_dir / name).exists()]
-    aside = None  # a new data directory (a new machine's) has nothing to keep: no empty folder
-    if present:
-        aside = _aside(settings.data_dir)
-        for name in present:
-            (settings.data_dir / name).rename(aside / name)
+    aside = _move_aside(settings.data_dir, replaced)
     incoming.rename(settings.truth_path)
     if keys is not None:
         keys_in.rename(settings.keys_dir)
@@ -449,6 +583,37 @@ def _keys_beside(backup: Path) -> Path:
     return backup.parent / f"keys-{stamp}"
 
 
+def after_unclean_stop(settings: Settings) -> Path | None:
+    """Both databases read whole for damage (`db.damage`) before a start that follows a node
+    which did not stop cleanly (killed, crashed, the machine down: when a disk that lies about
+    its flushes leaves damage): a damaged truth.db refuses the start (`StorageCorrupt`, its way
+    out said), where it started and answered reads, degraded; a damaged cache.db is moved into
+    `replaced-<stamp>/`, returned, for the start to build a new one from the truth. A clean
+    stop's start reads neither: `quick_check` reads every page (seconds for a large box)."""
+    if settings.postgresql:
+        return None
+    if (damage := db.damage(settings.truth_path)) is not None:
+        raise StorageCorrupt(
+            f"{settings.truth_path} is damaged ({damage}): {DAMAGE_WAY_OUT['truth.db']}"
+        )
+    if db.damage(settings.cache_path) is None:
+        return None
+    return _move_aside(settings.data_dir, CACHE_FILES)
+
+
+def _move_aside(data_dir: Path, names: Iterable[str]) -> Path | None:
+    """Move each of `names` that is in `data_dir` into a new `replaced-<stamp>/` there, and
+    return that folder; None when none is there (a new data directory, a new machine's, has
+    nothing to keep: no empty folder)."""
+    present = [name for name in names if (data_dir / name).exists()]
+    if not present:
+        return None
+    aside = _aside(data_dir)
+    for name in present:
+        (data_dir / name).rename(aside / name)
+    return aside
+
+
 def _aside(data_dir: Path) -> Path:
     """A new folder `replaced-<stamp>` in `data_dir` (`_stamps`)."""
     for tag in _stamps():
@@ -469,12 +634,22 @@ def _stamps() -> Iterator[str]:
 
 
 def _copy_truth_into(settings: Settings, copy: Path) -> None:
+    """The truth copied into `copy`; a damaged truth.db is `StorageCorrupt` naming it, where
+    the error named the copy as damaged (or, when only the copy's integrity check found it, a
+    RuntimeError's traceback), and said nothing of what a backup cannot do then."""
     if settings.postgresql:
         truth.TruthStore.configured(settings).dump_to(copy)
         return
-    verdict = copy_truth(settings, copy)
+    try:
+        verdict = copy_truth(settings, copy)
+    except StorageCorrupt as exc:
+        verdict = str(exc.__cause__ or exc.message)
     if verdict != "ok":
-        raise RuntimeError(f"the backup {copy} failed its integrity check: {verdict}")
+        raise StorageCorrupt(
+            f"{settings.truth_path} is damaged ({' '.join(verdict.split())}), so no copy of it "
+            "is a sound backup: save the claims it still holds instead (docs/operations.md, "
+            "'A damaged or lost file')"
+        )
 
 
 # -- export and import --------------------------------------------------------------------------

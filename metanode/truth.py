@@ -978,8 +978,9 @@ def claim_owner_txn(conn: Connection, uid: str, adopt: bool) -> list[str]:
     raise OwnerMismatch(
         f"this node's databases belong to the owner key {recorded}, but this data "
         f"directory's keys/owner.key is {uid}: copy keys/ from the node's data directory "
-        "(docs/scale-out.md), or put them back from the backup (`metanode restore --keys`, or "
-        "the backup's keys-<stamp>/ copied into keys/ on PostgreSQL); if that "
+        "(docs/scale-out.md), or put them back from the backup: its keys-<stamp>/ copied into "
+        "keys/ (`metanode restore --keys` only to put the backup's truth back with them: it "
+        "drops the claims made since); if that "
         "key is lost for good, or this is another box seeded from a copy, `metanode init "
         "--new-owner` makes this one the owner"
     )

@@ -656,7 +656,8 @@ def test_restore_refuses_what_it_cannot_put_back_and_changes_nothing(tmp_path: P
 
 def test_a_damaged_truth_is_said_in_words_with_the_way_out(tmp_path: Path) -> None:
     """A review's truth.db, damaged (a stale WAL replayed onto a restored copy), made `export`
-    and `check` print Python tracebacks: now `storage_corrupt`, exit 2, and what to do."""
+    and `check` print Python tracebacks: now `storage_corrupt`, exit 2, and what to do (`check`
+    now reads both databases for damage first: tests/test_damage.py)."""
     data = tmp_path / "data"
     cli("init", "--data-dir", str(data))
     signer = Signer()
@@ -669,7 +670,7 @@ def test_a_damaged_truth_is_said_in_words_with_the_way_out(tmp_path: Path) -> No
     with open(data / "truth.db", "r+b") as damaged:
         damaged.seek(20 * 4096)
         damaged.write(b"\xff" * 5 * 4096)
-    for command in (["export", "--out", str(tmp_path / "out.jsonl")], ["check"]):
+    for command in (["export", "--out", str(tmp_path / "out.jsonl")],):
         done = subprocess.run(
             [sys.executable, "-m", "metanode", *command, "--data-dir", str(data)],
             capture_output=True,
@@ -678,7 +679,7 @@ def test_a_damaged_truth_is_said_in_words_with_the_way_out(tmp_path: Path) -> No
         )
         assert done.returncode == 2, done.stderr
         assert done.stderr.startswith("error: storage_corrupt: ") and "Traceback" not in done.stderr
-        assert done.stderr.rstrip().endswith("`metanode restore` (docs/operations.md)")
+        assert done.stderr.rstrip().endswith("(docs/operations.md, 'A damaged or lost file')")
 
 
 def posted(server: Server, claim: dict[str, Any]) -> None:

@@ -128,7 +128,7 @@ def build(
     for claim in sample[:: max(1, len(sample) // 100)]:
         claims.verify(claim)  # raises BadSignature: the stored bytes are really signed
     log("  building the cache (maintenance.rebuild_cache) …", start)
-    state = maintenance.rebuild_cache(settings)
+    state = maintenance.rebuild_cache(settings).state
     log(f"  cache built: epoch {state.epoch}, applied seq {state.applied_seq:,}", start)
     return known
 
