@@ -31,6 +31,7 @@ from metanode.clock import Clock
 from metanode.errors import (
     InvalidJson,
     MetanodeError,
+    PeerAnswerCut,
     PeerAnswerTooLarge,
     PeerCannotReconcile,
     PeerCursorRefused,
@@ -89,6 +90,38 @@ class PageCounts:
     first_refusal: str = ""
 
 
+@dataclass
+class Asking:
+    """How much a follower asks of its peer in one request: claims of a log page or a fetch,
+    or ranges of a reconciliation request. Halved when an answer did not come whole (too large,
+    too slow, cut halfway: over a 5 KB/s link a page of 1,000 claims, ≈ 270 KB, took longer
+    than `peer_timeout_s`, was given up and asked again whole, for ever, nothing stored);
+    doubled back, up to `most`, after a full answer (as much as was asked for) that came within
+    a quarter of the timeout, so that the doubled one is expected within half of it. Doubled
+    after any answer, every other request over a slow link was one given up; and after a small
+    one (a reconciliation's first round, a poll finding 3 new claims), each halving was undone
+    before the large request it was for: a link cut at 60 KB never carried a second round."""
+
+    most: int
+    now: int = 0  # 0: `most`
+
+    def __post_init__(self) -> None:
+        self.now = self.now or self.most
+
+    def shrink(self) -> bool:
+        """Halve; False if it is one already (nothing smaller can be asked)."""
+        if self.now == 1:
+            return False
+        self.now //= 2
+        return True
+
+    def took(self, seconds: float, timeout_s: float, asked: int) -> None:
+        """An answer to a request for `asked` came whole in `seconds`: ask more next time if
+        it was a full one and came well in time."""
+        if asked >= self.now and seconds < timeout_s / 4:
+            self.now = min(self.most, self.now * 2)
+
+
 class Host(Protocol):
     """What a follower needs of the node."""
 
@@ -142,7 +175,8 @@ class Follower:
         self.instance = ""  # the instance id its peer last answered with ("": none yet)
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
-        self.page = config.page  # halved while pages are over `ANSWER_BYTES`
+        self.page = Asking(config.page)  # claims of a log page or a fetch
+        self.ranges = Asking(reconcile.REQUEST_RANGES)  # ranges of a reconciliation request
         # when to reconcile for claims refused as dated too far ahead: a reading of the node's
         # clock, which is what they are ahead of (None: never)
         self.resync_at: int | None = None
@@ -249,12 +283,27 @@ class Follower:
     def poke(self) -> None:
         self._wake.set()
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
-        """(the peer's JSON answer, bytes sent, bytes received); `PeerFailed` for no answer
-        within `timeout_s` (the whole answer, not each read: a peer dripping a byte a second
-        held its follower for ever), a refusal, an answer over `ANSWER_BYTES`
-        (`PeerAnswerTooLarge`), or something that is not JSON (`PeerCannotReconcile`: it has no
-        `RECONCILE`)."""
+    async def _call(
+        self, method: str, path: str, asking: Asking, **kwargs: Any
+    ) -> tuple[Any, int, int, float]:
+        """(the peer's JSON answer, bytes sent, bytes received, seconds it took); `PeerFailed`
+        for a refusal, an
+        answer over `ANSWER_BYTES` (`PeerAnswerTooLarge`), something that is not JSON
+        (`PeerCannotReconcile`: it has no `RECONCILE`), or no whole answer within `timeout_s`
+        (the whole answer, not each read: a peer dripping a byte a second held its follower for
+        ever) or a connection broken halfway (`PeerAnswerCut`, and `asking` is halved: a
+        request's size, not its answer's, is what a follower chooses); the caller knows whether
+        the answer was a full one, for `asking.took`."""
+        started = time.monotonic()
+        try:
+            body, sent, got = await self._exchange(method, path, **kwargs)
+        except PeerAnswerCut:
+            asking.shrink()
+            raise
+        return body, sent, got, time.monotonic() - started
+
+    async def _exchange(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
+        """One request and its whole answer (`_call`)."""
         try:
             async with (
                 asyncio.timeout(self.config.timeout_s),
@@ -270,12 +319,14 @@ class Follower:
                     raise PeerCannotReconcile(f"{path} answered {response.status_code}")
                 content = await _read_capped(response, path)
         except TimeoutError:
-            raise PeerFailed(
+            raise PeerAnswerCut(
                 f"{self.http.base_url} did not answer within {self.config.timeout_s:g} s "
                 "(peer_timeout_s)"
             ) from None
-        except httpx.HTTPError as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing asked, nothing cut
             raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
+        except httpx.HTTPError as exc:  # a read or write broken or timed out
+            raise PeerAnswerCut(f"{self.http.base_url} did not answer: {exc!r}") from None
         body = await _json_of(content, response, path, str(self.http.base_url))
         if response.status_code != 200:
             slug = body.get("error") if isinstance(body, dict) else None
@@ -287,24 +338,27 @@ class Follower:
 
     async def pull_once(self) -> bool:
         """Pull and store one page after the cursor; whether the peer said there is more. A
-        page over `ANSWER_BYTES` is asked again at half the size (claims with large values),
-        and the size grows back, page by page, once they are passed."""
+        page over `ANSWER_BYTES` is asked again at once at half the size (claims with large
+        values); one that did not come whole is a failure, asked again at half the size after
+        the back-off (`Asking`)."""
         while True:
-            params = {"limit": str(self.page)}
+            limit = self.page.now
+            params = {"limit": str(limit)}
             if self.cursor:
                 params["after"] = self.cursor
             try:
-                body, _, _ = await self._call("GET", "/api/claims/log", params=params)
+                body, _, _, took = await self._call(
+                    "GET", "/api/claims/log", self.page, params=params
+                )
                 break
             except PeerAnswerTooLarge:
-                if self.page == 1:
+                if not self.page.shrink():
                     raise
-                self.page //= 2
-        items, cursor, more = _log_page(body, self.page, self.cursor)
+        items, cursor, more = _log_page(body, limit, self.cursor)
+        self.page.took(took, self.config.timeout_s, len(items))
         names = signer_names(body)
         self._took(await self.host.apply_peer_page(self.name, items, cursor, names))
         self.cursor = cursor
-        self.page = min(self.config.page, self.page * 2)
         if self.last_error:
             log.info("peer %s answers again", self.name)
         self.last_error = ""
@@ -355,10 +409,11 @@ class Follower:
         head: str | None = None
         while message:
             following: list[reconcile.Fingerprint] = []
-            for part in reconcile.chunks(message):  # each of at most REQUEST_RANGES ranges
-                body, sent, got = await self._call(
-                    "POST", RECONCILE, json={"ranges": reconcile.encode(part)}
+            for part in reconcile.chunks(message, self.ranges.now):
+                body, sent, got, took = await self._call(
+                    "POST", RECONCILE, self.ranges, json={"ranges": reconcile.encode(part)}
                 )
+                self.ranges.took(took, self.config.timeout_s, len(part))
                 report.bytes_sent += sent
                 report.bytes_received += got
                 if not isinstance(body, dict) or not isinstance(body.get("head"), str):
@@ -374,10 +429,13 @@ class Follower:
                 _within_bounds(session, following)
             message = session.end_round(following)
         needed = sorted(session.need)
-        chunks = [needed[n : n + FETCH_CHUNK] for n in range(0, len(needed), FETCH_CHUNK)] or [[]]
-        for number, chunk in enumerate(chunks, 1):
-            cursor = head if set_cursor and number == len(chunks) else None
+        while True:  # in pieces of a page's size: a fetch of n claims is a page of n claims
+            size = min(FETCH_CHUNK, self.page.now)
+            chunk, needed = needed[:size], needed[size:]
+            cursor = head if set_cursor and not needed else None
             report.fetched += await self._fetch(chunk, cursor, report)
+            if not needed:
+                break
         if set_cursor and head is not None:
             self.cursor = head
         for name in ("rounds", "fingerprints_sent", "fingerprints_received", "ids_received"):
@@ -394,11 +452,13 @@ class Follower:
         names: dict[str, str] = {}
         if ids:
             try:
-                body, sent, got = await self._call(
+                body, sent, got, took = await self._call(
                     "POST",
                     RECONCILE,
+                    self.page,
                     json={"fetch": [reconcile.encode_id(i) for i in ids]},
                 )
+                self.page.took(took, self.config.timeout_s, len(ids))
             except PeerAnswerTooLarge:
                 if len(ids) == 1:
                     raise
@@ -595,6 +655,7 @@ class Peers:
             "stale": row.stale,
             "rejected": row.rejected,
             "last_rejected": follower.last_rejected if follower else "",
+            "page": follower.page.now if follower else None,
             "added_at": row.added_at,
         }
 
