@@ -56,6 +56,10 @@ PARSE_ON_LOOP_BYTES = 1024 * 1024  # a larger answer is parsed on a thread
 # values count too, so a page whose values hold many is asked again smaller, down to one claim,
 # which cannot hold this many (`max_value_bytes` is far less).
 ANSWER_CONTAINERS = 100_000
+# answers in a row that may be cut (`PeerAnswerCut`) while a reconciliation asks again in halves
+# what was cut, rather than failing (and beginning again from its first round): a link that
+# breaks connections keeps what came through, a dead peer is a failure after this many more
+SPLITS_IN_A_ROW = 3
 RECONCILE = "/api/claims/reconcile"  # a peer without it (404, 405) is an older version
 # the answering data directory's instance id, on the claim log's and reconciliation's answers:
 # a follower that finds its own there was added at this box's own address
@@ -177,6 +181,7 @@ class Follower:
         self.behind_since: float | None = time.monotonic()  # None: caught up
         self.page = Asking(config.page)  # claims of a log page or a fetch
         self.ranges = Asking(reconcile.REQUEST_RANGES)  # ranges of a reconciliation request
+        self.cuts = 0  # answers cut in a row (`SPLITS_IN_A_ROW`)
         # when to reconcile for claims refused as dated too far ahead: a reading of the node's
         # clock, which is what they are ahead of (None: never)
         self.resync_at: int | None = None
@@ -299,8 +304,18 @@ class Follower:
             body, sent, got = await self._exchange(method, path, **kwargs)
         except PeerAnswerCut:
             asking.shrink()
+            self.cuts += 1
             raise
+        self.cuts = 0
         return body, sent, got, time.monotonic() - started
+
+    def _split_after(self, exc: PeerAnswerCut, size: int) -> None:
+        """Re-raise `exc` unless a reconciliation's request of `size` it cut is to be asked
+        again in halves (said in `last_error` meanwhile): not one of a single item, and not
+        after `SPLITS_IN_A_ROW` cuts in a row."""
+        if size == 1 or self.cuts > SPLITS_IN_A_ROW:
+            raise exc
+        self._failed(exc)
 
     async def _exchange(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
         """One request and its whole answer (`_call`)."""
@@ -410,23 +425,10 @@ class Follower:
         while message:
             following: list[reconcile.Fingerprint] = []
             for part in reconcile.chunks(message, self.ranges.now):
-                body, sent, got, took = await self._call(
-                    "POST", RECONCILE, self.ranges, json={"ranges": reconcile.encode(part)}
-                )
-                self.ranges.took(took, self.config.timeout_s, len(part))
-                report.bytes_sent += sent
-                report.bytes_received += got
-                if not isinstance(body, dict) or not isinstance(body.get("head"), str):
-                    raise PeerFailed("the reconciliation answer has no head cursor")
-                head = head or body["head"]
-                try:
-                    reply = reconcile.decode_reply(body.get("ranges"), ID_BYTES)
-                except MetanodeError as exc:
-                    raise PeerFailed(
-                        f"the reconciliation answer is malformed: {exc.message}"
-                    ) from None
-                following += session.absorb(reply)
-                _within_bounds(session, following)
+                for said, reply in await self._ask(part, report):
+                    head = head or said
+                    following += session.absorb(reply)
+                    _within_bounds(session, following)
             message = session.end_round(following)
         needed = sorted(session.need)
         while True:  # in pieces of a page's size: a fetch of n claims is a page of n claims
@@ -445,9 +447,35 @@ class Follower:
         self.last_sync = report
         return report
 
+    async def _ask(
+        self, part: Sequence[reconcile.Fingerprint], report: SyncReport
+    ) -> list[tuple[str, list[reconcile.Entry]]]:
+        """The peer's (head, reply) to a request about the ranges `part`: one, or, if its
+        answer was cut, those to its halves (`_split_after`; the responder answers each range
+        on its own). One cut began the reconciliation again from its first round: a link that
+        broke connections at 60 KB never let one of 2,000 claims finish."""
+        try:
+            body, sent, got, took = await self._call(
+                "POST", RECONCILE, self.ranges, json={"ranges": reconcile.encode(part)}
+            )
+        except PeerAnswerCut as exc:
+            self._split_after(exc, len(part))
+            half = len(part) // 2
+            return await self._ask(part[:half], report) + await self._ask(part[half:], report)
+        self.ranges.took(took, self.config.timeout_s, len(part))
+        report.bytes_sent += sent
+        report.bytes_received += got
+        if not isinstance(body, dict) or not isinstance(body.get("head"), str):
+            raise PeerFailed("the reconciliation answer has no head cursor")
+        try:
+            reply = reconcile.decode_reply(body.get("ranges"), ID_BYTES)
+        except MetanodeError as exc:
+            raise PeerFailed(f"the reconciliation answer is malformed: {exc.message}") from None
+        return [(body["head"], reply)]
+
     async def _fetch(self, ids: Sequence[bytes], cursor: str | None, report: SyncReport) -> int:
         """Ask the peer for the claims with these identities and store them (with `cursor`);
-        an answer over `ANSWER_BYTES` is asked again in two halves."""
+        an answer over `ANSWER_BYTES`, or cut (`_split_after`), is asked again in two halves."""
         items: list[object] = []
         names: dict[str, str] = {}
         if ids:
@@ -459,8 +487,10 @@ class Follower:
                     json={"fetch": [reconcile.encode_id(i) for i in ids]},
                 )
                 self.page.took(took, self.config.timeout_s, len(ids))
-            except PeerAnswerTooLarge:
-                if len(ids) == 1:
+            except (PeerAnswerTooLarge, PeerAnswerCut) as exc:
+                if isinstance(exc, PeerAnswerCut):
+                    self._split_after(exc, len(ids))
+                elif len(ids) == 1:
                     raise
                 half = len(ids) // 2
                 first = await self._fetch(ids[:half], None, report)

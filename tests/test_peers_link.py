@@ -77,3 +77,22 @@ def test_a_backlog_over_a_link_slower_than_a_page_per_timeout_gets_through(
         poll(lambda: holds_all_of(b, a) or None, "every claim over the slow link", SLOW_S)
     row = peer_row(b, "a")
     assert (row["accepted"], row["duplicate"]) == (3000, 0), row
+
+
+def test_connections_cut_mid_answer_cost_pages_not_claims(
+    boxes: Callable[[str], Server],
+) -> None:
+    """A link that cuts every connection after 60 KB (≈ 220 claims) never carried a page of
+    1,000, nor a reconciliation fetch of 1,000; smaller ones come. No claim is stored twice
+    or skipped: a cut page is not applied at all (`duplicate` 0)."""
+    a, b = boxes("a"), boxes("b")
+    claims_of(a, "cut", 2000)
+    claims_of(b, "own", 1)  # B holds a claim: its first sync reconciles and fetches
+    with FaultProxy(a.port) as link:
+        link.faults.cut_after = 60_000
+        follow(b, link.url, peer_token(a, "b"), "a")
+        poll(lambda: holds_all_of(b, a) or None, "every claim over the breaking link", SLOW_S)
+        row = peer_row(b, "a")
+        assert link.counts.cuts > 0
+    assert (row["accepted"], row["duplicate"]) == (2000, 0), row
+    assert row["last_sync"]["fetched"] == 2000, row

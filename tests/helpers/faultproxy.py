@@ -77,6 +77,7 @@ class FaultProxy:
 
     def _serve(self, ready: threading.Event) -> None:
         loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
         self._server = loop.run_until_complete(
             asyncio.start_server(self._connection, "127.0.0.1", self.port)
         )
