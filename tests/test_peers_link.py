@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from metanode import cid as cids
@@ -96,3 +97,86 @@ def test_connections_cut_mid_answer_cost_pages_not_claims(
         assert link.counts.cuts > 0
     assert (row["accepted"], row["duplicate"]) == (2000, 0), row
     assert row["last_sync"]["fetched"] == 2000, row
+
+
+def test_three_boxes_partitioned_under_writes_converge_once_healed(
+    boxes: Callable[[str], Server],
+) -> None:
+    """A follows B and C, B follows A and C, C follows A and B, each edge through its own link;
+    C is cut off while all three take claims. Its peers say so (`last_error`, /health
+    degraded, `lag_s`); healed, all three hold exactly the same claims, each once."""
+    names = "abc"
+    box = {name: boxes(name) for name in names}
+    links = {(f, t): FaultProxy(box[t].port).__enter__() for f in names for t in names if f != t}
+    try:
+        for (f, t), link in links.items():
+            follow(box[f], link.url, peer_token(box[t], f), t)
+        for name in names:
+            claims_of(box[name], f"before {name}", 100)
+        poll(lambda: len({frozenset(stored_sigs(s)) for s in box.values()}) == 1 or None, "sync")
+        for (f, t), link in links.items():
+            link.faults.partition = "c" in (f, t)
+        for name in names:
+            claims_of(box[name], f"during {name}", 300)
+        row = poll(lambda: ((r := peer_row(box["a"], "c"))["last_error"] and r) or None, "an error")
+        assert "did not answer" in row["last_error"], row
+        assert row["lag_s"] > 0, row
+        health = httpx.get(f"{box['a'].url}/health", timeout=60).json()
+        assert health["status"] == "degraded", health
+        assert any(p.startswith("peer c failed its last pull") for p in health["problems"])
+        for link in links.values():
+            link.faults.partition = False
+        poll(
+            lambda: len({frozenset(stored_sigs(s)) for s in box.values()}) == 1 or None,
+            "the three boxes to hold the same claims",
+            SLOW_S,
+        )
+    finally:
+        for link in links.values():
+            link.__exit__()
+    for server in box.values():
+        sigs = stored_sigs(server)
+        assert len(sigs) == len(set(sigs)) == 3 * 400
+
+
+def test_a_cycle_of_followers_stores_each_claim_once_and_echoes_it_once(
+    boxes: Callable[[str], Server],
+) -> None:
+    """A follows B, B follows C, C follows A: a claim made on A goes round to C, then B, and
+    comes back to A once, a duplicate that is not stored, so it goes no further; once all
+    three hold everything, polls go on and nothing more is stored or counted."""
+    box = {name: boxes(name) for name in "abc"}
+    ring = {"a": "b", "b": "c", "c": "a"}
+    links = {f: FaultProxy(box[t].port).__enter__() for f, t in ring.items()}
+    try:
+        for f, t in ring.items():
+            follow(box[f], links[f].url, peer_token(box[t], f), t)
+        for name in box:
+            claims_of(box[name], f"ring {name}", 200)
+        poll(
+            lambda: all(len(stored_sigs(s)) == 600 for s in box.values()) or None,
+            "every box to hold every claim",
+        )
+        for f, t in ring.items():  # its own 200 come back once, the other 400 are new
+            poll(lambda f=f, t=t: _counts(box[f], t) == (400, 200) or None, f"{f}'s echo")
+        asked = {f: link.counts.bytes_up for f, link in links.items()}
+        poll(  # ≈ 10 more polls of every peer's log
+            lambda: (
+                all(link.counts.bytes_up > asked[f] + 2500 for f, link in links.items()) or None
+            ),
+            "more polls",
+        )
+        for f, t in ring.items():
+            assert _counts(box[f], t) == (400, 200)
+    finally:
+        for link in links.values():
+            link.__exit__()
+    for server in box.values():
+        sigs = stored_sigs(server)
+        assert len(sigs) == len(set(sigs)) == 600
+
+
+def _counts(follower: Server, name: str) -> tuple[int, int]:
+    """(accepted, duplicate) of `follower`'s peer `name`."""
+    row = peer_row(follower, name)
+    return row["accepted"], row["duplicate"]
