@@ -179,6 +179,7 @@ class Follower:
         self.instance = ""  # the instance id its peer last answered with ("": none yet)
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
+        self.asked_at = time.monotonic()  # when the pull (or sync) now under way began
         self.page = Asking(config.page)  # claims of a log page or a fetch
         self.ranges = Asking(reconcile.REQUEST_RANGES)  # ranges of a reconciliation request
         self.cuts = 0  # answers cut in a row (`SPLITS_IN_A_ROW`)
@@ -219,6 +220,7 @@ class Follower:
         delay = self.config.retry_s
         refused = False  # a cursor was refused, and none was taken since
         while True:
+            self.asked_at = time.monotonic()
             try:
                 if reconciling:
                     await self.sync(set_cursor=True)
@@ -270,13 +272,14 @@ class Follower:
         return min(delay * 2, self.config.max_backoff_s)
 
     def _failed(self, exc: MetanodeError) -> None:
-        """A failed pull: said in `last_error`, and the follower counts as behind from the
-        first failure on (a peer that stopped answering is not one it has kept up with)."""
+        """A failed pull: said in `last_error`, and the follower counts as behind from when
+        the first failed pull began (a peer that stopped answering is not one it has kept up
+        with; counted from the failure, `lag_s` read `peer_timeout_s` less than it was)."""
         said = f"{exc.slug}: {exc.message}"
         if said != self.last_error:  # a peer down for a week: one line, not one a minute
             log.warning("peer %s: %s (tried again with back-off)", self.name, said)
         self.last_error = said
-        self.behind_since = self.behind_since or time.monotonic()
+        self.behind_since = self.behind_since or self.asked_at
         self.tried.set()
 
     async def _pause(self, seconds: float) -> None:
@@ -378,7 +381,7 @@ class Follower:
             log.info("peer %s answers again", self.name)
         self.last_error = ""
         if more:
-            self.behind_since = self.behind_since or time.monotonic()
+            self.behind_since = self.behind_since or self.asked_at
         else:
             self.behind_since = None
         return more
