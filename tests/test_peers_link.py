@@ -76,8 +76,12 @@ def test_a_backlog_over_a_link_slower_than_a_page_per_timeout_gets_through(
         follow(b, link.url, peer_token(a, "b"), "a")
         poll(lambda: peer_row(b, "a")["page"] < 1000 or None, "the page to be made smaller")
         poll(lambda: holds_all_of(b, a) or None, "every claim over the slow link", SLOW_S)
-    row = peer_row(b, "a")
-    assert (row["accepted"], row["duplicate"]) == (3000, 0), row
+        row = peer_row(b, "a")
+        assert (row["accepted"], row["duplicate"]) == (3000, 0), row
+        link.faults.down_bps = 0  # the link is fast again: full pages make the page grow back
+        claims_of(a, "after", 20_000)
+        poll(lambda: peer_row(b, "a")["page"] == 1000 or None, "the page to grow back")
+        poll(lambda: holds_all_of(b, a) or None, "every claim over the fast link")
 
 
 def test_connections_cut_mid_answer_cost_pages_not_claims(
