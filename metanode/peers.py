@@ -220,7 +220,7 @@ class Follower:
         delay = self.config.retry_s
         refused = False  # a cursor was refused, and none was taken since
         while True:
-            self.asked_at = time.monotonic()
+            self.asked_at, self.cuts = time.monotonic(), 0  # each try splits cuts anew
             try:
                 if reconciling:
                     await self.sync(set_cursor=True)
@@ -295,13 +295,12 @@ class Follower:
         self, method: str, path: str, asking: Asking, **kwargs: Any
     ) -> tuple[Any, int, int, float]:
         """(the peer's JSON answer, bytes sent, bytes received, seconds it took); `PeerFailed`
-        for a refusal, an
-        answer over `ANSWER_BYTES` (`PeerAnswerTooLarge`), something that is not JSON
-        (`PeerCannotReconcile`: it has no `RECONCILE`), or no whole answer within `timeout_s`
-        (the whole answer, not each read: a peer dripping a byte a second held its follower for
-        ever) or a connection broken halfway (`PeerAnswerCut`, and `asking` is halved: a
-        request's size, not its answer's, is what a follower chooses); the caller knows whether
-        the answer was a full one, for `asking.took`."""
+        for a refusal, an answer over `ANSWER_BYTES` (`PeerAnswerTooLarge`), something that is
+        not JSON (`PeerCannotReconcile`: it has no `RECONCILE`), or no whole answer within
+        `timeout_s` (the whole answer, not each read: a peer dripping a byte a second held its
+        follower for ever) or a connection broken halfway (`PeerAnswerCut`, and `asking` is
+        halved: a request's size, not its answer's, is what a follower chooses); the caller
+        knows whether the answer was a full one, for `asking.took`."""
         started = time.monotonic()
         try:
             body, sent, got = await self._exchange(method, path, **kwargs)
