@@ -300,6 +300,13 @@ class PeerAnswerTooLarge(PeerFailed):
     fetch is asked again in smaller pieces, anything else is a failure, backed off."""
 
 
+class PeerAnswerCut(PeerFailed):
+    """A peer's answer did not come whole: not within `peer_timeout_s`, or its connection broke
+    halfway. A failure, backed off; what the follower asks at once is halved for the next try
+    (`peers.Asking`): over a slow link a page that cannot come within the timeout was asked
+    again whole, for ever."""
+
+
 class PeerCannotReconcile(PeerFailed):
     """The peer has no reconciliation route (an older version): its log is read from the start
     instead. Only this, not a peer that is down or refuses the token, falls back so."""

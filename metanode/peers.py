@@ -31,6 +31,7 @@ from metanode.clock import Clock
 from metanode.errors import (
     InvalidJson,
     MetanodeError,
+    PeerAnswerCut,
     PeerAnswerTooLarge,
     PeerCannotReconcile,
     PeerCursorRefused,
@@ -55,6 +56,10 @@ PARSE_ON_LOOP_BYTES = 1024 * 1024  # a larger answer is parsed on a thread
 # values count too, so a page whose values hold many is asked again smaller, down to one claim,
 # which cannot hold this many (`max_value_bytes` is far less).
 ANSWER_CONTAINERS = 100_000
+# answers in a row that may be cut (`PeerAnswerCut`) while a reconciliation asks again in halves
+# what was cut, rather than failing (and beginning again from its first round): a link that
+# breaks connections keeps what came through, a dead peer is a failure after this many more
+SPLITS_IN_A_ROW = 3
 RECONCILE = "/api/claims/reconcile"  # a peer without it (404, 405) is an older version
 # the answering data directory's instance id, on the claim log's and reconciliation's answers:
 # a follower that finds its own there was added at this box's own address
@@ -87,6 +92,38 @@ class PageCounts:
     valid_from: int | None = None
     # why the page's first refused claim was refused ("": none was), for `last_rejected`
     first_refusal: str = ""
+
+
+@dataclass
+class Asking:
+    """How much a follower asks of its peer in one request: claims of a log page or a fetch,
+    or ranges of a reconciliation request. Halved when an answer did not come whole (too large,
+    too slow, cut halfway: over a 5 KB/s link a page of 1,000 claims, ≈ 270 KB, took longer
+    than `peer_timeout_s`, was given up and asked again whole, for ever, nothing stored);
+    doubled back, up to `most`, after a full answer (as much as was asked for) that came within
+    a quarter of the timeout, so that the doubled one is expected within half of it. Doubled
+    after any answer, every other request over a slow link was one given up; and after a small
+    one (a reconciliation's first round, a poll finding 3 new claims), each halving was undone
+    before the large request it was for: a link cut at 60 KB never carried a second round."""
+
+    most: int
+    now: int = 0  # 0: `most`
+
+    def __post_init__(self) -> None:
+        self.now = self.now or self.most
+
+    def shrink(self) -> bool:
+        """Halve; False if it is one already (nothing smaller can be asked)."""
+        if self.now == 1:
+            return False
+        self.now //= 2
+        return True
+
+    def took(self, seconds: float, timeout_s: float, asked: int) -> None:
+        """An answer to a request for `asked` came whole in `seconds`: ask more next time if
+        it was a full one and came well in time."""
+        if asked >= self.now and seconds < timeout_s / 4:
+            self.now = min(self.most, self.now * 2)
 
 
 class Host(Protocol):
@@ -141,7 +178,10 @@ class Follower:
         self.instance = ""  # the instance id its peer last answered with ("": none yet)
         self.last_sync: SyncReport | None = None
         self.behind_since: float | None = time.monotonic()  # None: caught up
-        self.page = config.page  # halved while pages are over `ANSWER_BYTES`
+        self.asked_at = time.monotonic()  # when the pull (or sync) now under way began
+        self.page = Asking(config.page)  # claims of a log page or a fetch
+        self.ranges = Asking(reconcile.REQUEST_RANGES)  # ranges of a reconciliation request
+        self.cuts = 0  # answers cut in a row (`SPLITS_IN_A_ROW`)
         # when to reconcile for claims refused as dated too far ahead: a reading of the node's
         # clock, which is what they are ahead of (None: never)
         self.resync_at: int | None = None
@@ -178,6 +218,7 @@ class Follower:
         delay = self.config.retry_s
         refused = False  # a cursor was refused, and none was taken since
         while True:
+            self.asked_at, self.cuts = time.monotonic(), 0  # each try splits cuts anew
             try:
                 if reconciling:
                     await self.sync(set_cursor=True)
@@ -228,21 +269,46 @@ class Follower:
         return min(delay * 2, self.config.max_backoff_s)
 
     def _failed(self, exc: MetanodeError) -> None:
-        """A failed pull: said in `last_error`, and the follower counts as behind from the
-        first failure on (a peer that stopped answering is not one it has kept up with)."""
+        """A failed pull: said in `last_error`, and the follower counts as behind from when
+        the first failed pull began (a peer that stopped answering is not one it has kept up
+        with; counted from the failure, `lag_s` read `peer_timeout_s` less than it was)."""
         said = f"{exc.slug}: {exc.message}"
         if said != self.last_error:  # a peer down for a week: one line, not one a minute
             log.warning("peer %s: %s (tried again with back-off)", self.name, said)
         self.last_error = said
-        self.behind_since = self.behind_since or time.monotonic()
+        self.behind_since = self.behind_since or self.asked_at
         self.tried.set()
 
-    async def _call(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
-        """(the peer's JSON answer, bytes sent, bytes received); `PeerFailed` for no answer
-        within `timeout_s` (the whole answer, not each read: a peer dripping a byte a second
-        held its follower for ever), a refusal, an answer over `ANSWER_BYTES`
-        (`PeerAnswerTooLarge`), or something that is not JSON (`PeerCannotReconcile`: it has no
-        `RECONCILE`)."""
+    async def _call(
+        self, method: str, path: str, asking: Asking, **kwargs: Any
+    ) -> tuple[Any, int, int, float]:
+        """(the peer's JSON answer, bytes sent, bytes received, seconds it took); `PeerFailed`
+        for a refusal, an answer over `ANSWER_BYTES` (`PeerAnswerTooLarge`), something that is
+        not JSON (`PeerCannotReconcile`: it has no `RECONCILE`), or no whole answer within
+        `timeout_s` (the whole answer, not each read: a peer dripping a byte a second held its
+        follower for ever) or a connection broken halfway (`PeerAnswerCut`, and `asking` is
+        halved: a request's size, not its answer's, is what a follower chooses); the caller
+        knows whether the answer was a full one, for `asking.took`."""
+        started = time.monotonic()
+        try:
+            body, sent, got = await self._exchange(method, path, **kwargs)
+        except PeerAnswerCut:
+            asking.shrink()
+            self.cuts += 1
+            raise
+        self.cuts = 0
+        return body, sent, got, time.monotonic() - started
+
+    def _split_after(self, exc: PeerAnswerCut, size: int) -> None:
+        """Re-raise `exc` unless a reconciliation's request of `size` it cut is to be asked
+        again in halves (said in `last_error` meanwhile): not one of a single item, and not
+        after `SPLITS_IN_A_ROW` cuts in a row."""
+        if size == 1 or self.cuts > SPLITS_IN_A_ROW:
+            raise exc
+        self._failed(exc)
+
+    async def _exchange(self, method: str, path: str, **kwargs: Any) -> tuple[Any, int, int]:
+        """One request and its whole answer (`_call`)."""
         try:
             async with (
                 asyncio.timeout(self.config.timeout_s),
@@ -258,12 +324,14 @@ class Follower:
                     raise PeerCannotReconcile(f"{path} answered {response.status_code}")
                 content = await _read_capped(response, path)
         except TimeoutError:
-            raise PeerFailed(
+            raise PeerAnswerCut(
                 f"{self.http.base_url} did not answer within {self.config.timeout_s:g} s "
                 "(peer_timeout_s)"
             ) from None
-        except httpx.HTTPError as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing asked, nothing cut
             raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
+        except httpx.HTTPError as exc:  # a read or write broken or timed out
+            raise PeerAnswerCut(f"{self.http.base_url} did not answer: {exc!r}") from None
         body = await _json_of(content, response, path, str(self.http.base_url))
         if response.status_code != 200:
             slug = body.get("error") if isinstance(body, dict) else None
@@ -275,29 +343,32 @@ class Follower:
 
     async def pull_once(self) -> bool:
         """Pull and store one page after the cursor; whether the peer said there is more. A
-        page over `ANSWER_BYTES` is asked again at half the size (claims with large values),
-        and the size grows back, page by page, once they are passed."""
+        page over `ANSWER_BYTES` is asked again at once at half the size (claims with large
+        values); one that did not come whole is a failure, asked again at half the size after
+        the back-off (`Asking`)."""
         while True:
-            params = {"limit": str(self.page)}
+            limit = self.page.now
+            params = {"limit": str(limit)}
             if self.cursor:
                 params["after"] = self.cursor
             try:
-                body, _, _ = await self._call("GET", "/api/claims/log", params=params)
+                body, _, _, took = await self._call(
+                    "GET", "/api/claims/log", self.page, params=params
+                )
                 break
             except PeerAnswerTooLarge:
-                if self.page == 1:
+                if not self.page.shrink():
                     raise
-                self.page //= 2
-        items, cursor, more = _log_page(body, self.page, self.cursor)
+        items, cursor, more = _log_page(body, limit, self.cursor)
+        self.page.took(took, self.config.timeout_s, len(items))
         names = signer_names(body)
         self._took(await self.host.apply_peer_page(self.name, items, cursor, names))
         self.cursor = cursor
-        self.page = min(self.config.page, self.page * 2)
         if self.last_error:
             log.info("peer %s answers again", self.name)
         self.last_error = ""
         if more:
-            self.behind_since = self.behind_since or time.monotonic()
+            self.behind_since = self.behind_since or self.asked_at
         else:
             self.behind_since = None
         return more
@@ -343,29 +414,20 @@ class Follower:
         head: str | None = None
         while message:
             following: list[reconcile.Fingerprint] = []
-            for part in reconcile.chunks(message):  # each of at most REQUEST_RANGES ranges
-                body, sent, got = await self._call(
-                    "POST", RECONCILE, json={"ranges": reconcile.encode(part)}
-                )
-                report.bytes_sent += sent
-                report.bytes_received += got
-                if not isinstance(body, dict) or not isinstance(body.get("head"), str):
-                    raise PeerFailed("the reconciliation answer has no head cursor")
-                head = head or body["head"]
-                try:
-                    reply = reconcile.decode_reply(body.get("ranges"), ID_BYTES)
-                except MetanodeError as exc:
-                    raise PeerFailed(
-                        f"the reconciliation answer is malformed: {exc.message}"
-                    ) from None
-                following += session.absorb(reply)
-                _within_bounds(session, following)
+            for part in reconcile.chunks(message, self.ranges.now):
+                for said, reply in await self._ask(part, report):
+                    head = head or said
+                    following += session.absorb(reply)
+                    _within_bounds(session, following)
             message = session.end_round(following)
         needed = sorted(session.need)
-        chunks = [needed[n : n + FETCH_CHUNK] for n in range(0, len(needed), FETCH_CHUNK)] or [[]]
-        for number, chunk in enumerate(chunks, 1):
-            cursor = head if set_cursor and number == len(chunks) else None
+        while True:  # in pieces of a page's size: a fetch of n claims is a page of n claims
+            size = min(FETCH_CHUNK, self.page.now)
+            chunk, needed = needed[:size], needed[size:]
+            cursor = head if set_cursor and not needed else None
             report.fetched += await self._fetch(chunk, cursor, report)
+            if not needed:
+                break
         if set_cursor and head is not None:
             self.cursor = head
         for name in ("rounds", "fingerprints_sent", "fingerprints_received", "ids_received"):
@@ -375,20 +437,50 @@ class Follower:
         self.last_sync = report
         return report
 
+    async def _ask(
+        self, part: Sequence[reconcile.Fingerprint], report: SyncReport
+    ) -> list[tuple[str, list[reconcile.Entry]]]:
+        """The peer's (head, reply) to a request about the ranges `part`: one, or, if its
+        answer was cut, those to its halves (`_split_after`; the responder answers each range
+        on its own). One cut began the reconciliation again from its first round: a link that
+        broke connections at 60 KB never let one of 2,000 claims finish."""
+        try:
+            body, sent, got, took = await self._call(
+                "POST", RECONCILE, self.ranges, json={"ranges": reconcile.encode(part)}
+            )
+        except PeerAnswerCut as exc:
+            self._split_after(exc, len(part))
+            half = len(part) // 2
+            return await self._ask(part[:half], report) + await self._ask(part[half:], report)
+        self.ranges.took(took, self.config.timeout_s, len(part))
+        report.bytes_sent += sent
+        report.bytes_received += got
+        if not isinstance(body, dict) or not isinstance(body.get("head"), str):
+            raise PeerFailed("the reconciliation answer has no head cursor")
+        try:
+            reply = reconcile.decode_reply(body.get("ranges"), ID_BYTES)
+        except MetanodeError as exc:
+            raise PeerFailed(f"the reconciliation answer is malformed: {exc.message}") from None
+        return [(body["head"], reply)]
+
     async def _fetch(self, ids: Sequence[bytes], cursor: str | None, report: SyncReport) -> int:
         """Ask the peer for the claims with these identities and store them (with `cursor`);
-        an answer over `ANSWER_BYTES` is asked again in two halves."""
+        an answer over `ANSWER_BYTES`, or cut (`_split_after`), is asked again in two halves."""
         items: list[object] = []
         names: dict[str, str] = {}
         if ids:
             try:
-                body, sent, got = await self._call(
+                body, sent, got, took = await self._call(
                     "POST",
                     RECONCILE,
+                    self.page,
                     json={"fetch": [reconcile.encode_id(i) for i in ids]},
                 )
-            except PeerAnswerTooLarge:
-                if len(ids) == 1:
+                self.page.took(took, self.config.timeout_s, len(ids))
+            except (PeerAnswerTooLarge, PeerAnswerCut) as exc:
+                if isinstance(exc, PeerAnswerCut):
+                    self._split_after(exc, len(ids))
+                elif len(ids) == 1:
                     raise
                 half = len(ids) // 2
                 first = await self._fetch(ids[:half], None, report)
@@ -583,6 +675,7 @@ class Peers:
             "stale": row.stale,
             "rejected": row.rejected,
             "last_rejected": follower.last_rejected if follower else "",
+            "page": follower.page.now if follower else None,
             "added_at": row.added_at,
         }
 

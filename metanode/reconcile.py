@@ -250,11 +250,12 @@ def encode(message: Sequence[Entry]) -> list[dict[str, Any]]:
     return out
 
 
-def chunks(message: Sequence[Fingerprint]) -> list[Sequence[Fingerprint]]:
-    """A round's message as requests of at most `REQUEST_RANGES` ranges each: the responder
-    answers each range on its own, so the replies to the pieces, joined, are the reply to the
-    whole."""
-    step = REQUEST_RANGES
+def chunks(
+    message: Sequence[Fingerprint], step: int = REQUEST_RANGES
+) -> list[Sequence[Fingerprint]]:
+    """A round's message as requests of at most `step` ranges each: the responder answers each
+    range on its own, so the replies to the pieces, joined, are the reply to the whole (a
+    follower over a slow link asks fewer at once, `peers.Asking`)."""
     return [message[n : n + step] for n in range(0, len(message), step)]
 
 
