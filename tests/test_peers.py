@@ -1148,3 +1148,23 @@ async def test_peers_add_waits_the_whole_apply_wait_s_for_its_first_question(nod
     ):
         await node.add_peer(peer.url, "t", 0, "a")
     assert node.list_peers() == []
+
+
+@given(st.lists(st.tuples(st.booleans(), st.floats(0, 10), st.booleans()), max_size=40))
+def test_what_a_follower_asks_halves_on_a_failure_and_doubles_back_after_full_quick_answers(
+    steps: list[tuple[bool, float, bool]],
+) -> None:
+    """`Asking`: halved at each answer that did not come whole, never below one; doubled back,
+    never above `most`, only after a full answer (all that was asked) within a quarter of the
+    timeout, so that a slow link is not asked the size it just failed to carry."""
+    asking = peers.Asking(1000)
+    for failed, seconds, full in steps:
+        before = asking.now
+        if failed:
+            assert asking.shrink() == (before > 1)
+            assert asking.now == max(1, before // 2)
+        else:
+            asking.took(seconds, 2.0, before if full else before - 1)
+            grew = full and seconds < 0.5
+            assert asking.now == (min(1000, before * 2) if grew else before)
+        assert 1 <= asking.now <= 1000

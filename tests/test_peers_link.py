@@ -78,9 +78,8 @@ def test_a_backlog_over_a_link_slower_than_a_page_per_timeout_gets_through(
         poll(lambda: holds_all_of(b, a) or None, "every claim over the slow link", SLOW_S)
         row = peer_row(b, "a")
         assert (row["accepted"], row["duplicate"]) == (3000, 0), row
-        link.faults.down_bps = 0  # the link is fast again: full pages make the page grow back
-        claims_of(a, "after", 20_000)
-        poll(lambda: peer_row(b, "a")["page"] == 1000 or None, "the page to grow back")
+        link.faults.down_bps = 0  # the link is fast again (how the page grows back, whose
+        claims_of(a, "after", 2_000)  # pace is the machine's, test_peers.py checks without it)
         poll(lambda: holds_all_of(b, a) or None, "every claim over the fast link")
 
 
