@@ -95,29 +95,43 @@ def test_the_python_serialiser_it_names_gives_the_signing_bytes() -> None:
     assert [json.dumps(a).encode() for a in arrays()] != signing_bytes()
 
 
-def test_the_javascript_serialiser_it_names_gives_the_signing_bytes() -> None:
-    node = needs("node")
-    expression = named(r"JavaScript's `(JSON\.stringify\(array\))`")
-    script = (
+# Another language's serialiser as the text names it, run over every vector's array: the
+# program, the sentence naming it, and a script printing each array's bytes in hex (EXPR: the
+# named expression)
+SERIALISERS = {
+    "javascript": (
+        "node",
+        r"JavaScript's `(JSON\.stringify\(array\))`",
         "const arrays = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
-        f"for (const array of arrays) console.log(Buffer.from({expression}).toString('hex'));"
-    )
-    done = subprocess.run(
-        [node, "-e", script], input=json.dumps(arrays()), capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    assert [bytes.fromhex(line) for line in done.stdout.split()] == signing_bytes()
-
-
-def test_the_perl_serialiser_it_names_gives_the_signing_bytes() -> None:
-    perl = needs("perl")
-    expression = named(r"Perl's `(JSON::PP->new->utf8->canonical->encode\(\$array\))`")
-    script = (
+        "for (const array of arrays) console.log(Buffer.from(EXPR).toString('hex'));",
+    ),
+    "perl": (
+        "perl",
+        r"Perl's `(JSON::PP->new->utf8->canonical->encode\(\$array\))`",
         "use JSON::PP; local $/; my $arrays = JSON::PP->new->utf8->decode(<STDIN>);"
-        f'for my $array (@$arrays) {{ print unpack("H*", {expression}), "\\n" }}'
-    )
+        'for my $array (@$arrays) { print unpack("H*", EXPR), "\\n" }',
+    ),
+}
+
+
+@pytest.mark.parametrize("language", sorted(SERIALISERS))
+def test_the_serialiser_it_names_in_another_language_gives_the_signing_bytes(
+    language: str,
+) -> None:
+    program, sentence, script = SERIALISERS[language]
+    expression = named(sentence)
+    assert hex_lines(needs(program), script.replace("EXPR", expression)) == signing_bytes()
+
+
+def hex_lines(program: str, script: str) -> list[bytes]:
+    """What `program -e script` prints, a line of hex a vector's array, given the arrays as
+    JSON on its input."""
     done = subprocess.run(
-        [perl, "-e", script], input=json.dumps(arrays()), capture_output=True, text=True, timeout=60
+        [program, "-e", script],
+        input=json.dumps(arrays()),
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert [bytes.fromhex(line) for line in done.stdout.split()] == signing_bytes()
+    return [bytes.fromhex(line) for line in done.stdout.split()]

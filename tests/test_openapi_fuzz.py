@@ -119,16 +119,18 @@ def fuzz_node(fuzz_data: Path) -> Iterator[tuple[Node, Any]]:
 # that the app serves exactly this file. (`schemathesis.pytest.from_fixture`, which would load it
 # from the running app, does not work with pytest 9.2: it sets the removed `Node._nodeid`.)
 schema = schemathesis.openapi.from_path(OPENAPI).exclude(path=EXCLUDED_PATHS)
-
-
-@schema.parametrize()
-@settings(
+# the same 30 cases of each operation at every run, in the app and against a real server
+FUZZED = settings(
     max_examples=30,
     deadline=None,
     derandomize=True,
     database=None,
     suppress_health_check=list(HealthCheck),
 )
+
+
+@schema.parametrize()
+@FUZZED
 def test_openapi_conformance(case: schemathesis.Case[Any], fuzz_node: tuple[Node, Any]) -> None:
     node, app = fuzz_node
     case.call_and_validate(
@@ -157,13 +159,7 @@ on_server = schema.exclude(path="/api/peers", method="POST")
 
 
 @on_server.parametrize()
-@settings(
-    max_examples=30,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=list(HealthCheck),
-)
+@FUZZED
 def test_openapi_conformance_of_a_real_server(
     case: schemathesis.Case[Any], fuzz_server: Server
 ) -> None:
