@@ -48,7 +48,7 @@ from tests.helpers.plugins import claim, probe
 from tests.helpers.postgres import Cluster, start_cluster
 from tests.helpers.server import Server, free_port, plugins_server, wait_caught_up
 from tests.helpers.settings import settings_for
-from tests.helpers.wait import until
+from tests.helpers.wait import poll, until
 
 DEADLINE_S = 60.0
 
@@ -758,14 +758,19 @@ def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
         admin.execute(f'ALTER DATABASE "{database}" SET {setting}')
     conn = pg.Connection(pg.Target(dsn, "public"), readonly=False)  # a session with the setting
 
+    idle_ended = [setting.startswith("idle_in_transaction")]  # until the first refusal
+
     def write(conn: db.Connection) -> None:
         conn.execute("CREATE TABLE IF NOT EXISTS lifted (x INTEGER)")
-        time.sleep(0.1)  # the transaction idle between two statements, as on a busy machine
+        if idle_ended[0]:  # idle between two statements, as on a busy machine, until ended
+            (pid,) = conn.execute("SELECT pg_backend_pid()").fetchone()
+            poll(lambda: None if session_alive(dsn, pid) else True, "the idle session ended")
         conn.execute("SELECT pg_sleep(0.05)")
 
     try:
         with pytest.raises(StorageError) as refused:
             db.run_txn(conn, write)
+        idle_ended[0] = False
         assert refused.value.slug == slug, refused.value
         assert re.search(words, refused.value.message), refused.value
         with administer(dsn) as admin:
@@ -773,6 +778,13 @@ def test_a_setting_lifted_from_the_database_is_taken_without_a_restart(
         db.run_txn(conn, write)  # the same store connection, its session made again
     finally:
         conn.close()
+
+
+def session_alive(dsn: str, pid: int) -> bool:
+    """Whether the server still runs the session of backend `pid`."""
+    with psycopg_connect(dsn) as admin:
+        row = admin.execute("SELECT count(*) FROM pg_stat_activity WHERE pid = %s", (pid,))
+        return bool(row.fetchone()[0])
 
 
 def test_a_connection_left_in_pipeline_mode_is_made_again(dsn: str) -> None:
