@@ -44,6 +44,7 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff format --check metanode plugins tests tools
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+	$(BIN)/vulture
 
 serve: $(SERVE_NEEDS)
 	$(BIN)/metanode serve

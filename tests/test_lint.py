@@ -1,6 +1,7 @@
 """The code checks of `make lint`, run with the tests so CI enforces them too: ruff (style,
 imports, bugbear rules) and its formatter, mypy in strict mode over the package, the plugins
-and the tools, and import-linter's contracts (the layers of docs/architecture.md)."""
+and the tools, import-linter's contracts (the layers of docs/architecture.md) and vulture's
+dead code."""
 
 from __future__ import annotations
 
@@ -32,6 +33,13 @@ def test_mypy_strict_is_clean(tmp_path: Path) -> None:
     done = run("mypy", "--cache-dir", str(tmp_path / "mypy-cache"))  # files: pyproject.toml
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Success" in done.stdout
+
+
+def test_no_dead_code() -> None:
+    """vulture finds no function, class, attribute or variable that nothing uses (pyproject.toml
+    names the ones only a library calls)."""
+    done = run("vulture")
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_layers_hold() -> None:

@@ -25,7 +25,7 @@ from metanode.merge import (
 
 TS = 1_764_500_000_000
 KEYS = [nacl.signing.SigningKey(bytes([n]) * 32) for n in (0x31, 0x32, 0x33, 0x34)]
-KA, KB, KC, KD = KEYS
+KA, KB, KC, _ = KEYS  # D signs nothing: the viewer with no vote
 A, B, C, D = (claims.uid_of(bytes(k.verify_key)) for k in KEYS)
 
 MIDHASH_1 = "bagacbabaea6gwjljwuu3cyxlrwwxgnmlfwd2gfshoi6mrtxysc4mnahe2hsqu"

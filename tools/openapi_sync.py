@@ -26,7 +26,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = ROOT / "schemas"
-OPENAPI = SCHEMAS / "openapi.json"
 PACKAGED = ROOT / "metanode" / "openapi.json"
 COMPONENTS = "#/components/schemas/"
 _TITLE = re.compile(r"[A-Z][A-Za-z0-9]*")

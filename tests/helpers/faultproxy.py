@@ -37,8 +37,7 @@ class Counts:
     """What went through, for a test's figures."""
 
     connections: int = 0
-    bytes_down: int = 0  # from the peer to the follower
-    bytes_up: int = 0
+    bytes_up: int = 0  # from the follower to the peer
     cuts: int = 0
 
 
@@ -142,9 +141,7 @@ class FaultProxy:
             sink.write(chunk)
             await sink.drain()
             sent += len(chunk)
-            if down:
-                self.counts.bytes_down += len(chunk)
-            else:
+            if not down:
                 self.counts.bytes_up += len(chunk)
         while self.faults.partition:  # nor does an end: the other side never hears of it
             await asyncio.sleep(0.05)

@@ -104,7 +104,6 @@ class Replica:
         self.history: list[Frame] = []  # the live events, in order
         self.gaps: list[dict[str, Any]] = []
         self.synced: list[str] = []
-        self.keep_alives = 0
         self._snapshot: dict[tuple[str, str], str] | None = None
         self.snapshot_sizes: list[int] = []
 
@@ -124,7 +123,6 @@ class Replica:
         if frame.event is None:
             assert frame.comment == "keep-alive", f"unexpected comment frame {frame}"
             assert self._snapshot is None, "keep-alive inside a snapshot"
-            self.keep_alives += 1
         elif frame.event == "gap":
             assert self.gaps_allowed, f"unexpected gap {frame.data}"
             assert self._snapshot is None, f"gap inside a snapshot: {frame.data}"
