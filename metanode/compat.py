@@ -27,11 +27,10 @@ import mimetypes
 import os
 import socket
 import stat
-import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from sse_starlette import EventSourceResponse
@@ -61,7 +60,6 @@ from metanode.errors import (
     InvalidValue,
     MetanodeError,
     NotFoundError,
-    StorageError,
     TooLarge,
     UnknownCid,
     shown,
@@ -556,20 +554,18 @@ class FileFrames:
         return data  # keys in sorted order, as meta-core's Go maps marshal them
 
 
-class _Follow(Generic[R]):
+class _Follow(feed.Framing[R]):
     """One client of a MetaMesh stream over an event table, served from the table's shared hub
-    (`feed.Hub`, the same one as `/api/events` for the meta stream), framed its own way.
-
-    Like `feed.Subscription`, by the same resume rule: resume after a retained cursor; otherwise
-    (another epoch, pruned, in the future, or `0-0`) one `gap` event and then the full current
-    state, read in one read transaction with the seq it reflects (`feed.Reading`); then the live
-    tail, with `: keep-alive` after silences. The gap and the state's events carry ids inside
-    that state (`feed.Snapshot`), so a client cut off in it, whether it adopted the gap's
-    `resumeFrom` or tracks ids, gets the rest of it (or, if the state changed meanwhile, a gap
-    and the whole state again); the last event carries the state's seq, which resumes with the
-    events after it. Chunks of whole frames: a page of events per chunk.
+    (`feed.Hub`, the same one as `/api/events` for the meta stream), framed its own way: a
+    `feed.Framing` that `feed.Subscription` runs by the one resume rule (replay after a
+    retained cursor; otherwise one `gap` and the full current state, with ids inside that
+    state, so a client cut off in it resumes there; then the live tail, with `: keep-alive`
+    after silences). The MetaMesh streams end neither a replay nor a full state with a frame
+    of their own (no `synced`): the state's last event carries the state's seq, which resumes
+    with the events after it. Chunks of whole frames: a page of events per chunk.
     """
 
+    gap_names = GAP_REASONS
     # Whether a client that sends no cursor gets the full state first (else the live tail only)
     whole_without_cursor = False
 
@@ -578,7 +574,6 @@ class _Follow(Generic[R]):
         self.cursor = cursor
         self.feed = self._feed()
         self.form = self._form()
-        self.epoch, self.position = self.feed.hub.head()
 
     # the stream's specifics
     def _feed(self) -> feed.Feed[R]:
@@ -594,81 +589,18 @@ class _Follow(Generic[R]):
     def _state_start(self, now: int) -> list[feed.Event]:
         return []
 
-    def stream(self) -> AsyncGenerator[bytes, None]:
-        return self.node.counted(self._stream())
+    def live(self, got: feed.Slice[R]) -> bytes:
+        return got.chunk(self.form)
 
-    def _begin(self) -> tuple[sse.Cursor | None, str | None] | None:
-        """The full state due first: (the cursor it is for, why that cannot be continued, if
-        known), or None to go on after the cursor (or live)."""
-        if self.cursor is None and self.whole_without_cursor:
-            return (None, None)  # the state with no gap before it: nothing was missed
-        if self.cursor is not None:
-            reason = self.feed.hub.resume(self.cursor)
-            if reason is None and self.cursor.state is None:
-                self.position = self.cursor.seq
-                return None
-            return (self.cursor, reason)
-        return None
-
-    async def _stream(self) -> AsyncGenerator[bytes, None]:
-        """As `feed.Subscription.stream`: a read the store fails is tried again, the stream
-        kept open (`feed.held`), but one failing inside a full state already begun ends it
-        (its read transaction is lost): the client resumes inside it from its last id."""
-        # a full state due: (the cursor it is for, why that cannot be continued, if known)
-        redo: tuple[sse.Cursor | None, str | None] | None = None
-        begun = False
-        quiet_since = time.monotonic()
-        while True:
-            sent = False  # a page of a full state: then a failed read ends the stream
-            try:
-                if not begun:
-                    redo = self._begin()
-                    begun = True
-                if redo is not None:
-                    # closed right here if the client goes: it holds a read transaction
-                    async with contextlib.aclosing(self._full_state(*redo)) as chunks:
-                        async for chunk in chunks:
-                            sent = True
-                            yield chunk
-                    redo, quiet_since, sent = None, time.monotonic(), False
-                got = self.feed.hub.after(self.epoch, self.position)
-                if isinstance(got, str):  # pruned while lagging, or the cache was rebuilt
-                    redo = (sse.Cursor.at(self.epoch, self.position), got)
-                elif got is not None:
-                    self.position = got.last
-                    yield got.chunk(self.form)
-                    quiet_since = time.monotonic()
-                elif (left := quiet_since + self.feed.keep_alive_s - time.monotonic()) <= 0:
-                    yield sse.keep_alive().encode()
-                    quiet_since = time.monotonic()
-                else:
-                    await self.feed.wait(self.position, self.epoch, left)
-            except StorageError:
-                if sent:
-                    return
-                if chunk := await feed.held(quiet_since, self.feed.keep_alive_s):
-                    yield chunk
-                    quiet_since = time.monotonic()
-
-    async def _full_state(
-        self, cursor: sse.Cursor | None, reason: str | None
-    ) -> AsyncGenerator[bytes, None]:
-        """The `gap` (if one is due: `feed.Snapshot.gap`) and the full state, a page of the
-        snapshot per chunk, numbered so that a client cut off in it resumes inside it."""
+    async def full_state(self) -> feed.Snapshot:
         now = self.node.clock()
-        snapshot = await self.feed.full_state(
+        return await self.feed.full_state(
             lambda rows: self._state(rows, now), self._state_start(now)
         )
-        try:
-            chunk = snapshot.gap(cursor, reason, GAP_REASONS)
-            while (page := await snapshot.page()) is not None:
-                if chunk + page:
-                    yield chunk + page
-                chunk = b""
-        finally:
-            with contextlib.suppress(StorageError):  # its connection went with the server
-                await snapshot.close()
-        self.epoch, self.position = snapshot.epoch, snapshot.head
+
+    def stream(self) -> AsyncGenerator[bytes, None]:
+        subscription = feed.Subscription(self.feed, self, self.cursor, self.whole_without_cursor)
+        return self.node.counted(subscription.stream())
 
 
 class MetaFollow(_Follow[feed.FeedRow]):

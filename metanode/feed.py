@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -371,11 +372,10 @@ class Snapshot:
 
 @dataclass(frozen=True)
 class Feed(Generic[R]):
-    """One event table as a stream over it needs it: the shared hub, the published cache state,
-    a wait for news (`WaitFeed`), a snapshot of what the events describe, the keep-alive."""
+    """One event table as a stream over it needs it: the shared hub, a wait for news
+    (`WaitFeed`), a snapshot of what the events describe, the keep-alive."""
 
     hub: Hub[R]
-    state: Callable[[], cache.State]
     wait: WaitFeed
     snapshot: Callable[[], Awaitable[Reading]]
     keep_alive_s: float
@@ -401,8 +401,52 @@ async def held(quiet_since: float, keep_alive_s: float) -> bytes:
     return b""
 
 
-class Subscription:
-    """The event stream of one client connection, as chunks of whole SSE frames.
+class Framing(ABC, Generic[R]):
+    """How one stream frames an event table: its live events, its full state, the names of its
+    `gap` reasons and what ends a replay. `Subscription` runs every stream by the one resume
+    rule; a framing says only how it looks (`RecordFraming` for `/api/events`,
+    `compat.MetaFollow` and `compat.FilesFollow` for MetaMesh's streams)."""
+
+    gap_names: Mapping[str, str] | None = None  # None: the reasons as `sse` names them
+
+    @abstractmethod
+    def live(self, got: Slice[R]) -> bytes:
+        """The frames of one page's events after the subscriber's position, as one chunk."""
+
+    @abstractmethod
+    async def full_state(self) -> Snapshot:
+        """A new full state of what the events describe, opened (it holds a read transaction)."""
+
+    def replayed(self, position: str) -> bytes:
+        """What is sent once a replayed cursor has caught up (nothing, unless told)."""
+        return b""
+
+
+@dataclass(frozen=True)
+class RecordFraming(Framing[FeedRow]):
+    """`GET /api/events`: `change_frame`s that pass `where`; the records' state (`Snapshot.open`)
+    and a replay each end in `synced`."""
+
+    store: cache.CacheStore
+    where: sse.Filter
+
+    def live(self, got: Slice[FeedRow]) -> bytes:
+        return got.frames(self.where)
+
+    async def full_state(self) -> Snapshot:
+        return await Snapshot.open(self.store, self.where)
+
+    def replayed(self, position: str) -> bytes:
+        """The end of a replay, with its position as the frame's `id` too: a client that keeps
+        the last id it saw (EventSource) resumes from here, not from the last event that passed
+        its filter, which may be old enough to be pruned by then (a needless `gap`)."""
+        return sse.event(*synced(position), position).encode()
+
+
+class Subscription(Generic[R]):
+    """The event stream of one client connection, as chunks of whole SSE frames: replay after
+    a cursor, or gap + full state (or, with no cursor and `whole_first`, the full state); then
+    the live tail, with a `: keep-alive` after each silence of the feed's `keep_alive_s`.
 
     One generator (`stream`) over a small state machine (`_next`), so that whatever stops the
     stream (the client leaving, cancellation, the server shutting down) runs its one `finally`
@@ -415,31 +459,24 @@ class Subscription:
 
     def __init__(
         self,
-        hub: Hub[FeedRow],
-        store: cache.CacheStore,
-        state: Callable[[], cache.State],
-        wait_feed: WaitFeed,
+        source: Feed[R],
+        framing: Framing[R],
         cursor: sse.Cursor | None,
-        snapshot: bool,
-        where: sse.Filter,
-        keep_alive_s: float,
+        whole_first: bool,
     ) -> None:
-        self._hub = hub
-        self._store = store
-        self._state = state
-        self._wait_feed = wait_feed
+        self._hub = source.hub
+        self._wait_feed = source.wait
+        self._keep_alive_s = source.keep_alive_s
+        self._framing = framing
         self._cursor = cursor
-        self._want_snapshot = snapshot
-        self._filter = where
-        self._keep_alive_s = keep_alive_s
-        current = state()
-        self.epoch, self.position = current.epoch, current.feed_seq
+        self._whole_first = whole_first
+        self.epoch, self.position = source.hub.head()
         self._snapshot: Snapshot | None = None
-        self._replaying = False  # a usable cursor: `synced` once caught up
+        self._replaying = False  # a usable cursor: `Framing.replayed` once caught up
         self._quiet_since = time.monotonic()
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
-        """Replay, or gap + snapshot, or snapshot; then `synced` and the live tail."""
+        """Replay, or gap + full state, or full state; then the live tail."""
         begun = False
         try:
             while True:
@@ -461,7 +498,7 @@ class Subscription:
     async def _begin(self) -> bytes:
         cursor = self._cursor
         if cursor is None:
-            return await self._full_state(None, None) if self._want_snapshot else b""
+            return await self._full_state(None, None) if self._whole_first else b""
         reason = self._hub.resume(cursor)
         if reason is None and cursor.state is None:
             self.position, self._replaying = cursor.seq, True
@@ -470,16 +507,9 @@ class Subscription:
 
     async def _full_state(self, cursor: sse.Cursor | None, reason: str | None) -> bytes:
         """Open the full state that comes next; the `gap` frame before it, if one is due."""
-        self._replaying = False  # the snapshot ends in its own `synced`
-        self._snapshot = snapshot = await Snapshot.open(self._store, self._filter)
-        return snapshot.gap(cursor, reason)
-
-    def _synced(self) -> bytes:
-        """The end of a replay, with its position as the frame's `id` too: a client that keeps
-        the last id it saw (EventSource) resumes from here, not from the last event that passed
-        its filter, which may be old enough to be pruned by then (a needless `gap`)."""
-        position = sse.event_id(self.epoch, self.position)
-        return sse.event(*synced(position), position).encode()
+        self._replaying = False  # the state ends as the framing ends it
+        self._snapshot = snapshot = await self._framing.full_state()
+        return snapshot.gap(cursor, reason, self._framing.gap_names)
 
     async def _next(self) -> bytes:
         """The next chunk to send; empty when there was nothing for this client (yet)."""
@@ -490,10 +520,10 @@ class Subscription:
             return await self._full_state(sse.Cursor.at(self.epoch, self.position), got)
         if got is not None:
             self.position = got.last
-            return got.frames(self._filter)
+            return self._framing.live(got)
         if self._replaying:
             self._replaying = False
-            return self._synced()
+            return self._framing.replayed(sse.event_id(self.epoch, self.position))
         remaining = self._quiet_since + self._keep_alive_s - time.monotonic()
         if remaining <= 0:  # silence for this client, though others' events may have flowed
             return sse.keep_alive().encode()
@@ -507,4 +537,4 @@ class Subscription:
         self._snapshot = None  # before the await: a cancelled close is not closed twice
         await snapshot.close()
         self.epoch, self.position = snapshot.epoch, snapshot.head
-        return b""  # its `synced` ended the last page
+        return b""  # its last page ended it (`synced`, or the last event with the end id)

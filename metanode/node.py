@@ -457,24 +457,17 @@ class Node:
     ) -> AsyncGenerator[bytes, None]:
         """A feed subscription from a `Last-Event-ID`/`?since=` cursor (SPEC §5)."""
         self.require_ready()
+        framing = feed.RecordFraming(self.cache, where)
         subscription = feed.Subscription(
-            self.feed_hub,
-            self.cache,
-            lambda: self.applier.state,
-            self.applier.wait_feed,
-            sse.parse_cursor(cursor),
-            snapshot,
-            where,
-            self.settings.feed_keep_alive_s,
+            self.meta_feed(), framing, sse.parse_cursor(cursor), snapshot
         )
         return self.counted(subscription.stream())
 
     def meta_feed(self) -> feed.Feed[feed.FeedRow]:
-        """The feed table for streams of their own format (MetaMesh's `/api/events/meta`):
-        the shared hub, and a snapshot of every record."""
+        """The records' feed table (`/api/events`, MetaMesh's `/api/events/meta`): the shared
+        hub, and a snapshot of every record."""
         return feed.Feed(
             self.feed_hub,
-            lambda: self.applier.state,
             self.applier.wait_feed,
             lambda: self.cache.records_reading((), feed.PAGE),
             self.settings.feed_keep_alive_s,
@@ -485,7 +478,6 @@ class Node:
         of every local file."""
         return feed.Feed(
             self.file_hub,
-            lambda: self.applier.state,
             self.applier.wait_files,
             lambda: self.cache.files_reading(feed.PAGE),
             self.settings.feed_keep_alive_s,

@@ -21,7 +21,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -422,18 +422,10 @@ class Feed:
             subscribed: Any = self.node.subscribe(cursor, snapshot, where)
             # a Subscription, or (wrapped for counting) its stream itself
             return Reader(subscribed.stream() if hasattr(subscribed, "stream") else subscribed)
-        return Reader(
-            feed.Subscription(
-                self.node.feed_hub,
-                self.node.cache,
-                lambda: self.node.applier.state,
-                self.node.applier.wait_feed,
-                sse.parse_cursor(cursor),
-                snapshot,
-                where,
-                keep_alive_s,
-            ).stream()
-        )
+        source = replace(self.node.meta_feed(), keep_alive_s=keep_alive_s)
+        framing = feed.RecordFraming(self.node.cache, where)
+        subscription = feed.Subscription(source, framing, sse.parse_cursor(cursor), snapshot)
+        return Reader(subscription.stream())
 
     async def post(self, batch: list[dict[str, Any]]) -> None:
         for i in range(0, len(batch), 500):
