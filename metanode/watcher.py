@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import resource
 import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -185,6 +186,8 @@ def midhash_opened(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
 
     A file that is shorter than its stat said by the time it is read (it shrank, or was replaced)
     raises `MidhashError`: hashing zero-filled bytes would give a CID that names no real content.
+    So does a file that cannot be opened or read, but for the process being out of file
+    descriptors (`OUT_OF_FILES`), raised as the `OSError` it is: nothing is wrong with the file.
     """
     name = os.fspath(path)
     try:
@@ -198,6 +201,8 @@ def midhash_opened(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
         finally:
             os.close(fd)
     except OSError as exc:
+        if exc.errno in OUT_OF_FILES:
+            raise  # the process's failure, not the file's: `Watcher._hash` tries it again
         raise MidhashError(f"cannot read {name!r}: {exc.strerror or exc}") from None
     if len(sample) != want:
         raise MidhashError(f"{name!r} shrank while being hashed")
@@ -286,6 +291,11 @@ WATCH_LIMITS = (
     Path("/proc/sys/user/max_inotify_watches"),
 )
 IN_ATTRIB = 0x4
+# The process (EMFILE: `ulimit -n`) or the system (ENFILE) has no file descriptor to spare: a
+# file that cannot be opened for that is not unreadable. It was skipped as unreadable until it
+# changed, so a burst of connections holding every descriptor (feed subscribers past the limit)
+# left each file added meanwhile out of its record for good, one warning a file.
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 
 class Watcher:
@@ -333,6 +343,7 @@ class Watcher:
         self._reconciling = 0  # reconciliations under way (a rescan may overlap the start's)
         self.scan: ScanProgress | None = None  # the newest reconciliation under way, once walked
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
+        self.out_of_files: str | None = None  # why files wait to be opened (/health), or None
 
     @property
     def scanning(self) -> bool:
@@ -344,12 +355,34 @@ class Watcher:
     async def _hash(self, path: str, expected: Stat) -> LocalFile | None:
         async with self._slots:
             try:
-                return await asyncio.to_thread(hash_settled, path, expected)
+                found = await asyncio.to_thread(hash_settled, path, expected)
             except MidhashError as exc:
                 if stat_of(path, self.rules.follow_symlinks) == expected:
                     log.warning("skipping unreadable file: %s", exc.message)
                     self._failed[path] = expected
                 return None
+            except OSError as exc:  # `OUT_OF_FILES`: back to `pending`, tried again
+                self._note_out_of_files(exc)
+                return None
+        self._files_open_again()
+        return found
+
+    def _note_out_of_files(self, exc: OSError) -> None:
+        """Say once, in the log and /health, that files wait for a descriptor to be opened."""
+        if self.out_of_files is None:
+            soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            self.out_of_files = (
+                f"cannot open files to fingerprint them ({exc.strerror}; this process may hold "
+                f"{soft}, `ulimit -n`): they wait and are tried again; raise the limit (the "
+                "container's nofile) above max_connections (docs/operations.md)"
+            )
+            log.warning("%s", self.out_of_files)
+
+    def _files_open_again(self) -> None:
+        """A file was opened, or none waits any more (`_settle_loop`): say so, once."""
+        if self.out_of_files is not None:
+            self.out_of_files = None
+            log.warning("no file waits for a file descriptor any more: fingerprinting goes on")
 
     async def _commit(self, files: Sequence[LocalFile], removals: Sequence[str]) -> None:
         if files:
@@ -626,6 +659,8 @@ class Watcher:
                     break
             if ready:
                 await self._guarded(self._hash_and_commit(ready))
+            elif not self.pending and not self._reconciling:
+                self._files_open_again()  # the files that waited are gone
 
     def _present(self) -> Mounted:
         """The roots that are folders now, each with its device: a disk mounted on a root, or
