@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -135,6 +136,9 @@ _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
 )
 
 
+FAILED = "the data directory failed: "  # how every storage error's message begins
+
+
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
     """The typed error for a storage failure (by SQLite's error name, extended names included,
     by PostgreSQL's SQLSTATE, or by errno), or None when `exc` is something else (a constraint,
@@ -149,7 +153,7 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     if kind is None:
         return None
     hint = CORRUPT_HINT if kind is StorageCorrupt else ""
-    return kind(f"the data directory failed: {f'{where}: ' if where else ''}{exc} ({name}){hint}")
+    return kind(f"{FAILED}{f'{where}: ' if where else ''}{exc} ({name}){hint}")
 
 
 CORRUPT_HINT = (
@@ -456,6 +460,41 @@ def probe(conn: Connection, target: Target) -> None:
     if isinstance(target, Path):
         _check_free(target)
     run_txn(conn, _rewrite_user_version)
+
+
+def read_only_disk(error: StorageError, target: Target) -> StorageError:
+    """`error` as `StorageReadOnly` when it is an I/O error of a database whose file system is
+    read-only now: the kernel makes ext4 so after disk errors (`errors=remount-ro`), under the
+    node's open files, and SQLite's words for what its writes then meet are `disk I/O error
+    (SQLITE_IOERR_WRITE)`, which said nothing of the mount nor of the way out."""
+    if not isinstance(error, StorageIOError) or not isinstance(target, Path):
+        return error
+    if not _read_only_now(target):
+        return error
+    return StorageReadOnly(
+        f"{FAILED}{target}: its file system is read-only now "
+        f"({error.message.removeprefix(FAILED)}): mounted so, or made read-only by the kernel "
+        "after disk errors (see `dmesg`); stop the node, check the disk (`fsck`), mount it "
+        "read-write and start the node again (docs/operations.md, 'A full, read-only or "
+        "failing disk')"
+    )
+
+
+def _read_only_now(path: Path) -> bool:
+    """Whether the file system holding the file at `path` refuses writes as read-only: mounted
+    so (`statvfs`), or made so by ext4 after an error, which `statvfs` does not show (the mount
+    says `emergency_ro`) but an fsync of the file meets (EROFS), writing nothing."""
+    try:
+        if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+            return True
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.errno == errno.EROFS
+    return False
 
 
 def _check_free(path: Path) -> None:
@@ -940,6 +979,7 @@ class Writer:
 
     def _fail(self, future: concurrent.futures.Future[Any], exc: BaseException) -> None:
         if isinstance(exc, StorageError):
+            exc = read_only_disk(exc, self.path)
             self._failed(exc)
         future.set_exception(exc)
 
@@ -1059,7 +1099,7 @@ class Writer:
         try:
             probe(self.conn, self.path)
         except StorageError as exc:
-            self._failed(exc)
+            self._failed(read_only_disk(exc, self.path))
             return
         except Exception:  # not a storage failure: keep the one we know, never kill the thread
             log.exception("probing writes to %s failed", self.path)
