@@ -819,6 +819,15 @@ def _group_txn(
     return outcomes
 
 
+def _unseen(exc: OSError, path: Path) -> StorageError:
+    """What `LogWatch.look` says of a log file it cannot look at."""
+    typed = file_error(exc, path) or StorageIOError(f"{FAILED}{path}: {exc.strerror or exc}")
+    return type(typed)(
+        f"{typed.message} (writes go on through the files the node holds open, but it would "
+        "not start again so)"
+    )
+
+
 class LogWatch:
     """The `-wal` and `-shm` of a SQLite database as its writer found them. Removed while the
     node ran (a careless `rm`, a clean-up script), they stay open, unlinked: the writer went on
@@ -839,18 +848,26 @@ class LogWatch:
         if self.lost is not None:
             raise self.lost
 
-    def look(self, conn: Connection) -> None:
+    def look(self, conn: Connection) -> StorageError | None:
+        """See whether the logs are still the ones found first (`_lose` if not). One that
+        cannot be looked at (the data directory's owner or mode changed under the node: a
+        `chown -R root`) is returned as its typed error, for `/health`: the commit stands, as
+        the node writes on through the files it holds open. Raised, it answered that commit
+        500 `internal_error` though it was stored, and failed every write after."""
         for path in self.paths:
             try:
                 info = path.stat()
                 now: tuple[int, int] | None = (info.st_dev, info.st_ino)
             except FileNotFoundError:
                 now = None
+            except OSError as exc:
+                return _unseen(exc, path)
             first = self.seen.get(path)
             if first is None and now is not None:
                 self.seen[path] = now
             elif first is not None and now != first and self.lost is None:
                 self._lose(conn, path)
+        return None
 
     def _lose(self, conn: Connection, path: Path) -> None:
         busy, _, _ = conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()
@@ -946,7 +963,8 @@ class Writer:
         looking at them after each commit, before anyone is answered (`LogWatch`)."""
         self.logs.refuse()
         result = run_txn(self.conn, fn, *args, before_commit=before_commit)
-        self.logs.look(self.conn)
+        if (unseen := self.logs.look(self.conn)) is not None:
+            self._failed(unseen)  # committed: said in /health, not to whoever asked
         return result
 
     def backlog(self) -> tuple[int, float]:
@@ -1098,12 +1116,16 @@ class Writer:
             return
         try:
             probe(self.conn, self.path)
+            unseen = self.logs.look(self.conn)
         except StorageError as exc:
             self._failed(read_only_disk(exc, self.path))
             return
         except Exception:  # not a storage failure: keep the one we know, never kill the thread
             log.exception("probing writes to %s failed", self.path)
             self._next_probe = time.monotonic() + PROBE_S
+            return
+        if unseen is not None:
+            self._failed(unseen)
             return
         log.warning("writes to %s work again", self.path)
         self.failure = None

@@ -496,6 +496,48 @@ def test_a_disk_the_kernel_made_read_only_is_said_so_and_loses_nothing(
     metanode_check(data)
 
 
+def test_a_data_directory_made_inaccessible_while_serving_answers_no_500_and_is_said(
+    tmp_path: Path,
+) -> None:
+    """The data directory's mode or owner changed under a running node (a `chown -R root`, a
+    `chmod 000`): after each commit the writer looks at the `-wal` and `-shm`, and that look
+    raised `Permission denied`. The claims were stored, yet answered 500 `internal_error`, every
+    write after too, with a traceback each. The files the node holds open still take writes:
+    they are acknowledged, `/health` says what is wrong and that a restart would be refused,
+    and once the mode is back it is ok by itself."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux): root's override of file modes must be dropped")
+    data = tmp_path / "data"
+    srv = Server(
+        data,
+        env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true"},
+        prefix=("setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search", "--"),
+    ).start()
+    signer = Signer()
+    acknowledged = batch(signer, "before", 3)
+    try:
+        conn = Connection(srv)
+        assert conn.request("POST", "/api/claims", {"claims": acknowledged})[0] == 200
+        data.chmod(0)
+        during = batch(signer, "during", 3)
+        status, _, body = conn.request("POST", "/api/claims", {"claims": during})
+        assert status == 200 and body["accepted"] == 3, body
+        acknowledged += during
+        problems = conn.health()["problems"]
+        assert any("Permission denied" in p and "not start again" in p for p in problems), problems
+        data.chmod(0o700)
+        wait_for("/health ok by itself", lambda: conn.health()["status"] == "ok")
+        conn.close()
+        for claim in acknowledged:
+            document = srv.meta(claim["cid"])
+            assert document is not None and document["metadata"]["title"] == claim["value"]
+    finally:
+        data.chmod(0o700)
+        assert srv.stop() == 0
+    assert "Traceback" not in srv.log_text()
+    metanode_check(data)
+
+
 @pytest.mark.parametrize("initialised", [True, False], ids=["existing", "fresh"])
 def test_serve_refuses_a_full_disk(tmpfs: Path, initialised: bool) -> None:
     if initialised:
