@@ -449,10 +449,12 @@ def serve_node(settings: config.Settings, config_file: str | None) -> None:
     from metanode import compat
 
     compat.announce(settings)  # MetaMesh's lock file, if `metamesh_volume` is set
+    from metanode import server
+
+    server.raise_open_files(settings.max_connections)  # before the workers: they inherit it
     if count > 1:
         supervise(settings, count, config_file, sock)
         return
-    from metanode import server
     from metanode.api import create_app
 
     app = create_app(node.Node(settings))

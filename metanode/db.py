@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import logging
 import os
@@ -135,6 +136,9 @@ _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
 )
 
 
+FAILED = "the data directory failed: "  # how every storage error's message begins
+
+
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
     """The typed error for a storage failure (by SQLite's error name, extended names included,
     by PostgreSQL's SQLSTATE, or by errno), or None when `exc` is something else (a constraint,
@@ -149,7 +153,7 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     if kind is None:
         return None
     hint = CORRUPT_HINT if kind is StorageCorrupt else ""
-    return kind(f"the data directory failed: {f'{where}: ' if where else ''}{exc} ({name}){hint}")
+    return kind(f"{FAILED}{f'{where}: ' if where else ''}{exc} ({name}){hint}")
 
 
 CORRUPT_HINT = (
@@ -456,6 +460,41 @@ def probe(conn: Connection, target: Target) -> None:
     if isinstance(target, Path):
         _check_free(target)
     run_txn(conn, _rewrite_user_version)
+
+
+def read_only_disk(error: StorageError, target: Target) -> StorageError:
+    """`error` as `StorageReadOnly` when it is an I/O error of a database whose file system is
+    read-only now: the kernel makes ext4 so after disk errors (`errors=remount-ro`), under the
+    node's open files, and SQLite's words for what its writes then meet are `disk I/O error
+    (SQLITE_IOERR_WRITE)`, which said nothing of the mount nor of the way out."""
+    if not isinstance(error, StorageIOError) or not isinstance(target, Path):
+        return error
+    if not _read_only_now(target):
+        return error
+    return StorageReadOnly(
+        f"{FAILED}{target}: its file system is read-only now "
+        f"({error.message.removeprefix(FAILED)}): mounted so, or made read-only by the kernel "
+        "after disk errors (see `dmesg`); stop the node, check the disk (`fsck`), mount it "
+        "read-write and start the node again (docs/operations.md, 'A full, read-only or "
+        "failing disk')"
+    )
+
+
+def _read_only_now(path: Path) -> bool:
+    """Whether the file system holding the file at `path` refuses writes as read-only: mounted
+    so (`statvfs`), or made so by ext4 after an error, which `statvfs` does not show (the mount
+    says `emergency_ro`) but an fsync of the file meets (EROFS), writing nothing."""
+    try:
+        if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+            return True
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        return exc.errno == errno.EROFS
+    return False
 
 
 def _check_free(path: Path) -> None:
@@ -780,6 +819,15 @@ def _group_txn(
     return outcomes
 
 
+def _unseen(exc: OSError, path: Path) -> StorageError:
+    """What `LogWatch.look` says of a log file it cannot look at."""
+    typed = file_error(exc, path) or StorageIOError(f"{FAILED}{path}: {exc.strerror or exc}")
+    return type(typed)(
+        f"{typed.message} (writes go on through the files the node holds open, but it would "
+        "not start again so)"
+    )
+
+
 class LogWatch:
     """The `-wal` and `-shm` of a SQLite database as its writer found them. Removed while the
     node ran (a careless `rm`, a clean-up script), they stay open, unlinked: the writer went on
@@ -800,18 +848,26 @@ class LogWatch:
         if self.lost is not None:
             raise self.lost
 
-    def look(self, conn: Connection) -> None:
+    def look(self, conn: Connection) -> StorageError | None:
+        """See whether the logs are still the ones found first (`_lose` if not). One that
+        cannot be looked at (the data directory's owner or mode changed under the node: a
+        `chown -R root`) is returned as its typed error, for `/health`: the commit stands, as
+        the node writes on through the files it holds open. Raised, it answered that commit
+        500 `internal_error` though it was stored, and failed every write after."""
         for path in self.paths:
             try:
                 info = path.stat()
                 now: tuple[int, int] | None = (info.st_dev, info.st_ino)
             except FileNotFoundError:
                 now = None
+            except OSError as exc:
+                return _unseen(exc, path)
             first = self.seen.get(path)
             if first is None and now is not None:
                 self.seen[path] = now
             elif first is not None and now != first and self.lost is None:
                 self._lose(conn, path)
+        return None
 
     def _lose(self, conn: Connection, path: Path) -> None:
         busy, _, _ = conn.execute("PRAGMA wal_checkpoint(FULL)").fetchone()
@@ -907,7 +963,8 @@ class Writer:
         looking at them after each commit, before anyone is answered (`LogWatch`)."""
         self.logs.refuse()
         result = run_txn(self.conn, fn, *args, before_commit=before_commit)
-        self.logs.look(self.conn)
+        if (unseen := self.logs.look(self.conn)) is not None:
+            self._failed(unseen)  # committed: said in /health, not to whoever asked
         return result
 
     def backlog(self) -> tuple[int, float]:
@@ -940,6 +997,7 @@ class Writer:
 
     def _fail(self, future: concurrent.futures.Future[Any], exc: BaseException) -> None:
         if isinstance(exc, StorageError):
+            exc = read_only_disk(exc, self.path)
             self._failed(exc)
         future.set_exception(exc)
 
@@ -1058,12 +1116,16 @@ class Writer:
             return
         try:
             probe(self.conn, self.path)
+            unseen = self.logs.look(self.conn)
         except StorageError as exc:
-            self._failed(exc)
+            self._failed(read_only_disk(exc, self.path))
             return
         except Exception:  # not a storage failure: keep the one we know, never kill the thread
             log.exception("probing writes to %s failed", self.path)
             self._next_probe = time.monotonic() + PROBE_S
+            return
+        if unseen is not None:
+            self._failed(unseen)
             return
         log.warning("writes to %s work again", self.path)
         self.failure = None

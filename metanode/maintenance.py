@@ -55,13 +55,11 @@ def ensure_token(path: Path) -> tuple[str, bool]:
     """The API token (or the session secret, the instance id: made alike), created (mode 0600)
     on first start: (token, created now). One left empty or unreadable (a full disk when it
     was written, a damaged card) is refused naming it (`read_token`)."""
+    token = secrets.token_urlsafe(32)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        keys.write_secret(path, token + "\n")
     except FileExistsError:
         return read_token(path), False
-    token = secrets.token_urlsafe(32)
-    with os.fdopen(fd, "w") as out:
-        out.write(token + "\n")
     return token, True
 
 

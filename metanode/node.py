@@ -1132,6 +1132,8 @@ class Node:
                 problems.append(f"{self.watcher.failing}; retrying")
             if self.watcher.watches_full:
                 problems.append(self.watcher.watch_limit_problem())
+            if self.watcher.out_of_files is not None:
+                problems.append(self.watcher.out_of_files)
             if unlisted := self.watcher.unlisted:
                 problems.append(
                     f"cannot read {len(unlisted)} watched folder(s) (a root missing is a disk "

@@ -33,6 +33,7 @@ import asyncio
 import gc
 import ipaddress
 import logging
+import resource
 import signal
 import socket
 from collections import Counter
@@ -307,6 +308,43 @@ class FrozenAfterStart(uvicorn.Server):
         if self.started:
             gc.collect()
             gc.freeze()
+
+
+# The descriptors a process needs besides its connections: truth.db and cache.db with their
+# -wal and -shm, the readers' connections, inotify, the files being hashed, plugins, peers.
+SPARE_FILES = 128
+# The open-file limit `raise_open_files` asks for, within the hard limit: connections over
+# `max_connections` are open descriptors too until they are answered 503 or time out.
+OPEN_FILES = 1 << 16
+
+
+def raise_open_files(max_connections: int) -> None:
+    """Raise this process's open-file limit (the soft `ulimit -n`, which its workers inherit)
+    to `OPEN_FILES` within the hard limit, as Go's runtime does; warn if even that is below
+    what `max_connections` needs.
+
+    systemd's services and containerd 2's containers start with a soft limit of 1,024 (and a
+    hard one far above), below `max_connections` (1,024) and the databases: the descriptors
+    ran out first, so a new connection got no 503 `too_busy` but waited unanswered or was
+    reset, `/health` too, and the watcher could neither open files nor inotify
+    (docs/operations.md, "Connections and slow clients")."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = OPEN_FILES if hard == resource.RLIM_INFINITY else min(OPEN_FILES, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        soft = wanted
+    need = max_connections + SPARE_FILES
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning(
+            "the open-file limit (ulimit -n) is %d, below the %d that max_connections (%d) "
+            "needs: past about %d connections new ones wait unanswered and the watcher cannot "
+            "open files; raise the hard limit (systemd's LimitNOFILE, docker's --ulimit "
+            "nofile) or lower max_connections",
+            soft,
+            need,
+            max_connections,
+            max(soft - SPARE_FILES, 0),
+        )
 
 
 def run(app: ASGIApp, settings: Settings, sockets: list[socket.socket] | None = None) -> None:

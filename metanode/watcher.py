@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import re
+import resource
 import stat
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
@@ -101,7 +102,9 @@ def walk(
     (size, mtime_ns). Rules apply relative to the watch `root`.
 
     Unreadable folders are logged, skipped and added to `unlisted` (one that vanished is not:
-    its files are gone), names that are not text (`is_text`) to `not_text` (`shown_path`);
+    its files are gone; one that cannot be listed for want of a file descriptor raises the
+    `OSError`, so the walk is tried again rather than its folder reported unreadable), names
+    that are not text (`is_text`) to `not_text` (`shown_path`);
     each folder is visited once, even through a followed symlink that loops back (to the root
     itself, say).
     """
@@ -120,6 +123,8 @@ def walk(
         try:
             entries = list(os.scandir(folder))
         except OSError as exc:
+            if exc.errno in OUT_OF_FILES:  # not an unreadable folder: the walk is tried again
+                raise
             log.warning("cannot list %s: %s", folder, exc.strerror or exc)
             if unlisted is not None and not isinstance(exc, FileNotFoundError | NotADirectoryError):
                 unlisted.append(folder)
@@ -185,6 +190,8 @@ def midhash_opened(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
 
     A file that is shorter than its stat said by the time it is read (it shrank, or was replaced)
     raises `MidhashError`: hashing zero-filled bytes would give a CID that names no real content.
+    So does a file that cannot be opened or read, but for the process being out of file
+    descriptors (`OUT_OF_FILES`), raised as the `OSError` it is: nothing is wrong with the file.
     """
     name = os.fspath(path)
     try:
@@ -198,6 +205,8 @@ def midhash_opened(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
         finally:
             os.close(fd)
     except OSError as exc:
+        if exc.errno in OUT_OF_FILES:
+            raise  # the process's failure, not the file's: `Watcher._hash` tries it again
         raise MidhashError(f"cannot read {name!r}: {exc.strerror or exc}") from None
     if len(sample) != want:
         raise MidhashError(f"{name!r} shrank while being hashed")
@@ -278,6 +287,7 @@ ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken o
 DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
 REWATCH_MAX_S = 30.0  # the longest pause between failed watches (`Watcher._pause_after`)
 RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # a reconciliation after a failed batch (`_retry`)
+OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how watchfiles (Rust) says an errno
 UNDECODABLE = re.compile(r"Unable to decode path (.*) to string", re.DOTALL)  # watchfiles' words
 # What an operator raises, and in a user namespace (rootless containers) its own limit, which
 # may be lower: the lower of the two is the one that applies.
@@ -286,6 +296,11 @@ WATCH_LIMITS = (
     Path("/proc/sys/user/max_inotify_watches"),
 )
 IN_ATTRIB = 0x4
+# The process (EMFILE: `ulimit -n`) or the system (ENFILE) has no file descriptor to spare: a
+# file that cannot be opened for that is not unreadable. It was skipped as unreadable until it
+# changed, so a burst of connections holding every descriptor (feed subscribers past the limit)
+# left each file added meanwhile out of its record for good, one warning a file.
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 
 
 class Watcher:
@@ -333,6 +348,7 @@ class Watcher:
         self._reconciling = 0  # reconciliations under way (a rescan may overlap the start's)
         self.scan: ScanProgress | None = None  # the newest reconciliation under way, once walked
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
+        self.out_of_files: str | None = None  # why files wait to be opened (/health), or None
 
     @property
     def scanning(self) -> bool:
@@ -344,12 +360,40 @@ class Watcher:
     async def _hash(self, path: str, expected: Stat) -> LocalFile | None:
         async with self._slots:
             try:
-                return await asyncio.to_thread(hash_settled, path, expected)
+                found = await asyncio.to_thread(hash_settled, path, expected)
             except MidhashError as exc:
                 if stat_of(path, self.rules.follow_symlinks) == expected:
                     log.warning("skipping unreadable file: %s", exc.message)
                     self._failed[path] = expected
                 return None
+            except OSError as exc:  # `OUT_OF_FILES`: back to `pending`, tried again
+                self._note_out_of_files(exc.strerror or str(exc))
+                return None
+        self._files_open_again()
+        return found
+
+    def _note_out_of_files(self, why: str) -> None:
+        """Say once, in the log and /health, that files (or inotify) wait for a descriptor."""
+        if self.out_of_files is None:
+            soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            self.out_of_files = (
+                f"cannot open files to fingerprint or watch them ({why}; this process may hold "
+                f"{soft}, `ulimit -n`): they wait and are tried again; raise the limit (the "
+                "container's nofile) above max_connections (docs/operations.md)"
+            )
+            log.warning("%s", self.out_of_files)
+
+    def _nothing_waits(self) -> None:
+        """No file waits to be opened (those that did are gone, or it was inotify's watch):
+        the wait is over once a descriptor is free."""
+        if descriptor_free():
+            self._files_open_again()
+
+    def _files_open_again(self) -> None:
+        """A file was opened, or none waits and one could be (`_settle_loop`): say so, once."""
+        if self.out_of_files is not None:
+            self.out_of_files = None
+            log.warning("no file waits for a file descriptor any more: fingerprinting goes on")
 
     async def _commit(self, files: Sequence[LocalFile], removals: Sequence[str]) -> None:
         if files:
@@ -626,6 +670,8 @@ class Watcher:
                     break
             if ready:
                 await self._guarded(self._hash_and_commit(ready))
+            elif self.out_of_files and not self.pending and not self._reconciling:
+                self._nothing_waits()
 
     def _present(self) -> Mounted:
         """The roots that are folders now, each with its device: a disk mounted on a root, or
@@ -702,7 +748,10 @@ class Watcher:
         reconciliation: the pause bounds that to one every `REWATCH_MAX_S`."""
         self._pause = next_pause(self._pause, time.monotonic() - self._watched_since)
         name = undecodable(failure)
-        if name is None:
+        why = out_of_files(failure)
+        if why is not None:  # a traceback at each try, up to every 30 s, said nothing more
+            self._note_out_of_files(why)
+        elif name is None:
             log.exception("inotify failed; watching again and rescanning", exc_info=failure)
         else:
             _warn_once(
@@ -743,7 +792,9 @@ class Watcher:
         """Log a failure (a storage error in a line, anything else with its traceback) and
         say it in /health (`failing`) until a reconciliation works."""
         self.failing = f"{what}: {exc}"
-        if isinstance(exc, StorageError):  # the disk or the database: expected, no traceback
+        if (why := out_of_files(exc)) is not None:
+            self._note_out_of_files(why)
+        if isinstance(exc, StorageError) or why:  # expected: no traceback
             log.warning("%s (%s); reconciling in %g s", what, exc, self._retry_s)
         else:
             log.exception("%s; reconciling in %g s", what, self._retry_s, exc_info=exc)
@@ -931,6 +982,27 @@ def next_pause(pause: float, watched_s: float) -> float:
     twice the last pause, up to `REWATCH_MAX_S`, while watches keep failing soon; `TICK_S`
     again after one that held `REWATCH_MAX_S` or more."""
     return TICK_S if watched_s >= REWATCH_MAX_S else min(pause * 2, REWATCH_MAX_S)
+
+
+def descriptor_free() -> bool:
+    """Whether this process can open a file now (it is not out of descriptors)."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+    except OSError:
+        return False
+    return True
+
+
+def out_of_files(failure: BaseException) -> str | None:
+    """Why a walk or watchfiles' watch failed, when it is the process or the system out of
+    file descriptors (`OUT_OF_FILES`; watchfiles says so in words, `… (os error 24)`), else
+    None."""
+    if isinstance(failure, OSError) and failure.errno in OUT_OF_FILES:
+        return failure.strerror or str(failure)
+    found = OS_ERROR.search(str(failure))
+    if found is None or int(found[1]) not in OUT_OF_FILES:
+        return None
+    return os.strerror(int(found[1]))
 
 
 def undecodable(failure: BaseException) -> str | None:

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import select
+import shutil
 import socket
 import threading
 import time
@@ -293,6 +294,47 @@ def test_connections_beyond_max_connections_get_503_too_busy(edge_server: Server
     finally:
         for sock in idle:
             sock.close()
+
+
+def open_files_limit(pid: int) -> tuple[int, int]:
+    """The (soft, hard) open-file limit of process `pid`, as /proc shows it."""
+    line = next(
+        ln for ln in Path(f"/proc/{pid}/limits").read_text().splitlines() if "open files" in ln
+    )
+    soft, hard = line.split()[3:5]
+    return int(soft), int(hard)
+
+
+@pytest.mark.parametrize("hard", [4096, 300])
+def test_the_open_file_limit_is_raised_so_connections_past_the_limit_get_too_busy(
+    tmp_path: Path, hard: int
+) -> None:
+    """A soft `ulimit -n` below `max_connections` (systemd's services and containerd 2's
+    containers start at 1,024, `max_connections` is 1,024): the descriptors ran out first, so a
+    request past them got no 503 `too_busy` but a reset connection (`/health` too). The start
+    raises the soft limit within the hard one; a hard limit too low is said in the log."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux) to set the open-file limit")
+    env = {"METANODE_MAX_CONNECTIONS": "300", "METANODE_MAX_CLIENT_CONNECTIONS": "2000"}
+    srv = Server(tmp_path / "data", env=env, prefix=("prlimit", f"--nofile=256:{hard}", "--"))
+    srv.start()
+    idle: list[socket.socket] = []
+    try:
+        assert srv.proc is not None
+        if hard < 300 + 128:
+            assert "the open-file limit (ulimit -n) is 300, below the 428" in srv.log_text()
+            assert open_files_limit(srv.proc.pid) == (hard, hard)
+            return
+        idle += [connect(srv) for _ in range(400)]  # past the soft limit the node started with
+        response = poll_status(srv.url, 503)
+        assert response.json()["error"] == "too_busy", response.text
+        assert open_files_limit(srv.proc.pid) == (hard, hard)
+    finally:
+        for sock in idle:
+            sock.close()
+        srv.stop()
+        srv.print_log()
+    assert "open-file limit" not in srv.log_text()
 
 
 def connect_from(server: Server, address: str) -> socket.socket:

@@ -62,6 +62,47 @@ def tmpfs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", point], check=True)  # a straggling process holds it
 
 
+@pytest.fixture
+def ext4(tmp_path: Path) -> Iterator[Path]:
+    """A fresh 32 MiB ext4 file system on a loop device, mounted `errors=remount-ro` (as a
+    root file system is): a disk the kernel can turn read-only under the node's open files
+    (`kernel_error`). Unmounted afterwards."""
+    if shutil.which("mkfs.ext4") is None:
+        pytest.skip("needs mkfs.ext4 (e2fsprogs)")
+    image, point = tmp_path / "ext4.img", tmp_path / "ext4"
+    with image.open("wb") as out:
+        out.truncate(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", image], check=True)
+    point.mkdir()
+    done = subprocess.run(
+        ["mount", "-o", "loop,errors=remount-ro", image, point], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a loop device here (needs root and /dev/loop*): {done.stderr}")
+    yield point
+    if subprocess.run(["umount", point]).returncode != 0:
+        subprocess.run(["umount", "-l", point], check=True)
+
+
+def kernel_error(point: Path) -> None:
+    """Have ext4 meet an error on the file system mounted at `point`, as a failing disk would:
+    with `errors=remount-ro` the kernel makes it read-only at once, files open or not."""
+    device = Path(os.path.realpath(mount_source(point))).name
+    trigger = Path(f"/sys/fs/ext4/{device}/trigger_fs_error")
+    if not trigger.exists():
+        pytest.skip(f"this kernel has no {trigger}")
+    trigger.write_text("1")
+    with pytest.raises(OSError) as refused:  # `statvfs` does not say so: the mount is `rw`
+        (point / "probe").mkdir()
+    assert refused.value.errno == errno.EROFS
+
+
+def mount_source(point: Path) -> str:
+    done = subprocess.run(["findmnt", "-no", "SOURCE", point], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 def fill(directory: Path) -> Path:
     """A filler file taking every free byte of `directory`'s file system (to ENOSPC)."""
     filler = directory / "filler"
@@ -409,6 +450,92 @@ def sorted_claims(path: Path) -> list[tuple[Any, ...]]:
     """Every claim of the truth at `path`, whatever its schema (v4 on: the `claims` view)."""
     with contextlib.closing(sqlite3.connect(path)) as conn:
         return sorted(conn.execute("SELECT uid, cid, key, value, ts, sig, log_seq FROM claims"))
+
+
+def test_a_disk_the_kernel_made_read_only_is_said_so_and_loses_nothing(
+    ext4: Path, tmp_path: Path
+) -> None:
+    """ext4 remounts itself read-only after a disk error (`errors=remount-ro`), under the
+    node's open files; no `remount,rw` undoes it. Writes then failed `storage_io_error: disk I/O
+    error (SQLITE_IOERR_WRITE)`, which named neither the mount nor the way out: now they are
+    `storage_read_only`, saying so and what to do, reads go on, and after the operator's
+    fsck and a restart every acknowledged claim is there."""
+    data = ext4 / "data"
+    srv = Server(data, log=tmp_path / "serve.log", env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true"})
+    signer = Signer()
+    acknowledged = batch(signer, "before", 5)
+    srv.start()
+    conn = Connection(srv)
+    try:
+        assert conn.request("POST", "/api/claims", {"claims": acknowledged})[0] == 200
+        kernel_error(ext4)
+        status, response, body = conn.request(
+            "POST", "/api/claims", {"claims": batch(signer, "after", 5)}
+        )
+        assert status == 503 and body["error"] == "storage_read_only", body
+        assert body["retryable"] is True and int(response.headers["Retry-After"]) >= 1
+        assert "read-only now" in body["message"] and "fsck" in body["message"], body
+        problems = conn.health()["problems"]
+        assert any("storage_read_only" in problem for problem in problems), problems
+        assert srv.meta(acknowledged[0]["cid"]) is not None  # reads go on
+    finally:
+        conn.close()
+        assert srv.stop() == 0
+    assert "Traceback" not in srv.log_text()
+    subprocess.run(["umount", ext4], check=True)  # what the operator does: fsck, mount
+    checked = subprocess.run(["e2fsck", "-fy", tmp_path / "ext4.img"], capture_output=True)
+    assert checked.returncode in (0, 1), checked  # 1: errors found and mended
+    subprocess.run(["mount", "-o", "loop", tmp_path / "ext4.img", ext4], check=True)
+    srv = Server(data, log=tmp_path / "serve.log").start()
+    try:
+        for claim in acknowledged:
+            document = srv.meta(claim["cid"])
+            assert document is not None and document["metadata"]["title"] == claim["value"]
+    finally:
+        assert srv.stop() == 0
+    metanode_check(data)
+
+
+def test_a_data_directory_made_inaccessible_while_serving_answers_no_500_and_is_said(
+    tmp_path: Path,
+) -> None:
+    """The data directory's mode or owner changed under a running node (a `chown -R root`, a
+    `chmod 000`): after each commit the writer looks at the `-wal` and `-shm`, and that look
+    raised `Permission denied`. The claims were stored, yet answered 500 `internal_error`, every
+    write after too, with a traceback each. The files the node holds open still take writes:
+    they are acknowledged, `/health` says what is wrong and that a restart would be refused,
+    and once the mode is back it is ok by itself."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux): root's override of file modes must be dropped")
+    data = tmp_path / "data"
+    srv = Server(
+        data,
+        env={"METANODE_ACCEPT_UNKNOWN_SIGNERS": "true"},
+        prefix=("setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search", "--"),
+    ).start()
+    signer = Signer()
+    acknowledged = batch(signer, "before", 3)
+    try:
+        conn = Connection(srv)
+        assert conn.request("POST", "/api/claims", {"claims": acknowledged})[0] == 200
+        data.chmod(0)
+        during = batch(signer, "during", 3)
+        status, _, body = conn.request("POST", "/api/claims", {"claims": during})
+        assert status == 200 and body["accepted"] == 3, body
+        acknowledged += during
+        problems = conn.health()["problems"]
+        assert any("Permission denied" in p and "not start again" in p for p in problems), problems
+        data.chmod(0o700)
+        wait_for("/health ok by itself", lambda: conn.health()["status"] == "ok")
+        conn.close()
+        for claim in acknowledged:
+            document = srv.meta(claim["cid"])
+            assert document is not None and document["metadata"]["title"] == claim["value"]
+    finally:
+        data.chmod(0o700)
+        assert srv.stop() == 0
+    assert "Traceback" not in srv.log_text()
+    metanode_check(data)
 
 
 @pytest.mark.parametrize("initialised", [True, False], ids=["existing", "fresh"])

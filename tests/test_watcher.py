@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
+import resource
 import shutil
 import sqlite3
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -1096,3 +1098,41 @@ async def test_a_delete_reported_while_a_hash_is_being_committed_wins(tmp_path: 
     release.set()
     await scan
     assert str(f) not in store.rows
+
+
+@contextlib.contextmanager
+def out_of_descriptors() -> Iterator[None]:
+    """This process may open no more file until the block ends: the limit is on descriptor
+    numbers, and a new file takes the lowest one free, so the limit is set to that."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    lowest = os.open(os.devnull, os.O_RDONLY)
+    os.close(lowest)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_watch_or_a_walk_refused_for_want_of_descriptors_is_told_apart(tmp_path: Path) -> None:
+    """watchfiles says in words (`… (os error 24)`) that it could not make its watch because
+    the process is out of file descriptors: that is waited out and said in /health
+    (`Watcher._pause_after`), not logged with a traceback at every try. A folder that cannot
+    be listed so is not unreadable (it was added to `unlisted`: "a disk not mounted?", read
+    again at the next rescan): the walk raises, and the reconciliation is tried again. Real
+    words, under a limit this process has reached; no other failure is mistaken for it."""
+    write(tmp_path / "Album" / "track.flac", b"x" * 100)
+    failure: BaseException | None = None
+    unlisted: list[str] = []
+    with out_of_descriptors():
+        try:
+            watchfiles._rust_notify.RustNotify([str(tmp_path)], False, False, 0, True, False)
+        except Exception as exc:  # whatever watchfiles raises is what it says
+            failure = exc
+        with pytest.raises(OSError) as walked:
+            list(walk(str(tmp_path), Rules(), unlisted=unlisted))
+    assert failure is not None, "watchfiles made a watch without a descriptor"
+    assert watcher.out_of_files(failure) == "Too many open files", failure
+    assert watcher.out_of_files(walked.value) == "Too many open files" and unlisted == []
+    assert watcher.out_of_files(OSError(errno.EACCES, "Permission denied")) is None
+    assert watcher.out_of_files(RuntimeError("Unable to decode path b'x' to string")) is None

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -1052,3 +1053,35 @@ def test_the_inotify_watch_limit_reached_is_said_in_health(start: Start, tmp_pat
     assert "inotify watch limit is reached" in said and "fs.inotify.max_user_watches" in said
     # the namespace's own limit, not the host's, and what the folders need (the root and 60)
     assert "(the limit here: 30; the watched folders need 61, one each)" in said
+
+
+def test_files_met_while_the_process_is_out_of_descriptors_are_fingerprinted_after(
+    start: Start, tmp_path: Path
+) -> None:
+    """Connections that hold every file descriptor the process may have (feed subscribers past
+    `ulimit -n`): a file added meanwhile cannot be opened. It was skipped as unreadable until it
+    changed, one warning a file, so once the connections were gone it was still in no record.
+    It waits instead, said once, and is fingerprinted as soon as a descriptor is free."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux) to lower the open-file limit")
+    limit = 96
+    server = start(prefix=["prlimit", f"--nofile={limit}", "--"])
+    assert server.proc is not None
+    descriptors = Path(f"/proc/{server.proc.pid}/fd")
+    held: list[socket.socket] = []
+    said = "cannot open files to fingerprint or watch"
+    try:
+        # more than the limit: a descriptor the node frees goes to the next connection waiting
+        held += [socket.create_connection(("127.0.0.1", server.port)) for _ in range(limit + 32)]
+        wait_for("every descriptor held", lambda: len(os.listdir(descriptors)) >= limit)
+        paths = [write(tmp_path / "media" / f"song {i}.flac", os.urandom(4000)) for i in range(20)]
+        wait_for("the wait said", lambda: said in server.log_text())
+    finally:
+        for connection in held:
+            connection.close()
+    rows = wait_for("every file listed", lambda: len(files := server.files()) == 20 and files)
+    assert sorted(rows) == sorted(map(str, paths))
+    wait_for("the wait over", lambda: server.health()["status"] == "ok")
+    log_text = server.log_text()
+    assert "skipping unreadable file" not in log_text
+    assert log_text.count(said) == 1 and "Traceback" not in log_text
