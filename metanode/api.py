@@ -168,11 +168,14 @@ LOCAL_SUFFIXES += (".home", ".intranet", ".private", ".corp", ".localdomain", ".
 
 
 def host_name(host: str) -> str | None:
-    """The name a `Host` header gives (lower case, no port), None if it does not parse."""
+    """The name a `Host` header gives (lower case, no port, without the one trailing dot of a
+    fully qualified spelling: `localhost.` and `nas.fritz.box.` name what `localhost` and
+    `nas.fritz.box` do, and a browser sends the dot as typed), None if it does not parse."""
     try:
-        return urllib.parse.urlsplit(f"//{host}").hostname or ""
+        name = urllib.parse.urlsplit(f"//{host}").hostname or ""
     except ValueError:
         return None
+    return name[:-1] if name.endswith(".") and name != "." else name
 
 
 def local_host(host: str, also: Collection[str] = ()) -> bool:
@@ -238,7 +241,9 @@ class Perimeter:
         self.node = node
         self.sessions = sessions
         self.trusted = node.settings.trusted
-        self.hosts = frozenset(name.lower() for name in node.settings.trusted_hosts)
+        self.hosts = frozenset(
+            name.lower().removesuffix(".") for name in node.settings.trusted_hosts
+        )
 
     def _network_refusal(self, scope: Scope, headers: Mapping[bytes, bytes]) -> Unauthorized | None:
         """None if the client's network vouches for this request (the MetaMesh routes' rule),
