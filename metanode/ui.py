@@ -18,8 +18,11 @@ from, an `Origin` of this very host.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import hmac
 import importlib.resources
+import os
 import re
 import secrets
 import time
@@ -34,6 +37,7 @@ import jinja2
 import markupsafe
 import swagger_ui_bundle
 from itsdangerous import BadSignature, Signer
+from starlette.datastructures import QueryParams
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -643,19 +647,58 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 class Assets(StaticFiles):
-    """The files of a folder that the pages use, and no other (404). Swagger UI's package
-    holds its demo pages too (`index.html`, `oauth2-redirect.html`): served at `/docs/assets/`
-    to anyone, without the page policy, one ran Swagger UI as a page of the node's origin,
-    which fetched a document from petstore.swagger.io and sent it to validator.swagger.io."""
+    """The style sheets and scripts of the pages (`/static/`, `/docs/assets/`), with Starlette's
+    `ETag` and `Last-Modified` (a 304 to `If-None-Match`) and a `Cache-Control` by the URL's
+    version (`asset`): one naming the file's current content (`?v=`) is kept a year unasked
+    (`immutable`), since another content has another URL; any other is revalidated
+    (`no-cache`).
 
-    def __init__(self, directory: str, names: frozenset[str]) -> None:
+    `names`: the files served, and no other (404). Swagger UI's package holds its demo pages
+    too (`index.html`, `oauth2-redirect.html`): served at `/docs/assets/` to anyone, without
+    the page policy, one ran Swagger UI as a page of the node's origin, which fetched a
+    document from petstore.swagger.io and sent it to validator.swagger.io."""
+
+    def __init__(self, directory: str, names: frozenset[str] | None = None) -> None:
         super().__init__(directory=directory)
         self.names = names
 
     async def get_response(self, path: str, scope: Scope) -> Response:
-        if path not in self.names:
+        if self.names is not None and path not in self.names:
             raise HTTPException(status_code=404)
-        return await super().get_response(path, scope)
+        response = await super().get_response(path, scope)
+        asked = QueryParams(scope["query_string"]).get("v")
+        current = response.status_code in (200, 304) and asked == file_version(
+            os.path.join(str(self.directory), path)
+        )
+        response.headers["Cache-Control"] = KEPT if current else "no-cache"
+        return response
+
+
+KEPT = "public, max-age=31536000, immutable"  # a year: RFC 9111's "never expires"
+# where the pages' assets are, by their URL's folder (`routes`)
+ASSET_FOLDERS = {
+    "static": str(importlib.resources.files("metanode") / "static"),
+    "docs/assets": swagger_ui_bundle.swagger_ui_path,
+}
+
+
+@functools.cache
+def file_version(path: str) -> str:
+    """A file's version: 48 bits of the SHA-256 of its content, read once a process (the
+    package's files do not change under a running node; every worker and every restart of the
+    same install computes the same)."""
+    with open(path, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()[:12]
+
+
+def asset(url: str) -> str:
+    """An asset's URL as a page names it (`static/metanode.css`), with its version
+    (`?v=<file_version>`), so a browser keeps it until the node serves another content."""
+    folder, _, name = url.rpartition("/")
+    return f"{url}?v={file_version(os.path.join(ASSET_FOLDERS[folder], name))}"
+
+
+TEMPLATES.globals["asset"] = asset
 
 
 # what `docs.html` takes from the swagger-ui-bundle package
@@ -1005,7 +1048,6 @@ class Pages:
 
     def routes(self) -> list[BaseRoute]:
         page = self.page
-        static = importlib.resources.files("metanode") / "static"
         return [
             Route("/", self.root),
             Route("/signin", self.sign_in, methods=["POST"]),
@@ -1023,8 +1065,8 @@ class Pages:
             Route("/signers/{uid}/unblock", page(self.set_signer("active")), methods=["POST"]),
             Route("/status", page(self.health)),
             Route("/docs", self.docs),
-            Mount("/static", StaticFiles(directory=str(static)), name="static"),
-            Mount("/docs/assets", Assets(swagger_ui_bundle.swagger_ui_path, SWAGGER_ASSETS)),
+            Mount("/static", Assets(ASSET_FOLDERS["static"]), name="static"),
+            Mount("/docs/assets", Assets(ASSET_FOLDERS["docs/assets"], SWAGGER_ASSETS)),
         ]
 
 

@@ -445,3 +445,29 @@ def test_restart_delays_double_to_the_cap_and_start_again_after_a_steady_run(
             expected = workers.FIRST_S
         assert backoff.after(ran_s) == expected
         expected = min(workers.CAP_S, expected * 2)
+
+
+def test_a_record_s_etag_is_the_same_on_both_workers_so_either_answers_304(
+    server: Server,
+) -> None:
+    """`GET /api/meta/{cid}`'s `ETag` is of the document's bytes, not of a worker's memory: a
+    copy fetched from one worker is revalidated (304, no body) by the other, and a change
+    made through either gives both the new tag."""
+    clients = one_per_worker(server)
+    owner, reader = clients["owner"], clients["reader-1"]
+    signer = Signer()
+    register(owner, signer)
+    posted = reader.post("/api/claims", json={"claims": [signer.claim(A, "title", "one")]})
+    assert posted.status_code == 200, posted.text
+    tags = {name: client.get(f"/api/meta/{A}").headers["etag"] for name, client in clients.items()}
+    assert tags["owner"] == tags["reader-1"], tags
+    for name, client in clients.items():
+        again = client.get(f"/api/meta/{A}", headers={"If-None-Match": tags["owner"]})
+        assert (again.status_code, again.content) == (304, b""), name
+        assert again.headers["etag"] == tags["owner"] and again.headers["x-metanode-worker"] == name
+    changed = signer.claim(A, "title", "two", ts=NOW_MS + 1)
+    assert owner.post("/api/claims", json={"claims": [changed]}).status_code == 200
+    for client in clients.values():
+        fresh = client.get(f"/api/meta/{A}", headers={"If-None-Match": tags["owner"]})
+        assert fresh.status_code == 200 and fresh.json()["metadata"]["title"] == "two"
+        assert fresh.headers["etag"] != tags["owner"]
