@@ -283,6 +283,13 @@ class Settings:
         "MOVE, COPY), into `webdav_plugin_dir`, which is then watched as well (a poster is "
         "found by its CID); the watch roots stay read-only.",
     )
+    webdav_put_max_bytes: int = setting(
+        256 * 1024 * 1024,
+        "Largest body of a WebDAV PUT under `/webdav/plugin/`, in bytes: a longer one is "
+        "answered 413 `too_large` and what was written of it removed (a PUT's body may stand "
+        "still for `body_timeout_s` at most).",
+        low=1,
+    )
     webdav_plugin_dir: str = setting(
         "",
         "Folder of the plugin outputs written over WebDAV (empty: `plugin` in the data "
