@@ -58,6 +58,9 @@ def test_a_record_is_revalidated_by_its_etag_across_restarts_and_rebuilds(srv: S
     assert record(srv, viewer.headers["etag"], **{"as": signer.uid}).status_code == 304
     missing = httpx.get(f"{srv.url}/api/meta/{cids.midhash_bytes(b'none')}", timeout=10)
     assert missing.status_code == 404 and "etag" not in missing.headers
+    spec = httpx.get(f"{srv.url}/openapi.json", timeout=10)  # what the API docs page loads
+    again = {"If-None-Match": spec.headers["etag"]}
+    assert httpx.get(f"{srv.url}/openapi.json", headers=again, timeout=10).status_code == 304
     srv.stop()
     rebuilt = subprocess.run(
         [sys.executable, "-m", "metanode", "rebuild-cache", "--data-dir", str(srv.data_dir)],
