@@ -304,8 +304,8 @@ class Settings:
     webdav_put_max_bytes: int = setting(
         256 * 1024 * 1024,
         "Largest body of a WebDAV PUT under `/webdav/plugin/`, in bytes: a longer one is "
-        "answered 413 `too_large` and what was written of it removed (a PUT's body may stand "
-        "still for `body_timeout_s` at most).",
+        "answered 413 `too_large` and nothing of it kept (a PUT's body may stand still for "
+        "`body_timeout_s` at most).",
         low=1,
     )
     webdav_plugin_dir: str = setting(

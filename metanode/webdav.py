@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import unicodedata
 from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
@@ -193,6 +194,39 @@ class CheckedFile(FileResource):  # type: ignore[misc]
             os.close(fd)
             raise
         return os.fdopen(fd, "rb")
+
+
+class WholeFile(FileResource):  # type: ignore[misc]
+    """A plugin output written whole or not at all: a PUT's body goes into a hidden `.part`
+    file beside it (a name the watcher and the listings leave out), renamed over the file once
+    the body came whole; a body refused (`Upload`) or failed leaves the file as it was.
+    WsgiDAV wrote into the file itself: an upload cut short left the start of its body as the
+    file, in place of the old one, which the watcher could fingerprint half-written."""
+
+    part = ""
+
+    def begin_write(self, *, content_type: str | None = None) -> IO[bytes]:
+        folder = os.path.dirname(self._file_path)
+        self.part = os.path.join(folder, f".{secrets.token_hex(8)}.part")
+        return open(self.part, "xb")  # WsgiDAV closes it
+
+    def end_write(self, *, with_errors: bool) -> None:
+        upload = UPLOAD.get()
+        if with_errors or (upload is not None and upload.refused is not None):
+            with contextlib.suppress(OSError):
+                os.unlink(self.part)
+        else:
+            os.replace(self.part, self._file_path)  # a link there is replaced, not followed
+
+
+class Outputs(FilesystemProvider):  # type: ignore[misc]
+    """The plugin outputs' folder: WsgiDAV's own, its files written whole (`WholeFile`)."""
+
+    def get_resource_inst(self, path: str, environ: dict[str, Any]) -> Any:
+        found = super().get_resource_inst(path, environ)
+        if type(found) is FileResource:
+            return WholeFile(path, environ, found._file_path)
+        return found
 
 
 def servable(name: str) -> bool:
@@ -486,7 +520,7 @@ def server(settings: Settings) -> ASGIApp:
     if outputs is not None:
         writable = dav(
             f"{mount}/{PLUGIN}",
-            FilesystemProvider(str(outputs), readonly=False, fs_opts={"follow_symlinks": False}),
+            Outputs(str(outputs), readonly=False, fs_opts={"follow_symlinks": False}),
         )
 
     def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -575,8 +609,8 @@ class Upload:
     WsgiDAV wrote any body to the disk, however long, and kept what a client that left, or
     stalled, had sent as the whole file (1,000 bytes of a declared 1,000,000: a file the
     watcher fingerprinted). Past either limit, or when the client leaves, WsgiDAV is told the
-    body ended (its thread freed at once) and `refused` says why: `checked_put` then removes
-    what it wrote and answers the refusal."""
+    body ended (its thread freed at once) and `refused` says why: nothing of it is kept
+    (`WholeFile`), and `checked_put` answers the refusal."""
 
     def __init__(self, receive: Receive, limit: int, idle_s: float) -> None:
         self.receive = receive
@@ -615,8 +649,9 @@ def checked_put(
     app: WSGIApp, environ: Environ, start_response: StartResponse, outputs: Path
 ) -> Iterable[bytes]:
     """WsgiDAV's PUT (below `plugin/`), its answer held until it is done (a few bytes): if its
-    body was refused (`Upload`), the file WsgiDAV made of it is removed and the answer is the
-    refusal in the envelope, the connection closed (the rest is not worth reading)."""
+    body was refused (`Upload`), nothing of it was kept (`WholeFile`), the empty file WsgiDAV
+    made for a new one is removed, and the answer is the refusal in the envelope, the
+    connection closed (the rest is not worth reading)."""
     said: list[tuple[str, list[tuple[str, str]]]] = []
 
     def held(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
@@ -628,7 +663,7 @@ def checked_put(
     if upload is None or upload.refused is None:
         start_response(*said[-1])
         return [answer]
-    if said and said[-1][0][:3] in ("201", "204"):  # written: what came of the body
+    if said and said[-1][0].startswith("201"):  # the empty file WsgiDAV made for a new one
         below = environ["PATH_INFO"].encode("latin-1").decode("utf-8").strip("/")
         with contextlib.suppress(OSError):
             (outputs / below).unlink()

@@ -542,8 +542,9 @@ def test_a_put_over_its_limit_or_cut_short_leaves_no_file(launch: Callable[..., 
     one would fill the disk. And WsgiDAV kept what came as the whole file when the client left
     or stalled (1,000 bytes of a declared 1,000,000: a file the watcher fingerprinted). Now a
     body over `webdav_put_max_bytes` is 413 `too_large` (at once when declared), one that
-    stands still 408 `request_timeout`, and what was written of either, or of a client that
-    left, is removed. Memory stays flat: the body streams to the disk."""
+    stands still 408 `request_timeout`, and nothing of either, or of a client that left, is
+    kept: a file it was to replace stays as it was (a body goes into a hidden `.part` file,
+    renamed over the file once whole). Memory stays flat: the body streams to the disk."""
     server = launch(
         METANODE_WEBDAV_PLUGIN_WRITES="true",
         METANODE_WEBDAV_PUT_MAX_BYTES=str(1024 * 1024),
@@ -568,8 +569,12 @@ def test_a_put_over_its_limit_or_cut_short_leaves_no_file(launch: Callable[..., 
     poll(lambda: made.exists() or None, "WsgiDAV made the file it writes the body into")
     left.close()
     poll(lambda: (not made.exists()) or None, "the file of a client that left removed")
-    assert sorted(p.name for p in (outputs / "a").iterdir()) == ["exact.jpg"]
-    assert httpx.put(f"{base}/a/small.nfo", content=b"<nfo/>").status_code == 201  # still served
+    over = httpx.put(f"{base}/a/exact.jpg", content=iter([b"y" * 65536] * 17), timeout=WAIT_S)
+    assert over.status_code == 413  # over a file: the file stays as it was
+    assert (outputs / "a" / "exact.jpg").read_bytes() == b"x" * 1024 * 1024
+    assert sorted(p.name for p in (outputs / "a").iterdir()) == ["exact.jpg"]  # no `.part` left
+    replaced = httpx.put(f"{base}/a/exact.jpg", content=b"<nfo/>", timeout=WAIT_S)
+    assert replaced.status_code == 204 and (outputs / "a" / "exact.jpg").read_bytes() == b"<nfo/>"
 
 
 def test_a_plugin_output_is_found_by_its_cid_as_the_media_are(
