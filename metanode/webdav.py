@@ -198,7 +198,7 @@ class CheckedFile(FileResource):  # type: ignore[misc]
 
 class WholeFile(FileResource):  # type: ignore[misc]
     """A plugin output written whole or not at all: a PUT's body goes into a hidden `.part`
-    file beside it (a name the watcher and the listings leave out), renamed over the file once
+    file beside it (a name the watcher leaves out), renamed over the file once
     the body came whole; a body refused (`Upload`) or failed leaves the file as it was.
     WsgiDAV wrote into the file itself: an upload cut short left the start of its body as the
     file, in place of the old one, which the watcher could fingerprint half-written."""
