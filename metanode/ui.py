@@ -727,7 +727,7 @@ def throttled(request: Request, then: str, wait: float, draft: Draft | None) -> 
         f"Too many wrong tokens from this address: try again in {seconds} s.", seconds
     )
     page = sign_in_page(request, then, refused.status, refused.message, draft or False, refused)
-    page.headers["Retry-After"] = str(seconds)
+    page.headers["Retry-After"] = str(refused.retry_after)
     return page
 
 
