@@ -223,6 +223,24 @@ class Settings:
         "signing out ends it at once).",
         low=SECONDS,
     )
+    signin_free_attempts: int = setting(
+        5,
+        "Wrong tokens a client may try in a row at the web page's sign-in before it must "
+        "wait `signin_backoff_s` before its next try, then twice as long after each wrong one "
+        "(429 `too_many_attempts`, `Retry-After`).",
+        low=1,
+    )
+    signin_backoff_s: float = setting(
+        1.0,
+        "The first wait of a client past `signin_free_attempts` wrong tokens at sign-in.",
+        low=SECONDS,
+    )
+    signin_max_backoff_s: float = setting(
+        300.0,
+        "The longest wait a client that keeps trying wrong tokens at sign-in is given; once "
+        "it has tried none for that long, its count starts again.",
+        low=SECONDS,
+    )
     owner_carry_over: bool = setting(
         True,
         "When a watched file's content changes at the same path (a tag edit, a remux, an "
@@ -282,6 +300,13 @@ class Settings:
         "Let WebDAV clients write plugin outputs under `/webdav/plugin/` (PUT, MKCOL, DELETE, "
         "MOVE, COPY), into `webdav_plugin_dir`, which is then watched as well (a poster is "
         "found by its CID); the watch roots stay read-only.",
+    )
+    webdav_put_max_bytes: int = setting(
+        256 * 1024 * 1024,
+        "Largest body of a WebDAV PUT under `/webdav/plugin/`, in bytes: a longer one is "
+        "answered 413 `too_large` and nothing of it kept (a PUT's body may stand still for "
+        "`body_timeout_s` at most).",
+        low=1,
     )
     webdav_plugin_dir: str = setting(
         "",

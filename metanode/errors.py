@@ -11,7 +11,8 @@ The tree, by family:
 * `SignerPolicyError` (403): the claim is well formed but its signer may not make it.
 * `RequestError` (400/408/413/414/431): the request itself is malformed, too large or too slow.
 * `NotFoundError` (404): nothing is known under that name.
-* `AuthError` (401): the perimeter token is missing or wrong.
+* `AuthError` (401): the perimeter token is missing or wrong; `TooManyAttempts` (429): too many
+  wrong ones at sign-in.
 * `UnavailableError` (503): the node cannot answer right now; retrying helps. Its
   `StorageError` family says why the disk refused a write (`storage_full`, ...);
   `storage_error()` maps a raw `OSError` into it (`db.storage_error` a database's errors).
@@ -261,6 +262,20 @@ class MethodNotAllowed(MetanodeError):
 class Unauthorized(MetanodeError):
     status = 401
     slug = "unauthorized"
+
+
+class TooManyAttempts(MetanodeError):
+    """A client signed in to the web page with a wrong token too often in a row
+    (`signin_free_attempts`): it waits `retry_after` seconds (sent as `Retry-After`) before its
+    next try, the right token included (docs/ui.md, "Signing in")."""
+
+    status = 429
+    slug = "too_many_attempts"
+    retryable = True
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class CsrfRefused(MetanodeError):

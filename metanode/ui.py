@@ -18,8 +18,13 @@ from, an `Origin` of this very host.
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import hmac
 import importlib.resources
+import ipaddress
+import math
+import os
 import re
 import secrets
 import time
@@ -34,6 +39,7 @@ import jinja2
 import markupsafe
 import swagger_ui_bundle
 from itsdangerous import BadSignature, Signer
+from starlette.datastructures import QueryParams
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
@@ -52,6 +58,7 @@ from metanode.errors import (
     Merged,
     MetanodeError,
     TooLarge,
+    TooManyAttempts,
     UnknownCid,
     shown,
 )
@@ -232,6 +239,77 @@ class Sessions:
                 step.cancel()
                 await asyncio.gather(step, return_exceptions=True)
             await stream.aclose()
+
+
+@dataclass
+class Strikes:
+    """One client's wrong tokens at sign-in: how many in a row, when the last was, and when it
+    may try again (monotonic seconds)."""
+
+    failures: int = 0
+    last: float = 0.0
+    until: float = 0.0
+
+
+@dataclass
+class SignInThrottle:
+    """How fast a client may guess the token at sign-in: `free` wrong ones in a row, then it
+    waits `first_s` before its next try, twice that after the next wrong one, four times, … up
+    to `most_s` (a try while it waits is refused, not counted); a right one, or `most_s`
+    without a try once its wait is over, starts its count again. Without it a client on the LAN
+    tried tokens as fast as the node answered (a token an operator chose short is then found).
+
+    Kept in this process: the sign-in is always the owner's under `serve --workers N` (a
+    reader hands every POST but `/api/claims` over, with the client's address), so every
+    worker's clients count here. A client is its address (`client_key`); at most
+    `MOST_CLIENTS` are remembered, the longest quiet forgotten first."""
+
+    free: int
+    first_s: float
+    most_s: float
+    clock: Callable[[], float] = time.monotonic
+    clients: dict[str, Strikes] = field(default_factory=dict)
+
+    def wait_s(self, client: str) -> float:
+        """Seconds `client` must still wait before its next try (0: it may try now)."""
+        strikes = self.clients.get(client)
+        return 0.0 if strikes is None else max(0.0, strikes.until - self.clock())
+
+    def failed(self, client: str) -> None:
+        """A wrong token from `client`: counted, and its wait set once past `free`."""
+        now = self.clock()
+        strikes = self.clients.pop(client, None)
+        if strikes is None or now - max(strikes.last, strikes.until) > self.most_s:
+            strikes = Strikes()  # quiet that long: forgiven
+        strikes.failures += 1
+        strikes.last = now
+        over = strikes.failures - self.free
+        if over >= 0:
+            strikes.until = now + min(self.most_s, self.first_s * 2.0 ** min(over, 64))
+        self.clients[client] = strikes  # last in the dict: the most recent
+        while len(self.clients) > MOST_CLIENTS:
+            del self.clients[next(iter(self.clients))]
+
+    def succeeded(self, client: str) -> None:
+        self.clients.pop(client, None)
+
+
+MOST_CLIENTS = 10_000  # ≈ 1 MB of `Strikes`
+
+
+def client_key(scope: Scope) -> str:
+    """Who a sign-in comes from: its address (after a trusted proxy's `X-Forwarded-For`), an
+    IPv6 one by its /64, which one machine is given whole (it could try from 2^64 addresses)."""
+    client = scope.get("client")
+    if not client:  # a Unix socket
+        return ""
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return str(client[0])
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is None:
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address.ipv4_mapped if isinstance(address, ipaddress.IPv6Address) else address)
 
 
 def same_origin(scope: Scope) -> bool:
@@ -623,15 +701,34 @@ def normal_value(value: str) -> str:
 
 
 def sign_in_page(
-    request: Request, then: str, status: int = 200, error: str = "", lost: Draft | bool = False
+    request: Request,
+    then: str,
+    status: int = 200,
+    error: str = "",
+    lost: Draft | bool = False,
+    refused: MetanodeError | None = None,
 ) -> HTMLResponse:
-    """The sign-in form, which goes on to `then`; `error`: why the last token was refused.
+    """The sign-in form, which goes on to `then`; `error`: why the last token was refused
+    (`refused`: the typed error, whose slug the message carries in `data-error`).
     `lost`: a form was sent after its session ended, so the page says it was not saved, and
     carries what was typed in it (a `Draft`) to show it again once signed in."""
     request.scope["metanode.session"] = None
     carried = lost if isinstance(lost, Draft) else None
-    context = {"then": then, "error": error, "lost": bool(lost), "carried": carried}
+    slug = refused.slug if refused else ""
+    context = {"then": then, "error": error, "lost": bool(lost), "carried": carried, "slug": slug}
     return render(request, "signin.html", status, **context)
+
+
+def throttled(request: Request, then: str, wait: float, draft: Draft | None) -> HTMLResponse:
+    """The sign-in form again, 429 `too_many_attempts`: the client tried too many wrong tokens
+    (`SignInThrottle`) and waits `wait` seconds, which `Retry-After` says (whole seconds, up)."""
+    seconds = math.ceil(wait)
+    refused = TooManyAttempts(
+        f"Too many wrong tokens from this address: try again in {seconds} s.", seconds
+    )
+    page = sign_in_page(request, then, refused.status, refused.message, draft or False, refused)
+    page.headers["Retry-After"] = str(refused.retry_after)
+    return page
 
 
 def error_page(request: Request, exc: MetanodeError) -> HTMLResponse:
@@ -643,19 +740,58 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 class Assets(StaticFiles):
-    """The files of a folder that the pages use, and no other (404). Swagger UI's package
-    holds its demo pages too (`index.html`, `oauth2-redirect.html`): served at `/docs/assets/`
-    to anyone, without the page policy, one ran Swagger UI as a page of the node's origin,
-    which fetched a document from petstore.swagger.io and sent it to validator.swagger.io."""
+    """The style sheets and scripts of the pages (`/static/`, `/docs/assets/`), with Starlette's
+    `ETag` and `Last-Modified` (a 304 to `If-None-Match`) and a `Cache-Control` by the URL's
+    version (`asset`): one naming the file's current content (`?v=`) is kept a year unasked
+    (`immutable`), since another content has another URL; any other is revalidated
+    (`no-cache`).
 
-    def __init__(self, directory: str, names: frozenset[str]) -> None:
+    `names`: the files served, and no other (404). Swagger UI's package holds its demo pages
+    too (`index.html`, `oauth2-redirect.html`): served at `/docs/assets/` to anyone, without
+    the page policy, one ran Swagger UI as a page of the node's origin, which fetched a
+    document from petstore.swagger.io and sent it to validator.swagger.io."""
+
+    def __init__(self, directory: str, names: frozenset[str] | None = None) -> None:
         super().__init__(directory=directory)
         self.names = names
 
     async def get_response(self, path: str, scope: Scope) -> Response:
-        if path not in self.names:
+        if self.names is not None and path not in self.names:
             raise HTTPException(status_code=404)
-        return await super().get_response(path, scope)
+        response = await super().get_response(path, scope)
+        asked = QueryParams(scope["query_string"]).get("v")
+        current = response.status_code in (200, 304) and asked == file_version(
+            os.path.join(str(self.directory), path)
+        )
+        response.headers["Cache-Control"] = KEPT if current else "no-cache"
+        return response
+
+
+KEPT = "public, max-age=31536000, immutable"  # a year: RFC 9111's "never expires"
+# where the pages' assets are, by their URL's folder (`routes`)
+ASSET_FOLDERS = {
+    "static": str(importlib.resources.files("metanode") / "static"),
+    "docs/assets": swagger_ui_bundle.swagger_ui_path,
+}
+
+
+@functools.cache
+def file_version(path: str) -> str:
+    """A file's version: 48 bits of the SHA-256 of its content, read once a process (the
+    package's files do not change under a running node; every worker and every restart of the
+    same install computes the same)."""
+    with open(path, "rb") as file:
+        return hashlib.sha256(file.read()).hexdigest()[:12]
+
+
+def asset(url: str) -> str:
+    """An asset's URL as a page names it (`static/metanode.css`), with its version
+    (`?v=<file_version>`), so a browser keeps it until the node serves another content."""
+    folder, _, name = url.rpartition("/")
+    return f"{url}?v={file_version(os.path.join(ASSET_FOLDERS[folder], name))}"
+
+
+TEMPLATES.globals["asset"] = asset
 
 
 # what `docs.html` takes from the swagger-ui-bundle package
@@ -668,6 +804,10 @@ class Pages:
     def __init__(self, node: Node, sessions: Sessions) -> None:
         self.node = node
         self.sessions = sessions
+        settings = node.settings
+        self.throttle = SignInThrottle(
+            settings.signin_free_attempts, settings.signin_backoff_s, settings.signin_max_backoff_s
+        )
 
     def page(self, handler: Handler) -> Handler:
         """`handler` behind the session: no session → the sign-in form (401); a typed error →
@@ -755,10 +895,16 @@ class Pages:
             return sign_in_page(request, "/", exc.status, exc.message)
         then = local_path(form.get("then", ""))
         draft = draft_of({k[6:]: v for k, v in form.items() if k.startswith("draft-")})
+        client = client_key(request.scope)
+        wait = self.throttle.wait_s(client)
+        if wait > 0:
+            return throttled(request, then, wait, draft)
         given = form.get("token", "").strip()
         if not given or not hmac.compare_digest(given.encode(), self.node.token.encode()):
+            self.throttle.failed(client)
             wrong = "That is not this node's API token."
             return sign_in_page(request, then, 401, wrong, draft or False)
+        self.throttle.succeeded(client)
         value, session = self.sessions.create()
         request.scope["metanode.session"] = session
         if draft is not None and then.startswith("/records/"):
@@ -1005,7 +1151,6 @@ class Pages:
 
     def routes(self) -> list[BaseRoute]:
         page = self.page
-        static = importlib.resources.files("metanode") / "static"
         return [
             Route("/", self.root),
             Route("/signin", self.sign_in, methods=["POST"]),
@@ -1023,8 +1168,8 @@ class Pages:
             Route("/signers/{uid}/unblock", page(self.set_signer("active")), methods=["POST"]),
             Route("/status", page(self.health)),
             Route("/docs", self.docs),
-            Mount("/static", StaticFiles(directory=str(static)), name="static"),
-            Mount("/docs/assets", Assets(swagger_ui_bundle.swagger_ui_path, SWAGGER_ASSETS)),
+            Mount("/static", Assets(ASSET_FOLDERS["static"]), name="static"),
+            Mount("/docs/assets", Assets(ASSET_FOLDERS["docs/assets"], SWAGGER_ASSETS)),
         ]
 
 

@@ -31,11 +31,16 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import os
+import secrets
 import unicodedata
 from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
+from http import HTTPStatus
 from pathlib import Path
 from typing import IO, Any, cast
 from urllib.parse import unquote_to_bytes, urlsplit, urlunsplit
@@ -63,6 +68,8 @@ from metanode.errors import (
     MethodNotAllowed,
     PathTooLong,
     RequestError,
+    RequestTimeout,
+    TooLarge,
     shown,
 )
 from metanode.ignores import Rules
@@ -187,6 +194,39 @@ class CheckedFile(FileResource):  # type: ignore[misc]
             os.close(fd)
             raise
         return os.fdopen(fd, "rb")
+
+
+class WholeFile(FileResource):  # type: ignore[misc]
+    """A plugin output written whole or not at all: a PUT's body goes into a hidden `.part`
+    file beside it (a name the watcher leaves out), renamed over the file once
+    the body came whole; a body refused (`Upload`) or failed leaves the file as it was.
+    WsgiDAV wrote into the file itself: an upload cut short left the start of its body as the
+    file, in place of the old one, which the watcher could fingerprint half-written."""
+
+    part = ""
+
+    def begin_write(self, *, content_type: str | None = None) -> IO[bytes]:
+        folder = os.path.dirname(self._file_path)
+        self.part = os.path.join(folder, f".{secrets.token_hex(8)}.part")
+        return open(self.part, "xb")  # WsgiDAV closes it
+
+    def end_write(self, *, with_errors: bool) -> None:
+        upload = UPLOAD.get()
+        if with_errors or (upload is not None and upload.refused is not None):
+            with contextlib.suppress(OSError):
+                os.unlink(self.part)
+        else:
+            os.replace(self.part, self._file_path)  # a link there is replaced, not followed
+
+
+class Outputs(FilesystemProvider):  # type: ignore[misc]
+    """The plugin outputs' folder: WsgiDAV's own, its files written whole (`WholeFile`)."""
+
+    def get_resource_inst(self, path: str, environ: dict[str, Any]) -> Any:
+        found = super().get_resource_inst(path, environ)
+        if type(found) is FileResource:
+            return WholeFile(path, environ, found._file_path)
+        return found
 
 
 def servable(name: str) -> bool:
@@ -480,7 +520,7 @@ def server(settings: Settings) -> ASGIApp:
     if outputs is not None:
         writable = dav(
             f"{mount}/{PLUGIN}",
-            FilesystemProvider(str(outputs), readonly=False, fs_opts={"follow_symlinks": False}),
+            Outputs(str(outputs), readonly=False, fs_opts={"follow_symlinks": False}),
         )
 
     def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
@@ -491,6 +531,7 @@ def server(settings: Settings) -> ASGIApp:
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
             if environ["REQUEST_METHOD"] == "PUT" and outputs is not None:
                 make_parents(outputs, environ["PATH_INFO"])
+                return checked_put(writable, environ, dated, outputs)
             return writable(environ, dated)
         return layout(environ, dated)
 
@@ -515,7 +556,14 @@ class App:
         root = self.settings.root_path
         refused = refusal(scope, self.settings.webdav_plugin_writes, root)
         headers = {"Allow": READS} if isinstance(refused, MethodNotAllowed) else {}
-        if refused is None and scope["method"] != "PUT":
+        if refused is None and scope["method"] == "PUT":
+            limit = self.settings.webdav_put_max_bytes
+            refused = declared_too_large(scope, limit)
+            headers = {"Connection": "close"} if refused else {}
+            upload = Upload(receive, limit, self.settings.body_timeout_s)
+            UPLOAD.set(upload)  # seen by `checked_put`, on a2wsgi's thread (a copied context)
+            receive = upload
+        elif refused is None:
             try:
                 body = await read_body(Request(scope, receive), BODY, self.settings.body_timeout_s)
             except RequestError as exc:  # too long, too slow, or the client left
@@ -534,6 +582,96 @@ class App:
         if self.served is None:
             self.served = server(self.settings)
         await self.served(scope, receive, inert)
+
+
+def declared_too_large(scope: Scope, limit: int) -> TooLarge | None:
+    """413 for a PUT whose `Content-Length` is over `limit`, before a byte of it is written."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            return put_too_large(limit, f"{int(value):,} bytes")
+    return None
+
+
+def put_too_large(limit: int, size: str) -> TooLarge:
+    return TooLarge(
+        f"a PUT's body is at most {limit:,} bytes (webdav_put_max_bytes); this is {size}"
+    )
+
+
+# What WsgiDAV reads once an `Upload` is refused: the end of the body, so its thread is free
+END: Message = {"type": "http.request", "body": b"", "more_body": False}
+
+
+class Upload:
+    """A PUT's body as WsgiDAV reads it (streamed into the file, never held whole): at most
+    `limit` bytes (`webdav_put_max_bytes`), each part within `idle_s` of the one before
+    (`body_timeout_s`: a poster over a slow link may take longer in all, but not stand still).
+    WsgiDAV wrote any body to the disk, however long, and kept what a client that left, or
+    stalled, had sent as the whole file (1,000 bytes of a declared 1,000,000: a file the
+    watcher fingerprinted). Past either limit, or when the client leaves, WsgiDAV is told the
+    body ended (its thread freed at once) and `refused` says why: nothing of it is kept
+    (`WholeFile`), and `checked_put` answers the refusal."""
+
+    def __init__(self, receive: Receive, limit: int, idle_s: float) -> None:
+        self.receive = receive
+        self.limit = limit
+        self.idle_s = idle_s
+        self.count = 0
+        self.refused: RequestError | None = None
+
+    async def __call__(self) -> Message:
+        if self.refused is not None:
+            return END
+        try:
+            async with asyncio.timeout(self.idle_s):
+                message = await self.receive()
+        except TimeoutError:
+            self.refused = RequestTimeout(
+                f"the PUT's body stood still for {self.idle_s:g} s ({self.count:,} bytes came)"
+            )
+            return END
+        if message["type"] == "http.disconnect":
+            self.refused = RequestError(
+                f"the client left before its body ended ({self.count:,} bytes came)"
+            )
+            return END
+        self.count += len(message.get("body", b""))
+        if self.count > self.limit:
+            self.refused = put_too_large(self.limit, "more")
+            return END
+        return message
+
+
+UPLOAD: ContextVar[Upload | None] = ContextVar("metanode_webdav_upload", default=None)
+
+
+def checked_put(
+    app: WSGIApp, environ: Environ, start_response: StartResponse, outputs: Path
+) -> Iterable[bytes]:
+    """WsgiDAV's PUT (below `plugin/`), its answer held until it is done (a few bytes): if its
+    body was refused (`Upload`), nothing of it was kept (`WholeFile`), the empty file WsgiDAV
+    made for a new one is removed, and the answer is the refusal in the envelope, the
+    connection closed (the rest is not worth reading)."""
+    said: list[tuple[str, list[tuple[str, str]]]] = []
+
+    def held(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+        said.append((status, headers))
+        return lambda data: None
+
+    answer = b"".join(app(environ, held))
+    upload = UPLOAD.get()
+    if upload is None or upload.refused is None:
+        start_response(*said[-1])
+        return [answer]
+    if said and said[-1][0].startswith("201"):  # the empty file WsgiDAV made for a new one
+        below = environ["PATH_INFO"].encode("latin-1").decode("utf-8").strip("/")
+        with contextlib.suppress(OSError):
+            (outputs / below).unlink()
+    refused = upload.refused
+    body = json.dumps(refused.envelope(), separators=(",", ":")).encode("ascii")
+    status = f"{refused.status} {HTTPStatus(refused.status).phrase}"
+    start_response(status, [("Content-Type", "application/json"), ("Connection", "close")])
+    return [body]
 
 
 def replayed(body: bytes, receive: Receive) -> Receive:

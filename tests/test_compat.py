@@ -745,9 +745,14 @@ def test_a_browser_on_a_trusted_machine_carries_no_page_of_another_site_in(
     said = envelope(httpx.get(f"{url}/meta", headers=rebound, timeout=10), 401, "unauthorized")
     assert "'evil.example:" in said["message"] and "trusted_hosts" in said["message"], said
     names = ("localhost", "metanode:9000", "nas.local", "host.docker.internal", "box.fritz.box")
-    for host in (f"127.0.0.1:{port}", f"[::1]:{port}", *names, "tv.example.com"):
+    # a trailing dot is the same name, fully qualified (a browser sends it as typed)
+    dotted = ("localhost.", f"nas.fritz.box.:{port}", "nas.", "tv.example.com.")
+    for host in (f"127.0.0.1:{port}", f"[::1]:{port}", *names, *dotted, "tv.example.com"):
         got = httpx.get(f"{url}/meta", headers={"Host": host}, timeout=10)
         assert got.status_code == 200, host  # the last one: trusted_hosts
+    for public in ("evil.example.", "fritz.box.evil.example", "."):
+        envelope(httpx.get(f"{url}/meta", headers={"Host": public}, timeout=10), 401,
+                 "unauthorized")  # fmt: skip
     for odd in ("[", "http://["):  # unparseable: refused as not this box's, never a 500
         weird = {"Host": odd, "Origin": odd, "Content-Type": "text/plain"}
         envelope(httpx.post(add, content=b"x", headers=weird, timeout=10), 401, "unauthorized")

@@ -96,3 +96,55 @@ def test_a_session_outlives_the_wall_clock_stepping(monkeypatch: pytest.MonkeyPa
         assert sessions.find(cookie) is session
     session.expires = sessions.clock()  # its own hours, on the monotonic clock, are up
     assert sessions.find(cookie) is None
+
+
+class Clock:
+    """A clock a test moves by hand (monotonic seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_client_guessing_tokens_waits_twice_as_long_after_each_wrong_one() -> None:
+    """`free` wrong tokens cost nothing; then 1 s, 2, 4 … up to the most; a right token, or
+    the most without a try, starts the count again; another client is not held up, nor
+    another address of the same IPv6 /64 let through."""
+    clock = Clock()
+    throttle = ui.SignInThrottle(free=3, first_s=1.0, most_s=8.0, clock=clock)
+    for _ in range(2):
+        throttle.failed("a")
+        assert throttle.wait_s("a") == 0
+    waits = []
+    for _ in range(6):
+        throttle.failed("a")
+        waits.append(throttle.wait_s("a"))
+        clock.now += waits[-1]  # waited it out: the next try is counted
+    assert waits == [1, 2, 4, 8, 8, 8] and throttle.wait_s("b") == 0
+    throttle.failed("a")
+    clock.now += 3
+    assert throttle.wait_s("a") == 5  # the most, less what has passed
+    throttle.succeeded("a")
+    assert throttle.wait_s("a") == 0 and "a" not in throttle.clients
+    for _ in range(3):
+        throttle.failed("a")
+    clock.now += 1 + 8.5  # its wait over, then quiet for longer than the most: forgiven
+    throttle.failed("a")
+    assert throttle.wait_s("a") == 0 and throttle.clients["a"].failures == 1
+    v6 = {"client": ("2001:db8:1:2::1", 5000)}, {"client": ("2001:db8:1:2:ffff::9", 5000)}
+    assert ui.client_key(v6[0]) == ui.client_key(v6[1]) == "2001:db8:1:2::/64"
+    assert ui.client_key({"client": ("::ffff:192.0.2.7", 1)}) == "192.0.2.7"
+    assert ui.client_key({"client": None}) == ""
+
+
+def test_the_clients_remembered_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An address a wrong token: each new one is remembered, the quietest forgotten past the
+    bound (a client with many addresses cannot grow the node's memory without end)."""
+    monkeypatch.setattr(ui, "MOST_CLIENTS", 100)
+    throttle = ui.SignInThrottle(free=1, first_s=1.0, most_s=8.0, clock=Clock())
+    for n in range(250):
+        throttle.failed(f"192.0.2.{n}")
+    assert len(throttle.clients) == 100 and "192.0.2.249" in throttle.clients
+    assert "192.0.2.0" not in throttle.clients

@@ -29,6 +29,7 @@ from metanode import compat, config
 from metanode.errors import InvalidRequest
 from metanode.webdav import PLUGIN, Roots
 from tests.helpers.server import Server, serve_refused
+from tests.helpers.wait import poll
 
 WAIT_S = 60.0
 DAV = "{DAV:}"
@@ -526,6 +527,54 @@ def test_plugin_outputs_are_writable_when_enabled(launch: Callable[..., Server])
     into = {"Destination": f"{server.url}/webdav/media/a.jpg"}
     assert httpx.request("MOVE", f"{base}/tmdb/a.jpg", headers=into).status_code >= 400
     assert sorted(p.name for p in server.media.iterdir()) == ["film.mkv"]
+
+
+def put_raw(server: Server, path: str, head: bytes, body: bytes) -> socket.socket:
+    """A PUT of `path` whose head ends with `head` (its length or its chunking), `body` sent
+    after it, the socket left open."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+    sock.sendall(f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode() + head + b"\r\n" + body)
+    return sock
+
+
+def test_a_put_over_its_limit_or_cut_short_leaves_no_file(launch: Callable[..., Server]) -> None:
+    """A PUT's body had no bound: 1 GB sent chunked was written whole (2.7 s), and an endless
+    one would fill the disk. And WsgiDAV kept what came as the whole file when the client left
+    or stalled (1,000 bytes of a declared 1,000,000: a file the watcher fingerprinted). Now a
+    body over `webdav_put_max_bytes` is 413 `too_large` (at once when declared), one that
+    stands still 408 `request_timeout`, and nothing of either, or of a client that left, is
+    kept: a file it was to replace stays as it was (a body goes into a hidden `.part` file,
+    renamed over the file once whole). Memory stays flat: the body streams to the disk."""
+    server = launch(
+        METANODE_WEBDAV_PLUGIN_WRITES="true",
+        METANODE_WEBDAV_PUT_MAX_BYTES=str(1024 * 1024),
+        METANODE_BODY_TIMEOUT_S="2",
+    )
+    base, outputs = f"{server.url}/webdav/{PLUGIN}", server.data_dir / "plugin"
+    whole = httpx.put(f"{base}/a/exact.jpg", content=b"x" * 1024 * 1024, timeout=WAIT_S)
+    assert whole.status_code == 201 and (outputs / "a" / "exact.jpg").stat().st_size == 1024**2
+    declared = httpx.put(f"{base}/a/declared.jpg", content=b"x" * (1024 * 1024 + 1))
+    chunked = httpx.put(f"{base}/a/chunked.jpg", content=iter([b"x" * 65536] * 64), timeout=WAIT_S)
+    for answer in (declared, chunked):
+        assert answer.status_code == 413 and answer.headers["connection"] == "close"
+        assert answer.json()["error"] == "too_large", answer.text
+        assert "webdav_put_max_bytes" in answer.json()["message"]
+    stalled = put_raw(server, "/webdav/plugin/a/stalled.jpg", b"Content-Length: 5000\r\n", b"a")
+    answer = stalled.makefile("rb").read()  # the server closes after its answer
+    stalled.close()
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408") and b"request_timeout" in body, answer
+    left = put_raw(server, "/webdav/plugin/a/left.jpg", b"Content-Length: 5000\r\n", b"a" * 1000)
+    made = outputs / "a" / "left.jpg"
+    poll(lambda: made.exists() or None, "WsgiDAV made the file it writes the body into")
+    left.close()
+    poll(lambda: (not made.exists()) or None, "the file of a client that left removed")
+    over = httpx.put(f"{base}/a/exact.jpg", content=iter([b"y" * 65536] * 17), timeout=WAIT_S)
+    assert over.status_code == 413  # over a file: the file stays as it was
+    assert (outputs / "a" / "exact.jpg").read_bytes() == b"x" * 1024 * 1024
+    assert sorted(p.name for p in (outputs / "a").iterdir()) == ["exact.jpg"]  # no `.part` left
+    replaced = httpx.put(f"{base}/a/exact.jpg", content=b"<nfo/>", timeout=WAIT_S)
+    assert replaced.status_code == 204 and (outputs / "a" / "exact.jpg").read_bytes() == b"<nfo/>"
 
 
 def test_a_plugin_output_is_found_by_its_cid_as_the_media_are(

@@ -445,3 +445,57 @@ def test_restart_delays_double_to_the_cap_and_start_again_after_a_steady_run(
             expected = workers.FIRST_S
         assert backoff.after(ran_s) == expected
         expected = min(workers.CAP_S, expected * 2)
+
+
+def test_a_record_s_etag_is_the_same_on_both_workers_so_either_answers_304(
+    server: Server,
+) -> None:
+    """`GET /api/meta/{cid}`'s `ETag` is of the document's bytes, not of a worker's memory: a
+    copy fetched from one worker is revalidated (304, no body) by the other, and a change
+    made through either gives both the new tag."""
+    clients = one_per_worker(server)
+    owner, reader = clients["owner"], clients["reader-1"]
+    signer = Signer()
+    register(owner, signer)
+    posted = reader.post("/api/claims", json={"claims": [signer.claim(A, "title", "one")]})
+    assert posted.status_code == 200, posted.text
+    tags = {name: client.get(f"/api/meta/{A}").headers["etag"] for name, client in clients.items()}
+    assert tags["owner"] == tags["reader-1"], tags
+    for name, client in clients.items():
+        again = client.get(f"/api/meta/{A}", headers={"If-None-Match": tags["owner"]})
+        assert (again.status_code, again.content) == (304, b""), name
+        assert again.headers["etag"] == tags["owner"] and again.headers["x-metanode-worker"] == name
+    changed = signer.claim(A, "title", "two", ts=NOW_MS + 1)
+    assert owner.post("/api/claims", json={"claims": [changed]}).status_code == 200
+    for client in clients.values():
+        fresh = client.get(f"/api/meta/{A}", headers={"If-None-Match": tags["owner"]})
+        assert fresh.status_code == 200 and fresh.json()["metadata"]["title"] == "two"
+        assert fresh.headers["etag"] != tags["owner"]
+
+
+def test_wrong_tokens_at_sign_in_are_counted_for_every_worker(tmp_path: Path) -> None:
+    """A client could try tokens at the sign-in as fast as the node answered. Now, past
+    `signin_free_attempts` wrong ones, it waits (429 `too_many_attempts`, `Retry-After`), the
+    right token included; the count is the owner's, which every sign-in reaches with the
+    client's address, whichever worker took the connection. Another address is not held up."""
+    env = {"METANODE_SIGNIN_FREE_ATTEMPTS": "3", "METANODE_SIGNIN_BACKOFF_S": "600"}
+    srv = Server(tmp_path / "data", workers=2, env=env).start()
+    try:
+        clients = one_per_worker(srv, headers={})
+        for name in ("reader-1", "owner", "reader-1"):
+            wrong = clients[name].post("/signin", data={"token": "guess", "then": "/live"})
+            assert wrong.status_code == 401, name
+        for name, client in clients.items():
+            right = client.post("/signin", data={"token": srv.token, "then": "/live"})
+            assert right.status_code == 429 and 1 <= int(right.headers["retry-after"]) <= 600
+            assert 'data-error="too_many_attempts"' in right.text, name
+            assert right.headers["cache-control"] == "no-store" and not client.cookies
+        elsewhere = httpx.HTTPTransport(local_address="127.0.0.2")
+        with httpx.Client(base_url=srv.url, transport=elsewhere, timeout=30) as other:
+            signed_in = other.post("/signin", data={"token": srv.token, "then": "/live"})
+            assert signed_in.status_code == 303 and "metanode_session" in other.cookies
+    finally:
+        while OPENED:
+            OPENED.pop().close()
+        srv.stop()
+        srv.print_log()

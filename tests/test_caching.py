@@ -1,0 +1,129 @@
+"""What caches may keep, on a real `metanode serve`: a record's `ETag` and the 304 that
+revalidates it (the same tag after a restart and after `rebuild-cache`), the pages' style sheets
+and scripts kept a year under a versioned URL, and the token routes' answers kept by none."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from metanode import cid as cids
+from tests.helpers.claims import Signer
+from tests.helpers.server import Server
+
+A = cids.midhash_bytes(b"caching A")
+KEPT = "public, max-age=31536000, immutable"
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[Server]:
+    server = Server(tmp_path / "data", env={"METANODE_WATCH_ENABLED": "0"}).start()
+    yield server
+    server.stop()
+    server.print_log()
+
+
+def record(srv: Server, tag: str | None = None, **params: str) -> httpx.Response:
+    headers = {} if tag is None else {"If-None-Match": tag}
+    return httpx.get(f"{srv.url}/api/meta/{A}", params=params, headers=headers, timeout=10)
+
+
+def test_a_record_is_revalidated_by_its_etag_across_restarts_and_rebuilds(srv: Server) -> None:
+    """No answer had an `ETag`: a consumer polling records fetched every body again. The tag
+    is of the document's bytes, so a restart and a rebuilt cache (which render the same bytes)
+    still answer 304 to a copy that is current, and a change answers the new body."""
+    signer = Signer()
+    srv.register(signer.uid, "t", weight=1)
+    claim = signer.claim(A, "title", "first")
+    posted = httpx.post(
+        f"{srv.url}/api/claims", json={"claims": [claim]}, headers=srv.headers, timeout=10
+    )
+    assert posted.status_code == 200, posted.text
+    first = record(srv)
+    tag = first.headers["etag"]
+    assert re.fullmatch(r'"[0-9a-f]{24}"', tag) and first.headers["cache-control"] == "no-cache"
+    for given in (tag, f"W/{tag}", f'"other", {tag}', "*"):  # RFC 9110's weak comparison
+        same = record(srv, given)
+        assert (same.status_code, same.content, same.headers["etag"]) == (304, b"", tag), given
+        assert same.headers["vary"] == "Origin"  # as the 200 says
+    assert record(srv, '"other"').status_code == 200
+    viewer = record(srv, None, **{"as": signer.uid})  # the record as one signer sees it
+    assert record(srv, viewer.headers["etag"], **{"as": signer.uid}).status_code == 304
+    missing = httpx.get(f"{srv.url}/api/meta/{cids.midhash_bytes(b'none')}", timeout=10)
+    assert missing.status_code == 404 and "etag" not in missing.headers
+    spec = httpx.get(f"{srv.url}/openapi.json", timeout=10)  # what the API docs page loads
+    again = {"If-None-Match": spec.headers["etag"]}
+    assert httpx.get(f"{srv.url}/openapi.json", headers=again, timeout=10).status_code == 304
+    srv.stop()
+    rebuilt = subprocess.run(
+        [sys.executable, "-m", "metanode", "rebuild-cache", "--data-dir", str(srv.data_dir)],
+        env=srv.base_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    srv.start()
+    assert record(srv, tag).status_code == 304
+    newer = signer.claim(A, "title", "second", ts=int(claim["ts"]) + 1)
+    httpx.post(f"{srv.url}/api/claims", json={"claims": [newer]}, headers=srv.headers, timeout=10)
+    changed = record(srv, tag)
+    assert changed.status_code == 200 and changed.headers["etag"] != tag
+    assert changed.json()["metadata"]["title"] == "second"
+
+
+@contextlib.contextmanager
+def signed_in(srv: Server) -> Iterator[httpx.Client]:
+    """A client holding a session's cookie, as a browser does once signed in."""
+    with httpx.Client(base_url=srv.url, timeout=10) as client:
+        answer = client.post("/signin", data={"token": srv.token, "then": "/"})
+        assert answer.status_code == 303, answer.text
+        yield client
+
+
+def test_the_pages_assets_are_kept_under_their_version_and_revalidated_otherwise(
+    srv: Server,
+) -> None:
+    """The style sheets and scripts had no `Cache-Control`: a browser asked for each again on
+    every page (or kept a stale one by its own guess after an upgrade). Now a page names each
+    with its content's version, kept a year; any other URL of it is revalidated, 304 by ETag."""
+    with signed_in(srv) as browser:
+        pages = browser.get("/").text + browser.get("/docs").text
+        assets = set(re.findall(r'(?:href|src)="(/(?:static|docs/assets)/[^"]+)"', pages))
+        assert len(assets) == 7, assets  # metanode.css/js, noscript.css, docs.css/js, Swagger 2
+        for url in assets:
+            assert re.search(r"\?v=[0-9a-f]{12}$", url), url
+            kept = httpx.get(srv.url + url, timeout=10)  # no session needed, as before
+            assert kept.status_code == 200 and kept.headers["cache-control"] == KEPT, url
+            bare = httpx.get(srv.url + url.split("?")[0], timeout=10)
+            assert bare.headers["cache-control"] == "no-cache" and bare.content == kept.content
+            tag = {"If-None-Match": bare.headers["etag"]}
+            again = httpx.get(srv.url + url.split("?")[0], headers=tag, timeout=10)
+            assert (again.status_code, again.content) == (304, b""), url
+        stale = httpx.get(f"{srv.url}/static/metanode.css?v=000000000000", timeout=10)
+        assert stale.headers["cache-control"] == "no-cache"  # not kept under another's version
+        assert browser.get("/").headers["cache-control"] == "no-store"  # the pages themselves
+        signers = browser.get("/api/signers")  # with the session's cookie
+        assert signers.status_code == 200 and signers.headers["cache-control"] == "no-store"
+
+
+def test_the_token_routes_answers_are_kept_by_no_cache(srv: Server) -> None:
+    """The token routes' answers said nothing of caching, so a shared cache could keep an
+    answer made for a session's cookie (a cookie does not keep one out) and hand it on."""
+    for path in ("/api/signers", "/api/peers", "/health", "/metrics", "/api/hash-ids"):
+        answer = httpx.get(srv.url + path, headers=srv.headers, timeout=10)
+        wanted = "no-store" if path != "/health" else None  # /health is public
+        assert answer.status_code == 200 and answer.headers.get("cache-control") == wanted, path
+    refused = httpx.get(f"{srv.url}/api/signers", timeout=10)
+    assert refused.status_code == 401 and refused.headers["cache-control"] == "no-store"
+    with httpx.stream(
+        "GET", f"{srv.url}/api/events", headers=srv.headers, timeout=10
+    ) as events:  # the feed says its own, once
+        assert events.headers.get_list("cache-control") == ["no-cache"]
