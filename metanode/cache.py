@@ -362,7 +362,7 @@ ALTER TABLE library ADD COLUMN words TEXT NOT NULL DEFAULT '';
 """
 _LIBRARY_FTS = """
 CREATE VIRTUAL TABLE library_fts USING fts5(
-    words, content='library', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
+    words, content='library', content_rowid='id', tokenize='{tokenizer}'
 );
 CREATE TRIGGER library_added AFTER INSERT ON library BEGIN
     INSERT INTO library_fts (rowid, words) VALUES (new.id, new.words);
@@ -382,7 +382,27 @@ INSERT INTO library_fts (library_fts) VALUES ('rebuild');
 def _v12(conn: Connection) -> None:
     executescript_in_txn(conn, _LIBRARY_FTS_DROPPED)
     _fill_words(conn)
-    executescript_in_txn(conn, _LIBRARY_FTS)
+    executescript_in_txn(conn, _LIBRARY_FTS.format(tokenizer="unicode61 remove_diacritics 2"))
+
+
+# Schema v13: `library.words` are the folded words of `labels.search_words` (case, accents and
+# punctuation taken off in Python, the same for both backends), and the index only splits them
+# at their spaces (the `ascii` tokenizer: its one rule for a character outside ASCII is that it
+# belongs to a word). unicode61 kept its own rules: `strasse` missed `Straße`, `soren` `Søren`,
+# `ελληνικα` `Ελληνικά` and a vowelled Arabic or pointed Hebrew title its plain spelling, while
+# PostgreSQL's parser read `Film.1080p.x264` or `WALL·E` as one word: the backends disagreed.
+_LIBRARY_FTS_UNTOKENIZED = """
+DROP TRIGGER library_added;
+DROP TRIGGER library_removed;
+DROP TRIGGER library_changed;
+DROP TABLE library_fts;
+"""
+
+
+def _v13(conn: Connection) -> None:
+    executescript_in_txn(conn, _LIBRARY_FTS_UNTOKENIZED)
+    _fill_words(conn)
+    executescript_in_txn(conn, _LIBRARY_FTS.format(tokenizer="ascii"))
 
 
 def _fill_words(conn: Connection) -> None:
@@ -393,7 +413,21 @@ def _fill_words(conn: Connection) -> None:
     )
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12)
+MIGRATIONS: Sequence[Migration] = (
+    _v1,
+    _v2,
+    _v3,
+    _v4,
+    _v5,
+    _v6,
+    _v7,
+    _v8,
+    _v9,
+    _v10,
+    _v11,
+    _v12,
+    _v13,
+)
 
 # The same schema on PostgreSQL (docs/scale-out.md): SQLite's v6 tables and columns with
 # PostgreSQL's types. The library's full-text index is the column `library.search` (a tsvector
@@ -632,7 +666,39 @@ def _pg_v8(conn: Connection) -> None:
     _fill_words(conn)
 
 
-PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2, _v8, _v9, _pg_v3, _v11, _pg_v7, _pg_v8)
+# SQLite's v13 on PostgreSQL: the words are folded in Python (`labels.search_words`), so
+# `unaccent` no longer takes part (it spelled out `Æ` and `ß` on this backend only), and the
+# parser meets nothing but words of letters and digits one space apart (it read a file name
+# such as `Film.1080p.x264` as one word, so no word of it was found). The extension stays.
+PG_SCHEMA_V9 = """
+CREATE OR REPLACE FUNCTION library_search() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.search := to_tsvector('simple', NEW.words);
+    RETURN NEW;
+END $$;
+CREATE OR REPLACE FUNCTION fts_match(query TEXT) RETURNS tsquery LANGUAGE sql STABLE AS $$
+    SELECT to_tsquery('simple', regexp_replace(
+        replace(replace(query, ' ', '<->'), '*<->"', '* & "'), '"([^"]*)"\\*', '\\1:*', 'g'))
+$$;
+"""
+
+
+def _pg_v9(conn: Connection) -> None:
+    executescript_in_txn(conn, PG_SCHEMA_V9)
+    _fill_words(conn)
+
+
+PG_MIGRATIONS: Sequence[Migration] = (
+    _pg_v1,
+    _pg_v2,
+    _v8,
+    _v9,
+    _pg_v3,
+    _v11,
+    _pg_v7,
+    _pg_v8,
+    _pg_v9,
+)
 
 
 # -- state --------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ __all__ = [
     "LABEL_KEYS",
     "SIDECARS",
     "file_name",
+    "fold",
     "kind",
     "label",
     "search_phrases",
@@ -122,17 +123,62 @@ UNSPACED = re.compile(
 )
 
 
+# Marks a reader of the script leaves out when typing, removed from what is indexed and from
+# what is typed alike, so the search ignores them: the accents of Latin, Greek and Cyrillic
+# letters (after NFKD: `é` is `e` and U+0301), Hebrew points and cantillation, Arabic harakat and
+# the tatweel that only stretches a word. The marks that make a letter of other scripts (an
+# Indic vowel sign, a kana's voicing mark) stay part of their word.
+DIACRITICS = re.compile(
+    "[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f"
+    "\u0591-\u05bd\u05bf\u05c1\u05c2\u05c4\u05c5\u05c7"
+    "\u0610-\u061a\u0640\u064b-\u065f\u0670\u06d6-\u06dc\u06df-\u06e4\u06e7\u06e8\u06ea-\u06ed]"
+)
+# The vulgar fractions, which NFKC writes as digits (`½` is `1⁄2`) that would join the number
+# before them: `9½` is read as `9 1/2` is, not as `91 2`.
+FRACTIONS = re.compile("[\u00bc-\u00be\u2150-\u215f\u2189]")
+# Letters no decomposition takes an accent off, written as a reader without them types them
+# (as PostgreSQL's `unaccent` does): `Søren` is found by `soren`, `Łódź` by `lodz`.
+LETTERS = str.maketrans(
+    {
+        "æ": "ae",
+        "œ": "oe",
+        "ø": "o",
+        "ł": "l",
+        "đ": "d",
+        "ð": "d",
+        "þ": "th",
+        "ı": "i",
+        "ħ": "h",
+        "ŧ": "t",
+    }
+)
+
+
+def fold(text: str) -> str:
+    """`text` as the search compares it: its compatibility form (NFKC: fullwidth `ＡＢＣ` is
+    `ABC`, `²` is `2`, a decomposed `é` as macOS writes names is one letter; `9½` is `9 1⁄2`),
+    case folded (`Straße` is `strasse`, `İ` is `i`), without `DIACRITICS`, with `LETTERS`
+    spelled out."""
+    spaced = FRACTIONS.sub(r" \g<0>", text)
+    decomposed = unicodedata.normalize("NFKD", unicodedata.normalize("NFKC", spaced).casefold())
+    return unicodedata.normalize("NFC", DIACRITICS.sub("", decomposed)).translate(LETTERS)
+
+
+def _words(text: str) -> list[str]:
+    """The words of `text` once folded: its runs of letters, marks and digits (Unicode's L*,
+    M* and N*); anything else (punctuation, `_`, symbols, emoji) parts words."""
+    return "".join(c if unicodedata.category(c)[0] in "LMN" else " " for c in fold(text)).split()
+
+
 def search_words(text: str) -> str:
-    """What the library's full-text index holds of a title or a file name: `text` in its
-    compatibility form (NFKC: fullwidth `ＡＢＣ` is `ABC`, `²` is `2`, a decomposed `é` as
-    macOS writes names is one letter), with each character of an unspaced script a word."""
-    return UNSPACED.sub(r" \g<0> ", unicodedata.normalize("NFKC", text))
+    """What the library's full-text index holds of a title or a file name: the words of `text`
+    as the search compares them (`fold`), one space apart, with each character of an unspaced
+    script a word. Both backends only split it at its spaces (SQLite's `ascii` tokenizer,
+    PostgreSQL's parser of words of letters and digits), so they find the same rows."""
+    return " ".join(word for phrase in search_phrases(text) for word in phrase)
 
 
 def search_phrases(text: str) -> list[list[str]]:
     """What a person typed as the index reads it: each word of `text` (read as `search_words`
     does) as the phrase of its index words, in order (`進撃の巨人` is 進 撃 の 巨 人)."""
-    return [
-        search_words(word).split()
-        for word in re.findall(r"\w+", unicodedata.normalize("NFKC", text))
-    ]
+    return [UNSPACED.sub(r" \g<0> ", word).split() for word in _words(text)]

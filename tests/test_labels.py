@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import unicodedata
 
+import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from metanode import labels
+from tests.helpers.search import TYPED
 
 # characters of unspaced scripts (ideographs, kana, Hangul), and some of a spaced one
 UNSPACED = st.sampled_from("進撃の巨人千と尋神隠しカタナ진격의거인")
@@ -35,16 +37,69 @@ def test_any_run_inside_an_unspaced_title_is_a_phrase_of_its_words(
 
 @given(st.text(st.one_of(UNSPACED, SPACED), max_size=20))
 def test_the_words_of_a_text_are_its_words_with_unspaced_characters_apart(text: str) -> None:
-    """Nothing but spaces is added, every unspaced character stands alone, and a search for
-    the text itself is what the index holds of it."""
+    """Nothing but spaces is added to the folded text, every unspaced character stands alone,
+    and a search for the text itself is what the index holds of it."""
     words = labels.search_words(text)
-    assert words.replace(" ", "") == unicodedata.normalize("NFKC", text).replace(" ", "")
+    assert words.replace(" ", "") == labels.fold(text).replace(" ", "")
     assert all(len(w) == 1 for w in words.split() if labels.UNSPACED.search(w))
-    assert [w for p in labels.search_phrases(text) for w in p] == [
-        w for w in words.split() if w.isalnum()
-    ]
+    assert [w for p in labels.search_phrases(text) for w in p] == words.split()
+
+
+@given(TYPED)
+def test_the_words_are_letters_marks_and_digits_one_space_apart_and_stay_so(text: str) -> None:
+    """Whatever is typed, the words hold no character of FTS5's or tsquery's syntax (both
+    backends only split them at their spaces), and folding them again changes nothing: the
+    index and a search for what it holds agree."""
+    words = labels.search_words(text)
+    assert all(unicodedata.category(c)[0] in "LMN" or c == " " for c in words)
+    assert "  " not in words and words == words.strip()
+    assert labels.search_words(words) == words
+
+
+LATIN = st.text(st.sampled_from("aeiouAEIOUnNcCsSyY ßẞæÆøØłŁđĐþÞıİ"), max_size=16)
+ACCENTS = st.sampled_from(["\u0301", "\u0300", "\u0302", "\u0308", "\u030c", "\u0327", "\u0303"])
+
+
+@given(LATIN, st.lists(ACCENTS, max_size=16))
+def test_case_and_accents_make_no_difference(text: str, accents: list[str]) -> None:
+    """A title typed in another case, or without (or with other) accents, is the same words:
+    `AMELIE` finds `Amélie`, `strasse` `Straße`, `soren` `Søren`, `istanbul` `İstanbul`."""
+    accented = "".join(c + (accents[i] if i < len(accents) else "") for i, c in enumerate(text))
+    words = labels.search_words(text)
+    assert labels.search_words(accented) == words
+    assert labels.search_words(text.upper()) == labels.search_words(text.lower()) == words
+
+
+@pytest.mark.parametrize(
+    ("typed", "title"),
+    [
+        ("amelie", "Amélie"),
+        ("strasse", "Straße"),
+        ("istanbul", "İstanbul"),
+        ("soren lodz aeon oedipus thor", "Søren Łódź Æon Œdipus Þór"),
+        ("ελληνικα οδυσσεια", "Ελληνικά Ὀδύσσεια"),
+        ("елки", "Ёлки"),
+        ("كتاب", "كِتَابٌ"),  # harakat
+        ("שלום", "שָׁלוֹם"),  # niqqud
+        ("wall e", "WALL·E"),
+        ("film 1080p x264", "Film.1080p.x264"),
+        ("my file", "my_file"),
+        ("9 1 2", "9½"),
+    ],
+)
+def test_a_title_is_found_by_what_a_reader_without_its_accents_types(
+    typed: str, title: str
+) -> None:
+    assert labels.search_words(typed) == labels.search_words(title)
 
 
 def test_fullwidth_and_composed_forms_are_read_as_what_they_are() -> None:
-    assert labels.search_words("ＡＢＣ² Ame\u0301lie") == "ABC2 Am\u00e9lie"
-    assert labels.search_phrases("ｍｕｒ,Ame\u0301lie") == [["mur"], ["Am\u00e9lie"]]
+    assert labels.search_words("ＡＢＣ² Ame\u0301lie") == "abc2 amelie"
+    assert labels.search_phrases("ｍｕｒ,Ame\u0301lie") == [["mur"], ["amelie"]]
+
+
+def test_the_marks_that_make_a_letter_stay_in_its_word() -> None:
+    """An Indic vowel sign or virama, a kana's voicing mark: part of the word (a search for
+    `हिन्दी` is that one word, not `ह`, `न` and `द` anywhere)."""
+    assert labels.search_phrases("हिन्दी") == [["हिन्दी"]]
+    assert labels.search_words("ガンダム") == "ガ ン ダ ム"
