@@ -1998,14 +1998,18 @@ def hash_ids(conn: Connection, after: str, limit: int) -> list[str]:
 
 _LIBRARY_COLUMNS = "l.rid, l.title, l.name, l.year, l.type, l.files"
 NEWEST = "~"  # above every rid: the `before` of the first page
+SEARCH_WORDS = 64  # the words of a search that are asked (`fts_query`)
 
 
 def fts_query(text: str) -> str:
     """The FTS5 query of what a person typed: every word, as a prefix, all of them required;
     a word of an unspaced script the phrase of its characters (`labels.search_phrases`, read
     as the index holds the titles: `search_words`). Words are quoted, so no input is FTS5
-    syntax (an operator or a stray quote cannot fail)."""
-    return " ".join(f'"{" ".join(words)}"*' for words in labels.search_phrases(text) if words)
+    syntax (an operator or a stray quote cannot fail). A word typed twice is asked once, and
+    only the first `SEARCH_WORDS` are asked: a pasted page of 30,000 words took a second on
+    SQLite and exceeded PostgreSQL's stack depth (a 500), where 64 words find what they find."""
+    phrases = dict.fromkeys(" ".join(words) for words in labels.search_phrases(text))
+    return " ".join(f'"{phrase}"*' for phrase in list(phrases)[:SEARCH_WORDS])
 
 
 def library_query(match: str, kind: str, held: bool | None, sidecars: bool, newer: bool) -> str:

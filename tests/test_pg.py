@@ -1394,6 +1394,27 @@ def test_the_library_search_finds_what_a_person_types(tmp_path: Path, storage: s
             assert found == expected, text
 
 
+@pytest.mark.both_backends
+def test_a_search_of_a_pasted_page_asks_its_first_distinct_words(
+    tmp_path: Path, storage: str
+) -> None:
+    """30,000 distinct words exceeded PostgreSQL's stack depth (a 500) and took a second on
+    SQLite; a word typed again and again was asked each time. The first 64 distinct words are
+    asked, each once."""
+    rows = {"01A": {"title": "The Lord of the Rings"}, "01B": {"title": "The Two Towers"}}
+    pasted = " ".join(f"w{i}" for i in range(30_000))
+    with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+
+        def found(text: str) -> list[str]:
+            return [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+
+        assert found(pasted) == [] and found(f"lord {pasted}") == []
+        assert found("the " * 5000) == ["01B", "01A"]
+        assert found("lord " + "the " * 5000) == ["01A"]
+    assert cache.fts_query("the the lord " * 100 + pasted).count('"*') == cache.SEARCH_WORDS
+
+
 @settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
