@@ -113,12 +113,14 @@ def _is_number(text: str) -> bool:
 
 
 # The characters of scripts written without spaces between words: Hangul, the kana, Bopomofo and
-# the CJK ideographs (with their extensions and compatibility forms). A full-text tokenizer
-# (SQLite's unicode61, PostgreSQL's parser) reads a run of them as one word, so `巨人` inside
-# `進撃の巨人` was never found; each is made a word of its own, and a search for several is
-# the phrase of them, in order: a substring of the title, as a reader of these scripts means.
+# the CJK ideographs (with their extensions and compatibility forms); Thai, Lao, Khmer and
+# Myanmar. A full-text tokenizer (SQLite's unicode61, PostgreSQL's parser) reads a run of them
+# as one word, so `巨人` inside `進撃の巨人` (or `ไทย` inside `ภาพยนตร์ไทย`) was never found; each
+# is made a word of its own, and a search for several is the phrase of them, in order: a
+# substring of the title, as a reader of these scripts means.
 UNSPACED = re.compile(
-    "[\u1100-\u11ff\u3040-\u30ff\u3100-\u312f\u3130-\u318f\u31a0-\u31ff"
+    "[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u19e0-\u19ff"
+    "\u1100-\u11ff\u3040-\u30ff\u3100-\u312f\u3130-\u318f\u31a0-\u31ff"
     "\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff\U00020000-\U0003134f]"
 )
 

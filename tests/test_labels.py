@@ -14,7 +14,7 @@ from metanode import labels
 from tests.helpers.search import TYPED
 
 # characters of unspaced scripts (ideographs, kana, Hangul), and some of a spaced one
-UNSPACED = st.sampled_from("進撃の巨人千と尋神隠しカタナ진격의거인")
+UNSPACED = st.sampled_from("進撃の巨人千と尋神隠しカタナ진격의거인ภาพยนตร์ไทยພາສາລາວភាសាខ្មែរမြန်မာ")
 SPACED = st.sampled_from("ab é")
 
 

@@ -1344,6 +1344,7 @@ SHELF = {
     "01R": "שָׁלוֹם",
     "01S": "हिन्दी फ़िल्म",
     "01T": "🎄 Christmas",
+    "01U": "ภาพยนตร์ไทย",
 }
 TYPED_AND_FOUND = (
     ("amelie", ["01A"]),
@@ -1370,6 +1371,8 @@ TYPED_AND_FOUND = (
     ("שלום", ["01R"]),  # without its niqqud
     ("फ़िल्म", ["01S"]),
     ("christmas", ["01T"]),
+    ("ไทย", ["01U"]),  # Thai, written without spaces: a run inside a title
+    ("ยนตร์", ["01U"]),
     # a query language's operators and quotes are words or nothing, never its syntax
     ('"lord of', ["01C"]),
     ("lord -rings", ["01C"]),
