@@ -667,18 +667,25 @@ def _pg_v8(conn: Connection) -> None:
 
 
 # SQLite's v13 on PostgreSQL: the words are folded in Python (`labels.search_words`), so
-# `unaccent` no longer takes part (it spelled out `Æ` and `ß` on this backend only), and the
-# parser meets nothing but words of letters and digits one space apart (it read a file name
-# such as `Film.1080p.x264` as one word, so no word of it was found). The extension stays.
+# `unaccent` no longer takes part (it spelled out `Æ` and `ß` on this backend only), and no
+# parser reads them: the tsvector is `library.words` as they are, each word at its position
+# (`'film':1 '1080p':2 …`), and the query the tsquery of the same words (`'巨' <-> '人':*`).
+# The parser read a file name such as `Film.1080p.x264` as one word, and what it takes for a
+# letter is the database's locale's (in `C.UTF-8` a Thai vowel sign is none): the index was
+# not SQLite's. A word holds no quote, space or control character (`labels`). The extension
+# stays.
 PG_SCHEMA_V9 = """
 CREATE OR REPLACE FUNCTION library_search() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    NEW.search := to_tsvector('simple', NEW.words);
+    NEW.search := CAST(coalesce((
+        SELECT string_agg('''' || w || ''':' || i, ' ')
+        FROM unnest(string_to_array(NEW.words, ' ')) WITH ORDINALITY AS t(w, i)
+    ), '') AS tsvector);
     RETURN NEW;
 END $$;
-CREATE OR REPLACE FUNCTION fts_match(query TEXT) RETURNS tsquery LANGUAGE sql STABLE AS $$
-    SELECT to_tsquery('simple', regexp_replace(
-        replace(replace(query, ' ', '<->'), '*<->"', '* & "'), '"([^"]*)"\\*', '\\1:*', 'g'))
+CREATE OR REPLACE FUNCTION fts_match(query TEXT) RETURNS tsquery LANGUAGE sql IMMUTABLE AS $$
+    SELECT CAST('''' || replace(replace(regexp_replace(replace(query, '"* "', chr(1)),
+        '^"|"\\*$', '', 'g'), ' ', ''' <-> '''), chr(1), ''':* & ''') || ''':*' AS tsquery)
 $$;
 """
 

@@ -135,6 +135,9 @@ DIACRITICS = re.compile(
     "\u0591-\u05bd\u05bf\u05c1\u05c2\u05c4\u05c5\u05c7"
     "\u0610-\u061a\u0640\u064b-\u065f\u0670\u06d6-\u06dc\u06df-\u06e4\u06e7\u06e8\u06ea-\u06ed]"
 )
+# The longest word the index holds, in characters (a longer one is its first `WORD_CHARS`):
+# PostgreSQL refuses a word of over 2,046 bytes in a tsvector or tsquery.
+WORD_CHARS = 255
 # The vulgar fractions, which NFKC writes as digits (`½` is `1⁄2`) that would join the number
 # before them: `9½` is read as `9 1/2` is, not as `91 2`.
 FRACTIONS = re.compile("[\u00bc-\u00be\u2150-\u215f\u2189]")
@@ -172,15 +175,32 @@ def _words(text: str) -> list[str]:
     return "".join(c if unicodedata.category(c)[0] in "LMN" else " " for c in fold(text)).split()
 
 
+def _apart(word: str) -> list[str]:
+    """The index words of one word: each character of an unspaced script a word of its own,
+    with the marks that follow it (Thai `ร์` is one: a mark alone is no word a reader types,
+    nor one every PostgreSQL locale reads as a letter); the runs between them as they are; each
+    at most `WORD_CHARS` long."""
+    parts: list[str] = []
+    alone = False  # whether the last part is a character of an unspaced script
+    for char in word:
+        mark = unicodedata.category(char)[0] == "M"
+        if parts and ((mark and alone) or (not alone and not UNSPACED.match(char))):
+            parts[-1] += char
+        else:
+            parts.append(char)
+            alone = bool(UNSPACED.match(char))
+    return [part[:WORD_CHARS] for part in parts]
+
+
 def search_words(text: str) -> str:
     """What the library's full-text index holds of a title or a file name: the words of `text`
     as the search compares them (`fold`), one space apart, with each character of an unspaced
-    script a word. Both backends only split it at its spaces (SQLite's `ascii` tokenizer,
-    PostgreSQL's parser of words of letters and digits), so they find the same rows."""
+    script a word. Both backends only split it at its spaces (SQLite's `ascii` tokenizer;
+    PostgreSQL's tsvector is made of them as they are, no parser), so they find the same rows."""
     return " ".join(word for phrase in search_phrases(text) for word in phrase)
 
 
 def search_phrases(text: str) -> list[list[str]]:
     """What a person typed as the index reads it: each word of `text` (read as `search_words`
     does) as the phrase of its index words, in order (`進撃の巨人` is 進 撃 の 巨 人)."""
-    return [UNSPACED.sub(r" \g<0> ", word).split() for word in _words(text)]
+    return [_apart(word) for word in _words(text)]

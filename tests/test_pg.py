@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -1418,6 +1419,37 @@ def test_a_search_of_a_pasted_page_asks_its_first_distinct_words(
     assert cache.fts_query("the the lord " * 100 + pasted).count('"*') == cache.SEARCH_WORDS
 
 
+_LOCALE_DATABASES = itertools.count()
+
+
+@pytest.fixture(params=["C", "C.UTF-8"])
+def locale_dsn(postgres: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A database of the locale `request.param`: PostgreSQL's parser took for a letter what
+    the locale said is one (in `C.UTF-8` a Thai vowel sign, an emoji are none; the tests'
+    cluster is `--no-locale`, C, where every character outside ASCII is a letter)."""
+    name = f"locale{next(_LOCALE_DATABASES)}"
+    locale = request.param
+    try:
+        postgres.sql(
+            f"CREATE DATABASE {name} TEMPLATE template0 LC_CTYPE '{locale}' LC_COLLATE '{locale}'"
+        )
+    except Exception as exc:  # the machine has no such locale
+        pytest.skip(f"no database of locale {locale}: {exc}")
+    dsn = postgres.dsn(name)
+    yield dsn
+    postgres.drop(dsn)
+
+
+def test_the_search_finds_the_same_whatever_the_databases_locale(locale_dsn: str) -> None:
+    """What a person types finds on a database of any locale what it finds on SQLite."""
+    rows = {rid: {"title": title} for rid, title in SHELF.items()}
+    with cache.CacheStore(pg.Target(locale_dsn, "cache")) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+        for text, expected in TYPED_AND_FOUND:
+            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            assert found == expected, text
+
+
 @settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -1427,7 +1459,7 @@ def test_a_search_of_a_pasted_page_asks_its_first_distinct_words(
     data=st.data(),
 )
 def test_both_backends_find_the_same_records_for_any_search(
-    tmp_path: Path, dsn: str, titles: list[str], typed: str, data: st.DataObject
+    tmp_path: Path, locale_dsn: str, titles: list[str], typed: str, data: st.DataObject
 ) -> None:
     """Whatever the titles and whatever is typed, SQLite and PostgreSQL find the same records
     (or none), never fail, and a title is found by any prefix of its text."""
@@ -1435,7 +1467,7 @@ def test_both_backends_find_the_same_records_for_any_search(
     title = data.draw(st.sampled_from(titles))
     prefix = title[: data.draw(st.integers(0, len(title)))]
     found = []
-    for target in (tmp_path / "cache.db", pg.Target(dsn, "cache")):
+    for target in (tmp_path / "cache.db", pg.Target(locale_dsn, "cache")):
         with cache.CacheStore(target) as store:
 
             def fill(conn: db.Connection) -> None:
