@@ -128,12 +128,14 @@ UNSPACED = re.compile(
 # Marks a reader of the script leaves out when typing, removed from what is indexed and from
 # what is typed alike, so the search ignores them: the accents of Latin, Greek and Cyrillic
 # letters (after NFKD: `é` is `e` and U+0301), Hebrew points and cantillation, Arabic harakat and
-# the tatweel that only stretches a word. The marks that make a letter of other scripts (an
-# Indic vowel sign, a kana's voicing mark) stay part of their word.
+# the tatweel that only stretches a word; the variation selectors and skin tones of an emoji
+# (`❤️` is `❤`). The marks that make a letter of other scripts (an Indic vowel sign, a kana's
+# voicing mark) stay part of their word.
 DIACRITICS = re.compile(
     "[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f"
     "\u0591-\u05bd\u05bf\u05c1\u05c2\u05c4\u05c5\u05c7"
-    "\u0610-\u061a\u0640\u064b-\u065f\u0670\u06d6-\u06dc\u06df-\u06e4\u06e7\u06e8\u06ea-\u06ed]"
+    "\u0610-\u061a\u0640\u064b-\u065f\u0670\u06d6-\u06dc\u06df-\u06e4\u06e7\u06e8\u06ea-\u06ed"
+    "\ufe00-\ufe0f\U000e0100-\U000e01ef\U0001f3fb-\U0001f3ff]"
 )
 # The longest word the index holds, in characters (a longer one is its first `WORD_CHARS`):
 # PostgreSQL refuses a word of over 2,046 bytes in a tsvector or tsquery.
@@ -170,25 +172,36 @@ def fold(text: str) -> str:
 
 
 def _words(text: str) -> list[str]:
-    """The words of `text` once folded: its runs of letters, marks and digits (Unicode's L*,
-    M* and N*); anything else (punctuation, `_`, symbols, emoji) parts words."""
-    return "".join(c if unicodedata.category(c)[0] in "LMN" else " " for c in fold(text)).split()
+    """The words of `text` once folded: its runs of letters, marks, digits and symbols
+    (Unicode's L*, M*, N* and So: emoji, `★`, `♪`); anything else (punctuation, `_`, math and
+    currency signs, the joiner of an emoji sequence) parts words."""
+    return "".join(c if _in_word(c) else " " for c in fold(text)).split()
+
+
+def _in_word(char: str) -> bool:
+    category = unicodedata.category(char)
+    return category[0] in "LMN" or category == "So"
+
+
+def _alone(char: str) -> bool:
+    """Whether `char` is a word of its own: a character of an unspaced script, or a symbol
+    (`🎄christmas` is the words 🎄 and christmas, a flag 🇫🇷 the phrase of its two letters)."""
+    return bool(UNSPACED.match(char)) or unicodedata.category(char) == "So"
 
 
 def _apart(word: str) -> list[str]:
-    """The index words of one word: each character of an unspaced script a word of its own,
-    with the marks that follow it (Thai `ร์` is one: a mark alone is no word a reader types,
-    nor one every PostgreSQL locale reads as a letter); the runs between them as they are; each
-    at most `WORD_CHARS` long."""
+    """The index words of one word: each character that is a word `_alone` a word of its own,
+    with the marks that follow it (Thai `ร์` is one: a mark alone is no word a reader types);
+    the runs between them as they are; each at most `WORD_CHARS` long."""
     parts: list[str] = []
-    alone = False  # whether the last part is a character of an unspaced script
+    alone = False  # whether the last part is a character that is a word alone
     for char in word:
         mark = unicodedata.category(char)[0] == "M"
-        if parts and ((mark and alone) or (not alone and not UNSPACED.match(char))):
+        if parts and ((mark and alone) or (not alone and not _alone(char))):
             parts[-1] += char
         else:
             parts.append(char)
-            alone = bool(UNSPACED.match(char))
+            alone = _alone(char)
     return [part[:WORD_CHARS] for part in parts]
 
 

@@ -65,7 +65,10 @@ def test_the_words_are_letters_marks_and_digits_one_space_apart_and_stay_so(text
     backends only split them at their spaces), and folding them again changes nothing: the
     index and a search for what it holds agree."""
     words = labels.search_words(text)
-    assert all(unicodedata.category(c)[0] in "LMN" or c == " " for c in words)
+    assert all(
+        unicodedata.category(c)[0] in "LMN" or unicodedata.category(c) == "So" or c == " "
+        for c in words
+    )
     assert "  " not in words and words == words.strip()
     assert labels.search_words(words) == words
 
@@ -118,6 +121,16 @@ def test_a_word_is_at_most_word_chars_long() -> None:
     long = "\U0001d400" * 3000  # 4 bytes each in UTF-8: MATHEMATICAL BOLD CAPITAL A, `a`
     assert labels.search_words(long) == "a" * labels.WORD_CHARS
     assert labels.search_phrases("巨" + long) == [["巨", "a" * labels.WORD_CHARS]]
+
+
+def test_an_emoji_or_a_symbol_is_a_word_of_its_own() -> None:
+    """They were no words: `🎄` found nothing. A heart is the same with or without its
+    variation selector, a hand whatever its skin tone; a flag is the phrase of its letters."""
+    assert labels.search_words("🎄Christmas ★") == "🎄 christmas ★"
+    assert labels.search_words("I ❤️ NY") == labels.search_words("i ❤ ny") == "i ❤ ny"
+    assert labels.search_words("👋🏽") == "👋"
+    assert labels.search_phrases("🇫🇷 1️⃣") == [["\U0001f1eb", "\U0001f1f7"], ["1"]]
+    assert labels.search_phrases("👨\u200d👩\u200d👧") == [["👨"], ["👩"], ["👧"]]
 
 
 def test_the_marks_that_make_a_letter_stay_in_its_word() -> None:

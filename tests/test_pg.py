@@ -1381,7 +1381,8 @@ TYPED_AND_FOUND = (
     ("NEAR(lord rings)", []),
     ('"', []),
     ("*", []),
-    ("🎄", []),  # emoji are no words
+    ("🎄", ["01T"]),  # an emoji is a word
+    ("🎄christmas", ["01T"]),
 )
 
 
