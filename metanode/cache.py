@@ -1010,9 +1010,10 @@ def _library_upsert(words: bool) -> str:
 
 
 def library_words(row: LibraryRow) -> str:
-    """What the full-text index holds of a library row: its title and file name as
-    `labels.search_words` writes them."""
-    return labels.search_words(f"{row.title} {row.name}")
+    """What the full-text index holds of a library row: its title, file name and year (the
+    list shows it beside the title, so `dune 2021` finds `Dune` of 2021 whatever its file is
+    called) as `labels.search_words` writes them."""
+    return labels.search_words(f"{row.title} {row.name} {row.year}")
 
 
 def group_parts(

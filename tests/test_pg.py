@@ -1347,7 +1347,16 @@ SHELF = {
     "01T": "🎄 Christmas",
     "01U": "ภาพยนตร์ไทย",
 }
+
+
+def shelf() -> dict[str, dict[str, str]]:
+    """`SHELF`'s records, and one whose year only its `year` says."""
+    return {**{rid: {"title": title} for rid, title in SHELF.items()}, "01V": DUNE}
+
+
+DUNE = {"title": "Dune", "year": "2021", "filePath": "/m/dune.mkv"}
 TYPED_AND_FOUND = (
+    ("dune 2021", ["01V"]),  # the year listed beside the title
     ("amelie", ["01A"]),
     ("AMÉLIE", ["01A"]),
     ("spider man", ["01B"]),
@@ -1391,7 +1400,7 @@ def test_the_library_search_finds_what_a_person_types(tmp_path: Path, storage: s
     """Case, accents (Latin, Greek, Cyrillic; Arabic harakat, Hebrew niqqud), `ß` and the
     letters `unaccent` spells out make no difference, punctuation parts words (a file name's
     dots too), and no operator or stray quote is an error, on either backend alike."""
-    rows = {rid: {"title": title} for rid, title in SHELF.items()}
+    rows = shelf()
     with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
         store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
         for text, expected in TYPED_AND_FOUND:
@@ -1458,7 +1467,7 @@ def locale_dsn(postgres: Cluster, request: pytest.FixtureRequest) -> Iterator[st
 
 def test_the_search_finds_the_same_whatever_the_databases_locale(locale_dsn: str) -> None:
     """What a person types finds on a database of any locale what it finds on SQLite."""
-    rows = {rid: {"title": title} for rid, title in SHELF.items()}
+    rows = shelf()
     with cache.CacheStore(pg.Target(locale_dsn, "cache")) as store:
         store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
         for text, expected in TYPED_AND_FOUND:
