@@ -137,6 +137,10 @@ DIACRITICS = re.compile(
     "\u0610-\u061a\u0640\u064b-\u065f\u0670\u06d6-\u06dc\u06df-\u06e4\u06e7\u06e8\u06ea-\u06ed"
     "\ufe00-\ufe0f\U000e0100-\U000e01ef\U0001f3fb-\U0001f3ff]"
 )
+# The punctuation inside a word made of parts, `Spider-Man`, `WALL·E`, `Schindler's`,
+# `M*A*S*H`, `S.H.I.E.L.D.`, `AC/DC`: the parts are words, and the index holds them run
+# together too (`spiderman`, `walle`, `schindlers`, `mash`), as a reader may type them.
+JOINERS = frozenset("-\u2010\u2011'\u2019\u00b7.*/")
 # The longest word the index holds, in characters (a longer one is its first `WORD_CHARS`):
 # PostgreSQL refuses a word of over 2,046 bytes in a tsvector or tsquery.
 WORD_CHARS = 255
@@ -205,12 +209,27 @@ def _apart(word: str) -> list[str]:
     return [part[:WORD_CHARS] for part in parts]
 
 
+def _compounds(text: str) -> list[str]:
+    """The words of `text` whose parts only `JOINERS` part, run together (`spiderman`; the
+    punctuation around a word, `Spider-Man:`, is none of it)."""
+    compounds = []
+    for chunk in fold(text).split():
+        parts = _words(chunk)
+        inside = [i for i, c in enumerate(chunk) if _in_word(c)]
+        joined = inside and all(_in_word(c) or c in JOINERS for c in chunk[inside[0] : inside[-1]])
+        if len(parts) > 1 and joined and not any(_alone(c) for c in chunk):
+            compounds.append("".join(parts)[:WORD_CHARS])
+    return compounds
+
+
 def search_words(text: str) -> str:
     """What the library's full-text index holds of a title or a file name: the words of `text`
     as the search compares them (`fold`), one space apart, with each character of an unspaced
-    script a word. Both backends only split it at its spaces (SQLite's `ascii` tokenizer;
-    PostgreSQL's tsvector is made of them as they are, no parser), so they find the same rows."""
-    return " ".join(word for phrase in search_phrases(text) for word in phrase)
+    script a word; then its `_compounds`. Both backends only split it at its spaces (SQLite's
+    `ascii` tokenizer; PostgreSQL's tsvector is made of them as they are, no parser), so they
+    find the same rows."""
+    words = [word for phrase in search_phrases(text) for word in phrase]
+    return " ".join(words + _compounds(text))
 
 
 def search_phrases(text: str) -> list[list[str]]:

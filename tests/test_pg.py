@@ -1361,6 +1361,9 @@ TYPED_AND_FOUND = (
     ("AMÉLIE", ["01A"]),
     ("spider man", ["01B"]),
     ("spider-man", ["01B"]),
+    ("spiderman", ["01B"]),  # its parts run together
+    ("walle", ["01M"]),
+    ("mash", ["01H"]),
     ("lord of the ri", ["01C"]),
     ("2002", ["01C"]),
     ("strasse", ["01D"]),
