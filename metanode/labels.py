@@ -194,10 +194,14 @@ def _shape(char: str) -> str:
 
 class _Shapes(dict[int, str]):
     """`_shape` of each code point, worked out the first time it is seen: `str.translate`
-    reads a text's shapes at C speed (per character in Python, a title cost 300 µs)."""
+    reads a text's shapes at C speed (per character in Python, a title cost 300 µs). Kept
+    for planes 0 to 2 only (at most 196,608 entries, ≈ 13 MB), so that titles made of every
+    code point there is cannot make it hold the 1.1 million."""
 
     def __missing__(self, point: int) -> str:
-        shape = self[point] = _shape(chr(point))
+        shape = _shape(chr(point))
+        if point < 0x30000:
+            self[point] = shape
         return shape
 
 
