@@ -140,6 +140,17 @@ def test_an_emoji_or_a_symbol_is_a_word_of_its_own() -> None:
     assert labels.search_phrases("👨\u200d👩\u200d👧") == [["👨"], ["👩"], ["👧"]]
 
 
+def test_a_word_of_few_parts_or_of_letters_is_also_indexed_run_together() -> None:
+    """`spiderman` finds `Spider-Man`, `shield` `S.H.I.E.L.D.`; a file name's dotted run is
+    no such word (run together it is one no one types, one a file)."""
+    assert labels.search_words("Spider-Man: No Way Home") == "spider man no way home spiderman"
+    assert labels.search_words("S.H.I.E.L.D.") == "s h i e l d shield"
+    assert labels.search_words("Jay-Z's A.C/D.C") == "jay z s a c d c jayzs acdc"
+    assert labels.search_words("The.Movie.2001.1080p.x264-GRP.mkv") == (
+        "the movie 2001 1080p x264 grp mkv"
+    )
+
+
 def test_the_marks_that_make_a_letter_stay_in_its_word() -> None:
     """An Indic vowel sign or virama, a kana's voicing mark: part of the word (a search for
     `हिन्दी` is that one word, not `ह`, `न` and `द` anywhere)."""
