@@ -186,10 +186,10 @@ def _shape(char: str) -> str:
     category = unicodedata.category(char)
     if category[0] == "M":
         return "m"
-    if category == "So" or UNSPACED.match(char):
-        return "a"
     if category[0] in "LN":
-        return "w"
+        return "a" if UNSPACED.match(char) else "w"
+    if category == "So":
+        return "a"
     return "j" if char in JOINERS else " "
 
 
