@@ -362,7 +362,7 @@ ALTER TABLE library ADD COLUMN words TEXT NOT NULL DEFAULT '';
 """
 _LIBRARY_FTS = """
 CREATE VIRTUAL TABLE library_fts USING fts5(
-    words, content='library', content_rowid='id', tokenize='unicode61 remove_diacritics 2'
+    words, content='library', content_rowid='id', tokenize='{tokenizer}'
 );
 CREATE TRIGGER library_added AFTER INSERT ON library BEGIN
     INSERT INTO library_fts (rowid, words) VALUES (new.id, new.words);
@@ -382,7 +382,27 @@ INSERT INTO library_fts (library_fts) VALUES ('rebuild');
 def _v12(conn: Connection) -> None:
     executescript_in_txn(conn, _LIBRARY_FTS_DROPPED)
     _fill_words(conn)
-    executescript_in_txn(conn, _LIBRARY_FTS)
+    executescript_in_txn(conn, _LIBRARY_FTS.format(tokenizer="unicode61 remove_diacritics 2"))
+
+
+# Schema v13: `library.words` are the folded words of `labels.search_words` (case, accents and
+# punctuation taken off in Python, the same for both backends), and the index only splits them
+# at their spaces (the `ascii` tokenizer: its one rule for a character outside ASCII is that it
+# belongs to a word). unicode61 kept its own rules: `strasse` missed `Straße`, `soren` `Søren`,
+# `ελληνικα` `Ελληνικά` and a vowelled Arabic or pointed Hebrew title its plain spelling, while
+# PostgreSQL's parser read `Film.1080p.x264` or `WALL·E` as one word: the backends disagreed.
+_LIBRARY_FTS_UNTOKENIZED = """
+DROP TRIGGER library_added;
+DROP TRIGGER library_removed;
+DROP TRIGGER library_changed;
+DROP TABLE library_fts;
+"""
+
+
+def _v13(conn: Connection) -> None:
+    executescript_in_txn(conn, _LIBRARY_FTS_UNTOKENIZED)
+    _fill_words(conn)
+    executescript_in_txn(conn, _LIBRARY_FTS.format(tokenizer="ascii"))
 
 
 def _fill_words(conn: Connection) -> None:
@@ -393,7 +413,21 @@ def _fill_words(conn: Connection) -> None:
     )
 
 
-MIGRATIONS: Sequence[Migration] = (_v1, _v2, _v3, _v4, _v5, _v6, _v7, _v8, _v9, _v10, _v11, _v12)
+MIGRATIONS: Sequence[Migration] = (
+    _v1,
+    _v2,
+    _v3,
+    _v4,
+    _v5,
+    _v6,
+    _v7,
+    _v8,
+    _v9,
+    _v10,
+    _v11,
+    _v12,
+    _v13,
+)
 
 # The same schema on PostgreSQL (docs/scale-out.md): SQLite's v6 tables and columns with
 # PostgreSQL's types. The library's full-text index is the column `library.search` (a tsvector
@@ -632,7 +666,46 @@ def _pg_v8(conn: Connection) -> None:
     _fill_words(conn)
 
 
-PG_MIGRATIONS: Sequence[Migration] = (_pg_v1, _pg_v2, _v8, _v9, _pg_v3, _v11, _pg_v7, _pg_v8)
+# SQLite's v13 on PostgreSQL: the words are folded in Python (`labels.search_words`), so
+# `unaccent` no longer takes part (it spelled out `Æ` and `ß` on this backend only), and no
+# parser reads them: the tsvector is `library.words` as they are, each word at its position
+# (`'film':1 '1080p':2 …`), and the query the tsquery of the same words (`'巨' <-> '人':*`).
+# The parser read a file name such as `Film.1080p.x264` as one word, and what it takes for a
+# letter is the database's locale's (in `C.UTF-8` a Thai vowel sign is none): the index was
+# not SQLite's. A word holds no quote, space or control character (`labels`). The extension
+# stays.
+PG_SCHEMA_V9 = """
+CREATE OR REPLACE FUNCTION library_search() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.search := CAST(coalesce((
+        SELECT string_agg('''' || w || ''':' || i, ' ')
+        FROM unnest(string_to_array(NEW.words, ' ')) WITH ORDINALITY AS t(w, i)
+    ), '') AS tsvector);
+    RETURN NEW;
+END $$;
+CREATE OR REPLACE FUNCTION fts_match(query TEXT) RETURNS tsquery LANGUAGE sql IMMUTABLE AS $$
+    SELECT CAST('''' || replace(replace(regexp_replace(replace(query, '"* "', chr(1)),
+        '^"|"\\*$', '', 'g'), ' ', ''' <-> '''), chr(1), ''':* & ''') || ''':*' AS tsquery)
+$$;
+"""
+
+
+def _pg_v9(conn: Connection) -> None:
+    executescript_in_txn(conn, PG_SCHEMA_V9)
+    _fill_words(conn)
+
+
+PG_MIGRATIONS: Sequence[Migration] = (
+    _pg_v1,
+    _pg_v2,
+    _v8,
+    _v9,
+    _pg_v3,
+    _v11,
+    _pg_v7,
+    _pg_v8,
+    _pg_v9,
+)
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -937,9 +1010,10 @@ def _library_upsert(words: bool) -> str:
 
 
 def library_words(row: LibraryRow) -> str:
-    """What the full-text index holds of a library row: its title and file name as
-    `labels.search_words` writes them."""
-    return labels.search_words(f"{row.title} {row.name}")
+    """What the full-text index holds of a library row: its title, file name and year (the
+    list shows it beside the title, so `dune 2021` finds `Dune` of 2021 whatever its file is
+    called) as `labels.search_words` writes them."""
+    return labels.search_words(f"{row.title} {row.name} {row.year}")
 
 
 def group_parts(
@@ -1932,14 +2006,18 @@ def hash_ids(conn: Connection, after: str, limit: int) -> list[str]:
 
 _LIBRARY_COLUMNS = "l.rid, l.title, l.name, l.year, l.type, l.files"
 NEWEST = "~"  # above every rid: the `before` of the first page
+SEARCH_WORDS = 64  # the words of a search that are asked (`fts_query`)
 
 
 def fts_query(text: str) -> str:
     """The FTS5 query of what a person typed: every word, as a prefix, all of them required;
     a word of an unspaced script the phrase of its characters (`labels.search_phrases`, read
     as the index holds the titles: `search_words`). Words are quoted, so no input is FTS5
-    syntax (an operator or a stray quote cannot fail)."""
-    return " ".join(f'"{" ".join(words)}"*' for words in labels.search_phrases(text) if words)
+    syntax (an operator or a stray quote cannot fail). A word typed twice is asked once, and
+    only the first `SEARCH_WORDS` are asked: a pasted page of 30,000 words took a second on
+    SQLite and exceeded PostgreSQL's stack depth (a 500), where 64 words find what they find."""
+    phrases = dict.fromkeys(" ".join(words) for words in labels.search_phrases(text))
+    return " ".join(f'"{phrase}"*' for phrase in list(phrases)[:SEARCH_WORDS])
 
 
 def library_query(match: str, kind: str, held: bool | None, sidecars: bool, newer: bool) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -25,10 +26,10 @@ from typing import Any
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from metanode import applier, cache, claims, config, db, pg, plugins, truth
+from metanode import applier, cache, claims, config, db, labels, pg, plugins, truth
 from metanode import cid as cids
 from metanode import rid as rids
 from metanode.api import create_app
@@ -46,6 +47,7 @@ from tests.helpers.claims import NOW_MS, Signer, post, register
 from tests.helpers.feed import Replica, Stream, new_cid_claims
 from tests.helpers.plugins import claim, probe
 from tests.helpers.postgres import Cluster, start_cluster
+from tests.helpers.search import TITLE_CHARS, TYPED
 from tests.helpers.server import Server, free_port, plugins_server, wait_caught_up
 from tests.helpers.settings import settings_for
 from tests.helpers.wait import poll, until
@@ -1282,7 +1284,7 @@ def test_an_older_caches_titles_are_found_by_a_word_inside_them_once_migrated(
     settings = settings_for(tmp_path, storage=storage)
     target = db.target(settings.data_dir, settings.storage, "cache")
     migrations = cache.MIGRATIONS if storage == "sqlite" else cache.PG_MIGRATIONS
-    db.migrate_file(target, migrations[:-1])
+    db.migrate_file(target, migrations[: 11 if storage == "sqlite" else 7])
     rows = {"01A": {"title": "進撃の巨人", "filePath": "/m/a.mkv"}}
     conn = db.connect(target)
     try:
@@ -1293,6 +1295,223 @@ def test_an_older_caches_titles_are_found_by_a_word_inside_them_once_migrated(
         assert [row.rid for row in found] == ["01A"]
     finally:
         conn.close()
+
+
+@pytest.mark.both_backends
+def test_an_older_caches_words_are_folded_once_migrated(tmp_path: Path, storage: str) -> None:
+    """A cache whose index holds the words as schema v12 (PostgreSQL's v8) wrote them, each
+    backend splitting and folding them its own way (SQLite's `strasse` missed `Straße`,
+    PostgreSQL's `x264` a file named `Film.1080p.x264`), has them folded at its first open."""
+    settings = settings_for(tmp_path, storage=storage)
+    target = db.target(settings.data_dir, settings.storage, "cache")
+    migrations = cache.MIGRATIONS if storage == "sqlite" else cache.PG_MIGRATIONS
+    db.migrate_file(target, migrations[:-1])
+    rows = {"01A": {"title": "Straße"}, "01B": {"filePath": "/m/Film.1080p.x264.mkv"}}
+    conn = db.connect(target)
+
+    def found(text: str) -> list[str]:
+        return [row.rid for row in cache.library_page(conn, text, "", None, cache.NEWEST, 50)]
+
+    try:
+
+        def older(c: db.Connection) -> None:  # v12 wrote the title and name as they are
+            cache.index_library(c, list(rows), rows, {}, words=False)
+            c.execute("UPDATE library SET words = title || ' ' || name")
+
+        db.run_txn(conn, older)
+        assert found("strasse" if storage == "sqlite" else "x264") == []
+        assert db.migrate(conn, migrations) == len(migrations)
+        assert (found("strasse"), found("x264"), found("film 1080p")) == (["01A"], ["01B"], ["01B"])
+    finally:
+        conn.close()
+
+
+# Titles of a home library, and what a person types to find them.
+SHELF = {
+    "01A": "Amélie",
+    "01B": "Spider-Man: No Way Home",
+    "01C": "The Lord of the Rings: The Two Towers (2002)",
+    "01D": "Straße",
+    "01E": "İstanbul",
+    "01F": "Show S01E02",
+    "01G": "Film.1080p.x264",
+    "01H": "M*A*S*H",
+    "01J": "¡Three Amigos!",
+    "01K": "9½ Weeks",
+    "01M": "WALL·E",
+    "01N": "Søren Ærø Łódź Þór",
+    "01P": "Ελληνικά",
+    "01Q": "كِتَابٌ",
+    "01R": "שָׁלוֹם",
+    "01S": "हिन्दी फ़िल्म",
+    "01T": "🎄 Christmas",
+    "01U": "ภาพยนตร์ไทย",
+}
+
+
+def shelf() -> dict[str, dict[str, str]]:
+    """`SHELF`'s records, and one whose year only its `year` says."""
+    return {**{rid: {"title": title} for rid, title in SHELF.items()}, "01V": DUNE}
+
+
+DUNE = {"title": "Dune", "year": "2021", "filePath": "/m/dune.mkv"}
+TYPED_AND_FOUND = (
+    ("dune 2021", ["01V"]),  # the year listed beside the title
+    ("amelie", ["01A"]),
+    ("AMÉLIE", ["01A"]),
+    ("spider man", ["01B"]),
+    ("spider-man", ["01B"]),
+    ("spiderman", ["01B"]),  # its parts run together
+    ("walle", ["01M"]),
+    ("mash", ["01H"]),
+    ("lord of the ri", ["01C"]),
+    ("2002", ["01C"]),
+    ("strasse", ["01D"]),
+    ("STRASSE", ["01D"]),
+    ("istanbul", ["01E"]),
+    ("s01e02", ["01F"]),
+    ("1080p", ["01G"]),
+    ("x26", ["01G"]),
+    ("m*a*s*h", ["01H"]),
+    ("¡three amigos!", ["01J"]),
+    ("9 1/2", ["01K"]),
+    ("9½ weeks", ["01K"]),
+    ("wall e", ["01M"]),
+    ("wall·e", ["01M"]),
+    ("soren aero lodz thor", ["01N"]),
+    ("ελληνικα", ["01P"]),
+    ("كتاب", ["01Q"]),  # without its harakat
+    ("שלום", ["01R"]),  # without its niqqud
+    ("फ़िल्म", ["01S"]),
+    ("christmas", ["01T"]),
+    ("ไทย", ["01U"]),  # Thai, written without spaces: a run inside a title
+    ("ยนตร์", ["01U"]),
+    # a query language's operators and quotes are words or nothing, never its syntax
+    ('"lord of', ["01C"]),
+    ("lord -rings", ["01C"]),
+    ("lord OR rings", []),
+    ("NEAR(lord rings)", []),
+    ('"', []),
+    ("*", []),
+    ("🎄", ["01T"]),  # an emoji is a word
+    ("🎄christmas", ["01T"]),
+)
+
+
+@pytest.mark.both_backends
+def test_the_library_search_finds_what_a_person_types(tmp_path: Path, storage: str) -> None:
+    """Case, accents (Latin, Greek, Cyrillic; Arabic harakat, Hebrew niqqud), `ß` and the
+    letters `unaccent` spells out make no difference, punctuation parts words (a file name's
+    dots too), and no operator or stray quote is an error, on either backend alike."""
+    rows = shelf()
+    with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+        for text, expected in TYPED_AND_FOUND:
+            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            assert found == expected, text
+
+
+@pytest.mark.both_backends
+def test_a_search_of_a_pasted_page_asks_its_first_distinct_words(
+    tmp_path: Path, storage: str
+) -> None:
+    """30,000 distinct words exceeded PostgreSQL's stack depth (a 500) and took a second on
+    SQLite; a word typed again and again was asked each time. The first 64 distinct words are
+    asked, each once."""
+    rows = {"01A": {"title": "The Lord of the Rings"}, "01B": {"title": "The Two Towers"}}
+    pasted = " ".join(f"w{i}" for i in range(30_000))
+    with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+
+        def found(text: str) -> list[str]:
+            return [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+
+        assert found(pasted) == [] and found(f"lord {pasted}") == []
+        assert found("the " * 5000) == ["01B", "01A"]
+        assert found("lord " + "the " * 5000) == ["01A"]
+    assert cache.fts_query("the the lord " * 100 + pasted).count('"*') == cache.SEARCH_WORDS
+
+
+def test_a_search_is_planned_for_its_words_however_often_it_runs(dsn: str) -> None:
+    """psycopg prepares a statement at its fifth run on a connection, and the server may then
+    keep one plan for any words, which read every row for a word no row has (260 ms at
+    100,000 records): the search is never prepared, while any other statement still is."""
+    with cache.CacheStore(pg.Target(dsn, "cache")) as store:
+        rows = {f"01{i:02d}": {"title": f"love {i}"} for i in range(20)}
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+        for i in range(20):
+            assert len(store.library_page("love", "", None, cache.NEWEST, 50)) == 20
+            assert store.library_page(f"typo{i}", "", None, cache.NEWEST, 50) == []
+            store.library_page("", "", None, cache.NEWEST, 50)  # no words: no search
+        prepared = store.conn.execute("SELECT statement FROM pg_prepared_statements").fetchall()
+        assert prepared and not [s for (s,) in prepared if "fts_match" in s], prepared
+
+
+_LOCALE_DATABASES = itertools.count()
+
+
+@pytest.fixture(params=["C", "C.UTF-8"])
+def locale_dsn(postgres: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A database of the locale `request.param`: PostgreSQL's parser took for a letter what
+    the locale said is one (in `C.UTF-8` a Thai vowel sign, an emoji are none; the tests'
+    cluster is `--no-locale`, C, where every character outside ASCII is a letter)."""
+    name = f"locale{next(_LOCALE_DATABASES)}"
+    locale = request.param
+    try:
+        postgres.sql(
+            f"CREATE DATABASE {name} TEMPLATE template0 LC_CTYPE '{locale}' LC_COLLATE '{locale}'"
+        )
+    except Exception as exc:  # the machine has no such locale
+        pytest.skip(f"no database of locale {locale}: {exc}")
+    dsn = postgres.dsn(name)
+    yield dsn
+    postgres.drop(dsn)
+
+
+def test_the_search_finds_the_same_whatever_the_databases_locale(locale_dsn: str) -> None:
+    """What a person types finds on a database of any locale what it finds on SQLite."""
+    rows = shelf()
+    with cache.CacheStore(pg.Target(locale_dsn, "cache")) as store:
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+        for text, expected in TYPED_AND_FOUND:
+            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            assert found == expected, text
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    titles=st.lists(st.text(TITLE_CHARS, max_size=12), min_size=1, max_size=6),
+    typed=st.one_of(TYPED, st.text(TITLE_CHARS, max_size=8)),
+    data=st.data(),
+)
+def test_both_backends_find_the_same_records_for_any_search(
+    tmp_path: Path, locale_dsn: str, titles: list[str], typed: str, data: st.DataObject
+) -> None:
+    """Whatever the titles and whatever is typed, SQLite and PostgreSQL find the same records
+    (or none), never fail, and a title is found by any prefix of its text."""
+    rows = {f"01{i:02d}": {"title": title} for i, title in enumerate(titles) if title}
+    title = data.draw(st.sampled_from(titles))
+    prefix = title[: data.draw(st.integers(0, len(title)))]
+    found = []
+    for target in (tmp_path / "cache.db", pg.Target(locale_dsn, "cache")):
+        with cache.CacheStore(target) as store:
+
+            def fill(conn: db.Connection) -> None:
+                conn.execute("DELETE FROM library")
+                cache.index_library(conn, list(rows), rows, {})
+
+            store.writer.run_sync(fill)
+            found.append(
+                [
+                    [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+                    for text in (typed, prefix)
+                ]
+            )
+    assert found[0] == found[1], (typed, prefix)
+    if labels.search_words(prefix):
+        assert any(rows[rid]["title"] == title for rid in found[0][1]), (title, prefix)
 
 
 def test_every_connection_has_the_stores_settings_and_no_jit(dsn: str) -> None:

@@ -273,6 +273,32 @@ def test_the_library_lists_a_dropped_file_by_title_and_search_finds_it(
     expect(page.get_by_role("link", name="Zanzibar Express")).to_be_visible()
 
 
+def test_the_search_finds_a_title_and_a_file_name_as_a_person_types_them(
+    page: Page, srv: Server
+) -> None:
+    """Without accents or in capitals, a word of the file name's dotted parts, a stray quote
+    or operator typed with it: the record is found; a search of nothing but syntax finds
+    nothing, and no search is an error."""
+    titled(srv, drop(srv, "Amélie.2001.1080p.x264.mkv"), "Amélie")
+    for typed, found in (
+        ("amelie", True),
+        ("AMÉLIE 2001", True),
+        ("x264 1080p", True),
+        ('"amelie', True),
+        ("amelie -x264 *", True),
+        ("amelie OR quokka", False),
+        ('"', False),
+        ("NEAR(", False),
+    ):
+        page.get_by_label("Search").fill(typed)
+        page.get_by_role("button", name="Find").click()
+        expect(page).to_have_title(f"Library: “{typed}” · metanode")  # the page of this search
+        link = page.get_by_role("link", name="Amélie", exact=True)
+        expect(link).to_have_count(1 if found else 0)
+        if not found:
+            expect(page.get_by_text("No record matches.")).to_be_visible()
+
+
 def test_a_save_outweighed_by_another_signer_says_the_value_still_shown(
     page: Page, srv: Server
 ) -> None:
