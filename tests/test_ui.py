@@ -804,6 +804,10 @@ def test_the_owner_adds_a_folder_on_the_files_page_and_stops_watching_it(
         )
         part.rename(film)
         midhash_of(srv, film)
+        stopping = f"{srv.url}/files?stop={quote(str(films))}#stop"
+        fits(page, stopping, "files, a folder to stop watching", None)  # named, a phone's width
+        page.set_viewport_size(DESKTOP)
+        page.goto(srv.url + "/files")
         page.get_by_role("link", name=f"Stop watching {films}").click()
         confirm = page.get_by_role("region", name=f"Stop watching {films}?")
         expect(confirm).to_contain_text("keep their records")
