@@ -53,6 +53,8 @@ from metanode.errors import (
 from metanode.metrics import CONTENT_TYPE
 from metanode.node import Node
 
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: the longest folder a watch-roots request names
+
 log = logging.getLogger(__name__)
 access = logging.getLogger("metanode.access")
 # Request ids: a random per-process prefix and a counter, unique without a uuid per request
@@ -710,6 +712,23 @@ def _peer_body(body: Any) -> tuple[str, str, int, str]:
     return url, token, _weight(body), name
 
 
+def watch_root_text(text: Any, where: str) -> str:
+    """The folder a watch-roots request names (`{"path"}` of a POST, `?path=` of a DELETE):
+    a path of 1 to 4,096 bytes of UTF-8 with no control character, else `invalid_request`."""
+    if (
+        not isinstance(text, str)
+        or not text
+        or (size := utf8_size(text)) is None
+        or size > MAX_PATH_BYTES
+        or not text.isprintable()
+    ):
+        raise InvalidRequest(
+            f"{where} must be a folder's path: 1 to {MAX_PATH_BYTES} bytes of UTF-8, "
+            "no control characters"
+        )
+    return text
+
+
 def create_app(node: Node) -> Starlette:
     """The ASGI app of one node; starting it starts the node, stopping it stops the node."""
     sessions = ui.Sessions(node)
@@ -750,6 +769,7 @@ def create_app(node: Node) -> Starlette:
         *_peer_routes(node),
         *_signer_routes(node),
         *_node_routes(node),
+        _watch_roots_route(node),
         *compat.routes(node),  # the MetaMesh routes (docs/compat.md)
         *ui.routes(node, sessions),  # the web page (docs/ui.md)
     ]
@@ -875,6 +895,26 @@ def _signer_routes(node: Node) -> list[Route]:
         Route("/api/signers/{uid}/block", block, methods=["POST"]),
         Route("/api/signers/{uid}/unblock", unblock, methods=["POST"]),
     ]
+
+
+def _watch_roots_route(node: Node) -> Route:
+    """The watched folders: listed, one added, one no longer watched (docs/api.md, "Watched
+    folders"); the Files page changes them through the same `Node` methods."""
+
+    async def watch_roots(request: Request) -> Response:
+        if request.method == "POST":
+            body = await read_json(request, 64 * 1024, node.settings.body_timeout_s)
+            if not isinstance(body, dict):
+                raise InvalidRequest('the body must be {"path": "/srv/media"}')
+            refuse_unknown(body, ("path",))
+            text = watch_root_text(body.get("path"), "path")
+            return JSONResponse(await node.add_watch_root(text))
+        if request.method == "DELETE":
+            text = watch_root_text(request.query_params.get("path"), "?path=")
+            return JSONResponse(await node.remove_watch_root(text))
+        return JSONResponse(await node.watch_roots())
+
+    return Route("/api/watch-roots", watch_roots, methods=["GET", "POST", "DELETE"])
 
 
 def _node_routes(node: Node) -> list[Route]:

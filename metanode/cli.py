@@ -367,6 +367,8 @@ def watching(settings: config.Settings) -> str:
     if not settings.watch_enabled:
         return "watching: nothing (watch_enabled is off)"
     roots = ", ".join(str(Path(root).resolve()) for root in settings.watched)
+    if not roots:  # every folder chosen on the page was let go
+        roots = "no folder (add one on the web page's Files, or POST /api/watch-roots)"
     if settings.postgresql:
         return f"watching, while this replica applies (docs/scale-out.md): {roots}"
     return f"watching: {roots}"

@@ -447,7 +447,7 @@ async def local_copy(node: Node, text: str) -> LocalCopy | None:
     """The first local path (by path) still holding the content this CID names, opened."""
     node.require_ready()
     files, mime = node.local_copies(node.resolve_cid(text)[1])
-    roots = [os.path.realpath(root) for root in node.settings.watched]
+    roots = [os.path.realpath(root) for root in node.watched()]
     for file in files:
         opened = await asyncio.to_thread(
             open_hashed, file, roots, node.settings.watch_follow_symlinks

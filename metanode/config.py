@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import ipaddress
+import json
 import math
 import os
 import re
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from metanode.errors import InvalidRequest
+from metanode.errors import InvalidRequest, WatchRootsDamaged
 from metanode.merge import MAX_WEIGHT
 
 ENV_PREFIX = "METANODE_"
@@ -168,7 +169,9 @@ class Settings:
         "Folders to watch (made if missing, unless files were known there: a disk not mounted "
         "keeps its files, docs/watcher.md; one that cannot be made, a file of its name, is a "
         "warning in the log and in /health a folder it cannot read, the other roots watched), "
-        "each folder once (a root may lie inside another); in the environment, `:`-separated.",
+        "each folder once (a root may lie inside another); in the environment, `:`-separated. "
+        "Set neither in the file nor in the environment, the owner chooses them on the Files "
+        "page (`<data dir>/watched-folders.json`, read at every start).",
     )
     watch_ignore: tuple[str, ...] = setting(
         (), "Extra name or path globs to ignore (comma-separated in the environment)."
@@ -341,9 +344,13 @@ class Settings:
     log_access: bool = setting(
         False, "Log one line per HTTP request (costs about a fifth of the read rate)."
     )
+    # Not a setting: where `watch_roots` was set ("" when neither the TOML file nor the
+    # environment sets it: the folders are then the owner's to choose on the page, kept in
+    # `WATCHED_FOLDERS` of the data directory). Made by `load`.
+    watch_roots_from: str = field(default="", compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
-        for each in dataclasses.fields(self):
+        for each in FIELDS.values():
             _in_range(each, getattr(self, each.name))
         if self.log_level.lower() not in LOG_LEVELS:
             raise InvalidRequest(
@@ -590,7 +597,8 @@ def below_root(path: str, root: str) -> str | None:
     return None
 
 
-FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+# the settings, without what `load` adds about them (`watch_roots_from`)
+FIELDS = {f.name: f for f in dataclasses.fields(Settings) if "internal" not in f.metadata}
 # What a value of each type is, in the words of a refusal (Python's `bool`, `int` said little).
 _KINDS: dict[Any, str] = {
     bool: "a boolean (true/false, 1/0, yes/no, on/off)",
@@ -650,7 +658,10 @@ def load(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> Settings:
-    """Settings from defaults < TOML file < `METANODE_*` environment < explicit overrides."""
+    """Settings from defaults < TOML file < `METANODE_*` environment < explicit overrides.
+
+    `watch_roots` set by none of them is the folders the owner chose on the page, when any
+    were (`page_roots`), else the default; `watch_roots_from` says which of them set it."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     path = config_file or env.get(ENV_PREFIX + "CONFIG")
@@ -658,11 +669,49 @@ def load(
         path = DEFAULT_CONFIG_FILE
     if path is not None:
         values.update(_read_toml(Path(path)))
+    where = {name: f"the config file {path}" for name in values}
     for name in FIELDS:
         if ENV_PREFIX + name.upper() in env:
             values[name] = env[ENV_PREFIX + name.upper()]
-    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return Settings(**{name: _convert(name, raw) for name, raw in values.items()})
+            where[name] = f"the environment ({ENV_PREFIX}{name.upper()})"
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    values.update(given)
+    where.update({name: "the command's own settings (its flags)" for name in given})
+    converted = {name: _convert(name, raw) for name, raw in values.items()}
+    if "watch_roots" in where:
+        return Settings(**converted, watch_roots_from=where["watch_roots"])
+    chosen = page_roots(Path(converted.get("data_dir", FIELDS["data_dir"].default)))
+    return Settings(**converted) if chosen is None else Settings(**converted, watch_roots=chosen)
+
+
+WATCHED_FOLDERS = "watched-folders.json"  # in the data directory: the folders the page chose
+
+
+def page_roots(data_dir: Path) -> tuple[str, ...] | None:
+    """The watch roots the owner chose on the page (`WATCHED_FOLDERS`: `{"roots": [...]}`,
+    absolute paths), None when none were ever chosen (the default applies). A file that is
+    there and cannot be read as that refuses the start (`watch_roots_damaged`): watching the
+    default folder in their place would drop the chosen folders' files from the library
+    without a word."""
+    path = data_dir / WATCHED_FOLDERS
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WatchRootsDamaged(f"cannot read {path}: {exc}; fix or delete it") from None
+    try:
+        roots = json.loads(text)["roots"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise WatchRootsDamaged(
+            f"{path} is not the list of watched folders the page writes ({exc!r}): fix it, or "
+            'delete it to watch the default folder (its form: {"roots": ["/srv/media"]})'
+        ) from None
+    if not isinstance(roots, list) or not all(
+        isinstance(r, str) and os.path.isabs(r) for r in roots
+    ):
+        raise WatchRootsDamaged(f"{path}: roots must be a list of absolute paths; fix or delete it")
+    return tuple(roots)
 
 
 def http_url(host: str, port: int) -> str:
@@ -720,7 +769,7 @@ def _guess(name: str, known: Iterable[str], prefix: str = "") -> str:
 
 def describe() -> list[tuple[str, Any, str]]:
     """(name, default, help) of every setting, for `--help` and the docs."""
-    return [(f.name, f.default, f.metadata["help"]) for f in dataclasses.fields(Settings)]
+    return [(f.name, f.default, f.metadata["help"]) for f in FIELDS.values()]
 
 
 def dsn_shown(dsn: str) -> str:
@@ -736,7 +785,7 @@ def ranges() -> list[tuple[str, str]]:
     """(name, range in words) of every number setting, as docs/configuration.md lists them."""
     return [
         (f.name, _words(f.metadata["low"], f.metadata["high"]))
-        for f in dataclasses.fields(Settings)
+        for f in FIELDS.values()
         if f.metadata["low"] is not None
     ]
 

@@ -294,6 +294,61 @@ class PeerTokenScope(MetanodeError):
     slug = "peer_token_scope"
 
 
+# -- the watched folders (docs/watcher.md, "Choosing the folders on the page") --------------------
+
+
+class WatchRootRefused(RequestError):
+    """A folder the owner asked to watch (`POST /api/watch-roots`, the Files page) that cannot
+    be one; each reason its own slug below, the message naming the folder."""
+
+    slug = "watch_root_refused"
+
+
+class WatchRootMissing(WatchRootRefused):
+    slug = "watch_root_missing"
+
+
+class WatchRootNotFolder(WatchRootRefused):
+    slug = "watch_root_not_folder"
+
+
+class WatchRootUnreadable(WatchRootRefused):
+    slug = "watch_root_unreadable"
+
+
+class WatchRootDataDir(WatchRootRefused):
+    """The folder is the data directory, lies inside it or holds it: WebDAV would serve the
+    token and the keys, and the watcher fingerprint them (the rule `watch_roots` has)."""
+
+    slug = "watch_root_data_dir"
+
+
+class WatchRootTaken(WatchRootRefused):
+    """The folder is watched already (spelt another way, or through a link)."""
+
+    status = 409
+    slug = "watch_root_taken"
+
+
+class UnknownWatchRoot(NotFoundError):
+    slug = "unknown_watch_root"
+
+
+class WatchRootsFromSettings(MetanodeError):
+    """`watch_roots` is set in the config file or the environment: the page shows the folders
+    but changes them there only, so that a change of the file is never silently overridden."""
+
+    status = 409
+    slug = "watch_roots_from_settings"
+
+
+class WatchRootsDamaged(MetanodeError):
+    """The data directory's list of the folders chosen on the page cannot be read: refused at
+    start rather than watching the default folder in their place."""
+
+    slug = "watch_roots_damaged"
+
+
 # -- peers (docs/peers.md) ----------------------------------------------------------------------
 
 

@@ -39,6 +39,7 @@ from metanode import (
     sse,
     truth,
     watcher,
+    watchroots,
 )
 from metanode import cid as cids
 from metanode import rid as rids
@@ -67,6 +68,8 @@ from metanode.errors import (
     UnknownCid,
     UnknownPeer,
     UnknownRid,
+    UnknownWatchRoot,
+    WatchRootsFromSettings,
 )
 from metanode.metrics import Metrics
 from metanode.verifier import Processes, Verifier
@@ -156,6 +159,10 @@ class Node:
         self.metrics = Metrics()
         self.subscribers = 0
         self.owner = self._own_signer(OWNER_NAME, settings.owner_weight)
+        # the watch roots as chosen now (`watch_roots`, or what the owner chose on the page:
+        # `add_watch_root`), absolute; changed one at a time
+        self.roots = [os.path.abspath(root) for root in settings.watch_roots]
+        self._roots_lock = asyncio.Lock()
         self.legacy = self._own_signer(LEGACY_NAME, settings.legacy_writer_weight)
 
     def _own_signer(self, name: str, weight: int) -> signer.OwnSigner:
@@ -230,7 +237,7 @@ class Node:
         if self.settings.watch_enabled:
             if self.settings.webdav_plugin_writes:  # private, as the data directory it is in
                 self.settings.plugin_outputs.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self.watcher = self._make_watcher(self.settings.watched)
+            self.watcher = self._make_watcher(self.watched())
             self._watching = service(self.watcher.run(), "watcher")
 
     async def _unlead(self) -> None:
@@ -264,6 +271,87 @@ class Node:
         if self.follower:
             return HotDocuments(render, size, count.read, every_read=True)
         return HotDocuments(render, size, version, every_read=False, changed=count.bump)
+
+    def watched(self) -> list[str]:
+        """The folders the watcher keeps now: the watch roots (`roots`), and the plugin
+        outputs' folder when WebDAV writes are on (`Settings.watched`)."""
+        if self.settings.webdav_plugin_writes:
+            return [*self.roots, str(self.settings.plugin_outputs)]
+        return list(self.roots)
+
+    # -- the watch roots chosen on the page (docs/watcher.md, "Choosing the folders") -----------
+
+    async def watch_roots(self) -> dict[str, Any]:
+        """GET /api/watch-roots: the roots, each with its state (`Watcher.state_of`, or `off`
+        where no watcher runs in this process: `watch_enabled` off, or a PostgreSQL replica
+        that does not lead), and whether the owner may change them here (`set_in`: where
+        `watch_roots` is set, which then holds them)."""
+        running = self.watcher
+
+        def states() -> list[dict[str, str]]:
+            return [
+                {"path": root, "state": "off" if running is None else running.state_of(root)}
+                for root in self.roots
+            ]
+
+        return {
+            "editable": not self.settings.watch_roots_from,
+            "set_in": self.settings.watch_roots_from or None,
+            "watcher": running is not None,
+            "roots": await asyncio.to_thread(states),
+        }
+
+    def _editable(self) -> None:
+        """409 `watch_roots_from_settings` when the config file or the environment sets
+        `watch_roots`: a change here would be silently overridden there at the next start."""
+        if self.settings.watch_roots_from:
+            raise WatchRootsFromSettings(
+                f"watch_roots is set in {self.settings.watch_roots_from}: change the folders "
+                "there (and restart), or remove it there to choose them on the page"
+            )
+
+    async def add_watch_root(self, text: str) -> dict[str, Any]:
+        """POST /api/watch-roots: check the folder (`watchroots.check_new`), keep the new list
+        in the data directory, then watch it at once (the watcher reconciles it) and let the
+        plugins place its files in it."""
+        self._editable()
+        async with self._roots_lock:
+            path = await asyncio.to_thread(
+                watchroots.check_new, text, self.roots, self.settings.data_dir
+            )
+            await asyncio.to_thread(watchroots.save, self.settings.data_dir, [*self.roots, path])
+            self.roots.append(path)
+            log.info("watching %s as well (chosen on the page)", path)
+            if self.watcher is not None:
+                self.watcher.add_root(path)
+            self._roots_changed()
+        return await self.watch_roots()
+
+    async def remove_watch_root(self, text: str) -> dict[str, Any]:
+        """DELETE /api/watch-roots: stop watching a root. Its files keep their records and
+        paths, looked at again at each full reconciliation as any file below no root is (a
+        file deleted then loses its path): the watcher's rule for a root taken out of
+        `watch_roots` (docs/watcher.md)."""
+        self._editable()
+        async with self._roots_lock:
+            real = os.path.realpath(os.path.abspath(text))
+            found = next((r for r in self.roots if os.path.realpath(r) == real), None)
+            if found is None:
+                raise UnknownWatchRoot(f"{os.path.abspath(text)} is not a watched folder")
+            rest = [root for root in self.roots if root != found]
+            await asyncio.to_thread(watchroots.save, self.settings.data_dir, rest)
+            self.roots = rest
+            log.info("no longer watching %s (chosen on the page); its files keep their rows", found)
+            if self.watcher is not None:
+                self.watcher.remove_root(found)
+            self._roots_changed()
+        return await self.watch_roots()
+
+    def _roots_changed(self) -> None:
+        """Tell the plugin host, which places files in their roots (`filename` reads the path
+        below the root)."""
+        if self.plugin_host is not None:
+            self.plugin_host.set_roots([str(Path(root).resolve()) for root in self.watched()])
 
     def _make_watcher(self, roots: Sequence[str]) -> watcher.Watcher:
         s = self.settings
@@ -365,7 +453,7 @@ class Node:
             s.plugin_max_attempts,
             s.plugin_retry_s,
             self.clock,
-            [str(Path(root).resolve()) for root in s.watched],
+            [str(Path(root).resolve()) for root in self.watched()],
             s.plugins_running_path,
         )
         self._plugins_task = service(host.run(), "the plugin host")

@@ -704,6 +704,11 @@ class Host:
         self.failing: str | None = None  # why the host cannot go on now (/health), or None
         self._waiting: set[str] = set()  # plugins whose runs wait for the clock (logged once)
 
+    def set_roots(self, roots: Sequence[str]) -> None:
+        """The watch roots changed (the owner chose a folder on the page): the runs from now
+        on place each file in them (`local_file`)."""
+        self._roots = list(roots)
+
     async def files_changed(self, midhashes: Sequence[str]) -> None:
         """New local content: queue a run of every plugin for each midhash."""
         if self._versions and midhashes:

@@ -72,6 +72,7 @@ PAGES = (
     "/records/",
     "/live",
     "/files",
+    "/files/",
     "/plugins",
     "/plugins/",
     "/signers",
@@ -89,6 +90,8 @@ FORM_ONLY = (
     "/signers/{uid}/block",
     "/signers/{uid}/unblock",
     "/plugins/{name}/retry",
+    "/files/watch-roots",
+    "/files/watch-roots/remove",
 )
 UNSAVED = "Not saved: you had been signed out. What you typed is back in its form: save it again."
 COOKIE = "metanode_session"
@@ -103,6 +106,7 @@ FILES_PAGE = 200  # files the Files page lists at once
 FOLDERS_PAGE = 500  # folders in a folder the Files page lists at once
 FORM_EXTRA_BYTES = 4096  # a form's fields beside its value (`Pages.form`)
 FORM_TYPE = "application/x-www-form-urlencoded"
+ADD_FOLDER = "add-folder"  # the Files page's Add folder form: where its refusals are said
 
 
 # -- sessions -----------------------------------------------------------------------------------
@@ -665,7 +669,7 @@ def back_of(path: str) -> str:
     if path.startswith("/records/"):
         return path.rsplit("/", 1)[0]
     page = "/" + path.strip("/").split("/")[0]
-    return page if page in ("/signers", "/plugins") else "/"
+    return page if page in ("/signers", "/plugins", "/files") else "/"
 
 
 def draft_of(form: Mapping[str, str]) -> Draft | None:
@@ -1057,7 +1061,9 @@ class Pages:
     async def files(self, request: Request) -> Response:
         q = request.query_params
         prefix, after = q.get("prefix", ""), q.get("after") or None
-        roots = self.node.settings.watched if self.node.settings.watch_enabled else ()
+        roots = self.node.watched() if self.node.settings.watch_enabled else ()
+        watch = await self.node.watch_roots()
+        stop = q.get("stop", "")  # a folder whose Stop watching asks to be confirmed
         folder = prefix.rstrip("/") or prefix  # "/" stays itself
         below, more_folders = (
             await self.node.subfolders(folder, q.get("folders_after", ""), FOLDERS_PAGE)
@@ -1085,7 +1091,34 @@ class Pages:
             duplicates=self.node.duplicates(PAGE),
             gone=self.node.library("", "", False, PAGE).rows,
             not_utf8=self.node.not_utf8(),
+            watch=watch,
+            stopping=stop if stop in {r["path"] for r in watch["roots"]} else "",
+            rescan_s=self.node.settings.watch_rescan_s,
+            placed=[ADD_FOLDER],
         )
+
+    async def add_watch_root(self, request: Request) -> Response:
+        """POST /files/watch-roots: the owner's Add folder, through `Node.add_watch_root` as
+        the API's; a refusal is said at the field, with what was typed in it again."""
+        text = request.scope["metanode.form"].get("path", "").strip()
+        try:
+            if not text:
+                raise InvalidRequest("type the path of a folder")
+            await self.node.add_watch_root(text)
+        except MetanodeError as exc:
+            refused = Flash("error", f"Not added: {_why(exc)}", ADD_FOLDER)
+            return after_form(request, "/files", refused, Draft("path", text, True))
+        return after_form(request, "/files", Flash("notice", f"Watching {text} as well."))
+
+    async def remove_watch_root(self, request: Request) -> Response:
+        """POST /files/watch-roots/remove: the confirmed Stop watching of one folder."""
+        text = request.scope["metanode.form"].get("path", "")
+        try:
+            await self.node.remove_watch_root(text)
+        except MetanodeError as exc:
+            return after_form(request, "/files", Flash("error", f"Not changed: {_why(exc)}"))
+        said = f"No longer watching {text}: its files keep their records."
+        return after_form(request, "/files", Flash("notice", said))
 
     async def plugins(self, request: Request) -> Response:
         return render(request, "plugins.html", **await self.node.plugins())
@@ -1161,6 +1194,8 @@ class Pages:
             Route("/records/{id}/label", page(self.label)),
             Route("/live", page(self.live)),
             Route("/files", page(self.files)),
+            Route("/files/watch-roots", page(self.add_watch_root), methods=["POST"]),
+            Route("/files/watch-roots/remove", page(self.remove_watch_root), methods=["POST"]),
             Route("/plugins", page(self.plugins)),
             Route("/plugins/{name}/retry", page(self.retry_plugin), methods=["POST"]),
             Route("/signers", page(self.signers)),

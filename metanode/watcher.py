@@ -866,6 +866,46 @@ class Watcher:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def add_root(self, root: str) -> None:
+        """Watch `root` as well, from now on (the owner chose it on the page): inotify is laid
+        anew over every root (`_rewatch`), and the reconciliation that follows each new watch
+        (`_resync_later`) walks it, so its files are fingerprinted without a restart."""
+        real = str(Path(root).resolve())
+        if real not in self.roots:
+            self.roots.append(real)
+            self._rewatch.set()
+
+    def remove_root(self, root: str) -> None:
+        """Stop watching `root`. Its files keep their rows, as those of a folder taken out of
+        `watch_roots` do: below no root, each full reconciliation looks at each again
+        (`_strays`); what waited to settle below it is dropped, and so is what /health said of
+        its folders."""
+        real = str(Path(root).resolve())
+        if real not in self.roots:
+            return
+        self.roots.remove(real)
+        below = prefixes([real])
+        for path in [p for p in self.pending if p.startswith(below)]:
+            del self.pending[path]
+        self.unlisted = [f for f in self.unlisted if f != real and not f.startswith(below)]
+        self._rewatch.set()
+
+    def state_of(self, root: str) -> str:
+        """What the Files page and `GET /api/watch-roots` say of watch `root`: `watching`;
+        `missing` (no folder there: a disk not mounted); `not_mounted` (empty, on another
+        device than its files were found on); `unreadable` (it, or a folder below it, could not
+        be listed: /health names them). Stats the root: a hung network mount holds the caller,
+        so call it on a thread."""
+        real = str(Path(root).resolve())
+        below = prefixes([real])
+        if _folder_device(real) is None:
+            return "missing"
+        if real in self.unlisted:
+            return "unreadable" if not os.access(real, os.R_OK | os.X_OK) else "not_mounted"
+        if any(folder.startswith(below) for folder in self.unlisted):
+            return "unreadable"
+        return "watching"
+
     def stop(self) -> None:
         self._stop.set()
 

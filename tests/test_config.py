@@ -13,7 +13,7 @@ import pytest
 
 from metanode import api, config
 from metanode.api import create_app
-from metanode.errors import InvalidRequest
+from metanode.errors import InvalidRequest, WatchRootsDamaged
 from metanode.node import Node
 from tests.helpers.settings import settings_for
 
@@ -50,6 +50,31 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     settings = config.load(file, env=env, overrides={"host": "::1", "port": None})
     assert (settings.port, settings.host, settings.accept_unknown_signers) == (9200, "::1", False)
     assert config.load(env={"METANODE_CONFIG": str(file)}).port == 9100
+
+
+def test_the_folders_chosen_on_the_page_replace_the_default_and_a_setting_replaces_them(
+    tmp_path: Path,
+) -> None:
+    data, film = tmp_path / "data", tmp_path / "films"
+    data.mkdir()
+    env = {"METANODE_DATA_DIR": str(data)}
+    assert config.load(env=env).watch_roots == ("./media",)  # nothing chosen: the default
+    (data / config.WATCHED_FOLDERS).write_text(json.dumps({"roots": [str(film)]}))
+    chosen = config.load(env=env)
+    assert (chosen.watch_roots, chosen.watch_roots_from) == ((str(film),), "")
+    file = tmp_path / "m.toml"
+    file.write_text('watch_roots = ["/srv/tv"]\n')
+    from_file = config.load(file, env=env)
+    assert from_file.watch_roots == ("/srv/tv",)
+    assert from_file.watch_roots_from == f"the config file {file}"
+    from_env = config.load(file, env={**env, "METANODE_WATCH_ROOTS": "/srv/a:/srv/b"})
+    assert from_env.watch_roots == ("/srv/a", "/srv/b")
+    assert from_env.watch_roots_from == "the environment (METANODE_WATCH_ROOTS)"
+    for damaged in ('{"roots": ["/srv/me', '{"roots": ["relative"]}', "[]", '{"roots": 3}'):
+        (data / config.WATCHED_FOLDERS).write_text(damaged)
+        with pytest.raises(WatchRootsDamaged, match=config.WATCHED_FOLDERS):
+            config.load(env=env)
+        assert config.load(file, env=env).watch_roots == ("/srv/tv",)  # not read: not needed
 
 
 @pytest.mark.parametrize(

@@ -790,6 +790,61 @@ def test_the_files_page_goes_down_a_folder_at_a_time_and_back_up(page: Page, srv
     expect(page.get_by_text("No folder in it holds files.")).to_be_visible()
 
 
+def test_the_owner_adds_a_folder_on_the_files_page_and_stops_watching_it(
+    context: BrowserContext, tmp_path: Path
+) -> None:
+    """Folders no setting names are the owner's (docs/watcher.md, "Choosing the folders on
+    the page"): a refused folder is said at its field with what was typed; one added is
+    watched at once (an ffmpeg video dropped in it gets its record); Stop watching says what
+    becomes of its files before it is confirmed."""
+    if shutil.which("ffmpeg") is None:
+        pytest.skip("needs Debian's ffmpeg")
+    srv = Server(tmp_path / "data", unset=("METANODE_WATCH_ROOTS",)).start()
+    try:
+        page = context.new_page()
+        sign_in(page, srv, srv.token)
+        page.get_by_role("link", name="Files", exact=True).click()
+        watched = page.get_by_role("table", name="Watched folders")
+        expect(watched.get_by_role("row", name=str(srv.media))).to_contain_text("watching")
+        field = page.get_by_label("Folder to watch")
+        field.fill(str(tmp_path / "nowhere"))
+        page.get_by_role("button", name="Add folder").click()
+        expect(page.get_by_role("alert")).to_contain_text("does not exist")
+        expect(field).to_have_value(str(tmp_path / "nowhere"))
+        expect(field).to_be_focused()
+        films = tmp_path / "Films"
+        films.mkdir()
+        field.fill(str(films))
+        page.get_by_role("button", name="Add folder").click()
+        expect(page.get_by_role("status")).to_contain_text(f"Watching {films} as well")
+        expect(watched.get_by_role("row", name=str(films))).to_contain_text("watching")
+        film = films / "Film.2010.mkv"
+        part = films / "Film.2010.mkv.part"
+        subprocess.run(
+            [
+                *("ffmpeg", "-v", "error", "-f", "lavfi", "-i", "testsrc=d=1", "-f", "matroska"),
+                str(part),
+            ],
+            check=True,
+            timeout=120,
+        )
+        part.rename(film)
+        midhash_of(srv, film)
+        stopping = f"{srv.url}/files?stop={quote(str(films))}#stop"
+        fits(page, stopping, "files, a folder to stop watching", None)  # named, a phone's width
+        page.set_viewport_size(DESKTOP)
+        page.goto(srv.url + "/files")
+        page.get_by_role("link", name=f"Stop watching {films}").click()
+        confirm = page.get_by_role("region", name=f"Stop watching {films}?")
+        expect(confirm).to_contain_text("keep their records")
+        confirm.get_by_role("button", name=f"Stop watching {films}").click()
+        expect(page.get_by_role("status")).to_contain_text(f"No longer watching {films}")
+        expect(watched.get_by_role("row", name=str(films))).to_have_count(0)
+        assert midhash_of(srv, film)  # its record and path stay
+    finally:
+        srv.stop()
+
+
 def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> None:
     midhash = titled(srv, drop(srv, "Northern.Lanterns.2015.mkv"), "Northern Lanterns")
     poster = Signer()

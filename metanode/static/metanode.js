@@ -228,9 +228,10 @@ function startPlugins() {
 
 // After a form: focus what the page says about it (in the edited row, or at the top), so the
 // keyboard and a screen reader go on from there rather than from the top of the page; a form
-// shown again with what was typed (a refused edit) gets the focus in its field instead.
+// shown again with what was typed (a refused edit, a refused folder: `data-typed`) gets the
+// focus in its field instead.
 function focusSaid() {
-  const typed = document.querySelector("form[id^=edit-]:not([hidden]) [name=value]");
+  const typed = document.querySelector("form[id^=edit-]:not([hidden]) [name=value], [data-typed]");
   const said = document.querySelector("[data-focus]");
   if (said) said.focus();
   if (typed) typed.focus();

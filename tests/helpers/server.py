@@ -40,6 +40,7 @@ class Server:
     log: Path | None = None
     workers: int = 1  # `serve --workers`: 1 is the simple mode most tests mean
     prefix: tuple[str, ...] = ()  # a command it runs under (`setpriv …`: root's powers dropped)
+    unset: tuple[str, ...] = ()  # variables of `base_env` it runs without (METANODE_WATCH_ROOTS)
 
     @property
     def url(self) -> str:
@@ -97,7 +98,11 @@ class Server:
                         "--workers",
                         str(self.workers),
                     ],
-                    env={**self.base_env(), **self.env},
+                    env={
+                        k: v
+                        for k, v in {**self.base_env(), **self.env}.items()
+                        if k not in self.unset
+                    },
                     cwd=self.data_dir.parent,
                     stdout=log,
                     stderr=log,

@@ -1,0 +1,82 @@
+"""The watch roots the owner chooses on the page (docs/watcher.md, "Choosing the folders").
+
+When neither the config file nor the environment sets `watch_roots`, the folders are the
+owner's: `POST /api/watch-roots` and the Files page add one, `DELETE` stops watching one, and
+the list is kept in the data directory (`config.WATCHED_FOLDERS`, read by `config.load` at
+every start in place of the default). This module checks a folder before it becomes a root
+(`check_new`) and writes the list (`save`); the node does the rest (`Node.add_watch_root`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from metanode import datadir
+from metanode.config import WATCHED_FOLDERS
+from metanode.errors import (
+    StorageError,
+    WatchRootDataDir,
+    WatchRootMissing,
+    WatchRootNotFolder,
+    WatchRootTaken,
+    WatchRootUnreadable,
+    storage_error,
+)
+
+
+def check_new(text: str, roots: Sequence[str], data_dir: Path) -> str:
+    """The absolute path of folder `text` (relative to the working directory, as the setting
+    is), if it may become a watch root: an existing folder this process may list, neither the
+    data directory nor inside it nor holding it (the rule `Settings._check_roots` enforces of
+    `watch_roots`, and its other half: a root inside the data directory would serve its files
+    too), and no folder watched already (by another spelling or a link); else the typed
+    refusal, naming it."""
+    path = os.path.abspath(text)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise WatchRootMissing(f"{path} does not exist (or is not mounted)") from None
+    except OSError as exc:
+        raise WatchRootUnreadable(f"{path} cannot be looked at: {exc.strerror or exc}") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise WatchRootNotFolder(f"{path} is a file, not a folder")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise WatchRootUnreadable(f"{path} is a folder this node may not read (its permissions)")
+    real, data = os.path.realpath(path), os.path.realpath(data_dir)
+    if os.path.commonpath([real, data]) in (real, data):
+        raise WatchRootDataDir(
+            f"{path} overlaps the data directory {data}: WebDAV would serve the API token and "
+            "the keys, and the watcher fingerprint them; choose a folder outside it"
+        )
+    for root in roots:
+        if os.path.realpath(root) == real:
+            raise WatchRootTaken(f"{path} is watched already (as {root})")
+    return path
+
+
+def save(data_dir: Path, roots: Sequence[str]) -> None:
+    """Keep `roots` as the folders to watch from the next start on, whole or not at all: a
+    temporary file, fsync'd, renamed over the list, the folder fsync'd (mode 0600, as the
+    data directory's files are). A disk that refuses is its typed `StorageError`."""
+    path = data_dir / WATCHED_FOLDERS
+    part = path.with_name(WATCHED_FOLDERS + ".part")
+    text = json.dumps({"roots": list(roots)}, indent=1, ensure_ascii=False) + "\n"
+    try:
+        part.unlink(missing_ok=True)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, datadir.FILE_MODE)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(part, path)
+        folder = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    except OSError as exc:
+        raise storage_error(exc, path) or StorageError(f"cannot write {path}: {exc}") from exc

@@ -1,0 +1,221 @@
+"""Choosing the watched folders through `/api/watch-roots` (docs/watcher.md, "Choosing the
+folders on the page"), against a real `metanode serve` with real folders and ffmpeg's files:
+a folder added is watched at once and after a restart, one no longer watched keeps its files'
+records, each refusal has its slug, and folders set by a setting are only shown."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.helpers.server import Server, serve_refused
+from tests.helpers.wait import poll
+
+ROUTE = "/api/watch-roots"
+PAGE_CHOSEN = ("METANODE_WATCH_ROOTS",)  # the helper's setting, left out: the page chooses
+# root's power to read any folder, dropped so that a folder of mode 000 is unreadable to it
+NO_OVERRIDE = ("setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search", "--")
+
+pytestmark = pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="needs Debian's ffmpeg")
+
+
+def page_server(tmp_path: Path, **fields: Any) -> Server:
+    """A server whose `watch_roots` no setting sets (its default, `./media`, beside its data)."""
+    return Server(tmp_path / "data", unset=PAGE_CHOSEN, **fields)
+
+
+def listing(srv: Server) -> dict[str, Any]:
+    response = httpx.get(srv.url + ROUTE, headers=srv.headers, timeout=30)
+    assert response.status_code == 200, response.text
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def paths(body: dict[str, Any]) -> list[str]:
+    return [root["path"] for root in body["roots"]]
+
+
+def add(srv: Server, path: object) -> httpx.Response:
+    return httpx.post(srv.url + ROUTE, headers=srv.headers, json={"path": path}, timeout=130)
+
+
+def remove(srv: Server, path: str) -> httpx.Response:
+    return httpx.delete(srv.url + ROUTE, headers=srv.headers, params={"path": path}, timeout=130)
+
+
+def video(path: Path) -> Path:
+    """A one-second ffmpeg test video at `path`, written under an ignored name and renamed in
+    whole (the watcher ignores `*.part`), its content its own (the name is in its title)."""
+    part = path.with_name(path.name + ".part")
+    subprocess.run(
+        [
+            *("ffmpeg", "-v", "error", "-f", "lavfi", "-i", "testsrc=d=1", "-metadata"),
+            *(f"title={path}", "-f", "matroska", "-y", str(part)),
+        ],
+        check=True,
+        timeout=120,
+    )
+    part.rename(path)
+    return path
+
+
+def recorded(srv: Server, path: Path) -> str:
+    """The rid of `path`'s record, once the watcher has it (GET /api/files)."""
+
+    def fetch() -> str | None:
+        params = {"prefix": str(path)}
+        answer = httpx.get(srv.url + "/api/files", headers=srv.headers, params=params, timeout=30)
+        return next((f["rid"] for f in answer.json()["files"] if f["path"] == str(path)), None)
+
+    return poll(fetch, f"the record of {path}")
+
+
+def kept(srv: Server) -> list[str]:
+    """The folders kept in the data directory, after checking the file is private."""
+    path = srv.data_dir / "watched-folders.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    roots: list[str] = json.loads(path.read_text())["roots"]
+    return roots
+
+
+def test_a_folder_added_is_watched_at_once_and_after_a_restart_until_it_is_stopped(
+    tmp_path: Path,
+) -> None:
+    srv = page_server(tmp_path).start()
+    try:
+        body = listing(srv)
+        assert body["editable"] and body["set_in"] is None and body["watcher"]
+        assert body["roots"] == [{"path": str(srv.media), "state": "watching"}]
+        films = tmp_path / "library" / "Films"
+        films.mkdir(parents=True)
+        before = video(films / "Before.2001.mkv")  # there before: found by the reconciliation
+        answer = add(srv, str(films))
+        assert answer.status_code == 200, answer.text
+        assert paths(answer.json()) == [str(srv.media), str(films)]
+        assert answer.json()["roots"][1]["state"] == "watching"
+        assert kept(srv) == [str(srv.media), str(films)]
+        recorded(srv, before)
+        recorded(srv, video(films / "Live.2002.mkv"))  # inotify's report
+        health = httpx.get(srv.url + "/health", timeout=30).json()
+        assert str(films) in health["watcher"]["roots"]
+
+        srv.stop()
+        srv.start()
+        assert paths(listing(srv)) == [str(srv.media), str(films)]
+        after = recorded(srv, video(films / "After.Restart.2003.mkv"))
+
+        answer = remove(srv, str(films))
+        assert answer.status_code == 200, answer.text
+        assert paths(answer.json()) == [str(srv.media)]
+        assert kept(srv) == [str(srv.media)]
+        health = httpx.get(srv.url + "/health", timeout=30).json()
+        assert str(films) not in health["watcher"]["roots"]
+        # the watcher's rule for a root taken out of the settings: the records stay
+        assert recorded(srv, films / "After.Restart.2003.mkv") == after
+        srv.stop()
+        srv.start()
+        assert paths(listing(srv)) == [str(srv.media)]
+        recorded(srv, films / "Before.2001.mkv")  # still there after the restart
+    finally:
+        srv.stop()
+        srv.print_log()
+
+
+def test_each_folder_refused_says_why_by_its_slug(tmp_path: Path) -> None:
+    root = os.geteuid() == 0
+    prefix = NO_OVERRIDE if root and shutil.which("setpriv") else ()
+    srv = page_server(tmp_path, prefix=prefix).start()
+    try:
+        a_file = tmp_path / "notes.txt"
+        a_file.write_text("not a folder")
+        (tmp_path / "media-link").symlink_to(srv.media)
+        refused = {
+            str(tmp_path / "nowhere"): (400, "watch_root_missing"),
+            str(a_file): (400, "watch_root_not_folder"),
+            str(srv.data_dir): (400, "watch_root_data_dir"),
+            str(srv.data_dir / "keys"): (400, "watch_root_data_dir"),
+            str(tmp_path): (400, "watch_root_data_dir"),  # holds the data directory
+            str(srv.media): (409, "watch_root_taken"),
+            str(tmp_path / "media-link"): (409, "watch_root_taken"),  # the same, by a link
+            "media": (409, "watch_root_taken"),  # relative to the working directory
+        }
+        if prefix or not root:
+            closed = tmp_path / "closed"
+            closed.mkdir(mode=0o000)
+            refused[str(closed)] = (400, "watch_root_unreadable")
+        for path, (status, slug) in refused.items():
+            answer = add(srv, path)
+            assert (answer.status_code, answer.json()["error"]) == (status, slug), path
+            assert path.rsplit("/", 1)[-1] in answer.json()["message"]
+        for body in ({"path": 3}, {"path": ""}, {"folder": str(tmp_path)}, ["x"]):
+            answer = httpx.post(srv.url + ROUTE, headers=srv.headers, json=body, timeout=30)
+            assert (answer.status_code, answer.json()["error"]) == (400, "invalid_request")
+        answer = remove(srv, str(tmp_path / "nowhere"))
+        assert (answer.status_code, answer.json()["error"]) == (404, "unknown_watch_root")
+        assert paths(listing(srv)) == [str(srv.media)]
+        assert not (srv.data_dir / "watched-folders.json").exists()
+        no_token = httpx.post(srv.url + ROUTE, json={"path": str(tmp_path)}, timeout=30)
+        assert no_token.status_code == 401
+    finally:
+        srv.stop()
+
+
+def test_folders_set_by_a_setting_are_shown_and_changed_only_there(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # a list the page kept once: the setting wins over it, and it stays as it was
+    chosen = json.dumps({"roots": [str(elsewhere)]})
+    (data / "watched-folders.json").write_text(chosen)
+    srv = Server(data).start()  # the helper sets METANODE_WATCH_ROOTS
+    try:
+        body = listing(srv)
+        assert not body["editable"]
+        assert body["set_in"] == "the environment (METANODE_WATCH_ROOTS)"
+        assert paths(body) == [str(srv.media)]
+        for answer in (add(srv, str(elsewhere)), remove(srv, str(srv.media))):
+            assert answer.status_code == 409, answer.text
+            assert answer.json()["error"] == "watch_roots_from_settings"
+            assert "METANODE_WATCH_ROOTS" in answer.json()["message"]
+        assert (data / "watched-folders.json").read_text() == chosen
+    finally:
+        srv.stop()
+
+
+def test_a_damaged_list_of_folders_refuses_the_start(tmp_path: Path) -> None:
+    srv = page_server(tmp_path)
+    srv.data_dir.mkdir(mode=0o700)
+    (srv.data_dir / "watched-folders.json").write_text('{"roots": ["/srv/me')
+    env = {k: v for k, v in srv.base_env().items() if k not in PAGE_CHOSEN}
+    refused = serve_refused(tmp_path, env, "--data-dir", str(srv.data_dir), "--port", "1")
+    assert refused.returncode == 2, refused.stderr
+    assert "watch_roots_damaged" in refused.stderr
+    assert "watched-folders.json" in refused.stderr
+
+
+def test_under_two_workers_the_owner_watches_a_folder_any_worker_was_asked_for(
+    tmp_path: Path,
+) -> None:
+    srv = page_server(tmp_path, workers=2).start()
+    try:
+        shows = tmp_path / "Shows"
+        shows.mkdir()
+        answer = add(srv, str(shows))
+        assert answer.status_code == 200, answer.text
+        recorded(srv, video(shows / "Show.S01E01.mkv"))
+        for _ in range(8):  # whichever worker each connection reaches says the same
+            assert paths(listing(srv)) == [str(srv.media), str(shows)]
+        answer = remove(srv, str(shows))
+        assert answer.status_code == 200, answer.text
+        assert paths(listing(srv)) == [str(srv.media)]
+    finally:
+        srv.stop()
