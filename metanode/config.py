@@ -696,8 +696,8 @@ def page_roots(data_dir: Path) -> tuple[str, ...] | None:
     path = data_dir / WATCHED_FOLDERS
     try:
         text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, NotADirectoryError):  # the data directory's own checks say
+        return None  # what is wrong with it, if anything (a file of its name: `file_failed`)
     except (OSError, UnicodeDecodeError) as exc:
         raise WatchRootsDamaged(f"cannot read {path}: {exc}; fix or delete it") from None
     try:
