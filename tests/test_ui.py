@@ -1889,3 +1889,61 @@ def contrast(one: str, other: str) -> float:
 
     light, dark = sorted((luminance(one), luminance(other)), reverse=True)
     return (light + 0.05) / (dark + 0.05)
+
+
+# -- a phone: a narrow screen, a finger, an on-screen keyboard ---------------------------------
+
+TOUCH_PHONE = {
+    "viewport": COMMON_PHONE,
+    "is_mobile": True,
+    "has_touch": True,
+    "device_scale_factor": 3,
+}
+# where the focused element is drawn, and what it is
+FOCUSED_BOX = """() => { const e = document.activeElement, r = e.getBoundingClientRect();
+    return {name: (e.getAttribute("aria-label") || e.textContent).trim(),
+            top: r.top, bottom: r.bottom, left: r.left, right: r.right}; }"""
+
+
+@pytest.fixture
+def phone(browser: Browser, srv: Server) -> Iterator[Page]:
+    """A signed-in page in a phone's browser: 360 px wide, touch (`pointer: coarse`), 3 device
+    pixels a CSS pixel."""
+    ctx = browser.new_context(**TOUCH_PHONE)
+    ctx.set_default_timeout(WAIT_MS)
+    p = ctx.new_page()
+    sign_in(p, srv, srv.token)
+    expect(p.get_by_role("heading", name="Library")).to_be_visible()
+    yield p
+    ctx.close()
+
+
+def reading_order(boxes: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The pairs of `boxes` (in the keyboard's order) where the second is drawn before the
+    first as a line is read: above it, or on its line but to its left."""
+    wrong = []
+    for one, other in itertools.pairwise(boxes):
+        middle = (other["top"] + other["bottom"]) / 2
+        same_line = one["top"] <= middle <= one["bottom"]
+        if middle < one["top"] or (same_line and other["left"] < one["right"]):
+            wrong.append((one["name"], other["name"]))
+    return wrong
+
+
+def test_the_keyboard_goes_through_the_header_in_the_order_it_is_drawn(
+    page: Page, srv: Server
+) -> None:
+    """Tab reaches the name, the links and Sign out in the order they are drawn, at every
+    width: on a phone Sign out was drawn beside the name, above the links, and reached after
+    them."""
+    stops = 2 + len(ui.NAV)  # the name, the links, Sign out
+    for viewport in (DESKTOP, DESKTOP_ZOOMED, COMMON_PHONE, PHONE):
+        page.set_viewport_size(viewport)
+        page.goto(srv.url + "/files")
+        page.keyboard.press("Tab")  # the skip link, drawn over the header while focused
+        boxes = []
+        for _ in range(stops):
+            page.keyboard.press("Tab")
+            boxes.append(page.evaluate(FOCUSED_BOX))
+        assert [b["name"] for b in boxes] == ["metanode", *dict(ui.NAV).values(), "Sign out"]
+        assert reading_order(boxes) == [], viewport
