@@ -1947,3 +1947,44 @@ def test_the_keyboard_goes_through_the_header_in_the_order_it_is_drawn(
             boxes.append(page.evaluate(FOCUSED_BOX))
         assert [b["name"] for b in boxes] == ["metanode", *dict(ui.NAV).values(), "Sign out"]
         assert reading_order(boxes) == [], viewport
+
+
+# a finger's targets under 44 × 44 CSS px: every control (a checkbox with its label) and every
+# link but one inside a sentence (WCAG 2.5.5's exception); the skip link once it is focused
+SMALL_TARGETS = """() => [...document.querySelectorAll("a, button, input, select, textarea")]
+  .concat([...document.querySelectorAll("summary")])
+  .filter((e) => e.type !== "hidden" && e.checkVisibility())
+  .filter((e) => !(e.tagName === "A" && e.parentElement.closest("p")
+    && e.parentElement.closest("p").textContent.trim() !== e.textContent.trim()))
+  .map((e) => [e, (["checkbox", "radio"].includes(e.type) ? e.closest("label") : e)
+    .getBoundingClientRect()])
+  .filter(([e, r]) => r.right > 0 && (r.width < 44 || r.height < 44))
+  .map(([e, r]) => `${e.tagName} ${(e.textContent || e.id).trim().slice(0, 30)}: `
+    + `${Math.round(r.width)} × ${Math.round(r.height)}`)"""
+
+
+def test_every_target_on_a_phone_is_big_enough_for_a_finger(
+    phone: Page, browser: Browser, srv: Server
+) -> None:
+    """On a touch screen every control and link (but one inside a sentence) is at least 44 × 44
+    CSS px (WCAG 2.5.5): the navigation's links were 23 px tall, four apart, the buttons and
+    fields 36, the library's checkbox 13 × 13, a record's or a file's link 19."""
+    midhash = titled(srv, drop(srv, "Felt.Atlas.2011.mkv"), "Felt Atlas")
+    drop(srv, "Felt.Atlas.2011.en.srt", b"1\n00:00:00,000 --> 00:00:01,000\nHi\n")
+    older = [f"/?before={'z' * 26}"]  # a later page of the library: its pager's links
+    folder = f"/files?prefix={quote(str(srv.media))}"
+    for path in [*PAGES.values(), f"/records/{midhash}", "/records/x", folder, *older]:
+        phone.goto(srv.url + path)
+        phone.wait_for_load_state("networkidle")
+        if path.startswith("/records/b"):
+            phone.get_by_role("button", name="Edit title").click()  # its field and Save too
+        assert phone.evaluate(SMALL_TARGETS) == [], path
+    phone.keyboard.press("Tab")
+    assert phone.evaluate(SMALL_TARGETS) == []  # the skip link, shown
+    signed_out = browser.new_context(**TOUCH_PHONE)
+    try:
+        outside = signed_out.new_page()
+        outside.goto(srv.url + "/")
+        assert outside.evaluate(SMALL_TARGETS) == []
+    finally:
+        signed_out.close()
