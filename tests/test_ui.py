@@ -1988,3 +1988,23 @@ def test_every_target_on_a_phone_is_big_enough_for_a_finger(
         assert outside.evaluate(SMALL_TARGETS) == []
     finally:
         signed_out.close()
+
+
+# the visible text drawn under 13 px (`small` is 13.3 at the default 16)
+TINY_TEXT = """() => { const tiny = [];
+  const texts = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let text = texts.nextNode(); text; text = texts.nextNode()) {
+    const e = text.parentElement, size = parseFloat(getComputedStyle(e).fontSize);
+    if (text.textContent.trim() && e.checkVisibility() && !e.closest(".visually-hidden")
+        && size < 13) tiny.push(`${text.textContent.trim().slice(0, 20)}: ${size} px`);
+  }
+  return tiny; }"""
+
+
+def test_every_text_on_a_phone_is_read_without_zooming(phone: Page, srv: Server) -> None:
+    """No text on a phone is under 13 px: the CIDs, paths and code (in `monospace`, which a
+    browser draws at its own smaller size) were 11.7 px, the signers' uids 9.75."""
+    midhash = titled(srv, drop(srv, "Cedar.Ledger.2004.mkv"), "Cedar Ledger")
+    for path in [*PAGES.values(), f"/records/{midhash}", "/records/x"]:
+        phone.goto(srv.url + path)
+        assert phone.evaluate(TINY_TEXT) == [], path
