@@ -2008,3 +2008,30 @@ def test_every_text_on_a_phone_is_read_without_zooming(phone: Page, srv: Server)
     for path in [*PAGES.values(), f"/records/{midhash}", "/records/x"]:
         phone.goto(srv.url + path)
         assert phone.evaluate(TINY_TEXT) == [], path
+
+
+# what a field asks of a phone's on-screen keyboard and of the browser's memory of forms
+KEYBOARD = """(e) => ({autocapitalize: e.autocapitalize, spellcheck: e.spellcheck,
+    autocorrect: e.getAttribute("autocorrect"), autocomplete: e.autocomplete,
+    enterkeyhint: e.enterKeyHint, type: e.type})"""
+TYPED_AS_IS = {"autocapitalize": "none", "spellcheck": False, "autocorrect": "off"}
+
+
+def test_a_phones_keyboard_leaves_a_key_and_a_search_as_typed(phone: Page, srv: Server) -> None:
+    """A key is spelled as the claims spell it: a phone's keyboard capitalised its first letter
+    and corrected it (`year` became the other key `Year`), as it corrected a search for a file
+    name's words (`s01e02`); a value field offered what the browser kept of other keys'
+    values, the search's Enter key said Go rather than Search."""
+    midhash = titled(srv, drop(srv, "Reed.Almanac.2009.mkv"), "Reed Almanac")
+    phone.goto(f"{srv.url}/records/{midhash}")
+    new_key = phone.get_by_label("New key").evaluate(KEYBOARD)
+    assert new_key == {**new_key, **TYPED_AS_IS, "autocomplete": "off"}
+    phone.get_by_role("button", name="Edit title").click()
+    for value in (phone.get_by_label("title", exact=True), phone.get_by_label("Value")):
+        assert value.evaluate(KEYBOARD)["autocomplete"] == "off"
+    phone.goto(srv.url + "/")
+    search = phone.get_by_label("Search").evaluate(KEYBOARD)
+    assert search == {**search, **TYPED_AS_IS, "enterkeyhint": "search", "type": "search"}
+    phone.get_by_label("Search").fill("reed alm")
+    phone.keyboard.press("Enter")
+    expect(phone.get_by_role("link", name="Reed Almanac")).to_be_visible()
