@@ -2035,3 +2035,21 @@ def test_a_phones_keyboard_leaves_a_key_and_a_search_as_typed(phone: Page, srv: 
     phone.get_by_label("Search").fill("reed alm")
     phone.keyboard.press("Enter")
     expect(phone.get_by_role("link", name="Reed Almanac")).to_be_visible()
+
+
+# each label of a form beside its field: [label, whether its middle is on the field's line and
+# it ends left of the field]
+BESIDE = """(form) => [...form.querySelectorAll("label[for]")].map((label) => {
+  const l = label.getBoundingClientRect(), f = label.control.getBoundingClientRect();
+  const middle = (l.top + l.bottom) / 2;
+  return [label.textContent, f.top <= middle && middle <= f.bottom && l.right <= f.left]; })"""
+
+
+def test_the_librarys_filters_keep_each_label_beside_its_field(page: Page, srv: Server) -> None:
+    """At phone width each of the library's labels is on its field's line: the form wrapped as
+    text does, so `Type` ended a line and its list began the next one, beside `Files`."""
+    for viewport in (DESKTOP, COMMON_PHONE, PHONE):
+        page.set_viewport_size(viewport)
+        page.goto(srv.url + "/")
+        labels = page.get_by_role("search").evaluate(BESIDE)
+        assert labels == [[name, True] for name in ("Search", "Type", "Files")], viewport
