@@ -1405,6 +1405,24 @@ def test_api_docs_render_from_the_package(page: Page, srv: Server) -> None:
     assert outside == []
 
 
+def test_the_api_docs_are_outlined_without_a_skipped_level(page: Page, srv: Server) -> None:
+    """The API docs' headings, as a screen reader lists them, go down one level at a time, an
+    operation opened too: Swagger UI went from its h1 (the API's title) to an h3 per tag."""
+    page.goto(f"{srv.url}/docs")
+    expect(page.get_by_role("heading", name="records", level=3)).to_be_visible()
+    expect(page.get_by_role("heading", name="Operations", level=2)).to_be_attached()
+    assert page.evaluate(OUTLINE) == {
+        "h1": 1,
+        "skips": False,
+        "landmarks": ["header", "main"],
+        "lang": "en",
+        "current": [],
+    }
+    page.locator(".opblock-summary", has_text="/api/claims").first.click()
+    expect(page.get_by_role("heading", name="Parameters")).to_be_visible()
+    assert page.evaluate(OUTLINE)["skips"] is False
+
+
 PAGES = {
     "library": "/",
     "live": "/live",
