@@ -15,4 +15,8 @@ const outlined = (system) => ({
   },
 });
 
-window.ui = SwaggerUIBundle({ url: `${root}/openapi.json`, dom_id: "#swagger-ui", plugins: [outlined] });
+window.ui = SwaggerUIBundle({
+  url: `${root}/openapi.json`,
+  dom_id: "#swagger-ui",
+  plugins: [outlined],
+});
