@@ -28,7 +28,15 @@ import httpx
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect, sync_playwright
+from playwright.sync_api import (
+    Browser,
+    BrowserContext,
+    Page,
+    Playwright,
+    Route,
+    expect,
+    sync_playwright,
+)
 
 from metanode import cache, db, labels, rid, ui
 from metanode import cid as cids
@@ -2071,3 +2079,55 @@ def test_the_librarys_filters_keep_each_label_beside_its_field(page: Page, srv: 
         page.goto(srv.url + "/")
         labels = page.get_by_role("search").evaluate(BESIDE)
         assert labels == [[name, True] for name in ("Search", "Type", "Files")], viewport
+
+
+LABEL_ASKS = 4  # metanode.js: the names Live asks at once
+
+
+def test_live_asks_a_few_names_at_once_the_newest_rows_first(phone: Page, srv: Server) -> None:
+    """Over a slow link Live asks at most LABEL_ASKS records' names at once, for the rows it
+    still shows, the newest first: it asked one for every record that came by, all at once (a
+    burst of 1,000 queued 1,000 asks, 800 for rows already dropped, the oldest first). The
+    asks are held here, as a slow link holds them, and then let through."""
+    asked: list[str] = []  # the rids asked, in order
+    held: list[Route] = []  # the asks a slow link holds
+    through = threading.Event()  # the link let through
+
+    def ask(route: Route) -> None:
+        asked.append(route.request.url.rsplit("/", 2)[-2])
+        if through.is_set():
+            route.continue_()
+        else:
+            held.append(route)
+
+    phone.route("**/records/*/label", ask)
+    phone.goto(srv.url + "/live")
+    expect(phone.get_by_role("status")).to_have_text("connected")
+    burst = Signer()
+    srv.register(burst.uid, "burst", weight=1)
+    at = now_ms()
+    titles = [f"Burst {n}" for n in range(250)]
+    post(
+        srv,
+        *(
+            burst.claim(cids.midhash_bytes(t.encode()), "title", t, at + n)
+            for n, t in enumerate(titles)
+        ),
+    )
+    changes = phone.get_by_role("list", name="Changes")
+    expect(changes.get_by_role("listitem").filter(has_text="title = Burst 249")).to_have_count(1)
+    # the page's requests reach the handler as Playwright is called
+    poll(lambda: phone.evaluate("() => true") if len(held) >= LABEL_ASKS else None, "the asks")
+    assert len(held) == LABEL_ASKS  # the others wait: 250 were asked at once
+
+    through.set()
+    for route in held:
+        route.continue_()
+    by_rid = changes.get_by_role("link", name=re.compile(f"^[{rid.ALPHABET}]{{26}}$"))
+    expect(by_rid).to_have_count(0)  # every row named
+    expect(changes.get_by_role("link", name="Burst 249")).to_be_visible()
+    shown = changes.get_by_role("link").evaluate_all("(links) => links.map((a) => a.dataset.rid)")
+    then = asked[LABEL_ASKS:]
+    assert then[0] == shown[0]  # once the first asks were answered, the newest row's
+    assert set(then) <= set(shown)  # and none for a row gone
+    assert len(asked) == len(set(asked))  # each once
