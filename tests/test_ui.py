@@ -2131,3 +2131,21 @@ def test_live_asks_a_few_names_at_once_the_newest_rows_first(phone: Page, srv: S
     assert then[0] == shown[0]  # once the first asks were answered, the newest row's
     assert set(then) <= set(shown)  # and none for a row gone
     assert len(asked) == len(set(asked))  # each once
+
+
+# each plugin's row on the page: [how many lines its counts take, whether what it runs now is
+# shown exactly when it runs something]
+PLUGIN_ROWS = """() => [...document.querySelectorAll("#plugins tbody tr")].map((row) => {
+  const lines = new Set([...row.querySelectorAll("td.count")]
+    .map((td) => Math.round(td.getBoundingClientRect().top)));
+  const running = row.querySelector(".running");
+  return [lines.size, running.checkVisibility() === (running.textContent !== "")]; })"""
+
+
+def test_a_plugins_counts_fit_two_lines_of_a_phone(phone: Page, srv: Server) -> None:
+    """On a phone a plugin's version, weight and counts are side by side, two lines, and what
+    it runs now is there while it runs something: a plugin was eight lines, the last one
+    `running now:` with nothing after it, and five plugins a screen and a half."""
+    phone.goto(srv.url + "/plugins")
+    rows = phone.evaluate(PLUGIN_ROWS)
+    assert len(rows) == 5 and all(lines <= 2 and shown for lines, shown in rows), rows
