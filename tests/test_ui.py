@@ -1492,11 +1492,22 @@ def test_every_page_names_its_controls_and_fits_a_phone(
     assert [m for m in console if m != not_found] == []  # the not-found pages' own 404s
 
 
+# where `fits` looks at a page: [its name, the viewport, whether it is a touch screen]
+SCREENS = (
+    ("desktop", DESKTOP, False),
+    ("zoomed", DESKTOP_ZOOMED, False),
+    ("narrowest", PHONE, False),
+    ("phone", COMMON_PHONE, True),
+)
+
+
 def fits(page: Page, url: str, name: str, into: Path | None) -> None:
-    """`url` at desktop width, zoomed to 200 % and at phone width: every control named,
-    nothing wider than the screen; a screenshot of the desktop and the phone into `into`, if
-    given."""
-    for width, viewport in (("desktop", DESKTOP), ("zoomed", DESKTOP_ZOOMED), ("phone", PHONE)):
+    """`url` at desktop width, zoomed to 200 %, at 320 px and on a 360 px touch screen: every
+    control named, nothing wider than the screen; a screenshot of the desktop and the phone
+    into `into`, if given."""
+    touch = page.context.new_cdp_session(page)
+    for width, viewport, touching in SCREENS:
+        touch.send("Emulation.setTouchEmulationEnabled", {"enabled": touching})
         page.set_viewport_size(viewport)
         page.goto(url)
         page.wait_for_load_state("networkidle")
@@ -1508,8 +1519,10 @@ def fits(page: Page, url: str, name: str, into: Path | None) -> None:
             ".filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.textContent)"
         )  # one another
         assert spilled == [], f"{name} at {width} width: cells overflow: {spilled}"
-        if into is not None and width != "zoomed":
+        if into is not None and width in ("desktop", "phone"):
             page.screenshot(path=str(into / f"{name}-{width}.png"), full_page=True)
+    touch.send("Emulation.setTouchEmulationEnabled", {"enabled": False})
+    touch.detach()
 
 
 def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path) -> None:
