@@ -2042,8 +2042,10 @@ TINY_TEXT = """() => { const tiny = [];
 
 def test_every_text_on_a_phone_is_read_without_zooming(phone: Page, srv: Server) -> None:
     """No text on a phone is under 13 px: the CIDs, paths and code (in `monospace`, which a
-    browser draws at its own smaller size) were 11.7 px, the signers' uids 9.75."""
+    browser draws at its own smaller size) were 11.7 px, the signers' uids 9.75, the code
+    point shown for a right-to-left override in a file name under its title 10."""
     midhash = titled(srv, drop(srv, "Cedar.Ledger.2004.mkv"), "Cedar Ledger")
+    midhash_of(srv, drop(srv, "Cedar.Ledger.\u202emkv.exe.mkv"))  # on the library and Files
     for path in [*PAGES.values(), f"/records/{midhash}", "/records/x"]:
         phone.goto(srv.url + path)
         assert phone.evaluate(TINY_TEXT) == [], path
