@@ -1970,20 +1970,20 @@ def reading_order(boxes: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def test_the_keyboard_goes_through_the_header_in_the_order_it_is_drawn(
-    page: Page, srv: Server
+    page: Page, phone: Page, srv: Server
 ) -> None:
     """Tab reaches the name, the links and Sign out in the order they are drawn, at every
-    width: on a phone Sign out was drawn beside the name, above the links, and reached after
-    them."""
-    stops = 2 + len(ui.NAV)  # the name, the links, Sign out
-    for viewport in (DESKTOP, DESKTOP_ZOOMED, COMMON_PHONE, PHONE):
-        page.set_viewport_size(viewport)
-        page.goto(srv.url + "/files")
-        page.keyboard.press("Tab")  # the skip link, drawn over the header while focused
+    width and on a touch screen: on a phone Sign out was drawn beside the name, above the
+    links, and reached after them."""
+    screens = [(page, v) for v in (DESKTOP, DESKTOP_ZOOMED, COMMON_PHONE, PHONE)]
+    for tab, viewport in [*screens, (phone, COMMON_PHONE)]:
+        tab.set_viewport_size(viewport)
+        tab.goto(srv.url + "/files")
+        tab.keyboard.press("Tab")  # the skip link, drawn over the header while focused
         boxes = []
-        for _ in range(stops):
-            page.keyboard.press("Tab")
-            boxes.append(page.evaluate(FOCUSED_BOX))
+        for _ in range(2 + len(ui.NAV)):  # the name, the links, Sign out
+            tab.keyboard.press("Tab")
+            boxes.append(tab.evaluate(FOCUSED_BOX))
         assert [b["name"] for b in boxes] == ["metanode", *dict(ui.NAV).values(), "Sign out"]
         assert reading_order(boxes) == [], viewport
 
