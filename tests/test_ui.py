@@ -2177,3 +2177,13 @@ def test_the_api_docs_buttons_are_big_enough_for_a_finger(phone: Page, srv: Serv
     expect(phone.get_by_role("button", name="Try it out")).to_be_visible()
     small = phone.evaluate(SMALL_TARGETS)
     assert [target for target in small if not target.startswith("A ")] == []
+
+
+def test_a_short_name_in_code_is_never_split_between_lines(phone: Page, srv: Server) -> None:
+    """A path, a route or a CID is broken between lines only when it is longer than a line:
+    on a phone Live's `/api/events` read `/api/e` on one line and `vents` on the next."""
+    for viewport in (COMMON_PHONE, PHONE):
+        phone.set_viewport_size(viewport)
+        phone.goto(srv.url + "/live")
+        route = phone.locator("code", has_text="/api/events")
+        assert route.evaluate("(code) => code.getClientRects().length") == 1, viewport
