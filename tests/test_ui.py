@@ -28,7 +28,15 @@ import httpx
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
-from playwright.sync_api import Browser, BrowserContext, Page, Playwright, expect, sync_playwright
+from playwright.sync_api import (
+    Browser,
+    BrowserContext,
+    Page,
+    Playwright,
+    Route,
+    expect,
+    sync_playwright,
+)
 
 from metanode import cache, db, labels, rid, ui
 from metanode import cid as cids
@@ -1486,6 +1494,24 @@ def test_api_docs_render_from_the_package(page: Page, srv: Server) -> None:
     assert outside == []
 
 
+def test_the_api_docs_are_outlined_without_a_skipped_level(page: Page, srv: Server) -> None:
+    """The API docs' headings, as a screen reader lists them, go down one level at a time, an
+    operation opened too: Swagger UI went from its h1 (the API's title) to an h3 per tag."""
+    page.goto(f"{srv.url}/docs")
+    expect(page.get_by_role("heading", name="records", level=3)).to_be_visible()
+    expect(page.get_by_role("heading", name="Operations", level=2)).to_be_attached()
+    assert page.evaluate(OUTLINE) == {
+        "h1": 1,
+        "skips": False,
+        "landmarks": ["header", "main"],
+        "lang": "en",
+        "current": [],
+    }
+    page.locator(".opblock-summary", has_text="/api/claims").first.click()
+    expect(page.get_by_role("heading", name="Parameters")).to_be_visible()
+    assert page.evaluate(OUTLINE)["skips"] is False
+
+
 PAGES = {
     "library": "/",
     "live": "/live",
@@ -1547,11 +1573,22 @@ def test_every_page_names_its_controls_and_fits_a_phone(
     assert [m for m in console if m != not_found] == []  # the not-found pages' own 404s
 
 
+# where `fits` looks at a page: [its name, the viewport, whether it is a touch screen]
+SCREENS = (
+    ("desktop", DESKTOP, False),
+    ("zoomed", DESKTOP_ZOOMED, False),
+    ("narrowest", PHONE, False),
+    ("phone", COMMON_PHONE, True),
+)
+
+
 def fits(page: Page, url: str, name: str, into: Path | None) -> None:
-    """`url` at desktop width, zoomed to 200 % and at phone width: every control named,
-    nothing wider than the screen; a screenshot of the desktop and the phone into `into`, if
-    given."""
-    for width, viewport in (("desktop", DESKTOP), ("zoomed", DESKTOP_ZOOMED), ("phone", PHONE)):
+    """`url` at desktop width, zoomed to 200 %, at 320 px and on a 360 px touch screen: every
+    control named, nothing wider than the screen; a screenshot of the desktop and the phone
+    into `into`, if given."""
+    touch = page.context.new_cdp_session(page)
+    for width, viewport, touching in SCREENS:
+        touch.send("Emulation.setTouchEmulationEnabled", {"enabled": touching})
         page.set_viewport_size(viewport)
         page.goto(url)
         page.wait_for_load_state("networkidle")
@@ -1563,8 +1600,10 @@ def fits(page: Page, url: str, name: str, into: Path | None) -> None:
             ".filter(td => td.scrollWidth > td.clientWidth + 1).map(td => td.textContent)"
         )  # one another
         assert spilled == [], f"{name} at {width} width: cells overflow: {spilled}"
-        if into is not None and width != "zoomed":
+        if into is not None and width in ("desktop", "phone"):
             page.screenshot(path=str(into / f"{name}-{width}.png"), full_page=True)
+    touch.send("Emulation.setTouchEmulationEnabled", {"enabled": False})
+    touch.detach()
 
 
 def test_an_older_cache_gets_its_library_index_from_the_migration(tmp_path: Path) -> None:
@@ -1970,3 +2009,262 @@ def contrast(one: str, other: str) -> float:
 
     light, dark = sorted((luminance(one), luminance(other)), reverse=True)
     return (light + 0.05) / (dark + 0.05)
+
+
+# -- a phone: a narrow screen, a finger, an on-screen keyboard ---------------------------------
+
+TOUCH_PHONE = {
+    "viewport": COMMON_PHONE,
+    "is_mobile": True,
+    "has_touch": True,
+    "device_scale_factor": 3,
+}
+# where the focused element is drawn, and what it is
+FOCUSED_BOX = """() => { const e = document.activeElement, r = e.getBoundingClientRect();
+    return {name: (e.getAttribute("aria-label") || e.textContent).trim(),
+            top: r.top, bottom: r.bottom, left: r.left, right: r.right}; }"""
+
+
+@pytest.fixture
+def phone(browser: Browser, srv: Server) -> Iterator[Page]:
+    """A signed-in page in a phone's browser: 360 px wide, touch (`pointer: coarse`), 3 device
+    pixels a CSS pixel."""
+    ctx = browser.new_context(**TOUCH_PHONE)
+    ctx.set_default_timeout(WAIT_MS)
+    p = ctx.new_page()
+    sign_in(p, srv, srv.token)
+    expect(p.get_by_role("heading", name="Library")).to_be_visible()
+    yield p
+    ctx.close()
+
+
+def reading_order(boxes: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The pairs of `boxes` (in the keyboard's order) where the second is drawn before the
+    first as a line is read: above it, or on its line but to its left."""
+    wrong = []
+    for one, other in itertools.pairwise(boxes):
+        middle = (other["top"] + other["bottom"]) / 2
+        same_line = one["top"] <= middle <= one["bottom"]
+        if middle < one["top"] or (same_line and other["left"] < one["right"]):
+            wrong.append((one["name"], other["name"]))
+    return wrong
+
+
+def test_the_keyboard_goes_through_the_header_in_the_order_it_is_drawn(
+    page: Page, phone: Page, srv: Server
+) -> None:
+    """Tab reaches the name, the links and Sign out in the order they are drawn, at every
+    width and on a touch screen: on a phone Sign out was drawn beside the name, above the
+    links, and reached after them."""
+    screens = [(page, v) for v in (DESKTOP, DESKTOP_ZOOMED, COMMON_PHONE, PHONE)]
+    for tab, viewport in [*screens, (phone, COMMON_PHONE)]:
+        tab.set_viewport_size(viewport)
+        tab.goto(srv.url + "/files")
+        tab.keyboard.press("Tab")  # the skip link, drawn over the header while focused
+        boxes = []
+        for _ in range(2 + len(ui.NAV)):  # the name, the links, Sign out
+            tab.keyboard.press("Tab")
+            boxes.append(tab.evaluate(FOCUSED_BOX))
+        assert [b["name"] for b in boxes] == ["metanode", *dict(ui.NAV).values(), "Sign out"]
+        assert reading_order(boxes) == [], viewport
+
+
+# a finger's targets under 44 × 44 CSS px: every control (a checkbox with its label) and every
+# link but one inside a sentence (WCAG 2.5.5's exception); the skip link once it is focused
+SMALL_TARGETS = """() => [...document.querySelectorAll("a, button, input, select, textarea")]
+  .concat([...document.querySelectorAll("summary")])
+  .filter((e) => e.type !== "hidden" && e.checkVisibility())
+  .filter((e) => !(e.tagName === "A" && e.parentElement.closest("p")
+    && e.parentElement.closest("p").textContent.trim() !== e.textContent.trim()))
+  .map((e) => [e, (["checkbox", "radio"].includes(e.type) ? e.closest("label") : e)
+    .getBoundingClientRect()])
+  .filter(([e, r]) => r.right > 0 && (r.width < 44 || r.height < 44))
+  .map(([e, r]) => `${e.tagName} ${(e.textContent || e.id).trim().slice(0, 30)}: `
+    + `${Math.round(r.width)} × ${Math.round(r.height)}`)"""
+
+
+def test_every_target_on_a_phone_is_big_enough_for_a_finger(
+    phone: Page, browser: Browser, srv: Server
+) -> None:
+    """On a touch screen every control and link (but one inside a sentence) is at least 44 × 44
+    CSS px (WCAG 2.5.5): the navigation's links were 23 px tall, four apart, the buttons and
+    fields 36, the library's checkbox 13 × 13, a record's or a file's link 19."""
+    midhash = titled(srv, drop(srv, "Felt.Atlas.2011.mkv"), "Felt Atlas")
+    drop(srv, "Felt.Atlas.2011.en.srt", b"1\n00:00:00,000 --> 00:00:01,000\nHi\n")
+    older = [f"/?before={'z' * 26}"]  # a later page of the library: its pager's links
+    folder = f"/files?prefix={quote(str(srv.media))}"
+    for path in [*PAGES.values(), f"/records/{midhash}", "/records/x", folder, *older]:
+        phone.goto(srv.url + path)
+        phone.wait_for_load_state("networkidle")
+        if path.startswith("/records/b"):
+            phone.get_by_role("button", name="Edit title").click()  # its field and Save too
+        assert phone.evaluate(SMALL_TARGETS) == [], path
+    phone.keyboard.press("Tab")
+    assert phone.evaluate(SMALL_TARGETS) == []  # the skip link, shown
+    signed_out = browser.new_context(**TOUCH_PHONE)
+    try:
+        outside = signed_out.new_page()
+        outside.goto(srv.url + "/")
+        assert outside.evaluate(SMALL_TARGETS) == []
+    finally:
+        signed_out.close()
+
+
+# the visible text drawn under 13 px (`small` is 13.3 at the default 16)
+TINY_TEXT = """() => { const tiny = [];
+  const texts = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let text = texts.nextNode(); text; text = texts.nextNode()) {
+    const e = text.parentElement, size = parseFloat(getComputedStyle(e).fontSize);
+    if (text.textContent.trim() && e.checkVisibility() && !e.closest(".visually-hidden")
+        && size < 13) tiny.push(`${text.textContent.trim().slice(0, 20)}: ${size} px`);
+  }
+  return tiny; }"""
+
+
+def test_every_text_on_a_phone_is_read_without_zooming(phone: Page, srv: Server) -> None:
+    """No text on a phone is under 13 px: the CIDs, paths and code (in `monospace`, which a
+    browser draws at its own smaller size) were 11.7 px, the signers' uids 9.75, the code
+    point shown for a right-to-left override in a file name under its title 10."""
+    midhash = titled(srv, drop(srv, "Cedar.Ledger.2004.mkv"), "Cedar Ledger")
+    midhash_of(srv, drop(srv, "Cedar.Ledger.\u202emkv.exe.mkv"))  # on the library and Files
+    for path in [*PAGES.values(), f"/records/{midhash}", "/records/x"]:
+        phone.goto(srv.url + path)
+        assert phone.evaluate(TINY_TEXT) == [], path
+
+
+# what a field asks of a phone's on-screen keyboard and of the browser's memory of forms
+KEYBOARD = """(e) => ({autocapitalize: e.autocapitalize, spellcheck: e.spellcheck,
+    autocorrect: e.getAttribute("autocorrect"), autocomplete: e.autocomplete,
+    enterkeyhint: e.enterKeyHint, type: e.type})"""
+TYPED_AS_IS = {"autocapitalize": "none", "spellcheck": False, "autocorrect": "off"}
+
+
+def test_a_phones_keyboard_leaves_a_key_and_a_search_as_typed(phone: Page, srv: Server) -> None:
+    """A key is spelled as the claims spell it: a phone's keyboard capitalised its first letter
+    and corrected it (`year` became the other key `Year`), as it corrected a search for a file
+    name's words (`s01e02`); a value field offered what the browser kept of other keys'
+    values, the search's Enter key said Go rather than Search."""
+    midhash = titled(srv, drop(srv, "Reed.Almanac.2009.mkv"), "Reed Almanac")
+    phone.goto(f"{srv.url}/records/{midhash}")
+    new_key = phone.get_by_label("New key").evaluate(KEYBOARD)
+    assert new_key == {**new_key, **TYPED_AS_IS, "autocomplete": "off"}
+    phone.get_by_role("button", name="Edit title").click()
+    for value in (phone.get_by_label("title", exact=True), phone.get_by_label("Value")):
+        assert value.evaluate(KEYBOARD)["autocomplete"] == "off"
+    phone.goto(srv.url + "/")
+    search = phone.get_by_label("Search").evaluate(KEYBOARD)
+    assert search == {**search, **TYPED_AS_IS, "enterkeyhint": "search", "type": "search"}
+    phone.get_by_label("Search").fill("reed alm")
+    phone.keyboard.press("Enter")
+    expect(phone.get_by_role("link", name="Reed Almanac")).to_be_visible()
+
+
+# each label of a form beside its field: [label, whether its middle is on the field's line and
+# it ends left of the field]
+BESIDE = """(form) => [...form.querySelectorAll("label[for]")].map((label) => {
+  const l = label.getBoundingClientRect(), f = label.control.getBoundingClientRect();
+  const middle = (l.top + l.bottom) / 2;
+  return [label.textContent, f.top <= middle && middle <= f.bottom && l.right <= f.left]; })"""
+
+
+def test_the_librarys_filters_keep_each_label_beside_its_field(page: Page, srv: Server) -> None:
+    """At phone width each of the library's labels is on its field's line: the form wrapped as
+    text does, so `Type` ended a line and its list began the next one, beside `Files`."""
+    for viewport in (DESKTOP, COMMON_PHONE, PHONE):
+        page.set_viewport_size(viewport)
+        page.goto(srv.url + "/")
+        labels = page.get_by_role("search").evaluate(BESIDE)
+        assert labels == [[name, True] for name in ("Search", "Type", "Files")], viewport
+
+
+LABEL_ASKS = 4  # metanode.js: the names Live asks at once
+
+
+def test_live_asks_a_few_names_at_once_the_newest_rows_first(phone: Page, srv: Server) -> None:
+    """Over a slow link Live asks at most LABEL_ASKS records' names at once, for the rows it
+    still shows, the newest first: it asked one for every record that came by, all at once (a
+    burst of 1,000 queued 1,000 asks, 800 for rows already dropped, the oldest first). The
+    asks are held here, as a slow link holds them, and then let through."""
+    asked: list[str] = []  # the rids asked, in order
+    held: list[Route] = []  # the asks a slow link holds
+    through = threading.Event()  # the link let through
+
+    def ask(route: Route) -> None:
+        asked.append(route.request.url.rsplit("/", 2)[-2])
+        if through.is_set():
+            route.continue_()
+        else:
+            held.append(route)
+
+    phone.route("**/records/*/label", ask)
+    phone.goto(srv.url + "/live")
+    expect(phone.get_by_role("status")).to_have_text("connected")
+    burst = Signer()
+    srv.register(burst.uid, "burst", weight=1)
+    at = now_ms()
+    titles = [f"Burst {n}" for n in range(250)]
+    post(
+        srv,
+        *(
+            burst.claim(cids.midhash_bytes(t.encode()), "title", t, at + n)
+            for n, t in enumerate(titles)
+        ),
+    )
+    changes = phone.get_by_role("list", name="Changes")
+    expect(changes.get_by_role("listitem").filter(has_text="title = Burst 249")).to_have_count(1)
+    # the page's requests reach the handler as Playwright is called
+    poll(lambda: phone.evaluate("() => true") if len(held) >= LABEL_ASKS else None, "the asks")
+    assert len(held) == LABEL_ASKS  # the others wait: 250 were asked at once
+
+    through.set()
+    for route in held:
+        route.continue_()
+    by_rid = changes.get_by_role("link", name=re.compile(f"^[{rid.ALPHABET}]{{26}}$"))
+    expect(by_rid).to_have_count(0)  # every row named
+    expect(changes.get_by_role("link", name="Burst 249")).to_be_visible()
+    shown = changes.get_by_role("link").evaluate_all("(links) => links.map((a) => a.dataset.rid)")
+    then = asked[LABEL_ASKS:]
+    assert then[0] == shown[0]  # once the first asks were answered, the newest row's
+    assert set(then) <= set(shown)  # and none for a row gone
+    assert len(asked) == len(set(asked))  # each once
+
+
+# each plugin's row on the page: [how many lines its counts take, whether what it runs now is
+# shown exactly when it runs something]
+PLUGIN_ROWS = """() => [...document.querySelectorAll("#plugins tbody tr")].map((row) => {
+  const lines = new Set([...row.querySelectorAll("td.count")]
+    .map((td) => Math.round(td.getBoundingClientRect().top)));
+  const running = row.querySelector(".running");
+  return [lines.size, running.checkVisibility() === (running.textContent !== "")]; })"""
+
+
+def test_a_plugins_counts_fit_two_lines_of_a_phone(phone: Page, srv: Server) -> None:
+    """On a phone a plugin's version, weight and counts are side by side, two lines, and what
+    it runs now is there while it runs something: a plugin was eight lines, the last one
+    `running now:` with nothing after it, and five plugins a screen and a half."""
+    phone.goto(srv.url + "/plugins")
+    rows = phone.evaluate(PLUGIN_ROWS)
+    assert len(rows) == 5 and all(lines <= 2 and shown for lines, shown in rows), rows
+
+
+def test_the_api_docs_buttons_are_big_enough_for_a_finger(phone: Page, srv: Server) -> None:
+    """On a touch screen Swagger UI's buttons and its servers' list are 44 × 44 CSS px too: of
+    its 194 targets under that, 142 were those (Expand all 62 × 16, a path's copy button
+    32 × 27, a lock 30 × 25). Its 52 links (a tag's, an operation's path, inside the
+    operation's own button) stay as Swagger UI draws them."""
+    phone.goto(srv.url + "/docs")
+    expect(phone.get_by_role("heading", name="records", level=3)).to_be_visible()
+    phone.locator(".opblock-summary", has_text="/api/claims").first.click()
+    expect(phone.get_by_role("button", name="Try it out")).to_be_visible()
+    small = phone.evaluate(SMALL_TARGETS)
+    assert [target for target in small if not target.startswith("A ")] == []
+
+
+def test_a_short_name_in_code_is_never_split_between_lines(phone: Page, srv: Server) -> None:
+    """A path, a route or a CID is broken between lines only when it is longer than a line:
+    on a phone Live's `/api/events` read `/api/e` on one line and `vents` on the next."""
+    for viewport in (COMMON_PHONE, PHONE):
+        phone.set_viewport_size(viewport)
+        phone.goto(srv.url + "/live")
+        route = phone.locator("code", has_text="/api/events")
+        assert route.evaluate("(code) => code.getClientRects().length") == 1, viewport

@@ -61,6 +61,13 @@ const NEWS_CHARS = 120;
 // how long Live waits before following again after the node refused its feed for a while (503)
 const LIVE_RETRY_MS = 5000;
 
+// How many names Live asks at once: of the six connections a browser opens to a host, one is
+// the feed's, and one stays free for a tap on a link. It asked one for every record that came
+// by, all at once: over a slow phone link (400 ms there and back, 400 kbit/s) a burst of 1,000
+// new records queued 1,000 asks, 800 for rows already dropped (the page keeps 200), the oldest
+// first, and the rows shown had their names after 85 s.
+const LABEL_ASKS = 4;
+
 // A name or value as the page shows it (ui.legible, the same set of characters): in a <bdi>,
 // so a right-to-left text or an override inside it never reorders the rest of the row, with
 // each character that changes how it reads without being seen (a control character, a
@@ -87,7 +94,7 @@ function startLive() {
   if (!list) return;
   const renaming = new Set(list.dataset.labelKeys.split(" "));
   const known = new Map(); // rid → its label, once asked
-  const asking = new Map(); // rid → true while asked, "again" when it may have changed since
+  const asking = new Set(); // the rids whose names are being asked
   let source = null;
   let lastId = ""; // the newest event's id: a new EventSource goes on from it
   const gone = () => { source.close(); signedOut(status); };
@@ -109,23 +116,29 @@ function startLive() {
     unread += 1;
     if (newsTimer === null) newsTimer = setTimeout(told, NEWS_MS);
   };
+  const links = (rid) => list.querySelectorAll(`a[data-rid="${CSS.escape(rid)}"]`);
   const rename = (rid, label) => {
     known.set(rid, label);
-    for (const link of list.querySelectorAll(`a[data-rid="${CSS.escape(rid)}"]`)) {
-      link.replaceChildren(legible(label));
+    for (const link of links(rid)) link.replaceChildren(legible(label));
+  };
+  // A row whose record's name is unknown, or may have changed, has its link marked `stale`;
+  // the names asked are those of the newest such rows still on the page, LABEL_ASKS at once.
+  const pump = () => {
+    for (const link of list.querySelectorAll("a[data-stale]")) {
+      if (asking.size >= LABEL_ASKS) return;
+      if (!asking.has(link.dataset.rid)) ask(link.dataset.rid);
     }
   };
   const ask = async (rid) => {
-    if (asking.has(rid)) { asking.set(rid, "again"); return; }
-    asking.set(rid, true);
+    asking.add(rid);
+    for (const link of links(rid)) delete link.dataset.stale;
     try {
       const r = await fetch(`${ROOT}/records/${encodeURIComponent(rid)}/label`, { credentials: "same-origin" });
       if (r.status === 401) return gone();
       if (r.ok) rename(rid, (await r.json()).label);
     } catch { /* the node does not answer: the row keeps the name it has */ }
-    const again = asking.get(rid) === "again";
     asking.delete(rid);
-    if (again) ask(rid);
+    pump(); // a rename that came meanwhile marked its rows again
   };
   // EventSource retries by itself while the node does not answer; it gives up (CLOSED) when the
   // node answers anything but 200. That is a gone session (401) or a node that cannot take the
@@ -176,9 +189,13 @@ function startLive() {
     item.append(link, ` ${event.type} `, legible(data.key));
     if (data.value !== undefined) item.append(" = ", legible(data.value));
     list.prepend(item);
+    // a first name already asked is the new row's too; a rename asks again, after an ask
+    // under way (whose answer may be the old name)
+    if (renaming.has(data.key)) for (const other of links(data.rid)) other.dataset.stale = "";
+    else if (!known.has(data.rid) && !asking.has(data.rid)) link.dataset.stale = "";
     trim(list);
     tell();
-    if (!known.has(data.rid) || renaming.has(data.key)) ask(data.rid);
+    pump();
   };
   connect();
 }
