@@ -553,13 +553,19 @@ class Watcher:
         transaction (one `set` of `filePath`), not a loss and a late re-appearance. A folder
         is walked; if a file of its name was known (a file replaced by a folder), that file is
         gone; if part of it cannot be listed, /health says so now (`unlisted`), not at the next
-        reconciliation.
+        reconciliation. A root reported gone (moved away, which inotify reports as deleted) is
+        watched again, and the reconciliation that follows keeps its files as those of a root
+        missing at start: removing the rows below it reported every file deleted to consumers,
+        and hashed each again, as new, once the folder was back.
         """
         removed: list[str] = []
         touched: dict[str, Stat] = {}
         folders: list[str] = []
         unlisted: list[str] = []
         for path in sorted({p for _, p in changes}):
+            if path in self.roots and _folder_device(path) is None:
+                self._rewatch.set()  # a root gone: kept as missing (`_listing`), not emptied
+                continue
             if os.path.isdir(path) and (self.rules.follow_symlinks or not os.path.islink(path)):
                 folders.append(path)
                 root = self._root_of(path) or path

@@ -31,6 +31,7 @@ from metanode import watcher
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server
 from tests.helpers.vectors import load_vectors
+from tests.helpers.wait import poll
 
 T = TypeVar("T")
 DEADLINE_S = 20.0
@@ -800,6 +801,32 @@ def test_a_watch_root_missing_at_start_keeps_its_files_until_it_is_back(start: S
     added = write(media / "later.mkv", os.urandom(3000))  # watched live again
     wait_for("a file added after it came back", lambda: str(added) in again.files())
     assert str(kept) in again.files()
+
+
+def test_a_watch_root_moved_away_while_watched_keeps_its_files_until_it_is_back(
+    start: Start, tmp_path: Path
+) -> None:
+    """inotify reports a root moved away (or taken off by a rename of its mount point) as the
+    root deleted, and that removed every row below it: consumers saw every file deleted, and
+    when the folder was back every file was hashed again, as new. A root gone while watched is
+    now what a root missing at start is: its files kept, /health degraded naming it."""
+    server = start()
+    media = server.media
+    content = os.urandom(3000)
+    kept = write(media / "Films" / "film.mkv", content)
+    poll(lambda: str(kept) in server.files() or None, "the file listed")
+    cursor = server.cursor()
+    away = tmp_path / "media.away"
+    os.rename(media, away)
+    poll(lambda: server.health()["watcher"]["unlisted"] == [str(media)] or None, "root named")
+    assert str(kept) in server.files()
+    os.rename(away, media)
+    poll(lambda: server.health()["status"] == "ok" or None, "health ok once the root is back")
+    added = write(media / "later.mkv", os.urandom(3000))  # watched live again
+    poll(lambda: str(added) in server.files() or None, "a file added after it came back")
+    events, _ = replay(server, cursor)
+    assert [e for e in events if e.op == "del"] == [], events
+    assert " hashed" not in server.log_text()  # what came back was unchanged: nothing hashed
 
 
 def test_a_watch_root_that_cannot_be_made_is_said_and_the_others_are_watched(
