@@ -315,7 +315,7 @@ class Watcher:
         self.devices = devices or RootDevices(None)
         self._slots = asyncio.Semaphore(max(1, workers))
         self.pending: dict[str, tuple[Stat, float]] = {}  # path → (stat, when it last changed)
-        self._failed: dict[str, Stat] = {}  # unreadable files: not retried until they change
+        self._failed: dict[str, Stat] = {}  # unreadable files: said once till they change (`_hash`)
         self._stop = asyncio.Event()
         self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
         self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
@@ -342,14 +342,26 @@ class Watcher:
     # -- applying results -----------------------------------------------------------------------
 
     async def _hash(self, path: str, expected: Stat) -> LocalFile | None:
+        """The file hashed, or None: changed meanwhile, or unreadable (said once until it
+        changes or is read: each rescan tries it again, as a permission fixed on a network
+        mount sends no event, but said it again every `watch_rescan_s`)."""
         async with self._slots:
             try:
-                return await asyncio.to_thread(hash_settled, path, expected)
+                done = await asyncio.to_thread(hash_settled, path, expected)
             except MidhashError as exc:
                 if stat_of(path, self.rules.follow_symlinks) == expected:
-                    log.warning("skipping unreadable file: %s", exc.message)
+                    if self._failed.get(path) != expected:
+                        log.warning("skipping unreadable file: %s", exc.message)
                     self._failed[path] = expected
                 return None
+        if done is not None:
+            self._failed.pop(path, None)
+        return done
+
+    def _retries(self, disk: Mapping[str, Stat], to_hash: Iterable[str]) -> int:
+        """How many of `to_hash` are files found unreadable before, unchanged since: tried
+        again quietly, neither waited for nor said."""
+        return sum(1 for path in to_hash if self._failed.get(path) == disk[path])
 
     async def _commit(self, files: Sequence[LocalFile], removals: Sequence[str]) -> None:
         if files:
@@ -432,7 +444,8 @@ class Watcher:
                     len(disk),
                     ", ".join(roots),
                 )
-            if settle and to_hash:
+            fresh = len(to_hash) - self._retries(disk, to_hash)
+            if settle and fresh:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.settle_s)
             removals: Sequence[str] = to_remove
@@ -458,7 +471,7 @@ class Watcher:
             summary.failed = sorted(p for p in to_hash[:files_done] if p in self._failed)
             summary.moved_on = files_done - summary.hashed - len(summary.failed)
             summary.left = len(to_hash) - files_done
-            if to_hash or to_remove:
+            if fresh or summary.hashed or to_remove:
                 seconds = time.monotonic() - began
                 log.info("scanned %s: %s in %.1f s", ", ".join(roots), summary.said(), seconds)
             return summary

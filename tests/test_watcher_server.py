@@ -931,6 +931,40 @@ def test_scan_command_reports_an_unreadable_file(tmp_path: Path) -> None:
         locked.chmod(0o644)
 
 
+def midhash_at(server: WatchServer, path: Path) -> str | None:
+    """The midhash /api/files lists at `path` (None: not listed)."""
+    row = server.files().get(str(path))
+    return None if row is None else str(row["midhash"])
+
+
+def test_an_unreadable_file_is_said_once_however_many_rescans_try_it_again(
+    start: Start, tmp_path: Path
+) -> None:
+    """An unreadable file was said at every rescan, two lines each `watch_rescan_s` (the
+    warning, and a `scanned` summary as if something had changed, after waiting
+    `watch_settle_s`). Each rescan still tries it (a permission fixed on a network mount sends
+    no event), quietly; made readable, it is fingerprinted."""
+    prefix = as_user()
+    content = os.urandom(3000)
+    locked = write(tmp_path / "media" / "locked.mkv", content)
+    locked.chmod(0)
+    # A file below no root: each full reconciliation looks at it again, which shows one ran.
+    stray = write(tmp_path / "elsewhere" / "stray.mkv", b"stray")
+    scan(tmp_path / "data", stray.parent, prefix=prefix)
+    server = start(prefix=prefix, watch_rescan_s="0.1")
+    try:
+        for n in range(1, 4):
+            stray.write_bytes(b"stray" * (n + 1))
+            want = cids.midhash_bytes(stray.read_bytes())
+            poll(lambda w=want: midhash_at(server, stray) == w or None, f"rescan {n} saw it")
+        assert server.log_text().count("skipping unreadable file") == 1
+        assert str(locked) not in server.files()
+    finally:
+        locked.chmod(0o644)
+    poll(lambda: str(locked) in server.files() or None, "the file listed once readable")
+    assert server.files()[str(locked)]["midhash"] == cids.midhash_bytes(content)
+
+
 def test_an_unreadable_folder_leaves_every_other_folder_watched(
     start: Start, tmp_path: Path
 ) -> None:
