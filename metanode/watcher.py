@@ -103,7 +103,10 @@ def walk(
     Unreadable folders are logged, skipped and added to `unlisted` (one that vanished is not:
     its files are gone), names that are not text (`is_text`) to `not_text` (`shown_path`);
     each folder is visited once, even through a followed symlink that loops back (to the root
-    itself, say).
+    itself, say). A walk from a folder below the root (a change inotify reported) counts the
+    folders above it as visited, as a walk from the root has: a link made to the root, or to
+    a folder on the way to it, listed the whole library again below the link until the next
+    rescan, which removed it.
     """
     first = start or root
     if start is not None and rules.ignored(root, start, left_out):
@@ -112,7 +115,10 @@ def walk(
         top = os.stat(first)
     except OSError:
         return
-    seen: set[tuple[int, int]] = {(top.st_dev, top.st_ino)}
+    seen = _above(root, first)
+    if (top.st_dev, top.st_ino) in seen:
+        return  # a link back up to a folder holding it: walked from there
+    seen.add((top.st_dev, top.st_ino))
     stack = [first]
     check_paths = bool(rules.path_globs)
     while stack:
@@ -146,6 +152,20 @@ def walk(
                     stack.append(entry.path)
             elif stat.S_ISREG(info.st_mode) and info.st_size >= rules.min_size:
                 yield entry.path, (info.st_size, info.st_mtime_ns)
+
+
+def _above(root: str, path: str) -> set[tuple[int, int]]:
+    """The (device, inode) of each folder from `root` down to `path`'s parent (none for the
+    root itself), as a walk from the root meets them before `path`."""
+    found: set[tuple[int, int]] = set()
+    below = root.rstrip("/") + "/"
+    folder = path
+    while folder.startswith(below):
+        folder = os.path.dirname(folder)
+        with contextlib.suppress(OSError):
+            info = os.stat(folder)
+            found.add((info.st_dev, info.st_ino))
+    return found
 
 
 def prefixes(folders: Iterable[str]) -> tuple[str, ...]:

@@ -224,6 +224,27 @@ def test_walk_a_symlink_back_to_the_root_does_not_list_the_tree_twice(tmp_path: 
     assert listed == [str(root / "a.mkv")]
 
 
+def test_walk_from_a_link_up_to_a_folder_above_it_lists_nothing(tmp_path: Path) -> None:
+    """A link made to the root (or a folder on the way to it) is reported by inotify, and its
+    walk listed the library again below the link; a walk from the root lists it once."""
+    root = tmp_path / "root"
+    write(root / "a.mkv", b"a")
+    write(root / "Music" / "b.flac", b"b")
+    (root / "Music" / "all").symlink_to(root)
+    (root / "Music" / "up").symlink_to(root / "Music")
+    (root / "Music" / "sub").mkdir()
+    rules = Rules(follow_symlinks=True)
+    for link in ("all", "up"):
+        assert list(walk(str(root), rules, str(root / "Music" / link))) == []
+    assert [p for p, _ in walk(str(root), rules, str(root / "Music"))] == [
+        str(root / "Music" / "b.flac")
+    ]
+    assert sorted(p for p, _ in walk(str(root), rules)) == [
+        str(root / "Music" / "b.flac"),
+        str(root / "a.mkv"),
+    ]
+
+
 def lock_folders(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     """Make every folder whose path ends in `name` unlistable, as its mode makes it for any
     user but root (who can read anything, and runs these tests)."""

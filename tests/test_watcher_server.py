@@ -669,6 +669,25 @@ def test_symlinks_are_followed_when_configured(start: Start, tmp_path: Path) -> 
     record(server, cids.midhash_bytes(b"linked after the start"), has_path(media / "late link.mkv"))
 
 
+def test_a_link_up_to_the_root_made_while_watched_lists_nothing_twice(
+    start: Start, tmp_path: Path
+) -> None:
+    """With links followed, a link to the root (a loop) made while watched was walked from its
+    event: the whole library listed again below it, until the next rescan removed it."""
+    media = tmp_path / "media"
+    film = write(media / "Films" / "film.mkv", os.urandom(3000))
+    write(media / "Music" / "tone.flac", os.urandom(3000))
+    server = start(watch_follow_symlinks="true")
+    poll(lambda: len(server.files()) == 2 or None, "both files listed")
+    (media / "Music" / "library").symlink_to(media)
+    (media / "Films" / "here").symlink_to(media / "Films")
+    later = write(media / "Films" / "later.mkv", os.urandom(3000))  # after the links' events
+    poll(lambda: str(later) in server.files() or None, "the later file listed")
+    assert sorted(server.files()) == sorted(
+        [str(film), str(later), str(media / "Music" / "tone.flac")]
+    )
+
+
 def test_files_created_in_an_ignored_folder_never_appear(start: Start, tmp_path: Path) -> None:
     media = tmp_path / "media"
     write(media / "Movie" / "Samples" / "at-start.mkv", b"present at start")
