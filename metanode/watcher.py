@@ -205,10 +205,12 @@ def midhash_opened(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
 
     A file that is shorter than its stat said by the time it is read (it shrank, or was replaced)
     raises `MidhashError`: hashing zero-filled bytes would give a CID that names no real content.
+    Opened without waiting (`O_NONBLOCK`, nothing to a regular file): a FIFO, found where a
+    file was stat'ed a moment before or named by hand, waited for a writer for ever.
     """
     name = os.fspath(path)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
