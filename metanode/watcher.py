@@ -298,6 +298,8 @@ Progress = Callable[[int, int, int, int], None]
 Mounted = tuple[tuple[str, int], ...]  # (root, device) of the roots that are folders
 ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken off
 DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
+MOUNTINFO = Path("/proc/self/mountinfo")  # the mount table: `mount_points`
+_OCTAL = re.compile(rb"\\([0-7]{3})")  # how the mount table writes a space, a tab, a `\`
 REWATCH_MAX_S = 30.0  # the longest pause between failed watches (`Watcher._pause_after`)
 RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # a reconciliation after a failed batch (`_retry`)
 UNDECODABLE = re.compile(r"Unable to decode path (.*) to string", re.DOTALL)  # watchfiles' words
@@ -341,6 +343,7 @@ class Watcher:
         self._stop = asyncio.Event()
         self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
         self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
+        self._mounts: dict[str, int] = {}  # the mount points below them then (`mount_points`)
         self._around: frozenset[str] = frozenset()  # the unreadable folders the watch avoids
         self._resyncing: asyncio.Task[None] | None = None
         self._pause = TICK_S  # before watching again after a failed watch: `_pause_after`
@@ -441,11 +444,15 @@ class Watcher:
             if full:
                 stray_known, stray_disk = await self._strays()
                 known, disk = {**known, **stray_known}, {**disk, **stray_disk}
+            mounted, points = await asyncio.to_thread(self._points, roots)
+            self.devices.found(mounted)  # a disk mounted below a root: its device, files or not
             self._note_unlisted(
                 sorted(folder for listing in walked for folder in listing.unlisted)
-                + self._emptied(walked, known)
+                + self._emptied(walked, known, disk, points)
             )
-            self.devices.found(listing for listing in walked if listing.files)
+            self.devices.found(
+                {x.root: x.device for x in walked if x.files and x.device is not None}
+            )
             to_hash, to_remove = plan(disk, known, self.unlisted)
             summary = Summary(
                 seen=len(disk),
@@ -544,23 +551,57 @@ class Watcher:
         files = dict(walk(root, self.rules, root, unlisted, not_text))
         return Listing(root, device, files, unlisted, not_text)
 
-    def _emptied(self, walked: Iterable[Listing], known: Mapping[str, Stat]) -> list[str]:
-        """The roots that listed no file at all, though files were known below them, on another
-        device than the one they were found on (`RootDevices`): a mount point whose disk is
-        not mounted (a bind mount of nothing) is taken for that, not for every file deleted at
-        once. A folder emptied on its own device is empty, and its rows go."""
+    def _points(self, roots: Sequence[str]) -> tuple[dict[str, int], dict[str, int | None]]:
+        """The mount points below `roots` now (`mount_points`), and those and the ones known
+        before (`RootDevices`) with their device now (None: no folder there). Stats them: run
+        it on a thread."""
+        mounted = mount_points(roots)
+        below = prefixes(roots)
+        points: dict[str, int | None] = dict(mounted)
+        for point in self.devices.folders():
+            if point.startswith(below) and point not in mounted:
+                points[point] = _folder_device(point)
+        return mounted, points
+
+    def _volumes(
+        self, walked: Iterable[Listing], disk: Mapping[str, Stat], points: Mapping[str, int | None]
+    ) -> list[tuple[str, int, bool]]:
+        """(folder, device now, whether it listed a file) of each root that could be read and
+        each mount point below one (`_points`) that is a folder."""
+        volumes = [
+            (listing.root, listing.device, bool(listing.files))
+            for listing in walked
+            if listing.device is not None and not listing.unlisted
+        ]
+        for point, device in points.items():
+            if device is not None:
+                below = point.rstrip("/") + "/"
+                volumes.append((point, device, any(p.startswith(below) for p in disk)))
+        return volumes
+
+    def _emptied(
+        self,
+        walked: Iterable[Listing],
+        known: Mapping[str, Stat],
+        disk: Mapping[str, Stat],
+        points: Mapping[str, int | None],
+    ) -> list[str]:
+        """The roots, and the mount points below them, that listed no file at all, though
+        files were known below them, on another device than the one they were found on
+        (`RootDevices`): a mount point whose disk is not mounted (a bind mount of nothing, a
+        disk unplugged from `/srv/media/usb`) is taken for that, not for every file deleted
+        at once. A folder emptied on its own device is empty, and its rows go."""
         emptied = []
-        for listing in walked:
-            if listing.files or listing.unlisted or listing.device is None:
+        for folder, device, shows in self._volumes(walked, disk, points):
+            was, below = self.devices.get(folder), prefixes([folder])
+            if shows or was in (None, device) or not any(p.startswith(below) for p in known):
                 continue
-            was, below = self.devices.get(listing.root), prefixes([listing.root])
-            if was not in (None, listing.device) and any(p.startswith(below) for p in known):
-                log.warning(
-                    "watch root %s is empty and on another device than its files were found "
-                    "on (a disk not mounted?): they are kept until it shows files again",
-                    listing.root,
-                )
-                emptied.append(listing.root)
+            log.warning(
+                "watched folder %s is empty and on another device than its files were found "
+                "on (a disk not mounted?): they are kept until it shows files again",
+                folder,
+            )
+            emptied.append(folder)
         return emptied
 
     def _files_below(
@@ -676,15 +717,20 @@ class Watcher:
         return tuple((root, device) for root, device in devices if device is not None)
 
     async def _roots_loop(self) -> None:
-        """Watch again (`_rewatch`) when a root comes, goes, or changes device (mounted), or
+        """Watch again (`_rewatch`) when a root comes, goes, or changes device (mounted), when
+        a disk is mounted below one or taken off (the watch lay on the folder beneath it, and
+        saw nothing of the disk's files), or
         when inotify takes watches again after the user's limit was reached (raised, or
         another program's watches gone: the folders refused meanwhile are watched only by a
         new watch): looked at every `ROOTS_S` on a thread, one look at a time (a hung mount
         holds only that)."""
         while not self._stop.is_set():
             await asyncio.sleep(ROOTS_S)
-            present, full = await asyncio.to_thread(self._look)
-            if present != self._mounted or (self.watches_full and not full):
+            present, mounts, full = await asyncio.to_thread(self._look)
+            self.devices.found(mounts)  # before a reconciliation may find one taken off
+            if (present, mounts) != (self._mounted, self._mounts) or (
+                self.watches_full and not full
+            ):
                 self._rewatch.set()
             if full and not self.watches_full:
                 self.folders = await asyncio.to_thread(count_folders, self.roots, self.rules)
@@ -695,9 +741,10 @@ class Watcher:
         """What /health and the log say while the user's inotify watches are all taken."""
         return watch_limit_problem(self.rescan_s, self.folders)
 
-    def _look(self) -> tuple[Mounted, bool]:
+    def _look(self) -> tuple[Mounted, dict[str, int], bool]:
         present = self._present()
-        return present, bool(present) and inotify_full(present[0][0])
+        mounts = mount_points([root for root, _ in present])
+        return present, mounts, bool(present) and inotify_full(present[0][0])
 
     async def _inotify_loop(self) -> None:
         """Follow inotify on the roots that exist; if watchfiles itself fails (it raises on a
@@ -707,7 +754,7 @@ class Watcher:
         while not self._stop.is_set():
             self._rewatch.clear()
             self._watched_since = time.monotonic()
-            self._mounted = await asyncio.to_thread(self._present)
+            self._mounted, self._mounts, _ = await asyncio.to_thread(self._look)
             self._around = unreadable(self.roots, self.unlisted)
             paths = await asyncio.to_thread(
                 watch_paths,
@@ -993,6 +1040,26 @@ def _folder_device(path: str) -> int | None:
     return info.st_dev if stat.S_ISDIR(info.st_mode) else None
 
 
+def mount_points(roots: Sequence[str]) -> dict[str, int]:
+    """The mount points strictly below `roots`, each with its device, from the mount table
+    (none where there is none): a disk mounted on a folder of the library, as a root's files
+    may be. Stats each: run it on a thread."""
+    try:
+        table = MOUNTINFO.read_bytes()
+    except OSError:
+        return {}
+    below = prefixes(roots)
+    found: dict[str, int] = {}
+    for line in table.splitlines():
+        fields = line.split(b" ")
+        if len(fields) > 4:  # the fifth is the mount point, its spaces written `\040`
+            point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8)]), fields[4]))
+            device = _folder_device(point) if point.startswith(below) else None
+            if device is not None and point not in roots:
+                found[point] = device
+    return found
+
+
 @dataclass(frozen=True)
 class Listing:
     """One watch root as a reconciliation found it: its device (None: missing), its files, and
@@ -1020,9 +1087,13 @@ class RootDevices:
     def get(self, root: str) -> int | None:
         return self._devices.get(root)
 
-    def found(self, listings: Iterable[Listing]) -> None:
-        """Remember the device of each root that showed files, writing the file if it changed."""
-        seen = {x.root: x.device for x in listings if x.device is not None}
+    def folders(self) -> list[str]:
+        """Every folder remembered: roots, and the mount points below them."""
+        return list(self._devices)
+
+    def found(self, seen: Mapping[str, int]) -> None:
+        """Remember the device of each folder (root, mount point) that showed files, writing
+        the file if it changed."""
         if all(self._devices.get(root) == device for root, device in seen.items()):
             return
         self._devices.update(seen)

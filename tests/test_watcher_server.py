@@ -29,6 +29,7 @@ import pytest
 from metanode import cid as cids
 from metanode import watcher
 from tests.helpers.claims import Signer
+from tests.helpers.mounts import Mounts
 from tests.helpers.server import Server
 from tests.helpers.vectors import load_vectors
 from tests.helpers.wait import poll
@@ -846,6 +847,35 @@ def test_a_watch_root_moved_away_while_watched_keeps_its_files_until_it_is_back(
     events, _ = replay(server, cursor)
     assert [e for e in events if e.op == "del"] == [], events
     assert " hashed" not in server.log_text()  # what came back was unchanged: nothing hashed
+
+
+def test_a_disk_mounted_below_a_root_is_watched_and_kept_while_taken_off(
+    start: Start, tmp_path: Path
+) -> None:
+    """A disk mounted on a folder of the library while the node ran: the watch lay on the
+    folder beneath it, so files written to the disk were seen only at the next rescan (10
+    minutes); taken off, the next rescan removed each of its files (consumers saw them
+    deleted), and hashed them again once it was back. The mount table is looked at with the
+    roots: a mount is watched at once, and an empty mount point on another device keeps its
+    files, as a root does."""
+    usb = tmp_path / "media" / "usb"
+    usb.mkdir(parents=True)
+    server = start()
+    with Mounts() as mounts:
+        disk = mounts.mount(tmp_path / "disk")  # the disk, mounted on the library's folder:
+        mounts.bind(disk, usb)
+        film = write(usb / "film.mkv", os.urandom(3000))  # seen only by a watch of the disk
+        poll(lambda: str(film) in server.files() or None, "a file on the mounted disk")
+        cursor = server.cursor()
+        mounts.unmount(usb)
+        poll(lambda: server.health()["watcher"]["unlisted"] == [str(usb)] or None, "usb named")
+        assert str(film) in server.files()
+        write(disk / "later.mkv", os.urandom(3000))  # written elsewhere meanwhile
+        mounts.bind(disk, usb)
+        poll(lambda: str(usb / "later.mkv") in server.files() or None, "the disk back")
+        assert server.health()["status"] == "ok"
+        events, _ = replay(server, cursor)
+        assert [e for e in events if e.op == "del"] == [], events
 
 
 def test_a_watch_root_that_cannot_be_made_is_said_and_the_others_are_watched(
