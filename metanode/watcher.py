@@ -36,7 +36,7 @@ import watchfiles
 from metanode import cid as cids
 from metanode import datadir, logs
 from metanode.errors import MidhashError, StorageError
-from metanode.ignores import Rules, Stat, is_text
+from metanode.ignores import Rules, Stat, is_text, mtime_of
 from metanode.merge import LocalFile
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ def walk(
                     seen.add((info.st_dev, info.st_ino))
                     stack.append(entry.path)
             elif stat.S_ISREG(info.st_mode) and info.st_size >= rules.min_size:
-                yield entry.path, (info.st_size, info.st_mtime_ns)
+                yield entry.path, (info.st_size, mtime_of(info))
 
 
 def _above(root: str, path: str) -> set[tuple[int, int]]:
@@ -191,7 +191,7 @@ def stat_of(path: str, follow_symlinks: bool) -> Stat | None:
         info = os.stat(path, follow_symlinks=follow_symlinks)
     except OSError:
         return None
-    return (info.st_size, info.st_mtime_ns) if stat.S_ISREG(info.st_mode) else None
+    return (info.st_size, mtime_of(info)) if stat.S_ISREG(info.st_mode) else None
 
 
 def midhash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
@@ -245,7 +245,7 @@ def hash_settled(path: str, expected: Stat) -> LocalFile | None:
     if before != expected:
         return None
     midhash, read = midhash_opened(path)
-    if stat_of(path, follow_symlinks=True) != before or (read.st_size, read.st_mtime_ns) != before:
+    if stat_of(path, follow_symlinks=True) != before or (read.st_size, mtime_of(read)) != before:
         return None  # written to, or replaced, while being hashed
     return LocalFile(path, midhash, before[0], before[1], read.st_ino)
 

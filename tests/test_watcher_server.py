@@ -731,6 +731,35 @@ def test_a_restart_with_nothing_changed_hashes_nothing(start: Start, tmp_path: P
     assert summary_line(done) == "4 files seen: 0 hashed, 4 unchanged, 0 removed, 0 unreadable"
 
 
+def test_a_file_dated_past_2262_is_recorded_served_and_not_hashed_again(
+    start: Start, tmp_path: Path
+) -> None:
+    """An mtime past a 64-bit count of nanoseconds (ext4 and NTFS take dates to 2446 and
+    beyond; a camera's clock gone wrong) could not be stored: the batch holding the file
+    failed, and every reconciliation after it, for good (/health `degraded`), so no file
+    sorted after it was ever recorded. It is kept at the largest mtime the databases hold."""
+    media = tmp_path / "media"
+    future, after = (write(media / n, os.urandom(3000)) for n in ("a-2446.mkv", "b.mkv"))
+    os.utime(future, ns=(0, 99_999_999_999 * 10**9))
+    if future.stat().st_mtime_ns < 2**63:
+        pytest.skip("this file system cannot date a file past 2262")
+    server = start()
+    poll(lambda: {str(future), str(after)} <= server.files().keys() or None, "both listed")
+    midhash = cids.midhash_bytes(future.read_bytes())
+    doc = server.meta(midhash)
+    assert doc is not None and doc["metadata"]["mtimeNano"] == str(2**63 - 1), doc
+    assert server.health()["status"] == "ok"
+    served = httpx.get(f"{server.url}/file/{midhash}", headers=server.headers, timeout=10)
+    assert served.status_code == 200 and served.content == future.read_bytes()
+    rows = local_rows(server.data_dir)
+    server.stop()
+    again = start()  # nothing changed: nothing hashed (its mtime compares as it was kept)
+    marker = write(media / "marker.mkv", os.urandom(3000))
+    poll(lambda: str(marker) in again.files() or None, "a file after the restart")
+    assert [r for r in local_rows(again.data_dir) if r[0] != str(marker)] == rows
+    assert " hashed" not in again.log_text().split("Started server process")[-1]
+
+
 def test_a_first_scan_says_how_far_it_is_and_a_stop_leaves_the_rest_for_the_next_start(
     start: Start, tmp_path: Path
 ) -> None:
