@@ -295,7 +295,7 @@ class ScanProgress:
 
 # (files done, bytes done, files to do, bytes to do), cumulative; first called with nothing done
 Progress = Callable[[int, int, int, int], None]
-Mounted = tuple[tuple[str, int], ...]  # (root, device) of the roots that are folders
+Mounted = tuple[tuple[str, int, int], ...]  # (root, device, inode) of the roots that are folders
 ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken off
 DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
 MOUNTINFO = Path("/proc/self/mountinfo")  # the mount table: `mount_points`
@@ -342,7 +342,7 @@ class Watcher:
         self._failed: dict[str, Stat] = {}  # unreadable files: said once till they change (`_hash`)
         self._stop = asyncio.Event()
         self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
-        self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
+        self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by inode
         self._mounts: dict[str, int] = {}  # the mount points below them then (`mount_points`)
         self._around: frozenset[str] = frozenset()  # the unreadable folders the watch avoids
         self._resyncing: asyncio.Task[None] | None = None
@@ -710,14 +710,17 @@ class Watcher:
                 await self._guarded(self._hash_and_commit(ready))
 
     def _present(self) -> Mounted:
-        """The roots that are folders now, each with its device: a disk mounted on a root, or
-        taken off it, changes the device though the folder stays. Stats the roots: run it on a
-        thread, as a hung network mount blocks a stat for as long as it hangs."""
-        devices = ((root, _folder_device(root)) for root in self.roots)
-        return tuple((root, device) for root, device in devices if device is not None)
+        """The roots that are folders now, each with its device and inode: a disk mounted on a
+        root, or taken off it, changes the device though the folder stays; a root deleted and
+        made again (`rm -rf`, then a sync tool's `mkdir`) is a new inode, which the watch of
+        the old one never saw (its files were seen only at the next rescan). Stats the roots:
+        run it on a thread, as a hung network mount blocks a stat for as long as it hangs."""
+        found = ((root, _folder_identity(root)) for root in self.roots)
+        return tuple((root, *identity) for root, identity in found if identity is not None)
 
     async def _roots_loop(self) -> None:
-        """Watch again (`_rewatch`) when a root comes, goes, or changes device (mounted), when
+        """Watch again (`_rewatch`) when a root comes, goes, is made anew, or changes device
+        (mounted), when
         a disk is mounted below one or taken off (the watch lay on the folder beneath it, and
         saw nothing of the disk's files), or
         when inotify takes watches again after the user's limit was reached (raised, or
@@ -743,7 +746,7 @@ class Watcher:
 
     def _look(self) -> tuple[Mounted, dict[str, int], bool]:
         present = self._present()
-        mounts = mount_points([root for root, _ in present])
+        mounts = mount_points([root for root, *_ in present])
         return present, mounts, bool(present) and inotify_full(present[0][0])
 
     async def _inotify_loop(self) -> None:
@@ -758,7 +761,7 @@ class Watcher:
             self._around = unreadable(self.roots, self.unlisted)
             paths = await asyncio.to_thread(
                 watch_paths,
-                [root for root, _ in self._mounted],
+                [root for root, *_ in self._mounted],
                 self._around,
                 self.rules.follow_symlinks,
             )
@@ -863,7 +866,7 @@ class Watcher:
         watcher for good, with a traceback, and /health said `the watcher has stopped` until
         the node was restarted or another replica took the lead."""
         while not self._stop.is_set():
-            missing = set(self.roots) - {r for r, _ in await asyncio.to_thread(self._present)}
+            missing = set(self.roots) - {r for r, *_ in await asyncio.to_thread(self._present)}
             try:
                 new = [root for root in sorted(missing) if not self._known_stats([root])]
             except StorageError as exc:
@@ -1031,13 +1034,19 @@ def undecodable(failure: BaseException) -> str | None:
     return match[1] if match else None
 
 
-def _folder_device(path: str) -> int | None:
-    """The device of the folder at `path`, None if there is none (missing, not a folder)."""
+def _folder_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the folder at `path`, None if there is none (missing, no folder)."""
     try:
         info = os.stat(path)
     except OSError:
         return None
-    return info.st_dev if stat.S_ISDIR(info.st_mode) else None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
+
+
+def _folder_device(path: str) -> int | None:
+    """The device of the folder at `path`, None if there is none (missing, not a folder)."""
+    identity = _folder_identity(path)
+    return None if identity is None else identity[0]
 
 
 def mount_points(roots: Sequence[str]) -> dict[str, int]:

@@ -907,6 +907,24 @@ def test_a_disk_mounted_below_a_root_is_watched_and_kept_while_taken_off(
         assert [e for e in events if e.op == "del"] == [], events
 
 
+def test_a_watch_root_deleted_and_made_again_at_once_is_watched_again(start: Start) -> None:
+    """`rm -rf media && mkdir media` (a sync tool starting over): the watch lay on the deleted
+    folder, and the new one, of the same name on the same device, was never watched: what was
+    written to it after was seen only at the next rescan. A root of a new inode is watched
+    anew and reconciled."""
+    server = start()
+    media = server.media
+    gone = write(media / "gone.mkv", os.urandom(3000))
+    poll(lambda: str(gone) in server.files() or None, "the first file listed")
+    shutil.rmtree(media)
+    media.mkdir()
+    first = write(media / "first.mkv", os.urandom(3000))
+    poll(lambda: str(first) in server.files() or None, "a file of the new folder")
+    later = write(media / "later.mkv", os.urandom(3000))
+    poll(lambda: str(later) in server.files() or None, "a file written to it later")
+    assert str(gone) not in server.files()
+
+
 def test_a_watch_root_that_cannot_be_made_is_said_and_the_others_are_watched(
     start: Start, tmp_path: Path
 ) -> None:
