@@ -707,7 +707,17 @@ class Watcher:
                 if len(ready) >= BATCH:
                     break
             if ready:
-                await self._guarded(self._hash_and_commit(ready))
+                await self._guarded(self._settled(ready))
+
+    async def _settled(self, ready: Mapping[str, Stat]) -> None:
+        """Hash and commit settled files; if one of them has other names (hard links: a
+        download linked into the library), reconcile, as inotify reports a write under the
+        name it was made through only: the others kept the old content's midhash until the
+        next rescan."""
+        paths = [f.path for f in await self._hash_and_commit(ready)]
+        linked: bool = bool(paths) and await asyncio.to_thread(_any_linked, paths)
+        if linked:
+            self._resync_later()
 
     def _present(self) -> Mounted:
         """The roots that are folders now, each with its device and inode: a disk mounted on a
@@ -1032,6 +1042,15 @@ def undecodable(failure: BaseException) -> str | None:
         return next((name for name in found if name is not None), None)
     match = UNDECODABLE.fullmatch(str(failure))
     return match[1] if match else None
+
+
+def _any_linked(paths: Iterable[str]) -> bool:
+    """Whether a file of `paths` has other names (hard links)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_nlink > 1:
+                return True
+    return False
 
 
 def _folder_identity(path: str) -> tuple[int, int] | None:

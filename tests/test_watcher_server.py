@@ -553,6 +553,26 @@ def test_rewriting_a_file_moves_its_path_to_the_new_contents_record(start: Start
 # -- folders ------------------------------------------------------------------------------------
 
 
+def test_a_file_written_under_one_of_its_hard_links_changes_under_every_name(
+    start: Start,
+) -> None:
+    """inotify reports a write under the name it was made through only: the file's other
+    names (a download hard-linked into the library, and tagged there) kept the old content's
+    midhash and size until the next rescan."""
+    server = start()
+    first = write(server.media / "downloads" / "song.flac", os.urandom(3000))
+    second = server.media / "library" / "song.flac"
+    second.parent.mkdir()
+    os.link(first, second)
+    old = cids.midhash_bytes(first.read_bytes())
+    poll(lambda: midhash_at(server, second) == old or None, "both names listed")
+    with first.open("r+b") as same_inode:
+        same_inode.write(os.urandom(4000))
+    new = cids.midhash_bytes(second.read_bytes())
+    poll(lambda: midhash_at(server, second) == new or None, "the other name's new content")
+    assert midhash_at(server, first) == new
+
+
 def test_a_folder_moved_in_appears_and_a_deleted_folder_goes(start: Start, tmp_path: Path) -> None:
     server = start()
     outside = tmp_path / "downloads"
