@@ -310,6 +310,7 @@ WATCH_LIMITS = (
     Path("/proc/sys/user/max_inotify_watches"),
 )
 IN_ATTRIB = 0x4
+DELETED = watchfiles.Change.deleted
 
 
 class Watcher:
@@ -629,19 +630,20 @@ class Watcher:
         transaction (one `set` of `filePath`), not a loss and a late re-appearance. A folder
         is walked; if a file of its name was known (a file replaced by a folder), that file is
         gone; if part of it cannot be listed, /health says so now (`unlisted`), not at the next
-        reconciliation. A root reported gone (moved away, which inotify reports as deleted) is
-        watched again, and the reconciliation that follows keeps its files as those of a root
-        missing at start: removing the rows below it reported every file deleted to consumers,
-        and hashed each again, as new, once the folder was back.
+        reconciliation. A root reported deleted (moved away, or deleted and maybe made again at
+        once: the new folder may even have the old one's inode) is watched again, and the
+        reconciliation that follows keeps its files as those of a root missing at start, or
+        reads the new folder: removing the rows below it reported every file deleted to
+        consumers, and hashed each again, as new, once the folder was back.
         """
         removed: list[str] = []
         touched: dict[str, Stat] = {}
         folders: list[str] = []
         unlisted: list[str] = []
-        for path in sorted({p for _, p in changes}):
-            if path in self.roots and _folder_device(path) is None:
-                self._rewatch.set()  # a root gone: kept as missing (`_listing`), not emptied
-                continue
+        gone = {p for change, p in changes if p in self.roots and change == DELETED}
+        if gone:  # the watched folder: missing now (`_listing`), or a new one made at once
+            self._rewatch.set()
+        for path in sorted({p for _, p in changes} - gone):
             if os.path.isdir(path) and (self.rules.follow_symlinks or not os.path.islink(path)):
                 folders.append(path)
                 root = self._root_of(path) or path
@@ -722,9 +724,10 @@ class Watcher:
     def _present(self) -> Mounted:
         """The roots that are folders now, each with its device and inode: a disk mounted on a
         root, or taken off it, changes the device though the folder stays; a root deleted and
-        made again (`rm -rf`, then a sync tool's `mkdir`) is a new inode, which the watch of
-        the old one never saw (its files were seen only at the next rescan). Stats the roots:
-        run it on a thread, as a hung network mount blocks a stat for as long as it hangs."""
+        made again (`rm -rf`, then a sync tool's `mkdir`) is mostly a new inode, which the
+        watch of the old one never saw (its deletion, when inotify reports it, is the surer
+        sign: `_on_changes`). Stats the roots: run it on a thread, as a hung network mount
+        blocks a stat for as long as it hangs."""
         found = ((root, _folder_identity(root)) for root in self.roots)
         return tuple((root, *identity) for root, identity in found if identity is not None)
 
