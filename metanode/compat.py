@@ -64,6 +64,7 @@ from metanode.errors import (
     UnknownCid,
     shown,
 )
+from metanode.ignores import mtime_of
 from metanode.node import Node
 from metanode.webdav import Roots
 
@@ -434,7 +435,7 @@ def open_hashed(
     same = (
         stat.S_ISREG(info.st_mode)
         and file.ino != 0
-        and (info.st_ino, info.st_size, info.st_mtime_ns) == (file.ino, file.size, file.mtime_ns)
+        and (info.st_ino, info.st_size, mtime_of(info)) == (file.ino, file.size, file.mtime_ns)
     )
     inside = follow_symlinks or any(real.startswith(root.rstrip("/") + "/") for root in roots)
     if same and inside:

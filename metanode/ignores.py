@@ -8,6 +8,7 @@ place below them: the edge need not import the service to agree with it.
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from metanode.claims import utf8_size
 DEFAULT_IGNORED = ("*.part", "*.tmp", "*.crdownload", "*.!qb")
 
 Stat = tuple[int, int]  # (size, mtime_ns)
+MTIME_MIN, MTIME_MAX = -(1 << 63), (1 << 63) - 1  # what `mtime_of` keeps an mtime within
 
 
 def is_text(name: str) -> bool:
@@ -25,6 +27,14 @@ def is_text(name: str) -> bool:
     ASCII at once. One that is not (a Latin-1 `caf\\xe9.mkv` from an old share) carries lone
     surrogates that UTF-8, SQLite and JSON cannot hold: records, feeds and WebDAV carry text."""
     return name.isascii() or utf8_size(name) is not None
+
+
+def mtime_of(info: os.stat_result) -> int:
+    """A file's mtime in ns, within a signed 64-bit integer (the years 1677 to 2262), as the
+    databases keep it: a file dated past them (ext4 and NTFS take dates to 2446 and beyond; a
+    camera's clock gone wrong, `touch -d @99999999999`) failed to be stored, and with it
+    every batch it was in and every reconciliation after, for good."""
+    return min(max(info.st_mtime_ns, MTIME_MIN), MTIME_MAX)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ import watchfiles
 from metanode import cid as cids
 from metanode import datadir, logs
 from metanode.errors import MidhashError, StorageError
-from metanode.ignores import Rules, Stat, is_text
+from metanode.ignores import Rules, Stat, is_text, mtime_of
 from metanode.merge import LocalFile
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,10 @@ def walk(
     `OSError`, so the walk is tried again rather than its folder reported unreadable), names
     that are not text (`is_text`) to `not_text` (`shown_path`);
     each folder is visited once, even through a followed symlink that loops back (to the root
-    itself, say).
+    itself, say). A walk from a folder below the root (a change inotify reported) counts the
+    folders above it as visited, as a walk from the root has: a link made to the root, or to
+    a folder on the way to it, listed the whole library again below the link until the next
+    rescan, which removed it.
     """
     first = start or root
     if start is not None and rules.ignored(root, start, left_out):
@@ -115,7 +118,10 @@ def walk(
         top = os.stat(first)
     except OSError:
         return
-    seen: set[tuple[int, int]] = {(top.st_dev, top.st_ino)}
+    seen = _above(root, first)
+    if (top.st_dev, top.st_ino) in seen:
+        return  # a link back up to a folder holding it: walked from there
+    seen.add((top.st_dev, top.st_ino))
     stack = [first]
     check_paths = bool(rules.path_globs)
     while stack:
@@ -150,7 +156,21 @@ def walk(
                     seen.add((info.st_dev, info.st_ino))
                     stack.append(entry.path)
             elif stat.S_ISREG(info.st_mode) and info.st_size >= rules.min_size:
-                yield entry.path, (info.st_size, info.st_mtime_ns)
+                yield entry.path, (info.st_size, mtime_of(info))
+
+
+def _above(root: str, path: str) -> set[tuple[int, int]]:
+    """The (device, inode) of each folder from `root` down to `path`'s parent (none for the
+    root itself), as a walk from the root meets them before `path`."""
+    found: set[tuple[int, int]] = set()
+    below = root.rstrip("/") + "/"
+    folder = path
+    while folder.startswith(below):
+        folder = os.path.dirname(folder)
+        with contextlib.suppress(OSError):
+            info = os.stat(folder)
+            found.add((info.st_dev, info.st_ino))
+    return found
 
 
 def prefixes(folders: Iterable[str]) -> tuple[str, ...]:
@@ -176,7 +196,7 @@ def stat_of(path: str, follow_symlinks: bool) -> Stat | None:
         info = os.stat(path, follow_symlinks=follow_symlinks)
     except OSError:
         return None
-    return (info.st_size, info.st_mtime_ns) if stat.S_ISREG(info.st_mode) else None
+    return (info.st_size, mtime_of(info)) if stat.S_ISREG(info.st_mode) else None
 
 
 def midhash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
@@ -192,10 +212,12 @@ def midhash_opened(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
     raises `MidhashError`: hashing zero-filled bytes would give a CID that names no real content.
     So does a file that cannot be opened or read, but for the process being out of file
     descriptors (`OUT_OF_FILES`), raised as the `OSError` it is: nothing is wrong with the file.
+    Opened without waiting (`O_NONBLOCK`, nothing to a regular file): a FIFO, found where a
+    file was stat'ed a moment before or named by hand, waited for a writer for ever.
     """
     name = os.fspath(path)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -232,7 +254,7 @@ def hash_settled(path: str, expected: Stat) -> LocalFile | None:
     if before != expected:
         return None
     midhash, read = midhash_opened(path)
-    if stat_of(path, follow_symlinks=True) != before or (read.st_size, read.st_mtime_ns) != before:
+    if stat_of(path, follow_symlinks=True) != before or (read.st_size, mtime_of(read)) != before:
         return None  # written to, or replaced, while being hashed
     return LocalFile(path, midhash, before[0], before[1], read.st_ino)
 
@@ -282,9 +304,11 @@ class ScanProgress:
 
 # (files done, bytes done, files to do, bytes to do), cumulative; first called with nothing done
 Progress = Callable[[int, int, int, int], None]
-Mounted = tuple[tuple[str, int], ...]  # (root, device) of the roots that are folders
+Mounted = tuple[tuple[str, int, int], ...]  # (root, device, inode) of the roots that are folders
 ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken off
 DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
+MOUNTINFO = Path("/proc/self/mountinfo")  # the mount table: `mount_points`
+_OCTAL = re.compile(rb"\\([0-7]{3})")  # how the mount table writes a space, a tab, a `\`
 REWATCH_MAX_S = 30.0  # the longest pause between failed watches (`Watcher._pause_after`)
 RETRY_MIN_S, RETRY_MAX_S = 2.0, 60.0  # a reconciliation after a failed batch (`_retry`)
 OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how watchfiles (Rust) says an errno
@@ -301,6 +325,7 @@ IN_ATTRIB = 0x4
 # changed, so a burst of connections holding every descriptor (feed subscribers past the limit)
 # left each file added meanwhile out of its record for good, one warning a file.
 OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
+DELETED = watchfiles.Change.deleted
 
 
 class Watcher:
@@ -330,10 +355,11 @@ class Watcher:
         self.devices = devices or RootDevices(None)
         self._slots = asyncio.Semaphore(max(1, workers))
         self.pending: dict[str, tuple[Stat, float]] = {}  # path → (stat, when it last changed)
-        self._failed: dict[str, Stat] = {}  # unreadable files: not retried until they change
+        self._failed: dict[str, Stat] = {}  # unreadable files: said once till they change (`_hash`)
         self._stop = asyncio.Event()
         self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
-        self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by device
+        self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by inode
+        self._mounts: dict[str, int] = {}  # the mount points below them then (`mount_points`)
         self._around: frozenset[str] = frozenset()  # the unreadable folders the watch avoids
         self._resyncing: asyncio.Task[None] | None = None
         self._pause = TICK_S  # before watching again after a failed watch: `_pause_after`
@@ -358,19 +384,30 @@ class Watcher:
     # -- applying results -----------------------------------------------------------------------
 
     async def _hash(self, path: str, expected: Stat) -> LocalFile | None:
+        """The file hashed, or None: changed meanwhile, or unreadable (said once until it
+        changes or is read: each rescan tries it again, as a permission fixed on a network
+        mount sends no event, but said it again every `watch_rescan_s`)."""
         async with self._slots:
             try:
-                found = await asyncio.to_thread(hash_settled, path, expected)
+                done = await asyncio.to_thread(hash_settled, path, expected)
             except MidhashError as exc:
                 if stat_of(path, self.rules.follow_symlinks) == expected:
-                    log.warning("skipping unreadable file: %s", exc.message)
+                    if self._failed.get(path) != expected:
+                        log.warning("skipping unreadable file: %s", exc.message)
                     self._failed[path] = expected
                 return None
             except OSError as exc:  # `OUT_OF_FILES`: back to `pending`, tried again
                 self._note_out_of_files(exc.strerror or str(exc))
                 return None
         self._files_open_again()
-        return found
+        if done is not None:
+            self._failed.pop(path, None)
+        return done
+
+    def _retries(self, disk: Mapping[str, Stat], to_hash: Iterable[str]) -> int:
+        """How many of `to_hash` are files found unreadable before, unchanged since: tried
+        again quietly, neither waited for nor said."""
+        return sum(1 for path in to_hash if self._failed.get(path) == disk[path])
 
     def _note_out_of_files(self, why: str) -> None:
         """Say once, in the log and /health, that files (or inotify) wait for a descriptor."""
@@ -451,11 +488,15 @@ class Watcher:
             if full:
                 stray_known, stray_disk = await self._strays()
                 known, disk = {**known, **stray_known}, {**disk, **stray_disk}
+            mounted, points = await asyncio.to_thread(self._points, roots)
+            self.devices.found(mounted)  # a disk mounted below a root: its device, files or not
             self._note_unlisted(
                 sorted(folder for listing in walked for folder in listing.unlisted)
-                + self._emptied(walked, known)
+                + self._emptied(walked, known, disk, points)
             )
-            self.devices.found(listing for listing in walked if listing.files)
+            self.devices.found(
+                {x.root: x.device for x in walked if x.files and x.device is not None}
+            )
             to_hash, to_remove = plan(disk, known, self.unlisted)
             summary = Summary(
                 seen=len(disk),
@@ -476,7 +517,8 @@ class Watcher:
                     len(disk),
                     ", ".join(roots),
                 )
-            if settle and to_hash:
+            fresh = len(to_hash) - self._retries(disk, to_hash)
+            if settle and fresh:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.settle_s)
             removals: Sequence[str] = to_remove
@@ -502,7 +544,7 @@ class Watcher:
             summary.failed = sorted(p for p in to_hash[:files_done] if p in self._failed)
             summary.moved_on = files_done - summary.hashed - len(summary.failed)
             summary.left = len(to_hash) - files_done
-            if to_hash or to_remove:
+            if fresh or summary.hashed or to_remove:
                 seconds = time.monotonic() - began
                 log.info("scanned %s: %s in %.1f s", ", ".join(roots), summary.said(), seconds)
             return summary
@@ -553,23 +595,57 @@ class Watcher:
         files = dict(walk(root, self.rules, root, unlisted, not_text))
         return Listing(root, device, files, unlisted, not_text)
 
-    def _emptied(self, walked: Iterable[Listing], known: Mapping[str, Stat]) -> list[str]:
-        """The roots that listed no file at all, though files were known below them, on another
-        device than the one they were found on (`RootDevices`): a mount point whose disk is
-        not mounted (a bind mount of nothing) is taken for that, not for every file deleted at
-        once. A folder emptied on its own device is empty, and its rows go."""
+    def _points(self, roots: Sequence[str]) -> tuple[dict[str, int], dict[str, int | None]]:
+        """The mount points below `roots` now (`mount_points`), and those and the ones known
+        before (`RootDevices`) with their device now (None: no folder there). Stats them: run
+        it on a thread."""
+        mounted = mount_points(roots)
+        below = prefixes(roots)
+        points: dict[str, int | None] = dict(mounted)
+        for point in self.devices.folders():
+            if point.startswith(below) and point not in mounted:
+                points[point] = _folder_device(point)
+        return mounted, points
+
+    def _volumes(
+        self, walked: Iterable[Listing], disk: Mapping[str, Stat], points: Mapping[str, int | None]
+    ) -> list[tuple[str, int, bool]]:
+        """(folder, device now, whether it listed a file) of each root that could be read and
+        each mount point below one (`_points`) that is a folder."""
+        volumes = [
+            (listing.root, listing.device, bool(listing.files))
+            for listing in walked
+            if listing.device is not None and not listing.unlisted
+        ]
+        for point, device in points.items():
+            if device is not None:
+                below = point.rstrip("/") + "/"
+                volumes.append((point, device, any(p.startswith(below) for p in disk)))
+        return volumes
+
+    def _emptied(
+        self,
+        walked: Iterable[Listing],
+        known: Mapping[str, Stat],
+        disk: Mapping[str, Stat],
+        points: Mapping[str, int | None],
+    ) -> list[str]:
+        """The roots, and the mount points below them, that listed no file at all, though
+        files were known below them, on another device than the one they were found on
+        (`RootDevices`): a mount point whose disk is not mounted (a bind mount of nothing, a
+        disk unplugged from `/srv/media/usb`) is taken for that, not for every file deleted
+        at once. A folder emptied on its own device is empty, and its rows go."""
         emptied = []
-        for listing in walked:
-            if listing.files or listing.unlisted or listing.device is None:
+        for folder, device, shows in self._volumes(walked, disk, points):
+            was, below = self.devices.get(folder), prefixes([folder])
+            if shows or was in (None, device) or not any(p.startswith(below) for p in known):
                 continue
-            was, below = self.devices.get(listing.root), prefixes([listing.root])
-            if was not in (None, listing.device) and any(p.startswith(below) for p in known):
-                log.warning(
-                    "watch root %s is empty and on another device than its files were found "
-                    "on (a disk not mounted?): they are kept until it shows files again",
-                    listing.root,
-                )
-                emptied.append(listing.root)
+            log.warning(
+                "watched folder %s is empty and on another device than its files were found "
+                "on (a disk not mounted?): they are kept until it shows files again",
+                folder,
+            )
+            emptied.append(folder)
         return emptied
 
     def _files_below(
@@ -597,13 +673,20 @@ class Watcher:
         transaction (one `set` of `filePath`), not a loss and a late re-appearance. A folder
         is walked; if a file of its name was known (a file replaced by a folder), that file is
         gone; if part of it cannot be listed, /health says so now (`unlisted`), not at the next
-        reconciliation.
+        reconciliation. A root reported deleted (moved away, or deleted and maybe made again at
+        once: the new folder may even have the old one's inode) is watched again, and the
+        reconciliation that follows keeps its files as those of a root missing at start, or
+        reads the new folder: removing the rows below it reported every file deleted to
+        consumers, and hashed each again, as new, once the folder was back.
         """
         removed: list[str] = []
         touched: dict[str, Stat] = {}
         folders: list[str] = []
         unlisted: list[str] = []
-        for path in sorted({p for _, p in changes}):
+        gone = {p for change, p in changes if p in self.roots and change == DELETED}
+        if gone:  # the watched folder: missing now (`_listing`), or a new one made at once
+            self._rewatch.set()
+        for path in sorted({p for _, p in changes} - gone):
             if os.path.isdir(path) and (self.rules.follow_symlinks or not os.path.islink(path)):
                 folders.append(path)
                 root = self._root_of(path) or path
@@ -669,27 +752,46 @@ class Watcher:
                 if len(ready) >= BATCH:
                     break
             if ready:
-                await self._guarded(self._hash_and_commit(ready))
+                await self._guarded(self._settled(ready))
             elif self.out_of_files and not self.pending and not self._reconciling:
                 self._nothing_waits()
 
+    async def _settled(self, ready: Mapping[str, Stat]) -> None:
+        """Hash and commit settled files; if one of them has other names (hard links: a
+        download linked into the library), reconcile, as inotify reports a write under the
+        name it was made through only: the others kept the old content's midhash until the
+        next rescan."""
+        paths = [f.path for f in await self._hash_and_commit(ready)]
+        linked: bool = bool(paths) and await asyncio.to_thread(_any_linked, paths)
+        if linked:
+            self._resync_later()
+
     def _present(self) -> Mounted:
-        """The roots that are folders now, each with its device: a disk mounted on a root, or
-        taken off it, changes the device though the folder stays. Stats the roots: run it on a
-        thread, as a hung network mount blocks a stat for as long as it hangs."""
-        devices = ((root, _folder_device(root)) for root in self.roots)
-        return tuple((root, device) for root, device in devices if device is not None)
+        """The roots that are folders now, each with its device and inode: a disk mounted on a
+        root, or taken off it, changes the device though the folder stays; a root deleted and
+        made again (`rm -rf`, then a sync tool's `mkdir`) is mostly a new inode, which the
+        watch of the old one never saw (its deletion, when inotify reports it, is the surer
+        sign: `_on_changes`). Stats the roots: run it on a thread, as a hung network mount
+        blocks a stat for as long as it hangs."""
+        found = ((root, _folder_identity(root)) for root in self.roots)
+        return tuple((root, *identity) for root, identity in found if identity is not None)
 
     async def _roots_loop(self) -> None:
-        """Watch again (`_rewatch`) when a root comes, goes, or changes device (mounted), or
+        """Watch again (`_rewatch`) when a root comes, goes, is made anew, or changes device
+        (mounted), when
+        a disk is mounted below one or taken off (the watch lay on the folder beneath it, and
+        saw nothing of the disk's files), or
         when inotify takes watches again after the user's limit was reached (raised, or
         another program's watches gone: the folders refused meanwhile are watched only by a
         new watch): looked at every `ROOTS_S` on a thread, one look at a time (a hung mount
         holds only that)."""
         while not self._stop.is_set():
             await asyncio.sleep(ROOTS_S)
-            present, full = await asyncio.to_thread(self._look)
-            if present != self._mounted or (self.watches_full and not full):
+            present, mounts, full = await asyncio.to_thread(self._look)
+            self.devices.found(mounts)  # before a reconciliation may find one taken off
+            if (present, mounts) != (self._mounted, self._mounts) or (
+                self.watches_full and not full
+            ):
                 self._rewatch.set()
             if full and not self.watches_full:
                 self.folders = await asyncio.to_thread(count_folders, self.roots, self.rules)
@@ -700,9 +802,10 @@ class Watcher:
         """What /health and the log say while the user's inotify watches are all taken."""
         return watch_limit_problem(self.rescan_s, self.folders)
 
-    def _look(self) -> tuple[Mounted, bool]:
+    def _look(self) -> tuple[Mounted, dict[str, int], bool]:
         present = self._present()
-        return present, bool(present) and inotify_full(present[0][0])
+        mounts = mount_points([root for root, *_ in present])
+        return present, mounts, bool(present) and inotify_full(present[0][0])
 
     async def _inotify_loop(self) -> None:
         """Follow inotify on the roots that exist; if watchfiles itself fails (it raises on a
@@ -712,11 +815,11 @@ class Watcher:
         while not self._stop.is_set():
             self._rewatch.clear()
             self._watched_since = time.monotonic()
-            self._mounted = await asyncio.to_thread(self._present)
+            self._mounted, self._mounts, _ = await asyncio.to_thread(self._look)
             self._around = unreadable(self.roots, self.unlisted)
             paths = await asyncio.to_thread(
                 watch_paths,
-                [root for root, _ in self._mounted],
+                [root for root, *_ in self._mounted],
                 self._around,
                 self.rules.follow_symlinks,
             )
@@ -826,7 +929,7 @@ class Watcher:
         watcher for good, with a traceback, and /health said `the watcher has stopped` until
         the node was restarted or another replica took the lead."""
         while not self._stop.is_set():
-            missing = set(self.roots) - {r for r, _ in await asyncio.to_thread(self._present)}
+            missing = set(self.roots) - {r for r, *_ in await asyncio.to_thread(self._present)}
             try:
                 new = [root for root in sorted(missing) if not self._known_stats([root])]
             except StorageError as exc:
@@ -1055,13 +1158,48 @@ def undecodable(failure: BaseException) -> str | None:
     return match[1] if match else None
 
 
-def _folder_device(path: str) -> int | None:
-    """The device of the folder at `path`, None if there is none (missing, not a folder)."""
+def _any_linked(paths: Iterable[str]) -> bool:
+    """Whether a file of `paths` has other names (hard links)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_nlink > 1:
+                return True
+    return False
+
+
+def _folder_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of the folder at `path`, None if there is none (missing, no folder)."""
     try:
         info = os.stat(path)
     except OSError:
         return None
-    return info.st_dev if stat.S_ISDIR(info.st_mode) else None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
+
+
+def _folder_device(path: str) -> int | None:
+    """The device of the folder at `path`, None if there is none (missing, not a folder)."""
+    identity = _folder_identity(path)
+    return None if identity is None else identity[0]
+
+
+def mount_points(roots: Sequence[str]) -> dict[str, int]:
+    """The mount points strictly below `roots`, each with its device, from the mount table
+    (none where there is none): a disk mounted on a folder of the library, as a root's files
+    may be. Stats each: run it on a thread."""
+    try:
+        table = MOUNTINFO.read_bytes()
+    except OSError:
+        return {}
+    below = prefixes(roots)
+    found: dict[str, int] = {}
+    for line in table.splitlines():
+        fields = line.split(b" ")
+        if len(fields) > 4:  # the fifth is the mount point, its spaces written `\040`
+            point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m[1], 8)]), fields[4]))
+            device = _folder_device(point) if point.startswith(below) else None
+            if device is not None and point not in roots:
+                found[point] = device
+    return found
 
 
 @dataclass(frozen=True)
@@ -1091,9 +1229,13 @@ class RootDevices:
     def get(self, root: str) -> int | None:
         return self._devices.get(root)
 
-    def found(self, listings: Iterable[Listing]) -> None:
-        """Remember the device of each root that showed files, writing the file if it changed."""
-        seen = {x.root: x.device for x in listings if x.device is not None}
+    def folders(self) -> list[str]:
+        """Every folder remembered: roots, and the mount points below them."""
+        return list(self._devices)
+
+    def found(self, seen: Mapping[str, int]) -> None:
+        """Remember the device of each folder (root, mount point) that showed files, writing
+        the file if it changed."""
         if all(self._devices.get(root) == device for root, device in seen.items()):
             return
         self._devices.update(seen)

@@ -133,6 +133,21 @@ def test_cid_midhash_missing_file_is_an_error(tmp_path: Path) -> None:
     assert "midhash_failed" in result.stderr
 
 
+def test_cid_midhash_of_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO in a media folder: opening it to read waited for a writer that never came, so
+    `metanode cid midhash *` hung (and so would the watcher, had a file been replaced by one
+    between its stat and its read). It is opened without waiting, and is no regular file."""
+    fifo = tmp_path / "film.mkv"
+    os.mkfifo(fifo)
+    done = subprocess.run(
+        [sys.executable, "-m", "metanode", "cid", "midhash", str(fifo)],
+        capture_output=True,
+        text=True,
+        timeout=60,  # a bound on the hang this was, not a measure
+    )
+    assert done.returncode == 2 and "is not a regular file" in done.stderr, done.stderr
+
+
 def test_cid_midhash_directory_is_refused(tmp_path: Path) -> None:
     result = run("cid", "midhash", str(tmp_path))
     assert result.exit_code == 2

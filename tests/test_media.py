@@ -401,7 +401,7 @@ def test_an_unreadable_video_is_skipped_for_a_reason_that_names_no_file(
     reason, every such file was a reason of its own, and the Plugins page's commonest reasons
     were three files' (the log names the file)."""
     reasons = set()
-    for name in ("a.mkv", "b.mkv"):
+    for name in ("a.mkv", "b.mkv", "new\nline.mkv"):
         broken = tmp_path / name
         broken.write_bytes(os.urandom(4096))
         with pytest.raises(mediainfo.ProbeFailed) as failed:

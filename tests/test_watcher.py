@@ -34,6 +34,7 @@ from metanode.ignores import Rules, Stat
 from metanode.merge import LocalFile
 from metanode.node import Node
 from metanode.watcher import Watcher, hash_settled, plan, stat_of, walk
+from tests.helpers.mounts import Mounts
 from tests.helpers.sqlsteps import vm_steps
 
 Change = watchfiles.Change
@@ -224,6 +225,27 @@ def test_walk_a_symlink_back_to_the_root_does_not_list_the_tree_twice(tmp_path: 
     (root / "all").symlink_to(root)
     listed = sorted(p for p, _ in walk(str(root), Rules(follow_symlinks=True)))
     assert listed == [str(root / "a.mkv")]
+
+
+def test_walk_from_a_link_up_to_a_folder_above_it_lists_nothing(tmp_path: Path) -> None:
+    """A link made to the root (or a folder on the way to it) is reported by inotify, and its
+    walk listed the library again below the link; a walk from the root lists it once."""
+    root = tmp_path / "root"
+    write(root / "a.mkv", b"a")
+    write(root / "Music" / "b.flac", b"b")
+    (root / "Music" / "all").symlink_to(root)
+    (root / "Music" / "up").symlink_to(root / "Music")
+    (root / "Music" / "sub").mkdir()
+    rules = Rules(follow_symlinks=True)
+    for link in ("all", "up"):
+        assert list(walk(str(root), rules, str(root / "Music" / link))) == []
+    assert [p for p, _ in walk(str(root), rules, str(root / "Music"))] == [
+        str(root / "Music" / "b.flac")
+    ]
+    assert sorted(p for p, _ in walk(str(root), rules)) == [
+        str(root / "Music" / "b.flac"),
+        str(root / "a.mkv"),
+    ]
 
 
 def lock_folders(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
@@ -702,6 +724,36 @@ async def test_an_empty_root_on_another_device_than_its_files_keeps_them(
     here = store.watcher(root, devices=watcher.RootDevices(kept))
     summary = await here.reconcile(settle=False)
     assert (summary.removed, here.unlisted, store.rows) == (1, [], {})
+
+
+async def test_a_disk_taken_off_a_folder_below_the_root_keeps_its_files(tmp_path: Path) -> None:
+    """A disk mounted on a folder of the library (`/srv/media/usb`) and taken off left an empty
+    folder on the root's own disk: the next reconciliation removed every file of it (reported
+    deleted) and hashed them all again once it was back. Its mount point is remembered with
+    its device, as a root is, and an empty one on another device keeps its files."""
+    root, kept = tmp_path / "media", tmp_path / "watch-roots.json"
+    usb = root / "usb"
+    with Mounts() as mounts:
+        mounts.mount(usb)
+        film = write(usb / "film.mkv", b"on the usb disk")
+        write(root / "here.mkv", b"on the root's disk")
+        store = Store()
+        first = await store.watcher(root, devices=watcher.RootDevices(kept)).reconcile(False)
+        assert first.hashed == 2
+        assert json.loads(kept.read_text())[str(usb)] == usb.stat().st_dev
+        mounts.unmount(usb)
+        away = store.watcher(root, devices=watcher.RootDevices(kept))
+        summary = await away.reconcile(settle=False)
+        assert (summary.removed, away.unlisted) == (0, [str(usb)])
+        assert str(film) in store.rows
+        mounts.mount(usb)  # back (a new tmpfs: its own device again), its file restored
+        write(usb / "film.mkv", b"on the usb disk")
+        back = store.watcher(root, devices=watcher.RootDevices(kept))
+        summary = await back.reconcile(settle=False)
+        assert (summary.removed, back.unlisted) == (0, [])
+        film.unlink()  # emptied on its own disk: gone
+        summary = await back.reconcile(settle=False)
+        assert (summary.removed, back.unlisted, str(film) in store.rows) == (1, [], False)
 
 
 async def test_reconcile_reports_an_unreadable_file_and_goes_on(

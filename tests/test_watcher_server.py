@@ -30,8 +30,10 @@ import pytest
 from metanode import cid as cids
 from metanode import watcher
 from tests.helpers.claims import Signer
+from tests.helpers.mounts import Mounts
 from tests.helpers.server import Server
 from tests.helpers.vectors import load_vectors
+from tests.helpers.wait import poll
 
 T = TypeVar("T")
 DEADLINE_S = 20.0
@@ -552,6 +554,26 @@ def test_rewriting_a_file_moves_its_path_to_the_new_contents_record(start: Start
 # -- folders ------------------------------------------------------------------------------------
 
 
+def test_a_file_written_under_one_of_its_hard_links_changes_under_every_name(
+    start: Start,
+) -> None:
+    """inotify reports a write under the name it was made through only: the file's other
+    names (a download hard-linked into the library, and tagged there) kept the old content's
+    midhash and size until the next rescan."""
+    server = start()
+    first = write(server.media / "downloads" / "song.flac", os.urandom(3000))
+    second = server.media / "library" / "song.flac"
+    second.parent.mkdir()
+    os.link(first, second)
+    old = cids.midhash_bytes(first.read_bytes())
+    poll(lambda: midhash_at(server, second) == old or None, "both names listed")
+    with first.open("r+b") as same_inode:
+        same_inode.write(os.urandom(4000))
+    new = cids.midhash_bytes(second.read_bytes())
+    poll(lambda: midhash_at(server, second) == new or None, "the other name's new content")
+    assert midhash_at(server, first) == new
+
+
 def test_a_folder_moved_in_appears_and_a_deleted_folder_goes(start: Start, tmp_path: Path) -> None:
     server = start()
     outside = tmp_path / "downloads"
@@ -669,6 +691,25 @@ def test_symlinks_are_followed_when_configured(start: Start, tmp_path: Path) -> 
     record(server, cids.midhash_bytes(b"linked after the start"), has_path(media / "late link.mkv"))
 
 
+def test_a_link_up_to_the_root_made_while_watched_lists_nothing_twice(
+    start: Start, tmp_path: Path
+) -> None:
+    """With links followed, a link to the root (a loop) made while watched was walked from its
+    event: the whole library listed again below it, until the next rescan removed it."""
+    media = tmp_path / "media"
+    film = write(media / "Films" / "film.mkv", os.urandom(3000))
+    write(media / "Music" / "tone.flac", os.urandom(3000))
+    server = start(watch_follow_symlinks="true")
+    poll(lambda: len(server.files()) == 2 or None, "both files listed")
+    (media / "Music" / "library").symlink_to(media)
+    (media / "Films" / "here").symlink_to(media / "Films")
+    later = write(media / "Films" / "later.mkv", os.urandom(3000))  # after the links' events
+    poll(lambda: str(later) in server.files() or None, "the later file listed")
+    assert sorted(server.files()) == sorted(
+        [str(film), str(later), str(media / "Music" / "tone.flac")]
+    )
+
+
 def test_files_created_in_an_ignored_folder_never_appear(start: Start, tmp_path: Path) -> None:
     media = tmp_path / "media"
     write(media / "Movie" / "Samples" / "at-start.mkv", b"present at start")
@@ -709,6 +750,35 @@ def test_a_restart_with_nothing_changed_hashes_nothing(start: Start, tmp_path: P
 
     done = scan(again.data_dir, again.media)
     assert summary_line(done) == "4 files seen: 0 hashed, 4 unchanged, 0 removed, 0 unreadable"
+
+
+def test_a_file_dated_past_2262_is_recorded_served_and_not_hashed_again(
+    start: Start, tmp_path: Path
+) -> None:
+    """An mtime past a 64-bit count of nanoseconds (ext4 and NTFS take dates to 2446 and
+    beyond; a camera's clock gone wrong) could not be stored: the batch holding the file
+    failed, and every reconciliation after it, for good (/health `degraded`), so no file
+    sorted after it was ever recorded. It is kept at the largest mtime the databases hold."""
+    media = tmp_path / "media"
+    future, after = (write(media / n, os.urandom(3000)) for n in ("a-2446.mkv", "b.mkv"))
+    os.utime(future, ns=(0, 99_999_999_999 * 10**9))
+    if future.stat().st_mtime_ns < 2**63:
+        pytest.skip("this file system cannot date a file past 2262")
+    server = start()
+    poll(lambda: {str(future), str(after)} <= server.files().keys() or None, "both listed")
+    midhash = cids.midhash_bytes(future.read_bytes())
+    doc = server.meta(midhash)
+    assert doc is not None and doc["metadata"]["mtimeNano"] == str(2**63 - 1), doc
+    assert server.health()["status"] == "ok"
+    served = httpx.get(f"{server.url}/file/{midhash}", headers=server.headers, timeout=10)
+    assert served.status_code == 200 and served.content == future.read_bytes()
+    rows = local_rows(server.data_dir)
+    server.stop()
+    again = start()  # nothing changed: nothing hashed (its mtime compares as it was kept)
+    marker = write(media / "marker.mkv", os.urandom(3000))
+    poll(lambda: str(marker) in again.files() or None, "a file after the restart")
+    assert [r for r in local_rows(again.data_dir) if r[0] != str(marker)] == rows
+    assert " hashed" not in again.log_text().split("Started server process")[-1]
 
 
 def test_a_first_scan_says_how_far_it_is_and_a_stop_leaves_the_rest_for_the_next_start(
@@ -801,6 +871,79 @@ def test_a_watch_root_missing_at_start_keeps_its_files_until_it_is_back(start: S
     added = write(media / "later.mkv", os.urandom(3000))  # watched live again
     wait_for("a file added after it came back", lambda: str(added) in again.files())
     assert str(kept) in again.files()
+
+
+def test_a_watch_root_moved_away_while_watched_keeps_its_files_until_it_is_back(
+    start: Start, tmp_path: Path
+) -> None:
+    """inotify reports a root moved away (or taken off by a rename of its mount point) as the
+    root deleted, and that removed every row below it: consumers saw every file deleted, and
+    when the folder was back every file was hashed again, as new. A root gone while watched is
+    now what a root missing at start is: its files kept, /health degraded naming it."""
+    server = start()
+    media = server.media
+    content = os.urandom(3000)
+    kept = write(media / "Films" / "film.mkv", content)
+    poll(lambda: str(kept) in server.files() or None, "the file listed")
+    cursor = server.cursor()
+    away = tmp_path / "media.away"
+    os.rename(media, away)
+    poll(lambda: server.health()["watcher"]["unlisted"] == [str(media)] or None, "root named")
+    assert str(kept) in server.files()
+    os.rename(away, media)
+    poll(lambda: server.health()["status"] == "ok" or None, "health ok once the root is back")
+    added = write(media / "later.mkv", os.urandom(3000))  # watched live again
+    poll(lambda: str(added) in server.files() or None, "a file added after it came back")
+    events, _ = replay(server, cursor)
+    assert [e for e in events if e.op == "del"] == [], events
+    assert " hashed" not in server.log_text()  # what came back was unchanged: nothing hashed
+
+
+def test_a_disk_mounted_below_a_root_is_watched_and_kept_while_taken_off(
+    start: Start, tmp_path: Path
+) -> None:
+    """A disk mounted on a folder of the library while the node ran: the watch lay on the
+    folder beneath it, so files written to the disk were seen only at the next rescan (10
+    minutes); taken off, the next rescan removed each of its files (consumers saw them
+    deleted), and hashed them again once it was back. The mount table is looked at with the
+    roots: a mount is watched at once, and an empty mount point on another device keeps its
+    files, as a root does."""
+    usb = tmp_path / "media" / "usb"
+    usb.mkdir(parents=True)
+    server = start()
+    with Mounts() as mounts:
+        disk = mounts.mount(tmp_path / "disk")  # the disk, mounted on the library's folder:
+        mounts.bind(disk, usb)
+        film = write(usb / "film.mkv", os.urandom(3000))  # seen only by a watch of the disk
+        poll(lambda: str(film) in server.files() or None, "a file on the mounted disk")
+        cursor = server.cursor()
+        mounts.unmount(usb)
+        poll(lambda: server.health()["watcher"]["unlisted"] == [str(usb)] or None, "usb named")
+        assert str(film) in server.files()
+        write(disk / "later.mkv", os.urandom(3000))  # written elsewhere meanwhile
+        mounts.bind(disk, usb)
+        poll(lambda: str(usb / "later.mkv") in server.files() or None, "the disk back")
+        assert server.health()["status"] == "ok"
+        events, _ = replay(server, cursor)
+        assert [e for e in events if e.op == "del"] == [], events
+
+
+def test_a_watch_root_deleted_and_made_again_at_once_is_watched_again(start: Start) -> None:
+    """`rm -rf media && mkdir media` (a sync tool starting over): the watch lay on the deleted
+    folder, and the new one, of the same name on the same device, was never watched: what was
+    written to it after was seen only at the next rescan. A root of a new inode is watched
+    anew and reconciled."""
+    server = start()
+    media = server.media
+    gone = write(media / "gone.mkv", os.urandom(3000))
+    poll(lambda: str(gone) in server.files() or None, "the first file listed")
+    shutil.rmtree(media)
+    media.mkdir()
+    first = write(media / "first.mkv", os.urandom(3000))
+    poll(lambda: str(first) in server.files() or None, "a file of the new folder")
+    later = write(media / "later.mkv", os.urandom(3000))
+    poll(lambda: str(later) in server.files() or None, "a file written to it later")
+    assert str(gone) not in server.files()
 
 
 def test_a_watch_root_that_cannot_be_made_is_said_and_the_others_are_watched(
@@ -903,6 +1046,40 @@ def test_scan_command_reports_an_unreadable_file(tmp_path: Path) -> None:
         assert f"unreadable: {locked}" in done.stderr
     finally:
         locked.chmod(0o644)
+
+
+def midhash_at(server: WatchServer, path: Path) -> str | None:
+    """The midhash /api/files lists at `path` (None: not listed)."""
+    row = server.files().get(str(path))
+    return None if row is None else str(row["midhash"])
+
+
+def test_an_unreadable_file_is_said_once_however_many_rescans_try_it_again(
+    start: Start, tmp_path: Path
+) -> None:
+    """An unreadable file was said at every rescan, two lines each `watch_rescan_s` (the
+    warning, and a `scanned` summary as if something had changed, after waiting
+    `watch_settle_s`). Each rescan still tries it (a permission fixed on a network mount sends
+    no event), quietly; made readable, it is fingerprinted."""
+    prefix = as_user()
+    content = os.urandom(3000)
+    locked = write(tmp_path / "media" / "locked.mkv", content)
+    locked.chmod(0)
+    # A file below no root: each full reconciliation looks at it again, which shows one ran.
+    stray = write(tmp_path / "elsewhere" / "stray.mkv", b"stray")
+    scan(tmp_path / "data", stray.parent, prefix=prefix)
+    server = start(prefix=prefix, watch_rescan_s="0.1")
+    try:
+        for n in range(1, 4):
+            stray.write_bytes(b"stray" * (n + 1))
+            want = cids.midhash_bytes(stray.read_bytes())
+            poll(lambda w=want: midhash_at(server, stray) == w or None, f"rescan {n} saw it")
+        assert server.log_text().count("skipping unreadable file") == 1
+        assert str(locked) not in server.files()
+    finally:
+        locked.chmod(0o644)
+    poll(lambda: str(locked) in server.files() or None, "the file listed once readable")
+    assert server.files()[str(locked)]["midhash"] == cids.midhash_bytes(content)
 
 
 def test_an_unreadable_folder_leaves_every_other_folder_watched(

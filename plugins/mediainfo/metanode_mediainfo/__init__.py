@@ -73,10 +73,13 @@ def probe(path: str, ffprobe: str, timeout_s: float = TIMEOUT_S) -> dict[str, An
     except subprocess.TimeoutExpired:
         raise ProbeFailed(f"ffprobe took longer than {timeout_s} s") from None
     if done.returncode != 0:
-        message = done.stderr.decode("utf-8", "replace").strip().splitlines()
         # the file's path out of the reason (`<path>: Invalid data found …`): the node counts
-        # the runs skipped for each reason, and one a file counted nothing (the log names it)
-        last = message[-1].replace(path, "the file") if message else done.returncode
+        # the runs skipped for each reason, and one a file counted nothing (the log names it).
+        # Out of the whole text before it is cut into lines: a name holding a line feed left
+        # its last part as a reason of its own (`line.mkv: Invalid data …`).
+        said = done.stderr.decode("utf-8", "replace").replace(path, "the file")
+        message = said.strip().splitlines()
+        last = message[-1] if message else done.returncode
         raise ProbeFailed(f"ffprobe failed: {last}")
     try:
         parsed: dict[str, Any] = json.loads(done.stdout)
