@@ -33,10 +33,9 @@ from tests.helpers.claims import Signer
 from tests.helpers.mounts import Mounts
 from tests.helpers.server import Server
 from tests.helpers.vectors import load_vectors
-from tests.helpers.wait import poll
+from tests.helpers.wait import DEADLINE_S, poll
 
 T = TypeVar("T")
-DEADLINE_S = 20.0
 SPARSE: dict[str, str] = {v["name"]: v["cid"] for v in load_vectors("midhash.json")["vectors"]}
 LOCAL_KEYS = ("filePath", "fileSize", "mtimeNano")
 # The watcher alone: plugins (fileinfo, filename, fullhash) would add their own claims and CIDs
