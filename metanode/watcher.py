@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 256
 TICK_S = 0.25
+WATCH_LAID_S = 30.0  # the longest a reconciliation waits for an inotify watch to stand
 PROGRESS_LOG_S = 30.0  # how often a long reconciliation says how far it is in the log
 
 EnsureGroups = Callable[[Sequence[str]], Awaitable[None]]
@@ -358,6 +359,7 @@ class Watcher:
         self._failed: dict[str, Stat] = {}  # unreadable files: said once till they change (`_hash`)
         self._stop = asyncio.Event()
         self._rewatch = asyncio.Event()  # ends the current inotify watch: the roots changed
+        self._watch_stands = asyncio.Event()  # the watch being laid is laid (`_watch_laid`)
         self._mounted: Mounted = ()  # the roots inotify follows (those that exist), by inode
         self._mounts: dict[str, int] = {}  # the mount points below them then (`mount_points`)
         self._around: frozenset[str] = frozenset()  # the unreadable folders the watch avoids
@@ -812,6 +814,11 @@ class Watcher:
         path it cannot decode), or a root came or went (`_roots_loop` sets `_rewatch`), or a
         folder below one turned unreadable or readable (`_note_unlisted`), watch again and
         reconcile once the new watch stands, to catch what the gap missed."""
+        loop = asyncio.get_running_loop()
+
+        def laid() -> None:  # from watchfiles' thread
+            loop.call_soon_threadsafe(self._watch_stands.set)
+
         while not self._stop.is_set():
             self._rewatch.clear()
             self._watched_since = time.monotonic()
@@ -830,14 +837,17 @@ class Watcher:
                         watch_filter=self._keep,
                         debounce=200,
                         step=50,
-                        stop_event=_Either(self._stop, self._rewatch),
+                        stop_event=_Either(self._stop, self._rewatch, laid),
                         ignore_permission_denied=True,
                     ):
                         await self._guarded(self._on_changes(changes))
                 else:
+                    self._watch_stands.set()  # nothing to watch: nothing to wait for
                     await _first(self._stop, self._rewatch)
             except Exception as exc:
+                self._watch_stands.set()  # none will stand before the pause: walk meanwhile
                 await self._pause_after(exc)
+            self._watch_stands.clear()  # the next reconciliation waits for the next watch
             if not self._stop.is_set():
                 self._resync_later()
         if self._resyncing is not None:
@@ -871,8 +881,16 @@ class Watcher:
             self._resyncing = asyncio.create_task(self._resync_soon())
 
     async def _resync_soon(self) -> None:
-        await asyncio.sleep(TICK_S)  # let the new watch register first
+        await self._watch_laid()
         await self._guarded(self.reconcile())
+
+    async def _watch_laid(self) -> None:
+        """Until the inotify watch being laid stands (watchfiles polls its stop event once its
+        watches are made: `_Either`), or there is none to lay, or laying it failed; at most
+        `WATCH_LAID_S`. A reconciliation begun sooner could walk a folder, then see a file
+        written there before its watch stood neither on the disk nor as an event: it waited
+        for the next rescan (10 min), as two tests found under load at a node's start."""
+        await _first_or_timeout(self._watch_stands, WATCH_LAID_S)
 
     async def _rescan_loop(self) -> None:
         while self.rescan_s > 0 and not self._stop.is_set():
@@ -953,12 +971,14 @@ class Watcher:
     async def run(self) -> None:
         """Follow inotify, reconcile, then settle and rescan until `stop()`.
 
-        inotify starts before the reconciliation so nothing that changes during it is missed.
+        inotify stands before the reconciliation begins (`_watch_laid`), so nothing that
+        changes during it is missed.
         """
         await self._make_new_roots()
         tasks = [asyncio.create_task(self._inotify_loop(), name="watcher-inotify")]
         tasks.append(asyncio.create_task(self._roots_loop(), name="watcher-roots"))
         try:
+            await self._watch_laid()
             await self._guarded(self.reconcile())
             tasks.append(asyncio.create_task(self._settle_loop(), name="watcher-settle"))
             tasks.append(asyncio.create_task(self._rescan_loop(), name="watcher-rescan"))
@@ -1251,12 +1271,20 @@ class RootDevices:
 
 class _Either:
     """Set when either event is: what watchfiles polls (`is_set`) to end one watch, and sets
-    (`set`) when it is cancelled."""
+    (`set`) when it is cancelled. Its first poll comes from watchfiles' thread once the watch
+    is made (`RustNotify` has laid every inotify watch before it waits for changes): `laid`
+    is called then, once."""
 
-    def __init__(self, first: asyncio.Event, second: asyncio.Event) -> None:
+    def __init__(
+        self, first: asyncio.Event, second: asyncio.Event, laid: Callable[[], None]
+    ) -> None:
         self._events = (first, second)
+        self._laid: Callable[[], None] | None = laid
 
     def is_set(self) -> bool:
+        if self._laid is not None:
+            laid, self._laid = self._laid, None
+            laid()
         return any(event.is_set() for event in self._events)
 
     def set(self) -> None:

@@ -14,6 +14,7 @@ import errno
 import json
 import logging
 import os
+import re
 import resource
 import shutil
 import sqlite3
@@ -36,6 +37,7 @@ from metanode.node import Node
 from metanode.watcher import Watcher, hash_settled, plan, stat_of, walk
 from tests.helpers.mounts import Mounts
 from tests.helpers.sqlsteps import vm_steps
+from tests.helpers.wait import until
 
 Change = watchfiles.Change
 
@@ -1128,6 +1130,53 @@ async def test_settle_loop_hashes_only_after_the_stat_held_still(tmp_path: Path)
     finally:
         w.stop()
         await loop_task
+
+
+def inotify_watches() -> set[int]:
+    """The inodes this process's inotify instances watch now (`/proc/self/fdinfo`)."""
+    found: set[int] = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != "anon_inode:inotify":
+                continue
+            info = Path(f"/proc/self/fdinfo/{fd}").read_text()
+        except OSError:  # closed meanwhile (the listing's own descriptor, say)
+            continue
+        found |= {
+            int(ino, 16) for ino in re.findall(r"^inotify wd:\S+ ino:([0-9a-f]+)", info, re.M)
+        }
+    return found
+
+
+async def test_the_starts_reconciliation_reads_the_disk_once_inotify_watches_it(
+    tmp_path: Path,
+) -> None:
+    """A file written after the start's walk passed its folder but before the inotify watch
+    stood was neither walked nor reported: it waited for the rescan (10 min). Two server tests
+    lost their files so under load. The reconciliation now begins once the watch stands
+    (`Watcher._watch_laid`), which this checks in the kernel's own list of watches, at the
+    moment the reconciliation reads the rows it compares the walk with. 2,000 folders make the
+    watch long to lay, so a reconciliation that did not wait would meet it unlaid."""
+    root = tmp_path / "media"
+    for i in range(2000):
+        (root / f"d{i}").mkdir(parents=True)
+    store = Store()
+    watched_when_read: list[bool] = []
+    rows_of = store.known_stats
+
+    def known_stats(paths: Sequence[str]) -> dict[str, Stat]:
+        watched_when_read.append(root.stat().st_ino in inotify_watches())
+        return rows_of(paths)
+
+    store.known_stats = known_stats  # type: ignore[method-assign]
+    w = store.watcher(root)
+    running = asyncio.create_task(w.run())
+    try:
+        await until(lambda: bool(watched_when_read), "the start's reconciliation")
+    finally:
+        w.stop()
+        await running
+    assert watched_when_read[0], "the reconciliation read the disk before inotify watched it"
 
 
 async def test_a_delete_reported_while_a_hash_is_being_committed_wins(tmp_path: Path) -> None:
