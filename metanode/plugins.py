@@ -703,6 +703,9 @@ class Host:
         self._held_until = 0.0  # monotonic: no run starts before (the store failed)
         self.failing: str | None = None  # why the host cannot go on now (/health), or None
         self._waiting: set[str] = set()  # plugins whose runs wait for the clock (logged once)
+        # per plugin, its runs failed for good since the start or its last retry, and the
+        # newest one's error: /health's warnings (a plugin that raises on every file)
+        self.gave_up: dict[str, tuple[int, str]] = {}
 
     async def files_changed(self, midhashes: Sequence[str]) -> None:
         """New local content: queue a run of every plugin for each midhash."""
@@ -836,6 +839,13 @@ class Host:
             after = self._what_next(run.plugin, status, attempts, outcome.final)
             log.log(level, "plugin %s on %s: %s%s", run.plugin, file[1], outcome.error, after)
         await self._store.finish_run(run, status, attempts, next_at, outcome.error)
+        if status == "failed":
+            self._gave_up(run.plugin, f"on {file[1]}: {outcome.error}")
+
+    def _gave_up(self, plugin: str, why: str) -> None:
+        """Count a run of `plugin` failed for good (`gave_up`, which /health warns of)."""
+        count, _ = self.gave_up.get(plugin, (0, ""))
+        self.gave_up[plugin] = (count + 1, why)
 
     def _what_next(self, plugin: str, status: str, attempts: int, final: bool) -> str:
         """What becomes of a run that failed, for its log line: the same warning came three
@@ -888,6 +898,8 @@ class Host:
                 self._max_attempts,
             )
             await self._store.finish_run(run, status, attempts, next_at, INTERRUPTED)
+            if status == "failed":
+                self._gave_up(run.plugin, f"on {file[1] if file else run.midhash}: {INTERRUPTED}")
         await self._in_flight.write(())
 
     async def describe(self, weights: Mapping[str, int]) -> list[dict[str, Any]]:
@@ -944,5 +956,6 @@ class Host:
         if runner is None:
             raise NotFoundError(f"no running plugin is named {shown(name)}")
         retried = await self._store.retry(name, runner.plugin.version)
+        self.gave_up.pop(name, None)  # the operator mended it: a new failure counts anew
         self._wake.set()
         return retried
