@@ -962,6 +962,7 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
         claims.Limits(settings.max_value_bytes, settings.max_skew_ms),
         settings.watch_min_size,
         settings.plugin_timeout_s,
+        lambda file, elapsed: _trying(plugin_name, file, elapsed, settings.plugin_timeout_s),
     )
     for cid, key, value in tried.drafts:
         click.echo(jsonl.dumps({"cid": cid, "key": key, "value": value}))
@@ -980,6 +981,22 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
                 "whole run: it takes a run's claims all or none"
             )
         )
+
+
+def _trying(name: str, file: plugins.LocalFile, elapsed: float, timeout_s: float) -> None:
+    """What `plugins try` says on stderr while the plugin runs: on a terminal that it starts,
+    and wherever stderr goes, every `plugins.TICK_S` after, that it still runs and until when
+    (a slow plugin, mediainfo's ffprobe on a network share, left the terminal silent; a
+    script's captured stderr is left as it was for a quick run)."""
+    if elapsed == 0.0:
+        if sys.stderr.isatty():
+            click.echo(f"running {name} on {file.in_root} (midhash {file.cid})…", err=True)
+        return
+    click.echo(
+        f"  {name} still running after {elapsed:.0f} s (given up at {timeout_s:g} s: "
+        "plugin_timeout_s)",
+        err=True,
+    )
 
 
 @peers_group.group("token")

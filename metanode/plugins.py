@@ -441,6 +441,7 @@ def trial(
     limits: claims.Limits,
     min_size: int,
     timeout_s: float,
+    running: Callable[[LocalFile, float], None] = lambda file, elapsed: None,
 ) -> Trial:
     """Run the installed plugin `name` on the file of `row` (midhash, real path, size,
     mtime_ns; placed in the longest of `roots` holding it) as the host would, without a node:
@@ -449,7 +450,8 @@ def trial(
     plugin's claim: its CID, key and value, and a link only from a plugin that `may_link`.
     `InvalidRequest` for a file smaller than `min_size` (the watcher's: no plugin ever runs on
     it), `NotFoundError` for a plugin that is not installed or does not load; `PluginFailed`
-    when `process` raises (`sys.exit()` too) or runs out of time."""
+    when `process` raises (`sys.exit()` too) or runs out of time. `running(file, seconds)` is
+    called as the run starts (0) and every `TICK_S` while it goes on."""
     if row[2] < min_size:
         raise InvalidRequest(
             f"{row[1]} is {row[2]} bytes: the watcher fingerprints files of at least "
@@ -470,13 +472,29 @@ def trial(
         )
     file = local_file(row, roots)
     try:
-        drafts, skipped = asyncio.run(collect_bounded(plugin, file, lambda _cid: None, timeout_s))
+        run = collect_bounded(plugin, file, lambda _cid: None, timeout_s)
+        drafts, skipped = asyncio.run(ticking(run, lambda elapsed: running(file, elapsed)))
     except Exception as exc:
         why = str(exc) if isinstance(exc, RunTimedOut) else described(exc)
         raise PluginFailed(f"{name} {plugin.version} on {file.path}: {why}") from None
     checked = [(draft, refusal(draft, limits, plugin.may_link)) for draft in drafts]
     taken = [draft for draft, why in checked if why is None]
     return Trial(file, taken, skipped, [why for _, why in checked if why is not None])
+
+
+TICK_S = 10.0  # how often `plugins try` says a run is still going on
+
+
+async def ticking(work: Awaitable[T], tick: Callable[[float], None]) -> T:
+    """Await `work`, calling `tick` with the seconds it has taken at its start and every
+    `TICK_S` until it ends: `plugins try` of a slow plugin said nothing until it was done,
+    up to `plugin_timeout_s` (10 minutes) of a silent terminal."""
+    task = asyncio.ensure_future(work)
+    started = time.monotonic()
+    tick(0.0)
+    while not (await asyncio.wait({task}, timeout=TICK_S))[0]:
+        tick(time.monotonic() - started)
+    return task.result()
 
 
 def refusal(draft: Draft, limits: claims.Limits, may_link: bool) -> str | None:
