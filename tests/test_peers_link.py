@@ -183,3 +183,46 @@ def _counts(follower: Server, name: str) -> tuple[int, int]:
     """(accepted, duplicate) of `follower`'s peer `name`."""
     row = peer_row(follower, name)
     return row["accepted"], row["duplicate"]
+
+
+def test_a_link_that_breaks_again_and_again_is_summed_up_in_the_log(
+    boxes: Callable[[str], Server],
+) -> None:
+    """A link cut every few seconds (Wi-Fi, a modem) wrote two lines per cut, a failure and
+    `answers again` (each cut's error differs, so none was a repeat): 45 lines a minute. The
+    first failure and recovery are said; a failure again soon after is an unsteady link, said
+    once, its failures then summed up at most every ten longest back-offs (10 s here), and a
+    line when it has worked that long; after which a failure is said as the first was."""
+    a, b = boxes("a"), boxes("b")
+    claims_of(a, "flaky", 1)
+    cycles = 8
+    with FaultProxy(a.port) as link:
+        follow(b, link.url, peer_token(a, "b"), "a")
+        poll(lambda: holds_all_of(b, a) or None, "the first claim")
+
+        def cut(on: bool) -> None:
+            link.faults.cut_after = 1 if on else 0  # every answer cut after its first byte
+            poll(lambda: bool(peer_row(b, "a")["last_error"]) == on or None, f"cut: {on}")
+
+        for _ in range(cycles):
+            cut(True)
+            cut(False)
+        said = [m for m in b.log_messages() if m.startswith("peer a")]
+        assert said[0].startswith("peer a: peer_failed: ") and said[0].endswith(
+            " (tried again with back-off)"
+        )
+        assert said[1] == "peer a answers again"
+        assert said[2].startswith("peer a: the link fails again and again (again ")
+        assert all(m.startswith("peer a: unsteady link: ") for m in said[3:]), said
+        assert len(said) < cycles, said  # two a cycle before
+
+        def steady() -> list[str] | None:
+            lines = [m for m in b.log_messages() if m.startswith("peer a")]
+            return lines if lines[-1].endswith("steady again: it has worked 10 s") else None
+
+        assert poll(steady, "steady again")[-1].startswith("peer a: unsteady link: ")
+        before = len(b.log_messages())
+        cut(True)  # steady: a failure is said again
+        assert next(m for m in b.log_messages()[before:] if m.startswith("peer a")).endswith(
+            " (tried again with back-off)"
+        )
