@@ -687,6 +687,52 @@ class InFlight:
                 self._written = version
 
 
+LINES_PER_WINDOW = 20  # lines on failed or skipped runs a plugin may write per `LINES_WINDOW_S`
+LINES_WINDOW_S = 600.0
+
+
+class RunLog:
+    """The log's lines on the runs of each plugin that failed or skipped: the first
+    `LINES_PER_WINDOW` of a plugin every `LINES_WINDOW_S` one by one, the rest counted and
+    summed up in one line (the newest's words) once the plugin has no run going on or the
+    window is over. A plugin that raised on every file wrote a line per attempt: 300 for 100
+    files, 300,000 for a library of 100,000 (mediainfo without ffprobe a line per video),
+    burying everything else; `plugins list` and /health have the counts and newest failures."""
+
+    def __init__(self) -> None:
+        self._opened: dict[str, float] = {}  # per plugin, when its window opened
+        self._said: dict[str, int] = {}  # lines it wrote in that window
+        # lines held back since its last sum: how many, the newest, when the first was
+        self._held: dict[str, tuple[int, str, float]] = {}
+
+    def say(self, plugin: str, level: int, line: str) -> None:
+        now = time.monotonic()
+        if now - self._opened.get(plugin, -LINES_WINDOW_S) >= LINES_WINDOW_S:
+            self._opened[plugin], self._said[plugin] = now, 0
+        if self._said[plugin] < LINES_PER_WINDOW:
+            self._said[plugin] += 1
+            log.log(level, "%s", line)
+            return
+        held, _, first = self._held.get(plugin, (0, "", now))
+        self._held[plugin] = (held + 1, line, first)
+
+    def sum_up(self, idle: Callable[[str], bool]) -> None:
+        """Say what was held back of each plugin that is `idle` or whose window is over."""
+        now = time.monotonic()
+        for plugin, (held, newest, first) in list(self._held.items()):
+            if idle(plugin) or now - self._opened[plugin] >= LINES_WINDOW_S:
+                del self._held[plugin]
+                log.warning(
+                    "plugin %s: %d more failed or skipped attempt(s) in %.0f s, not "
+                    "logged one by one (`metanode plugins list` lists its failures); the newest: "
+                    "%s",
+                    plugin,
+                    held,
+                    now - first,
+                    newest,
+                )
+
+
 class Host:
     """Schedules plugin runs: one per (plugin, version, midhash), kept in cache.db.
 
@@ -724,6 +770,7 @@ class Host:
         # per plugin, its runs failed for good since the start or its last retry, and the
         # newest one's error: /health's warnings (a plugin that raises on every file)
         self.gave_up: dict[str, tuple[int, str]] = {}
+        self._log = RunLog()
 
     async def files_changed(self, midhashes: Sequence[str]) -> None:
         """New local content: queue a run of every plugin for each midhash."""
@@ -790,6 +837,7 @@ class Host:
                     self._runs[ident], self._since[ident] = run, self._clock()
                     self._running[ident] = asyncio.create_task(self._guarded(run, ident))
                     busy += 1
+        self._log.sum_up(lambda plugin: not any(p == plugin for p, _, _ in self._running))
         if not self._running:  # nothing to run, and the store answered: nothing held
             self._went_on()
 
@@ -855,7 +903,9 @@ class Host:
         if outcome.error:
             level = logging.INFO if status == "done" else logging.WARNING
             after = self._what_next(run.plugin, status, attempts, outcome.final)
-            log.log(level, "plugin %s on %s: %s%s", run.plugin, file[1], outcome.error, after)
+            self._log.say(
+                run.plugin, level, f"plugin {run.plugin} on {file[1]}: {outcome.error}{after}"
+            )
         await self._store.finish_run(run, status, attempts, next_at, outcome.error)
         if status == "failed":
             self._gave_up(run.plugin, f"on {file[1]}: {outcome.error}")

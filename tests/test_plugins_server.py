@@ -458,3 +458,35 @@ def test_health_warns_of_a_plugin_that_does_not_load_and_of_one_that_always_fail
         doc = poll(settled(server, cids.midhash_bytes(dropped.read_bytes()), "ran"), "the rerun")
         assert doc["metadata"]["ran"] == "yes"
         assert not any("raiser" in w for w in httpx.get(f"{server.url}/health").json()["warnings"])
+
+
+def test_a_plugin_that_fails_on_every_file_writes_twenty_lines_then_sums_up(
+    tmp_path: Path,
+) -> None:
+    """A plugin raising on every file wrote a line per attempt (300 for 100 files at three
+    attempts: 300,000 for a library). A plugin's first 20 lines of a 10-minute window are
+    written; the rest are counted and summed up once it has no run going on."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "raiser", "raiser", "raise ValueError('boom')")
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    builtins = "fullhash,fileinfo,filename,mediainfo,nfo"
+    env = {"PYTHONPATH": path, "METANODE_PLUGIN_MAX_ATTEMPTS": "1"}
+    with plugins_server(tmp_path / "data", METANODE_PLUGINS_DISABLED=builtins, **env) as server:
+        for n in range(30):
+            drop(server, f"{n}.bin", f"file {n}".encode() * 1000)
+
+        def summed() -> list[str] | None:
+            said = [m for m in server.log_messages() if m.startswith("plugin raiser")]
+            sums = [m for m in said if m.startswith("plugin raiser: ")]
+            held = sum(int(m.split()[2]) for m in sums)
+            return said if held + len(said) - len(sums) == 30 else None
+
+        said = poll(summed, "every failure said or counted")
+    one_by_one = [m for m in said if m.startswith("plugin raiser on ")]
+    assert len(one_by_one) == 20 and all("ValueError: boom" in m for m in one_by_one)
+    assert (
+        said[20].startswith("plugin raiser: ")
+        and " more failed or skipped attempt(s) in " in (said[20])
+    )
+    assert said[-1].endswith("runs it again)"), said[-1]  # the newest failure's own words
