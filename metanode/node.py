@@ -1013,11 +1013,18 @@ class Node:
             for (plugin, _version), by_status in counts.runs.items()
             for status, n in by_status.items()
         }
+        health = self.health()
         return {
             "records": counts.records,
             "groups": statuses.get("active", 0),
             "merges": statuses.get("merged", 0),
-            "apply_lag": self.health()["apply_lag"],
+            "apply_lag": health["apply_lag"],
+            "health_problems": len(health["problems"]),
+            "health_warnings": len(health["warnings"]),
+            "peers": {
+                name: (follower.lag_s(), bool(follower.failing()))
+                for name, follower in self.peers.followers.items()
+            },
             "replans": self.applier.state.replans,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": counts.local_files,

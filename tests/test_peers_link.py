@@ -226,3 +226,38 @@ def test_a_link_that_breaks_again_and_again_is_summed_up_in_the_log(
         assert next(m for m in b.log_messages()[before:] if m.startswith("peer a")).endswith(
             " (tried again with back-off)"
         )
+
+
+def peer_metrics(server: Server) -> dict[str, float]:
+    """The `metanode_peer_*` samples of the server's /metrics, by name and labels."""
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=60).text
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("metanode_peer_")
+    }
+
+
+def test_metrics_say_a_peer_fails_and_how_far_behind_it_is(
+    boxes: Callable[[str], Server],
+) -> None:
+    """A peer that stopped answering was in /health and `peers list` alone: Prometheus had
+    nothing to alert on. `metanode_peer_failing` is 1 while its pulls fail, and
+    `metanode_peer_lag_seconds` grows from the first failed pull; both back to 0 once healed."""
+    a, b = boxes("a"), boxes("b")
+    claims_of(a, "watched", 1)
+    failing, lag = 'metanode_peer_failing{peer="a"}', 'metanode_peer_lag_seconds{peer="a"}'
+    with FaultProxy(a.port) as link:
+        follow(b, link.url, peer_token(a, "b"), "a")
+        poll(lambda: holds_all_of(b, a) or None, "the first claim")
+        assert peer_metrics(b) == {failing: 0.0, lag: 0.0}
+        link.faults.partition = True
+
+        def failed() -> dict[str, float] | None:
+            now = peer_metrics(b)
+            return now if now[failing] == 1 and now[lag] > 0 else None
+
+        down = poll(failed, "the peer's pulls failing")
+        assert down[lag] >= 2.0  # from the first failed pull's start: peer_timeout_s at least
+        link.faults.partition = False
+        poll(lambda: peer_metrics(b) == {failing: 0.0, lag: 0.0} or None, "healed")

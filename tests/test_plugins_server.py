@@ -440,6 +440,8 @@ def test_health_warns_of_a_plugin_that_does_not_load_and_of_one_that_always_fail
             "plugin's dependencies; mend or remove it, then restart the node (`metanode "
             "plugins list` lists it)"
         ]
+        scrape = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30).text
+        assert "\nmetanode_health_warnings 1.0\n" in scrape  # for an alert
         with httpx.Client(base_url=server.url, timeout=30) as page:  # the Health page says it too
             assert page.post("/signin", data={"token": server.token}).status_code == 303
             assert "plugin broken (broken_plugin:P) does not load" in page.get("/status").text
