@@ -765,6 +765,26 @@ def get(
         _print_response(node_client, response)
 
 
+@main.command()
+@client_options
+@reports_errors
+def health(url: str | None, config_file: str | None, data_dir: str | None) -> None:
+    """Say how the running node is: `ok` or `degraded`, then each problem and each warning of
+    its /health on a line of its own; exit 0 if ok, 1 if degraded (a cron job or a container
+    health check), 2 if it does not answer (`error: unreachable: …`) or its database is away
+    (`error: storage_unavailable: …`)."""
+    with connect(config_file, data_dir, url) as node_client:
+        try:
+            body = node_client.answer(node_client.request("GET", "/health"))
+        except client.ClientError as exc:
+            _refused(exc, (), node_client)
+    click.echo(f"{body['status']} ({node_client.url})")
+    for kind in ("problem", "warning"):
+        for line in body.get(f"{kind}s", []):
+            click.echo(f"  {kind}: {line}")
+    sys.exit(0 if body["status"] == "ok" else 1)
+
+
 WAIT_POLL_S = 0.25  # how often `get --wait` asks again
 
 
