@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -165,6 +167,32 @@ class SyncReport:
 
 
 STEADY_BACKOFFS = 10  # a link is steady once it worked this many longest back-offs in a row
+
+
+def unreachable(exc: BaseException) -> str:
+    """Why a connection to a peer could not be made, and what to look at: the cause httpx
+    wraps (`ConnectError('All connection attempts failed')` was all the log, /health and
+    `peers list` said of a peer that was off, of a mistyped name and of a firewall alike)."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, OSError | TimeoutError):
+        cause = cause.__cause__ or cause.__context__
+    while isinstance(cause, OSError) and (deeper := cause.__cause__ or cause.__context__):
+        cause = deeper  # anyio's `All connection attempts failed` holds the last attempt's
+    if isinstance(cause, ConnectionRefusedError):
+        return (
+            "connection refused: nothing listens there (is metanode running on that box, on "
+            "that port?)"
+        )
+    if isinstance(cause, socket.gaierror):
+        return (
+            f"its name is not found ({cause.strerror}: a typo in the address, or a name this "
+            "box's DNS does not know)"
+        )
+    if isinstance(cause, TimeoutError) or isinstance(exc, httpx.ConnectTimeout):
+        return "no answer to the connection (the box off or asleep, or a firewall dropping it)"
+    if isinstance(cause, OSError) and cause.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+        return f"{cause.strerror} (the box off, or not on a network this box can reach)"
+    return repr(exc)
 
 
 class LinkLog:
@@ -404,7 +432,7 @@ class Follower:
                 "(peer_timeout_s)"
             ) from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing asked, nothing cut
-            raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
+            raise PeerFailed(f"{self.http.base_url} did not answer: {unreachable(exc)}") from None
         except httpx.HTTPError as exc:  # a read or write broken or timed out
             raise PeerAnswerCut(f"{self.http.base_url} did not answer: {exc!r}") from None
         body = await _json_of(content, response, path, str(self.http.base_url))

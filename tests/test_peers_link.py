@@ -15,7 +15,7 @@ from metanode import cid as cids
 from tests.helpers.claims import NOW_MS, Signer, fast_claims
 from tests.helpers.faultproxy import FaultProxy
 from tests.helpers.peering import follow, peer_row, peer_token, post_claims, stored_sigs
-from tests.helpers.server import Server
+from tests.helpers.server import Server, free_port
 from tests.helpers.wait import poll
 
 # A page of 1,000 claims is ≈ 270 KB: over a 40 KB/s link it takes ≈ 7 s, well past 2 s.
@@ -261,3 +261,28 @@ def test_metrics_say_a_peer_fails_and_how_far_behind_it_is(
         assert down[lag] >= 2.0  # from the first failed pull's start: peer_timeout_s at least
         link.faults.partition = False
         poll(lambda: peer_metrics(b) == {failing: 0.0, lag: 0.0} or None, "healed")
+
+
+def test_a_peer_that_cannot_be_reached_says_why(boxes: Callable[[str], Server]) -> None:
+    """A peer whose box is off and one whose name is mistyped both said `did not answer:
+    ConnectError('All connection attempts failed')` or the like, in the log, /health and
+    `peers list`: the cause httpx wraps is named now, with what to look at."""
+    b = boxes("b")
+    off = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for url, name in ((off, "off"), ("http://no-such-box.invalid:9000", "typo")):
+        answer = httpx.post(
+            f"{b.url}/api/peers",
+            json={"url": url, "token": "t", "name": name},
+            headers=b.headers,
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+    assert peer_row(b, "off")["last_error"] == (
+        f"peer_failed: {off} did not answer: connection refused: nothing listens there (is "
+        "metanode running on that box, on that port?)"
+    )
+    typo = peer_row(b, "typo")["last_error"]
+    assert typo.startswith("peer_failed: http://no-such-box.invalid:9000 did not answer: its ")
+    assert typo.endswith(": a typo in the address, or a name this box's DNS does not know)")
+    problems = httpx.get(f"{b.url}/health", timeout=60).json()["problems"]
+    assert any("peer off failed its last pull" in p and "connection refused" in p for p in problems)
