@@ -118,7 +118,7 @@ values.MmapedDict = AllocatedFile  # type: ignore[attr-defined]
 # the text format `metanode_claims_created{verdict="accepted"} 1.79e+09` read as a count of
 # claims, and only `--workers 1` wrote them (multiprocess mode has none), so a dashboard
 # made on one mode broke on the other.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class Metrics:
