@@ -769,6 +769,26 @@ def get(
         _print_response(node_client, response)
 
 
+@main.command()
+@client_options
+@reports_errors
+def health(url: str | None, config_file: str | None, data_dir: str | None) -> None:
+    """Say how the running node is: `ok` or `degraded`, then each problem and each warning of
+    its /health on a line of its own; exit 0 if ok, 1 if degraded (a cron job or a container
+    health check), 2 if it does not answer (`error: unreachable: …`) or its database is away
+    (`error: storage_unavailable: …`)."""
+    with connect(config_file, data_dir, url) as node_client:
+        try:
+            body = node_client.answer(node_client.request("GET", "/health"))
+        except client.ClientError as exc:
+            _refused(exc, (), node_client)
+    click.echo(f"{body['status']} ({node_client.url})")
+    for kind in ("problem", "warning"):
+        for line in body.get(f"{kind}s", []):
+            click.echo(f"  {kind}: {line}")
+    sys.exit(0 if body["status"] == "ok" else 1)
+
+
 WAIT_POLL_S = 0.25  # how often `get --wait` asks again
 
 
@@ -966,6 +986,7 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
         claims.Limits(settings.max_value_bytes, settings.max_skew_ms),
         settings.watch_min_size,
         settings.plugin_timeout_s,
+        lambda file, elapsed: _trying(plugin_name, file, elapsed, settings.plugin_timeout_s),
     )
     for cid, key, value in tried.drafts:
         click.echo(jsonl.dumps({"cid": cid, "key": key, "value": value}))
@@ -984,6 +1005,22 @@ def plugins_try(plugin_name: str, file: str, config_file: str | None, data_dir: 
                 "whole run: it takes a run's claims all or none"
             )
         )
+
+
+def _trying(name: str, file: plugins.LocalFile, elapsed: float, timeout_s: float) -> None:
+    """What `plugins try` says on stderr while the plugin runs: on a terminal that it starts,
+    and wherever stderr goes, every `plugins.TICK_S` after, that it still runs and until when
+    (a slow plugin, mediainfo's ffprobe on a network share, left the terminal silent; a
+    script's captured stderr is left as it was for a quick run)."""
+    if elapsed == 0.0:
+        if sys.stderr.isatty():
+            click.echo(f"running {name} on {file.in_root} (midhash {file.cid})…", err=True)
+        return
+    click.echo(
+        f"  {name} still running after {elapsed:.0f} s (given up at {timeout_s:g} s: "
+        "plugin_timeout_s)",
+        err=True,
+    )
 
 
 @peers_group.group("token")

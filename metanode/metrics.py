@@ -29,11 +29,12 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     mmap_dict,
     values,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -113,6 +114,11 @@ def _allocate(filename: str, size: int) -> None:
 
 # Every multiprocess value's file is made through this name (prometheus_client.values).
 values.MmapedDict = AllocatedFile  # type: ignore[attr-defined]
+# No `_created` series (each counter's and histogram's start time, as a sample of its own): in
+# the text format `metanode_claims_created{verdict="accepted"} 1.79e+09` read as a count of
+# claims, and only `--workers 1` wrote them (multiprocess mode has none), so a dashboard
+# made on one mode broke on the other.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class Metrics:
@@ -171,7 +177,7 @@ class _Gauges(Collector):
 
     state: dict[str, Any]  # set by `render` before each scrape
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         state = self.state
         for name, help_text in (
             ("records", "Records (active groups) in the cache"),
@@ -181,14 +187,38 @@ class _Gauges(Collector):
             ("replans", "Signers whose records are still being recomputed (block, weight)"),
             ("watcher_queue", "Files waiting to settle before hashing"),
             ("watcher_files", "Local files known to the watcher"),
+            ("health_problems", "What makes /health degraded now (0: ok)"),
+            ("health_warnings", "What /health warns of now (a plugin that does not load…)"),
+        ):
+            yield GaugeMetricFamily(f"metanode_{name}", help_text, value=state[name])
+        for name, help_text in (  # counts since the start: counters (`_total`), not gauges
             ("ingest_groups", "Truth transactions that committed ingest batches (group commit)"),
             ("ingest_grouped", "Ingest batches those transactions held"),
             ("applied_ahead", "Of those, the ones the cache applied during their COMMIT"),
         ):
-            yield GaugeMetricFamily(f"metanode_{name}", help_text, value=state[name])
+            yield CounterMetricFamily(f"metanode_{name}", help_text, value=state[name])
+        yield from _peer_families(state["peers"])
         runs = GaugeMetricFamily(
             "metanode_plugin_runs", "Plugin runs by plugin and status", labels=["plugin", "status"]
         )
         for (plugin, status), count in sorted(state["plugin_runs"].items()):
             runs.add_metric([plugin, status], count)
         yield runs
+
+
+def _peer_families(peers: dict[str, tuple[float, bool]]) -> Iterator[GaugeMetricFamily]:
+    """Each followed peer's lag and whether its last pull failed, by name: a peer that stopped
+    answering was in /health and `peers list` alone, nothing Prometheus could alert on."""
+    lag = GaugeMetricFamily(
+        "metanode_peer_lag_seconds",
+        "Seconds since the follower last had every claim the peer had shown it (0: caught up)",
+        labels=["peer"],
+    )
+    failing = GaugeMetricFamily(
+        "metanode_peer_failing", "1 while the peer's last pull failed, else 0", labels=["peer"]
+    )
+    for name, (lag_s, failed) in sorted(peers.items()):
+        lag.add_metric([name], lag_s)
+        failing.add_metric([name], float(failed))
+    yield lag
+    yield failing

@@ -1093,11 +1093,18 @@ class Node:
             for (plugin, _version), by_status in counts.runs.items()
             for status, n in by_status.items()
         }
+        health = self.health()
         return {
             "records": counts.records,
             "groups": statuses.get("active", 0),
             "merges": statuses.get("merged", 0),
-            "apply_lag": self.health()["apply_lag"],
+            "apply_lag": health["apply_lag"],
+            "health_problems": len(health["problems"]),
+            "health_warnings": len(health["warnings"]),
+            "peers": {
+                name: (follower.lag_s(), bool(follower.failing()))
+                for name, follower in self.peers.followers.items()
+            },
             "replans": self.applier.state.replans,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": counts.local_files,
@@ -1170,6 +1177,7 @@ class Node:
         body: dict[str, Any] = {
             "status": "degraded" if problems else "ok",
             "problems": problems,
+            "warnings": self._plugin_warnings(),
             "applied_seq": state.applied_seq,
             "truth_seq": truth_seq,
             "apply_lag": lag,
@@ -1190,6 +1198,26 @@ class Node:
                 "not_utf8": self.not_utf8(),
             }
         return body
+
+    def _plugin_warnings(self) -> list[str]:
+        """What /health warns of the plugins, its status staying `ok`: an installed plugin
+        that does not load (its package fails to import, a bad attribute) and one whose runs
+        failed for good since the start. The node serves and the other plugins run, and a
+        restart mends neither: `degraded` would fail the container's HEALTHCHECK, and a
+        supervisor that restarts unhealthy containers would restart it for ever. Before, a
+        plugin that did not load was in the log and `GET /api/plugins` alone, /health `ok`."""
+        warnings = [
+            f"plugin {each.entry_point} ({each.source}) does not load: {each.error}; mend or "
+            "remove it, then restart the node (`metanode plugins list` lists it)"
+            for each in self._plugins_not_loaded
+        ]
+        gave_up = self.plugin_host.gave_up if self.plugin_host is not None else {}
+        warnings += [
+            f"plugin {name}: {count} run(s) failed for good since the start (the newest "
+            f"{why}); mend the plugin, restart the node, then `metanode plugins retry {name}`"
+            for name, (count, why) in sorted(gave_up.items())
+        ]
+        return warnings
 
     def not_utf8(self) -> dict[str, Any]:
         """The names the watcher's last full reconciliation left out as not UTF-8

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import errno
 import logging
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -164,6 +166,107 @@ class SyncReport:
         return dict(vars(self))
 
 
+STEADY_BACKOFFS = 10  # a link is steady once it worked this many longest back-offs in a row
+
+
+def unreachable(exc: BaseException) -> str:
+    """Why a connection to a peer could not be made, and what to look at: the cause httpx
+    wraps (`ConnectError('All connection attempts failed')` was all the log, /health and
+    `peers list` said of a peer that was off, of a mistyped name and of a firewall alike)."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, OSError | TimeoutError):
+        cause = cause.__cause__ or cause.__context__
+    while isinstance(cause, OSError) and (deeper := cause.__cause__ or cause.__context__):
+        cause = deeper  # anyio's `All connection attempts failed` holds the last attempt's
+    if isinstance(cause, ConnectionRefusedError):
+        return (
+            "connection refused: nothing listens there (is metanode running on that box, on "
+            "that port?)"
+        )
+    if isinstance(cause, socket.gaierror):
+        return (
+            f"its name is not found ({cause.strerror}: a typo in the address, or a name this "
+            "box's DNS does not know)"
+        )
+    if isinstance(cause, TimeoutError) or isinstance(exc, httpx.ConnectTimeout):
+        return "no answer to the connection (the box off or asleep, or a firewall dropping it)"
+    if isinstance(cause, OSError) and cause.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH):
+        return f"{cause.strerror} (the box off, or not on a network this box can reach)"
+    return repr(exc)
+
+
+class LinkLog:
+    """What the log says of one peer's link. A failure and the recovery after it are a line
+    each; a link that fails again within `steady_s` of recovering is unsteady: one line says
+    so, then its failures and recoveries are counted, summed up in a line at most every
+    `steady_s` while it lasts, and a last line once it has worked `steady_s` without one.
+    Before, a link cut every few seconds (Wi-Fi, a modem) wrote two lines per cut, 45 a minute
+    (each cut's error differs, `received 798 bytes`, so no two repeated: 65,000 lines a day),
+    burying everything else; `peers list` and /health say the newest error meanwhile."""
+
+    def __init__(self, name: str, steady_s: float) -> None:
+        self.name = name
+        self.steady_s = steady_s
+        self.down = False  # it failed since it last worked
+        self.said = ""  # the failure last logged while down ("": none)
+        self.recovered_at: float | None = None  # when it last worked again after a failure
+        self.failed_at = 0.0  # the newest failure
+        self.unsteady_since: float | None = None  # None: steady
+        self.summed_at = 0.0  # when the unsteady link was last summed up
+        self.failures = 0  # since then
+        self.recoveries = 0
+
+    def failed(self, said: str) -> None:
+        now = time.monotonic()
+        was_down, self.down, self.failed_at = self.down, True, now
+        if self.unsteady_since is not None:
+            self.failures += 1
+            if now - self.summed_at >= self.steady_s:
+                self._sum_up(now, f"the newest: {said}")
+        elif not was_down and self.recovered_at and now - self.recovered_at < self.steady_s:
+            self.unsteady_since = self.summed_at = now
+            self.failures, self.recoveries = 1, 0
+            log.warning(
+                "peer %s: the link fails again and again (again %.0f s after it answered): %s; "
+                "its failures are summed up here every %.0f s until it has worked that long "
+                "(the newest in `metanode peers list` and /health)",
+                self.name,
+                now - self.recovered_at,
+                said,
+                self.steady_s,
+            )
+        elif said != self.said:  # a peer down for a week: one line, not one a minute
+            log.warning("peer %s: %s (tried again with back-off)", self.name, said)
+            self.said = said
+
+    def worked(self) -> None:
+        """A pull worked: after a failure it answers again, and an unsteady link that has
+        worked `steady_s` since its last failure is steady again."""
+        now = time.monotonic()
+        if self.unsteady_since is not None and now - self.failed_at >= self.steady_s:
+            self._sum_up(now, f"steady again: it has worked {self.steady_s:.0f} s", logging.INFO)
+            self.unsteady_since = self.recovered_at = None  # a next failure is a first one
+        if not self.down:
+            return
+        self.down, self.said, self.recovered_at = False, "", now
+        if self.unsteady_since is not None:
+            self.recoveries += 1
+        else:
+            log.info("peer %s answers again", self.name)
+
+    def _sum_up(self, now: float, state: str, level: int = logging.WARNING) -> None:
+        log.log(
+            level,
+            "peer %s: unsteady link: %d failed pull(s) and %d recover(ies) in the last %.0f s; %s",
+            self.name,
+            self.failures,
+            self.recoveries,
+            now - self.summed_at,
+            state,
+        )
+        self.summed_at, self.failures, self.recoveries = now, 0, 0
+
+
 class Follower:
     """One peer's pull loop, and its status (`peers list`)."""
 
@@ -174,6 +277,7 @@ class Follower:
         self.config = config
         self.first_sync = first_sync
         self.last_error = ""
+        self.link = LinkLog(row.name, STEADY_BACKOFFS * config.max_backoff_s)
         self.last_rejected = ""  # why the last page with refused claims refused its first one
         self.instance = ""  # the instance id its peer last answered with ("": none yet)
         self.last_sync: SyncReport | None = None
@@ -273,8 +377,7 @@ class Follower:
         the first failed pull began (a peer that stopped answering is not one it has kept up
         with; counted from the failure, `lag_s` read `peer_timeout_s` less than it was)."""
         said = f"{exc.slug}: {exc.message}"
-        if said != self.last_error:  # a peer down for a week: one line, not one a minute
-            log.warning("peer %s: %s (tried again with back-off)", self.name, said)
+        self.link.failed(said)
         self.last_error = said
         self.behind_since = self.behind_since or self.asked_at
         self.tried.set()
@@ -329,7 +432,7 @@ class Follower:
                 "(peer_timeout_s)"
             ) from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # nothing asked, nothing cut
-            raise PeerFailed(f"{self.http.base_url} did not answer: {exc!r}") from None
+            raise PeerFailed(f"{self.http.base_url} did not answer: {unreachable(exc)}") from None
         except httpx.HTTPError as exc:  # a read or write broken or timed out
             raise PeerAnswerCut(f"{self.http.base_url} did not answer: {exc!r}") from None
         body = await _json_of(content, response, path, str(self.http.base_url))
@@ -364,8 +467,7 @@ class Follower:
         names = signer_names(body)
         self._took(await self.host.apply_peer_page(self.name, items, cursor, names))
         self.cursor = cursor
-        if self.last_error:
-            log.info("peer %s answers again", self.name)
+        self.link.worked()
         self.last_error = ""
         if more:
             self.behind_since = self.behind_since or self.asked_at

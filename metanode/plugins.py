@@ -441,6 +441,7 @@ def trial(
     limits: claims.Limits,
     min_size: int,
     timeout_s: float,
+    running: Callable[[LocalFile, float], None] = lambda file, elapsed: None,
 ) -> Trial:
     """Run the installed plugin `name` on the file of `row` (midhash, real path, size,
     mtime_ns; placed in the longest of `roots` holding it) as the host would, without a node:
@@ -449,7 +450,8 @@ def trial(
     plugin's claim: its CID, key and value, and a link only from a plugin that `may_link`.
     `InvalidRequest` for a file smaller than `min_size` (the watcher's: no plugin ever runs on
     it), `NotFoundError` for a plugin that is not installed or does not load; `PluginFailed`
-    when `process` raises (`sys.exit()` too) or runs out of time."""
+    when `process` raises (`sys.exit()` too) or runs out of time. `running(file, seconds)` is
+    called as the run starts (0) and every `TICK_S` while it goes on."""
     if row[2] < min_size:
         raise InvalidRequest(
             f"{row[1]} is {row[2]} bytes: the watcher fingerprints files of at least "
@@ -470,13 +472,29 @@ def trial(
         )
     file = local_file(row, roots)
     try:
-        drafts, skipped = asyncio.run(collect_bounded(plugin, file, lambda _cid: None, timeout_s))
+        run = collect_bounded(plugin, file, lambda _cid: None, timeout_s)
+        drafts, skipped = asyncio.run(ticking(run, lambda elapsed: running(file, elapsed)))
     except Exception as exc:
         why = str(exc) if isinstance(exc, RunTimedOut) else described(exc)
         raise PluginFailed(f"{name} {plugin.version} on {file.path}: {why}") from None
     checked = [(draft, refusal(draft, limits, plugin.may_link)) for draft in drafts]
     taken = [draft for draft, why in checked if why is None]
     return Trial(file, taken, skipped, [why for _, why in checked if why is not None])
+
+
+TICK_S = 10.0  # how often `plugins try` says a run is still going on
+
+
+async def ticking(work: Awaitable[T], tick: Callable[[float], None]) -> T:
+    """Await `work`, calling `tick` with the seconds it has taken at its start and every
+    `TICK_S` until it ends: `plugins try` of a slow plugin said nothing until it was done,
+    up to `plugin_timeout_s` (10 minutes) of a silent terminal."""
+    task = asyncio.ensure_future(work)
+    started = time.monotonic()
+    tick(0.0)
+    while not (await asyncio.wait({task}, timeout=TICK_S))[0]:
+        tick(time.monotonic() - started)
+    return task.result()
 
 
 def refusal(draft: Draft, limits: claims.Limits, may_link: bool) -> str | None:
@@ -669,6 +687,52 @@ class InFlight:
                 self._written = version
 
 
+LINES_PER_WINDOW = 20  # lines on failed or skipped runs a plugin may write per `LINES_WINDOW_S`
+LINES_WINDOW_S = 600.0
+
+
+class RunLog:
+    """The log's lines on the runs of each plugin that failed or skipped: the first
+    `LINES_PER_WINDOW` of a plugin every `LINES_WINDOW_S` one by one, the rest counted and
+    summed up in one line (the newest's words) once the plugin has no run going on or the
+    window is over. A plugin that raised on every file wrote a line per attempt: 300 for 100
+    files, 300,000 for a library of 100,000 (mediainfo without ffprobe a line per video),
+    burying everything else; `plugins list` and /health have the counts and newest failures."""
+
+    def __init__(self) -> None:
+        self._opened: dict[str, float] = {}  # per plugin, when its window opened
+        self._said: dict[str, int] = {}  # lines it wrote in that window
+        # lines held back since its last sum: how many, the newest, when the first was
+        self._held: dict[str, tuple[int, str, float]] = {}
+
+    def say(self, plugin: str, level: int, line: str) -> None:
+        now = time.monotonic()
+        if now - self._opened.get(plugin, -LINES_WINDOW_S) >= LINES_WINDOW_S:
+            self._opened[plugin], self._said[plugin] = now, 0
+        if self._said[plugin] < LINES_PER_WINDOW:
+            self._said[plugin] += 1
+            log.log(level, "%s", line)
+            return
+        held, _, first = self._held.get(plugin, (0, "", now))
+        self._held[plugin] = (held + 1, line, first)
+
+    def sum_up(self, idle: Callable[[str], bool]) -> None:
+        """Say what was held back of each plugin that is `idle` or whose window is over."""
+        now = time.monotonic()
+        for plugin, (held, newest, first) in list(self._held.items()):
+            if idle(plugin) or now - self._opened[plugin] >= LINES_WINDOW_S:
+                del self._held[plugin]
+                log.warning(
+                    "plugin %s: %d more failed or skipped attempt(s) in %.0f s, not "
+                    "logged one by one (`metanode plugins list` lists its failures); the newest: "
+                    "%s",
+                    plugin,
+                    held,
+                    now - first,
+                    newest,
+                )
+
+
 class Host:
     """Schedules plugin runs: one per (plugin, version, midhash), kept in cache.db.
 
@@ -703,6 +767,10 @@ class Host:
         self._held_until = 0.0  # monotonic: no run starts before (the store failed)
         self.failing: str | None = None  # why the host cannot go on now (/health), or None
         self._waiting: set[str] = set()  # plugins whose runs wait for the clock (logged once)
+        # per plugin, its runs failed for good since the start or its last retry, and the
+        # newest one's error: /health's warnings (a plugin that raises on every file)
+        self.gave_up: dict[str, tuple[int, str]] = {}
+        self._log = RunLog()
 
     def set_roots(self, roots: Sequence[str]) -> None:
         """The watch roots changed (the owner chose a folder on the page): the runs from now
@@ -774,6 +842,7 @@ class Host:
                     self._runs[ident], self._since[ident] = run, self._clock()
                     self._running[ident] = asyncio.create_task(self._guarded(run, ident))
                     busy += 1
+        self._log.sum_up(lambda plugin: not any(p == plugin for p, _, _ in self._running))
         if not self._running:  # nothing to run, and the store answered: nothing held
             self._went_on()
 
@@ -839,8 +908,17 @@ class Host:
         if outcome.error:
             level = logging.INFO if status == "done" else logging.WARNING
             after = self._what_next(run.plugin, status, attempts, outcome.final)
-            log.log(level, "plugin %s on %s: %s%s", run.plugin, file[1], outcome.error, after)
+            self._log.say(
+                run.plugin, level, f"plugin {run.plugin} on {file[1]}: {outcome.error}{after}"
+            )
         await self._store.finish_run(run, status, attempts, next_at, outcome.error)
+        if status == "failed":
+            self._gave_up(run.plugin, f"on {file[1]}: {outcome.error}")
+
+    def _gave_up(self, plugin: str, why: str) -> None:
+        """Count a run of `plugin` failed for good (`gave_up`, which /health warns of)."""
+        count, _ = self.gave_up.get(plugin, (0, ""))
+        self.gave_up[plugin] = (count + 1, why)
 
     def _what_next(self, plugin: str, status: str, attempts: int, final: bool) -> str:
         """What becomes of a run that failed, for its log line: the same warning came three
@@ -893,6 +971,8 @@ class Host:
                 self._max_attempts,
             )
             await self._store.finish_run(run, status, attempts, next_at, INTERRUPTED)
+            if status == "failed":
+                self._gave_up(run.plugin, f"on {file[1] if file else run.midhash}: {INTERRUPTED}")
         await self._in_flight.write(())
 
     async def describe(self, weights: Mapping[str, int]) -> list[dict[str, Any]]:
@@ -949,5 +1029,6 @@ class Host:
         if runner is None:
             raise NotFoundError(f"no running plugin is named {shown(name)}")
         retried = await self._store.retry(name, runner.plugin.version)
+        self.gave_up.pop(name, None)  # the operator mended it: a new failure counts anew
         self._wake.set()
         return retried

@@ -8,6 +8,7 @@ import re
 import stat
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from metanode import claims, keys
 from metanode.cli import main
 from tests.helpers.plugins import install_plugin
 from tests.helpers.vectors import load_vectors
+from tests.helpers.wait import DEADLINE_S
 
 MIDHASH: dict[str, Any] = load_vectors("midhash.json")
 RANK_VECTORS: list[dict[str, Any]] = load_vectors("cid-rank-vectors.json")["vectors"]
@@ -508,6 +510,45 @@ def test_a_misspelt_environment_variable_is_warned_of(
         "(did you mean METANODE_DATA_DIR?)"
     )
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_plugins_try_says_a_slow_run_is_still_going_on(tmp_path: Path) -> None:
+    """`plugins try` of a slow plugin (mediainfo's ffprobe on a network share) said nothing
+    until the run ended, up to plugin_timeout_s (10 minutes): it says every `TICK_S` that the
+    run is still going on, and when it would be given up. The plugin runs until the test
+    has read that line (a condition, not a timer), then ends, its claim printed."""
+    site = tmp_path / "site"
+    site.mkdir()
+    released = tmp_path / "released"
+    install_plugin(
+        site,
+        "slow",
+        "slow",
+        f"while not os.path.exists({str(released)!r}):\n    time.sleep(0.05)\n"
+        "register(file.cid, 'done', 'yes')",
+    )
+    slow = site / "slow_plugin.py"
+    slow.write_text("import time\n" + slow.read_text())
+    (tmp_path / "a.mkv").write_bytes(b"twelve bytes")
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    with subprocess.Popen(
+        [sys.executable, "-m", "metanode", "plugins", "try", "slow", "a.mkv"],
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": path},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as tried:
+        assert tried.stderr is not None and tried.stdout is not None
+        bound = threading.Timer(DEADLINE_S, released.touch)  # a bound on a hang: no line came
+        bound.start()
+        said = tried.stderr.readline()  # blocks until the line comes: the run is going on
+        released.touch()
+        bound.cancel()
+        assert said == "  slow still running after 10 s (given up at 600 s: plugin_timeout_s)\n"
+        assert tried.wait(timeout=120) == 0
+        assert json.loads(tried.stdout.read())["value"] == "yes"
 
 
 def test_plugins_try_runs_one_plugin_on_one_file_without_a_node(

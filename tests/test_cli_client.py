@@ -452,3 +452,32 @@ def test_a_node_that_takes_the_request_and_answers_late_is_not_called_unreachabl
         for conn in held:
             conn.close()
         listener.close()
+
+
+def test_health_says_how_the_node_is_and_exits_by_it(tmp_path: Path) -> None:
+    """An operator in a terminal (or cron) had `curl /health | jq` and a port to remember:
+    `metanode health` finds the node from the same settings as `serve` (METANODE_PORT here),
+    prints its status, then each problem and warning on a line, and exits 0 if ok, 1 if
+    degraded, 2 if nothing answers."""
+    (tmp_path / "media").write_text("a file where the watched folder should be")
+    server = Server(tmp_path / "data").start()  # its watch root is ../media: degraded
+    try:
+        env = {"METANODE_PORT": str(server.port)}
+        degraded = metanode("health", env=env)
+        assert degraded.returncode == 1, degraded
+        lines = degraded.stdout.splitlines()
+        assert lines[0] == f"degraded (http://127.0.0.1:{server.port})"
+        assert lines[1].startswith("  problem: cannot read 1 watched folder(s) "), lines
+        assert str(tmp_path / "media") in lines[1]
+    finally:
+        server.stop()
+    (tmp_path / "media").unlink()
+    (tmp_path / "media").mkdir()
+    server.start()
+    try:
+        ok = metanode("health", env={"METANODE_PORT": str(server.port)})
+        assert (ok.returncode, ok.stdout) == (0, f"ok (http://127.0.0.1:{server.port})\n"), ok
+    finally:
+        server.stop()
+    gone = metanode("health", env={"METANODE_PORT": str(server.port)})
+    assert gone.returncode == 2 and gone.stderr.startswith("error: unreachable: "), gone

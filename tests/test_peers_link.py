@@ -15,7 +15,7 @@ from metanode import cid as cids
 from tests.helpers.claims import NOW_MS, Signer, fast_claims
 from tests.helpers.faultproxy import FaultProxy
 from tests.helpers.peering import follow, peer_row, peer_token, post_claims, stored_sigs
-from tests.helpers.server import Server
+from tests.helpers.server import Server, free_port
 from tests.helpers.wait import poll
 
 # A page of 1,000 claims is ≈ 270 KB: over a 40 KB/s link it takes ≈ 7 s, well past 2 s.
@@ -183,3 +183,106 @@ def _counts(follower: Server, name: str) -> tuple[int, int]:
     """(accepted, duplicate) of `follower`'s peer `name`."""
     row = peer_row(follower, name)
     return row["accepted"], row["duplicate"]
+
+
+def test_a_link_that_breaks_again_and_again_is_summed_up_in_the_log(
+    boxes: Callable[[str], Server],
+) -> None:
+    """A link cut every few seconds (Wi-Fi, a modem) wrote two lines per cut, a failure and
+    `answers again` (each cut's error differs, so none was a repeat): 45 lines a minute. The
+    first failure and recovery are said; a failure again soon after is an unsteady link, said
+    once, its failures then summed up at most every ten longest back-offs (10 s here), and a
+    line when it has worked that long; after which a failure is said as the first was."""
+    a, b = boxes("a"), boxes("b")
+    claims_of(a, "flaky", 1)
+    cycles = 8
+    with FaultProxy(a.port) as link:
+        follow(b, link.url, peer_token(a, "b"), "a")
+        poll(lambda: holds_all_of(b, a) or None, "the first claim")
+
+        def cut(on: bool) -> None:
+            link.faults.cut_after = 1 if on else 0  # every answer cut after its first byte
+            poll(lambda: bool(peer_row(b, "a")["last_error"]) == on or None, f"cut: {on}")
+
+        for _ in range(cycles):
+            cut(True)
+            cut(False)
+        said = [m for m in b.log_messages() if m.startswith("peer a")]
+        assert said[0].startswith("peer a: peer_failed: ") and said[0].endswith(
+            " (tried again with back-off)"
+        )
+        assert said[1] == "peer a answers again"
+        assert said[2].startswith("peer a: the link fails again and again (again ")
+        assert all(m.startswith("peer a: unsteady link: ") for m in said[3:]), said
+        assert len(said) < cycles, said  # two a cycle before
+
+        def steady() -> list[str] | None:
+            lines = [m for m in b.log_messages() if m.startswith("peer a")]
+            return lines if lines[-1].endswith("steady again: it has worked 10 s") else None
+
+        assert poll(steady, "steady again")[-1].startswith("peer a: unsteady link: ")
+        before = len(b.log_messages())
+        cut(True)  # steady: a failure is said again
+        assert next(m for m in b.log_messages()[before:] if m.startswith("peer a")).endswith(
+            " (tried again with back-off)"
+        )
+
+
+def peer_metrics(server: Server) -> dict[str, float]:
+    """The `metanode_peer_*` samples of the server's /metrics, by name and labels."""
+    text = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=60).text
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line.startswith("metanode_peer_")
+    }
+
+
+def test_metrics_say_a_peer_fails_and_how_far_behind_it_is(
+    boxes: Callable[[str], Server],
+) -> None:
+    """A peer that stopped answering was in /health and `peers list` alone: Prometheus had
+    nothing to alert on. `metanode_peer_failing` is 1 while its pulls fail, and
+    `metanode_peer_lag_seconds` grows from the first failed pull; both back to 0 once healed."""
+    a, b = boxes("a"), boxes("b")
+    claims_of(a, "watched", 1)
+    failing, lag = 'metanode_peer_failing{peer="a"}', 'metanode_peer_lag_seconds{peer="a"}'
+    with FaultProxy(a.port) as link:
+        follow(b, link.url, peer_token(a, "b"), "a")
+        poll(lambda: holds_all_of(b, a) or None, "the first claim")
+        assert peer_metrics(b) == {failing: 0.0, lag: 0.0}
+        link.faults.partition = True
+
+        def failed() -> dict[str, float] | None:
+            now = peer_metrics(b)
+            return now if now[failing] == 1 and now[lag] > 0 else None
+
+        down = poll(failed, "the peer's pulls failing")
+        assert down[lag] >= 2.0  # from the first failed pull's start: peer_timeout_s at least
+        link.faults.partition = False
+        poll(lambda: peer_metrics(b) == {failing: 0.0, lag: 0.0} or None, "healed")
+
+
+def test_a_peer_that_cannot_be_reached_says_why(boxes: Callable[[str], Server]) -> None:
+    """A peer whose box is off and one whose name is mistyped both said `did not answer:
+    ConnectError('All connection attempts failed')` or the like, in the log, /health and
+    `peers list`: the cause httpx wraps is named now, with what to look at."""
+    b = boxes("b")
+    off = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    for url, name in ((off, "off"), ("http://no-such-box.invalid:9000", "typo")):
+        answer = httpx.post(
+            f"{b.url}/api/peers",
+            json={"url": url, "token": "t", "name": name},
+            headers=b.headers,
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+    assert peer_row(b, "off")["last_error"] == (
+        f"peer_failed: {off} did not answer: connection refused: nothing listens there (is "
+        "metanode running on that box, on that port?)"
+    )
+    typo = peer_row(b, "typo")["last_error"]
+    assert typo.startswith("peer_failed: http://no-such-box.invalid:9000 did not answer: its ")
+    assert typo.endswith(": a typo in the address, or a name this box's DNS does not know)")
+    problems = httpx.get(f"{b.url}/health", timeout=60).json()["problems"]
+    assert any("peer off failed its last pull" in p and "connection refused" in p for p in problems)

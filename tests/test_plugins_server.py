@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -390,3 +391,104 @@ def test_a_run_starts_once_it_is_named_and_the_naming_never_holds_the_node(
             ("filename", midhash)
         ]
         poll(settled(srv, midhash, "title"), "the run done once named")
+
+
+# -- what /health says of plugins ----------------------------------------------------------------
+
+
+def health_warning(server: Server, words: str) -> dict[str, Any] | None:
+    """/health once one of its warnings holds `words` (it must answer 200 `ok` throughout: a
+    broken plugin is no reason to take the node out)."""
+    answer = httpx.get(f"{server.url}/health", timeout=30)
+    assert answer.status_code == 200 and answer.json()["status"] == "ok", answer.text
+    body: dict[str, Any] = answer.json()
+    return body if any(words in warning for warning in body["warnings"]) else None
+
+
+def test_health_warns_of_a_plugin_that_does_not_load_and_of_one_that_always_fails(
+    tmp_path: Path,
+) -> None:
+    """A plugin whose package fails to import, and one that raises on every file, were in the
+    log and `GET /api/plugins` alone: /health said `ok` with nothing more. Each is a warning
+    now, naming the plugin, why and what to do; the status stays `ok` (the container's
+    HEALTHCHECK passes: the node serves, and a restart would mend neither), and a retry of the
+    mended plugin clears its warning."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "broken", "broken")
+    module = site / "broken_plugin.py"
+    module.write_text("import not_installed_anywhere\n" + module.read_text())
+    failing = site / "failing"  # the raiser raises while this file is there
+    failing.touch()
+    install_plugin(
+        site,
+        "raiser",
+        "raiser",
+        f"if os.path.exists({str(failing)!r}):\n    raise ValueError('boom')\n"
+        "register(file.cid, 'ran', 'yes')",
+    )
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    builtins = "fullhash,fileinfo,filename,mediainfo,nfo"
+    env = {"PYTHONPATH": path, "METANODE_PLUGIN_MAX_ATTEMPTS": "1"}
+    with plugins_server(tmp_path / "data", METANODE_PLUGINS_DISABLED=builtins, **env) as server:
+        health = poll(lambda: health_warning(server, "broken"), "the broken plugin's warning")
+        assert health["warnings"] == [
+            "plugin broken (broken_plugin:P) does not load: ModuleNotFoundError: No module "
+            f"named 'not_installed_anywhere' (at {module}:1 in <module>): the node's Python "
+            f"({sys.prefix}) has no 'not_installed_anywhere'; install the package that "
+            f"provides it there ({sys.executable} -m pip install …) and list it in the "
+            "plugin's dependencies; mend or remove it, then restart the node (`metanode "
+            "plugins list` lists it)"
+        ]
+        scrape = httpx.get(f"{server.url}/metrics", headers=server.headers, timeout=30).text
+        assert "\nmetanode_health_warnings 1.0\n" in scrape  # for an alert
+        with httpx.Client(base_url=server.url, timeout=30) as page:  # the Health page says it too
+            assert page.post("/signin", data={"token": server.token}).status_code == 303
+            assert "plugin broken (broken_plugin:P) does not load" in page.get("/status").text
+        dropped = drop(server, "a.bin", b"a" * 5000)
+        health = poll(lambda: health_warning(server, "raiser"), "the failing plugin's warning")
+        assert health["warnings"][1] == (
+            f"plugin raiser: 1 run(s) failed for good since the start (the newest on {dropped}: "
+            f"ValueError: boom (at {site / 'raiser_plugin.py'}:8 in process)); mend the plugin, "
+            "restart the node, then `metanode plugins retry raiser`"
+        )
+        failing.unlink()  # mended
+        retried = httpx.post(
+            f"{server.url}/api/plugins/raiser/retry", headers=server.headers, timeout=30
+        )
+        assert retried.status_code == 200, retried.text
+        doc = poll(settled(server, cids.midhash_bytes(dropped.read_bytes()), "ran"), "the rerun")
+        assert doc["metadata"]["ran"] == "yes"
+        assert not any("raiser" in w for w in httpx.get(f"{server.url}/health").json()["warnings"])
+
+
+def test_a_plugin_that_fails_on_every_file_writes_twenty_lines_then_sums_up(
+    tmp_path: Path,
+) -> None:
+    """A plugin raising on every file wrote a line per attempt (300 for 100 files at three
+    attempts: 300,000 for a library). A plugin's first 20 lines of a 10-minute window are
+    written; the rest are counted and summed up once it has no run going on."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site, "raiser", "raiser", "raise ValueError('boom')")
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    builtins = "fullhash,fileinfo,filename,mediainfo,nfo"
+    env = {"PYTHONPATH": path, "METANODE_PLUGIN_MAX_ATTEMPTS": "1"}
+    with plugins_server(tmp_path / "data", METANODE_PLUGINS_DISABLED=builtins, **env) as server:
+        for n in range(30):
+            drop(server, f"{n}.bin", f"file {n}".encode() * 1000)
+
+        def summed() -> list[str] | None:
+            said = [m for m in server.log_messages() if m.startswith("plugin raiser")]
+            sums = [m for m in said if m.startswith("plugin raiser: ")]
+            held = sum(int(m.split()[2]) for m in sums)
+            return said if held + len(said) - len(sums) == 30 else None
+
+        said = poll(summed, "every failure said or counted")
+    one_by_one = [m for m in said if m.startswith("plugin raiser on ")]
+    assert len(one_by_one) == 20 and all("ValueError: boom" in m for m in one_by_one)
+    assert (
+        said[20].startswith("plugin raiser: ")
+        and " more failed or skipped attempt(s) in " in (said[20])
+    )
+    assert said[-1].endswith("runs it again)"), said[-1]  # the newest failure's own words

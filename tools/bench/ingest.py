@@ -72,7 +72,9 @@ def group_sizes(server: harness.ServerProc, data_dir: Path) -> tuple[float, floa
     found = dict(
         line.split() for line in text.splitlines() if line.startswith("metanode_ingest_group")
     )
-    return float(found["metanode_ingest_groups"]), float(found["metanode_ingest_grouped"])
+    return float(found["metanode_ingest_groups_total"]), float(
+        found["metanode_ingest_grouped_total"]
+    )
 
 
 def wrk_ingest(

@@ -10,7 +10,7 @@ stands behind the event loop's HTTP: a started `Node` on a fresh data directory 
 claim at a time and waiting for its answer (durable and applied: read-your-writes), as the
 goal's clients do, so one group commit holds one claim of each. Reported per round: claims/s,
 the lockstep cycle (a group's wall time), the batches a truth transaction held, how many of
-those transactions the cache applied while their COMMIT ran (`metanode_applied_ahead`), and
+those transactions the cache applied while their COMMIT ran (`metanode_applied_ahead_total`), and
 claims/s ÷ one core's raw PyNaCl verify measured in the same round, before and after it (the
 mean of the two: this machine's speed drifts within a run), and this process's CPU a claim
 (the verify processes that batches of 64 claims or more go to run beside it). With `--rounds`
@@ -58,7 +58,7 @@ async def write_gauges(node: Node) -> tuple[float, float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
-    return values["metanode_ingest_groups"], values["metanode_applied_ahead"]
+    return values["metanode_ingest_groups_total"], values["metanode_applied_ahead_total"]
 
 
 Post = Callable[[list[object]], Awaitable[None]]
