@@ -272,9 +272,10 @@ class TooManyAttempts(MetanodeError):
     status = 429
     slug = "too_many_attempts"
     retryable = True
+    retry_after = 1  # seconds, sent as `Retry-After`: each refusal says its own
 
-    def __init__(self, message: str, retry_after: int) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, retry_after: int = 1, **extra: Any) -> None:
+        super().__init__(message, **extra)  # as every error: extra fields, rebuilt elsewhere
         self.retry_after = retry_after
 
 
