@@ -2176,6 +2176,11 @@ class TruthStore(Store):
             finally:
                 conn.close()
 
+    def apply_connection(self) -> Connection:
+        """The connection `snapshot()` reads on (for tests that trace what the apply reads)."""
+        assert self._source is not None, "the store is not open"
+        return self._source
+
     @contextmanager
     def snapshot(self) -> Iterator[TruthView]:
         """One read snapshot of the truth as a `view.TruthView` (the cache's apply reads it on
