@@ -1187,6 +1187,11 @@ def test_data_version_moves_when_another_connection_commits(dsn: str) -> None:
             writer.close()
 
 
+def searched(store: cache.CacheStore, text: str, kind: str = "") -> list[str]:
+    """The rids a search of the library finds, newest first (its first page of 50)."""
+    return [row.rid for row in store.library_page(text, kind, None, cache.NEWEST, 50)]
+
+
 @pytest.mark.both_backends
 def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) -> None:
     """The page's search (SQLite FTS5 there, a tsvector here): every word as a prefix, all
@@ -1202,7 +1207,7 @@ def test_the_library_search_matches_the_same_rows(tmp_path: Path, storage: str) 
         store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
 
         def found(text: str, kind: str = "") -> list[str]:
-            return [row.rid for row in store.library_page(text, kind, None, cache.NEWEST, 50)]
+            return searched(store, text, kind)
 
         assert found("amelie") == ["01A"] and found("AMÉL") == ["01A"]
         assert found("lamp") == ["01C", "01B"] and found("lamp", "book") == ["01B"]
@@ -1237,7 +1242,7 @@ def test_the_library_search_finds_a_name_written_composed_or_decomposed(
     with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
         store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
         for text in (composed, decomposed, "amelie", decomposed.upper(), f"{decomposed} 2001"):
-            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            found = searched(store, text)
             assert found == (["01B", "01A"] if "2001" in text else ["01C", "01B", "01A"]), text
 
 
@@ -1271,7 +1276,7 @@ def test_the_library_search_finds_a_word_inside_a_title_of_an_unspaced_script(
             ("거인", ["01E"]),
             ("격의", ["01E"]),
         ):
-            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            found = searched(store, text)
             assert found == expected, text
 
 
@@ -1407,7 +1412,7 @@ def test_the_library_search_finds_what_a_person_types(tmp_path: Path, storage: s
     with cache.CacheStore.configured(settings_for(tmp_path, storage=storage)) as store:
         store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
         for text, expected in TYPED_AND_FOUND:
-            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            found = searched(store, text)
             assert found == expected, text
 
 
@@ -1474,7 +1479,7 @@ def test_the_search_finds_the_same_whatever_the_databases_locale(locale_dsn: str
     with cache.CacheStore(pg.Target(locale_dsn, "cache")) as store:
         store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
         for text, expected in TYPED_AND_FOUND:
-            found = [row.rid for row in store.library_page(text, "", None, cache.NEWEST, 50)]
+            found = searched(store, text)
             assert found == expected, text
 
 
