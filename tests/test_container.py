@@ -55,15 +55,32 @@ def healthcheck_command() -> list[str]:
 
 
 def test_entry_point_serves_and_healthcheck_passes(tmp_path: Path) -> None:
+    command = healthcheck_command()
+    assert command[:2] == ["sh", "-c"]
+    # the installed entry point, on the port the node was given (`METANODE_PORT`, 9000 unset)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     server = Server(tmp_path / "data").start()
     try:
-        command = healthcheck_command()
-        assert command[0] == "python"
-        script = command[2]  # on the port the node was given (`METANODE_PORT`), 9000 unset
-        env = {**os.environ, "METANODE_PORT": str(server.port)}
-        assert subprocess.run([sys.executable, "-c", script], env=env, timeout=30).returncode == 0
+        env["METANODE_PORT"] = str(server.port)
+        assert subprocess.run(command, env=env, timeout=60).returncode == 0
     finally:
         server.stop()
-    # with the node gone the healthcheck fails
-    done = subprocess.run([sys.executable, "-c", script], env=env, timeout=30, capture_output=True)
-    assert done.returncode != 0
+    # with the node gone the healthcheck fails, with the one code Docker counts as unhealthy
+    done = subprocess.run(command, env=env, timeout=60, capture_output=True)
+    assert done.returncode == 1
+
+
+def test_healthcheck_reads_the_config_file(tmp_path: Path) -> None:
+    """A port set only in `METANODE_CONFIG`'s file is the one asked (the old check knew only
+    `METANODE_PORT` and asked 9000)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("METANODE_")} | {
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"
+    }
+    server = Server(tmp_path / "data").start()
+    try:
+        config = tmp_path / "metanode.toml"
+        config.write_text(f"port = {server.port}\n", encoding="utf-8")
+        env["METANODE_CONFIG"] = str(config)
+        assert subprocess.run(healthcheck_command(), env=env, timeout=60).returncode == 0
+    finally:
+        server.stop()
