@@ -10,22 +10,26 @@ every start in place of the default). This module checks a folder before it beco
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 from metanode import datadir
-from metanode.config import WATCHED_FOLDERS
+from metanode.config import WATCHED_FOLDERS, page_roots
 from metanode.errors import (
     StorageError,
     WatchRootDataDir,
     WatchRootMissing,
     WatchRootNotFolder,
+    WatchRootsDamaged,
     WatchRootTaken,
     WatchRootUnreadable,
     storage_error,
 )
+
+log = logging.getLogger(__name__)
 
 
 def check_new(text: str, roots: Sequence[str], data_dir: Path) -> str:
@@ -80,3 +84,33 @@ def save(data_dir: Path, roots: Sequence[str]) -> None:
             os.close(folder)
     except OSError as exc:
         raise storage_error(exc, path) or StorageError(f"cannot write {path}: {exc}") from exc
+
+
+class Followed:
+    """The list as another process keeps it: a reader worker of `serve --workers N` serves
+    `filePath` and the file events, but the owner worker changes the folders (it takes every
+    `POST`/`DELETE /api/watch-roots`) and writes them here (`save`). Read again whenever the
+    file is another (`save` renames a new one over it: another inode) or changed, one `stat`
+    a look; a list that cannot be read keeps the last one read, logged (the owner never
+    writes such a one: someone edited it by hand)."""
+
+    def __init__(self, data_dir: Path, roots: Sequence[str]) -> None:
+        self.data_dir = data_dir
+        self.roots = [os.path.abspath(root) for root in roots]
+        self._seen: tuple[int, int, int] | None = None
+
+    def __call__(self) -> list[str]:
+        try:
+            info = os.stat(self.data_dir / WATCHED_FOLDERS)
+        except OSError:
+            return self.roots  # never chosen (or let go by hand): what the start read
+        seen = (info.st_ino, info.st_size, info.st_mtime_ns)
+        if seen != self._seen:
+            self._seen = seen
+            try:
+                chosen = page_roots(self.data_dir)
+            except WatchRootsDamaged as exc:
+                log.warning("%s: the folders stay %s", exc.message, ", ".join(self.roots))
+            else:  # None: gone between the two looks, as if never chosen
+                self.roots = self.roots if chosen is None else list(chosen)
+        return self.roots

@@ -1,7 +1,8 @@
 """Choosing the watched folders through `/api/watch-roots` (docs/watcher.md, "Choosing the
 folders on the page"), against a real `metanode serve` with real folders and ffmpeg's files:
 a folder added is watched at once and after a restart, one no longer watched keeps its files'
-records, each refusal has its slug, and folders set by a setting are only shown."""
+records, both at once in WebDAV and the MetaMesh routes' `filePath` (in every worker), each
+refusal has its slug, and folders set by a setting are only shown."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from metanode import cid as cids
+from tests.helpers.dav import propfind
 from tests.helpers.server import Server, serve_refused
 from tests.helpers.wait import poll
 
@@ -78,6 +81,29 @@ def recorded(srv: Server, path: Path) -> str:
     return poll(fetch, f"the record of {path}")
 
 
+def midhash(srv: Server, path: Path) -> str:
+    """The midhash of `path`, once the node serves it (`/api/file/{cid}/info`)."""
+    cid = cids.midhash_bytes(path.read_bytes())
+    url = f"{srv.url}/api/file/{cid}/info"
+    poll(
+        lambda: httpx.get(url, headers=srv.headers, timeout=30).json()["exists"] or None, str(path)
+    )
+    return cid
+
+
+def webdav_names(srv: Server) -> set[str]:
+    """The top-level collections of `/webdav/` (PROPFIND, Depth 1)."""
+    listed = propfind(srv.url + "/webdav/", "1", srv.headers)
+    return {href.removeprefix("/webdav/").strip("/") for href in listed} - {""}
+
+
+def file_path(srv: Server, cid: str) -> tuple[str, str]:
+    """(`GET /meta/{cid}/filePath`, the worker that answered)."""
+    answer = httpx.get(f"{srv.url}/meta/{cid}/filePath", headers=srv.headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.text, answer.headers.get("x-metanode-worker", "")
+
+
 def kept(srv: Server) -> list[str]:
     """The folders kept in the data directory, after checking the file is private."""
     path = srv.data_dir / "watched-folders.json"
@@ -124,6 +150,35 @@ def test_a_folder_added_is_watched_at_once_and_after_a_restart_until_it_is_stopp
         srv.start()
         assert paths(listing(srv)) == [str(srv.media)]
         recorded(srv, films / "Before.2001.mkv")  # still there after the restart
+    finally:
+        srv.stop()
+        srv.print_log()
+
+
+def test_a_folder_added_or_let_go_is_served_by_webdav_and_named_in_file_paths_at_once(
+    tmp_path: Path,
+) -> None:
+    srv = page_server(tmp_path).start()
+    try:
+        films = tmp_path / "library" / "Films"
+        films.mkdir(parents=True)
+        film = video(films / "Film.2001.mkv")
+        assert webdav_names(srv) == {"media"}
+        assert add(srv, str(films)).status_code == 200
+        cid = midhash(srv, film)
+        assert webdav_names(srv) == {"media", "Films"}  # no restart
+        got = httpx.get(f"{srv.url}/webdav/Films/{film.name}", headers=srv.headers, timeout=30)
+        assert got.status_code == 200 and got.content == film.read_bytes()
+        info = httpx.get(f"{srv.url}/api/file/{cid}/info", headers=srv.headers, timeout=30)
+        assert info.json()["filePath"] == f"Films/{film.name}"
+        assert file_path(srv, cid)[0] == f"/files/Films/{film.name}"
+
+        assert remove(srv, str(films)).status_code == 200
+        assert webdav_names(srv) == {"media"}
+        gone = httpx.get(f"{srv.url}/webdav/Films/{film.name}", headers=srv.headers, timeout=30)
+        assert gone.status_code == 404
+        # its record keeps its path, below no root now: no WebDAV path serves it
+        assert file_path(srv, cid)[0] == f"/files/{str(film).lstrip('/')}"
     finally:
         srv.stop()
         srv.print_log()
@@ -211,11 +266,31 @@ def test_under_two_workers_the_owner_watches_a_folder_any_worker_was_asked_for(
         shows.mkdir()
         answer = add(srv, str(shows))
         assert answer.status_code == 200, answer.text
-        recorded(srv, video(shows / "Show.S01E01.mkv"))
+        episode = video(shows / "Show.S01E01.mkv")
+        recorded(srv, episode)
         for _ in range(8):  # whichever worker each connection reaches says the same
             assert paths(listing(srv)) == [str(srv.media), str(shows)]
+        # `/meta/…` is a read a reader answers itself, from the list the owner kept
+        cid, layout = midhash(srv, episode), f"/files/Shows/{episode.name}"
+        assert by_a_reader(srv, cid) == layout
         answer = remove(srv, str(shows))
         assert answer.status_code == 200, answer.text
         assert paths(listing(srv)) == [str(srv.media)]
+        assert by_a_reader(srv, cid) == f"/files/{str(episode).lstrip('/')}"
     finally:
         srv.stop()
+
+
+def by_a_reader(srv: Server, cid: str) -> str:
+    """`filePath` as a reader worker answers it, every answer until then (the owner's) the
+    same: connections are spread among the workers by the kernel."""
+    answers: set[str] = set()
+
+    def asked() -> bool | None:
+        text, worker = file_path(srv, cid)
+        answers.add(text)
+        return worker.startswith("reader") or None
+
+    poll(asked, "an answer of a reader worker")
+    assert len(answers) == 1, answers
+    return answers.pop()
