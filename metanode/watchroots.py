@@ -63,11 +63,15 @@ def check_new(text: str, roots: Sequence[str], data_dir: Path) -> str:
 
 
 def save(data_dir: Path, roots: Sequence[str]) -> None:
-    """Keep `roots` as the folders to watch from the next start on, whole or not at all: a
-    temporary file, fsync'd, renamed over the list, the folder fsync'd (mode 0600, as the
-    data directory's files are). A disk that refuses is its typed `StorageError`."""
-    path = data_dir / WATCHED_FOLDERS
-    part = path.with_name(WATCHED_FOLDERS + ".part")
+    """Keep `roots` as the folders to watch from the next start on (`write`)."""
+    write(data_dir / WATCHED_FOLDERS, roots)
+
+
+def write(path: Path, roots: Sequence[str]) -> None:
+    """A list of watched folders at `path` (the data directory's, or a backup's copy), whole or
+    not at all: a temporary file, fsync'd, renamed over the list, the folder fsync'd (mode
+    0600, as the data directory's files are). A disk that refuses is its typed `StorageError`."""
+    part = path.with_name(path.name + ".part")
     text = json.dumps({"roots": list(roots)}, indent=1, ensure_ascii=False) + "\n"
     try:
         part.unlink(missing_ok=True)
@@ -77,7 +81,7 @@ def save(data_dir: Path, roots: Sequence[str]) -> None:
             out.flush()
             os.fsync(out.fileno())
         os.replace(part, path)
-        folder = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(folder)
         finally:

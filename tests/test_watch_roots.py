@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +183,84 @@ def test_a_folder_added_or_let_go_is_served_by_webdav_and_named_in_file_paths_at
     finally:
         srv.stop()
         srv.print_log()
+
+
+def metanode(srv: Server, *args: str) -> subprocess.CompletedProcess[str]:
+    """`metanode ARGS` as the owner runs it beside `srv`, no setting naming the folders."""
+    env = {k: v for k, v in srv.base_env().items() if k not in PAGE_CHOSEN}
+    return subprocess.run(
+        [sys.executable, "-m", "metanode", *args],
+        env=env,
+        cwd=srv.data_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_backup_restored_into_a_new_data_directory_watches_the_same_folders(
+    tmp_path: Path,
+) -> None:
+    srv = page_server(tmp_path).start()
+    films, shows = tmp_path / "Films", tmp_path / "Shows"
+    try:
+        films.mkdir()
+        shows.mkdir()
+        film = video(films / "Film.2001.mkv")
+        for folder in (films, shows):
+            assert add(srv, str(folder)).status_code == 200
+        recorded(srv, film)
+        made = metanode(srv, "backup", str(tmp_path / "bk"), "--data-dir", str(srv.data_dir))
+        assert made.returncode == 0, made.stderr  # online, the node running
+    finally:
+        srv.stop()
+    backup = Path(made.stdout.strip())
+    chosen = [str(srv.media), str(films), str(shows)]
+    copy = backup.with_name(backup.name.replace("truth-", "watched-folders-")[:-3] + ".json")
+    assert json.loads(copy.read_text())["roots"] == chosen
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+    shows.rmdir()  # the new machine has no such folder (or its disk is not mounted yet)
+
+    fresh = page_server(tmp_path / "new")
+    fresh.data_dir.parent.mkdir()
+    done = metanode(fresh, "restore", str(backup), "--data-dir", str(fresh.data_dir))
+    assert done.returncode == 0, done.stderr
+    assert f"watched folders: {', '.join(chosen)} (the backup's list)" in done.stdout
+    assert f"warning: watched folder {shows} does not exist here" in done.stderr
+    assert str(films) not in done.stderr
+    assert kept(fresh) == chosen
+    fresh.start()
+    try:
+        states = {root["path"]: root["state"] for root in listing(fresh)["roots"]}
+        # the restored node knows no file in it yet: the watcher makes it, as a new root
+        assert set(states.values()) == {"watching"} and list(states) == chosen
+        assert shows.is_dir()
+        recorded(fresh, film)
+        assert "Films" in webdav_names(fresh)
+    finally:
+        fresh.stop()
+        fresh.print_log()
+
+
+def test_a_damaged_list_in_a_backup_refuses_the_restore_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    srv = page_server(tmp_path)
+    made = metanode(srv, "init", "--data-dir", str(srv.data_dir))
+    assert made.returncode == 0, made.stderr
+    chosen = json.dumps({"roots": [str(tmp_path / "Films")]})
+    (srv.data_dir / "watched-folders.json").write_text(chosen)
+    made = metanode(srv, "backup", str(tmp_path / "bk"), "--data-dir", str(srv.data_dir))
+    assert made.returncode == 0, made.stderr
+    backup = Path(made.stdout.strip())
+    copy = next((tmp_path / "bk").glob("watched-folders-*.json"))
+    copy.write_text('{"roots": ["/srv/me')
+    fresh = tmp_path / "fresh"
+    refused = metanode(srv, "restore", str(backup), "--data-dir", str(fresh))
+    assert refused.returncode == 2, refused.stdout
+    assert refused.stderr.startswith("error: watch_roots_damaged: "), refused.stderr
+    assert str(copy) in refused.stderr
+    assert not fresh.exists()  # nothing of it was put in place
 
 
 def test_each_folder_refused_says_why_by_its_slug(tmp_path: Path) -> None:
