@@ -329,8 +329,10 @@ class Node:
         plugins place its files in it."""
         self._editable()
         async with self._roots_lock:
+            s = self.settings
+            outputs = s.plugin_outputs if s.webdav_plugin_writes else None
             path = await asyncio.to_thread(
-                watchroots.check_new, text, self.roots, self.settings.data_dir
+                watchroots.check_new, text, self.roots, s.data_dir, outputs
             )
             await asyncio.to_thread(watchroots.save, self.settings.data_dir, [*self.roots, path])
             self.roots = [*self.roots, path]  # a new list: others read it from threads

@@ -23,6 +23,7 @@ from metanode.errors import (
     WatchRootDataDir,
     WatchRootMissing,
     WatchRootNotFolder,
+    WatchRootPluginOutputs,
     WatchRootsDamaged,
     WatchRootTaken,
     WatchRootUnreadable,
@@ -32,12 +33,14 @@ from metanode.errors import (
 log = logging.getLogger(__name__)
 
 
-def check_new(text: str, roots: Sequence[str], data_dir: Path) -> str:
+def check_new(text: str, roots: Sequence[str], data_dir: Path, outputs: Path | None) -> str:
     """The absolute path of folder `text` (relative to the working directory, as the setting
     is), if it may become a watch root: an existing folder this process may list, neither the
     data directory nor inside it nor holding it (the rule `Settings._check_roots` enforces of
     `watch_roots`, and its other half: a root inside the data directory would serve its files
-    too), and no folder watched already (by another spelling or a link); else the typed
+    too), nor the plugin outputs' folder `outputs` (None: WebDAV writes are off) nor inside
+    nor holding it (`Settings._check_plugin_outputs`' rule: accepted here, it refused the next
+    start), and no folder watched already (by another spelling or a link); else the typed
     refusal, naming it."""
     path = os.path.abspath(text)
     try:
@@ -51,15 +54,26 @@ def check_new(text: str, roots: Sequence[str], data_dir: Path) -> str:
     if not os.access(path, os.R_OK | os.X_OK):
         raise WatchRootUnreadable(f"{path} is a folder this node may not read (its permissions)")
     real, data = os.path.realpath(path), os.path.realpath(data_dir)
-    if os.path.commonpath([real, data]) in (real, data):
+    if overlap(real, data):
         raise WatchRootDataDir(
             f"{path} overlaps the data directory {data}: WebDAV would serve the API token and "
             "the keys, and the watcher fingerprint them; choose a folder outside it"
+        )
+    if outputs is not None and overlap(real, os.path.realpath(outputs)):
+        raise WatchRootPluginOutputs(
+            f"{path} overlaps the plugin outputs' folder {outputs} (webdav_plugin_dir), which "
+            "WebDAV clients write into: their writes would reach the media; choose a folder "
+            "outside it"
         )
     for root in roots:
         if os.path.realpath(root) == real:
             raise WatchRootTaken(f"{path} is watched already (as {root})")
     return path
+
+
+def overlap(one: str, other: str) -> bool:
+    """Whether real paths `one` and `other` are the same folder, or one holds the other."""
+    return os.path.commonpath([one, other]) in (one, other)
 
 
 def save(data_dir: Path, roots: Sequence[str]) -> None:

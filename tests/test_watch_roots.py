@@ -266,7 +266,9 @@ def test_a_damaged_list_in_a_backup_refuses_the_restore_and_changes_nothing(
 def test_each_folder_refused_says_why_by_its_slug(tmp_path: Path) -> None:
     root = os.geteuid() == 0
     prefix = NO_OVERRIDE if root and shutil.which("setpriv") else ()
-    srv = page_server(tmp_path, prefix=prefix).start()
+    outputs = tmp_path / "out" / "plugin"  # WebDAV clients write there: never the media
+    writes = {"METANODE_WEBDAV_PLUGIN_WRITES": "true", "METANODE_WEBDAV_PLUGIN_DIR": str(outputs)}
+    srv = page_server(tmp_path, prefix=prefix, env=writes).start()
     try:
         a_file = tmp_path / "notes.txt"
         a_file.write_text("not a folder")
@@ -277,6 +279,8 @@ def test_each_folder_refused_says_why_by_its_slug(tmp_path: Path) -> None:
             str(srv.data_dir): (400, "watch_root_data_dir"),
             str(srv.data_dir / "keys"): (400, "watch_root_data_dir"),
             str(tmp_path): (400, "watch_root_data_dir"),  # holds the data directory
+            str(outputs): (400, "watch_root_plugin_outputs"),
+            str(outputs.parent): (400, "watch_root_plugin_outputs"),  # holds it
             str(srv.media): (409, "watch_root_taken"),
             str(tmp_path / "media-link"): (409, "watch_root_taken"),  # the same, by a link
             "media": (409, "watch_root_taken"),  # relative to the working directory
