@@ -1215,7 +1215,8 @@ def scan(paths: tuple[str, ...], config_file: str | None, data_dir: str | None) 
 @settings_options
 @reports_errors
 def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
-    """Copy truth.db (online: consistent while the server writes) and keys/ into TARGET.
+    """Copy truth.db (online: consistent while the server writes), keys/ and the watched
+    folders chosen on the page into TARGET.
 
     `metanode restore TARGET/truth-<stamp>.db` puts it back (the node stopped).
     """
@@ -1254,7 +1255,33 @@ def restore(
         )
     click.echo(f"restored {backup_file} into {settings.truth_path}")
     click.echo(f"keys: {done.keys or f'kept, {settings.keys_dir}'}")
+    _restored_folders(settings, done)
     click.echo(f"what it replaced: {done.aside or 'nothing (a new data directory)'}")
+
+
+def _restored_folders(settings: config.Settings, done: maintenance.Restored) -> None:
+    """What `restore` said of the watched folders: the backup's list, or the data directory's
+    kept; each restored folder that is not there named on stderr, with what the next start
+    does with it: the restored node knows no file there yet (the cache, and with it the
+    files' rows, is rebuilt), so the watcher makes it, empty, as a new root (`_make_root`)."""
+    if done.folders is None:
+        click.echo("watched folders: the backup has no list of them; this data directory's kept")
+        return
+    click.echo(f"watched folders: {', '.join(done.folders) or 'none'} (the backup's list)")
+    for root in done.missing:
+        click.echo(
+            f"warning: watched folder {root} does not exist here (or its disk is not mounted): "
+            "it stays in the list, and the next start makes it as an empty folder and watches "
+            "it; mount its disk before that start, or, if it is gone for good, stop watching "
+            "it on the Files page (or DELETE /api/watch-roots)",
+            err=True,
+        )
+    if settings.watch_roots_from:
+        click.echo(
+            f"note: watch_roots is set in {settings.watch_roots_from}, which the node watches "
+            "instead: the restored list is read once that setting is removed",
+            err=True,
+        )
 
 
 @main.command("export")

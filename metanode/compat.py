@@ -66,7 +66,7 @@ from metanode.errors import (
 )
 from metanode.ignores import mtime_of
 from metanode.node import Node
-from metanode.webdav import Roots
+from metanode.webdav import LiveRoots, Roots
 
 MAX_PROPERTY_BODY = 1024 * 1024  # meta-core reads a property body into a 1 MiB buffer
 # meta-core's routes not served here (docs/compat.md's "not served" rows), by path or prefix
@@ -574,7 +574,6 @@ class _Follow(feed.Framing[R]):
         self.node = node
         self.cursor = cursor
         self.feed = self._feed()
-        self.form = self._form()
 
     # the stream's specifics
     def _feed(self) -> feed.Feed[R]:
@@ -591,7 +590,7 @@ class _Follow(feed.Framing[R]):
         return []
 
     def live(self, got: feed.Slice[R]) -> bytes:
-        return got.chunk(self.form)
+        return got.chunk(self._form())
 
     async def full_state(self) -> feed.Snapshot:
         now = self.node.clock()
@@ -637,11 +636,17 @@ class FilesFollow(_Follow[feed.FileFeedRow]):
 
     whole_without_cursor = True
 
+    def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
+        # the paths in the roots' layout at each chunk: a folder added on the page while a
+        # client follows is named in its events at once (`webdav.LiveRoots`)
+        self.layout = LiveRoots(node.settings, node.current_roots)
+        super().__init__(node, cursor)
+
     def _feed(self) -> feed.Feed[feed.FileFeedRow]:
         return self.node.files_feed()
 
     def _form(self) -> FileFrames:
-        return FileFrames(Roots.served(self.node.settings))
+        return FileFrames(self.layout())
 
     def _state_start(self, now: int) -> list[feed.Event]:
         return [("reset", {"path": "", "timestamp": str(now)})]
@@ -784,15 +789,17 @@ def internal_host(settings: Settings) -> str:
 
 def routes(node: Node) -> list[BaseRoute]:
     """The MetaMesh routes of one node (the token, or a trusted network: docs/compat.md)."""
-    roots = Roots.served(node.settings)
+    # the roots' layout as it is at each request: a folder added or let go on the page is
+    # served, and named in `filePath`, at once (docs/watcher.md, "Choosing the folders")
+    layout = LiveRoots(node.settings, node.current_roots)
     root = node.settings.root_path  # what the URLs this node gives start with
     return [
-        *_record_routes(node, roots),
+        *_record_routes(node, layout),
         *_stream_routes(node),
-        *_file_routes(node, roots),
+        *_file_routes(node, layout),
         *_directory_routes(node),
         Route(webdav.MOUNT, to_webdav_root(root), methods=webdav.METHODS),
-        Mount(webdav.MOUNT, app=webdav.App(node.settings)),  # WebDAV, outside the OpenAPI doc
+        Mount(webdav.MOUNT, app=webdav.App(node.settings, layout)),  # outside the OpenAPI doc
     ]
 
 
@@ -804,7 +811,7 @@ def mounted(settings: Settings, roots: Roots, path: str) -> str:
     return f"{settings.metamesh_files_path.rstrip('/')}/{roots.relative(path)}"
 
 
-def _record_routes(node: Node, roots: Roots) -> list[BaseRoute]:
+def _record_routes(node: Node, layout: LiveRoots) -> list[BaseRoute]:
     """`/meta…`: a record's values as MetaMesh reads them, and its writes as the legacy
     writer's claims (`LegacyWriter`)."""
     writer = LegacyWriter(node)
@@ -843,7 +850,8 @@ def _record_routes(node: Node, roots: Roots) -> list[BaseRoute]:
         if not record:
             raise CacheNotReady(f"{rid} is not in the cache yet; retry shortly")
         if "filePath" in record:
-            record = {**record, "filePath": mounted(node.settings, roots, record["filePath"])}
+            path = mounted(node.settings, layout(), record["filePath"])
+            record = {**record, "filePath": path}
         view = metamesh_view(record)
         return JSONResponse({"hashId": rid, "metadata": dict(sorted(view.items()))})
 
@@ -866,7 +874,7 @@ def _record_routes(node: Node, roots: Roots) -> list[BaseRoute]:
         stored = metamesh_value(node, rid, key)
         if not stored:  # missing, or "" (meta-core reads an empty value as missing)
             raise NotFoundError(f"{rid} has no value for {key!r}")
-        value = mounted(node.settings, roots, stored) if key == "filePath" else stored
+        value = mounted(node.settings, layout(), stored) if key == "filePath" else stored
         return PlainTextResponse(value, headers=webdav.INERT)  # a value, never a page
 
     async def add_to_set(request: Request) -> Response:
@@ -916,7 +924,7 @@ def _stream_routes(node: Node) -> list[BaseRoute]:
     ]
 
 
-def _file_routes(node: Node, roots: Roots) -> list[BaseRoute]:
+def _file_routes(node: Node, layout: LiveRoots) -> list[BaseRoute]:
     """A CID's local file: whether it is here, its bytes, and a path's sha2-256 CID."""
     hashing = asyncio.Semaphore(HASHING)  # `POST /file/cid`'s whole-file reads
     files_path = node.settings.metamesh_files_path.rstrip("/")
@@ -936,7 +944,7 @@ def _file_routes(node: Node, roots: Roots) -> list[BaseRoute]:
                 "exists": True,
                 "contentType": copy.content_type,
                 "size": copy.stat.st_size,
-                "filePath": roots.relative(copy.path),
+                "filePath": layout().relative(copy.path),
             }
         )
 
@@ -963,7 +971,7 @@ def _file_routes(node: Node, roots: Roots) -> list[BaseRoute]:
         path = body.get("path") if isinstance(body, dict) else None
         if not isinstance(path, str) or not path:
             raise InvalidRequest('the body is {"path": "<path below the files folder>"}')
-        local = served_file(roots, node.settings, path.removeprefix(files_path + "/"))
+        local = served_file(layout(), node.settings, path.removeprefix(files_path + "/"))
         try:
             async with hashing:
                 cid, size = await asyncio.to_thread(sha256_cid, local)

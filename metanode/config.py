@@ -693,7 +693,13 @@ def page_roots(data_dir: Path) -> tuple[str, ...] | None:
     there and cannot be read as that refuses the start (`watch_roots_damaged`): watching the
     default folder in their place would drop the chosen folders' files from the library
     without a word."""
-    path = data_dir / WATCHED_FOLDERS
+    return read_roots(data_dir / WATCHED_FOLDERS)
+
+
+def read_roots(path: Path) -> tuple[str, ...] | None:
+    """The roots a list of watched folders at `path` holds (the data directory's, or the copy
+    `metanode backup` made of it), None when there is no such file; `WatchRootsDamaged`
+    naming it when it is not such a list."""
     try:
         text = path.read_text(encoding="utf-8")
     except (FileNotFoundError, NotADirectoryError):  # the data directory's own checks say

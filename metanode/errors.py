@@ -324,6 +324,14 @@ class WatchRootDataDir(WatchRootRefused):
     slug = "watch_root_data_dir"
 
 
+class WatchRootPluginOutputs(WatchRootRefused):
+    """The folder is the plugin outputs' folder, lies inside it or holds it, while WebDAV
+    writes are on: the writes would reach the media (the rule `webdav_plugin_dir` has, which
+    refused the next start instead)."""
+
+    slug = "watch_root_plugin_outputs"
+
+
 class WatchRootTaken(WatchRootRefused):
     """The folder is watched already (spelt another way, or through a link)."""
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metanode import cache, claims, datadir, db, keys, truth
+from metanode import cache, claims, config, datadir, db, keys, truth, watchroots
 from metanode import rid as rids
 from metanode.applier import cache_needs_build
 from metanode.clock import now_ms
@@ -477,20 +477,27 @@ def copy_truth(settings: Settings, target: Path) -> str:
 
 def backup(settings: Settings, target: Path) -> Path:
     """`metanode backup DIR`: an online copy of the truth (consistent while the node writes)
-    plus the node's keys. On SQLite a checked copy of truth.db (the cache is not backed up: it
-    is rebuilt from the truth); on PostgreSQL a `pg_dump` of the database in its custom format
-    (`pg_restore` puts it back: docs/scale-out.md). Private like the data directory: a new
-    TARGET is 0700, the copy 0600 (the keys keep theirs). The truth is copied as it is, never
-    migrated first: the backup taken before an upgrade must still open in the version before."""
+    plus the node's keys and the folders chosen on the page (`watched-folders-<stamp>.json`,
+    when any were: a box restored from it watches what this one watches). On SQLite a checked
+    copy of truth.db (the cache is not backed up: it is rebuilt from the truth); on PostgreSQL
+    a `pg_dump` of the database in its custom format (`pg_restore` puts it back:
+    docs/scale-out.md). Private like the data directory: a new TARGET is 0700, the copies 0600
+    (the keys keep theirs). The truth is copied as it is, never migrated first: the backup
+    taken before an upgrade must still open in the version before."""
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
     copy, keys = _backup_names(target, "pgdump" if settings.postgresql else "db")
+    folders = _folders_beside(copy)
     try:
         _copy_truth_into(settings, copy)
         if settings.keys_dir.is_dir():
             shutil.copytree(settings.keys_dir, keys)
+        chosen = config.page_roots(settings.data_dir)
+        if chosen is not None:
+            watchroots.write(folders, chosen)
     except BaseException:  # all of it or nothing: never a truth copy without its keys
         copy.unlink(missing_ok=True)
         shutil.rmtree(keys, ignore_errors=True)
+        folders.unlink(missing_ok=True)
         raise
     return copy
 
@@ -517,15 +524,23 @@ class Restored:
 
     aside: Path | None  # the replaced truth (with its WAL) and keys, kept; None: there were none
     keys: Path | None  # the keys folder restored, or None: the data directory's kept
+    # the watched folders restored (the backup's `watched-folders-<stamp>.json`), or None: the
+    # backup has none (none chosen on the page, or a backup made before they were kept), the
+    # data directory's list kept
+    folders: tuple[str, ...] | None = None
+    missing: tuple[str, ...] = ()  # those of `folders` that are no folder on this machine
 
 
 def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys: bool) -> Restored:
     """`metanode restore BACKUP`, the node stopped (the CLI holds the data directory's lock):
     the checked backup becomes truth.db, its keys (`keys-<stamp>` beside it, or `keys_from`)
-    the keys, the cache goes (rebuilt at the next start). What was there is moved, whole, into
-    `replaced-<stamp>/` in the data directory: truth.db with its `-wal` and `-shm`, since a
-    WAL left beside a restored file is replayed onto it at the next open (the stale log
-    undid the restore), and the keys. On PostgreSQL `pg_restore` does it (scale-out.md)."""
+    the keys, its watched folders (`watched-folders-<stamp>.json` beside it, when it has any)
+    the folders chosen on the page, each that is no folder here named in `missing` (it stays
+    in the list: a disk not mounted yet is watched once it is), the cache goes (rebuilt at
+    the next start). What was there is moved, whole, into `replaced-<stamp>/` in the data
+    directory: truth.db with its `-wal` and `-shm`, since a WAL left beside a restored file is
+    replayed onto it at the next open (the stale log undid the restore), the keys and the
+    list. On PostgreSQL `pg_restore` does it (scale-out.md)."""
     if settings.postgresql:
         raise InvalidRequest(
             "restore puts a SQLite backup in place; on PostgreSQL restore the dump with "
@@ -552,18 +567,25 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
             )
         if keys is not None:
             shutil.copytree(keys, keys_in)
+        folders = config.read_roots(_folders_beside(backup))  # a damaged copy: refused here
     except BaseException:
         _gone(incoming, keys_in)
         raise
     for name in ("cache.db", "cache.db-wal", "cache.db-shm"):  # first: it is the old truth's
         (settings.data_dir / name).unlink(missing_ok=True)
-    replaced = ("truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else []))
+    replaced = ["truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else [])]
+    if folders is not None:
+        replaced.append(config.WATCHED_FOLDERS)
     aside = _move_aside(settings.data_dir, replaced)
     incoming.rename(settings.truth_path)
     if keys is not None:
         keys_in.rename(settings.keys_dir)
         datadir.secure(settings.data_dir)
-    return Restored(aside, keys)
+    if folders is None:
+        return Restored(aside, keys)
+    watchroots.save(settings.data_dir, folders)
+    missing = tuple(root for root in folders if not os.path.isdir(root))
+    return Restored(aside, keys, folders, missing)
 
 
 def _gone(*paths: Path) -> None:
@@ -577,8 +599,18 @@ def _gone(*paths: Path) -> None:
 
 def _keys_beside(backup: Path) -> Path:
     """The keys folder `backup` made beside `truth-<stamp>.db`: `keys-<stamp>`."""
-    stamp = backup.name.removeprefix("truth-").removesuffix(".db")
-    return backup.parent / f"keys-{stamp}"
+    return backup.parent / f"keys-{_stamp_of(backup)}"
+
+
+def _folders_beside(backup: Path) -> Path:
+    """The watched folders `backup` kept beside `truth-<stamp>.db` (or `.pgdump`):
+    `watched-folders-<stamp>.json`."""
+    return backup.parent / f"watched-folders-{_stamp_of(backup)}.json"
+
+
+def _stamp_of(backup: Path) -> str:
+    """The `<stamp>` of `truth-<stamp>.db` (or `.pgdump`), which the files beside it share."""
+    return backup.name.removeprefix("truth-").removesuffix(".db").removesuffix(".pgdump")
 
 
 def after_unclean_stop(settings: Settings) -> Path | None:

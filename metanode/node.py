@@ -163,6 +163,9 @@ class Node:
         # `add_watch_root`), absolute; changed one at a time
         self.roots = [os.path.abspath(root) for root in settings.watch_roots]
         self._roots_lock = asyncio.Lock()
+        # a reader worker follows the list the owner worker keeps (none when a setting holds it)
+        chosen = follower and not settings.watch_roots_from
+        self._followed = watchroots.Followed(settings.data_dir, self.roots) if chosen else None
         self.legacy = self._own_signer(LEGACY_NAME, settings.legacy_writer_weight)
 
     def _own_signer(self, name: str, weight: int) -> signer.OwnSigner:
@@ -281,6 +284,16 @@ class Node:
 
     # -- the watch roots chosen on the page (docs/watcher.md, "Choosing the folders") -----------
 
+    def current_roots(self) -> list[str]:
+        """The watch roots as they are now, for what serves their files and names their paths
+        (WebDAV's layout, the MetaMesh routes' `filePath` and file events): read at each
+        request, never kept from the start, so a folder added or let go on the page
+        (`add_watch_root`) shows there at once; in a reader worker, as the owner worker kept
+        them in the data directory (`watchroots.Followed`)."""
+        if self._followed is not None:
+            self.roots = self._followed()
+        return self.roots
+
     async def watch_roots(self) -> dict[str, Any]:
         """GET /api/watch-roots: the roots, each with its state (`Watcher.state_of`, or `off`
         where no watcher runs in this process: `watch_enabled` off, or a PostgreSQL replica
@@ -316,11 +329,13 @@ class Node:
         plugins place its files in it."""
         self._editable()
         async with self._roots_lock:
+            s = self.settings
+            outputs = s.plugin_outputs if s.webdav_plugin_writes else None
             path = await asyncio.to_thread(
-                watchroots.check_new, text, self.roots, self.settings.data_dir
+                watchroots.check_new, text, self.roots, s.data_dir, outputs
             )
             await asyncio.to_thread(watchroots.save, self.settings.data_dir, [*self.roots, path])
-            self.roots.append(path)
+            self.roots = [*self.roots, path]  # a new list: others read it from threads
             log.info("watching %s as well (chosen on the page)", path)
             if self.watcher is not None:
                 self.watcher.add_root(path)

@@ -8,7 +8,9 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
   basename, so `/webdav/<name>/<path below the root>`; a name already taken (two roots called
   `media`, or `plugin`, reserved for plugin outputs) gets `-2`, `-3`… in the order of
   `watch_roots`. The compat routes give `filePath` and the file events' `path` in this same
-  layout (`Roots.relative`), so a record's `filePath` appended to `webdavUrl` is its file;
+  layout (`Roots.relative`), so a record's `filePath` appended to `webdavUrl` is its file. It
+  is the roots' as they are at each request (`LiveRoots`): a folder added on the page is
+  served at once, one let go is gone at once;
 * **read-only**: every root is served by a read-only provider, so PUT, DELETE, MKCOL, MOVE,
   COPY, PROPPATCH are answered 403 by WsgiDAV;
 * **only the library**: what the watcher ignores in a root (a dot-name such as `.ssh/` or
@@ -37,7 +39,7 @@ import json
 import os
 import secrets
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -115,11 +117,11 @@ class Roots:
     rules: Rules = DEFAULT_RULES  # what the watcher ignores in a root is not served either
 
     @classmethod
-    def served(cls, settings: Settings) -> Roots:
-        """The layout of a node: its watch roots, and the plugin outputs' folder at `plugin/`
-        when WebDAV writes are on (its files are watched too: `Settings.watched`)."""
+    def served(cls, settings: Settings, roots: Sequence[str]) -> Roots:
+        """The layout of a node watching `roots` now: those, and the plugin outputs' folder at
+        `plugin/` when WebDAV writes are on (its files are watched too: `Settings.watched`)."""
         outputs = settings.plugin_outputs if settings.webdav_plugin_writes else None
-        return cls.of(settings.watch_roots, outputs, Rules(settings.watch_ignore))
+        return cls.of(roots, outputs, Rules(settings.watch_ignore))
 
     @classmethod
     def of(
@@ -171,6 +173,28 @@ class Roots:
         if best is None:
             return path.lstrip("/")
         return f"{best[0]}/{path[len(best[1]) :]}"
+
+
+class LiveRoots:
+    """The layout of the watch roots as they are at each request, so a folder added on the page
+    (`POST /api/watch-roots`) is served at once and one let go is gone at once, in WebDAV and
+    in the compat routes' `filePath` alike: `current` gives the roots now (the node's), and
+    the layout is made again only when they changed (a `realpath` per root, not per request).
+    Called from the event loop and from WsgiDAV's threads: the cache is one tuple, swapped
+    whole, so a thread never sees one root list's layout under another's key."""
+
+    def __init__(self, settings: Settings, current: Callable[[], Sequence[str]]) -> None:
+        self.settings = settings
+        self.current = current
+        self._made: tuple[tuple[str, ...], Roots] | None = None
+
+    def __call__(self) -> Roots:
+        roots = tuple(self.current())
+        made = self._made
+        if made is None or made[0] != roots:
+            made = (roots, Roots.served(self.settings, roots))
+            self._made = made
+        return made[1]
 
 
 class CheckedFile(FileResource):  # type: ignore[misc]
@@ -279,49 +303,51 @@ class Top(DAVCollection):  # type: ignore[misc]
 
 class Layout(DAVProvider):  # type: ignore[misc]
     """The read-only provider of `/webdav/`: `Top`, then each root's files through a read-only
-    `FilesystemProvider` of that root (its path checks), named by `Roots`."""
+    `FilesystemProvider` of that root (its path checks), named by the roots as they are at
+    this request (`layout`: a folder added or let go on the page shows at once)."""
 
-    def __init__(self, roots: Roots, follow_symlinks: bool, plugin_dir: str | None) -> None:
+    def __init__(
+        self, layout: Callable[[], Roots], follow_symlinks: bool, plugin_dir: str | None
+    ) -> None:
         super().__init__()
         self.readonly = True
         self.fs_opts = {"follow_symlinks": follow_symlinks}
-        self.reals = dict(roots.collections)
-        self.rules = roots.rules
-        self.roots: dict[str, FilesystemProvider] = {}
+        self.layout = layout
+        self.roots: dict[str, FilesystemProvider] = {}  # by the root's real path
         self.plugin_dir = plugin_dir
-        self.names = [name for name, _ in roots.collections] + ([PLUGIN] if plugin_dir else [])
 
     def is_readonly(self) -> bool:
         return True
 
-    def _root(self, name: str) -> FilesystemProvider | None:
-        """The provider of root `name`, made once the folder exists (the watcher makes it)."""
-        if name not in self.roots and os.path.isdir(self.reals.get(name, "")):
-            self.roots[name] = FilesystemProvider(
-                self.reals[name], readonly=True, fs_opts=self.fs_opts
-            )
-        return self.roots.get(name)
+    def _root(self, real: str) -> FilesystemProvider | None:
+        """The provider of the root at `real`, made once the folder exists (the watcher makes
+        it); by path, not name, since a name may pass to another root when one is let go."""
+        if real not in self.roots and os.path.isdir(real):
+            self.roots[real] = FilesystemProvider(real, readonly=True, fs_opts=self.fs_opts)
+        return self.roots.get(real)
 
     def get_resource_inst(self, path: str, environ: dict[str, Any]) -> Any:
         """The resource at `path` (below `/webdav`), None if there is none (404)."""
+        roots = self.layout()
         name, _, below = path.strip("/").partition("/")
         if not name:
-            return Top(environ, self.names)
+            names = [name for name, _ in roots.collections]
+            return Top(environ, names + ([PLUGIN] if self.plugin_dir else []))
         if name == PLUGIN and self.plugin_dir:  # listed here, served by its own provider
             return FolderResource(path, environ, self.plugin_dir)
-        fs = self._root(name)
-        if fs is None:
+        root = dict(roots.collections).get(name)
+        fs = None if root is None else self._root(root)
+        if root is None or fs is None:
             return None
         file_path = fs._loc_to_file_path(f"/{below}", environ)  # 403 outside the root
-        root = self.reals[name]
-        if below and self.rules.ignored(root, file_path.rstrip("/")):
+        if below and roots.rules.ignored(root, file_path.rstrip("/")):
             return None  # a dot-file, a download in progress: no file of the library
         if not os.path.lexists(file_path):
             return None
         if not self.fs_opts["follow_symlinks"] and os.path.islink(file_path):
             raise DAVError(HTTP_FORBIDDEN, "symbolic links are not followed")
         if os.path.isdir(file_path):
-            return Folder(path, environ, file_path, root, self.rules)
+            return Folder(path, environ, file_path, root, roots.rules)
         if not os.path.isfile(file_path):
             return None  # a dangling link, a socket…
         return CheckedFile(path, environ, file_path, fs.root_folder_path_real)
@@ -499,8 +525,8 @@ def undated(start_response: StartResponse) -> StartResponse:
     return cast(StartResponse, start)
 
 
-def server(settings: Settings) -> ASGIApp:
-    """The WebDAV server of a node's settings, as an ASGI app.
+def server(settings: Settings, layout: Callable[[], Roots]) -> ASGIApp:
+    """The WebDAV server of a node's settings and its roots' layout now, as an ASGI app.
 
     Two WsgiDAV apps behind one WSGI dispatcher: the read-only layout, and the plugin outputs'
     writable folder at `plugin/` when enabled. Not two shares of one app: WsgiDAV then picks the
@@ -508,13 +534,12 @@ def server(settings: Settings) -> ASGIApp:
     inside `plugin/` would be refused (502).
     """
     outputs = plugin_dir(settings)
-    # `plugin/` has its own writable provider below, serving whatever a client wrote there
-    roots = Roots.of(settings.watch_roots, rules=Rules(settings.watch_ignore))
     # WsgiDAV's hrefs start with its mount path, and a MOVE's or COPY's `Destination` must:
     # under `root_path`, the prefix is in both (`App` puts it in a `Destination` that lacks it)
     mount = settings.root_path + MOUNT
-    layout = dav(
-        mount, Layout(roots, settings.watch_follow_symlinks, str(outputs) if outputs else None)
+    # `plugin/` is listed by the layout, but served by its own writable provider below
+    readonly = dav(
+        mount, Layout(layout, settings.watch_follow_symlinks, str(outputs) if outputs else None)
     )
     writable = None
     if outputs is not None:
@@ -533,7 +558,7 @@ def server(settings: Settings) -> ASGIApp:
                 make_parents(outputs, environ["PATH_INFO"])
                 return checked_put(writable, environ, dated, outputs)
             return writable(environ, dated)
-        return layout(environ, dated)
+        return readonly(environ, dated)
 
     return cast(ASGIApp, WSGIMiddleware(dispatch, workers=WORKERS))
 
@@ -541,10 +566,12 @@ def server(settings: Settings) -> ASGIApp:
 class App:
     """The WebDAV server as the ASGI app mounted at `MOUNT`, built on its first request: by
     then the node has started, so the plugin outputs' folder is made after the data directory
-    (and made private with it)."""
+    (and made private with it). `layout` gives the roots' layout at each request
+    (`LiveRoots`)."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, layout: Callable[[], Roots]) -> None:
         self.settings = settings
+        self.layout = layout
         self.served: ASGIApp | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -580,7 +607,7 @@ class App:
                 for name, value in scope["headers"]
             ]
         if self.served is None:
-            self.served = server(self.settings)
+            self.served = server(self.settings, self.layout)
         await self.served(scope, receive, inert)
 
 

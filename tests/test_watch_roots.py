@@ -1,7 +1,8 @@
 """Choosing the watched folders through `/api/watch-roots` (docs/watcher.md, "Choosing the
 folders on the page"), against a real `metanode serve` with real folders and ffmpeg's files:
 a folder added is watched at once and after a restart, one no longer watched keeps its files'
-records, each refusal has its slug, and folders set by a setting are only shown."""
+records, both at once in WebDAV and the MetaMesh routes' `filePath` (in every worker), each
+refusal has its slug, and folders set by a setting are only shown."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from metanode import cid as cids
+from tests.helpers.dav import propfind
 from tests.helpers.server import Server, serve_refused
 from tests.helpers.wait import poll
 
@@ -78,6 +82,29 @@ def recorded(srv: Server, path: Path) -> str:
     return poll(fetch, f"the record of {path}")
 
 
+def midhash(srv: Server, path: Path) -> str:
+    """The midhash of `path`, once the node serves it (`/api/file/{cid}/info`)."""
+    cid = cids.midhash_bytes(path.read_bytes())
+    url = f"{srv.url}/api/file/{cid}/info"
+    poll(
+        lambda: httpx.get(url, headers=srv.headers, timeout=30).json()["exists"] or None, str(path)
+    )
+    return cid
+
+
+def webdav_names(srv: Server) -> set[str]:
+    """The top-level collections of `/webdav/` (PROPFIND, Depth 1)."""
+    listed = propfind(srv.url + "/webdav/", "1", srv.headers)
+    return {href.removeprefix("/webdav/").strip("/") for href in listed} - {""}
+
+
+def file_path(srv: Server, cid: str) -> tuple[str, str]:
+    """(`GET /meta/{cid}/filePath`, the worker that answered)."""
+    answer = httpx.get(f"{srv.url}/meta/{cid}/filePath", headers=srv.headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+    return answer.text, answer.headers.get("x-metanode-worker", "")
+
+
 def kept(srv: Server) -> list[str]:
     """The folders kept in the data directory, after checking the file is private."""
     path = srv.data_dir / "watched-folders.json"
@@ -129,10 +156,119 @@ def test_a_folder_added_is_watched_at_once_and_after_a_restart_until_it_is_stopp
         srv.print_log()
 
 
+def test_a_folder_added_or_let_go_is_served_by_webdav_and_named_in_file_paths_at_once(
+    tmp_path: Path,
+) -> None:
+    srv = page_server(tmp_path).start()
+    try:
+        films = tmp_path / "library" / "Films"
+        films.mkdir(parents=True)
+        film = video(films / "Film.2001.mkv")
+        assert webdav_names(srv) == {"media"}
+        assert add(srv, str(films)).status_code == 200
+        cid = midhash(srv, film)
+        assert webdav_names(srv) == {"media", "Films"}  # no restart
+        got = httpx.get(f"{srv.url}/webdav/Films/{film.name}", headers=srv.headers, timeout=30)
+        assert got.status_code == 200 and got.content == film.read_bytes()
+        info = httpx.get(f"{srv.url}/api/file/{cid}/info", headers=srv.headers, timeout=30)
+        assert info.json()["filePath"] == f"Films/{film.name}"
+        assert file_path(srv, cid)[0] == f"/files/Films/{film.name}"
+
+        assert remove(srv, str(films)).status_code == 200
+        assert webdav_names(srv) == {"media"}
+        gone = httpx.get(f"{srv.url}/webdav/Films/{film.name}", headers=srv.headers, timeout=30)
+        assert gone.status_code == 404
+        # its record keeps its path, below no root now: no WebDAV path serves it
+        assert file_path(srv, cid)[0] == f"/files/{str(film).lstrip('/')}"
+    finally:
+        srv.stop()
+        srv.print_log()
+
+
+def metanode(srv: Server, *args: str) -> subprocess.CompletedProcess[str]:
+    """`metanode ARGS` as the owner runs it beside `srv`, no setting naming the folders."""
+    env = {k: v for k, v in srv.base_env().items() if k not in PAGE_CHOSEN}
+    return subprocess.run(
+        [sys.executable, "-m", "metanode", *args],
+        env=env,
+        cwd=srv.data_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_backup_restored_into_a_new_data_directory_watches_the_same_folders(
+    tmp_path: Path,
+) -> None:
+    srv = page_server(tmp_path).start()
+    films, shows = tmp_path / "Films", tmp_path / "Shows"
+    try:
+        films.mkdir()
+        shows.mkdir()
+        film = video(films / "Film.2001.mkv")
+        for folder in (films, shows):
+            assert add(srv, str(folder)).status_code == 200
+        recorded(srv, film)
+        made = metanode(srv, "backup", str(tmp_path / "bk"), "--data-dir", str(srv.data_dir))
+        assert made.returncode == 0, made.stderr  # online, the node running
+    finally:
+        srv.stop()
+    backup = Path(made.stdout.strip())
+    chosen = [str(srv.media), str(films), str(shows)]
+    copy = backup.with_name(backup.name.replace("truth-", "watched-folders-")[:-3] + ".json")
+    assert json.loads(copy.read_text())["roots"] == chosen
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+    shows.rmdir()  # the new machine has no such folder (or its disk is not mounted yet)
+
+    fresh = page_server(tmp_path / "new")
+    fresh.data_dir.parent.mkdir()
+    done = metanode(fresh, "restore", str(backup), "--data-dir", str(fresh.data_dir))
+    assert done.returncode == 0, done.stderr
+    assert f"watched folders: {', '.join(chosen)} (the backup's list)" in done.stdout
+    assert f"warning: watched folder {shows} does not exist here" in done.stderr
+    assert str(films) not in done.stderr
+    assert kept(fresh) == chosen
+    fresh.start()
+    try:
+        states = {root["path"]: root["state"] for root in listing(fresh)["roots"]}
+        # the restored node knows no file in it yet: the watcher makes it, as a new root
+        assert set(states.values()) == {"watching"} and list(states) == chosen
+        assert shows.is_dir()
+        recorded(fresh, film)
+        assert "Films" in webdav_names(fresh)
+    finally:
+        fresh.stop()
+        fresh.print_log()
+
+
+def test_a_damaged_list_in_a_backup_refuses_the_restore_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    srv = page_server(tmp_path)
+    made = metanode(srv, "init", "--data-dir", str(srv.data_dir))
+    assert made.returncode == 0, made.stderr
+    chosen = json.dumps({"roots": [str(tmp_path / "Films")]})
+    (srv.data_dir / "watched-folders.json").write_text(chosen)
+    made = metanode(srv, "backup", str(tmp_path / "bk"), "--data-dir", str(srv.data_dir))
+    assert made.returncode == 0, made.stderr
+    backup = Path(made.stdout.strip())
+    copy = next((tmp_path / "bk").glob("watched-folders-*.json"))
+    copy.write_text('{"roots": ["/srv/me')
+    fresh = tmp_path / "fresh"
+    refused = metanode(srv, "restore", str(backup), "--data-dir", str(fresh))
+    assert refused.returncode == 2, refused.stdout
+    assert refused.stderr.startswith("error: watch_roots_damaged: "), refused.stderr
+    assert str(copy) in refused.stderr
+    assert not fresh.exists()  # nothing of it was put in place
+
+
 def test_each_folder_refused_says_why_by_its_slug(tmp_path: Path) -> None:
     root = os.geteuid() == 0
     prefix = NO_OVERRIDE if root and shutil.which("setpriv") else ()
-    srv = page_server(tmp_path, prefix=prefix).start()
+    outputs = tmp_path / "out" / "plugin"  # WebDAV clients write there: never the media
+    writes = {"METANODE_WEBDAV_PLUGIN_WRITES": "true", "METANODE_WEBDAV_PLUGIN_DIR": str(outputs)}
+    srv = page_server(tmp_path, prefix=prefix, env=writes).start()
     try:
         a_file = tmp_path / "notes.txt"
         a_file.write_text("not a folder")
@@ -143,6 +279,8 @@ def test_each_folder_refused_says_why_by_its_slug(tmp_path: Path) -> None:
             str(srv.data_dir): (400, "watch_root_data_dir"),
             str(srv.data_dir / "keys"): (400, "watch_root_data_dir"),
             str(tmp_path): (400, "watch_root_data_dir"),  # holds the data directory
+            str(outputs): (400, "watch_root_plugin_outputs"),
+            str(outputs.parent): (400, "watch_root_plugin_outputs"),  # holds it
             str(srv.media): (409, "watch_root_taken"),
             str(tmp_path / "media-link"): (409, "watch_root_taken"),  # the same, by a link
             "media": (409, "watch_root_taken"),  # relative to the working directory
@@ -211,11 +349,31 @@ def test_under_two_workers_the_owner_watches_a_folder_any_worker_was_asked_for(
         shows.mkdir()
         answer = add(srv, str(shows))
         assert answer.status_code == 200, answer.text
-        recorded(srv, video(shows / "Show.S01E01.mkv"))
+        episode = video(shows / "Show.S01E01.mkv")
+        recorded(srv, episode)
         for _ in range(8):  # whichever worker each connection reaches says the same
             assert paths(listing(srv)) == [str(srv.media), str(shows)]
+        # `/meta/…` is a read a reader answers itself, from the list the owner kept
+        cid, layout = midhash(srv, episode), f"/files/Shows/{episode.name}"
+        assert by_a_reader(srv, cid) == layout
         answer = remove(srv, str(shows))
         assert answer.status_code == 200, answer.text
         assert paths(listing(srv)) == [str(srv.media)]
+        assert by_a_reader(srv, cid) == f"/files/{str(episode).lstrip('/')}"
     finally:
         srv.stop()
+
+
+def by_a_reader(srv: Server, cid: str) -> str:
+    """`filePath` as a reader worker answers it, every answer until then (the owner's) the
+    same: connections are spread among the workers by the kernel."""
+    answers: set[str] = set()
+
+    def asked() -> bool | None:
+        text, worker = file_path(srv, cid)
+        answers.add(text)
+        return worker.startswith("reader") or None
+
+    poll(asked, "an answer of a reader worker")
+    assert len(answers) == 1, answers
+    return answers.pop()

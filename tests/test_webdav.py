@@ -15,8 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
 from pathlib import Path
-from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import defusedxml.ElementTree as SafeET
 import httpx
@@ -28,11 +27,11 @@ from metanode import cid as cids
 from metanode import compat, config
 from metanode.errors import InvalidRequest
 from metanode.webdav import PLUGIN, Roots
+from tests.helpers.dav import DAV, propfind
 from tests.helpers.server import Server, serve_refused
 from tests.helpers.wait import poll
 
 WAIT_S = 60.0
-DAV = "{DAV:}"
 # Over 1 MiB, so the midhash samples the middle of the file, not all of it.
 CONTENT = bytes(range(256)) * (5 * 4096) + b"tail"
 WRITES = ("PUT", "DELETE", "MKCOL", "PROPPATCH", "LOCK")
@@ -69,23 +68,6 @@ def hashed(server: Server, path: Path) -> str:
             return cid
         time.sleep(0.1)
     raise AssertionError(f"the watcher did not hash {path} in {WAIT_S} s")
-
-
-def propfind(url: str, depth: str) -> dict[str, dict[str, Any]]:
-    """PROPFIND `url`: {unquoted href: {"collection": bool, "length": int | None, "modified"}}."""
-    response = httpx.request("PROPFIND", url, headers={"Depth": depth}, timeout=30)
-    assert response.status_code == 207, response.text
-    found = {}
-    for item in SafeET.fromstring(response.content).iter(f"{DAV}response"):
-        prop = item.find(f"{DAV}propstat/{DAV}prop")
-        assert prop is not None
-        length = prop.findtext(f"{DAV}getcontentlength")
-        found[unquote(item.findtext(f"{DAV}href") or "")] = {
-            "collection": prop.find(f"{DAV}resourcetype/{DAV}collection") is not None,
-            "length": None if length is None else int(length),
-            "modified": prop.findtext(f"{DAV}getlastmodified"),
-        }
-    return found
 
 
 def test_propfind_lists_the_root_and_a_folder(launch: Callable[..., Server]) -> None:
