@@ -297,6 +297,14 @@ UNAUTHORIZED = Unauthorized(
 )
 
 
+# What a page of another site may read of a public answer beyond the CORS-safelisted headers
+# (`Cache-Control`, `Content-Type`…): without this list a browser hides the rest, so a consumer
+# could not keep a record's `ETag` to revalidate it, see the `Retry-After` of a 503
+# (`cache_not_ready`) or quote the `X-Request-ID` a 500's message names.
+EXPOSED = ("ETag", "Retry-After", "X-Request-ID")
+EXPOSED_LIST = ", ".join(EXPOSED)
+
+
 class Cors(CORSMiddleware):
     """Starlette's CORS, its refused preflight in the envelope instead of plain text."""
 
@@ -403,7 +411,13 @@ class Edge:
         self.direct = Direct(direct)
         self.node = node
         self.perimeter = Perimeter(node, sessions)
-        self.cors = Cors(self._guarded, allow_origins=["*"], allow_methods=["GET"])
+        self.cors = Cors(
+            self._guarded,
+            allow_origins=["*"],
+            allow_methods=["GET"],
+            allow_headers=["If-None-Match"],
+            expose_headers=EXPOSED,
+        )
         self.histogram = node.metrics.request_seconds
         self.timers: dict[tuple[str, str, int], Any] = {}  # labelled histogram children
         self.root = node.settings.root_path
@@ -483,12 +497,17 @@ class Edge:
 
     @staticmethod
     def _internal(origin: bool) -> Response:
-        """The 500 envelope (with the CORS header a cross-origin caller needs to read it)."""
+        """The 500 envelope (with the CORS headers a cross-origin caller needs to read it and
+        the request id its message names)."""
         return error_response(
             InternalError(
                 f"unexpected error; it is logged under request id {logs.request_id.get()}"
             ),
-            {"Access-Control-Allow-Origin": "*"} if origin else None,
+            (
+                {"Access-Control-Allow-Origin": "*", "Access-Control-Expose-Headers": EXPOSED_LIST}
+                if origin
+                else None
+            ),
         )
 
     def _observe(self, scope: Scope, status: int, elapsed: float) -> None:

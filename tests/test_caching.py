@@ -79,6 +79,46 @@ def test_a_record_is_revalidated_by_its_etag_across_restarts_and_rebuilds(srv: S
     assert changed.json()["metadata"]["title"] == "second"
 
 
+def test_a_page_of_another_site_may_read_and_revalidate_a_records_etag(srv: Server) -> None:
+    """A browser hides every header of a cross-origin answer but the safelisted ones, so a
+    page of another site got a record's body but no `ETag` to revalidate it with (nor the
+    `X-Request-ID` of an answer, nor a 503's `Retry-After`); and its own `If-None-Match`
+    failed the preflight. Both are allowed now, on the public routes only."""
+    signer = Signer()
+    srv.register(signer.uid, "t", weight=1)
+    posted = httpx.post(
+        f"{srv.url}/api/claims",
+        json={"claims": [signer.claim(A, "title", "t")]},
+        headers=srv.headers,
+        timeout=10,
+    )
+    assert posted.status_code == 200, posted.text
+    site = {"Origin": "http://consumer.example"}
+    preflight = httpx.options(
+        f"{srv.url}/api/meta/{A}",
+        headers={
+            **site,
+            "Access-Control-Request-Method": "GET",
+            "Access-Control-Request-Headers": "if-none-match",
+        },
+        timeout=10,
+    )
+    assert preflight.status_code == 200, preflight.text
+    assert "if-none-match" in preflight.headers["access-control-allow-headers"].lower()
+    first = httpx.get(f"{srv.url}/api/meta/{A}", headers=site, timeout=10)
+    again = httpx.get(
+        f"{srv.url}/api/meta/{A}", headers={**site, "If-None-Match": first.headers["etag"]}
+    )
+    missing = httpx.get(f"{srv.url}/api/meta/{cids.midhash_bytes(b'none')}", headers=site)
+    for answer, status in ((first, 200), (again, 304), (missing, 404)):
+        assert answer.status_code == status
+        assert answer.headers["access-control-allow-origin"] == "*"
+        exposed = answer.headers["access-control-expose-headers"].lower().split(", ")
+        assert exposed == ["etag", "retry-after", "x-request-id"], status
+    private = httpx.get(f"{srv.url}/api/signers", headers={**srv.headers, **site}, timeout=10)
+    assert "access-control-expose-headers" not in private.headers  # no CORS at all there
+
+
 @contextlib.contextmanager
 def signed_in(srv: Server) -> Iterator[httpx.Client]:
     """A client holding a session's cookie, as a browser does once signed in."""
