@@ -6,11 +6,13 @@ HEAD for the size and mtime, Range GETs for the bytes, the midhash recomputed ov
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import http.client
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
@@ -575,6 +577,54 @@ def test_a_put_over_its_limit_or_cut_short_leaves_no_file(launch: Callable[..., 
     assert sorted(p.name for p in (outputs / "a").iterdir()) == ["exact.jpg"]  # no `.part` left
     replaced = httpx.put(f"{base}/a/exact.jpg", content=b"<nfo/>", timeout=WAIT_S)
     assert replaced.status_code == 204 and (outputs / "a" / "exact.jpg").read_bytes() == b"<nfo/>"
+
+
+def test_an_upload_in_progress_is_neither_listed_nor_served(launch: Callable[..., Server]) -> None:
+    """While a PUT's body came, its hidden `.part` was listed by PROPFIND beside the file it
+    was to replace (a client mirroring `plugin/` copied half an upload) and served by GET.
+    Now it is 404 to every read, absent from listings, and its name is no client's to write;
+    the file keeps its old bytes until the body is whole."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    base, outputs = f"{server.url}/webdav/{PLUGIN}", server.data_dir / "plugin"
+    assert httpx.put(f"{base}/a/poster.jpg", content=b"old", timeout=WAIT_S).status_code == 201
+    whole = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield b"x" * 65536
+        whole.wait(WAIT_S)  # the rest comes once the test has looked
+        yield b"y"
+
+    def part() -> Path | None:
+        return next((p for p in (outputs / "a").iterdir() if p.suffix == ".part"), None)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        put = pool.submit(httpx.put, f"{base}/a/poster.jpg", content=body(), timeout=WAIT_S)
+        try:
+            name = poll(part, "the body's .part on the disk").name
+            assert set(propfind(f"{base}/a/", "1")) == {
+                "/webdav/plugin/a/",
+                "/webdav/plugin/a/poster.jpg",
+            }
+            for method in ("GET", "HEAD", "PROPFIND"):
+                answer = httpx.request(method, f"{base}/a/{name}", timeout=WAIT_S)
+                assert answer.status_code == 404, method
+            moved = {"Destination": f"{base}/a/{name}"}
+            for method, path, content in (
+                ("PUT", f"a/{name}", b"z"),
+                ("PUT", f"a/{name}/x.jpg", b"z"),  # its folder would be hidden too
+                ("DELETE", f"a/{name}", b""),
+                ("MOVE", "a/poster.jpg", b""),  # to it
+            ):
+                answer = httpx.request(
+                    method, f"{base}/{path}", content=content, headers=moved, timeout=WAIT_S
+                )
+                assert (answer.status_code, answer.json()["error"]) == (403, "forbidden"), path
+            assert httpx.get(f"{base}/a/poster.jpg", timeout=WAIT_S).content == b"old"
+        finally:
+            whole.set()
+        assert put.result().status_code == 204
+    assert httpx.get(f"{base}/a/poster.jpg", timeout=WAIT_S).content == b"x" * 65536 + b"y"
+    assert [p.name for p in (outputs / "a").iterdir()] == ["poster.jpg"]
 
 
 def test_a_plugin_output_is_found_by_its_cid_as_the_media_are(
