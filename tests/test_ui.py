@@ -1512,6 +1512,43 @@ def test_the_api_docs_are_outlined_without_a_skipped_level(page: Page, srv: Serv
     assert page.evaluate(OUTLINE)["skips"] is False
 
 
+# what a page's script reads of a public record fetched from another origin, and of the same
+# fetch again with the tag it kept (past the browser's cache, as a consumer keeping its own copy)
+REVALIDATE = """async (url) => {
+  const first = await fetch(url);
+  const tag = first.headers.get("ETag");
+  const again = await fetch(url, {headers: {"If-None-Match": tag}, cache: "no-store"});
+  return {status: first.status, title: (await first.json()).metadata.title, tagged: !!tag,
+          id: !!first.headers.get("X-Request-ID"), again: again.status,
+          same: again.headers.get("ETag") === tag}; }"""
+
+
+def test_a_page_of_another_origin_keeps_a_record_by_its_etag(browser: Browser, srv: Server) -> None:
+    """A page of another origin read a record (CORS `*`) but not its `ETag`, which the browser
+    hid, so it could not revalidate its copy; and its `If-None-Match` failed the preflight.
+    In Chromium, from `localhost` (another origin than `127.0.0.1`'s), it now reads the tag
+    and the request id and gets 304 for a copy that is current."""
+    signer = Signer()
+    srv.register(signer.uid, "elsewhere", weight=1)
+    cid = cids.midhash_bytes(b"read from another origin")
+    post(srv, signer.claim(cid, "title", "Far Origin"))
+    ctx = browser.new_context()
+    try:
+        page = ctx.new_page()
+        page.goto(f"http://localhost:{srv.port}/health")
+        seen = page.evaluate(REVALIDATE, f"{srv.url}/api/meta/{cid}")
+    finally:
+        ctx.close()
+    assert seen == {
+        "status": 200,
+        "title": "Far Origin",
+        "tagged": True,
+        "id": True,
+        "again": 304,
+        "same": True,
+    }
+
+
 PAGES = {
     "library": "/",
     "live": "/live",
