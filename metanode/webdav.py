@@ -52,7 +52,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError, PRECONDITION_CODE_PropfindFiniteDepth
-from wsgidav.dav_provider import DAVCollection, DAVProvider
+from wsgidav.dav_provider import DAVCollection, DAVNonCollection, DAVProvider
 from wsgidav.error_printer import ErrorPrinter
 from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
 from wsgidav.mw.base_mw import BaseMiddleware
@@ -230,13 +230,28 @@ class WholeFile(FileResource):  # type: ignore[misc]
             os.replace(self.part, self._file_path)  # a link there is replaced, not followed
 
 
+class NewFile(WholeFile):
+    """A plugin output a PUT makes: on the disk only once its body came whole (`WholeFile`).
+    WsgiDAV made it empty before the body came, so PROPFIND listed it, 0 bytes, for as long as
+    the upload took, and a refused body had to remove it again."""
+
+    def __init__(self, path: str, environ: dict[str, Any], file_path: str) -> None:
+        DAVNonCollection.__init__(self, path, environ)  # `FileResource`'s would stat the file
+        self._file_path = file_path
+        self.name = os.path.basename(file_path)
+
+
 class OutputsFolder(FolderResource):  # type: ignore[misc]
     """A folder of the plugin outputs, listing no body still being uploaded (`uploading`):
     PROPFIND showed each `.part` beside the file it was to become, and a client that read it
-    got half an upload."""
+    got half an upload. A file a PUT makes is a `NewFile`."""
 
     def get_member_names(self) -> list[str]:
         return [name for name in super().get_member_names() if not uploading(name)]
+
+    def create_empty_resource(self, name: str) -> NewFile:
+        path = f"{self.path.rstrip('/')}/{name}"
+        return NewFile(path, self.environ, self.provider._loc_to_file_path(path, self.environ))
 
 
 class Outputs(FilesystemProvider):  # type: ignore[misc]
@@ -556,7 +571,7 @@ def server(settings: Settings) -> ASGIApp:
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
             if environ["REQUEST_METHOD"] == "PUT" and outputs is not None:
                 make_parents(outputs, environ["PATH_INFO"])
-                return checked_put(writable, environ, dated, outputs)
+                return checked_put(writable, environ, dated)
             return writable(environ, dated)
         return layout(environ, dated)
 
@@ -670,13 +685,11 @@ class Upload:
 UPLOAD: ContextVar[Upload | None] = ContextVar("metanode_webdav_upload", default=None)
 
 
-def checked_put(
-    app: WSGIApp, environ: Environ, start_response: StartResponse, outputs: Path
-) -> Iterable[bytes]:
+def checked_put(app: WSGIApp, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
     """WsgiDAV's PUT (below `plugin/`), its answer held until it is done (a few bytes): if its
-    body was refused (`Upload`), nothing of it was kept (`WholeFile`), the empty file WsgiDAV
-    made for a new one is removed, and the answer is the refusal in the envelope, the
-    connection closed (the rest is not worth reading)."""
+    body was refused (`Upload`), nothing of it was kept (`WholeFile`, `NewFile`), and the
+    answer is the refusal in the envelope, the connection closed (the rest is not worth
+    reading)."""
     said: list[tuple[str, list[tuple[str, str]]]] = []
 
     def held(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
@@ -688,10 +701,6 @@ def checked_put(
     if upload is None or upload.refused is None:
         start_response(*said[-1])
         return [answer]
-    if said and said[-1][0].startswith("201"):  # the empty file WsgiDAV made for a new one
-        below = environ["PATH_INFO"].encode("latin-1").decode("utf-8").strip("/")
-        with contextlib.suppress(OSError):
-            (outputs / below).unlink()
     refused = upload.refused
     body = json.dumps(refused.envelope(), separators=(",", ":")).encode("ascii")
     status = f"{refused.status} {HTTPStatus(refused.status).phrase}"
