@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
@@ -53,7 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError, PRECONDITION_CODE_PropfindFiniteDepth
-from wsgidav.dav_provider import DAVCollection, DAVProvider
+from wsgidav.dav_provider import DAVCollection, DAVNonCollection, DAVProvider
 from wsgidav.error_printer import ErrorPrinter
 from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
 from wsgidav.mw.base_mw import BaseMiddleware
@@ -220,10 +221,20 @@ class CheckedFile(FileResource):  # type: ignore[misc]
         return os.fdopen(fd, "rb")
 
 
+# The name of a PUT's body while it comes (`WholeFile`): hidden, and 16 random hex digits
+UPLOADING = re.compile(r"\.[0-9a-f]{16}\.part")
+
+
+def uploading(name: str) -> bool:
+    """Whether `name` is that of a body still being uploaded (`UPLOADING`): no file yet, so
+    neither listed nor served nor written by a client (a PUT of it is refused: `refusal`)."""
+    return UPLOADING.fullmatch(name) is not None
+
+
 class WholeFile(FileResource):  # type: ignore[misc]
     """A plugin output written whole or not at all: a PUT's body goes into a hidden `.part`
-    file beside it (a name the watcher leaves out), renamed over the file once
-    the body came whole; a body refused (`Upload`) or failed leaves the file as it was.
+    file beside it (a name the watcher leaves out, and `Outputs` too), renamed over the file
+    once the body came whole; a body refused (`Upload`) or failed leaves the file as it was.
     WsgiDAV wrote into the file itself: an upload cut short left the start of its body as the
     file, in place of the old one, which the watcher could fingerprint half-written."""
 
@@ -231,7 +242,7 @@ class WholeFile(FileResource):  # type: ignore[misc]
 
     def begin_write(self, *, content_type: str | None = None) -> IO[bytes]:
         folder = os.path.dirname(self._file_path)
-        self.part = os.path.join(folder, f".{secrets.token_hex(8)}.part")
+        self.part = os.path.join(folder, f".{secrets.token_hex(8)}.part")  # `UPLOADING`
         return open(self.part, "xb")  # WsgiDAV closes it
 
     def end_write(self, *, with_errors: bool) -> None:
@@ -243,13 +254,42 @@ class WholeFile(FileResource):  # type: ignore[misc]
             os.replace(self.part, self._file_path)  # a link there is replaced, not followed
 
 
+class NewFile(WholeFile):
+    """A plugin output a PUT makes: on the disk only once its body came whole (`WholeFile`).
+    WsgiDAV made it empty before the body came, so PROPFIND listed it, 0 bytes, for as long as
+    the upload took, and a refused body had to remove it again."""
+
+    def __init__(self, path: str, environ: dict[str, Any], file_path: str) -> None:
+        DAVNonCollection.__init__(self, path, environ)  # `FileResource`'s would stat the file
+        self._file_path = file_path
+        self.name = os.path.basename(file_path)
+
+
+class OutputsFolder(FolderResource):  # type: ignore[misc]
+    """A folder of the plugin outputs, listing no body still being uploaded (`uploading`):
+    PROPFIND showed each `.part` beside the file it was to become, and a client that read it
+    got half an upload. A file a PUT makes is a `NewFile`."""
+
+    def get_member_names(self) -> list[str]:
+        return [name for name in super().get_member_names() if not uploading(name)]
+
+    def create_empty_resource(self, name: str) -> NewFile:
+        path = f"{self.path.rstrip('/')}/{name}"
+        return NewFile(path, self.environ, self.provider._loc_to_file_path(path, self.environ))
+
+
 class Outputs(FilesystemProvider):  # type: ignore[misc]
-    """The plugin outputs' folder: WsgiDAV's own, its files written whole (`WholeFile`)."""
+    """The plugin outputs' folder: WsgiDAV's own, its files written whole (`WholeFile`), its
+    uploads in progress neither listed (`OutputsFolder`) nor served (404)."""
 
     def get_resource_inst(self, path: str, environ: dict[str, Any]) -> Any:
+        if uploading(path.rstrip("/").rpartition("/")[2]):
+            return None
         found = super().get_resource_inst(path, environ)
         if type(found) is FileResource:
             return WholeFile(path, environ, found._file_path)
+        if type(found) is FolderResource:
+            return OutputsFolder(path, environ, found._file_path)
         return found
 
 
@@ -556,7 +596,7 @@ def server(settings: Settings, layout: Callable[[], Roots]) -> ASGIApp:
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
             if environ["REQUEST_METHOD"] == "PUT" and outputs is not None:
                 make_parents(outputs, environ["PATH_INFO"])
-                return checked_put(writable, environ, dated, outputs)
+                return checked_put(writable, environ, dated)
             return writable(environ, dated)
         return readonly(environ, dated)
 
@@ -672,13 +712,11 @@ class Upload:
 UPLOAD: ContextVar[Upload | None] = ContextVar("metanode_webdav_upload", default=None)
 
 
-def checked_put(
-    app: WSGIApp, environ: Environ, start_response: StartResponse, outputs: Path
-) -> Iterable[bytes]:
+def checked_put(app: WSGIApp, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
     """WsgiDAV's PUT (below `plugin/`), its answer held until it is done (a few bytes): if its
-    body was refused (`Upload`), nothing of it was kept (`WholeFile`), the empty file WsgiDAV
-    made for a new one is removed, and the answer is the refusal in the envelope, the
-    connection closed (the rest is not worth reading)."""
+    body was refused (`Upload`), nothing of it was kept (`WholeFile`, `NewFile`), and the
+    answer is the refusal in the envelope, the connection closed (the rest is not worth
+    reading)."""
     said: list[tuple[str, list[tuple[str, str]]]] = []
 
     def held(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
@@ -690,10 +728,6 @@ def checked_put(
     if upload is None or upload.refused is None:
         start_response(*said[-1])
         return [answer]
-    if said and said[-1][0].startswith("201"):  # the empty file WsgiDAV made for a new one
-        below = environ["PATH_INFO"].encode("latin-1").decode("utf-8").strip("/")
-        with contextlib.suppress(OSError):
-            (outputs / below).unlink()
     refused = upload.refused
     body = json.dumps(refused.envelope(), separators=(",", ":")).encode("ascii")
     status = f"{refused.status} {HTTPStatus(refused.status).phrase}"
@@ -737,7 +771,8 @@ def refusal(scope: Scope, writes: bool, root: str = "") -> MetanodeError | None:
     root failed an assertion, a 500); None when they can. Checked on the bytes the client sent
     (`raw_path`): uvicorn's `path` has already made an invalid UTF-8 sequence U+FFFD, a name a
     PUT then created. A `Destination` is checked without the `root_path` prefix `root` (the
-    request's own path has lost it already: `api.unroot`)."""
+    request's own path has lost it already: `api.unroot`). A write naming an upload's body in
+    progress (`uploading`) is refused: it is no file, and hidden."""
     raw = scope.get("raw_path") or scope["path"].encode()
     targets = [raw]
     if scope["method"] in ("COPY", "MOVE"):  # the only methods that read it
@@ -755,8 +790,12 @@ def refusal(scope: Scope, writes: bool, root: str = "") -> MetanodeError | None:
         return None
     if scope["method"] in ("COPY", "MOVE") and any(map(outputs_root, targets)):
         return INTO_ITSELF
-    if outputs_root(raw) and scope["method"] not in READS.split(", "):
+    if scope["method"] in READS.split(", "):
+        return None
+    if outputs_root(raw):
         return OUTPUTS_ROOT
+    if any(map(names_upload, targets)):
+        return UPLOAD_NAME
     return None
 
 
@@ -783,6 +822,12 @@ def path_refusal(raw: bytes, writes: bool) -> MetanodeError | None:
     if writes and below != path and too_deep:
         return TOO_DEEP
     return None
+
+
+def names_upload(raw: bytes) -> bool:
+    """Whether a name of the percent-encoded path `raw` (UTF-8: `path_refusal`) is that of an
+    upload's body in progress (`uploading`): a folder so named would be hidden too."""
+    return any(map(uploading, unquote_to_bytes(raw).decode("utf-8").split("/")))
 
 
 def outputs_root(raw: bytes) -> bool:
@@ -813,6 +858,9 @@ TOO_DEEP = PathTooLong(
     f"a path below /webdav/{PLUGIN}/ is at most {WRITE_BYTES:,} bytes in {WRITE_LEVELS} levels"
 )
 OUTPUTS_ROOT = MethodNotAllowed(f"/webdav/{PLUGIN}/ itself is not written: its members are")
+UPLOAD_NAME = Forbidden(
+    "a name of the form .<16 hex digits>.part is a body still being uploaded here: write another"
+)
 INTO_ITSELF = Forbidden(
     f"/webdav/{PLUGIN}/ itself is neither copied nor moved (into itself) nor replaced"
 )

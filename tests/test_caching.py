@@ -79,6 +79,78 @@ def test_a_record_is_revalidated_by_its_etag_across_restarts_and_rebuilds(srv: S
     assert changed.json()["metadata"]["title"] == "second"
 
 
+def test_a_page_of_another_site_may_read_and_revalidate_a_records_etag(srv: Server) -> None:
+    """A browser hides every header of a cross-origin answer but the safelisted ones, so a
+    page of another site got a record's body but no `ETag` to revalidate it with (nor the
+    `X-Request-ID` of an answer, nor a 503's `Retry-After`); and its own `If-None-Match`
+    failed the preflight. Both are allowed now, on the public routes only."""
+    signer = Signer()
+    srv.register(signer.uid, "t", weight=1)
+    posted = httpx.post(
+        f"{srv.url}/api/claims",
+        json={"claims": [signer.claim(A, "title", "t")]},
+        headers=srv.headers,
+        timeout=10,
+    )
+    assert posted.status_code == 200, posted.text
+    site = {"Origin": "http://consumer.example"}
+    preflight = httpx.options(
+        f"{srv.url}/api/meta/{A}",
+        headers={
+            **site,
+            "Access-Control-Request-Method": "GET",
+            "Access-Control-Request-Headers": "if-none-match",
+        },
+        timeout=10,
+    )
+    assert preflight.status_code == 200, preflight.text
+    assert "if-none-match" in preflight.headers["access-control-allow-headers"].lower()
+    first = httpx.get(f"{srv.url}/api/meta/{A}", headers=site, timeout=10)
+    again = httpx.get(
+        f"{srv.url}/api/meta/{A}", headers={**site, "If-None-Match": first.headers["etag"]}
+    )
+    missing = httpx.get(f"{srv.url}/api/meta/{cids.midhash_bytes(b'none')}", headers=site)
+    for answer, status in ((first, 200), (again, 304), (missing, 404)):
+        assert answer.status_code == status
+        assert answer.headers["access-control-allow-origin"] == "*"
+        exposed = answer.headers["access-control-expose-headers"].lower().split(", ")
+        assert exposed == ["etag", "retry-after", "x-request-id"], status
+    private = httpx.get(f"{srv.url}/api/signers", headers={**srv.headers, **site}, timeout=10)
+    assert "access-control-expose-headers" not in private.headers  # no CORS at all there
+
+
+def test_the_claims_and_the_metamesh_reads_are_revalidated_as_a_record_is(srv: Server) -> None:
+    """A record's claims and the MetaMesh reads (`/meta`, `/meta/{hash}`, one property) had
+    no `ETag`: a consumer polling them (meta-sort reads each record again) fetched every body
+    again. They are tagged as `/api/meta/{cid}` is, a property kept a value (`text/plain`,
+    never a page) on its 304 too, and a change answers the new body."""
+    signer = Signer()
+    srv.register(signer.uid, "t", weight=1)
+    claim = signer.claim(A, "title", "first")
+    httpx.post(f"{srv.url}/api/claims", json={"claims": [claim]}, headers=srv.headers)
+    rid = httpx.get(f"{srv.url}/meta/{A}", timeout=10).json()["hashId"]
+    paths = [f"/api/meta/{A}/claims", "/meta", f"/meta/{rid}", f"/meta/{A}/title"]
+    tags = {}
+    for path in paths:
+        first = httpx.get(srv.url + path, timeout=10)
+        tag = first.headers["etag"]
+        assert re.fullmatch(r'"[0-9a-f]{24}"', tag) and first.headers["cache-control"] == "no-cache"
+        same = httpx.get(srv.url + path, headers={"If-None-Match": f"W/{tag}"}, timeout=10)
+        assert (same.status_code, same.content, same.headers["etag"]) == (304, b"", tag), path
+        tags[path] = tag
+    value = httpx.get(f"{srv.url}/meta/{A}/title", timeout=10)
+    assert value.text == "first" and value.headers["content-type"] == "text/plain; charset=utf-8"
+    assert value.headers["x-content-type-options"] == "nosniff"
+    assert "sandbox" in value.headers["content-security-policy"]
+    newer = signer.claim(A, "title", "second", ts=int(claim["ts"]) + 1)
+    httpx.post(f"{srv.url}/api/claims", json={"claims": [newer]}, headers=srv.headers)
+    for path in paths:
+        again = httpx.get(srv.url + path, headers={"If-None-Match": tags[path]}, timeout=10)
+        wanted = 200 if path != "/meta" else 304  # the same rids: the list is unchanged
+        assert again.status_code == wanted, path
+    assert httpx.get(f"{srv.url}/meta/{A}/title", timeout=10).text == "second"
+
+
 @contextlib.contextmanager
 def signed_in(srv: Server) -> Iterator[httpx.Client]:
     """A client holding a session's cookie, as a browser does once signed in."""

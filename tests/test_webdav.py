@@ -6,11 +6,13 @@ HEAD for the size and mtime, Range GETs for the bytes, the midhash recomputed ov
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import http.client
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from email.utils import parsedate_to_datetime
@@ -511,6 +513,11 @@ def test_plugin_outputs_are_writable_when_enabled(launch: Callable[..., Server])
     assert sorted(p.name for p in server.media.iterdir()) == ["film.mkv"]
 
 
+def uploads(folder: Path) -> list[Path]:
+    """The `.part` files of the bodies being uploaded into `folder` (`webdav.WholeFile`)."""
+    return sorted(p for p in folder.iterdir() if p.suffix == ".part")
+
+
 def put_raw(server: Server, path: str, head: bytes, body: bytes) -> socket.socket:
     """A PUT of `path` whose head ends with `head` (its length or its chunking), `body` sent
     after it, the socket left open."""
@@ -547,16 +554,70 @@ def test_a_put_over_its_limit_or_cut_short_leaves_no_file(launch: Callable[..., 
     status, _, body = answer.partition(b"\r\n\r\n")
     assert status.startswith(b"HTTP/1.1 408") and b"request_timeout" in body, answer
     left = put_raw(server, "/webdav/plugin/a/left.jpg", b"Content-Length: 5000\r\n", b"a" * 1000)
-    made = outputs / "a" / "left.jpg"
-    poll(lambda: made.exists() or None, "WsgiDAV made the file it writes the body into")
+
+    made = poll(lambda: next(iter(uploads(outputs / "a")), None), "the body's .part on the disk")
     left.close()
-    poll(lambda: (not made.exists()) or None, "the file of a client that left removed")
+    poll(lambda: (not made.exists()) or None, "the .part of a client that left removed")
+    assert not (outputs / "a" / "left.jpg").exists()  # never made: its body did not come whole
     over = httpx.put(f"{base}/a/exact.jpg", content=iter([b"y" * 65536] * 17), timeout=WAIT_S)
     assert over.status_code == 413  # over a file: the file stays as it was
     assert (outputs / "a" / "exact.jpg").read_bytes() == b"x" * 1024 * 1024
     assert sorted(p.name for p in (outputs / "a").iterdir()) == ["exact.jpg"]  # no `.part` left
     replaced = httpx.put(f"{base}/a/exact.jpg", content=b"<nfo/>", timeout=WAIT_S)
     assert replaced.status_code == 204 and (outputs / "a" / "exact.jpg").read_bytes() == b"<nfo/>"
+
+
+def test_an_upload_in_progress_is_neither_listed_nor_served(launch: Callable[..., Server]) -> None:
+    """While a PUT's body came, its hidden `.part` was listed by PROPFIND beside the file it
+    was to replace (a client mirroring `plugin/` copied half an upload) and served by GET, and
+    a new file was listed empty. Now neither is there until the body is whole: the `.part` is
+    404 to every read and its name is no client's to write; a file replaced keeps its old
+    bytes meanwhile."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    base, outputs = f"{server.url}/webdav/{PLUGIN}", server.data_dir / "plugin"
+    assert httpx.put(f"{base}/a/poster.jpg", content=b"old", timeout=WAIT_S).status_code == 201
+    whole = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield b"x" * 65536
+        whole.wait(WAIT_S)  # the rest comes once the test has looked
+        yield b"y"
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        puts = [
+            pool.submit(httpx.put, f"{base}/a/{name}", content=body(), timeout=WAIT_S)
+            for name in ("poster.jpg", "fanart.jpg")  # a file replaced, a new one
+        ]
+        try:
+            # the second `.part`'s name, once both are there
+            name = poll(lambda: uploads(outputs / "a")[1:] or None, "both bodies' .part")[0].name
+            assert set(propfind(f"{base}/a/", "1")) == {
+                "/webdav/plugin/a/",
+                "/webdav/plugin/a/poster.jpg",
+            }
+            for method in ("GET", "HEAD", "PROPFIND"):
+                for path in (name, "fanart.jpg"):
+                    answer = httpx.request(method, f"{base}/a/{path}", timeout=WAIT_S)
+                    assert answer.status_code == 404, (method, path)
+            moved = {"Destination": f"{base}/a/{name}"}
+            for method, path, content in (
+                ("PUT", f"a/{name}", b"z"),
+                ("PUT", f"a/{name}/x.jpg", b"z"),  # its folder would be hidden too
+                ("DELETE", f"a/{name}", b""),
+                ("MOVE", "a/poster.jpg", b""),  # to it
+            ):
+                answer = httpx.request(
+                    method, f"{base}/{path}", content=content, headers=moved, timeout=WAIT_S
+                )
+                assert (answer.status_code, answer.json()["error"]) == (403, "forbidden"), path
+            assert httpx.get(f"{base}/a/poster.jpg", timeout=WAIT_S).content == b"old"
+        finally:
+            whole.set()
+        assert [put.result().status_code for put in puts] == [204, 201]
+    for name in ("poster.jpg", "fanart.jpg"):
+        answer = httpx.get(f"{base}/a/{name}", timeout=WAIT_S)
+        assert answer.content == b"x" * 65536 + b"y", name
+    assert sorted(p.name for p in (outputs / "a").iterdir()) == ["fanart.jpg", "poster.jpg"]
 
 
 def test_a_plugin_output_is_found_by_its_cid_as_the_media_are(
