@@ -44,6 +44,7 @@ from metanode.db import (
     storage_errors,
 )
 from metanode.errors import StorageError
+from metanode.ignores import UNKNOWN_CTIME, Stat
 from metanode.pg import AsyncReader, SessionLock
 from metanode.plan import (
     Event,
@@ -405,6 +406,15 @@ def _v13(conn: Connection) -> None:
     executescript_in_txn(conn, _LIBRARY_FTS.format(tokenizer="ascii"))
 
 
+def _v14(conn: Connection) -> None:
+    """The change time (ctime) of the inode each local file was hashed from: a file rewritten
+    in place to the same size with its mtime put back (`touch -r`, a tag editor keeping
+    timestamps) kept its old midhash, as (size, mtime) could not see the write. 0 until the
+    watcher's first look after the upgrade fills it in from the disk without hashing
+    (`fill_ctimes_txn`): a library of 100,000 files is not hashed again."""
+    conn.execute("ALTER TABLE local_file ADD COLUMN ctime_ns INTEGER NOT NULL DEFAULT 0")
+
+
 def _fill_words(conn: Connection) -> None:
     """Each library row's `words`, from its title and name (`library_words`)."""
     rows = [LibraryRow(*r) for r in conn.execute(f"SELECT {_LIBRARY_COLUMNS} FROM library l")]
@@ -427,6 +437,7 @@ MIGRATIONS: Sequence[Migration] = (
     _v11,
     _v12,
     _v13,
+    _v14,
 )
 
 # The same schema on PostgreSQL (docs/scale-out.md): SQLite's v6 tables and columns with
@@ -695,6 +706,12 @@ def _pg_v9(conn: Connection) -> None:
     _fill_words(conn)
 
 
+def _pg_v10(conn: Connection) -> None:
+    """SQLite's v14 on PostgreSQL: each local file's ctime (`_v14`); a constant default, so
+    no row is rewritten."""
+    conn.execute("ALTER TABLE local_file ADD COLUMN ctime_ns BIGINT NOT NULL DEFAULT 0")
+
+
 PG_MIGRATIONS: Sequence[Migration] = (
     _pg_v1,
     _pg_v2,
@@ -705,6 +722,7 @@ PG_MIGRATIONS: Sequence[Migration] = (
     _pg_v7,
     _pg_v8,
     _pg_v9,
+    _pg_v10,
 )
 
 
@@ -770,7 +788,7 @@ def _set_state(conn: Connection, **values: int) -> None:
 def local_files(conn: Connection, cids: Iterable[str]) -> list[merge.LocalFile]:
     wanted = sorted(set(cids))
     rows = conn.execute(
-        "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
+        "SELECT path, midhash, size, mtime_ns, ino, ctime_ns FROM local_file "
         f"WHERE midhash IN ({','.join('?' * len(wanted))})",
         wanted,
     )
@@ -782,15 +800,18 @@ def all_local_files(conn: Connection) -> list[merge.LocalFile]:
     not derived from the truth)."""
     return [
         merge.LocalFile(*row)
-        for row in conn.execute("SELECT path, midhash, size, mtime_ns, ino FROM local_file")
+        for row in conn.execute(
+            "SELECT path, midhash, size, mtime_ns, ino, ctime_ns FROM local_file"
+        )
     ]
 
 
 def put_local_files(cache: Connection, files: Iterable[merge.LocalFile]) -> None:
     """Insert local_file rows as they are (into an empty cache: `check`'s fresh rebuild)."""
     cache.executemany(
-        "INSERT INTO local_file (path, midhash, size, mtime_ns, ino) VALUES (?, ?, ?, ?, ?)",
-        [(f.path, f.midhash, f.size, f.mtime_ns, f.ino) for f in files],
+        "INSERT INTO local_file (path, midhash, size, mtime_ns, ino, ctime_ns) "
+        "VALUES (?, ?, ?, ?, ?, ?)",
+        [(f.path, f.midhash, f.size, f.mtime_ns, f.ino, f.ctime_ns) for f in files],
     )
 
 
@@ -804,7 +825,7 @@ def local_files_of(conn: Connection, cids: Iterable[str]) -> dict[str, list[merg
     (`local_files`, one `?` per CID, stays the cheaper read for one record)."""
     found: dict[str, list[merge.LocalFile]] = {}
     for row in conn.execute(
-        "SELECT path, midhash, size, mtime_ns, ino FROM local_file "
+        "SELECT path, midhash, size, mtime_ns, ino, ctime_ns FROM local_file "
         "WHERE midhash IN (SELECT value FROM json_each(?))",
         (json_array(set(cids)),),
     ):
@@ -1355,16 +1376,15 @@ def local_txn(
             "SELECT midhash, size, mtime_ns FROM local_file WHERE path = ?", (file.path,)
         ).fetchone()
         before = (found[0], found[1], found[2]) if found else removed.pop(file.path, None)
-        if before is not None:
-            touched.add(before[0])
-        if before != (file.midhash, file.size, file.mtime_ns):
-            written.append((file, before is None))
-        touched.add(file.midhash)
+        if before != (file.midhash, file.size, file.mtime_ns):  # else only its inode's ctime
+            written.append((file, before is None))  # (a chmod, a link): no key changes
+            touched.update([file.midhash] if before is None else [file.midhash, before[0]])
         cache.execute(
-            "INSERT INTO local_file (path, midhash, size, mtime_ns, ino) VALUES (?, ?, ?, ?, ?) "
+            "INSERT INTO local_file (path, midhash, size, mtime_ns, ino, ctime_ns) "
+            "VALUES (?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (path) DO UPDATE SET midhash = excluded.midhash, size = excluded.size, "
-            "mtime_ns = excluded.mtime_ns, ino = excluded.ino",
-            (file.path, file.midhash, file.size, file.mtime_ns, file.ino),
+            "mtime_ns = excluded.mtime_ns, ino = excluded.ino, ctime_ns = excluded.ctime_ns",
+            (file.path, file.midhash, file.size, file.mtime_ns, file.ino, file.ctime_ns),
         )
     state = read_state(cache)
     with source.snapshot() as view:
@@ -1451,43 +1471,57 @@ def subfolders(conn: Connection, folder: str, after: str, limit: int) -> tuple[l
     return names[:limit], True
 
 
-def local_stats(conn: Connection, paths: Iterable[str]) -> dict[str, tuple[int, int]]:
-    """path → (size, mtime_ns) of every local file row at or below the given paths: a watch
-    root's files, or the rows an inotify batch touches (its files, and the files of a folder
-    that went).
+def local_stats(conn: Connection, paths: Iterable[str]) -> dict[str, Stat]:
+    """path → the `Stat` (size, mtime_ns, ctime_ns, ino) of every local file row at or below
+    the given paths: a watch root's files, or the rows an inotify batch touches (its files, and
+    the files of a folder that went).
 
     One statement, each path a lookup and a range on the primary key, never a scan: the paths
     that start with "<path>/" are exactly those in ["<path>/", "<path>0"), as "0" follows "/" in
-    code point order. A row without its inode (written before inodes were recorded) reports
-    size -1, so the next reconciliation hashes that file once more and records it.
+    code point order. A row without its inode (0: written before inodes were recorded) matches
+    no file on the disk, so the next reconciliation hashes that file once more and records it;
+    one without its ctime (`UNKNOWN_CTIME`) has it filled in (`watcher.plan`, `fill_ctimes_txn`).
     """
     wanted = sorted({path.rstrip("/") for path in paths})
     if not wanted:
         return {}
     return {
-        path: (size, mtime)
-        for path, size, mtime in conn.execute(
-            "SELECT l.path, CASE l.ino WHEN 0 THEN -1 ELSE l.size END, l.mtime_ns "
-            "FROM json_each(?) AS w JOIN local_file l "
+        path: Stat(size, mtime, ctime, ino)
+        for path, size, mtime, ctime, ino in conn.execute(
+            f"SELECT {_STAT_COLUMNS} FROM json_each(?) AS w JOIN local_file l "
             "ON l.path = w.value OR (l.path >= w.value || '/' AND l.path < w.value || '0')",
             (json.dumps(wanted),),
         )
     }
 
 
-def local_stats_outside(conn: Connection, roots: Sequence[str]) -> dict[str, tuple[int, int]]:
-    """path → (size, mtime_ns) of every local file row below none of `roots`: files of a
-    folder no longer watched, or that `metanode scan` was given (a scan of the table)."""
+_STAT_COLUMNS = "l.path, l.size, l.mtime_ns, l.ctime_ns, l.ino"  # a `Stat` with its path
+
+
+def local_stats_outside(conn: Connection, roots: Sequence[str]) -> dict[str, Stat]:
+    """path → `Stat` of every local file row below none of `roots`: files of a folder no
+    longer watched, or that `metanode scan` was given (a scan of the table)."""
     ranges = " AND ".join(["NOT (path >= ? AND path < ?)"] * len(roots)) or "true"
     bounds = [bound for root in roots for bound in (root.rstrip("/") + "/", root.rstrip("/") + "0")]
     return {
-        path: (size, mtime)
-        for path, size, mtime in conn.execute(
-            "SELECT path, CASE ino WHEN 0 THEN -1 ELSE size END, mtime_ns FROM local_file "
-            f"WHERE {ranges}",
-            bounds,
+        path: Stat(size, mtime, ctime, ino)
+        for path, size, mtime, ctime, ino in conn.execute(
+            f"SELECT {_STAT_COLUMNS} FROM local_file l WHERE {ranges}", bounds
         )
     }
+
+
+def fill_ctimes_txn(cache: Connection, found: Mapping[str, Stat]) -> None:
+    """Record the ctime of files whose rows have none (`UNKNOWN_CTIME`: hashed before cache
+    schema v14 kept it), as the disk shows it now, without hashing them: only where the row
+    still holds that size, mtime and inode. So a library of 100,000 files is not hashed again
+    at the first start after the upgrade (a write that put the size and mtime back before it
+    stays unseen, as it was)."""
+    cache.executemany(
+        "UPDATE local_file SET ctime_ns = ? "
+        "WHERE path = ? AND ctime_ns = ? AND size = ? AND mtime_ns = ? AND ino = ?",
+        [(s.ctime_ns, path, UNKNOWN_CTIME, s.size, s.mtime_ns, s.ino) for path, s in found.items()],
+    )
 
 
 def files(conn: Connection, prefix: str, after: str, limit: int) -> list[dict[str, Any]]:
@@ -2333,6 +2367,10 @@ class CacheStore(Store):
         """The watcher's results: local_file rows and local keys (`local_txn`)."""
         return await self.writer.run(local_txn, source, files, removals, self._clock)
 
+    async def fill_ctimes(self, found: Mapping[str, Stat]) -> None:
+        """The watcher's first look at files whose rows have no ctime (`fill_ctimes_txn`)."""
+        await self.writer.run(fill_ctimes_txn, found)
+
     async def drained(self) -> None:
         """Return once every write queued before this call has committed."""
         await self.writer.run(_nothing)
@@ -2480,10 +2518,10 @@ class CacheStore(Store):
             return subfolders(conn, folder, after, limit)
 
     @mapped
-    def local_stats(self, paths: Iterable[str]) -> dict[str, tuple[int, int]]:
+    def local_stats(self, paths: Iterable[str]) -> dict[str, Stat]:
         return local_stats(self.conn, paths)
 
-    def local_stats_outside(self, roots: Sequence[str]) -> dict[str, tuple[int, int]]:
+    def local_stats_outside(self, roots: Sequence[str]) -> dict[str, Stat]:
         """`local_stats_outside` on a connection of its own: a thread's (a scan of the table
         must not hold the event loop)."""
         with self.reading(lent=False) as conn:

@@ -64,7 +64,7 @@ from metanode.errors import (
     shown,
 )
 from metanode.etags import revalidated, revalidated_json
-from metanode.ignores import mtime_of
+from metanode.ignores import UNKNOWN_CTIME, ctime_of, mtime_of
 from metanode.node import Node
 from metanode.webdav import LiveRoots, Roots
 
@@ -417,7 +417,9 @@ def open_hashed(
     same size and mtime. So, unless the owner chose to follow links: the last component must not
     be a symbolic link (`O_NOFOLLOW`) and the opened file's real path must lie below a watch root
     (a linked folder cannot lead out). Always: the opened file has the inode, size and mtime it
-    was hashed with (a row with no inode recorded is not served until it is hashed again).
+    was hashed with (a row with no inode recorded is not served until it is hashed again), and
+    its ctime, where the row has one: a file rewritten in place with its size and mtime put
+    back is not served as the content it held until the watcher has hashed it again.
     Checked on the open descriptor, which is then what is served: nothing can be swapped between
     the check and the read.
     """
@@ -436,6 +438,7 @@ def open_hashed(
         stat.S_ISREG(info.st_mode)
         and file.ino != 0
         and (info.st_ino, info.st_size, mtime_of(info)) == (file.ino, file.size, file.mtime_ns)
+        and file.ctime_ns in (UNKNOWN_CTIME, ctime_of(info))
     )
     inside = follow_symlinks or any(real.startswith(root.rstrip("/") + "/") for root in roots)
     if same and inside:

@@ -13,13 +13,33 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import NamedTuple
 
 from metanode.claims import utf8_size
 
 DEFAULT_IGNORED = ("*.part", "*.tmp", "*.crdownload", "*.!qb")
 
-Stat = tuple[int, int]  # (size, mtime_ns)
 MTIME_MIN, MTIME_MAX = -(1 << 63), (1 << 63) - 1  # what `mtime_of` keeps an mtime within
+UNKNOWN_CTIME = 0  # a `local_file` row's `ctime_ns` from before change times were kept
+
+
+class Stat(NamedTuple):
+    """What tells the watcher a file changed: its size and mtime, which a writer sets, and its
+    inode's change time and number, which no user can set back. A file rewritten in place to
+    the same size with its mtime put back (`touch -r`, a tag editor preserving timestamps)
+    keeps its size and mtime, but the kernel moves its ctime on every write; a chmod, a chown
+    or a new hard link moves it too, which costs a hash that finds the same midhash."""
+
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+
+    @property
+    def written(self) -> tuple[int, int]:
+        """(size, mtime_ns): what a move keeps (a rename moves the ctime on most file systems,
+        and a file moved in from another disk is a new inode)."""
+        return self.size, self.mtime_ns
 
 
 def is_text(name: str) -> bool:
@@ -35,6 +55,17 @@ def mtime_of(info: os.stat_result) -> int:
     camera's clock gone wrong, `touch -d @99999999999`) failed to be stored, and with it
     every batch it was in and every reconciliation after, for good."""
     return min(max(info.st_mtime_ns, MTIME_MIN), MTIME_MAX)
+
+
+def ctime_of(info: os.stat_result) -> int:
+    """A file's ctime in ns, kept within what the databases store as `mtime_of` keeps the
+    mtime (a clock gone wrong when the file last changed)."""
+    return min(max(info.st_ctime_ns, MTIME_MIN), MTIME_MAX)
+
+
+def stat_from(info: os.stat_result) -> Stat:
+    """A file's `Stat` from what `os.stat` or `os.fstat` gave."""
+    return Stat(info.st_size, mtime_of(info), ctime_of(info), info.st_ino)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,9 @@ class LocalFile:
     """A box-local fact from the watcher: a path holding content with this midhash.
 
     `ino` is the inode the watcher read the content from (0: not recorded, a row from before
-    inodes were kept): serving the bytes checks the file opened is still that one.
+    inodes were kept): serving the bytes checks the file opened is still that one. `ctime_ns`
+    is that inode's change time when it was read (0: not recorded, a row from before change
+    times were kept): a write moves it, even one that puts the size and mtime back.
     """
 
     path: str
@@ -131,6 +133,7 @@ class LocalFile:
     size: int
     mtime_ns: int
     ino: int = 0
+    ctime_ns: int = 0
 
 
 def group_keys(group_cids: Iterable[str], files: Iterable[LocalFile]) -> dict[str, str]:

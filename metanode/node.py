@@ -379,15 +379,21 @@ class Node:
             self.ensure_groups,
             self.apply_local,
             self.cache.local_stats,
+            self.cache.fill_ctimes,
             watcher.RootDevices(s.data_dir / watcher.DEVICES_FILE),
             self.cache.local_stats_outside,
         )
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
         """The watcher's results reach the cache, then the plugins, then the owner's word
-        follows content replaced at its path."""
+        follows content replaced at its path. A file hashed again to the content its path held
+        (its ctime moved: a chmod, a new hard link; or only its mtime: a `touch`) is nothing new
+        to the plugins: `chmod -R` over a library re-ran every path-dependent plugin on it."""
         before = self.cache.midhashes_at([f.path for f in files] + list(removals))
         await self.applier.apply_local(files, removals)
+        same = {f.path for f in files if before.get(f.path) == f.midhash}
+        files = [f for f in files if f.path not in same]
+        before = {path: midhash for path, midhash in before.items() if path not in same}
         if self.plugin_host is not None:
             await self.plugin_host.files_changed(sorted({f.midhash for f in files}))
             await self.plugin_host.paths_changed(

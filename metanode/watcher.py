@@ -3,10 +3,11 @@
 Three sources of truth about the disk, one way to act on them:
 
 * a full reconciliation at start (and every `watch_rescan_s`, for network mounts and missed
-  events): a walk compared with `local_file` — unchanged (size, mtime_ns) costs a stat, new or
-  changed files are hashed, vanished paths are removed;
+  events): a walk compared with `local_file` — an unchanged `Stat` (size, mtime, and the
+  inode's ctime and number, which a write moves even when it puts the size and mtime back)
+  costs a stat, new or changed files are hashed, vanished paths are removed;
 * inotify (watchfiles) between scans: touched paths wait until they have settled;
-* a file is hashed only once its size and mtime stayed the same for the settle window, off the
+* a file is hashed only once its stat stayed the same for the settle window, off the
   event loop, a bounded number at a time; if it changed while being hashed it waits again.
 
 Each batch of results is applied in the documented order: the midhashes' groups in the truth
@@ -37,7 +38,7 @@ import watchfiles
 from metanode import cid as cids
 from metanode import datadir, logs
 from metanode.errors import MidhashError, StorageError
-from metanode.ignores import Rules, Stat, is_text, mtime_of
+from metanode.ignores import UNKNOWN_CTIME, Rules, Stat, is_text, stat_from
 from metanode.merge import LocalFile
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ PROGRESS_LOG_S = 30.0  # how often a long reconciliation says how far it is in t
 EnsureGroups = Callable[[Sequence[str]], Awaitable[None]]
 ApplyLocal = Callable[[Sequence[LocalFile], Sequence[str]], Awaitable[None]]
 KnownStats = Callable[[Sequence[str]], dict[str, Stat]]  # the rows at or below these paths
+FillCtimes = Callable[[Mapping[str, Stat]], Awaitable[None]]  # `cache.fill_ctimes_txn`
 
 
 # A folder made deep enough (by relative paths, as a copy of a deep tree does) holds paths
@@ -100,7 +102,7 @@ def walk(
     not_text: list[str] | None = None,
 ) -> Iterator[tuple[str, Stat]]:
     """Every regular file below `start` (default `root`) that the rules keep, with its
-    (size, mtime_ns). Rules apply relative to the watch `root`.
+    `Stat`. Rules apply relative to the watch `root`.
 
     Unreadable folders are logged, skipped and added to `unlisted` (one that vanished is not:
     its files are gone; one that cannot be listed for want of a file descriptor raises the
@@ -157,7 +159,7 @@ def walk(
                     seen.add((info.st_dev, info.st_ino))
                     stack.append(entry.path)
             elif stat.S_ISREG(info.st_mode) and info.st_size >= rules.min_size:
-                yield entry.path, (info.st_size, mtime_of(info))
+                yield entry.path, stat_from(info)
 
 
 def _above(root: str, path: str) -> set[tuple[int, int]]:
@@ -181,23 +183,36 @@ def prefixes(folders: Iterable[str]) -> tuple[str, ...]:
 
 def plan(
     disk: Mapping[str, Stat], known: Mapping[str, Stat], unlisted: Sequence[str] = ()
-) -> tuple[list[str], list[str]]:
-    """(paths to hash, paths to remove): new or changed files, and rows whose file is gone. A
-    row below an `unlisted` folder (unreadable, or a watch root that is missing: a disk not
-    mounted) stays: its file was not seen, which is not that it is gone."""
-    to_hash = sorted(path for path, st in disk.items() if known.get(path) != st)
+) -> tuple[list[str], list[str], list[str]]:
+    """(paths to hash, paths to remove, paths to fill): new or changed files (any of size,
+    mtime, ctime, inode moved), rows whose file is gone, and rows that have no ctime yet
+    (`UNKNOWN_CTIME`: hashed before change times were kept) whose file is as it was hashed
+    otherwise, which take the disk's ctime without a hash: the first start after the upgrade
+    hashes nothing that did not change. A row below an `unlisted` folder (unreadable, or a
+    watch root that is missing: a disk not mounted) stays: its file was not seen, which is not
+    that it is gone."""
+    to_hash: list[str] = []
+    to_fill: list[str] = []
+    for path, st in disk.items():
+        was = known.get(path)
+        if was == st:
+            continue
+        if was is not None and was == st._replace(ctime_ns=UNKNOWN_CTIME):
+            to_fill.append(path)
+        else:
+            to_hash.append(path)
     hidden = prefixes(unlisted)
     to_remove = sorted(p for p in set(known) - set(disk) if not p.startswith(hidden))
-    return to_hash, to_remove
+    return sorted(to_hash), to_remove, sorted(to_fill)
 
 
 def stat_of(path: str, follow_symlinks: bool) -> Stat | None:
-    """(size, mtime_ns) of a regular file, None for anything else or nothing."""
+    """The `Stat` of a regular file, None for anything else or nothing."""
     try:
         info = os.stat(path, follow_symlinks=follow_symlinks)
     except OSError:
         return None
-    return (info.st_size, mtime_of(info)) if stat.S_ISREG(info.st_mode) else None
+    return stat_from(info) if stat.S_ISREG(info.st_mode) else None
 
 
 def midhash_file(path: str | os.PathLike[str]) -> tuple[str, int]:
@@ -250,14 +265,26 @@ def _read_exactly(fd: int, want: int, offset: int) -> bytes:
 
 
 def hash_settled(path: str, expected: Stat) -> LocalFile | None:
-    """The midhash of a file that still has the stat it settled with, else None (try later)."""
+    """The midhash of a file that still has the stat it settled with, else None (try later).
+    Recorded with that stat: the inode read, and its ctime before the read, so a write during
+    or after it (one that puts the size and mtime back too) is a change at the next look."""
     before = stat_of(path, follow_symlinks=True)
     if before != expected:
         return None
     midhash, read = midhash_opened(path)
-    if stat_of(path, follow_symlinks=True) != before or (read.st_size, mtime_of(read)) != before:
+    if stat_of(path, follow_symlinks=True) != before or stat_from(read) != before:
         return None  # written to, or replaced, while being hashed
-    return LocalFile(path, midhash, before[0], before[1], read.st_ino)
+    return recorded(path, midhash, before)
+
+
+def recorded(path: str, midhash: str, st: Stat) -> LocalFile:
+    """The `local_file` row of a file hashed with this stat."""
+    return LocalFile(path, midhash, st.size, st.mtime_ns, st.ino, st.ctime_ns)
+
+
+def stat_recorded(file: LocalFile) -> Stat:
+    """The stat a `local_file` row was hashed with: the disk's while the file is unchanged."""
+    return Stat(file.size, file.mtime_ns, file.ctime_ns, file.ino)
 
 
 @dataclass
@@ -342,6 +369,7 @@ class Watcher:
         ensure_groups: EnsureGroups,
         apply_local: ApplyLocal,
         known_stats: KnownStats,
+        fill_ctimes: FillCtimes,
         devices: RootDevices | None = None,
         stray_stats: KnownStats | None = None,
     ) -> None:
@@ -352,6 +380,7 @@ class Watcher:
         self._ensure_groups = ensure_groups
         self._apply_local = apply_local
         self._known_stats = known_stats
+        self._fill_ctimes = fill_ctimes
         self._stray_stats = stray_stats  # rows below no root: checked at a full reconciliation
         self.devices = devices or RootDevices(None)
         self._slots = asyncio.Semaphore(max(1, workers))
@@ -440,9 +469,7 @@ class Watcher:
             # A file deleted or changed while its group was being made must not come back:
             # only what still stands as hashed is recorded (the change itself is queued apart).
             files = [
-                f
-                for f in files
-                if stat_of(f.path, self.rules.follow_symlinks) == (f.size, f.mtime_ns)
+                f for f in files if stat_of(f.path, self.rules.follow_symlinks) == stat_recorded(f)
             ]
         if files or removals:
             await self._apply_local(files, removals)
@@ -499,7 +526,8 @@ class Watcher:
             self.devices.found(
                 {x.root: x.device for x in walked if x.files and x.device is not None}
             )
-            to_hash, to_remove = plan(disk, known, self.unlisted)
+            to_hash, to_remove, to_fill = plan(disk, known, self.unlisted)
+            await self._filled({path: disk[path] for path in to_fill})
             summary = Summary(
                 seen=len(disk),
                 unchanged=len(disk) - len(to_hash),
@@ -535,7 +563,7 @@ class Watcher:
                 summary.hashed += len(done)
                 summary.bytes_sampled += sum(min(f.size, cids.MIDHASH_SAMPLE) for f in done)
                 files_done += len(chunk)
-                bytes_done += sum(size for size, _ in chunk.values())
+                bytes_done += sum(st.size for st in chunk.values())
                 report(files_done, bytes_done, len(to_hash), total_bytes)
                 scan.done = files_done
                 if time.monotonic() - said_at >= PROGRESS_LOG_S:
@@ -554,6 +582,20 @@ class Watcher:
             self._reconciling -= 1
             if self.scan is scan:  # not one begun meanwhile, which says its own progress
                 self.scan = None
+
+    async def _filled(self, found: Mapping[str, Stat]) -> None:
+        """Give rows without a ctime the disk's (`plan`), `BATCH` × 16 rows a transaction, so
+        the writer is not held for the whole library at the first start after the upgrade."""
+        paths = sorted(found)
+        step = BATCH * 16
+        for start in range(0, len(paths), step):
+            await self._fill_ctimes({p: found[p] for p in paths[start : start + step]})
+        if paths:
+            log.info(
+                "recorded the change time (ctime) of %d file(s) hashed before it was kept, "
+                "without hashing them again",
+                len(paths),
+            )
 
     async def _strays(self) -> tuple[dict[str, Stat], dict[str, Stat]]:
         """(known, on disk) of the rows below no watch root: a folder taken out of
@@ -671,10 +713,11 @@ class Watcher:
         """Route a batch of inotify events: gone → removed now; present → settle or scan.
 
         A file that appears with exactly the (size, mtime_ns) of a row removed in the same batch
-        was moved: it is hashed at once and committed with the removal, so a rename is one
-        transaction (one `set` of `filePath`), not a loss and a late re-appearance. A folder
-        is walked; if a file of its name was known (a file replaced by a folder), that file is
-        gone; if part of it cannot be listed, /health says so now (`unlisted`), not at the next
+        was moved (a rename moves the ctime, and a move from another disk the inode): it is
+        hashed at once and committed with the removal, so a rename is one transaction (one
+        `set` of `filePath`), not a loss and a late re-appearance. A folder is walked; if a
+        file of its name was known (a file replaced by a folder), that file is gone; if part
+        of it cannot be listed, /health says so now (`unlisted`), not at the next
         reconciliation. A root reported deleted (moved away, or deleted and maybe made again at
         once: the new folder may even have the old one's inode) is watched again, and the
         reconciliation that follows keeps its files as those of a root missing at start, or
@@ -704,13 +747,13 @@ class Watcher:
         removed += sorted(set(folders) & set(self._rows_at(folders)))
         if unlisted:
             self._note_unlisted(sorted(set(self.unlisted) | set(unlisted)))
-        gone_stats = set(self._rows_at(removed).values())
+        gone_stats = {st.written for st in self._rows_at(removed).values()}
         known = self._rows_at(list(touched))
-        moved = {p: s for p, s in touched.items() if s in gone_stats and known.get(p) != s}
+        moved = {p: s for p, s in touched.items() if s.written in gone_stats and known.get(p) != s}
         now = time.monotonic()
         for path, current in touched.items():
             if path in moved or known.get(path) == current:
-                continue  # moved: committed below; unchanged (e.g. chmod): nothing to do
+                continue  # moved: committed below; unchanged: nothing to do
             held = self.pending.get(path)
             self.pending[path] = (current, now if held is None or held[0] != current else held[1])
         if moved or removed:

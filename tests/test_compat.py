@@ -40,6 +40,7 @@ from metanode.api import create_app
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.feed import Frame, Stream
+from tests.helpers.rewrite import rewrite_in_place
 from tests.helpers.server import Server, free_port
 from tests.helpers.settings import settings_for
 from tests.helpers.wait import poll
@@ -1100,6 +1101,25 @@ async def test_rows_hashed_before_inodes_were_kept_are_hashed_again(
     assert summary.hashed == 1
     assert (await client.get(f"/file/{film}")).content == b"F" * 64
     assert node.applier.state.feed_seq == seq
+
+
+async def test_a_file_rewritten_with_its_size_and_mtime_put_back_is_not_served_as_before(
+    node: Node, client: httpx.AsyncClient, media: Path
+) -> None:
+    """Same inode, size and mtime, new bytes: only the ctime tells. The old CID is not served
+    the new bytes while the watcher has not hashed them; once it has, the new CID is served.
+    A chmod moves the ctime too: the file waits for its hash again, then is served as before."""
+    old, path = write(media / "song.flac", b"A" * 64)
+    await node.scan([str(media)])
+    rewrite_in_place(path, b"B" * 64)
+    envelope(await client.get(f"/file/{old}"), 404, "unknown_cid")
+    await node.scan([str(media)])
+    new = cids.midhash_bytes(b"B" * 64)
+    assert (await client.get(f"/file/{new}")).content == b"B" * 64
+    os.chmod(path, 0o600)
+    envelope(await client.get(f"/file/{new}"), 404, "unknown_cid")
+    await node.scan([str(media)])
+    assert (await client.get(f"/file/{new}")).content == b"B" * 64
 
 
 # -- file events in the cache (pure, and through local_txn) --------------------------------------

@@ -737,6 +737,36 @@ async def test_a_new_version_reruns_existing_files(harness: Harness) -> None:
     assert [c["value"] for c in claims_listed] == ["two"]
 
 
+async def test_a_file_hashed_again_to_the_same_content_runs_no_plugin_again(
+    harness: Harness,
+) -> None:
+    """A chmod moves a file's ctime, so the watcher hashes it again (docs/watcher.md): the same
+    midhash at the same path is nothing new to a plugin, even one that reads the path. Every
+    path-dependent plugin ran again on it (`chmod -R` over a library: on every file); a rename
+    still runs it again."""
+    reader = probe("reader", claim("read", "yes"))
+    type(reader).path_dependent = True
+    node = await harness.start([reader], watch_enabled=False)
+    path, midhash = harness.drop("film.mkv", b"some film")
+    await node.scan([str(harness.media)])
+
+    async def idle() -> bool:
+        [described] = (await node.plugins())["plugins"]
+        return described["running"] == [] and described["runs"]["pending"] == 0
+
+    await until(finished(node, reader, midhash), "the first run")
+    while not await idle():  # a new file's run may be queued twice (a race of its own)
+        await asyncio.sleep(0.05)
+    calls = len(reader.calls)
+    os.chmod(path, 0o600)
+    assert (await node.scan([str(harness.media)])).hashed == 1
+    assert run_of(node, reader, midhash) == Run("done", 1, None)  # not queued again
+    assert len(reader.calls) == calls
+    os.rename(path, harness.media / "renamed.mkv")
+    await node.scan([str(harness.media)])
+    await until(lambda: len(reader.calls) == calls + 1, "the run after the rename")
+
+
 async def test_the_plugin_list_says_why_files_were_skipped(harness: Harness) -> None:
     """mediainfo without ffprobe skips every video: the Plugins page said 0 done, 0 failed,
     and not why. The commonest reasons are listed with their runs, most first."""

@@ -19,7 +19,7 @@ import resource
 import shutil
 import sqlite3
 import stat
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -28,14 +28,16 @@ import watchfiles
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from metanode import cache, watcher
+from metanode import cache, db, watcher
 from metanode import cid as cids
 from metanode.errors import MidhashError
-from metanode.ignores import Rules, Stat
+from metanode.ignores import UNKNOWN_CTIME, Rules, Stat, stat_from
 from metanode.merge import LocalFile
 from metanode.node import Node
 from metanode.watcher import Watcher, hash_settled, plan, stat_of, walk
 from tests.helpers.mounts import Mounts
+from tests.helpers.rewrite import rewrite_in_place
+from tests.helpers.settings import settings_for
 from tests.helpers.sqlsteps import vm_steps
 from tests.helpers.wait import until
 
@@ -48,9 +50,9 @@ def write(path: Path, data: bytes) -> Path:
     return path
 
 
-def stat_pair(path: Path) -> Stat:
-    info = path.stat()
-    return (info.st_size, info.st_mtime_ns)
+def stat_now(path: Path) -> Stat:
+    """The file's `Stat` as the watcher takes it (size, mtime, ctime, inode)."""
+    return stat_from(path.stat())
 
 
 # -- Rules.ignored ------------------------------------------------------------------------------
@@ -167,10 +169,8 @@ def test_walk_lists_kept_regular_files_with_their_stat(tmp_path: Path) -> None:
     os.mkfifo(root / "fifo")
     (root / "empty-folder").mkdir()
     listed = dict(walk(str(root), Rules()))
-    assert listed == {str(p): stat_pair(p) for p in kept}
-    assert dict(walk(str(root), Rules(min_size=0))) == {
-        str(p): stat_pair(p) for p in [*kept, empty]
-    }
+    assert listed == {str(p): stat_now(p) for p in kept}
+    assert dict(walk(str(root), Rules(min_size=0))) == {str(p): stat_now(p) for p in [*kept, empty]}
 
 
 def test_walk_applies_configured_globs(tmp_path: Path) -> None:
@@ -203,9 +203,9 @@ def test_walk_follows_symlinks_when_asked(tmp_path: Path) -> None:
     (root / "dangling.mkv").symlink_to(tmp_path / "nowhere")
     listed = dict(walk(str(root), Rules(follow_symlinks=True)))
     assert listed == {
-        str(root / "real.mkv"): stat_pair(root / "real.mkv"),
-        str(root / "link.mkv"): stat_pair(target),  # the target's stat
-        str(root / "linked-folder" / "inner.mkv"): stat_pair(inner),
+        str(root / "real.mkv"): stat_now(root / "real.mkv"),
+        str(root / "link.mkv"): stat_now(target),  # the target's stat
+        str(root / "linked-folder" / "inner.mkv"): stat_now(inner),
     }
 
 
@@ -374,25 +374,55 @@ def test_watches_that_keep_failing_soon_wait_longer_up_to_the_cap(watched: list[
 
 
 def test_plan_hashes_new_and_changed_and_removes_vanished() -> None:
-    disk = {"/m/new": (1, 10), "/m/same": (2, 20), "/m/grown": (4, 30), "/m/touched": (5, 41)}
-    known = {
-        "/m/same": (2, 20),
-        "/m/grown": (3, 30),
-        "/m/touched": (5, 40),
-        "/m/gone": (6, 60),
-        "/m/also-gone": (7, 70),
+    disk = {
+        "/m/new": Stat(1, 10, 5, 1),
+        "/m/same": Stat(2, 20, 5, 2),
+        "/m/grown": Stat(4, 30, 5, 3),
+        "/m/touched": Stat(5, 41, 5, 4),
+        "/m/rewritten": Stat(6, 50, 9, 5),  # same size, mtime put back: its ctime moved
+        "/m/replaced": Stat(7, 60, 5, 8),  # another file of its size and mtime swapped in
     }
-    to_hash, to_remove = plan(disk, known)
-    assert to_hash == ["/m/grown", "/m/new", "/m/touched"]  # sorted
+    known = {
+        "/m/same": Stat(2, 20, 5, 2),
+        "/m/grown": Stat(3, 30, 5, 3),
+        "/m/touched": Stat(5, 40, 5, 4),
+        "/m/rewritten": Stat(6, 50, 5, 5),
+        "/m/replaced": Stat(7, 60, 5, 6),
+        "/m/gone": Stat(6, 60, 5, 7),
+        "/m/also-gone": Stat(7, 70, 5, 9),
+    }
+    to_hash, to_remove, to_fill = plan(disk, known)
+    assert to_hash == ["/m/grown", "/m/new", "/m/replaced", "/m/rewritten", "/m/touched"]
     assert to_remove == ["/m/also-gone", "/m/gone"]
+    assert to_fill == []
+
+
+def test_plan_fills_the_ctime_of_rows_from_before_it_was_kept_without_hashing() -> None:
+    """A row of cache schema 13 has no ctime: the file as it was hashed otherwise (size, mtime,
+    inode) takes the disk's ctime without a hash; one whose size, mtime or inode moved, or
+    whose row has no inode either (schema 3), is hashed."""
+    disk = {
+        "/m/kept": Stat(1, 10, 77, 1),
+        "/m/touched": Stat(2, 21, 77, 2),
+        "/m/replaced": Stat(3, 30, 77, 9),
+        "/m/no-inode": Stat(4, 40, 77, 4),
+    }
+    known = {
+        "/m/kept": Stat(1, 10, UNKNOWN_CTIME, 1),
+        "/m/touched": Stat(2, 20, UNKNOWN_CTIME, 2),
+        "/m/replaced": Stat(3, 30, UNKNOWN_CTIME, 3),
+        "/m/no-inode": Stat(4, 40, UNKNOWN_CTIME, 0),
+    }
+    assert plan(disk, known) == (["/m/no-inode", "/m/replaced", "/m/touched"], [], ["/m/kept"])
 
 
 FOLDERS = st.sampled_from(["/m", "/m/a", "/m/a/b", "/m/c", "/n"])
+ONE = Stat(1, 1, 1, 1)
 
 
 @given(
-    st.dictionaries(st.builds("{}/{}".format, FOLDERS, st.sampled_from("xyz")), st.just((1, 1))),
-    st.dictionaries(st.builds("{}/{}".format, FOLDERS, st.sampled_from("xyz")), st.just((1, 1))),
+    st.dictionaries(st.builds("{}/{}".format, FOLDERS, st.sampled_from("xyz")), st.just(ONE)),
+    st.dictionaries(st.builds("{}/{}".format, FOLDERS, st.sampled_from("xyz")), st.just(ONE)),
     st.lists(FOLDERS, max_size=2),
 )
 def test_plan_never_removes_what_lies_below_a_folder_it_could_not_read(
@@ -400,16 +430,16 @@ def test_plan_never_removes_what_lies_below_a_folder_it_could_not_read(
 ) -> None:
     """A row is removed exactly when its file is not on the disk and no unlisted folder (an
     unreadable one, a root not mounted) holds it: not seen is not gone."""
-    _, to_remove = plan(disk, known, unlisted)
+    _, to_remove, _ = plan(disk, known, unlisted)
     for path in known:
         below = any(path.startswith(folder + "/") for folder in unlisted)
         assert (path in to_remove) == (path not in disk and not below), (path, unlisted)
 
 
 def test_plan_of_an_unchanged_tree_is_empty() -> None:
-    disk = {f"/m/{i}": (i, i * 7) for i in range(100)}
-    assert plan(disk, dict(disk)) == ([], [])
-    assert plan({}, {}) == ([], [])
+    disk = {f"/m/{i}": Stat(i, i * 7, i * 9, i) for i in range(100)}
+    assert plan(disk, dict(disk)) == ([], [], [])
+    assert plan({}, {}) == ([], [], [])
 
 
 # -- stat_of / hash_settled ---------------------------------------------------------------------
@@ -418,24 +448,26 @@ def test_plan_of_an_unchanged_tree_is_empty() -> None:
 def test_stat_of_regular_files_only(tmp_path: Path) -> None:
     f = write(tmp_path / "f", b"12345")
     (tmp_path / "link").symlink_to(f)
-    assert stat_of(str(f), False) == stat_pair(f)
+    assert stat_of(str(f), False) == stat_now(f)
     assert stat_of(str(tmp_path), False) is None  # a folder
     assert stat_of(str(tmp_path / "link"), False) is None  # the link itself
-    assert stat_of(str(tmp_path / "link"), True) == stat_pair(f)
+    assert stat_of(str(tmp_path / "link"), True) == stat_now(f)
     assert stat_of(str(tmp_path / "missing"), True) is None
 
 
 def test_hash_settled_hashes_a_file_that_kept_its_stat(tmp_path: Path) -> None:
     data = os.urandom(3000)
     f = write(tmp_path / "f.mkv", data)
-    result = hash_settled(str(f), stat_pair(f))
-    size, mtime = stat_pair(f)
-    assert result == LocalFile(str(f), cids.midhash_bytes(data), size, mtime, f.stat().st_ino)
+    now = stat_now(f)
+    result = hash_settled(str(f), now)
+    assert result == LocalFile(
+        str(f), cids.midhash_bytes(data), *now.written, now.ino, now.ctime_ns
+    )
 
 
 def test_hash_settled_refuses_a_file_whose_stat_moved_on(tmp_path: Path) -> None:
     f = write(tmp_path / "f.mkv", b"first")
-    settled = stat_pair(f)
+    settled = stat_now(f)
     with f.open("ab") as out:
         out.write(b" and more")
     assert hash_settled(str(f), settled) is None
@@ -448,7 +480,7 @@ def test_hash_settled_refuses_a_file_changed_while_being_hashed(
 ) -> None:
     """Changed between the first stat and the end of the hash: None, so the caller waits again."""
     f = write(tmp_path / "f.mkv", b"original content")
-    settled = stat_pair(f)
+    settled = stat_now(f)
     real = watcher.midhash_opened
 
     def midhash_then_append(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
@@ -465,13 +497,13 @@ def test_hash_settled_refuses_a_same_size_rewrite_while_being_hashed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     f = write(tmp_path / "f.mkv", b"A" * 100)
-    settled = stat_pair(f)
+    settled = stat_now(f)
     real = watcher.midhash_opened
 
     def midhash_then_rewrite(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
         answer = real(path)
         Path(path).write_bytes(b"B" * 100)
-        os.utime(path, ns=(settled[1] + 1_000_000, settled[1] + 1_000_000))
+        os.utime(path, ns=(settled.mtime_ns + 1_000_000, settled.mtime_ns + 1_000_000))
         return answer
 
     monkeypatch.setattr(watcher, "midhash_opened", midhash_then_rewrite)
@@ -489,6 +521,7 @@ class Store:
     groups: set[str] = field(default_factory=set)
     commits: list[tuple[list[LocalFile], list[str]]] = field(default_factory=list)
     read: int = 0  # the rows `known_stats` has answered, all calls together
+    filled: int = 0  # the rows `fill_ctimes` gave a ctime
 
     async def ensure_groups(self, midhashes: Sequence[str]) -> None:
         self.groups.update(midhashes)
@@ -505,7 +538,7 @@ class Store:
         """The rows at or below `paths`, as `cache.local_stats` answers (counted in `read`)."""
         exact, below = set(paths), tuple(u.rstrip("/") + "/" for u in paths)
         found = {
-            p: (f.size, f.mtime_ns)
+            p: watcher.stat_recorded(f)
             for p, f in self.rows.items()
             if p in exact or p.startswith(below)
         }
@@ -514,7 +547,15 @@ class Store:
 
     def stray_stats(self, roots: Sequence[str]) -> dict[str, Stat]:
         below = self.known_stats(roots)
-        return {p: (f.size, f.mtime_ns) for p, f in self.rows.items() if p not in below}
+        return {p: watcher.stat_recorded(f) for p, f in self.rows.items() if p not in below}
+
+    async def fill_ctimes(self, found: Mapping[str, Stat]) -> None:
+        """As `cache.fill_ctimes_txn`: the ctime of rows that have none (counted in `filled`)."""
+        for path, now in found.items():
+            row = self.rows[path]
+            if watcher.stat_recorded(row) == now._replace(ctime_ns=UNKNOWN_CTIME):
+                self.rows[path] = replace(row, ctime_ns=now.ctime_ns)
+                self.filled += 1
 
     def watcher(
         self,
@@ -532,14 +573,14 @@ class Store:
             self.ensure_groups,
             self.apply_local,
             self.known_stats,
+            self.fill_ctimes,
             devices,
             self.stray_stats,
         )
 
 
 def local(path: Path) -> LocalFile:
-    size, mtime = stat_pair(path)
-    return LocalFile(str(path), watcher.midhash_file(path)[0], size, mtime, path.stat().st_ino)
+    return watcher.recorded(str(path), watcher.midhash_file(path)[0], stat_now(path))
 
 
 async def test_reconcile_hashes_new_files_then_nothing(tmp_path: Path) -> None:
@@ -817,18 +858,24 @@ async def test_on_changes_queues_new_and_changed_files_and_ignores_unchanged(
     root = tmp_path / "media"
     same = write(root / "same.mkv", b"same")
     changed = write(root / "changed.mkv", b"v1")
+    chmodded = write(root / "chmodded.mkv", b"mode")
     store = Store()
     w = store.watcher(root, settle_s=60)
     await w.reconcile(settle=False)
     commits = len(store.commits)
-    os.chmod(same, 0o600)  # an attribute change: same (size, mtime)
+    os.chmod(chmodded, 0o600)  # an attribute change: same (size, mtime), its ctime moved
     changed.write_bytes(b"version 2")
     new = write(root / "new.mkv", b"new")
     await w._on_changes(
-        {(Change.modified, str(same)), (Change.modified, str(changed)), (Change.added, str(new))}
+        {
+            (Change.modified, str(same)),  # reported, but nothing of it changed
+            (Change.modified, str(chmodded)),
+            (Change.modified, str(changed)),
+            (Change.added, str(new)),
+        }
     )
-    assert set(w.pending) == {str(changed), str(new)}
-    assert w.pending[str(new)][0] == stat_pair(new)
+    assert set(w.pending) == {str(changed), str(new), str(chmodded)}
+    assert w.pending[str(new)][0] == stat_now(new)
     assert len(store.commits) == commits  # nothing is hashed before it settles
 
 
@@ -878,7 +925,7 @@ async def test_local_stats_answers_the_rows_at_or_below_each_path(node: Node) ->
     ]
     await node.ensure_groups([f.midhash for f in files])
     await node.apply_local(files, [])
-    stats = {f.path: (f.size, f.mtime_ns) for f in files}
+    stats = {f.path: watcher.stat_recorded(f) for f in files}
 
     def at(*asked: str) -> dict[str, Stat]:
         return node.cache.local_stats(list(asked))
@@ -1191,7 +1238,17 @@ async def test_a_delete_reported_while_a_hash_is_being_committed_wins(tmp_path: 
         await release.wait()
         await real_ensure(midhashes)
 
-    w = Watcher([str(root)], Rules(), 0, 0, 2, slow_ensure, store.apply_local, store.known_stats)
+    w = Watcher(
+        [str(root)],
+        Rules(),
+        0,
+        0,
+        2,
+        slow_ensure,
+        store.apply_local,
+        store.known_stats,
+        store.fill_ctimes,
+    )
     scan = asyncio.create_task(w.reconcile(settle=False))
     await asyncio.wait_for(entered.wait(), 10)  # hashed; its commit is under way
     f.unlink()
@@ -1237,3 +1294,164 @@ def test_a_watch_or_a_walk_refused_for_want_of_descriptors_is_told_apart(tmp_pat
     assert watcher.out_of_files(walked.value) == "Too many open files" and unlisted == []
     assert watcher.out_of_files(OSError(errno.EACCES, "Permission denied")) is None
     assert watcher.out_of_files(RuntimeError("Unable to decode path b'x' to string")) is None
+
+
+# -- what (size, mtime) cannot see: the inode's ctime ---------------------------------------------
+
+
+async def test_a_file_rewritten_with_its_size_and_mtime_put_back_is_hashed_again(
+    tmp_path: Path,
+) -> None:
+    """A tag editor told to keep timestamps, `touch -r`, `rsync --inplace --times`: new bytes
+    under the old size and mtime. The reconciliation (and the rescan) compared (size, mtime)
+    and kept the old midhash for good; the ctime the write moved tells it now, at a
+    reconciliation and at inotify's report alike."""
+    root = tmp_path / "media"
+    song = write(root / "song.flac", b"A" * 5000)
+    store = Store()
+    w = store.watcher(root, settle_s=60)
+    await w.reconcile(settle=False)
+    rewrite_in_place(song, b"B" * 5000)
+    await w._on_changes({(Change.modified, str(song))})
+    assert str(song) in w.pending  # the write is seen live, not taken for an unchanged stat
+    summary = await w.reconcile(settle=False)
+    assert (summary.hashed, summary.unchanged) == (1, 0)
+    assert store.rows[str(song)] == local(song)
+    assert store.rows[str(song)].midhash == cids.midhash_bytes(b"B" * 5000)
+    assert (await w.reconcile(settle=False)).hashed == 0
+
+
+async def test_a_chmod_costs_one_hash_that_finds_the_same_content(tmp_path: Path) -> None:
+    """A chmod, a chown, a hard link made or removed move the ctime too: the file is hashed
+    again, once, to the midhash it had (the CID is the content's), and the row keeps the new
+    ctime, so the next rescan hashes nothing."""
+    root = tmp_path / "media"
+    film = write(root / "film.mkv", os.urandom(4000))
+    store = Store()
+    w = store.watcher(root)
+    await w.reconcile(settle=False)
+    before = store.rows[str(film)]
+    os.chmod(film, 0o600)
+    summary = await w.reconcile(settle=False)
+    assert summary.hashed == 1
+    after = store.rows[str(film)]
+    assert after.midhash == before.midhash and after.ctime_ns == film.stat().st_ctime_ns
+    assert after.ctime_ns != before.ctime_ns
+    assert (await w.reconcile(settle=False)).hashed == 0
+
+
+async def test_hard_links_are_hashed_again_once_after_a_change_not_at_every_rescan(
+    tmp_path: Path,
+) -> None:
+    """Every name of a hard-linked file shares its inode, so its ctime: a write under one name
+    (or a new link, which moves the ctime too) has each name hashed once, each row keeping the
+    inode's new ctime; the rescans after hash none of them."""
+    root = tmp_path / "media"
+    first = write(root / "downloads" / "song.flac", b"A" * 3000)
+    names = [first, root / "library" / "song.flac", root / "library" / "again.flac"]
+    names[1].parent.mkdir()
+    for name in names[1:]:
+        os.link(first, name)
+    store = Store()
+    w = store.watcher(root)
+    assert (await w.reconcile(settle=False)).hashed == 3
+    rewrite_in_place(first, b"B" * 3000)
+    assert (await w.reconcile(settle=False)).hashed == 3
+    assert {store.rows[str(n)].midhash for n in names} == {cids.midhash_bytes(b"B" * 3000)}
+    assert (await w.reconcile(settle=False)).hashed == 0
+    names.append(root / "library" / "third.flac")
+    os.link(first, names[-1])  # the link count is the inode's: its ctime moves
+    assert (await w.reconcile(settle=False)).hashed == 4
+    assert {p: store.rows[p] for p in map(str, names)} == {str(n): local(n) for n in names}
+    for _ in range(3):
+        assert (await w.reconcile(settle=False)).hashed == 0
+
+
+async def test_rows_from_before_ctimes_were_kept_take_them_without_a_hash(tmp_path: Path) -> None:
+    """The first look after the upgrade (cache schema 14) gives each row the disk's ctime and
+    hashes nothing unchanged (a library of 100,000 files is not read again); from then on a
+    rewrite that puts the size and mtime back is seen."""
+    root = tmp_path / "media"
+    files = [write(root / f"f{i}.mkv", os.urandom(2000 + i)) for i in range(5)]
+    store = Store()
+    w = store.watcher(root)
+    await w.reconcile(settle=False)
+    hashed = dict(store.rows)
+    store.rows = {p: replace(f, ctime_ns=UNKNOWN_CTIME) for p, f in store.rows.items()}
+    commits = len(store.commits)
+    summary = await w.reconcile(settle=False)
+    assert (summary.hashed, summary.unchanged, store.filled) == (0, 5, 5)
+    assert store.rows == hashed and len(store.commits) == commits
+    rewrite_in_place(files[0], b"C" * 2000)
+    assert (await w.reconcile(settle=False)).hashed == 1
+    assert store.rows[str(files[0])].midhash == cids.midhash_bytes(b"C" * 2000)
+
+
+async def test_the_cache_keeps_each_files_ctime_and_fills_an_older_rows_at_the_first_look(
+    node: Node, tmp_path: Path
+) -> None:
+    """Through the node and the cache of either backend: the rows hold the ctime the file was
+    hashed with; rows without one (an upgraded cache) take the disk's at the next
+    reconciliation without a hash or a feed event; a rewrite that keeps the size and mtime
+    moves the path to the new content; a chmod is hashed again and changes no record (no
+    feed event, no file event)."""
+    media = tmp_path / "media"
+    files = [write(media / f"f{i}.mkv", os.urandom(3000 + i)) for i in range(3)]
+    await node.scan([str(media)])
+    assert node.cache.local_stats([str(media)]) == {str(f): stat_now(f) for f in files}
+    await node.cache.writer.run(lambda conn: conn.execute("UPDATE local_file SET ctime_ns = 0"))
+    state = node.applier.state
+    summary = await node.scan([str(media)])
+    assert (summary.hashed, summary.unchanged) == (0, 3)
+    assert node.cache.local_stats([str(media)]) == {str(f): stat_now(f) for f in files}
+    assert node.applier.state.mark == state.mark  # nothing written but the ctimes
+
+    rewrite_in_place(files[0], b"R" * 3000)
+    assert (await node.scan([str(media)])).hashed == 1
+    assert node.cache.midhashes_at([str(files[0])]) == {
+        str(files[0]): cids.midhash_bytes(b"R" * 3000)
+    }
+    state = node.applier.state
+    os.chmod(files[1], 0o600)
+    assert (await node.scan([str(media)])).hashed == 1
+    assert node.cache.local_stats([str(files[1])]) == {str(files[1]): stat_now(files[1])}
+    assert (node.applier.state.feed_seq, node.applier.state.file_feed_seq) == (
+        state.feed_seq,
+        state.file_feed_seq,
+    )
+
+
+async def test_an_older_caches_local_files_have_no_ctime_until_the_watcher_gives_one(
+    tmp_path: Path, storage: str
+) -> None:
+    """The migration (SQLite v14, PostgreSQL v10) adds the column to the rows there are and
+    rewrites none; a ctime is filled in only where the row still holds the size, mtime and
+    inode the disk shows (`fill_ctimes_txn`), else the file is hashed as any changed one."""
+    settings = settings_for(tmp_path, storage=storage)
+    target = db.target(settings.data_dir, settings.storage, "cache")
+    migrations = cache.MIGRATIONS if storage == "sqlite" else cache.PG_MIGRATIONS
+    db.migrate_file(target, migrations[: 13 if storage == "sqlite" else 9])
+    conn = db.connect(target)
+    rows = [("/m/a.mkv", "bagacba1", 5, 10, 7), ("/m/b.mkv", "bagacba2", 6, 20, 8)]
+    try:
+        db.run_txn(
+            conn,
+            lambda c: c.executemany(
+                "INSERT INTO local_file (path, midhash, size, mtime_ns, ino) "
+                "VALUES (?, ?, ?, ?, ?)",
+                rows,
+            ),
+        )
+        assert db.migrate(conn, migrations) == len(migrations)
+        assert cache.local_stats(conn, ["/m"]) == {
+            "/m/a.mkv": Stat(5, 10, UNKNOWN_CTIME, 7),
+            "/m/b.mkv": Stat(6, 20, UNKNOWN_CTIME, 8),
+        }
+        found = {"/m/a.mkv": Stat(5, 10, 99, 7), "/m/b.mkv": Stat(6, 20, 99, 9)}  # b: replaced
+        db.run_txn(conn, lambda c: cache.fill_ctimes_txn(c, found))
+        assert cache.local_stats(conn, ["/m"]) == {
+            "/m/a.mkv": Stat(5, 10, 99, 7),
+            "/m/b.mkv": Stat(6, 20, UNKNOWN_CTIME, 8),
+        }
+    finally:
+        conn.close()

@@ -28,10 +28,11 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 
+from metanode import cache, db, watcher
 from metanode import cid as cids
-from metanode import watcher
 from tests.helpers.claims import Signer
 from tests.helpers.mounts import Mounts
+from tests.helpers.rewrite import rewrite_in_place
 from tests.helpers.server import Server
 from tests.helpers.vectors import load_vectors
 from tests.helpers.wait import DEADLINE_S, poll
@@ -750,6 +751,89 @@ def test_a_restart_with_nothing_changed_hashes_nothing(start: Start, tmp_path: P
 
     done = scan(again.data_dir, again.media)
     assert summary_line(done) == "4 files seen: 0 hashed, 4 unchanged, 0 removed, 0 unreadable"
+
+
+def ctimes(data_dir: Path) -> dict[str, int]:
+    """path → the ctime its `local_file` row holds (0: none yet)."""
+    conn = sqlite3.connect(f"{(data_dir / 'cache.db').as_uri()}?mode=ro", uri=True)
+    try:
+        return dict(conn.execute("SELECT path, ctime_ns FROM local_file").fetchall())
+    finally:
+        conn.close()
+
+
+def as_schema_13(cache_db: Path) -> None:
+    """Make a stopped node's cache.db what the metanode before ctimes left: cache schema 13,
+    whose `local_file` had no `ctime_ns` (checked column for column against a cache made by
+    the migrations up to 13)."""
+    fresh = cache_db.with_name("v13.db")
+    db.migrate_file(fresh, cache.MIGRATIONS[:13])
+    conn = sqlite3.connect(cache_db)
+    try:
+        conn.execute("ALTER TABLE local_file DROP COLUMN ctime_ns")
+        conn.execute("PRAGMA user_version = 13")
+        conn.commit()
+        old = sqlite3.connect(fresh)
+        try:
+            columns = "SELECT * FROM pragma_table_info('local_file')"
+            assert conn.execute(columns).fetchall() == old.execute(columns).fetchall()
+        finally:
+            old.close()
+    finally:
+        conn.close()
+    fresh.unlink()
+
+
+def test_an_upgraded_cache_takes_each_files_ctime_without_hashing_then_sees_rewrites(
+    start: Start, tmp_path: Path
+) -> None:
+    """A node of cache schema 13 upgraded: its first start gives each row the disk's ctime and
+    hashes nothing (the feed holds only a marker written after; a library of 100,000 files is
+    not read again), then a file rewritten in place with its size and mtime put back moves to
+    its new content at once (inotify), which nothing saw before."""
+    server = start()
+    contents = {server.media / f"f{i}.mkv": os.urandom(3000 + i) for i in range(3)}
+    for path, data in contents.items():
+        write(path, data)
+    wait_for("three files", lambda: len(server.files()) == 3)
+    rows = local_rows(server.data_dir)
+    mark = server.cursor()
+    server.stop()
+    as_schema_13(server.data_dir / "cache.db")
+
+    again = start()
+    marker = write(again.media / "marker.mkv", b"after the upgrade")
+    record(again, cids.midhash_bytes(b"after the upgrade"), has_path(marker))  # start scan done
+    events, _ = replay(again, mark)
+    assert {e.rid for e in events} == {rid_of(again, marker)}, events
+    assert [r for r in local_rows(again.data_dir) if r[0] != str(marker)] == rows
+    on_disk = {str(p): p.stat().st_ctime_ns for p in [*contents, marker]}
+    assert ctimes(again.data_dir) == on_disk
+    assert "recorded the change time (ctime) of 3 file(s)" in again.log_text()
+
+    first = next(iter(contents))
+    rewrite_in_place(first, b"T" * len(contents[first]))
+    new = cids.midhash_bytes(first.read_bytes())
+    wait_for("the rewrite seen", lambda: midhash_at(again, first) == new)
+    served = httpx.get(f"{again.url}/file/{new}", headers=again.headers, timeout=10)
+    assert served.status_code == 200 and served.content == first.read_bytes()
+
+
+def test_a_chmod_is_hashed_again_and_changes_no_record(start: Start) -> None:
+    """A chmod moves the ctime as a write does: the file is hashed again, to the midhash it
+    had, and its row takes the new ctime (the next look hashes nothing); no feed event."""
+    server = start()
+    film = write(server.media / "film.mkv", os.urandom(3000))
+    midhash = cids.midhash_bytes(film.read_bytes())
+    wait_for("listed", lambda: midhash_at(server, film) == midhash)
+    mark = server.cursor()
+    os.chmod(film, 0o600)
+    ctime = film.stat().st_ctime_ns
+    wait_for("the new ctime kept", lambda: ctimes(server.data_dir).get(str(film)) == ctime)
+    assert midhash_at(server, film) == midhash
+    assert replay(server, mark)[0] == []
+    served = httpx.get(f"{server.url}/file/{midhash}", headers=server.headers, timeout=10)
+    assert served.status_code == 200 and served.content == film.read_bytes()
 
 
 def test_a_file_dated_past_2262_is_recorded_served_and_not_hashed_again(
