@@ -52,6 +52,7 @@ from metanode.config import Settings
 from metanode.errors import (
     InvalidRequest,
     NotCommitted,
+    OutOfFiles,
     SchemaTooNew,
     ShuttingDown,
     StorageCorrupt,
@@ -60,6 +61,8 @@ from metanode.errors import (
     StorageIOError,
     StorageLocked,
     StorageReadOnly,
+    out_of_files,
+    out_of_files_hint,
 )
 from metanode.errors import storage_error as file_error
 
@@ -124,6 +127,7 @@ PROBE_FREE_BYTES = 1 << 20  # ...and needs this much free space: a tiny write ma
 _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
     ("SQLITE_FULL", StorageFull),
     ("SQLITE_READONLY", StorageReadOnly),
+    # unless the process is out of file descriptors (`OutOfFiles`), which SQLite does not say
     ("SQLITE_CANTOPEN", StorageReadOnly),
     # the WAL's index (`-shm`) could not grow: a full disk, which said `storage_io_error` (an
     # upgrade whose first start filled the disk failed so, with no word of space)
@@ -153,6 +157,8 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     if kind is None:
         return None
     hint = CORRUPT_HINT if kind is StorageCorrupt else ""
+    if name.startswith("SQLITE_CANTOPEN") and (code := out_of_files()) is not None:
+        kind, hint = OutOfFiles, f" ({os.strerror(code)}){out_of_files_hint(code)}"
     return kind(f"{FAILED}{f'{where}: ' if where else ''}{exc} ({name}){hint}")
 
 
