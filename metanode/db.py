@@ -407,17 +407,23 @@ BeforeCommit = Callable[[Any], Gate | None]
 
 
 def run_txn(
-    conn: Connection, fn: Txn[T], *args: Any, before_commit: BeforeCommit | None = None
+    conn: Connection,
+    fn: Txn[T],
+    *args: Any,
+    before_commit: BeforeCommit | None = None,
+    where: Target | None = None,
 ) -> T:
     """Run `fn(conn, *args)` as one `BEGIN IMMEDIATE` transaction: all of it commits or none.
 
     A failing statement or COMMIT rolls back whatever SQLite has not rolled back itself (after
     SQLITE_FULL or an I/O error it may have; a failed COMMIT may leave the transaction open), so
     the connection is always usable for the next transaction. `before_commit`: see
-    `BeforeCommit`; what it raises is logged and changes nothing here.
+    `BeforeCommit`; what it raises is logged and changes nothing here. `where`: the database
+    a storage failure names (SQLite's "database or disk is full" names none: a refusal and
+    `/health` could not tell a full truth.db from a full cache.db).
     """
     gate: Gate | None = None
-    with storage_errors():
+    with storage_errors(where):
         conn.execute("BEGIN IMMEDIATE")
         try:
             result = fn(conn, *args)
@@ -465,7 +471,7 @@ def probe(conn: Connection, target: Target) -> None:
     """
     if isinstance(target, Path):
         _check_free(target)
-    run_txn(conn, _rewrite_user_version)
+    run_txn(conn, _rewrite_user_version, where=target)
 
 
 def read_only_disk(error: StorageError, target: Target) -> StorageError:
@@ -582,7 +588,7 @@ def migrate(
         return version
 
     try:
-        before = run_txn(conn, txn)
+        before = run_txn(conn, txn, where=None if isinstance(where, str) else where)
     except StorageError as exc:
         if not found or not 0 < found[-1] < len(migrations):
             raise
@@ -968,7 +974,7 @@ class Writer:
         """`run_txn` on this writer's connection, refused once its log files were removed, and
         looking at them after each commit, before anyone is answered (`LogWatch`)."""
         self.logs.refuse()
-        result = run_txn(self.conn, fn, *args, before_commit=before_commit)
+        result = run_txn(self.conn, fn, *args, before_commit=before_commit, where=self.path)
         if (unseen := self.logs.look(self.conn)) is not None:
             self._failed(unseen)  # committed: said in /health, not to whoever asked
         return result

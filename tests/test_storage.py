@@ -442,6 +442,28 @@ def test_a_migration_that_runs_out_of_space_says_so_and_changes_nothing(
     assert user_version(path) == newest and sorted_claims(path) == claims
 
 
+def test_a_full_disk_names_the_database_it_could_not_write(tmpfs: Path) -> None:
+    """SQLite's "database or disk is full" names no file, and the writer's transactions passed
+    none: a client and `/health` read `the data directory failed: database or disk is full
+    (SQLITE_FULL)`, with truth.db and cache.db (and the temporary files) possibly on different
+    disks. The refusal and the writer's failure (what `/health` shows) now name the database."""
+    path = tmpfs / "x.db"
+    db.migrate_file(path, [lambda conn: conn.execute("CREATE TABLE t (v BLOB)")])
+    writer = db.Writer(path, "x")
+    try:
+        fill(tmpfs)
+        with pytest.raises(errors.StorageError) as full:
+            for _ in range(1_000):  # where the disk runs out depends on the WAL: until it does
+                writer.run_sync(
+                    lambda conn: conn.execute("INSERT INTO t VALUES (?)", (b"v" * 50_000,))
+                )
+        assert full.value.slug in ("storage_full", "storage_io_error"), full.value.message
+        assert full.value.message.startswith(f"the data directory failed: {path}: ")
+        assert writer.failure is not None and str(path) in writer.failure.message
+    finally:
+        writer.close()
+
+
 def user_version(path: Path) -> int:
     with contextlib.closing(sqlite3.connect(path)) as conn:
         return int(conn.execute("PRAGMA user_version").fetchone()[0])
