@@ -51,6 +51,7 @@ from metanode.clock import Clock, now_ms
 from metanode.config import Settings
 from metanode.errors import (
     InvalidRequest,
+    MetanodeError,
     NotCommitted,
     OutOfFiles,
     SchemaTooNew,
@@ -143,6 +144,12 @@ _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
 FAILED = "the data directory failed: "  # how every storage error's message begins
 
 
+def typed_error(exc: BaseException, where: object = None) -> MetanodeError | None:
+    """A database failure as what a caller is told: a storage failure (`storage_error`), or a
+    statement too large for the server to run (`pg.limit_error`: the request's error, a 400)."""
+    return storage_error(exc, where) or pg.limit_error(exc)
+
+
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
     """The typed error for a storage failure (by SQLite's error name, extended names included,
     by PostgreSQL's SQLSTATE, or by errno), or None when `exc` is something else (a constraint,
@@ -189,16 +196,16 @@ def damage(path: Path) -> str | None:
 
 
 def mapped(method: Callable[P, T]) -> Callable[P, T]:
-    """A store's read method that raises a storage failure as its typed `StorageError`: a
-    try/except around the call (not a context manager), as cheap as the primary-key reads on
+    """A store's read method that raises a database failure as its typed error (`typed_error`):
+    a try/except around the call (not a context manager), as cheap as the primary-key reads on
     the event loop it wraps."""
 
     @functools.wraps(method)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return method(*args, **kwargs)
-        except Exception as exc:  # only storage failures are typed; the rest is raised as is
-            typed = storage_error(exc)
+        except Exception as exc:  # only database failures are typed; the rest is raised as is
+            typed = typed_error(exc)
             if typed is None:
                 raise
             raise typed from exc
@@ -208,12 +215,13 @@ def mapped(method: Callable[P, T]) -> Callable[P, T]:
 
 @contextmanager
 def storage_errors(where: object = None) -> Iterator[None]:
-    """Raise a storage failure (`sqlite3.Error`, `OSError`) as its typed `StorageError`, naming
-    the file `where` if the error does not; let anything else through unchanged."""
+    """Raise a storage failure (`sqlite3.Error`, `OSError`, psycopg's) as its typed
+    `StorageError`, naming the file `where` if the error does not, and a statement too large for
+    the server as `TooComplex` (`typed_error`); let anything else through unchanged."""
     try:
         yield
     except Exception as exc:
-        typed = storage_error(exc, where)
+        typed = typed_error(exc, where)
         if typed is None:
             raise
         raise typed from exc

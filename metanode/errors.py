@@ -207,6 +207,15 @@ class RequestTimeout(RequestError):
     retryable = True
 
 
+class TooComplex(RequestError):
+    """The request asks more than the database runs as one statement: PostgreSQL's program
+    limits (SQLSTATE class 54; 54001 "stack depth limit exceeded" for a library search of
+    15,000 characters of an unspaced script, measured, where 10,000 ran). Was a 500; not an
+    outage, so not retryable: the same request fails again, a smaller one works."""
+
+    slug = "too_complex"
+
+
 class InvalidKeyFile(RequestError):
     slug = "invalid_key_file"
 
