@@ -2320,7 +2320,7 @@ class CacheStore(Store):
         if self._boot is None:
             return ()
         with contextlib.closing(connect(self.path)) as conn:  # fsync'd: synchronous=FULL
-            run_txn(conn, relax_txn, self._boot)
+            run_txn(conn, relax_txn, self._boot, where=self.path)
         return ("PRAGMA synchronous=NORMAL",)
 
     def close(self) -> None:
@@ -2331,7 +2331,7 @@ class CacheStore(Store):
             return
         try:
             with contextlib.closing(connect(self.path)) as conn:
-                run_txn(conn, settle_txn)
+                run_txn(conn, settle_txn, where=self.path)
         except StorageError as exc:  # the mark stays: a restart of the machine rebuilds
             log.warning("could not mark cache.db closed cleanly (%s)", exc.message)
 

@@ -51,7 +51,9 @@ from metanode.clock import Clock, now_ms
 from metanode.config import Settings
 from metanode.errors import (
     InvalidRequest,
+    MetanodeError,
     NotCommitted,
+    OutOfFiles,
     SchemaTooNew,
     ShuttingDown,
     StorageCorrupt,
@@ -60,6 +62,8 @@ from metanode.errors import (
     StorageIOError,
     StorageLocked,
     StorageReadOnly,
+    out_of_files,
+    out_of_files_hint,
 )
 from metanode.errors import storage_error as file_error
 
@@ -124,6 +128,7 @@ PROBE_FREE_BYTES = 1 << 20  # ...and needs this much free space: a tiny write ma
 _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
     ("SQLITE_FULL", StorageFull),
     ("SQLITE_READONLY", StorageReadOnly),
+    # unless the process is out of file descriptors (`OutOfFiles`), which SQLite does not say
     ("SQLITE_CANTOPEN", StorageReadOnly),
     # the WAL's index (`-shm`) could not grow: a full disk, which said `storage_io_error` (an
     # upgrade whose first start filled the disk failed so, with no word of space)
@@ -137,6 +142,12 @@ _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
 
 
 FAILED = "the data directory failed: "  # how every storage error's message begins
+
+
+def typed_error(exc: BaseException, where: object = None) -> MetanodeError | None:
+    """A database failure as what a caller is told: a storage failure (`storage_error`), or a
+    statement too large for the server to run (`pg.limit_error`: the request's error, a 400)."""
+    return storage_error(exc, where) or pg.limit_error(exc)
 
 
 def storage_error(exc: BaseException, where: object = None) -> StorageError | None:
@@ -153,6 +164,8 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     if kind is None:
         return None
     hint = CORRUPT_HINT if kind is StorageCorrupt else ""
+    if name.startswith("SQLITE_CANTOPEN") and (code := out_of_files()) is not None:
+        kind, hint = OutOfFiles, f" ({os.strerror(code)}){out_of_files_hint(code)}"
     return kind(f"{FAILED}{f'{where}: ' if where else ''}{exc} ({name}){hint}")
 
 
@@ -183,16 +196,16 @@ def damage(path: Path) -> str | None:
 
 
 def mapped(method: Callable[P, T]) -> Callable[P, T]:
-    """A store's read method that raises a storage failure as its typed `StorageError`: a
-    try/except around the call (not a context manager), as cheap as the primary-key reads on
+    """A store's read method that raises a database failure as its typed error (`typed_error`):
+    a try/except around the call (not a context manager), as cheap as the primary-key reads on
     the event loop it wraps."""
 
     @functools.wraps(method)
     def wrapper(*args: P.args, **kwargs: P.kwargs) -> T:
         try:
             return method(*args, **kwargs)
-        except Exception as exc:  # only storage failures are typed; the rest is raised as is
-            typed = storage_error(exc)
+        except Exception as exc:  # only database failures are typed; the rest is raised as is
+            typed = typed_error(exc)
             if typed is None:
                 raise
             raise typed from exc
@@ -202,12 +215,13 @@ def mapped(method: Callable[P, T]) -> Callable[P, T]:
 
 @contextmanager
 def storage_errors(where: object = None) -> Iterator[None]:
-    """Raise a storage failure (`sqlite3.Error`, `OSError`) as its typed `StorageError`, naming
-    the file `where` if the error does not; let anything else through unchanged."""
+    """Raise a storage failure (`sqlite3.Error`, `OSError`, psycopg's) as its typed
+    `StorageError`, naming the file `where` if the error does not, and a statement too large for
+    the server as `TooComplex` (`typed_error`); let anything else through unchanged."""
     try:
         yield
     except Exception as exc:
-        typed = storage_error(exc, where)
+        typed = typed_error(exc, where)
         if typed is None:
             raise
         raise typed from exc
@@ -401,17 +415,23 @@ BeforeCommit = Callable[[Any], Gate | None]
 
 
 def run_txn(
-    conn: Connection, fn: Txn[T], *args: Any, before_commit: BeforeCommit | None = None
+    conn: Connection,
+    fn: Txn[T],
+    *args: Any,
+    before_commit: BeforeCommit | None = None,
+    where: Target | None = None,
 ) -> T:
     """Run `fn(conn, *args)` as one `BEGIN IMMEDIATE` transaction: all of it commits or none.
 
     A failing statement or COMMIT rolls back whatever SQLite has not rolled back itself (after
     SQLITE_FULL or an I/O error it may have; a failed COMMIT may leave the transaction open), so
     the connection is always usable for the next transaction. `before_commit`: see
-    `BeforeCommit`; what it raises is logged and changes nothing here.
+    `BeforeCommit`; what it raises is logged and changes nothing here. `where`: the database
+    a storage failure names (SQLite's "database or disk is full" names none: a refusal and
+    `/health` could not tell a full truth.db from a full cache.db).
     """
     gate: Gate | None = None
-    with storage_errors():
+    with storage_errors(where):
         conn.execute("BEGIN IMMEDIATE")
         try:
             result = fn(conn, *args)
@@ -459,7 +479,7 @@ def probe(conn: Connection, target: Target) -> None:
     """
     if isinstance(target, Path):
         _check_free(target)
-    run_txn(conn, _rewrite_user_version)
+    run_txn(conn, _rewrite_user_version, where=target)
 
 
 def read_only_disk(error: StorageError, target: Target) -> StorageError:
@@ -576,7 +596,7 @@ def migrate(
         return version
 
     try:
-        before = run_txn(conn, txn)
+        before = run_txn(conn, txn, where=None if isinstance(where, str) else where)
     except StorageError as exc:
         if not found or not 0 < found[-1] < len(migrations):
             raise
@@ -962,7 +982,7 @@ class Writer:
         """`run_txn` on this writer's connection, refused once its log files were removed, and
         looking at them after each commit, before anyone is answered (`LogWatch`)."""
         self.logs.refuse()
-        result = run_txn(self.conn, fn, *args, before_commit=before_commit)
+        result = run_txn(self.conn, fn, *args, before_commit=before_commit, where=self.path)
         if (unseen := self.logs.look(self.conn)) is not None:
             self._failed(unseen)  # committed: said in /health, not to whoever asked
         return result

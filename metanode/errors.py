@@ -14,7 +14,8 @@ The tree, by family:
 * `AuthError` (401): the perimeter token is missing or wrong; `TooManyAttempts` (429): too many
   wrong ones at sign-in.
 * `UnavailableError` (503): the node cannot answer right now; retrying helps. Its
-  `StorageError` family says why the disk refused a write (`storage_full`, ...);
+  `StorageError` family says why the disk refused a write (`storage_full`, ...) or a file
+  could not be opened (`too_many_open_files`);
   `storage_error()` maps a raw `OSError` into it (`db.storage_error` a database's errors).
   `Unreachable`, raised on the client side (`metanode.client`, the CLI), is one too: no node
   answered at all.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import shutil
 from typing import Any, ClassVar
 
@@ -203,6 +205,15 @@ class RequestTimeout(RequestError):
     status = 408
     slug = "request_timeout"
     retryable = True
+
+
+class TooComplex(RequestError):
+    """The request asks more than the database runs as one statement: PostgreSQL's program
+    limits (SQLSTATE class 54; 54001 "stack depth limit exceeded" for a library search of
+    15,000 characters of an unspaced script, measured, where 10,000 ran). Was a 500; not an
+    outage, so not retryable: the same request fails again, a smaller one works."""
+
+    slug = "too_complex"
 
 
 class InvalidKeyFile(RequestError):
@@ -519,6 +530,15 @@ class StorageLocked(StorageError):
     slug = "storage_locked"
 
 
+class OutOfFiles(StorageError):
+    """The process (EMFILE: its open-file limit, `ulimit -n`) or the system (ENFILE) had no file
+    descriptor to spare for a file of the data directory. SQLite says only "unable to open
+    database file" (SQLITE_CANTOPEN), which read as `storage_read_only` and sent an operator to
+    a disk that was fine; the way out is a higher limit, or fewer connections held open."""
+
+    slug = "too_many_open_files"
+
+
 _ERRNO_STORAGE: dict[int, type[StorageError]] = {
     errno.ENOSPC: StorageFull,
     errno.EDQUOT: StorageFull,
@@ -526,6 +546,8 @@ _ERRNO_STORAGE: dict[int, type[StorageError]] = {
     errno.EACCES: StorageReadOnly,
     errno.EPERM: StorageReadOnly,
     errno.EIO: StorageIOError,
+    errno.EMFILE: OutOfFiles,
+    errno.ENFILE: OutOfFiles,
 }
 
 
@@ -554,7 +576,7 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     kind = _ERRNO_STORAGE.get(exc.errno)
     if kind is None:
         return None
-    hint = PERMISSION_HINT.format(uid=os.geteuid()) if exc.errno in _DENIED else ""
+    hint = _hint(exc.errno)
     return kind(
         f"the data directory failed: {exc.filename or where}: {exc.strerror}{hint}"
         if exc.filename or where
@@ -562,6 +584,59 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     )
 
 
+def _hint(code: int) -> str:
+    """What an operator does about the failure `code` (an errno), when its name alone misleads."""
+    if code in _DENIED:
+        return PERMISSION_HINT.format(uid=os.geteuid())
+    if code in OUT_OF_FILES:
+        return out_of_files_hint(code)
+    return ""
+
+
+def out_of_files() -> int | None:
+    """EMFILE or ENFILE if this process is out of file descriptors now, else None: for the
+    failures that do not say why (SQLite's "unable to open database file"). Out when the
+    descriptors it holds leave fewer than a SQLite database in WAL mode opens (`SQLITE_FILES`:
+    failing at its `-shm`, SQLite closes the two it had opened, so a single free one proved
+    nothing), or when it cannot even list them. Asked after the failure: descriptors freed
+    meanwhile make it None, and the failure keeps its other name."""
+    try:
+        held = len(os.listdir(OPEN_FILES)) - 1  # the listing's own descriptor is closed again
+    except OSError as exc:  # none to list with, or no /proc (not Linux): then it cannot tell
+        return exc.errno if exc.errno in OUT_OF_FILES else None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and held + SQLITE_FILES > soft:
+        return errno.EMFILE
+    return None
+
+
+OPEN_FILES = "/proc/self/fd"  # one entry per descriptor this process holds
+SQLITE_FILES = 3  # what opening a database in WAL mode takes: the file, its `-wal`, its `-shm`
+
+
+def out_of_files_hint(code: int) -> str:
+    """The way out of `code` (EMFILE: this process's limit, named with its value; ENFILE: the
+    system's)."""
+    if code == errno.ENFILE:
+        return (
+            "; the system as a whole has no file descriptor to spare (`fs.file-max`): raise "
+            "it (`sysctl fs.file-max`) or stop what holds them (docs/operations.md, "
+            "'Connections and slow clients')"
+        )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return (
+        f"; this process holds every file descriptor its open-file limit allows ({soft}; "
+        f"hard limit {hard}): raise it (`ulimit -n`, systemd's `LimitNOFILE=`, Docker's "
+        "`--ulimit nofile=`) or lower `max_connections` (docs/operations.md, 'Connections and "
+        "slow clients')"
+    )
+
+
+# No file descriptor to spare: in this process (EMFILE: `ulimit -n`) or in the system (ENFILE).
+# A file that cannot be opened for that is not unreadable (the watcher skipped such files as
+# unreadable until they changed: a burst of connections holding every descriptor left each file
+# added meanwhile out of its record for good), nor on a read-only disk (`OutOfFiles`).
+OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 _DENIED = (errno.EACCES, errno.EPERM)
 # what a file of the data directory it may not open needs (a `chmod 000`, a `sudo` copy owned by
 # root): said, where `Permission denied` alone sent a reader to a full or read-only disk

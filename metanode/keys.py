@@ -14,7 +14,7 @@ from pathlib import Path
 import nacl.signing
 
 from metanode.claims import uid_of
-from metanode.errors import InvalidKeyFile
+from metanode.errors import OUT_OF_FILES, InvalidKeyFile, storage_error
 
 
 def uid_of_key(key: nacl.signing.SigningKey) -> str:
@@ -60,7 +60,9 @@ def write_secret(path: Path, text: str) -> None:
 
 
 def load(path: str | os.PathLike[str]) -> nacl.signing.SigningKey:
-    """Read a key file; raises `InvalidKeyFile` with the reason if it is not one."""
+    """Read a key file; raises `InvalidKeyFile` with the reason if it is not one, and
+    `OutOfFiles` if it could not be opened for want of a file descriptor (the file is fine:
+    `invalid_key_file` sent an operator to a key that was whole)."""
     try:
         data = json.loads(Path(path).read_text())
         if data.get("type") != "ed25519":
@@ -68,7 +70,11 @@ def load(path: str | os.PathLike[str]) -> nacl.signing.SigningKey:
         key = nacl.signing.SigningKey(bytes.fromhex(data["seed"]))
     except InvalidKeyFile:
         raise
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except OSError as exc:
+        if exc.errno in OUT_OF_FILES:
+            raise storage_error(exc) or exc from None
+        raise InvalidKeyFile(f"{path}: cannot read key file ({exc})") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise InvalidKeyFile(f"{path}: cannot read key file ({exc})") from None
     if data.get("uid") not in (None, uid_of_key(key)):
         raise InvalidKeyFile(f"{path}: the uid does not match the seed")

@@ -57,6 +57,7 @@ from metanode.errors import (
     StorageReadOnly,
     StorageRefused,
     StorageUnavailable,
+    TooComplex,
     ToolMissing,
 )
 
@@ -209,6 +210,21 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     text = first_line(exc)
     hint = LOGIN_HINT if kind is StorageRefused else REFUSAL_HINTS.get(state, slots_hint(text))
     return kind(f"the database failed: {f'{where}: ' if where else ''}{text}{hint}")
+
+
+def limit_error(exc: BaseException) -> TooComplex | None:
+    """The typed error of a statement past one of the server's program limits (SQLSTATE class
+    54: too complex, too many columns or arguments), or None. The statement is the request's
+    (its size comes from what was asked), so this is the request's error, not the storage's."""
+    if not is_driver_error(exc):
+        return None
+    state = getattr(exc, "sqlstate", None) or ""
+    if not state.startswith("54"):
+        return None
+    return TooComplex(
+        f"the database cannot run what this request asks as one statement ({first_line(exc)}; "
+        f"SQLSTATE {state}): ask for less (a shorter search)"
+    )
 
 
 def first_line(exc: BaseException | None) -> str:

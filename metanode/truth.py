@@ -2172,7 +2172,7 @@ class TruthStore(Store):
                 raise InvalidRequest(f"{backup} is no backup of truth.db: {exc}") from None
             conn = connect(dest)
             try:
-                run_txn(conn, renew_log_txn)
+                run_txn(conn, renew_log_txn, where=dest)
             finally:
                 conn.close()
 

@@ -37,7 +37,7 @@ import watchfiles
 
 from metanode import cid as cids
 from metanode import datadir, logs
-from metanode.errors import MidhashError, StorageError
+from metanode.errors import OUT_OF_FILES, MidhashError, StorageError
 from metanode.ignores import UNKNOWN_CTIME, Rules, Stat, is_text, stat_from
 from metanode.merge import LocalFile
 
@@ -348,11 +348,6 @@ WATCH_LIMITS = (
     Path("/proc/sys/user/max_inotify_watches"),
 )
 IN_ATTRIB = 0x4
-# The process (EMFILE: `ulimit -n`) or the system (ENFILE) has no file descriptor to spare: a
-# file that cannot be opened for that is not unreadable. It was skipped as unreadable until it
-# changed, so a burst of connections holding every descriptor (feed subscribers past the limit)
-# left each file added meanwhile out of its record for good, one warning a file.
-OUT_OF_FILES = (errno.EMFILE, errno.ENFILE)
 DELETED = watchfiles.Change.deleted
 
 

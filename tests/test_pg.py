@@ -41,6 +41,7 @@ from metanode.errors import (
     StorageLocked,
     StorageRefused,
     StorageUnavailable,
+    TooComplex,
 )
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
@@ -1437,6 +1438,28 @@ def test_a_search_of_a_pasted_page_asks_its_first_distinct_words(
     assert cache.fts_query("the the lord " * 100 + pasted).count('"*') == cache.SEARCH_WORDS
 
 
+UNSPACED = "進" * 15_000  # one word of an unspaced script: the phrase of its 15,000 characters
+
+
+def test_a_statement_past_the_servers_limits_is_too_complex_not_a_500(dsn: str) -> None:
+    """A search of one 15,000-character word of an unspaced script (a pasted page of Japanese)
+    is a phrase of 15,000 characters, past PostgreSQL's stack depth (SQLSTATE 54001; 10,000
+    ran): it was an untyped error, a 500. It is 400 `too_complex`, not retryable; the store
+    answers the next search as ever. (The web page cannot send it today: %-escaped it is a
+    135 KB request target, past the 65,535 bytes the server's parser takes, and raw UTF-8 in
+    a target is refused; 7,281 escaped characters fit, and 10,000 ran.)"""
+    with cache.CacheStore(pg.Target(dsn, "cache")) as store:
+        rows = {"01A": {"title": "進撃の巨人"}}
+        store.writer.run_sync(lambda conn: cache.index_library(conn, list(rows), rows, {}))
+        with pytest.raises(TooComplex) as refused:
+            store.library_page(UNSPACED, "", None, cache.NEWEST, 50)
+        assert refused.value.status == 400 and not refused.value.retryable
+        assert "stack depth limit exceeded; SQLSTATE 54001" in refused.value.message
+        assert [row.rid for row in store.library_page("進撃", "", None, cache.NEWEST, 50)] == [
+            "01A"
+        ]
+
+
 def test_a_search_is_planned_for_its_words_however_often_it_runs(dsn: str) -> None:
     """psycopg prepares a statement at its fifth run on a connection, and the server may then
     keep one plan for any words, which read every row for a word no row has (260 ms at
@@ -1701,6 +1724,10 @@ def test_sqlstates_map_to_the_typed_storage_errors() -> None:
     assert typed("25P03") == typed("25P04") == "storage_unavailable"  # session timeouts (500s)
     assert typed("23505") is None and typed("42601") is None  # a constraint, a syntax error
     assert pg.storage_error(ValueError("x")) is None
+    assert typed("54001") is None  # the request's error, not the storage's: `limit_error`
+    too_complex = pg.limit_error(psycopg.errors.lookup("54001")("x"))
+    assert too_complex is not None and too_complex.slug == "too_complex"
+    assert pg.limit_error(psycopg.errors.lookup("53100")("x")) is None
 
 
 def test_the_cache_uses_unaccent_where_the_database_has_it(dsn: str) -> None:

@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import sqlite3
@@ -441,6 +442,28 @@ def test_a_migration_that_runs_out_of_space_says_so_and_changes_nothing(
     assert user_version(path) == newest and sorted_claims(path) == claims
 
 
+def test_a_full_disk_names_the_database_it_could_not_write(tmpfs: Path) -> None:
+    """SQLite's "database or disk is full" names no file, and the writer's transactions passed
+    none: a client and `/health` read `the data directory failed: database or disk is full
+    (SQLITE_FULL)`, with truth.db and cache.db (and the temporary files) possibly on different
+    disks. The refusal and the writer's failure (what `/health` shows) now name the database."""
+    path = tmpfs / "x.db"
+    db.migrate_file(path, [lambda conn: conn.execute("CREATE TABLE t (v BLOB)")])
+    writer = db.Writer(path, "x")
+    try:
+        fill(tmpfs)
+        with pytest.raises(errors.StorageError) as full:
+            for _ in range(1_000):  # where the disk runs out depends on the WAL: until it does
+                writer.run_sync(
+                    lambda conn: conn.execute("INSERT INTO t VALUES (?)", (b"v" * 50_000,))
+                )
+        assert full.value.slug in ("storage_full", "storage_io_error"), full.value.message
+        assert full.value.message.startswith(f"the data directory failed: {path}: ")
+        assert writer.failure is not None and str(path) in writer.failure.message
+    finally:
+        writer.close()
+
+
 def user_version(path: Path) -> int:
     with contextlib.closing(sqlite3.connect(path)) as conn:
         return int(conn.execute("PRAGMA user_version").fetchone()[0])
@@ -572,6 +595,64 @@ def test_serve_refuses_a_data_directory_it_may_not_write(tmp_path: Path) -> None
     assert "Permission denied" in done.stderr
 
 
+def test_scan_out_of_file_descriptors_says_so_and_the_way_out(tmp_path: Path) -> None:
+    """`scan` under open-file limits from 8 up to one it works with: each runs out at another
+    file (truth.db, cache.db, the owner's key; measured). SQLite says only "unable to open
+    database file" (SQLITE_CANTOPEN), which was `storage_read_only`, and the key
+    `invalid_key_file`: both sent the operator to files that were fine. Every refusal is now the
+    one slug, with the limit and how to raise it, exit 2."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux) to set the open-file limit")
+    data, media = tmp_path / "data", tmp_path / "media"
+    media.mkdir()
+    for n in range(5):
+        (media / f"f{n}.bin").write_bytes(os.urandom(20_000))
+    assert cli("init", "--data-dir", str(data)).returncode == 0
+    refused: list[str] = []
+    for nofile in range(8, 40):
+        done = cli(
+            "scan", "--data-dir", str(data), str(media), prefix=["prlimit", f"--nofile={nofile}"]
+        )
+        if done.returncode == 0:
+            assert "5 files seen" in done.stdout, done.stdout
+            break
+        assert_refused(done, "too_many_open_files")
+        assert f"open-file limit allows ({nofile};" in done.stderr and "ulimit -n" in done.stderr
+        refused.append(done.stderr.split(": ")[3])  # the file it ran out at
+    else:
+        pytest.fail("scan did not work under an open-file limit of 39")
+    assert {"truth.db", "owner.key"} <= {Path(file).name for file in refused}, refused
+
+
+def test_a_database_opened_with_no_descriptor_to_spare_is_too_many_open_files(
+    tmp_path: Path,
+) -> None:
+    """In this process: every descriptor its (lowered) limit allows held, a database cannot be
+    opened, and says why; with them given back, a database that cannot be opened for another
+    reason (its folder is missing) keeps its old name."""
+    path = tmp_path / "x.db"
+    db.connect_file(path).close()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        for readonly in (True, False):  # SQLite's SQLITE_CANTOPEN; our own os.open's EMFILE
+            with pytest.raises(errors.OutOfFiles) as out:
+                db.connect_file(path, readonly=readonly)
+            assert out.value.slug == "too_many_open_files" and out.value.retryable
+            assert "x.db" in out.value.message and "ulimit -n" in out.value.message
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with pytest.raises(errors.StorageReadOnly) as other:
+        db.connect_file(tmp_path / "missing.db", readonly=True)
+    assert "SQLITE_CANTOPEN" in other.value.message
+
+
 @pytest.mark.parametrize("command", ["serve", "init", "restore"])
 def test_a_data_directory_that_is_a_file_is_said_so(tmp_path: Path, command: str) -> None:
     """Named by METANODE_DATA_DIR (click checks --data-dir itself), a file was
@@ -617,6 +698,8 @@ def test_real_sqlite_failures_map_to_typed_errors_and_others_pass_through(tmp_pa
         (errno.EROFS, "storage_read_only"),
         (errno.EACCES, "storage_read_only"),
         (errno.EIO, "storage_io_error"),
+        (errno.EMFILE, "too_many_open_files"),
+        (errno.ENFILE, "too_many_open_files"),
         (errno.ENOENT, None),
     ],
 )
