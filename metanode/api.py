@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, QueryParams
 from starlette.exceptions import HTTPException
@@ -814,11 +813,8 @@ def _record_routes(node: Node, sessions: ui.Sessions) -> list[Route]:
         cursor = request.headers.get("last-event-id") or q.get("since")
         where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
         stream = node.subscribe(cursor, _flag(q, "snapshot"), where)
-        return EventSourceResponse(
-            sessions.while_signed_in(stream, request.scope),
-            ping=0,
-            sep=sse.SEP,
-            headers={"Cache-Control": "no-cache"},
+        return compat.event_stream(
+            node, sessions.while_signed_in(stream, request.scope), request.scope
         )
 
     async def files(request: Request) -> Response:
