@@ -602,7 +602,7 @@ class _Follow(feed.Framing[R]):
 
     def stream(self) -> AsyncGenerator[bytes, None]:
         subscription = feed.Subscription(self.feed, self, self.cursor, self.whole_without_cursor)
-        return self.node.counted(subscription.stream())
+        return self.node.counted(subscription)
 
 
 class MetaFollow(_Follow[feed.FeedRow]):

@@ -159,6 +159,13 @@ class Metrics:
             registry=own,
             multiprocess_mode="livesum",
         )
+        self.feed_behind = Gauge(
+            "metanode_feed_behind_events",
+            "The most events an open change feed has not been sent yet (its table's newest "
+            "seq less its position)",
+            registry=own,
+            multiprocess_mode="livemax",
+        )
         self.feed_stalls = FeedStalls(own)
         if shared:
             MultiProcessCollector(self.registry, shared)  # type: ignore[no-untyped-call]

@@ -24,8 +24,10 @@ BATCH = 50  # claims a POST: ≈ 3 MB, under `max_batch_bytes`
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[Server]:
-    srv = Server(tmp_path / "data", env={"METANODE_FEED_STALL_S": "1"}).start()
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    """A server whose `feed_stall_s` is the test's parameter (1 s unless told)."""
+    stall_s = getattr(request, "param", "1")
+    srv = Server(tmp_path / "data", env={"METANODE_FEED_STALL_S": stall_s}).start()
     try:
         yield srv
     finally:
@@ -115,3 +117,32 @@ def test_a_consumer_that_stops_reading_is_cut_and_resumes_gaplessly(server: Serv
     assert got_before < len(replica.seqs)
     assert metric(server, "metanode_feed_cut_stalled_total") == 1  # the reader is not cut
     resumed.close()
+
+
+@pytest.mark.parametrize("server", ["3600"], indirect=True)
+def test_a_consumer_that_stops_reading_is_counted_stalled_and_behind_until_it_reads(
+    server: Server,
+) -> None:
+    signer = Signer()
+    server.register(signer.uid, "stall")
+    stuck = Stream(server, rcvbuf=4096)
+    batches = 0
+
+    def stalled() -> bool | None:
+        nonlocal batches
+        if metric(server, "metanode_feed_stalled") == 1:
+            return True
+        post(server, big_claims(signer, batches))
+        batches += 1
+        return None
+
+    poll(stalled, "the node to see the consumer's buffers full")
+    post(server, big_claims(signer, batches))  # 100 events it cannot be sent
+    assert metric(server, "metanode_feed_behind_events") >= 2 * BATCH
+    assert metric(server, "metanode_feed_subscribers") == 1
+    end = int(feed_head(server).rsplit("-", 1)[1])
+    replica = stuck.until(reached(end), Replica(gaps_allowed=False))  # it reads again
+    assert replica.seqs == list(range(replica.seqs[0], end + 1))
+    poll(lambda: metric(server, "metanode_feed_stalled") == 0 or None, "the stall to clear")
+    assert metric(server, "metanode_feed_behind_events") == 0
+    assert metric(server, "metanode_feed_cut_stalled_total") == 0
