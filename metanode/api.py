@@ -811,7 +811,7 @@ def _record_routes(node: Node, sessions: ui.Sessions) -> list[Route]:
     async def events(request: Request) -> Response:
         q = request.query_params
         cursor = request.headers.get("last-event-id") or q.get("since")
-        where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
+        where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"), q.getlist("exclude"))
         stream = node.subscribe(cursor, _flag(q, "snapshot"), where)
         return compat.event_stream(
             node, sessions.while_signed_in(stream, request.scope), request.scope
