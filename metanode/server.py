@@ -26,7 +26,7 @@ answer is plain text. `BoundedHttpTools` adds, per connection:
   through the scope extension `metrics.STALL_WATCH`): a client that takes no byte of its
   stream for `feed_stall_s` while the stream has bytes waiting for it (its socket's buffers
   full) is disconnected, with a reset that frees them at once. A feed never ends by itself,
-  so without it a consumer that stopped reading held its connection, ≈ 2.6 MB of kernel
+  so without it a consumer that stopped reading held its connection, 3.9 MB of kernel
   socket queue on loopback and the stream's own buffer, for as long as its host lived; the
   feed is resumable, so the client, when it comes back, continues from its last id.
 
@@ -288,7 +288,7 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def _stalled(self, stalls: Stalls) -> None:
         stalls.stalled()
-        self.buffered = self.transport.get_write_buffer_size()
+        self.buffered = self._waiting()
         self.moved_at = self.loop.time()
         self.stall_timer = self.loop.call_later(self.feed_stall_s / STALL_CHECKS, self._look)
 
@@ -303,8 +303,8 @@ class BoundedHttpTools(HttpToolsProtocol):
         for it only shrinks while the stream's writes wait), or it is cut once it took none
         for `feed_stall_s`. A slow reader is not stuck: what it reads opens its TCP window,
         the kernel sends and the peer acknowledges, so the socket's queue shrinks (`unsent`)
-        long before the kernel asks the process for more (at a third of its ≈ 4 MB free)."""
-        waiting = self.transport.get_write_buffer_size() + unsent(self.transport)
+        long before the kernel takes more of the transport's buffer."""
+        waiting = self._waiting()
         now = self.loop.time()
         if waiting < self.buffered:
             self.buffered, self.moved_at = waiting, now
@@ -312,6 +312,11 @@ class BoundedHttpTools(HttpToolsProtocol):
             self._cut(now - self.moved_at)
             return
         self.stall_timer = self.loop.call_later(self.feed_stall_s / STALL_CHECKS, self._look)
+
+    def _waiting(self) -> int:
+        """The bytes sent that the client has not taken: the transport's buffer and the
+        socket's kernel queue."""
+        return self.transport.get_write_buffer_size() + unsent(self.transport)
 
     def _cut(self, still_s: float) -> None:
         """Disconnect a client that stopped reading: a reset (`SO_LINGER` 0), so the kernel
