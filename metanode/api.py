@@ -21,7 +21,6 @@ from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, QueryParams
 from starlette.exceptions import HTTPException
@@ -795,13 +794,10 @@ def _record_routes(node: Node, sessions: ui.Sessions) -> list[Route]:
     async def events(request: Request) -> Response:
         q = request.query_params
         cursor = request.headers.get("last-event-id") or q.get("since")
-        where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"))
+        where = sse.Filter.of(q.getlist("rid"), q.getlist("prefix"), q.getlist("exclude"))
         stream = node.subscribe(cursor, _flag(q, "snapshot"), where)
-        return EventSourceResponse(
-            sessions.while_signed_in(stream, request.scope),
-            ping=0,
-            sep=sse.SEP,
-            headers={"Cache-Control": "no-cache"},
+        return compat.event_stream(
+            node, sessions.while_signed_in(stream, request.scope), request.scope
         )
 
     async def files(request: Request) -> Response:

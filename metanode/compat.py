@@ -27,7 +27,7 @@ import mimetypes
 import os
 import socket
 import stat
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -65,6 +65,7 @@ from metanode.errors import (
 )
 from metanode.etags import revalidated, revalidated_json
 from metanode.ignores import UNKNOWN_CTIME, ctime_of, mtime_of
+from metanode.metrics import STALL_WATCH
 from metanode.node import Node
 from metanode.webdav import LiveRoots, Roots
 
@@ -603,7 +604,7 @@ class _Follow(feed.Framing[R]):
 
     def stream(self) -> AsyncGenerator[bytes, None]:
         subscription = feed.Subscription(self.feed, self, self.cursor, self.whole_without_cursor)
-        return self.node.counted(subscription.stream())
+        return self.node.counted(subscription)
 
 
 class MetaFollow(_Follow[feed.FeedRow]):
@@ -905,6 +906,17 @@ def _record_routes(node: Node, layout: LiveRoots) -> list[BaseRoute]:
     ]
 
 
+def event_stream(node: Node, stream: AsyncIterator[bytes], scope: Scope) -> EventSourceResponse:
+    """A change feed's answer, for every stream: its chunks as they come (no ping of
+    sse-starlette's: the subscription sends its own keep-alive), the server asked to watch
+    it for a client that stopped reading (`metrics.STALL_WATCH`, `feed_stall_s`; absent
+    where the server is not metanode's, an in-process test's)."""
+    watch = scope.get("extensions", {}).get(STALL_WATCH)
+    if watch is not None:
+        watch(node.metrics.feed_stalls)
+    return EventSourceResponse(stream, ping=0, sep=sse.SEP, headers={"Cache-Control": "no-cache"})
+
+
 def _stream_routes(node: Node) -> list[BaseRoute]:
     """The meta and files change streams, framed MetaMesh's way (`MetaFollow`, `FilesFollow`)."""
 
@@ -913,10 +925,7 @@ def _stream_routes(node: Node) -> list[BaseRoute]:
         cursor = sse.parse_cursor(
             request.headers.get("last-event-id") or request.query_params.get("since")
         )
-        stream = kind(node, cursor).stream()
-        return EventSourceResponse(
-            stream, ping=0, sep=sse.SEP, headers={"Cache-Control": "no-cache"}
-        )
+        return event_stream(node, kind(node, cursor).stream(), request.scope)
 
     async def events_meta(request: Request) -> Response:
         return follow(request, MetaFollow)

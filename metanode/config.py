@@ -153,6 +153,12 @@ class Settings:
     feed_keep_alive_s: float = setting(
         15.0, "Seconds of silence after which the feed sends a `: keep-alive` comment.", low=SECONDS
     )
+    feed_stall_s: float = setting(
+        60.0,
+        "Seconds a change-feed client may take no byte of its stream while bytes wait for it "
+        "(its connection's buffers full); then it is disconnected, to resume from its last id.",
+        low=SECONDS,
+    )
     feed_retention_events: int = setting(
         100_000, "The feed keeps at most the newest N events.", low=1
     )

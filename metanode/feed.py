@@ -471,9 +471,19 @@ class Subscription(Generic[R]):
         self._cursor = cursor
         self._whole_first = whole_first
         self.epoch, self.position = source.hub.head()
+        self.written = self.epoch, self.position  # what its connection was handed, up to where
         self._snapshot: Snapshot | None = None
         self._replaying = False  # a usable cursor: `Framing.replayed` once caught up
         self._quiet_since = time.monotonic()
+
+    def behind(self) -> int:
+        """The events of its table not handed to its connection yet: the newest seq less the
+        position of the last chunk whose send returned (a client that stopped reading holds
+        the next send, so what comes after counts); the whole table when it is of another
+        epoch now (a full state is what the client gets next)."""
+        epoch, head = self._hub.head()
+        written_epoch, written = self.written
+        return head - written if epoch == written_epoch else head
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
         """Replay, or gap + full state, or full state; then the live tail."""
@@ -490,6 +500,7 @@ class Subscription(Generic[R]):
                 if chunk:
                     self._quiet_since = time.monotonic()
                     yield chunk
+                self.written = self.epoch, self.position
         finally:
             if self._snapshot is not None:
                 with contextlib.suppress(StorageError):  # its connection went with the server

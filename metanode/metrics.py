@@ -41,6 +41,9 @@ from prometheus_client.registry import Collector
 from metanode.merge import Verdict
 
 log = logging.getLogger(__name__)
+# The ASGI scope extension through which a response asks the server to watch its writes
+# (server.BoundedHttpTools.watch_stalls): a change feed's, handed its `FeedStalls`.
+STALL_WATCH = "metanode.stall_watch"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client as it is imported
 
@@ -156,6 +159,14 @@ class Metrics:
             registry=own,
             multiprocess_mode="livesum",
         )
+        self.feed_behind = Gauge(
+            "metanode_feed_behind_events",
+            "The most events an open change feed has not been sent yet (its table's newest "
+            "seq less its position)",
+            registry=own,
+            multiprocess_mode="livemax",
+        )
+        self.feed_stalls = FeedStalls(own)
         if shared:
             MultiProcessCollector(self.registry, shared)  # type: ignore[no-untyped-call]
         self._gauges = _Gauges()
@@ -169,6 +180,37 @@ class Metrics:
         """The scrape: every instrument, and `gauges` (`Node.metrics_text` reads them)."""
         self._gauges.state = gauges
         return generate_latest(self.registry)
+
+
+class FeedStalls:
+    """The change-feed connections whose client takes no bytes (its socket's buffers full),
+    and those cut for it (`feed_stall_s`), as the server sees them: it calls `stalled` when
+    a feed's writes must wait for the client, `cleared` when they may go on again (or the
+    connection is gone), `cut` when it disconnects one that took nothing for `feed_stall_s`.
+    Both are instruments (not scrape-time numbers), so under `serve --workers N` every
+    worker's streams count."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.waiting = Gauge(
+            "metanode_feed_stalled",
+            "Open change-feed connections whose client takes no bytes now (buffers full)",
+            registry=registry,
+            multiprocess_mode="livesum",
+        )
+        self.cuts = Counter(
+            "metanode_feed_cut_stalled",
+            "Change-feed connections cut after their client took no bytes for feed_stall_s",
+            registry=registry,
+        )
+
+    def stalled(self) -> None:
+        self.waiting.inc()
+
+    def cleared(self) -> None:
+        self.waiting.dec()
+
+    def cut(self) -> None:
+        self.cuts.inc()
 
 
 class _Gauges(Collector):

@@ -86,6 +86,7 @@ WRITER_VALIDATES = 8
 # The names /health lists of those the watcher left out as not UTF-8 (`ignores.is_text`),
 # beside their count: a library copied from a Latin-1 share may hold thousands.
 NOT_UTF8_SHOWN = 20
+BEHIND_EVERY_S = 1.0  # `metanode_feed_behind_events` is measured at most this often as feeds send
 
 
 def service(work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -157,7 +158,8 @@ class Node:
         self._verify_processes = Processes(count) if count and not follower else None
         self.verifier = Verifier(self._verify_pool, jobs, self.limits, self._verify_processes)
         self.metrics = Metrics()
-        self.subscribers = 0
+        self.streams: set[feed.Subscription[Any]] = set()  # the open feeds (`counted`)
+        self._behind_due = 0.0  # when `_measure_behind` next measures (monotonic)
         self.owner = self._own_signer(OWNER_NAME, settings.owner_weight)
         # the watch roots as chosen now (`watch_roots`, or what the owner chose on the page:
         # `add_watch_root`), absolute; changed one at a time
@@ -570,7 +572,12 @@ class Node:
         subscription = feed.Subscription(
             self.meta_feed(), framing, sse.parse_cursor(cursor), snapshot
         )
-        return self.counted(subscription.stream())
+        return self.counted(subscription)
+
+    @property
+    def subscribers(self) -> int:
+        """The feeds open in this process."""
+        return len(self.streams)
 
     def meta_feed(self) -> feed.Feed[feed.FeedRow]:
         """The records' feed table (`/api/events`, MetaMesh's `/api/events/meta`): the shared
@@ -592,18 +599,33 @@ class Node:
             self.settings.feed_keep_alive_s,
         )
 
-    async def counted(self, stream: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
-        """The stream, counted in `subscribers` while it is open; closed with this wrapper, so
-        a client that leaves releases what the stream holds at once, not at garbage collection."""
-        self.subscribers += 1
+    async def counted(self, subscription: feed.Subscription[Any]) -> AsyncGenerator[bytes, None]:
+        """The subscription's stream, counted in `streams` while it is open; closed with this
+        wrapper, so a client that leaves releases what the stream holds at once, not at
+        garbage collection. How far behind the feeds are is measured as they send."""
+        self.streams.add(subscription)
         self.metrics.subscribers.inc()
         try:
-            async with contextlib.aclosing(stream):
+            async with contextlib.aclosing(subscription.stream()) as stream:
                 async for chunk in stream:
                     yield chunk
+                    self._measure_behind(time.monotonic())
         finally:
-            self.subscribers -= 1
+            self.streams.discard(subscription)
             self.metrics.subscribers.dec()
+            self._measure_behind()
+
+    def _measure_behind(self, now: float | None = None) -> None:
+        """`metanode_feed_behind_events`: the most events an open feed of this process has not
+        been sent yet. Measured at most once every `BEHIND_EVERY_S` as feeds send (`now`), and
+        at once (no `now`) when one closes and at a scrape; a stuck feed sends nothing, so it
+        is measured as the others send, or their keep-alives."""
+        if now is not None:
+            if now < self._behind_due:
+                return
+            self._behind_due = now + BEHIND_EVERY_S
+        behind = max((each.behind() for each in self.streams), default=0)
+        self.metrics.feed_behind.set(behind)
 
     # -- ingest ---------------------------------------------------------------------------------
 
@@ -1102,6 +1124,7 @@ class Node:
         every other request as long (docs/benchmarks.md, "/metrics off the event loop"): they
         are read on a thread, on connections of their own; the rest, cheap, on the loop."""
         statuses, counts = await asyncio.to_thread(self._scanned)
+        self._measure_behind()
         return self.metrics.render(self._gauges(statuses, counts))
 
     def _scanned(self) -> tuple[dict[str, int], cache.ScrapeCounts]:

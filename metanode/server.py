@@ -22,6 +22,14 @@ answer is plain text. `BoundedHttpTools` adds, per connection:
   opened again as the head deadline closed it, had every other client (the box's own web page
   too) answered 503.
 
+* a stall deadline for the change feeds (`watch_stalls`, which a feed's answer asks for
+  through the scope extension `metrics.STALL_WATCH`): a client that takes no byte of its
+  stream for `feed_stall_s` while the stream has bytes waiting for it (its socket's buffers
+  full) is disconnected, with a reset that frees them at once. A feed never ends by itself,
+  so without it a consumer that stopped reading held its connection, 3.9 MB of kernel
+  socket queue on loopback and the stream's own buffer, for as long as its host lived; the
+  feed is resumable, so the client, when it comes back, continues from its last id.
+
 Bodies have their own deadline, `body_timeout_s`, in `bodies.read_body`. h11, uvicorn's other
 parser, has a head limit built in but cost a measurable share of the read rate
 (docs/benchmarks.md, "HTTP edge"); the httptools subclass did not.
@@ -30,12 +38,17 @@ parser, has a head limit built in but cost a measurable share of the read rate
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import gc
 import ipaddress
 import logging
 import resource
 import signal
 import socket
+import struct
+import termios
+import typing
 from collections import Counter
 from types import FrameType
 from typing import Any, ClassVar
@@ -47,12 +60,25 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from metanode.api import error_response
 from metanode.config import Network, Settings
 from metanode.errors import HeadersTooLarge, MetanodeError, RequestError, RequestTimeout, TooBusy
+from metanode.metrics import STALL_WATCH
 
 log = logging.getLogger(__name__)
 # The longest request target httptools parses (`parse_url` keeps offsets in 16 bits): uvicorn
 # answered a longer one "Invalid HTTP request received."
 MAX_TARGET = 65_535
 STARTUP_FAILURE = 3  # the status `uvicorn.run` exits with when the server did not start
+STALL_CHECKS = 4  # a stalled stream is looked at this often within `feed_stall_s`
+RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets and drops what is queued
+
+
+class Stalls(typing.Protocol):
+    """Told of a watched response's stalls (`metrics.FeedStalls`)."""
+
+    def stalled(self) -> None: ...
+
+    def cleared(self) -> None: ...
+
+    def cut(self) -> None: ...
 
 
 class BoundedHttpTools(HttpToolsProtocol):
@@ -63,6 +89,7 @@ class BoundedHttpTools(HttpToolsProtocol):
     header_timeout_s: ClassVar[float]
     max_connections: ClassVar[int]
     max_client_connections: ClassVar[int]
+    feed_stall_s: ClassVar[float]
     proxies: ClassVar[tuple[Network, ...]]  # their connections carry many clients: not counted
     per_client: ClassVar[Counter[str]]  # the open connections of each client address
     over: ClassVar[set[str]]  # the addresses refused since they last had none open (logged once)
@@ -77,6 +104,11 @@ class BoundedHttpTools(HttpToolsProtocol):
         self.reading = 0  # length of the read being parsed (see `on_message_begin`)
         self.head_timer: asyncio.TimerHandle | None = None
         self.counted: str | None = None  # the client address this connection counts for
+        self.stalls: Stalls | None = None  # the watched response's (`watch_stalls`)
+        self.stall_timer: asyncio.TimerHandle | None = None  # set while it is stalled
+        self.buffered = 0  # bytes waiting for the client at the last look (`_look`)
+        self.moved_at = 0.0  # when the client last took any (loop time)
+        self.extensions = {STALL_WATCH: self.watch_stalls}  # every request's, one dict
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -91,6 +123,7 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._unstalled()
         if self.counted is not None:
             self.per_client[self.counted] -= 1
             if not self.per_client[self.counted]:
@@ -149,6 +182,7 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = self.extensions  # type: ignore[typeddict-item]
         self.in_head = True
         # The read that starts a head may end the previous request too: count only from the
         # next read, so a pipelined request is never refused for its predecessor's bytes.
@@ -229,6 +263,83 @@ class BoundedHttpTools(HttpToolsProtocol):
         elif (self.cycle is None or self._draining()) and not self.transport.is_closing():
             self.transport.close()  # never sent a byte, or answered already: nothing to say
 
+    def watch_stalls(self, stalls: Stalls) -> None:
+        """Watch the response being sent (a change feed's, which never ends by itself) until
+        it completes: `stalls` is told when its writes wait for the client and when they go
+        on; a client that takes no byte for `feed_stall_s` meanwhile is cut (`_cut`)."""
+        self.stalls = stalls
+        if self.flow.write_paused:
+            self._stalled(stalls)
+
+    def on_response_complete(self) -> None:
+        self._unstalled()
+        self.stalls = None
+        super().on_response_complete()
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is over its high-water mark: the client is not keeping up."""
+        super().pause_writing()
+        if self.stalls is not None and self.stall_timer is None:
+            self._stalled(self.stalls)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unstalled()
+
+    def _stalled(self, stalls: Stalls) -> None:
+        stalls.stalled()
+        self.buffered = self._waiting()
+        self.moved_at = self.loop.time()
+        self.stall_timer = self.loop.call_later(self.feed_stall_s / STALL_CHECKS, self._look)
+
+    def _unstalled(self) -> None:
+        if self.stall_timer is not None and self.stalls is not None:
+            self.stall_timer.cancel()
+            self.stall_timer = None
+            self.stalls.cleared()
+
+    def _look(self) -> None:
+        """A stalled stream's check: the client took some bytes since the last (what waits
+        for it only shrinks while the stream's writes wait), or it is cut once it took none
+        for `feed_stall_s`. A slow reader is not stuck: what it reads opens its TCP window,
+        the kernel sends and the peer acknowledges, so the socket's queue shrinks (`unsent`)
+        long before the kernel takes more of the transport's buffer."""
+        waiting = self._waiting()
+        now = self.loop.time()
+        if waiting < self.buffered:
+            self.buffered, self.moved_at = waiting, now
+        elif now - self.moved_at >= self.feed_stall_s:
+            self._cut(now - self.moved_at)
+            return
+        self.stall_timer = self.loop.call_later(self.feed_stall_s / STALL_CHECKS, self._look)
+
+    def _waiting(self) -> int:
+        """The bytes sent that the client has not taken: the transport's buffer and the
+        socket's kernel queue."""
+        return self.transport.get_write_buffer_size() + unsent(self.transport)
+
+    def _cut(self, still_s: float) -> None:
+        """Disconnect a client that stopped reading: a reset (`SO_LINGER` 0), so the kernel
+        drops its queue at once; a plain close would wait, forever, to send it first. Whatever
+        the client did not read it gets again when it resumes from its last id."""
+        stalls = self.stalls
+        self._unstalled()
+        if stalls is not None:
+            stalls.cut()
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "a local client"
+        log.warning(
+            "cut the change feed of %s: it took no byte for %.1f s (feed_stall_s %g); it "
+            "resumes from its last id when it comes back",
+            client,
+            still_s,
+            self.feed_stall_s,
+        )
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, RESET)
+        self.transport.abort()
+
     def _refuse(self, exc: MetanodeError, answer: bool = False) -> None:
         """Answer `exc` in the envelope and close, unless a response of an earlier (pipelined)
         request is still being written (and `answer` does not say it was taken over): then
@@ -251,6 +362,17 @@ class BoundedHttpTools(HttpToolsProtocol):
             *(name + b": " + value + b"\r\n" for name, value in headers),
         ]
         return b"".join([*lines, b"\r\n", response.body])
+
+
+def unsent(transport: asyncio.Transport) -> int:
+    """The bytes in the kernel's send queue of the transport's socket, not yet acknowledged by
+    the peer (Linux's `SIOCOUTQ`); 0 where that cannot be asked."""
+    sock = transport.get_extra_info("socket")
+    try:
+        queued = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except (AttributeError, OSError):
+        return 0
+    return int(struct.unpack("i", queued)[0])
 
 
 def refusing(exc: MetanodeError) -> ASGIApp:
@@ -277,6 +399,7 @@ def protocol_for(settings: Settings) -> type[BoundedHttpTools]:
         header_timeout_s = settings.header_timeout_s
         max_connections = settings.max_connections
         max_client_connections = settings.max_client_connections
+        feed_stall_s = settings.feed_stall_s
         proxies = settings.proxies
         per_client: ClassVar[Counter[str]] = Counter()
         over: ClassVar[set[str]] = set()

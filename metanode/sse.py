@@ -133,21 +133,29 @@ def gap(requested: str | None, reason: str, resume_from: str) -> ServerSentEvent
 
 @dataclass(frozen=True)
 class Filter:
-    """`?rid=` and `?prefix=` (each repeatable): an event passes if it matches both kinds."""
+    """`?rid=`, `?prefix=` and `?exclude=` (each repeatable): an event passes if it matches
+    both kinds of the first two and no `exclude` prefix (the web page's Live leaves out the
+    `cids/…` links it does not show rather than receive them: 60 of the 302 events, 26 % of the
+    bytes, of 20 new files with the built-in plugins; one of two of a claim on a new CID)."""
 
     rids: frozenset[str] = frozenset()
     prefixes: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, rid_values: Iterable[str], prefixes: Iterable[str]) -> Filter:
-        return cls(frozenset(rids.parse(r) for r in rid_values), tuple(prefixes))
+    def of(
+        cls, rid_values: Iterable[str], prefixes: Iterable[str], excluded: Iterable[str] = ()
+    ) -> Filter:
+        return cls(frozenset(rids.parse(r) for r in rid_values), tuple(prefixes), tuple(excluded))
 
     @property
     def everything(self) -> bool:
         """No filter at all: every event passes."""
-        return not self.rids and not self.prefixes
+        return not self.rids and not self.prefixes and not self.excluded
 
     def matches(self, rid: str, key: str) -> bool:
         if self.rids and rid not in self.rids:
+            return False
+        if self.excluded and key.startswith(self.excluded):
             return False
         return not self.prefixes or key.startswith(self.prefixes)

@@ -253,6 +253,12 @@ def test_filter_matches() -> None:
     assert not both.matches(RID, "title")
     assert not both.matches(rids.encode(0x0190_0000_0000_7000_8000_0000_0000_0003), "year")
     assert sse.Filter.of([], [""]).matches(RID, "x")  # the empty prefix admits every key
+    shown = sse.Filter.of([], [], ["cids/"])  # the web page's Live
+    assert not shown.everything and shown.matches(RID, "title") and shown.matches(RID, "cids")
+    assert not shown.matches(RID, "cids/bafy")
+    titles = sse.Filter.of([RID], ["ti", "ci"], ["cids/", "tix"])  # excluded wins over prefix
+    assert titles.matches(RID, "title") and titles.matches(RID, "cidsx")
+    assert not titles.matches(RID, "cids/x") and not titles.matches(RID, "tix")
 
 
 @pytest.mark.parametrize("bad", ["", "not a rid", "00000000000000000000000000"])

@@ -413,15 +413,21 @@ def test_filters_on_replay_snapshot_and_live(server: Server) -> None:
     )
     rid0, rid1 = records_rid(server, cid_n("f", 0)), records_rid(server, cid_n("f", 1))
     ep = epoch(server)
-    cases: list[tuple[list[str], list[str]]] = [
-        ([rid0.lower()], []),
-        ([], ["ti"]),
-        ([rid0, rid1], ["year", "cids/"]),
+    cases: list[tuple[list[str], list[str], list[str]]] = [
+        ([rid0.lower()], [], []),
+        ([], ["ti"], []),
+        ([rid0, rid1], ["year", "cids/"], []),
+        ([], [], ["cids/"]),  # the web page's Live
+        ([rid0, rid1], ["ti", "ye"], ["ti"]),  # `exclude` wins over `prefix`
     ]
     followers = []
-    for rid_values, prefixes in cases:
-        where = sse.Filter.of(rid_values, prefixes).matches
-        params = [("rid", r) for r in rid_values] + [("prefix", p) for p in prefixes]
+    for rid_values, prefixes, excluded in cases:
+        where = sse.Filter.of(rid_values, prefixes, excluded).matches
+        params = [
+            *(("rid", r) for r in rid_values),
+            *(("prefix", p) for p in prefixes),
+            *(("exclude", p) for p in excluded),
+        ]
         replay = Stream(server, [*params, ("since", cursor(ep, 0))])
         replayed = replay.until(
             lambda r: bool(r.synced), Replica(cursor(ep, 0), dense=False, gaps_allowed=False)

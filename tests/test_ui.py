@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 import httpx
 import pytest
@@ -877,6 +877,21 @@ def test_live_shows_a_claim_posted_with_claim_post(page: Page, srv: Server) -> N
     expect(event.get_by_role("link", name="Northern Lanterns")).to_be_visible()
 
 
+def test_live_asks_the_node_for_only_the_changes_it_shows(page: Page, srv: Server) -> None:
+    """Live lists no record's `cids/…` links, so it asks the node to leave them out
+    (`?exclude=cids/`) rather than receive them (a fifth of a new file's events) and drop them:
+    the page itself no longer drops any, so one sent would be listed."""
+    with page.expect_request(lambda r: "/api/events" in r.url) as asked:
+        page.get_by_role("link", name="Live").click()
+    assert parse_qs(urlsplit(asked.value.url).query) == {"exclude": ["cids/"]}
+    expect(page.get_by_role("status")).to_have_text("connected")
+    drop(srv, "Quiet.Harbour.2012.mkv")
+    changes = page.get_by_role("list", name="Changes").get_by_role("listitem")
+    # the file's `cids/<midhash>` comes in the same chunk as its `filePath`, before it
+    expect(changes.filter(has_text="filePath").first).to_contain_text("Quiet.Harbour.2012.mkv")
+    expect(changes.filter(has_text="cids/")).to_have_count(0)
+
+
 def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
     browser: Browser, tmp_path: Path
 ) -> None:
@@ -907,7 +922,9 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         # each was written again at every attempt while the node was down
         for p, asked in ((plugins, "/api/plugins"), (live, "/api/events")):
             for _ in range(2):  # two attempts more
-                p.wait_for_event("requestfailed", lambda r, asked=asked: r.url.endswith(asked))
+                p.wait_for_event(
+                    "requestfailed", lambda r, asked=asked: urlsplit(r.url).path.endswith(asked)
+                )
         assert plugins.evaluate("window.written") == ["The node does not answer; retrying…"]
         assert live.evaluate("window.written") == ["reconnecting…"]
         server.start()
