@@ -148,6 +148,9 @@ class Session:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+MOST_SESSIONS = 1_000  # live sign-ins at once (≈ 1 KB each): a household has a few browsers
+
+
 @dataclass
 class Sessions:
     """The live sessions of this process. A cookie is honoured only while its id is listed
@@ -166,10 +169,15 @@ class Sessions:
         return Signer(self.node.session_secret, salt="metanode-ui-session")
 
     def create(self) -> tuple[str, Session]:
-        """A new session and its cookie value (the signed id); expired sessions are dropped."""
+        """A new session and its cookie value (the signed id); expired sessions are dropped,
+        and past `MOST_SESSIONS` the oldest are ended. Every sign-in never signed out (a
+        browser closed, a script signing in again and again) stayed for `ui_session_hours`,
+        which has no upper bound: sign-ins at any pace grew this map without end."""
         now = self.clock()
         for sid in [sid for sid, s in self.live.items() if s.expires <= now]:
             del self.live[sid]
+        while len(self.live) >= MOST_SESSIONS:  # kept in the order made: the oldest first
+            self.end(next(iter(self.live.values())))
         session = Session(secrets.token_urlsafe(24), secrets.token_urlsafe(24), now + self.ttl_s)
         self.live[session.sid] = session
         return self._signer().sign(session.sid).decode("ascii"), session

@@ -458,7 +458,18 @@ class Watcher:
             self.out_of_files = None
             log.warning("no file waits for a file descriptor any more: fingerprinting goes on")
 
+    def _forget_failed(self, gone: Callable[[str], bool]) -> None:
+        """Forget the unreadable files `gone` says are gone. Each is kept (`_hash`) until it is
+        read or changes; one deleted was kept for the life of the process, so a folder where
+        unreadable names come and go (a downloader's partial files, kept from other users)
+        grew this map by one entry per name, for months."""
+        for path in [path for path in self._failed if gone(path)]:
+            del self._failed[path]
+
     async def _commit(self, files: Sequence[LocalFile], removals: Sequence[str]) -> None:
+        if removals:
+            removed, below = set(removals), prefixes(removals)
+            self._forget_failed(lambda path: path in removed or path.startswith(below))
         if files:
             await self._ensure_groups(sorted({f.midhash for f in files}))
             # A file deleted or changed while its group was being made must not come back:
@@ -520,6 +531,12 @@ class Watcher:
             )
             self.devices.found(
                 {x.root: x.device for x in walked if x.files and x.device is not None}
+            )
+            under, hidden = prefixes(roots), prefixes(self.unlisted)
+            self._forget_failed(  # deleted unseen: a missed event, a network mount
+                lambda path: (
+                    path.startswith(under) and path not in disk and not path.startswith(hidden)
+                )
             )
             to_hash, to_remove, to_fill = plan(disk, known, self.unlisted)
             await self._filled({path: disk[path] for path in to_fill})

@@ -58,7 +58,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from metanode.api import create_app, error_response
 from metanode.config import Settings, below_root
 from metanode.errors import UnavailableError
-from metanode.metrics import MULTIPROCESS_ENV
+from metanode.metrics import MULTIPROCESS_ENV, fold_dead
 from metanode.node import Node
 from metanode.verifier import die_with_parent
 
@@ -618,6 +618,7 @@ class Supervisor:
             return
         # Its open-feed count ends with it.
         mark_process_dead(proc.pid, str(self.metrics))  # type: ignore[no-untyped-call]
+        fold_dead(str(self.metrics), proc.pid)  # its counts kept, its files gone
         delay = self.backoffs[index].after(now - self.started[index])
         self.due[index] = now + delay
         self.restarts[index] = (self.restarts[index][0] + 1, delay)

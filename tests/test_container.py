@@ -43,6 +43,7 @@ def test_image_settings() -> None:
     assert "USER metanode" in DOCKERFILE
     assert 'VOLUME ["/data"]' in DOCKERFILE and "EXPOSE 9000" in DOCKERFILE
     assert "METANODE_WATCH_ROOTS=/files/watch" in DOCKERFILE
+    assert "MALLOC_ARENA_MAX=2" in DOCKERFILE  # resident memory of a node run for months
     assert 'CMD ["metanode", "serve", "--host", "0.0.0.0"]' in DOCKERFILE
 
 

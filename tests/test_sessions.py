@@ -98,6 +98,19 @@ def test_a_session_outlives_the_wall_clock_stepping(monkeypatch: pytest.MonkeyPa
     assert sessions.find(cookie) is None
 
 
+def test_the_sessions_kept_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sign-ins never signed out are kept for their hours only; past the bound the oldest is
+    ended (its open streams too), so sign-ins at any pace, over any `ui_session_hours`, cannot
+    grow the node's memory without end."""
+    monkeypatch.setattr(ui, "MOST_SESSIONS", 100)
+    node = SimpleNamespace(session_secret="s" * 43, settings=SimpleNamespace(ui_session_hours=1e6))
+    sessions = ui.Sessions(cast(Node, node))
+    made = [sessions.create() for _ in range(250)]
+    assert len(sessions.live) == 100
+    assert [sessions.find(cookie) for cookie, _ in made[-100:]] == [s for _, s in made[-100:]]
+    assert sessions.find(made[0][0]) is None and made[0][1].ended.is_set()
+
+
 class Clock:
     """A clock a test moves by hand (monotonic seconds)."""
 

@@ -822,6 +822,35 @@ async def test_reconcile_reports_an_unreadable_file_and_goes_on(
     assert str(bad) not in w.pending  # not retried until it changes
 
 
+async def test_an_unreadable_file_that_is_deleted_is_forgotten(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unreadable files are remembered (said once) until read or changed; one deleted, seen by
+    its event or by a reconciliation (a missed event), is forgotten: kept, they grew by one entry
+    per name that came and went, for the life of the process."""
+    root = tmp_path / "media"
+    real = watcher.midhash_opened
+
+    def refuse_bad(path: str | os.PathLike[str]) -> tuple[str, os.stat_result]:
+        if Path(path).name.startswith("bad"):
+            raise MidhashError(f"cannot read {os.fspath(path)!r}: Permission denied")
+        return real(path)
+
+    monkeypatch.setattr(watcher, "midhash_opened", refuse_bad)
+    w = Store().watcher(root)
+    names = [root / "bad1.mkv", root / "sub" / "bad2.mkv", root / "bad3.mkv", root / "kept.mkv"]
+    bad1, bad2, bad3, _ = [write(path, b"x") for path in names]
+    await w.reconcile(settle=False)
+    assert set(w._failed) == {str(bad1), str(bad2), str(bad3)}
+    bad1.unlink()
+    shutil.rmtree(bad2.parent)
+    await w._on_changes({(Change.deleted, str(bad1)), (Change.deleted, str(bad2.parent))})
+    assert set(w._failed) == {str(bad3)}
+    bad3.unlink()  # no event: the next reconciliation finds it gone
+    await w.reconcile(settle=False)
+    assert w._failed == {}
+
+
 async def test_on_changes_commits_a_rename_at_once_in_one_batch(tmp_path: Path) -> None:
     root = tmp_path / "media"
     old = write(root / "old.mkv", b"content")

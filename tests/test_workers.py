@@ -19,10 +19,11 @@ import httpx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client.mmap_dict import mmap_key
 from prometheus_client.parser import text_string_to_metric_families
 
 from metanode import cid as cids
-from metanode import workers
+from metanode import metrics, workers
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.feed import FrameParser
 from tests.helpers.server import Server, role_pids
@@ -433,6 +434,37 @@ def test_a_worker_that_keeps_dying_is_restarted_after_growing_delays(server: Ser
     assert delay == 4.0
     assert scrape(owner, "metanode_feed_subscribers") == 0  # the dead readers' feeds are gone
     assert sorted(one_per_worker(server)) == ["owner", "reader-1"]  # and it serves again
+    live = {str(pid) for pid in role_pids(server).values()}
+    left = {f.name for f in (server.data_dir / "metrics").iterdir()}
+    assert {name.split("_")[-1][:-3] for name in left if name.endswith(".db")} <= live | {"archive"}
+
+
+def sums(folder: Path) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What a scrape of the metric files in `folder` sums, by sample name and labels."""
+    collected = metrics.FoldedCollector(None, str(folder)).collect()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value for m in collected for s in m.samples
+    }
+
+
+def test_a_dead_workers_metric_files_are_folded_into_the_archive(tmp_path: Path) -> None:
+    """Each worker that died left its counter and histogram files (64 KiB each, in memory)
+    until `serve` stopped, read by every scrape: folded into one archive a kind instead, the
+    sums a scrape gives unchanged, whichever order they die in."""
+    key = mmap_key("m_total", "m_total", ["route"], ["/a"], "m")
+    bucket = mmap_key("h", "h_bucket", ["le"], ["1.0"], "h")
+    for pid, count in ((11, 3.0), (12, 4.0), (13, 5.0)):
+        for kind, name in (("counter", key), ("histogram", bucket)):
+            file = metrics.AllocatedFile(str(tmp_path / f"{kind}_{pid}.db"))
+            file.write_value(name, count, 0.0)
+            file.close()  # type: ignore[no-untyped-call]
+    before = sums(tmp_path)
+    assert before[("m_total", (("route", "/a"),))] == 12.0
+    for pid in (12, 11):
+        metrics.fold_dead(str(tmp_path), pid)
+        assert sums(tmp_path) == before
+    names = {f.name for f in tmp_path.glob("*.db")}
+    assert names == {f"{k}_{n}.db" for k in ("counter", "histogram") for n in ("13", "archive")}
 
 
 @given(st.lists(st.floats(0, 2 * workers.STEADY_S), max_size=40))
