@@ -1,7 +1,7 @@
 """The `metanode` command line (click). Thin: every command calls into the package.
 
-Exit codes: 0 success, 1 a verdict failed (e.g. a claim did not verify), 2 bad input (with the
-error slug on stderr).
+Exit codes (`EXIT_CODES`, shown by `metanode --help`): 0 success, 1 a verdict failed (e.g. a
+claim did not verify), 2 bad input (with the error slug on stderr), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -119,6 +119,9 @@ class Metanode(click.Group):
     ) -> Any:
         try:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()  # a bare `metanode` or `metanode peers`: its help, not an error line
+            sys.exit(2)
         except click.UsageError as exc:
             hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
             click.echo(f"error: usage: {exc.format_message()}{hint}", err=True)
@@ -129,12 +132,23 @@ class Metanode(click.Group):
         except click.ClickException as exc:
             click.echo(f"error: invalid_request: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("error: aborted", err=True)
-            sys.exit(1)
+        except click.Abort:  # click's word for Ctrl-C (there is no prompt to abort)
+            click.echo("error: interrupted", err=True)
+            sys.exit(INTERRUPTED)
 
 
-@click.group(cls=Metanode)
+# 128 + SIGINT, as a shell reports a command Ctrl-C ended: a script tells it from exit 1, a
+# verdict (`claim verify`, `check`, `health` degraded)
+INTERRUPTED = 130
+
+EXIT_CODES = (
+    "Exit codes: 0 done; 1 a verdict failed (claim verify, check, health degraded) or the "
+    "reader of stdout went away (`| head`); 2 bad input or a refusal, said on stderr as "
+    "`error: <slug>: <message>`; 130 interrupted (Ctrl-C). Each command's --help says the rest."
+)
+
+
+@click.group(cls=Metanode, epilog=EXIT_CODES)
 @click.version_option(package_name="metanode")
 def main() -> None:
     """metanode: a claims-and-CID metadata node for home media boxes."""
@@ -755,16 +769,19 @@ def get(
     """Print the merged document of CID_VALUE from a running node."""
     params = {"as": viewer} if viewer else {}
     path = f"/api/meta/{urllib.parse.quote(cid_value, safe='')}"  # a CID, never another route
-    deadline = time.monotonic() + wait_s
+    deadline, said = time.monotonic() + wait_s, False
     with connect(config_file, data_dir, url) as node_client:
         while True:
             try:
                 response = node_client.request("GET", path, params=params)
                 if not _not_yet(response) or time.monotonic() >= deadline:
                     break
-            except Unreachable:  # a node still starting (the README's tour): asked again
+            except Unreachable as exc:  # a node still starting (the README's tour): asked again
                 if time.monotonic() >= deadline:
                     raise
+                if not said:  # as `events` says it: a wrong --url is not a silent wait
+                    click.echo(f"waiting up to {wait_s:g} s: {exc.message}…", err=True)
+                    said = True
             time.sleep(WAIT_POLL_S)
         _print_response(node_client, response)
 

@@ -22,7 +22,7 @@ from multiformats import CID
 
 from metanode import cid as cids
 from metanode import claims, keys
-from metanode.cli import main
+from metanode.cli import INTERRUPTED, main
 from tests.helpers.plugins import install_plugin
 from tests.helpers.vectors import load_vectors
 from tests.helpers.wait import DEADLINE_S
@@ -62,6 +62,23 @@ def test_every_command_says_what_it_does_in_its_help() -> None:
     for group in ("signers", "peers", "peers token", "plugins", "claim", "cid"):
         listing = run(*group.split(), "--help").output.split("Commands:")[1]
         assert all(len(line.split()) > 1 for line in listing.strip().splitlines()), listing
+
+
+@pytest.mark.parametrize("words", [(), ("peers",), ("peers", "token"), ("signers",)])
+def test_a_bare_group_shows_its_help_not_an_error_line(words: tuple[str, ...]) -> None:
+    """`metanode` alone, the first thing a newcomer types, printed `error: usage: Usage: …`
+    (click's help taken for an error message): now the help itself, exit 2 as click gives."""
+    result = run(*words)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Usage: "), result.stderr
+    assert "error: usage" not in result.stderr and "Commands:" in result.stderr
+
+
+def test_the_exit_codes_are_in_the_help() -> None:
+    """A script's author finds what each exit code means without reading the source."""
+    said = " ".join(run("--help").output.split())
+    assert "Exit codes: 0 done; 1 a verdict failed" in said
+    assert f"{INTERRUPTED} interrupted (Ctrl-C)" in said
 
 
 @pytest.fixture

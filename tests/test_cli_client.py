@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -184,6 +185,30 @@ def test_get_waits_for_a_node_still_starting(tmp_path: Path) -> None:
         srv.stop()
     assert asking.returncode == 0, err
     assert json.loads(out)["filePath"] == str(srv.media / "early.mkv")
+
+
+def test_ctrl_c_is_exit_130_and_one_line_not_a_traceback() -> None:
+    """Ctrl-C ended a command with `error: aborted` and exit 1, which a script reads as a
+    verdict (a claim that did not verify, a degraded node): now 130, as a shell says it. A
+    `get --wait` on an address nothing answers says it waits (it waited in silence), then is
+    interrupted in the middle of its wait."""
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    asking = subprocess.Popen(
+        [sys.executable, "-m", "metanode", "get", MIDHASH, "--wait", "600", "--url", nowhere],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert asking.stderr is not None
+        first = asking.stderr.readline()
+        assert first.startswith("waiting up to 600 s: no node answers at http://127.0.0.1:"), first
+        asking.send_signal(signal.SIGINT)
+        out, err = asking.communicate(timeout=120)
+    finally:
+        asking.kill()
+    assert asking.returncode == 130, err
+    assert out == "" and err.strip() == "error: interrupted", err
 
 
 def test_plugins_list_and_retry_ask_the_running_node(server: Server) -> None:
