@@ -43,6 +43,8 @@ from metanode import (
 )
 from metanode.clock import now_ms
 from metanode.errors import (
+    INTERRUPTED,
+    INTERRUPTED_LINE,
     CannotListen,
     FileFailed,
     InvalidBatch,
@@ -133,13 +135,9 @@ class Metanode(click.Group):
             click.echo(f"error: invalid_request: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
         except click.Abort:  # click's word for Ctrl-C (there is no prompt to abort)
-            click.echo("error: interrupted", err=True)
+            click.echo(INTERRUPTED_LINE, err=True)
             sys.exit(INTERRUPTED)
 
-
-# 128 + SIGINT, as a shell reports a command Ctrl-C ended: a script tells it from exit 1, a
-# verdict (`claim verify`, `check`, `health` degraded)
-INTERRUPTED = 130
 
 EXIT_CODES = (
     "Exit codes: 0 done; 1 a verdict failed (claim verify, check, health degraded) or the "

@@ -211,6 +211,36 @@ def test_ctrl_c_is_exit_130_and_one_line_not_a_traceback() -> None:
     assert out == "" and err.strip() == "error: interrupted", err
 
 
+# Run in a real interpreter: Ctrl-C (a real SIGINT, sent to itself) lands in the middle of the
+# command line's imports, as it does when pressed within a second of the start on a small box
+SIGINT_WHILE_IMPORTING = """
+import os, runpy, signal, sys
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "metanode.node":  # imported by metanode.cli, after metanode.__main__ runs
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["metanode", "--version"]
+runpy.run_module("metanode", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_the_command_line_is_imported_is_the_same_one_line() -> None:
+    """A Ctrl-C before the command had started (its imports: 0.7 s on a busy box) printed the
+    traceback of whichever module was being imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", SIGINT_WHILE_IMPORTING],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stdout == "" and done.stderr.strip() == "error: interrupted", done.stderr
+
+
 def test_plugins_list_and_retry_ask_the_running_node(server: Server) -> None:
     """`metanode plugins list` and `retry` are the running node's GET /api/plugins and POST
     /api/plugins/{name}/retry (this server runs no plugins: the list is empty, a retry refused
