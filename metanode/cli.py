@@ -705,10 +705,24 @@ def _refused(
         for item in (items if isinstance(items, list) else [])
         if isinstance(item, dict)
     ]
-    if exc.slug == "unauthorized" and node_client is not None and node_client.token_hint:
-        lines.append(f"  {node_client.token_hint}")
+    if exc.slug == "unauthorized" and node_client is not None:
+        hints = (node_client.token_hint, _path_hint(node_client.url))
+        lines += [f"  {hint}" for hint in hints if hint]
     click.echo("\n".join(lines), err=True)
     sys.exit(2)
+
+
+def _path_hint(url: str) -> str:
+    """What a refused token may really mean when the node's address has a path: the node asks
+    a token of every path it does not serve, so `--url http://box:9000/ui` (copied from the
+    browser) was told `unauthorized` even by `health` and `get`, which need none."""
+    path = urllib.parse.urlsplit(url).path
+    if not path:
+        return ""
+    return (
+        f"the address {url} has a path, {path}: unless it is the node's root_path, give the "
+        "node's base address (http://host:port), under which every route is"
+    )
 
 
 def _place(places: Sequence[str], index: object) -> str:

@@ -145,6 +145,22 @@ def test_a_refused_token_says_where_the_command_looked_for_it(
         assert lines[0].startswith("error: unauthorized: ") and lines[1:] == [hint], lines
 
 
+def test_an_address_with_a_path_the_node_does_not_serve_is_named_beside_the_refusal(
+    server: Server,
+) -> None:
+    """The node asks a token of every path it does not serve: `health --url …/ui`, the address
+    copied from the browser, was a bare `unauthorized` for a command that needs no token."""
+    for args in (("health",), ("get", MIDHASH)):
+        refused = metanode(*args, "--url", f"{server.url}/ui")
+        assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+        lines = refused.stderr.splitlines()
+        assert lines[0].startswith("error: unauthorized: ") and lines[1:] == [
+            f"  the address {server.url}/ui has a path, /ui: unless it is the node's root_path, "
+            "give the node's base address (http://host:port), under which every route is"
+        ], lines
+    assert metanode("health", "--url", f"{server.url}/").returncode == 0
+
+
 def test_get_waits_for_a_file_just_dropped_when_asked_to(server: Server) -> None:
     """The README's tour asked for a file's record right after writing it, before the watcher
     had settled and hashed it: `unknown_cid`, as if it were broken. `--wait` keeps asking."""
