@@ -51,6 +51,7 @@ from metanode.errors import (
     InvalidClaim,
     InvalidRequest,
     MetanodeError,
+    MidhashError,
     Unreachable,
     storage_error,
 )
@@ -93,9 +94,14 @@ def _reader_gone() -> NoReturn:
 
 
 def _fail(exc: MetanodeError) -> NoReturn:
+    _say(exc)
+    sys.exit(2)
+
+
+def _say(exc: MetanodeError) -> None:
+    """`error: <slug>: <message>` on stderr, the one form of every error of the CLI."""
     hint = UNREACHABLE_HINT if isinstance(exc, Unreachable) else ""
     click.echo(f"error: {exc.slug}: {exc.message}{hint}", err=True)
-    sys.exit(2)
 
 
 # where a client command looks for its node: the settings' address, which a node serving on
@@ -165,10 +171,21 @@ def cid() -> None:
 @reports_errors
 def cid_midhash(files: tuple[str, ...]) -> None:
     """Print `<midhash256 CID>  <path>` for each FILE (one read of at most 1 MiB each); a
-    path's backslashes, line feeds and carriage returns as `\\\\`, `\\n` and `\\r`."""
+    path's backslashes, line feeds and carriage returns as `\\\\`, `\\n` and `\\r`.
+
+    A FILE that cannot be read is named on stderr and the others are still hashed (exit 2 at
+    the end), as `sha256sum` does."""
+    failed = False
     for path in files:
-        value, _size = watcher.midhash_file(path)
+        try:
+            value, _size = watcher.midhash_file(path)
+        except MidhashError as exc:  # one unreadable file of `media/*`: the rest still wanted
+            _say(exc)
+            failed = True
+            continue
         click.echo(f"{value}  {one_line(path)}")
+    if failed:
+        sys.exit(2)
 
 
 # What `one_line` writes for the characters that would end a line of output (and for the

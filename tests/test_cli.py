@@ -152,6 +152,25 @@ def test_cid_midhash_missing_file_is_an_error(tmp_path: Path) -> None:
     assert "midhash_failed" in result.stderr
 
 
+def test_cid_midhash_hashes_the_other_files_after_one_it_cannot_read(tmp_path: Path) -> None:
+    """`metanode cid midhash media/*` stopped at the first file it could not read, and a
+    script lost every CID after it; now each is named on stderr, the rest still hashed, and
+    the exit code says something failed, as `sha256sum` does."""
+    first, last = tmp_path / "first.mkv", tmp_path / "last.mkv"
+    first.write_bytes(b"first")
+    last.write_bytes(b"last")
+    absent = tmp_path / "absent.mkv"
+    result = run("cid", "midhash", str(first), str(absent), str(last))
+    assert result.exit_code == 2
+    assert result.stdout.splitlines() == [
+        f"{cids.midhash_bytes(b'first')}  {first}",
+        f"{cids.midhash_bytes(b'last')}  {last}",
+    ]
+    assert result.stderr == f"error: midhash_failed: cannot read {str(absent)!r}: " + (
+        "No such file or directory\n"
+    )
+
+
 def test_cid_midhash_of_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
     """A FIFO in a media folder: opening it to read waited for a writer that never came, so
     `metanode cid midhash *` hung (and so would the watcher, had a file been replaced by one
