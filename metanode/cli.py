@@ -288,11 +288,19 @@ def claim_verify() -> None:
     Exits 1 if any claim failed; no claim at all is refused (exit 2), as an empty or wrong
     file is a mistake, not a success.
     """
-    verdicts = [_verdict(item) for _position, item in jsonl.read(sys.stdin.buffer)]
+    verdicts = [_verdict(item) for _position, item in jsonl.read(stdin("claims"))]
     if not verdicts:
         raise InvalidRequest("no claims on stdin to verify")
     if not all(verdicts):
         sys.exit(1)
+
+
+def stdin(what: str) -> IO[bytes]:
+    """Standard input, for a command to read `what` from; at a terminal, said first on stderr:
+    `metanode claim post` given no claim sat silent, waiting for one, as if it hung."""
+    if sys.stdin.isatty():
+        click.echo(f"reading {what} from the terminal, a JSON line each; Ctrl-D ends…", err=True)
+    return sys.stdin.buffer
 
 
 def _verdict(item: Any) -> bool:
@@ -764,7 +772,7 @@ def claim_post(
     read = (
         [(f"argument {n}", jsonl.loads(c, f"argument {n}")) for n, c in enumerate(claim_json, 1)]
         if claim_json
-        else [(f"claim {n}", item) for n, item in jsonl.read(sys.stdin.buffer)]
+        else [(f"claim {n}", item) for n, item in jsonl.read(stdin("claims"))]
     )
     if not read:
         raise InvalidRequest("no claims to post")
@@ -1338,7 +1346,7 @@ def _rereadable(source: str, spool_dir: Path) -> Iterator[IO[bytes]]:
             yield f
         return
     with tempfile.TemporaryFile(dir=spool_dir if spool_dir.is_dir() else None) as spool:
-        shutil.copyfileobj(sys.stdin.buffer, spool)
+        shutil.copyfileobj(stdin("claims"), spool)
         spool.seek(0)
         yield spool
 

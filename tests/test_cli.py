@@ -434,6 +434,28 @@ def test_verify_reports_each_claim(key_file: Path) -> None:
     assert lines[3].startswith("invalid_claim:")
 
 
+def test_a_command_reading_claims_from_a_terminal_says_so(key_file: Path) -> None:
+    """`metanode claim verify` (or `claim post` given no claim) typed at a terminal sat silent,
+    waiting for stdin, as if it hung: now it says what it waits for, then reads it."""
+    line = json.dumps(sign(key_file, "--key-name", "title", "--value", "typed"))
+    controller, terminal = os.openpty()
+    with subprocess.Popen(
+        [sys.executable, "-m", "metanode", "claim", "verify"],
+        stdin=terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as verifying:
+        os.close(terminal)
+        assert verifying.stderr is not None
+        said = verifying.stderr.readline()
+        assert said == "reading claims from the terminal, a JSON line each; Ctrl-D ends…\n"
+        os.write(controller, f"{line}\n".encode() + b"\x04")  # Ctrl-D: the end of input
+        out, err = verifying.communicate(timeout=120)
+    os.close(controller)
+    assert (verifying.returncode, out, err) == (0, "ok\n", "")
+
+
 def test_verify_the_vectors_as_json_lines() -> None:
     text = "\n".join(json.dumps(v["claim"]) for v in CLAIM_VECTORS) + "\n\n"
     result = run("claim", "verify", stdin=text)
