@@ -39,6 +39,7 @@ from metanode import (
     merge,
     node,
     plugins,
+    sse,
     watcher,
 )
 from metanode.clock import now_ms
@@ -1205,6 +1206,10 @@ def events(
 ) -> None:
     """Follow the change feed, one line per event: `<id or -> <event> <json>`; reconnects by
     itself and resumes where it was (saying so on stderr while it waits). Ctrl-C stops."""
+    # the node's own rules, here where they were typed: with the node away, a mistyped
+    # --since or --rid waited for it, to be refused once it came
+    sse.parse_cursor(since)
+    sse.Filter.of(rid_values, prefix)
     node_client = connect(config_file, data_dir, url, token, needs_token=True)
 
     def waiting(reason: str) -> None:

@@ -257,6 +257,23 @@ def test_ctrl_c_while_the_command_line_is_imported_is_the_same_one_line() -> Non
     assert done.stdout == "" and done.stderr.strip() == "error: interrupted", done.stderr
 
 
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (("--since", "yesterday"), "error: invalid_cursor: cursor 'yesterday' is not <epoch>-"),
+        (("--rid", "film"), "error: invalid_rid: not a rid: 'film'"),
+    ],
+)
+def test_events_refuses_a_mistyped_option_before_it_waits_for_the_node(
+    option: tuple[str, str], said: str
+) -> None:
+    """With no node up, `events --since yesterday` said it waited for the node, to be refused
+    by it once it came: the node's own rules are applied where the option was typed."""
+    refused = metanode("events", "--url", f"http://127.0.0.1:{free_port()}", *option)
+    assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+    assert refused.stderr.startswith(said) and "waiting" not in refused.stderr, refused.stderr
+
+
 def test_plugins_list_and_retry_ask_the_running_node(server: Server) -> None:
     """`metanode plugins list` and `retry` are the running node's GET /api/plugins and POST
     /api/plugins/{name}/retry (this server runs no plugins: the list is empty, a retry refused
