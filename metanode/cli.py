@@ -1,7 +1,7 @@
 """The `metanode` command line (click). Thin: every command calls into the package.
 
-Exit codes: 0 success, 1 a verdict failed (e.g. a claim did not verify), 2 bad input (with the
-error slug on stderr).
+Exit codes (`EXIT_CODES`, shown by `metanode --help`): 0 success, 1 a verdict failed (e.g. a
+claim did not verify), 2 bad input (with the error slug on stderr), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -39,16 +39,20 @@ from metanode import (
     merge,
     node,
     plugins,
+    sse,
     watcher,
 )
 from metanode.clock import now_ms
 from metanode.errors import (
+    INTERRUPTED,
+    INTERRUPTED_LINE,
     CannotListen,
     FileFailed,
     InvalidBatch,
     InvalidClaim,
     InvalidRequest,
     MetanodeError,
+    MidhashError,
     Unreachable,
     storage_error,
 )
@@ -91,9 +95,14 @@ def _reader_gone() -> NoReturn:
 
 
 def _fail(exc: MetanodeError) -> NoReturn:
+    _say(exc)
+    sys.exit(2)
+
+
+def _say(exc: MetanodeError) -> None:
+    """`error: <slug>: <message>` on stderr, the one form of every error of the CLI."""
     hint = UNREACHABLE_HINT if isinstance(exc, Unreachable) else ""
     click.echo(f"error: {exc.slug}: {exc.message}{hint}", err=True)
-    sys.exit(2)
 
 
 # where a client command looks for its node: the settings' address, which a node serving on
@@ -119,6 +128,9 @@ class Metanode(click.Group):
     ) -> Any:
         try:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            exc.show()  # a bare `metanode` or `metanode peers`: its help, not an error line
+            sys.exit(2)
         except click.UsageError as exc:
             hint = f" (see `{exc.ctx.command_path} --help`)" if exc.ctx is not None else ""
             click.echo(f"error: usage: {exc.format_message()}{hint}", err=True)
@@ -129,12 +141,19 @@ class Metanode(click.Group):
         except click.ClickException as exc:
             click.echo(f"error: invalid_request: {exc.format_message()}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("error: aborted", err=True)
-            sys.exit(1)
+        except click.Abort:  # click's word for Ctrl-C (there is no prompt to abort)
+            click.echo(INTERRUPTED_LINE, err=True)
+            sys.exit(INTERRUPTED)
 
 
-@click.group(cls=Metanode)
+EXIT_CODES = (
+    "Exit codes: 0 done; 1 a verdict failed (claim verify, check, health degraded) or the "
+    "reader of stdout went away (`| head`); 2 bad input or a refusal, said on stderr as "
+    "`error: <slug>: <message>`; 130 interrupted (Ctrl-C). Each command's --help says the rest."
+)
+
+
+@click.group(cls=Metanode, epilog=EXIT_CODES)
 @click.version_option(package_name="metanode")
 def main() -> None:
     """metanode: a claims-and-CID metadata node for home media boxes."""
@@ -153,10 +172,21 @@ def cid() -> None:
 @reports_errors
 def cid_midhash(files: tuple[str, ...]) -> None:
     """Print `<midhash256 CID>  <path>` for each FILE (one read of at most 1 MiB each); a
-    path's backslashes, line feeds and carriage returns as `\\\\`, `\\n` and `\\r`."""
+    path's backslashes, line feeds and carriage returns as `\\\\`, `\\n` and `\\r`.
+
+    A FILE that cannot be read is named on stderr and the others are still hashed (exit 2 at
+    the end), as `sha256sum` does."""
+    failed = False
     for path in files:
-        value, _size = watcher.midhash_file(path)
+        try:
+            value, _size = watcher.midhash_file(path)
+        except MidhashError as exc:  # one unreadable file of `media/*`: the rest still wanted
+            _say(exc)
+            failed = True
+            continue
         click.echo(f"{value}  {one_line(path)}")
+    if failed:
+        sys.exit(2)
 
 
 # What `one_line` writes for the characters that would end a line of output (and for the
@@ -259,11 +289,19 @@ def claim_verify() -> None:
     Exits 1 if any claim failed; no claim at all is refused (exit 2), as an empty or wrong
     file is a mistake, not a success.
     """
-    verdicts = [_verdict(item) for _position, item in jsonl.read(sys.stdin.buffer)]
+    verdicts = [_verdict(item) for _position, item in jsonl.read(stdin("claims"))]
     if not verdicts:
         raise InvalidRequest("no claims on stdin to verify")
     if not all(verdicts):
         sys.exit(1)
+
+
+def stdin(what: str) -> IO[bytes]:
+    """Standard input, for a command to read `what` from; at a terminal, said first on stderr:
+    `metanode claim post` given no claim sat silent, waiting for one, as if it hung."""
+    if sys.stdin.isatty():
+        click.echo(f"reading {what} from the terminal, a JSON line each; Ctrl-D ends…", err=True)
+    return sys.stdin.buffer
 
 
 def _verdict(item: Any) -> bool:
@@ -693,10 +731,24 @@ def _refused(
         for item in (items if isinstance(items, list) else [])
         if isinstance(item, dict)
     ]
-    if exc.slug == "unauthorized" and node_client is not None and node_client.token_hint:
-        lines.append(f"  {node_client.token_hint}")
+    if exc.slug == "unauthorized" and node_client is not None:
+        hints = (node_client.token_hint, _path_hint(node_client.url))
+        lines += [f"  {hint}" for hint in hints if hint]
     click.echo("\n".join(lines), err=True)
     sys.exit(2)
+
+
+def _path_hint(url: str) -> str:
+    """What a refused token may really mean when the node's address has a path: the node asks
+    a token of every path it does not serve, so `--url http://box:9000/ui` (copied from the
+    browser) was told `unauthorized` even by `health` and `get`, which need none."""
+    path = urllib.parse.urlsplit(url).path
+    if not path:
+        return ""
+    return (
+        f"the address {url} has a path, {path}: unless it is the node's root_path, give the "
+        "node's base address (http://host:port), under which every route is"
+    )
 
 
 def _place(places: Sequence[str], index: object) -> str:
@@ -721,7 +773,7 @@ def claim_post(
     read = (
         [(f"argument {n}", jsonl.loads(c, f"argument {n}")) for n, c in enumerate(claim_json, 1)]
         if claim_json
-        else [(f"claim {n}", item) for n, item in jsonl.read(sys.stdin.buffer)]
+        else [(f"claim {n}", item) for n, item in jsonl.read(stdin("claims"))]
     )
     if not read:
         raise InvalidRequest("no claims to post")
@@ -755,16 +807,19 @@ def get(
     """Print the merged document of CID_VALUE from a running node."""
     params = {"as": viewer} if viewer else {}
     path = f"/api/meta/{urllib.parse.quote(cid_value, safe='')}"  # a CID, never another route
-    deadline = time.monotonic() + wait_s
+    deadline, said = time.monotonic() + wait_s, False
     with connect(config_file, data_dir, url) as node_client:
         while True:
             try:
                 response = node_client.request("GET", path, params=params)
                 if not _not_yet(response) or time.monotonic() >= deadline:
                     break
-            except Unreachable:  # a node still starting (the README's tour): asked again
+            except Unreachable as exc:  # a node still starting (the README's tour): asked again
                 if time.monotonic() >= deadline:
                     raise
+                if not said:  # as `events` says it: a wrong --url is not a silent wait
+                    click.echo(f"waiting up to {wait_s:g} s: {exc.message}…", err=True)
+                    said = True
             time.sleep(WAIT_POLL_S)
         _print_response(node_client, response)
 
@@ -1151,6 +1206,10 @@ def events(
 ) -> None:
     """Follow the change feed, one line per event: `<id or -> <event> <json>`; reconnects by
     itself and resumes where it was (saying so on stderr while it waits). Ctrl-C stops."""
+    # the node's own rules, here where they were typed: with the node away, a mistyped
+    # --since or --rid waited for it, to be refused once it came
+    sse.parse_cursor(since)
+    sse.Filter.of(rid_values, prefix)
     node_client = connect(config_file, data_dir, url, token, needs_token=True)
 
     def waiting(reason: str) -> None:
@@ -1319,7 +1378,7 @@ def _rereadable(source: str, spool_dir: Path) -> Iterator[IO[bytes]]:
             yield f
         return
     with tempfile.TemporaryFile(dir=spool_dir if spool_dir.is_dir() else None) as spool:
-        shutil.copyfileobj(sys.stdin.buffer, spool)
+        shutil.copyfileobj(stdin("claims"), spool)
         spool.seek(0)
         yield spool
 

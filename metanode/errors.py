@@ -787,3 +787,10 @@ class NotCommitted(Exception):
     """The transaction whose results other work began on before its COMMIT (`db.Gate`) did not
     commit: that work is rolled back. Caught inside the node (the cache's apply ahead of the
     truth's COMMIT, `Applier.apply_ahead`); no client ever sees it."""
+
+
+# A command Ctrl-C ended (the CLI, and `metanode.__main__` while it still imports the CLI): this
+# line on stderr and exit 128 + SIGINT, as a shell reports it, so a script tells it from exit 1,
+# a verdict (`claim verify`, `check`, `health` degraded)
+INTERRUPTED = 130
+INTERRUPTED_LINE = "error: interrupted"

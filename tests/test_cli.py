@@ -22,7 +22,7 @@ from multiformats import CID
 
 from metanode import cid as cids
 from metanode import claims, keys
-from metanode.cli import main
+from metanode.cli import INTERRUPTED, main
 from tests.helpers.plugins import install_plugin
 from tests.helpers.vectors import load_vectors
 from tests.helpers.wait import DEADLINE_S
@@ -62,6 +62,23 @@ def test_every_command_says_what_it_does_in_its_help() -> None:
     for group in ("signers", "peers", "peers token", "plugins", "claim", "cid"):
         listing = run(*group.split(), "--help").output.split("Commands:")[1]
         assert all(len(line.split()) > 1 for line in listing.strip().splitlines()), listing
+
+
+@pytest.mark.parametrize("words", [(), ("peers",), ("peers", "token"), ("signers",)])
+def test_a_bare_group_shows_its_help_not_an_error_line(words: tuple[str, ...]) -> None:
+    """`metanode` alone, the first thing a newcomer types, printed `error: usage: Usage: …`
+    (click's help taken for an error message): now the help itself, exit 2 as click gives."""
+    result = run(*words)
+    assert result.exit_code == 2
+    assert result.stderr.startswith("Usage: "), result.stderr
+    assert "error: usage" not in result.stderr and "Commands:" in result.stderr
+
+
+def test_the_exit_codes_are_in_the_help() -> None:
+    """A script's author finds what each exit code means without reading the source."""
+    said = " ".join(run("--help").output.split())
+    assert "Exit codes: 0 done; 1 a verdict failed" in said
+    assert f"{INTERRUPTED} interrupted (Ctrl-C)" in said
 
 
 @pytest.fixture
@@ -133,6 +150,25 @@ def test_cid_midhash_missing_file_is_an_error(tmp_path: Path) -> None:
     result = run("cid", "midhash", str(tmp_path / "absent.bin"))
     assert result.exit_code == 2
     assert "midhash_failed" in result.stderr
+
+
+def test_cid_midhash_hashes_the_other_files_after_one_it_cannot_read(tmp_path: Path) -> None:
+    """`metanode cid midhash media/*` stopped at the first file it could not read, and a
+    script lost every CID after it; now each is named on stderr, the rest still hashed, and
+    the exit code says something failed, as `sha256sum` does."""
+    first, last = tmp_path / "first.mkv", tmp_path / "last.mkv"
+    first.write_bytes(b"first")
+    last.write_bytes(b"last")
+    absent = tmp_path / "absent.mkv"
+    result = run("cid", "midhash", str(first), str(absent), str(last))
+    assert result.exit_code == 2
+    assert result.stdout.splitlines() == [
+        f"{cids.midhash_bytes(b'first')}  {first}",
+        f"{cids.midhash_bytes(b'last')}  {last}",
+    ]
+    assert result.stderr == f"error: midhash_failed: cannot read {str(absent)!r}: " + (
+        "No such file or directory\n"
+    )
 
 
 def test_cid_midhash_of_a_fifo_is_refused_at_once(tmp_path: Path) -> None:
@@ -396,6 +432,28 @@ def test_verify_reports_each_claim(key_file: Path) -> None:
     assert lines[1].startswith("bad_signature:")
     assert lines[2] == "ok"
     assert lines[3].startswith("invalid_claim:")
+
+
+def test_a_command_reading_claims_from_a_terminal_says_so(key_file: Path) -> None:
+    """`metanode claim verify` (or `claim post` given no claim) typed at a terminal sat silent,
+    waiting for stdin, as if it hung: now it says what it waits for, then reads it."""
+    line = json.dumps(sign(key_file, "--key-name", "title", "--value", "typed"))
+    controller, terminal = os.openpty()
+    with subprocess.Popen(
+        [sys.executable, "-m", "metanode", "claim", "verify"],
+        stdin=terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as verifying:
+        os.close(terminal)
+        assert verifying.stderr is not None
+        said = verifying.stderr.readline()
+        assert said == "reading claims from the terminal, a JSON line each; Ctrl-D ends…\n"
+        os.write(controller, f"{line}\n".encode() + b"\x04")  # Ctrl-D: the end of input
+        out, err = verifying.communicate(timeout=120)
+    os.close(controller)
+    assert (verifying.returncode, out, err) == (0, "ok\n", "")
 
 
 def test_verify_the_vectors_as_json_lines() -> None:

@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -144,6 +145,22 @@ def test_a_refused_token_says_where_the_command_looked_for_it(
         assert lines[0].startswith("error: unauthorized: ") and lines[1:] == [hint], lines
 
 
+def test_an_address_with_a_path_the_node_does_not_serve_is_named_beside_the_refusal(
+    server: Server,
+) -> None:
+    """The node asks a token of every path it does not serve: `health --url …/ui`, the address
+    copied from the browser, was a bare `unauthorized` for a command that needs no token."""
+    for args in (("health",), ("get", MIDHASH)):
+        refused = metanode(*args, "--url", f"{server.url}/ui")
+        assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+        lines = refused.stderr.splitlines()
+        assert lines[0].startswith("error: unauthorized: ") and lines[1:] == [
+            f"  the address {server.url}/ui has a path, /ui: unless it is the node's root_path, "
+            "give the node's base address (http://host:port), under which every route is"
+        ], lines
+    assert metanode("health", "--url", f"{server.url}/").returncode == 0
+
+
 def test_get_waits_for_a_file_just_dropped_when_asked_to(server: Server) -> None:
     """The README's tour asked for a file's record right after writing it, before the watcher
     had settled and hashed it: `unknown_cid`, as if it were broken. `--wait` keeps asking."""
@@ -184,6 +201,77 @@ def test_get_waits_for_a_node_still_starting(tmp_path: Path) -> None:
         srv.stop()
     assert asking.returncode == 0, err
     assert json.loads(out)["filePath"] == str(srv.media / "early.mkv")
+
+
+def test_ctrl_c_is_exit_130_and_one_line_not_a_traceback() -> None:
+    """Ctrl-C ended a command with `error: aborted` and exit 1, which a script reads as a
+    verdict (a claim that did not verify, a degraded node): now 130, as a shell says it. A
+    `get --wait` on an address nothing answers says it waits (it waited in silence), then is
+    interrupted in the middle of its wait."""
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    asking = subprocess.Popen(
+        [sys.executable, "-m", "metanode", "get", MIDHASH, "--wait", "600", "--url", nowhere],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert asking.stderr is not None
+        first = asking.stderr.readline()
+        assert first.startswith("waiting up to 600 s: no node answers at http://127.0.0.1:"), first
+        asking.send_signal(signal.SIGINT)
+        out, err = asking.communicate(timeout=120)
+    finally:
+        asking.kill()
+    assert asking.returncode == 130, err
+    assert out == "" and err.strip() == "error: interrupted", err
+
+
+# Run in a real interpreter: Ctrl-C (a real SIGINT, sent to itself) lands in the middle of the
+# command line's imports, as it does when pressed within a second of the start on a small box
+SIGINT_WHILE_IMPORTING = """
+import os, runpy, signal, sys
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "metanode.node":  # imported by metanode.cli, after metanode.__main__ runs
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, Interrupt())
+sys.argv = ["metanode", "--version"]
+runpy.run_module("metanode", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ctrl_c_while_the_command_line_is_imported_is_the_same_one_line() -> None:
+    """A Ctrl-C before the command had started (its imports: 0.7 s on a busy box) printed the
+    traceback of whichever module was being imported."""
+    done = subprocess.run(
+        [sys.executable, "-c", SIGINT_WHILE_IMPORTING],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 130, done.stderr
+    assert done.stdout == "" and done.stderr.strip() == "error: interrupted", done.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (("--since", "yesterday"), "error: invalid_cursor: cursor 'yesterday' is not <epoch>-"),
+        (("--rid", "film"), "error: invalid_rid: not a rid: 'film'"),
+    ],
+)
+def test_events_refuses_a_mistyped_option_before_it_waits_for_the_node(
+    option: tuple[str, str], said: str
+) -> None:
+    """With no node up, `events --since yesterday` said it waited for the node, to be refused
+    by it once it came: the node's own rules are applied where the option was typed."""
+    refused = metanode("events", "--url", f"http://127.0.0.1:{free_port()}", *option)
+    assert (refused.returncode, refused.stdout) == (2, ""), refused.stderr
+    assert refused.stderr.startswith(said) and "waiting" not in refused.stderr, refused.stderr
 
 
 def test_plugins_list_and_retry_ask_the_running_node(server: Server) -> None:
