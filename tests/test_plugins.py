@@ -755,7 +755,7 @@ async def test_a_file_hashed_again_to_the_same_content_runs_no_plugin_again(
         return described["running"] == [] and described["runs"]["pending"] == 0
 
     await until(finished(node, reader, midhash), "the first run")
-    while not await idle():  # a new file's run may be queued twice (a race of its own)
+    while not await idle():
         await asyncio.sleep(0.05)
     calls = len(reader.calls)
     os.chmod(path, 0o600)
@@ -765,6 +765,25 @@ async def test_a_file_hashed_again_to_the_same_content_runs_no_plugin_again(
     os.rename(path, harness.media / "renamed.mkv")
     await node.scan([str(harness.media)])
     await until(lambda: len(reader.calls) == calls + 1, "the run after the rename")
+
+
+async def test_a_new_file_runs_a_path_dependent_plugin_once(harness: Harness) -> None:
+    """A new file's runs were queued twice over: every plugin's (`files_changed`), then the
+    path-dependent ones' again (`paths_changed`, its path being new); a run started between
+    the two was made pending again by the second, and ran twice."""
+    reader = probe("reader", claim("read", "yes"))
+    type(reader).path_dependent = True
+    node = await harness.start([reader], watch_enabled=False)
+    dropped = []
+    for n in range(40):  # one new file a batch, as the watcher hands a file settled alone
+        dropped.append(harness.drop(f"film{n}.mkv", b"film %d" % n))
+        await node.scan([str(harness.media)])
+    await until(
+        lambda: all(finished(node, reader, midhash)() for _, midhash in dropped), "every run"
+    )
+    described = (await node.plugins())["plugins"][0]
+    assert described["runs"]["pending"] == 0 and described["running"] == []
+    assert sorted(file.path for file in reader.calls) == sorted(path for path, _ in dropped)
 
 
 async def test_the_plugin_list_says_why_files_were_skipped(harness: Harness) -> None:
