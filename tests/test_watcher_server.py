@@ -728,15 +728,23 @@ def test_files_created_in_an_ignored_folder_never_appear(start: Start, tmp_path:
 # -- restarts -----------------------------------------------------------------------------------
 
 
+def recorded_then_stopped(
+    server: WatchServer, contents: dict[Path, bytes]
+) -> tuple[list[tuple[str, str, int, int]], str]:
+    """Write `contents`, wait until the node has a row for each, stop it: its `local_file`
+    rows and its feed cursor then, for a restart to be compared with."""
+    for path, data in contents.items():
+        write(path, data)
+    wait_for("every file", lambda: len(server.files()) == len(contents))
+    rows, mark = local_rows(server.data_dir), server.cursor()
+    server.stop()
+    return rows, mark
+
+
 def test_a_restart_with_nothing_changed_hashes_nothing(start: Start, tmp_path: Path) -> None:
     server = start()
     contents = {server.media / f"f{i}.mkv": os.urandom(1000 * (i + 1)) for i in range(3)}
-    for path, data in contents.items():
-        write(path, data)
-    wait_for("three files", lambda: len(server.files()) == 3)
-    rows = local_rows(server.data_dir)
-    mark = server.cursor()
-    server.stop()
+    rows, mark = recorded_then_stopped(server, contents)
 
     again = start()
     marker = write(again.media / "marker.mkv", b"after the restart")
@@ -793,12 +801,7 @@ def test_an_upgraded_cache_takes_each_files_ctime_without_hashing_then_sees_rewr
     its new content at once (inotify), which nothing saw before."""
     server = start()
     contents = {server.media / f"f{i}.mkv": os.urandom(3000 + i) for i in range(3)}
-    for path, data in contents.items():
-        write(path, data)
-    wait_for("three files", lambda: len(server.files()) == 3)
-    rows = local_rows(server.data_dir)
-    mark = server.cursor()
-    server.stop()
+    rows, mark = recorded_then_stopped(server, contents)
     as_schema_13(server.data_dir / "cache.db")
 
     again = start()
