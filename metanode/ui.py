@@ -253,6 +253,19 @@ class Sessions:
             text = self._kept()
             await asyncio.to_thread(datadir.write_whole, self.node.settings.sessions_path, text)
 
+    async def keep_ended(self) -> None:
+        """`keep` after a sign-out, which must end the session for good. Should the disk refuse
+        the write (full), the kept list is removed instead: a restart then signs every browser
+        out rather than bring the ended session back. Only if that fails too is it refused."""
+        try:
+            await self.keep()
+        except MetanodeError as exc:
+            try:
+                self.node.settings.sessions_path.unlink(missing_ok=True)
+            except OSError:
+                raise exc from None
+            log.warning("%s; the kept sessions are removed instead", exc.message)
+
     def restore(self) -> None:
         """The sessions kept by the last run, those still to run (at most `MOST_SESSIONS`, the
         newest), taken back at start. A file that cannot be read or is damaged never stops the
@@ -262,7 +275,7 @@ class Sessions:
             sessions = self._parsed(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             return
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             log.warning("%s is damaged or unreadable (%s): every browser signs in again", path, exc)
             return
         self.live = {s.sid: s for s in sessions[-MOST_SESSIONS:]}
@@ -280,8 +293,9 @@ class Sessions:
             return []
         return [s for s in sessions if s.expires > self.clock()]
 
-    def _entry(self, kept: dict[str, object]) -> Session:
-        """One session of the file, its end moved to the monotonic clock."""
+    def _entry(self, kept: Any) -> Session:
+        """One session of the file (as JSON parsed it: anything), its end moved to the
+        monotonic clock."""
         sid, csrf, until = kept["sid"], kept["csrf"], kept["until"]
         if not (sid and csrf and isinstance(sid, str) and isinstance(csrf, str)):
             raise ValueError("a session without its id or CSRF token")
@@ -1016,7 +1030,7 @@ class Pages:
         """POST /signout: the session ends here, for every copy of its cookie."""
         session: Session = request.scope["metanode.session"]
         self.sessions.end(session)
-        await self.sessions.keep()  # refused: its error page, so no one thinks it ended for good
+        await self.sessions.keep_ended()  # refused: its error page, so no one thinks it ended
         response = to(request, "/")
         response.delete_cookie(COOKIE, **cookie_attributes(request))
         return response

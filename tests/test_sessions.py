@@ -256,7 +256,8 @@ def test_a_damaged_list_of_sessions_starts_the_node_with_none(tmp_path: Path) ->
     data = tmp_path / "data"
     srv = Server(data).start()
     srv.stop()
-    for damaged in (b'{"sessions": [{"sid": 1', b"\xff\xfe", b'{"sessions": [7]}'):
+    damaged_lists = (b'{"sessions": [{"sid": 1', b"\xff\xfe", b'{"sessions": [7]}', b"[" * 10**5)
+    for damaged in damaged_lists:
         (data / KEPT).write_bytes(damaged)
         srv.start()
         try:
@@ -265,7 +266,7 @@ def test_a_damaged_list_of_sessions_starts_the_node_with_none(tmp_path: Path) ->
             assert srv.log_text().count("is damaged or unreadable") >= 1
         finally:
             srv.stop()
-    assert srv.log_text().count("is damaged or unreadable") == 3
+    assert srv.log_text().count("is damaged or unreadable") == len(damaged_lists)
 
 
 def test_an_owner_worker_replaced_keeps_the_sessions(tmp_path: Path) -> None:
@@ -293,6 +294,24 @@ def _signed_in_as(browser: httpx.Client, csrf: str) -> bool | None:
     if page.status_code == 503:  # no owner answering yet
         return None
     return f'data-csrf="{csrf}"' in page.text or None
+
+
+def test_a_sign_out_the_disk_refuses_to_keep_removes_the_kept_list(tmp_path: Path) -> None:
+    """A sign-out ends its session for good even when the list cannot be written (a full
+    disk; here its temporary file's name taken by a folder): the kept list is removed instead,
+    so no restart brings the ended session back."""
+    settings = SimpleNamespace(ui_session_hours=1, sessions_path=tmp_path / KEPT)
+    node = SimpleNamespace(session_secret="s" * 43, token="t" * 43, settings=settings)
+    sessions = ui.Sessions(cast(Node, node))
+    cookie, session = sessions.create()
+    asyncio.run(sessions.keep())
+    (tmp_path / f"{KEPT}.part").mkdir()
+    sessions.end(session)
+    asyncio.run(sessions.keep_ended())
+    assert not (tmp_path / KEPT).exists()
+    after = ui.Sessions(cast(Node, node))
+    after.restore()
+    assert after.find(cookie) is None
 
 
 def test_kept_sessions_are_taken_back_with_their_time_left_and_within_the_bound(
