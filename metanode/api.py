@@ -735,6 +735,8 @@ def create_app(node: Node) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await node.start()
+        if not node.follower:  # a reader worker hands every sign-in and cookie to the owner
+            sessions.restore()
         await compat.start(node)
         try:
             yield

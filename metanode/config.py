@@ -512,6 +512,12 @@ class Settings:
         return self.data_dir / "session-secret"
 
     @property
+    def sessions_path(self) -> Path:
+        """The web page's live sessions (`ui.Sessions.keep`: ids and CSRF tokens, bearer
+        secrets as the token is; mode 0600, not in backups), so a restart signs no one out."""
+        return self.data_dir / "ui-sessions.json"
+
+    @property
     def plugins_running_path(self) -> Path:
         """The plugin runs going on now (`plugins.InFlight`): charged at the next start if the
         process ended during them."""

@@ -23,6 +23,8 @@ import hashlib
 import hmac
 import importlib.resources
 import ipaddress
+import json
+import logging
 import math
 import os
 import re
@@ -48,7 +50,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
 
 from metanode import cid as cids
-from metanode import labels, merge
+from metanode import datadir, labels, merge
 from metanode.bodies import read_body
 from metanode.claims import LINK_PREFIX, LOCAL_KEYS, Claim
 from metanode.errors import (
@@ -97,6 +99,7 @@ UNSAVED = "Not saved: you had been signed out. What you typed is back in its for
 COOKIE = "metanode_session"
 CSRF_HEADER = "x-csrf-token"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+log = logging.getLogger(__name__)
 FIRST = asyncio.FIRST_COMPLETED
 PAGE = 50  # records a library page lists
 # the library's Files filter (`?files=`): every record, those with a file on this box, or those
@@ -154,11 +157,18 @@ MOST_SESSIONS = 1_000  # live sign-ins at once (≈ 1 KB each): a household has 
 @dataclass
 class Sessions:
     """The live sessions of this process. A cookie is honoured only while its id is listed
-    here, so ending a session (sign-out) stops every copy of its cookie at once."""
+    here, so ending a session (sign-out) stops every copy of its cookie at once.
+
+    They are kept in `Settings.sessions_path` too (`keep`, at each sign-in and sign-out) and
+    read back at start (`restore`): held in memory only, every restart of `serve` (an upgrade,
+    a reboot of the box) signed every browser out, and whoever was at the page had to find
+    the API token again."""
 
     node: Node
     live: dict[str, Session] = field(default_factory=dict)
     clock: Callable[[], float] = time.monotonic
+    wall: Callable[[], float] = time.time  # the file's ends: the monotonic clock restarts
+    _writing: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def ttl_s(self) -> float:
@@ -215,6 +225,84 @@ class Sessions:
     def end(self, session: Session) -> None:
         self.live.pop(session.sid, None)
         session.ended.set()
+
+    def _of_token(self) -> str:
+        """Which API token the kept sessions were given for (an HMAC of it under the session
+        secret: the file names no token). Sessions kept under another token are not taken
+        back: replacing a token others have seen (operations.md) must sign every browser out."""
+        key = self.node.session_secret.encode()
+        return hmac.new(key, self.node.token.encode(), hashlib.sha256).hexdigest()
+
+    def _kept(self) -> str:
+        """The file's text: each live session's id, CSRF token and end (wall-clock seconds),
+        in the order made; nothing else (a flash or a draft waits in memory only)."""
+        now, wall = self.clock(), self.wall()
+        live = [
+            {"sid": s.sid, "csrf": s.csrf, "until": wall + s.expires - now}
+            for s in self.live.values()
+            if s.expires > now
+        ]
+        return json.dumps({"token": self._of_token(), "sessions": live}) + "\n"
+
+    async def keep(self) -> None:
+        """Write the live sessions whole (`datadir.write_whole`, on a thread: an fsync on a
+        slow card must not hold every request). One write at a time, each of the sessions as
+        they are when it starts, so the last one written is the newest. A disk that refuses
+        is its typed `StorageError`."""
+        async with self._writing:
+            text = self._kept()
+            await asyncio.to_thread(datadir.write_whole, self.node.settings.sessions_path, text)
+
+    async def keep_ended(self) -> None:
+        """`keep` after a sign-out, which must end the session for good. Should the disk refuse
+        the write (full), the kept list is removed instead: a restart then signs every browser
+        out rather than bring the ended session back. Only if that fails too is it refused."""
+        try:
+            await self.keep()
+        except MetanodeError as exc:
+            try:
+                self.node.settings.sessions_path.unlink(missing_ok=True)
+            except OSError:
+                raise exc from None
+            log.warning("%s; the kept sessions are removed instead", exc.message)
+
+    def restore(self) -> None:
+        """The sessions kept by the last run, those still to run (at most `MOST_SESSIONS`, the
+        newest), taken back at start. A file that cannot be read or is damaged never stops the
+        start: it is logged in one line and every browser signs in again."""
+        path = self.node.settings.sessions_path
+        try:
+            sessions = self._parsed(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+            log.warning("%s is damaged or unreadable (%s): every browser signs in again", path, exc)
+            return
+        self.live = {s.sid: s for s in sessions[-MOST_SESSIONS:]}
+
+    def _parsed(self, text: str) -> list[Session]:
+        """The sessions of the file's `text` that are still to run; its end is never later
+        than `ui_session_hours` from now (a wall clock stepped back, a setting lowered). Raises
+        `ValueError`, `KeyError` or `TypeError` for a text that is not such a file."""
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("sessions"), list):
+            raise ValueError("not a list of sessions")
+        sessions = [self._entry(kept) for kept in data["sessions"]]
+        if data.get("token") != self._of_token():
+            log.info("the web page's sessions were of another API token: none taken back")
+            return []
+        return [s for s in sessions if s.expires > self.clock()]
+
+    def _entry(self, kept: Any) -> Session:
+        """One session of the file (as JSON parsed it: anything), its end moved to the
+        monotonic clock."""
+        sid, csrf, until = kept["sid"], kept["csrf"], kept["until"]
+        if not (sid and csrf and isinstance(sid, str) and isinstance(csrf, str)):
+            raise ValueError("a session without its id or CSRF token")
+        if isinstance(until, bool) or not isinstance(until, int | float):
+            raise ValueError("a session without its end")
+        left = min(until - self.wall(), self.ttl_s)
+        return Session(sid, csrf, self.clock() + left)
 
     def while_signed_in(
         self, stream: AsyncGenerator[bytes, None], scope: Scope
@@ -918,6 +1006,7 @@ class Pages:
             return sign_in_page(request, then, 401, wrong, draft or False)
         self.throttle.succeeded(client)
         value, session = self.sessions.create()
+        await self._keep_signed_in()
         request.scope["metanode.session"] = session
         if draft is not None and then.startswith("/records/"):
             at = "add" if draft.adding else anchor_of(draft.key)
@@ -929,10 +1018,19 @@ class Pages:
         )
         return response
 
+    async def _keep_signed_in(self) -> None:
+        """Keep the sessions after a sign-in; a disk that refuses does not refuse it (the
+        session lives in memory, until the next restart), it is logged."""
+        try:
+            await self.sessions.keep()
+        except MetanodeError as exc:
+            log.warning("the new session lasts until the node restarts: %s", exc.message)
+
     async def sign_out(self, request: Request) -> Response:
         """POST /signout: the session ends here, for every copy of its cookie."""
         session: Session = request.scope["metanode.session"]
         self.sessions.end(session)
+        await self.sessions.keep_ended()  # refused: its error page, so no one thinks it ended
         response = to(request, "/")
         response.delete_cookie(COOKIE, **cookie_attributes(request))
         return response

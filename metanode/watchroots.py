@@ -19,7 +19,6 @@ from pathlib import Path
 from metanode import datadir
 from metanode.config import WATCHED_FOLDERS, page_roots
 from metanode.errors import (
-    StorageError,
     WatchRootDataDir,
     WatchRootMissing,
     WatchRootNotFolder,
@@ -27,7 +26,6 @@ from metanode.errors import (
     WatchRootsDamaged,
     WatchRootTaken,
     WatchRootUnreadable,
-    storage_error,
 )
 
 log = logging.getLogger(__name__)
@@ -83,25 +81,10 @@ def save(data_dir: Path, roots: Sequence[str]) -> None:
 
 def write(path: Path, roots: Sequence[str]) -> None:
     """A list of watched folders at `path` (the data directory's, or a backup's copy), whole or
-    not at all: a temporary file, fsync'd, renamed over the list, the folder fsync'd (mode
-    0600, as the data directory's files are). A disk that refuses is its typed `StorageError`."""
-    part = path.with_name(path.name + ".part")
-    text = json.dumps({"roots": list(roots)}, indent=1, ensure_ascii=False) + "\n"
-    try:
-        part.unlink(missing_ok=True)
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, datadir.FILE_MODE)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(part, path)
-        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
-    except OSError as exc:
-        raise storage_error(exc, path) or StorageError(f"cannot write {path}: {exc}") from exc
+    not at all (`datadir.write_whole`)."""
+    datadir.write_whole(
+        path, json.dumps({"roots": list(roots)}, indent=1, ensure_ascii=False) + "\n"
+    )
 
 
 class Followed:

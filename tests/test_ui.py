@@ -892,12 +892,13 @@ def test_live_asks_the_node_for_only_the_changes_it_shows(page: Page, srv: Serve
     expect(changes.filter(has_text="cids/")).to_have_count(0)
 
 
-def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
+def test_live_and_plugins_go_on_after_a_restart_and_say_so_when_the_session_is_gone(
     browser: Browser, tmp_path: Path
 ) -> None:
-    """Sessions live in the node's memory: after a restart the open Live and Plugins pages say
-    the session is gone (not "reconnecting…" for ever, nor a poll failing unseen), and
-    signing in again goes back to the page; while the node is down nothing throws."""
+    """The node keeps its sessions across a restart: the open Live and Plugins pages go on,
+    signed in. Where the session is gone meanwhile (here its kept list lost), they say so
+    (not "reconnecting…" for ever, nor a poll failing unseen), and signing in again goes back
+    to the page; while the node is down nothing throws."""
     with plugins_server(tmp_path / "data") as server:
         ctx = browser.new_context(viewport=DESKTOP)
         ctx.set_default_timeout(WAIT_MS)
@@ -928,7 +929,13 @@ def test_live_and_plugins_say_so_when_a_restart_ended_the_session(
         assert plugins.evaluate("window.written") == ["The node does not answer; retrying…"]
         assert live.evaluate("window.written") == ["reconnecting…"]
         server.start()
-        gone = "Signed out (the node restarted, or the session ended). Sign in again"
+        expect(live.get_by_role("status")).to_have_text("connected")
+        expect(plugins.get_by_role("status")).to_have_text("")
+        server.stop()
+        expect(live.get_by_role("status")).to_have_text("reconnecting…")
+        (server.data_dir / "ui-sessions.json").unlink()
+        server.start()
+        gone = "Signed out (here or in another tab, or the session ended). Sign in again"
         expect(live.get_by_role("status")).to_have_text(gone)
         expect(plugins.get_by_role("status")).to_have_text(gone)
         live.get_by_role("link", name="Sign in again").click()

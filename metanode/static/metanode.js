@@ -45,14 +45,14 @@ document.addEventListener("keydown", (event) => {
 // `data-label-keys`); every row of a record takes its newest name, so one record never goes
 // by several names down the list.
 
-// The session is gone (signed out elsewhere, or the node restarted: sessions live in its
-// memory): say so where the page shows its state, with the way back. Reloading shows the
+// The session is gone (signed out elsewhere, or its hours are up; a restart of the node keeps
+// it): say so where the page shows its state, with the way back. Reloading shows the
 // sign-in form, which goes on to this very page.
 function signedOut(status) {
   const again = document.createElement("a");
   again.href = location.pathname + location.search;
   again.textContent = "Sign in again";
-  say(status, "Signed out (the node restarted, or the session ended). ", again);
+  say(status, "Signed out (here or in another tab, or the session ended). ", again);
 }
 
 const NEWS_MS = 5000;
