@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 
-from metanode import db
+from metanode import db, keys
 from metanode.errors import DataDirLocked, FileFailed, MetanodeError, StorageError, storage_error
 
 log = logging.getLogger(__name__)
@@ -46,24 +46,17 @@ def secure(data_dir: Path) -> None:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """`text` as the file `path`, whole or not at all: a temporary file (mode 0600, as the data
-    directory's files are), fsync'd, renamed over `path`, the folder fsync'd, so a crash or a
-    full disk leaves the old file or the new one, never half of one. A disk that refuses is its
-    typed `StorageError`. (The watched folders, the web page's sessions.)"""
+    """`text` as the file `path`, whole or not at all: a temporary file made whole on the disk
+    (`keys.write_secret`: mode 0600, as the data directory's files are, fsync'd), renamed over
+    `path`, the folder fsync'd, so a crash or a full disk leaves the old file or the new one,
+    never half of one. A disk that refuses is its typed `StorageError`. (The watched folders,
+    the web page's sessions.)"""
     part = path.with_name(path.name + ".part")
     try:
         part.unlink(missing_ok=True)
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
+        keys.write_secret(part, text)
         os.replace(part, path)
-        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        keys.sync_folder(path.parent)
     except OSError as exc:
         raise storage_error(exc, path) or StorageError(f"cannot write {path}: {exc}") from exc
 

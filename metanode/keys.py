@@ -52,11 +52,16 @@ def write_secret(path: Path, text: str) -> None:
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    sync_folder(path.parent)
+
+
+def sync_folder(folder: Path) -> None:
+    """fsync `folder`, so the names made or renamed in it are on the disk too."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(folder)
+        os.fsync(fd)
     finally:
-        os.close(folder)
+        os.close(fd)
 
 
 def load(path: str | os.PathLike[str]) -> nacl.signing.SigningKey:
