@@ -785,11 +785,14 @@ def _set_state(conn: Connection, **values: int) -> None:
 # -- recomputing records ------------------------------------------------------------------------
 
 
+# a `local_file` row's columns, in the order of `merge.LocalFile`'s fields
+_LOCAL_FILE = "path, midhash, size, mtime_ns, ino, ctime_ns"
+
+
 def local_files(conn: Connection, cids: Iterable[str]) -> list[merge.LocalFile]:
     wanted = sorted(set(cids))
     rows = conn.execute(
-        "SELECT path, midhash, size, mtime_ns, ino, ctime_ns FROM local_file "
-        f"WHERE midhash IN ({','.join('?' * len(wanted))})",
+        f"SELECT {_LOCAL_FILE} FROM local_file WHERE midhash IN ({','.join('?' * len(wanted))})",
         wanted,
     )
     return [merge.LocalFile(*row) for row in rows]
@@ -798,19 +801,13 @@ def local_files(conn: Connection, cids: Iterable[str]) -> list[merge.LocalFile]:
 def all_local_files(conn: Connection) -> list[merge.LocalFile]:
     """Every local_file row: what `check` copies into its fresh rebuild (facts about the disk,
     not derived from the truth)."""
-    return [
-        merge.LocalFile(*row)
-        for row in conn.execute(
-            "SELECT path, midhash, size, mtime_ns, ino, ctime_ns FROM local_file"
-        )
-    ]
+    return [merge.LocalFile(*row) for row in conn.execute(f"SELECT {_LOCAL_FILE} FROM local_file")]
 
 
 def put_local_files(cache: Connection, files: Iterable[merge.LocalFile]) -> None:
     """Insert local_file rows as they are (into an empty cache: `check`'s fresh rebuild)."""
     cache.executemany(
-        "INSERT INTO local_file (path, midhash, size, mtime_ns, ino, ctime_ns) "
-        "VALUES (?, ?, ?, ?, ?, ?)",
+        f"INSERT INTO local_file ({_LOCAL_FILE}) VALUES (?, ?, ?, ?, ?, ?)",
         [(f.path, f.midhash, f.size, f.mtime_ns, f.ino, f.ctime_ns) for f in files],
     )
 
@@ -825,8 +822,7 @@ def local_files_of(conn: Connection, cids: Iterable[str]) -> dict[str, list[merg
     (`local_files`, one `?` per CID, stays the cheaper read for one record)."""
     found: dict[str, list[merge.LocalFile]] = {}
     for row in conn.execute(
-        "SELECT path, midhash, size, mtime_ns, ino, ctime_ns FROM local_file "
-        "WHERE midhash IN (SELECT value FROM json_each(?))",
+        f"SELECT {_LOCAL_FILE} FROM local_file WHERE midhash IN (SELECT value FROM json_each(?))",
         (json_array(set(cids)),),
     ):
         found.setdefault(row[1], []).append(merge.LocalFile(*row))
@@ -1380,8 +1376,7 @@ def local_txn(
             written.append((file, before is None))  # (a chmod, a link): no key changes
             touched.update([file.midhash] if before is None else [file.midhash, before[0]])
         cache.execute(
-            "INSERT INTO local_file (path, midhash, size, mtime_ns, ino, ctime_ns) "
-            "VALUES (?, ?, ?, ?, ?, ?) "
+            f"INSERT INTO local_file ({_LOCAL_FILE}) VALUES (?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (path) DO UPDATE SET midhash = excluded.midhash, size = excluded.size, "
             "mtime_ns = excluded.mtime_ns, ino = excluded.ino, ctime_ns = excluded.ctime_ns",
             (file.path, file.midhash, file.size, file.mtime_ns, file.ino, file.ctime_ns),
