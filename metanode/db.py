@@ -34,6 +34,7 @@ import functools
 import logging
 import os
 import queue
+import resource
 import shutil
 import sqlite3
 import threading
@@ -50,6 +51,7 @@ from metanode import pg
 from metanode.clock import Clock, now_ms
 from metanode.config import Settings
 from metanode.errors import (
+    OUT_OF_FILES,
     InvalidRequest,
     MetanodeError,
     NotCommitted,
@@ -62,7 +64,6 @@ from metanode.errors import (
     StorageIOError,
     StorageLocked,
     StorageReadOnly,
-    out_of_files,
     out_of_files_hint,
 )
 from metanode.errors import storage_error as file_error
@@ -142,6 +143,27 @@ _SQLITE_STORAGE: tuple[tuple[str, type[StorageError]], ...] = (
 
 
 FAILED = "the data directory failed: "  # how every storage error's message begins
+
+
+def out_of_files() -> int | None:
+    """EMFILE or ENFILE if this process is out of file descriptors now, else None: for the
+    failures that do not say why (SQLite's "unable to open database file"). Out when the
+    descriptors it holds leave fewer than a database in WAL mode opens (`SQLITE_FILES`:
+    failing at its `-shm`, SQLite closes the two it had opened, so a single free one proved
+    nothing), or when it cannot even list them. Asked after the failure: descriptors freed
+    meanwhile make it None, and the failure keeps its other name."""
+    try:
+        held = len(os.listdir(OPEN_FILES)) - 1  # the listing's own descriptor is closed again
+    except OSError as exc:  # none to list with, or no /proc (not Linux): then it cannot tell
+        return exc.errno if exc.errno in OUT_OF_FILES else None
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and held + SQLITE_FILES > soft:
+        return errno.EMFILE
+    return None
+
+
+OPEN_FILES = "/proc/self/fd"  # one entry per descriptor this process holds
+SQLITE_FILES = 3  # what opening a database in WAL mode takes: the file, its `-wal`, its `-shm`
 
 
 def typed_error(exc: BaseException, where: object = None) -> MetanodeError | None:

@@ -593,27 +593,6 @@ def _hint(code: int) -> str:
     return ""
 
 
-def out_of_files() -> int | None:
-    """EMFILE or ENFILE if this process is out of file descriptors now, else None: for the
-    failures that do not say why (SQLite's "unable to open database file"). Out when the
-    descriptors it holds leave fewer than a SQLite database in WAL mode opens (`SQLITE_FILES`:
-    failing at its `-shm`, SQLite closes the two it had opened, so a single free one proved
-    nothing), or when it cannot even list them. Asked after the failure: descriptors freed
-    meanwhile make it None, and the failure keeps its other name."""
-    try:
-        held = len(os.listdir(OPEN_FILES)) - 1  # the listing's own descriptor is closed again
-    except OSError as exc:  # none to list with, or no /proc (not Linux): then it cannot tell
-        return exc.errno if exc.errno in OUT_OF_FILES else None
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and held + SQLITE_FILES > soft:
-        return errno.EMFILE
-    return None
-
-
-OPEN_FILES = "/proc/self/fd"  # one entry per descriptor this process holds
-SQLITE_FILES = 3  # what opening a database in WAL mode takes: the file, its `-wal`, its `-shm`
-
-
 def out_of_files_hint(code: int) -> str:
     """The way out of `code` (EMFILE: this process's limit, named with its value; ENFILE: the
     system's)."""
