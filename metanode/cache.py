@@ -1367,11 +1367,15 @@ def local_txn(
             removed[row_path] = (midhash, size, mtime_ns)
             cache.execute("DELETE FROM local_file WHERE path = ?", (row_path,))
     written: list[tuple[merge.LocalFile, bool]] = []  # (file, it is new at its path)
+    recorded = 0  # rows written: none, and the transaction writes nothing at all
     for file in upserts:
         found = cache.execute(
-            "SELECT midhash, size, mtime_ns FROM local_file WHERE path = ?", (file.path,)
+            f"SELECT {_LOCAL_FILE} FROM local_file WHERE path = ?", (file.path,)
         ).fetchone()
-        before = (found[0], found[1], found[2]) if found else removed.pop(file.path, None)
+        if found is not None and merge.LocalFile(*found) == file:
+            continue  # recorded as it is already: two looks at one file (the start's, a rescan)
+        recorded += 1
+        before = (found[1], found[2], found[3]) if found else removed.pop(file.path, None)
         if before != (file.midhash, file.size, file.mtime_ns):  # else only its inode's ctime
             written.append((file, before is None))  # (a chmod, a link): no key changes
             touched.update([file.midhash] if before is None else [file.midhash, before[0]])
@@ -1382,6 +1386,8 @@ def local_txn(
             (file.path, file.midhash, file.size, file.mtime_ns, file.ino, file.ctime_ns),
         )
     state = read_state(cache)
+    if not recorded and not removed:
+        return state
     with source.snapshot() as view:
         rids = set(view.groups_of(touched).values())
         events = refresh_all(cache, view, {rid: Scope(group=True) for rid in rids})

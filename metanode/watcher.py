@@ -817,8 +817,11 @@ class Watcher:
         """Hash and commit settled files; if one of them has other names (hard links: a
         download linked into the library), reconcile, as inotify reports a write under the
         name it was made through only: the others kept the old content's midhash until the
-        next rescan."""
-        paths = [f.path for f in await self._hash_and_commit(ready)]
+        next rescan. A file a reconciliation recorded while it settled, as it is now, is left
+        alone: at a start, every file copied in meanwhile was hashed and written twice."""
+        known = self._rows_at(list(ready))
+        fresh = {path: st for path, st in ready.items() if known.get(path) != st}
+        paths = [f.path for f in await self._hash_and_commit(fresh)] if fresh else []
         linked: bool = bool(paths) and await asyncio.to_thread(_any_linked, paths)
         if linked:
             self._resync_later()

@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
 import pytest
 
 from metanode import cid as cids
+from metanode import watcher
 from metanode.node import Node
 from tests.helpers.claims import Signer, post, register
 
@@ -104,3 +106,23 @@ async def test_rescans_scrapes_and_plugin_counts_of_an_idle_node_touch_no_file(
             await look()
         assert data_versions(conns) == seen
         assert files_of(data) == files
+
+
+async def test_a_file_recorded_as_it_is_already_commits_nothing(node: Node, tmp_path: Path) -> None:
+    """Two looks at one file (the start's reconciliation and a rescan, or a settled event a
+    rescan beat) each hash it and hand the cache the same row: the second found it recorded
+    and still wrote it, and the feed's state, a commit on an idle box."""
+    film = tmp_path / "film.mkv"
+    film.write_bytes(b"looked at twice" * 100)
+    st = watcher.stat_of(str(film), follow_symlinks=False)
+    assert st is not None
+    row = watcher.recorded(str(film), watcher.midhash_file(film)[0], st)
+    await node.ensure_groups([row.midhash])
+    await node.apply_local([row], [])
+    assert await node.applier.wait_for(node.truth.max_seq(), 60)  # the group's making, applied
+    with versions(node.settings.data_dir) as conns:
+        seen = data_versions(conns)
+        await node.apply_local([row], [])
+        assert data_versions(conns) == seen
+        await node.apply_local([replace(row, ctime_ns=row.ctime_ns + 1)], [])  # a chmod since
+        assert data_versions(conns)["cache.db"] != seen["cache.db"]

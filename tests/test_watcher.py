@@ -908,6 +908,26 @@ async def test_on_changes_queues_new_and_changed_files_and_ignores_unchanged(
     assert len(store.commits) == commits  # nothing is hashed before it settles
 
 
+async def test_a_settled_file_a_reconciliation_recorded_meanwhile_is_not_hashed_again(
+    tmp_path: Path,
+) -> None:
+    """An event queued a new file; a reconciliation (the start's, a rescan) hashed it before
+    it settled: once settled it is left alone, where it was hashed and committed again."""
+    root = tmp_path / "media"
+    film = write(root / "film.mkv", b"copied in during the start")
+    store = Store()
+    w = store.watcher(root, settle_s=60)
+    await w._on_changes({(Change.added, str(film))})
+    assert set(w.pending) == {str(film)}
+    await w.reconcile(settle=False)
+    commits = len(store.commits)
+    await w._settled({str(film): stat_now(film)})
+    assert len(store.commits) == commits
+    film.write_bytes(b"changed since")  # one that did change is hashed as ever
+    await w._settled({str(film): stat_now(film)})
+    assert len(store.commits) == commits + 1
+
+
 async def test_on_changes_folder_moved_in_and_deleted(tmp_path: Path) -> None:
     root, outside = tmp_path / "media", tmp_path / "outside"
     root.mkdir()
