@@ -334,6 +334,7 @@ class ScanProgress:
 Progress = Callable[[int, int, int, int], None]
 Mounted = tuple[tuple[str, int, int], ...]  # (root, device, inode) of the roots that are folders
 ROOTS_S = 2.0  # how often the roots are looked at for a disk mounted or taken off
+WALK_TRIES = 3  # walks of the roots while disks are mounted or taken off meanwhile (`_walk`)
 DEVICES_FILE = "watch-roots.json"  # in the data directory: `RootDevices`
 MOUNTINFO = Path("/proc/self/mountinfo")  # the mount table: `mount_points`
 _OCTAL = re.compile(rb"\\([0-7]{3})")  # how the mount table writes a space, a tab, a `\`
@@ -514,20 +515,16 @@ class Watcher:
         scan: ScanProgress | None = None
         began = time.monotonic()
         try:
-            walking = asyncio.gather(*(asyncio.to_thread(self._listing, root) for root in roots))
-            try:
-                known = self._known_stats(roots)  # on the loop, while the walks run on threads
-            finally:
-                walked = await walking
+            walked, known, mounted, points, moving = await self._walk(roots)
             disk = {path: st for listing in walked for path, st in listing.files.items()}
             if full:
                 stray_known, stray_disk = await self._strays()
                 known, disk = {**known, **stray_known}, {**disk, **stray_disk}
-            mounted, points = await asyncio.to_thread(self._points, roots)
             self.devices.found(mounted)  # a disk mounted below a root: its device, files or not
             self._note_unlisted(
                 sorted(folder for listing in walked for folder in listing.unlisted)
                 + self._emptied(walked, known, disk, points)
+                + moving
             )
             self.devices.found(
                 {x.root: x.device for x in walked if x.files and x.device is not None}
@@ -594,6 +591,29 @@ class Watcher:
             self._reconciling -= 1
             if self.scan is scan:  # not one begun meanwhile, which says its own progress
                 self.scan = None
+
+    async def _walk(
+        self, roots: Sequence[str]
+    ) -> tuple[list[Listing], dict[str, Stat], dict[str, int], dict[str, int | None], list[str]]:
+        """The roots walked, their rows, and the mount points below them (`_points`), with the
+        mount table looked at before the walk too: a disk mounted or taken off meanwhile makes
+        the listing and the mount points disagree (a disk mounted back on its folder was
+        listed empty, then found on its own device, and every file of it removed), so the walk
+        is made again, `WALK_TRIES` times at most; then the mount points that kept moving
+        (`remounted`, the last item) are read as unlisted, their rows kept."""
+        for _ in range(WALK_TRIES):
+            before = await asyncio.to_thread(mount_points, roots)
+            walking = asyncio.gather(*(asyncio.to_thread(self._listing, root) for root in roots))
+            try:
+                known = self._known_stats(roots)  # on the loop, while the walks run on threads
+            finally:
+                walked = list(await walking)
+            mounted, points = await asyncio.to_thread(self._points, roots)
+            moving = remounted(before, mounted)
+            if not moving:
+                break
+            log.info("a disk was mounted or taken off at %s during the walk", ", ".join(moving))
+        return walked, known, mounted, points, moving
 
     async def _filled(self, found: Mapping[str, Stat]) -> None:
         """Give rows without a ctime the disk's (`plan`), `BATCH` × 16 rows a transaction, so
@@ -1258,6 +1278,13 @@ def _folder_device(path: str) -> int | None:
     """The device of the folder at `path`, None if there is none (missing, not a folder)."""
     identity = _folder_identity(path)
     return None if identity is None else identity[0]
+
+
+def remounted(before: Mapping[str, int], after: Mapping[str, int]) -> list[str]:
+    """The mount points that came, went or changed disk between two looks at the mount table
+    (`mount_points`), one before a walk and one after: what the walk listed below them may be
+    either disk's (`Watcher._walk`)."""
+    return sorted(p for p in before.keys() | after.keys() if before.get(p) != after.get(p))
 
 
 def mount_points(roots: Sequence[str]) -> dict[str, int]:

@@ -799,6 +799,40 @@ async def test_a_disk_taken_off_a_folder_below_the_root_keeps_its_files(tmp_path
         assert (summary.removed, back.unlisted, str(film) in store.rows) == (1, [], False)
 
 
+async def test_a_disk_mounted_back_during_the_walk_keeps_its_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A disk mounted back on its folder after the walk listed the folder empty, before the
+    mount table was read: the folder was found on the disk's own device, taken for emptied,
+    and every file of it removed (and reported deleted), to be hashed again at the next
+    look. The mount table is read before the walk too, and the walk made again when the two
+    disagree."""
+    root, kept = tmp_path / "media", tmp_path / "watch-roots.json"
+    usb = root / "usb"
+    with Mounts() as mounts:
+        disk = mounts.mount(tmp_path / "disk")
+        mounts.bind(disk, usb)
+        film = write(usb / "film.mkv", b"on the usb disk")
+        store = Store()
+        w = store.watcher(root, devices=watcher.RootDevices(kept))
+        assert (await w.reconcile(settle=False)).hashed == 1
+        mounts.unmount(usb)
+        real, walks = Watcher._listing, []
+
+        def walk_then_mount(self: Watcher, walked_root: str) -> watcher.Listing:
+            listing = real(self, walked_root)
+            walks.append(listing)
+            if len(walks) == 1:
+                mounts.bind(disk, usb)  # after the walk, before the mount table is read
+            return listing
+
+        monkeypatch.setattr(Watcher, "_listing", walk_then_mount)
+        summary = await w.reconcile(settle=False)
+        assert (summary.removed, summary.unchanged, w.unlisted) == (0, 1, [])
+        assert str(film) in store.rows
+        assert [str(film) in x.files for x in walks] == [False, True]  # walked again
+
+
 async def test_reconcile_reports_an_unreadable_file_and_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
