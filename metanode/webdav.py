@@ -4,13 +4,15 @@ consumers that read bytes that way (meta-fuse's driver, meta-sort's midhash over
 A real WebDAV server, WsgiDAV, mounted in the Starlette app through a2wsgi (its WSGI runs on
 a2wsgi's thread pool, off the event loop). What is ours is the layout and its guards:
 
-* **the layout** (`Roots`): every watch root is a top-level collection named by its folder's
-  basename, so `/webdav/<name>/<path below the root>`; a name already taken (two roots called
-  `media`, or `plugin`, reserved for plugin outputs) gets `-2`, `-3`… in the order of
-  `watch_roots`. The compat routes give `filePath` and the file events' `path` in this same
-  layout (`Roots.relative`), so a record's `filePath` appended to `webdavUrl` is its file. It
-  is the roots' as they are at each request (`LiveRoots`): a folder added on the page is
-  served at once, one let go is gone at once;
+* **the layout** (`Roots`): every watch root is a top-level collection, so
+  `/webdav/<name>/<path below the root>`, named when it came by its folder's basename, a name
+  already held (two roots called `media`, or `plugin`, reserved for plugin outputs) with `-2`,
+  `-3`…, and keeping that name while it stays watched, across restarts
+  (`watchroots.Names`): letting one `media` go never renames another. The compat routes give
+  `filePath` and the file events' `path` in this same layout (`Roots.relative`), so a
+  record's `filePath` appended to `webdavUrl` is its file. It is the roots' as they are at
+  each request (`LiveRoots`): a folder added on the page is served at once, one let go is
+  gone at once;
 * **read-only**: every root is served by a read-only provider, so PUT, DELETE, MKCOL, MOVE,
   COPY, PROPPATCH are answered 403 by WsgiDAV;
 * **only the library**: what the watcher ignores in a root (a dot-name such as `.ssh/` or
@@ -63,7 +65,7 @@ from wsgidav.request_server import RequestServer
 from wsgidav.wsgidav_app import WsgiDAVApp
 
 from metanode.bodies import read_body
-from metanode.config import Settings, below_root
+from metanode.config import WEBDAV_PLUGIN, Settings, below_root
 from metanode.errors import (
     Forbidden,
     InvalidRequest,
@@ -79,7 +81,7 @@ from metanode.ignores import Rules
 from metanode.ranges import Unserved, byte_ranges
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
-PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
+PLUGIN = WEBDAV_PLUGIN  # the top-level collection of plugin outputs; never a root's name
 # a2wsgi threads: WebDAV requests served at once. A GET holds one for as long as it streams
 # (a player, a transcode reading the whole film): with 8, eight such reads held every HEAD of
 # meta-sort and every read of meta-fuse's driver waiting. Idle threads cost only their stack.
@@ -118,33 +120,24 @@ class Roots:
     rules: Rules = DEFAULT_RULES  # what the watcher ignores in a root is not served either
 
     @classmethod
-    def served(cls, settings: Settings, roots: Sequence[str]) -> Roots:
-        """The layout of a node watching `roots` now: those, and the plugin outputs' folder at
-        `plugin/` when WebDAV writes are on (its files are watched too: `Settings.watched`)."""
+    def served(cls, settings: Settings, roots: Sequence[tuple[str, str]]) -> Roots:
+        """The layout of a node watching `roots` (name, root) now: those, and the plugin
+        outputs' folder at `plugin/` when WebDAV writes are on (its files are watched too:
+        `Settings.watched`)."""
         outputs = settings.plugin_outputs if settings.webdav_plugin_writes else None
         return cls.of(roots, outputs, Rules(settings.watch_ignore))
 
     @classmethod
     def of(
         cls,
-        roots: Sequence[str],
+        roots: Sequence[tuple[str, str]],
         plugin: os.PathLike[str] | None = None,
         rules: Rules = DEFAULT_RULES,
     ) -> Roots:
-        """Each root named by its basename (`root` for `/`), made unique with `-2`, `-3`…"""
-        taken = {PLUGIN}
-        collections = []
-        for root in roots:
-            real = os.path.realpath(root)
-            base = os.path.basename(real) or "root"
-            name, n = base, 1
-            while name in taken:
-                n += 1
-                name = f"{base}-{n}"
-            taken.add(name)
-            collections.append((name, real))
+        """Each root (name, root: `watchroots.named`) at its real path."""
+        collections = tuple((name, os.path.realpath(root)) for name, root in roots)
         outputs = os.path.realpath(plugin) if plugin is not None else None
-        return cls(tuple(collections), outputs, rules)
+        return cls(collections, outputs, rules)
 
     def local(self, path: str) -> tuple[str, str] | None:
         """(the root's real path, the local path) that `<name>/<path below the root>` names:
@@ -179,15 +172,18 @@ class Roots:
 class LiveRoots:
     """The layout of the watch roots as they are at each request, so a folder added on the page
     (`POST /api/watch-roots`) is served at once and one let go is gone at once, in WebDAV and
-    in the compat routes' `filePath` alike: `current` gives the roots now (the node's), and
-    the layout is made again only when they changed (a `realpath` per root, not per request).
-    Called from the event loop and from WsgiDAV's threads: the cache is one tuple, swapped
-    whole, so a thread never sees one root list's layout under another's key."""
+    in the compat routes' `filePath` alike: `current` gives the roots now, each with its name
+    (`Node.named_roots`), and the layout is made again only when they changed (a `realpath`
+    per root, not per request). Called from the event loop and from WsgiDAV's threads: the
+    cache is one tuple, swapped whole, so a thread never sees one root list's layout under
+    another's key."""
 
-    def __init__(self, settings: Settings, current: Callable[[], Sequence[str]]) -> None:
+    def __init__(
+        self, settings: Settings, current: Callable[[], Sequence[tuple[str, str]]]
+    ) -> None:
         self.settings = settings
         self.current = current
-        self._made: tuple[tuple[str, ...], Roots] | None = None
+        self._made: tuple[tuple[tuple[str, str], ...], Roots] | None = None
 
     def __call__(self) -> Roots:
         roots = tuple(self.current())
