@@ -30,7 +30,8 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
   folder itself (405, 403: WsgiDAV failed an assertion);
 * **plugin outputs** (`webdav_plugin_writes`, off by default): `/webdav/plugin/` is then a
   writable folder, `webdav_plugin_dir` (default `<data_dir>/plugin`), which may not overlap a
-  watch root: writes never reach the media.
+  watch root: writes never reach the media. A file is written whole (`WholeFile`), and while
+  its body comes nothing moves, deletes or replaces it or its folders (`Uploads`: 423).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import json
 import os
 import re
 import secrets
+import threading
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
@@ -55,7 +57,12 @@ from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError, PRECONDITION_CODE_PropfindFiniteDepth
+from wsgidav.dav_error import (
+    HTTP_CONFLICT,
+    HTTP_FORBIDDEN,
+    DAVError,
+    PRECONDITION_CODE_PropfindFiniteDepth,
+)
 from wsgidav.dav_provider import DAVCollection, DAVNonCollection, DAVProvider
 from wsgidav.error_printer import ErrorPrinter
 from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
@@ -75,6 +82,7 @@ from metanode.errors import (
     RequestError,
     RequestTimeout,
     TooLarge,
+    UploadInProgress,
     shown,
 )
 from metanode.ignores import Rules
@@ -232,22 +240,37 @@ class WholeFile(FileResource):  # type: ignore[misc]
     file beside it (a name the watcher leaves out, and `Outputs` too), renamed over the file
     once the body came whole; a body refused (`Upload`) or failed leaves the file as it was.
     WsgiDAV wrote into the file itself: an upload cut short left the start of its body as the
-    file, in place of the old one, which the watcher could fingerprint half-written."""
+    file, in place of the old one, which the watcher could fingerprint half-written. While the
+    body comes, the file is among the provider's `Uploads`: no MOVE, COPY or DELETE touches
+    it or its folders (`Uploads.busy`)."""
 
     part = ""
 
     def begin_write(self, *, content_type: str | None = None) -> IO[bytes]:
         folder = os.path.dirname(self._file_path)
-        self.part = os.path.join(folder, f".{secrets.token_hex(8)}.part")  # `UPLOADING`
-        return open(self.part, "xb")  # WsgiDAV closes it
+        uploads: Uploads = self.provider.uploads
+        with uploads.guard:
+            if not os.path.isdir(folder):  # moved or deleted since WsgiDAV found it
+                raise DAVError(HTTP_CONFLICT, "the folder of the PUT is gone")
+            self.part = os.path.join(folder, f".{secrets.token_hex(8)}.part")  # `UPLOADING`
+            uploads.coming.add(self._below())  # `end_write` takes it out, whatever happens
+            return open(self.part, "xb")  # WsgiDAV closes it
 
     def end_write(self, *, with_errors: bool) -> None:
         upload = UPLOAD.get()
-        if with_errors or (upload is not None and upload.refused is not None):
-            with contextlib.suppress(OSError):
-                os.unlink(self.part)
-        else:
-            os.replace(self.part, self._file_path)  # a link there is replaced, not followed
+        uploads: Uploads = self.provider.uploads
+        with uploads.guard:
+            uploads.coming.discard(self._below())
+            if with_errors or (upload is not None and upload.refused is not None):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.part)
+            else:
+                os.replace(self.part, self._file_path)  # a link there is replaced, not followed
+
+    def _below(self) -> str:
+        """The file's path below the outputs' folder, as `Uploads` holds it."""
+        outputs: str = self.provider.root_folder_path
+        return os.path.relpath(self._file_path, outputs)
 
 
 class NewFile(WholeFile):
@@ -274,9 +297,39 @@ class OutputsFolder(FolderResource):  # type: ignore[misc]
         return NewFile(path, self.environ, self.provider._loc_to_file_path(path, self.environ))
 
 
+class Uploads:
+    """The plugin outputs whose bodies are coming (`WholeFile`), by their paths below the
+    outputs' folder, and the lock that orders the start and end of an upload with a MOVE, COPY
+    or DELETE (`guarded`). A MOVE of the folder an upload went into took its `.part` along
+    (201), and the upload's end then found no `.part` to rename: the PUT was a 500 and the
+    `.part` stayed, hidden, for good; a DELETE of it, the same 500. One process serves all of
+    WebDAV (a reader worker hands it to the owner), so a set in memory sees every upload."""
+
+    def __init__(self) -> None:
+        self.coming: set[str] = set()
+        self.guard = threading.Lock()
+
+    def busy(self, method: str, below: str | None, destination: str | None) -> str | None:
+        """The upload a `method` of `below` (the path below the outputs' folder; None: not
+        there) onto `destination` (likewise) would move, delete or replace, if any: one at
+        or below the source of a MOVE or DELETE, or the destination of a MOVE or COPY (the
+        COPY of a folder holding one copies what is there, without it). Asked under `guard`."""
+        touched = [destination] + ([below] if method in ("MOVE", "DELETE") else [])
+        for path in (path.strip("/") for path in touched if path is not None):
+            for coming in sorted(self.coming):
+                if not path or coming == path or coming.startswith(path + "/"):
+                    return coming
+        return None
+
+
 class Outputs(FilesystemProvider):  # type: ignore[misc]
     """The plugin outputs' folder: WsgiDAV's own, its files written whole (`WholeFile`), its
-    uploads in progress neither listed (`OutputsFolder`) nor served (404)."""
+    uploads in progress neither listed (`OutputsFolder`) nor served (404), nor moved, copied
+    over or deleted (`Uploads`)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, readonly=False, fs_opts={"follow_symlinks": False})
+        self.uploads = Uploads()
 
     def get_resource_inst(self, path: str, environ: dict[str, Any]) -> Any:
         if uploading(path.rstrip("/").rpartition("/")[2]):
@@ -577,12 +630,10 @@ def server(settings: Settings, layout: Callable[[], Roots]) -> ASGIApp:
     readonly = dav(
         mount, Layout(layout, settings.watch_follow_symlinks, str(outputs) if outputs else None)
     )
-    writable = None
+    writable = provider = None
     if outputs is not None:
-        writable = dav(
-            f"{mount}/{PLUGIN}",
-            Outputs(str(outputs), readonly=False, fs_opts={"follow_symlinks": False}),
-        )
+        provider = Outputs(str(outputs))
+        writable = dav(f"{mount}/{PLUGIN}", provider)
 
     def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         path = environ["PATH_INFO"]
@@ -590,9 +641,12 @@ def server(settings: Settings, layout: Callable[[], Roots]) -> ASGIApp:
         if writable is not None and (path == f"/{PLUGIN}" or path.startswith(f"/{PLUGIN}/")):
             environ["SCRIPT_NAME"] += f"/{PLUGIN}"
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
-            if environ["REQUEST_METHOD"] == "PUT" and outputs is not None:
+            method = environ["REQUEST_METHOD"]
+            if method == "PUT" and outputs is not None:
                 make_parents(outputs, environ["PATH_INFO"])
                 return checked_put(writable, environ, dated)
+            if method in ("MOVE", "COPY", "DELETE") and provider is not None:
+                return guarded(writable, provider.uploads, f"{mount}/{PLUGIN}", environ, dated)
             return writable(environ, dated)
         return readonly(environ, dated)
 
@@ -713,21 +767,67 @@ def checked_put(app: WSGIApp, environ: Environ, start_response: StartResponse) -
     body was refused (`Upload`), nothing of it was kept (`WholeFile`, `NewFile`), and the
     answer is the refusal in the envelope, the connection closed (the rest is not worth
     reading)."""
+    status, headers, answer = held(app, environ)
+    upload = UPLOAD.get()
+    if upload is None or upload.refused is None:
+        start_response(status, headers)
+        return [answer]
+    return enveloped(upload.refused, start_response, [("Connection", "close")])
+
+
+def guarded(
+    app: WSGIApp, uploads: Uploads, mount: str, environ: Environ, start_response: StartResponse
+) -> Iterable[bytes]:
+    """WsgiDAV's MOVE, COPY or DELETE below `plugin/` (whose mount path is `mount`), done
+    whole under the uploads' lock, unless it would move, delete or replace a file whose
+    body is still coming (`Uploads.busy`): then 423 `upload_in_progress` in the envelope,
+    nothing done, as a resource locked is answered (RFC 4918 §11.3); the client asks again
+    once the PUT is answered."""
+    below = wsgi_text(environ["PATH_INFO"])
+    destination, url = None, cast(dict[str, str], environ).get("HTTP_DESTINATION")
+    if url is not None:  # UTF-8 and a URL: `refusal`
+        destination = below_root(unquote_to_bytes(urlsplit(url).path).decode("utf-8"), mount)
+    method = environ["REQUEST_METHOD"]
+    with uploads.guard:
+        coming = uploads.busy(method, below, destination)
+        done = held(app, environ) if coming is None else None
+    if done is None:
+        name = f"/webdav/{PLUGIN}/{coming}"
+        refused = UploadInProgress(
+            f"{name} is still being uploaded: {method} again once its PUT is answered"
+        )
+        return enveloped(refused, start_response, [])
+    start_response(done[0], done[1])
+    return [done[2]]
+
+
+def wsgi_text(path: str) -> str | None:
+    """A WSGI path (UTF-8 bytes read as Latin-1) as text; None if it is not UTF-8."""
+    try:
+        return path.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return None
+
+
+def held(app: WSGIApp, environ: Environ) -> tuple[str, list[tuple[str, str]], bytes]:
+    """The WSGI app's answer to `environ`, done and held whole (a few bytes: a write's)."""
     said: list[tuple[str, list[tuple[str, str]]]] = []
 
-    def held(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+    def keep(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
         said.append((status, headers))
         return lambda data: None
 
-    answer = b"".join(app(environ, held))
-    upload = UPLOAD.get()
-    if upload is None or upload.refused is None:
-        start_response(*said[-1])
-        return [answer]
-    refused = upload.refused
+    answer = b"".join(app(environ, keep))
+    return (*said[-1], answer)
+
+
+def enveloped(
+    refused: MetanodeError, start_response: StartResponse, headers: list[tuple[str, str]]
+) -> Iterable[bytes]:
+    """`refused` answered from the WSGI side, in the envelope."""
     body = json.dumps(refused.envelope(), separators=(",", ":")).encode("ascii")
     status = f"{refused.status} {HTTPStatus(refused.status).phrase}"
-    start_response(status, [("Content-Type", "application/json"), ("Connection", "close")])
+    start_response(status, [("Content-Type", "application/json"), *headers])
     return [body]
 
 

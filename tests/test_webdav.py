@@ -650,6 +650,65 @@ def test_an_upload_in_progress_is_neither_listed_nor_served(launch: Callable[...
     assert sorted(p.name for p in (outputs / "a").iterdir()) == ["fanart.jpg", "poster.jpg"]
 
 
+def test_an_upload_in_progress_is_neither_moved_nor_deleted_nor_replaced(
+    launch: Callable[..., Server],
+) -> None:
+    """A MOVE of the folder an upload went into took its hidden `.part` along (201); the PUT
+    then found no `.part` to rename, answered 500, and the `.part` stayed in the new folder
+    for good; a DELETE of the folder, the same 500. Now a MOVE or DELETE of a file whose body
+    is still coming, or of a folder above one, and a MOVE or COPY onto one, is 423
+    `upload_in_progress`, nothing done; asked again once the PUT is answered, it is done. A
+    COPY of such a folder copies what is there (the old file, no `.part`)."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    base, outputs = f"{server.url}/webdav/{PLUGIN}", server.data_dir / "plugin"
+    for path in ("a/poster.jpg", "c/other.jpg"):
+        assert httpx.put(f"{base}/{path}", content=b"old", timeout=WAIT_S).status_code == 201
+    whole = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield b"x" * 65536
+        whole.wait(WAIT_S)  # the rest comes once the test has looked
+        yield b"y"
+
+    def dav(method: str, path: str, to: str | None = None) -> httpx.Response:
+        moved = {"Destination": f"{base}/{to}", "Overwrite": "T"} if to else {}
+        return httpx.request(method, f"{base}/{path}", headers=moved, timeout=WAIT_S)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        puts = [
+            pool.submit(httpx.put, f"{base}/a/{name}", content=body(), timeout=WAIT_S)
+            for name in ("poster.jpg", "fanart.jpg")  # a file replaced, a new one
+        ]
+        try:
+            poll(lambda: uploads(outputs / "a")[1:] or None, "both bodies' .part")
+            for method, path, to in (
+                ("MOVE", "a/", "b/"),
+                ("DELETE", "a/", None),
+                ("MOVE", "a/poster.jpg", "a/cover.jpg"),
+                ("MOVE", "a/fanart.jpg", "a/cover.jpg"),  # not on the disk yet
+                ("DELETE", "a/fanart.jpg", None),
+                ("COPY", "c/other.jpg", "a/poster.jpg"),  # onto one
+                ("MOVE", "c/", "a/"),
+            ):
+                answer = dav(method, path, to)
+                assert answer.status_code == 423, (method, path, answer.text)
+                assert answer.json()["error"] == "upload_in_progress" and answer.json()["retryable"]
+                assert f"/webdav/{PLUGIN}/a/" in answer.json()["message"]
+            assert dav("COPY", "a/", "d/").status_code == 201
+            assert sorted(p.name for p in (outputs / "d").iterdir()) == ["poster.jpg"]
+            assert (outputs / "d" / "poster.jpg").read_bytes() == b"old"
+            assert dav("MOVE", "c/other.jpg", "c/moved.jpg").status_code == 201  # elsewhere
+            assert len(uploads(outputs / "a")) == 2 and (outputs / "c" / "moved.jpg").exists()
+        finally:
+            whole.set()
+        assert [put.result().status_code for put in puts] == [204, 201]
+    assert dav("MOVE", "a/", "b/").status_code == 201
+    for name in ("poster.jpg", "fanart.jpg"):
+        assert (outputs / "b" / name).read_bytes() == b"x" * 65536 + b"y", name
+    assert not (outputs / "a").exists()
+    assert [p for p in outputs.rglob("*") if p.suffix == ".part"] == []
+
+
 def test_a_plugin_output_is_found_by_its_cid_as_the_media_are(
     launch: Callable[..., Server],
 ) -> None:
