@@ -643,7 +643,7 @@ class FilesFollow(_Follow[feed.FileFeedRow]):
     def __init__(self, node: Node, cursor: sse.Cursor | None) -> None:
         # the paths in the roots' layout at each chunk: a folder added on the page while a
         # client follows is named in its events at once (`webdav.LiveRoots`)
-        self.layout = LiveRoots(node.settings, node.current_roots)
+        self.layout = LiveRoots(node.settings, node.named_roots)
         super().__init__(node, cursor)
 
     def _feed(self) -> feed.Feed[feed.FileFeedRow]:
@@ -795,7 +795,7 @@ def routes(node: Node) -> list[BaseRoute]:
     """The MetaMesh routes of one node (the token, or a trusted network: docs/compat.md)."""
     # the roots' layout as it is at each request: a folder added or let go on the page is
     # served, and named in `filePath`, at once (docs/watcher.md, "Choosing the folders")
-    layout = LiveRoots(node.settings, node.current_roots)
+    layout = LiveRoots(node.settings, node.named_roots)
     root = node.settings.root_path  # what the URLs this node gives start with
     return [
         *_record_routes(node, layout),

@@ -697,6 +697,8 @@ def load(
 
 
 WATCHED_FOLDERS = "watched-folders.json"  # in the data directory: the folders the page chose
+# WebDAV's top-level collection of plugin outputs (`webdav.PLUGIN`): never a watch root's name
+WEBDAV_PLUGIN = "plugin"
 
 
 def page_roots(data_dir: Path) -> tuple[str, ...] | None:

@@ -267,6 +267,17 @@ class MethodNotAllowed(MetanodeError):
     slug = "method_not_allowed"
 
 
+class UploadInProgress(MetanodeError):
+    """A WebDAV MOVE, COPY or DELETE below `plugin/` would move, delete or replace a file whose
+    PUT's body is still coming (423 Locked, RFC 4918 §11.3): asked again once the PUT is
+    answered, it is done. A folder moved away under an upload made the PUT a 500 and left
+    its hidden `.part` behind for good."""
+
+    status = 423
+    slug = "upload_in_progress"
+    retryable = True
+
+
 # -- perimeter ----------------------------------------------------------------------------------
 
 

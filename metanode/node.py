@@ -168,6 +168,7 @@ class Node:
         # a reader worker follows the list the owner worker keeps (none when a setting holds it)
         chosen = follower and not settings.watch_roots_from
         self._followed = watchroots.Followed(settings.data_dir, self.roots) if chosen else None
+        self._names = watchroots.Names(settings.data_dir)  # their WebDAV names, kept
         self.legacy = self._own_signer(LEGACY_NAME, settings.legacy_writer_weight)
 
     def _own_signer(self, name: str, weight: int) -> signer.OwnSigner:
@@ -206,6 +207,7 @@ class Node:
             if self._handoff_path is not None:
                 self._handoff = handoff.Client(self._handoff_path)
             return
+        await asyncio.to_thread(self._keep_names)
         if self._handoff_path is not None:
             self._handoff_server = handoff.Server(self._handoff_path, self._ingest_handed)
             await self._handoff_server.start()
@@ -296,6 +298,22 @@ class Node:
             self.roots = self._followed()
         return self.roots
 
+    def named_roots(self) -> list[tuple[str, str]]:
+        """(WebDAV name, root) for each watch root now (`current_roots`): the name each was
+        given when it came, kept while it stays (`watchroots.Names`), so letting one folder go
+        never renames another in WebDAV, `filePath` or the file events."""
+        return self._names(self.current_roots())
+
+    def _keep_names(self) -> None:
+        """At start, name the roots as the last start did (a root new since then, or one whose
+        name another took in a list edited by hand, is named anew) and keep them; a disk that
+        refuses is logged: the roots are then named by the file as it is (or anew where it
+        names none), in every worker alike (`watchroots.named`), until a change writes it."""
+        try:
+            self._names.keep(self.roots)
+        except StorageError as exc:
+            log.warning("the watch roots' WebDAV names are not kept: %s", exc.message)
+
     async def watch_roots(self) -> dict[str, Any]:
         """GET /api/watch-roots: the roots, each with its state (`Watcher.state_of`, or `off`
         where no watcher runs in this process: `watch_enabled` off, or a PostgreSQL replica
@@ -336,6 +354,8 @@ class Node:
             path = await asyncio.to_thread(
                 watchroots.check_new, text, self.roots, s.data_dir, outputs
             )
+            # named first: a reader worker that sees the new list finds its name kept
+            await asyncio.to_thread(self._names.keep, [*self.roots, path])
             await asyncio.to_thread(watchroots.save, self.settings.data_dir, [*self.roots, path])
             self.roots = [*self.roots, path]  # a new list: others read it from threads
             log.info("watching %s as well (chosen on the page)", path)
@@ -356,6 +376,7 @@ class Node:
             if found is None:
                 raise UnknownWatchRoot(f"{os.path.abspath(text)} is not a watched folder")
             rest = [root for root in self.roots if root != found]
+            await asyncio.to_thread(self._names.keep, rest)  # its name given up, no other's
             await asyncio.to_thread(watchroots.save, self.settings.data_dir, rest)
             self.roots = rest
             log.info("no longer watching %s (chosen on the page); its files keep their rows", found)

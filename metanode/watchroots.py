@@ -5,6 +5,11 @@ owner's: `POST /api/watch-roots` and the Files page add one, `DELETE` stops watc
 the list is kept in the data directory (`config.WATCHED_FOLDERS`, read by `config.load` at
 every start in place of the default). This module checks a folder before it becomes a root
 (`check_new`) and writes the list (`save`); the node does the rest (`Node.add_watch_root`).
+
+It also keeps each root's WebDAV name (`Names`, docs/compat.md "WebDAV"), whoever chose the
+roots: a name derived from the set of roots (`-2` for the second `films` in order) changed
+another folder's name when one was let go, so each is given once and kept in the data
+directory (`WEBDAV_NAMES`) for as long as its folder stays watched.
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from metanode import datadir
-from metanode.config import WATCHED_FOLDERS, page_roots
+from metanode.config import WATCHED_FOLDERS, WEBDAV_PLUGIN, page_roots
 from metanode.errors import (
     WatchRootDataDir,
     WatchRootMissing,
@@ -29,6 +35,8 @@ from metanode.errors import (
 )
 
 log = logging.getLogger(__name__)
+
+WEBDAV_NAMES = "webdav-names.json"  # in the data directory: each watch root's WebDAV name
 
 
 def check_new(text: str, roots: Sequence[str], data_dir: Path, outputs: Path | None) -> str:
@@ -115,3 +123,95 @@ class Followed:
             else:  # None: gone between the two looks, as if never chosen
                 self.roots = self.roots if chosen is None else list(chosen)
         return self.roots
+
+
+def named(roots: Sequence[str], kept: Mapping[str, str]) -> list[tuple[str, str]]:
+    """(WebDAV name, root) for each of `roots`, in their order: the name `kept` gives a root
+    (`Names`: the one it was given when it came), unless an earlier root holds it too (a list
+    edited by hand); else its folder's basename (`root` for `/`), made unique with `-2`,
+    `-3`… against every name held, kept ones first, and never `plugin`. A pure function of
+    its arguments, so every worker of one node names the roots alike."""
+    taken = {WEBDAV_PLUGIN}
+    names: dict[str, str] = {}
+    for root in roots:
+        name = kept.get(root)
+        if name is not None and name not in taken:
+            names[root] = name
+            taken.add(name)
+    for root in roots:
+        if root not in names:
+            base = os.path.basename(os.path.realpath(root)) or "root"
+            name, n = base, 1
+            while name in taken:
+                n += 1
+                name = f"{base}-{n}"
+            names[root] = name
+            taken.add(name)
+    return [(names[root], root) for root in roots]
+
+
+def read_names(path: Path) -> dict[str, str]:
+    """The names kept at `path` (`{"names": {root: name}}`), {} when there are none; a file
+    that cannot be read as that is logged and read as none (the roots are named anew, and the
+    owner writes the file again): WebDAV's names are no reason to refuse a start. A name that
+    is no single path segment is left out (named anew)."""
+    try:
+        kept: Any = json.loads(path.read_text(encoding="utf-8"))["names"]
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+        log.warning("cannot read the WebDAV names in %s (%s): the roots are named anew", path, exc)
+        return {}
+    if not isinstance(kept, dict):
+        log.warning("%s holds no names: the roots are named anew", path)
+        return {}
+    return {root: name for root, name in kept.items() if segment(name)}
+
+
+def segment(name: object) -> bool:
+    """Whether `name` can be a top-level WebDAV collection's: one path segment, not `.`/`..`."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(char in name for char in "/\0")
+    )
+
+
+class Names:
+    """The WebDAV names of the watch roots (`named`), kept in the data directory
+    (`WEBDAV_NAMES`, written whole: `datadir.write_whole`). The process that changes the roots
+    (the owner worker, or the only process) writes them (`keep`) at its start and at each
+    change, before the new roots are served; every process reads them again whenever the file
+    is another or changed (one `stat` a look, as `Followed` does), so a reader worker names a
+    root as the owner does, and a restart as before it."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / WEBDAV_NAMES
+        self.kept: dict[str, str] = {}
+        self._seen: tuple[int, int, int] | None = None
+
+    def __call__(self, roots: Sequence[str]) -> list[tuple[str, str]]:
+        """(name, root) for each of `roots`, by the names kept now."""
+        self._follow()
+        return named(roots, self.kept)
+
+    def _follow(self) -> None:
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return  # none kept yet: what was read (nothing), or what this process wrote
+        seen = (info.st_ino, info.st_size, info.st_mtime_ns)
+        if seen != self._seen:
+            self._seen = seen
+            self.kept = read_names(self.path)
+
+    def keep(self, roots: Sequence[str]) -> None:
+        """Name `roots` (those already named keep their names; one no longer among them gives
+        its name up) and write the names if they changed; a disk that refuses is its typed
+        `StorageError`, nothing changed."""
+        self._follow()
+        names = {root: name for name, root in named(roots, self.kept)}
+        if names != self.kept or self._seen is None:
+            text = json.dumps({"names": names}, indent=1, ensure_ascii=False) + "\n"
+            datadir.write_whole(self.path, text)
+            self.kept = names

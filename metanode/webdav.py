@@ -4,13 +4,15 @@ consumers that read bytes that way (meta-fuse's driver, meta-sort's midhash over
 A real WebDAV server, WsgiDAV, mounted in the Starlette app through a2wsgi (its WSGI runs on
 a2wsgi's thread pool, off the event loop). What is ours is the layout and its guards:
 
-* **the layout** (`Roots`): every watch root is a top-level collection named by its folder's
-  basename, so `/webdav/<name>/<path below the root>`; a name already taken (two roots called
-  `media`, or `plugin`, reserved for plugin outputs) gets `-2`, `-3`… in the order of
-  `watch_roots`. The compat routes give `filePath` and the file events' `path` in this same
-  layout (`Roots.relative`), so a record's `filePath` appended to `webdavUrl` is its file. It
-  is the roots' as they are at each request (`LiveRoots`): a folder added on the page is
-  served at once, one let go is gone at once;
+* **the layout** (`Roots`): every watch root is a top-level collection, so
+  `/webdav/<name>/<path below the root>`, named when it came by its folder's basename, a name
+  already held (two roots called `media`, or `plugin`, reserved for plugin outputs) with `-2`,
+  `-3`…, and keeping that name while it stays watched, across restarts
+  (`watchroots.Names`): letting one `media` go never renames another. The compat routes give
+  `filePath` and the file events' `path` in this same layout (`Roots.relative`), so a
+  record's `filePath` appended to `webdavUrl` is its file. It is the roots' as they are at
+  each request (`LiveRoots`): a folder added on the page is served at once, one let go is
+  gone at once;
 * **read-only**: every root is served by a read-only provider, so PUT, DELETE, MKCOL, MOVE,
   COPY, PROPPATCH are answered 403 by WsgiDAV;
 * **only the library**: what the watcher ignores in a root (a dot-name such as `.ssh/` or
@@ -28,7 +30,8 @@ a2wsgi's thread pool, off the event loop). What is ours is the layout and its gu
   folder itself (405, 403: WsgiDAV failed an assertion);
 * **plugin outputs** (`webdav_plugin_writes`, off by default): `/webdav/plugin/` is then a
   writable folder, `webdav_plugin_dir` (default `<data_dir>/plugin`), which may not overlap a
-  watch root: writes never reach the media.
+  watch root: writes never reach the media. A file is written whole (`WholeFile`), and while
+  its body comes nothing moves, deletes or replaces it or its folders (`Uploads`: 423).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import json
 import os
 import re
 import secrets
+import threading
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
 from contextvars import ContextVar
@@ -53,7 +57,12 @@ from a2wsgi.wsgi_typing import Environ, StartResponse, WSGIApp
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from wsgidav.dav_error import HTTP_FORBIDDEN, DAVError, PRECONDITION_CODE_PropfindFiniteDepth
+from wsgidav.dav_error import (
+    HTTP_CONFLICT,
+    HTTP_FORBIDDEN,
+    DAVError,
+    PRECONDITION_CODE_PropfindFiniteDepth,
+)
 from wsgidav.dav_provider import DAVCollection, DAVNonCollection, DAVProvider
 from wsgidav.error_printer import ErrorPrinter
 from wsgidav.fs_dav_provider import FileResource, FilesystemProvider, FolderResource
@@ -63,7 +72,7 @@ from wsgidav.request_server import RequestServer
 from wsgidav.wsgidav_app import WsgiDAVApp
 
 from metanode.bodies import read_body
-from metanode.config import Settings, below_root
+from metanode.config import WEBDAV_PLUGIN, Settings, below_root
 from metanode.errors import (
     Forbidden,
     InvalidRequest,
@@ -73,13 +82,14 @@ from metanode.errors import (
     RequestError,
     RequestTimeout,
     TooLarge,
+    UploadInProgress,
     shown,
 )
 from metanode.ignores import Rules
 from metanode.ranges import Unserved, byte_ranges
 
 MOUNT = "/webdav"  # where the app serves it (a compat route: docs/compat.md)
-PLUGIN = "plugin"  # the top-level collection of plugin outputs; never a root's name
+PLUGIN = WEBDAV_PLUGIN  # the top-level collection of plugin outputs; never a root's name
 # a2wsgi threads: WebDAV requests served at once. A GET holds one for as long as it streams
 # (a player, a transcode reading the whole film): with 8, eight such reads held every HEAD of
 # meta-sort and every read of meta-fuse's driver waiting. Idle threads cost only their stack.
@@ -118,33 +128,24 @@ class Roots:
     rules: Rules = DEFAULT_RULES  # what the watcher ignores in a root is not served either
 
     @classmethod
-    def served(cls, settings: Settings, roots: Sequence[str]) -> Roots:
-        """The layout of a node watching `roots` now: those, and the plugin outputs' folder at
-        `plugin/` when WebDAV writes are on (its files are watched too: `Settings.watched`)."""
+    def served(cls, settings: Settings, roots: Sequence[tuple[str, str]]) -> Roots:
+        """The layout of a node watching `roots` (name, root) now: those, and the plugin
+        outputs' folder at `plugin/` when WebDAV writes are on (its files are watched too:
+        `Settings.watched`)."""
         outputs = settings.plugin_outputs if settings.webdav_plugin_writes else None
         return cls.of(roots, outputs, Rules(settings.watch_ignore))
 
     @classmethod
     def of(
         cls,
-        roots: Sequence[str],
+        roots: Sequence[tuple[str, str]],
         plugin: os.PathLike[str] | None = None,
         rules: Rules = DEFAULT_RULES,
     ) -> Roots:
-        """Each root named by its basename (`root` for `/`), made unique with `-2`, `-3`…"""
-        taken = {PLUGIN}
-        collections = []
-        for root in roots:
-            real = os.path.realpath(root)
-            base = os.path.basename(real) or "root"
-            name, n = base, 1
-            while name in taken:
-                n += 1
-                name = f"{base}-{n}"
-            taken.add(name)
-            collections.append((name, real))
+        """Each root (name, root: `watchroots.named`) at its real path."""
+        collections = tuple((name, os.path.realpath(root)) for name, root in roots)
         outputs = os.path.realpath(plugin) if plugin is not None else None
-        return cls(tuple(collections), outputs, rules)
+        return cls(collections, outputs, rules)
 
     def local(self, path: str) -> tuple[str, str] | None:
         """(the root's real path, the local path) that `<name>/<path below the root>` names:
@@ -179,15 +180,18 @@ class Roots:
 class LiveRoots:
     """The layout of the watch roots as they are at each request, so a folder added on the page
     (`POST /api/watch-roots`) is served at once and one let go is gone at once, in WebDAV and
-    in the compat routes' `filePath` alike: `current` gives the roots now (the node's), and
-    the layout is made again only when they changed (a `realpath` per root, not per request).
-    Called from the event loop and from WsgiDAV's threads: the cache is one tuple, swapped
-    whole, so a thread never sees one root list's layout under another's key."""
+    in the compat routes' `filePath` alike: `current` gives the roots now, each with its name
+    (`Node.named_roots`), and the layout is made again only when they changed (a `realpath`
+    per root, not per request). Called from the event loop and from WsgiDAV's threads: the
+    cache is one tuple, swapped whole, so a thread never sees one root list's layout under
+    another's key."""
 
-    def __init__(self, settings: Settings, current: Callable[[], Sequence[str]]) -> None:
+    def __init__(
+        self, settings: Settings, current: Callable[[], Sequence[tuple[str, str]]]
+    ) -> None:
         self.settings = settings
         self.current = current
-        self._made: tuple[tuple[str, ...], Roots] | None = None
+        self._made: tuple[tuple[tuple[str, str], ...], Roots] | None = None
 
     def __call__(self) -> Roots:
         roots = tuple(self.current())
@@ -236,22 +240,37 @@ class WholeFile(FileResource):  # type: ignore[misc]
     file beside it (a name the watcher leaves out, and `Outputs` too), renamed over the file
     once the body came whole; a body refused (`Upload`) or failed leaves the file as it was.
     WsgiDAV wrote into the file itself: an upload cut short left the start of its body as the
-    file, in place of the old one, which the watcher could fingerprint half-written."""
+    file, in place of the old one, which the watcher could fingerprint half-written. While the
+    body comes, the file is among the provider's `Uploads`: no MOVE, COPY or DELETE touches
+    it or its folders (`Uploads.busy`)."""
 
     part = ""
 
     def begin_write(self, *, content_type: str | None = None) -> IO[bytes]:
         folder = os.path.dirname(self._file_path)
-        self.part = os.path.join(folder, f".{secrets.token_hex(8)}.part")  # `UPLOADING`
-        return open(self.part, "xb")  # WsgiDAV closes it
+        uploads: Uploads = self.provider.uploads
+        with uploads.guard:
+            if not os.path.isdir(folder):  # moved or deleted since WsgiDAV found it
+                raise DAVError(HTTP_CONFLICT, "the folder of the PUT is gone")
+            self.part = os.path.join(folder, f".{secrets.token_hex(8)}.part")  # `UPLOADING`
+            uploads.coming.add(self._below())  # `end_write` takes it out, whatever happens
+            return open(self.part, "xb")  # WsgiDAV closes it
 
     def end_write(self, *, with_errors: bool) -> None:
         upload = UPLOAD.get()
-        if with_errors or (upload is not None and upload.refused is not None):
-            with contextlib.suppress(OSError):
-                os.unlink(self.part)
-        else:
-            os.replace(self.part, self._file_path)  # a link there is replaced, not followed
+        uploads: Uploads = self.provider.uploads
+        with uploads.guard:
+            uploads.coming.discard(self._below())
+            if with_errors or (upload is not None and upload.refused is not None):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.part)
+            else:
+                os.replace(self.part, self._file_path)  # a link there is replaced, not followed
+
+    def _below(self) -> str:
+        """The file's path below the outputs' folder, as `Uploads` holds it."""
+        outputs: str = self.provider.root_folder_path
+        return os.path.relpath(self._file_path, outputs)
 
 
 class NewFile(WholeFile):
@@ -278,9 +297,39 @@ class OutputsFolder(FolderResource):  # type: ignore[misc]
         return NewFile(path, self.environ, self.provider._loc_to_file_path(path, self.environ))
 
 
+class Uploads:
+    """The plugin outputs whose bodies are coming (`WholeFile`), by their paths below the
+    outputs' folder, and the lock that orders the start and end of an upload with a MOVE, COPY
+    or DELETE (`guarded`). A MOVE of the folder an upload went into took its `.part` along
+    (201), and the upload's end then found no `.part` to rename: the PUT was a 500 and the
+    `.part` stayed, hidden, for good; a DELETE of it, the same 500. One process serves all of
+    WebDAV (a reader worker hands it to the owner), so a set in memory sees every upload."""
+
+    def __init__(self) -> None:
+        self.coming: set[str] = set()
+        self.guard = threading.Lock()
+
+    def busy(self, method: str, below: str | None, destination: str | None) -> str | None:
+        """The upload a `method` of `below` (the path below the outputs' folder; None: not
+        there) onto `destination` (likewise) would move, delete or replace, if any: one at
+        or below the source of a MOVE or DELETE, or the destination of a MOVE or COPY (the
+        COPY of a folder holding one copies what is there, without it). Asked under `guard`."""
+        touched = [destination] + ([below] if method in ("MOVE", "DELETE") else [])
+        for path in (path.strip("/") for path in touched if path is not None):
+            for coming in sorted(self.coming):
+                if not path or coming == path or coming.startswith(path + "/"):
+                    return coming
+        return None
+
+
 class Outputs(FilesystemProvider):  # type: ignore[misc]
     """The plugin outputs' folder: WsgiDAV's own, its files written whole (`WholeFile`), its
-    uploads in progress neither listed (`OutputsFolder`) nor served (404)."""
+    uploads in progress neither listed (`OutputsFolder`) nor served (404), nor moved, copied
+    over or deleted (`Uploads`)."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, readonly=False, fs_opts={"follow_symlinks": False})
+        self.uploads = Uploads()
 
     def get_resource_inst(self, path: str, environ: dict[str, Any]) -> Any:
         if uploading(path.rstrip("/").rpartition("/")[2]):
@@ -581,12 +630,10 @@ def server(settings: Settings, layout: Callable[[], Roots]) -> ASGIApp:
     readonly = dav(
         mount, Layout(layout, settings.watch_follow_symlinks, str(outputs) if outputs else None)
     )
-    writable = None
+    writable = provider = None
     if outputs is not None:
-        writable = dav(
-            f"{mount}/{PLUGIN}",
-            Outputs(str(outputs), readonly=False, fs_opts={"follow_symlinks": False}),
-        )
+        provider = Outputs(str(outputs))
+        writable = dav(f"{mount}/{PLUGIN}", provider)
 
     def dispatch(environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         path = environ["PATH_INFO"]
@@ -594,9 +641,12 @@ def server(settings: Settings, layout: Callable[[], Roots]) -> ASGIApp:
         if writable is not None and (path == f"/{PLUGIN}" or path.startswith(f"/{PLUGIN}/")):
             environ["SCRIPT_NAME"] += f"/{PLUGIN}"
             environ["PATH_INFO"] = path[len(PLUGIN) + 1 :]
-            if environ["REQUEST_METHOD"] == "PUT" and outputs is not None:
+            method = environ["REQUEST_METHOD"]
+            if method == "PUT" and outputs is not None:
                 make_parents(outputs, environ["PATH_INFO"])
                 return checked_put(writable, environ, dated)
+            if method in ("MOVE", "COPY", "DELETE") and provider is not None:
+                return guarded(writable, provider.uploads, f"{mount}/{PLUGIN}", environ, dated)
             return writable(environ, dated)
         return readonly(environ, dated)
 
@@ -717,21 +767,67 @@ def checked_put(app: WSGIApp, environ: Environ, start_response: StartResponse) -
     body was refused (`Upload`), nothing of it was kept (`WholeFile`, `NewFile`), and the
     answer is the refusal in the envelope, the connection closed (the rest is not worth
     reading)."""
+    status, headers, answer = held(app, environ)
+    upload = UPLOAD.get()
+    if upload is None or upload.refused is None:
+        start_response(status, headers)
+        return [answer]
+    return enveloped(upload.refused, start_response, [("Connection", "close")])
+
+
+def guarded(
+    app: WSGIApp, uploads: Uploads, mount: str, environ: Environ, start_response: StartResponse
+) -> Iterable[bytes]:
+    """WsgiDAV's MOVE, COPY or DELETE below `plugin/` (whose mount path is `mount`), done
+    whole under the uploads' lock, unless it would move, delete or replace a file whose
+    body is still coming (`Uploads.busy`): then 423 `upload_in_progress` in the envelope,
+    nothing done, as a resource locked is answered (RFC 4918 §11.3); the client asks again
+    once the PUT is answered."""
+    below = wsgi_text(environ["PATH_INFO"])
+    destination, url = None, cast(dict[str, str], environ).get("HTTP_DESTINATION")
+    if url is not None:  # UTF-8 and a URL: `refusal`
+        destination = below_root(unquote_to_bytes(urlsplit(url).path).decode("utf-8"), mount)
+    method = environ["REQUEST_METHOD"]
+    with uploads.guard:
+        coming = uploads.busy(method, below, destination)
+        done = held(app, environ) if coming is None else None
+    if done is None:
+        name = f"/webdav/{PLUGIN}/{coming}"
+        refused = UploadInProgress(
+            f"{name} is still being uploaded: {method} again once its PUT is answered"
+        )
+        return enveloped(refused, start_response, [])
+    start_response(done[0], done[1])
+    return [done[2]]
+
+
+def wsgi_text(path: str) -> str | None:
+    """A WSGI path (UTF-8 bytes read as Latin-1) as text; None if it is not UTF-8."""
+    try:
+        return path.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return None
+
+
+def held(app: WSGIApp, environ: Environ) -> tuple[str, list[tuple[str, str]], bytes]:
+    """The WSGI app's answer to `environ`, done and held whole (a few bytes: a write's)."""
     said: list[tuple[str, list[tuple[str, str]]]] = []
 
-    def held(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
+    def keep(status: str, headers: list[tuple[str, str]], exc_info: Any = None) -> Any:
         said.append((status, headers))
         return lambda data: None
 
-    answer = b"".join(app(environ, held))
-    upload = UPLOAD.get()
-    if upload is None or upload.refused is None:
-        start_response(*said[-1])
-        return [answer]
-    refused = upload.refused
+    answer = b"".join(app(environ, keep))
+    return (*said[-1], answer)
+
+
+def enveloped(
+    refused: MetanodeError, start_response: StartResponse, headers: list[tuple[str, str]]
+) -> Iterable[bytes]:
+    """`refused` answered from the WSGI side, in the envelope."""
     body = json.dumps(refused.envelope(), separators=(",", ":")).encode("ascii")
     status = f"{refused.status} {HTTPStatus(refused.status).phrase}"
-    start_response(status, [("Content-Type", "application/json"), ("Connection", "close")])
+    start_response(status, [("Content-Type", "application/json"), *headers])
     return [body]
 
 

@@ -132,7 +132,7 @@ def server_state(node: Node, stream: str) -> dict[Any, Any]:
         return {(r, k): v for r, k, v in conn.execute("SELECT rid, key, value FROM records")}
     if stream == "meta":
         return {f"file:{r}/{k}": None for r, k in conn.execute("SELECT rid, key FROM records")}
-    roots = compat.Roots.of(node.settings.watch_roots)
+    roots = compat.Roots.of(node.named_roots())
     return {
         roots.relative(p): (m, str(z))
         for p, m, z in conn.execute("SELECT path, midhash, size FROM local_file")

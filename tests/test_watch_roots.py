@@ -377,3 +377,69 @@ def by_a_reader(srv: Server, cid: str) -> str:
     poll(asked, "an answer of a reader worker")
     assert len(answers) == 1, answers
     return answers.pop()
+
+
+def kept_names(srv: Server) -> dict[str, str]:
+    """The WebDAV names kept in the data directory, after checking the file is private."""
+    path = srv.data_dir / "webdav-names.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    names: dict[str, str] = json.loads(path.read_text())["names"]
+    return names
+
+
+def info_path(srv: Server, cid: str) -> str:
+    """`filePath` as `GET /api/file/{cid}/info` gives it (the WebDAV path)."""
+    info = httpx.get(f"{srv.url}/api/file/{cid}/info", headers=srv.headers, timeout=30)
+    path: str = info.json()["filePath"]
+    return path
+
+
+def test_letting_a_folder_go_renames_no_other_and_a_restart_keeps_every_name(
+    tmp_path: Path,
+) -> None:
+    """Two folders called `films` were `films` and `films-2`, by their order in the list: let
+    the first go and the second became `films`, so a meta-fuse mount or a player's saved
+    `/webdav/films-2/…` named nothing, and `films/…` another folder's files. Now each keeps
+    the name it was given while it is watched, in WebDAV and in `filePath` (a reader
+    worker's too), across restarts; a folder added later never takes a name held, but may
+    take one given up."""
+    srv = page_server(tmp_path, workers=2).start()
+    try:
+        first, second, third = (tmp_path / side / "films" for side in ("a", "b", "c"))
+        for folder in (first, second, third):
+            folder.mkdir(parents=True)
+        film, other = video(second / "Film.2001.mkv"), video(third / "Other.2002.mkv")
+        for folder in (first, second):
+            assert add(srv, str(folder)).status_code == 200
+        assert webdav_names(srv) == {"media", "films", "films-2"}
+        cid = midhash(srv, film)
+        assert info_path(srv, cid) == f"films-2/{film.name}"
+
+        assert remove(srv, str(first)).status_code == 200
+        assert webdav_names(srv) == {"media", "films-2"}  # not `films`
+        assert kept_names(srv) == {str(srv.media): "media", str(second): "films-2"}
+        assert info_path(srv, cid) == f"films-2/{film.name}"
+        assert by_a_reader(srv, cid) == f"/files/films-2/{film.name}"
+        read = httpx.get(f"{srv.url}/webdav/films-2/{film.name}", headers=srv.headers, timeout=30)
+        assert read.status_code == 200 and read.content == film.read_bytes()
+        gone = httpx.get(f"{srv.url}/webdav/films/{film.name}", headers=srv.headers, timeout=30)
+        assert gone.status_code == 404
+
+        srv.stop()
+        srv.start()
+        assert webdav_names(srv) == {"media", "films-2"}
+        assert info_path(srv, cid) == f"films-2/{film.name}"
+        # a new `films` takes the name given up, never the one the second holds
+        assert add(srv, str(third)).status_code == 200
+        assert webdav_names(srv) == {"media", "films", "films-2"}
+        listed = propfind(f"{srv.url}/webdav/films/", "1", srv.headers)
+        assert f"/webdav/films/{other.name}" in listed
+        srv.stop()
+        srv.start()
+        names = {str(srv.media): "media", str(second): "films-2", str(third): "films"}
+        assert kept_names(srv) == names
+        assert info_path(srv, midhash(srv, other)) == f"films/{other.name}"
+        assert by_a_reader(srv, cid) == f"/files/films-2/{film.name}"
+    finally:
+        srv.stop()
+        srv.print_log()

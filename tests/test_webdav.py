@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from metanode import cid as cids
 from metanode import compat, config
 from metanode.errors import InvalidRequest
+from metanode.watchroots import named
 from metanode.webdav import PLUGIN, Roots
 from tests.helpers.dav import DAV, propfind
 from tests.helpers.server import Server, serve_refused
@@ -479,6 +480,35 @@ def test_several_roots_are_top_level_collections(
         assert httpx.get(f"{server.url}/webdav/{path}", timeout=30).content == film.read_bytes()
 
 
+def test_a_root_taken_out_of_the_settings_renames_no_other_at_the_restart(tmp_path: Path) -> None:
+    """`watch_roots` of two folders called `media`: `media` and `media-2`. The first taken out
+    of the setting, the second was `media` after the restart (every saved path of a player,
+    every meta-fuse mount, pointing at nothing): it keeps `media-2` now (`webdav-names.json`),
+    in WebDAV and in `filePath`; a root the setting adds is named beside the names held."""
+    roots = [tmp_path / "media", tmp_path / "b" / "media"]
+    film = drop(roots[1] / "film.mkv")
+    server = Server(tmp_path / "data", env={"METANODE_WATCH_ROOTS": ":".join(map(str, roots))})
+    try:
+        server.start()
+        assert set(propfind(f"{server.url}/webdav/", "1")) >= {"/webdav/media-2/"}
+        cid = hashed(server, film)
+        server.stop()
+        roots = [roots[1], tmp_path / "c" / "media"]
+        server.env["METANODE_WATCH_ROOTS"] = ":".join(map(str, roots))
+        server.start()
+        top = propfind(f"{server.url}/webdav/", "1")
+        assert top.keys() == {"/webdav/", "/webdav/media-2/", "/webdav/media/"}
+        info = httpx.get(f"{server.url}/api/file/{cid}/info", timeout=10).json()
+        assert info["filePath"] == "media-2/film.mkv"
+        read = httpx.get(f"{server.url}/webdav/media-2/film.mkv", timeout=30)
+        assert read.content == film.read_bytes()
+        names = json.loads((server.data_dir / "webdav-names.json").read_text())["names"]
+        assert names == {str(roots[0]): "media-2", str(roots[1]): "media"}
+    finally:
+        server.stop()
+        server.print_log()
+
+
 def test_plugin_outputs_are_writable_when_enabled(launch: Callable[..., Server]) -> None:
     server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
     drop(server.media / "film.mkv")
@@ -620,6 +650,65 @@ def test_an_upload_in_progress_is_neither_listed_nor_served(launch: Callable[...
     assert sorted(p.name for p in (outputs / "a").iterdir()) == ["fanart.jpg", "poster.jpg"]
 
 
+def test_an_upload_in_progress_is_neither_moved_nor_deleted_nor_replaced(
+    launch: Callable[..., Server],
+) -> None:
+    """A MOVE of the folder an upload went into took its hidden `.part` along (201); the PUT
+    then found no `.part` to rename, answered 500, and the `.part` stayed in the new folder
+    for good; a DELETE of the folder, the same 500. Now a MOVE or DELETE of a file whose body
+    is still coming, or of a folder above one, and a MOVE or COPY onto one, is 423
+    `upload_in_progress`, nothing done; asked again once the PUT is answered, it is done. A
+    COPY of such a folder copies what is there (the old file, no `.part`)."""
+    server = launch(METANODE_WEBDAV_PLUGIN_WRITES="true")
+    base, outputs = f"{server.url}/webdav/{PLUGIN}", server.data_dir / "plugin"
+    for path in ("a/poster.jpg", "c/other.jpg"):
+        assert httpx.put(f"{base}/{path}", content=b"old", timeout=WAIT_S).status_code == 201
+    whole = threading.Event()
+
+    def body() -> Iterator[bytes]:
+        yield b"x" * 65536
+        whole.wait(WAIT_S)  # the rest comes once the test has looked
+        yield b"y"
+
+    def dav(method: str, path: str, to: str | None = None) -> httpx.Response:
+        moved = {"Destination": f"{base}/{to}", "Overwrite": "T"} if to else {}
+        return httpx.request(method, f"{base}/{path}", headers=moved, timeout=WAIT_S)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        puts = [
+            pool.submit(httpx.put, f"{base}/a/{name}", content=body(), timeout=WAIT_S)
+            for name in ("poster.jpg", "fanart.jpg")  # a file replaced, a new one
+        ]
+        try:
+            poll(lambda: uploads(outputs / "a")[1:] or None, "both bodies' .part")
+            for method, path, to in (
+                ("MOVE", "a/", "b/"),
+                ("DELETE", "a/", None),
+                ("MOVE", "a/poster.jpg", "a/cover.jpg"),
+                ("MOVE", "a/fanart.jpg", "a/cover.jpg"),  # not on the disk yet
+                ("DELETE", "a/fanart.jpg", None),
+                ("COPY", "c/other.jpg", "a/poster.jpg"),  # onto one
+                ("MOVE", "c/", "a/"),
+            ):
+                answer = dav(method, path, to)
+                assert answer.status_code == 423, (method, path, answer.text)
+                assert answer.json()["error"] == "upload_in_progress" and answer.json()["retryable"]
+                assert f"/webdav/{PLUGIN}/a/" in answer.json()["message"]
+            assert dav("COPY", "a/", "d/").status_code == 201
+            assert sorted(p.name for p in (outputs / "d").iterdir()) == ["poster.jpg"]
+            assert (outputs / "d" / "poster.jpg").read_bytes() == b"old"
+            assert dav("MOVE", "c/other.jpg", "c/moved.jpg").status_code == 201  # elsewhere
+            assert len(uploads(outputs / "a")) == 2 and (outputs / "c" / "moved.jpg").exists()
+        finally:
+            whole.set()
+        assert [put.result().status_code for put in puts] == [204, 201]
+    assert dav("MOVE", "a/", "b/").status_code == 201
+    for name in ("poster.jpg", "fanart.jpg"):
+        assert (outputs / "b" / name).read_bytes() == b"x" * 65536 + b"y", name
+    assert not (outputs / "a").exists()
+    assert [p for p in outputs.rglob("*") if p.suffix == ".part"] == []
+
+
 def test_a_plugin_output_is_found_by_its_cid_as_the_media_are(
     launch: Callable[..., Server],
 ) -> None:
@@ -700,15 +789,19 @@ def test_a_data_directory_inside_a_watch_root_is_refused(tmp_path: Path, root: s
     config.Settings(data_dir=tmp_path / "data", watch_roots=(str(tmp_path / "data" / "media"),))
 
 
-NAMES = st.sampled_from(["media", "plugin", "tv", "media-2", "films"])
+NAMES_OF = ["media", "plugin", "tv", "media-2", "films"]
+NAMES = st.sampled_from(NAMES_OF)
 
 
-@given(st.lists(st.tuples(st.sampled_from(["/srv", "/srv/x", "/mnt"]), NAMES), max_size=6))
+@given(
+    st.lists(st.tuples(st.sampled_from(["/srv", "/srv/x", "/mnt"]), NAMES), max_size=6, unique=True)
+)
 def test_the_layout_names_every_root_once(roots: list[tuple[str, str]]) -> None:
-    """Whatever the roots: one distinct name each, never `plugin`; a file of a root maps to
+    """Whatever the roots (each a folder once: `watchroots.check_new`, `Settings`): one distinct
+    name each, never `plugin`; a file of a root maps to
     `<its name>/<path below the root>` (the deepest root holding it)."""
     paths = [f"/nonexistent-webdav-test{parent}/{name}" for parent, name in roots]
-    layout = Roots.of(paths)
+    layout = Roots.of(named(paths, {}))
     names = [name for name, _ in layout.collections]
     assert len(set(names)) == len(names) == len(paths) and PLUGIN not in names
     for (name, real), path in zip(layout.collections, paths, strict=True):
@@ -717,6 +810,35 @@ def test_the_layout_names_every_root_once(roots: list[tuple[str, str]]) -> None:
         owner = next(n for n, r in layout.collections if r == deepest)
         assert layout.relative(f"{real}/a/b.mkv") == f"{owner}/a/b.mkv"
     assert layout.relative("/elsewhere/c.mkv") == "elsewhere/c.mkv"
+
+
+FOLDERS = st.sampled_from([f"/nonexistent-webdav-test/{p}/{n}" for p in "ab" for n in NAMES_OF])
+
+
+@given(st.lists(st.tuples(st.booleans(), FOLDERS), max_size=12))
+def test_a_root_keeps_its_name_while_it_stays_whatever_comes_and_goes(
+    changes: list[tuple[bool, str]],
+) -> None:
+    """Roots added and let go in any order, the names kept between changes as `Names.keep`
+    keeps them: a root's name never changes while it stays, no two roots share one, none is
+    `plugin`, and a root named anew takes its basename or the first free `-N` of it."""
+    roots: list[str] = []
+    kept: dict[str, str] = {}
+    for add, folder in changes:
+        if add and folder not in roots:
+            roots.append(folder)
+        elif not add and folder in roots:
+            roots.remove(folder)
+        names = dict((root, name) for name, root in named(roots, kept))
+        for root, name in kept.items():
+            assert root not in roots or names[root] == name, (root, name, names[root])
+        assert len(set(names.values())) == len(roots) and PLUGIN not in names.values()
+        for root in set(roots) - kept.keys():
+            base = os.path.basename(root)
+            held = set(names.values()) - {names[root]} | {PLUGIN}
+            free = next(n for n in [base, *(f"{base}-{i}" for i in range(2, 99))] if n not in held)
+            assert names[root] == free
+        kept = names
 
 
 def raw_request(
