@@ -23,6 +23,7 @@ from metanode import cid as cids
 from metanode import client, errors
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.server import Server, free_port
+from tests.helpers.wait import poll
 
 MIDHASH = cids.midhash_bytes(b"the command line as a client")
 
@@ -352,9 +353,10 @@ def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:
             f"error: unreachable: no node answers at http://127.0.0.1:{port}: "
         ), lines[0]
         assert "refused" in lines[0].lower()
-        assert lines[0].endswith(  # a node on another port: said where to name it
-            "; a node serving elsewhere is named with --url, or the METANODE_HOST and "
-            "METANODE_PORT it serves with"
+        assert lines[0].endswith(  # whence the address, and where to find the node instead
+            ": Connection refused (from the settings' host and port: no running node recorded "
+            f"its address in {Path.cwd() / 'data'}); a node on this machine is found by its "
+            "data directory (--data-dir, METANODE_DATA_DIR), any other named with --url"
         )
 
 
@@ -569,3 +571,81 @@ def test_health_says_how_the_node_is_and_exits_by_it(tmp_path: Path) -> None:
         server.stop()
     gone = metanode("health", env={"METANODE_PORT": str(server.port)})
     assert gone.returncode == 2 and gone.stderr.startswith("error: unreachable: "), gone
+
+
+def test_a_node_on_another_port_is_found_by_its_data_directory(tmp_path: Path) -> None:
+    """`serve --port P` (or a METANODE_PORT only its own shell has) sent every client command
+    to the default port's `unreachable`: the node records where it listens in its data directory
+    (`serving`), so the commands given only that directory ask there; two nodes on two data
+    directories are each found, one of them `--workers 2`. `--url` still comes first."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = Server(tmp_path / "one" / "data").start()
+    two = Server(tmp_path / "two" / "data", workers=2).start()
+    try:
+        for srv in (one, two):
+            assert srv.port != 9000
+            assert (srv.data_dir / "serving").read_text() == f"{srv.url}\n"
+            found = metanode("health", "--data-dir", str(srv.data_dir))
+            assert (found.returncode, found.stdout) == (0, f"ok ({srv.url})\n"), found
+        alice = Signer()
+        two.register(alice.uid, "alice")
+        env = {"METANODE_DATA_DIR": str(two.data_dir)}  # the token read from there too
+        claim = json.dumps(alice.claim(MIDHASH, "title", "Found"))
+        assert metanode("claim", "post", claim, env=env).returncode == 0
+        assert json.loads(metanode("get", MIDHASH, env=env).stdout)["metadata"]["title"] == "Found"
+
+        nothing = f"http://127.0.0.1:{free_port()}"
+        given = metanode("health", "--data-dir", str(one.data_dir), "--url", nothing)
+        assert given.stderr.startswith(f"error: unreachable: no node answers at {nothing}: ")
+        assert "Connection refused (from --url); " in given.stderr, given.stderr
+    finally:
+        one.stop()
+        two.stop()
+    for srv in (one, two):  # a clean stop takes the record away
+        assert not (srv.data_dir / "serving").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_record_its_node_outlived_is_not_followed(tmp_path: Path, workers: int) -> None:
+    """A node killed (SIGKILL: no stop of its own) leaves its record, whose address may answer
+    something else by then: here a listener that never answers, where a client following the
+    record would wait its full 60 s. Nobody holds the record's lock any more, so the command
+    asks the settings' address instead and says the node is not running; the next start
+    records its own address."""
+    srv = Server(tmp_path / "data", workers=workers).start()
+    srv.stop(signal.SIGKILL)
+    assert (srv.data_dir / "serving").read_text() == f"{srv.url}\n"
+    listener = poll(lambda: squat(srv.port), f"port {srv.port} let go by the killed node")
+    settings_port = free_port()
+    try:
+        done = metanode(
+            "health", "--data-dir", str(srv.data_dir), env={"METANODE_PORT": str(settings_port)}
+        )
+    finally:
+        listener.close()
+    assert done.returncode == 2, done
+    assert done.stderr.startswith(
+        f"error: unreachable: no node answers at http://127.0.0.1:{settings_port}: "
+    ), done.stderr
+    assert (
+        f"in {srv.data_dir}; the node that recorded {srv.url} there is not running: it was "
+        "killed or crashed)" in done.stderr
+    ), done.stderr
+
+    srv.port = free_port()
+    srv.start()
+    try:
+        found = metanode("health", "--data-dir", str(srv.data_dir))
+        assert (found.returncode, found.stdout) == (0, f"ok ({srv.url})\n"), found
+    finally:
+        srv.stop()
+
+
+def squat(port: int) -> socket.socket | None:
+    """A listener on `port` that never accepts (the kernel still completes connections), or
+    None while the port is still held."""
+    try:
+        return socket.create_server(("127.0.0.1", port))
+    except OSError:
+        return None
