@@ -674,7 +674,20 @@ class NodeClient(client.Client):
     of where this command looked for the token."""
 
     token_hint = ""
-    source = ""  # where its address came from (`node_address`), said when nothing answers
+
+    def __init__(
+        self, locate: Callable[[], tuple[str, str]], token: str | None, timeout: float
+    ) -> None:
+        url, self.source = locate()  # `source`: said when nothing answers there
+        super().__init__(url, token=token, timeout=timeout)
+        self._locate = locate
+
+    def reconnecting(self) -> None:
+        """Ask again where the node listens (`node_address`), for a command that waits for it
+        (`events`, `get --wait`): one that started, or started again elsewhere, is followed."""
+        url, self.source = self._locate()
+        self.url = client.node_address(url).rstrip("/")
+        self._http.base_url = httpx.URL(self.url)
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
@@ -721,9 +734,7 @@ def connect(
     if needs_token and token is None:
         token = read_token(kept)
         given = str(kept)
-    address, source = node_address(settings, url)
-    node_client = NodeClient(address, token=token, timeout=60)
-    node_client.source = source
+    node_client = NodeClient(lambda: node_address(settings, url), token=token, timeout=60)
     if needs_token and token is None:
         node_client.token_hint = (
             f"no token was sent: none was given ({token_flag} or METANODE_TOKEN) and there is "
@@ -854,6 +865,7 @@ def get(
                     click.echo(f"waiting up to {wait_s:g} s: {exc.message}…", err=True)
                     said = True
             time.sleep(WAIT_POLL_S)
+            node_client.reconnecting()  # a node starting records its address meanwhile
         _print_response(node_client, response)
 
 

@@ -177,16 +177,20 @@ def test_get_waits_for_a_file_just_dropped_when_asked_to(server: Server) -> None
     assert bad.returncode == 2 and bad.stderr.startswith("error: invalid_cid: ")
 
 
-def test_get_waits_for_a_node_still_starting(tmp_path: Path) -> None:
-    """Right after `make serve` the node may not answer yet: `--wait` asks again."""
+@pytest.mark.parametrize("found_by", ["port", "data_dir"])
+def test_get_waits_for_a_node_still_starting(tmp_path: Path, found_by: str) -> None:
+    """Right after `make serve` the node may not answer yet: `--wait` asks again, at the port
+    of its settings, or where the node, started on another, records its address in the data
+    directory once it took it."""
     srv = Server(tmp_path / "data")
     content = os.urandom(5000)
     srv.media.mkdir(parents=True, exist_ok=True)
     (srv.media / "early.mkv").write_bytes(content)
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
-        "METANODE_PORT": str(srv.port),
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    if found_by == "port":
+        env["METANODE_PORT"] = str(srv.port)
+    else:  # the settings name a port nothing answers at
+        env |= {"METANODE_PORT": str(free_port()), "METANODE_DATA_DIR": str(srv.data_dir)}
     asking = subprocess.Popen(
         [sys.executable, "-m", "metanode", "get", cids.midhash_bytes(content), "--wait", "300"],
         env=env,
@@ -360,13 +364,18 @@ def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:
         )
 
 
-def test_events_says_it_waits_then_follows_the_node_once_it_is_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("found_by", ["port", "data_dir"])
+def test_events_says_it_waits_then_follows_the_node_once_it_is_up(
+    tmp_path: Path, found_by: str
+) -> None:
     """`events` against a node that is not up yet says it is waiting, once, and then follows it
-    as soon as it answers."""
+    as soon as it answers: at the port of its settings, or, started on another, where it
+    records its address in the data directory (asked again at each retry)."""
     srv = Server(tmp_path / "data")
+    settings_port = srv.port if found_by == "port" else free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
-        "METANODE_PORT": str(srv.port),
+        "METANODE_PORT": str(settings_port),
         "METANODE_DATA_DIR": str(srv.data_dir),
     }
     subprocess.run(
@@ -382,14 +391,17 @@ def test_events_says_it_waits_then_follows_the_node_once_it_is_up(tmp_path: Path
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     ) as follow:
-        _follow_until_up(follow, srv)
+        _follow_until_up(follow, srv, settings_port)
 
 
-def _follow_until_up(follow: subprocess.Popen[str], srv: Server) -> None:
+def _follow_until_up(follow: subprocess.Popen[str], srv: Server, settings_port: int) -> None:
     try:
         out, err = Lines(follow.stdout), Lines(follow.stderr)
         said = err.next(60.0)
-        assert said.startswith(f"waiting for the node at http://127.0.0.1:{srv.port} ("), said
+        assert said.startswith(
+            f"waiting for the node at http://127.0.0.1:{settings_port} (from the settings' "
+            f"host and port: no running node recorded its address in {srv.data_dir}; "
+        ), said
         srv.start()
         alice = Signer()
         httpx.post(
