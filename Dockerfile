@@ -29,7 +29,8 @@ USER metanode
 
 VOLUME ["/data"]
 EXPOSE 9000
-# `metanode health` finds the node as any client does (METANODE_CONFIG, METANODE_PORT…);
+# `metanode health` finds the node as any client does: where the node serving /data says it
+# listens (its `serving` file), whatever port it was given, else METANODE_CONFIG, METANODE_PORT…;
 # its exit 2 (no answer) is one Docker reserves, so every failure is told as 1
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
     CMD ["sh", "-c", "metanode health > /dev/null || exit 1"]

@@ -25,6 +25,7 @@ from typing import IO, Any, NoReturn, TypeVar
 
 import click
 import httpx
+from click.core import ParameterSource
 
 from metanode import cid as cids
 from metanode import (
@@ -105,11 +106,10 @@ def _say(exc: MetanodeError) -> None:
     click.echo(f"error: {exc.slug}: {exc.message}{hint}", err=True)
 
 
-# where a client command looks for its node: the settings' address, which a node serving on
-# another port (given to `serve` alone) does not change
+# where a client command looks for its node besides the address it tried (`node_address`)
 UNREACHABLE_HINT = (
-    "; a node serving elsewhere is named with --url, or the METANODE_HOST and METANODE_PORT it "
-    "serves with"
+    "; a node on this machine is found by its data directory (--data-dir, METANODE_DATA_DIR), "
+    "any other named with --url"
 )
 
 
@@ -492,15 +492,17 @@ def serve_node(settings: config.Settings, config_file: str | None) -> None:
     from metanode import server
 
     server.raise_open_files(settings.max_connections)  # before the workers: they inherit it
-    if count > 1:
-        supervise(settings, count, config_file, sock)
-        return
-    from metanode.api import create_app
+    # where it listens, for the client commands given only its data directory (`connect`)
+    with datadir.serving(settings.data_dir, config.local_url(*sock.getsockname()[:2])):
+        if count > 1:
+            supervise(settings, count, config_file, sock)
+            return
+        from metanode.api import create_app
 
-    app = create_app(node.Node(settings))
-    stop_cleanly()
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run(app, settings, [sock])
+        app = create_app(node.Node(settings))
+        stop_cleanly()
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(app, settings, [sock])
 
 
 def workers_shown(settings: config.Settings) -> str:
@@ -636,15 +638,14 @@ _status_command("unblock", "active")
 
 
 def client_options(func: F) -> F:
-    """`--url`, and the settings it defaults from: a client command finds the node where `serve`
-    with the same settings (TOML, `METANODE_*`, `--config`) listens."""
+    """`--url`, and the data directory and settings it defaults from (`node_address`)."""
     func = click.option(
         "--url",
         default=None,
         envvar="METANODE_URL",
-        help="Base URL of the node (default: http://<host>:<port> of the "
-        "settings, i.e. METANODE_HOST / METANODE_PORT, else "
-        "http://127.0.0.1:9000).",
+        help="Base URL of the node (default: where the node serving the data directory "
+        "listens, else http://<host>:<port> of the settings, i.e. METANODE_HOST / "
+        "METANODE_PORT, else http://127.0.0.1:9000).",
     )(func)
     return settings_options(func)
 
@@ -674,6 +675,48 @@ class NodeClient(client.Client):
 
     token_hint = ""
 
+    def __init__(
+        self, locate: Callable[[], tuple[str, str]], token: str | None, timeout: float
+    ) -> None:
+        url, self.source = locate()  # `source`: said when nothing answers there
+        super().__init__(url, token=token, timeout=timeout)
+        self._locate = locate
+
+    def reconnecting(self) -> None:
+        """Ask again where the node listens (`node_address`), for a command that waits for it
+        (`events`, `get --wait`): one that started, or started again elsewhere, is followed."""
+        url, self.source = self._locate()
+        self.url = client.node_address(url).rstrip("/")
+        self._http.base_url = httpx.URL(self.url)
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return super().request(method, path, **kwargs)
+        except Unreachable as exc:
+            raise Unreachable(f"{exc.message} ({self.source})") from None
+
+
+def node_address(settings: config.Settings, url: str | None) -> tuple[str, str]:
+    """Where a client command asks, and where that came from: `--url` (or METANODE_URL), else
+    the address the node serving the data directory recorded (`datadir.served_at`: `serve
+    --port 9100` or another shell's METANODE_PORT), else the settings' host and port. A record
+    its node outlived (killed) is not followed, but said: that node is not running."""
+    if url is not None:
+        context = click.get_current_context(silent=True)
+        given = context.get_parameter_source("url") if context else None
+        return url, f"from {'METANODE_URL' if given is ParameterSource.ENVIRONMENT else '--url'}"
+    where = settings.data_dir.absolute()
+    served = datadir.served_at(settings.data_dir)
+    if served is not None and served.runs:
+        return served.url, f"recorded by the node serving {where}"
+    gone = (
+        f"; the node that recorded {served.url} there is not running: it was killed or crashed"
+        if served is not None
+        else ""
+    )
+    none = f"no running node recorded its address in {where}{gone}"
+    return settings.client_url, f"from the settings' host and port: {none}"
+
 
 def connect(
     config_file: str | None,
@@ -683,14 +726,15 @@ def connect(
     needs_token: bool = False,
     token_flag: str = "--token",
 ) -> NodeClient:
-    """A client of the node these settings describe (or of `url`), with its token if needed
-    (`token` from `token_flag` or METANODE_TOKEN, else the data directory's api-token)."""
+    """A client of the node serving the data directory of these settings (`node_address`), with
+    its token if needed (`token` from `token_flag` or METANODE_TOKEN, else the data directory's
+    api-token)."""
     settings = load_settings(config_file, data_dir=data_dir)
     given, kept = f"{token_flag} or METANODE_TOKEN", settings.token_path.absolute()
     if needs_token and token is None:
         token = read_token(kept)
         given = str(kept)
-    node_client = NodeClient(url or settings.client_url, token=token, timeout=60)
+    node_client = NodeClient(lambda: node_address(settings, url), token=token, timeout=60)
     if needs_token and token is None:
         node_client.token_hint = (
             f"no token was sent: none was given ({token_flag} or METANODE_TOKEN) and there is "
@@ -821,6 +865,7 @@ def get(
                     click.echo(f"waiting up to {wait_s:g} s: {exc.message}…", err=True)
                     said = True
             time.sleep(WAIT_POLL_S)
+            node_client.reconnecting()  # a node starting records its address meanwhile
         _print_response(node_client, response)
 
 
@@ -1214,7 +1259,8 @@ def events(
 
     def waiting(reason: str) -> None:
         click.echo(
-            f"waiting for the node at {node_client.url} ({reason}); retrying every second…",
+            f"waiting for the node at {node_client.url} ({node_client.source}; {reason}); "
+            "retrying every second…",
             err=True,
         )
 

@@ -154,6 +154,11 @@ class Client:
             raise ValueError("this client has no signing key")
         return claims.uid_of(bytes(self._key.verify_key))
 
+    def reconnecting(self) -> None:
+        """Called by `events` before each reconnection; nothing here. A subclass may point the
+        client at another address first (the command line asks the data directory again where
+        its node listens: one started, or started again on another port, is followed)."""
+
     def close(self) -> None:
         self._http.close()
 
@@ -288,3 +293,4 @@ class Client:
                 on_wait(reason)
             waiting = waiting or bool(reason)
             time.sleep(retry_s)
+            self.reconnecting()

@@ -457,8 +457,7 @@ class Settings:
     def client_url(self) -> str:
         """Where a client on this machine reaches the node these settings serve: a wildcard
         bind address (`0.0.0.0`, `::`) is asked on loopback."""
-        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
-        return http_url(host, self.port)
+        return local_url(self.host, self.port)
 
     @property
     def watched(self) -> tuple[str, ...]:
@@ -732,6 +731,12 @@ def read_roots(path: Path) -> tuple[str, ...] | None:
     ):
         raise WatchRootsDamaged(f"{path}: roots must be a list of absolute paths; fix or delete it")
     return tuple(roots)
+
+
+def local_url(host: str, port: int) -> str:
+    """Where a client on this machine reaches a node listening on `host` and `port`: a wildcard
+    address (`0.0.0.0`, `::`) is asked on loopback."""
+    return http_url({"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host), port)
 
 
 def http_url(host: str, port: int) -> str:

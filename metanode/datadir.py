@@ -1,5 +1,5 @@
-"""The data directory as a whole: private modes, the lock of the one node using it, and whether
-it can take writes at all.
+"""The data directory as a whole: private modes, the lock of the one node using it, the address
+it serves at, and whether it can take writes at all.
 
 Private, because it holds the API token, the node's signing keys and every claim: the directory
 is 0700 and every file in it 0600 (SQLite would create its files 0644 under the usual umask).
@@ -18,6 +18,7 @@ import logging
 import os
 import stat
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -51,10 +52,17 @@ def write_whole(path: Path, text: str) -> None:
     `path`, the folder fsync'd, so a crash or a full disk leaves the old file or the new one,
     never half of one. A disk that refuses is its typed `StorageError`. (The watched folders,
     the web page's sessions.)"""
+    with _whole(path) as part:
+        keys.write_secret(part, text)
+
+
+@contextlib.contextmanager
+def _whole(path: Path) -> Iterator[Path]:
+    """The temporary file to make whole, then renamed over `path` (`write_whole`, `serving`)."""
     part = path.with_name(path.name + ".part")
     try:
         part.unlink(missing_ok=True)
-        keys.write_secret(part, text)
+        yield part
         os.replace(part, path)
         keys.sync_folder(path.parent)
     except OSError as exc:
@@ -172,6 +180,62 @@ def _discard(data_dir: Path) -> None:
         if [path.name for path in data_dir.iterdir()] == [LOCK_NAME]:
             (data_dir / LOCK_NAME).unlink()
             data_dir.rmdir()
+
+
+SERVING_NAME = "serving"
+
+
+@contextlib.contextmanager
+def serving(data_dir: Path, url: str) -> Iterator[None]:
+    """Record `url`, where the node on this data directory listens, in `<data dir>/serving`
+    while it serves, so the client commands find it by its data directory (`served_at`): the
+    port or host given to `serve` alone (`--port`, this shell's METANODE_PORT) sent them to
+    the default port's "no node answers". Written whole and `flock`ed before it takes its name,
+    so a reader meets no record or a whole one; removed at the stop. One that outlived its node
+    (SIGKILL, a crash, the machine down) is unlocked, the kernel having let go with the process:
+    `served_at` says so, rather than send a client to an address nothing may answer at."""
+    path, fd = data_dir / SERVING_NAME, -1
+    try:
+        with _whole(path) as part:
+            keys.write_secret(part, f"{url}\n")
+            fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # nobody knows this file yet: taken at once
+        yield
+    finally:
+        with contextlib.suppress(OSError):  # a disk gone: the record is stale with the lock
+            path.unlink(missing_ok=True)
+        if fd >= 0:
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What `<data dir>/serving` says: the node's `url`, and whether that node still `runs`."""
+
+    url: str
+    runs: bool
+
+
+def served_at(data_dir: Path) -> Served | None:
+    """The address the node serving `data_dir` recorded (`serving`), with whether it still
+    runs (holds the record's lock; a shared lock taken here for a moment blocks no one, since
+    the node takes its own before the record has its name); None without a record to read
+    (no node started here, or it stopped cleanly, or the folder is not this user's)."""
+    try:
+        fd = os.open(data_dir / SERVING_NAME, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            runs = False
+        except BlockingIOError:
+            runs = True
+        return Served(os.read(fd, 4096).decode("utf-8", "replace").strip(), runs)
+    except OSError:  # not a file (a folder by that name), or no locks on this file system
+        return None
+    finally:
+        os.close(fd)
 
 
 def check_writable(paths: Iterable[db.Target]) -> None:

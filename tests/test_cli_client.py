@@ -23,6 +23,7 @@ from metanode import cid as cids
 from metanode import client, errors
 from tests.helpers.claims import NOW_MS, Signer
 from tests.helpers.server import Server, free_port
+from tests.helpers.wait import poll
 
 MIDHASH = cids.midhash_bytes(b"the command line as a client")
 
@@ -176,16 +177,20 @@ def test_get_waits_for_a_file_just_dropped_when_asked_to(server: Server) -> None
     assert bad.returncode == 2 and bad.stderr.startswith("error: invalid_cid: ")
 
 
-def test_get_waits_for_a_node_still_starting(tmp_path: Path) -> None:
-    """Right after `make serve` the node may not answer yet: `--wait` asks again."""
+@pytest.mark.parametrize("found_by", ["port", "data_dir"])
+def test_get_waits_for_a_node_still_starting(tmp_path: Path, found_by: str) -> None:
+    """Right after `make serve` the node may not answer yet: `--wait` asks again, at the port
+    of its settings, or where the node, started on another, records its address in the data
+    directory once it took it."""
     srv = Server(tmp_path / "data")
     content = os.urandom(5000)
     srv.media.mkdir(parents=True, exist_ok=True)
     (srv.media / "early.mkv").write_bytes(content)
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
-        "METANODE_PORT": str(srv.port),
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
+    if found_by == "port":
+        env["METANODE_PORT"] = str(srv.port)
+    else:  # the settings name a port nothing answers at
+        env |= {"METANODE_PORT": str(free_port()), "METANODE_DATA_DIR": str(srv.data_dir)}
     asking = subprocess.Popen(
         [sys.executable, "-m", "metanode", "get", cids.midhash_bytes(content), "--wait", "300"],
         env=env,
@@ -352,19 +357,25 @@ def test_a_refused_connection_is_one_line(tmp_path: Path) -> None:
             f"error: unreachable: no node answers at http://127.0.0.1:{port}: "
         ), lines[0]
         assert "refused" in lines[0].lower()
-        assert lines[0].endswith(  # a node on another port: said where to name it
-            "; a node serving elsewhere is named with --url, or the METANODE_HOST and "
-            "METANODE_PORT it serves with"
+        assert lines[0].endswith(  # whence the address, and where to find the node instead
+            ": Connection refused (from the settings' host and port: no running node recorded "
+            f"its address in {Path.cwd() / 'data'}); a node on this machine is found by its "
+            "data directory (--data-dir, METANODE_DATA_DIR), any other named with --url"
         )
 
 
-def test_events_says_it_waits_then_follows_the_node_once_it_is_up(tmp_path: Path) -> None:
+@pytest.mark.parametrize("found_by", ["port", "data_dir"])
+def test_events_says_it_waits_then_follows_the_node_once_it_is_up(
+    tmp_path: Path, found_by: str
+) -> None:
     """`events` against a node that is not up yet says it is waiting, once, and then follows it
-    as soon as it answers."""
+    as soon as it answers: at the port of its settings, or, started on another, where it
+    records its address in the data directory (asked again at each retry)."""
     srv = Server(tmp_path / "data")
+    settings_port = srv.port if found_by == "port" else free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
-        "METANODE_PORT": str(srv.port),
+        "METANODE_PORT": str(settings_port),
         "METANODE_DATA_DIR": str(srv.data_dir),
     }
     subprocess.run(
@@ -380,14 +391,17 @@ def test_events_says_it_waits_then_follows_the_node_once_it_is_up(tmp_path: Path
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     ) as follow:
-        _follow_until_up(follow, srv)
+        _follow_until_up(follow, srv, settings_port)
 
 
-def _follow_until_up(follow: subprocess.Popen[str], srv: Server) -> None:
+def _follow_until_up(follow: subprocess.Popen[str], srv: Server, settings_port: int) -> None:
     try:
         out, err = Lines(follow.stdout), Lines(follow.stderr)
         said = err.next(60.0)
-        assert said.startswith(f"waiting for the node at http://127.0.0.1:{srv.port} ("), said
+        assert said.startswith(
+            f"waiting for the node at http://127.0.0.1:{settings_port} (from the settings' "
+            f"host and port: no running node recorded its address in {srv.data_dir}; "
+        ), said
         srv.start()
         alice = Signer()
         httpx.post(
@@ -569,3 +583,81 @@ def test_health_says_how_the_node_is_and_exits_by_it(tmp_path: Path) -> None:
         server.stop()
     gone = metanode("health", env={"METANODE_PORT": str(server.port)})
     assert gone.returncode == 2 and gone.stderr.startswith("error: unreachable: "), gone
+
+
+def test_a_node_on_another_port_is_found_by_its_data_directory(tmp_path: Path) -> None:
+    """`serve --port P` (or a METANODE_PORT only its own shell has) sent every client command
+    to the default port's `unreachable`: the node records where it listens in its data directory
+    (`serving`), so the commands given only that directory ask there; two nodes on two data
+    directories are each found, one of them `--workers 2`. `--url` still comes first."""
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = Server(tmp_path / "one" / "data").start()
+    two = Server(tmp_path / "two" / "data", workers=2).start()
+    try:
+        for srv in (one, two):
+            assert srv.port != 9000
+            assert (srv.data_dir / "serving").read_text() == f"{srv.url}\n"
+            found = metanode("health", "--data-dir", str(srv.data_dir))
+            assert (found.returncode, found.stdout) == (0, f"ok ({srv.url})\n"), found
+        alice = Signer()
+        two.register(alice.uid, "alice")
+        env = {"METANODE_DATA_DIR": str(two.data_dir)}  # the token read from there too
+        claim = json.dumps(alice.claim(MIDHASH, "title", "Found"))
+        assert metanode("claim", "post", claim, env=env).returncode == 0
+        assert json.loads(metanode("get", MIDHASH, env=env).stdout)["metadata"]["title"] == "Found"
+
+        nothing = f"http://127.0.0.1:{free_port()}"
+        given = metanode("health", "--data-dir", str(one.data_dir), "--url", nothing)
+        assert given.stderr.startswith(f"error: unreachable: no node answers at {nothing}: ")
+        assert "Connection refused (from --url); " in given.stderr, given.stderr
+    finally:
+        one.stop()
+        two.stop()
+    for srv in (one, two):  # a clean stop takes the record away
+        assert not (srv.data_dir / "serving").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_record_its_node_outlived_is_not_followed(tmp_path: Path, workers: int) -> None:
+    """A node killed (SIGKILL: no stop of its own) leaves its record, whose address may answer
+    something else by then: here a listener that never answers, where a client following the
+    record would wait its full 60 s. Nobody holds the record's lock any more, so the command
+    asks the settings' address instead and says the node is not running; the next start
+    records its own address."""
+    srv = Server(tmp_path / "data", workers=workers).start()
+    srv.stop(signal.SIGKILL)
+    assert (srv.data_dir / "serving").read_text() == f"{srv.url}\n"
+    listener = poll(lambda: squat(srv.port), f"port {srv.port} let go by the killed node")
+    settings_port = free_port()
+    try:
+        done = metanode(
+            "health", "--data-dir", str(srv.data_dir), env={"METANODE_PORT": str(settings_port)}
+        )
+    finally:
+        listener.close()
+    assert done.returncode == 2, done
+    assert done.stderr.startswith(
+        f"error: unreachable: no node answers at http://127.0.0.1:{settings_port}: "
+    ), done.stderr
+    assert (
+        f"in {srv.data_dir}; the node that recorded {srv.url} there is not running: it was "
+        "killed or crashed)" in done.stderr
+    ), done.stderr
+
+    srv.port = free_port()
+    srv.start()
+    try:
+        found = metanode("health", "--data-dir", str(srv.data_dir))
+        assert (found.returncode, found.stdout) == (0, f"ok ({srv.url})\n"), found
+    finally:
+        srv.stop()
+
+
+def squat(port: int) -> socket.socket | None:
+    """A listener on `port` that never accepts (the kernel still completes connections), or
+    None while the port is still held."""
+    try:
+        return socket.create_server(("127.0.0.1", port))
+    except OSError:
+        return None

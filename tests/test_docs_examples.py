@@ -169,13 +169,14 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, S
 
 def run(step: str, folder: Path, server: Server, **env: str) -> list[str]:
     """Run a shell step as written (its `. .venv/bin/activate` done by PATH, the node's address
-    its port) in bash, stopping at the first failing command; its output lines."""
+    its port) in bash, stopping at the first failing command; its output lines. No
+    METANODE_PORT: as in the tour's terminals, the client commands find the node, on a port
+    other than the default, through `./data` (where it recorded its address)."""
     script = step.replace(". .venv/bin/activate\n", "").replace(DOCUMENTED_ADDRESS, server.url[7:])
     environment = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
     environment |= {
         "HOME": str(folder / "home"),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{environment['PATH']}",
-        "METANODE_PORT": str(server.port),
         **env,
     }
     done = subprocess.run(
