@@ -162,7 +162,9 @@ class Node:
         self._behind_due = 0.0  # when `_measure_behind` next measures (monotonic)
         self.owner = self._own_signer(OWNER_NAME, settings.owner_weight)
         # the watch roots as chosen now (`watch_roots`, or what the owner chose on the page:
-        # `add_watch_root`), absolute; changed one at a time
+        # `add_watch_root`), absolute; changed one at a time. A damaged list of the page's
+        # refuses the node (`watch_roots_damaged`): no node watches the default in its place
+        settings.require_roots()
         self.roots = [os.path.abspath(root) for root in settings.watch_roots]
         self._roots_lock = asyncio.Lock()
         # a reader worker follows the list the owner worker keeps (none when a setting holds it)

@@ -329,15 +329,46 @@ def test_folders_set_by_a_setting_are_shown_and_changed_only_there(tmp_path: Pat
         srv.stop()
 
 
-def test_a_damaged_list_of_folders_refuses_the_start(tmp_path: Path) -> None:
-    srv = page_server(tmp_path)
-    srv.data_dir.mkdir(mode=0o700)
-    (srv.data_dir / "watched-folders.json").write_text('{"roots": ["/srv/me')
+def test_a_damaged_list_of_folders_refuses_only_what_needs_the_folders(tmp_path: Path) -> None:
+    """A damaged `watched-folders.json` refused every command, `signers list`, `export`,
+    `check`, `health` and `backup` too, which never read it: no backup of the claims could be
+    made until the file was fixed. Only what needs the folders refuses now (`serve`, `scan`,
+    `plugins try`), naming the file and the way out; `backup` saves the truth and the keys and
+    says the list was left out (a restore would refuse a copy of it)."""
+    srv = page_server(tmp_path).start()
+    try:
+        listed = srv.data_dir / "watched-folders.json"
+        listed.write_text('{"roots": ["/srv/me')  # edited by hand
+        listed.chmod(0o600)
+        health = metanode(srv, "health", "--url", srv.url)
+        assert health.returncode == 0 and health.stdout.startswith("ok"), health.stderr
+    finally:
+        srv.stop()
+    data = ("--data-dir", str(srv.data_dir))
+    for args in (("signers", "list"), ("export",), ("check",), ("peers", "token", "list")):
+        done = metanode(srv, *args, *data)
+        assert done.returncode == 0 and "watch_roots_damaged" not in done.stderr, args
+    made = metanode(srv, "backup", str(tmp_path / "bk"), *data)
+    assert made.returncode == 0, made.stderr
+    backup = Path(made.stdout.strip())
+    stamp = backup.name.removeprefix("truth-").removesuffix(".db")
+    assert (backup.parent / f"keys-{stamp}" / "owner.key").is_file()
+    assert not list(backup.parent.glob("watched-folders-*"))
+    assert made.stderr.startswith("warning: watch_roots_damaged: "), made.stderr
+    assert "watched-folders.json" in made.stderr and "back up again" in made.stderr
+    film = tmp_path / "Film.2001.mkv"
+    film.write_bytes(b"a film" * 1000)
+    for args in (("scan", str(tmp_path)), ("plugins", "try", "filename", str(film))):
+        refused = metanode(srv, *args, *data)
+        assert refused.returncode == 2, (args, refused.stdout)
+        assert refused.stderr.startswith("error: watch_roots_damaged: "), refused.stderr
+        assert "watched-folders.json" in refused.stderr and "fix it" in refused.stderr
     env = {k: v for k, v in srv.base_env().items() if k not in PAGE_CHOSEN}
-    refused = serve_refused(tmp_path, env, "--data-dir", str(srv.data_dir), "--port", "1")
+    refused = serve_refused(tmp_path, env, *data, "--port", "1")
     assert refused.returncode == 2, refused.stderr
-    assert "watch_roots_damaged" in refused.stderr
+    assert refused.stderr.startswith("error: watch_roots_damaged: "), refused.stderr
     assert "watched-folders.json" in refused.stderr
+    assert "serving" not in refused.stdout
 
 
 def test_under_two_workers_the_owner_watches_a_folder_any_worker_was_asked_for(
