@@ -1332,8 +1332,8 @@ def restore(
 def _restored_folders(settings: config.Settings, done: maintenance.Restored) -> None:
     """What `restore` said of the watched folders: the backup's list, or the data directory's
     kept; each restored folder that is not there named on stderr, with what the next start
-    does with it: the restored node knows no file there yet (the cache, and with it the
-    files' rows, is rebuilt), so the watcher makes it, empty, as a new root (`_make_root`)."""
+    does with it: kept in the list and shown missing, never made empty (`Node._chosen_roots`),
+    watched once it is there."""
     if done.folders is None:
         click.echo("watched folders: the backup has no list of them; this data directory's kept")
         if settings.watch_roots_damaged:  # the start refuses it: the way out said now
@@ -1345,9 +1345,9 @@ def _restored_folders(settings: config.Settings, done: maintenance.Restored) -> 
     for root in done.missing:
         click.echo(
             f"warning: watched folder {root} does not exist here (or its disk is not mounted): "
-            "it stays in the list, and the next start makes it as an empty folder and watches "
-            "it; mount its disk before that start, or, if it is gone for good, stop watching "
-            "it on the Files page (or DELETE /api/watch-roots)",
+            "it stays in the list, shown missing on the Files page and in /health (never made "
+            "empty), and is watched once it is there: mount its disk, or, if it is gone for "
+            "good, stop watching it on the Files page (or DELETE /api/watch-roots)",
             err=True,
         )
     if settings.watch_roots_from:

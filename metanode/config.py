@@ -177,7 +177,8 @@ class Settings:
         "warning in the log and in /health a folder it cannot read, the other roots watched), "
         "each folder once (a root may lie inside another); in the environment, `:`-separated. "
         "Set neither in the file nor in the environment, the owner chooses them on the Files "
-        "page (`<data dir>/watched-folders.json`, read at every start).",
+        "page (`<data dir>/watched-folders.json`, read at every start; one of those missing is "
+        "shown missing, never made).",
     )
     watch_ignore: tuple[str, ...] = setting(
         (), "Extra name or path globs to ignore (comma-separated in the environment)."

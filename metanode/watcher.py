@@ -367,8 +367,12 @@ class Watcher:
         fill_ctimes: FillCtimes,
         devices: RootDevices | None = None,
         stray_stats: KnownStats | None = None,
+        kept_missing: Iterable[str] = (),
     ) -> None:
         self.roots = [str(Path(r).resolve()) for r in roots]
+        # roots never made when missing (the folders the owner chose on the page): watched as
+        # missing, and once they are folders, as a disk away is (`_make_new_roots`)
+        self._kept_missing = {str(Path(r).resolve()) for r in kept_missing}
         self.rules = rules
         self.settle_s = settle_s
         self.rescan_s = rescan_s
@@ -995,14 +999,18 @@ class Watcher:
 
     async def _make_new_roots(self) -> None:
         """Make each root that is no folder and that the cache knows no file under: a new
-        root. A known one is a disk away, watched once it is back. Knowing needs the database:
+        root. A known one is a disk away, watched once it is back; so is one of `kept_missing`
+        (chosen on the page, so a folder once: after `metanode restore` on another machine the
+        cache knows no file anywhere, and its disk, not mounted yet, was made an empty folder
+        that said `watching`). Knowing needs the database:
         while it fails (an outage; a replica taking the applier lock just after a restart of
         PostgreSQL, its read connection still waiting to reconnect) this is tried again after
         `_retry_s`, doubling, `failing` saying why (/health). That read's failure stopped the
         watcher for good, with a traceback, and /health said `the watcher has stopped` until
         the node was restarted or another replica took the lead."""
         while not self._stop.is_set():
-            missing = set(self.roots) - {r for r, *_ in await asyncio.to_thread(self._present)}
+            present = {r for r, *_ in await asyncio.to_thread(self._present)}
+            missing = set(self.roots) - present - self._kept_missing
             try:
                 new = [root for root in sorted(missing) if not self._known_stats([root])]
             except StorageError as exc:

@@ -201,25 +201,33 @@ def metanode(srv: Server, *args: str) -> subprocess.CompletedProcess[str]:
 def test_a_backup_restored_into_a_new_data_directory_watches_the_same_folders(
     tmp_path: Path,
 ) -> None:
+    """The folders of the backup are watched after a restore; one that is not on the new
+    machine (its disk not mounted yet) was made there, empty, at the first start and said
+    `watching`: it is kept missing now, the Files page and /health naming it, its records
+    kept, and watched with its files once its disk is there."""
     srv = page_server(tmp_path).start()
     films, shows = tmp_path / "Films", tmp_path / "Shows"
     try:
         films.mkdir()
         shows.mkdir()
         film = video(films / "Film.2001.mkv")
-        for folder in (films, shows):
-            assert add(srv, str(folder)).status_code == 200
-        recorded(srv, film)
+        episode = video(shows / "Show.S01E01.mkv")
+        assert add(srv, str(films)).status_code == 200
+        recorded(srv, film)  # before the next: one added during its reconciliation waits
+        assert add(srv, str(shows)).status_code == 200
+        rid = recorded(srv, episode)
         made = metanode(srv, "backup", str(tmp_path / "bk"), "--data-dir", str(srv.data_dir))
         assert made.returncode == 0, made.stderr  # online, the node running
     finally:
         srv.stop()
+        srv.print_log()
     backup = Path(made.stdout.strip())
     chosen = [str(srv.media), str(films), str(shows)]
     copy = backup.with_name(backup.name.replace("truth-", "watched-folders-")[:-3] + ".json")
     assert json.loads(copy.read_text())["roots"] == chosen
     assert stat.S_IMODE(copy.stat().st_mode) == 0o600
-    shows.rmdir()  # the new machine has no such folder (or its disk is not mounted yet)
+    disk = tmp_path / "disk"
+    shows.rename(disk)  # the new machine has no such folder: its disk is not mounted yet
 
     fresh = page_server(tmp_path / "new")
     fresh.data_dir.parent.mkdir()
@@ -231,12 +239,25 @@ def test_a_backup_restored_into_a_new_data_directory_watches_the_same_folders(
     assert kept(fresh) == chosen
     fresh.start()
     try:
+        recorded(fresh, film)  # the first reconciliation is done
         states = {root["path"]: root["state"] for root in listing(fresh)["roots"]}
-        # the restored node knows no file in it yet: the watcher makes it, as a new root
-        assert set(states.values()) == {"watching"} and list(states) == chosen
-        assert shows.is_dir()
-        recorded(fresh, film)
-        assert "Films" in webdav_names(fresh)
+        assert states == {str(srv.media): "watching", str(films): "watching", str(shows): "missing"}
+        assert not shows.exists()  # not made, though the restored node knows no file in it
+        health = httpx.get(fresh.url + "/health", timeout=30).json()
+        assert health["status"] == "degraded"
+        assert any(str(shows) in problem for problem in health["problems"]), health
+        with httpx.Client(base_url=fresh.url, timeout=30) as browser:
+            signed = browser.post("/signin", data={"token": fresh.token, "then": "/files"})
+            assert signed.status_code == 303, signed.text
+            page = browser.get("/files").text
+        assert str(shows) in page and "missing (not mounted?): its files are kept" in page
+        record = httpx.get(f"{fresh.url}/api/metadata/{rid}", headers=fresh.headers, timeout=30)
+        assert record.status_code == 200 and "filePath" not in record.json()  # kept, no path
+        assert webdav_names(fresh) == {"media", "Films"}  # not listed while away (was a 500)
+        disk.rename(shows)  # the disk is mounted: watched and its files found, as they were
+        assert recorded(fresh, episode) == rid
+        poll(lambda: listing(fresh)["roots"][2]["state"] == "watching" or None, "watching")
+        assert webdav_names(fresh) == {"media", "Films", "Shows"}
     finally:
         fresh.stop()
         fresh.print_log()
