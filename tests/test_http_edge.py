@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import select
 import shutil
 import socket
@@ -335,6 +336,59 @@ def test_the_open_file_limit_is_raised_so_connections_past_the_limit_get_too_bus
         srv.stop()
         srv.print_log()
     assert "open-file limit" not in srv.log_text()
+
+
+def test_a_request_met_with_every_descriptor_held_is_too_many_open_files_then_served(
+    tmp_path: Path,
+) -> None:
+    """A request whose read must open a database connection while the process holds every
+    file descriptor its limit allows (connections past `ulimit -n`, a hard limit too low to
+    raise) is answered 503 `too_many_open_files` in the envelope, naming the limit (SQLite says
+    only "unable to open database file": `db.out_of_files`), never a 500; once the connections
+    are gone the same request is served. The request's own connection is accepted first, its
+    head finished once every descriptor is held."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux) to lower the open-file limit")
+    limit = 96
+    env = {"METANODE_WATCH_ENABLED": "0", "METANODE_HEADER_TIMEOUT_S": "600"}
+    srv = Server(tmp_path / "data", env=env, prefix=("prlimit", f"--nofile={limit}", "--"))
+    srv.start()
+    assert srv.proc is not None
+    descriptors = Path(f"/proc/{srv.proc.pid}/fd")
+    route = b"GET /api/files?missing=1 HTTP/1.1\r\nHost: x\r\n"  # a read on a connection of its own
+    held: list[socket.socket] = []
+    try:
+        before = len(os.listdir(descriptors))
+        asking = connect(srv)
+        asking.sendall(route)  # its head unfinished: the connection stays open, accepted
+        poll(lambda: len(os.listdir(descriptors)) > before or None, "the connection accepted")
+        # more than the limit: a descriptor the node frees goes to the next connection waiting
+        held += [connect(srv) for _ in range(limit + 32)]
+        poll(lambda: len(os.listdir(descriptors)) >= limit or None, "every descriptor held")
+        asking.sendall(f"Authorization: Bearer {srv.token}\r\nConnection: close\r\n\r\n".encode())
+        raw = read_until_closed(asking)
+        asking.close()
+        headers = assert_envelope(raw, 503, "too_many_open_files", True)
+        assert headers["retry-after"] == "5"
+        said = parse_response(raw)[2]["message"]
+        assert f"open-file limit allows ({limit}; hard limit {limit})" in said, said
+    finally:
+        for sock in held:
+            sock.close()
+    try:
+
+        def served() -> httpx.Response | None:
+            answer = httpx.get(
+                f"{srv.url}/api/files?missing=1", headers=srv.headers, timeout=DEADLINE_S
+            )
+            return answer if answer.status_code == 200 else None
+
+        assert "files" in poll(served, "the same read served once descriptors are free").json()
+        assert poll_status(srv.url, 200).json()["status"] == "ok"
+    finally:
+        srv.stop()
+        srv.print_log()
+    assert "Traceback" not in srv.log_text()
 
 
 def connect_from(server: Server, address: str) -> socket.socket:
