@@ -392,6 +392,7 @@ class Watcher:
         self._mounts: dict[str, int] = {}  # the mount points below them then (`mount_points`)
         self._around: frozenset[str] = frozenset()  # the unreadable folders the watch avoids
         self._resyncing: asyncio.Task[None] | None = None
+        self._resync_wanted = False  # a reconciliation asked for that has not begun yet
         self._pause = TICK_S  # before watching again after a failed watch: `_pause_after`
         self._watched_since = time.monotonic()  # when the current watch began
         self._retrying: asyncio.Task[None] | None = None  # a reconciliation after a failure
@@ -513,7 +514,8 @@ class Watcher:
         """Compare the disk with `local_file` under `roots` and make them agree; a full one
         (`roots` not given) also the rows below no root (`_strays`)."""
         full = not roots
-        roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
+        # the roots as they are now: one added while this runs is walked by the next
+        roots = [str(Path(r).resolve()) for r in roots] if roots else list(self.roots)
         self._reconciling += 1
         scan: ScanProgress | None = None
         began = time.monotonic()
@@ -935,13 +937,20 @@ class Watcher:
             await asyncio.wait_for(self._stop.wait(), self._pause)
 
     def _resync_later(self) -> None:
-        """A reconciliation soon, unless one is already on its way."""
+        """A reconciliation soon: one begun already walks the roots as they were then, so one
+        asked for meanwhile follows it (`_resync_soon`). A folder added on the page while the
+        reconciliation of the one added before it ran waited for the next rescan (10 min)."""
+        self._resync_wanted = True
         if self._resyncing is None or self._resyncing.done():
             self._resyncing = asyncio.create_task(self._resync_soon())
 
     async def _resync_soon(self) -> None:
-        await self._watch_laid()
-        await self._guarded(self.reconcile())
+        """Reconcile once the watch stands, again as long as one was asked for since the
+        last began."""
+        while self._resync_wanted:
+            await self._watch_laid()
+            self._resync_wanted = False
+            await self._guarded(self.reconcile())
 
     async def _watch_laid(self) -> None:
         """Until the inotify watch being laid stands (watchfiles polls its stop event once its

@@ -185,6 +185,38 @@ def test_a_folder_added_or_let_go_is_served_by_webdav_and_named_in_file_paths_at
         srv.print_log()
 
 
+def test_a_folder_added_while_the_one_before_is_reconciled_is_reconciled_too(
+    tmp_path: Path,
+) -> None:
+    """Two folders added one after the other: the second, added while the reconciliation of
+    the first was fingerprinting its files, was never walked (the one running walked the roots
+    as they were, and no other was begun), so its files waited for the next full rescan, ten
+    minutes later. The window is made long (thousands of files to fingerprint) and seen open
+    (/health's scan) before the second is added."""
+    srv = page_server(tmp_path).start()
+    big, small = tmp_path / "Big", tmp_path / "Small"
+    try:
+        big.mkdir()
+        small.mkdir()
+        for i in range(4000):
+            (big / f"track {i:04}.flac").write_bytes(os.urandom(1024))
+        song = small / "song.flac"
+        song.write_bytes(os.urandom(4096))  # there before its folder is watched: no event
+        assert add(srv, str(big)).status_code == 200
+
+        def scanning() -> bool | None:
+            health = httpx.get(srv.url + "/health", timeout=30).json()
+            return health["watcher"]["scan"] is not None or None
+
+        poll(scanning, "the first folder's files being fingerprinted")
+        assert add(srv, str(small)).status_code == 200
+        recorded(srv, song)
+        recorded(srv, big / "track 3999.flac")
+    finally:
+        srv.stop()
+        srv.print_log()
+
+
 def metanode(srv: Server, *args: str) -> subprocess.CompletedProcess[str]:
     """`metanode ARGS` as the owner runs it beside `srv`, no setting naming the folders."""
     env = {k: v for k, v in srv.base_env().items() if k not in PAGE_CHOSEN}
