@@ -48,7 +48,7 @@ from metanode.errors import (
     UnavailableError,
     shown,
 )
-from metanode.etags import revalidated, revalidated_json
+from metanode.etags import PRIVATE_NO_CACHE, revalidated, revalidated_json
 from metanode.metrics import CONTENT_TYPE
 from metanode.node import Node
 
@@ -782,13 +782,13 @@ def _record_routes(node: Node, sessions: ui.Sessions) -> list[Route]:
         return revalidated_json(claims, request.scope["headers"])
 
     async def metadata(request: Request) -> Response:
-        return JSONResponse(node.metadata(request.path_params["rid"]))
+        document = node.metadata(request.path_params["rid"])
+        return revalidated_json(document, request.scope["headers"], PRIVATE_NO_CACHE)
 
     async def metadata_claims(request: Request) -> Response:
         q = request.query_params
-        return JSONResponse(
-            node.metadata_claims(request.path_params["rid"], q.get("key"), q.get("uid"))
-        )
+        claims = node.metadata_claims(request.path_params["rid"], q.get("key"), q.get("uid"))
+        return revalidated_json(claims, request.scope["headers"], PRIVATE_NO_CACHE)
 
     async def hash_ids(request: Request) -> Response:
         return JSONResponse(node.hash_ids(request.query_params.get("after"), _limit(request)))

@@ -55,6 +55,7 @@ from metanode.errors import (
     MetanodeError,
     MidhashError,
     Unreachable,
+    WatchRootsDamaged,
     storage_error,
 )
 
@@ -435,6 +436,7 @@ def serve(
     """Run the node (HTTP API, applier, watcher, plugins, peers) until SIGINT, SIGTERM or
     SIGHUP."""
     settings = load_settings(config_file, data_dir=data_dir, host=host, port=port, workers=workers)
+    settings.require_roots()  # a damaged list of folders: refused before anything is made
     logs.configure(settings.log_level)  # before the data directory: tightening it is logged
     if worker is not None:
         serve_worker(settings, worker)
@@ -1323,10 +1325,19 @@ def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
     """Copy truth.db (online: consistent while the server writes), keys/ and the watched
     folders chosen on the page into TARGET.
 
-    `metanode restore TARGET/truth-<stamp>.db` puts it back (the node stopped).
+    `metanode restore TARGET/truth-<stamp>.db` puts it back (the node stopped). A damaged
+    list of folders is left out, and said on stderr; the rest is backed up.
     """
     settings = node_settings(config_file, data_dir)
-    click.echo(maintenance.backup(settings, Path(target)))
+    made = maintenance.backup(settings, Path(target))
+    click.echo(made.copy)
+    if made.folders_damaged:
+        click.echo(
+            f"warning: {WatchRootsDamaged.slug}: {made.folders_damaged}; this backup holds no "
+            "list of watched folders (the truth and the keys are in it): fix the list, then "
+            "back up again",
+            err=True,
+        )
 
 
 @main.command()
@@ -1367,18 +1378,22 @@ def restore(
 def _restored_folders(settings: config.Settings, done: maintenance.Restored) -> None:
     """What `restore` said of the watched folders: the backup's list, or the data directory's
     kept; each restored folder that is not there named on stderr, with what the next start
-    does with it: the restored node knows no file there yet (the cache, and with it the
-    files' rows, is rebuilt), so the watcher makes it, empty, as a new root (`_make_root`)."""
+    does with it: kept in the list and shown missing, never made empty (`Node._chosen_roots`),
+    watched once it is there."""
     if done.folders is None:
         click.echo("watched folders: the backup has no list of them; this data directory's kept")
+        if settings.watch_roots_damaged:  # the start refuses it: the way out said now
+            click.echo(
+                f"warning: {WatchRootsDamaged.slug}: {settings.watch_roots_damaged}", err=True
+            )
         return
     click.echo(f"watched folders: {', '.join(done.folders) or 'none'} (the backup's list)")
     for root in done.missing:
         click.echo(
             f"warning: watched folder {root} does not exist here (or its disk is not mounted): "
-            "it stays in the list, and the next start makes it as an empty folder and watches "
-            "it; mount its disk before that start, or, if it is gone for good, stop watching "
-            "it on the Files page (or DELETE /api/watch-roots)",
+            "it stays in the list, shown missing on the Files page and in /health (never made "
+            "empty), and is watched once it is there: mount its disk, or, if it is gone for "
+            "good, stop watching it on the Files page (or DELETE /api/watch-roots)",
             err=True,
         )
     if settings.watch_roots_from:

@@ -50,6 +50,7 @@ from metanode import rid as rids
 from metanode.bodies import declares_json, parse_json, read_body, refuse_unknown
 from metanode.config import Settings
 from metanode.errors import (
+    OUT_OF_FILES,
     CacheNotReady,
     DeprecatedField,
     InvalidCid,
@@ -59,8 +60,10 @@ from metanode.errors import (
     InvalidValue,
     MetanodeError,
     NotFoundError,
+    OutOfFiles,
     TooLarge,
     UnknownCid,
+    out_of_files_hint,
     shown,
 )
 from metanode.etags import revalidated, revalidated_json
@@ -413,6 +416,7 @@ def open_hashed(
     file: merge.LocalFile, roots: Sequence[str], follow_symlinks: bool
 ) -> tuple[int, os.stat_result] | None:
     """The file at `file.path`, opened, if it still is the very file the watcher hashed; else None.
+    `OutOfFiles` (503 `too_many_open_files`) when no descriptor is free to open it.
 
     A path can be swapped after hashing for a link to any file the node may read, even one of the
     same size and mtime. So, unless the owner chose to follow links: the last component must not
@@ -427,7 +431,10 @@ def open_hashed(
     flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
         fd = os.open(file.path, flags)
-    except OSError:
+    except OSError as exc:
+        if exc.errno in OUT_OF_FILES:  # not "no copy here": a 404 a client takes for missing
+            why = f"{exc.strerror}{out_of_files_hint(exc.errno)}"
+            raise OutOfFiles(f"cannot open {file.path}: {why}") from None
         return None
     try:
         info = os.fstat(fd)

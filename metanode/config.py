@@ -177,7 +177,8 @@ class Settings:
         "warning in the log and in /health a folder it cannot read, the other roots watched), "
         "each folder once (a root may lie inside another); in the environment, `:`-separated. "
         "Set neither in the file nor in the environment, the owner chooses them on the Files "
-        "page (`<data dir>/watched-folders.json`, read at every start).",
+        "page (`<data dir>/watched-folders.json`, read at every start; one of those missing is "
+        "shown missing, never made).",
     )
     watch_ignore: tuple[str, ...] = setting(
         (), "Extra name or path globs to ignore (comma-separated in the environment)."
@@ -354,6 +355,10 @@ class Settings:
     # environment sets it: the folders are then the owner's to choose on the page, kept in
     # `WATCHED_FOLDERS` of the data directory). Made by `load`.
     watch_roots_from: str = field(default="", compare=False, metadata={"internal": True})
+    # Not a setting: why `WATCHED_FOLDERS` could not be read ("" when it could, or there is
+    # none), `watch_roots` then empty. Made by `load`, which refuses nothing for it: only what
+    # needs the folders does (`require_roots`), so `signers list` or `backup` still work.
+    watch_roots_damaged: str = field(default="", compare=False, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         for each in FIELDS.values():
@@ -459,11 +464,21 @@ class Settings:
         bind address (`0.0.0.0`, `::`) is asked on loopback."""
         return local_url(self.host, self.port)
 
+    def require_roots(self) -> None:
+        """Refuse (`watch_roots_damaged`, naming the file and the way out) what needs the
+        watch roots when the list of folders chosen on the page is damaged: a node, `scan`,
+        `plugins try`. Watching the default folder in their place would drop the chosen
+        folders' files from the library without a word."""
+        if self.watch_roots_damaged:
+            raise WatchRootsDamaged(self.watch_roots_damaged)
+
     @property
     def watched(self) -> tuple[str, ...]:
         """The folders the watcher keeps: `watch_roots`, and the plugin outputs' folder when
         WebDAV writes are on, whose files (a poster a MetaMesh plugin wrote) are content as
-        well: found by their CID (`/file/{cid}`, `info`), as meta-core's were."""
+        well: found by their CID (`/file/{cid}`, `info`), as meta-core's were. Refused when the
+        page's list is damaged (`require_roots`)."""
+        self.require_roots()
         if self.webdav_plugin_writes:
             return (*self.watch_roots, str(self.plugin_outputs))
         return self.watch_roots
@@ -672,7 +687,9 @@ def load(
     """Settings from defaults < TOML file < `METANODE_*` environment < explicit overrides.
 
     `watch_roots` set by none of them is the folders the owner chose on the page, when any
-    were (`page_roots`), else the default; `watch_roots_from` says which of them set it."""
+    were (`page_roots`), else the default; `watch_roots_from` says which of them set it. A
+    damaged list of the page's is no refusal here but `watch_roots_damaged`, for what needs
+    the folders to refuse (`Settings.require_roots`)."""
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
     path = config_file or env.get(ENV_PREFIX + "CONFIG")
@@ -691,7 +708,10 @@ def load(
     converted = {name: _convert(name, raw) for name, raw in values.items()}
     if "watch_roots" in where:
         return Settings(**converted, watch_roots_from=where["watch_roots"])
-    chosen = page_roots(Path(converted.get("data_dir", FIELDS["data_dir"].default)))
+    try:
+        chosen = page_roots(Path(converted.get("data_dir", FIELDS["data_dir"].default)))
+    except WatchRootsDamaged as exc:
+        return Settings(**converted, watch_roots=(), watch_roots_damaged=exc.message)
     return Settings(**converted) if chosen is None else Settings(**converted, watch_roots=chosen)
 
 
@@ -703,9 +723,9 @@ WEBDAV_PLUGIN = "plugin"
 def page_roots(data_dir: Path) -> tuple[str, ...] | None:
     """The watch roots the owner chose on the page (`WATCHED_FOLDERS`: `{"roots": [...]}`,
     absolute paths), None when none were ever chosen (the default applies). A file that is
-    there and cannot be read as that refuses the start (`watch_roots_damaged`): watching the
-    default folder in their place would drop the chosen folders' files from the library
-    without a word."""
+    there and cannot be read as that is `WatchRootsDamaged`: it refuses the start
+    (`Settings.require_roots`), since watching the default folder in their place would drop
+    the chosen folders' files from the library without a word."""
     return read_roots(data_dir / WATCHED_FOLDERS)
 
 

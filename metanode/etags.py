@@ -1,7 +1,8 @@
 """An answer a client may keep and must revalidate, made one way for every route that answers
-a document (`GET /api/meta/{cid}` and its claims, `/openapi.json`, the MetaMesh `/meta…`
-reads): a strong `ETag` of its bytes, `Cache-Control: no-cache`, and a 304 without the body
-to an `If-None-Match` that names the tag. Below both edges that use it (`api`, `compat`), so
+a document (`GET /api/meta/{cid}` and its claims, `/api/metadata/{rid}` and its claims,
+`/openapi.json`, the MetaMesh `/meta…` reads): a strong `ETag` of its bytes, `Cache-Control:
+no-cache` (`private, no-cache` on a token route), and a 304 without the body to an
+`If-None-Match` that names the tag. Below both edges that use it (`api`, `compat`), so
 neither keeps a copy."""
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from starlette.responses import JSONResponse, Response
 
 JSON = "application/json"
 NO_CACHE = (b"cache-control", b"no-cache")
+# A token route's document: a browser may keep it to revalidate (it is the public record's
+# content, and its rid), a shared cache none, which a session's cookie would not keep out.
+PRIVATE_NO_CACHE = (b"cache-control", b"private, no-cache")
 
 
 def entity_tag(body: bytes) -> bytes:
@@ -40,22 +44,26 @@ def revalidated(
     headers: Sequence[tuple[bytes, bytes]],
     media_type: str = JSON,
     extra: Sequence[tuple[bytes, bytes]] = (),
+    caching: tuple[bytes, bytes] = NO_CACHE,
 ) -> Response:
     """An answer a client may keep and must revalidate (`Cache-Control: no-cache`: a record
     changes whenever its group does), with its `ETag` and the route's `extra` headers; a 304
     without the body when the client's `If-None-Match` (in the request's `headers`) holds that
-    tag already. Its headers made as bytes: through a `headers` dict, 2.7 µs more than the
+    tag already; `caching` is its `Cache-Control` (`PRIVATE_NO_CACHE` for a token route's).
+    Its headers made as bytes: through a `headers` dict, 2.7 µs more than the
     plain answer a read, now 0.6."""
     tag = entity_tag(body)
     if not_modified(tag, headers):
         response = Response(status_code=304)
     else:
         response = Response(body, media_type=media_type)
-    response.raw_headers += [(b"etag", tag), NO_CACHE, *extra]
+    response.raw_headers += [(b"etag", tag), caching, *extra]
     return response
 
 
-def revalidated_json(document: Any, headers: Sequence[tuple[bytes, bytes]]) -> Response:
+def revalidated_json(
+    document: Any, headers: Sequence[tuple[bytes, bytes]], caching: tuple[bytes, bytes] = NO_CACHE
+) -> Response:
     """`revalidated` for a document rendered as Starlette's `JSONResponse` renders it (compact,
     UTF-8), so a route's bytes, and with them its tag, are what they were without one."""
-    return revalidated(bytes(JSONResponse(document).body), headers)
+    return revalidated(bytes(JSONResponse(document).body), headers, caching=caching)

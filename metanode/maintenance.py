@@ -45,6 +45,7 @@ from metanode.errors import (
     TargetNotEmpty,
     TruthMissing,
     UnknownPeer,
+    WatchRootsDamaged,
     storage_error,
 )
 
@@ -492,10 +493,20 @@ def copy_truth(settings: Settings, target: Path) -> str:
     return truth.TruthStore.configured(settings).backup_to(target)
 
 
-def backup(settings: Settings, target: Path) -> Path:
+@dataclass(frozen=True)
+class BackedUp:
+    """What `backup` made: the truth's copy (its keys and folders beside it), and why the list
+    of watched folders was left out ("" when it was copied or there is none): it is damaged."""
+
+    copy: Path
+    folders_damaged: str = ""
+
+
+def backup(settings: Settings, target: Path) -> BackedUp:
     """`metanode backup DIR`: an online copy of the truth (consistent while the node writes)
     plus the node's keys and the folders chosen on the page (`watched-folders-<stamp>.json`,
-    when any were: a box restored from it watches what this one watches). On SQLite a checked
+    when any were: a box restored from it watches what this one watches; a damaged list is
+    left out, and said, rather than costing the backup of the rest). On SQLite a checked
     copy of truth.db (the cache is not backed up: it is rebuilt from the truth); on PostgreSQL
     a `pg_dump` of the database in its custom format (`pg_restore` puts it back:
     docs/scale-out.md). Private like the data directory: a new TARGET is 0700, the copies 0600
@@ -504,11 +515,15 @@ def backup(settings: Settings, target: Path) -> Path:
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
     copy, keys = _backup_names(target, "pgdump" if settings.postgresql else "db")
     folders = _folders_beside(copy)
+    damaged = ""
     try:
         _copy_truth_into(settings, copy)
         if settings.keys_dir.is_dir():
             shutil.copytree(settings.keys_dir, keys)
-        chosen = config.page_roots(settings.data_dir)
+        try:
+            chosen = config.page_roots(settings.data_dir)
+        except WatchRootsDamaged as exc:  # a restore would refuse a copy of it
+            chosen, damaged = None, exc.message
         if chosen is not None:
             watchroots.write(folders, chosen)
     except BaseException:  # all of it or nothing: never a truth copy without its keys
@@ -516,7 +531,7 @@ def backup(settings: Settings, target: Path) -> Path:
         shutil.rmtree(keys, ignore_errors=True)
         folders.unlink(missing_ok=True)
         raise
-    return copy
+    return BackedUp(copy, damaged)
 
 
 def _backup_names(target: Path, suffix: str) -> tuple[Path, Path]:

@@ -54,7 +54,7 @@ from metanode.applier import (
 )
 from metanode.bodies import refuse_unknown
 from metanode.clock import Clock, iso, now_ms
-from metanode.config import Settings
+from metanode.config import WATCHED_FOLDERS, Settings
 from metanode.errors import (
     CacheNotReady,
     InvalidBatch,
@@ -162,7 +162,9 @@ class Node:
         self._behind_due = 0.0  # when `_measure_behind` next measures (monotonic)
         self.owner = self._own_signer(OWNER_NAME, settings.owner_weight)
         # the watch roots as chosen now (`watch_roots`, or what the owner chose on the page:
-        # `add_watch_root`), absolute; changed one at a time
+        # `add_watch_root`), absolute; changed one at a time. A damaged list of the page's
+        # refuses the node (`watch_roots_damaged`): no node watches the default in its place
+        settings.require_roots()
         self.roots = [os.path.abspath(root) for root in settings.watch_roots]
         self._roots_lock = asyncio.Lock()
         # a reader worker follows the list the owner worker keeps (none when a setting holds it)
@@ -405,7 +407,19 @@ class Node:
             self.cache.fill_ctimes,
             watcher.RootDevices(s.data_dir / watcher.DEVICES_FILE),
             self.cache.local_stats_outside,
+            kept_missing=self._chosen_roots(),
         )
+
+    def _chosen_roots(self) -> list[str]:
+        """The watch roots when they are the owner's, chosen on the page (kept in
+        `WATCHED_FOLDERS`, no setting naming them), else none. Each was a folder when chosen,
+        so one missing at a start is a disk not mounted (a box restored on another machine)
+        or a folder deleted: the watcher keeps it missing, never makes it empty in its place,
+        which hid that under `watching`."""
+        if self.settings.watch_roots_from:
+            return []
+        listed = self.settings.data_dir / WATCHED_FOLDERS
+        return list(self.roots) if listed.exists() else []
 
     async def apply_local(self, files: Sequence[merge.LocalFile], removals: Sequence[str]) -> None:
         """The watcher's results reach the cache, then the plugins, then the owner's word

@@ -368,8 +368,12 @@ class Watcher:
         fill_ctimes: FillCtimes,
         devices: RootDevices | None = None,
         stray_stats: KnownStats | None = None,
+        kept_missing: Iterable[str] = (),
     ) -> None:
         self.roots = [str(Path(r).resolve()) for r in roots]
+        # roots never made when missing (the folders the owner chose on the page): watched as
+        # missing, and once they are folders, as a disk away is (`_make_new_roots`)
+        self._kept_missing = {str(Path(r).resolve()) for r in kept_missing}
         self.rules = rules
         self.settle_s = settle_s
         self.rescan_s = rescan_s
@@ -389,6 +393,7 @@ class Watcher:
         self._mounts: dict[str, int] = {}  # the mount points below them then (`mount_points`)
         self._around: frozenset[str] = frozenset()  # the unreadable folders the watch avoids
         self._resyncing: asyncio.Task[None] | None = None
+        self._resync_wanted = False  # a reconciliation asked for that has not begun yet
         self._pause = TICK_S  # before watching again after a failed watch: `_pause_after`
         self._watched_since = time.monotonic()  # when the current watch began
         self._retrying: asyncio.Task[None] | None = None  # a reconciliation after a failure
@@ -510,7 +515,8 @@ class Watcher:
         """Compare the disk with `local_file` under `roots` and make them agree; a full one
         (`roots` not given) also the rows below no root (`_strays`)."""
         full = not roots
-        roots = [str(Path(r).resolve()) for r in roots] if roots else self.roots
+        # the roots as they are now: one added while this runs is walked by the next
+        roots = [str(Path(r).resolve()) for r in roots] if roots else list(self.roots)
         self._reconciling += 1
         scan: ScanProgress | None = None
         began = time.monotonic()
@@ -954,13 +960,20 @@ class Watcher:
             await asyncio.wait_for(self._stop.wait(), self._pause)
 
     def _resync_later(self) -> None:
-        """A reconciliation soon, unless one is already on its way."""
+        """A reconciliation soon: one begun already walks the roots as they were then, so one
+        asked for meanwhile follows it (`_resync_soon`). A folder added on the page while the
+        reconciliation of the one added before it ran waited for the next rescan (10 min)."""
+        self._resync_wanted = True
         if self._resyncing is None or self._resyncing.done():
             self._resyncing = asyncio.create_task(self._resync_soon())
 
     async def _resync_soon(self) -> None:
-        await self._watch_laid()
-        await self._guarded(self.reconcile())
+        """Reconcile once the watch stands, again as long as one was asked for since the
+        last began."""
+        while self._resync_wanted:
+            await self._watch_laid()
+            self._resync_wanted = False
+            await self._guarded(self.reconcile())
 
     async def _watch_laid(self) -> None:
         """Until the inotify watch being laid stands (watchfiles polls its stop event once its
@@ -1018,14 +1031,18 @@ class Watcher:
 
     async def _make_new_roots(self) -> None:
         """Make each root that is no folder and that the cache knows no file under: a new
-        root. A known one is a disk away, watched once it is back. Knowing needs the database:
+        root. A known one is a disk away, watched once it is back; so is one of `kept_missing`
+        (chosen on the page, so a folder once: after `metanode restore` on another machine the
+        cache knows no file anywhere, and its disk, not mounted yet, was made an empty folder
+        that said `watching`). Knowing needs the database:
         while it fails (an outage; a replica taking the applier lock just after a restart of
         PostgreSQL, its read connection still waiting to reconnect) this is tried again after
         `_retry_s`, doubling, `failing` saying why (/health). That read's failure stopped the
         watcher for good, with a traceback, and /health said `the watcher has stopped` until
         the node was restarted or another replica took the lead."""
         while not self._stop.is_set():
-            missing = set(self.roots) - {r for r, *_ in await asyncio.to_thread(self._present)}
+            present = {r for r, *_ in await asyncio.to_thread(self._present)}
+            missing = set(self.roots) - present - self._kept_missing
             try:
                 new = [root for root in sorted(missing) if not self._known_stats([root])]
             except StorageError as exc:

@@ -419,8 +419,9 @@ class Layout(DAVProvider):  # type: ignore[misc]
         """The resource at `path` (below `/webdav`), None if there is none (404)."""
         roots = self.layout()
         name, _, below = path.strip("/").partition("/")
-        if not name:
-            names = [name for name, _ in roots.collections]
+        if not name:  # a root that is no folder now (a disk not mounted) is not listed: each
+            # member listed must be a resource, or WsgiDAV answers PROPFIND with a 500
+            names = [name for name, root in roots.collections if os.path.isdir(root)]
             return Top(environ, names + ([PLUGIN] if self.plugin_dir else []))
         if name == PLUGIN and self.plugin_dir:  # listed here, served by its own provider
             return FolderResource(path, environ, self.plugin_dir)

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from metanode import cid as cids
+from metanode import rid as rids
 from tests.helpers.claims import Signer
 from tests.helpers.server import Server
 
@@ -199,3 +200,40 @@ def test_the_token_routes_answers_are_kept_by_no_cache(srv: Server) -> None:
         "GET", f"{srv.url}/api/events", headers=srv.headers, timeout=10
     ) as events:  # the feed says its own, once
         assert events.headers.get_list("cache-control") == ["no-cache"]
+
+
+def test_a_record_and_its_claims_by_rid_are_revalidated_and_kept_private(srv: Server) -> None:
+    """`GET /api/metadata/{rid}` and its claims answered no `ETag`: a consumer polling records
+    by rid fetched every body again, where the same record by CID answered 304. Tagged now as
+    that one is, `private` (a token route: a shared cache keeps none), and a change answers
+    the new body."""
+    signer = Signer()
+    srv.register(signer.uid, "t", weight=1)
+    claim = signer.claim(A, "title", "first")
+    httpx.post(f"{srv.url}/api/claims", json={"claims": [claim]}, headers=srv.headers)
+    rid = httpx.get(f"{srv.url}/meta/{A}", timeout=10).json()["hashId"]
+    paths = [f"/api/metadata/{rid}", f"/api/metadata/{rid.lower()}/claims"]
+    tags = {}
+    for path in paths:
+        first = httpx.get(srv.url + path, headers=srv.headers, timeout=10)
+        tag = first.headers["etag"]
+        assert re.fullmatch(r'"[0-9a-f]{24}"', tag), path
+        assert first.headers.get_list("cache-control") == ["private, no-cache"], path
+        held = {**srv.headers, "If-None-Match": f"W/{tag}"}
+        same = httpx.get(srv.url + path, headers=held, timeout=10)
+        assert (same.status_code, same.content, same.headers["etag"]) == (304, b"", tag), path
+        assert same.headers.get_list("cache-control") == ["private, no-cache"], path
+        refused = httpx.get(srv.url + path, headers={"If-None-Match": tag}, timeout=10)
+        assert refused.status_code == 401 and refused.headers["cache-control"] == "no-store"
+        tags[path] = tag
+    newer = signer.claim(A, "title", "second", ts=int(claim["ts"]) + 1)
+    httpx.post(f"{srv.url}/api/claims", json={"claims": [newer]}, headers=srv.headers)
+    for path in paths:
+        held = {**srv.headers, "If-None-Match": tags[path]}
+        again = httpx.get(srv.url + path, headers=held, timeout=10)
+        assert again.status_code == 200 and again.headers["etag"] != tags[path], path
+    document = httpx.get(f"{srv.url}/api/metadata/{rid}", headers=srv.headers, timeout=10)
+    assert document.json()["metadata"]["title"] == "second"
+    never = rids.Minter().mint()
+    unknown = httpx.get(f"{srv.url}/api/metadata/{never}", headers=srv.headers, timeout=10)
+    assert unknown.status_code == 404 and "etag" not in unknown.headers

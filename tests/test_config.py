@@ -72,8 +72,12 @@ def test_the_folders_chosen_on_the_page_replace_the_default_and_a_setting_replac
     assert from_env.watch_roots_from == "the environment (METANODE_WATCH_ROOTS)"
     for damaged in ('{"roots": ["/srv/me', '{"roots": ["relative"]}', "[]", '{"roots": 3}'):
         (data / config.WATCHED_FOLDERS).write_text(damaged)
+        loaded = config.load(env=env)  # what needs no folder goes on (signers, backup…)
+        assert loaded.watch_roots == () and config.WATCHED_FOLDERS in loaded.watch_roots_damaged
         with pytest.raises(WatchRootsDamaged, match=config.WATCHED_FOLDERS):
-            config.load(env=env)
+            loaded.require_roots()
+        with pytest.raises(WatchRootsDamaged, match=config.WATCHED_FOLDERS):
+            _ = loaded.watched
         assert config.load(file, env=env).watch_roots == ("/srv/tv",)  # not read: not needed
 
 

@@ -12,9 +12,12 @@ import asyncio
 import contextlib
 import gc
 import json
+import os
 import select
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -335,6 +338,92 @@ def test_the_open_file_limit_is_raised_so_connections_past_the_limit_get_too_bus
         srv.stop()
         srv.print_log()
     assert "open-file limit" not in srv.log_text()
+
+
+def sockets_of(descriptors: Path) -> set[str]:
+    """The sockets among a process's descriptors (its `/proc/<pid>/fd`), by inode: a new one is
+    a connection accepted, whatever files it opens and closes meanwhile."""
+    found = set()
+    for name in os.listdir(descriptors):
+        with contextlib.suppress(OSError):  # closed since it was listed
+            target = os.readlink(descriptors / name)
+            if target.startswith("socket:"):
+                found.add(target)
+    return found
+
+
+def test_a_request_met_with_every_descriptor_held_is_too_many_open_files_then_served(
+    tmp_path: Path,
+) -> None:
+    """Requests that must open a file while the process holds every file descriptor its limit
+    allows (connections past `ulimit -n`, a hard limit too low to raise) are answered 503
+    `too_many_open_files` in the envelope, naming the limit, never a 500: a read on a database
+    connection of its own (SQLite says only "unable to open database file": `db.out_of_files`)
+    and `/file/{cid}`, which answered 404, no local copy, a client's word for a missing file
+    (`compat.open_hashed`). Once the connections are gone both are served. Their own
+    connections are accepted first, their heads finished once every descriptor is held. The
+    watcher is off (its reads would leave the database connections the read takes kept open);
+    the file was fingerprinted by `metanode scan` before the start."""
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux) to lower the open-file limit")
+    limit = 96
+    env = {"METANODE_WATCH_ENABLED": "0", "METANODE_HEADER_TIMEOUT_S": "600"}
+    srv = Server(tmp_path / "data", env=env, prefix=("prlimit", f"--nofile={limit}", "--"))
+    srv.media.mkdir(parents=True)
+    content = os.urandom(5000)
+    (srv.media / "film.mkv").write_bytes(content)
+    cid = cids.midhash_bytes(content)
+    scan = [sys.executable, "-m", "metanode", "scan", str(srv.media)]
+    scanned = subprocess.run(
+        [*scan, "--data-dir", str(srv.data_dir)],
+        env={**srv.base_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert scanned.returncode == 0, scanned.stderr
+    srv.start()
+    try:
+        assert srv.proc is not None
+        descriptors = Path(f"/proc/{srv.proc.pid}/fd")
+        routes = [
+            (b"/api/files?missing=1", "data directory failed"),  # the read's own connection
+            (f"/file/{cid}".encode(), "film.mkv"),
+        ]
+        before = sockets_of(descriptors)
+        asking = [connect(srv) for _ in routes]
+        for sock, (route, _) in zip(asking, routes, strict=True):
+            sock.sendall(b"GET " + route + b" HTTP/1.1\r\nHost: x\r\n")  # the head unfinished
+        poll(lambda: len(sockets_of(descriptors) - before) >= 2 or None, "both accepted")
+        # more than the limit: a descriptor the node frees goes to the next connection waiting
+        held = [connect(srv) for _ in range(limit + 32)]
+        try:
+            poll(lambda: len(os.listdir(descriptors)) >= limit or None, "every descriptor held")
+            end = f"Authorization: Bearer {srv.token}\r\nConnection: close\r\n\r\n".encode()
+            for sock in asking:
+                sock.sendall(end)
+            answers = [read_until_closed(sock) for sock in asking]
+        finally:
+            for sock in held + asking:
+                sock.close()
+        for raw, (_, where) in zip(answers, routes, strict=True):
+            headers = assert_envelope(raw, 503, "too_many_open_files", True)
+            assert headers["retry-after"] == "5"
+            said = parse_response(raw)[2]["message"]
+            assert f"open-file limit allows ({limit}; hard limit {limit})" in said, said
+            assert where in said, said
+
+        def served(route: str) -> httpx.Response | None:
+            answer = httpx.get(srv.url + route, headers=srv.headers, timeout=DEADLINE_S)
+            return answer if answer.status_code == 200 else None
+
+        assert "files" in poll(lambda: served("/api/files?missing=1"), "the read").json()
+        assert poll(lambda: served(f"/file/{cid}"), "the file").content == content
+        assert poll_status(srv.url, 200).json()["status"] == "ok"
+    finally:
+        srv.stop()
+        srv.print_log()
+    assert "Traceback" not in srv.log_text()
 
 
 def connect_from(server: Server, address: str) -> socket.socket:

@@ -185,6 +185,38 @@ def test_a_folder_added_or_let_go_is_served_by_webdav_and_named_in_file_paths_at
         srv.print_log()
 
 
+def test_a_folder_added_while_the_one_before_is_reconciled_is_reconciled_too(
+    tmp_path: Path,
+) -> None:
+    """Two folders added one after the other: the second, added while the reconciliation of
+    the first was fingerprinting its files, was never walked (the one running walked the roots
+    as they were, and no other was begun), so its files waited for the next full rescan, ten
+    minutes later. The window is made long (thousands of files to fingerprint) and seen open
+    (/health's scan) before the second is added."""
+    srv = page_server(tmp_path).start()
+    big, small = tmp_path / "Big", tmp_path / "Small"
+    try:
+        big.mkdir()
+        small.mkdir()
+        for i in range(4000):
+            (big / f"track {i:04}.flac").write_bytes(os.urandom(1024))
+        song = small / "song.flac"
+        song.write_bytes(os.urandom(4096))  # there before its folder is watched: no event
+        assert add(srv, str(big)).status_code == 200
+
+        def scanning() -> bool | None:
+            health = httpx.get(srv.url + "/health", timeout=30).json()
+            return health["watcher"]["scan"] is not None or None
+
+        poll(scanning, "the first folder's files being fingerprinted")
+        assert add(srv, str(small)).status_code == 200
+        recorded(srv, song)
+        recorded(srv, big / "track 3999.flac")
+    finally:
+        srv.stop()
+        srv.print_log()
+
+
 def metanode(srv: Server, *args: str) -> subprocess.CompletedProcess[str]:
     """`metanode ARGS` as the owner runs it beside `srv`, no setting naming the folders."""
     env = {k: v for k, v in srv.base_env().items() if k not in PAGE_CHOSEN}
@@ -201,25 +233,33 @@ def metanode(srv: Server, *args: str) -> subprocess.CompletedProcess[str]:
 def test_a_backup_restored_into_a_new_data_directory_watches_the_same_folders(
     tmp_path: Path,
 ) -> None:
+    """The folders of the backup are watched after a restore; one that is not on the new
+    machine (its disk not mounted yet) was made there, empty, at the first start and said
+    `watching`: it is kept missing now, the Files page and /health naming it, its records
+    kept, and watched with its files once its disk is there."""
     srv = page_server(tmp_path).start()
     films, shows = tmp_path / "Films", tmp_path / "Shows"
     try:
         films.mkdir()
         shows.mkdir()
         film = video(films / "Film.2001.mkv")
-        for folder in (films, shows):
-            assert add(srv, str(folder)).status_code == 200
-        recorded(srv, film)
+        episode = video(shows / "Show.S01E01.mkv")
+        assert add(srv, str(films)).status_code == 200
+        recorded(srv, film)  # before the next: one added during its reconciliation waits
+        assert add(srv, str(shows)).status_code == 200
+        rid = recorded(srv, episode)
         made = metanode(srv, "backup", str(tmp_path / "bk"), "--data-dir", str(srv.data_dir))
         assert made.returncode == 0, made.stderr  # online, the node running
     finally:
         srv.stop()
+        srv.print_log()
     backup = Path(made.stdout.strip())
     chosen = [str(srv.media), str(films), str(shows)]
     copy = backup.with_name(backup.name.replace("truth-", "watched-folders-")[:-3] + ".json")
     assert json.loads(copy.read_text())["roots"] == chosen
     assert stat.S_IMODE(copy.stat().st_mode) == 0o600
-    shows.rmdir()  # the new machine has no such folder (or its disk is not mounted yet)
+    disk = tmp_path / "disk"
+    shows.rename(disk)  # the new machine has no such folder: its disk is not mounted yet
 
     fresh = page_server(tmp_path / "new")
     fresh.data_dir.parent.mkdir()
@@ -231,12 +271,25 @@ def test_a_backup_restored_into_a_new_data_directory_watches_the_same_folders(
     assert kept(fresh) == chosen
     fresh.start()
     try:
+        recorded(fresh, film)  # the first reconciliation is done
         states = {root["path"]: root["state"] for root in listing(fresh)["roots"]}
-        # the restored node knows no file in it yet: the watcher makes it, as a new root
-        assert set(states.values()) == {"watching"} and list(states) == chosen
-        assert shows.is_dir()
-        recorded(fresh, film)
-        assert "Films" in webdav_names(fresh)
+        assert states == {str(srv.media): "watching", str(films): "watching", str(shows): "missing"}
+        assert not shows.exists()  # not made, though the restored node knows no file in it
+        health = httpx.get(fresh.url + "/health", timeout=30).json()
+        assert health["status"] == "degraded"
+        assert any(str(shows) in problem for problem in health["problems"]), health
+        with httpx.Client(base_url=fresh.url, timeout=30) as browser:
+            signed = browser.post("/signin", data={"token": fresh.token, "then": "/files"})
+            assert signed.status_code == 303, signed.text
+            page = browser.get("/files").text
+        assert str(shows) in page and "missing (not mounted?): its files are kept" in page
+        record = httpx.get(f"{fresh.url}/api/metadata/{rid}", headers=fresh.headers, timeout=30)
+        assert record.status_code == 200 and "filePath" not in record.json()  # kept, no path
+        assert webdav_names(fresh) == {"media", "Films"}  # not listed while away (was a 500)
+        disk.rename(shows)  # the disk is mounted: watched and its files found, as they were
+        assert recorded(fresh, episode) == rid
+        poll(lambda: listing(fresh)["roots"][2]["state"] == "watching" or None, "watching")
+        assert webdav_names(fresh) == {"media", "Films", "Shows"}
     finally:
         fresh.stop()
         fresh.print_log()
@@ -329,15 +382,46 @@ def test_folders_set_by_a_setting_are_shown_and_changed_only_there(tmp_path: Pat
         srv.stop()
 
 
-def test_a_damaged_list_of_folders_refuses_the_start(tmp_path: Path) -> None:
-    srv = page_server(tmp_path)
-    srv.data_dir.mkdir(mode=0o700)
-    (srv.data_dir / "watched-folders.json").write_text('{"roots": ["/srv/me')
+def test_a_damaged_list_of_folders_refuses_only_what_needs_the_folders(tmp_path: Path) -> None:
+    """A damaged `watched-folders.json` refused every command, `signers list`, `export`,
+    `check`, `health` and `backup` too, which never read it: no backup of the claims could be
+    made until the file was fixed. Only what needs the folders refuses now (`serve`, `scan`,
+    `plugins try`), naming the file and the way out; `backup` saves the truth and the keys and
+    says the list was left out (a restore would refuse a copy of it)."""
+    srv = page_server(tmp_path).start()
+    try:
+        listed = srv.data_dir / "watched-folders.json"
+        listed.write_text('{"roots": ["/srv/me')  # edited by hand
+        listed.chmod(0o600)
+        health = metanode(srv, "health", "--url", srv.url)
+        assert health.returncode == 0 and health.stdout.startswith("ok"), health.stderr
+    finally:
+        srv.stop()
+    data = ("--data-dir", str(srv.data_dir))
+    for args in (("signers", "list"), ("export",), ("check",), ("peers", "token", "list")):
+        done = metanode(srv, *args, *data)
+        assert done.returncode == 0 and "watch_roots_damaged" not in done.stderr, args
+    made = metanode(srv, "backup", str(tmp_path / "bk"), *data)
+    assert made.returncode == 0, made.stderr
+    backup = Path(made.stdout.strip())
+    stamp = backup.name.removeprefix("truth-").removesuffix(".db")
+    assert (backup.parent / f"keys-{stamp}" / "owner.key").is_file()
+    assert not list(backup.parent.glob("watched-folders-*"))
+    assert made.stderr.startswith("warning: watch_roots_damaged: "), made.stderr
+    assert "watched-folders.json" in made.stderr and "back up again" in made.stderr
+    film = tmp_path / "Film.2001.mkv"
+    film.write_bytes(b"a film" * 1000)
+    for args in (("scan", str(tmp_path)), ("plugins", "try", "filename", str(film))):
+        refused = metanode(srv, *args, *data)
+        assert refused.returncode == 2, (args, refused.stdout)
+        assert refused.stderr.startswith("error: watch_roots_damaged: "), refused.stderr
+        assert "watched-folders.json" in refused.stderr and "fix it" in refused.stderr
     env = {k: v for k, v in srv.base_env().items() if k not in PAGE_CHOSEN}
-    refused = serve_refused(tmp_path, env, "--data-dir", str(srv.data_dir), "--port", "1")
+    refused = serve_refused(tmp_path, env, *data, "--port", "1")
     assert refused.returncode == 2, refused.stderr
-    assert "watch_roots_damaged" in refused.stderr
+    assert refused.stderr.startswith("error: watch_roots_damaged: "), refused.stderr
     assert "watched-folders.json" in refused.stderr
+    assert "serving" not in refused.stdout
 
 
 def test_under_two_workers_the_owner_watches_a_folder_any_worker_was_asked_for(
