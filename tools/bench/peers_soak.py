@@ -289,11 +289,9 @@ class FeedReader:
             self.records.clear()  # a snapshot follows
         if event in ("set", "del"):
             self.events += 1
-            if self.last and ident:
-                (epoch, seq), (was_epoch, was_seq) = (
-                    ident.split("-"), self.last.split("-")
-                )  # fmt: skip
-                if epoch != was_epoch or int(seq) != int(was_seq) + 1:
+            if self.last and ident and "." not in ident:  # not inside a snapshot's state
+                (epoch, seq), (was_epoch, was_seq) = position(ident), position(self.last)
+                if epoch != was_epoch or seq != was_seq + 1:
                     self.holes.append(f"{self.last} → {ident}")
             record = self.records.setdefault(body["rid"], {})
             if event == "set":
@@ -304,6 +302,13 @@ class FeedReader:
                     del self.records[body["rid"]]
         if ident:
             self.last = ident
+
+
+def position(ident: str) -> tuple[str, int]:
+    """(epoch, seq) of a feed event id: `<epoch>-<seq>`, or `<epoch>-<seq>.<n>` for the n-th
+    event of a snapshot of the state at seq (the live events after it go on from seq + 1)."""
+    epoch, _, seq = ident.partition("-")
+    return epoch, int(seq.partition(".")[0])
 
 
 def links_of(nodes: dict[str, Node], base: int) -> dict[tuple[str, str], FaultProxy]:
