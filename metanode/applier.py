@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import mmap
 import os
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -26,6 +26,11 @@ from metanode.view import Written
 
 log = logging.getLogger(__name__)
 HELD_MAX = 10_000  # ingests' `Written` kept for the next apply at most
+# Bytes of hot documents kept at most, whatever their count: a group's document lists each of its
+# CIDs twice, and they are kept by the CID as asked, so reading every CID of one group of 600
+# kept 600 copies of an 80 KB document (50 MB; groups merged by peers' link votes reached 523
+# CIDs in the peers soak). At ≈ 1 KB a document, `hot_documents`' 10,000 fit well within it.
+HOT_BYTES = 16 * 1024 * 1024
 STALL_S = 60.0  # /health reports degraded when the applier or the watcher stalls this long
 
 
@@ -86,7 +91,8 @@ class HotDocuments:
     read too (`every_read`), its `version` the owner's `PublishedCount`: the owner's commit
     reaches this process's reads before its `Follower` polls. Emptied whole rather than by
     CID: a follower does not know which CIDs the owner's commit touched, and a hot document is
-    read back at its next miss."""
+    read back at its next miss. At most `size` documents and `HOT_BYTES` bytes are kept, the
+    least recently read given up first."""
 
     def __init__(
         self,
@@ -96,7 +102,10 @@ class HotDocuments:
         every_read: bool,
         changed: Callable[[], None] | None = None,
     ) -> None:
-        self._cached = functools.lru_cache(maxsize=size)(load)
+        self._load = load
+        self._size = size
+        self._kept: OrderedDict[str, bytes] = OrderedDict()  # the least recently read first
+        self._bytes = 0  # of the documents kept
         self._version = version
         self._every_read = every_read
         self._changed = changed
@@ -105,7 +114,21 @@ class HotDocuments:
     def __call__(self, cid: str) -> bytes:
         if self._every_read:
             self.published()
-        return self._cached(cid)
+        found = self._kept.get(cid)
+        if found is not None:
+            self._kept.move_to_end(cid)
+            return found
+        found = self._load(cid)  # what it raises is not kept
+        self._keep(cid, found)
+        return found
+
+    def _keep(self, cid: str, document: bytes) -> None:
+        """Keep `document`, giving up the least recently read ones over `size` or `HOT_BYTES`."""
+        self._kept[cid] = document
+        self._bytes += len(document)
+        while len(self._kept) > self._size or self._bytes > HOT_BYTES:
+            _, given_up = self._kept.popitem(last=False)
+            self._bytes -= len(given_up)
 
     def published(self) -> None:
         """Empty them if cache.db changed since they were last checked (and then call
@@ -113,7 +136,8 @@ class HotDocuments:
         seen = self._version()
         if seen != self._seen:
             self._seen = seen
-            self._cached.cache_clear()
+            self._kept.clear()
+            self._bytes = 0
             if self._changed is not None:
                 self._changed()
 

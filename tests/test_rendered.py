@@ -14,12 +14,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from starlette.responses import JSONResponse
 
-from metanode import cache, db, merge
+from metanode import applier, cache, db, merge
 from metanode import cid as cids
 from metanode.applier import PUBLISHED_NAME, PublishedCount
 from metanode.maintenance import check
 from metanode.node import Node
 from tests.helpers.claims import NOW_MS, Signer, post, register
+from tests.helpers.peering import post_claims
+from tests.helpers.server import Server
 
 A, B, C = (cids.midhash_bytes(f"rendered {n}".encode()) for n in "ABC")
 
@@ -185,3 +187,27 @@ def test_the_published_count_is_shared_and_only_counts_up(tmp_path: Path) -> Non
     seen.append(reader.read())
     assert seen == [1, 2, 3, 4]
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+def test_hot_documents_of_a_large_group_stay_within_their_bytes(tmp_path: Path) -> None:
+    """A group's document lists every CID of it twice (`cids`, `cids/…` keys): one of 600 CIDs
+    is ≈ 80 KB, and the hot documents are kept by the CID as asked, so reading each CID of the
+    group once kept 600 copies, ≈ 50 MB, where `hot_documents` was said to cost ≈ 10 MiB
+    (groups merged by peers' link votes reached 523 CIDs in the peers soak, benchmarks.md). At
+    most `applier.HOT_BYTES` are kept, whatever the documents' sizes."""
+    members = [cids.midhash_bytes(f"large group {n}".encode()) for n in range(600)]
+    linker = Signer()
+    server = Server(tmp_path / "data").start()
+    try:
+        server.register(linker.uid, "linker", may_link=True)
+        post_claims(server, [linker.claim(members[0], f"cids/{m}", "true") for m in members[1:]])
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            first = http.get(f"/api/meta/{members[0]}")
+            assert len(first.content) > 70_000, len(first.content)
+            before = server.rss_mib()
+            for member in members:
+                assert http.get(f"/api/meta/{member}").status_code == 200
+            grown = server.rss_mib() - before
+    finally:
+        server.stop()
+    assert grown < 2 * applier.HOT_BYTES / 2**20, f"{grown:.0f} MiB more resident"

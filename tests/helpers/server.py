@@ -160,6 +160,13 @@ class Server:
             self.proc.kill()
             return self.proc.wait(timeout=30)
 
+    def rss_mib(self) -> float:
+        """Its resident memory now (`VmRSS`), in MiB."""
+        assert self.proc is not None
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        line = next(line for line in status.splitlines() if line.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""
 
