@@ -104,6 +104,26 @@ class Settings:
         "`truth` and `cache` of that database; needs `pip install metanode[postgresql]`; "
         "docs/scale-out.md). The data directory keeps the keys, the token and the lock either way.",
     )
+    pg_stall_s: float = setting(
+        5.0,
+        "On PostgreSQL (`storage`): how long a statement waits for the server's answer before "
+        "it is looked into. A read of the event loop is then given up, answered 503 "
+        "`storage_unavailable`; a write is given up once the server does not answer a new "
+        "connection either (`pg_connect_timeout_s`), so a write that is only slow (waiting for "
+        "another replica's write lock, up to 30 s) goes on. A stopped or frozen server "
+        "(SIGSTOP, a host or network that drops everything) would hold them for ever "
+        '(docs/scale-out.md, "Connections").',
+        low=0.1,
+        high=3600,
+    )
+    pg_connect_timeout_s: int = setting(
+        5,
+        "On PostgreSQL: whole seconds a new connection may take (libpq's `connect_timeout`, "
+        "at least 2), and a read of its own waits for a connection of the pool; past it, "
+        "503 `storage_unavailable`.",
+        low=2,
+        high=3600,
+    )
     accept_unknown_signers: bool = setting(
         False, "Accept claims from signers that are not registered (they are registered on use)."
     )

@@ -1299,7 +1299,9 @@ class Store:
     def configured(cls, settings: Settings, clock: Clock = now_ms, **options: Any) -> Self:
         """The store where `settings` keep it (`storage`, `data_dir`: `target`), not opened;
         `options` are the store's own (`cache.CacheStore`'s `relaxed`)."""
-        return cls(target(settings.data_dir, settings.storage, cls.name), clock, **options)
+        return cls(
+            target(settings.data_dir, settings.storage, cls.name, settings), clock, **options
+        )
 
     def migrate(self) -> None:
         """Create the database or bring its schema up to date (forward only)."""
@@ -1414,7 +1416,12 @@ def boot_id() -> int | None:
         return None
 
 
-def target(data_dir: Path, storage: str, name: str) -> Target:
+def target(data_dir: Path, storage: str, name: str, settings: Settings | None = None) -> Target:
     """Where store `name` keeps its database: `<data_dir>/<name>.db` (`storage` "sqlite"), or
-    the PostgreSQL schema `name` of the database `storage` names."""
-    return pg.Target(storage, name) if pg.is_dsn(storage) else data_dir / f"{name}.db"
+    the PostgreSQL schema `name` of the database `storage` names, waited for as `settings`
+    say (`pg_stall_s`, `pg_connect_timeout_s`; their defaults without)."""
+    if not pg.is_dsn(storage):
+        return data_dir / f"{name}.db"
+    if settings is None:
+        return pg.Target(storage, name)
+    return pg.Target(storage, name, settings.pg_stall_s, settings.pg_connect_timeout_s)

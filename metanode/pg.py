@@ -39,7 +39,7 @@ import subprocess
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +63,11 @@ from metanode.errors import (
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10
+CONNECT_TIMEOUT_S = 5  # `pg_connect_timeout_s`: whole seconds, at least 2 (libpq's rule)
 POOL_MAX = 8  # read connections of their own (long reads, plugin threads, snapshots) per store
 LOCK_TIMEOUT_MS = 30_000  # a lock held longer fails `storage_locked`, as SQLite's busy timeout
 RECONNECT_S = 1.0  # after a failed reconnection, the next is tried no sooner than this
-LOOP_STATEMENT_S = 5.0  # the event loop's statement cut off after this (`Watchdog`)
+STALL_S = 5.0  # `pg_stall_s`: a statement unanswered this long is looked into (`Watchdog`)
 RECONNECT_WAIT_S = 0.25  # what the loop waits for its new connection at most (`_reconnected`)
 IDLE_CHECK_S = 2.0  # a connection idle this long is checked before its next use (`_checked`)
 STREAM_ROWS = 2_000  # rows a streaming connection fetches at a time (`Connection`, `stream`)
@@ -85,10 +85,15 @@ def is_dsn(storage: str) -> bool:
 
 @dataclass(frozen=True)
 class Target:
-    """A store's PostgreSQL home: the database (`dsn`) and the schema of its tables."""
+    """A store's PostgreSQL home: the database (`dsn`) and the schema of its tables, and how
+    long its connections wait for the server: to connect (`connect_timeout_s`, also the wait
+    for a pooled connection) and for a statement's answer before they look into it
+    (`stall_s`, `Watchdog`); the settings `pg_connect_timeout_s` and `pg_stall_s`."""
 
     dsn: str
     schema: str
+    stall_s: float = STALL_S
+    connect_timeout_s: int = CONNECT_TIMEOUT_S
 
     @property
     def lock_key(self) -> int:
@@ -356,7 +361,7 @@ def _connect_raw(target: Target) -> Any:
     return psycopg.connect(
         target.dsn,
         autocommit=True,
-        connect_timeout=CONNECT_TIMEOUT_S,
+        connect_timeout=target.connect_timeout_s,
         options=_options(target),
         fallback_application_name=_application_name(target),
     )
@@ -387,21 +392,40 @@ def _cut(fd: int) -> None:
         duplicate.shutdown(socket.SHUT_RDWR)
 
 
+def answers(target: Target) -> bool:
+    """Whether the server answers a new connection within `connect_timeout_s`: made (then
+    closed at once), or refused in its own words (its slots full, a login refused). A server
+    that is stopped (SIGSTOP), frozen or cut off does not: its kernel may accept the TCP
+    connection, but nothing answers the startup packet."""
+    try:
+        _connect_raw(target).close()
+    except Exception as exc:
+        text = str(exc)
+        return bool(slots_hint(text)) or _login_refused(text)
+    return True
+
+
 class Watchdog:
-    """Cuts off a statement of a connection whose caller must never wait for ever: the event
-    loop's. A server that stops answering without closing the connection (a frozen host, a
-    stopped process, a network that drops packets) holds a statement's reply for ever, and
-    the loop with it: every request of the node. The TCP keepalive does not help when the
-    peer's kernel still answers it.
+    """Cuts off a statement of a connection whose caller must not wait for ever on a server
+    that stopped answering without closing the connection (a frozen host, a stopped process,
+    a network that drops packets): such a server holds a statement's reply for ever, and its
+    caller with it. The TCP keepalive does not help when the peer's kernel still answers it.
 
     A thread of its own looks every `limit / 4` seconds whether the statement in progress
     started longer than `limit` ago and, if so, shuts the connection's socket down
-    (`_cut`): the statement fails as a dropped connection does (`StorageUnavailable`), and
-    the connection reconnects (`Connection`). `start` and `stop` are two assignments under a
-    lock no one else holds for long: no thread is woken per statement."""
+    (`_cut`): the statement fails as a dropped connection does (`StorageUnavailable`,
+    `fired` set), and the connection reconnects (`Connection`). With `alive` (a writer's:
+    a write may rightly wait longer, for the store's write lock up to `LOCK_TIMEOUT_MS`, or
+    run long, a rebuild) it first asks whether the server still answers (`answers`, up to
+    the connect timeout): if it does, the statement is slow, not stalled, and is looked at
+    again `limit` later. The event loop's has none: its reads are point reads, and the loop
+    must never wait. `start` and `stop` are two assignments under a lock no one else holds
+    for long: no thread is woken per statement."""
 
-    def __init__(self, limit: float) -> None:
+    def __init__(self, limit: float, alive: Callable[[], bool] | None = None) -> None:
         self.limit = limit
+        self.fired = False  # the last statement was cut off by this
+        self._alive = alive
         self._lock = threading.Lock()
         self._fd = -1
         self._since: float | None = None  # when the statement in progress started
@@ -410,7 +434,7 @@ class Watchdog:
 
     def start(self, fd: int) -> None:
         with self._lock:
-            self._fd, self._since = fd, time.monotonic()
+            self._fd, self._since, self.fired = fd, time.monotonic(), False
 
     def stop(self) -> None:
         with self._lock:
@@ -421,10 +445,29 @@ class Watchdog:
 
     def _watch(self) -> None:
         while not self._closed.wait(self.limit / 4):
+            since = self._since
+            if since is None or time.monotonic() - since <= self.limit:
+                continue
+            alive = self._alive is not None and self._alive()
             with self._lock:
-                if self._since is not None and time.monotonic() - self._since > self.limit:
-                    _cut(self._fd)
-                    self._since = None
+                if self._since != since:  # that statement ended meanwhile
+                    continue
+                if alive:
+                    self._since = time.monotonic()
+                    continue
+                _cut(self._fd)
+                self._since, self.fired = None, True
+
+
+def _watchdog_for(target: Target, readonly: bool, on_loop: bool) -> Watchdog | None:
+    """The event loop's connection's `Watchdog` (cuts at `stall_s`), a writing connection's
+    (cuts at `stall_s` once the server is found not to answer), or none: a read connection
+    of its own (the pool's, `Store.reading`) runs on a thread whose caller may wait."""
+    if on_loop:
+        return Watchdog(target.stall_s)
+    if not readonly:
+        return Watchdog(target.stall_s, functools.partial(answers, target))
+    return None
 
 
 class Connection:
@@ -436,9 +479,13 @@ class Connection:
     result of millions of rows comes a page at a time instead of whole into memory, as SQLite
     steps a statement. `release`: what `close()` does with the psycopg connection (a pooled one
     goes back to its pool). `on_loop` (the event loop's read connection, `db.Store`): a
-    statement is cut off after `LOOP_STATEMENT_S` (`Watchdog`), and a dropped connection is
+    statement is cut off after `Target.stall_s` (`Watchdog`), and a dropped connection is
     made again on a thread of its own, never on the loop (`_reconnected`): a server that does
-    not answer stalls the node's requests for at most that long once, not for ever."""
+    not answer stalls the node's requests for at most that long once, not for ever. A
+    writing connection (not `readonly`: the stores' writers) has the same, its statement cut
+    off once the server is found not to answer (`Watchdog`'s `alive`): a write sent to a
+    frozen server fails `storage_unavailable` within `stall_s` and a connect timeout, and
+    the writes after it at once, while its connection is made again off its thread."""
 
     def __init__(
         self,
@@ -457,7 +504,7 @@ class Connection:
         self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
         self._retry_at = 0.0  # no reconnection before this (`time.monotonic`), after a failed one
         self._why = ""  # what the last failed reconnection was told (`_unreachable`)
-        self._watchdog = Watchdog(LOOP_STATEMENT_S) if on_loop else None
+        self._watchdog = _watchdog_for(target, readonly, on_loop)
         self._pending: Future[Any] | None = None  # a reconnection under way on its thread
         self._closed = False
         self._used = time.monotonic()  # when its last statement ended
@@ -500,13 +547,15 @@ class Connection:
         words, so that /health and the answers say why (the server down, starting up, its
         connection slots full); a bare `not reachable` said none of that."""
         why = f" (the last attempt: {self._why}{slots_hint(self._why)})" if self._why else ""
+        if self._pending is not None:
+            why = " (a new connection is being tried)"
         return StorageUnavailable(f"the database failed: {self.target}: not reachable{why}")
 
     def _reconnected(self) -> Any:
         """The loop's connection made again on a thread of its own (`_connect_into`). The read
         that starts an attempt waits for it at most `RECONNECT_WAIT_S` (a server that answers
         connects in milliseconds: the read goes on as if nothing happened); while an attempt
-        runs on (one may take `CONNECT_TIMEOUT_S`) and for `RECONNECT_S` after one failed,
+        runs on (one may take `Target.connect_timeout_s`) and for `RECONNECT_S` after one failed,
         reads fail `storage_unavailable` at once instead of waiting on the loop."""
         if self._pending is None and time.monotonic() >= self._retry_at:
             self._pending = Future()
@@ -585,6 +634,22 @@ class Connection:
                 f"({first}), so the write may or may not be stored: send it again (claims "
                 "already stored come back `duplicate`)"
             ) from exc
+        if self._watchdog is not None and self._watchdog.fired:
+            raise self._stalled() from exc
+
+    def _stalled(self) -> StorageUnavailable:
+        """What a statement cut off by the `Watchdog` fails with: the bound it met, by its
+        setting, rather than psycopg's words for the socket shut down under it."""
+        waited = f"{self.target.stall_s:g} s (`pg_stall_s`)"
+        if not self.readonly:  # a writer's: the server was asked first (`answers`)
+            waited += (
+                f", nor a new connection in {self.target.connect_timeout_s} s "
+                "(`pg_connect_timeout_s`)"
+            )
+        return StorageUnavailable(
+            f"the database failed: {self.target}: no answer in {waited}: the server is "
+            "stopped, frozen or cut off; the statement was given up"
+        )
 
     def _checked(self) -> Any:
         """`_live()`, and for a connection idle `IDLE_CHECK_S` or more, checked first with an
@@ -600,6 +665,8 @@ class Connection:
         except Exception as exc:
             if not (_operational(exc) and (raw.closed or raw.broken)):
                 raise
+            if self._watchdog is not None and self._watchdog.fired:  # not dropped: no answer
+                raise self._stalled() from exc
             return self._live()
         return raw
 
@@ -607,11 +674,15 @@ class Connection:
         """`raw.execute`, under the watchdog if this connection has one; a statement of
         `UNPREPARED` never prepared."""
         prepare = False if UNPREPARED in text else None
+        return self._guarded(raw, lambda: raw.execute(text, params or None, prepare=prepare))
+
+    def _guarded(self, raw: Any, call: Callable[[], Any]) -> Any:
+        """`call()` (a statement on `raw`) under the watchdog if this connection has one."""
         if self._watchdog is None:
-            return raw.execute(text, params or None, prepare=prepare)
+            return call()
         self._watchdog.start(raw.fileno())
         try:
-            return raw.execute(text, params or None, prepare=prepare)
+            return call()
         finally:
             self._watchdog.stop()
 
@@ -623,10 +694,11 @@ class Connection:
         inside a write) has that holder's session ended, so the next try gets it: the
         server keeps such a session, and the lock, for as long as the process does not run,
         and every writer of every replica failed `storage_locked` meanwhile."""
-        raw.execute("BEGIN")
+        self._watched(raw, "BEGIN", None)
         self._writing = True
         try:
-            return Cursor(raw.execute("SELECT pg_advisory_xact_lock(%s)", (self.target.lock_key,)))
+            lock = "SELECT pg_advisory_xact_lock(%s)"
+            return Cursor(self._watched(raw, lock, (self.target.lock_key,)))
         except BaseException as exc:
             self._writing = False
             if self.in_transaction:
@@ -669,7 +741,8 @@ class Connection:
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor:
         cursor = self._raw.cursor()
         try:
-            cursor.executemany(translate(sql, True), list(rows))
+            text, listed = translate(sql, True), list(rows)
+            self._guarded(self._raw, lambda: cursor.executemany(text, listed))
         except Exception as exc:
             self._failed(sql, self._raw, exc)
             raise
@@ -704,11 +777,11 @@ class Pool:
             max_size=POOL_MAX,
             kwargs={
                 "autocommit": True,
-                "connect_timeout": CONNECT_TIMEOUT_S,
+                "connect_timeout": target.connect_timeout_s,
                 "options": _options(target),
             },
             open=True,
-            timeout=CONNECT_TIMEOUT_S,
+            timeout=target.connect_timeout_s,
             check=ConnectionPool.check_connection,  # a connection the server dropped: a new one
             name=f"metanode-{target.schema}",
         )
@@ -769,7 +842,7 @@ class AsyncReader:
         raw = await psycopg.AsyncConnection.connect(
             target.dsn,
             autocommit=True,
-            connect_timeout=CONNECT_TIMEOUT_S,
+            connect_timeout=target.connect_timeout_s,
             options=_options(target),
             fallback_application_name=_application_name(target),
         )

@@ -491,11 +491,11 @@ async def until_ok(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Respo
 
 @asynccontextmanager
 async def client_of(
-    tmp_path: Path, cluster: Cluster
+    tmp_path: Path, cluster: Cluster, **settings: Any
 ) -> AsyncIterator[tuple[httpx.AsyncClient, Signer]]:
-    """A started node on a database of `cluster`, a client with its token, and a registered
-    signer; the node stopped afterwards."""
-    node = Node(settings_for(tmp_path / "data", storage=cluster.database()))
+    """A started node on a database of `cluster` (with more `settings`), a client with its
+    token, and a registered signer; the node stopped afterwards."""
+    node = Node(settings_for(tmp_path / "data", storage=cluster.database(), **settings))
     await node.start()
     try:
         transport = httpx.ASGITransport(app=create_app(node))
@@ -662,17 +662,16 @@ def reconnecting() -> bool:
 
 
 async def test_a_server_that_stops_answering_never_holds_the_event_loop(
-    tmp_path: Path, own_cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, own_cluster: Cluster
 ) -> None:
     """A frozen server (SIGSTOP: connections open, nothing answered) used to hold a read on the
     event loop for ever, and every request of the node with it; reconnecting then waited up to
-    the connect timeout on the loop. Now the loop's statement is cut off (`pg.Watchdog`; a
-    shorter limit here) and answered 503, and the next read fails at once while the new
-    connection is made on a thread of its own. If either regressed, the safety timer thaws the
-    server after DEADLINE_S and the 503 asserted below does not come: the test fails, it does
-    not hang."""
-    monkeypatch.setattr(pg, "LOOP_STATEMENT_S", 0.5)
-    async with client_of(tmp_path, own_cluster) as (client, signer):
+    the connect timeout on the loop. Now the loop's statement is cut off (`pg.Watchdog`, at
+    `pg_stall_s`, short here) and answered 503 naming that bound, and the next read fails at
+    once while the new connection is made on a thread of its own. If either regressed, the
+    safety timer thaws the server after DEADLINE_S and the 503 asserted below does not come:
+    the test fails, it does not hang."""
+    async with client_of(tmp_path, own_cluster, pg_stall_s=0.5) as (client, signer):
         claim = signer.claim(cids.midhash_bytes(b"frozen"), "title", "before")
         assert (await post(client, claim)).status_code == 200
         own_cluster.freeze()
@@ -681,6 +680,7 @@ async def test_a_server_that_stops_answering_never_holds_the_event_loop(
         try:
             cut = await client.get(f"/api/meta/{claim['cid']}")
             assert cut.status_code == 503 and cut.json()["error"] == "storage_unavailable"
+            assert "no answer in 0.5 s (`pg_stall_s`)" in cut.json()["message"], cut.text
             again = await client.get(f"/api/meta/{claim['cid']}")
             assert again.status_code == 503 and "not reachable" in again.json()["message"]
             assert reconnecting()  # the new connection waits for the server, off the loop
@@ -690,6 +690,86 @@ async def test_a_server_that_stops_answering_never_holds_the_event_loop(
             own_cluster.thaw()
         doc = await until_ok(lambda: client.get(f"/api/meta/{claim['cid']}"))
         assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "before"
+
+
+def test_a_writers_statement_is_given_up_only_once_the_server_does_not_answer(
+    own_cluster: Cluster,
+) -> None:
+    """A writing connection had no bound at all: a write sent to a frozen server waited for
+    as long as it was frozen (40 s of a 40 s freeze measured; docs/scale-out.md). Now its
+    `Watchdog` asks, past `stall_s`, whether the server answers a new connection: a statement
+    that is only slow (here a sleep four times the bound) goes on; one the server does not
+    answer is given up, `storage_unavailable` naming both bounds, and the next statement fails
+    at once ("not reachable") while the connection is made again off its thread, and works
+    once the server answers again. The safety timer thaws the server if the watchdog
+    regressed: the test then fails, it does not hang."""
+    target = pg.Target(own_cluster.database(), "truth", stall_s=0.2, connect_timeout_s=2)
+    conn = pg.Connection(target, readonly=False)
+    try:
+        assert conn.execute("SELECT 1 FROM pg_sleep(0.8)").fetchone()[0] == 1  # slow: kept
+        own_cluster.freeze()
+        safety = threading.Timer(DEADLINE_S, own_cluster.thaw)
+        safety.start()
+        try:
+            bounds = r"no answer in 0\.2 s \(`pg_stall_s`\), nor a new connection in 2 s"
+            with pytest.raises(StorageUnavailable, match=bounds):
+                conn.execute("BEGIN IMMEDIATE")
+            with pytest.raises(StorageUnavailable, match="not reachable"):
+                conn.execute("SELECT 2")
+        finally:
+            safety.cancel()
+            own_cluster.thaw()
+
+        def works() -> bool:
+            with contextlib.suppress(StorageUnavailable):
+                return bool(conn.execute("SELECT 3").fetchone()[0] == 3)
+            return False
+
+        poll(works, "the connection made again once the server answers")
+    finally:
+        conn.close()
+
+
+async def test_a_claim_posted_to_a_frozen_server_is_a_typed_503_and_the_node_recovers(
+    tmp_path: Path, own_cluster: Cluster
+) -> None:
+    """What a client of a node whose PostgreSQL is stopped (SIGSTOP) gets for a POST: a 503
+    `storage_unavailable`, retryable, saying the bound it met (`pg_stall_s`), not an answer
+    held for as long as the server is stopped; /health too. Thawed, the node recovers by
+    itself: the claim sent again is stored, and /health is `ok`."""
+    settings = {"pg_stall_s": 0.5, "pg_connect_timeout_s": 2}
+    async with client_of(tmp_path, own_cluster, **settings) as (client, signer):
+        before = signer.claim(cids.midhash_bytes(b"before the freeze"), "title", "before")
+        assert (await post(client, before)).status_code == 200
+        during = signer.claim(cids.midhash_bytes(b"during the freeze"), "title", "during")
+        own_cluster.freeze()
+        safety = threading.Timer(DEADLINE_S, own_cluster.thaw)
+        safety.start()
+        try:
+            posted, health = await post(client, during), await client.get("/health")
+            for response in (posted, health):
+                assert response.status_code == 503, response.text
+                body = response.json()
+                assert body["error"] == "storage_unavailable" and body["retryable"] is True
+            bounds = "no answer in 0.5 s (`pg_stall_s`), nor a new connection in 2 s"
+            assert bounds in posted.json()["message"], posted.text  # the truth's writer's
+            # the loop's truth read cut off (`pg_stall_s`), or failing at once while its new
+            # connection is tried, whichever this read met first
+            assert re.search(r"no answer in 0\.5 s \(`pg_stall_s`\)|not reachable", health.text)
+        finally:
+            safety.cancel()
+            own_cluster.thaw()
+        after = await until_ok(lambda: post(client, during))
+        assert after.status_code == 200, after.text
+        doc = await client.get(f"/api/meta/{during['cid']}")
+        assert doc.status_code == 200 and doc.json()["metadata"]["title"] == "during"
+        assert (await client.get(f"/api/meta/{before['cid']}")).json()["metadata"]["title"] == (
+            "before"
+        )
+        deadline = time.monotonic() + DEADLINE_S
+        while (health := (await client.get("/health")).json())["status"] != "ok":
+            assert time.monotonic() < deadline, health  # the writers' probes clear it
+            await asyncio.sleep(0.1)
 
 
 @pytest.mark.parametrize("path", ["/api/events", "/api/events/meta"])
