@@ -69,12 +69,17 @@ class Server:
         # A POST answers 200 once the cache has applied it, 202 if that took `apply_wait_s`: a
         # wall-clock limit. Tests assert 200 (read-your-writes), so on a machine whose cores
         # are busy the limit must not be what decides: 120 s instead of the default 5 s (a test
-        # of the 202 sets its own).
+        # of the 202 sets its own). Likewise `feed_stall_s` (60 s by default) cuts a feed whose
+        # client took no byte for that long: a test that holds one stream unread while it
+        # ingests or reads another (a stalled subscriber, followers read in turn) took longer
+        # than that with both cores busy and got a reset, not the events it waits for; a test
+        # of the cut (test_feed_stall.py) sets its own.
         env.update(
             {
                 "METANODE_WATCH_ROOTS": str(self.media),
                 "METANODE_PLUGINS_ENABLED": "false",
                 "METANODE_APPLY_WAIT_S": "120",
+                "METANODE_FEED_STALL_S": "3600",
             }
         )
         return env
