@@ -16,6 +16,8 @@ from typing import Any, Self
 
 import httpx
 
+from tests.helpers.wait import DEADLINE_S
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -119,9 +121,14 @@ class Server:
 
     def _up(self) -> bool:
         """Whether it came up (False if it exited); the port must answer with our token, since
-        other processes on this machine pick free ports too."""
+        other processes on this machine pick free ports too.
+
+        Bounded by `DEADLINE_S`, a bound on a hang: with both cores busy a start of two workers
+        on PostgreSQL took 30 s, past the 30 s this once allowed. One that never came up is
+        stopped before the error, never left serving (and spending a core) for the rest of the
+        run with its database dropped under it."""
         assert self.proc is not None
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
@@ -133,7 +140,8 @@ class Server:
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"metanode serve did not come up in 30 s: {self.log_text()}")
+        self.stop()
+        raise RuntimeError(f"metanode serve did not come up in {DEADLINE_S} s: {self.log_text()}")
 
     def meta(self, cid: str) -> dict[str, Any] | None:
         """GET /api/meta/<cid> (public), or None on 404."""
