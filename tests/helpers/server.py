@@ -16,6 +16,8 @@ from typing import Any, Self
 
 import httpx
 
+from tests.helpers.wait import DEADLINE_S
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -69,12 +71,17 @@ class Server:
         # A POST answers 200 once the cache has applied it, 202 if that took `apply_wait_s`: a
         # wall-clock limit. Tests assert 200 (read-your-writes), so on a machine whose cores
         # are busy the limit must not be what decides: 120 s instead of the default 5 s (a test
-        # of the 202 sets its own).
+        # of the 202 sets its own). Likewise `feed_stall_s` (60 s by default) cuts a feed whose
+        # client took no byte for that long: a test that holds one stream unread while it
+        # ingests or reads another (a stalled subscriber, followers read in turn) took longer
+        # than that with both cores busy and got a reset, not the events it waits for; a test
+        # of the cut (test_feed_stall.py) sets its own.
         env.update(
             {
                 "METANODE_WATCH_ROOTS": str(self.media),
                 "METANODE_PLUGINS_ENABLED": "false",
                 "METANODE_APPLY_WAIT_S": "120",
+                "METANODE_FEED_STALL_S": "3600",
             }
         )
         return env
@@ -114,9 +121,14 @@ class Server:
 
     def _up(self) -> bool:
         """Whether it came up (False if it exited); the port must answer with our token, since
-        other processes on this machine pick free ports too."""
+        other processes on this machine pick free ports too.
+
+        Bounded by `DEADLINE_S`, a bound on a hang: with both cores busy a start of two workers
+        on PostgreSQL took 30 s, past the 30 s this once allowed. One that never came up is
+        stopped before the error, never left serving (and spending a core) for the rest of the
+        run with its database dropped under it."""
         assert self.proc is not None
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + DEADLINE_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
@@ -128,7 +140,8 @@ class Server:
             except httpx.TransportError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError(f"metanode serve did not come up in 30 s: {self.log_text()}")
+        self.stop()
+        raise RuntimeError(f"metanode serve did not come up in {DEADLINE_S} s: {self.log_text()}")
 
     def meta(self, cid: str) -> dict[str, Any] | None:
         """GET /api/meta/<cid> (public), or None on 404."""
