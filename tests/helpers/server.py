@@ -145,7 +145,7 @@ class Server:
 
     def meta(self, cid: str) -> dict[str, Any] | None:
         """GET /api/meta/<cid> (public), or None on 404."""
-        response = httpx.get(f"{self.url}/api/meta/{cid}", timeout=10)
+        response = httpx.get(f"{self.url}/api/meta/{cid}", timeout=DEADLINE_S)
         if response.status_code == 404:
             return None
         assert response.status_code == 200, response.text
@@ -158,7 +158,7 @@ class Server:
             f"{self.url}/api/signers",
             headers=self.headers,
             json={"uid": uid, "name": name, **fields},
-            timeout=10,
+            timeout=DEADLINE_S,
         )
         assert response.status_code == 200, response.text
 
@@ -225,12 +225,14 @@ def role_pids(srv: Server) -> dict[str, int]:
     return out
 
 
-def wait_caught_up(url: str, timeout: float = 15.0) -> dict[str, Any]:
-    """Poll /health until the cache has applied every truth change, or fail saying so."""
+def wait_caught_up(url: str, timeout: float = DEADLINE_S) -> dict[str, Any]:
+    """Poll /health until the cache has applied every truth change, or fail saying so (each
+    bound a bound on a hang, not a measurement: 15 s and a 5 s read were near what a start's
+    catching up takes with both cores busy)."""
     deadline = time.monotonic() + timeout
     health: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        health = httpx.get(f"{url}/health", timeout=5).json()
+        health = httpx.get(f"{url}/health", timeout=DEADLINE_S).json()
         if health["cache_ready"] and health["apply_lag"] == 0:
             return health
         time.sleep(0.05)
