@@ -597,6 +597,14 @@ def test_a_put_over_its_limit_or_cut_short_leaves_no_file(launch: Callable[..., 
     assert replaced.status_code == 204 and (outputs / "a" / "exact.jpg").read_bytes() == b"<nfo/>"
 
 
+def held_body(whole: threading.Event) -> Iterator[bytes]:
+    """A PUT's body whose first 64 KiB come at once and its last byte once `whole` is set:
+    an upload in progress for as long as the test looks at it."""
+    yield b"x" * 65536
+    whole.wait(WAIT_S)
+    yield b"y"
+
+
 def test_an_upload_in_progress_is_neither_listed_nor_served(launch: Callable[..., Server]) -> None:
     """While a PUT's body came, its hidden `.part` was listed by PROPFIND beside the file it
     was to replace (a client mirroring `plugin/` copied half an upload) and served by GET, and
@@ -608,14 +616,9 @@ def test_an_upload_in_progress_is_neither_listed_nor_served(launch: Callable[...
     assert httpx.put(f"{base}/a/poster.jpg", content=b"old", timeout=WAIT_S).status_code == 201
     whole = threading.Event()
 
-    def body() -> Iterator[bytes]:
-        yield b"x" * 65536
-        whole.wait(WAIT_S)  # the rest comes once the test has looked
-        yield b"y"
-
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         puts = [
-            pool.submit(httpx.put, f"{base}/a/{name}", content=body(), timeout=WAIT_S)
+            pool.submit(httpx.put, f"{base}/a/{name}", content=held_body(whole), timeout=WAIT_S)
             for name in ("poster.jpg", "fanart.jpg")  # a file replaced, a new one
         ]
         try:
@@ -665,18 +668,13 @@ def test_an_upload_in_progress_is_neither_moved_nor_deleted_nor_replaced(
         assert httpx.put(f"{base}/{path}", content=b"old", timeout=WAIT_S).status_code == 201
     whole = threading.Event()
 
-    def body() -> Iterator[bytes]:
-        yield b"x" * 65536
-        whole.wait(WAIT_S)  # the rest comes once the test has looked
-        yield b"y"
-
     def dav(method: str, path: str, to: str | None = None) -> httpx.Response:
         moved = {"Destination": f"{base}/{to}", "Overwrite": "T"} if to else {}
         return httpx.request(method, f"{base}/{path}", headers=moved, timeout=WAIT_S)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         puts = [
-            pool.submit(httpx.put, f"{base}/a/{name}", content=body(), timeout=WAIT_S)
+            pool.submit(httpx.put, f"{base}/a/{name}", content=held_body(whole), timeout=WAIT_S)
             for name in ("poster.jpg", "fanart.jpg")  # a file replaced, a new one
         ]
         try:
