@@ -404,14 +404,18 @@ class Watcher:
         self.watches_full = False  # this user may add no inotify watch (`inotify_full`)
         self.folders = 0  # the folders below the roots, counted when `watches_full` began
         self._reconciling = 0  # reconciliations under way (a rescan may overlap the start's)
+        self._started = False  # a reconciliation has ended: `scanning` until then
         self.scan: ScanProgress | None = None  # the newest reconciliation under way, once walked
         self.heartbeat = time.monotonic()  # the settle loop's last turn: /health sees a stall
         self.out_of_files: str | None = None  # why files wait to be opened (/health), or None
 
     @property
     def scanning(self) -> bool:
-        """Whether a reconciliation is under way (/health's `scanning`)."""
-        return self._reconciling > 0
+        """Whether a reconciliation is under way, or none has ended yet (/health's `scanning`):
+        while the start's inotify watch was being laid, before its reconciliation began,
+        /health said `scanning: false, pending: 0`, as of a node that had read the disk, and a
+        file written then was fingerprinted by that reconciliation, not settled."""
+        return self._reconciling > 0 or not self._started
 
     # -- applying results -----------------------------------------------------------------------
 
@@ -595,6 +599,7 @@ class Watcher:
             return summary
         finally:
             self._reconciling -= 1
+            self._started = True
             if self.scan is scan:  # not one begun meanwhile, which says its own progress
                 self.scan = None
 

@@ -604,6 +604,17 @@ async def test_reconcile_hashes_new_files_then_nothing(tmp_path: Path) -> None:
     assert not w.scanning
 
 
+async def test_it_says_scanning_until_a_reconciliation_has_ended(tmp_path: Path) -> None:
+    """From its start until its first reconciliation ends (its inotify watch being laid, the
+    disk not read yet), /health said `scanning` false as of a watcher that had read the disk."""
+    root = tmp_path / "media"
+    write(root / "a.mkv", b"a")
+    w = Store().watcher(root)
+    assert w.scanning
+    await w.reconcile(settle=False)
+    assert not w.scanning
+
+
 async def test_a_reconciliation_begun_and_ended_inside_another_leaves_it_its_progress(
     tmp_path: Path,
 ) -> None:

@@ -346,6 +346,13 @@ def test_files_listing_pages_and_prefixes_with_the_records_rids(
 LONG_SETTLE_S = "5.0"  # far longer than a step of the tests below, however loaded the machine
 
 
+def started(server: WatchServer) -> None:
+    """Wait until the start's scan has ended: its inotify watch stands from then on, so a file
+    written after this is seen as an event and settles (`pending`), where one written sooner
+    could be fingerprinted by the scan instead, never `pending` (CI found it)."""
+    wait_for("the start's scan to end", lambda: server.health()["watcher"]["scanning"] is False)
+
+
 def still_settling(server: WatchServer, path: Path) -> None:
     """Wait until the watcher has `path` waiting to settle, and check it is not hashed yet: a
     change made right after this falls inside the settle window (a window that long cannot pass
@@ -356,6 +363,7 @@ def still_settling(server: WatchServer, path: Path) -> None:
 
 def test_a_file_written_slowly_is_hashed_once_after_it_settles(start: Start) -> None:
     server = start(settle=LONG_SETTLE_S)
+    started(server)
     path = server.media / "slow.mkv"
     chunks = [os.urandom(50_000) for _ in range(6)]
     sizes_seen: set[int] = set()
@@ -388,6 +396,7 @@ def test_a_file_written_slowly_is_hashed_once_after_it_settles(start: Start) -> 
 
 def test_a_change_during_the_settle_window_restarts_it(start: Start) -> None:
     server = start(settle=LONG_SETTLE_S)
+    started(server)
     path = server.media / "twice.mkv"
     first = os.urandom(10_000)
     write(path, first)
