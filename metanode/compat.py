@@ -60,10 +60,9 @@ from metanode.errors import (
     InvalidValue,
     MetanodeError,
     NotFoundError,
-    OutOfFiles,
     TooLarge,
     UnknownCid,
-    out_of_files_hint,
+    out_of_files,
     shown,
 )
 from metanode.etags import revalidated, revalidated_json
@@ -344,7 +343,11 @@ def to_webdav_root(root: str) -> Endpoint:
 async def start(node: Node) -> None:
     """At server start (after `node.start()`): re-register the legacy writer if it has signed
     before, so a changed `legacy_writer_weight` re-merges its votes at once. A node that never
-    had a legacy write gets its key and signer row on the first one."""
+    had a legacy write gets its key and signer row on the first one.
+
+    Reads the MIME types' table (`/etc/mime.types`) now, not at the first `/file/{cid}` or
+    WebDAV GET: it opens files, and one asked while every descriptor was held answered 500."""
+    mimetypes.init()
     if node.legacy.path.exists():
         await node.legacy.register()
 
@@ -433,8 +436,7 @@ def open_hashed(
         fd = os.open(file.path, flags)
     except OSError as exc:
         if exc.errno in OUT_OF_FILES:  # not "no copy here": a 404 a client takes for missing
-            why = f"{exc.strerror}{out_of_files_hint(exc.errno)}"
-            raise OutOfFiles(f"cannot open {file.path}: {why}") from None
+            raise out_of_files(exc, file.path) from None
         return None
     try:
         info = os.fstat(fd)

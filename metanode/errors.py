@@ -604,6 +604,13 @@ def _hint(code: int) -> str:
     return ""
 
 
+def out_of_files(exc: OSError, path: object) -> OutOfFiles:
+    """`OutOfFiles` for a watched file (not one of the data directory) that `exc` (EMFILE or
+    ENFILE) kept from being opened: a client that was told 404 or 500 took it for missing."""
+    code = exc.errno if exc.errno is not None else errno.EMFILE
+    return OutOfFiles(f"cannot open {path}: {exc.strerror}{out_of_files_hint(code)}")
+
+
 def out_of_files_hint(code: int) -> str:
     """The way out of `code` (EMFILE: this process's limit, named with its value; ENFILE: the
     system's)."""

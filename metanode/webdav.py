@@ -74,6 +74,7 @@ from wsgidav.wsgidav_app import WsgiDAVApp
 from metanode.bodies import read_body
 from metanode.config import WEBDAV_PLUGIN, Settings, below_root
 from metanode.errors import (
+    OUT_OF_FILES,
     Forbidden,
     InvalidRequest,
     MetanodeError,
@@ -82,7 +83,9 @@ from metanode.errors import (
     RequestError,
     RequestTimeout,
     TooLarge,
+    UnavailableError,
     UploadInProgress,
+    out_of_files,
     shown,
 )
 from metanode.ignores import Rules
@@ -471,6 +474,33 @@ class Allowed(BaseMiddleware):  # type: ignore[misc]
         return found.get("allow", "OPTIONS")
 
 
+class OutOfFilesAnswered(BaseMiddleware):  # type: ignore[misc]
+    """A file or folder that cannot be opened for want of a descriptor (EMFILE, ENFILE: every
+    one held by connections) answered 503 `too_many_open_files` in the envelope, with its
+    `Retry-After`, as `/file/{cid}` answers: WsgiDAV's `ErrorPrinter` made it a 500 page, which
+    a client takes for a broken server, not one to ask again. Only before the answer's first
+    bytes: WsgiDAV states a GET's head before it opens the file, and `ErrorPrinter` sends a head
+    only with the first bytes, so a head stated again here replaces it."""
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        answer: Iterable[bytes] = ()
+        sent = False
+        try:
+            answer = self.next_app(environ, start_response)
+            for chunk in answer:
+                sent = True
+                yield chunk
+        except OSError as exc:
+            if sent or exc.errno not in OUT_OF_FILES:
+                raise
+            where = exc.filename or wsgi_text(environ["PATH_INFO"])
+            yield from enveloped(out_of_files(exc, where), start_response, [])
+        finally:
+            close = getattr(answer, "close", None)
+            if close is not None:
+                close()
+
+
 class FiniteDepth(BaseMiddleware):  # type: ignore[misc]
     """A PROPFIND of a folder with `Depth: infinity`, or with no `Depth` (which RFC 4918 reads
     as infinity), is 403 with the `DAV:propfind-finite-depth` precondition, as RFC 4918 §9.1
@@ -590,7 +620,14 @@ def dav(mount: str, provider: DAVProvider) -> WSGIApp:
         {
             "mount_path": mount,
             "provider_mapping": {"/": provider},
-            "middleware_stack": [Allowed, ErrorPrinter, FiniteDepth, Ranges, RequestResolver],
+            "middleware_stack": [
+                Allowed,
+                ErrorPrinter,
+                OutOfFilesAnswered,
+                FiniteDepth,
+                Ranges,
+                RequestResolver,
+            ],
             "lock_storage": True,
             "property_manager": None,
             "verbose": 0,
@@ -825,10 +862,13 @@ def held(app: WSGIApp, environ: Environ) -> tuple[str, list[tuple[str, str]], by
 def enveloped(
     refused: MetanodeError, start_response: StartResponse, headers: list[tuple[str, str]]
 ) -> Iterable[bytes]:
-    """`refused` answered from the WSGI side, in the envelope."""
+    """`refused` answered from the WSGI side, in the envelope; a 503 says when to retry."""
     body = json.dumps(refused.envelope(), separators=(",", ":")).encode("ascii")
     status = f"{refused.status} {HTTPStatus(refused.status).phrase}"
-    start_response(status, [("Content-Type", "application/json"), *headers])
+    if isinstance(refused, UnavailableError):
+        headers = [*headers, ("Retry-After", str(refused.retry_after))]
+    length = ("Content-Length", str(len(body)))
+    start_response(status, [("Content-Type", "application/json"), length, *headers])
     return [body]
 
 

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import select
 import shutil
 import socket
@@ -71,6 +72,25 @@ def read_until_closed(sock: socket.socket) -> bytes:
             break
         chunks.append(data)
     return b"".join(chunks)
+
+
+def read_answer(sock: socket.socket) -> bytes:
+    """One answer on a connection kept open: its head, then the `Content-Length` bytes it
+    says (a server that closed the connection instead would free a descriptor)."""
+    raw = b""
+    while b"\r\n\r\n" not in raw:
+        data = sock.recv(65536)
+        assert data, f"closed before a whole head: {raw!r}"
+        raw += data
+    head = raw.partition(b"\r\n\r\n")[0].decode("latin-1").lower()
+    said = re.search(r"\r\ncontent-length: (\d+)", head)
+    assert said is not None, f"no Content-Length: {raw!r}"
+    length = int(said[1])
+    while len(raw) - len(head) - 4 < length:
+        data = sock.recv(65536)
+        assert data, f"closed before a whole body: {raw!r}"
+        raw += data
+    return raw
 
 
 def parse_response(raw: bytes) -> tuple[int, dict[str, str], Any]:
@@ -360,8 +380,10 @@ def test_a_request_met_with_every_descriptor_held_is_too_many_open_files_then_se
     `too_many_open_files` in the envelope, naming the limit, never a 500: a read on a database
     connection of its own (SQLite says only "unable to open database file": `db.out_of_files`)
     and `/file/{cid}`, which answered 404, no local copy, a client's word for a missing file
-    (`compat.open_hashed`). Once the connections are gone both are served. Their own
-    connections are accepted first, their heads finished once every descriptor is held. The
+    (`compat.open_hashed`); and a WebDAV GET of that file, which answered 500 in WsgiDAV's HTML
+    (`webdav.OutOfFilesAnswered`). Once the connections are gone all are served. Their own
+    connections are accepted first, their heads finished once every descriptor is held, and
+    kept open after their answers: a connection closed frees a descriptor, for the next. The
     watcher is off (its reads would leave the database connections the read takes kept open);
     the file was fingerprinted by `metanode scan` before the start."""
     if shutil.which("prlimit") is None:
@@ -389,20 +411,21 @@ def test_a_request_met_with_every_descriptor_held_is_too_many_open_files_then_se
         routes = [
             (b"/api/files?missing=1", "data directory failed"),  # the read's own connection
             (f"/file/{cid}".encode(), "film.mkv"),
+            (b"/webdav/media/film.mkv", "film.mkv"),
         ]
         before = sockets_of(descriptors)
         asking = [connect(srv) for _ in routes]
         for sock, (route, _) in zip(asking, routes, strict=True):
             sock.sendall(b"GET " + route + b" HTTP/1.1\r\nHost: x\r\n")  # the head unfinished
-        poll(lambda: len(sockets_of(descriptors) - before) >= 2 or None, "both accepted")
+        poll(lambda: len(sockets_of(descriptors) - before) >= len(routes) or None, "all accepted")
         # more than the limit: a descriptor the node frees goes to the next connection waiting
         held = [connect(srv) for _ in range(limit + 32)]
         try:
             poll(lambda: len(os.listdir(descriptors)) >= limit or None, "every descriptor held")
-            end = f"Authorization: Bearer {srv.token}\r\nConnection: close\r\n\r\n".encode()
+            end = f"Authorization: Bearer {srv.token}\r\n\r\n".encode()
             for sock in asking:
                 sock.sendall(end)
-            answers = [read_until_closed(sock) for sock in asking]
+            answers = [read_answer(sock) for sock in asking]
         finally:
             for sock in held + asking:
                 sock.close()
@@ -419,6 +442,7 @@ def test_a_request_met_with_every_descriptor_held_is_too_many_open_files_then_se
 
         assert "files" in poll(lambda: served("/api/files?missing=1"), "the read").json()
         assert poll(lambda: served(f"/file/{cid}"), "the file").content == content
+        assert poll(lambda: served("/webdav/media/film.mkv"), "the WebDAV file").content == content
         assert poll_status(srv.url, 200).json()["status"] == "ok"
     finally:
         srv.stop()
