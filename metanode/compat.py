@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import anyio
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import (
@@ -473,9 +474,10 @@ async def local_copy(node: Node, text: str) -> LocalCopy | None:
 
 
 class OpenedFile(FileResponse):
-    """A `FileResponse` of an already opened and checked file, read through its descriptor
-    (`/proc/self/fd/N` opens that same file again, whatever its path points at by now); the
-    descriptor is closed however the response ends."""
+    """A `FileResponse` of an already opened and checked file, read through that descriptor
+    itself (`_open_file`); the descriptor is closed however the response ends. The path given
+    to Starlette is never opened: it opened `/proc/self/fd/N`, a second descriptor of the same
+    file, after the head was sent, so a node out of descriptors then cut a 200 short."""
 
     def __init__(self, copy: LocalCopy) -> None:
         super().__init__(
@@ -485,6 +487,15 @@ class OpenedFile(FileResponse):
             headers=webdav.INERT,  # whatever the file is, no page of this origin
         )
         self.fd = copy.fd
+
+    @contextlib.asynccontextmanager
+    async def _open_file(self) -> AsyncIterator[anyio.AsyncFile[bytes]]:
+        """The checked descriptor as Starlette's file: read from where it stands (0: opened
+        for this response; a range seeks first), closed by `__call__`, not here. Starlette
+        reads a file through this since 1.x; an older one opens the path, as before
+        (`test_http_edge.py::test_a_file_served_holds_one_descriptor_of_it` says which)."""
+        with os.fdopen(self.fd, "rb", closefd=False) as file:
+            yield anyio.wrap_file(file)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
