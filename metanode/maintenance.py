@@ -504,17 +504,19 @@ class BackedUp:
 
 def backup(settings: Settings, target: Path) -> BackedUp:
     """`metanode backup DIR`: an online copy of the truth (consistent while the node writes)
-    plus the node's keys and the folders chosen on the page (`watched-folders-<stamp>.json`,
+    plus the node's keys, the folders chosen on the page (`watched-folders-<stamp>.json`,
     when any were: a box restored from it watches what this one watches; a damaged list is
-    left out, and said, rather than costing the backup of the rest). On SQLite a checked
-    copy of truth.db (the cache is not backed up: it is rebuilt from the truth); on PostgreSQL
-    a `pg_dump` of the database in its custom format (`pg_restore` puts it back:
+    left out, and said, rather than costing the backup of the rest) and the watch roots'
+    WebDAV names (`webdav-names-<stamp>.json`: restored, each folder keeps its name, and so
+    every consumer's `filePath`; without it a second `films` became `films` again). On SQLite
+    a checked copy of truth.db (the cache is not backed up: it is rebuilt from the truth); on
+    PostgreSQL a `pg_dump` of the database in its custom format (`pg_restore` puts it back:
     docs/scale-out.md). Private like the data directory: a new TARGET is 0700, the copies 0600
     (the keys keep theirs). The truth is copied as it is, never migrated first: the backup
     taken before an upgrade must still open in the version before."""
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
     copy, keys = _backup_names(target, "pgdump" if settings.postgresql else "db")
-    folders = _folders_beside(copy)
+    folders, names = _folders_beside(copy), _webdav_names_beside(copy)
     damaged = ""
     try:
         _copy_truth_into(settings, copy)
@@ -526,10 +528,14 @@ def backup(settings: Settings, target: Path) -> BackedUp:
             chosen, damaged = None, exc.message
         if chosen is not None:
             watchroots.write(folders, chosen)
+        kept = watchroots.read_names(settings.data_dir / watchroots.WEBDAV_NAMES)
+        if any(kept):
+            watchroots.write_names(names, *kept)
     except BaseException:  # all of it or nothing: never a truth copy without its keys
         copy.unlink(missing_ok=True)
         shutil.rmtree(keys, ignore_errors=True)
         folders.unlink(missing_ok=True)
+        names.unlink(missing_ok=True)
         raise
     return BackedUp(copy, damaged)
 
@@ -568,11 +574,12 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
     the checked backup becomes truth.db, its keys (`keys-<stamp>` beside it, or `keys_from`)
     the keys, its watched folders (`watched-folders-<stamp>.json` beside it, when it has any)
     the folders chosen on the page, each that is no folder here named in `missing` (it stays
-    in the list: a disk not mounted yet is watched once it is), the cache goes (rebuilt at
-    the next start). What was there is moved, whole, into `replaced-<stamp>/` in the data
+    in the list: a disk not mounted yet is watched once it is), its WebDAV names
+    (`webdav-names-<stamp>.json`, when it has them) the roots' names, the cache goes (rebuilt
+    at the next start). What was there is moved, whole, into `replaced-<stamp>/` in the data
     directory: truth.db with its `-wal` and `-shm`, since a WAL left beside a restored file is
-    replayed onto it at the next open (the stale log undid the restore), the keys and the
-    list. On PostgreSQL `pg_restore` does it (scale-out.md)."""
+    replayed onto it at the next open (the stale log undid the restore), the keys, the list
+    and the names. On PostgreSQL `pg_restore` does it (scale-out.md)."""
     if settings.postgresql:
         raise InvalidRequest(
             "restore puts a SQLite backup in place; on PostgreSQL restore the dump with "
@@ -600,6 +607,7 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
         if keys is not None:
             shutil.copytree(keys, keys_in)
         folders = config.read_roots(_folders_beside(backup))  # a damaged copy: refused here
+        names = watchroots.read_names(_webdav_names_beside(backup))  # damaged: none
     except BaseException:
         _gone(incoming, keys_in)
         raise
@@ -608,11 +616,15 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
     replaced = ["truth.db", "truth.db-wal", "truth.db-shm", *(["keys"] if keys else [])]
     if folders is not None:
         replaced.append(config.WATCHED_FOLDERS)
+    if any(names):
+        replaced.append(watchroots.WEBDAV_NAMES)
     aside = _move_aside(settings.data_dir, replaced)
     incoming.rename(settings.truth_path)
     if keys is not None:
         keys_in.rename(settings.keys_dir)
         datadir.secure(settings.data_dir)
+    if any(names):
+        watchroots.write_names(settings.data_dir / watchroots.WEBDAV_NAMES, *names)
     if folders is None:
         return Restored(aside, keys)
     watchroots.save(settings.data_dir, folders)
@@ -638,6 +650,12 @@ def _folders_beside(backup: Path) -> Path:
     """The watched folders `backup` kept beside `truth-<stamp>.db` (or `.pgdump`):
     `watched-folders-<stamp>.json`."""
     return backup.parent / f"watched-folders-{_stamp_of(backup)}.json"
+
+
+def _webdav_names_beside(backup: Path) -> Path:
+    """The WebDAV names `backup` kept beside `truth-<stamp>.db` (or `.pgdump`):
+    `webdav-names-<stamp>.json`."""
+    return backup.parent / f"webdav-names-{_stamp_of(backup)}.json"
 
 
 def _stamp_of(backup: Path) -> str:

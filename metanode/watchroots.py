@@ -20,6 +20,7 @@ import os
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from metanode import datadir
@@ -37,6 +38,8 @@ from metanode.errors import (
 log = logging.getLogger(__name__)
 
 WEBDAV_NAMES = "webdav-names.json"  # in the data directory: each watch root's WebDAV name
+FORMER_MAX = 100  # names of folders let go kept to give back (`named`), the oldest forgotten
+NONE: Mapping[str, str] = MappingProxyType({})
 
 
 def check_new(text: str, roots: Sequence[str], data_dir: Path, outputs: Path | None) -> str:
@@ -125,19 +128,24 @@ class Followed:
         return self.roots
 
 
-def named(roots: Sequence[str], kept: Mapping[str, str]) -> list[tuple[str, str]]:
+def named(
+    roots: Sequence[str], kept: Mapping[str, str], former: Mapping[str, str] = NONE
+) -> list[tuple[str, str]]:
     """(WebDAV name, root) for each of `roots`, in their order: the name `kept` gives a root
     (`Names`: the one it was given when it came), unless an earlier root holds it too (a list
-    edited by hand); else its folder's basename (`root` for `/`), made unique with `-2`,
-    `-3`… against every name held, kept ones first, and never `plugin`. A pure function of
-    its arguments, so every worker of one node names the roots alike."""
+    edited by hand); else the name it had before it was let go (`former`), if none holds it
+    now: a disk's folder let go and chosen again keeps its consumers' paths; else its
+    folder's basename (`root` for `/`), made unique with `-2`, `-3`… against every name held,
+    and never `plugin`. A pure function of its arguments, so every worker of one node names
+    the roots alike."""
     taken = {WEBDAV_PLUGIN}
     names: dict[str, str] = {}
-    for root in roots:
-        name = kept.get(root)
-        if name is not None and name not in taken:
-            names[root] = name
-            taken.add(name)
+    for given in (kept, former):
+        for root in roots:
+            name = given.get(root)
+            if root not in names and name is not None and name not in taken:
+                names[root] = name
+                taken.add(name)
     for root in roots:
         if root not in names:
             base = os.path.basename(os.path.realpath(root)) or "root"
@@ -150,22 +158,36 @@ def named(roots: Sequence[str], kept: Mapping[str, str]) -> list[tuple[str, str]
     return [(names[root], root) for root in roots]
 
 
-def read_names(path: Path) -> dict[str, str]:
-    """The names kept at `path` (`{"names": {root: name}}`), {} when there are none; a file
-    that cannot be read as that is logged and read as none (the roots are named anew, and the
-    owner writes the file again): WebDAV's names are no reason to refuse a start. A name that
-    is no single path segment is left out (named anew)."""
+def read_names(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """The names kept at `path` (`{"names": {root: name}, "former": {root: name}}`: the
+    roots' and those of folders let go), empty when there are none; a file that cannot be
+    read as that is logged and read as none (the roots are named anew, and the owner writes
+    the file again): WebDAV's names are no reason to refuse a start. A name that is no single
+    path segment is left out (named anew); a file without `former` (written before it was
+    kept) has none."""
     try:
-        kept: Any = json.loads(path.read_text(encoding="utf-8"))["names"]
+        written: Any = json.loads(path.read_text(encoding="utf-8"))
+        kept, former = written["names"], written.get("former", {})
     except FileNotFoundError:
-        return {}
-    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError) as exc:
+        return {}, {}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError, AttributeError) as exc:
         log.warning("cannot read the WebDAV names in %s (%s): the roots are named anew", path, exc)
-        return {}
-    if not isinstance(kept, dict):
+        return {}, {}
+    if not isinstance(kept, dict) or not isinstance(former, dict):
         log.warning("%s holds no names: the roots are named anew", path)
-        return {}
-    return {root: name for root, name in kept.items() if segment(name)}
+        return {}, {}
+    return _segments(kept), _segments(former)
+
+
+def write_names(path: Path, names: Mapping[str, str], former: Mapping[str, str]) -> None:
+    """The names as `read_names` reads them, written whole as `path`."""
+    text = json.dumps({"names": names, "former": former}, indent=1, ensure_ascii=False)
+    datadir.write_whole(path, text + "\n")
+
+
+def _segments(names: Mapping[str, object]) -> dict[str, str]:
+    """The (root, name) pairs of `names` whose name can be one (`segment`)."""
+    return {root: name for root, name in names.items() if isinstance(name, str) and segment(name)}
 
 
 def segment(name: object) -> bool:
@@ -188,12 +210,13 @@ class Names:
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / WEBDAV_NAMES
         self.kept: dict[str, str] = {}
+        self.former: dict[str, str] = {}  # of folders let go, the newest last
         self._seen: tuple[int, int, int] | None = None
 
     def __call__(self, roots: Sequence[str]) -> list[tuple[str, str]]:
         """(name, root) for each of `roots`, by the names kept now."""
         self._follow()
-        return named(roots, self.kept)
+        return named(roots, self.kept, self.former)
 
     def _follow(self) -> None:
         try:
@@ -203,15 +226,22 @@ class Names:
         seen = (info.st_ino, info.st_size, info.st_mtime_ns)
         if seen != self._seen:
             self._seen = seen
-            self.kept = read_names(self.path)
+            self.kept, self.former = read_names(self.path)
 
     def keep(self, roots: Sequence[str]) -> None:
         """Name `roots` (those already named keep their names; one no longer among them gives
-        its name up) and write the names if they changed; a disk that refuses is its typed
-        `StorageError`, nothing changed."""
+        its name up, and it is kept as its former name, the newest `FORMER_MAX`) and write the
+        names if they changed; a disk that refuses is its typed `StorageError`, nothing
+        changed."""
         self._follow()
-        names = {root: name for name, root in named(roots, self.kept)}
-        if names != self.kept or self._seen is None:
-            text = json.dumps({"names": names}, indent=1, ensure_ascii=False) + "\n"
-            datadir.write_whole(self.path, text)
-            self.kept = names
+        names = {root: name for name, root in named(roots, self.kept, self.former)}
+        given_up = {root: name for root, name in self.kept.items() if root not in names}
+        former = {
+            root: name
+            for root, name in self.former.items()
+            if root not in names and root not in given_up
+        } | given_up
+        former = dict(list(former.items())[-FORMER_MAX:])
+        if names != self.kept or former != self.former or self._seen is None:
+            write_names(self.path, names, former)
+            self.kept, self.former = names, former

@@ -527,3 +527,46 @@ def test_letting_a_folder_go_renames_no_other_and_a_restart_keeps_every_name(
     finally:
         srv.stop()
         srv.print_log()
+
+
+def test_a_backup_keeps_the_webdav_names_and_a_folder_chosen_again_gets_its_name_back(
+    tmp_path: Path,
+) -> None:
+    """A backup restored named the roots anew (`webdav-names.json` was not in it): the second
+    `films`, `films-2` while the first was let go, came back as `films`, and every consumer's
+    `filePath` below it changed. And a folder let go and chosen again was named anew: `films`
+    when that was free, where its consumers knew it as `films-2`."""
+    srv = page_server(tmp_path).start()
+    first, second = (tmp_path / side / "films" for side in ("a", "b"))
+    try:
+        for folder in (first, second):
+            folder.mkdir(parents=True)
+            assert add(srv, str(folder)).status_code == 200
+        assert remove(srv, str(first)).status_code == 200
+        assert webdav_names(srv) == {"media", "films-2"}
+        made = metanode(srv, "backup", str(tmp_path / "bk"), "--data-dir", str(srv.data_dir))
+        assert made.returncode == 0, made.stderr
+    finally:
+        srv.stop()
+        srv.print_log()
+    backup = Path(made.stdout.strip())
+    copy = backup.with_name(backup.name.replace("truth-", "webdav-names-")[:-3] + ".json")
+    assert stat.S_IMODE(copy.stat().st_mode) == 0o600
+
+    fresh = page_server(tmp_path / "new")
+    fresh.data_dir.parent.mkdir()
+    done = metanode(fresh, "restore", str(backup), "--data-dir", str(fresh.data_dir))
+    assert done.returncode == 0, done.stderr
+    fresh.start()
+    try:
+        assert webdav_names(fresh) == {"media", "films-2"}
+        assert kept_names(fresh) == {str(srv.media): "media", str(second): "films-2"}
+        assert remove(fresh, str(second)).status_code == 200
+        assert webdav_names(fresh) == {"media"}
+        assert add(fresh, str(second)).status_code == 200  # `films` is free: its own comes back
+        assert webdav_names(fresh) == {"media", "films-2"}
+        assert add(fresh, str(first)).status_code == 200  # its own, `films`, is free too
+        assert webdav_names(fresh) == {"media", "films", "films-2"}
+    finally:
+        fresh.stop()
+        fresh.print_log()

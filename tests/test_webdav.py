@@ -818,16 +818,19 @@ def test_a_root_keeps_its_name_while_it_stays_whatever_comes_and_goes(
     changes: list[tuple[bool, str]],
 ) -> None:
     """Roots added and let go in any order, the names kept between changes as `Names.keep`
-    keeps them: a root's name never changes while it stays, no two roots share one, none is
-    `plugin`, and a root named anew takes its basename or the first free `-N` of it."""
+    keeps them, and those of roots let go as their former ones: a root's name never changes
+    while it stays, no two roots share one, none is `plugin`, and a root named anew takes the
+    name it had before if none holds it, else its basename or the first free `-N` of it."""
     roots: list[str] = []
     kept: dict[str, str] = {}
+    former: dict[str, str] = {}
     for add, folder in changes:
         if add and folder not in roots:
             roots.append(folder)
         elif not add and folder in roots:
             roots.remove(folder)
-        names = dict((root, name) for name, root in named(roots, kept))
+            former[folder] = kept[folder]
+        names = dict((root, name) for name, root in named(roots, kept, former))
         for root, name in kept.items():
             assert root not in roots or names[root] == name, (root, name, names[root])
         assert len(set(names.values())) == len(roots) and PLUGIN not in names.values()
@@ -835,7 +838,8 @@ def test_a_root_keeps_its_name_while_it_stays_whatever_comes_and_goes(
             base = os.path.basename(root)
             held = set(names.values()) - {names[root]} | {PLUGIN}
             free = next(n for n in [base, *(f"{base}-{i}" for i in range(2, 99))] if n not in held)
-            assert names[root] == free
+            back = former.get(root)
+            assert names[root] == (back if back is not None and back not in held else free)
         kept = names
 
 
