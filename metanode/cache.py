@@ -426,7 +426,7 @@ def _v14(conn: Connection) -> None:
 # Schema v15 (PostgreSQL v11): a group's rendered document stored once, in `group_document`,
 # not in each of its CIDs' index rows. Every CID of a group has the same document (`splice`
 # puts the asked CID in), and a write into a group rewrote it under every CID: a claim into a
-# group of 2,000 CIDs rewrote 2,000 rows of ≈ 260 KB each (docs/benchmarks.md, "A write into
+# group of 2,000 CIDs rewrote 2,000 rows of ≈ 280 KB each (docs/benchmarks.md, "A write into
 # a large group"). The bodies a cache holds are carried over (each group's first row's).
 _GROUP_DOCUMENT = """
 CREATE TABLE group_document (

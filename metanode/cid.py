@@ -302,7 +302,7 @@ def rank(text: str) -> int:
 @lru_cache(maxsize=65536)
 def _rank(text: str) -> int:
     """`rank` of a string, cached as `_parse` is: each write into a group ranks every CID of
-    it again to render its document (`by_rank`), 2.5 µs a CID uncached: 5 ms a write into a
+    it again to render its document (`by_rank`), ≈ 2 µs a CID uncached: 4–5 ms a write into a
     group of 2,000."""
     try:
         return _rank_of(require_canonical(text))
