@@ -203,9 +203,9 @@ def _reindex(conn: Connection, select: str) -> None:
         index_library(conn, chunk, records, group_parts(conn, chunk)[1], words=False)
 
 
-# The rendered `GET /api/meta/{cid}` documents: per CID of the index, the JSON bytes of its
-# record's document without the leading `cid` member (the CID asked, which the read splices in:
-# `splice`), so the read is one primary-key lookup and a write of stored bytes. Written by
+# The rendered `GET /api/meta/{cid}` documents (v6; a group's once since v15): the JSON bytes
+# of a record's document without the leading `cid` member (the CID asked, which the read
+# splices in: `splice`), so the read is one lookup and a write of stored bytes. Written by
 # `render_documents` beside the library index, in the transaction that writes the record's
 # rows, its CIDs or its local files; `_v7` (which moved the bodies into `cid_index`) renders
 # the records of a cache from before v6.
@@ -227,8 +227,8 @@ def _v6(conn: Connection) -> None:
 # stored three times. Now one rowid table: rows are appended, and only the small UNIQUE (cid)
 # index takes random inserts. Measured on the two tables alone (200,000 CIDs held, 50,000 new
 # in transactions of 100, WAL, synchronous=FULL): 66 → 29 µs of wall time a new CID, 38 → 19 µs
-# of CPU. `body` is NULL only inside the transaction that adds the row: `refresh` indexes the
-# CID, then `render_documents` renders it.
+# of CPU. (`body` is NULL only inside the transaction that adds the row. v15 moves the
+# documents into `group_document`, one a group.)
 SCHEMA_V7 = """
 CREATE TABLE cid_index_new (
     id INTEGER PRIMARY KEY,
@@ -254,7 +254,15 @@ def _v7(conn: Connection) -> None:
     rids = [r[0] for r in conn.execute("SELECT DISTINCT rid FROM cid_index WHERE body IS NULL")]
     for chunk in _chunks(sorted(rids)):
         members, paths = group_parts(conn, chunk)
-        render_documents(conn, members, records_rows(conn, chunk), paths)
+        records = records_rows(conn, chunk)
+        conn.executemany(  # v7's layout: v15 moves them into `group_document`
+            "UPDATE cid_index SET body = ? WHERE cid = ?",
+            [
+                (render_rest(cids, records.get(rid, {}), paths.get(rid, ())), cid)
+                for rid, cids in members.items()
+                for cid in cids
+            ],
+        )
 
 
 def _v8(conn: Connection) -> None:
@@ -415,6 +423,31 @@ def _v14(conn: Connection) -> None:
     conn.execute("ALTER TABLE local_file ADD COLUMN ctime_ns INTEGER NOT NULL DEFAULT 0")
 
 
+# Schema v15 (PostgreSQL v11): a group's rendered document stored once, in `group_document`,
+# not in each of its CIDs' index rows. Every CID of a group has the same document (`splice`
+# puts the asked CID in), and a write into a group rewrote it under every CID: a claim into a
+# group of 2,000 CIDs rewrote 2,000 rows of ≈ 280 KB each (docs/benchmarks.md, "A write into
+# a large group"). The bodies a cache holds are carried over (each group's first row's).
+_GROUP_DOCUMENT = """
+CREATE TABLE group_document (
+    rid TEXT PRIMARY KEY NOT NULL,
+    body {blob} NOT NULL
+);
+INSERT INTO group_document (rid, body)
+    SELECT i.rid, i.body FROM cid_index i WHERE i.id = (
+        SELECT min(j.id) FROM cid_index j WHERE j.rid = i.rid AND j.body IS NOT NULL);
+ALTER TABLE cid_index DROP COLUMN body;
+"""
+
+
+def _v15(conn: Connection) -> None:
+    executescript_in_txn(conn, _GROUP_DOCUMENT.format(blob="BLOB"))
+
+
+def _pg_v11(conn: Connection) -> None:
+    executescript_in_txn(conn, _GROUP_DOCUMENT.format(blob="BYTEA"))
+
+
 def _fill_words(conn: Connection) -> None:
     """Each library row's `words`, from its title and name (`library_words`)."""
     rows = [LibraryRow(*r) for r in conn.execute(f"SELECT {_LIBRARY_COLUMNS} FROM library l")]
@@ -438,6 +471,7 @@ MIGRATIONS: Sequence[Migration] = (
     _v12,
     _v13,
     _v14,
+    _v15,
 )
 
 # The same schema on PostgreSQL (docs/scale-out.md): SQLite's v6 tables and columns with
@@ -723,6 +757,7 @@ PG_MIGRATIONS: Sequence[Migration] = (
     _pg_v8,
     _pg_v9,
     _pg_v10,
+    _pg_v11,
 )
 
 
@@ -956,6 +991,7 @@ def drop(cache: Connection, rid: str) -> list[Event]:
     old = record_rows(cache, rid)
     cache.execute("DELETE FROM records WHERE rid = ?", (rid,))
     cache.execute("DELETE FROM cid_index WHERE rid = ?", (rid,))
+    cache.execute("DELETE FROM group_document WHERE rid = ?", (rid,))
     cache.execute("DELETE FROM library WHERE rid = ?", (rid,))
     return [Event(rid, "del", key, None) for key in sorted(old)]
 
@@ -1036,20 +1072,20 @@ def library_words(row: LibraryRow) -> str:
 def group_parts(
     cache: Connection, rids: Sequence[str]
 ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-    """(rid → its CIDs, rid → its local file paths) of `rids`, in one statement."""
-    members: dict[str, list[str]] = {}
+    """(rid → its CIDs, rid → its local file paths) of `rids`, in one statement. A CID is
+    listed once however many files it has: kept in a dict (ordered, each test O(1)), as a
+    list's `in` made reading a group of N CIDs cost N² (2,000 CIDs: 25 ms a write into it)."""
+    members: dict[str, dict[str, None]] = {}
     paths: dict[str, list[str]] = {}
     for rid, cid, path in cache.execute(
         "SELECT i.rid, i.cid, f.path FROM cid_index i LEFT JOIN local_file f "
         "ON f.midhash = i.cid WHERE i.rid IN (SELECT value FROM json_each(?))",
         (json_array(rids),),
     ):
-        cids = members.setdefault(rid, [])
-        if cid not in cids:  # once per CID, however many files it has
-            cids.append(cid)
+        members.setdefault(rid, {})[cid] = None
         if path is not None:
             paths.setdefault(rid, []).append(path)
-    return members, paths
+    return {rid: list(cids) for rid, cids in members.items()}, paths
 
 
 # -- the rendered documents (GET /api/meta/{cid}) ------------------------------------------------
@@ -1080,17 +1116,6 @@ def splice(asked: str, rest: bytes) -> bytes:
     return b'{"cid":' + render(asked) + b"," + rest[1:]
 
 
-def _rendered(
-    members: Mapping[str, Sequence[str]],
-    records: Mapping[str, Mapping[str, str]],
-    paths: Mapping[str, Sequence[str]],
-) -> Iterator[tuple[str, str, bytes]]:
-    """(cid, rid, document rest) for each CID of each group of `members` (rid → CIDs)."""
-    for rid, cids in members.items():
-        rest = render_rest(cids, records.get(rid, {}), paths.get(rid, ()))
-        yield from ((cid, rid, rest) for cid in cids)
-
-
 def render_documents(
     cache: Connection,
     members: Mapping[str, Sequence[str]],
@@ -1099,23 +1124,25 @@ def render_documents(
     *,
     index: bool = False,
 ) -> None:
-    """Store the rendered document of each group of `members` (rid → CIDs) under each of its
-    CIDs, in its `cid_index` row (so a CID's document leaves with it, `drop`); an unchanged row
-    is not rewritten. `index`: the groups' CIDs may be new to the index or come from another
-    group, so each CID's row (its rid, its document) is written in one upsert, rather than
-    indexed by one statement and rendered by another."""
-    rendered = _rendered(members, records, paths)
+    """Store the rendered document of each group of `members` (rid → CIDs) once, in its
+    `group_document` row (a group of no CIDs has none); an unchanged one is not rewritten. A
+    write into a group of N CIDs writes one document, not N (schema v15). `index`: the groups'
+    CIDs may be new to the index or come from another group, so each CID's index row is
+    upserted too (written only where its rid changed)."""
     if index:
         cache.executemany(
-            "INSERT INTO cid_index (cid, rid, body) VALUES (?, ?, ?) ON CONFLICT (cid) "
-            "DO UPDATE SET rid = excluded.rid, body = excluded.body WHERE "
-            "(cid_index.rid, cid_index.body) IS DISTINCT FROM (excluded.rid, excluded.body)",
-            list(rendered),
+            "INSERT INTO cid_index (cid, rid) VALUES (?, ?) ON CONFLICT (cid) "
+            "DO UPDATE SET rid = excluded.rid WHERE cid_index.rid <> excluded.rid",
+            [(cid, rid) for rid, cids in members.items() for cid in cids],
         )
-        return
     cache.executemany(
-        "UPDATE cid_index SET body = ? WHERE cid = ? AND body IS DISTINCT FROM ?",
-        [(rest, cid, rest) for cid, _, rest in rendered],
+        "INSERT INTO group_document (rid, body) VALUES (?, ?) ON CONFLICT (rid) "
+        "DO UPDATE SET body = excluded.body WHERE group_document.body <> excluded.body",
+        [
+            (rid, render_rest(cids, records.get(rid, {}), paths.get(rid, ())))
+            for rid, cids in members.items()
+            if cids
+        ],
     )
 
 
@@ -1125,8 +1152,11 @@ def data_version(conn: Connection) -> int:
 
 def rendered(conn: Connection, cid: str) -> bytes | None:
     """The stored document rest of CID `cid` (this exact spelling), or None."""
-    row = conn.execute("SELECT body FROM cid_index WHERE cid = ?", (cid,)).fetchone()
-    return None if row is None or row[0] is None else bytes(row[0])
+    row = conn.execute(
+        "SELECT d.body FROM cid_index i JOIN group_document d ON d.rid = i.rid WHERE i.cid = ?",
+        (cid,),
+    ).fetchone()
+    return None if row is None else bytes(row[0])
 
 
 # -- the applier's transaction ------------------------------------------------------------------
@@ -1322,6 +1352,7 @@ def build_txn(cache: Connection, source: TruthSource, clock: Clock = now_ms) -> 
     cache.execute("DELETE FROM state WHERE name LIKE ? OR name = ?", (REPLAN + "%", LOST))
     cache.execute("DELETE FROM records")
     cache.execute("DELETE FROM cid_index")
+    cache.execute("DELETE FROM group_document")
     cache.execute("DELETE FROM feed")
     cache.execute("DELETE FROM library")
     whole = Scope(whole=True)
@@ -2166,7 +2197,7 @@ def diff(live: Connection, fresh: Connection) -> list[str]:
             1,
             "SELECT rid, title, name, year, type, files, words FROM library ORDER BY rid",
         ),
-        ("documents", 1, "SELECT cid, body FROM cid_index ORDER BY cid"),
+        ("documents", 1, "SELECT rid, body FROM group_document ORDER BY rid"),
     ):
         only_live, only_fresh = differences(live.execute(sql), fresh.execute(sql), key)
         out += [f"{table}: only in live cache: {row}" for row in only_live]

@@ -103,7 +103,7 @@ async def test_check_finds_a_tampered_document(
     await post(client, linker.claim(A, "title", "truth"))
     assert check(node.settings, tmp_path / "fresh.db").clean
     await node.cache.writer.run(
-        lambda conn: conn.execute("UPDATE cid_index SET body = ?", (b"{}",))
+        lambda conn: conn.execute("UPDATE group_document SET body = ?", (b"{}",))
     )
     report = check(node.settings, tmp_path / "scratch.db")
     assert not report.clean
@@ -146,12 +146,32 @@ def test_the_v7_migration_moves_each_stored_document_into_its_index_row(tmp_path
             f"INSERT INTO cid_index VALUES ('{A}', '{rid}'), ('{B}', '{rid}');"
             f"INSERT INTO documents VALUES ('{A}', X'7B2261227D'), ('{B}', X'7B2262227D');"
         )
-        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS)
-        assert cache.rendered(conn, A) == b'{"a"}'
-        assert cache.rendered(conn, B) == b'{"b"}'
+        assert db.migrate(conn, cache.MIGRATIONS[:7]) == 7
+        bodies = dict(conn.execute("SELECT cid, body FROM cid_index"))
+        assert bodies == {A: b'{"a"}', B: b'{"b"}'}
         assert cache.lookup(conn, B) == rid
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
         assert "documents" not in tables
+    finally:
+        conn.close()
+
+
+def test_the_v15_migration_keeps_one_document_a_group(tmp_path: Path) -> None:
+    """A v14 cache's documents, one a CID, become one a group (its first row's, carried over
+    as it is): every CID of the group is answered it, and `cid_index` keeps no body."""
+    rid, other = "01M8T1AD8YE3198EENNAK7KT12", "01M8T1AD8YE3198EENNAK7KT13"
+    conn = db.connect(tmp_path / "cache.db")
+    try:
+        db.migrate(conn, cache.MIGRATIONS[:14])
+        conn.executescript(
+            f"INSERT INTO cid_index (cid, rid, body) VALUES ('{A}', '{rid}', X'7B2261227D'),"
+            f"('{B}', '{rid}', X'7B2261227D'), ('{C}', '{other}', X'7B2263227D');"
+        )
+        assert db.migrate(conn, cache.MIGRATIONS) == len(cache.MIGRATIONS)
+        assert [cache.rendered(conn, cid) for cid in (A, B, C)] == [b'{"a"}', b'{"a"}', b'{"c"}']
+        assert conn.execute("SELECT count(*) FROM group_document").fetchone()[0] == 2
+        columns = {r[1] for r in conn.execute("PRAGMA table_info(cid_index)")}
+        assert "body" not in columns
     finally:
         conn.close()
 
