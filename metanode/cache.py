@@ -1765,6 +1765,16 @@ def due_runs(
     ]
 
 
+def still_pending(conn: Connection, run: PluginRun) -> bool:
+    """Whether `run` is pending as it was picked (neither finished nor queued again since)."""
+    row = conn.execute(
+        "SELECT 1 FROM plugin_runs WHERE plugin = ? AND version = ? AND midhash = ? "
+        "AND status = 'pending' AND updated_at = ?",
+        (run.plugin, run.version, run.midhash, run.updated_at),
+    ).fetchone()
+    return row is not None
+
+
 def file_of(conn: Connection, midhash: str) -> tuple[str, str, int, int] | None:
     """(midhash, first path, size, mtime_ns) of a local copy of this content, if any."""
     row = conn.execute(
@@ -2450,6 +2460,10 @@ class CacheStore(Store):
     @mapped
     def due_runs(self, plugin: str, version: str, limit: int) -> list[PluginRun]:
         return due_runs(self.conn, plugin, version, self._clock(), limit)
+
+    @mapped
+    def still_pending(self, run: PluginRun) -> bool:
+        return still_pending(self.conn, run)
 
     @mapped
     def file_of(self, midhash: str) -> tuple[str, str, int, int] | None:

@@ -873,6 +873,47 @@ async def test_a_run_the_process_ended_during_is_charged_its_attempt_at_the_next
     assert run_of(node, again, midhash) == Run("done", 2, None)
 
 
+async def test_a_backlog_writes_the_running_file_once_a_run(harness: Harness) -> None:
+    """`plugins-running` was written (a file and a rename, on a thread) as each run started
+    and again as it ended: two writes a run, for a run's end that the next start's write says
+    anyway. It is written as a run starts, and once no run is left."""
+    files = 30
+    midhashes = [harness.drop(f"f{n}.bin", f"file {n}".encode())[1] for n in range(files)]
+    quick = probe("quick", claim("quick", "yes"))
+    node = await harness.start([quick], plugin_workers=1)
+    for midhash in midhashes:
+        await until(finished(node, quick, midhash), f"quick done on {midhash}")
+    assert node.plugin_host is not None
+    flight = node.settings.plugins_running_path
+    await until(lambda: flight.read_text() == "", "no run named once none is left")
+    writes = node.plugin_host._in_flight.writes
+    assert len(quick.calls) == files
+    # one a run, one at the start (the charge of runs interrupted), and one each time the
+    # queue ran dry while the watcher's batches came in: 2 × files + 1 before
+    assert files < writes <= files + 6, writes
+
+
+async def test_a_running_file_naming_a_run_that_ended_charges_nothing(
+    harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The file names a run that ended until the next one starts: a process that dies then
+    leaves it naming a run done. The next start neither charges it nor says it was
+    interrupted."""
+    _, midhash = harness.drop("p.bin", b"done before the end")
+    quick = probe("quick", claim("quick", "yes"))
+    node = await harness.start([quick])
+    await until(finished(node, quick, midhash), "quick done")
+    await harness.stop(node)
+    flight = node.settings.plugins_running_path
+    flight.write_text(json.dumps(["quick", "1", midhash, 0, 1]) + "\n")  # as it was picked
+    with caplog.at_level(logging.WARNING, logger="metanode.plugins"):
+        node = await harness.start([probe("quick", claim("quick", "again"))])
+        await until(lambda: flight.read_text() == "", "the file read and emptied")
+    assert run_of(node, quick, midhash) == Run("done", 1, None)
+    assert plugins.INTERRUPTED not in caplog.text
+    assert metadata(node, midhash)["quick"] == "yes"
+
+
 @pytest.mark.parametrize(
     ("key", "slug"),
     [

@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import random
+import signal
+import sqlite3
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -356,6 +358,82 @@ def test_a_plugin_that_ends_the_process_on_a_file_fails_there_and_the_node_stays
         ]  # fmt: skip
         assert "plugin crasher on " in server.log_text()
         assert server.proc.poll() is None
+
+
+def test_a_node_killed_mid_backlog_ends_with_every_claim_once_and_redoes_only_its_runs_in_flight(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL with the plugins' backlog half done, then a start: every file ends with every
+    plugin's claim, each run done once more at most if it was in flight at the kill (charged
+    the attempt it died in), none of those done before it redone."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(
+        site,
+        "tagger",
+        "tagger",
+        "import pathlib, time\n"
+        "gate = pathlib.Path(file.root).parent / 'gate'\n"
+        "while 'late' in file.path and gate.exists():\n"
+        "    time.sleep(0.05)\n"
+        "register(file.cid, 'tagger', file.in_root)",
+    )
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    env = {"PYTHONPATH": path, "METANODE_PLUGINS_DISABLED": "filename,fullhash,mediainfo"}
+    gate = tmp_path / "gate"
+    gate.write_text("holds the late files' runs")
+    with plugins_server(tmp_path / "data", **env) as server:
+        names = [f"early{n:02d}.bin" for n in range(30)] + [f"late{n}.bin" for n in range(5)]
+        for name in names:
+            drop(server, name, random_bytes(name, 2000))
+        every = {"fileinfo": 35, "nfo": 35, "tagger": 35}
+        held = {"fileinfo": 35, "nfo": 35}  # and a run of tagger's held on a late file
+        poll(
+            lambda: (running(server, "tagger") and held.items() <= done(server).items()) or None,
+            "held",
+        )
+        before = plugin_runs(server)
+        assert server.stop(signal.SIGKILL) == -signal.SIGKILL
+        gate.unlink()
+        server.start()
+        poll(lambda: done(server) == every or None, "every run done after the restart")
+        claims = sqlite3.connect(f"file:{server.data_dir / 'truth.db'}?mode=ro", uri=True)
+        tagged = dict(
+            claims.execute(
+                "SELECT c.value, count(*) FROM claims c JOIN signers s ON s.uid = c.uid "
+                "WHERE s.name = 'plugin:tagger' GROUP BY c.value"
+            ).fetchall()
+        )
+        claims.close()
+        assert tagged == dict.fromkeys(names, 1)
+        after = plugin_runs(server)
+        assert {status for status, _ in after.values()} == {"done"}
+        again = {run for run, (_, attempts) in after.items() if attempts > 1}
+        assert len(again) == 1, again  # tagger's run in flight (plugin_workers 1)
+        assert all(before[run][0] == "pending" for run in again)  # none done before the kill
+        assert all(attempts == 1 for run, (_, attempts) in after.items() if run not in again)
+
+
+def done(server: Server) -> dict[str, int]:
+    """Each plugin's runs done, as `GET /api/plugins` counts them."""
+    listed = httpx.get(f"{server.url}/api/plugins", headers=server.headers, timeout=30)
+    return {p["name"]: p["runs"]["done"] for p in listed.json()["plugins"]}
+
+
+def running(server: Server, name: str) -> bool:
+    """Whether a run of plugin `name` is going on now."""
+    listed = httpx.get(f"{server.url}/api/plugins", headers=server.headers, timeout=30)
+    return bool({p["name"]: p for p in listed.json()["plugins"]}[name]["running"])
+
+
+def plugin_runs(server: Server) -> dict[tuple[str, str], tuple[str, int]]:
+    """(plugin, midhash) → (status, attempts) of every run in cache.db."""
+    conn = sqlite3.connect(f"file:{server.data_dir / 'cache.db'}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT plugin, midhash, status, attempts FROM plugin_runs")
+        return {(plugin, midhash): (status, attempts) for plugin, midhash, status, attempts in rows}
+    finally:
+        conn.close()
 
 
 def waiting_for_a_reader(pid: int) -> bool:

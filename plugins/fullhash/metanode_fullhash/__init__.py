@@ -29,7 +29,7 @@ from metanode_fullhash.ipfs import CHUNK, Builder
 
 __all__ = ["Digests", "FullHash", "hash_file"]
 
-BLOCK = 16 * CHUNK  # 4 MiB reads, two buffers: bounded memory, few syscalls
+BLOCK: int = 16 * CHUNK  # 4 MiB reads, two buffers: bounded memory, few syscalls
 
 
 class ContentChanged(Exception):
@@ -56,10 +56,10 @@ def hash_file(path: str) -> Digests:
     sha = hashlib.sha256()
     b3 = blake3.blake3()
     dag = Builder()
-    buffers = (bytearray(BLOCK), bytearray(BLOCK))
-    views = tuple(memoryview(buffer) for buffer in buffers)
     with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(2) as pool:
         size = os.fstat(f.fileno()).st_size
+        buffers = (bytearray(buffer_size(size)), bytearray(buffer_size(size)))
+        views = tuple(memoryview(buffer) for buffer in buffers)
         start = cids.midhash_offset(size)
         sample = bytearray()
         want = min(size, cids.MIDHASH_SAMPLE)
@@ -88,6 +88,15 @@ def hash_file(path: str) -> Digests:
         blake3=cids.encode(cids.RAW, cids.BLAKE3, b3.digest()),
         ipfs=dag.finish(),
     )
+
+
+def buffer_size(size: int) -> int:
+    """The read buffers' size for a file of `size` bytes: a `BLOCK`, or the file if smaller.
+    Two 4 MiB buffers made (zeroed) for every file took 4 to 6 ms of a 2 KB file's run, holding
+    the GIL, the plugin host's loop and the other plugins' threads waiting
+    (docs/benchmarks.md, "Plugin backlog"); a file that grew is still read whole, a buffer
+    at a time."""
+    return max(1, min(BLOCK, size))
 
 
 class FullHash(Plugin):
