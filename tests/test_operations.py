@@ -354,7 +354,9 @@ def test_backup_names_within_one_second_never_meet(
         ("truth-20261201T000624Z-2.db", "keys-20261201T000624Z-2"),
         ("truth-20261201T000624Z-4.db", "keys-20261201T000624Z-4"),
     ]
-    assert all(copy.is_file() and copy.stat().st_mode & 0o777 == 0o600 for copy, _ in names)
+    reserved = [copy.with_name(copy.name + ".partial") for copy, _ in names]
+    assert all(p.is_file() and p.stat().st_mode & 0o777 == 0o600 for p in reserved)
+    assert not any(copy.exists() for copy, _ in names)  # the name of a whole backup only
 
 
 def test_two_backups_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> None:
@@ -379,6 +381,39 @@ def test_two_backups_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> 
     pipe = data / "keys" / "a-pipe"
     assert done.stderr.splitlines()[-1] == f"error: file_failed: `{pipe}` is a named pipe"
     assert list((tmp_path / "bad").iterdir()) == []
+
+
+def test_a_backup_killed_mid_way_leaves_no_truth_copy_under_a_backup_name(tmp_path: Path) -> None:
+    """`backup` wrote its copy under its final name, `truth-<stamp>.db`, from the start: killed
+    mid-way (SIGKILL, a power loss) it left an empty or half-written file that looked like the
+    newest backup (to `ls -t`, to a rotation script keeping the last N) and that `restore`
+    refused. Now the copy is written as `truth-<stamp>.db.partial` and renamed once whole.
+    Held here mid-way deterministically: the truth is locked, so the copy waits for it."""
+    data, into = tmp_path / "data", tmp_path / "bk"
+    cli("init", "--data-dir", str(data))
+    lock = sqlite3.connect(data / "truth.db", isolation_level=None)
+    lock.execute("PRAGMA locking_mode=EXCLUSIVE")
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        backup = subprocess.Popen(
+            [sys.executable, "-m", "metanode", "backup", str(into), "--data-dir", str(data)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        poll(lambda: True if into.is_dir() and any(into.iterdir()) else None, "the backup begun")
+        assert backup.poll() is None, "the backup did not wait for the locked truth"
+        backup.kill()
+        backup.wait()
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    left = sorted(p.name for p in into.iterdir())
+    assert left and all(name.endswith(".partial") for name in left), left
+    whole = Path(cli("backup", str(into), "--data-dir", str(data)).stdout.strip())
+    assert whole.is_file() and not whole.name.endswith(".partial")
+    restored = tmp_path / "restored"
+    cli("restore", str(whole), "--data-dir", str(restored))
+    assert (restored / "truth.db").is_file()
 
 
 def test_backup_copies_the_truth_as_it_is_and_a_newer_schema_is_refused_in_words(
