@@ -486,6 +486,80 @@ def test_a_newer_cache_is_named_and_building_it_anew_keeps_every_claim(tmp_path:
     )
 
 
+class _HeldMidway(list[str]):
+    """The truth's rids, holding the rebuild that reads them at its second chunk: `midway` is
+    set there, and the rebuild goes on once `resume` is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.midway, self.resume = threading.Event(), threading.Event()
+
+    def filled(self, rids: list[str]) -> _HeldMidway:
+        self[:] = rids
+        return self
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice) and index.start:
+            self.midway.set()
+            self.resume.wait()
+        return super().__getitem__(index)
+
+
+def test_ctrl_c_stops_a_rebuild_and_keeps_the_cache_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C of `rebuild-cache` (or of `check`'s fresh rebuild) waited for the rebuild, one
+    transaction on the writer's thread, to run to its end (26 s on a busy box of 340,000
+    changes), and then said `error: interrupted`, exit 130: the cache rebuilt all the same, a
+    new epoch and a gap for every feed reader. Now the rebuild stops at its next chunk and
+    rolls back. Held at its second chunk here, the Ctrl-C sent to the waiting thread."""
+    data = tmp_path / "data"
+    cli("init", "--data-dir", str(data))
+    signer, lines = Signer(), tmp_path / "claims.jsonl"
+    made = fast_claims(
+        signer, [(cids.midhash_bytes(f"c{n}".encode()), "title", f"t{n}", NOW_MS) for n in range(6)]
+    )
+    lines.write_text("".join(json.dumps(c) + "\n" for c in made))
+    cli("import", str(lines), "--register-signers", "--data-dir", str(data))
+    monkeypatch.setattr(cache, "CHUNK", 2)
+    rids = _HeldMidway()
+    real = truth.active_rids
+    monkeypatch.setattr(truth, "active_rids", lambda conn: rids.filled(real(conn)))
+
+    def interrupt() -> None:
+        rids.midway.wait()
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        try:
+            poll(lambda: True if _waiting_out_the_rebuild() else None, "the Ctrl-C taken")
+        finally:  # else the rebuild runs to its end, as it did before
+            rids.resume.set()
+
+    settings = settings_for(data)
+    with (
+        truth.TruthStore.configured(settings).open() as source,
+        cache.CacheStore.configured(settings).open() as store,
+    ):
+        before = (store.state(), store.conn.execute("SELECT * FROM records").fetchall())
+        helper = threading.Thread(target=interrupt)
+        helper.start()
+        with pytest.raises(KeyboardInterrupt):
+            store.build_sync(source)
+        helper.join()
+    with cache.CacheStore.configured(settings).open() as store:  # the rebuild over, either way
+        after = (store.state(), store.conn.execute("SELECT * FROM records").fetchall())
+    assert len(before[1]) >= 6 and after == before
+
+
+def _waiting_out_the_rebuild() -> bool:
+    """The main thread took the Ctrl-C and waits for the rebuild to roll back."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and "concurrent" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:
     server = Server(tmp_path / "data").start()
     signer = Signer()
