@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -1339,14 +1340,25 @@ def prune_feed_txn(cache: Connection, keep_events: int, older_than_ms: int) -> i
     return cursor.rowcount
 
 
-def build_txn(cache: Connection, source: TruthSource, clock: Clock = now_ms) -> State:
+class BuildStopped(Exception):
+    """A rebuild given up between two chunks (`build_txn`'s `stop`): its transaction rolls
+    back, the cache as it was."""
+
+
+def build_txn(
+    cache: Connection,
+    source: TruthSource,
+    clock: Clock = now_ms,
+    stop: threading.Event | None = None,
+) -> State:
     """Recompute every record from the truth under a new epoch (create, rebuild, or repair).
 
     Local files are kept: they are facts about the disk, not derived from the truth. The feed
     starts again empty under the new epoch, so old cursors get `gap` and a snapshot. Records are
     recomputed a chunk at a time and their events dropped, so memory stays bounded. A replan
     under way ends: every record is recomputed. So does the mark of commits lost to a restart
-    of the machine (`LOST`): the records, the feed and its epoch are made anew.
+    of the machine (`LOST`): the records, the feed and its epoch are made anew. `stop`, once
+    set, gives it up at the next chunk (`BuildStopped`): a Ctrl-C of `rebuild-cache` or `check`.
     """
     old = read_state(cache)
     cache.execute("DELETE FROM state WHERE name LIKE ? OR name = ?", (REPLAN + "%", LOST))
@@ -1359,6 +1371,8 @@ def build_txn(cache: Connection, source: TruthSource, clock: Clock = now_ms) -> 
     with source.snapshot() as view:
         seq = view.max_seq()
         for chunk in _chunks(view.active_rids()):
+            if stop is not None and stop.is_set():
+                raise BuildStopped("the rebuild was stopped; nothing of it was kept")
             refresh(cache, view, dict.fromkeys(chunk, whole))
     state = State(
         epoch=max(clock(), old.epoch + 1),
@@ -2400,8 +2414,19 @@ class CacheStore(Store):
 
     def build_sync(self, source: TruthSource, files: Sequence[merge.LocalFile] = ()) -> State:
         """`build`, first inserting `files` as local_file rows (`check`'s fresh rebuild into an
-        empty cache), in the same transaction."""
-        return self.writer.run_sync(_build_with_files, source, files, self._clock)
+        empty cache), in the same transaction. A Ctrl-C while it runs (the command line's: the
+        caller waits here) stops the rebuild at its next chunk and rolls it back before the
+        KeyboardInterrupt goes on: it ran to its end behind `error: interrupted`, up to a
+        minute on a large box, the cache rebuilt (a new epoch, a gap for every feed reader)
+        after the operator was told it was not."""
+        stop = threading.Event()
+        future = self.writer.submit(_build_with_files, source, files, self._clock, stop)
+        try:
+            return future.result()
+        except KeyboardInterrupt:
+            stop.set()
+            concurrent.futures.wait([future])
+            raise
 
     async def apply_local(
         self, source: TruthSource, files: Sequence[merge.LocalFile], removals: Sequence[str]
@@ -2649,10 +2674,14 @@ class CacheStore(Store):
 
 
 def _build_with_files(
-    cache: Connection, source: TruthSource, files: Sequence[merge.LocalFile], clock: Clock
+    cache: Connection,
+    source: TruthSource,
+    files: Sequence[merge.LocalFile],
+    clock: Clock,
+    stop: threading.Event,
 ) -> State:
     put_local_files(cache, files)
-    return build_txn(cache, source, clock)
+    return build_txn(cache, source, clock, stop)
 
 
 def _nothing(cache: Connection) -> None:

@@ -516,10 +516,11 @@ def backup(settings: Settings, target: Path) -> BackedUp:
     taken before an upgrade must still open in the version before."""
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
     copy, keys = _backup_names(target, "pgdump" if settings.postgresql else "db")
+    partial = _partial(copy)
     folders, names = _folders_beside(copy), _webdav_names_beside(copy)
     damaged = ""
     try:
-        _copy_truth_into(settings, copy)
+        _copy_truth_into(settings, partial)
         if settings.keys_dir.is_dir():
             shutil.copytree(settings.keys_dir, keys)
         try:
@@ -532,25 +533,38 @@ def backup(settings: Settings, target: Path) -> BackedUp:
         if any(kept):
             watchroots.write_names(names, *kept)
     except BaseException:  # all of it or nothing: never a truth copy without its keys
-        copy.unlink(missing_ok=True)
+        partial.unlink(missing_ok=True)
         shutil.rmtree(keys, ignore_errors=True)
         folders.unlink(missing_ok=True)
         names.unlink(missing_ok=True)
         raise
+    partial.rename(copy)  # the last step: a truth-<stamp> file is a whole backup
     return BackedUp(copy, damaged)
 
 
+def _partial(copy: Path) -> Path:
+    """Where the truth's copy is written until the backup is whole: a SIGKILL (or power loss)
+    mid-way leaves this name, never a `truth-<stamp>.db` that looks like the newest backup
+    to a rotation script or an operator and is refused by `restore`."""
+    return copy.with_name(copy.name + ".partial")
+
+
 def _backup_names(target: Path, suffix: str) -> tuple[Path, Path]:
-    """`truth-<UTC stamp>.<suffix>` (made here, empty, 0600) and `keys-<stamp>` in `target`,
-    neither there before: a second backup within the same second is `<stamp>-2`, and so on."""
+    """`truth-<UTC stamp>.<suffix>` and `keys-<stamp>` in `target`, none there before, nor a
+    `.partial` of the first (made here, empty, 0600: the copy is written into it, and renamed
+    once whole): a second backup within the same second is `<stamp>-2`, and so on, past the
+    leftovers of one that was killed."""
     for tag in _stamps():
         copy, keys = target / f"truth-{tag}.{suffix}", target / f"keys-{tag}"
-        if keys.exists():
+        if keys.exists() or copy.exists():
             continue
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            os.close(os.open(copy, flags, datadir.FILE_MODE))
+            os.close(os.open(_partial(copy), flags, datadir.FILE_MODE))
         except FileExistsError:
+            continue
+        if copy.exists():  # a backup of the same second renamed its copy in between
+            _partial(copy).unlink()
             continue
         return copy, keys
     raise AssertionError("_stamps never ends")

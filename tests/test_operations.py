@@ -354,7 +354,9 @@ def test_backup_names_within_one_second_never_meet(
         ("truth-20261201T000624Z-2.db", "keys-20261201T000624Z-2"),
         ("truth-20261201T000624Z-4.db", "keys-20261201T000624Z-4"),
     ]
-    assert all(copy.is_file() and copy.stat().st_mode & 0o777 == 0o600 for copy, _ in names)
+    reserved = [copy.with_name(copy.name + ".partial") for copy, _ in names]
+    assert all(p.is_file() and p.stat().st_mode & 0o777 == 0o600 for p in reserved)
+    assert not any(copy.exists() for copy, _ in names)  # the name of a whole backup only
 
 
 def test_two_backups_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> None:
@@ -379,6 +381,39 @@ def test_two_backups_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> 
     pipe = data / "keys" / "a-pipe"
     assert done.stderr.splitlines()[-1] == f"error: file_failed: `{pipe}` is a named pipe"
     assert list((tmp_path / "bad").iterdir()) == []
+
+
+def test_a_backup_killed_mid_way_leaves_no_truth_copy_under_a_backup_name(tmp_path: Path) -> None:
+    """`backup` wrote its copy under its final name, `truth-<stamp>.db`, from the start: killed
+    mid-way (SIGKILL, a power loss) it left an empty or half-written file that looked like the
+    newest backup (to `ls -t`, to a rotation script keeping the last N) and that `restore`
+    refused. Now the copy is written as `truth-<stamp>.db.partial` and renamed once whole.
+    Held here mid-way deterministically: the truth is locked, so the copy waits for it."""
+    data, into = tmp_path / "data", tmp_path / "bk"
+    cli("init", "--data-dir", str(data))
+    lock = sqlite3.connect(data / "truth.db", isolation_level=None)
+    lock.execute("PRAGMA locking_mode=EXCLUSIVE")
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        backup = subprocess.Popen(
+            [sys.executable, "-m", "metanode", "backup", str(into), "--data-dir", str(data)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        poll(lambda: True if into.is_dir() and any(into.iterdir()) else None, "the backup begun")
+        assert backup.poll() is None, "the backup did not wait for the locked truth"
+        backup.kill()
+        backup.wait()
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    left = sorted(p.name for p in into.iterdir())
+    assert left and all(name.endswith(".partial") for name in left), left
+    whole = Path(cli("backup", str(into), "--data-dir", str(data)).stdout.strip())
+    assert whole.is_file() and not whole.name.endswith(".partial")
+    restored = tmp_path / "restored"
+    cli("restore", str(whole), "--data-dir", str(restored))
+    assert (restored / "truth.db").is_file()
 
 
 def test_backup_copies_the_truth_as_it_is_and_a_newer_schema_is_refused_in_words(
@@ -449,6 +484,80 @@ def test_a_newer_cache_is_named_and_building_it_anew_keeps_every_claim(tmp_path:
     assert sorted(json.loads(line)["value"] for line in exported.splitlines()) == sorted(
         c["value"] for c in claims
     )
+
+
+class _HeldMidway(list[str]):
+    """The truth's rids, holding the rebuild that reads them at its second chunk: `midway` is
+    set there, and the rebuild goes on once `resume` is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.midway, self.resume = threading.Event(), threading.Event()
+
+    def filled(self, rids: list[str]) -> _HeldMidway:
+        self[:] = rids
+        return self
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice) and index.start:
+            self.midway.set()
+            self.resume.wait()
+        return super().__getitem__(index)
+
+
+def test_ctrl_c_stops_a_rebuild_and_keeps_the_cache_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C of `rebuild-cache` (or of `check`'s fresh rebuild) waited for the rebuild, one
+    transaction on the writer's thread, to run to its end (26 s on a busy box of 340,000
+    changes), and then said `error: interrupted`, exit 130: the cache rebuilt all the same, a
+    new epoch and a gap for every feed reader. Now the rebuild stops at its next chunk and
+    rolls back. Held at its second chunk here, the Ctrl-C sent to the waiting thread."""
+    data = tmp_path / "data"
+    cli("init", "--data-dir", str(data))
+    signer, lines = Signer(), tmp_path / "claims.jsonl"
+    made = fast_claims(
+        signer, [(cids.midhash_bytes(f"c{n}".encode()), "title", f"t{n}", NOW_MS) for n in range(6)]
+    )
+    lines.write_text("".join(json.dumps(c) + "\n" for c in made))
+    cli("import", str(lines), "--register-signers", "--data-dir", str(data))
+    monkeypatch.setattr(cache, "CHUNK", 2)
+    rids = _HeldMidway()
+    real = truth.active_rids
+    monkeypatch.setattr(truth, "active_rids", lambda conn: rids.filled(real(conn)))
+
+    def interrupt() -> None:
+        rids.midway.wait()
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        try:
+            poll(lambda: True if _waiting_out_the_rebuild() else None, "the Ctrl-C taken")
+        finally:  # else the rebuild runs to its end, as it did before
+            rids.resume.set()
+
+    settings = settings_for(data)
+    with (
+        truth.TruthStore.configured(settings).open() as source,
+        cache.CacheStore.configured(settings).open() as store,
+    ):
+        before = (store.state(), store.conn.execute("SELECT * FROM records").fetchall())
+        helper = threading.Thread(target=interrupt)
+        helper.start()
+        with pytest.raises(KeyboardInterrupt):
+            store.build_sync(source)
+        helper.join()
+    with cache.CacheStore.configured(settings).open() as store:  # the rebuild over, either way
+        after = (store.state(), store.conn.execute("SELECT * FROM records").fetchall())
+    assert len(before[1]) >= 6 and after == before
+
+
+def _waiting_out_the_rebuild() -> bool:
+    """The main thread took the Ctrl-C and waits for the rebuild to roll back."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == "wait" and "concurrent" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def test_backup_during_ingest_is_consistent(tmp_path: Path) -> None:
