@@ -19,6 +19,9 @@ statements keep their SQLite meaning:
 
 A connection whose server went away reconnects at its next statement outside a transaction, so
 a writer thread recovers by itself once the server is back (its probe is such a statement).
+A server that stops answering without closing anything (frozen) is found by a connection's
+`Watchdog` and known to every connection of the process (`Server`) until a probe finds it
+answering again.
 Failures are typed by SQLSTATE (`storage_error`): an unreachable server or a connection lost is
 `StorageUnavailable` (retryable, 503), never a 500.
 
@@ -583,11 +586,14 @@ class Connection:
     goes back to its pool). `on_loop` (the event loop's read connection, `db.Store`): a
     statement is cut off after `Target.stall_s` (`Watchdog`), and a dropped connection is
     made again on a thread of its own, never on the loop (`_reconnected`): a server that does
-    not answer stalls the node's requests for at most that long once, not for ever. A
-    writing connection (not `readonly`: the stores' writers) has the same, its statement cut
+    not answer stalls the node's requests for at most that long once, not for ever. Any
+    other connection (the stores' writers, the pool's reads) has the same, its statement cut
     off once the server is found not to answer (`Watchdog`'s `alive`): a write sent to a
-    frozen server fails `storage_unavailable` within `stall_s` and a connect timeout, and
-    the writes after it at once, while its connection is made again off its thread."""
+    frozen server fails `storage_unavailable` within `stall_s` and a connect timeout. What
+    one connection finds, every connection of the process to that server knows (`Server`):
+    a statement outside a transaction is refused before it is sent while the server is
+    stalled (the loop's while it is merely suspect), so a freeze is found once, not once
+    per connection."""
 
     def __init__(
         self,

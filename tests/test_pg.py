@@ -686,7 +686,8 @@ async def test_a_server_that_stops_answering_never_holds_the_event_loop(
             again = await client.get(f"/api/meta/{claim['cid']}")
             assert again.status_code == 503 and "nothing is sent" in again.json()["message"]
             assert again.headers["retry-after"] == "1"
-            assert probing()  # the server is asked whether it answers again, off the loop
+            # the server is asked whether it answers again, off the loop
+            await until(probing, "the probe of the server")
             assert (await client.get("/openapi.json")).status_code == 200
         finally:
             safety.cancel()
