@@ -110,7 +110,9 @@ class Settings:
         "it is looked into. A read of the event loop is then given up, answered 503 "
         "`storage_unavailable`; a write is given up once the server does not answer a new "
         "connection either (`pg_connect_timeout_s`), so a write that is only slow (waiting for "
-        "another replica's write lock, up to 30 s) goes on. A stopped or frozen server "
+        "another replica's write lock, up to 30 s) goes on; so is a pooled read (an export). "
+        "Once one connection finds the server silent, every connection fails 503 at once "
+        "until it answers a probe again. A stopped or frozen server "
         "(SIGSTOP, a host or network that drops everything) would hold them for ever "
         '(docs/scale-out.md, "Connections").',
         low=0.1,

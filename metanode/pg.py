@@ -19,6 +19,9 @@ statements keep their SQLite meaning:
 
 A connection whose server went away reconnects at its next statement outside a transaction, so
 a writer thread recovers by itself once the server is back (its probe is such a statement).
+A server that stops answering without closing anything (frozen) is found by a connection's
+`Watchdog` and known to every connection of the process (`Server`) until a probe finds it
+answering again.
 Failures are typed by SQLSTATE (`storage_error`): an unreachable server or a connection lost is
 `StorageUnavailable` (retryable, 503), never a 500.
 
@@ -307,10 +310,13 @@ def _operational(exc: BaseException) -> bool:
 
 
 class Cursor:
-    """The sqlite3 cursor subset the stores read results through."""
+    """The sqlite3 cursor subset the stores read results through. `guard` (a server-side
+    cursor's: each page is a round trip of its own) runs each fetch under the connection's
+    `Watchdog`, so an export's next page from a frozen server is cut off as a statement is."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, guard: Callable[[Callable[[], Any]], Any] | None = None) -> None:
         self._raw = raw
+        self._guard = guard if guard is not None else _unguarded
 
     @property
     def rowcount(self) -> int:
@@ -321,20 +327,29 @@ class Cursor:
         return self._raw.description
 
     def fetchone(self) -> Any:
-        return self._raw.fetchone() if self._raw.description is not None else None
+        return self._guard(self._raw.fetchone) if self._raw.description is not None else None
 
     def fetchall(self) -> list[Any]:
-        return list(self._raw.fetchall()) if self._raw.description is not None else []
+        if self._raw.description is None:
+            return []
+        return list(self._guard(self._raw.fetchall))
 
     def fetchmany(self, size: int) -> list[Any]:
-        return list(self._raw.fetchmany(size))
+        return list(self._guard(lambda: self._raw.fetchmany(size)))
 
     def __iter__(self) -> Iterator[Any]:
         """The rows; a server-side cursor's a page (`STREAM_ROWS`) at a time."""
-        return iter(self._raw) if self._raw.description is not None else iter(())
+        if self._raw.description is None:
+            return
+        while page := self.fetchmany(STREAM_ROWS):
+            yield from page
 
     def close(self) -> None:
         self._raw.close()
+
+
+def _unguarded(call: Callable[[], Any]) -> Any:
+    return call()
 
 
 def _options(target: Target) -> str:
@@ -405,6 +420,80 @@ def answers(target: Target) -> bool:
     return True
 
 
+class Server:
+    """This process's verdict on one PostgreSQL server (its DSN), shared by every connection
+    of the process to it (both stores', the loop's, the writers', the pools', the feeds'):
+    each used to find a frozen server on its own, each holding its caller `stall_s` first,
+    and the event loop's every one of them (after a SIGSTOP the node's first answers took
+    5.6 s, 11.5 s and 16.8 s).
+
+    `suspect` (a statement of the event loop's got no answer in `stall_s`) makes the loop's
+    connections fail at once, since the loop must never wait; `stalled` (the server did not
+    answer a new connection within `connect_timeout_s`, `answers`) makes every connection
+    fail at once and cuts the statements waiting on it (`Watchdog`). Either starts a probe
+    thread that asks `answers` every `RECONNECT_S` and clears both as soon as it does: a
+    server only slow is cleared by the first probe, in milliseconds, and a write waiting on
+    it is never cut; a resumed one (SIGCONT) within a second."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.suspect = False
+        self.stalled = False
+        self._lock = threading.Lock()
+        self._probing = False
+
+    def suspected(self) -> None:
+        """A statement of the event loop's got no answer in `stall_s`."""
+        self.suspect = True
+        self._probe()
+
+    def found_silent(self) -> None:
+        """The server did not answer a new connection (`answers`)."""
+        self.suspect = self.stalled = True
+        self._probe()
+
+    def refuse(self, on_loop: bool) -> None:
+        """Raise `StorageUnavailable` if a statement must not be sent now: the server is
+        stalled, or suspect and the caller is the event loop."""
+        if not (self.stalled or (on_loop and self.suspect)):
+            return
+        found = f"a statement in {self.target.stall_s:g} s (`pg_stall_s`)"
+        if self.stalled:
+            found += f" nor a new connection in {self.target.connect_timeout_s} s"
+        raise StorageUnavailable(
+            f"the database failed: {self.target.dsn_shown}: the server answered neither "
+            f"{found}: it is stopped, frozen or cut off; nothing is sent to it until it "
+            "answers again"
+        )
+
+    def _probe(self) -> None:
+        with self._lock:
+            if self._probing:
+                return
+            self._probing = True
+        threading.Thread(target=self._until_answered, name="metanode-pg-probe", daemon=True).start()
+
+    def _until_answered(self) -> None:
+        """Ask `answers` until the server does, then clear the verdict."""
+        while not answers(self.target):
+            self.suspect = self.stalled = True
+            time.sleep(RECONNECT_S)
+        with self._lock:
+            self.suspect = self.stalled = False
+            self._probing = False
+        log.info("PostgreSQL at %s answers again", self.target.dsn_shown)
+
+
+_SERVERS: dict[str, Server] = {}
+_SERVERS_LOCK = threading.Lock()
+
+
+def server_of(target: Target) -> Server:
+    """The process's one `Server` of `target`'s DSN."""
+    with _SERVERS_LOCK:
+        return _SERVERS.setdefault(target.dsn, Server(target))
+
+
 class Watchdog:
     """Cuts off a statement of a connection whose caller must not wait for ever on a server
     that stopped answering without closing the connection (a frozen host, a stopped process,
@@ -422,9 +511,12 @@ class Watchdog:
     must never wait. `start` and `stop` are two assignments under a lock no one else holds
     for long: no thread is woken per statement."""
 
-    def __init__(self, limit: float, alive: Callable[[], bool] | None = None) -> None:
+    def __init__(
+        self, limit: float, server: Server, alive: Callable[[], bool] | None = None
+    ) -> None:
         self.limit = limit
         self.fired = False  # the last statement was cut off by this
+        self._server = server
         self._alive = alive
         self._lock = threading.Lock()
         self._fd = -1
@@ -444,11 +536,14 @@ class Watchdog:
         self._closed.set()
 
     def _watch(self) -> None:
-        while not self._closed.wait(self.limit / 4):
+        while not self._closed.wait(min(self.limit / 4, RECONNECT_S)):
             since = self._since
-            if since is None or time.monotonic() - since <= self.limit:
+            if since is None:
                 continue
-            alive = self._alive is not None and self._alive()
+            silent = self._server.stalled  # found by another connection: cut at once
+            if not silent and time.monotonic() - since <= self.limit:
+                continue
+            alive = not silent and self._alive is not None and self._alive()
             with self._lock:
                 if self._since != since:  # that statement ended meanwhile
                     continue
@@ -457,17 +552,27 @@ class Watchdog:
                     continue
                 _cut(self._fd)
                 self._since, self.fired = None, True
+            self._tell(silent)
+
+    def _tell(self, silent: bool) -> None:
+        """Give the server's verdict what this cut found: a writer's or a pool's asked
+        `answers` in vain, the loop's only waited `limit`."""
+        if silent:
+            return
+        if self._alive is None:
+            self._server.suspected()
+        else:
+            self._server.found_silent()
 
 
-def _watchdog_for(target: Target, readonly: bool, on_loop: bool) -> Watchdog | None:
-    """The event loop's connection's `Watchdog` (cuts at `stall_s`), a writing connection's
-    (cuts at `stall_s` once the server is found not to answer), or none: a read connection
-    of its own (the pool's, `Store.reading`) runs on a thread whose caller may wait."""
+def _watchdog_for(target: Target, on_loop: bool) -> Watchdog:
+    """The event loop's connection's `Watchdog` (cuts at `stall_s`), or any other's (a
+    writer's, a pool's read of its own: cuts at `stall_s` once the server is found not to
+    answer, so a write or an export only slow goes on)."""
+    server = server_of(target)
     if on_loop:
-        return Watchdog(target.stall_s)
-    if not readonly:
-        return Watchdog(target.stall_s, functools.partial(answers, target))
-    return None
+        return Watchdog(target.stall_s, server)
+    return Watchdog(target.stall_s, server, functools.partial(answers, target))
 
 
 class Connection:
@@ -481,11 +586,14 @@ class Connection:
     goes back to its pool). `on_loop` (the event loop's read connection, `db.Store`): a
     statement is cut off after `Target.stall_s` (`Watchdog`), and a dropped connection is
     made again on a thread of its own, never on the loop (`_reconnected`): a server that does
-    not answer stalls the node's requests for at most that long once, not for ever. A
-    writing connection (not `readonly`: the stores' writers) has the same, its statement cut
+    not answer stalls the node's requests for at most that long once, not for ever. Any
+    other connection (the stores' writers, the pool's reads) has the same, its statement cut
     off once the server is found not to answer (`Watchdog`'s `alive`): a write sent to a
-    frozen server fails `storage_unavailable` within `stall_s` and a connect timeout, and
-    the writes after it at once, while its connection is made again off its thread."""
+    frozen server fails `storage_unavailable` within `stall_s` and a connect timeout. What
+    one connection finds, every connection of the process to that server knows (`Server`):
+    a statement outside a transaction is refused before it is sent while the server is
+    stalled (the loop's while it is merely suspect), so a freeze is found once, not once
+    per connection."""
 
     def __init__(
         self,
@@ -504,7 +612,9 @@ class Connection:
         self._cursors: list[Any] = []  # the server-side cursors of the current snapshot
         self._retry_at = 0.0  # no reconnection before this (`time.monotonic`), after a failed one
         self._why = ""  # what the last failed reconnection was told (`_unreachable`)
-        self._watchdog = _watchdog_for(target, readonly, on_loop)
+        self._on_loop = on_loop
+        self._server = server_of(target)
+        self._watchdog = _watchdog_for(target, on_loop)
         self._pending: Future[Any] | None = None  # a reconnection under way on its thread
         self._closed = False
         self._used = time.monotonic()  # when its last statement ended
@@ -527,16 +637,7 @@ class Connection:
             self._raw.close()
         if not (self._raw.closed or self._raw.broken):
             return self._raw
-        if self._watchdog is not None:
-            return self._reconnected()
-        if time.monotonic() < self._retry_at:
-            raise self._unreachable()
-        try:
-            self._raw = _connect_raw(self.target)
-        except Exception as exc:
-            self._connect_failed(exc)
-            raise
-        return self._raw
+        return self._reconnected()
 
     def _connect_failed(self, exc: BaseException | None) -> None:
         self._retry_at = time.monotonic() + RECONNECT_S
@@ -599,7 +700,8 @@ class Connection:
                 return Cursor(raw.execute("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY"))
             text = translate(sql, bool(params))
             if self._stream and self.in_transaction and text.startswith(("SELECT", "WITH")):
-                return Cursor(self._server_cursor(raw, text, params))
+                cursor = self._guarded(raw, lambda: self._server_cursor(raw, text, params))
+                return Cursor(cursor, functools.partial(self._guarded, raw))
             try:
                 return Cursor(self._watched(raw, text, params))
             finally:
@@ -634,14 +736,14 @@ class Connection:
                 f"({first}), so the write may or may not be stored: send it again (claims "
                 "already stored come back `duplicate`)"
             ) from exc
-        if self._watchdog is not None and self._watchdog.fired:
+        if self._watchdog.fired:
             raise self._stalled() from exc
 
     def _stalled(self) -> StorageUnavailable:
         """What a statement cut off by the `Watchdog` fails with: the bound it met, by its
         setting, rather than psycopg's words for the socket shut down under it."""
         waited = f"{self.target.stall_s:g} s (`pg_stall_s`)"
-        if not self.readonly:  # a writer's: the server was asked first (`answers`)
+        if not self._on_loop:  # the server was asked first (`answers`)
             waited += (
                 f", nor a new connection in {self.target.connect_timeout_s} s "
                 "(`pg_connect_timeout_s`)"
@@ -657,6 +759,7 @@ class Connection:
         when it next talks, and that would be the next unit of work's first statement, failed
         for nothing (a watcher's batch, a request's read: 503 once after every restart). A
         failed check is that dropped connection: made again, before anything was sent."""
+        self._server.refuse(self._on_loop)
         raw = self._live()
         if time.monotonic() - self._used < IDLE_CHECK_S:
             return raw
@@ -665,7 +768,7 @@ class Connection:
         except Exception as exc:
             if not (_operational(exc) and (raw.closed or raw.broken)):
                 raise
-            if self._watchdog is not None and self._watchdog.fired:  # not dropped: no answer
+            if self._watchdog.fired:  # not dropped: no answer
                 raise self._stalled() from exc
             return self._live()
         return raw
@@ -677,9 +780,7 @@ class Connection:
         return self._guarded(raw, lambda: raw.execute(text, params or None, prepare=prepare))
 
     def _guarded(self, raw: Any, call: Callable[[], Any]) -> Any:
-        """`call()` (a statement on `raw`) under the watchdog if this connection has one."""
-        if self._watchdog is None:
-            return call()
+        """`call()` (a statement on `raw`) under the watchdog."""
         self._watchdog.start(raw.fileno())
         try:
             return call()
@@ -751,8 +852,7 @@ class Connection:
     def close(self) -> None:
         self._closed = True
         self._close_cursors()
-        if self._watchdog is not None:
-            self._watchdog.close()
+        self._watchdog.close()
         if self._pending is not None and self._pending.done() and not self._pending.exception():
             self._pending.result().close()
         if self._release is not None:
@@ -782,12 +882,25 @@ class Pool:
             },
             open=True,
             timeout=target.connect_timeout_s,
-            check=ConnectionPool.check_connection,  # a connection the server dropped: a new one
+            check=self._check,  # a connection the server dropped: a new one
             name=f"metanode-{target.schema}",
         )
 
+    def _check(self, raw: Any) -> None:
+        """psycopg_pool's check of a connection before it is lent (an empty statement),
+        under a `Watchdog`: on a frozen server it waited for ever, its reader with it."""
+        dog = _watchdog_for(self.target, False)
+        dog.start(raw.fileno())
+        try:
+            type(self._pool).check_connection(raw)
+        finally:
+            dog.stop()
+            dog.close()
+
     def connection(self) -> Connection:
-        """A read-only, streaming connection of the pool; `close()` gives it back."""
+        """A read-only, streaming connection of the pool; `close()` gives it back. None is
+        asked for while the server is found stalled (`Server`): the read fails at once."""
+        server_of(self.target).refuse(False)
         return Connection(self.target, True, self._pool.getconn(), self._pool.putconn, True)
 
     def close(self) -> None:
@@ -838,6 +951,9 @@ class AsyncReader:
 
     @classmethod
     async def open(cls, target: Target) -> AsyncReader:
+        """Its connection; refused at once while the server is suspect or stalled (`Server`):
+        its connecting would wait the connect timeout for nothing."""
+        server_of(target).refuse(True)
         psycopg = driver()
         raw = await psycopg.AsyncConnection.connect(
             target.dsn,

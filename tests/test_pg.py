@@ -656,9 +656,10 @@ def test_an_idle_connection_the_server_closed_is_made_again_before_use(
         conn.close()
 
 
-def reconnecting() -> bool:
-    """Whether a loop connection is being made again on its own thread (`pg.Connection`)."""
-    return any(t.name == "metanode-pg-reconnect" and t.is_alive() for t in threading.enumerate())
+def probing() -> bool:
+    """Whether the process asks the server, on a thread of its own, whether it answers again
+    (`pg.Server`)."""
+    return any(t.name == "metanode-pg-probe" and t.is_alive() for t in threading.enumerate())
 
 
 async def test_a_server_that_stops_answering_never_holds_the_event_loop(
@@ -670,7 +671,8 @@ async def test_a_server_that_stops_answering_never_holds_the_event_loop(
     `pg_stall_s`, short here) and answered 503 naming that bound, and the next read fails at
     once while the new connection is made on a thread of its own. If either regressed, the
     safety timer thaws the server after DEADLINE_S and the 503 asserted below does not come:
-    the test fails, it does not hang."""
+    the test fails, it does not hang. The next read is refused before anything is sent: the
+    process found the server silent once, for all its connections (`pg.Server`)."""
     async with client_of(tmp_path, own_cluster, pg_stall_s=0.5) as (client, signer):
         claim = signer.claim(cids.midhash_bytes(b"frozen"), "title", "before")
         assert (await post(client, claim)).status_code == 200
@@ -682,8 +684,10 @@ async def test_a_server_that_stops_answering_never_holds_the_event_loop(
             assert cut.status_code == 503 and cut.json()["error"] == "storage_unavailable"
             assert "no answer in 0.5 s (`pg_stall_s`)" in cut.json()["message"], cut.text
             again = await client.get(f"/api/meta/{claim['cid']}")
-            assert again.status_code == 503 and "not reachable" in again.json()["message"]
-            assert reconnecting()  # the new connection waits for the server, off the loop
+            assert again.status_code == 503 and "nothing is sent" in again.json()["message"]
+            assert again.headers["retry-after"] == "1"
+            # the server is asked whether it answers again, off the loop
+            await until(probing, "the probe of the server")
             assert (await client.get("/openapi.json")).status_code == 200
         finally:
             safety.cancel()
@@ -700,8 +704,8 @@ def test_a_writers_statement_is_given_up_only_once_the_server_does_not_answer(
     `Watchdog` asks, past `stall_s`, whether the server answers a new connection: a statement
     that is only slow (here a sleep four times the bound) goes on; one the server does not
     answer is given up, `storage_unavailable` naming both bounds, and the next statement fails
-    at once ("not reachable") while the connection is made again off its thread, and works
-    once the server answers again. The safety timer thaws the server if the watchdog
+    at once (the process found the server silent, `pg.Server`), and works once the server
+    answers again. The safety timer thaws the server if the watchdog
     regressed: the test then fails, it does not hang."""
     target = pg.Target(own_cluster.database(), "truth", stall_s=0.2, connect_timeout_s=2)
     conn = pg.Connection(target, readonly=False)
@@ -714,8 +718,8 @@ def test_a_writers_statement_is_given_up_only_once_the_server_does_not_answer(
             bounds = r"no answer in 0\.2 s \(`pg_stall_s`\), nor a new connection in 2 s"
             with pytest.raises(StorageUnavailable, match=bounds):
                 conn.execute("BEGIN IMMEDIATE")
-            with pytest.raises(StorageUnavailable, match="not reachable"):
-                conn.execute("SELECT 2")
+            with pytest.raises(StorageUnavailable, match="nothing is sent to it"):
+                conn.execute("SELECT 2")  # refused at once: the server was found silent
         finally:
             safety.cancel()
             own_cluster.thaw()
@@ -755,7 +759,7 @@ async def test_a_claim_posted_to_a_frozen_server_is_a_typed_503_and_the_node_rec
             assert bounds in posted.json()["message"], posted.text  # the truth's writer's
             # the loop's truth read cut off (`pg_stall_s`), or failing at once while its new
             # connection is tried, whichever this read met first
-            assert re.search(r"no answer in 0\.5 s \(`pg_stall_s`\)|not reachable", health.text)
+            assert re.search(r"no answer in 0\.5 s|not reachable|nothing is sent", health.text)
         finally:
             safety.cancel()
             own_cluster.thaw()

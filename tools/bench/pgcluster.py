@@ -139,7 +139,9 @@ class Cluster:
         server that no longer answers, as a frozen host or a network that drops packets
         looks to its clients. New connections are still accepted by the kernel, and then
         wait. `thaw()` lets it run on."""
-        for pid in self._processes():
+        postmaster, *_ = self._processes()
+        os.kill(postmaster, signal.SIGSTOP)  # first: stopped, it forks no backend any more
+        for pid in self._processes()[1:]:  # listed after: one forked meanwhile is stopped too
             os.kill(pid, signal.SIGSTOP)
 
     def thaw(self) -> None:
