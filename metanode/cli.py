@@ -21,7 +21,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from functools import wraps
 from pathlib import Path
-from typing import IO, Any, NoReturn, TypeVar
+from typing import IO, Any, NamedTuple, NoReturn, TypeVar
 
 import click
 import httpx
@@ -647,7 +647,8 @@ def client_options(func: F) -> F:
         envvar="METANODE_URL",
         help="Base URL of the node (default: where the node serving the data directory "
         "listens, else http://<host>:<port> of the settings, i.e. METANODE_HOST / "
-        "METANODE_PORT, else http://127.0.0.1:9000).",
+        "METANODE_PORT, else http://127.0.0.1:9000; none when the node that recorded its "
+        "address there was killed: said, not asked).",
     )(func)
     return settings_options(func)
 
@@ -670,24 +671,42 @@ def read_token(path: Path) -> str | None:
         return None
 
 
+class Located(NamedTuple):
+    """Where a client command asks (`node_address`): the `url`, where it came from (`source`,
+    said when nothing answers there), and whether it may be asked at all: not `asked` is the
+    address a node that is not running recorded, said rather than asked."""
+
+    url: str
+    source: str
+    asked: bool = True
+
+
 class NodeClient(client.Client):
     """A client command's client, with what to say when the node refuses its token
     (`unauthorized`): the node's message speaks of the header and the web page's cookie, not
-    of where this command looked for the token."""
+    of where this command looked for the token. An address recorded by a node that is not
+    running is never asked (`_ask_only_where_asked`): whatever took its port since is another
+    node, or another program, not the one serving this data directory."""
 
     token_hint = ""
 
-    def __init__(
-        self, locate: Callable[[], tuple[str, str]], token: str | None, timeout: float
-    ) -> None:
-        url, self.source = locate()  # `source`: said when nothing answers there
+    def __init__(self, locate: Callable[[], Located], token: str | None, timeout: float) -> None:
+        url, self.source, self.asked = locate()
         super().__init__(url, token=token, timeout=timeout)
         self._locate = locate
+        self._http.event_hooks = {"request": [self._ask_only_where_asked]}
+
+    def _ask_only_where_asked(self, request: httpx.Request) -> None:
+        """Refuse, as a connection refused, a request to an address not to be asked: every
+        command's request and the `events` stream go through here, so each says, or waits
+        on, "not running" as it does on a node that does not answer."""
+        if not self.asked:
+            raise httpx.ConnectError("the node that recorded it is not running", request=request)
 
     def reconnecting(self) -> None:
         """Ask again where the node listens (`node_address`), for a command that waits for it
         (`events`, `get --wait`): one that started, or started again elsewhere, is followed."""
-        url, self.source = self._locate()
+        url, self.source, self.asked = self._locate()
         self.url = client.node_address(url).rstrip("/")
         self._http.base_url = httpx.URL(self.url)
 
@@ -698,26 +717,32 @@ class NodeClient(client.Client):
             raise Unreachable(f"{exc.message} ({self.source})") from None
 
 
-def node_address(settings: config.Settings, url: str | None) -> tuple[str, str]:
+def node_address(settings: config.Settings, url: str | None) -> Located:
     """Where a client command asks, and where that came from: `--url` (or METANODE_URL), else
     the address the node serving the data directory recorded (`datadir.served_at`: `serve
     --port 9100` or another shell's METANODE_PORT), else the settings' host and port. A record
-    its node outlived (killed) is not followed, but said: that node is not running."""
+    its node outlived (killed) is said and not asked, nor is the settings' address: no node
+    serves this data directory (one would hold the record), so whatever answers at either is
+    another node, and reading or writing it would be reading or writing the wrong node."""
     if url is not None:
         context = click.get_current_context(silent=True)
         given = context.get_parameter_source("url") if context else None
-        return url, f"from {'METANODE_URL' if given is ParameterSource.ENVIRONMENT else '--url'}"
+        return Located(
+            url, f"from {'METANODE_URL' if given is ParameterSource.ENVIRONMENT else '--url'}"
+        )
     where = settings.data_dir.absolute()
     served = datadir.served_at(settings.data_dir)
-    if served is not None and served.runs:
-        return served.url, f"recorded by the node serving {where}"
+    if served is None:
+        none = f"no running node recorded its address in {where}"
+        return Located(settings.client_url, f"from the settings' host and port: {none}")
+    if served.runs:
+        return Located(served.url, f"recorded by the node serving {where}")
     gone = (
-        f"; the node that recorded {served.url} there is not running: it was killed or crashed"
-        if served is not None
-        else ""
+        f"recorded in {where} by a node killed or crashed since; not asked, nor the settings' "
+        "address: what answers there now is not the node of this data directory; start it "
+        "again with `metanode serve`"
     )
-    none = f"no running node recorded its address in {where}{gone}"
-    return settings.client_url, f"from the settings' host and port: {none}"
+    return Located(served.url, gone, asked=False)
 
 
 def connect(

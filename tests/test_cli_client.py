@@ -622,35 +622,61 @@ def test_a_node_on_another_port_is_found_by_its_data_directory(tmp_path: Path) -
 def test_a_record_its_node_outlived_is_not_followed(tmp_path: Path, workers: int) -> None:
     """A node killed (SIGKILL: no stop of its own) leaves its record, whose address may answer
     something else by then: here a listener that never answers, where a client following the
-    record would wait its full 60 s. Nobody holds the record's lock any more, so the command
-    asks the settings' address instead and says the node is not running; the next start
-    records its own address."""
+    record would wait its full 60 s. Nobody holds the record's lock any more, so no node serves
+    this data directory: the command asks neither the record's address nor the settings' one,
+    where another node answers (read or written, it would be the wrong node's answer), and
+    says the node is not running; `get --wait` waits for it, and finds it once it is started
+    again, on another port, by the record its start writes."""
     srv = Server(tmp_path / "data", workers=workers).start()
     srv.stop(signal.SIGKILL)
     assert (srv.data_dir / "serving").read_text() == f"{srv.url}\n"
     listener = poll(lambda: squat(srv.port), f"port {srv.port} let go by the killed node")
-    settings_port = free_port()
+    other = Server(tmp_path / "other").start()
     try:
         done = metanode(
-            "health", "--data-dir", str(srv.data_dir), env={"METANODE_PORT": str(settings_port)}
+            "health", "--data-dir", str(srv.data_dir), env={"METANODE_PORT": str(other.port)}
         )
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody knocked at the record's address
+        assert "GET /health" not in other.log_text()
     finally:
         listener.close()
-    assert done.returncode == 2, done
+        other.stop()
+    assert (done.returncode, done.stdout) == (2, ""), done
     assert done.stderr.startswith(
-        f"error: unreachable: no node answers at http://127.0.0.1:{settings_port}: "
-    ), done.stderr
-    assert (
-        f"in {srv.data_dir}; the node that recorded {srv.url} there is not running: it was "
-        "killed or crashed)" in done.stderr
+        f"error: unreachable: no node answers at {srv.url}: the node that recorded it is not "
+        f"running (recorded in {srv.data_dir} by a node killed or crashed since; not asked, "
+        "nor the settings' address: "
     ), done.stderr
 
     srv.port = free_port()
-    srv.start()
+    get = ["get", MIDHASH, "--wait", "100", "--data-dir", str(srv.data_dir)]
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "metanode", *get],
+        env={k: v for k, v in os.environ.items() if not k.startswith("METANODE_")},
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert waiting.stderr is not None
+        said = waiting.stderr.readline()
+        assert said.startswith("waiting up to 100 s: no node answers at "), said
+        assert "the node that recorded it is not running" in said, said
+        srv.start()
+        alice = Signer()
+        srv.register(alice.uid, "alice")
+        claim = json.dumps(alice.claim(MIDHASH, "title", "Back"))
+        posted = metanode("claim", "post", "--data-dir", str(srv.data_dir), stdin=claim)
+        assert posted.returncode == 0, posted
+        out, _ = waiting.communicate(timeout=120)
+        assert (waiting.returncode, json.loads(out)["metadata"]["title"]) == (0, "Back"), out
         found = metanode("health", "--data-dir", str(srv.data_dir))
         assert (found.returncode, found.stdout) == (0, f"ok ({srv.url})\n"), found
     finally:
+        waiting.kill()
+        waiting.wait()
         srv.stop()
 
 
