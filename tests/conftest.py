@@ -54,6 +54,16 @@ def postgres() -> Iterator[Cluster]:
 
 
 @pytest.fixture
+def own_cluster() -> Iterator[Cluster]:
+    """A PostgreSQL cluster of this test's own, to stop, freeze and start again."""
+    cluster, why = start_cluster()
+    if cluster is None:
+        pytest.skip(why)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
 def backend(request: pytest.FixtureRequest) -> str:
     """The store backend of this test: `sqlite`, or each of `BACKENDS` in a `both_backends`
     module."""

@@ -16,7 +16,7 @@ import blake3
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from metanode_fullhash import BLOCK, ContentChanged, FullHash, hash_file, ipfs
+from metanode_fullhash import BLOCK, ContentChanged, Digests, FullHash, hash_file, ipfs
 
 from metanode import cid as cids
 from metanode import watcher
@@ -215,6 +215,16 @@ def test_hash_file_of_a_missing_file_raises(tmp_path: Path) -> None:
         hash_file(str(tmp_path / "gone.bin"))
 
 
+def traced(path: Path) -> tuple[Digests, int]:
+    """`hash_file(path)` and the peak of Python's allocations while it ran (tracemalloc)."""
+    tracemalloc.start()
+    try:
+        digests = hash_file(str(path))
+        return digests, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_a_small_file_is_read_into_buffers_of_its_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -224,12 +234,7 @@ def test_a_small_file_is_read_into_buffers_of_its_size(
     data = random.Random(7).randbytes(2048)
     path = tmp_path / "small.mkv"
     path.write_bytes(data)
-    tracemalloc.start()
-    try:
-        digests = hash_file(str(path))
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    digests, peak = traced(path)
     assert peak < 256 * 1024, f"peak traced memory {peak} B"
     assert digests.sha256 == cids.encode(cids.RAW, cids.SHA2_256, hashlib.sha256(data).digest())
     real = os.fstat
@@ -251,12 +256,7 @@ def test_memory_is_bounded_on_a_1_gib_file(tmp_path: Path) -> None:
     path = tmp_path / "sparse.bin"
     with path.open("wb") as f:
         f.truncate(GIB)
-    tracemalloc.start()
-    try:
-        digests = hash_file(str(path))
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    digests, peak = traced(path)
     assert peak < 16 * MIB, f"peak traced memory {peak / MIB:.1f} MiB"
     assert BLOCK <= 8 * MIB
     # Known answers for 1 GiB of zeros (sha256sum of /dev/zero's first GiB; midhash by definition).

@@ -468,16 +468,6 @@ def test_writers_on_two_connections_keep_one_rid_per_cid(dsn: str) -> None:
 # -- an outage --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def own_cluster() -> Iterator[Cluster]:
-    """A cluster of this test's own, to stop and start again."""
-    cluster, why = start_cluster()
-    if cluster is None:
-        pytest.skip(why)
-    yield cluster
-    cluster.stop()
-
-
 async def until_ok(send: Callable[[], Awaitable[httpx.Response]]) -> httpx.Response:
     """`send()` again until it answers 200 (or DEADLINE_S passed); meanwhile only 503s."""
     deadline = time.monotonic() + DEADLINE_S
@@ -804,13 +794,7 @@ def test_a_feed_stream_stays_open_through_an_outage_and_goes_on_without_a_gap(
         kept = stream.next()
         assert kept.event is None and kept.comment == "keep-alive", kept  # open, not cut
         own_cluster.resume()
-        seqs: list[int] = []
-        while len(seqs) < 20:  # each claim on a new CID: 2 events
-            frame = stream.next()
-            assert frame.event != "gap", frame
-            if frame.event in ("set", "del"):
-                seqs.append(frame.seq)
-        assert seqs == list(range(1, 21))
+        assert stream.change_seqs(20) == list(range(1, 21))  # each claim on a new CID: 2 events
     finally:
         server.stop(9)
     assert "Exception in ASGI application" not in server.log_text()

@@ -362,6 +362,17 @@ class Stream:
                 out.append(frame)
         return out
 
+    def change_seqs(self, n: int) -> list[int]:
+        """The seqs of the next n change events (`set`, `del`), failing at a `gap` among them:
+        a feed that went on across an outage, not one that began again."""
+        seqs: list[int] = []
+        while len(seqs) < n:
+            frame = self.next()
+            assert frame.event != "gap", frame
+            if frame.event in ("set", "del"):
+                seqs.append(frame.seq)
+        return seqs
+
     def until(
         self, done: Callable[[Replica], bool], replica: Replica, limit: int = 10_000_000
     ) -> Replica:

@@ -53,6 +53,22 @@ RECORD_KEYS = (
 )
 
 
+def bench_settings(data_dir: Path, **overrides: object) -> config.Settings:
+    """The settings of a node started in a bench's own process: no watcher, no plugins, and
+    an answer waited for however long a busy core delays it (never turned into a 202);
+    `overrides` on top."""
+    return config.load(
+        env={},
+        overrides={
+            "data_dir": data_dir,
+            "watch_enabled": False,
+            "plugins_enabled": False,
+            "apply_wait_s": 120.0,
+            **overrides,
+        },
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))

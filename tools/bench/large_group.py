@@ -30,9 +30,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import harness
 import nacl.signing
 
-from metanode import cache, claims, config
+from metanode import cache, claims
 from metanode import cid as cids
 from metanode.clock import now_ms
 from metanode.node import Node
@@ -92,16 +93,7 @@ def profiled(out: Path) -> Iterator[None]:
 async def run(sizes: Sequence[int], n: int, rounds: int, profile: Path | None) -> None:
     linker, writer = nacl.signing.SigningKey.generate(), nacl.signing.SigningKey.generate()
     with tempfile.TemporaryDirectory(prefix="metanode-large-group-") as tmp:
-        settings = config.load(
-            env={},
-            overrides={
-                "data_dir": Path(tmp) / "data",
-                "watch_enabled": False,
-                "plugins_enabled": False,
-                "apply_wait_s": 120.0,  # a busy core delays an answer, never turns it into a 202
-            },
-        )
-        node = Node(settings)
+        node = Node(harness.bench_settings(Path(tmp) / "data"))
         await node.start()
         try:
             for key, name, links in ((linker, "linker", True), (writer, "writer", False)):

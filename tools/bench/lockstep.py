@@ -38,12 +38,13 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
+import harness
 import ingest
 import nacl.signing
 import uvloop  # uvicorn[standard]'s loop, which `metanode serve` runs on
 from prometheus_client.parser import text_string_to_metric_families
 
-from metanode import claims, config
+from metanode import claims
 from metanode.api import create_app
 from metanode.clock import now_ms
 from metanode.node import Node
@@ -122,16 +123,7 @@ async def one_round(n: int, clients: int, batch: int, app: bool) -> dict[str, fl
     wires: list[object] = [c.wire() for c in signed]
     batches = iter([wires[start : start + batch] for start in range(0, n, batch)])
     with tempfile.TemporaryDirectory(prefix="metanode-lockstep-") as tmp:
-        settings = config.load(
-            env={},
-            overrides={
-                "data_dir": Path(tmp) / "data",
-                "watch_enabled": False,
-                "plugins_enabled": False,
-                "apply_wait_s": 120.0,  # a busy core delays an answer, never turns it into a 202
-            },
-        )
-        node = Node(settings)
+        node = Node(harness.bench_settings(Path(tmp) / "data"))
         await node.start()
         try:
             await node.add_signer(str(claims.uid_of(bytes(key.verify_key))), "bench", 1, False)

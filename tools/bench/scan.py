@@ -43,6 +43,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import harness
+
 from metanode import config, watcher
 from metanode.node import Node
 
@@ -105,16 +107,7 @@ def bare_walk(root: str) -> int:
 
 
 def settings_for(data_dir: Path, root: Path) -> config.Settings:
-    return config.load(
-        env={},
-        overrides={
-            "data_dir": data_dir,
-            "watch_enabled": False,
-            "plugins_enabled": False,
-            "watch_roots": (str(root),),
-            "apply_poll_s": 3600.0,
-        },
-    )
+    return harness.bench_settings(data_dir, watch_roots=(str(root),), apply_poll_s=3600.0)
 
 
 async def stop_quietly(node: Node) -> None:
