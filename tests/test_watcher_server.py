@@ -781,19 +781,27 @@ def ctimes(data_dir: Path) -> dict[str, int]:
 
 def as_schema_13(cache_db: Path) -> None:
     """Make a stopped node's cache.db what the metanode before ctimes left: cache schema 13,
-    whose `local_file` had no `ctime_ns` (checked column for column against a cache made by
-    the migrations up to 13)."""
+    whose `local_file` had no `ctime_ns`, and whose documents were kept under each CID, not
+    once a group (v15) (checked column for column against a cache made by the migrations up
+    to 13)."""
     fresh = cache_db.with_name("v13.db")
     db.migrate_file(fresh, cache.MIGRATIONS[:13])
     conn = sqlite3.connect(cache_db)
     try:
         conn.execute("ALTER TABLE local_file DROP COLUMN ctime_ns")
+        conn.execute("ALTER TABLE cid_index ADD COLUMN body BLOB")
+        conn.execute(
+            "UPDATE cid_index SET body = (SELECT d.body FROM group_document d "
+            "WHERE d.rid = cid_index.rid)"
+        )
+        conn.execute("DROP TABLE group_document")
         conn.execute("PRAGMA user_version = 13")
         conn.commit()
         old = sqlite3.connect(fresh)
         try:
-            columns = "SELECT * FROM pragma_table_info('local_file')"
-            assert conn.execute(columns).fetchall() == old.execute(columns).fetchall()
+            for table in ("local_file", "cid_index"):
+                columns = f"SELECT * FROM pragma_table_info('{table}')"
+                assert conn.execute(columns).fetchall() == old.execute(columns).fetchall()
         finally:
             old.close()
     finally:
