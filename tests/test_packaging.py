@@ -10,13 +10,19 @@ offline, so the wheel's file list is computed here from the globs setuptools exp
 
 from __future__ import annotations
 
+import ast
 import re
 import tomllib
 from pathlib import Path
 from typing import Any
 
+from packaging.requirements import Requirement
+
+from metanode.plugins import ENTRY_POINT_GROUP
+
 ROOT = Path(__file__).parents[1]
 PACKAGE = ROOT / "metanode"
+PLUGINS = sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file())
 
 # how the code names a file of its own package: `importlib.resources.files("metanode")` then
 # `.joinpath("x")` or `/ "x"`, and Jinja2's `PackageLoader("metanode", "x")`
@@ -92,7 +98,7 @@ def test_the_version_has_one_source() -> None:
 
 def test_the_readme_and_the_license_ship_with_each_distribution() -> None:
     licence = (ROOT / "LICENSE").read_text(encoding="utf-8")
-    for folder in [ROOT]:
+    for folder in [ROOT, *PLUGINS]:
         meta = project(folder)["project"]
         assert (folder / meta["readme"]).is_file(), folder
         assert meta["license"] == "MIT" and meta["license-files"] == ["LICENSE"], folder
@@ -106,3 +112,42 @@ def test_each_extra_the_code_names_is_declared() -> None:
     named = {extra for text in texts for extra in re.findall(r"metanode\[(\w+)\]", text)}
     assert "postgresql" in named  # pg.py's refusal of a DSN without the driver
     assert named <= extras.keys(), f"named but not declared: {named - extras.keys()}"
+
+
+def defines(module: Path, name: str) -> bool:
+    """Whether the module's top level defines `name` (a class, a function or an assignment),
+    read without importing it (the test environment's plugins are the main checkout's)."""
+    tree = ast.parse(module.read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef | ast.FunctionDef) and node.name == name:
+            return True
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        ):
+            return True
+    return False
+
+
+def test_each_plugin_ships_its_package_and_its_entry_point() -> None:
+    assert len(PLUGINS) == 5, PLUGINS
+    for folder in PLUGINS:
+        meta = project(folder)
+        found = sorted(p.parent.name for p in folder.glob("*/__init__.py"))
+        assert meta["tool"]["setuptools"]["packages"] == found, folder
+        for package in found:
+            assert not non_python_files(folder / package), f"{package}: no package-data declared"
+        entries = meta["project"]["entry-points"][ENTRY_POINT_GROUP]
+        assert entries, f"{folder.name}: no {ENTRY_POINT_GROUP} entry point"
+        for target in entries.values():
+            module, _, attr = target.partition(":")
+            source = folder / module.replace(".", "/") / "__init__.py"
+            assert source.is_file() and defines(source, attr), f"{folder.name}: {target}"
+
+
+def test_no_plugin_requires_metanode() -> None:
+    """The name "metanode" on PyPI is another project (1.0.x): a plugin wheel installed alone
+    with "metanode" among its requirements pulled that one in. A plugin runs only inside the
+    node's environment, so it leaves metanode out, as docs/plugins.md tells a third party."""
+    for folder in PLUGINS:
+        needs = [Requirement(r).name for r in project(folder)["project"]["dependencies"]]
+        assert needs and "metanode" not in needs, folder.name
