@@ -16,7 +16,7 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY metanode ./metanode
 COPY plugins ./plugins
 RUN pip install --no-cache-dir . ./plugins/fullhash ./plugins/fileinfo ./plugins/filename \
