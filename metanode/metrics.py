@@ -37,7 +37,7 @@ from prometheus_client import (
     mmap_dict,
     values,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -233,10 +233,31 @@ class Metrics:
             multiprocess_mode="livemax",
         )
         self.feed_stalls = FeedStalls(own)
+        # Counted as they happen (not read from the owner's state at scrape): a restarted owner
+        # worker's counts stay in the sums, where at scrape time they went back to 0.
+        self.ingest_groups = Counter(
+            "metanode_ingest_groups",
+            "Truth transactions that committed ingest batches (group commit)",
+            registry=own,
+        )
+        self.ingest_grouped = Counter(
+            "metanode_ingest_grouped", "Ingest batches those transactions held", registry=own
+        )
+        self.applied_ahead = Counter(
+            "metanode_applied_ahead",
+            "Of those, the ones the cache applied during their COMMIT",
+            registry=own,
+        )
         if shared:
             FoldedCollector(self.registry, shared)  # type: ignore[no-untyped-call]
         self._gauges = _Gauges()
         self.registry.register(self._gauges)
+
+    def grouped(self, jobs: int) -> None:
+        """A truth transaction of `jobs` ingest batches was run (`db.Writer.on_group`, on the
+        writer's thread: the instruments take their own locks)."""
+        self.ingest_groups.inc()
+        self.ingest_grouped.inc(jobs)
 
     def register(self, collector: Collector) -> None:
         """More scrape-time numbers (the supervisor's worker restarts, workers.py)."""
@@ -299,12 +320,6 @@ class _Gauges(Collector):
             ("health_warnings", "What /health warns of now (a plugin that does not load…)"),
         ):
             yield GaugeMetricFamily(f"metanode_{name}", help_text, value=state[name])
-        for name, help_text in (  # counts since the start: counters (`_total`), not gauges
-            ("ingest_groups", "Truth transactions that committed ingest batches (group commit)"),
-            ("ingest_grouped", "Ingest batches those transactions held"),
-            ("applied_ahead", "Of those, the ones the cache applied during their COMMIT"),
-        ):
-            yield CounterMetricFamily(f"metanode_{name}", help_text, value=state[name])
         yield from _peer_families(state["peers"])
         runs = GaugeMetricFamily(
             "metanode_plugin_runs", "Plugin runs by plugin and status", labels=["plugin", "status"]
