@@ -41,6 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from metanode.errors import InvalidBatch, MetanodeError
 from metanode.merge import Verdict
 
 log = logging.getLogger(__name__)
@@ -263,6 +264,18 @@ class Metrics:
             FoldedCollector(self.registry, shared)  # type: ignore[no-untyped-call]
         self._gauges = _Gauges()
         self.registry.register(self._gauges)
+
+    def refused(self, exc: MetanodeError) -> None:
+        """A POST /api/claims refused with `exc`: each failing claim of an `invalid_batch`
+        under its own slug, any other refusal of the batch (its body not JSON, too large, a
+        signer not allowed…) under the error's. A body that was not JSON went uncounted when
+        only the node's part of the request counted, so an alert on rejections missed a client
+        that sent nothing but garbage."""
+        if isinstance(exc, InvalidBatch):
+            for item in exc.items:
+                self.rejected.labels(item["error"]).inc()
+        else:
+            self.rejected.labels(exc.slug).inc()
 
     def grouped(self, jobs: int) -> None:
         """A truth transaction of `jobs` ingest batches was run (`db.Writer.on_group`, on the

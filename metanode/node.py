@@ -693,12 +693,8 @@ class Node:
         started = time.perf_counter()
         try:
             answer = await self.ingest_wire(self._batch_items(payload))
-        except InvalidBatch as exc:
-            for item in exc.items:
-                self.metrics.rejected.labels(item["error"]).inc()
-            raise
         except MetanodeError as exc:
-            self.metrics.rejected.labels(exc.slug).inc()
+            self.metrics.refused(exc)
             raise
         self.metrics.ingest_seconds.observe(time.perf_counter() - started)
         for verdict, counter in self.metrics.verdicts.items():

@@ -61,6 +61,29 @@ def test_reads_and_writes_land_in_buckets_that_tell_them_apart(server: Server) -
     assert sorted(ingest) == sorted(reads), "both histograms have the same bounds"
 
 
+def test_every_refused_batch_is_counted_by_its_slug(server: Server) -> None:
+    """A tampered claim under its slug, a body that is not JSON and one over
+    `max_batch_bytes` under theirs: a client that sends nothing but garbage is seen in
+    `metanode_claims_rejected_total` (it went uncounted but for a tampered claim)."""
+    signer = Signer()
+    server.register(signer.uid, "t")
+    tampered = {**signer.claim(cids.midhash_bytes(b"refused"), "title", "a"), "value": "b"}
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as client:
+        assert client.post("/api/claims", json={"claims": [tampered]}).status_code == 400
+        for body in (b"{not json", b" " * 4_300_000):  # max_batch_bytes: 4 MiB
+            refused = client.post(
+                "/api/claims", content=body, headers={"content-type": "application/json"}
+            )
+            assert refused.status_code in (400, 413), refused.text
+    rejected = {
+        sample.labels["slug"]: sample.value
+        for family in text_string_to_metric_families(scrape(server))
+        for sample in family.samples
+        if sample.name == "metanode_claims_rejected_total"
+    }
+    assert rejected == {"bad_signature": 1, "invalid_json": 1, "too_large": 1}, rejected
+
+
 def test_random_paths_and_cids_make_no_new_series(server: Server) -> None:
     """A hostile client's random addresses are counted under their route template (or
     `unmatched`), never under their path: the scrape does not grow with them."""
