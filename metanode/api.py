@@ -612,7 +612,11 @@ class PostClaims:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         settings = self.node.settings
         request = Request(scope, receive)
-        body = await read_json(request, settings.max_batch_bytes, settings.body_timeout_s)
+        try:
+            body = await read_json(request, settings.max_batch_bytes, settings.body_timeout_s)
+        except MetanodeError as exc:  # a refused batch too (`Metrics.refused`)
+            self.node.metrics.refused(exc)
+            raise
         answer = await self.node.ingest(body)
         await JSONResponse(answer.body, status_code=answer.status)(scope, receive, send)
 

@@ -142,6 +142,10 @@ class HotDocuments:
                 self._changed()
 
 
+def _nothing() -> None:
+    """An applier's `on_applied_ahead` until the node gives it its counter."""
+
+
 class Applier:
     """Keeps cache.db in step with truth.db's outbox; wakes request handlers waiting for a seq;
     at each publish, empties the hot documents (if any) if cache.db changed."""
@@ -167,7 +171,8 @@ class Applier:
         self.progressed = time.monotonic()  # when applied_seq last moved, or nothing was due
         self._written: list[Written] = []  # handed by ingests, not yet applied
         self._ahead_upto = 0  # the newest outbox seq an apply ahead was queued for
-        self.applied_ahead = 0  # groups of ingests applied ahead of their COMMIT (/metrics)
+        # told of each group of ingests applied ahead of its COMMIT (the node's /metrics counter)
+        self.on_applied_ahead: Callable[[], None] = _nothing
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
@@ -215,7 +220,7 @@ class Applier:
         if exc is None:
             state = done.result()
             self._written = [w for w in self._written if w.last > state.applied_seq]
-            self.applied_ahead += 1
+            self.on_applied_ahead()
             self._publish(state)
             return
         if not isinstance(exc, NotCommitted):

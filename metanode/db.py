@@ -967,6 +967,9 @@ class Writer:
         self.straggler_s = 0.0  # how long a group smaller than of late waits for the next job
         self.groups = 0  # group transactions committed or tried
         self.grouped = 0  # ...and the jobs they held
+        # told of each group as it is run, with its jobs' count: the node's /metrics counters,
+        # which (unlike the two above) outlive a worker's restart (metrics.py)
+        self.on_group: Callable[[int], None] | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name=f"{name}-writer", daemon=True)
         self._thread.start()
@@ -1112,6 +1115,8 @@ class Writer:
             return
         self.groups += 1
         self.grouped += len(jobs)
+        if self.on_group is not None:
+            self.on_group(len(jobs))
         try:
             outcomes = self._txn(_group_txn, jobs, self.combiners, before_commit=self.before_commit)
         except BaseException as exc:

@@ -205,6 +205,8 @@ class Node:
         self.peers = peers.Peers(self, self._pull_config())  # followers pull nothing
         self.applier.start()
         self.truth.on_written(self.applier.apply_ahead)
+        self.truth.writer.on_group = self.metrics.grouped
+        self.applier.on_applied_ahead = self.metrics.applied_ahead.inc
         if self.follower:
             if self._handoff_path is not None:
                 self._handoff = handoff.Client(self._handoff_path)
@@ -691,12 +693,8 @@ class Node:
         started = time.perf_counter()
         try:
             answer = await self.ingest_wire(self._batch_items(payload))
-        except InvalidBatch as exc:
-            for item in exc.items:
-                self.metrics.rejected.labels(item["error"]).inc()
-            raise
         except MetanodeError as exc:
-            self.metrics.rejected.labels(exc.slug).inc()
+            self.metrics.refused(exc)
             raise
         self.metrics.ingest_seconds.observe(time.perf_counter() - started)
         for verdict, counter in self.metrics.verdicts.items():
@@ -1190,9 +1188,6 @@ class Node:
             "replans": self.applier.state.replans,
             "watcher_queue": len(self.watcher.pending) if self.watcher else 0,
             "watcher_files": counts.local_files,
-            "ingest_groups": self.truth.writer.groups,
-            "ingest_grouped": self.truth.writer.grouped,
-            "applied_ahead": self.applier.applied_ahead,
             "plugin_runs": runs,
         }
 

@@ -338,6 +338,44 @@ def test_a_killed_worker_is_replaced_and_nothing_acknowledged_is_lost(server: Se
     assert (server.meta(B) or {})["metadata"]["title"] == "after the owner"
 
 
+def test_every_counter_keeps_its_count_when_the_owner_is_killed(server: Server) -> None:
+    """A counter that goes back to 0 at a worker's restart makes Prometheus's rate() see a
+    reset, and it misses the counts made before the next scrape: the group-commit counters,
+    read from the owner's state at scrape time, did (8 -> 0). Every `_total` and histogram
+    count of the scrape before the owner is SIGKILLed is in the one after, at least."""
+    signer = Signer()
+    client = pinned(server)
+    register(client, signer)
+    for cid in (A, C, cids.midhash_bytes(b"kept")):
+        claim = signer.claim(cid, "title", "a")
+        assert client.post("/api/claims", json={"claims": [claim]}).status_code == 200
+    before = counts(client)
+    assert before[("metanode_ingest_groups_total", ())] >= 3, before
+    if server.storage == "sqlite":  # PostgreSQL's replicas apply after the COMMIT: 0
+        assert before[("metanode_applied_ahead_total", ())] >= 1, before
+    killed = role_pids(server)["owner"]
+    os.kill(killed, signal.SIGKILL)
+    wait_for(lambda: role_pids(server).get("owner") not in (None, killed), "a new owner")
+    claim = signer.claim(B, "title", "after the owner")
+    wait_for(lambda: serves(server, claim), "serving again after the owner")
+    after = counts(pinned(server))
+    went_back = {k: (v, after.get(k)) for k, v in before.items() if after.get(k, 0.0) < v}
+    assert not went_back, went_back
+
+
+def counts(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every counter's and histogram count's sample of one scrape, by name and labels."""
+    response = client.get("/metrics")
+    assert response.status_code == 200, response.text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        if family.type in ("counter", "histogram")
+        for sample in family.samples
+        if not sample.name.endswith("_sum")
+    }
+
+
 def test_shutdown_stops_every_worker_cleanly(server: Server) -> None:
     pids = role_pids(server)
     assert sorted(pids) == ["owner", "reader"]
