@@ -56,7 +56,7 @@ def test_reads_and_writes_land_in_buckets_that_tell_them_apart(server: Server) -
     reads = buckets(text, "metanode_request_seconds", route=META, method="GET", status="200")
     assert min(reads) == 0.0005, sorted(reads)
     assert reads[float("inf")] == 20
-    assert reads[0.0025] >= 1, reads  # ≈ 0.2 ms each: at least one of 20, on a busy machine
+    # (where the reads fall is a matter of time: a loaded machine may put all 20 past 2.5 ms)
     ingest = buckets(text, "metanode_ingest_seconds")
     assert sorted(ingest) == sorted(reads), "both histograms have the same bounds"
 
