@@ -238,7 +238,7 @@ def keygen(out: str) -> None:
     try:
         uid = keys.create(out)
     except FileExistsError as exc:
-        if exc.filename != out:  # a file where its folder would be: `file_failed`
+        if Path(exc.filename) != Path(out):  # a file where its folder would be: `file_failed`
             raise
         raise InvalidRequest(f"{out} already exists; refusing to overwrite a key") from None
     click.echo(uid)
@@ -276,6 +276,8 @@ def claim_sign(
     if retract == (value is not None):
         raise click.UsageError("give exactly one of --value or --retract")
     signing_key = keys.load(key_file)
+    if exposed := keys.exposure(key_file):
+        click.echo(f"warning: {exposed.slug}: {exposed.message}", err=True)
     when = ts if ts is not None else now_ms()
     signed = claims.sign(signing_key, cid_value, key_name, value, when)
     claims.validate(signed.wire(), now_ms())
