@@ -230,7 +230,8 @@ def cid_rank(values: tuple[str, ...]) -> None:
     "out",
     required=True,
     type=click.Path(dir_okay=False),
-    help="Where to write the new key file (must not exist; created with mode 0600).",
+    help="Where to write the new key file (must not exist; created with mode 0600, and a "
+    "folder it makes 0700; docs/operations.md, 'Key files').",
 )
 @reports_errors
 def keygen(out: str) -> None:
