@@ -230,7 +230,8 @@ def cid_rank(values: tuple[str, ...]) -> None:
     "out",
     required=True,
     type=click.Path(dir_okay=False),
-    help="Where to write the new key file (must not exist; created with mode 0600).",
+    help="Where to write the new key file (must not exist; created with mode 0600, and a "
+    "folder it makes 0700; docs/operations.md, 'Key files').",
 )
 @reports_errors
 def keygen(out: str) -> None:
@@ -238,7 +239,7 @@ def keygen(out: str) -> None:
     try:
         uid = keys.create(out)
     except FileExistsError as exc:
-        if exc.filename != out:  # a file where its folder would be: `file_failed`
+        if Path(exc.filename) != Path(out):  # a file where its folder would be: `file_failed`
             raise
         raise InvalidRequest(f"{out} already exists; refusing to overwrite a key") from None
     click.echo(uid)
@@ -276,6 +277,8 @@ def claim_sign(
     if retract == (value is not None):
         raise click.UsageError("give exactly one of --value or --retract")
     signing_key = keys.load(key_file)
+    if exposed := keys.exposure(key_file):
+        click.echo(f"warning: {exposed.slug}: {exposed.message}", err=True)
     when = ts if ts is not None else now_ms()
     signed = claims.sign(signing_key, cid_value, key_name, value, when)
     claims.validate(signed.wire(), now_ms())

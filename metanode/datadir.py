@@ -48,12 +48,12 @@ def secure(data_dir: Path) -> None:
 
 def write_whole(path: Path, text: str) -> None:
     """`text` as the file `path`, whole or not at all: a temporary file made whole on the disk
-    (`keys.write_secret`: mode 0600, as the data directory's files are, fsync'd), renamed over
+    (`keys.write_new`: mode 0600, as the data directory's files are, fsync'd), renamed over
     `path`, the folder fsync'd, so a crash or a full disk leaves the old file or the new one,
     never half of one. A disk that refuses is its typed `StorageError`. (The watched folders,
     the web page's sessions.)"""
     with _whole(path) as part:
-        keys.write_secret(part, text)
+        keys.write_new(part, text)
 
 
 @contextlib.contextmanager
@@ -197,7 +197,7 @@ def serving(data_dir: Path, url: str) -> Iterator[None]:
     path, fd = data_dir / SERVING_NAME, -1
     try:
         with _whole(path) as part:
-            keys.write_secret(part, f"{url}\n")
+            keys.write_new(part, f"{url}\n")
             fd = os.open(part, os.O_RDONLY | os.O_CLOEXEC)
             fcntl.flock(fd, fcntl.LOCK_EX)  # nobody knows this file yet: taken at once
         yield

@@ -217,7 +217,16 @@ class TooComplex(RequestError):
 
 
 class InvalidKeyFile(RequestError):
+    """A key file that holds no key: empty, cut short, not one, a bad seed, a uid not its own."""
+
     slug = "invalid_key_file"
+
+
+class KeyFileExposed(RequestError):
+    """A key file other users of the machine may read (`keys.exposure`): a warning on stderr
+    (`warning: key_file_exposed: …`) of `metanode claim sign`, which signs all the same."""
+
+    slug = "key_file_exposed"
 
 
 class DeprecatedField(RequestError):

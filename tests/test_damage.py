@@ -180,11 +180,12 @@ def test_a_damaged_key_file_is_found_and_refused_with_the_way_back(
     key = data / "keys" / f"{name}.key"
     key.write_bytes(os.urandom(120))
     checked = metanode("check", "--data-dir", str(data))
-    assert checked.returncode == 1 and f"{key}: cannot read key file" in checked.stdout
+    damaged = f"{key}: not a key file, or one cut short (not JSON)"
+    assert checked.returncode == 1 and damaged in checked.stdout
     env = {k: v for k, v in os.environ.items() if not k.startswith("METANODE_")}
     started = serve_refused(tmp_path, env, "--data-dir", str(data), "--port", str(free_port()))
     said = refused(started, "invalid_key_file")
-    assert said.startswith(f"error: invalid_key_file: {key}: cannot read key file (")
+    assert said.startswith(f"error: invalid_key_file: {damaged}: put it back from the backup")
     assert "`<backup folder>/keys-<stamp>/`" in said
     (kept,) = (tmp_path / "backups").glob(f"keys-*/{name}.key")
     shutil.copy(kept, key)
