@@ -1232,13 +1232,23 @@ def _rebuild_by_the_node(node_client: NodeClient) -> None:
                 f"in place, between its writes (epoch {started['epoch']} kept); waiting for "
                 "it (Ctrl-C stops the waiting, not the rebuild)"
             )
-            while (health := node_client.answer(node_client.request("GET", "/health")))[
-                "rebuilding"
-            ]:
+            while (health := _rebuild_progress(node_client))["rebuilding"]:
                 time.sleep(REBUILD_POLL_S)
         except client.ClientError as exc:
             _refused(exc, (), node_client)
     click.echo(f"rebuilt: epoch {health['epoch']}, applied seq {health['applied_seq']}")
+
+
+def _rebuild_progress(node_client: NodeClient) -> Any:
+    """The node's /health while it rebuilds; a node that stopped answering meanwhile is said
+    with what becomes of the rebuild (it goes on after a start, from its last step)."""
+    try:
+        return node_client.answer(node_client.request("GET", "/health"))
+    except Unreachable as exc:
+        raise Unreachable(
+            f"{exc.message}; the rebuild goes on from its last step when the node starts again "
+            "(its /health says rebuilding until it ends)"
+        ) from None
 
 
 @main.command()

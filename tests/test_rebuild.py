@@ -209,29 +209,40 @@ def rebuilt_through(server: Server) -> int | None:
 def test_a_rebuild_in_place_outlives_its_command_and_goes_on_after_a_sigkill(
     tmp_path: Path, launch: Launch
 ) -> None:
-    """The command killed while it waits: the node rebuilds on. The node killed mid-rebuild:
-    its restart goes on from the last step that committed, no acknowledged claim lost, and
-    the cache ends as a rebuild makes it (`metanode check`)."""
+    """The command killed while it waits: the node rebuilds on. Asked again, it starts over;
+    the node killed mid-rebuild: the waiting command says the rebuild goes on, and the
+    restarted node goes on from the last step that committed, no acknowledged claim lost, the
+    cache ending as a rebuild makes it (`metanode check`)."""
     data = tmp_path / "data"
     first = launch(data)
     signer = Signer()
     first.register(signer.uid, "rebuild")
-    post_records(first, signer, "before", 60 * cache.REBUILD_CHUNK)
+    post_records(first, signer, "before", 80 * cache.REBUILD_CHUNK)
     poster = Poster(first, signer, "during")
-    waiting = subprocess.Popen(
-        rebuild_command(data),
-        env=first.base_env() | first.env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    env = first.base_env() | first.env
+    killed = subprocess.Popen(
+        rebuild_command(data), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         poll(lambda: True if health(first)["rebuilding"] else None, "the rebuild started")
     finally:
-        waiting.send_signal(signal.SIGKILL)
-        waiting.wait(DEADLINE_S)
-    poll(lambda: rebuilt_through(first) or None, "a step of the rebuild committed")
-    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
-    poster.stop()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(DEADLINE_S)
+    poll(lambda: rebuilt_through(first) or None, "a step without the command")
+
+    said = tmp_path / "rebuild-cache.out"
+    with said.open("w") as out:
+        waiting = subprocess.Popen(rebuild_command(data), env=env, stdout=out, stderr=out)
+    try:
+        poll(lambda: "in place" in said.read_text() or None, "the rebuild asked again")
+        poll(lambda: rebuilt_through(first) or None, "a step of the rebuild started over")
+        assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+        assert waiting.wait(DEADLINE_S) == 2
+    finally:
+        waiting.kill()
+        poster.stop()
+    assert "error: unreachable: " in said.read_text()
+    assert "the rebuild goes on from its last step when the node starts again" in said.read_text()
     assert set(poster.statuses) <= {200}, poster.statuses
     assert rebuilt_through(first), "killed mid-rebuild, a step committed"
 
