@@ -1222,7 +1222,7 @@ def _rebuild_by_the_node(node_client: NodeClient) -> None:
     """`rebuild-cache` beside a running node: ask it to rebuild in place (POST
     /api/cache/rebuild), then wait until its /health no longer says `rebuilding`. Rebuilt by
     this process, the cache was one transaction the node's writes waited behind, every post
-    held for the whole rebuild (30 s at 500,000 claims) and failed past SQLite's busy wait.
+    held for the whole rebuild (37 s at 500,000 claims) and failed past SQLite's busy wait.
     A Ctrl-C ends the waiting, not the rebuild, which the node finishes (after a restart too)."""
     with node_client:
         try:

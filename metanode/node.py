@@ -925,7 +925,7 @@ class Node:
         data directory: a rebuild in place (`cache.start_rebuild_txn`), which the applier takes
         `cache.REBUILD_CHUNK` records a transaction, the writes applied between two steps.
         Answered once it has started; /health's `rebuilding` says while it goes on. Beside a
-        serving node, one transaction of the whole cache held every write behind it (30 s at
+        serving node, one transaction of the whole cache held every write behind it (37 s at
         500,000 claims), and past SQLite's busy wait failed them."""
         state = await self.cache.start_rebuild()
         self.applier.started(state)
