@@ -915,6 +915,9 @@ def _node_routes(node: Node) -> list[Route]:
     async def health(request: Request) -> Response:
         return JSONResponse(node.health())
 
+    async def rebuild_cache(request: Request) -> Response:
+        return JSONResponse(await node.rebuild_cache(), status_code=202)
+
     async def metrics(request: Request) -> Response:
         return Response(await node.metrics_text(), media_type=CONTENT_TYPE)
 
@@ -924,6 +927,7 @@ def _node_routes(node: Node) -> list[Route]:
     return [
         Route("/api/plugins", list_plugins),
         Route("/api/plugins/{name}/retry", retry_plugin, methods=["POST"]),
+        Route("/api/cache/rebuild", rebuild_cache, methods=["POST"]),
         Route("/health", health),
         Route("/metrics", metrics),
         Route("/openapi.json", openapi),

@@ -335,12 +335,17 @@ class Applier:
         self.ready = True
         self._publish(self.state)
 
+    def started(self, state: cache.State) -> None:
+        """Publish the state a rebuild in place started in (`cache.start_rebuild_txn`): its
+        steps begin, and /health says `rebuilding` from now on."""
+        self._publish(state)
+
     def _publish(self, state: cache.State) -> None:
         """Make a committed cache state visible; never step back (two transactions' answers may
         arrive out of order)."""
         if state.mark > self.state.mark:
             self.state = state
-        if state.replans:  # whichever apply started it (an apply ahead too): take the steps
+        if state.replans or state.rebuilding:  # whichever apply started it: take the steps
             self.wake()
         if self._documents is not None:
             self._documents.published()

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import aiosqlite
 
 from metanode import labels, merge, pg
+from metanode import rid as rid_codec
 from metanode.cid import MIDHASH_PREFIX
 from metanode.claims import Claim
 from metanode.clock import Clock, now_ms
@@ -772,8 +773,9 @@ class State:
     feed_seq: int
     file_feed_seq: int  # the head of `file_feed` (MetaMesh's file events), on its own counter
     replans: int = 0  # signers whose records are still being replanned (`replan_step`)
-    replanned: int = 0  # replan steps ever committed: moves the `mark` of a step that feeds nothing
+    replanned: int = 0  # replan and rebuild steps (and starts) ever committed: moves the `mark`
     lost: bool = False  # commits may have been lost to a restart of the machine: rebuild it
+    rebuilding: bool = False  # a rebuild in place is under way (`rebuild_step`)
 
     @property
     def mark(self) -> tuple[int, ...]:
@@ -790,6 +792,10 @@ REPLANNED = "replanned"
 # server that finds another boot there marks the cache `lost` until a rebuild.
 RELAXED_BOOT = "relaxed_boot"
 LOST = "lost"
+# A rebuild in place (`start_rebuild_txn`): the last rid its steps recomputed, as two state rows
+# (a rid is 128 bits, a state value a signed 64-bit integer): `rebuild:hi`, `rebuild:lo`.
+REBUILD = "rebuild:"
+REBUILD_HI, REBUILD_LO = REBUILD + "hi", REBUILD + "lo"
 
 
 def read_state(conn: Connection) -> State:
@@ -807,6 +813,7 @@ def state_of(rows: Iterable[Any]) -> State:
         sum(1 for name in values if name.startswith(REPLAN)),
         values.get(REPLANNED, 0),
         bool(values.get(LOST, 0)),
+        REBUILD_HI in values,
     )
 
 
@@ -1217,6 +1224,87 @@ def replan_step(cache: Connection, view: TruthView, limit: int) -> list[tuple[st
     return [(cid, key) for _, cid, key in found]
 
 
+# Records recomputed a step of a rebuild in place (`rebuild_step`): each write waits for at most
+# one step (benchmarks.md, "Rebuilding the cache of a serving node").
+REBUILD_CHUNK = 100
+_LOW = 1 << 63  # `rebuild:lo` holds the rid's low 64 bits minus this, in a signed integer
+
+
+def start_rebuild_txn(cache: Connection) -> State:
+    """Start (or start over) a rebuild in place: every record recomputed from the truth,
+    `REBUILD_CHUNK` a step, by the applier's own applies (`rebuild_step`), writes applied
+    between two steps. Nothing is emptied and the epoch stays: each step writes what differs,
+    with its feed events, so feed readers follow without a gap (a cache that was right gets
+    none). It moves the state's `mark` (`REPLANNED`), so the applier publishes it at once and
+    /health says `rebuilding` from the answer on."""
+    moved = {REPLANNED: read_state(cache).replanned + 1}
+    _set_state(cache, **_rebuilt_through(rid_codec.encode(0)), **moved)
+    return read_state(cache)
+
+
+def _rebuilt_through(last: str) -> dict[str, int]:
+    value = rid_codec.decode(last)
+    return {REBUILD_HI: value >> 64, REBUILD_LO: (value & (_LOW * 2 - 1)) - _LOW}
+
+
+def _rebuild_cursor(cache: Connection) -> str | None:
+    """The last rid the rebuild under way recomputed (rid 0 at its start); None if none is."""
+    values = dict(
+        cache.execute(
+            "SELECT name, value FROM state WHERE name IN (?, ?)", (REBUILD_HI, REBUILD_LO)
+        ).fetchall()
+    )
+    if REBUILD_HI not in values:
+        return None
+    return rid_codec.encode((values[REBUILD_HI] << 64) | (values[REBUILD_LO] + _LOW))
+
+
+def _cached_rids(cache: Connection, after: str, through: str | None) -> set[str]:
+    """The rids the cache holds anything of (rows, index, document, library row) in the range
+    (`after`, `through`] (no upper bound: None)."""
+    bound = "" if through is None else " AND rid <= ?"
+    args = (after,) if through is None else (after, through)
+    return {
+        row[0]
+        for table in ("records", "cid_index", "group_document", "library")
+        for row in cache.execute(f"SELECT DISTINCT rid FROM {table} WHERE rid > ?{bound}", args)
+    }
+
+
+class RebuildStep(NamedTuple):
+    """A step of a rebuild in place: the active rids to recompute whole, and the rids the
+    cache holds in their range that the truth has no active record of (to drop)."""
+
+    rids: list[str]
+    strays: list[str]
+
+
+def rebuild_step(cache: Connection, view: TruthView, limit: int) -> RebuildStep | None:
+    """The next `limit` active rids of the rebuild under way, its progress stored (the rows
+    removed once the last rid is met); None if no rebuild is under way. In the transaction
+    that recomputes them, so a restart goes on where the last committed step stopped."""
+    after = _rebuild_cursor(cache)
+    if after is None:
+        return None
+    rids = view.rids_after(after, limit)
+    last = rids[-1] if len(rids) == limit else None
+    if last is None:
+        cache.execute("DELETE FROM state WHERE name IN (?, ?)", (REBUILD_HI, REBUILD_LO))
+    else:
+        _set_state(cache, **_rebuilt_through(last))
+    return RebuildStep(rids, sorted(_cached_rids(cache, after, last).difference(rids)))
+
+
+def _take_step(
+    cache: Connection, view: TruthView, replan: bool
+) -> tuple[list[tuple[str, str]] | None, RebuildStep | None]:
+    """The one step an apply takes, if `replan`: a signer's replan first, else a rebuild's."""
+    if not replan:
+        return None, None
+    step = replan_step(cache, view, REPLAN_CHUNK)
+    return step, (rebuild_step(cache, view, REBUILD_CHUNK) if step is None else None)
+
+
 def apply_txn(
     cache: Connection,
     source: TruthSource,
@@ -1226,7 +1314,8 @@ def apply_txn(
     upto: int | None = None,
 ) -> State:
     """Apply every outbox change after the stored seq (`upto`: through that seq at most) and,
-    if `replan`, one step of a signer's replan (`replan_step`), in one cache transaction.
+    if `replan`, one step of a signer's replan (`replan_step`) or, with none under way, of a
+    rebuild in place (`rebuild_step`), in one cache transaction.
 
     The truth is read in one snapshot, so the changes and the state they are recomputed from
     agree. Merged-away records are dropped first (all their `del`s), then survivors and other
@@ -1248,15 +1337,19 @@ def apply_txn(
         work = touched_by(changes)
         if work.signers:
             replan_signers(cache, work.signers)
-        step = replan_step(cache, view, REPLAN_CHUNK) if replan else None
-        if not changes and step is None:
+        step, rebuilt = _take_step(cache, view, replan)
+        if not changes and step is None and rebuilt is None:
             return state
         plan = _plan(view, work, step or ())
-        events = [event for loser in plan.losers for event in drop(cache, loser)]
+        gone = plan.losers + (rebuilt.strays if rebuilt else [])
+        events = [event for loser in gone for event in drop(cache, loser)]
+        if rebuilt is not None:
+            plan.scopes.update(dict.fromkeys(rebuilt.rids, Scope(whole=True)))
         events += refresh_all(cache, view, plan.scopes)
     last = _append_feed(cache, state, events, clock())
     applied = changes[-1].seq if changes else state.applied_seq
-    stepped = {REPLANNED: state.replanned + 1} if step is not None else {}
+    took = step is not None or rebuilt is not None
+    stepped = {REPLANNED: state.replanned + 1} if took else {}
     _set_state(cache, applied_seq=applied, feed_seq=last, **stepped)
     return (
         read_state(cache)
@@ -1356,12 +1449,16 @@ def build_txn(
     Local files are kept: they are facts about the disk, not derived from the truth. The feed
     starts again empty under the new epoch, so old cursors get `gap` and a snapshot. Records are
     recomputed a chunk at a time and their events dropped, so memory stays bounded. A replan
-    under way ends: every record is recomputed. So does the mark of commits lost to a restart
-    of the machine (`LOST`): the records, the feed and its epoch are made anew. `stop`, once
-    set, gives it up at the next chunk (`BuildStopped`): a Ctrl-C of `rebuild-cache` or `check`.
+    or a rebuild in place under way ends: every record is recomputed. So does the mark of
+    commits lost to a restart of the machine (`LOST`): the records, the feed and its epoch are
+    made anew. `stop`, once set, gives it up at the next chunk (`BuildStopped`): a Ctrl-C of
+    `rebuild-cache` or `check`.
     """
     old = read_state(cache)
-    cache.execute("DELETE FROM state WHERE name LIKE ? OR name = ?", (REPLAN + "%", LOST))
+    cache.execute(
+        "DELETE FROM state WHERE name LIKE ? OR name LIKE ? OR name = ?",
+        (REPLAN + "%", REBUILD + "%", LOST),
+    )
     cache.execute("DELETE FROM records")
     cache.execute("DELETE FROM cid_index")
     cache.execute("DELETE FROM group_document")
@@ -2407,6 +2504,11 @@ class CacheStore(Store):
         """Queue the apply of what an ingest transaction wrote, before its COMMIT has returned
         (`apply_ahead_txn`), from any thread; its future holds the state it committed."""
         return self.writer.submit(apply_ahead_txn, source, self._clock, written, committed)
+
+    async def start_rebuild(self) -> State:
+        """Start a rebuild in place, which the applier's applies then take a step at a time
+        (`start_rebuild_txn`)."""
+        return await self.writer.run(start_rebuild_txn)
 
     async def build(self, source: TruthSource) -> State:
         """Recompute every record under a new epoch (`build_txn`)."""

@@ -308,22 +308,31 @@ class Rebuilt:
     aside: Path | None = None
 
 
+def cache_damage(settings: Settings) -> str | None:
+    """What SQLite's `quick_check` finds wrong with cache.db (`db.damage`), None if nothing is
+    (or the cache is on PostgreSQL): a damaged one cannot be rebuilt in place."""
+    return None if settings.postgresql else db.damage(settings.cache_path)
+
+
 def rebuild_cache(settings: Settings, *, locked: bool = False) -> Rebuilt:
     """`metanode rebuild-cache`: recompute cache.db from truth.db, keeping local files. A
     damaged cache.db (SQLite's `quick_check`) cannot be rebuilt in place, since opening it
     fails (the way out its own error names led back to it): it is moved, with its `-wal` and
     `-shm`, into `replaced-<stamp>/` and a new one is built from the truth. Only what the cache
     alone held goes with it: the watcher's file rows (the next start hashes the files again)
-    and the plugin runs (the plugins run again); every claim is in the truth. Moving it is
-    refused while a node runs on the data directory (`DataDirLocked`: it would go on writing
-    the file moved away), unless the caller holds the lock itself (`locked`)."""
-    damage = None if settings.postgresql else db.damage(settings.cache_path)
-    aside = None
-    if damage is not None:
-        with contextlib.nullcontext() if locked else datadir.Lock(settings.data_dir):
-            aside = _move_aside(settings.data_dir, CACHE_FILES)
-    with truth_store(settings) as source, cache.CacheStore.configured(settings) as store:
-        return Rebuilt(store.build_sync(source), damage, aside)
+    and the plugin runs (the plugins run again); every claim is in the truth.
+
+    The data directory's lock is held throughout (unless the caller holds it,
+    `locked`), so it is refused while a node runs there (`DataDirLocked`: `metanode
+    rebuild-cache` asks a serving node to rebuild in place instead), and a node started
+    meanwhile is refused rather than left waiting for the one transaction of the whole cache
+    (past SQLite's 30 s busy wait its cache writes failed)."""
+    lock = datadir.Lock(settings.data_dir)
+    with contextlib.nullcontext() if locked else lock:
+        damage = cache_damage(settings)
+        aside = None if damage is None else _move_aside(settings.data_dir, CACHE_FILES)
+        with truth_store(settings) as source, cache.CacheStore.configured(settings) as store:
+            return Rebuilt(store.build_sync(source), damage, aside)
 
 
 @dataclass(frozen=True)
@@ -388,6 +397,12 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
                 f"the records of {replans} blocked or re-weighed signer(s) are still being "
                 "recomputed (the differences below include them): run `metanode serve` until "
                 "/health shows replans 0, then check again"
+            )
+        if state.rebuilding:
+            differences.append(
+                "a rebuild in place is under way (the differences below include what it has "
+                "not reached yet): run `metanode serve` until /health shows rebuilding false, "
+                "then check again"
             )
         if not unbuilt and not behind:
             fresh.build_sync(source, files)
@@ -939,7 +954,7 @@ def cache_catcher(
             if cache_needs_build(store.state(), source):
                 return store.build_sync(source)
             state = store.apply_sync(source)
-            while state.replans:  # no server to take the steps later: all of them now
+            while state.replans or state.rebuilding:  # no server to take the steps later
                 state = store.apply_sync(source)
             return state
 

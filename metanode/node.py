@@ -916,6 +916,19 @@ class Node:
     def signers(self) -> list[dict[str, Any]]:
         return [row.as_json() for row in self.truth.signers()]
 
+    # -- the cache ------------------------------------------------------------------------------
+
+    async def rebuild_cache(self) -> dict[str, Any]:
+        """POST /api/cache/rebuild, what `metanode rebuild-cache` asks of the node serving its
+        data directory: a rebuild in place (`cache.start_rebuild_txn`), which the applier takes
+        `cache.REBUILD_CHUNK` records a transaction, the writes applied between two steps.
+        Answered once it has started; /health's `rebuilding` says while it goes on. Beside a
+        serving node, one transaction of the whole cache held every write behind it (37 s at
+        500,000 claims), and past SQLite's busy wait failed them."""
+        state = await self.cache.start_rebuild()
+        self.applier.started(state)
+        return {"rebuilding": True, "epoch": state.epoch, "applied_seq": state.applied_seq}
+
     async def register_signer(
         self, uid: str, name: str | None, weight: int | None, may_link: bool | None
     ) -> truth.SignerRow:
@@ -1261,6 +1274,7 @@ class Node:
             "epoch": state.epoch,
             "cache_ready": self.applier.ready,
             "replans": state.replans,
+            "rebuilding": state.rebuilding,
             "applier": self.applies,
             "writes": {store.path.name: self._backlog(store) for store in (self.truth, self.cache)},
         }

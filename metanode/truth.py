@@ -682,6 +682,18 @@ def active_rids(conn: Connection) -> list[str]:
     return [r[0] for r in conn.execute("SELECT rid FROM rids WHERE status = 'active' ORDER BY rid")]
 
 
+def rids_after(conn: Connection, after: str, limit: int) -> list[str]:
+    """The first `limit` active rids after `after`, in order: a step of a rebuild in place
+    (`cache.rebuild_step`), through the rids' primary key."""
+    return [
+        r[0]
+        for r in conn.execute(
+            "SELECT rid FROM rids WHERE rid > ? AND status = 'active' ORDER BY rid LIMIT ?",
+            (after, limit),
+        )
+    ]
+
+
 @dataclass(frozen=True)
 class RidInfo:
     rid: str
@@ -1830,6 +1842,10 @@ class _View:
     @mapped
     def active_rids(self) -> list[str]:
         return active_rids(self._conn)
+
+    @mapped
+    def rids_after(self, after: str, limit: int) -> list[str]:
+        return rids_after(self._conn, after, limit)
 
 
 class TruthStore(Store):

@@ -72,6 +72,10 @@ class TruthView(Protocol):
         """Every active rid, in order."""
         ...
 
+    def rids_after(self, after: str, limit: int) -> list[str]:
+        """The first `limit` active rids greater than `after`, in order."""
+        ...
+
 
 class TruthSource(Protocol):
     """Where a view comes from: `snapshot()` opens one read snapshot, closed on leaving."""
@@ -191,6 +195,9 @@ class Overlay:
     def active_rids(self) -> list[str]:
         return self._view.active_rids()
 
+    def rids_after(self, after: str, limit: int) -> list[str]:
+        return self._view.rids_after(after, limit)
+
 
 def overlay(view: TruthView, written: Sequence[Written], after: int) -> TruthView:
     """`view` answered where it can from `written` (an `Overlay`), when `written` holds every
@@ -266,3 +273,6 @@ class _AheadView:
 
     def active_rids(self) -> list[str]:
         return self._opened().active_rids()
+
+    def rids_after(self, after: str, limit: int) -> list[str]:
+        return self._opened().rids_after(after, limit)

@@ -20,6 +20,7 @@ from metanode import cid as cids
 from metanode import claims as claims_mod
 from metanode import rid as rids
 from metanode.claims import Claim
+from metanode.db import Connection
 from metanode.errors import NotCommitted
 from metanode.maintenance import check, open_store
 from metanode.node import Node
@@ -665,6 +666,44 @@ def test_a_signer_changed_again_during_its_replan_is_replanned_from_the_start(
     while store.apply().replans:
         pass
     assert titled(store) == 8
+    assert fresh_diff(store, tmp_path / "fresh.db") == []
+
+
+STRAY = "7ZZZZZZZZZZZZZZZZZZZZZZZZZ"  # a rid no truth holds, after every real one
+
+
+def _mistaken(conn: Connection, rid: str) -> None:
+    """The cache wrong two ways: `rid`'s title changed, a record of a rid the truth lacks."""
+    conn.execute("UPDATE records SET value = 'wrong' WHERE rid = ? AND key = 'title'", (rid,))
+    conn.execute("INSERT INTO records (rid, key, value) VALUES (?, 'title', 'stray')", (STRAY,))
+
+
+def test_a_rebuild_in_place_goes_a_step_an_apply_and_feeds_only_its_mends(
+    titled_8: tuple[Store, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`rebuild-cache` beside a serving node: each apply recomputes `REBUILD_CHUNK` records (3
+    here), a write between two steps applied with the next (a merge of the last record, not
+    reached yet, into the first, passed already); what was right feeds nothing, a record the
+    cache had wrong gets its `set`, one the truth lacks its `del`; it ends as a rebuild would,
+    on the same epoch."""
+    monkeypatch.setattr(cache, "REBUILD_CHUNK", 3)
+    store, _ = titled_8
+    rids = sorted({rid for rid, _ in store.records()})
+    store.store.writer.run_sync(_mistaken, rids[5])
+    begun = store.store.writer.run_sync(cache.start_rebuild_txn)
+    assert begun.rebuilding
+    first = store.apply()
+    assert first.rebuilding and first.feed_seq == begun.feed_seq  # rids 0–2 were right
+    store.ingest([_link(0, 7)])
+    assert store.apply().rebuilding  # the merge, and rids 3–5
+    last = store.apply()  # rid 6 (7 merged away), and the stray after it
+    assert not last.rebuilding and last.epoch == begun.epoch
+    assert store.apply() == cache.read_state(store.cache)  # nothing left to step
+    fed = store.cache.execute(
+        "SELECT rid, op, key, value FROM feed WHERE seq > ? ORDER BY seq", (begun.feed_seq,)
+    ).fetchall()
+    assert (rids[5], "set", "title", "5") in fed and (STRAY, "del", "title", None) in fed
+    assert {row[0] for row in fed} == {rids[0], rids[5], rids[7], STRAY}
     assert fresh_diff(store, tmp_path / "fresh.db") == []
 
 
