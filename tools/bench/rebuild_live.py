@@ -11,7 +11,8 @@ keep-alive client: `--seconds` before, then while `metanode rebuild-cache` runs 
 subprocess (its own time measured), then `--seconds` after. Reported: the rebuild's time and
 what it printed, each phase's post latencies (p50, max) and answers by status, the server's log
 lines at level error or warning, and whether every acknowledged claim is in the record its
-CID resolves to afterwards.
+CID resolves to afterwards. The ratio: the posts' p50 and longest latency during the rebuild ÷
+before it, in the same run.
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ def run(args: argparse.Namespace) -> None:
     print(f"before: {before.summary()}")
     print(f"during: {during.summary()}")
     print(f"after:  {after.summary()}")
+    if before.latencies and during.latencies:  # the baseline: the same posts before it began
+        p50 = statistics.median(during.latencies) / statistics.median(before.latencies)
+        longest = max(during.latencies) / max(before.latencies)
+        print(f"ratio during ÷ before: p50 {p50:.2f}, max {longest:.2f}")
     print(f"acknowledged {len(acknowledged):,}, missing afterwards {lost}")
     print(f"server log lines at level error or warning: {len(said)}")
     for line in said[:5]:
