@@ -97,8 +97,8 @@ KEY_WAY_OUT = (
     "put it back from the backup taken with the truth (`<backup folder>/keys-<stamp>/`, "
     "copied into keys/), or, with none, move it out of keys/: the owner's is then made anew "
     "and adopted with `metanode init --new-owner` (the old key's edits stay), a plugin's is "
-    "made anew at the next start and the plugin runs again under it (docs/operations.md, "
-    "'A damaged or lost file')"
+    "made anew at the next start and signs what the plugin does from then on, its former "
+    "key's claims standing (docs/operations.md, 'A damaged or lost file')"
 )
 
 
