@@ -1921,6 +1921,18 @@ class TruthStore(Store):
             INGEST_GROUP, len(items), ingest_txn, items, minter, policy, now, prepare=prepare
         )
 
+    async def ingest_together(
+        self, batches: Sequence[Sequence[Claim]], minter: Minter, policy: Policy, now: int
+    ) -> list[IngestResult | BaseException]:
+        """`ingest` of validated batches queued as one (`Writer.submit_together`): they share
+        one transaction (up to `GROUP_MAX` claims) and one apply, each failing alone (its
+        exception in its place) and each answered only once that transaction has committed.
+        For plugin runs that ended close together: submitted one by one they took a COMMIT
+        each (docs/benchmarks.md, "Plugin runs committed together")."""
+        return await self.writer.run_together(
+            INGEST_GROUP, [(len(b), ingest_txn, (b, minter, policy, now)) for b in batches]
+        )
+
     def ingest_sync(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
     ) -> IngestResult:
