@@ -784,6 +784,7 @@ class _Job:
     units: int = 1
     prepare: Prepare | None = None
     queued_at: float = dataclasses.field(default_factory=time.monotonic)
+    bundled: bool = False  # queued with others as one (`Writer.submit_together`)
 
 
 Outcome = tuple[bool, Any]  # (True, a job's result) or (False, the exception it failed with)
@@ -1071,9 +1072,10 @@ class Writer:
             try:
                 job = self._get(block=False)
             except queue.Empty:
-                job = self._straggler(len(jobs), units, deadline)
+                requests = sum(not each.bundled for each in jobs)  # a bundle foretells nothing
+                job = self._straggler(requests, units, deadline)
                 if job is None:
-                    self._gathered(len(jobs))
+                    self._gathered(requests)
                     return jobs
             if job is _STOP or job.group != first.group:
                 self._held = job
@@ -1212,9 +1214,9 @@ class Writer:
         return future
 
     def submit_together(
-        self, group: str, work: Sequence[tuple[int, Txn[T], tuple[Any, ...]]]
+        self, group: str, work: Sequence[tuple[int, Txn[T], tuple[Any, ...], Prepare | None]]
     ) -> list[concurrent.futures.Future[T]]:
-        """Queue the jobs `(units, fn, args)` of `group` as ONE item, so the writer takes
+        """Queue the jobs `(units, fn, args, prepare)` of `group` as ONE item, so the writer takes
         them in one turn and they share a transaction (each still under its own savepoint, or
         combined), bounded by `GROUP_MAX` units alone. Submitted one by one from the event
         loop, the writer's thread could take the first before the next was queued, and
@@ -1222,7 +1224,8 @@ class Writer:
         if self._closed:
             raise ShuttingDown("the node is shutting down; nothing was written")
         jobs = tuple(
-            _Job(concurrent.futures.Future(), fn, args, group, units) for units, fn, args in work
+            _Job(concurrent.futures.Future(), fn, args, group, units, prepare, bundled=True)
+            for units, fn, args, prepare in work
         )
         if jobs:
             self._jobs.put(jobs)
@@ -1245,7 +1248,7 @@ class Writer:
         return await asyncio.shield(asyncio.wrap_future(future))
 
     async def run_together(
-        self, group: str, work: Sequence[tuple[int, Txn[T], tuple[Any, ...]]]
+        self, group: str, work: Sequence[tuple[int, Txn[T], tuple[Any, ...], Prepare | None]]
     ) -> list[T | BaseException]:
         """`submit_together`, awaited: each job's result, or the exception it failed with, in
         order, once their transaction has committed (or failed)."""
