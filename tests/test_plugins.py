@@ -1299,7 +1299,7 @@ async def test_runs_that_end_together_share_one_truth_commit_and_a_refused_claim
     one truth transaction (the writer's group count, /metrics' `metanode_ingest_groups`) and
     one record of their outcomes. Each is done only once its claims are durable, and the run
     whose claim the node refuses fails alone."""
-    files = 20
+    files = 16
     midhashes = [harness.drop(f"f{n:02d}.bin", f"file {n}".encode())[1] for n in range(files)]
     refused = midhashes[7]
     go = harness.gate()
@@ -1309,10 +1309,11 @@ async def test_runs_that_end_together_share_one_truth_commit_and_a_refused_claim
         register(file.cid, "cid_x" if file.cid == refused else "quick", "yes")
 
     quick = probe("quick", action)
-    node = await harness.start([quick], plugin_workers=1, plugin_timeout_s=60.0)
+    # up to 16 runs wait for their commit (`AHEAD_MAX` a slot): every run can end
+    node = await harness.start([quick], plugin_workers=8, plugin_timeout_s=60.0)
     host = node.plugin_host
     assert host is not None
-    await until(lambda: len(quick.calls) == 1, "the first run at work")
+    await until(lambda: len(quick.calls) >= 1, "the first runs at work")
     await until(lambda: runs(node).keys() >= {("quick", "1", m) for m in midhashes}, "queued")
     held, entered = harness.gate(), threading.Event()
 
