@@ -1989,6 +1989,16 @@ def missing(conn: Connection, after: str, limit: int) -> list[dict[str, Any]]:
     return [{"midhash": m, "rid": r, "fileName": name} for m, r, name in rows]
 
 
+def finish_runs_txn(
+    cache: Connection,
+    rows: Sequence[tuple[PluginRun, str, int, int, str | None]],
+    now_ms: int,
+) -> None:
+    """`finish_run_txn` of each of `rows` (run, status, attempts, next_at, error)."""
+    for run, status, attempts, next_at, error in rows:
+        finish_run_txn(cache, run, status, attempts, next_at, error, now_ms)
+
+
 def drop_run_txn(cache: Connection, plugin: str, version: str, midhash: str) -> None:
     cache.execute(
         "DELETE FROM plugin_runs WHERE plugin = ? AND version = ? AND midhash = ?",
@@ -2559,6 +2569,14 @@ class CacheStore(Store):
         self, run: PluginRun, status: str, attempts: int, next_at: int, error: str | None
     ) -> None:
         await self.writer.run(finish_run_txn, run, status, attempts, next_at, error, self._clock())
+
+    async def finish_runs(
+        self, rows: Sequence[tuple[PluginRun, str, int, int, str | None]]
+    ) -> None:
+        """`finish_run` of many runs (run, status, attempts, next_at, error) in one
+        transaction: the runs whose claims one turn of the plugin host committed together."""
+        if rows:
+            await self.writer.run(finish_runs_txn, rows, self._clock())
 
     async def drop_run(self, run: PluginRun) -> None:
         await self.writer.run(drop_run_txn, run.plugin, run.version, run.midhash)

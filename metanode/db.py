@@ -27,6 +27,7 @@ work again (`Writer.failure`, read by `/health`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import errno
@@ -783,6 +784,7 @@ class _Job:
     units: int = 1
     prepare: Prepare | None = None
     queued_at: float = dataclasses.field(default_factory=time.monotonic)
+    bundled: bool = False  # queued with others as one (`Writer.submit_together`)
 
 
 Outcome = tuple[bool, Any]  # (True, a job's result) or (False, the exception it failed with)
@@ -936,7 +938,9 @@ class Writer:
     (`combiners`) runs a run of its queued jobs as one call (`_group_txn`). A grouped job's
     `prepare` runs on this thread before the group's `BEGIN` (`_ready`). `before_commit` (if
     set) gets a group's outcomes before its COMMIT, to begin work on them meanwhile
-    (`BeforeCommit`).
+    (`BeforeCommit`). Jobs queued together (`submit_together`: the claims of plugin runs that
+    ended close together) are taken as one item, so they share a transaction (up to
+    `GROUP_MAX`) however the writer's thread and the caller's interleave.
     `groups` counts the group transactions, `grouped` the jobs they held (/metrics).
 
     `failure` is the last `StorageError` a job met, until a probe (every `PROBE_S`, between
@@ -962,6 +966,7 @@ class Writer:
         self._next_probe = 0.0
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._held: Any = None  # a job `_gather` took but left for the next turn
+        self._bundled: collections.deque[_Job] = collections.deque()  # of `submit_together`
         self._since: float | None = None  # when the job being run was queued (`backlog`)
         self._largest = (0, 0.0)  # the largest group of late, and when it was last that large
         self.straggler_s = 0.0  # how long a group smaller than of late waits for the next job
@@ -1054,7 +1059,8 @@ class Writer:
         latency for the grouping. Jobs queued while the earlier ones are prepared join too, so
         with 8 one-claim clients a transaction holds ≈ 7 of them (docs/benchmarks.md, "Small
         batches validated on the truth writer"), sharing its fixed cost (the COMMIT, the
-        cache's apply)."""
+        cache's apply). The rest of a bundle (`submit_together`) joins whatever the deadline:
+        it was queued whole, and on a busy machine one thread switch passes 5 ms."""
         jobs: list[_Job] = []
         units, job = 0, first
         deadline = time.monotonic() + GROUP_DEADLINE_S
@@ -1063,14 +1069,16 @@ class Writer:
             if ready is not None:
                 jobs.append(ready)
                 units += ready.units
-            if units >= GROUP_MAX or time.monotonic() >= deadline:
+            late = time.monotonic() >= deadline and not self._bundled
+            if units >= GROUP_MAX or late:
                 return jobs
             try:
-                job = self._jobs.get_nowait()
+                job = self._get(block=False)
             except queue.Empty:
-                job = self._straggler(len(jobs), units, deadline)
+                requests = sum(not each.bundled for each in jobs)  # a bundle foretells nothing
+                job = self._straggler(requests, units, deadline)
                 if job is None:
-                    self._gathered(len(jobs))
+                    self._gathered(requests)
                     return jobs
             if job is _STOP or job.group != first.group:
                 self._held = job
@@ -1133,17 +1141,28 @@ class Writer:
         """The next queued job; None when a probe is due first (only while writes fail: even
         under a steady stream of jobs, so a failure is never left standing after they work)."""
         if self.failure is None:
-            return self._jobs.get()
+            return self._get()
         return self._within(self._next_probe - time.monotonic())
 
     def _within(self, seconds: float) -> Any:
         """The next queued job, waited for up to `seconds`; None if none came in time."""
-        if seconds <= 0:
+        if seconds <= 0 and not self._bundled:
             return None
         try:
-            return self._jobs.get(timeout=seconds)
+            return self._get(timeout=max(seconds, 0.0))
         except queue.Empty:
             return None
+
+    def _get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The next queued job (`queue.Empty` as `SimpleQueue.get`): a bundle's
+        (`submit_together`) one at a time, before anything queued after it."""
+        if self._bundled:
+            return self._bundled.popleft()
+        item = self._jobs.get(block, timeout)
+        if isinstance(item, tuple):
+            self._bundled.extend(item[1:])
+            return item[0]
+        return item
 
     def _failed(self, exc: StorageError) -> None:
         if self.failure is None:
@@ -1178,8 +1197,9 @@ class Writer:
         self.failure = None
 
     def queued(self) -> int:
-        """How many jobs wait (an approximate figure, for tests and gauges)."""
-        return self._jobs.qsize() + (self._held is not None)
+        """How many jobs wait (an approximate figure, for tests and gauges: a bundle counts
+        as one until the writer takes it)."""
+        return self._jobs.qsize() + len(self._bundled) + (self._held is not None)
 
     def submit(self, fn: Txn[T], *args: Any) -> concurrent.futures.Future[T]:
         return self.submit_grouped(None, 1, fn, *args)
@@ -1198,6 +1218,24 @@ class Writer:
         self._jobs.put(_Job(future, fn, args, group, units, prepare))
         return future
 
+    def submit_together(
+        self, group: str, work: Sequence[tuple[int, Txn[T], tuple[Any, ...], Prepare | None]]
+    ) -> list[concurrent.futures.Future[T]]:
+        """Queue the jobs `(units, fn, args, prepare)` of `group` as ONE item, so the writer takes
+        them in one turn and they share a transaction (each still under its own savepoint, or
+        combined), bounded by `GROUP_MAX` units alone. Submitted one by one from the event
+        loop, the writer's thread could take the first before the next was queued, and
+        `GROUP_DEADLINE_S` could pass on a busy machine: a split group, two COMMITs."""
+        if self._closed:
+            raise ShuttingDown("the node is shutting down; nothing was written")
+        jobs = tuple(
+            _Job(concurrent.futures.Future(), fn, args, group, units, prepare, bundled=True)
+            for units, fn, args, prepare in work
+        )
+        if jobs:
+            self._jobs.put(jobs)
+        return [job.future for job in jobs]
+
     async def run(self, fn: Txn[T], *args: Any) -> T:
         """Run a transaction function on the writer thread and await its committed result.
 
@@ -1213,6 +1251,14 @@ class Writer:
         (`submit_grouped`)."""
         future = self.submit_grouped(group, units, fn, *args, prepare=prepare)
         return await asyncio.shield(asyncio.wrap_future(future))
+
+    async def run_together(
+        self, group: str, work: Sequence[tuple[int, Txn[T], tuple[Any, ...], Prepare | None]]
+    ) -> list[T | BaseException]:
+        """`submit_together`, awaited: each job's result, or the exception it failed with, in
+        order, once their transaction has committed (or failed)."""
+        waits = [asyncio.shield(asyncio.wrap_future(f)) for f in self.submit_together(group, work)]
+        return list(await asyncio.gather(*waits, return_exceptions=True))
 
     def run_sync(self, fn: Txn[T], *args: Any) -> T:
         return self.submit(fn, *args).result()

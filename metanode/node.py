@@ -113,6 +113,16 @@ class IngestAnswer:
     body: dict[str, Any]
 
 
+def answered(result: truth.IngestResult, applied: bool) -> IngestAnswer:
+    """An ingest's answer: each claim's verdict, their counts, and whether the cache applied
+    them in time (200) or not yet (202)."""
+    body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}
+    for verdict in get_args(merge.Verdict):
+        body[verdict] = result.verdicts.count(verdict)
+    body["applied"] = applied
+    return IngestAnswer(200 if applied else 202, body)
+
+
 def unset_clock(now: int) -> str:
     """What /health and the log say of a clock that reads before 2000: one that was never set
     (a box without a real-time clock, before network time), as no claim can be dated then."""
@@ -498,7 +508,6 @@ class Node:
                 plugin,
                 key,
                 self.record_of,
-                self.ingest_wire,
                 s.plugin_timeout_s,
                 self.stamp_apart,
                 self.said_by,
@@ -512,6 +521,7 @@ class Node:
         host = plugins.Host(
             runners,
             self.cache,
+            self.ingest_together,
             s.plugin_workers,
             s.plugin_max_attempts,
             s.plugin_retry_s,
@@ -716,11 +726,50 @@ class Node:
             result = await self.truth.ingest(batch, self.minter, self.policy, now)
         self.applier.hand(result)
         applied = await self.applier.wait_for(result.seq, self.settings.apply_wait_s)
-        body: dict[str, Any] = {"results": [{"status": v} for v in result.verdicts]}
-        for verdict in get_args(merge.Verdict):
-            body[verdict] = result.verdicts.count(verdict)
-        body["applied"] = applied
-        return IngestAnswer(200 if applied else 202, body)
+        return answered(result, applied)
+
+    async def ingest_together(
+        self, batches: Sequence[list[object]]
+    ) -> list[IngestAnswer | BaseException]:
+        """Batches of wire claims (plugin runs that ended close together), each taken as
+        `ingest_wire` takes one (a small batch validated on the truth writer's thread, a large
+        one first on the verifier's) and committed in ONE truth transaction and one cache apply
+        (`TruthStore.ingest_together`): a batch refused (a claim, its signer's policy) fails
+        alone, its exception in its place; each is answered once its claims are durable and
+        applied (or after `apply_wait_s`, `"applied": false`). All on the verifier's threads, a
+        turn of the plugin host's runs spent a third of its time handing them there and back."""
+        now = self.clock()
+        large = [items for items in batches if len(items) > WRITER_VALIDATES]
+        validated = iter(
+            await asyncio.gather(
+                *(self._validate(items, now) for items in large), return_exceptions=True
+            )
+        )
+        checked: list[tuple[Sequence[object], bool] | BaseException] = [
+            (items, False) if len(items) <= WRITER_VALIDATES else self._checked(next(validated))
+            for items in batches
+        ]
+        taken = [each for each in checked if not isinstance(each, BaseException)]
+        stored = iter(
+            await self.truth.ingest_together(
+                taken, self.verifier.limits, self.minter, self.policy, now
+            )
+        )
+        results = [each if isinstance(each, BaseException) else next(stored) for each in checked]
+        seq = 0
+        for result in results:
+            if isinstance(result, truth.IngestResult):
+                self.applier.hand(result)
+                seq = max(seq, result.seq)
+        applied = await self.applier.wait_for(seq, self.settings.apply_wait_s)
+        return [r if isinstance(r, BaseException) else answered(r, applied) for r in results]
+
+    @staticmethod
+    def _checked(
+        valid: list[claims.Claim] | BaseException,
+    ) -> tuple[Sequence[object], bool] | BaseException:
+        """A large batch as `ingest_together` takes it: validated, or why not."""
+        return valid if isinstance(valid, BaseException) else (valid, True)
 
     async def _ingest_handed(self, items: list[object]) -> tuple[int, dict[str, Any]]:
         """Wire claims a reader worker handed over (handoff.py): taken as this worker's own

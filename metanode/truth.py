@@ -1937,6 +1937,29 @@ class TruthStore(Store):
             INGEST_GROUP, len(items), ingest_txn, items, minter, policy, now, prepare=prepare
         )
 
+    async def ingest_together(
+        self,
+        batches: Sequence[tuple[Sequence[object], bool]],
+        limits: Limits,
+        minter: Minter,
+        policy: Policy,
+        now: int,
+    ) -> list[IngestResult | BaseException]:
+        """`ingest` (a batch validated already, True) or `ingest_wire` (wire claims validated
+        on the writer's thread) of each of `batches`, queued as one (`Writer.submit_together`):
+        they share one transaction (up to `GROUP_MAX` claims) and one apply, each failing alone
+        (its exception in its place), each answered only once that transaction has committed.
+        For plugin runs that ended close together: submitted one by one they took a COMMIT
+        each (docs/benchmarks.md, "Plugin runs committed together")."""
+        prepare = functools.partial(_validated, limits)
+        return await self.writer.run_together(
+            INGEST_GROUP,
+            [
+                (len(b), ingest_txn, (b, minter, policy, now), None if valid else prepare)
+                for b, valid in batches
+            ],
+        )
+
     def ingest_sync(
         self, batch: Sequence[Claim], minter: Minter, policy: Policy, now: int
     ) -> IngestResult:

@@ -1290,3 +1290,62 @@ def test_an_older_cache_has_its_runs_counted_by_the_migration(tmp_path: Path) ->
         ]
     finally:
         conn.close()
+
+
+async def test_runs_that_end_together_share_one_truth_commit_and_a_refused_claim_fails_alone(
+    harness: Harness,
+) -> None:
+    """Runs that end while the last ones' claims commit wait, and are then committed together:
+    one truth transaction (the writer's group count, /metrics' `metanode_ingest_groups`) and
+    one record of their outcomes. Each is done only once its claims are durable, and the run
+    whose claim the node refuses fails alone."""
+    files = 16
+    midhashes = [harness.drop(f"f{n:02d}.bin", f"file {n}".encode())[1] for n in range(files)]
+    refused = midhashes[7]
+    go = harness.gate()
+
+    def action(file: LocalFile, record: RecordLookup, register: Register) -> None:
+        go.wait(30)
+        register(file.cid, "cid_x" if file.cid == refused else "quick", "yes")
+
+    quick = probe("quick", action)
+    # up to 16 runs wait for their commit (`AHEAD_MAX` a slot): every run can end
+    node = await harness.start([quick], plugin_workers=8, plugin_timeout_s=60.0)
+    host = node.plugin_host
+    assert host is not None
+    await until(lambda: len(quick.calls) >= 1, "the first runs at work")
+    await until(lambda: runs(node).keys() >= {("quick", "1", m) for m in midhashes}, "queued")
+    held, entered = harness.gate(), threading.Event()
+
+    def hold(conn: object) -> None:
+        entered.set()
+        held.wait(30)
+
+    holding = node.truth.writer.submit(hold)  # the truth's writer busy, as with a slow disk
+    await until(entered.is_set, "the truth writer held")
+    groups, grouped, recorded = node.truth.writer.groups, node.truth.writer.grouped, host.recorded
+    go.set()
+    await until(lambda: len(quick.calls) == files and not host._since, "every run ended")
+    assert (await counts(node, "quick"))["done"] == 0, "none done before its claims commit"
+    held.set()
+    await asyncio.wrap_future(holding)
+
+    def all_recorded() -> bool:
+        return all(runs(node)[("quick", "1", m)].status != "pending" for m in midhashes)
+
+    await until(all_recorded, "every run recorded")
+    transactions = node.truth.writer.groups - groups
+    assert node.truth.writer.grouped - grouped == files - 1  # every run's claims but one
+    assert 1 <= transactions <= 2, transactions  # the first to end, then all the others
+    assert host.recorded - recorded <= 3
+
+    for midhash in midhashes:
+        run = run_of(node, quick, midhash)
+        assert run is not None
+        if midhash == refused:
+            assert (run.status, run.attempts) == ("failed", 1)
+            assert run.error is not None and "reserved_key" in run.error
+            assert "cid_x" not in metadata(node, midhash)
+        else:
+            assert run == Run("done", 1, None)
+            assert metadata(node, midhash)["quick"] == "yes"

@@ -15,6 +15,9 @@ album folders, some `.nfo` and `.srt` sidecars).
 * Ratio = backlog files/s ÷ the baseline's files/s (1.0: the host costs nothing beside the
   plugins' own work on one core). Also each plugin's backlog files/s (its runs ÷ the time its
   last run took to be done) and the CPU seconds this process used a run.
+* Commits: the truth transactions that held the plugins' claims (its writer's group
+  transactions, /metrics' `metanode_ingest_groups`) and the runs with claims a transaction (its
+  jobs ÷ its transactions): 1.0 when each run commits alone.
 """
 
 from __future__ import annotations
@@ -86,9 +89,9 @@ def done_runs(cache_path: Path) -> dict[str, int]:
 
 async def backlog(
     data_dir: Path, root: Path, runs: int, workers: int
-) -> tuple[float, dict[str, float]]:
+) -> tuple[float, dict[str, float], tuple[int, int]]:
     """(seconds from the node's start until every plugin is done on every file, each plugin's
-    seconds until its last run was done)."""
+    seconds until its last run was done, (the truth's group transactions, the jobs they held))."""
     settings = settings_for(data_dir, root, workers)
     started = time.perf_counter()
     node = Node(settings)
@@ -100,9 +103,10 @@ async def backlog(
             for plugin, count in done_runs(settings.cache_path).items():
                 if count >= runs and plugin not in finished:
                     finished[plugin] = time.perf_counter() - started
+        commits = (node.truth.writer.groups, node.truth.writer.grouped)
     finally:
         await node.stop()
-    return max(finished.values()), finished
+    return max(finished.values()), finished, commits
 
 
 def main() -> None:
@@ -121,7 +125,9 @@ def main() -> None:
         own = {plugin.name: rate(run_plugin(plugin), files) for plugin in PLUGINS}
         base = 1 / sum(1 / each for each in own.values())
         cpu = time.process_time()
-        took, finished = asyncio.run(backlog(folder / "data", folder / "media", runs, args.workers))
+        took, finished, (groups, grouped) = asyncio.run(
+            backlog(folder / "data", folder / "media", runs, args.workers)
+        )
         cpu = time.process_time() - cpu
     got = runs / took
     print(
@@ -133,6 +139,7 @@ def main() -> None:
     print(f"baseline, every plugin's process in a plain loop: {base:,.1f} files/s")
     print(f"backlog, a started node: {got:,.1f} files/s ({took:.1f} s)")
     print(f"CPU of this process a run: {1000 * cpu / (runs * len(PLUGINS)):.2f} ms")
+    print(f"truth transactions: {groups:,}, runs with claims a transaction: {grouped / groups:.2f}")
     print(f"ratio backlog ÷ baseline: {got / base:.3f}")
 
 
