@@ -329,15 +329,16 @@ async def connect_reader(target: Target) -> aiosqlite.Connection | pg.AsyncReade
     return conn
 
 
-def copy_database(source: Path, copy: Path) -> str:
+def copy_database(source: Path, copy: Path, *, checked: bool = True) -> str:
     """An online copy of the database at `source` into the (existing, empty) file `copy`:
-    consistent while others write, via SQLite's backup API. Returns the copy's
-    `PRAGMA integrity_check` verdict ("ok" when it is sound)."""
+    consistent while others write, via SQLite's backup API in one step (the whole database
+    as one read snapshot saw it). Returns the copy's `PRAGMA integrity_check` verdict ("ok"
+    when it is sound; "ok" unchecked unless `checked`)."""
     origin = connect_file(source, readonly=True)
     dest = sqlite3.connect(copy)
     try:
         origin.backup(dest)
-        return str(dest.execute("PRAGMA integrity_check").fetchone()[0])
+        return str(dest.execute("PRAGMA integrity_check").fetchone()[0]) if checked else "ok"
     finally:
         dest.close()
         origin.close()
@@ -1324,6 +1325,15 @@ class Store:
             with storage_errors(self.path):
                 self._pool = pg.Pool(self.path)
         return self
+
+    def snapshot_to(self, copy: Path) -> None:
+        """An online, consistent copy of this SQLite database into `copy` (not checked: for
+        `check`, which reads its stores whole for damage first and compares copies of both,
+        each one snapshot, taken in the order the node commits them: the cache's, then the
+        truth's). The store need not be open."""
+        assert isinstance(self.path, Path), "a SQLite store is copied"
+        with storage_errors(self.path):
+            copy_database(self.path, copy, checked=False)
 
     def _writer_pragmas(self) -> Sequence[str]:
         """Pragmas of the writer's connection beyond `PRAGMAS` (`CacheStore`'s relaxed

@@ -333,10 +333,24 @@ class CheckReport:
     claims_checked: int
     unbuilt: bool = False  # the cache awaits a build (after `restore`): only signatures checked
     damaged: list[str] = field(default_factory=list)  # nothing else checked (`damaged_files`)
+    notes: list[str] = field(default_factory=list)  # said, but no verdict of damage
+    # why the differences may be a node's writes in flight rather than damage ("" when the
+    # comparison held still): no verdict, `check` is run again
+    inconclusive: str = ""
 
     @property
     def clean(self) -> bool:
-        return not self.differences and not self.bad_signatures and not self.damaged
+        bad = self.differences or self.bad_signatures or self.damaged
+        return not bad and not self.inconclusive
+
+    @property
+    def verdict(self) -> str:
+        """`clean`, `MISMATCH`, or `INCONCLUSIVE`: differences that writes in flight may
+        explain, where MISMATCH told a user whose cache was sound that it was not."""
+        if self.clean:
+            return "clean"
+        mismatch = self.bad_signatures or self.damaged or not self.inconclusive
+        return "MISMATCH" if mismatch else "INCONCLUSIVE"
 
 
 DAMAGE_WAY_OUT = {
@@ -363,52 +377,178 @@ def damaged_files(settings: Settings) -> list[str]:
     ]
 
 
+SNAPSHOT_TRIES = 3  # copies of both stores taken again when the outbox was pruned between
+
+
 def check(settings: Settings, scratch: Path) -> CheckReport:
     """`metanode check`: both databases read whole for damage (`damaged_files`: only that is
     reported if any is), then the live cache against a fresh rebuild, and every stored
-    signature."""
+    signature. `scratch` is the fresh cache's file, in a folder of the check's own (copies of
+    the stores go beside it). On SQLite the stores are compared as one moment held them
+    (`_check_copies`): a node writing meanwhile changes nothing of the verdict."""
     if damaged := damaged_files(settings):
         return CheckReport([], [], 0, damaged=damaged)
+    open_store(settings)  # a schema too new refused naming the live file, as a start does
+    if settings.postgresql:
+        return _check_live(settings, scratch)
+    return _check_copies(settings, scratch)
+
+
+def _check_copies(settings: Settings, scratch: Path) -> CheckReport:
+    """`check` on SQLite: a copy of cache.db, then one of truth.db, each one read snapshot
+    (`Store.snapshot_to`), taken in the order the node commits them, so the truth's copy holds
+    every change the cache's had applied, and the outbox rows of those it had not. Those are
+    applied to the cache's copy, as the node applies them, and the copy compared with a fresh
+    build from the truth's. The live stores are only read. A node writing meanwhile (`serve`,
+    `rebuild-cache`) made differences of its writes in flight and MISMATCH, of a sound cache
+    (1,702 to 5,302 lines under 100-claim posts without pause)."""
+    marks: list[tuple[int, int]] = []
+    while True:
+        live_copy, truth_copy = _store_copies(settings, scratch)
+        with (
+            truth.TruthStore(truth_copy) as source,
+            cache.CacheStore(live_copy) as live,
+            cache.CacheStore(scratch) as fresh,
+        ):
+            state = live.state()
+            marks.append((state.applied_seq, source.max_seq()))
+            # the node applied and pruned between the two copies (rare: the prune runs every
+            # `feed_prune_s`): again; the same twice, nothing moved: an old cache.db put back
+            if _pruned_between(state, source) and marks[-2:-1] != marks[-1:]:
+                if len(marks) < SNAPSHOT_TRIES:
+                    continue
+                bad, count = _verify_all(source)
+                return CheckReport([], bad, count, inconclusive=_pruned_note(marks))
+            return _compare(settings, source, live, fresh, copies=True)
+
+
+def _pruned_note(marks: Sequence[tuple[int, int]]) -> str:
+    """`check`'s word when every copy of the stores it took missed outbox rows the node pruned
+    between the cache's copy and the truth's."""
+    return (
+        f"the node applied and pruned the truth's changes between the copies of cache.db and "
+        f"truth.db, {len(marks)} times (cache applied seq, truth seq: {marks}): the records "
+        "were not compared; check again"
+    )
+
+
+def _store_copies(settings: Settings, scratch: Path) -> tuple[Path, Path]:
+    """Fresh copies of cache.db and truth.db beside `scratch`, in that order (`_check_copies`)."""
+    copies = scratch.with_name(f"{scratch.name}.live"), scratch.with_name(f"{scratch.name}.truth")
+    _gone(*(copy.with_name(copy.name + end) for copy in copies for end in ("", "-wal", "-shm")))
+    cache.CacheStore.configured(settings).snapshot_to(copies[0])
+    truth.TruthStore.configured(settings).snapshot_to(copies[1])
+    return copies
+
+
+def _pruned_between(state: cache.State, source: truth.TruthStore) -> bool:
+    """Whether the truth's copy lacks outbox rows the cache's copy had yet to apply although
+    that cache was built and sound: the node applied them, and pruned them from the outbox,
+    between the two copies (rare: the prune runs every `feed_prune_s`)."""
+    built = state.epoch != 0 and not state.lost and state.applied_seq <= source.max_seq()
+    return built and cache_needs_build(state, source)
+
+
+def _check_live(settings: Settings, scratch: Path) -> CheckReport:
+    """`check` on PostgreSQL, which copies no schema: the live stores read as they are, a
+    comparison that writes in flight can make differ; said `inconclusive` when they moved."""
     with (
         truth_store(settings) as source,
         cache.CacheStore.configured(settings) as live,
         cache.CacheStore(scratch) as fresh,
     ):
-        files, state = live.all_local_files(), live.state()
-        differences = []
-        unbuilt = cache_needs_build(state, source)  # a cache a start would rebuild anyway
-        truth_seq = source.max_seq()
-        behind = state.applied_seq < truth_seq and not unbuilt
-        if behind:
-            differences.append(behind_note(state.applied_seq, truth_seq))
-        elif state.applied_seq != truth_seq and not unbuilt:
-            differences.append(f"cache applied seq {state.applied_seq} != truth seq {truth_seq}")
-        if replans := state.replans:
-            differences.append(
-                f"the records of {replans} blocked or re-weighed signer(s) are still being "
-                "recomputed (the differences below include them): run `metanode serve` until "
-                "/health shows replans 0, then check again"
-            )
-        if not unbuilt and not behind:
-            fresh.build_sync(source, files)
+        return _compare(settings, source, live, fresh, copies=False)
+
+
+def _compare(
+    settings: Settings,
+    source: truth.TruthStore,
+    live: cache.CacheStore,
+    fresh: cache.CacheStore,
+    *,
+    copies: bool,
+) -> CheckReport:
+    """The records of `live` against `fresh` built from `source`, every signature of `source`,
+    the keys. The copies of `_check_copies` are brought up to the truth's copy first (its
+    changes not applied yet, a replan under way: notes); the live stores of `_check_live` are
+    compared only once applied up to the truth (else one line says how far behind)."""
+    state, truth_seq = live.state(), source.max_seq()
+    unbuilt = cache_needs_build(state, source)  # a cache a start would rebuild anyway
+    differences: list[str] = []
+    notes: list[str] = []
+    if not unbuilt:
+        if copies:
+            notes = _caught_up(live, source, state, truth_seq)
+        else:
+            differences = _live_notes(state, truth_seq)
+        if copies or state.applied_seq >= truth_seq:
+            fresh.build_sync(source, live.all_local_files())
             differences += live.diff(fresh)
-        differences += [problem.message for problem in key_problems(settings)]
-        bad, count = [], 0
-        for claim in source.claims():
-            count += 1
-            try:
-                claims.verify(claim)
-            except BadSignature:
-                bad.append(f"{claim.uid} {claim.cid} {claim.key}")
-        moved = (source.max_seq(), live.state().applied_seq)
-        if differences and moved != (truth_seq, state.applied_seq):
-            differences.append(  # a replica (or `serve`) wrote meanwhile: said, not hidden
-                f"the stores changed during the check (truth seq {truth_seq} → {moved[0]}, "
-                f"cache applied seq {state.applied_seq} → {moved[1]}): a node is writing, and "
-                "the differences above may be its writes in flight; check again while no "
-                "claims come in"
-            )
-        return CheckReport(differences, bad, count, unbuilt)
+    differences += [problem.message for problem in key_problems(settings)]
+    bad, count = _verify_all(source)
+    moved = (source.max_seq(), live.state().applied_seq)
+    inconclusive = ""
+    if not copies and differences and moved != (truth_seq, state.applied_seq):
+        inconclusive = (  # a replica (or `serve`) wrote meanwhile: said, not called damage
+            f"the stores changed during the check (truth seq {truth_seq} → {moved[0]}, "
+            f"cache applied seq {state.applied_seq} → {moved[1]}): a node is writing, and "
+            "the differences above may be its writes in flight; check again while no "
+            "claims come in"
+        )
+    return CheckReport(differences, bad, count, unbuilt, notes=notes, inconclusive=inconclusive)
+
+
+def _caught_up(
+    live: cache.CacheStore, source: truth.TruthStore, state: cache.State, truth_seq: int
+) -> list[str]:
+    """Apply to the cache's copy what the node had not applied when it was taken (as the node
+    does: `cache_catcher`), replans to their end; what that was, in notes."""
+    notes = []
+    if state.applied_seq < truth_seq:
+        notes.append(
+            f"the cache was {truth_seq - state.applied_seq} change(s) behind the truth (applied "
+            f"seq {state.applied_seq}, truth seq {truth_seq}: a node applying them, or one "
+            "stopped before it did, which applies them at its next start): compared once "
+            "applied to a copy"
+        )
+    if state.replans:
+        notes.append(
+            f"the records of {state.replans} blocked or re-weighed signer(s) were being "
+            "recomputed: compared once recomputed in a copy"
+        )
+    _catch_up(live, source)
+    return notes
+
+
+def _live_notes(state: cache.State, truth_seq: int) -> list[str]:
+    """What keeps the live cache of `_check_live` from equalling a rebuild without damage:
+    the truth's last changes not applied yet (then it is not compared: a difference for
+    every record they touch), a replan under way (compared, its records among the
+    differences)."""
+    if state.applied_seq < truth_seq:
+        return [behind_note(state.applied_seq, truth_seq)]
+    notes = []
+    if state.applied_seq != truth_seq:
+        notes.append(f"cache applied seq {state.applied_seq} != truth seq {truth_seq}")
+    if replans := state.replans:
+        notes.append(
+            f"the records of {replans} blocked or re-weighed signer(s) are still being "
+            "recomputed (the differences below include them): run `metanode serve` until "
+            "/health shows replans 0, then check again"
+        )
+    return notes
+
+
+def _verify_all(source: truth.TruthStore) -> tuple[list[str], int]:
+    """Every stored claim's signature verified again: (those that fail, how many were read)."""
+    bad, count = [], 0
+    for claim in source.claims():
+        count += 1
+        try:
+            claims.verify(claim)
+        except BadSignature:
+            bad.append(f"{claim.uid} {claim.cid} {claim.key}")
+    return bad, count
 
 
 def behind_note(applied_seq: int, truth_seq: int) -> str:
@@ -934,16 +1074,18 @@ def cache_catcher(
     makes: a long import calls it after every chunk, so no one transaction holds a whole file's
     changes."""
     with cache.CacheStore.configured(settings) as store:
+        yield functools.partial(_catch_up, store, source)
 
-        def catch_up() -> cache.State:
-            if cache_needs_build(store.state(), source):
-                return store.build_sync(source)
-            state = store.apply_sync(source)
-            while state.replans:  # no server to take the steps later: all of them now
-                state = store.apply_sync(source)
-            return state
 
-        yield catch_up
+def _catch_up(store: cache.CacheStore, source: truth.TruthStore) -> cache.State:
+    """`store` brought up to `source`: built if only a build can, else its outbox applied and
+    every replan step taken (no server to take them later)."""
+    if cache_needs_build(store.state(), source):
+        return store.build_sync(source)
+    state = store.apply_sync(source)
+    while state.replans:
+        state = store.apply_sync(source)
+    return state
 
 
 def catch_up_cache(settings: Settings) -> cache.State:
