@@ -30,6 +30,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import errno
+import fcntl
 import functools
 import logging
 import os
@@ -40,7 +41,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager, suppress
+from contextlib import AbstractContextManager, closing, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, ParamSpec, Protocol, Self, TypeVar
@@ -186,9 +187,71 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     if kind is None:
         return None
     hint = CORRUPT_HINT if kind is StorageCorrupt else ""
+    if kind is StorageLocked and isinstance(where, Path) and (who := holder(where)):
+        hint = f"; {who} holds it: wait for it to end, or stop it (Ctrl-C rolls it back)"
     if name.startswith("SQLITE_CANTOPEN") and (code := out_of_files()) is not None:
         kind, hint = OutOfFiles, f" ({os.strerror(code)}){out_of_files_hint(code)}"
     return kind(f"{FAILED}{f'{where}: ' if where else ''}{exc} ({name}){hint}")
+
+
+HOLDER_SUFFIX = "-holder"  # beside a database: who holds its write lock for long (`Holding`)
+
+
+class Holding:
+    """The marker `<database>-holder`, naming who holds the database's write lock for long
+    (`metanode rebuild-cache`: one transaction, 30 s on a large box), `flock`ed while it does:
+    a `storage_locked` met meanwhile names it (`holder`), where it said only `database is
+    locked` after the 30 s of `BUSY_TIMEOUT_MS`; a second holder is refused at once. The
+    kernel drops the lock with the process, however it ends: a marker a killed one left
+    names no one."""
+
+    def __init__(self, path: Path, who: str) -> None:
+        self.marker = marker_of(path)
+        self.path = path
+        self.who = who
+        self._fd: int | None = None
+
+    def __enter__(self) -> Self:
+        with storage_errors(self.marker):
+            fd = os.open(self.marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StorageLocked(
+                f"{FAILED}{self.path}: {holder(self.path) or 'another process'} holds it: wait "
+                "for it to end, or stop it (Ctrl-C rolls it back)"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, self.who.encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._fd is not None
+        self.marker.unlink(missing_ok=True)
+        os.close(self._fd)  # the lock goes with the descriptor
+
+
+def marker_of(path: Path) -> Path:
+    """`Holding`'s marker of the database at `path`."""
+    return path.with_name(path.name + HOLDER_SUFFIX)
+
+
+def holder(path: Path) -> str | None:
+    """Who `Holding` says holds the database at `path` now, or None (no marker, or one whose
+    process has ended)."""
+    try:
+        fd = os.open(marker_of(path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None  # no one holds it
+    except BlockingIOError:
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)
 
 
 CORRUPT_HINT = (
@@ -575,6 +638,15 @@ RESTORE_REMEDY = (
 )
 
 
+def current(conn: sqlite3.Connection, newest: int, where: Target | str) -> bool:
+    """Whether the SQLite database of `conn` is of schema `newest` already, read without the
+    write lock that `migrate`'s transaction takes: every command opening a store migrated it
+    so, and waited for a `rebuild-cache` beside it, `storage_locked` after 30 s (`check`,
+    `export`, `signers`)."""
+    with storage_errors(where if isinstance(where, Path) else None):
+        return int(conn.execute("PRAGMA user_version").fetchone()[0]) == newest
+
+
 def migrate(
     conn: Connection,
     migrations: Sequence[Migration],
@@ -618,6 +690,8 @@ def migrate(
             conn.execute(f"PRAGMA user_version={number}")
         return version
 
+    if isinstance(conn, sqlite3.Connection) and current(conn, len(migrations), where):
+        return len(migrations)  # no write lock: a rebuild holding it made every command wait
     try:
         before = run_txn(conn, txn, where=None if isinstance(where, str) else where)
     except StorageError as exc:
@@ -1325,6 +1399,15 @@ class Store:
             with storage_errors(self.path):
                 self._pool = pg.Pool(self.path)
         return self
+
+    def held(self, who: str) -> AbstractContextManager[object]:
+        """Say, while the block runs, that `who` holds this store's write lock for long
+        (`Holding`; on PostgreSQL nothing: its lock waits name no file)."""
+        return Holding(self.path, who) if isinstance(self.path, Path) else nullcontext()
+
+    def holder(self) -> str | None:
+        """Who `held` says holds this store now (`holder`), or None."""
+        return holder(self.path) if isinstance(self.path, Path) else None
 
     def snapshot_to(self, copy: Path) -> None:
         """An online, consistent copy of this SQLite database into `copy` (not checked: for

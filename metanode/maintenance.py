@@ -322,8 +322,17 @@ def rebuild_cache(settings: Settings, *, locked: bool = False) -> Rebuilt:
     if damage is not None:
         with contextlib.nullcontext() if locked else datadir.Lock(settings.data_dir):
             aside = _move_aside(settings.data_dir, CACHE_FILES)
-    with truth_store(settings) as source, cache.CacheStore.configured(settings) as store:
+    with (
+        truth_store(settings) as source,
+        cache.CacheStore.configured(settings) as store,
+        store.held(f"`metanode rebuild-cache` (pid {os.getpid()}, since {_clock_time()})"),
+    ):
         return Rebuilt(store.build_sync(source), damage, aside)
+
+
+def _clock_time() -> str:
+    """Now, as a person reads it in a message: `2026-12-08 00:41:07 UTC`."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
 
 @dataclass(frozen=True)
@@ -389,9 +398,15 @@ def check(settings: Settings, scratch: Path) -> CheckReport:
     if damaged := damaged_files(settings):
         return CheckReport([], [], 0, damaged=damaged)
     open_store(settings)  # a schema too new refused naming the live file, as a start does
-    if settings.postgresql:
-        return _check_live(settings, scratch)
-    return _check_copies(settings, scratch)
+    rebuilding = cache.CacheStore.configured(settings).holder()
+    report = (_check_live if settings.postgresql else _check_copies)(settings, scratch)
+    if rebuilding is None:
+        return report
+    said = (
+        f"{rebuilding} is rebuilding cache.db: this compared the cache as it was before that "
+        "rebuild, which replaces it when it ends; check again then"
+    )
+    return dataclasses.replace(report, notes=[*report.notes, said])
 
 
 def _check_copies(settings: Settings, scratch: Path) -> CheckReport:

@@ -743,6 +743,65 @@ def test_check_beside_a_node_under_load_is_clean_and_still_finds_damage(
     assert len(lines) == 3 + sum(line.startswith("note: ") for line in lines), damaged.stdout
 
 
+def write_locked(path: Path) -> bool | None:
+    """True once another connection holds the write lock of the SQLite database `path`."""
+    with contextlib.closing(sqlite3.connect(path, timeout=0, isolation_level=None)) as conn:
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError:
+            return True
+        conn.execute("ROLLBACK")
+        return None
+
+
+def test_check_beside_a_rebuild_says_so_and_a_second_rebuild_names_the_first(
+    tmp_path: Path,
+) -> None:
+    """A `check` beside a `rebuild-cache` waited for the rebuild's transaction (its store's
+    migration took the write lock even with nothing to migrate) and, after SQLite's 30 s,
+    said `storage_locked: … cache.db: database is locked`, naming no rebuild (33 s, exit 2,
+    the rebuild held mid-way). Now it takes no write lock, compares the cache as committed,
+    and says a rebuild is under way; a second `rebuild-cache` is refused at once naming the
+    first (its pid), from the marker the first holds (`cache.db-holder`). The rebuild is held
+    mid-transaction by SIGSTOP, so nothing here depends on how long it takes."""
+    data = tmp_path / "data"
+    cli("init", "--data-dir", str(data))
+    signer = Signer()
+    items = [(cids.midhash_bytes(b"%d" % n), "title", f"t{n}", NOW_MS) for n in range(10_000)]
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps(c) + "\n" for c in fast_claims(signer, items))
+    )
+    cli("import", str(tmp_path / "in.jsonl"), "--register-signers", "--data-dir", str(data))
+    rebuild = subprocess.Popen(
+        [sys.executable, "-m", "metanode", "rebuild-cache", "--data-dir", str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        poll(lambda: write_locked(data / "cache.db"), "the rebuild's transaction", timeout=60)
+        rebuild.send_signal(signal.SIGSTOP)
+        checked = metanode("check", "--data-dir", str(data))
+        second = metanode("rebuild-cache", "--data-dir", str(data))
+        assert write_locked(data / "cache.db"), "the rebuild was held in its transaction"
+    finally:
+        rebuild.send_signal(signal.SIGCONT)
+        out, err = rebuild.communicate(timeout=120)
+    assert rebuild.returncode == 0, out + err
+    holds = f"`metanode rebuild-cache` (pid {rebuild.pid}, since "
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    lines = checked.stdout.splitlines()
+    assert lines[-1] == "10000 claims verified; clean", checked.stdout
+    assert lines[0].startswith(f"note: {holds}") and "is rebuilding cache.db" in lines[0]
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert second.stderr.startswith(
+        f"error: storage_locked: the data directory failed: {data / 'cache.db'}: {holds}"
+    ), second.stderr
+    assert " holds it: wait for it to end, or stop it" in second.stderr
+    assert not (data / "cache.db-holder").exists()
+    assert cli("check", "--data-dir", str(data)).stdout == "10000 claims verified; clean\n"
+
+
 def test_restore_into_a_new_data_directory_replaces_nothing(tmp_path: Path) -> None:
     """A new machine: its data directory does not exist yet. The restore left an empty
     `replaced-<stamp>/` and said it held what it replaced."""
