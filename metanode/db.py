@@ -326,7 +326,11 @@ def connect(
 
 
 def connect_file(
-    path: Path, *, readonly: bool = False, new_pragmas: Sequence[str] = ()
+    path: Path,
+    *,
+    readonly: bool = False,
+    new_pragmas: Sequence[str] = (),
+    busy_ms: int = BUSY_TIMEOUT_MS,
 ) -> sqlite3.Connection:
     """A SQLite connection with the pragmas every metanode connection needs.
 
@@ -336,12 +340,18 @@ def connect_file(
     database file is created 0600 first: SQLite gives its `-wal` and `-shm` the same mode.
     `new_pragmas` run only when this call creates the database, before anything writes its
     header (the switch to WAL does): what only an empty file takes, such as `auto_vacuum`.
+    `busy_ms`: how long SQLite itself waits for a lock (`patiently` waits in Python instead).
     """
+    timeout = busy_ms / 1000
     with storage_errors(path):
         new = False
         if readonly:
             conn = sqlite3.connect(
-                _read_only(path), uri=True, isolation_level=None, check_same_thread=False
+                _read_only(path),
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=timeout,
             )
         else:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -349,14 +359,18 @@ def connect_file(
                 new = os.fstat(fd).st_size == 0
             finally:
                 os.close(fd)
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(
+                path, isolation_level=None, check_same_thread=False, timeout=timeout
+            )
         try:
             for pragma in new_pragmas if new else ():
                 conn.execute(pragma)
             if not readonly:
                 conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA busy_timeout={busy_ms}")  # before any that reads the file
             for pragma in PRAGMAS:
-                conn.execute(pragma)
+                if not pragma.startswith("PRAGMA busy_timeout="):
+                    conn.execute(pragma)
         except BaseException:
             conn.close()
             raise
@@ -392,15 +406,48 @@ async def connect_reader(target: Target) -> aiosqlite.Connection | pg.AsyncReade
     return conn
 
 
+BUSY_RETRY_S = 0.05  # how often `Patience` tries a locked database again
+
+
+class Patience:
+    """SQLite's busy wait (`BUSY_TIMEOUT_MS`) for a locked database, done in Python: SQLite
+    waits in C, where a Ctrl-C is not taken until the wait ends, so a `backup` waiting on a
+    locked truth.db (a migration, an exclusive lock) acted on it only after 30 s. Python's
+    sleep takes it at once; the deadline is SQLite's, and then it is `storage_locked`."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        self.deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+
+    def wait(self, attempt: Callable[[], T]) -> T:
+        """`attempt()`, tried again every `BUSY_RETRY_S` while it is `StorageLocked`."""
+        while True:
+            try:
+                return attempt()
+            except StorageLocked:
+                if time.monotonic() > self.deadline:
+                    raise
+            time.sleep(BUSY_RETRY_S)
+
+    def step(self, status: int, _remaining: int, _pages: int) -> None:
+        """The progress callback of `sqlite3.Connection.backup`, called after every step (a
+        Python call, where a pending Ctrl-C is raised, stopping the backup): a step that found
+        the database locked past the deadline is `storage_locked`."""
+        locked = status in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+        if locked and time.monotonic() > self.deadline:
+            raise StorageLocked(f"{FAILED}{self.where}: database is locked (SQLITE_BUSY)")
+
+
 def copy_database(source: Path, copy: Path, *, checked: bool = True) -> str:
     """An online copy of the database at `source` into the (existing, empty) file `copy`:
     consistent while others write, via SQLite's backup API in one step (the whole database
     as one read snapshot saw it). Returns the copy's `PRAGMA integrity_check` verdict ("ok"
     when it is sound; "ok" unchecked unless `checked`)."""
-    origin = connect_file(source, readonly=True)
+    patience = Patience(source)
+    origin = patience.wait(lambda: connect_file(source, readonly=True, busy_ms=0))
     dest = sqlite3.connect(copy)
     try:
-        origin.backup(dest)
+        origin.backup(dest, progress=patience.step, sleep=BUSY_RETRY_S)
         return str(dest.execute("PRAGMA integrity_check").fetchone()[0]) if checked else "ok"
     finally:
         dest.close()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -414,6 +415,58 @@ def test_a_backup_killed_mid_way_leaves_no_truth_copy_under_a_backup_name(tmp_pa
     restored = tmp_path / "restored"
     cli("restore", str(whole), "--data-dir", str(restored))
     assert (restored / "truth.db").is_file()
+
+
+@contextlib.contextmanager
+def truth_locked(data: Path) -> Iterator[None]:
+    """truth.db held under an exclusive lock (no reader gets in) for the block."""
+    lock = sqlite3.connect(data / "truth.db", isolation_level=None)
+    lock.execute("PRAGMA locking_mode=EXCLUSIVE")
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        yield
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+
+
+def backup_begun(into: Path) -> subprocess.Popen[str]:
+    """A `backup` into `into` whose copy has begun (its `.partial` made)."""
+    data = into.parent / "data"
+    backup = subprocess.Popen(
+        [sys.executable, "-m", "metanode", "backup", str(into), "--data-dir", str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    poll(lambda: True if into.is_dir() and any(into.iterdir()) else None, "the backup begun")
+    return backup
+
+
+def test_ctrl_c_stops_a_backup_waiting_on_a_locked_truth_at_once(tmp_path: Path) -> None:
+    """SQLite waits for a locked database in C (its busy timeout, 30 s), where a Ctrl-C is not
+    taken: a `backup` waiting on a locked truth.db exited 130 only 30 s after the SIGINT. Now
+    it waits in Python, which takes it at once: it exits before the busy timeout could have
+    ended, leaving nothing; and a backup whose truth is unlocked meanwhile still completes."""
+    data, into = tmp_path / "data", tmp_path / "bk"
+    cli("init", "--data-dir", str(data))
+    with truth_locked(data):
+        began = time.monotonic()
+        backup = backup_begun(into)
+        assert backup.poll() is None, "the backup did not wait for the locked truth"
+        backup.send_signal(signal.SIGINT)
+        # a bound on a hang, not a measurement: SQLite's own wait would have ended here
+        out, err = backup.communicate(
+            timeout=db.BUSY_TIMEOUT_MS / 1000 - (time.monotonic() - began)
+        )
+    assert backup.returncode == 130, out + err
+    assert err.splitlines()[-1] == "error: interrupted"
+    assert list(into.iterdir()) == []
+    with truth_locked(data):
+        waiting = backup_begun(into)
+    out, err = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, out + err
+    assert Path(out.strip()).is_file()
 
 
 def test_backup_copies_the_truth_as_it_is_and_a_newer_schema_is_refused_in_words(
