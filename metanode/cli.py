@@ -1360,6 +1360,9 @@ def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
     """
     settings = node_settings(config_file, data_dir)
     made = maintenance.backup(settings, Path(target))
+    if made.cleared:
+        cleared = ", ".join(path.name for path in made.cleared)
+        click.echo(f"removed what backups that did not finish left: {cleared}", err=True)
     click.echo(made.copy)
     if made.folders_damaged:
         click.echo(

@@ -14,6 +14,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import itertools
@@ -655,6 +656,8 @@ class BackedUp:
 
     copy: Path
     folders_damaged: str = ""
+    # what backups into the same folder that did not finish (killed) had left, removed now
+    cleared: list[Path] = field(default_factory=list)
 
 
 def backup(settings: Settings, target: Path) -> BackedUp:
@@ -670,31 +673,38 @@ def backup(settings: Settings, target: Path) -> BackedUp:
     (the keys keep theirs). The truth is copied as it is, never migrated first: the backup
     taken before an upgrade must still open in the version before."""
     target.mkdir(mode=datadir.DIR_MODE, parents=True, exist_ok=True)
-    copy, keys = _backup_names(target, "pgdump" if settings.postgresql else "db")
+    cleared = _clear_leftovers(target)
+    copy, keys, held = _backup_names(target, "pgdump" if settings.postgresql else "db")
     partial = _partial(copy)
     folders, names = _folders_beside(copy), _webdav_names_beside(copy)
+    try:
+        damaged = _copy_all(settings, partial, keys, folders, names)
+        partial.rename(copy)  # the last step: a truth-<stamp> file is a whole backup
+    except BaseException:  # all of it or nothing: never a truth copy without its keys
+        _gone(keys, folders, names, partial)  # the .partial last: it marks the rest a leftover
+        raise
+    finally:
+        os.close(held)  # its flock, after the rename: a `.partial` no backup holds is a leftover
+    return BackedUp(copy, damaged, cleared)
+
+
+def _copy_all(settings: Settings, partial: Path, keys: Path, folders: Path, names: Path) -> str:
+    """`backup`'s copies: the truth into `partial`, the keys, the folders chosen on the page,
+    the WebDAV names; why the folders' list was left out ("" when it was not: it is damaged)."""
+    _copy_truth_into(settings, partial)
+    if settings.keys_dir.is_dir():
+        shutil.copytree(settings.keys_dir, keys)
     damaged = ""
     try:
-        _copy_truth_into(settings, partial)
-        if settings.keys_dir.is_dir():
-            shutil.copytree(settings.keys_dir, keys)
-        try:
-            chosen = config.page_roots(settings.data_dir)
-        except WatchRootsDamaged as exc:  # a restore would refuse a copy of it
-            chosen, damaged = None, exc.message
-        if chosen is not None:
-            watchroots.write(folders, chosen)
-        kept = watchroots.read_names(settings.data_dir / watchroots.WEBDAV_NAMES)
-        if any(kept):
-            watchroots.write_names(names, *kept)
-    except BaseException:  # all of it or nothing: never a truth copy without its keys
-        partial.unlink(missing_ok=True)
-        shutil.rmtree(keys, ignore_errors=True)
-        folders.unlink(missing_ok=True)
-        names.unlink(missing_ok=True)
-        raise
-    partial.rename(copy)  # the last step: a truth-<stamp> file is a whole backup
-    return BackedUp(copy, damaged)
+        chosen = config.page_roots(settings.data_dir)
+    except WatchRootsDamaged as exc:  # a restore would refuse a copy of it
+        chosen, damaged = None, exc.message
+    if chosen is not None:
+        watchroots.write(folders, chosen)
+    kept = watchroots.read_names(settings.data_dir / watchroots.WEBDAV_NAMES)
+    if any(kept):
+        watchroots.write_names(names, *kept)
+    return damaged
 
 
 def _partial(copy: Path) -> Path:
@@ -704,25 +714,72 @@ def _partial(copy: Path) -> Path:
     return copy.with_name(copy.name + ".partial")
 
 
-def _backup_names(target: Path, suffix: str) -> tuple[Path, Path]:
+def _backup_names(target: Path, suffix: str) -> tuple[Path, Path, int]:
     """`truth-<UTC stamp>.<suffix>` and `keys-<stamp>` in `target`, none there before, nor a
     `.partial` of the first (made here, empty, 0600: the copy is written into it, and renamed
-    once whole): a second backup within the same second is `<stamp>-2`, and so on, past the
-    leftovers of one that was killed."""
+    once whole), and a descriptor of that `.partial` holding its `flock` (while the backup
+    runs: `_clear_leftovers` of another backup into the same folder leaves it be): a second
+    backup within the same second is `<stamp>-2`, and so on."""
     for tag in _stamps():
         copy, keys = target / f"truth-{tag}.{suffix}", target / f"keys-{tag}"
         if keys.exists() or copy.exists():
             continue
         try:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            os.close(os.open(_partial(copy), flags, datadir.FILE_MODE))
+            held = os.open(_partial(copy), flags, datadir.FILE_MODE)
         except FileExistsError:
             continue
-        if copy.exists():  # a backup of the same second renamed its copy in between
-            _partial(copy).unlink()
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if copy.exists() or not _still(_partial(copy), held):
+            # a backup of the same second renamed its copy in between, or another's
+            # `_clear_leftovers` took the `.partial` before its lock was held
+            _partial(copy).unlink(missing_ok=True)
+            os.close(held)
             continue
-        return copy, keys
+        return copy, keys, held
     raise AssertionError("_stamps never ends")
+
+
+def _still(path: Path, fd: int) -> bool:
+    """Whether `path` is still the file open as `fd` (not removed, nor replaced)."""
+    try:
+        return path.stat().st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _clear_leftovers(target: Path) -> list[Path]:
+    """Remove what backups into `target` that did not finish (SIGKILL, the OOM killer, a power
+    loss) left: each `truth-<stamp>.<db|pgdump>.partial` no running backup holds (its
+    `flock`, `_backup_names`), with what that backup made beside it, its copy never renamed
+    (`keys-<stamp>`, the folders' lists); what was removed. They were left for the user to
+    find and delete by hand, a `.partial` holding up to a whole truth.db each."""
+    removed: list[Path] = []
+    for partial in sorted(target.glob("truth-*.partial")):
+        if not _unheld(partial):
+            continue  # a backup running now
+        copy = partial.with_name(partial.name.removesuffix(".partial"))
+        beside = (target / f"keys-{_stamp_of(copy)}", _folders_beside(copy))
+        made = [] if copy.exists() else [*beside, _webdav_names_beside(copy)]
+        found = [path for path in (*made, partial) if path.exists()]
+        _gone(*found)
+        removed += found
+    return removed
+
+
+def _unheld(path: Path) -> bool:
+    """Whether no process holds `path`'s `flock` (one that held it and ended dropped it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -756,6 +813,11 @@ def restore(settings: Settings, backup: Path, keys_from: Path | None, keep_keys:
         )
     if not backup.is_file():
         raise FileFailed(f"{backup}: no such file (a truth-<stamp>.db that `backup` wrote)")
+    if backup.name.endswith(".partial"):  # whole or not, no backup finished with it
+        raise InvalidRequest(
+            f"{backup} is the copy of a backup that did not finish (killed mid-way): restore a "
+            "truth-<stamp>.db instead (the next `metanode backup` into that folder removes it)"
+        )
     if keep_keys and keys_from is not None:
         raise InvalidRequest("--keys names the keys to restore, --keep-keys keeps these: not both")
     if backup.resolve() == settings.truth_path.resolve():

@@ -350,14 +350,16 @@ def test_backup_names_within_one_second_never_meet(
     monkeypatch.setattr(time, "gmtime", lambda *_: still)
     (tmp_path / "keys-20261201T000624Z-3").mkdir()
     names = [maintenance._backup_names(tmp_path, "db") for _ in "123"]
-    assert [(copy.name, folder.name) for copy, folder in names] == [
+    for _, _, held in names:
+        os.close(held)
+    assert [(copy.name, folder.name) for copy, folder, _ in names] == [
         ("truth-20261201T000624Z.db", "keys-20261201T000624Z"),
         ("truth-20261201T000624Z-2.db", "keys-20261201T000624Z-2"),
         ("truth-20261201T000624Z-4.db", "keys-20261201T000624Z-4"),
     ]
-    reserved = [copy.with_name(copy.name + ".partial") for copy, _ in names]
+    reserved = [copy.with_name(copy.name + ".partial") for copy, _, _ in names]
     assert all(p.is_file() and p.stat().st_mode & 0o777 == 0o600 for p in reserved)
-    assert not any(copy.exists() for copy, _ in names)  # the name of a whole backup only
+    assert not any(copy.exists() for copy, _, _ in names)  # the name of a whole backup only
 
 
 def test_two_backups_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> None:
@@ -384,39 +386,6 @@ def test_two_backups_are_two_and_a_failed_one_leaves_nothing(tmp_path: Path) -> 
     assert list((tmp_path / "bad").iterdir()) == []
 
 
-def test_a_backup_killed_mid_way_leaves_no_truth_copy_under_a_backup_name(tmp_path: Path) -> None:
-    """`backup` wrote its copy under its final name, `truth-<stamp>.db`, from the start: killed
-    mid-way (SIGKILL, a power loss) it left an empty or half-written file that looked like the
-    newest backup (to `ls -t`, to a rotation script keeping the last N) and that `restore`
-    refused. Now the copy is written as `truth-<stamp>.db.partial` and renamed once whole.
-    Held here mid-way deterministically: the truth is locked, so the copy waits for it."""
-    data, into = tmp_path / "data", tmp_path / "bk"
-    cli("init", "--data-dir", str(data))
-    lock = sqlite3.connect(data / "truth.db", isolation_level=None)
-    lock.execute("PRAGMA locking_mode=EXCLUSIVE")
-    lock.execute("BEGIN EXCLUSIVE")
-    try:
-        backup = subprocess.Popen(
-            [sys.executable, "-m", "metanode", "backup", str(into), "--data-dir", str(data)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        poll(lambda: True if into.is_dir() and any(into.iterdir()) else None, "the backup begun")
-        assert backup.poll() is None, "the backup did not wait for the locked truth"
-        backup.kill()
-        backup.wait()
-    finally:
-        lock.execute("ROLLBACK")
-        lock.close()
-    left = sorted(p.name for p in into.iterdir())
-    assert left and all(name.endswith(".partial") for name in left), left
-    whole = Path(cli("backup", str(into), "--data-dir", str(data)).stdout.strip())
-    assert whole.is_file() and not whole.name.endswith(".partial")
-    restored = tmp_path / "restored"
-    cli("restore", str(whole), "--data-dir", str(restored))
-    assert (restored / "truth.db").is_file()
-
-
 @contextlib.contextmanager
 def truth_locked(data: Path) -> Iterator[None]:
     """truth.db held under an exclusive lock (no reader gets in) for the block."""
@@ -439,7 +408,7 @@ def backup_begun(into: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    poll(lambda: True if into.is_dir() and any(into.iterdir()) else None, "the backup begun")
+    poll(lambda: True if into.is_dir() and any(into.glob("*.partial")) else None, "a .partial")
     return backup
 
 
@@ -467,6 +436,65 @@ def test_ctrl_c_stops_a_backup_waiting_on_a_locked_truth_at_once(tmp_path: Path)
     out, err = waiting.communicate(timeout=120)
     assert waiting.returncode == 0, out + err
     assert Path(out.strip()).is_file()
+
+
+def test_a_killed_backup_leaves_no_backup_name_and_the_next_one_clears_what_it_left(
+    tmp_path: Path,
+) -> None:
+    """`backup` wrote its copy under its final name from the start: killed mid-way it left a
+    file that looked like the newest backup. Then it wrote `truth-<stamp>.db.partial`, renamed
+    once whole, but left that `.partial` (and the keys copied by then) to be deleted by hand,
+    and `restore` took a `.partial` that held a whole copy. Now a running backup holds its
+    `.partial` (`flock`), and the next backup into the folder removes every one no backup
+    holds, with what that backup made beside it; `restore` refuses any `.partial`. Held
+    mid-way deterministically: the truth is locked, so the copies wait for it."""
+    data, into = tmp_path / "data", tmp_path / "bk"
+    cli("init", "--data-dir", str(data))
+    kept = Path(cli("backup", str(into), "--data-dir", str(data)).stdout.strip())
+    partials = lambda: sorted(into.glob("*.partial"))  # noqa: E731
+    with truth_locked(data):
+        killed = backup_begun(into)
+        first = partials()
+        running = subprocess.Popen(
+            [sys.executable, "-m", "metanode", "backup", str(into), "--data-dir", str(data)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            poll(lambda: True if len(partials()) == 2 else None, "the second backup begun")
+            assert first[0] in partials(), "a running backup's .partial was taken"
+        finally:
+            killed.kill()
+            killed.communicate()
+            running.send_signal(signal.SIGINT)  # cleans up after itself (exit 130)
+            _, err = running.communicate(timeout=120)
+    assert running.returncode == 130, err
+    assert partials() == first  # the killed one's alone, left
+    # a backup killed after its keys were copied, made by hand: the same names
+    stamp = "20000101T000000Z"
+    shutil.copy(kept, into / f"truth-{stamp}.db.partial")  # whole, never renamed
+    shutil.copytree(data / "keys", into / f"keys-{stamp}")
+    (into / f"watched-folders-{stamp}.json").write_text("[]")
+    refused = metanode("restore", str(into / f"truth-{stamp}.db.partial"),
+                       "--data-dir", str(tmp_path / "restored"))  # fmt: skip
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("error: invalid_request: ") and (
+        "is the copy of a backup that did not finish (killed mid-way)" in refused.stderr
+    ), refused.stderr
+    assert not (tmp_path / "restored").exists()
+    done = cli("backup", str(into), "--data-dir", str(data))
+    whole = Path(done.stdout.strip())
+    removed = sorted([first[0].name, f"truth-{stamp}.db.partial", f"keys-{stamp}",
+                      f"watched-folders-{stamp}.json"])  # fmt: skip
+    said = done.stderr.strip().removeprefix("removed what backups that did not finish left: ")
+    assert sorted(said.split(", ")) == removed, done.stderr
+    stamps = [kept.name.removesuffix(".db"), whole.name.removesuffix(".db")]
+    assert sorted(p.name for p in into.iterdir()) == sorted(
+        [*(f"{t}.db" for t in stamps), *(t.replace("truth-", "keys-") for t in stamps)]
+    )
+    cli("restore", str(whole), "--data-dir", str(tmp_path / "restored"))
+    assert (tmp_path / "restored" / "truth.db").is_file()
 
 
 def test_backup_copies_the_truth_as_it_is_and_a_newer_schema_is_refused_in_words(
