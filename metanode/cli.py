@@ -147,10 +147,13 @@ class Metanode(click.Group):
             sys.exit(INTERRUPTED)
 
 
+CHECK_INCONCLUSIVE = 3  # `check` reached no verdict: a node wrote while it compared
 EXIT_CODES = (
     "Exit codes: 0 done; 1 a verdict failed (claim verify, check, health degraded) or the "
     "reader of stdout went away (`| head`); 2 bad input or a refusal, said on stderr as "
-    "`error: <slug>: <message>`; 130 interrupted (Ctrl-C). Each command's --help says the rest."
+    "`error: <slug>: <message>`; 3 `check` reached no verdict (on PostgreSQL, a node wrote "
+    "while it compared: run it again); 130 interrupted (Ctrl-C). Each command's --help says "
+    "the rest."
 )
 
 
@@ -1260,7 +1263,9 @@ def _rebuild_progress(node_client: NodeClient) -> Any:
 def check(config_file: str | None, data_dir: str | None) -> None:
     """Compare the live cache with a fresh rebuild and re-verify every stored signature.
 
-    Exits 1 and prints each difference if anything disagrees.
+    Exits 1 and prints each difference if anything disagrees. Beside a running node it
+    compares copies of both stores taken at one moment (SQLite; on PostgreSQL a node writing
+    meanwhile makes it say INCONCLUSIVE, exit 3: run it again).
     """
     settings = node_settings(config_file, data_dir)
     with tempfile.TemporaryDirectory() as scratch:
@@ -1276,13 +1281,13 @@ def _report_check(report: maintenance.CheckReport) -> None:
         sys.exit(1)
     for line in report.differences + [f"bad signature: {b}" for b in report.bad_signatures]:
         click.echo(line)
+    for line in [*report.notes, *([report.inconclusive] if report.inconclusive else [])]:
+        click.echo(f"note: {line}")
     if report.unbuilt:  # after `restore`: a list of every record "missing" said nothing true
         click.echo("the cache is not built yet (the next start builds it): not compared")
-    click.echo(
-        f"{report.claims_checked} claims verified; {'clean' if report.clean else 'MISMATCH'}"
-    )
-    if not report.clean:
-        sys.exit(1)
+    click.echo(f"{report.claims_checked} claims verified; {report.verdict}")
+    if report.verdict != "clean":
+        sys.exit(CHECK_INCONCLUSIVE if report.verdict == "INCONCLUSIVE" else 1)
 
 
 @main.command("migrate-storage")
@@ -1401,6 +1406,9 @@ def backup(target: str, config_file: str | None, data_dir: str | None) -> None:
     """
     settings = node_settings(config_file, data_dir)
     made = maintenance.backup(settings, Path(target))
+    if made.cleared:
+        cleared = ", ".join(path.name for path in made.cleared)
+        click.echo(f"removed what backups that did not finish left: {cleared}", err=True)
     click.echo(made.copy)
     if made.folders_damaged:
         click.echo(

@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import errno
+import fcntl
 import functools
 import logging
 import os
@@ -41,7 +42,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import closing, contextmanager, suppress
+from contextlib import AbstractContextManager, closing, contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, ParamSpec, Protocol, Self, TypeVar
@@ -187,9 +188,75 @@ def storage_error(exc: BaseException, where: object = None) -> StorageError | No
     if kind is None:
         return None
     hint = CORRUPT_HINT if kind is StorageCorrupt else ""
+    if kind is StorageLocked and isinstance(where, Path) and (who := holder(where)):
+        hint = f"; {who} holds it: wait for it to end, or stop it (Ctrl-C rolls it back)"
     if name.startswith("SQLITE_CANTOPEN") and (code := out_of_files()) is not None:
         kind, hint = OutOfFiles, f" ({os.strerror(code)}){out_of_files_hint(code)}"
     return kind(f"{FAILED}{f'{where}: ' if where else ''}{exc} ({name}){hint}")
+
+
+HOLDER_SUFFIX = "-holder"  # beside a database: who holds its write lock for long (`Holding`)
+
+
+class Holding:
+    """The marker `<database>-holder`, naming who holds the database's write lock for long
+    (`metanode rebuild-cache`: one transaction, 30 s on a large box), `flock`ed while it does:
+    a `storage_locked` met meanwhile names it (`holder`), where it said only `database is
+    locked` after the 30 s of `BUSY_TIMEOUT_MS`; a second holder is refused at once. The
+    kernel drops the lock with the process, however it ends: a marker a killed one left
+    names no one."""
+
+    def __init__(self, path: Path, who: str) -> None:
+        self.marker = marker_of(path)
+        self.path = path
+        self.who = who
+        self._fd: int | None = None
+
+    def __enter__(self) -> Self:
+        with storage_errors(self.marker):
+            fd = os.open(self.marker, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise held_by(self.path, holder(self.path) or "another process") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, self.who.encode())
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._fd is not None
+        self.marker.unlink(missing_ok=True)
+        os.close(self._fd)  # the lock goes with the descriptor
+
+
+def held_by(path: Path, who: str) -> StorageLocked:
+    """The `storage_locked` of the database at `path` while `who` holds it (`Holding`)."""
+    return StorageLocked(
+        f"{FAILED}{path}: {who} holds it: wait for it to end, or stop it (Ctrl-C rolls it back)"
+    )
+
+
+def marker_of(path: Path) -> Path:
+    """`Holding`'s marker of the database at `path`."""
+    return path.with_name(path.name + HOLDER_SUFFIX)
+
+
+def holder(path: Path) -> str | None:
+    """Who `Holding` says holds the database at `path` now, or None (no marker, or one whose
+    process has ended)."""
+    try:
+        fd = os.open(marker_of(path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None  # no one holds it
+    except BlockingIOError:
+        return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+    finally:
+        os.close(fd)
 
 
 CORRUPT_HINT = (
@@ -264,7 +331,11 @@ def connect(
 
 
 def connect_file(
-    path: Path, *, readonly: bool = False, new_pragmas: Sequence[str] = ()
+    path: Path,
+    *,
+    readonly: bool = False,
+    new_pragmas: Sequence[str] = (),
+    busy_ms: int = BUSY_TIMEOUT_MS,
 ) -> sqlite3.Connection:
     """A SQLite connection with the pragmas every metanode connection needs.
 
@@ -274,12 +345,18 @@ def connect_file(
     database file is created 0600 first: SQLite gives its `-wal` and `-shm` the same mode.
     `new_pragmas` run only when this call creates the database, before anything writes its
     header (the switch to WAL does): what only an empty file takes, such as `auto_vacuum`.
+    `busy_ms`: how long SQLite itself waits for a lock (`patiently` waits in Python instead).
     """
+    timeout = busy_ms / 1000
     with storage_errors(path):
         new = False
         if readonly:
             conn = sqlite3.connect(
-                _read_only(path), uri=True, isolation_level=None, check_same_thread=False
+                _read_only(path),
+                uri=True,
+                isolation_level=None,
+                check_same_thread=False,
+                timeout=timeout,
             )
         else:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -287,14 +364,18 @@ def connect_file(
                 new = os.fstat(fd).st_size == 0
             finally:
                 os.close(fd)
-            conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(
+                path, isolation_level=None, check_same_thread=False, timeout=timeout
+            )
         try:
             for pragma in new_pragmas if new else ():
                 conn.execute(pragma)
             if not readonly:
                 conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute(f"PRAGMA busy_timeout={busy_ms}")  # before any that reads the file
             for pragma in PRAGMAS:
-                conn.execute(pragma)
+                if not pragma.startswith("PRAGMA busy_timeout="):
+                    conn.execute(pragma)
         except BaseException:
             conn.close()
             raise
@@ -330,15 +411,49 @@ async def connect_reader(target: Target) -> aiosqlite.Connection | pg.AsyncReade
     return conn
 
 
-def copy_database(source: Path, copy: Path) -> str:
+BUSY_RETRY_S = 0.05  # how often `Patience` tries a locked database again
+
+
+class Patience:
+    """SQLite's busy wait (`BUSY_TIMEOUT_MS`) for a locked database, done in Python: SQLite
+    waits in C, where a Ctrl-C is not taken until the wait ends, so a `backup` waiting on a
+    locked truth.db (a migration, an exclusive lock) acted on it only after 30 s. Python's
+    sleep takes it at once; the deadline is SQLite's, and then it is `storage_locked`."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        self.deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+
+    def wait(self, attempt: Callable[[], T]) -> T:
+        """`attempt()`, tried again every `BUSY_RETRY_S` while it is `StorageLocked`."""
+        while True:
+            try:
+                return attempt()
+            except StorageLocked:
+                if time.monotonic() > self.deadline:
+                    raise
+            time.sleep(BUSY_RETRY_S)
+
+    def step(self, status: int, _remaining: int, _pages: int) -> None:
+        """The progress callback of `sqlite3.Connection.backup`, called after every step (a
+        Python call, where a pending Ctrl-C is raised, stopping the backup): a step that found
+        the database locked past the deadline is `storage_locked`."""
+        locked = status in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+        if locked and time.monotonic() > self.deadline:
+            raise StorageLocked(f"{FAILED}{self.where}: database is locked (SQLITE_BUSY)")
+
+
+def copy_database(source: Path, copy: Path, *, checked: bool = True) -> str:
     """An online copy of the database at `source` into the (existing, empty) file `copy`:
-    consistent while others write, via SQLite's backup API. Returns the copy's
-    `PRAGMA integrity_check` verdict ("ok" when it is sound)."""
-    origin = connect_file(source, readonly=True)
+    consistent while others write, via SQLite's backup API in one step (the whole database
+    as one read snapshot saw it). Returns the copy's `PRAGMA integrity_check` verdict ("ok"
+    when it is sound; "ok" unchecked unless `checked`)."""
+    patience = Patience(source)
+    origin = patience.wait(lambda: connect_file(source, readonly=True, busy_ms=0))
     dest = sqlite3.connect(copy)
     try:
-        origin.backup(dest)
-        return str(dest.execute("PRAGMA integrity_check").fetchone()[0])
+        origin.backup(dest, progress=patience.step, sleep=BUSY_RETRY_S)
+        return str(dest.execute("PRAGMA integrity_check").fetchone()[0]) if checked else "ok"
     finally:
         dest.close()
         origin.close()
@@ -575,6 +690,15 @@ RESTORE_REMEDY = (
 )
 
 
+def current(conn: sqlite3.Connection, newest: int, where: Target | str) -> bool:
+    """Whether the SQLite database of `conn` is of schema `newest` already, read without the
+    write lock that `migrate`'s transaction takes: every command opening a store migrated it
+    so, and waited for a `rebuild-cache` beside it, `storage_locked` after 30 s (`check`,
+    `export`, `signers`)."""
+    with storage_errors(where if isinstance(where, Path) else None):
+        return int(conn.execute("PRAGMA user_version").fetchone()[0]) == newest
+
+
 def migrate(
     conn: Connection,
     migrations: Sequence[Migration],
@@ -618,6 +742,8 @@ def migrate(
             conn.execute(f"PRAGMA user_version={number}")
         return version
 
+    if isinstance(conn, sqlite3.Connection) and current(conn, len(migrations), where):
+        return len(migrations)  # no write lock: a rebuild holding it made every command wait
     try:
         before = run_txn(conn, txn, where=None if isinstance(where, str) else where)
     except StorageError as exc:
@@ -1375,6 +1501,24 @@ class Store:
             with storage_errors(self.path):
                 self._pool = pg.Pool(self.path)
         return self
+
+    def held(self, who: str) -> AbstractContextManager[object]:
+        """Say, while the block runs, that `who` holds this store's write lock for long
+        (`Holding`; on PostgreSQL nothing: its lock waits name no file)."""
+        return Holding(self.path, who) if isinstance(self.path, Path) else nullcontext()
+
+    def holder(self) -> str | None:
+        """Who `held` says holds this store now (`holder`), or None."""
+        return holder(self.path) if isinstance(self.path, Path) else None
+
+    def snapshot_to(self, copy: Path) -> None:
+        """An online, consistent copy of this SQLite database into `copy` (not checked: for
+        `check`, which reads its stores whole for damage first and compares copies of both,
+        each one snapshot, taken in the order the node commits them: the cache's, then the
+        truth's). The store need not be open."""
+        assert isinstance(self.path, Path), "a SQLite store is copied"
+        with storage_errors(self.path):
+            copy_database(self.path, copy, checked=False)
 
     def _writer_pragmas(self) -> Sequence[str]:
         """Pragmas of the writer's connection beyond `PRAGMAS` (`CacheStore`'s relaxed
