@@ -74,19 +74,29 @@ def test_processes_creating_one_key_at_once_make_exactly_one(tmp_path: Path) -> 
         assert leftovers(path.parent) == []
 
 
-def test_keygen_run_at_once_makes_one_key_and_refuses_the_others(tmp_path: Path) -> None:
-    """Two people (or two scripts) running `metanode keygen --out` on one file at once."""
-    path = tmp_path / "me.key"
+def at_once(arguments: list[str], count: int) -> list[tuple[int, str, str]]:
+    """`metanode <arguments>` started `count` times at once: each one's (exit code, stdout,
+    stderr)."""
     runs = [
         subprocess.Popen(
-            [sys.executable, "-m", "metanode", "keygen", "--out", str(path)],
+            [sys.executable, "-m", "metanode", *arguments],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(PROCESSES)
+        for _ in range(count)
     ]
-    said = [(run.wait(), *run.communicate()) for run in runs]
+    said = []
+    for run in runs:
+        out, err = run.communicate()
+        said.append((run.returncode, out, err))
+    return said
+
+
+def test_keygen_run_at_once_makes_one_key_and_refuses_the_others(tmp_path: Path) -> None:
+    """Two people (or two scripts) running `metanode keygen --out` on one file at once."""
+    path = tmp_path / "me.key"
+    said = at_once(["keygen", "--out", str(path)], PROCESSES)
     made = [out.strip() for code, out, _ in said if code == 0]
     assert made == [keys.uid_of_key(keys.load(path))], said
     refusals = [err for code, _, err in said if code != 0]
@@ -101,16 +111,7 @@ def test_init_run_at_once_gives_one_owner_and_one_token(tmp_path: Path) -> None:
     """`metanode init` twice at once on a new data directory (a container's entrypoint and a
     person): one of four failed `file_failed: …/keys/owner.key: File exists` before."""
     data = tmp_path / "data"
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "metanode", "init", "--data-dir", str(data)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(4)
-    ]
-    said = [(run.wait(), *run.communicate()) for run in runs]
+    said = at_once(["init", "--data-dir", str(data)], 4)
     assert [code for code, _, _ in said] == [0] * 4, said
     owner = keys.uid_of_key(keys.load(data / "keys" / "owner.key"))
     assert all(f"owner key: {owner} " in out for _, out, _ in said), said
