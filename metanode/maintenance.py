@@ -30,7 +30,7 @@ from typing import Any
 from metanode import cache, claims, config, datadir, db, keys, truth, watchroots
 from metanode import rid as rids
 from metanode.applier import cache_needs_build
-from metanode.clock import now_ms
+from metanode.clock import iso, now_ms
 from metanode.config import Settings
 from metanode.errors import (
     BadSignature,
@@ -337,14 +337,9 @@ def rebuild_cache(settings: Settings, *, locked: bool = False) -> Rebuilt:
         with (
             truth_store(settings) as source,
             cache.CacheStore.configured(settings) as store,
-            store.held(f"`metanode rebuild-cache` (pid {os.getpid()}, since {_clock_time()})"),
+            store.held(f"`metanode rebuild-cache` (pid {os.getpid()}, since {iso(now_ms())})"),
         ):
             return Rebuilt(store.build_sync(source), damage, aside)
-
-
-def _clock_time() -> str:
-    """Now, as a person reads it in a message: `2026-12-08 00:41:07 UTC`."""
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
 
 @dataclass(frozen=True)
